@@ -1,0 +1,136 @@
+"""Parallel configuration: the explicit, immutable analog of Paddle's ``MpConfig``.
+
+A :class:`ParallelConfig` is passed to every parallel layer (and from there to the
+functional ops). There are no environment flags and no global state: two layers in one
+model may use different configurations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ParallelConfig"]
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _canonical_dtype(name: str, value: Any) -> np.dtype | None:
+    """Turn ``value`` (None, a dtype, or a dtype name such as ``"float32"``) into a dtype."""
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(
+            f"ParallelConfig.{name}={value!r} is not a dtype; use None or one of "
+            f"{', '.join(_FLOAT_DTYPES)} (e.g. jnp.float32)."
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"ParallelConfig.{name}={value!r} must be a floating dtype; use None or one of "
+            f"{', '.join(_FLOAT_DTYPES)}."
+        )
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How a parallel layer maps onto the device mesh.
+
+    Attributes:
+      tensor_axis: mesh axis used for tensor parallelism. In sequence-parallel regions the
+        activations are also sharded along the sequence dimension on this axis.
+      data_axis: mesh axis (or tuple of axes) the batch dimension is sharded over; ``None``
+        keeps the batch replicated.
+      recompute_allgather: sequence-parallel column layers keep only the local sequence
+        shard of their input for the backward pass and all-gather it again there, instead
+        of keeping the gathered ``[batch, seq, features]`` input alive between forward and
+        backward (saves ``(t - 1) / t`` of that activation per layer).
+      wgrad_dtype: dtype in which weight (and bias) gradients are accumulated. ``None``
+        follows plain autodiff: the gradient is computed at the compute dtype's precision
+        and returned in the parameter dtype. With bf16 compute and ``jnp.float32`` the
+        weight gradient is computed from the bf16 operands straight into fp32 (the analog
+        of Paddle's ``mp_fused_linear_param_grad_add`` / Megatron's
+        ``gradient_accumulation_fusion``), with no intermediate bf16 rounding.
+    """
+
+    tensor_axis: str = "tensor"
+    data_axis: str | tuple[str, ...] | None = "data"
+    recompute_allgather: bool = False
+    wgrad_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
+            raise TypeError(
+                f"ParallelConfig.tensor_axis={self.tensor_axis!r} must be a non-empty mesh "
+                "axis name (str), e.g. 'tensor'."
+            )
+        data_axis = self.data_axis
+        if isinstance(data_axis, list):
+            data_axis = tuple(data_axis)
+        if data_axis is not None:
+            names = (data_axis,) if isinstance(data_axis, str) else data_axis
+            if (
+                not isinstance(names, tuple)
+                or not names
+                or not all(isinstance(n, str) and n for n in names)
+            ):
+                raise TypeError(
+                    f"ParallelConfig.data_axis={self.data_axis!r} must be None, a mesh axis "
+                    "name (str) or a non-empty tuple of axis names."
+                )
+            if self.tensor_axis in names:
+                raise ValueError(
+                    f"ParallelConfig.data_axis={self.data_axis!r} contains the tensor axis "
+                    f"{self.tensor_axis!r}; the batch and the tensor-parallel dimension must "
+                    "use different mesh axes."
+                )
+            if len(set(names)) != len(names):
+                raise ValueError(
+                    f"ParallelConfig.data_axis={self.data_axis!r} repeats an axis name."
+                )
+        object.__setattr__(self, "data_axis", data_axis)
+        if not isinstance(self.recompute_allgather, (bool, np.bool_)):
+            raise TypeError(
+                f"ParallelConfig.recompute_allgather={self.recompute_allgather!r} must be "
+                "True or False."
+            )
+        object.__setattr__(self, "recompute_allgather", bool(self.recompute_allgather))
+        object.__setattr__(
+            self, "wgrad_dtype", _canonical_dtype("wgrad_dtype", self.wgrad_dtype)
+        )
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data axes as a tuple (empty when the batch is replicated)."""
+        if self.data_axis is None:
+            return ()
+        return (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
+
+    def replace(self, **changes: Any) -> ParallelConfig:
+        """Returns a copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ParallelConfig:
+        """Builds a config from a plain mapping (e.g. parsed YAML or CLI arguments).
+
+        Unknown keys are rejected with the list of valid ones; ``wgrad_dtype`` may be a
+        dtype name such as ``"float32"``.
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(
+                f"ParallelConfig.from_dict expects a mapping, got {type(d).__name__}."
+            )
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"Unknown ParallelConfig key(s) {unknown}; valid keys are {valid}."
+            )
+        return cls(**dict(d))

@@ -1,0 +1,77 @@
+"""Mesh look-up, validation and resharding shared by the parallel layers."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, PartitionSpec as P
+
+from sp_jax.config import ParallelConfig
+
+Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
+
+
+def current_mesh(config: ParallelConfig, *, where: str, required: bool = True) -> Mesh | None:
+    """The mesh set with ``jax.set_mesh``, checked against ``config``'s axis names.
+
+    Returns ``None`` when no mesh is set and ``required`` is false.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        if not required:
+            return None
+        raise ValueError(
+            f"{where} needs a device mesh, but none is set. Create one with "
+            "jax.make_mesh((data, tensor), ('data', 'tensor')) and call the layer inside "
+            "`with jax.set_mesh(mesh):`."
+        )
+    axes = tuple(mesh.axis_names)
+    if config.tensor_axis not in axes:
+        raise ValueError(
+            f"{where}: tensor axis {config.tensor_axis!r} (ParallelConfig.tensor_axis) is "
+            f"not in the mesh axes {axes}; name a mesh axis or build the mesh with it."
+        )
+    for name in config.data_axes:
+        if name not in axes:
+            raise ValueError(
+                f"{where}: data axis {name!r} (ParallelConfig.data_axis) is not in the mesh "
+                f"axes {axes}; pass ParallelConfig(data_axis=None) to replicate the batch, "
+                "or name one of the mesh axes."
+            )
+    return mesh
+
+
+def axis_size(mesh: Mesh, axes: str | tuple[str, ...]) -> int:
+    """Product of the sizes of mesh ``axes`` (1 for an empty tuple)."""
+    names = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def check_divisible(where: str, what: str, size: int, mesh: Mesh, axes, fix: str) -> None:
+    """Raises a ValueError when ``size`` does not split evenly over mesh ``axes``."""
+    n = axis_size(mesh, axes)
+    if size % n:
+        raise ValueError(
+            f"{where}: {what}={size} is not divisible by the size {n} of mesh axis "
+            f"{axes!r}; {fix}."
+        )
+
+
+def data_spec(config: ParallelConfig):
+    """The PartitionSpec entry for the batch dimension."""
+    axes = config.data_axes
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
+    """Moves ``x`` to ``spec`` on ``mesh``: ``jax.reshard`` on Explicit meshes.
+
+    On Auto meshes the layout is left to ``shard_map``, which reshards its arguments to
+    its ``in_specs`` (GSPMD inside ``jit``).
+    """
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.reshard(x, spec)
+    return x

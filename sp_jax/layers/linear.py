@@ -1,0 +1,329 @@
+"""Tensor- and sequence-parallel linear layers (Flax NNX) on global arrays.
+
+Every layer holds ``kernel`` ``[in_features, out_features]`` and ``bias``
+``[out_features]`` exactly like :class:`flax.nnx.Linear` (global shapes, same initialisers
+and the same order of rng draws), plus sharding metadata over the tensor axis. A layer is
+called on a global ``[batch, seq, features]`` :class:`jax.Array` under ``jax.set_mesh``;
+inside it, one :func:`jax.shard_map` runs the per-device computation from
+:mod:`sp_jax.ops`. Inputs with another sharding are resharded to the layout below.
+
+Layouts (``d`` = data axis, ``t`` = tensor axis of the :class:`~sp_jax.ParallelConfig`):
+
+================================  =================  =================  ===============
+layer                             input              output             kernel
+================================  =================  =================  ===============
+ColumnParallelLinear              ``P(d, None, None)``  ``P(d, None, t)`` ``P(None, t)``
+  ``gather_output=True``          ``P(d, None, None)``  ``P(d, None, None)``
+RowParallelLinear                 ``P(d, None, t)``  ``P(d, None, None)``  ``P(t, None)``
+  ``input_is_parallel=False``     ``P(d, None, None)``
+ColumnSequenceParallelLinear      ``P(d, t, None)``  ``P(d, None, t)``  ``P(None, t)``
+RowSequenceParallelLinear         ``P(d, None, t)``  ``P(d, t, None)``  ``P(t, None)``
+================================  =================  =================  ===============
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import initializers
+from jax.sharding import PartitionSpec as P
+
+from sp_jax import ops
+from sp_jax.config import ParallelConfig
+from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, data_spec, reshard
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ColumnSequenceParallelLinear",
+    "RowSequenceParallelLinear",
+]
+
+default_kernel_init = initializers.lecun_normal()
+default_bias_init = initializers.zeros_init()
+
+Initializer = Callable[..., jax.Array]
+
+
+class _ParallelLinear(nnx.Module):
+    """Parameters, validation and the shard_map call shared by the four layers.
+
+    Subclasses set ``_split_in`` (row layers: the kernel's input dimension is sharded;
+    column layers: its output dimension) and ``_sequence_parallel``, and implement
+    ``_specs`` and ``_local``.
+    """
+
+    _split_in: bool = False
+    _sequence_parallel: bool = False
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        config: ParallelConfig = ParallelConfig(),
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        rngs: nnx.Rngs,
+    ):
+        name = type(self).__name__
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: {arg}={value!r} must be a positive int.")
+        if not isinstance(config, ParallelConfig):
+            raise TypeError(
+                f"{name}: config={config!r} must be a sp_jax.ParallelConfig "
+                "(use ParallelConfig.from_dict for a plain dict)."
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        mesh = current_mesh(config, where=name, required=False)
+        if mesh is not None:
+            self._check_features(mesh)
+        t = config.tensor_axis
+        kernel_axes = (t, None) if self._split_in else (None, t)
+        bias_axes = (None,) if self._split_in else (t,)
+        # Same rng draws as nnx.Linear, so equal seeds give equal weights.
+        kernel_key = rngs.params()
+        self.kernel = nnx.Param(
+            kernel_init(kernel_key, (in_features, out_features), param_dtype),
+            out_sharding=kernel_axes,
+            eager_sharding=mesh is not None,
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            bias_key = rngs.params()
+            self.bias = nnx.Param(
+                bias_init(bias_key, (out_features,), param_dtype),
+                out_sharding=bias_axes,
+                eager_sharding=mesh is not None,
+            )
+        else:
+            self.bias = None
+
+    # -- validation --------------------------------------------------------------------
+
+    def _check_features(self, mesh: Mesh) -> None:
+        name, t = type(self).__name__, self.config.tensor_axis
+        arg, size = (
+            ("in_features", self.in_features)
+            if self._split_in
+            else ("out_features", self.out_features)
+        )
+        check_divisible(
+            name, arg, size, mesh, t,
+            f"choose {arg} as a multiple of the tensor-parallel size",
+        )
+
+    def _check_input(self, x: jax.Array, mesh: Mesh) -> None:
+        name = type(self).__name__
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name} expects input of shape [batch, seq, {self.in_features}], got "
+                f"rank {x.ndim} shape {x.shape}; reshape to [batch, seq, features]."
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{name}: input feature size {x.shape[-1]} (shape {x.shape}) does not match "
+                f"in_features={self.in_features}."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{name}: input dtype {x.dtype} is not floating point; cast the input "
+                "(e.g. x.astype(jnp.float32))."
+            )
+        if self.config.data_axes:
+            check_divisible(
+                name, "batch size", x.shape[0], mesh, self.config.data_axes,
+                "use a batch that is a multiple of the data-parallel size or "
+                "ParallelConfig(data_axis=None)",
+            )
+        if self._sequence_parallel:
+            check_divisible(
+                name, "sequence length", x.shape[1], mesh, self.config.tensor_axis,
+                "pad the sequence to a multiple of the tensor-parallel size",
+            )
+
+    # -- forward ------------------------------------------------------------------------
+
+    def _specs(self, d, t) -> tuple[P, P]:
+        """(input spec, output spec) of the activations."""
+        raise NotImplementedError
+
+    def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """The per-device computation (inside ``shard_map``)."""
+        raise NotImplementedError
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the layer to a global ``[batch, seq, in_features]`` array.
+
+        Returns ``[batch, seq, out_features]`` in the compute dtype (``dtype``, or the
+        promoted dtype of input and parameters) with the layer's output sharding.
+        """
+        mesh = current_mesh(self.config, where=type(self).__name__)
+        self._check_features(mesh)
+        x = jnp.asarray(x)
+        self._check_input(x, mesh)
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
+        x = x.astype(dtype)
+
+        t = self.config.tensor_axis
+        x_spec, out_spec = self._specs(data_spec(self.config), t)
+        k_spec = P(t, None) if self._split_in else P(None, t)
+        b_spec = P(None) if self._split_in else P(t)
+        args, in_specs = [reshard(x, x_spec, mesh), reshard(kernel, k_spec, mesh)], [x_spec, k_spec]
+        if bias is not None:
+            args.append(reshard(bias, b_spec, mesh))
+            in_specs.append(b_spec)
+        local = jax.shard_map(
+            lambda x, k, b=None: self._local(x, k, b),
+            in_specs=tuple(in_specs),
+            out_specs=out_spec,
+        )
+        return local(*args)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Linear layer with the kernel split by columns (output features) over the tensor axis.
+
+    ``y = x @ kernel + bias`` where device ``i`` holds ``kernel[:, i*o/t:(i+1)*o/t]``. The
+    replicated input enters the tensor region by ``copy_to_tensor_region`` (identity;
+    backward all-reduce).
+
+    Shapes: input ``[b, s, in]`` ``P(data, None, None)``; output ``[b, s, out]``
+    ``P(data, None, tensor)`` (``gather_output=False``) or ``P(data, None, None)``.
+
+    Args:
+      in_features: input feature size.
+      out_features: output feature size; divisible by the tensor-axis size.
+      use_bias: whether to add a bias.
+      gather_output: all-gather the output features so every device holds all of them.
+      config: the :class:`~sp_jax.ParallelConfig`.
+      dtype: compute dtype (default: promoted dtype of input and parameters).
+      param_dtype: parameter dtype.
+      kernel_init: initializer of the global ``[in, out]`` kernel.
+      bias_init: initializer of the global ``[out]`` bias.
+      rngs: rng streams; one ``params`` draw for the kernel and one for the bias.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, gather_output: bool = False,
+                 **kwargs: Any):
+        super().__init__(in_features, out_features, **kwargs)
+        self.gather_output = gather_output
+
+    def _specs(self, d, t):
+        return P(d, None, None), P(d, None, None) if self.gather_output else P(d, None, t)
+
+    def _local(self, x, kernel, bias):
+        t, wd = self.config.tensor_axis, self.config.wgrad_dtype
+        y = ops.matmul(ops.copy_to_tensor_region(x, t), kernel, wgrad_dtype=wd)
+        y = ops.add_bias(y, bias, wgrad_dtype=wd)
+        if self.gather_output:
+            y = ops.gather_from_sequence(y, t, seq_dim=-1)
+        return y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Linear layer with the kernel split by rows (input features) over the tensor axis.
+
+    Each device multiplies its input-feature block by its row block of the kernel and the
+    partial results are all-reduced (``reduce_from_tensor_region``); the bias is added
+    once, after the reduction.
+
+    Shapes: input ``[b, s, in]`` ``P(data, None, tensor)`` (``input_is_parallel=True``)
+    or ``P(data, None, None)`` (split on entry); output ``[b, s, out]``
+    ``P(data, None, None)``.
+
+    Args:
+      in_features: input feature size; divisible by the tensor-axis size.
+      input_is_parallel: the input is already split over features (the output of a
+        :class:`ColumnParallelLinear`); otherwise it is split on entry
+        (``scatter_to_sequence`` on the feature dimension, backward all-gather).
+      others: as :class:`ColumnParallelLinear`.
+    """
+
+    _split_in = True
+
+    def __init__(self, in_features: int, out_features: int, *, input_is_parallel: bool = True,
+                 **kwargs: Any):
+        super().__init__(in_features, out_features, **kwargs)
+        self.input_is_parallel = input_is_parallel
+
+    def _specs(self, d, t):
+        return (P(d, None, t) if self.input_is_parallel else P(d, None, None)), P(d, None, None)
+
+    def _local(self, x, kernel, bias):
+        t, wd = self.config.tensor_axis, self.config.wgrad_dtype
+        if not self.input_is_parallel:
+            x = ops.scatter_to_sequence(x, t, seq_dim=-1)
+        y = ops.reduce_from_tensor_region(ops.matmul(x, kernel, wgrad_dtype=wd), t)
+        return ops.add_bias(y, bias, wgrad_dtype=wd)
+
+
+class ColumnSequenceParallelLinear(_ParallelLinear):
+    """Column-parallel linear whose input is sharded along the sequence (SP).
+
+    Forward: all-gather the sequence, multiply by this device's column block
+    (``ops.column_sequence_parallel_matmul``). Backward: reduce-scatter ``dx`` back to
+    the sequence shards; with ``config.recompute_allgather`` only the local shard is kept
+    for the backward pass and gathered again there.
+
+    Shapes: input ``[b, s, in]`` ``P(data, tensor, None)`` (``s`` divisible by the tensor
+    size); output ``[b, s, out]`` ``P(data, None, tensor)``.
+
+    Args: as :class:`ColumnParallelLinear` (the output is never gathered).
+    """
+
+    _sequence_parallel = True
+
+    def _specs(self, d, t):
+        return P(d, t, None), P(d, None, t)
+
+    def _local(self, x, kernel, bias):
+        cfg = self.config
+        return ops.column_sequence_parallel_matmul(
+            x, kernel, bias,
+            axis_name=cfg.tensor_axis,
+            seq_dim=1,
+            recompute_allgather=cfg.recompute_allgather,
+            wgrad_dtype=cfg.wgrad_dtype,
+        )
+
+
+class RowSequenceParallelLinear(_ParallelLinear):
+    """Row-parallel linear whose output is sharded along the sequence (SP).
+
+    Forward: multiply this device's feature block by its row block of the kernel, then
+    reduce-scatter the partial sums along the sequence (``reduce_scatter_sequence``);
+    the bias is added once, after the reduction. Backward: all-gather ``dy``.
+
+    Shapes: input ``[b, s, in]`` ``P(data, None, tensor)``; output ``[b, s, out]``
+    ``P(data, tensor, None)`` (``s`` divisible by the tensor size).
+
+    Args: as :class:`RowParallelLinear` (the input is always parallel).
+    """
+
+    _split_in = True
+    _sequence_parallel = True
+
+    def _specs(self, d, t):
+        return P(d, None, t), P(d, t, None)
+
+    def _local(self, x, kernel, bias):
+        t, wd = self.config.tensor_axis, self.config.wgrad_dtype
+        y = ops.reduce_scatter_sequence(ops.matmul(x, kernel, wgrad_dtype=wd), t, seq_dim=1)
+        return ops.add_bias(y, bias, wgrad_dtype=wd)

@@ -1,0 +1,500 @@
+"""Per-device collectives for tensor and sequence parallelism, each paired with its VJP.
+
+Every function here works on the *local* (per-device) block of an array and is meant to
+be called inside :func:`jax.shard_map` over a mesh that has ``axis_name``. They follow
+Megatron's ``mappings.py``: a forward collective and its conjugate backward collective,
+written as one small :func:`jax.custom_vjp` each.
+
+=======================  ===========================  ==============================
+function                 forward                      backward
+=======================  ===========================  ==============================
+scatter_to_sequence      keep the local chunk         all-gather
+gather_from_sequence     all-gather                   keep the local chunk
+all_gather_sequence      all-gather                   reduce-scatter
+reduce_scatter_sequence  reduce-scatter               all-gather
+copy_to_tensor_region    identity                     all-reduce (psum)
+reduce_from_tensor_region  all-reduce (psum)          identity
+=======================  ===========================  ==============================
+
+``scatter_to_sequence`` / ``gather_from_sequence`` take any dimension, so they double as
+Megatron's ``scatter_to/gather_from_tensor_model_parallel_region`` with ``seq_dim=-1``.
+
+The matmul ops (:func:`matmul`, :func:`add_bias`, :func:`column_sequence_parallel_matmul`)
+compute weight gradients in ``wgrad_dtype`` straight from the low-precision operands
+(``preferred_element_type``), the analog of ``mp_fused_linear_param_grad_add``.
+
+Typing (``check_vma=True``, the :func:`jax.shard_map` default): a custom VJP must return
+cotangents with exactly the varying-manual-axes (VMA) type of its primal inputs. The
+public wrappers below therefore settle the types *before* the custom VJP is entered:
+replicated parameters are cast to vary like the activations (``lax.pcast(...,
+to="varying")``), whose transpose is the ``psum`` that sums the data-parallel weight
+gradients. The ops are equally correct with ``check_vma=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:  # public from the jax release that exports it; the primitive has existed since 0.6
+    _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - depends on the installed jax
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+
+__all__ = [
+    "scatter_to_sequence",
+    "gather_from_sequence",
+    "all_gather_sequence",
+    "reduce_scatter_sequence",
+    "copy_to_tensor_region",
+    "reduce_from_tensor_region",
+    "matmul",
+    "add_bias",
+    "column_sequence_parallel_matmul",
+]
+
+AxisName = Hashable
+
+
+# --------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------
+
+
+def _vma(x: jax.Array) -> frozenset:
+    """The mesh axes ``x`` varies over (empty outside ``check_vma`` shard_maps)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _vary(x, axes) -> jax.Array:
+    """Casts ``x`` to vary over ``axes`` (no-op for axes it already varies over)."""
+    if x is None:
+        return None
+    missing = tuple(sorted(set(axes) - _vma(x), key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _canonical_dim(dim: int, ndim: int, name: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for an array of rank {ndim}.")
+    return dim % ndim
+
+
+def _check_divisible(x: jax.Array, dim: int, axis_name: AxisName, what: str) -> None:
+    size = lax.axis_size(axis_name)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"{what}: dimension {dim} of the local array {x.shape} has size {x.shape[dim]}, "
+            f"which is not divisible by the size {size} of mesh axis {axis_name!r}."
+        )
+
+
+def _split(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    """This device's chunk of ``x`` along ``dim`` (chunk ``axis_index`` of ``axis_size``)."""
+    chunk = x.shape[dim] // lax.axis_size(axis_name)
+    start = lax.axis_index(axis_name) * chunk
+    return lax.dynamic_slice_in_dim(x, start, chunk, axis=dim)
+
+
+def _all_gather(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    return lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+
+def _reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
+
+
+# --------------------------------------------------------------------------------------
+# Sequence <-> tensor region mappings (Megatron's mappings.py)
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _scatter(x, axis_name, dim, invariant):
+    return _split(x, axis_name, dim)
+
+
+def _scatter_fwd(x, axis_name, dim, invariant):
+    return _split(x, axis_name, dim), None
+
+
+def _scatter_bwd(axis_name, dim, invariant, _, g):
+    gather = _all_gather_invariant if invariant else lax.all_gather
+    return (gather(g, axis_name, axis=dim, tiled=True),)
+
+
+_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def scatter_to_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
+    """Keeps this device's chunk of a replicated ``x`` along ``seq_dim``; VJP: all-gather.
+
+    Args:
+      x: local array, the same on every device of ``axis_name``; ``x.shape[seq_dim]``
+        divisible by the axis size ``t``.
+      axis_name: mesh axis to split over.
+      seq_dim: dimension to split (``-1`` gives Megatron's scatter to the tensor region).
+    Returns:
+      ``x`` with ``shape[seq_dim] // t`` along ``seq_dim``, varying over ``axis_name``.
+    """
+    seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
+    _check_divisible(x, seq_dim, axis_name, "scatter_to_sequence")
+    return _scatter(x, axis_name, seq_dim, axis_name not in _vma(x))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(x, axis_name, dim):
+    return _all_gather_invariant(x, axis_name, axis=dim, tiled=True)
+
+
+def _gather_fwd(x, axis_name, dim):
+    return _gather(x, axis_name, dim), None
+
+
+def _gather_bwd(axis_name, dim, _, g):
+    return (_vary(_split(g, axis_name, dim), (axis_name,)),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_from_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
+    """All-gathers ``x`` along ``seq_dim`` into a replicated array; VJP: keep local chunk.
+
+    Use it where everything after the gather is computed redundantly on every device
+    (the cotangent is then the same everywhere and each device keeps its own chunk).
+
+    Args:
+      x: local shard ``[..., s / t, ...]`` varying over ``axis_name``.
+    Returns:
+      ``[..., s, ...]``, invariant over ``axis_name``.
+    """
+    seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
+    return _gather(_vary(x, (axis_name,)), axis_name, seq_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _all_gather_rs(x, axis_name, dim):
+    return _all_gather(x, axis_name, dim)
+
+
+def _all_gather_rs_fwd(x, axis_name, dim):
+    return _all_gather(x, axis_name, dim), None
+
+
+def _all_gather_rs_bwd(axis_name, dim, _, g):
+    return (_reduce_scatter(_vary(g, (axis_name,)), axis_name, dim),)
+
+
+_all_gather_rs.defvjp(_all_gather_rs_fwd, _all_gather_rs_bwd)
+
+
+def all_gather_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
+    """All-gathers ``x`` along ``seq_dim``; VJP: reduce-scatter.
+
+    The entry into a tensor-parallel region from a sequence-parallel one: each device
+    then computes with its own weight shard, so the cotangents differ per device and are
+    summed and re-split by the reduce-scatter.
+
+    Args:
+      x: local shard ``[..., s / t, ...]``.
+    Returns:
+      ``[..., s, ...]``, varying over ``axis_name``.
+    """
+    seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
+    return _all_gather_rs(_vary(x, (axis_name,)), axis_name, seq_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _reduce_scatter_ag(x, axis_name, dim):
+    return _reduce_scatter(x, axis_name, dim)
+
+
+def _reduce_scatter_ag_fwd(x, axis_name, dim):
+    return _reduce_scatter(x, axis_name, dim), None
+
+
+def _reduce_scatter_ag_bwd(axis_name, dim, _, g):
+    return (_all_gather(_vary(g, (axis_name,)), axis_name, dim),)
+
+
+_reduce_scatter_ag.defvjp(_reduce_scatter_ag_fwd, _reduce_scatter_ag_bwd)
+
+
+def reduce_scatter_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
+    """Sums partial results over ``axis_name`` and keeps this device's sequence chunk.
+
+    The exit from a tensor-parallel region into a sequence-parallel one; VJP: all-gather.
+
+    Args:
+      x: local partial sums ``[..., s, ...]``, ``s`` divisible by the axis size ``t``.
+    Returns:
+      ``[..., s / t, ...]`` (the sum over devices, this device's chunk).
+    """
+    seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
+    _check_divisible(x, seq_dim, axis_name, "reduce_scatter_sequence")
+    return _reduce_scatter_ag(_vary(x, (axis_name,)), axis_name, seq_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _copy(x, axis_name):
+    return _vary(x, (axis_name,))
+
+
+def _copy_fwd(x, axis_name):
+    return _copy(x, axis_name), None
+
+
+def _copy_bwd(axis_name, _, g):
+    return (lax.psum(_vary(g, (axis_name,)), axis_name),)
+
+
+_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+def copy_to_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Identity into a tensor-parallel region; VJP: all-reduce (psum) of the cotangents.
+
+    Args:
+      x: local array, replicated over ``axis_name`` (invariant).
+    Returns:
+      ``x`` unchanged (no copy in the HLO), typed as varying over ``axis_name``.
+    """
+    if axis_name in _vma(x):
+        raise TypeError(
+            f"copy_to_tensor_region expects an input replicated over {axis_name!r}, but it "
+            f"already varies over that axis (type {jax.typeof(x)}). Its VJP would sum "
+            "gradients of different values; use all_gather_sequence to enter the region "
+            "from sharded activations."
+        )
+    return _copy(x, axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduce(x, axis_name):
+    return lax.psum(x, axis_name)
+
+
+def _reduce_fwd(x, axis_name):
+    return lax.psum(x, axis_name), None
+
+
+def _reduce_bwd(axis_name, _, g):
+    return (_vary(g, (axis_name,)),)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def reduce_from_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """All-reduce (psum) out of a tensor-parallel region; VJP: identity.
+
+    Args:
+      x: local partial sums, varying over ``axis_name``.
+    Returns:
+      The sum over ``axis_name``, invariant over it.
+    """
+    return _reduce(_vary(x, (axis_name,)), axis_name)
+
+
+# --------------------------------------------------------------------------------------
+# Matmuls with weight gradients in wgrad_dtype
+# --------------------------------------------------------------------------------------
+
+
+def _wgrad(x: jax.Array, g: jax.Array, wgrad_dtype, param_dtype) -> jax.Array:
+    """``sum over leading dims of x^T g`` -> ``[in, out]``, accumulated in ``wgrad_dtype``.
+
+    With ``wgrad_dtype=None`` it reproduces plain autodiff: the product is rounded to the
+    compute dtype and then cast to the parameter dtype.
+    """
+    acc = wgrad_dtype if wgrad_dtype is not None else jnp.result_type(x, g)
+    lead = tuple(range(x.ndim - 1))
+    dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=acc)
+    return dw.astype(param_dtype)
+
+
+def _bgrad(g: jax.Array, wgrad_dtype, param_dtype) -> jax.Array:
+    acc = wgrad_dtype if wgrad_dtype is not None else g.dtype
+    return jnp.sum(g, axis=tuple(range(g.ndim - 1)), dtype=acc).astype(param_dtype)
+
+
+def _dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in] @ kernel [in, out]`` in the dtype of ``x`` (the compute dtype)."""
+    return lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _dot_t(g: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``g [..., out] @ kernel.T`` -> ``[..., in]`` in the dtype of ``g``."""
+    return lax.dot_general(g, kernel.astype(g.dtype), (((g.ndim - 1,), (1,)), ((), ())))
+
+
+def _check_linear_shapes(name: str, x: jax.Array, kernel: jax.Array, bias=None) -> None:
+    if kernel.ndim != 2:
+        raise ValueError(f"{name}: kernel must be [in, out], got shape {kernel.shape}.")
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(
+            f"{name}: the last dimension of x {x.shape} must equal the kernel's input "
+            f"dimension {kernel.shape[0]} (kernel shape {kernel.shape})."
+        )
+    if bias is not None and bias.shape != (kernel.shape[1],):
+        raise ValueError(
+            f"{name}: bias must have shape ({kernel.shape[1]},), got {bias.shape}."
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x, kernel, wgrad_dtype):
+    return _dot(x, kernel)
+
+
+def _matmul_fwd(x, kernel, wgrad_dtype):
+    return _dot(x, kernel), (x, kernel)
+
+
+def _matmul_bwd(wgrad_dtype, res, g):
+    x, kernel = res
+    return _dot_t(g, kernel), _wgrad(x, g, wgrad_dtype, kernel.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None) -> jax.Array:
+    """Local ``x @ kernel`` in the dtype of ``x``, with the weight gradient in ``wgrad_dtype``.
+
+    Args:
+      x: ``[..., in]`` activations in the compute dtype.
+      kernel: ``[in, out]`` parameter in its own (master) dtype; cast to ``x.dtype``.
+      wgrad_dtype: accumulation dtype of ``d kernel`` (``None``: as plain autodiff).
+    Returns:
+      ``[..., out]`` in ``x.dtype``.
+    """
+    _check_linear_shapes("matmul", x, kernel)
+    vma = _vma(x) | _vma(kernel)
+    return _matmul(_vary(x, vma), _vary(kernel, vma), wgrad_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_bias(y, bias, wgrad_dtype):
+    return y + bias.astype(y.dtype)
+
+
+def _add_bias_fwd(y, bias, wgrad_dtype):
+    return _add_bias(y, bias, wgrad_dtype), bias
+
+
+def _add_bias_bwd(wgrad_dtype, bias, g):
+    return g, _bgrad(g, wgrad_dtype, bias.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def add_bias(y: jax.Array, bias: jax.Array | None, *, wgrad_dtype=None) -> jax.Array:
+    """``y + bias`` in the dtype of ``y``; ``d bias`` is summed in ``wgrad_dtype``."""
+    if bias is None:
+        return y
+    if bias.shape != y.shape[-1:]:
+        raise ValueError(f"add_bias: bias shape {bias.shape} does not match y {y.shape}.")
+    return _add_bias(y, _vary(bias, _vma(y)), wgrad_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Column sequence-parallel matmul: all-gather + matmul, saving or recomputing the gather
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _csp_matmul(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
+    y, _ = _csp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype)
+    return y
+
+
+def _csp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
+    x_full = _all_gather(x, axis_name, seq_dim)
+    y = _dot(x_full, kernel)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    # Residuals: the local shard (recompute) or the gathered input (save). kernel and
+    # bias are the caller's own arrays, so keeping them costs no extra memory.
+    return y, (x if recompute else x_full, kernel, bias)
+
+
+def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
+    x, kernel, bias = res
+    if recompute:
+        # Tie the shard to the incoming cotangent: the re-gather then cannot be hoisted
+        # into the forward pass or merged (CSE) with the forward gather, which would keep
+        # the full input alive and silently undo the memory saving.
+        x, dy = lax.optimization_barrier((x, dy))
+        x_full = _all_gather(x, axis_name, seq_dim)
+    else:
+        x_full = x
+    # dx does not depend on the re-gather and the reduce-scatter does not depend on the
+    # dW matmul, so XLA may overlap gather || dx-matmul and reduce-scatter || dW-matmul.
+    dx = _reduce_scatter(_dot_t(dy, kernel), axis_name, seq_dim)
+    dkernel = _wgrad(x_full, dy, wgrad_dtype, kernel.dtype)
+    dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
+    return dx, dkernel, dbias
+
+
+_csp_matmul.defvjp(_csp_matmul_fwd, _csp_matmul_bwd)
+
+
+def column_sequence_parallel_matmul(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis_name: AxisName,
+    seq_dim: int = 1,
+    recompute_allgather: bool = False,
+    wgrad_dtype=None,
+) -> jax.Array:
+    """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
+
+    The forward all-gathers the sequence shards and multiplies by this device's column
+    block of the weight. The backward computes ``dx = reduce_scatter(dy @ kernel.T)`` and
+    ``d kernel = x_full^T dy`` (in ``wgrad_dtype``).
+
+    Args:
+      x: local sequence shard, e.g. ``[b, s / t, in]``, in the compute dtype.
+      kernel: local column block ``[in, out / t]`` (any float dtype; cast to ``x.dtype``).
+      bias: local ``[out / t]`` or ``None``.
+      axis_name: the tensor mesh axis (size ``t``).
+      seq_dim: the sequence dimension of ``x``; not the last (feature) dimension.
+      recompute_allgather: ``False`` keeps the gathered ``[b, s, in]`` input as the
+        residual; ``True`` keeps only the ``[b, s / t, in]`` shard and all-gathers it again
+        in the backward pass (guarded against CSE by an optimization barrier that also
+        holds the incoming cotangent; on XLA:CPU also run with
+        ``--xla_disable_hlo_passes=cse_barrier_expander``).
+      wgrad_dtype: accumulation dtype of the weight and bias gradients (``None``: the
+        compute dtype, as plain autodiff).
+    Returns:
+      ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
+    """
+    _check_linear_shapes("column_sequence_parallel_matmul", x, kernel, bias)
+    seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
+    if seq_dim == x.ndim - 1:
+        raise ValueError(
+            "column_sequence_parallel_matmul: seq_dim must not be the feature (last) "
+            f"dimension of x {x.shape}."
+        )
+    vma = _vma(x) | _vma(kernel) | {axis_name}
+    if bias is not None:
+        vma |= _vma(bias)
+    return _csp_matmul(
+        _vary(x, vma),
+        _vary(kernel, vma),
+        _vary(bias, vma),
+        axis_name,
+        seq_dim,
+        bool(recompute_allgather),
+        None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
+    )
