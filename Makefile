@@ -1,0 +1,30 @@
+# `make demo` / `make test` create .venv if it is missing and install sp_jax into it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Simulated devices for CPU runs; XLA:CPU needs cse_barrier_expander disabled to keep the
+# backward re-all-gather of recompute_allgather (XLA:GPU keeps it on its own).
+CPU_ENV := JAX_PLATFORMS=cpu
+
+.PHONY: demo test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,examples]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(CPU_ENV) $(PY) examples/train_mlp.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check sp_jax tests examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,46 @@
+"""Test setup: 8 simulated CPU devices, configured before JAX initialises its backend."""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+# 8 host devices; cse_barrier_expander off so XLA:CPU keeps recompute's backward
+# re-all-gather separate from the forward one (XLA:GPU keeps it without this flag).
+_flags = os.environ.get("XLA_FLAGS", "")
+for flag in (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_disable_hlo_passes=cse_barrier_expander",
+):
+    if flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {flag}".strip()
+os.environ["XLA_FLAGS"] = _flags
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.devices()}"
+
+
+def make_mesh(data: int, tensor: int, axis_type: AxisType = AxisType.Explicit):
+    """A (data, tensor) mesh over the first data*tensor simulated devices."""
+    return jax.make_mesh(
+        (data, tensor),
+        ("data", "tensor"),
+        axis_types=(axis_type, axis_type),
+        devices=jax.devices()[: data * tensor],
+    )
+
+
+@pytest.fixture(scope="session")
+def mesh_2x4():
+    return make_mesh(2, 4)
+
+
+@pytest.fixture(scope="session")
+def mesh_2x4_auto():
+    return make_mesh(2, 4, AxisType.Auto)
+
+
+@pytest.fixture(scope="session")
+def mesh_8x1():
+    return make_mesh(8, 1)
