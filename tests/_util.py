@@ -1,0 +1,29 @@
+"""Shared helpers for the tests (independent unsharded references)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def to_host(tree):
+    """Pulls every array of ``tree`` to host numpy (drops all sharding)."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def reference_linear(layer) -> nnx.Linear:
+    """An unsharded ``nnx.Linear`` holding ``layer``'s weights (copied to host)."""
+    ref = nnx.Linear(
+        layer.in_features, layer.out_features, use_bias=layer.use_bias, rngs=nnx.Rngs(0)
+    )
+    nnx.update(ref, to_host(nnx.state(layer, nnx.Param)))
+    return ref
+
+
+def probe(shape, seed=7):
+    """A fixed random tensor used to weight outputs in losses (so gradients differ)."""
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def grads_dict(grads) -> dict:
+    return to_host(nnx.to_pure_dict(nnx.state(grads)))
