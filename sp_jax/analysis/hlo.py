@@ -60,7 +60,9 @@ def collective_stats(compiled: Any) -> CollectiveStats:
             continue
         kind = m.group("op")
         operand_text = m.group("operands")
-        n_operands = operand_text.count("%") or len([o for o in operand_text.split(",") if o.strip()])
+        n_operands = operand_text.count("%") or len(
+            [o for o in operand_text.split(",") if o.strip()]
+        )
         shape = m.group("shape")
         if m.group("start"):
             # An async start returns (operands..., results...); count the results only.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import jax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 
