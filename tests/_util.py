@@ -11,13 +11,21 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
+def copy_weights(dst, src):
+    """Copies ``src``'s parameter values (as host arrays) into ``dst``, keeping ``dst``'s
+    own variable metadata (so an unsharded copy carries no sharding annotations)."""
+    state = nnx.state(dst, nnx.Param)
+    nnx.replace_by_pure_dict(state, to_host(nnx.to_pure_dict(nnx.state(src, nnx.Param))))
+    nnx.update(dst, state)
+    return dst
+
+
 def reference_linear(layer) -> nnx.Linear:
     """An unsharded ``nnx.Linear`` holding ``layer``'s weights (copied to host)."""
     ref = nnx.Linear(
         layer.in_features, layer.out_features, use_bias=layer.use_bias, rngs=nnx.Rngs(0)
     )
-    nnx.update(ref, to_host(nnx.state(layer, nnx.Param)))
-    return ref
+    return copy_weights(ref, layer)
 
 
 def probe(shape, seed=7):

@@ -107,3 +107,12 @@ def test_numerics_equal_between_modes(mesh_2x4):
         out[rec] = jax.tree.map(np.asarray, (nnx.to_pure_dict(nnx.state(g[0])), g[1]))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
                  out[False], out[True])
+
+
+def test_cpu_warning_without_cse_flag(mesh_2x4, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    cfg = sp_jax.ParallelConfig(recompute_allgather=True)
+    with jax.set_mesh(mesh_2x4):
+        layer = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=nnx.Rngs(0))
+        with pytest.warns(UserWarning, match="cse_barrier_expander"):
+            layer(jnp.ones((B, S, H)))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import jax
 from jax.sharding import AxisType
@@ -76,3 +78,23 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.reshard(x, spec)
     return x
+
+
+def warn_if_recompute_may_be_merged(config: ParallelConfig) -> None:
+    """Warns when XLA:CPU would merge recompute's re-all-gather with the forward one.
+
+    XLA:CPU's CSE merges the backward re-gather into the forward gather unless the
+    ``cse_barrier_expander`` pass is disabled; the result is still correct, but the
+    gathered input is then kept alive and ``recompute_allgather`` saves nothing.
+    """
+    if not config.recompute_allgather or jax.default_backend() != "cpu":
+        return
+    if "cse_barrier_expander" in os.environ.get("XLA_FLAGS", ""):
+        return
+    warnings.warn(
+        "recompute_allgather=True on XLA:CPU without "
+        "XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander: XLA merges the backward "
+        "re-all-gather with the forward one, so no activation memory is saved (results "
+        "are unaffected). Set the flag before JAX starts.",
+        stacklevel=3,
+    )

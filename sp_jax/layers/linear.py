@@ -34,7 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, data_spec, reshard
+from sp_jax.layers._sharding import (
+    Mesh,
+    check_divisible,
+    current_mesh,
+    data_spec,
+    reshard,
+    warn_if_recompute_may_be_merged,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -292,6 +299,10 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
 
     def _specs(self, d, t):
         return P(d, t, None), P(d, None, t)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        warn_if_recompute_may_be_merged(self.config)
+        return super().__call__(x)
 
     def _local(self, x, kernel, bias):
         cfg = self.config
