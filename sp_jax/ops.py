@@ -34,7 +34,7 @@ gradients. The ops are equally correct with ``check_vma=False``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -114,21 +114,44 @@ def _reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
 # --------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _scatter(x, axis_name, dim, invariant):
-    return _split(x, axis_name, dim)
+def _conjugate_pair(forward: Callable, backward: Callable) -> Callable:
+    """A custom-VJP op ``op(x, axis_name, dim)`` running ``forward`` and, for its VJP,
+    ``backward(g, axis_name, dim)``."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def op(x, axis_name, dim):
+        return forward(x, axis_name, dim)
+
+    op.defvjp(
+        lambda x, axis_name, dim: (forward(x, axis_name, dim), None),
+        lambda axis_name, dim, _, g: (backward(g, axis_name, dim),),
+    )
+    return op
 
 
-def _scatter_fwd(x, axis_name, dim, invariant):
-    return _split(x, axis_name, dim), None
+def _gather_invariant(x, axis_name, dim):
+    return _all_gather_invariant(x, axis_name, axis=dim, tiled=True)
 
 
-def _scatter_bwd(axis_name, dim, invariant, _, g):
-    gather = _all_gather_invariant if invariant else lax.all_gather
-    return (gather(g, axis_name, axis=dim, tiled=True),)
+def _vary_then(f: Callable) -> Callable:
+    """``f`` applied after casting its input to vary over ``axis_name``."""
+    return lambda g, axis_name, dim: f(_vary(g, (axis_name,)), axis_name, dim)
 
 
-_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+# name                       forward              backward
+_scatter_replicated = _conjugate_pair(_split, _gather_invariant)
+_scatter_varying = _conjugate_pair(_split, _all_gather)
+_gather = _conjugate_pair(_gather_invariant, _vary_then(_split))
+_all_gather_rs = _conjugate_pair(_all_gather, _vary_then(_reduce_scatter))
+_reduce_scatter_ag = _conjugate_pair(_reduce_scatter, _vary_then(_all_gather))
+_copy = _conjugate_pair(
+    lambda x, axis_name, _: _vary(x, (axis_name,)),
+    lambda g, axis_name, _: lax.psum(_vary(g, (axis_name,)), axis_name),
+)
+_reduce = _conjugate_pair(
+    lambda x, axis_name, _: lax.psum(x, axis_name),
+    lambda g, axis_name, _: _vary(g, (axis_name,)),
+)
 
 
 def scatter_to_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
@@ -144,23 +167,8 @@ def scatter_to_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> 
     """
     seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
     _check_divisible(x, seq_dim, axis_name, "scatter_to_sequence")
-    return _scatter(x, axis_name, seq_dim, axis_name not in _vma(x))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather(x, axis_name, dim):
-    return _all_gather_invariant(x, axis_name, axis=dim, tiled=True)
-
-
-def _gather_fwd(x, axis_name, dim):
-    return _gather(x, axis_name, dim), None
-
-
-def _gather_bwd(axis_name, dim, _, g):
-    return (_vary(_split(g, axis_name, dim), (axis_name,)),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
+    op = _scatter_varying if axis_name in _vma(x) else _scatter_replicated
+    return op(x, axis_name, seq_dim)
 
 
 def gather_from_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
@@ -176,22 +184,6 @@ def gather_from_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) ->
     """
     seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
     return _gather(_vary(x, (axis_name,)), axis_name, seq_dim)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _all_gather_rs(x, axis_name, dim):
-    return _all_gather(x, axis_name, dim)
-
-
-def _all_gather_rs_fwd(x, axis_name, dim):
-    return _all_gather(x, axis_name, dim), None
-
-
-def _all_gather_rs_bwd(axis_name, dim, _, g):
-    return (_reduce_scatter(_vary(g, (axis_name,)), axis_name, dim),)
-
-
-_all_gather_rs.defvjp(_all_gather_rs_fwd, _all_gather_rs_bwd)
 
 
 def all_gather_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
@@ -210,22 +202,6 @@ def all_gather_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> 
     return _all_gather_rs(_vary(x, (axis_name,)), axis_name, seq_dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _reduce_scatter_ag(x, axis_name, dim):
-    return _reduce_scatter(x, axis_name, dim)
-
-
-def _reduce_scatter_ag_fwd(x, axis_name, dim):
-    return _reduce_scatter(x, axis_name, dim), None
-
-
-def _reduce_scatter_ag_bwd(axis_name, dim, _, g):
-    return (_all_gather(_vary(g, (axis_name,)), axis_name, dim),)
-
-
-_reduce_scatter_ag.defvjp(_reduce_scatter_ag_fwd, _reduce_scatter_ag_bwd)
-
-
 def reduce_scatter_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1) -> jax.Array:
     """Sums partial results over ``axis_name`` and keeps this device's sequence chunk.
 
@@ -239,22 +215,6 @@ def reduce_scatter_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1)
     seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
     _check_divisible(x, seq_dim, axis_name, "reduce_scatter_sequence")
     return _reduce_scatter_ag(_vary(x, (axis_name,)), axis_name, seq_dim)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _copy(x, axis_name):
-    return _vary(x, (axis_name,))
-
-
-def _copy_fwd(x, axis_name):
-    return _copy(x, axis_name), None
-
-
-def _copy_bwd(axis_name, _, g):
-    return (lax.psum(_vary(g, (axis_name,)), axis_name),)
-
-
-_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
 def copy_to_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -272,23 +232,7 @@ def copy_to_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
             "gradients of different values; use all_gather_sequence to enter the region "
             "from sharded activations."
         )
-    return _copy(x, axis_name)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduce(x, axis_name):
-    return lax.psum(x, axis_name)
-
-
-def _reduce_fwd(x, axis_name):
-    return lax.psum(x, axis_name), None
-
-
-def _reduce_bwd(axis_name, _, g):
-    return (_vary(g, (axis_name,)),)
-
-
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+    return _copy(x, axis_name, None)
 
 
 def reduce_from_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -299,7 +243,7 @@ def reduce_from_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
     Returns:
       The sum over ``axis_name``, invariant over it.
     """
-    return _reduce(_vary(x, (axis_name,)), axis_name)
+    return _reduce(_vary(x, (axis_name,)), axis_name, None)
 
 
 # --------------------------------------------------------------------------------------
