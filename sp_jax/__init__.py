@@ -3,10 +3,18 @@
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
+    MLP,
+    CausalSelfAttention,
     ColumnParallelLinear,
     ColumnSequenceParallelLinear,
+    Dropout,
+    LayerNorm,
+    RMSNorm,
     RowParallelLinear,
     RowSequenceParallelLinear,
+    VocabParallelEmbedding,
+    padded_vocab_size,
+    parallel_cross_entropy,
 )
 
 __version__ = "0.1.0"
@@ -18,4 +26,12 @@ __all__ = [
     "RowParallelLinear",
     "ColumnSequenceParallelLinear",
     "RowSequenceParallelLinear",
+    "VocabParallelEmbedding",
+    "padded_vocab_size",
+    "parallel_cross_entropy",
+    "LayerNorm",
+    "RMSNorm",
+    "Dropout",
+    "CausalSelfAttention",
+    "MLP",
 ]

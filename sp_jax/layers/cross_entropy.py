@@ -1,0 +1,106 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering the vocabulary."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.config import ParallelConfig
+from sp_jax.layers._sharding import axis_size, check_divisible, current_mesh, data_spec, reshard
+from sp_jax.layers.embedding import padded_vocab_size
+
+__all__ = ["parallel_cross_entropy"]
+
+
+def _local_cross_entropy(logits, labels, *, axis_name, vocab_size, ignore_index,
+                         label_smoothing, z_loss):
+    """Per device: ``logits`` ``[b, s, Vp / t]`` (this device's vocabulary block)."""
+    rows = logits.shape[-1]
+    start = lax.axis_index(axis_name) * rows
+    vocab_ids = start + jnp.arange(rows)
+    valid = vocab_ids < vocab_size  # padded entries take no part
+    z = jnp.where(valid, logits.astype(jnp.float32), -jnp.inf)
+    # The max only shifts the log-sum-exp; no gradient flows through it.
+    m = lax.pmax(lax.stop_gradient(jnp.max(z, axis=-1)), axis_name)
+    lse = m + jnp.log(lax.psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1), axis_name))
+    local_label = labels - start
+    inside = (local_label >= 0) & (local_label < rows)
+    picked = jnp.take_along_axis(z, jnp.where(inside, local_label, 0)[..., None], axis=-1)
+    target = lax.psum(jnp.where(inside, picked[..., 0], 0.0), axis_name)
+    loss = lse - target
+    if label_smoothing:
+        mean_z = lax.psum(jnp.sum(jnp.where(valid, z, 0.0), axis=-1), axis_name) / vocab_size
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
+    if z_loss:
+        loss = loss + z_loss * lse**2
+    return jnp.where(labels == ignore_index, 0.0, loss)
+
+
+def parallel_cross_entropy(
+    logits: jax.Array,
+    labels: jax.Array,
+    *,
+    config: ParallelConfig = ParallelConfig(),
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    vocab_size: int | None = None,
+) -> jax.Array:
+    """Per-token softmax cross-entropy of vocabulary-parallel logits.
+
+    The max, the sum of exponentials and the target logit are reduced across the tensor
+    axis (two ``psum`` s and a ``pmax`` of ``[batch, seq]`` values); the full vocabulary is
+    never gathered on one device. Computed in fp32 whatever the logits dtype; the gradient
+    is that of the unsharded loss.
+
+    Args:
+      logits: ``[batch, seq, V]`` (any float dtype), sharded ``P(data, None, tensor)``
+        (other layouts are resharded). A ``V`` not divisible by the tensor size is padded
+        internally with entries that take no part in the loss.
+      labels: integer ``[batch, seq]``; ``ignore_index`` marks tokens without a loss.
+      config: the :class:`~sp_jax.ParallelConfig` (mesh axes).
+      ignore_index: label value whose loss is 0.
+      label_smoothing: ``eps``: the target distribution puts ``1 - eps`` on the label and
+        ``eps`` uniformly over the ``vocab_size`` entries.
+      z_loss: coefficient of the auxiliary ``log(Z)**2`` term (PaLM).
+      vocab_size: number of real vocabulary entries when ``logits`` carries padding
+        columns beyond them (default: ``V``).
+    Returns:
+      ``[batch, seq]`` float32 loss per token (0 where ``labels == ignore_index``), sharded
+      ``P(data, None)``.
+    """
+    mesh = current_mesh(config, where="parallel_cross_entropy")
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"parallel_cross_entropy expects logits [batch, seq, vocab] and labels "
+            f"[batch, seq], got logits {logits.shape} and labels {labels.shape}."
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"parallel_cross_entropy: labels must be integers, got {labels.dtype}.")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1).")
+    vocab = logits.shape[-1]
+    vocab_size = vocab if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= vocab:
+        raise ValueError(
+            f"parallel_cross_entropy: vocab_size={vocab_size} must be in [1, {vocab}] (the "
+            "logits' last dimension)."
+        )
+    d, t = data_spec(config), config.tensor_axis
+    if config.data_axes:
+        check_divisible("parallel_cross_entropy", "batch size", labels.shape[0], mesh,
+                        config.data_axes, "use a multiple of the data-parallel size")
+    padded = padded_vocab_size(vocab, axis_size(mesh, t))
+    if padded != vocab:
+        logits = jnp.pad(logits, ((0, 0), (0, 0), (0, padded - vocab)))
+    local = jax.shard_map(
+        lambda z, y: _local_cross_entropy(
+            z, y, axis_name=t, vocab_size=vocab_size, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss),
+        in_specs=(P(d, None, t), P(d, None)),
+        out_specs=P(d, None),
+    )
+    return local(reshard(logits, P(d, None, t), mesh), reshard(labels, P(d, None), mesh))

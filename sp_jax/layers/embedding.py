@@ -1,0 +1,160 @@
+"""Vocabulary-parallel embedding (Flax NNX) on global arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import initializers
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax import ops
+from sp_jax.config import ParallelConfig
+from sp_jax.layers._sharding import (
+    Mesh,
+    axis_size,
+    check_divisible,
+    current_mesh,
+    data_spec,
+    reshard,
+)
+
+__all__ = ["VocabParallelEmbedding", "padded_vocab_size"]
+
+default_embed_init = initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+
+
+def padded_vocab_size(vocab_size: int, tensor_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``tensor_size``."""
+    return -(-vocab_size // tensor_size) * tensor_size
+
+
+def _lookup(ids: jax.Array, table: jax.Array, axis_name: str) -> jax.Array:
+    """Per device: rows of this device's vocabulary block, zero for ids outside it."""
+    rows = table.shape[0]
+    start = lax.axis_index(axis_name) * rows
+    local = ids - start
+    inside = (local >= 0) & (local < rows)
+    emb = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+    return jnp.where(inside[..., None], emb, jnp.zeros((), emb.dtype))
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """Token embedding with the vocabulary split over the tensor axis.
+
+    Each device holds a block of ``ceil(V / t)`` rows. Ids outside a device's block give
+    zeros there, and the partial results are summed across the tensor axis: with
+    ``sequence_parallel=True`` by a reduce-scatter straight into the SP layout
+    ``P(data, tensor, None)``, else by an all-reduce into ``P(data, None, None)``.
+
+    A vocabulary not divisible by ``t`` is padded internally with zero rows to
+    ``padded_vocab_size(V, t)``; ids ``< V`` never select a padded row. The parameter keeps
+    the global shape ``[num_embeddings, features]`` of :class:`flax.nnx.Embed` (same
+    initialiser and rng draw); it is stored sharded over the vocabulary when ``V`` is
+    divisible by ``t``, else over the features (resharded to vocabulary blocks per call;
+    pad the vocabulary to a multiple of ``t`` to avoid that all-to-all).
+
+    Args:
+      num_embeddings: vocabulary size ``V``.
+      features: embedding size.
+      config: the :class:`~sp_jax.ParallelConfig`.
+      sequence_parallel: output in the SP layout (reduce-scatter) or replicated over the
+        tensor axis (all-reduce).
+      dtype: dtype of the output (default: the parameter dtype).
+      param_dtype: parameter dtype.
+      embedding_init: initializer of the ``[V, features]`` table.
+      rngs: one ``params`` draw.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        config: ParallelConfig = ParallelConfig(),
+        sequence_parallel: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        embedding_init: Any = default_embed_init,
+        rngs: nnx.Rngs,
+    ):
+        for arg, value in (("num_embeddings", num_embeddings), ("features", features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"VocabParallelEmbedding: {arg}={value!r} must be a positive int.")
+        if not isinstance(config, ParallelConfig):
+            raise TypeError(
+                f"VocabParallelEmbedding: config={config!r} must be a sp_jax.ParallelConfig."
+            )
+        self.num_embeddings = num_embeddings
+        self.features = features
+        self.config = config
+        self.sequence_parallel = sequence_parallel
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        mesh = current_mesh(config, where="VocabParallelEmbedding", required=False)
+        t = config.tensor_axis
+        if mesh is None or num_embeddings % axis_size(mesh, t) == 0:
+            axes = (t, None)
+        elif features % axis_size(mesh, t) == 0:
+            axes = (None, t)
+        else:
+            axes = (None, None)
+        self.embedding = nnx.Param(
+            embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
+            out_sharding=axes,
+            eager_sharding=mesh is not None,
+        )
+
+    def padded_table(self, mesh: Mesh | None = None) -> jax.Array:
+        """The ``[padded_vocab_size(V, t), features]`` table sharded ``P(tensor, None)``."""
+        mesh = mesh or current_mesh(self.config, where="VocabParallelEmbedding")
+        t = self.config.tensor_axis
+        table = self.embedding[...]
+        pad = padded_vocab_size(self.num_embeddings, axis_size(mesh, t)) - self.num_embeddings
+        if pad:
+            table = jnp.pad(table, ((0, pad), (0, 0)))
+        return reshard(table, P(t, None), mesh)
+
+    def __call__(self, ids: jax.Array, *, table: jax.Array | None = None) -> jax.Array:
+        """Embeds integer ids ``[batch, seq]`` -> ``[batch, seq, features]``.
+
+        Output sharding ``P(data, tensor, None)`` (``sequence_parallel``; ``seq``
+        divisible by the tensor size) or ``P(data, None, None)``. ``table`` may pass a
+        precomputed :meth:`padded_table` (e.g. shared with a tied LM head).
+        """
+        mesh = current_mesh(self.config, where="VocabParallelEmbedding")
+        ids = jnp.asarray(ids)
+        if ids.ndim != 2:
+            raise ValueError(
+                f"VocabParallelEmbedding expects token ids of shape [batch, seq], got rank "
+                f"{ids.ndim} shape {ids.shape}."
+            )
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(
+                f"VocabParallelEmbedding: token ids must be integers, got dtype {ids.dtype}."
+            )
+        d, t = data_spec(self.config), self.config.tensor_axis
+        if self.config.data_axes:
+            check_divisible("VocabParallelEmbedding", "batch size", ids.shape[0], mesh,
+                            self.config.data_axes, "use a multiple of the data-parallel size")
+        if self.sequence_parallel:
+            check_divisible("VocabParallelEmbedding", "sequence length", ids.shape[1], mesh, t,
+                            "pad the sequence to a multiple of the tensor-parallel size")
+        if table is None:
+            table = self.padded_table(mesh)
+        dtype = self.dtype if self.dtype is not None else table.dtype
+        table = table.astype(dtype)
+
+        def local(ids, table):
+            emb = _lookup(ids, table, t)
+            if self.sequence_parallel:
+                return ops.reduce_scatter_sequence(emb, t, seq_dim=1)
+            return ops.reduce_from_tensor_region(emb, t)
+
+        out_spec = P(d, t, None) if self.sequence_parallel else P(d, None, None)
+        return jax.shard_map(local, in_specs=(P(d, None), P(t, None)), out_specs=out_spec)(
+            reshard(ids, P(d, None), mesh), table
+        )

@@ -1,0 +1,183 @@
+"""Pre-LN transformer blocks in the TP+SP layout (Flax NNX) on global arrays.
+
+Both blocks take and return ``[batch, seq, hidden]`` activations in the SP layout
+``P(data, tensor, None)``. Per block and direction the collectives are exactly
+Megatron's: one all-gather before the column projection and one reduce-scatter after the
+row projection (forward), and the conjugate pair in backward; no all-reduce of
+activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.config import ParallelConfig
+from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, data_spec
+from sp_jax.layers.elementwise import Dropout, LayerNorm, RMSNorm
+from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+
+__all__ = ["CausalSelfAttention", "MLP", "rotary_embedding"]
+
+_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def _norm(kind: str, features: int, config, epsilon, dtype, param_dtype, rngs):
+    if kind not in _NORMS:
+        raise ValueError(f"norm={kind!r} must be one of {sorted(_NORMS)}.")
+    return _NORMS[kind](features, config=config, epsilon=epsilon, dtype=dtype,
+                        param_dtype=param_dtype, rngs=rngs)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (rotate-half form) of ``x`` ``[b, s, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [s, half]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Pre-LN causal self-attention with a residual, tensor- and sequence-parallel.
+
+    ``x + dropout(out(attention(qkv(norm(x)))))`` where
+
+    - ``qkv`` is ONE :class:`ColumnSequenceParallelLinear` ``[hidden, 3 * hidden]``, so the
+      normed input is all-gathered once per block. Its output columns are laid out per
+      head, ``(head, {q, k, v}, head_dim)``, so the column block of tensor shard ``i``
+      holds the q, k and v of heads ``i * heads / t ...`` and attention needs no
+      communication;
+    - attention runs over the full sequence on each device's heads;
+    - ``out`` is a :class:`RowSequenceParallelLinear` back to the SP layout.
+
+    Args:
+      hidden: model width; divisible by ``num_heads``.
+      num_heads: attention heads; divisible by the tensor-axis size.
+      config: the :class:`~sp_jax.ParallelConfig`.
+      dropout: dropout rate on the block output (sharding-invariant masks).
+      rotary: apply rotary position embeddings to q and k.
+      rope_base: rotary base frequency.
+      norm: ``"layernorm"`` or ``"rmsnorm"``.
+      norm_epsilon: epsilon of the norm.
+      dtype / param_dtype: compute and parameter dtypes.
+      rngs: rng streams (``params``; ``dropout`` when ``dropout > 0``).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        *,
+        config: ParallelConfig = ParallelConfig(),
+        dropout: float = 0.0,
+        rotary: bool = False,
+        rope_base: float = 10000.0,
+        norm: str = "layernorm",
+        norm_epsilon: float = 1e-5,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads <= 0 or hidden % num_heads:
+            raise ValueError(
+                f"CausalSelfAttention: hidden={hidden} must be divisible by "
+                f"num_heads={num_heads}."
+            )
+        if rotary and (hidden // num_heads) % 2:
+            raise ValueError(
+                f"CausalSelfAttention: rotary embeddings need an even head size, got "
+                f"{hidden // num_heads}."
+            )
+        self.hidden, self.num_heads, self.config = hidden, num_heads, config
+        self.rotary, self.rope_base = rotary, rope_base
+        mesh = current_mesh(config, where="CausalSelfAttention", required=False)
+        if mesh is not None:
+            self._check_heads(mesh)
+        self.norm = _norm(norm, hidden, config, norm_epsilon, dtype, param_dtype, rngs)
+        self.qkv = ColumnSequenceParallelLinear(
+            hidden, 3 * hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.out = RowSequenceParallelLinear(
+            hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.dropout = Dropout(dropout, config=config, rngs=rngs)
+
+    def _check_heads(self, mesh: Mesh) -> None:
+        check_divisible("CausalSelfAttention", "num_heads", self.num_heads, mesh,
+                        self.config.tensor_axis,
+                        "choose a head count that is a multiple of the tensor-parallel size")
+
+    def _attend(self, qkv: jax.Array) -> jax.Array:
+        """Per device: ``[b, s, 3 * hidden / t]`` (local heads) -> ``[b, s, hidden / t]``."""
+        b, s, width = qkv.shape
+        head_dim = self.hidden // self.num_heads
+        heads = width // (3 * head_dim)
+        q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
+        if self.rotary:
+            positions = jnp.arange(s)
+            q = rotary_embedding(q, positions, self.rope_base)
+            k = rotary_embedding(k, positions, self.rope_base)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return out.reshape(b, s, heads * head_dim)
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
+        mesh = current_mesh(self.config, where="CausalSelfAttention")
+        self._check_heads(mesh)
+        d, t = data_spec(self.config), self.config.tensor_axis
+        qkv = self.qkv(self.norm(x))  # P(d, None, t): this device's heads, full sequence
+        attended = jax.shard_map(self._attend, in_specs=P(d, None, t),
+                                 out_specs=P(d, None, t))(qkv)
+        y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
+        return x.astype(y.dtype) + y
+
+
+class MLP(nnx.Module):
+    """Pre-LN MLP with a residual: ``x + dropout(down(act(up(norm(x)))))``.
+
+    ``up`` is a :class:`ColumnSequenceParallelLinear` ``[hidden, mlp_hidden]`` and
+    ``down`` a :class:`RowSequenceParallelLinear` ``[mlp_hidden, hidden]``; input and
+    output in the SP layout.
+
+    Args:
+      hidden: model width.
+      mlp_hidden: inner width; divisible by the tensor-axis size.
+      activation: elementwise nonlinearity (default ``jax.nn.gelu``).
+      others: as :class:`CausalSelfAttention`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        mlp_hidden: int,
+        *,
+        config: ParallelConfig = ParallelConfig(),
+        dropout: float = 0.0,
+        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+        norm: str = "layernorm",
+        norm_epsilon: float = 1e-5,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.activation = activation
+        self.norm = _norm(norm, hidden, config, norm_epsilon, dtype, param_dtype, rngs)
+        self.up = ColumnSequenceParallelLinear(
+            hidden, mlp_hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down = RowSequenceParallelLinear(
+            mlp_hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.dropout = Dropout(dropout, config=config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
+        y = self.down(self.activation(self.up(self.norm(x))))
+        y = self.dropout(y, deterministic=deterministic, rngs=rngs)
+        return x.astype(y.dtype) + y

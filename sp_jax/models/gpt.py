@@ -1,0 +1,241 @@
+"""A GPT language model built from the sequence-parallel layers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sp_jax import ops
+from sp_jax.config import ParallelConfig
+from sp_jax.layers._sharding import axis_size, current_mesh, data_spec, reshard
+from sp_jax.layers.cross_entropy import parallel_cross_entropy
+from sp_jax.layers.elementwise import Dropout, LayerNorm, RMSNorm, to_sequence_parallel
+from sp_jax.layers.embedding import VocabParallelEmbedding
+from sp_jax.layers.transformer import MLP, CausalSelfAttention
+
+__all__ = ["GPT", "GPTConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape and numerics of a :class:`GPT`.
+
+    Attributes:
+      vocab_size: vocabulary size ``V`` (any size: padded internally to a multiple of the
+        tensor size; padded entries never appear in logits or loss).
+      max_seq_len: longest sequence (size of the learned position table).
+      num_layers: transformer blocks.
+      num_heads: attention heads (a multiple of the tensor size).
+      hidden: model width.
+      mlp_hidden: MLP inner width (default ``4 * hidden``).
+      dropout: dropout rate on embeddings and on each block's residual branches; active
+        in train mode (``model.train()``), off in ``model.eval()``.
+      tie_embeddings: the LM head reuses the token embedding table.
+      positions: ``"learned"`` (table added to the embeddings) or ``"rotary"``.
+      rope_base: rotary base frequency.
+      norm: ``"layernorm"`` or ``"rmsnorm"``.
+      norm_epsilon: epsilon of the norms.
+      dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay in ``param_dtype``.
+      param_dtype: parameter (master weight) dtype.
+      remat: recompute each block in the backward pass (``jax.checkpoint``) instead of
+        keeping its activations; composes with ``recompute_allgather``.
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    num_layers: int
+    num_heads: int
+    hidden: int
+    mlp_hidden: int | None = None
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-5
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int.")
+        if self.mlp_hidden is None:
+            object.__setattr__(self, "mlp_hidden", 4 * self.hidden)
+        if self.hidden % self.num_heads:
+            raise ValueError(
+                f"GPTConfig: hidden={self.hidden} must be divisible by "
+                f"num_heads={self.num_heads}."
+            )
+        if self.positions not in ("learned", "rotary"):
+            raise ValueError(
+                f"GPTConfig.positions={self.positions!r} must be 'learned' or 'rotary'."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1).")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Builds a config from a plain dict, rejecting unknown keys."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"Unknown GPTConfig key(s) {unknown}; valid keys are {valid}.")
+        return cls(**d)
+
+
+class Block(nnx.Module):
+    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP`."""
+
+    def __init__(self, cfg: GPTConfig, parallel: ParallelConfig, *, rngs: nnx.Rngs):
+        common = dict(config=parallel, dropout=cfg.dropout, norm=cfg.norm,
+                      norm_epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
+                      param_dtype=cfg.param_dtype, rngs=rngs)
+        self.attention = CausalSelfAttention(
+            cfg.hidden, cfg.num_heads, rotary=cfg.positions == "rotary",
+            rope_base=cfg.rope_base, **common)
+        self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, **common)
+
+    def __call__(self, x: jax.Array, rngs: Any = None) -> jax.Array:
+        return self.mlp(self.attention(x, rngs=rngs), rngs=rngs)
+
+
+def _apply_block(block: Block, x: jax.Array, rngs: Any) -> jax.Array:
+    return block(x, rngs)
+
+
+_apply_block_remat = nnx.remat(_apply_block)
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer in the TP+SP layout.
+
+    ``tokens [batch, seq] -> logits [batch, seq, vocab]``. Hidden states between blocks
+    are sequence-sharded ``P(data, tensor, None)``; the LM head (tied to the embedding, or
+    its own vocabulary-parallel ``[vocab, hidden]`` table) produces vocabulary-parallel logits
+    ``P(data, None, tensor)`` from them, which :meth:`loss` consumes with
+    :func:`parallel_cross_entropy` without gathering the vocabulary.
+
+    Args:
+      gpt_config: the :class:`GPTConfig`.
+      parallel: the :class:`~sp_jax.ParallelConfig`.
+      rngs: rng streams (``params``; ``dropout`` when ``gpt_config.dropout > 0``).
+    """
+
+    def __init__(self, gpt_config: GPTConfig, *, parallel: ParallelConfig = ParallelConfig(),
+                 rngs: nnx.Rngs):
+        if not isinstance(gpt_config, GPTConfig):
+            raise TypeError(f"GPT: gpt_config must be a GPTConfig, got {type(gpt_config)}.")
+        cfg = gpt_config
+        self.config, self.parallel = cfg, parallel
+        self.embed = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden, config=parallel, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, rngs=rngs)
+        if cfg.positions == "learned":
+            self.position = nnx.Param(
+                nnx.initializers.normal(0.02)(rngs.params(), (cfg.max_seq_len, cfg.hidden),
+                                             cfg.param_dtype))
+        else:
+            self.position = None
+        self.dropout = Dropout(cfg.dropout, config=parallel, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)])
+        norm_cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+        self.final_norm = norm_cls(cfg.hidden, config=parallel, epsilon=cfg.norm_epsilon,
+                                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        # An untied head is a second vocabulary table [V, hidden] (the layout of Megatron's
+        # output layer), vocabulary-parallel like the embedding.
+        self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden, config=parallel, param_dtype=cfg.param_dtype, rngs=rngs)
+
+    # -- pieces -------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens: jax.Array) -> None:
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"GPT expects integer tokens [batch, seq], got {tokens.dtype} {tokens.shape}."
+            )
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(
+                f"GPT: sequence length {tokens.shape[1]} exceeds max_seq_len="
+                f"{self.config.max_seq_len}."
+            )
+
+    def hidden_states(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
+        """Final-normed hidden states ``[batch, seq, hidden]``, SP layout."""
+        tokens = jnp.asarray(tokens)
+        self._check_tokens(tokens)
+        x = self.embed(tokens)
+        if self.position is not None:
+            x = x + self.position[: tokens.shape[1]].astype(x.dtype)[None]
+            x = to_sequence_parallel(x, self.parallel, where="GPT")
+        x = self.dropout(x, rngs=rngs)
+        apply = _apply_block_remat if self.config.remat else _apply_block
+        for block in self.blocks:
+            x = apply(block, x, rngs)
+        return self.final_norm(x)
+
+    def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
+        """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
+        ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
+        h = self.hidden_states(tokens, rngs=rngs)
+        mesh = current_mesh(self.parallel, where="GPT")
+        d, t = data_spec(self.parallel), self.parallel.tensor_axis
+        vocab_table = self.embed if self.head is None else self.head
+        table = vocab_table.padded_table(mesh)  # [Vp, hidden], P(t, None)
+        recompute, wd = self.parallel.recompute_allgather, self.parallel.wgrad_dtype
+
+        def tied_head(h, table):
+            return ops.column_sequence_parallel_matmul(
+                h, table.T, None, axis_name=t, seq_dim=1,
+                recompute_allgather=recompute, wgrad_dtype=wd)
+
+        return jax.shard_map(tied_head, in_specs=(P(d, t, None), P(t, None)),
+                             out_specs=P(d, None, t))(reshard(h, P(d, t, None), mesh), table)
+
+    # -- public API -----------------------------------------------------------------------
+
+    def __call__(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
+        """``tokens [batch, seq]`` -> ``logits [batch, seq, vocab_size]``.
+
+        Sharded ``P(data, None, tensor)`` over the vocabulary when ``vocab_size`` is a
+        multiple of the tensor size; otherwise the padding is cut off and the logits come
+        back sharded over the sequence ``P(data, tensor, None)``. For training use
+        :meth:`loss`, which never materialises more than a vocabulary block per device.
+        """
+        logits = self.padded_logits(tokens, rngs=rngs)
+        vocab = self.config.vocab_size
+        if logits.shape[-1] == vocab:
+            return logits
+        mesh = current_mesh(self.parallel, where="GPT")
+        d, t = data_spec(self.parallel), self.parallel.tensor_axis
+        if tokens.shape[1] % axis_size(mesh, t) == 0:
+            logits = reshard(logits, P(d, t, None), mesh)
+        else:
+            logits = reshard(logits, P(d, None, None), mesh)
+        return logits[..., :vocab]
+
+    def loss(self, tokens: jax.Array, labels: jax.Array, *, ignore_index: int = -100,
+             label_smoothing: float = 0.0, z_loss: float = 0.0, rngs: Any = None
+             ) -> jax.Array:
+        """Mean next-token loss over the labels that are not ``ignore_index``.
+
+        Args:
+          tokens: ``[batch, seq]`` input ids.
+          labels: ``[batch, seq]`` target ids (``ignore_index`` = no loss).
+          rngs: dropout rngs (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
+        Returns:
+          scalar float32.
+        """
+        per_token = parallel_cross_entropy(
+            self.padded_logits(tokens, rngs=rngs), labels, config=self.parallel,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            vocab_size=self.config.vocab_size)
+        count = jnp.sum(labels != ignore_index)
+        return jnp.sum(per_token) / jnp.maximum(count, 1)
