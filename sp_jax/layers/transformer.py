@@ -65,6 +65,8 @@ class CausalSelfAttention(nnx.Module):
       dropout: dropout rate on the block output (sharding-invariant masks).
       rotary: apply rotary position embeddings to q and k.
       rope_base: rotary base frequency.
+      qkv_bias: give the q/k/v projection a bias (off by default: the key bias has an
+        exactly zero gradient, since softmax ignores a constant added to every score).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
       norm_epsilon: epsilon of the norm.
       dtype / param_dtype: compute and parameter dtypes.
@@ -80,6 +82,7 @@ class CausalSelfAttention(nnx.Module):
         dropout: float = 0.0,
         rotary: bool = False,
         rope_base: float = 10000.0,
+        qkv_bias: bool = False,
         norm: str = "layernorm",
         norm_epsilon: float = 1e-5,
         dtype: Any = None,
@@ -103,7 +106,8 @@ class CausalSelfAttention(nnx.Module):
             self._check_heads(mesh)
         self.norm = _norm(norm, hidden, config, norm_epsilon, dtype, param_dtype, rngs)
         self.qkv = ColumnSequenceParallelLinear(
-            hidden, 3 * hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            hidden, 3 * hidden, use_bias=qkv_bias, config=config, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
         self.out = RowSequenceParallelLinear(
             hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.dropout = Dropout(dropout, config=config, rngs=rngs)
