@@ -112,10 +112,11 @@ def test_parallel_cross_entropy_never_gathers_the_vocabulary(mesh_2x4):
     logits = jax.ShapeDtypeStruct((B, S, 64), jnp.float32)
     labels = jax.ShapeDtypeStruct((B, S), jnp.int32)
     with jax.set_mesh(mesh_2x4):
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype,
-                                      sharding=jax.NamedSharding(mesh_2x4, P("data", None, "tensor")))
-        labels = jax.ShapeDtypeStruct(labels.shape, labels.dtype,
-                                      sharding=jax.NamedSharding(mesh_2x4, P("data", None)))
+        logits = jax.ShapeDtypeStruct(
+            logits.shape, logits.dtype,
+            sharding=jax.NamedSharding(mesh_2x4, P("data", None, "tensor")))
+        labels = jax.ShapeDtypeStruct(
+            labels.shape, labels.dtype, sharding=jax.NamedSharding(mesh_2x4, P("data", None)))
         f = jax.jit(jax.grad(lambda z, y: jnp.sum(sp_jax.parallel_cross_entropy(z, y))))
         text = f.lower(logits, labels).compile().as_text()
     assert " all-gather(" not in text and "all-to-all" not in text
@@ -212,18 +213,20 @@ def test_attention_matches_independent_reference(mesh_2x4):
 @pytest.mark.parametrize("rotary", [False, True])
 def test_blocks_equal_on_sharded_and_single_device_mesh(rotary):
     x = np.random.default_rng(7).normal(size=(B, S, H)).astype(np.float32)
-    out = {}
+
+    def loss(attn, mlp, x):
+        return jnp.sum(jnp.sin(mlp(attn(x))))
+
+    out, sharded = {}, None
     for shape in ((2, 4), (1, 1)):
-        mesh = make_mesh(*shape)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(make_mesh(*shape)):
             attn = sp_jax.CausalSelfAttention(H, 4, rotary=rotary, rngs=nnx.Rngs(0))
             mlp = sp_jax.MLP(H, 4 * H, rngs=nnx.Rngs(1))
-            if shape == (1, 1):
-                copy_weights(attn, ref_attn)
-                copy_weights(mlp, ref_mlp)
-            else:
-                ref_attn, ref_mlp = attn, mlp
-            loss = lambda a, m, x: jnp.sum(jnp.sin(m(a(x))))  # noqa: E731
+            if sharded is None:
+                sharded = (attn, mlp)
+            else:  # the single-device copy starts from the sharded blocks' weights
+                copy_weights(attn, sharded[0])
+                copy_weights(mlp, sharded[1])
             val, g = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1, 2)))(attn, mlp, x)
         out[shape] = to_host((val, nnx.to_pure_dict(nnx.state(g[0])),
                               nnx.to_pure_dict(nnx.state(g[1])), g[2]))
