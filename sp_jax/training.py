@@ -92,6 +92,9 @@ class TrainStep:
             metrics = step(batch, key)   # {'loss', 'grad_norm'}
         step.sync_model()                # write the trained parameters back to ``model``
 
+    Create it under ``jax.set_mesh(mesh)``: the parameters are then placed as their
+    sharding annotations say, and the optimizer state follows them.
+
     Args:
       model: the NNX model (e.g. :class:`sp_jax.models.GPT`) built under the mesh.
       tx: the optax transformation (clipping, schedule, ... included).
@@ -105,6 +108,11 @@ class TrainStep:
 
     def __post_init__(self) -> None:
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
+        mesh = jax.sharding.get_mesh()
+        if not mesh.empty:
+            # Lay the parameters out as their sharding annotations say, whatever their
+            # current placement (e.g. weights just loaded from an unsharded model).
+            self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
         self.opt_state = self.tx.init(self.params)
         self._step = None
 
@@ -119,13 +127,13 @@ class TrainStep:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-        param_s, rest_s, opt_s = (_shardings(t) for t in (self.params, self.rest,
-                                                          self.opt_state))
+        # The rest (rng counters, buffers) is small and keeps whatever placement it has.
+        param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
         return jax.jit(
             step,
-            in_shardings=(param_s, rest_s, opt_s, _shardings(batch), None),
+            in_shardings=(param_s, None, opt_s, _shardings(batch), None),
             out_shardings=(param_s, opt_s, None),
             donate_argnums=(0, 2),
         )

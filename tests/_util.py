@@ -11,11 +11,18 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
+def param_values(module) -> dict:
+    """The parameter values of ``module`` as a nested dict of host arrays."""
+    return to_host(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+
+
 def copy_weights(dst, src):
-    """Copies ``src``'s parameter values (as host arrays) into ``dst``, keeping ``dst``'s
-    own variable metadata (so an unsharded copy carries no sharding annotations)."""
+    """Copies ``src``'s parameter values (a module, or a dict from :func:`param_values`)
+    into ``dst``, keeping ``dst``'s own variable metadata (so an unsharded copy carries
+    no sharding annotations)."""
+    values = src if isinstance(src, dict) else param_values(src)
     state = nnx.state(dst, nnx.Param)
-    nnx.replace_by_pure_dict(state, to_host(nnx.to_pure_dict(nnx.state(src, nnx.Param))))
+    nnx.replace_by_pure_dict(state, values)
     nnx.update(dst, state)
     return dst
 
