@@ -17,8 +17,10 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,examples]"
 	touch $(STAMP)
 
+# Trains the byte-level GPT (examples/train_gpt.py; ~1-2 min on CPU); examples/train_mlp.py is
+# the smaller example: $(CPU_ENV) $(PY) examples/train_mlp.py
 demo: $(STAMP)
-	$(CPU_ENV) $(PY) examples/train_mlp.py
+	$(CPU_ENV) $(PY) examples/train_gpt.py --plot docs/loss.png --log-json runs/demo.jsonl
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
