@@ -242,14 +242,10 @@ def device_bytes(tree) -> int:
 
 def compiled_temp_bytes(step: TrainStep, batch, key) -> int | None:
     """XLA's temp buffer size (activations, gradients in flight, workspace) of the compiled
-    step on one device, from ``memory_analysis()`` of the jitted step ``TrainStep`` built
-    on its first call; None where the backend does not report it."""
-    jitted = getattr(step, "_step", None)
-    if jitted is None:
-        return None
+    step on one device, from its ``memory_analysis()``; None where the backend does not
+    report it."""
     try:
-        compiled = jitted.lower(step.params, step.rest, step.opt_state, batch, key).compile()
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        return int(step.compile(batch, key).memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - memory analysis is best effort
         return None
 

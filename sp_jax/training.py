@@ -138,6 +138,13 @@ class TrainStep:
             donate_argnums=(0, 2),
         )
 
+    def compile(self, batch: Any, key: jax.Array) -> jax.stages.Compiled:
+        """The compiled step for ``batch``'s shapes and shardings (for inspection, e.g.
+        ``compile(...).memory_analysis()``; the executable is cached by ``jax.jit``)."""
+        if self._step is None:
+            self._step = self._build(batch)
+        return self._step.lower(self.params, self.rest, self.opt_state, batch, key).compile()
+
     def __call__(self, batch: Any, key: jax.Array) -> dict[str, jax.Array]:
         """One optimizer step on ``batch`` (leaves ``[micro_batches, batch, ...]``)."""
         if self._step is None:

@@ -1,6 +1,8 @@
 """The SP GPT trains exactly like the same model unsharded (the reference system's
 SP-vs-DP acceptance test), in fp32 and under mixed precision."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,15 @@ def _batches(vocab, steps=STEPS, batch=B, micro=1, ignore_every=0, seed=0):
 
 
 def _train(cfg, parallel, mesh, batches, *, init=None, lr=3e-3, train_mode=False, tx=None):
-    """Trains (AdamW by default); returns (initial params, per-step losses, final params)."""
+    """Trains (AdamW by default); returns (initial params, per-step losses, final params).
+
+    AdamW's ``eps`` is 1e-5: Adam divides each update by ``sqrt(v) + eps``, so for an
+    entry whose gradient is nearly zero it turns the fp32 summation-order noise of any
+    two correct implementations (here: sharded vs unsharded reductions, ~1e-9) into
+    updates of order ``lr``. With the default 1e-8, one entry in a few thousand then
+    differs by ~1e-4 after 5 steps (~1e-5 with eps=1e-6); 1e-5 bounds the amplification
+    to ``lr / eps``.
+    """
     with jax.set_mesh(mesh):
         model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
         if init is not None:
@@ -46,7 +56,7 @@ def _train(cfg, parallel, mesh, batches, *, init=None, lr=3e-3, train_mode=False
         init = param_values(model)
         if train_mode:
             model.train()
-        step = TrainStep(model, tx or optax.adamw(lr))
+        step = TrainStep(model, tx or optax.adamw(lr, eps=1e-5))
         place = NamedSharding(mesh, P(None, "data", None))
         losses = []
         for i, batch in enumerate(batches):
@@ -198,3 +208,50 @@ def test_fp32_wgrad_is_closer_to_fp32_than_bf16_autodiff(mesh_2x4):
     assert fused.dtype == plain.dtype == np.float32
     err_fused, err_plain = np.abs(fused - exact).max(), np.abs(plain - exact).max()
     assert err_fused < err_plain / 10, (err_fused, err_plain)
+
+
+def _merged_loss(graphdef, rest, params, tokens):
+    return nnx.merge(graphdef, params, rest).loss(tokens, tokens)
+
+
+def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
+    from sp_jax.analysis import saved_activation_bytes
+
+    tokens = _batches(64, steps=1)[0]["tokens"][0]
+    grads, saved = {}, {}
+    for remat in (False, True):
+        with jax.set_mesh(mesh_2x4):
+            model = GPT(GPTConfig(**{**BASE, "remat": remat}), rngs=nnx.Rngs(0))
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            loss = functools.partial(_merged_loss, graphdef, rest)
+            grads[remat] = to_host(nnx.to_pure_dict(jax.jit(jax.grad(loss))(params, tokens)))
+            saved[remat] = saved_activation_bytes(loss, params, tokens)
+    chex.assert_trees_all_close(grads[True], grads[False], rtol=1e-6, atol=1e-6)
+    assert saved[True] < saved[False]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hidden=30), "hidden=30 must be divisible by num_heads=4"),
+        (dict(num_layers=0), "num_layers=0 must be a positive int"),
+        (dict(positions="alibi"), "positions='alibi'"),
+        (dict(dropout=1.0), "dropout=1.0"),
+    ],
+)
+def test_gpt_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{**BASE, **kwargs})
+
+
+def test_gpt_input_errors(mesh_2x4):
+    with jax.set_mesh(mesh_2x4):
+        model = GPT(GPTConfig(**BASE), rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+            model(np.zeros((B, 32), np.int32))
+        with pytest.raises(ValueError, match="integer tokens"):
+            model(np.zeros((B, S), np.float32))
+        with pytest.raises(ValueError, match=r"num_heads=6 is not divisible"):
+            GPT(GPTConfig(**{**BASE, "num_heads": 6, "hidden": 48}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="Unknown GPTConfig key"):
+        GPTConfig.from_dict({**BASE, "n_layer": 2})

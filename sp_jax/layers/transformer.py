@@ -70,7 +70,8 @@ class CausalSelfAttention(nnx.Module):
       norm: ``"layernorm"`` or ``"rmsnorm"``.
       norm_epsilon: epsilon of the norm.
       dtype / param_dtype: compute and parameter dtypes.
-      rngs: rng streams (``params``; ``dropout`` when ``dropout > 0``).
+      rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call
+        (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
     """
 
     def __init__(
@@ -110,7 +111,7 @@ class CausalSelfAttention(nnx.Module):
             param_dtype=param_dtype, rngs=rngs)
         self.out = RowSequenceParallelLinear(
             hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.dropout = Dropout(dropout, config=config, rngs=rngs)
+        self.dropout = Dropout(dropout, config=config)  # rngs come with each call
 
     def _check_heads(self, mesh: Mesh) -> None:
         check_divisible("CausalSelfAttention", "num_heads", self.num_heads, mesh,
@@ -177,7 +178,7 @@ class MLP(nnx.Module):
             hidden, mlp_hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.down = RowSequenceParallelLinear(
             mlp_hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.dropout = Dropout(dropout, config=config, rngs=rngs)
+        self.dropout = Dropout(dropout, config=config)  # rngs come with each call
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:

@@ -92,7 +92,11 @@ class GPTConfig:
 
 
 class Block(nnx.Module):
-    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP`."""
+    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP`.
+
+    Its dropouts hold no rng stream; they draw from ``nnx.Rngs(dropout=key)`` built
+    from the ``key`` passed to each call (so a block can be rematerialised).
+    """
 
     def __init__(self, cfg: GPTConfig, parallel: ParallelConfig, *, rngs: nnx.Rngs):
         common = dict(config=parallel, dropout=cfg.dropout, norm=cfg.norm,
@@ -103,15 +107,17 @@ class Block(nnx.Module):
             rope_base=cfg.rope_base, **common)
         self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, **common)
 
-    def __call__(self, x: jax.Array, rngs: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        rngs = None if key is None else nnx.Rngs(dropout=key)
         return self.mlp(self.attention(x, rngs=rngs), rngs=rngs)
 
 
-def _apply_block(block: Block, x: jax.Array, rngs: Any) -> jax.Array:
-    return block(x, rngs)
-
-
-_apply_block_remat = nnx.remat(_apply_block)
+def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool) -> jax.Array:
+    """Applies ``block``; with ``remat`` its activations are recomputed in backward."""
+    if not remat:
+        return block(x, key)
+    graphdef, state = nnx.split(block)
+    return jax.checkpoint(lambda s, x, k: nnx.merge(graphdef, s)(x, k))(state, x, key)
 
 
 class GPT(nnx.Module):
@@ -175,10 +181,13 @@ class GPT(nnx.Module):
         if self.position is not None:
             x = x + self.position[: tokens.shape[1]].astype(x.dtype)[None]
             x = to_sequence_parallel(x, self.parallel, where="GPT")
-        x = self.dropout(x, rngs=rngs)
-        apply = _apply_block_remat if self.config.remat else _apply_block
+        training = self.config.dropout > 0 and not self.dropout.deterministic
+        stream = None
+        if training:  # keys are drawn here, outside any rematerialised block
+            stream = rngs.dropout if rngs is not None else self.dropout.rngs
+        x = self.dropout(x, rngs=stream() if training else None)
         for block in self.blocks:
-            x = apply(block, x, rngs)
+            x = _run_block(block, x, stream() if training else None, self.config.remat)
         return self.final_norm(x)
 
     def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
