@@ -71,6 +71,7 @@ CASES = {
     "dropout": (dict(dropout=0.1), dict(recompute_allgather=True)),
     "untied_rotary_rmsnorm": (dict(tie_embeddings=False, positions="rotary", norm="rmsnorm"),
                               dict()),
+    "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), dict()),
     "vocab_50": (dict(vocab_size=50), dict()),
     "vocab_50_untied": (dict(vocab_size=50, tie_embeddings=False), dict()),
 }
@@ -255,3 +256,26 @@ def test_gpt_input_errors(mesh_2x4):
             GPT(GPTConfig(**{**BASE, "num_heads": 6, "hidden": 48}), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="Unknown GPTConfig key"):
         GPTConfig.from_dict({**BASE, "n_layer": 2})
+
+
+def test_scan_layers_equals_unrolled_layers(mesh_2x4):
+    """scan_layers stacks the same initial values and computes the same loss/gradients."""
+    tokens = _batches(64, steps=1)[0]["tokens"][0]
+    out = {}
+    with jax.set_mesh(mesh_2x4):
+        for scan in (False, True):
+            model = GPT(GPTConfig(**{**BASE, "num_layers": 3, "dropout": 0.1,
+                                     "scan_layers": scan}), rngs=nnx.Rngs(0))
+            model.train()
+            loss, g = nnx.jit(nnx.value_and_grad(
+                lambda m, t: m.loss(t, t, rngs=nnx.Rngs(dropout=3))))(model, tokens)
+            out[scan] = (float(loss), param_values(model),
+                         to_host(nnx.to_pure_dict(nnx.state(g))))
+        kernel = model.blocks.mlp.up.kernel
+        assert kernel[...].shape == (3, 32, 128)
+        assert kernel[...].sharding.spec == P(None, None, "tensor")
+    stack = lambda tree: jax.tree.map(lambda *xs: np.stack(xs), *tree.values())  # noqa: E731
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
+    chex.assert_trees_all_equal(out[True][1]["blocks"], stack(out[False][1]["blocks"]))
+    chex.assert_trees_all_close(out[True][2]["blocks"], stack(out[False][2]["blocks"]),
+                                rtol=1e-5, atol=1e-6)

@@ -44,6 +44,10 @@ class GPTConfig:
       param_dtype: parameter (master weight) dtype.
       remat: recompute each block in the backward pass (``jax.checkpoint``) instead of
         keeping its activations; composes with ``recompute_allgather``.
+      scan_layers: store the blocks' parameters stacked along a leading layer axis and
+        run them with one ``lax.scan`` (compile time independent of ``num_layers``).
+        Same initial values as the unrolled model; parameters ``blocks/...`` get shape
+        ``[num_layers, ...]``.
     """
 
     vocab_size: int
@@ -61,6 +65,7 @@ class GPTConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden"):
@@ -120,6 +125,35 @@ def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool) -
     return jax.checkpoint(lambda s, x, k: nnx.merge(graphdef, s)(x, k))(state, x, key)
 
 
+def _stack_blocks(blocks: list[Block]) -> Block:
+    """One :class:`Block` whose variables hold ``blocks``' values stacked on axis 0."""
+
+    def stack(*variables):
+        first = variables[0]
+        value = jnp.stack([v[...] for v in variables])
+        metadata = first.get_metadata()
+        if metadata.get("out_sharding") is not None:
+            metadata["out_sharding"] = (None, *metadata["out_sharding"])
+        return first.from_metadata(value, metadata)
+
+    states = [nnx.state(b) for b in blocks]
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.merge(nnx.graphdef(blocks[0]), stacked)
+
+
+def _scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool
+                 ) -> jax.Array:
+    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each)."""
+    graphdef, state = nnx.split(stacked)
+
+    def layer(x, xs):
+        layer_state, key = xs
+        return nnx.merge(graphdef, layer_state)(x, key), None
+
+    body = jax.checkpoint(layer) if remat else layer
+    return jax.lax.scan(body, x, (state, keys))[0]
+
+
 class GPT(nnx.Module):
     """Decoder-only transformer in the TP+SP layout.
 
@@ -151,7 +185,8 @@ class GPT(nnx.Module):
         else:
             self.position = None
         self.dropout = Dropout(cfg.dropout, config=parallel, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)])
+        blocks = [Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)]
+        self.blocks = _stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         norm_cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
         self.final_norm = norm_cls(cfg.hidden, config=parallel, epsilon=cfg.norm_epsilon,
                                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
@@ -186,8 +221,13 @@ class GPT(nnx.Module):
         if training:  # keys are drawn here, outside any rematerialised block
             stream = rngs.dropout if rngs is not None else self.dropout.rngs
         x = self.dropout(x, rngs=stream() if training else None)
-        for block in self.blocks:
-            x = _run_block(block, x, stream() if training else None, self.config.remat)
+        if self.config.scan_layers:
+            keys = jnp.stack([stream() for _ in range(self.config.num_layers)]) \
+                if training else None
+            x = _scan_blocks(self.blocks, x, keys, self.config.remat)
+        else:
+            for block in self.blocks:
+                x = _run_block(block, x, stream() if training else None, self.config.remat)
         return self.final_norm(x)
 
     def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
