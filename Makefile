@@ -14,7 +14,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,examples]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,examples,gpu-aot]"
 	touch $(STAMP)
 
 # Trains the byte-level GPT (examples/train_gpt.py; ~1-2 min on CPU); examples/train_mlp.py is

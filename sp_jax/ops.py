@@ -385,6 +385,10 @@ def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
     dx = _reduce_scatter(_dot_t(dy, kernel), axis_name, seq_dim)
     dkernel = _wgrad(x_full, dy, wgrad_dtype, kernel.dtype)
     dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
+    # Release dx together with dW (Megatron's async dx collective, waited for after the
+    # dW GEMM): the scheduler then runs the reduce-scatter while dW is computed instead
+    # of serialising it on the critical path.
+    dx, dkernel = lax.optimization_barrier((dx, dkernel))
     return dx, dkernel, dbias
 
 

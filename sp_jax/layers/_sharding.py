@@ -80,6 +80,18 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     return x
 
 
+def mesh_platform() -> str:
+    """Platform of the devices of the current mesh (``"cpu"``, ``"gpu"``, ...).
+
+    Deviceless compiles for GPU run on a CPU-only host: the mesh, not the default
+    backend, says what the program is compiled for.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
+    platform = getattr(device, "platform", None)
+    return platform if platform is not None else jax.default_backend()
+
+
 def warn_if_recompute_may_be_merged(config: ParallelConfig) -> None:
     """Warns when XLA:CPU would merge recompute's re-all-gather with the forward one.
 
@@ -87,7 +99,7 @@ def warn_if_recompute_may_be_merged(config: ParallelConfig) -> None:
     ``cse_barrier_expander`` pass is disabled; the result is still correct, but the
     gathered input is then kept alive and ``recompute_allgather`` saves nothing.
     """
-    if not config.recompute_allgather or jax.default_backend() != "cpu":
+    if not config.recompute_allgather or mesh_platform() != "cpu":
         return
     if "cse_barrier_expander" in os.environ.get("XLA_FLAGS", ""):
         return
