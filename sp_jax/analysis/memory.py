@@ -20,33 +20,50 @@ class Residual:
       device_shape: shape of the block one device holds.
       dtype: element type.
       device_bytes: bytes one device holds (the largest block where blocks differ).
+      source: where JAX says the residual comes from (the operation that produced it),
+        when it can tell; else empty.
     """
 
     shape: tuple[int, ...]
     device_shape: tuple[int, ...]
     dtype: np.dtype
     device_bytes: int
+    source: str = ""
 
 
-def _device_shape(x: jax.Array) -> tuple[int, ...]:
+def _device_shape(x: Any) -> tuple[int, ...]:
     sharding = getattr(x, "sharding", None)
-    if sharding is None:
+    if sharding is None or not hasattr(sharding, "shard_shape"):
         return tuple(x.shape)
     return tuple(sharding.shard_shape(x.shape))
 
 
-def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
-    """Runs ``jax.vjp(fn, *args)`` and lists the residual arrays it keeps for backward.
+def _sources(fn: Callable[..., Any], args: tuple) -> list[tuple[tuple, str]]:
+    """(shape, source) per residual from JAX's own residual listing, when available."""
+    try:  # the listing behind jax.ad_checkpoint.print_saved_residuals
+        from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
 
-    The residuals are the leaves of the returned VJP function: real arrays with their
-    real shardings, so ``device_bytes`` is what one device holds. Call it under the mesh
-    the function runs on (``jax.set_mesh``); ``fn`` runs eagerly (op by op).
+        return [(tuple(aval.shape), src) for aval, src in _jax_saved_residuals(fn, *args)]
+    except Exception:  # noqa: BLE001 - a private helper; the breakdown is optional
+        return []
+
+
+def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
+    """The residual arrays ``jax.vjp(fn, *args)`` keeps for the backward pass.
+
+    Evaluated abstractly (``jax.eval_shape`` of the VJP function: nothing is computed, so
+    realistic model sizes are cheap). The residuals carry their shardings, so
+    ``device_bytes`` is what one device holds on an Explicit mesh (on an Auto mesh
+    shardings are not part of the types and whole arrays are counted). Call it under the
+    mesh ``fn`` runs on (``jax.set_mesh``).
     """
-    _, vjp_fn = jax.vjp(fn, *args)
+    vjp_fn = jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *args)
+    leaves = [x for x in jax.tree.leaves(vjp_fn) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    sources = _sources(fn, args)
+    if [shape for shape, _ in sources] != [tuple(x.shape) for x in leaves]:
+        sources = [((), "")] * len(leaves)
     out = []
-    for leaf in jax.tree.leaves(vjp_fn):
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            continue
+    for leaf, (_, source) in zip(leaves, sources, strict=True):
         device_shape = _device_shape(leaf)
         dtype = np.dtype(leaf.dtype)
         out.append(
@@ -55,6 +72,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
                 device_shape=device_shape,
                 dtype=dtype,
                 device_bytes=math.prod(device_shape) * dtype.itemsize,
+                source=source,
             )
         )
     return out
