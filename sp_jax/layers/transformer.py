@@ -22,7 +22,7 @@ from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, data_sp
 from sp_jax.layers.elementwise import Dropout, LayerNorm, RMSNorm
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 
-__all__ = ["CausalSelfAttention", "MLP", "rotary_embedding"]
+__all__ = ["CausalSelfAttention", "MLP", "causal_attention", "rotary_embedding"]
 
 _NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
@@ -32,6 +32,52 @@ def _norm(kind: str, features: int, config, epsilon, dtype, param_dtype, rngs):
         raise ValueError(f"norm={kind!r} must be one of {sorted(_NORMS)}.")
     return _NORMS[kind](features, config=config, epsilon=epsilon, dtype=dtype,
                         param_dtype=param_dtype, rngs=rngs)
+
+
+def _causal_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """fp32 scaled scores ``[b, heads, s_q, s_k]`` with the future masked to -inf."""
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    s_q, s_k = q.shape[1], k.shape[1]
+    causal = jnp.arange(s_q)[:, None] >= jnp.arange(s_k)[None, :]
+    return jnp.where(causal, scores, -jnp.inf)
+
+
+@jax.custom_vjp
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention that keeps no ``s x s`` array for the backward pass.
+
+    ``q, k, v``: ``[batch, seq, heads, head_dim]`` -> ``[batch, seq, heads, head_dim]``,
+    softmax in fp32. The backward pass recomputes the probabilities from ``q``, ``k`` and
+    the saved log-sum-exp ``[batch, heads, seq]`` (Korthikanti et al.'s *selective
+    recomputation*, as in flash attention): the residuals are ``q, k, v``, the output and
+    the log-sum-exp, instead of the ``5 a s^2 b`` bytes of scores, probabilities and
+    masks that plain autodiff keeps per layer.
+    """
+    return _causal_attention_fwd(q, k, v)[0]
+
+
+def _causal_attention_fwd(q, k, v):
+    scores = _causal_scores(q, k)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+    return out, (q, k, v, out, lse)
+
+
+def _causal_attention_bwd(res, d_out):
+    q, k, v, out, lse = res
+    probs = jnp.exp(_causal_scores(q, k) - lse[..., None])  # recomputed, fp32
+    d_v = jnp.einsum("bhqk,bqhd->bkhd", probs.astype(d_out.dtype), d_out)
+    d_probs = jnp.einsum("bqhd,bkhd->bhqk", d_out, v, preferred_element_type=jnp.float32)
+    row = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    d_scores = probs * (d_probs - row[..., None]) * q.shape[-1] ** -0.5
+    d_q = jnp.einsum("bhqk,bkhd->bqhd", d_scores.astype(q.dtype), k)
+    d_k = jnp.einsum("bhqk,bqhd->bkhd", d_scores.astype(k.dtype), q)
+    return d_q, d_k, d_v.astype(v.dtype)
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
@@ -128,7 +174,7 @@ class CausalSelfAttention(nnx.Module):
             positions = jnp.arange(s)
             q = rotary_embedding(q, positions, self.rope_base)
             k = rotary_embedding(k, positions, self.rope_base)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(q, k, v)
         return out.reshape(b, s, heads * head_dim)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
@@ -183,6 +229,8 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
-        y = self.down(self.activation(self.up(self.norm(x))))
+        # The activation is recomputed in backward: only its input is kept (the tanh
+        # approximation of gelu would otherwise keep several [b, s, mlp_hidden / t] arrays).
+        y = self.down(jax.checkpoint(self.activation)(self.up(self.norm(x))))
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y
