@@ -377,12 +377,15 @@ def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
         # into the forward pass or merged (CSE) with the forward gather, which would keep
         # the full input alive and silently undo the memory saving.
         x, dy = lax.optimization_barrier((x, dy))
-        x_full = _all_gather(x, axis_name, seq_dim)
+        with jax.named_scope("sp_regather"):
+            x_full = _all_gather(x, axis_name, seq_dim)
     else:
         x_full = x
     # dx does not depend on the re-gather and the reduce-scatter does not depend on the
     # dW matmul, so XLA may overlap gather || dx-matmul and reduce-scatter || dW-matmul.
-    dx = _reduce_scatter(_dot_t(dy, kernel), axis_name, seq_dim)
+    dx = _dot_t(dy, kernel)
+    with jax.named_scope("sp_dx_reduce_scatter"):  # names show in HLO and profiles
+        dx = _reduce_scatter(dx, axis_name, seq_dim)
     dkernel = _wgrad(x_full, dy, wgrad_dtype, kernel.dtype)
     dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
     # Release dx together with dW (Megatron's async dx collective, waited for after the

@@ -39,6 +39,10 @@ TARGETS = {"h100": "h100_sxm.txtpb"}
 # for real runs): the latency-hiding scheduler decides which collectives overlap compute.
 DEFAULT_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
+    # XLA:CPU runs need --xla_disable_hlo_passes=cse_barrier_expander (see
+    # ParallelConfig.recompute_allgather); the GPU pipeline must run that pass (XLA:GPU
+    # cannot emit an optimization barrier), so the process-wide setting is cleared here.
+    "xla_disable_hlo_passes": "",
 }
 
 
@@ -82,6 +86,7 @@ def gpu_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str], *, target: st
              axis_types: AxisType = AxisType.Explicit) -> jax.sharding.Mesh:
     """A mesh over ``prod(mesh_shape)`` abstract GPUs of ``target`` (no GPU needed)."""
     mesh_shape, axis_names = tuple(mesh_shape), tuple(axis_names)
+    _target_config(target)  # unknown targets fail here, before the plugin is involved
     if len(mesh_shape) != len(axis_names):
         raise ValueError(f"mesh_shape {mesh_shape} and axis_names {axis_names} differ in length.")
     n = 1

@@ -1,0 +1,201 @@
+"""Structural facts that must not regress: activation bytes vs the paper's formula,
+Megatron's collective counts, and async backward collectives in XLA:GPU's H100 HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sp_jax
+from sp_jax.analysis import (
+    activation_bytes_formula,
+    collective_stats,
+    compile_for_gpu,
+    gpu_mesh,
+    saved_residuals,
+)
+from sp_jax.models import Block, GPTConfig
+
+# --------------------------------------------------------------------------------------
+# The formula
+# --------------------------------------------------------------------------------------
+
+
+def test_formula_matches_the_paper():
+    s, b, h, a, t = 2048, 1, 4096, 32, 8
+    sbh = s * b * h
+    assert activation_bytes_formula(s, b, h, a, 1, "none") == sbh * (34 + 5 * a * s / h)
+    # SP divides everything by t; TP alone leaves the 10*sbh of LN/dropout/inputs
+    assert activation_bytes_formula(s, b, h, a, t, "tp_sp") == pytest.approx(
+        activation_bytes_formula(s, b, h, a, 1, "none") / t)
+    assert activation_bytes_formula(s, b, h, a, t, "tp") == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_formula(s, b, h, a, t, "tp_sp_selective") == sbh / t * 34
+    assert activation_bytes_formula(s, b, h, a, t, "full") == 2 * sbh
+    # Table 2 of the paper, GPT-3 175B-like layer at t=8: 114 MiB with TP+SP
+    assert activation_bytes_formula(s, b, h, a, t, "tp_sp") / 2**20 == pytest.approx(114.0)
+    with pytest.raises(ValueError, match="mode='sp'"):
+        activation_bytes_formula(s, b, h, a, t, "sp")
+    with pytest.raises(ValueError, match="t=0"):
+        activation_bytes_formula(s, b, h, a, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Activation bytes of a real-size layer (abstract evaluation: nothing is computed)
+# --------------------------------------------------------------------------------------
+
+H, A, S, B, T = 4096, 32, 2048, 1, 8
+
+
+def _layer_activation_bytes(recompute):
+    """Per-device bytes of one GPT layer's saved activations (parameters excluded)."""
+    mesh = make_mesh(1, T)
+    cfg = GPTConfig(vocab_size=256, max_seq_len=S, num_layers=1, num_heads=A, hidden=H,
+                    dtype=jnp.bfloat16)
+    parallel = sp_jax.ParallelConfig(recompute_allgather=recompute, data_axis=None)
+    with jax.set_mesh(mesh):
+        block = nnx.eval_shape(lambda: Block(cfg, parallel, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(block)
+        x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, P(None, "tensor", None)))
+        residuals = saved_residuals(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+    param_blocks = {(tuple(p.sharding.shard_shape(p.shape)), np.dtype(p.dtype))
+                    for p in jax.tree.leaves(params)}
+    return sum(r.device_bytes for r in residuals
+               if (r.device_shape, r.dtype) not in param_blocks)
+
+
+def test_layer_activations_within_the_papers_tp_sp_figure():
+    formula = activation_bytes_formula(S, B, H, A, T, "tp_sp")
+    save, recompute = _layer_activation_bytes(False), _layer_activation_bytes(True)
+    assert recompute <= formula
+    # save mode keeps the two gathered [b, s, h] bf16 inputs instead of their shards
+    gathered = 2 * S * B * H * 2
+    assert save - recompute == gathered * (T - 1) // T
+
+
+# --------------------------------------------------------------------------------------
+# Collectives per layer (CPU compile, 8 simulated devices)
+# --------------------------------------------------------------------------------------
+
+h_small, s_small = 64, 32
+
+
+def _compiled_layer_grad(recompute):
+    """(compiled grad of one layer on a data=2 x tensor=4 mesh, per-device param shapes)."""
+    mesh = make_mesh(2, 4)
+    cfg = GPTConfig(vocab_size=256, max_seq_len=s_small, num_layers=1, num_heads=4,
+                    hidden=h_small)
+    parallel = sp_jax.ParallelConfig(recompute_allgather=recompute)
+    with jax.set_mesh(mesh):
+        block = Block(cfg, parallel, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(block)
+        x = jax.reshard(jnp.ones((4, s_small, h_small)), P("data", "tensor", None))
+
+        def loss(p, x):
+            return jnp.sum(nnx.merge(graphdef, p)(x) ** 2)
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    shapes = {tuple(p.sharding.shard_shape(p.shape)) for p in jax.tree.leaves(params)}
+    return compiled, shapes
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_collectives_per_layer_equal_megatrons(recompute):
+    stats = collective_stats(_compiled_layer_grad(recompute)[0])
+    # forward: 2 all-gathers (qkv, up) + 2 reduce-scatters (out, down);
+    # backward: 2 reduce-scatters (dx of qkv, up) + 2 all-gathers (dy of out, down),
+    # plus 2 re-gathers of the inputs with recompute_allgather.
+    assert stats.operands["all-gather"] == 4 + (2 if recompute else 0)
+    assert stats.operands["reduce-scatter"] == 4
+    assert stats.operands["collective-permute"] == 0
+    assert stats.operands["all-to-all"] == 0
+
+
+def test_no_all_reduce_of_activations():
+    """Every all-reduced array is one device's block of a parameter gradient (the
+    data-parallel sum, and the norms' replicated scales/biases): no activation."""
+    compiled, param_shapes = _compiled_layer_grad(True)
+    reduced = []
+    for line in compiled.as_text().splitlines():
+        if re.search(r" all-reduce(-start)?\(", line):
+            result = line.split(" = ", 1)[1].split(" all-reduce", 1)[0]
+            reduced += [tuple(int(d) for d in dims.split(",") if d)
+                        for dims in re.findall(r"f32\[([\d,]*)\]", result)]
+    assert reduced, "the parameters' data-parallel gradients are all-reduced"
+    assert set(reduced) <= param_shapes, set(reduced) - param_shapes
+
+
+# --------------------------------------------------------------------------------------
+# XLA:GPU, 8 x H100 (deviceless compile)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100_reports():
+    cfg = GPTConfig(vocab_size=256, max_seq_len=512, num_layers=2, num_heads=8, hidden=512,
+                    dtype=jnp.bfloat16)
+    reports = {}
+    for recompute in (False, True):
+        parallel = sp_jax.ParallelConfig(recompute_allgather=recompute, data_axis=None,
+                                         wgrad_dtype=jnp.float32)
+        with jax.set_mesh(gpu_mesh((8,), ("tensor",))):
+            blocks = nnx.eval_shape(
+                lambda p=parallel: nnx.List([Block(cfg, p, rngs=nnx.Rngs(i)) for i in range(2)]))
+            graphdef, params = nnx.split(blocks)
+        x = jax.ShapeDtypeStruct((1, 512, 512), jnp.bfloat16, sharding=P(None, "tensor", None))
+
+        def grad(params, x, graphdef=graphdef):
+            def loss(p, x):
+                for block in nnx.merge(graphdef, p):
+                    x = block(x)
+                return jnp.sum(x.astype(jnp.float32) ** 2)
+
+            return jax.grad(loss, argnums=(0, 1))(params, x)
+
+        reports[recompute] = compile_for_gpu(grad, params, x, mesh_shape=(8,),
+                                             axis_names=("tensor",))
+    return reports
+
+
+def _starts(hlo, scope):
+    """is_sync flags of the collective starts whose op_name contains ``scope``."""
+    out = []
+    for line in hlo.splitlines():
+        if re.search(r"-start(\.\d+)? = ", line) and f"/{scope}/" in line:
+            out.append('"is_sync":false' in line)
+    return out
+
+
+def test_h100_backward_dx_reduce_scatter_and_regather_are_async(h100_reports):
+    save, rec = h100_reports[False], h100_reports[True]
+    assert rec.collectives.ops["reduce-scatter"] == save.collectives.ops["reduce-scatter"] > 0
+    for report in (save, rec):
+        dx = _starts(report.hlo, "sp_dx_reduce_scatter")
+        assert len(dx) == 4 and all(dx), dx  # 2 layers x (qkv, up)
+    regather = _starts(rec.hlo, "sp_regather")
+    assert len(regather) == 4 and all(regather), regather
+    assert _starts(save.hlo, "sp_regather") == []
+    assert rec.collectives.async_ops["all-gather"] > save.collectives.async_ops["all-gather"]
+
+
+def test_h100_peak_memory_recompute_below_save(h100_reports):
+    save, rec = h100_reports[False], h100_reports[True]
+    assert rec.peak_bytes < save.peak_bytes
+    assert rec.peak_bytes == (rec.temp_bytes + rec.argument_bytes + rec.output_bytes
+                              - rec.alias_bytes)
+    assert "H100" in str(gpu_mesh((8,), ("tensor",)).devices.flat[0].device_kind)
+
+
+def test_compile_for_gpu_errors():
+    with pytest.raises(ValueError, match="Unknown GPU target 'a100'"):
+        compile_for_gpu(lambda x: x, jnp.ones(4), mesh_shape=(8,), axis_names=("t",),
+                        target="a100")
+    with pytest.raises(ValueError, match="differ in length"):
+        gpu_mesh((2, 4), ("tensor",))
