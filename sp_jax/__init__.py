@@ -1,6 +1,6 @@
 """sp_jax: Megatron-style tensor and sequence parallelism for JAX / Flax NNX."""
 
-from sp_jax import ops
+from sp_jax import ops, xla_flags
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ParallelConfig",
     "ops",
+    "xla_flags",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ColumnSequenceParallelLinear",

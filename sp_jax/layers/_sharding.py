@@ -12,6 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 
+# XLA GPU flag check (sp_jax/xla_flags.py), re-exported for the layers.
+from sp_jax.xla_flags import warn_if_gpu_flags_missing  # noqa: F401
+
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 

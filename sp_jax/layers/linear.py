@@ -40,6 +40,7 @@ from sp_jax.layers._sharding import (
     current_mesh,
     data_spec,
     reshard,
+    warn_if_gpu_flags_missing,
     warn_if_recompute_may_be_merged,
 )
 
@@ -179,6 +180,7 @@ class _ParallelLinear(nnx.Module):
         Returns ``[batch, seq, out_features]`` in the compute dtype (``dtype``, or the
         promoted dtype of input and parameters) with the layer's output sharding.
         """
+        warn_if_gpu_flags_missing()  # once per process, on GPU only (sp_jax.xla_flags)
         mesh = current_mesh(self.config, where=type(self).__name__)
         self._check_features(mesh)
         x = jnp.asarray(x)

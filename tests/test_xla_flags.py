@@ -1,0 +1,231 @@
+"""sp_jax.xla_flags: recommended XLA GPU flags, their filtering against jaxlib, the warning."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import pytest
+
+import sp_jax
+from sp_jax import xla_flags
+
+UNKNOWN = "--xla_gpu_this_flag_does_not_exist=true"
+
+
+def _run(code: str, xla_flags_env: str | None, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter on CPU with ``XLA_FLAGS`` = ``xla_flags_env``."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if xla_flags_env is not None:
+        env["XLA_FLAGS"] = xla_flags_env
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _jax_starts(flags: str) -> subprocess.CompletedProcess:
+    return _run("import jax; print(jax.devices())", flags)
+
+
+@pytest.fixture
+def clean_warning_state():
+    xla_flags._warn_gpu_flags_missing_once.cache_clear()
+    yield
+    xla_flags._warn_gpu_flags_missing_once.cache_clear()
+
+
+def test_module_exported():
+    assert sp_jax.xla_flags is xla_flags
+    assert "xla_flags" in sp_jax.__all__
+    names = [f.name for f in xla_flags.RECOMMENDED_GPU_FLAGS]
+    assert "xla_gpu_enable_latency_hiding_scheduler" in names
+    assert len(set(names)) == len(names)
+    for f in xla_flags.RECOMMENDED_GPU_FLAGS:
+        assert f.flag == f"--{f.name}={f.value}" and f.why
+
+
+def test_recommended_flags_are_accepted_by_jaxlib():
+    flags = xla_flags.recommended_xla_flags()
+    # jaxlib 0.10.2 knows all of them; a future jaxlib may drop some, never all.
+    assert flags and set(flags) <= {f.flag for f in xla_flags.RECOMMENDED_GPU_FLAGS}
+    proc = _jax_starts(" ".join(flags))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_unknown_flag_aborts_jax_and_is_filtered_out():
+    proc = _jax_starts(UNKNOWN)
+    assert proc.returncode != 0
+    assert "Unknown flag" in proc.stderr
+    good = xla_flags.recommended_xla_flags()[:2]
+    assert xla_flags.supported_xla_flags([good[0], UNKNOWN, good[1]]) == good
+    assert xla_flags.supported_xla_flags([UNKNOWN]) == []
+
+
+def test_flag_with_unparsable_value_is_filtered_out():
+    good = "--xla_gpu_enable_latency_hiding_scheduler=true"
+    bad = "--xla_gpu_all_gather_combine_threshold_bytes=lots"
+    assert xla_flags.supported_xla_flags([bad, good]) == [good]
+
+
+def test_supported_xla_flags_rejects_malformed_flags():
+    with pytest.raises(ValueError, match="not an XLA flag"):
+        xla_flags.supported_xla_flags(["xla_gpu_enable_latency_hiding_scheduler=true"])
+
+
+def test_apply_xla_flags_before_jax_starts():
+    code = """
+        import os, sys
+        from sp_jax import xla_flags
+        value = xla_flags.apply_xla_flags()
+        assert os.environ["XLA_FLAGS"] == value, value
+        import jax
+        jax.devices()  # the backend starts with the flags
+        assert xla_flags.missing_xla_flags() == [], xla_flags.missing_xla_flags()
+        try:
+            xla_flags.apply_xla_flags()
+        except RuntimeError:
+            pass
+        else:
+            sys.exit("no RuntimeError after the backend started")
+        print(value)
+    """
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_hlo_as_text"
+    proc = _run(code, user)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    value = proc.stdout.strip().splitlines()[-1]
+    assert value.startswith(user)  # the user's flags come first, unchanged
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in value
+    assert value.count("xla_gpu_enable_latency_hiding_scheduler") == 1
+    for flag in xla_flags.recommended_xla_flags()[1:]:
+        assert value.count(flag) == 1, (flag, value)
+
+
+def test_apply_xla_flags_keeps_user_values_and_does_not_duplicate(monkeypatch):
+    monkeypatch.setattr(xla_flags, "_backend_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather=false")
+    first = xla_flags.apply_xla_flags()
+    assert first.startswith("--xla_gpu_enable_pipelined_all_gather=false ")
+    assert "--xla_gpu_enable_pipelined_all_gather=true" not in first
+    assert xla_flags.apply_xla_flags() == first  # idempotent
+    given = xla_flags.apply_xla_flags(["--xla_dump_to=/tmp/x", "--xla_dump_to=/tmp/y"])
+    assert given == first + " --xla_dump_to=/tmp/x"
+    with pytest.raises(ValueError, match="not an XLA flag"):
+        xla_flags.apply_xla_flags(["dump_to"])
+
+
+def test_apply_xla_flags_after_backend_init_raises(monkeypatch):
+    jax.devices()  # tests/conftest.py has started the CPU backend; make sure
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(RuntimeError, match="before the first JAX computation"):
+        xla_flags.apply_xla_flags()
+    assert os.environ.get("XLA_FLAGS") == before
+
+
+def test_missing_xla_flags(monkeypatch):
+    flags = xla_flags.recommended_xla_flags()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert xla_flags.missing_xla_flags() == flags
+    # A user-chosen value counts as present.
+    name = flags[0].split("=")[0]
+    monkeypatch.setenv("XLA_FLAGS", f"{name}=false {' '.join(flags[2:])}")
+    assert xla_flags.missing_xla_flags() == [flags[1]]
+
+
+def test_recommended_compiler_options_compile():
+    opts = xla_flags.recommended_compiler_options()
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert jax.jit(lambda x: x + 1, compiler_options=opts)(1) == 2
+    with pytest.raises(Exception, match="xla_gpu_this_flag_does_not_exist"):
+        jax.jit(lambda x: x + 2, compiler_options={"xla_gpu_this_flag_does_not_exist": "true"})(1)
+
+
+def test_no_warning_on_cpu(clean_warning_state, monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    called = []
+    monkeypatch.setattr(xla_flags, "missing_xla_flags", lambda: called.append(1) or ["--x=1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xla_flags.warn_if_gpu_flags_missing()
+    assert not called  # no probing off GPU
+
+
+def test_warns_once_on_gpu_naming_missing_flags(clean_warning_state, monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
+    with pytest.warns(UserWarning, match="xla_gpu_enable_while_loop_double_buffering") as rec:
+        xla_flags.warn_if_gpu_flags_missing()
+    message = str(rec[0].message)
+    assert "apply_xla_flags()" in message and "XLA_FLAGS" in message
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in message  # user set it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xla_flags.warn_if_gpu_flags_missing()  # once per process
+
+
+def test_no_warning_on_gpu_with_flags(clean_warning_state, monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XLA_FLAGS", " ".join(xla_flags.recommended_xla_flags()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xla_flags.warn_if_gpu_flags_missing()
+
+
+def test_parallel_layer_warns_on_gpu(clean_warning_state, monkeypatch, mesh_2x4):
+    from flax import nnx
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    layer = sp_jax.ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh_2x4), pytest.warns(UserWarning, match="apply_xla_flags"):
+        layer(jax.numpy.ones((2, 8, 16)))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="needs the CUDA PJRT plugin for a deviceless GPU compile (pip install sp_jax[gpu-aot])",
+)
+def test_flags_reach_xla_gpu_in_a_deviceless_compile():
+    """XLA:GPU (the CUDA plugin's own XLA) accepts the flags from XLA_FLAGS and uses them.
+
+    A scan over 4 layers is double-buffered (trip count 2) with the flags; turning them
+    off for one compilation through compiler_options gives the plain loop back.
+    """
+    code = """
+        import re
+        from importlib import resources
+        import jax, jax.numpy as jnp
+        from jax.experimental import topologies
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from sp_jax import xla_flags
+
+        target = resources.files("sp_jax.analysis").joinpath("targets", "h100_sxm.txtpb")
+        topo = topologies.get_topology_desc(
+            platform="cuda", topology="1x1x2", target_config=target.read_text())
+        mesh = Mesh(topo.devices, ("tensor",))
+
+        def body(x, w):
+            x = jax.lax.all_gather(x, "tensor", axis=0, tiled=True) @ w
+            return jax.lax.psum_scatter(x, "tensor", scatter_dimension=0, tiled=True), None
+
+        def f(x, ws):
+            step = jax.shard_map(lambda x, w: body(x, w)[0], mesh=mesh,
+                                 in_specs=(P("tensor"), P()), out_specs=P("tensor"))
+            return jax.lax.scan(lambda x, w: (step(x, w), None), x, ws)[0]
+
+        spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                     sharding=NamedSharding(mesh, p))
+        lowered = jax.jit(f).lower(spec((64, 64), P("tensor")), spec((4, 64, 64), P()))
+        off = {k: False for k in xla_flags.recommended_compiler_options()}
+        for hlo in (lowered.compile().as_text(), lowered.compile(off).as_text()):
+            print(sorted(re.findall(r'"known_trip_count":{"n":"(\\d+)"', hlo)))
+    """
+    proc = _run(code, " ".join(xla_flags.recommended_xla_flags()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_flags, without = proc.stdout.strip().splitlines()[-2:]
+    assert with_flags == "['2']", proc.stdout
+    assert without == "['4']", proc.stdout
