@@ -64,6 +64,23 @@ def check_divisible(where: str, what: str, size: int, mesh: Mesh, axes, fix: str
         )
 
 
+def check_batch_and_sequence(where: str, mesh: Mesh, config: ParallelConfig, batch: int,
+                             seq: int | None = None) -> None:
+    """The batch must split over the data axes and (SP layouts) ``seq`` over the tensor
+    axis; raises a ValueError naming the size and the fix otherwise."""
+    if config.data_axes:
+        check_divisible(
+            where, "batch size", batch, mesh, config.data_axes,
+            "use a batch that is a multiple of the data-parallel size or "
+            "ParallelConfig(data_axis=None)",
+        )
+    if seq is not None:
+        check_divisible(
+            where, "sequence length", seq, mesh, config.tensor_axis,
+            "pad the sequence to a multiple of the tensor-parallel size",
+        )
+
+
 def data_spec(config: ParallelConfig):
     """The PartitionSpec entry for the batch dimension."""
     axes = config.data_axes

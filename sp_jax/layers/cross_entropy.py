@@ -8,7 +8,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import axis_size, check_divisible, current_mesh, data_spec, reshard
+from sp_jax.layers._sharding import (
+    axis_size,
+    check_batch_and_sequence,
+    current_mesh,
+    data_spec,
+    reshard,
+)
 from sp_jax.layers.embedding import padded_vocab_size
 
 __all__ = ["parallel_cross_entropy"]
@@ -90,9 +96,7 @@ def parallel_cross_entropy(
             "logits' last dimension)."
         )
     d, t = data_spec(config), config.tensor_axis
-    if config.data_axes:
-        check_divisible("parallel_cross_entropy", "batch size", labels.shape[0], mesh,
-                        config.data_axes, "use a multiple of the data-parallel size")
+    check_batch_and_sequence("parallel_cross_entropy", mesh, config, labels.shape[0])
     padded = padded_vocab_size(vocab, axis_size(mesh, t))
     if padded != vocab:
         logits = jnp.pad(logits, ((0, 0), (0, 0), (0, padded - vocab)))

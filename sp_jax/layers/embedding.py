@@ -16,7 +16,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import (
     Mesh,
     axis_size,
-    check_divisible,
+    check_batch_and_sequence,
     current_mesh,
     data_spec,
     reshard,
@@ -137,12 +137,8 @@ class VocabParallelEmbedding(nnx.Module):
                 f"VocabParallelEmbedding: token ids must be integers, got dtype {ids.dtype}."
             )
         d, t = data_spec(self.config), self.config.tensor_axis
-        if self.config.data_axes:
-            check_divisible("VocabParallelEmbedding", "batch size", ids.shape[0], mesh,
-                            self.config.data_axes, "use a multiple of the data-parallel size")
-        if self.sequence_parallel:
-            check_divisible("VocabParallelEmbedding", "sequence length", ids.shape[1], mesh, t,
-                            "pad the sequence to a multiple of the tensor-parallel size")
+        check_batch_and_sequence("VocabParallelEmbedding", mesh, self.config, ids.shape[0],
+                                 ids.shape[1] if self.sequence_parallel else None)
         if table is None:
             table = self.padded_table(mesh)
         dtype = self.dtype if self.dtype is not None else table.dtype

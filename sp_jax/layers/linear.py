@@ -36,6 +36,7 @@ from sp_jax import ops
 from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import (
     Mesh,
+    check_batch_and_sequence,
     check_divisible,
     current_mesh,
     data_spec,
@@ -152,17 +153,8 @@ class _ParallelLinear(nnx.Module):
                 f"{name}: input dtype {x.dtype} is not floating point; cast the input "
                 "(e.g. x.astype(jnp.float32))."
             )
-        if self.config.data_axes:
-            check_divisible(
-                name, "batch size", x.shape[0], mesh, self.config.data_axes,
-                "use a batch that is a multiple of the data-parallel size or "
-                "ParallelConfig(data_axis=None)",
-            )
-        if self._sequence_parallel:
-            check_divisible(
-                name, "sequence length", x.shape[1], mesh, self.config.tensor_axis,
-                "pad the sequence to a multiple of the tensor-parallel size",
-            )
+        check_batch_and_sequence(name, mesh, self.config, x.shape[0],
+                                 x.shape[1] if self._sequence_parallel else None)
 
     # -- forward ------------------------------------------------------------------------
 
