@@ -30,20 +30,23 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from sp_jax.analysis.hlo import CollectiveStats, collective_stats
+from sp_jax.xla_flags import recommended_compiler_options
 
 __all__ = ["GpuCompileReport", "compile_for_gpu", "gpu_mesh", "TARGETS"]
 
 TARGETS = {"h100": "h100_sxm.txtpb"}
 
-# Scheduling options passed to every GPU compile (the same as sp_jax.xla_flags recommends
-# for real runs): the latency-hiding scheduler decides which collectives overlap compute.
-DEFAULT_COMPILER_OPTIONS: dict[str, Any] = {
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    # XLA:CPU runs need --xla_disable_hlo_passes=cse_barrier_expander (see
-    # ParallelConfig.recompute_allgather); the GPU pipeline must run that pass (XLA:GPU
-    # cannot emit an optimization barrier), so the process-wide setting is cleared here.
-    "xla_disable_hlo_passes": "",
-}
+# XLA:CPU runs need --xla_disable_hlo_passes=cse_barrier_expander (see
+# ParallelConfig.recompute_allgather); the GPU pipeline must run that pass (XLA:GPU cannot
+# emit an optimization barrier), so the process-wide setting is cleared for GPU compiles.
+_GPU_ONLY_OPTIONS: dict[str, Any] = {"xla_disable_hlo_passes": ""}
+
+
+def default_compiler_options() -> dict[str, Any]:
+    """Options of every GPU compile: sp_jax's recommended XLA GPU flags
+    (:func:`sp_jax.xla_flags.recommended_compiler_options`, what a real run would set),
+    plus the GPU-only settings above."""
+    return {**recommended_compiler_options(), **_GPU_ONLY_OPTIONS}
 
 
 @functools.cache
@@ -159,13 +162,14 @@ def compile_for_gpu(
     ``PartitionSpec`` of its sharding (a ``NamedSharding`` on any mesh, or a bare
     ``PartitionSpec``), re-targeted to the GPU mesh; leaves without one are replicated.
     ``fn`` is traced under ``jax.set_mesh`` of the GPU mesh, so sp_jax layers called in it
-    shard over it.
+    shard over it. The compile uses sp_jax's recommended XLA GPU flags
+    (:func:`default_compiler_options`); ``compiler_options`` adds to or overrides them.
 
     Returns:
       a :class:`GpuCompileReport` (per-device peak memory and collective statistics).
     """
     mesh = gpu_mesh(mesh_shape, axis_names, target=target, axis_types=axis_types)
-    options = {**DEFAULT_COMPILER_OPTIONS, **(compiler_options or {})}
+    options = {**default_compiler_options(), **(compiler_options or {})}
     with jax.set_mesh(mesh):
         abstract_args = jax.tree.map(lambda x: _abstract(x, mesh), args)
         compiled = jax.jit(fn).lower(*abstract_args).compile(compiler_options=options)
