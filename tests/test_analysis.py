@@ -199,3 +199,19 @@ def test_compile_for_gpu_errors():
                         target="a100")
     with pytest.raises(ValueError, match="differ in length"):
         gpu_mesh((2, 4), ("tensor",))
+
+
+def test_compile_for_gpu_without_the_plugin_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from sp_jax.analysis import gpu
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
+                        if name == "jax_plugins.xla_cuda12" else real_find_spec(name, *a))
+    gpu._topology.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"pip install --no-deps jax-cuda12-plugin=="):
+            gpu_mesh((8,), ("tensor",))
+    finally:
+        gpu._topology.cache_clear()
