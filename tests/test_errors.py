@@ -1,11 +1,20 @@
-"""Every documented bad input fails early with a ValueError/TypeError that names it."""
+"""The bad-input matrix: every documented bad input fails early, with a ValueError /
+TypeError / RuntimeError that names the value and the fix. Each case has the id of its
+row in README.md's "Bad inputs" table; a test checks the two lists agree."""
+
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import make_mesh
 from flax import nnx
 
 import sp_jax
+from sp_jax.analysis import gpu_mesh
+from sp_jax.models import GPT, GPTConfig
 
 LAYERS = [
     sp_jax.ColumnParallelLinear,
@@ -13,100 +22,158 @@ LAYERS = [
     sp_jax.ColumnSequenceParallelLinear,
     sp_jax.RowSequenceParallelLinear,
 ]
+GPT_BASE = dict(vocab_size=64, max_seq_len=16, num_layers=1, num_heads=4, hidden=32)
 
 
-def test_sequence_not_divisible_by_tensor_size(mesh_2x4):
-    with jax.set_mesh(mesh_2x4):
-        for cls in (sp_jax.ColumnSequenceParallelLinear, sp_jax.RowSequenceParallelLinear):
-            layer = cls(16, 16, rngs=nnx.Rngs(0))
-            with pytest.raises(ValueError, match=r"sequence length=6 .* size 4 .*'tensor'"):
-                layer(jnp.ones((2, 6, 16)))
-            with pytest.raises(ValueError, match="sequence length=6"):
-                nnx.jit(lambda m, x: m(x))(layer, jnp.ones((2, 6, 16)))
+def _on(mesh_shape, fn):
+    """Runs ``fn`` under a (data, tensor) mesh of the given shape."""
+    with jax.set_mesh(make_mesh(*mesh_shape)):
+        return fn()
+
+
+def _layer(cls=sp_jax.ColumnSequenceParallelLinear, n_in=16, n_out=16, **kw):
+    return cls(n_in, n_out, rngs=nnx.Rngs(0), **kw)
+
+
+def _gpt(**kw):
+    return GPT(GPTConfig(**{**GPT_BASE, **kw}), rngs=nnx.Rngs(0))
+
+
+def _tensor_only_mesh():
+    mesh = jax.make_mesh((4,), ("tensor",), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        _layer()
+
+
+# id -> (exception, message pattern, thunk)
+CASES = {
+    # mesh and configuration
+    "E01": (ValueError, r"needs a device mesh, but none is set.*set_mesh",
+            lambda: _layer()(jnp.ones((2, 8, 16)))),
+    "E02": (ValueError, r"tensor axis 'model'.*not in the mesh axes \('data', 'tensor'\)",
+            lambda: _on((2, 4), lambda: _layer(
+                config=sp_jax.ParallelConfig(tensor_axis="model")))),
+    "E03": (ValueError, r"data axis 'data'.*data_axis=None", _tensor_only_mesh),
+    "E04": (ValueError, r"Unknown ParallelConfig key\(s\) \['tensor_size'\]; valid keys",
+            lambda: sp_jax.ParallelConfig.from_dict({"tensor_size": 4})),
+    "E05": (TypeError, r"recompute_allgather='yes' must be True or False",
+            lambda: sp_jax.ParallelConfig(recompute_allgather="yes")),
+    "E06": (ValueError, r"wgrad_dtype=.*int32.* must be a floating dtype",
+            lambda: sp_jax.ParallelConfig(wgrad_dtype=jnp.int32)),
+    "E07": (TypeError, r"config=\{'recompute_allgather': True\} must be a sp_jax.ParallelConfig",
+            lambda: _layer(config={"recompute_allgather": True})),
+    # shapes and divisibility
+    "E08": (ValueError, r"out_features=30 is not divisible by the size 4 of mesh axis",
+            lambda: _on((2, 4), lambda: _layer(sp_jax.ColumnParallelLinear, 16, 30))),
+    "E09": (ValueError, r"in_features=30 is not divisible by the size 4 of mesh axis",
+            lambda: _on((2, 4), lambda: _layer(sp_jax.RowSequenceParallelLinear, 30, 16))),
+    "E10": (ValueError, r"sequence length=6 is not divisible by the size 4 of mesh axis "
+                        r"'tensor'; pad the sequence",
+            lambda: _on((2, 4), lambda: _layer()(jnp.ones((2, 6, 16))))),
+    "E11": (ValueError, r"batch size=3 is not divisible by the size 2 .*data_axis=None",
+            lambda: _on((2, 4), lambda: _layer()(jnp.ones((3, 8, 16))))),
+    "E12": (ValueError, r"expects input of shape \[batch, seq, 16\], got rank 2",
+            lambda: _on((2, 4), lambda: _layer()(jnp.ones((8, 16))))),
+    "E13": (ValueError, r"input feature size 12 .* does not match in_features=16",
+            lambda: _on((2, 4), lambda: _layer()(jnp.ones((2, 8, 12))))),
+    "E14": (ValueError, r"in_features=0 must be a positive int",
+            lambda: _layer(n_in=0)),
+    "E15": (ValueError, r"num_heads=6 is not divisible by the size 4",
+            lambda: _on((2, 4), lambda: sp_jax.CausalSelfAttention(24, 6, rngs=nnx.Rngs(0)))),
+    "E16": (ValueError, r"hidden=30 must be divisible by num_heads=4",
+            lambda: GPTConfig(**{**GPT_BASE, "hidden": 30})),
+    # dtypes
+    "E17": (TypeError, r"input dtype int32 is not floating point",
+            lambda: _on((2, 4), lambda: _layer()(jnp.ones((2, 8, 16), jnp.int32)))),
+    "E18": (TypeError, r"token ids must be integers, got dtype float32",
+            lambda: _on((2, 4), lambda: sp_jax.VocabParallelEmbedding(
+                64, 16, rngs=nnx.Rngs(0))(jnp.zeros((2, 8))))),
+    # values
+    "E19": (ValueError, r"token id 64 at position \(1, 2\) is outside \[0, 64\)",
+            lambda: _on((2, 4), lambda: sp_jax.VocabParallelEmbedding(
+                64, 16, rngs=nnx.Rngs(0))(np.zeros((2, 8), np.int32) + 64 * (
+                    np.arange(16).reshape(2, 8) == 10)))),
+    "E20": (ValueError, r"label 50 at position \(0, 0\) is outside \[0, 50\) \(or -100\)",
+            lambda: _on((2, 4), lambda: sp_jax.parallel_cross_entropy(
+                jnp.zeros((2, 8, 50)), np.full((2, 8), 50)))),
+    "E21": (ValueError, r"sequence length 32 exceeds max_seq_len=16",
+            lambda: _on((2, 4), lambda: _gpt()(np.zeros((2, 32), np.int32)))),
+    "E22": (ValueError, r"label_smoothing=1.5 must be in \[0, 1\)",
+            lambda: _on((2, 4), lambda: sp_jax.parallel_cross_entropy(
+                jnp.zeros((2, 8, 64)), np.zeros((2, 8), np.int32), label_smoothing=1.5))),
+    "E23": (ValueError, r"expects logits \[batch, seq, vocab\] and labels \[batch, seq\], got "
+                        r"logits \(2, 8, 64\) and labels \(2, 4\)",
+            lambda: _on((2, 4), lambda: sp_jax.parallel_cross_entropy(
+                jnp.zeros((2, 8, 64)), np.zeros((2, 4), np.int32)))),
+    "E24": (ValueError, r"Unknown GPTConfig key\(s\) \['n_layer'\]",
+            lambda: GPTConfig.from_dict({**GPT_BASE, "n_layer": 2})),
+    "E25": (ValueError, r"GPTConfig.dropout=1.0 must be in \[0, 1\)",
+            lambda: GPTConfig(**{**GPT_BASE, "dropout": 1.0})),
+    # tools
+    "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
+            lambda: gpu_mesh((8,), ("tensor",), target="a100")),
+    "E27": (RuntimeError, r"before",
+            lambda: sp_jax.xla_flags.apply_xla_flags()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input(case):
+    exc, pattern, thunk = CASES[case]
+    with pytest.raises(exc, match=pattern):
+        thunk()
+
+
+def test_readme_table_lists_exactly_these_cases():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table_ids = set(re.findall(r"^\| (E\d\d) \|", readme, flags=re.M))
+    assert table_ids == set(CASES) | {"E28"}  # E28: wrong checkpoint, tests/test_checkpoint.py
+    assert len(table_ids) >= 15
+
+
+# -- the same errors through jit, and on every layer -------------------------------------
 
 
 @pytest.mark.parametrize("cls", LAYERS)
-def test_features_not_divisible_at_construction(mesh_2x4, cls):
-    split_in = cls in (sp_jax.RowParallelLinear, sp_jax.RowSequenceParallelLinear)
-    shape, name = ((30, 16), "in_features=30") if split_in else ((16, 30), "out_features=30")
+def test_every_layer_checks_rank_and_features(mesh_2x4, cls):
     with jax.set_mesh(mesh_2x4):
-        with pytest.raises(ValueError, match=rf"{name} is not divisible by the size 4"):
-            cls(*shape, rngs=nnx.Rngs(0))
+        layer = cls(16, 16, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match=r"got rank 2"):
+            layer(jnp.ones((8, 16)))
+        with pytest.raises(ValueError, match="input feature size 12"):
+            nnx.jit(lambda m, x: m(x))(layer, jnp.ones((2, 8, 12)))
 
 
-def test_features_not_divisible_when_built_without_mesh(mesh_2x4):
+def test_errors_raise_at_trace_time_under_jit(mesh_2x4):
+    with jax.set_mesh(mesh_2x4):
+        layer = sp_jax.RowSequenceParallelLinear(16, 16, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="sequence length=6"):
+            nnx.jit(lambda m, x: m(x))(layer, jnp.ones((2, 6, 16)))
+
+
+def test_features_checked_at_first_call_when_built_without_mesh(mesh_2x4):
     layer = sp_jax.ColumnParallelLinear(16, 30, rngs=nnx.Rngs(0))  # no mesh: no check yet
     with jax.set_mesh(mesh_2x4):
         with pytest.raises(ValueError, match="out_features=30"):
             layer(jnp.ones((2, 8, 16)))
 
 
-@pytest.mark.parametrize("cls", LAYERS)
-def test_no_mesh_set(cls):
-    layer = cls(16, 16, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="needs a device mesh, but none is set.*set_mesh"):
-        layer(jnp.ones((2, 8, 16)))
-
-
-def test_tensor_axis_not_in_mesh(mesh_2x4):
-    cfg = sp_jax.ParallelConfig(tensor_axis="model")
+def test_out_of_range_ids_and_labels_give_nan_under_jit(mesh_2x4):
+    """Inside jit the values cannot be inspected: the loss becomes NaN, never wrong."""
+    tokens = np.zeros((2, 16), np.int32)
+    bad_tokens = tokens.copy()
+    bad_tokens[1, 3] = 64
+    bad_labels = tokens.copy()
+    bad_labels[0, 5] = 70
     with jax.set_mesh(mesh_2x4):
-        with pytest.raises(ValueError, match=r"tensor axis 'model'.*\('data', 'tensor'\)"):
-            sp_jax.ColumnParallelLinear(16, 16, config=cfg, rngs=nnx.Rngs(0))
-
-
-def test_data_axis_not_in_mesh():
-    mesh = jax.make_mesh((4,), ("tensor",), devices=jax.devices()[:4])
-    with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match=r"data axis 'data'.*data_axis=None"):
-            sp_jax.RowSequenceParallelLinear(16, 16, rngs=nnx.Rngs(0))
-
-
-@pytest.mark.parametrize("cls", LAYERS)
-def test_wrong_input_rank(mesh_2x4, cls):
-    with jax.set_mesh(mesh_2x4):
-        layer = cls(16, 16, rngs=nnx.Rngs(0))
-        with pytest.raises(ValueError, match=r"\[batch, seq, 16\], got rank 2"):
-            layer(jnp.ones((8, 16)))
-
-
-@pytest.mark.parametrize("cls", LAYERS)
-def test_wrong_feature_size(mesh_2x4, cls):
-    with jax.set_mesh(mesh_2x4):
-        layer = cls(16, 16, rngs=nnx.Rngs(0))
-        with pytest.raises(ValueError, match="input feature size 12 .* in_features=16"):
-            layer(jnp.ones((2, 8, 12)))
-
-
-def test_batch_not_divisible_by_data_size(mesh_2x4):
-    with jax.set_mesh(mesh_2x4):
-        layer = sp_jax.ColumnSequenceParallelLinear(16, 16, rngs=nnx.Rngs(0))
-        with pytest.raises(ValueError, match=r"batch size=3 .* size 2 .*data_axis=None"):
-            layer(jnp.ones((3, 8, 16)))
-
-
-def test_integer_input(mesh_2x4):
-    with jax.set_mesh(mesh_2x4):
-        layer = sp_jax.ColumnParallelLinear(16, 16, rngs=nnx.Rngs(0))
-        with pytest.raises(TypeError, match="int32 is not floating point"):
-            layer(jnp.ones((2, 8, 16), jnp.int32))
-
-
-@pytest.mark.parametrize("value", [0, -3, 2.5, True])
-def test_bad_feature_arguments(value):
-    with pytest.raises(ValueError, match=f"in_features={value!r}"):
-        sp_jax.ColumnParallelLinear(value, 16, rngs=nnx.Rngs(0))
-
-
-def test_config_must_be_parallel_config():
-    with pytest.raises(TypeError, match="ParallelConfig.from_dict"):
-        sp_jax.ColumnParallelLinear(16, 16, config={"recompute_allgather": True},
-                                    rngs=nnx.Rngs(0))
-
-
-def test_unknown_config_key():
-    with pytest.raises(ValueError, match=r"Unknown ParallelConfig key\(s\) \['tensor_size'\]"):
-        sp_jax.ParallelConfig.from_dict({"tensor_size": 4})
+        model = _gpt()
+        loss = nnx.jit(lambda m, t, y: m.loss(t, y))
+        assert np.isfinite(float(loss(model, tokens, tokens)))
+        assert np.isnan(float(loss(model, bad_tokens, tokens)))
+        assert np.isnan(float(loss(model, tokens, bad_labels)))
+        ignored = tokens.copy()
+        ignored[0, 5] = -100
+        assert np.isfinite(float(loss(model, tokens, ignored)))
 
 
 def test_op_shape_errors():
@@ -118,3 +185,9 @@ def test_op_shape_errors():
     with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
         sp_jax.ops.column_sequence_parallel_matmul(
             jnp.ones((2, 4, 8)), jnp.ones((8, 3)), jnp.ones(4), axis_name="tensor")
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_bad_feature_arguments(value):
+    with pytest.raises(ValueError, match=f"in_features={value!r}"):
+        sp_jax.ColumnParallelLinear(value, 16, rngs=nnx.Rngs(0))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -78,6 +80,27 @@ def check_batch_and_sequence(where: str, mesh: Mesh, config: ParallelConfig, bat
         check_divisible(
             where, "sequence length", seq, mesh, config.tensor_axis,
             "pad the sequence to a multiple of the tensor-parallel size",
+        )
+
+
+def check_int_range(where: str, what: str, values: Any, low: int, high: int,
+                    allowed: tuple[int, ...] = ()) -> None:
+    """Raises a ValueError when concrete integer ``values`` fall outside ``[low, high)``
+    (``allowed`` values excepted), naming the first offending value and its position.
+
+    Traced values (inside ``jit``) cannot be inspected here; the layers then make the
+    affected outputs NaN instead, so the loss is NaN, never silently wrong.
+    """
+    if isinstance(values, jax.core.Tracer):
+        return
+    v = np.asarray(values)
+    bad = ((v < low) | (v >= high)) & ~np.isin(v, allowed)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        extra = f" (or {', '.join(map(str, allowed))})" if allowed else ""
+        raise ValueError(
+            f"{where}: {what} {int(v[pos])} at position {pos} is outside [{low}, {high}){extra}; "
+            f"{int(bad.sum())} value(s) out of range."
         )
 
 

@@ -11,6 +11,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import (
     axis_size,
     check_batch_and_sequence,
+    check_int_range,
     current_mesh,
     data_spec,
     reshard,
@@ -41,6 +42,8 @@ def _local_cross_entropy(logits, labels, *, axis_name, vocab_size, ignore_index,
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
     if z_loss:
         loss = loss + z_loss * lse**2
+    invalid = (labels < 0) | (labels >= vocab_size)
+    loss = jnp.where(invalid, jnp.nan, loss)  # never silently wrong under jit
     return jnp.where(labels == ignore_index, 0.0, loss)
 
 
@@ -65,7 +68,9 @@ def parallel_cross_entropy(
       logits: ``[batch, seq, V]`` (any float dtype), sharded ``P(data, None, tensor)``
         (other layouts are resharded). A ``V`` not divisible by the tensor size is padded
         internally with entries that take no part in the loss.
-      labels: integer ``[batch, seq]``; ``ignore_index`` marks tokens without a loss.
+      labels: integer ``[batch, seq]`` in ``[0, vocab_size)``; ``ignore_index`` marks
+        tokens without a loss. Other values raise a ValueError when the labels are
+        concrete, and give a NaN loss under ``jit``.
       config: the :class:`~sp_jax.ParallelConfig` (mesh axes).
       ignore_index: label value whose loss is 0.
       label_smoothing: ``eps``: the target distribution puts ``1 - eps`` on the label and
@@ -97,6 +102,8 @@ def parallel_cross_entropy(
         )
     d, t = data_spec(config), config.tensor_axis
     check_batch_and_sequence("parallel_cross_entropy", mesh, config, labels.shape[0])
+    check_int_range("parallel_cross_entropy", "label", labels, 0, vocab_size,
+                    allowed=(ignore_index,))
     padded = padded_vocab_size(vocab, axis_size(mesh, t))
     if padded != vocab:
         logits = jnp.pad(logits, ((0, 0), (0, 0), (0, padded - vocab)))

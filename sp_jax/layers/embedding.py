@@ -17,6 +17,7 @@ from sp_jax.layers._sharding import (
     Mesh,
     axis_size,
     check_batch_and_sequence,
+    check_int_range,
     current_mesh,
     data_spec,
     reshard,
@@ -32,21 +33,26 @@ def padded_vocab_size(vocab_size: int, tensor_size: int) -> int:
     return -(-vocab_size // tensor_size) * tensor_size
 
 
-def _lookup(ids: jax.Array, table: jax.Array, axis_name: str) -> jax.Array:
-    """Per device: rows of this device's vocabulary block, zero for ids outside it."""
+def _lookup(ids: jax.Array, table: jax.Array, axis_name: str, vocab_size: int) -> jax.Array:
+    """Per device: rows of this device's vocabulary block, zero for ids outside it, and
+    NaN for ids outside the vocabulary (so a bad id can never pass unnoticed)."""
     rows = table.shape[0]
     start = lax.axis_index(axis_name) * rows
     local = ids - start
     inside = (local >= 0) & (local < rows)
     emb = jnp.take(table, jnp.where(inside, local, 0), axis=0)
-    return jnp.where(inside[..., None], emb, jnp.zeros((), emb.dtype))
+    emb = jnp.where(inside[..., None], emb, jnp.zeros((), emb.dtype))
+    invalid = (ids < 0) | (ids >= vocab_size)
+    return jnp.where(invalid[..., None], jnp.full((), jnp.nan, emb.dtype), emb)
 
 
 class VocabParallelEmbedding(nnx.Module):
     """Token embedding with the vocabulary split over the tensor axis.
 
-    Each device holds a block of ``ceil(V / t)`` rows. Ids outside a device's block give
-    zeros there, and the partial results are summed across the tensor axis: with
+    Each device holds a block of ``ceil(V / t)`` rows. Ids outside the vocabulary raise a
+    ValueError when the ids are concrete, and embed as NaN under ``jit`` (the loss then
+    becomes NaN instead of silently wrong). Ids outside a device's block give zeros
+    there, and the partial results are summed across the tensor axis: with
     ``sequence_parallel=True`` by a reduce-scatter straight into the SP layout
     ``P(data, tensor, None)``, else by an all-reduce into ``P(data, None, None)``.
 
@@ -139,13 +145,14 @@ class VocabParallelEmbedding(nnx.Module):
         d, t = data_spec(self.config), self.config.tensor_axis
         check_batch_and_sequence("VocabParallelEmbedding", mesh, self.config, ids.shape[0],
                                  ids.shape[1] if self.sequence_parallel else None)
+        check_int_range("VocabParallelEmbedding", "token id", ids, 0, self.num_embeddings)
         if table is None:
             table = self.padded_table(mesh)
         dtype = self.dtype if self.dtype is not None else table.dtype
         table = table.astype(dtype)
 
         def local(ids, table):
-            emb = _lookup(ids, table, t)
+            emb = _lookup(ids, table, t, self.num_embeddings)
             if self.sequence_parallel:
                 return ops.reduce_scatter_sequence(emb, t, seq_dim=1)
             return ops.reduce_from_tensor_region(emb, t)
