@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # backward re-all-gather of recompute_allgather (XLA:GPU keeps it on its own).
 CPU_ENV := JAX_PLATFORMS=cpu
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 # the smaller example: $(CPU_ENV) $(PY) examples/train_mlp.py
 demo: $(STAMP)
 	$(CPU_ENV) $(PY) examples/train_gpt.py --plot docs/loss.png --log-json runs/demo.jsonl
+
+# Benchmarks sp_jax's TP+SP block against a GSPMD baseline and the unsharded block (a few
+# minutes on CPU, 8 simulated devices + deviceless 8 x H100 compiles); writes BENCHMARKS.md,
+# docs/bench.json and docs/bench_memory_vs_{t,s}.png. `--quick` for a smoke run.
+bench: $(STAMP)
+	$(CPU_ENV) $(PY) -m sp_jax.bench
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

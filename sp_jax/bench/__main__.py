@@ -1,0 +1,27 @@
+"""``python -m sp_jax.bench [--quick] [--out DIR]``.
+
+Simulates 8 CPU devices (and keeps XLA:CPU's CSE from merging recompute's backward
+re-gather) before JAX starts its backend; flags already in ``XLA_FLAGS`` are kept.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in ("--xla_force_host_platform_device_count=8",
+              "--xla_disable_hlo_passes=cse_barrier_expander"):
+    if _flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {_flag}".strip()
+os.environ["XLA_FLAGS"] = _flags
+
+import jax  # noqa: E402
+
+# `python -m sp_jax.bench` imports the sp_jax package (and so jax) before this file runs;
+# the backend is not initialised yet, so the platform can still be chosen here.
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+
+from sp_jax.bench.run import main  # noqa: E402
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

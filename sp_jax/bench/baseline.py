@@ -1,0 +1,194 @@
+"""GSPMD baseline: the sp_jax GPT block written the MaxText way.
+
+The same pre-LN block as :class:`sp_jax.models.Block` (attention then MLP, one fused
+``[hidden, 3 * hidden]`` q/k/v projection with its columns laid out per head
+``(head, {q, k, v}, head_dim)``), built from plain :class:`flax.nnx.Linear` /
+:class:`flax.nnx.LayerNorm` and ``jnp`` ops. There is no ``shard_map`` and no explicit
+collective: parameters carry sharding annotations (column kernels ``P(None, tensor)``,
+row kernels ``P(tensor, None)``) and the activations are pinned with
+``jax.lax.with_sharding_constraint``:
+
+- block boundaries and norms in the SP layout ``P(data, tensor, None)``;
+- column-projection outputs, heads and the row-projection input in the TP layout
+  ``P(data, None, tensor)`` (heads sharded);
+
+and XLA's SPMD partitioner (GSPMD) inserts whatever collectives these annotations imply.
+Run it under ``jax.set_mesh`` of a mesh with **Auto** axes
+(``jax.make_mesh(..., axis_types=(AxisType.Auto,) * 2)``), or with no mesh at all: then
+the constraints are skipped and it is the plain single-device block.
+
+To compare parallelisation strategies rather than kernels, the baseline keeps sp_jax's
+memory policy: the same attention function (:func:`sp_jax.layers.transformer.causal_attention`,
+which saves the log-sum-exp instead of the ``s x s`` probabilities) and the MLP activation
+recomputed in backward (``jax.checkpoint``). :func:`copy_weights` loads an sp_jax block's
+parameters into it (the parameter tree has the same names and global shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.layers.transformer import causal_attention
+
+__all__ = ["GspmdAttention", "GspmdBlock", "GspmdMLP", "Layout", "constrain", "copy_weights",
+           "param_specs"]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Mesh axis names of the baseline's annotations.
+
+    Attributes:
+      tensor_axis: mesh axis of tensor parallelism (and of the sequence in SP regions).
+      data_axis: mesh axis of the batch; ``None`` replicates the batch.
+    """
+
+    tensor_axis: str = "tensor"
+    data_axis: str | None = "data"
+
+    @property
+    def sp(self) -> P:
+        """``[b, s, h]`` sequence-parallel: ``P(data, tensor, None)``."""
+        return P(self.data_axis, self.tensor_axis, None)
+
+    @property
+    def tp(self) -> P:
+        """``[b, s, features]`` tensor-parallel: ``P(data, None, tensor)``."""
+        return P(self.data_axis, None, self.tensor_axis)
+
+    def heads(self, rank: int) -> P:
+        """``[b, s, heads, ...]`` with the heads sharded."""
+        return P(self.data_axis, None, self.tensor_axis, *([None] * (rank - 3)))
+
+
+def constrain(x: jax.Array, spec: P) -> jax.Array:
+    """``with_sharding_constraint(x, spec)`` on the current (Auto) mesh; no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        raise ValueError(
+            "The GSPMD baseline annotates activations with with_sharding_constraint and "
+            "needs a mesh with Auto axes: jax.make_mesh(shape, names, "
+            "axis_types=(AxisType.Auto,) * len(names))."
+        )
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _linear(in_f: int, out_f: int, spec: tuple, bias_spec: tuple, *, use_bias: bool = True,
+            dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    # Annotated parameters are placed on creation only when a mesh is set.
+    mesh = jax.sharding.get_abstract_mesh()
+    eager = mesh is not None and not mesh.empty
+    return nnx.Linear(
+        in_f, out_f, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=nnx.with_partitioning(_default_kernel_init, spec, eager_sharding=eager),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), bias_spec,
+                                        eager_sharding=eager),
+        rngs=rngs)
+
+
+class GspmdAttention(nnx.Module):
+    """Pre-LN causal self-attention with a residual, sharded by annotations only.
+
+    ``x + out(attention(qkv(norm(x))))``; ``x`` ``[batch, seq, hidden]``.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, *, layout: Layout = Layout(),
+                 norm_epsilon: float = 1e-5, dtype: Any = None,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        if hidden % num_heads:
+            raise ValueError(f"GspmdAttention: hidden={hidden} must be divisible by "
+                             f"num_heads={num_heads}.")
+        t = layout.tensor_axis
+        self.hidden, self.num_heads, self.layout = hidden, num_heads, layout
+        self.norm = nnx.LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+        self.qkv = _linear(hidden, 3 * hidden, (None, t), (t,), use_bias=False, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+        self.out = _linear(hidden, hidden, (t, None), (None,), dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lay = self.layout
+        x = constrain(x, lay.sp)
+        qkv = constrain(self.qkv(constrain(self.norm(x), lay.sp)), lay.tp)
+        b, s, _ = qkv.shape
+        head_dim = self.hidden // self.num_heads
+        qkv = constrain(qkv.reshape(b, s, self.num_heads, 3, head_dim), lay.heads(5))
+        q, k, v = (constrain(qkv[:, :, :, i], lay.heads(4)) for i in range(3))
+        o = constrain(causal_attention(q, k, v), lay.heads(4))
+        o = constrain(o.reshape(b, s, self.hidden), lay.tp)
+        y = constrain(self.out(o), lay.sp)
+        return x.astype(y.dtype) + y
+
+
+class GspmdMLP(nnx.Module):
+    """Pre-LN MLP with a residual: ``x + down(gelu(up(norm(x))))``, annotations only."""
+
+    def __init__(self, hidden: int, mlp_hidden: int, *, layout: Layout = Layout(),
+                 norm_epsilon: float = 1e-5, dtype: Any = None,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        t = layout.tensor_axis
+        self.layout = layout
+        self.norm = nnx.LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+        self.up = _linear(hidden, mlp_hidden, (None, t), (t,), dtype=dtype,
+                          param_dtype=param_dtype, rngs=rngs)
+        self.down = _linear(mlp_hidden, hidden, (t, None), (None,), dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lay = self.layout
+        x = constrain(x, lay.sp)
+        u = constrain(self.up(constrain(self.norm(x), lay.sp)), lay.tp)
+        a = constrain(jax.checkpoint(jax.nn.gelu)(u), lay.tp)  # as sp_jax's MLP
+        y = constrain(self.down(a), lay.sp)
+        return x.astype(y.dtype) + y
+
+
+class GspmdBlock(nnx.Module):
+    """One transformer layer, :class:`GspmdAttention` then :class:`GspmdMLP`.
+
+    Args:
+      hidden, num_heads, mlp_hidden: shape (``mlp_hidden`` defaults to ``4 * hidden``).
+      layout: the mesh axis names of the annotations.
+      norm_epsilon, dtype, param_dtype: as :class:`sp_jax.models.GPTConfig`.
+      rngs: ``params`` stream (same draw order as the sp_jax block).
+    """
+
+    def __init__(self, hidden: int, num_heads: int, mlp_hidden: int | None = None, *,
+                 layout: Layout = Layout(), norm_epsilon: float = 1e-5, dtype: Any = None,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        common = dict(layout=layout, norm_epsilon=norm_epsilon, dtype=dtype,
+                      param_dtype=param_dtype, rngs=rngs)
+        self.attention = GspmdAttention(hidden, num_heads, **common)
+        self.mlp = GspmdMLP(hidden, mlp_hidden or 4 * hidden, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.mlp(self.attention(x))
+
+
+def param_specs(module: nnx.Module) -> Any:
+    """The ``PartitionSpec`` of every parameter of ``module`` (an ``nnx.State``)."""
+    return nnx.get_partition_spec(nnx.state(module, nnx.Param))
+
+
+def copy_weights(dst: nnx.Module, src: nnx.Module) -> nnx.Module:
+    """Copies ``src``'s parameter values into ``dst`` (same tree of names and global
+    shapes, e.g. an sp_jax :class:`~sp_jax.models.Block` into a :class:`GspmdBlock`),
+    keeping ``dst``'s own variable metadata (its sharding annotations)."""
+    values = jax.tree.map(lambda a: jax.device_get(a), nnx.to_pure_dict(nnx.state(src, nnx.Param)))
+    state = nnx.state(dst, nnx.Param)
+    nnx.replace_by_pure_dict(state, values)
+    nnx.update(dst, state)
+    return dst

@@ -1,0 +1,213 @@
+"""Activation memory per block and device: what the backward pass keeps.
+
+sp_jax variants and the unsharded block: :func:`sp_jax.analysis.saved_residuals`
+(abstract ``jax.vjp``, no compute; per-device bytes from the residuals' shardings on the
+Explicit mesh). The GSPMD baseline runs on an Auto mesh, where shardings are not part of
+the types: its residuals are listed the same way (global shapes) and their per-device
+shapes are read from the compiled forward pass that returns them (``jax.jit`` of
+``jax.vjp(...)[1]``; XLA:CPU, the shardings GSPMD chose).
+
+Every residual is classified by evaluating the variant again with a doubled batch:
+arrays whose shape does not change and equal a parameter's (or its low-precision copy's)
+per-device shape are **weights** and are not counted; everything else is an
+**activation**. Activations are also assigned to the terms of Korthikanti et al.'s count
+(:data:`TERMS`) from their per-device shape and JAX's source information.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from sp_jax.analysis import activation_bytes_formula, saved_residuals
+from sp_jax.bench.variants import Setup, Shape, make_setup
+
+__all__ = ["TERMS", "ResidualRow", "activation_memory", "paper_terms"]
+
+# Korthikanti et al. 2022 (Sec. 4.1), bytes per layer in units of s*b*h / t (TP+SP);
+# the s x s term is 5*a*s/h in these units.
+TERMS = (
+    ("layernorm", "LayerNorm inputs (2 norms)", 4),
+    ("column_inputs", "column-layer inputs (qkv, MLP up)", 4),
+    ("qkv_out", "q, k, v and attention output (= out-projection input)", 8),
+    ("out_proj_copy", "out-projection input as its own residual (reshape of the above)", 0),
+    ("attention_sxs", "s x s attention arrays (scores, softmax, dropout) / ours: log-sum-exp",
+     None),
+    ("mlp_hidden", "MLP hidden [s, 4h] (GeLU input, down-projection input)", 16),
+    ("dropout_masks", "dropout masks (attention and MLP outputs)", 2),
+    ("other", "other", 0),
+)
+
+
+@dataclasses.dataclass
+class ResidualRow:
+    """One residual: global and per-device shape, dtype, per-device bytes, JAX's source,
+    ``kind`` (``activation`` / ``weight``) and ``term`` (a key of :data:`TERMS`)."""
+
+    shape: tuple[int, ...]
+    device_shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    source: str
+    kind: str
+    term: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _jax_sources(fn, args) -> list[tuple[tuple[int, ...], str, str]]:
+    """(shape, dtype, source) per residual from JAX's own listing (private helper)."""
+    try:
+        from jax._src.ad_checkpoint import saved_residuals as _listing
+
+        return [(tuple(a.shape), str(a.dtype), src) for a, src in _listing(fn, *args)]
+    except Exception:  # noqa: BLE001 - only the optional source column depends on it
+        return []
+
+
+def _match_sources(avals, listing) -> list[str]:
+    """JAX's source string for each residual of ``avals``.
+
+    JAX's listing may order residuals differently and reports ``shard_map`` residuals with
+    other shapes: match equal (shape, dtype) first, then the rest in order by dtype.
+    """
+    out: list[str | None] = [None] * len(avals)
+    used = [False] * len(listing)
+    for exact in (True, False):
+        for i, aval in enumerate(avals):
+            if out[i] is not None:
+                continue
+            for j, (shape, dtype, src) in enumerate(listing):
+                if used[j] or dtype != str(aval.dtype):
+                    continue
+                if exact and shape != tuple(aval.shape):
+                    continue
+                out[i], used[j] = src, True
+                break
+    return [s or "" for s in out]
+
+
+def _residual_avals(setup: Setup) -> list[Any]:
+    with setup.context():
+        vjp = jax.eval_shape(lambda p, x: jax.vjp(setup.apply, p, x)[1], setup.params, setup.x)
+    return [v for v in jax.tree.leaves(vjp) if hasattr(v, "shape") and hasattr(v, "dtype")]
+
+
+def _squeeze(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _param_device_shapes(setup: Setup) -> set[tuple[int, ...]]:
+    out = set()
+    for leaf in jax.tree.leaves(setup.params):
+        sharding = getattr(leaf, "sharding", None)
+        shape = tuple(sharding.shard_shape(leaf.shape)) if sharding is not None else leaf.shape
+        out.add(_squeeze(shape))
+    return out
+
+
+def _term(row: ResidualRow, shape: Shape, t: int, compute_dtype: str, previous: str) -> str:
+    b, s, h, a = shape.b_local, shape.s, shape.h, shape.a
+    dev, src = row.device_shape, row.source
+    columns = ((b, s // t, h), (b, s, h))
+    if dev == (b, s, h // t) and (t > 1 or previous in ("qkv_out", "attention_sxs")):
+        return "out_proj_copy"  # at t = 1 it has the column inputs' shape: the position tells
+    if dev in columns and row.dtype == compute_dtype != "float32":
+        return "column_inputs"  # the norms' internals are fp32
+    if any(f in src for f in ("normalization.py", "_normalize", "_compute_stats")):
+        return "layernorm"
+    if row.dtype == "float32" and dev[:2] == (b, s // t):
+        return "layernorm"
+    if dev in columns:
+        return "column_inputs"
+    if dev == (b, s, a // t, h // a):
+        return "qkv_out"
+    if dev in ((b, a // t, s), (b, a // t, s, 1)):
+        return "attention_sxs"
+    if dev == (b, s, 4 * h // t):
+        return "mlp_hidden"
+    return "other"
+
+
+def _gspmd_device_shapes(setup: Setup, avals) -> list[tuple[int, ...]]:
+    with setup.context():
+        compiled = jax.jit(lambda p, x: jax.vjp(setup.apply, p, x)[1]).lower(
+            setup.params, setup.x).compile()
+    shardings = jax.tree.leaves(compiled.output_shardings)
+    if len(shardings) != len(avals):
+        raise RuntimeError(f"{len(shardings)} output shardings for {len(avals)} residuals")
+    return [tuple(s.shard_shape(a.shape)) for s, a in zip(shardings, avals, strict=True)]
+
+
+def residual_rows(variant: str, shape: Shape) -> list[ResidualRow]:
+    """Every residual of ``variant``'s block at ``shape`` (abstract; GSPMD compiles)."""
+    setup = make_setup(variant, shape, abstract=True)
+    doubled = make_setup(variant, shape.replace(b=2 * shape.b), abstract=True)
+    avals = _residual_avals(setup)
+    avals2 = _residual_avals(doubled)
+    if variant == "gspmd":
+        device_shapes = _gspmd_device_shapes(setup, avals)
+    else:
+        with setup.context():
+            device_shapes = [r.device_shape for r in saved_residuals(setup.apply, setup.params,
+                                                                     setup.x)]
+    with setup.context():
+        sources = _match_sources(avals, _jax_sources(setup.apply, (setup.params, setup.x)))
+    param_shapes = _param_device_shapes(setup)
+    t = shape.t if variant != "unsharded" else 1
+    compute = np.dtype(shape.dtype).name
+    same_count = len(avals2) == len(avals)
+    rows, previous = [], ""
+    for i, (aval, dev) in enumerate(zip(avals, device_shapes, strict=True)):
+        batch_independent = same_count and tuple(avals2[i].shape) == tuple(aval.shape)
+        is_weight = batch_independent and _squeeze(dev) in param_shapes
+        dtype = np.dtype(aval.dtype)
+        row = ResidualRow(shape=tuple(aval.shape), device_shape=tuple(dev), dtype=dtype.name,
+                          bytes=math.prod(dev) * dtype.itemsize, source=sources[i],
+                          kind="weight" if is_weight else "activation", term="")
+        if not is_weight:
+            row.term = previous = _term(row, shape, t, compute, previous)
+        rows.append(row)
+    return rows
+
+
+def paper_terms(rows: list[ResidualRow]) -> dict[str, int]:
+    """Activation bytes per :data:`TERMS` key."""
+    out = {key: 0 for key, _, _ in TERMS}
+    for r in rows:
+        if r.kind == "activation":
+            out[r.term] += r.bytes
+    return out
+
+
+def activation_memory(variant: str, shape: Shape, *, detail: bool = False) -> dict[str, Any]:
+    """Per-device activation bytes of one block of ``variant`` at ``shape`` and the
+    formula's figures for the same shape.
+
+    Returns a dict with ``activation_bytes``, ``weight_residual_bytes``, ``terms`` (bytes
+    per paper term), ``formula`` (bytes per formula mode at this ``t``; ``t = 1`` for the
+    unsharded variant) and, with ``detail``, the list of ``residuals``.
+    """
+    rows = residual_rows(variant, shape)
+    t = shape.t if variant != "unsharded" else 1
+    s, b, h, a = shape.s, shape.b_local, shape.h, shape.a
+    formula = {mode: activation_bytes_formula(s, b, h, a, t, mode)
+               for mode in ("none", "tp", "tp_sp", "tp_sp_selective")}
+    out = {
+        "variant": variant,
+        "shape": shape.as_dict(),
+        "t": t,
+        "activation_bytes": sum(r.bytes for r in rows if r.kind == "activation"),
+        "weight_residual_bytes": sum(r.bytes for r in rows if r.kind == "weight"),
+        "unit_bytes": s * b * h // t,  # the formula's s*b*h/t
+        "terms": paper_terms(rows),
+        "formula": formula,
+    }
+    if detail:
+        out["residuals"] = [r.as_dict() for r in rows]
+    return out

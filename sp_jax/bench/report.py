@@ -1,0 +1,430 @@
+"""Writes a run's results: ``BENCHMARKS.md``, ``docs/bench.json`` and the memory plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sp_jax.bench.memory import TERMS
+from sp_jax.bench.targets import MiB
+from sp_jax.bench.variants import LABELS, VARIANTS
+
+__all__ = ["write_outputs", "render_markdown", "plot_memory"]
+
+JSON_NAME = "bench.json"
+PLOT_T = "bench_memory_vs_t.png"
+PLOT_S = "bench_memory_vs_s.png"
+
+_WHY = {
+    "layernorm": "flax `nnx.LayerNorm` normalises in fp32; autodiff keeps the fp32 input, "
+                 "`x - mean` and the normalised output (3 x 4 bytes per element) and per-token "
+                 "statistics, for each of the 2 norms. The paper counts the 2-byte input.",
+    "column_inputs": "recompute and GSPMD: the local `[b, s/t, h]` shard (2 bytes per "
+                     "element); save: the gathered `[b, s, h]` (2t).",
+    "qkv_out": "q, k, v and the attention output, kept by the attention VJP (2 bytes each).",
+    "out_proj_copy": "the out-projection's input is a reshape of the attention output; JAX "
+                     "lists it as a second residual (after compilation the reshape is "
+                     "normally a bitcast of the same buffer).",
+    "attention_sxs": "paper: scores, softmax output and its dropout mask (5as/h). Ours: the "
+                     "fp32 log-sum-exp `[b, a/t, s]` only; probabilities are recomputed in "
+                     "backward (selective recomputation, flash-attention style).",
+    "mlp_hidden": "the GeLU input (kept by the recomputed activation) and the down-projection "
+                  "input, 2 bytes x 4h/t each.",
+    "dropout_masks": "the benchmarked block has dropout 0, so no masks (paper: 1 byte per "
+                     "element after attention and after the MLP).",
+    "other": "",
+}
+
+
+def _fmt_mib(x: float, digits: int = 1) -> str:
+    return f"{x / MiB:.{digits}f}"
+
+
+def _status(met) -> str:
+    return {True: "met", False: "**not met**", None: "not measured"}[met]
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- sections ----------------------------------------------------------------------------
+
+
+def _targets_section(res) -> str:
+    rows = [[i + 1, t["target"], t["measured"], _status(t["met"])]
+            for i, t in enumerate(res["targets"])]
+    met = sum(t["met"] is True for t in res["targets"])
+    return (f"## Targets\n\n{met} of {len(res['targets'])} met in this run.\n\n"
+            + _table(["#", "target", "measured", "status"], rows))
+
+
+def _memory_section(res) -> str:
+    mem = res["memory"]
+    sh = mem["shape"]
+    real = mem["realistic"]
+    rec = real["sp_recompute"]
+    unit = rec["unit_bytes"]
+    out = [
+        "## Activation memory per layer and device",
+        "",
+        f"One block (attention + MLP, pre-LN, bf16 compute, fp32 parameters, no dropout) at "
+        f"h={sh['h']}, a={sh['a']}, s={sh['s']}, b={sh['b']}, t={sh['t']}. *Activations* are "
+        "the residuals `jax.vjp` keeps for the backward pass (evaluated abstractly: no "
+        "compute), minus the weights it keeps (parameters and their bf16 copies: residuals "
+        "whose shape does not change when the batch is doubled and equals a parameter's). "
+        "sp_jax and unsharded: per-device bytes from the residuals' shardings "
+        "(`sp_jax.analysis.saved_residuals`, Explicit mesh). GSPMD baseline (Auto mesh, "
+        "shardings not in the types): the same residual list, per-device shapes from the "
+        "shardings XLA chose for them in the compiled forward pass (`jax.jit` of "
+        "`jax.vjp(f, ...)[1]`). The formula is Korthikanti et al. 2022 "
+        "(`sp_jax.analysis.activation_bytes_formula`); the unsharded block is compared "
+        "with its t = 1 (`none`) value. A unit is s\\*b\\*h/t bytes "
+        f"= {_fmt_mib(unit)} MiB here (s\\*b\\*h for the unsharded block).",
+        "",
+    ]
+    rows = []
+    for v in VARIANTS:
+        m = real[v]
+        f_main = m["formula"]["none" if v == "unsharded" else "tp_sp"]
+        f_sel = m["formula"]["none"] - (5 * sh["a"] * sh["s"] / sh["h"]) * m["unit_bytes"] \
+            if v == "unsharded" else m["formula"]["tp_sp_selective"]
+        rows.append([
+            LABELS[v], _fmt_mib(m["activation_bytes"]),
+            f"{m['activation_bytes'] / m['unit_bytes']:.2f}",
+            f"{_fmt_mib(f_main)} ({m['activation_bytes'] / f_main:.2f}x)",
+            _fmt_mib(f_sel), _fmt_mib(m["weight_residual_bytes"]),
+        ])
+    out.append(_table(["variant", "activations MiB", "units", "formula 34+5as/h MiB "
+                       "(measured/formula)", "formula selective (34) MiB",
+                       "weights kept (not counted) MiB"], rows))
+    out += ["", "### Breakdown by the paper's terms", "",
+            "In units of s\\*b\\*h/t bytes (unsharded: s\\*b\\*h). The paper's column is its "
+            "TP+SP count; the attention s x s term is 5as/h = "
+            f"{5 * sh['a'] * sh['s'] / sh['h']:.0f} units at this shape.", ""]
+    rows = []
+    paper_total = 0.0
+    for key, name, paper in TERMS:
+        p = 5 * sh["a"] * sh["s"] / sh["h"] if paper is None else paper
+        paper_total += p
+        vals = [f"{real[v]['terms'][key] / real[v]['unit_bytes']:.2f}"
+                for v in ("sp_recompute", "sp_save", "gspmd", "unsharded")]
+        rows.append([name, f"{p:g}", *vals, _WHY[key]])
+    rows.append(["**total**", f"{paper_total:g}",
+                 *[f"**{real[v]['activation_bytes'] / real[v]['unit_bytes']:.2f}**"
+                   for v in ("sp_recompute", "sp_save", "gspmd", "unsharded")], ""])
+    out.append(_table(["term", "paper", "sp_jax recompute", "sp_jax save", "GSPMD",
+                       "unsharded", "what we keep"], rows))
+    t = {k: rec["terms"][k] / unit for k in rec["terms"]}
+    other = f"+ {t['other']:.2f} (other) " if t["other"] else ""
+    total = 34 - 2 + t["layernorm"] - 4 + t["out_proj_copy"] + t["attention_sxs"] + t["other"]
+    out += ["", (
+        "Reconciliation for sp_jax recompute: the paper's 34 units (selective "
+        f"recomputation, no s x s term) - 2 (no dropout masks) + {t['layernorm'] - 4:.2f} "
+        f"(fp32 LayerNorm internals instead of 2-byte inputs) + {t['out_proj_copy']:.2f} "
+        f"(out-projection input listed besides the attention output) + "
+        f"{t['attention_sxs']:.2f} (log-sum-exp) {other}= {total:.2f}"
+        f" units; measured {rec['activation_bytes'] / unit:.2f}. It is below the full TP+SP "
+        "figure (34 + 5as/h) because no s x s array is kept, and above the selective one "
+        "(34) because of the fp32 LayerNorm residuals."), "",
+        ("The GSPMD baseline's forward residuals equal sp_jax recompute's: GSPMD also keeps "
+         "the sequence-sharded LayerNorm output and gathers it again for the weight gradient "
+         "(see the H100 collectives below). Whether a fused forward+backward program really "
+         "keeps only that shard is up to XLA; the compiled peak memory below is the check."),
+        ""]
+
+    vt, vs = mem["vs_t"], mem["vs_s"]
+    out += ["### Scaling", "", f"Over t at s={sh['s']} (MiB per device and layer):", ""]
+    rows = []
+    for i, tv in enumerate(vt["t"]):
+        rows.append([tv] + [_fmt_mib(vt["measured"][v][i]) for v in ("sp_recompute", "sp_save",
+                                                                      "gspmd")]
+                    + [_fmt_mib(vt["formula"][k][i]) for k in ("tp_sp", "tp_sp_selective",
+                                                               "tp")])
+    out.append(_table(["t", "sp_jax recompute", "sp_jax save", "GSPMD", "formula TP+SP",
+                       "formula TP+SP selective", "formula TP (no SP)"], rows))
+    out += ["", f"![activation memory vs t](docs/{PLOT_T})", "",
+            f"Over s at t={sh['t']} (MiB per device and layer; unsharded: one device holding "
+            "the whole layer):", ""]
+    rows = []
+    for i, sv in enumerate(vs["s"]):
+        rows.append([sv] + [_fmt_mib(vs["measured"][v][i]) for v in ("sp_recompute", "sp_save",
+                                                                      "gspmd", "unsharded")]
+                    + [_fmt_mib(vs["formula"][k][i]) for k in ("tp_sp", "tp_sp_selective",
+                                                               "none")])
+    out.append(_table(["s", "sp_jax recompute", "sp_jax save", "GSPMD", "unsharded",
+                       "formula TP+SP", "formula TP+SP selective", "formula none (t=1)"], rows))
+    out += ["", f"![activation memory vs s](docs/{PLOT_S})", ""]
+    for v in ("sp_recompute", "gspmd"):
+        rows = [[str(tuple(r["device_shape"])), r["dtype"], f"{r['bytes'] / unit:.3f}",
+                 r["kind"], r["term"], r["source"].split(" from ")[-1].split("/")[-1]]
+                for r in real[v]["residuals"]]
+        out += [f"<details><summary>Every residual of {LABELS[v]} at the realistic "
+                "shape</summary>", "",
+                _table(["per-device shape", "dtype", "units", "kind", "term", "source"], rows),
+                "", "</details>", ""]
+    return "\n".join(out)
+
+
+def _coll_rows(by_phase, megatron_bwd=None):
+    rows = []
+    for phase in ("forward", "backward", "unknown"):
+        tab = by_phase[phase]
+        if phase == "unknown" and not tab:
+            continue
+
+        def cell(kind, tab=tab):
+            row = tab.get(kind)
+            if not row or not row["activation"]:
+                return "0"
+            s = f"{row['activation']} ({row['activation_units']:.2f})"
+            if row["activation_async_ops"]:
+                s += f", {row['activation_async_ops']}/{row['activation_ops']} async"
+            return s
+        params = sum(r["param"] for r in tab.values())
+        param_ops = sum(r["ops"] - r["activation_ops"] for r in tab.values())
+        param_async = sum(r["async_ops"] - r["activation_async_ops"] for r in tab.values())
+        if params and param_async:
+            params = f"{params} in {param_ops} ops, {param_async} async"
+        elif params:
+            params = f"{params} in {param_ops} ops"
+        other = sum(r["activation"] for k, r in tab.items()
+                    if k not in ("all-gather", "reduce-scatter", "all-reduce"))
+        rows.append([phase, cell("all-gather"), cell("reduce-scatter"), cell("all-reduce"),
+                     other, params])
+    return rows
+
+
+def _collectives_section(res) -> str:
+    cpu = res["collectives_cpu"]
+    sh = cpu["shape"]
+    meg = res["megatron"]
+    out = [
+        "## Collectives per layer",
+        "",
+        "Counted in the optimized HLO of one block's forward+backward (gradients of a scalar "
+        "loss w.r.t. parameters and input). Each cell: moved activation arrays (their "
+        "per-device elements in units of s\\*b\\*h, b per data shard; an all-gather's result "
+        "is 1.0, a reduce-scatter's 1/t); arrays, not instructions, so combiners do not "
+        "change the count. Parameter-gradient all-reduces (replicated parameters: norms, "
+        "row biases; every parameter over the data axis) are counted separately. The phase "
+        "comes from JAX's `op_name` metadata (`transpose(jvp(...))` = backward); *unknown* "
+        "= an instruction XLA created without it. "
+        f"Megatron per layer: forward {meg['forward']['all-gather']} AG + "
+        f"{meg['forward']['reduce-scatter']} RS; backward {meg['backward']['reduce-scatter']}"
+        f" RS + {meg['backward']['all-gather']} AG (+2 re-gathers with recompute), no "
+        "all-reduce of activations.",
+        "",
+        f"### XLA:CPU, 8 simulated devices (data={sh['d']} x tensor={sh['t']}; h={sh['h']}, "
+        f"a={sh['a']}, s={sh['s']}, b={sh['b']}; s has a factor 5 so no activation can be "
+        "mistaken for a parameter by its shape)",
+        "",
+    ]
+    rows = []
+    for v in ("gspmd", "sp_save", "sp_recompute"):
+        for r in _coll_rows(cpu[v]["by_phase"]):
+            rows.append([LABELS[v], *r])
+    out.append(_table(["variant", "phase", "all-gather", "reduce-scatter",
+                       "all-reduce (activations)", "other kinds", "param-grad arrays"], rows))
+    fo = {v: cpu[v]["forward_only_compile"] for v in ("gspmd", "sp_save", "sp_recompute")}
+    out += ["", "Forward pass compiled alone (a check of the phase attribution): " + "; ".join(
+        f"{LABELS[v]}: " + ", ".join(f"{k} {r['activation']}" for k, r in fo[v].items()
+                                    if r["activation"]) for v in fo) + ".", ""]
+    gpu = res.get("gpu", {})
+    if "error" in gpu:
+        out += ["### H100", "", f"Not measured: `{gpu['error']}`", ""]
+        return "\n".join(out)
+    blk = gpu["block"]
+    bs = blk["shape"]
+    out += [f"### XLA:GPU, 8 x H100 (deviceless compile; tensor=8, h={bs['h']}, a={bs['a']}, "
+            f"s={bs['s']}, b={bs['b']})", "",
+            "`k/n async`: instructions XLA scheduled asynchronously (`is_sync` false on the "
+            "start), i.e. free to overlap computation.", ""]
+    rows = []
+    for v in ("gspmd", "sp_save", "sp_recompute"):
+        for r in _coll_rows(blk[v]["by_phase"]):
+            rows.append([LABELS[v], *r])
+    out.append(_table(["variant", "phase", "all-gather", "reduce-scatter",
+                       "all-reduce (activations)", "other kinds", "param-grad arrays"], rows))
+    out += ["", "Every collective of the H100 block compiles, in program order:", ""]
+    for v in ("gspmd", "sp_save", "sp_recompute"):
+        rows = [[o["phase"], o["kind"], " ".join(o["arrays"]), "/".join(sorted(set(o["classes"]))),
+                 "yes" if o["async"] else "no", o["overlapped_ops"], o["role"]]
+                for o in blk[v]["ops"]]
+        out += [f"<details><summary>{LABELS[v]}</summary>", "",
+                _table(["phase", "kind", "per-device arrays", "class", "async",
+                        "ops overlapped", "issued by"], rows), "", "</details>", ""]
+    return "\n".join(out)
+
+
+def _gpu_section(res) -> str:
+    gpu = res.get("gpu", {})
+    if "error" in gpu:
+        return f"## 8 x H100 memory\n\nNot measured: `{gpu['error']}`\n"
+    gpt, blk = gpu["gpt"], gpu["block"]
+    sh = gpt["shape"]
+    out = [
+        "## 8 x H100: peak memory and async collectives (deviceless compile)",
+        "",
+        "`sp_jax.analysis.compile_for_gpu`: the real XLA:GPU pipeline (SPMD partitioner, "
+        "latency-hiding scheduler, memory planning) for an 8 x H100 SXM mesh, without a GPU. "
+        "Per-device peak = temp + arguments + outputs - aliased (`memory_analysis()`). The "
+        "benchmark process disables XLA:CPU's `cse_barrier_expander` pass; GPU compiles run "
+        "with the default pass list (`xla_disable_hlo_passes=''`).",
+        "",
+        f"### GPT, {gpt['layers']} layers, h={sh['h']}, a={sh['a']}, s={sh['s']}, b={sh['b']}, "
+        f"vocabulary {gpt['vocab']}, tensor=8, forward+backward (parameter gradients)",
+        "",
+    ]
+    rows = []
+    for v in ("sp_save", "sp_recompute"):
+        m = gpt[v]["memory"]
+        rows.append([LABELS[v], _fmt_mib(m["peak_bytes"]), _fmt_mib(m["temp_bytes"]),
+                     _fmt_mib(m["argument_bytes"]), _fmt_mib(m["output_bytes"])])
+    out.append(_table(["variant", "peak MiB", "temp MiB", "arguments MiB", "outputs MiB"],
+                      rows))
+    out += ["", "Backward collectives of the GPT by role (async / total; mean number of "
+            "instructions overlapped between start and done):", ""]
+    roles: dict[str, dict[str, list]] = {}
+    for v in ("sp_save", "sp_recompute"):
+        for o in gpt[v]["ops"]:
+            if o["phase"] != "backward":
+                continue
+            roles.setdefault(o["role"], {}).setdefault(v, []).append(o)
+
+    def cell(ops):
+        if not ops:
+            return "-"
+        n_async = sum(o["async"] for o in ops)
+        overlap = sum(o["overlapped_ops"] for o in ops) / len(ops)
+        return f"{n_async}/{len(ops)} async (overlap {overlap:.1f})"
+    rows = [[role, cell(d.get("sp_save")), cell(d.get("sp_recompute"))]
+            for role, d in sorted(roles.items())]
+    out.append(_table(["role", "sp_jax save", "sp_jax recompute"], rows))
+    out += ["", f"### One block, forward+backward (h={blk['shape']['h']}, s={blk['shape']['s']},"
+            f" b={blk['shape']['b']}; unsharded on 1 H100, others on 8)", ""]
+    rows = []
+    for v in VARIANTS:
+        m = blk[v]["memory"]
+        rows.append([LABELS[v], blk[v]["devices"], _fmt_mib(m["peak_bytes"]),
+                     _fmt_mib(m["temp_bytes"]), _fmt_mib(m["argument_bytes"])])
+    out.append(_table(["variant", "devices", "peak MiB", "temp MiB", "arguments MiB"], rows))
+    return "\n".join(out) + "\n"
+
+
+def _time_section(res) -> str:
+    st = res["step_time"]
+    sh = st["shape"]
+    out = [
+        "## CPU step time",
+        "",
+        f"Jitted forward+backward of one block on the 8 simulated CPU devices "
+        f"(data={sh['d']} x tensor={sh['t']}; unsharded: one device), h={sh['h']}, "
+        f"a={sh['a']}, s={sh['s']}, b={sh['b']}, {sh['dtype']} compute, fp32 parameters, the "
+        f"same weights and input. {st['rounds']} rounds after {st['warmup']} warm-up calls; "
+        f"each round times every variant once ({st['inner']} steps, rotated order). Ratio: "
+        "median over rounds of the variant's time / the GSPMD baseline's time in the same "
+        f"round. The {res['meta']['cpu_count']} CPU cores run all 8 simulated devices, so "
+        "these numbers compare the programs' work and collective overheads, not GPU speed.",
+        "",
+    ]
+    rows = [[LABELS[v], f"{st['median_s'][v] * 1e3:.1f}",
+             f"{st['ratio_to_reference'][v]:.2f}", f"{st['compile_s'][v]:.1f}"]
+            for v in VARIANTS]
+    out.append(_table(["variant", "median step ms", "ratio to GSPMD", "compile + first step s"],
+                      rows))
+    return "\n".join(out) + "\n"
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    meta = res["meta"]
+    head = [
+        "# Benchmarks: sp_jax TP+SP vs a GSPMD baseline",
+        "",
+        "Generated by `make bench` (`python -m sp_jax.bench`"
+        + (" --quick" if meta["quick"] else "") + f") on {meta['date']}: jax {meta['jax']}, "
+        f"flax {meta['flax']}, Python {meta['python']}, {meta['devices']} "
+        f"({meta['cpu_count']} cores); {meta['runtime_s']:.0f} s. All numbers are in "
+        f"[`docs/{JSON_NAME}`](docs/{JSON_NAME}).",
+        "",
+        "Variants: **unsharded** (the block on one device: the baseline module with no mesh), "
+        "**GSPMD TP+SP baseline** (`sp_jax/bench/baseline.py`: the same block from "
+        "`nnx.Linear` / `nnx.LayerNorm` and `jnp`, parameters annotated `P(None, tensor)` / "
+        "`P(tensor, None)`, activations pinned with `with_sharding_constraint` to "
+        "`P(data, tensor, None)` at the block boundaries and norms and `P(data, None, tensor)` "
+        "(heads) inside, on an Auto mesh; XLA inserts the collectives; it keeps sp_jax's "
+        "attention function and recomputed MLP activation so that only the parallelisation "
+        "differs; tested equal to sp_jax's block), **sp_jax save** and **sp_jax recompute** "
+        "(`sp_jax.models.Block` with `recompute_allgather` off / on, `wgrad_dtype=float32`).",
+        "",
+    ]
+    body = [_targets_section(res), _memory_section(res), _collectives_section(res),
+            _gpu_section(res), _time_section(res)]
+    secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
+    tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
+    return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)
+
+
+def plot_memory(res: dict[str, Any], docs: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem = res["memory"]
+    sh = mem["shape"]
+    styles = {
+        "sp_recompute": dict(color="C0", marker="o", label="sp_jax recompute (measured)"),
+        "sp_save": dict(color="C1", marker="s", label="sp_jax save (measured)"),
+        "gspmd": dict(color="C2", marker="^", ls=":", label="GSPMD baseline (measured)"),
+        "unsharded": dict(color="C3", marker="D", label="unsharded, 1 device (measured)"),
+        "tp_sp": dict(color="k", ls="--", label="formula TP+SP: sbh/t (34 + 5as/h)"),
+        "tp_sp_selective": dict(color="0.5", ls="--", label="formula TP+SP selective: 34 sbh/t"),
+        "tp": dict(color="C4", ls="-.", label="formula TP (no SP)"),
+        "none": dict(color="C3", ls="--", label="formula none (t = 1)"),
+    }
+    paths = []
+    for key, xs_key, title, name, formulas in (
+        ("vs_t", "t", f"one layer, h={sh['h']}, a={sh['a']}, s={sh['s']}, b={sh['b']}", PLOT_T,
+         ("tp_sp", "tp_sp_selective", "tp")),
+        ("vs_s", "s", f"one layer, h={sh['h']}, a={sh['a']}, t={sh['t']}, b={sh['b']}", PLOT_S,
+         ("tp_sp", "tp_sp_selective", "none")),
+    ):
+        scan = mem[key]
+        xs = scan[xs_key]
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for v, ys in scan["measured"].items():
+            ax.plot(xs, [y / MiB for y in ys], **styles[v])
+        for f in formulas:
+            ax.plot(xs, [y / MiB for y in scan["formula"][f]], **styles[f])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel("tensor-parallel size t" if xs_key == "t" else "sequence length s")
+        ax.set_ylabel("activation MiB per device")
+        ax.set_title(f"Activation memory vs {xs_key} ({title})", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = docs / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_outputs(res: dict[str, Any], out: Path) -> list[Path]:
+    """``out/BENCHMARKS.md``, ``out/docs/bench.json`` and ``out/docs/bench_*.png``."""
+    out = Path(out)
+    docs = out / "docs"
+    docs.mkdir(parents=True, exist_ok=True)
+    json_path = docs / JSON_NAME
+    json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    plots = plot_memory(res, docs)
+    md = out / "BENCHMARKS.md"
+    md.write_text(render_markdown(res))
+    return [md, json_path, *plots]

@@ -1,0 +1,201 @@
+"""``python -m sp_jax.bench``: every measurement in one run, then the report.
+
+See :mod:`sp_jax.bench` for what is measured. ``main`` parses the command line; ``run``
+does the work and returns the results as one JSON-serialisable dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+
+from sp_jax.analysis import activation_bytes_formula
+from sp_jax.bench.collectives import MEGATRON, cpu_block_collectives
+from sp_jax.bench.memory import activation_memory
+from sp_jax.bench.targets import evaluate_targets
+from sp_jax.bench.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
+
+__all__ = ["Config", "FULL", "QUICK", "main", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Shapes and repeat counts of one benchmark run."""
+
+    realistic: Shape  # activation memory and the H100 block compiles
+    t_values: tuple[int, ...]  # activation memory vs t (realistic s)
+    s_values: tuple[int, ...]  # activation memory vs s (realistic t)
+    cpu_collectives: Shape  # CPU compile (8 simulated devices); s has a factor 5
+    gpt_layers: int
+    gpt_vocab: int
+    timing: Shape
+    rounds: int
+    inner: int
+    warmup: int
+
+
+FULL = Config(
+    realistic=Shape(h=4096, a=32, s=2048, b=1, t=8),
+    t_values=(1, 2, 4, 8),
+    s_values=(512, 1024, 2048, 4096),
+    cpu_collectives=Shape(h=256, a=8, s=160, b=8, t=4, d=2),
+    gpt_layers=2,
+    gpt_vocab=32768,
+    timing=Shape(h=256, a=8, s=256, b=8, t=4, d=2),
+    rounds=10,
+    inner=3,
+    warmup=2,
+)
+
+QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
+    realistic=Shape(h=128, a=8, s=256, b=1, t=8),
+    t_values=(1, 8),
+    s_values=(128, 256),
+    cpu_collectives=Shape(h=64, a=8, s=40, b=4, t=4, d=2),
+    gpt_layers=1,
+    gpt_vocab=512,
+    timing=Shape(h=64, a=8, s=64, b=4, t=4, d=2),
+    rounds=2,
+    inner=1,
+    warmup=1,
+)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _memory(cfg: Config) -> dict[str, Any]:
+    sh = cfg.realistic
+    realistic = {v: activation_memory(v, sh, detail=True) for v in VARIANTS}
+    vs_t = {"t": list(cfg.t_values), "measured": {}, "formula": {}}
+    for v in ("gspmd", *SP_VARIANTS):
+        vs_t["measured"][v] = [activation_memory(v, sh.replace(t=t))["activation_bytes"]
+                               for t in cfg.t_values]
+    f = activation_bytes_formula
+    vs_t["formula"] = {mode: [f(sh.s, sh.b, sh.h, sh.a, t, mode) for t in cfg.t_values]
+                       for mode in ("tp", "tp_sp", "tp_sp_selective")}
+    vs_s = {"s": list(cfg.s_values), "measured": {}, "formula": {}}
+    for v in VARIANTS:
+        vs_s["measured"][v] = [activation_memory(v, sh.replace(s=s))["activation_bytes"]
+                               for s in cfg.s_values]
+    vs_s["formula"] = {
+        "none": [f(s, sh.b, sh.h, sh.a, 1, "none") for s in cfg.s_values],
+        "tp_sp": [f(s, sh.b, sh.h, sh.a, sh.t, "tp_sp") for s in cfg.s_values],
+        "tp_sp_selective": [f(s, sh.b, sh.h, sh.a, sh.t, "tp_sp_selective")
+                            for s in cfg.s_values],
+    }
+    return {"shape": sh.as_dict(), "realistic": realistic, "vs_t": vs_t, "vs_s": vs_s}
+
+
+def _collectives_cpu(cfg: Config) -> dict[str, Any]:
+    out: dict[str, Any] = {"shape": cfg.cpu_collectives.as_dict()}
+    for v in ("gspmd", *SP_VARIANTS):
+        out[v] = cpu_block_collectives(make_setup(v, cfg.cpu_collectives, abstract=True))
+    return out
+
+
+def _gpu(cfg: Config) -> dict[str, Any]:
+    from sp_jax.bench.gpu import gpu_block, gpu_gpt  # needs the CUDA plugin
+
+    sh = cfg.realistic
+    block = {"shape": sh.as_dict()}
+    for v in VARIANTS:
+        block[v] = gpu_block(v, sh)
+    gpt = {"layers": cfg.gpt_layers, "vocab": cfg.gpt_vocab, "shape": sh.as_dict()}
+    for name, rec in (("sp_save", False), ("sp_recompute", True)):
+        gpt[name] = gpu_gpt(rec, layers=cfg.gpt_layers, shape=sh, vocab=cfg.gpt_vocab)
+    return {"block": block, "gpt": gpt}
+
+
+def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
+    """Runs every measurement; returns the results (see ``BENCHMARKS.md`` for the meaning
+    of each number)."""
+    if jax.device_count() < 8:
+        raise RuntimeError(
+            f"sp_jax.bench needs 8 devices, found {jax.device_count()}: run it as "
+            "`python -m sp_jax.bench` (which simulates 8 CPU devices) or set XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8 before JAX starts.")
+    from sp_jax.bench.timing import step_times
+
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    results: dict[str, Any] = {}
+
+    def section(name, fn):
+        t0 = time.perf_counter()
+        _log(f"{name} ...")
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
+            if name != "gpu":
+                raise
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            _log(f"{name} failed: {results[name]['error']}")
+        seconds[name] = time.perf_counter() - t0
+        _log(f"{name} done in {seconds[name]:.1f} s")
+
+    section("memory", lambda: _memory(cfg))
+    section("collectives_cpu", lambda: _collectives_cpu(cfg))
+    section("gpu", lambda: _gpu(cfg))
+    section("step_time", lambda: step_times(cfg.timing, rounds=cfg.rounds, inner=cfg.inner,
+                                            warmup=cfg.warmup))
+    results["megatron"] = MEGATRON
+    results["meta"] = {
+        "quick": quick,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "section_seconds": seconds,
+        "runtime_s": time.perf_counter() - start,
+        "config": {k: (v.as_dict() if isinstance(v, Shape) else v)
+                   for k, v in dataclasses.asdict(cfg).items()
+                   if not isinstance(v, dict)} | {
+            k: getattr(cfg, k).as_dict() for k in ("realistic", "cpu_collectives", "timing")},
+    }
+    results["targets"] = evaluate_targets(results)
+    return results
+
+
+def default_out() -> Path:
+    """The repository root when run from a checkout, else the working directory."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").exists() else Path.cwd()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        prog="python -m sp_jax.bench",
+        description="Benchmark sp_jax's TP+SP block against a GSPMD baseline and the "
+                    "unsharded block; writes BENCHMARKS.md, docs/bench.json and plots.")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory: BENCHMARKS.md there, JSON and plots in "
+                             "OUT/docs (default: the repository root)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes and few repeats (seconds; for tests)")
+    args = parser.parse_args(argv)
+    from sp_jax.bench.report import write_outputs
+
+    cfg = QUICK if args.quick else FULL
+    out = args.out or default_out()
+    results = run(cfg, quick=args.quick)
+    paths = write_outputs(results, out)
+    met = sum(t["met"] is True for t in results["targets"])
+    _log(f"targets met: {met}/{len(results['targets'])}; wrote " +
+         ", ".join(str(p) for p in paths))
+    _log(f"total {results['meta']['runtime_s']:.0f} s")
+    return results
+
