@@ -1,6 +1,6 @@
 """sp_jax: Megatron-style tensor and sequence parallelism for JAX / Flax NNX."""
 
-from sp_jax import ops, xla_flags
+from sp_jax import checkpoint, ops, xla_flags
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ParallelConfig",
+    "checkpoint",
     "ops",
     "xla_flags",
     "ColumnParallelLinear",
