@@ -15,9 +15,24 @@ Learning rate: linear warmup over ``--warmup-steps`` (steps up to the warmup do 
 on ``--steps``), then cosine decay to ``lr / 10`` at ``--steps``. The progress bar shows
 the loss, tokens/s and per-device memory: parameters and optimizer state (one device's
 shards) and ``act(temp)``, the compiled step's XLA temp buffers (activations kept for the
-backward pass, gradients in flight, workspace). Checkpoints (orbax) hold the parameters,
-the optimizer state and the step; ``--resume`` restores the latest into the same shardings.
-A non-finite loss stops the run (exit status 1) naming the step.
+backward pass, gradients in flight, workspace). Checkpoints (``sp_jax.checkpoint``, orbax)
+hold the parameters, the optimizer state, the step (which is also the data position) and
+the model/data settings; ``--resume`` restores the latest into the current mesh's
+shardings, which may differ from the mesh it was saved from. A non-finite loss stops the
+run (exit status 1) naming the step; ``--debug-nans`` makes JAX raise at the first NaN.
+
+Multi-process (one process per host or per GPU; CPU processes simulate devices):
+
+    python examples/train_gpt.py --coordinator HOST:PORT --num-processes N --process-id I
+
+or, under SLURM (``srun``) / Open MPI (``mpirun``), no flags at all: with more than one
+task JAX's cluster auto-detection (``jax.distributed.initialize()`` without arguments)
+supplies all three (``--distributed on`` forces it, ``off`` disables it). The mesh spans
+``jax.devices()`` of all processes (processes' devices in order, so the tensor axis stays
+within a process when TENSOR divides its device count); each process builds only the
+batch rows its devices hold (``jax.make_array_from_callback``); process 0 alone prints,
+writes ``--log-json`` and ``--plot``; every process takes part in checkpoint saves and
+restores (``--ckpt-dir`` must be shared by all).
 """
 
 from __future__ import annotations
@@ -42,10 +57,25 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, default=600, help="total optimizer steps")
     g.add_argument("--mesh", default="2,4", help="DATA,TENSOR mesh shape")
-    g.add_argument("--cpu-devices", type=int, default=None,
-                   help="simulated devices on the CPU platform (default: DATA*TENSOR)")
+    g.add_argument("--local-devices", "--cpu-devices", dest="local_devices", type=int,
+                   default=None,
+                   help="simulated CPU devices per process (default: DATA*TENSOR divided by "
+                        "the number of processes); no effect on GPUs")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the initialisation, the dropout keys and the data order")
+    g.add_argument("--debug-nans", action="store_true",
+                   help="jax_debug_nans: raise at the first operation producing a NaN")
+    g = p.add_argument_group("multi-process (jax.distributed)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordinator service")
+    g.add_argument("--num-processes", type=int, default=None, help="number of processes")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="this process's index, 0 .. N-1")
+    g.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
+                   help="auto: initialise jax.distributed when the three flags above are "
+                        "given or a SLURM/Open MPI launcher started several tasks; on: "
+                        "always (JAX's cluster auto-detection fills in what the flags do not "
+                        "give); off: single process")
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int, default=2, help="transformer blocks")
     g.add_argument("--hidden", type=int, default=128, help="model width")
@@ -111,9 +141,50 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.tensor_size} and divide --hidden {args.hidden}")
     if (args.save_every or args.resume) and not args.ckpt_dir:
         p.error("--save-every / --resume need --ckpt-dir")
+    _parse_distributed(p, args)
     if args.warmup_steps < 0 or args.save_every < 0 or args.eval_every < 0:
         p.error("--warmup-steps, --save-every and --eval-every must be >= 0")
     return args
+
+
+def _cluster_tasks() -> int | None:
+    """How many tasks a SLURM (``srun``) or Open MPI (``mpirun``) launcher started, from
+    the variables JAX's own cluster detection reads; None outside such a launch."""
+    env = os.environ
+    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+                              "SLURM_PROCID", "SLURM_LOCALID")):
+        return int(env["SLURM_NTASKS"])
+    if "OMPI_MCA_orte_hnp_uri" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        return int(env["OMPI_COMM_WORLD_SIZE"])
+    return None
+
+
+def _parse_distributed(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sets ``args.multiprocess`` (call jax.distributed.initialize) and
+    ``args.processes`` (the expected number of processes, for the CPU device count)."""
+    explicit = [v is not None for v in (args.coordinator, args.num_processes,
+                                        args.process_id)]
+    tasks = _cluster_tasks()
+    if args.distributed == "off" and any(explicit):
+        p.error("--distributed off contradicts --coordinator / --num-processes / "
+                "--process-id")
+    if any(explicit) and not all(explicit) and tasks is None:
+        p.error("--coordinator HOST:PORT, --num-processes N and --process-id I go together "
+                "(only a SLURM / Open MPI launch can supply the missing ones)")
+    if args.num_processes is not None and args.num_processes <= 0:
+        p.error("--num-processes must be positive")
+    if args.process_id is not None and not (
+            0 <= args.process_id < (args.num_processes or tasks or args.process_id + 1)):
+        p.error(f"--process-id {args.process_id} must be in 0 .. --num-processes - 1")
+    args.multiprocess = args.distributed == "on" or (
+        args.distributed == "auto" and (any(explicit) or (tasks or 1) > 1))
+    args.processes = (args.num_processes or tasks or 1) if args.multiprocess else 1
+    n_dev = args.data_size * args.tensor_size
+    if args.local_devices is None and n_dev % args.processes:
+        p.error(f"--mesh {args.mesh} ({n_dev} devices) does not divide over "
+                f"{args.processes} processes; set --local-devices")
+    if args.local_devices is not None and args.local_devices <= 0:
+        p.error("--local-devices must be positive")
 
 
 def _configure_devices(args: argparse.Namespace) -> None:
@@ -124,7 +195,7 @@ def _configure_devices(args: argparse.Namespace) -> None:
     on XLA:CPU (XLA:GPU keeps it by itself). Flags already in XLA_FLAGS win.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    count = args.cpu_devices or args.data_size * args.tensor_size
+    count = args.local_devices or args.data_size * args.tensor_size // args.processes
     for flag in (f"--xla_force_host_platform_device_count={count}",
                  "--xla_disable_hlo_passes=cse_barrier_expander"):
         if flag.split("=")[0] not in flags:
@@ -199,21 +270,65 @@ def windows(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     return stream[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def train_batch(train: np.ndarray, step: int, args) -> dict[str, np.ndarray]:
-    """Random windows for optimizer step ``step``: a pure function of (seed, step)."""
+def rows_held(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int
+              ) -> np.ndarray:
+    """Sorted indices along ``axis`` of a global array of ``shape`` that this process's
+    devices hold under ``sharding`` (all of them in a single-process run)."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[axis].indices(shape[axis])))
+    return np.asarray(sorted(rows), dtype=np.int64)
+
+
+def assemble(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int,
+             local: np.ndarray, rows: np.ndarray) -> jax.Array:
+    """The global ``jax.Array`` of ``shape`` from this process's part: ``local`` holds the
+    rows ``rows`` along ``axis`` (see :func:`rows_held`); every process calls this with its
+    own part, and each device's shard is cut from its own process's rows."""
+    position = {int(r): k for k, r in enumerate(rows)}
+
+    def shard(index):
+        wanted = [position[r] for r in range(*index[axis].indices(shape[axis]))]
+        index = list(index)
+        index[axis] = wanted
+        return local[tuple(index)]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def train_batch(train: np.ndarray, step: int, args, sharding) -> dict[str, jax.Array]:
+    """Random windows for optimizer step ``step``: a pure function of (seed, step).
+
+    Global shape ``[micro_batches, batch_size / micro_batches, seq_len]`` (tokens and
+    labels), sharded by ``sharding`` (``P(None, "data", None)``). Every process draws the
+    same ``batch_size`` window offsets, then reads and uploads only the windows of the
+    rows its devices hold.
+    """
     rng = np.random.default_rng([args.seed, step])
     starts = rng.integers(0, len(train) - args.seq_len - 1, size=args.batch_size)
-    w = windows(train, starts, args.seq_len).reshape(
-        args.micro_batches, args.batch_size // args.micro_batches, args.seq_len + 1)
-    return {"tokens": w[..., :-1], "labels": w[..., 1:]}
+    micro = args.batch_size // args.micro_batches
+    shape = (args.micro_batches, micro, args.seq_len)
+    rows = rows_held(sharding, shape, axis=1)
+    w = windows(train, starts.reshape(args.micro_batches, micro)[:, rows].reshape(-1),
+                args.seq_len).reshape(args.micro_batches, len(rows), args.seq_len + 1)
+    return {"tokens": assemble(sharding, shape, 1, w[..., :-1], rows),
+            "labels": assemble(sharding, shape, 1, w[..., 1:], rows)}
 
 
-def eval_batches(val: np.ndarray, args) -> list[dict[str, np.ndarray]]:
-    """A fixed held-out set: evenly spaced windows over the validation bytes."""
+def eval_batches(val: np.ndarray, args, sharding) -> list[dict[str, jax.Array]]:
+    """A fixed held-out set: evenly spaced windows over the validation bytes, as
+    ``eval_batches`` global batches ``[batch_size / micro_batches, seq_len]`` sharded by
+    ``sharding`` (``P("data", None)``), each process reading only its rows."""
     size = args.batch_size // args.micro_batches
     starts = np.linspace(0, len(val) - args.seq_len - 1, size * args.eval_batches).astype(int)
-    w = windows(val, starts, args.seq_len).reshape(args.eval_batches, size, args.seq_len + 1)
-    return [{"tokens": b[:, :-1], "labels": b[:, 1:]} for b in w]
+    shape = (size, args.seq_len)
+    rows = rows_held(sharding, shape, axis=0)
+    out = []
+    for b in starts.reshape(args.eval_batches, size):
+        w = windows(val, b[rows], args.seq_len)
+        out.append({"tokens": assemble(sharding, shape, 0, w[:, :-1], rows),
+                    "labels": assemble(sharding, shape, 0, w[:, 1:], rows)})
+    return out
 
 
 # -- model, optimizer, measurement --------------------------------------------------------
@@ -258,12 +373,6 @@ def mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}MiB"
 
 
-def abstract(tree):
-    """Shape/dtype/sharding targets for restoring ``tree`` in place."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        tree)
-
-
 def run_meta(args: argparse.Namespace, cfg: GPTConfig) -> dict:
     """What a checkpoint records besides the arrays: the model and the data stream."""
     model = {k: v if isinstance(v, int | float | str | bool | None) else str(v)
@@ -284,7 +393,7 @@ def check_resume(saved: dict, current: dict, step: int, ckpt_dir: str) -> None:
     diff = {k: (saved.get("run", {}).get(k), v) for k, v in current["run"].items()
             if saved.get("run", {}).get(k) != v}
     if diff:
-        print(f"warning: resuming with changed settings (saved, now): {diff}")
+        say(f"warning: resuming with changed settings (saved, now): {diff}")
 
 
 # -- logging and plotting -----------------------------------------------------------------
@@ -340,17 +449,55 @@ def plot(path: str, records: list[dict], title: str) -> None:
 # -- main ---------------------------------------------------------------------------------
 
 
+def init_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` for multi-process runs, before any JAX computation.
+
+    Cross-process collectives on the CPU platform go through gloo (set first); on GPUs
+    NCCL is used and that setting has no effect. Arguments not given on the command line
+    are left to JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, ...).
+    """
+    if not args.multiprocess:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+
+
+def say(*values, **kwargs) -> None:
+    """``print`` on process 0 only (every process runs the same loop)."""
+    if jax.process_index() == 0:
+        print(*values, **kwargs)
+
+
+def build_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+    """The (data, tensor) mesh: the first DATA*TENSOR devices of a single process, or all
+    devices of all processes (each process must hold some of the mesh)."""
+    n_dev = args.data_size * args.tensor_size
+    devices = jax.devices()
+    if jax.process_count() > 1 and len(devices) != n_dev:
+        sys.exit(f"error: --mesh {args.mesh} needs {n_dev} devices; the "
+                 f"{jax.process_count()} processes have {len(devices)} "
+                 f"({jax.local_device_count()} each, {devices[0].platform}). Use a mesh of "
+                 "all of them (or --local-devices on CPU).")
+    if len(devices) < n_dev:
+        sys.exit(f"error: --mesh {args.mesh} needs {n_dev} devices, found "
+                 f"{len(devices)} ({devices[0].platform})")
+    return jax.make_mesh((args.data_size, args.tensor_size), ("data", "tensor"),
+                         devices=devices[:n_dev])
+
+
 def main(args: argparse.Namespace) -> int:
-    import orbax.checkpoint as ocp
     from tqdm import tqdm
 
+    from sp_jax.checkpoint import CheckpointManager, CheckpointSaveError, abstract_like
+
     t_start = time.perf_counter()
-    n_dev = args.data_size * args.tensor_size
-    if len(jax.devices()) < n_dev:
-        sys.exit(f"error: --mesh {args.mesh} needs {n_dev} devices, found "
-                 f"{len(jax.devices())} ({jax.devices()[0].platform})")
-    mesh = jax.make_mesh((args.data_size, args.tensor_size), ("data", "tensor"),
-                         devices=jax.devices()[:n_dev])
+    init_distributed(args)
+    if args.debug_nans:
+        jax.config.update("jax_debug_nans", True)
+    is_main = jax.process_index() == 0
+    mesh = build_mesh(args)
+    n_dev = mesh.size
     bf16 = args.precision == "bf16"
     parallel = sp_jax.ParallelConfig(recompute_allgather=args.recompute_allgather,
                                      wgrad_dtype=jnp.float32 if bf16 else None)
@@ -361,7 +508,6 @@ def main(args: argparse.Namespace) -> int:
 
     stream, n_files, pattern = load_bytes(args.data, args.max_data_bytes)
     train, val = split(stream, args.seq_len)
-    held_out = eval_batches(val, args)
 
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -372,6 +518,7 @@ def main(args: argparse.Namespace) -> int:
     base_key = jax.random.key(args.seed)
 
     with jax.set_mesh(mesh):
+        held_out = eval_batches(val, args, eval_sharding)
         model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(args.seed))
         step = TrainStep(model, tx)
         n_params = sum(x.size for x in jax.tree.leaves(step.params))
@@ -383,59 +530,55 @@ def main(args: argparse.Namespace) -> int:
             return m.loss(tokens, labels)
 
         def evaluate() -> float:
-            losses = [eval_loss(step.params, step.rest,
-                                jax.device_put(b["tokens"], eval_sharding),
-                                jax.device_put(b["labels"], eval_sharding))
+            losses = [eval_loss(step.params, step.rest, b["tokens"], b["labels"])
                       for b in held_out]
             return float(np.mean([float(x) for x in losses]))
 
         tokens_per_step = args.batch_size * args.seq_len
-        print(f"model: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
-              f"seq {args.seq_len}, vocab 256 (bytes): {n_params / 1e6:.2f}M parameters, "
-              f"{args.precision} compute")
-        print(f"mesh: data={args.data_size} x tensor={args.tensor_size} on {n_dev} of "
-              f"{jax.device_count()} {jax.devices()[0].platform} devices; "
-              f"recompute_allgather={args.recompute_allgather}")
-        print(f"data: {size(len(stream))} from {n_files} files ({pattern}); "
-              f"train {size(len(train))}, held-out {size(len(val))}")
-        print(f"batch: {args.batch_size} x {args.seq_len} = {tokens_per_step} tokens/step in "
-              f"{args.micro_batches} micro-batch(es); {args.steps} steps, AdamW lr "
-              f"{args.lr:g}, warmup {args.warmup_steps}")
+        platform = jax.devices()[0].platform
+        say(f"model: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+            f"seq {args.seq_len}, vocab 256 (bytes): {n_params / 1e6:.2f}M parameters, "
+            f"{args.precision} compute")
+        say(f"mesh: data={args.data_size} x tensor={args.tensor_size} on {n_dev} of "
+            f"{jax.device_count()} {platform} devices"
+            + (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
+               if jax.process_count() > 1 else "")
+            + f"; recompute_allgather={args.recompute_allgather}")
+        say(f"data: {size(len(stream))} from {n_files} files ({pattern}); "
+            f"train {size(len(train))}, held-out {size(len(val))}")
+        say(f"batch: {args.batch_size} x {args.seq_len} = {tokens_per_step} tokens/step in "
+            f"{args.micro_batches} micro-batch(es); {args.steps} steps, AdamW lr "
+            f"{args.lr:g}, warmup {args.warmup_steps}")
 
-        # Checkpoints: params, optimizer state (its step count included) and the step
-        # number; the data position is a function of the step.
+        # Checkpoints: parameters, optimizer state (its step count included), the step
+        # number (= the data position: step k trains on the batch drawn for (seed, k)).
         manager, start = None, 0
         if args.ckpt_dir:
-            manager = ocp.CheckpointManager(
-                os.path.abspath(args.ckpt_dir),
-                options=ocp.CheckpointManagerOptions(
-                    save_interval_steps=max(args.save_every, 1), max_to_keep=3,
-                    create=True))
-            latest = manager.latest_step() if args.resume else None
+            manager = CheckpointManager(args.ckpt_dir, max_to_keep=3)
+            latest = manager.latest_step()
+            if latest is not None and not args.resume:
+                steps = manager.all_steps()
+                manager.close()
+                sys.exit(f"error: --ckpt-dir {args.ckpt_dir} already holds checkpoints "
+                         f"(steps {steps}); pass --resume to continue from step {latest}, "
+                         "or use another directory")
             if args.resume and latest is None:
-                print(f"resume: no checkpoint in {args.ckpt_dir}, starting from step 0")
+                say(f"resume: no checkpoint in {args.ckpt_dir}, starting from step 0")
             elif latest is not None:
-                meta = manager.restore(latest, args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore()))["meta"]
-                check_resume(meta, run_meta(args, cfg), latest, args.ckpt_dir)
-                restored = manager.restore(latest, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(
-                        {"params": abstract(step.params),
-                         "opt_state": abstract(step.opt_state)})))["state"]
-                step.params, step.opt_state = restored["params"], restored["opt_state"]
-                start = int(meta["step"])
-                print(f"resume: restored step {start} from {args.ckpt_dir}")
+                check_resume(manager.metadata(latest), run_meta(args, cfg), latest,
+                             args.ckpt_dir)
+                try:
+                    restored = manager.restore(latest,
+                                               params_like=abstract_like(step.params),
+                                               opt_state_like=abstract_like(step.opt_state))
+                except ValueError as e:
+                    sys.exit(f"error: {e}")
+                step.params, step.opt_state = restored.params, restored.opt_state
+                start = restored.step
+                say(f"resume: restored step {start} from {args.ckpt_dir} onto mesh "
+                    f"data={args.data_size} x tensor={args.tensor_size}")
 
-        def save(step_idx: int, force: bool) -> None:
-            if manager is None or not args.save_every:
-                return
-            meta = {"step": step_idx, **run_meta(args, cfg)}
-            manager.save(step_idx, force=force, args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"params": step.params,
-                                             "opt_state": step.opt_state}),
-                meta=ocp.args.JsonSave(meta)))
-
-        log, records = open_log(args.log_json, start)
+        log, records = open_log(args.log_json if is_main else None, start)
 
         def emit(record: dict) -> None:
             records.append(record)
@@ -443,48 +586,56 @@ def main(args: argparse.Namespace) -> int:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
 
-        if start >= args.steps:
-            print(f"nothing to do: checkpoint step {start} >= --steps {args.steps}")
+        def finish() -> None:
+            if log is not None:
+                log.close()
+            if manager is not None:
+                manager.close()
 
-        def put(b):
-            return {k: jax.device_put(v, batch_sharding) for k, v in b.items()}
+        if start >= args.steps:
+            say(f"nothing to do: checkpoint step {start} >= --steps {args.steps}")
 
         first_loss = last_loss = final_eval = None
         if start == 0 and args.eval_every and args.steps > 0:
             emit({"step": 0, "eval_loss": evaluate()})
-            print(f"step 0: held-out loss {records[-1]['eval_loss']:.4f}")
+            say(f"step 0: held-out loss {records[-1]['eval_loss']:.4f}")
         temp = None
         param_b, opt_b = device_bytes(step.params), device_bytes(step.opt_state)
         bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
-                   desc="train", unit="step", disable=args.no_progress, mininterval=0.5,
-                   dynamic_ncols=True, file=sys.stderr)
+                   desc="train", unit="step", disable=args.no_progress or not is_main,
+                   mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
         for i in bar:
-            batch = put(train_batch(train, i, args))
+            batch = train_batch(train, i, args, batch_sharding)
             key = jax.random.fold_in(base_key, i)
             t0 = time.perf_counter()
-            metrics = step(batch, key)
-            loss = float(metrics["loss"])
+            try:
+                metrics = step(batch, key)
+                loss = float(metrics["loss"])
+            except FloatingPointError as e:  # --debug-nans
+                bar.close()
+                if is_main:
+                    print(f"error: NaN at step {i} (--debug-nans): {e}", file=sys.stderr)
+                finish()
+                return 1
             dt = time.perf_counter() - t0
             if not math.isfinite(loss):
                 bar.close()
-                print(f"error: loss is {loss} at step {i} (grad norm "
-                      f"{float(metrics['grad_norm']):.3g}); stopping. Try a lower --lr or "
-                      "more --warmup-steps.", file=sys.stderr)
-                if log is not None:
-                    log.close()
-                if manager is not None:
-                    manager.wait_until_finished()
-                    manager.close()
+                if is_main:
+                    print(f"error: loss is {loss} at step {i} (grad norm "
+                          f"{float(metrics['grad_norm']):.3g}); stopping. Try a lower --lr "
+                          "or more --warmup-steps.", file=sys.stderr)
+                finish()
                 return 1
             if i == start + 1:
                 # First call compiled the step: time it as such, and measure its memory.
                 compile_s = dt
                 temp = compiled_temp_bytes(step, batch, key)
-                tqdm.write(f"compiled the step in {compile_s:.1f} s; per device: params "
-                           f"{mib(param_b)}, optimizer state {mib(opt_b)}, activations and "
-                           f"temporaries (XLA temp of the compiled step) {mib(temp)}",
-                           file=sys.stdout)
-                sys.stdout.flush()
+                if is_main:
+                    tqdm.write(f"compiled the step in {compile_s:.1f} s; per device: params "
+                               f"{mib(param_b)}, optimizer state {mib(opt_b)}, activations "
+                               f"and temporaries (XLA temp of the compiled step) {mib(temp)}",
+                               file=sys.stdout)
+                    sys.stdout.flush()
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
             tps = tokens_per_step / dt
@@ -496,26 +647,33 @@ def main(args: argparse.Namespace) -> int:
             if (args.eval_every and i % args.eval_every == 0) or i == args.steps:
                 final_eval = evaluate()
                 emit({"step": i, "eval_loss": final_eval})
-                tqdm.write(f"step {i}: train loss {loss:.4f}, held-out loss {final_eval:.4f}",
-                           file=sys.stdout)
-            if args.save_every and (i % args.save_every == 0 or i == args.steps):
-                save(i, force=i == args.steps)
+                if is_main:
+                    tqdm.write(f"step {i}: train loss {loss:.4f}, held-out loss "
+                               f"{final_eval:.4f}", file=sys.stdout)
+            if manager is not None and args.save_every and (
+                    i % args.save_every == 0 or i == args.steps):
+                try:
+                    manager.save(i, step.params, step.opt_state,
+                                 metadata={"step": i, "next_batch": i + 1,
+                                           **run_meta(args, cfg)})
+                except CheckpointSaveError as e:
+                    bar.close()
+                    if is_main:
+                        print(f"error: {e}", file=sys.stderr)
+                    finish()
+                    return 1
         bar.close()
 
-        if manager is not None:
-            manager.wait_until_finished()
-            manager.close()
-        if log is not None:
-            log.close()
-        if args.plot:
+        finish()
+        if args.plot and is_main:
             plot(args.plot, records,
                  f"byte-level GPT, {n_params / 1e6:.2f}M params, mesh data={args.data_size} "
                  f"x tensor={args.tensor_size}, {args.precision}")
         total_s = time.perf_counter() - t_start
         if first_loss is not None:
-            print(f"done: steps {start + 1}-{args.steps}, loss {first_loss:.3f} -> "
-                  f"{last_loss:.3f}, held-out loss {final_eval:.3f}, "
-                  f"{total_s:.0f} s total" + (f"; plot: {args.plot}" if args.plot else ""))
+            say(f"done: steps {start + 1}-{args.steps}, loss {first_loss:.3f} -> "
+                f"{last_loss:.3f}, held-out loss {final_eval:.3f}, "
+                f"{total_s:.0f} s total" + (f"; plot: {args.plot}" if args.plot else ""))
     return 0
 
 
