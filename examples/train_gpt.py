@@ -64,7 +64,10 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the initialisation, the dropout keys and the data order")
     g.add_argument("--debug-nans", action="store_true",
-                   help="jax_debug_nans: raise at the first operation producing a NaN")
+                   help="jax_debug_nans: JAX checks the outputs of jitted computations for "
+                        "NaN and re-runs a failing one de-optimized to name the operation "
+                        "(best effort: calls through JAX's compiled fast path go unchecked; "
+                        "the stop on a non-finite loss applies either way)")
     g = p.add_argument_group("multi-process (jax.distributed)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="address of process 0's coordinator service")

@@ -1,17 +1,21 @@
 """End-to-end runs of examples/train_gpt.py as a subprocess (tiny model, 8 simulated CPU
-devices configured by the example itself).
+devices configured by the example itself), plus its command-line checks in-process.
 
-Four runs share one module fixture, two at a time: an uninterrupted 6-step run that
-checkpoints every 3 steps; a run of 3 steps that checkpoints and stops; a resumed run to
-6 steps from that checkpoint; a run whose loss blows up.
+The runs share one module fixture. First, concurrently: an uninterrupted 6-step run that
+checkpoints every 3 steps; a run of 3 steps that checkpoints and stops; two runs whose loss
+blows up (one with --debug-nans). Then, from copies of the 3-step run's checkpoint and log:
+a resumed run on the same data=2 x tensor=4 mesh, one resumed on a data=4 x tensor=2 mesh,
+and a fresh run refused because the checkpoint directory is not empty.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -35,7 +39,11 @@ def _start(*extra: str) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-    out, err = proc.communicate(timeout=300)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -50,17 +58,33 @@ def _losses(records: list[dict]) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train_gpt")
-    full = _start("--steps", "6", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_full"),
-                  "--log-json", str(tmp / "full.jsonl"), "--plot", str(tmp / "full.png"))
-    part = _start("--steps", "3", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_part"),
-                  "--log-json", str(tmp / "part.jsonl"))
-    results = {"full": _finish(full), "part": _finish(part)}
-    # Resumed into the same log: its records up to step 3 are kept, steps 4-6 appended.
-    resumed = _start("--steps", "6", "--resume", "--save-every", "3",
-                     "--ckpt-dir", str(tmp / "ckpt_part"), "--log-json", str(tmp / "part.jsonl"))
-    nan = _start("--steps", "6", "--lr", "1e9", "--warmup-steps", "0",
-                 "--log-json", str(tmp / "nan.jsonl"))
-    results["resumed"], results["nan"] = _finish(resumed), _finish(nan)
+    started = {
+        "full": _start("--steps", "6", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_full"),
+                       "--log-json", str(tmp / "full.jsonl"), "--plot", str(tmp / "full.png")),
+        "part": _start("--steps", "3", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_part"),
+                       "--log-json", str(tmp / "part.jsonl")),
+        "nan": _start("--steps", "6", "--lr", "1e9", "--warmup-steps", "0",
+                      "--log-json", str(tmp / "nan.jsonl")),
+        "debug_nans": _start("--steps", "6", "--lr", "1e9", "--warmup-steps", "0",
+                             "--debug-nans"),
+    }
+    results = {name: _finish(proc) for name, proc in started.items()}
+    # The same checkpoint and log, resumed on another mesh.
+    shutil.copytree(tmp / "ckpt_part", tmp / "ckpt_part_4x2")
+    shutil.copy(tmp / "part.jsonl", tmp / "part_4x2.jsonl")
+    started = {
+        # Resumed into the same log: its records up to step 3 are kept, steps 4-6 appended.
+        "resumed": _start("--steps", "6", "--resume", "--save-every", "3",
+                          "--ckpt-dir", str(tmp / "ckpt_part"),
+                          "--log-json", str(tmp / "part.jsonl")),
+        "resumed_4x2": _start("--steps", "6", "--resume", "--save-every", "3", "--mesh", "4,2",
+                              "--ckpt-dir", str(tmp / "ckpt_part_4x2"),
+                              "--log-json", str(tmp / "part_4x2.jsonl")),
+        # Not resuming into a directory with checkpoints: refused before any training.
+        "refused": _start("--steps", "6", "--save-every", "3",
+                          "--ckpt-dir", str(tmp / "ckpt_full")),
+    }
+    results.update({name: _finish(proc) for name, proc in started.items()})
     return tmp, results
 
 
@@ -121,3 +145,106 @@ def test_nan_loss_stops_with_step(runs):
     logged = _losses(_read(tmp / "nan.jsonl"))
     assert all(math.isfinite(v) for v in logged.values())
     assert len(logged) < 6
+
+
+def test_resume_onto_another_mesh(runs):
+    """Saved on data=2 x tensor=4, resumed on data=4 x tensor=2: the restored parameters
+    and optimizer state are resharded; the losses agree with the uninterrupted run up to
+    the different meshes' summation order."""
+    tmp, results = runs
+    _ok(results["resumed_4x2"])
+    out = results["resumed_4x2"].stdout
+    assert "mesh: data=4 x tensor=2" in out
+    assert "resume: restored step 3" in out and "onto mesh data=4 x tensor=2" in out
+    full = _losses(_read(tmp / "full.jsonl"))
+    resumed = _losses(_read(tmp / "part_4x2.jsonl"))
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=0), step
+    evals = [r for r in _read(tmp / "part_4x2.jsonl") if "eval_loss" in r]
+    full_evals = [r for r in _read(tmp / "full.jsonl") if "eval_loss" in r]
+    assert evals[-1]["step"] == 6
+    assert evals[-1]["eval_loss"] == pytest.approx(full_evals[-1]["eval_loss"], rel=1e-5)
+    assert sorted(p.name for p in (tmp / "ckpt_part_4x2").iterdir()) == ["3", "6"]
+
+
+def test_debug_nans_stops_with_step(runs):
+    _, results = runs
+    run = results["debug_nans"]
+    assert run.returncode == 1, run.stderr[-3000:]
+    # JAX's check fires only where it runs (see --help); either way the step is named.
+    assert re.search(r"(NaN at step \d+ \(--debug-nans\)|loss is (nan|inf|-inf) at step \d+)",
+                     run.stderr), run.stderr[-3000:]
+
+
+def test_fresh_run_refuses_nonempty_checkpoint_dir(runs):
+    tmp, results = runs
+    run = results["refused"]
+    assert run.returncode != 0
+    assert f"--ckpt-dir {tmp / 'ckpt_full'} already holds checkpoints (steps [3, 6]); " \
+           "pass --resume" in run.stderr, run.stderr[-2000:]
+    assert "step 1" not in run.stdout  # nothing trained
+
+
+# -- command line (in-process: the flag checks run before JAX is configured) -------------
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("train_gpt_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CLUSTER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                 "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    for var in _CLUSTER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_single_process_by_default(example, no_cluster):
+    args = example._parse([])
+    assert not args.multiprocess and args.processes == 1
+
+
+def test_explicit_processes(example, no_cluster):
+    args = example._parse(["--coordinator", "10.0.0.1:1234", "--num-processes", "2",
+                           "--process-id", "1"])
+    assert args.multiprocess and args.processes == 2
+    assert args.local_devices is None  # 8 / 2 = 4 simulated CPU devices each
+    assert example._parse(["--local-devices", "2", "--mesh", "1,4", "--coordinator",
+                           "h:1", "--num-processes", "2", "--process-id", "0"]).local_devices == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--coordinator", "h:1"], "go together"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id 2 must be in 0 .. --num-processes - 1"),
+    (["--coordinator", "h:1", "--num-processes", "3", "--process-id", "0"],
+     "does not divide over 3 processes"),
+    (["--distributed", "off", "--coordinator", "h:1", "--num-processes", "2",
+      "--process-id", "0"], "contradicts"),
+])
+def test_bad_process_flags(example, no_cluster, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        example._parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_slurm_launch_is_detected(example, no_cluster):
+    """srun with 4 tasks: jax.distributed.initialize() auto-detects the rest."""
+    for var, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]",
+                       "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}.items():
+        no_cluster.setenv(var, value)
+    args = example._parse([])
+    assert args.multiprocess and args.processes == 4
+    assert not example._parse(["--distributed", "off"]).multiprocess
+    no_cluster.setenv("SLURM_NTASKS", "1")  # one task: a plain single-process run
+    assert not example._parse([]).multiprocess
+    assert example._parse(["--distributed", "on"]).multiprocess
