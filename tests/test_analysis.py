@@ -76,7 +76,8 @@ def test_layer_activations_within_the_papers_tp_sp_figure():
     save, recompute = _layer_activation_bytes(False), _layer_activation_bytes(True)
     assert recompute <= formula
     # no s x s term: at most the paper's *selective* figure plus the out-projection copy
-    assert recompute <= activation_bytes_formula(S, B, H, A, T, "tp_sp_selective") + S * B * H * 2 // T
+    selective = activation_bytes_formula(S, B, H, A, T, "tp_sp_selective")
+    assert recompute <= selective + S * B * H * 2 // T
     # save mode keeps the two gathered [b, s, h] bf16 inputs instead of their shards
     gathered = 2 * S * B * H * 2
     assert save - recompute == gathered * (T - 1) // T
