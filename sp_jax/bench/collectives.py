@@ -15,14 +15,18 @@ a separate compile of the forward pass alone, and backward = forward+backward - 
 
 from __future__ import annotations
 
+import glob
 import math
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import AxisType
 
 from sp_jax.analysis import compile_for_gpu
-from sp_jax.bench.hlo import Collective, array_bytes, parse_collectives
+from sp_jax.bench.hlo import Collective, array_bytes, parse_collectives, peak_breakdown
 from sp_jax.bench.variants import Setup
 
 __all__ = ["MEGATRON", "classify", "role", "count_table", "cpu_block_collectives",
@@ -149,6 +153,7 @@ def _unit_elements(setup: Setup) -> int:
 def ops_list(collectives: list[Collective], param_shapes) -> list[dict[str, Any]]:
     return [{
         "kind": c.kind, "phase": c.phase, "role": role(c),
+        "op": c.op_name.rsplit("/", 1)[-1] if c.op_name else "",
         "arrays": [f"{dt}{list(d)}" for dt, d in c.arrays],
         "classes": [classify(d, param_shapes) for _, d in c.arrays],
         "bytes": c.bytes, "async": c.is_async, "overlapped_ops": c.overlapped_ops,
@@ -177,16 +182,23 @@ def cpu_block_collectives(setup: Setup) -> dict[str, Any]:
 def gpu_compile(fn, args: tuple, setup: Setup | None, *, mesh_shape, axis_names,
                 axis_types: AxisType = AxisType.Explicit, unit_elements: int,
                 param_shapes=None) -> dict[str, Any]:
-    """Deviceless H100 compile of ``fn(*args)``: memory and collectives by phase."""
-    rep = compile_for_gpu(fn, *args, mesh_shape=mesh_shape, axis_names=axis_names,
-                          axis_types=axis_types, compiler_options=GPU_OPTIONS)
+    """Deviceless H100 compile of ``fn(*args)``: memory (with what is live at the peak,
+    from XLA's live-range dump) and collectives by phase."""
+    with tempfile.TemporaryDirectory(prefix="sp_jax_bench_") as dump:
+        rep = compile_for_gpu(fn, *args, mesh_shape=mesh_shape, axis_names=axis_names,
+                              axis_types=axis_types,
+                              compiler_options={**GPU_OPTIONS, "xla_dump_to": dump})
+        live = sorted(glob.glob(os.path.join(dump, "*after_optimizations-live-range.txt")))
+        peak = peak_breakdown(Path(live[-1]).read_text()) if live else None
     if param_shapes is None:
         param_shapes = _param_shapes(setup) if setup is not None else set()
     ops = parse_collectives(rep.hlo)
     return {
         "memory": {k: v for k, v in rep.as_dict().items() if k != "collectives"},
+        "peak_live": peak,
         "by_phase": {p: count_table(ops, param_shapes, unit_elements, phase=p)
                      for p in ("forward", "backward", "unknown")},
+        "all_phases": count_table(ops, param_shapes, unit_elements),
         "unit_elements": unit_elements,
         "ops": ops_list(ops, param_shapes),
     }

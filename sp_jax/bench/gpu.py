@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ from sp_jax.bench.collectives import gpu_compile
 from sp_jax.bench.variants import Shape, make_setup
 from sp_jax.models.gpt import GPT, GPTConfig
 
-__all__ = ["gpu_block", "gpu_gpt"]
+__all__ = ["attention_backward_behind_barrier", "gpu_block", "gpu_gpt", "gpu_gpt_probe"]
 
 
 def gpu_block(variant: str, shape: Shape) -> dict[str, Any]:
@@ -33,10 +34,13 @@ def gpu_block(variant: str, shape: Shape) -> dict[str, Any]:
     else:
         mesh_shape = (shape.d, shape.t)
         axis_types = AxisType.Auto if variant == "gspmd" else AxisType.Explicit
-    out = gpu_compile(setup.grad_fn(), (setup.params, setup.x), setup,
-                      mesh_shape=mesh_shape, axis_names=("data", "tensor"),
-                      axis_types=axis_types, unit_elements=shape.s * shape.b_local * shape.h)
+    kw = dict(mesh_shape=mesh_shape, axis_names=("data", "tensor"), axis_types=axis_types,
+              unit_elements=shape.s * shape.b_local * shape.h)
+    out = gpu_compile(setup.grad_fn(), (setup.params, setup.x), setup, **kw)
     out["devices"] = mesh_shape[0] * mesh_shape[1]
+    if variant != "unsharded":  # the forward alone: phases of ops XLA made without metadata
+        fwd = gpu_compile(setup.loss, (setup.params, setup.x), setup, **kw)
+        out["forward_only_compile"] = fwd["all_phases"]
     return out
 
 
@@ -65,4 +69,44 @@ def gpu_gpt(recompute: bool, *, layers: int, shape: Shape, vocab: int) -> dict[s
                       axis_names=("tensor",), unit_elements=shape.s * shape.b * shape.h,
                       param_shapes=replicated)
     out["devices"] = shape.t
+    return out
+
+
+@contextlib.contextmanager
+def attention_backward_behind_barrier():
+    """Diagnostic (benchmark only; the library is not changed): while active, sp_jax's
+    attention layers use a copy of :func:`sp_jax.layers.transformer.causal_attention`
+    whose backward first passes its residuals and cotangent through
+    ``lax.optimization_barrier``, so XLA cannot merge the backward's recomputation of the
+    scores with the forward's. Comparing compiles with and without it shows what that
+    merge costs in peak memory."""
+    from sp_jax.layers import transformer
+
+    fwd, bwd = transformer._causal_attention_fwd, transformer._causal_attention_bwd
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return fwd(q, k, v)[0]
+
+    def barrier_bwd(res, d_out):
+        res, d_out = jax.lax.optimization_barrier((res, d_out))
+        return bwd(res, d_out)
+
+    attention.defvjp(fwd, barrier_bwd)
+    saved = transformer.causal_attention
+    transformer.causal_attention = attention
+    try:
+        yield
+    finally:
+        transformer.causal_attention = saved
+
+
+def gpu_gpt_probe(*, layers: int, shape: Shape, vocab: int) -> dict[str, Any]:
+    """:func:`gpu_gpt` (save and recompute) under :func:`attention_backward_behind_barrier`:
+    per-device peak and what is live at it."""
+    out = {}
+    with attention_backward_behind_barrier():
+        for name, rec in (("sp_save", False), ("sp_recompute", True)):
+            r = gpu_gpt(rec, layers=layers, shape=shape, vocab=vocab)
+            out[name] = {"memory": r["memory"], "peak_live": r["peak_live"]}
     return out

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 
-__all__ = ["Collective", "array_bytes", "parse_collectives", "summarize"]
+__all__ = ["Collective", "array_bytes", "parse_collectives", "peak_breakdown", "summarize"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 _KIND_RE = "|".join(KINDS)
@@ -192,3 +192,31 @@ def summarize(collectives: list[Collective]) -> dict[str, dict[str, int]]:
         row["bytes"] += c.bytes
         row["async"] += int(c.is_async)
     return out
+
+
+_PEAK = re.compile(r"Stack trace breakdown for peak usage:\s*(?P<total>[\d ]+) bytes")
+_ENTRY = re.compile(r"^(?P<indent>[\s│]*)[├└]── (?P<name>.+?) \([\d.]+%, total: "
+                    r"(?P<total>[\d ]+) bytes")
+
+
+def peak_breakdown(live_range_text: str) -> dict | None:
+    """What is live at the peak of a compiled program, from XLA's live-range dump
+    (``*-live-range.txt``, written with ``xla_dump_to``): the peak in bytes and the
+    top-level entries (``params`` / argument names, or JAX ``op_name`` s of the
+    instructions that produced the live buffers) with their bytes, largest first."""
+    m = _PEAK.search(live_range_text)
+    if m is None:
+        return None
+    entries, top = [], None
+    for line in live_range_text[m.end():].splitlines()[1:]:
+        e = _ENTRY.match(line)
+        if e is None:
+            if entries:
+                break
+            continue
+        depth = len(e.group("indent"))
+        top = depth if top is None else top
+        if depth == top:
+            entries.append((e.group("name"), int(e.group("total").replace(" ", ""))))
+    entries.sort(key=lambda x: -x[1])
+    return {"peak_bytes": int(m.group("total").replace(" ", "")), "entries": entries}

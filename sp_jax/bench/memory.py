@@ -173,7 +173,19 @@ def residual_rows(variant: str, shape: Shape) -> list[ResidualRow]:
         if not is_weight:
             row.term = previous = _term(row, shape, t, compute, previous)
         rows.append(row)
+    _relabel_norm_inputs(rows, shape, t)
     return rows
+
+
+def _relabel_norm_inputs(rows: list[ResidualRow], shape: Shape, t: int) -> None:
+    """A norm that keeps its own input (e.g. a custom VJP) saves a ``[b, s/t, h]`` array
+    right before its per-token statistics; by shape alone it looks like a column input."""
+    acts = [r for r in rows if r.kind == "activation"]
+    stats = {(shape.b_local, shape.s // t, 1), (shape.b_local, shape.s // t)}
+    for this, nxt in zip(acts, acts[1:], strict=False):
+        if this.term == "column_inputs" and nxt.term == "layernorm" and \
+                nxt.device_shape in stats:
+            this.term = "layernorm"
 
 
 def paper_terms(rows: list[ResidualRow]) -> dict[str, int]:

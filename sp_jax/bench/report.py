@@ -17,9 +17,11 @@ PLOT_T = "bench_memory_vs_t.png"
 PLOT_S = "bench_memory_vs_s.png"
 
 _WHY = {
-    "layernorm": "flax `nnx.LayerNorm` normalises in fp32; autodiff keeps the fp32 input, "
-                 "`x - mean` and the normalised output (3 x 4 bytes per element) and per-token "
-                 "statistics, for each of the 2 norms. The paper counts the 2-byte input.",
+    "layernorm": "the 2 norms' residuals. The paper counts each norm's 2-byte input. Plain "
+                 "autodiff of flax's `nnx.LayerNorm` (the GSPMD baseline's and unsharded "
+                 "block's norm) keeps the fp32 input, `x - mean` and the normalised output (3 "
+                 "x 4 bytes per element) plus per-token statistics; a norm with its own VJP "
+                 "can keep the input in its dtype plus 2 fp32 numbers per token (2 units).",
     "column_inputs": "recompute and GSPMD: the local `[b, s/t, h]` shard (2 bytes per "
                      "element); save: the gathered `[b, s, h]` (2t).",
     "qkv_out": "q, k, v and the attention output, kept by the attention VJP (2 bytes each).",
@@ -118,23 +120,29 @@ def _memory_section(res) -> str:
                    for v in ("sp_recompute", "sp_save", "gspmd", "unsharded")], ""])
     out.append(_table(["term", "paper", "sp_jax recompute", "sp_jax save", "GSPMD",
                        "unsharded", "what we keep"], rows))
+    sxs = 5 * sh["a"] * sh["s"] / sh["h"]
+    paper = {key: (sxs if p is None else p) for key, _, p in TERMS}
+    names = {key: name for key, name, _ in TERMS}
     t = {k: rec["terms"][k] / unit for k in rec["terms"]}
-    other = f"+ {t['other']:.2f} (other) " if t["other"] else ""
-    total = 34 - 2 + t["layernorm"] - 4 + t["out_proj_copy"] + t["attention_sxs"] + t["other"]
+    diffs = [f"{names[k]} {t[k] - paper[k]:+.2f}" for k in t
+             if abs(t[k] - paper[k]) >= 0.005 and k != "attention_sxs"]
+    measured = rec["activation_bytes"] / unit
     out += ["", (
-        "Reconciliation for sp_jax recompute: the paper's 34 units (selective "
-        f"recomputation, no s x s term) - 2 (no dropout masks) + {t['layernorm'] - 4:.2f} "
-        f"(fp32 LayerNorm internals instead of 2-byte inputs) + {t['out_proj_copy']:.2f} "
-        f"(out-projection input listed besides the attention output) + "
-        f"{t['attention_sxs']:.2f} (log-sum-exp) {other}= {total:.2f}"
-        f" units; measured {rec['activation_bytes'] / unit:.2f}. It is below the full TP+SP "
-        "figure (34 + 5as/h) because no s x s array is kept, and above the selective one "
-        "(34) because of the fp32 LayerNorm residuals."), "",
-        ("The GSPMD baseline's forward residuals equal sp_jax recompute's: GSPMD also keeps "
-         "the sequence-sharded LayerNorm output and gathers it again for the weight gradient "
-         "(see the H100 collectives below). Whether a fused forward+backward program really "
-         "keeps only that shard is up to XLA; the compiled peak memory below is the check."),
-        ""]
+        f"sp_jax recompute keeps {measured:.2f} units against the paper's 34 + 5as/h = "
+        f"{34 + sxs:g}: the s x s term is {t['attention_sxs']:.2f} instead of {sxs:g} "
+        "(no s x s array is kept). Against the paper's selective-recomputation figure (34 "
+        f"units) it is {measured - 34:+.2f}, term by term: " + "; ".join(diffs) + "."), ""]
+    g = {k: real["gspmd"]["terms"][k] / real["gspmd"]["unit_bytes"] for k in t}
+    differ = [f"{names[k]} ({g[k]:.2f} vs {t[k]:.2f})" for k in t if abs(g[k] - t[k]) >= 0.005]
+    out += [(
+        "The GSPMD baseline's forward residuals, per device, are "
+        + ("the same as sp_jax recompute's" if not differ else
+           "those of sp_jax recompute except " + "; ".join(differ))
+        + (". Like recompute, GSPMD keeps only the sequence-sharded column inputs and gathers "
+           "them again for the weight gradients (see the H100 collectives below)"
+           if abs(g["column_inputs"] - t["column_inputs"]) < 0.005 else "")
+        + ". Whether a fused forward+backward program keeps only what the VJP lists is up "
+        "to XLA; the compiled peak memory below is the check."), ""]
 
     vt, vs = mem["vs_t"], mem["vs_s"]
     out += ["### Scaling", "", f"Over t at s={sh['s']} (MiB per device and layer):", ""]
@@ -249,7 +257,39 @@ def _collectives_section(res) -> str:
             rows.append([LABELS[v], *r])
     out.append(_table(["variant", "phase", "all-gather", "reduce-scatter",
                        "all-reduce (activations)", "other kinds", "param-grad arrays"], rows))
-    out += ["", "Every collective of the H100 block compiles, in program order:", ""]
+    fo = {v: blk[v].get("forward_only_compile", {}) for v in ("gspmd", "sp_save",
+                                                               "sp_recompute")}
+    out += ["", "Forward pass compiled alone (assigns the ops XLA made without metadata): " +
+            "; ".join(f"{LABELS[v]}: " + ", ".join(
+                f"{k} {r['activation']}" for k, r in fo[v].items() if r["activation"])
+                for v in fo) + ".", ""]
+    cpu_ar = sum(t.get("all-reduce", {}).get("activation", 0)
+                 for t in cpu["gspmd"]["by_phase"].values())
+    gpu_ar = sum(t.get("all-reduce", {}).get("activation", 0)
+                 for t in blk["gspmd"]["by_phase"].values())
+    g_ops = [o for o in blk["gspmd"]["ops"] if "activation" in o["classes"]]
+    g_total = {k: sum(1 for o in g_ops if o["kind"] == k) for k in ("all-gather",
+                                                                     "reduce-scatter")}
+    g_fwd = {k: fo["gspmd"].get(k, {}).get("activation", 0) for k in g_total}
+    by_op: dict[str, int] = {}
+    for o in g_ops:
+        if o["kind"] == "all-gather" and o["phase"] == "backward":
+            key = o.get("op", "") or "?"
+            by_op[key] = by_op.get(key, 0) + 1
+    out += [(
+        f"GSPMD baseline on H100: forward {g_fwd['all-gather']} all-gathers + "
+        f"{g_fwd['reduce-scatter']} reduce-scatters, backward "
+        f"{g_total['all-gather'] - g_fwd['all-gather']} all-gathers + "
+        f"{g_total['reduce-scatter'] - g_fwd['reduce-scatter']} reduce-scatters of "
+        "activations (total minus the forward-only compile; Megatron: 2 + 2 forward, 2 + 2 "
+        "backward, +2 re-gathers with recompute). Its backward all-gathers by the JAX "
+        "operation XLA partitioned: " + ", ".join(f"`{k}` x{n}" for k, n in
+                                                 sorted(by_op.items())) +
+        "." + (" On XLA:CPU the same program all-reduces activations "
+               f"({cpu_ar} in the CPU table) where XLA:GPU, with {gpu_ar}, emits "
+               "reduce-scatters (its reduce-scatter creator rewrites all-reduce + slice)."
+               if cpu_ar and not gpu_ar else "")), ""]
+    out += ["Every collective of the H100 block compiles, in program order:", ""]
     for v in ("gspmd", "sp_save", "sp_recompute"):
         rows = [[o["phase"], o["kind"], " ".join(o["arrays"]), "/".join(sorted(set(o["classes"]))),
                  "yes" if o["async"] else "no", o["overlapped_ops"], o["role"]]
@@ -258,6 +298,16 @@ def _collectives_section(res) -> str:
                 _table(["phase", "kind", "per-device arrays", "class", "async",
                         "ops overlapped", "issued by"], rows), "", "</details>", ""]
     return "\n".join(out)
+
+
+def _peak_summary(peak) -> dict[str, Any]:
+    """Live bytes at the peak, and those of forward attention-score buffers."""
+    if not peak:
+        return {"live": "-", "fwd_scores": "-", "fwd_scores_bytes": 0}
+    fwd = sum(b for n, b in peak["entries"]
+              if "bqhd,bkhd->bhqk" in n and "transpose(" not in n)
+    return {"live": _fmt_mib(peak["peak_bytes"]), "fwd_scores": _fmt_mib(fwd),
+            "fwd_scores_bytes": fwd}
 
 
 def _gpu_section(res) -> str:
@@ -271,7 +321,10 @@ def _gpu_section(res) -> str:
         "",
         "`sp_jax.analysis.compile_for_gpu`: the real XLA:GPU pipeline (SPMD partitioner, "
         "latency-hiding scheduler, memory planning) for an 8 x H100 SXM mesh, without a GPU. "
-        "Per-device peak = temp + arguments + outputs - aliased (`memory_analysis()`). The "
+        "Per-device peak = temp + arguments + outputs - aliased (`memory_analysis()`); "
+        "*live at peak*: the largest sum of simultaneously live buffers in XLA's live-range "
+        "analysis (dumped with `xla_dump_to`; the allocator's peak above also counts "
+        "fragmentation). The "
         "benchmark process disables XLA:CPU's `cse_barrier_expander` pass; GPU compiles run "
         "with the default pass list (`xla_disable_hlo_passes=''`).",
         "",
@@ -281,11 +334,49 @@ def _gpu_section(res) -> str:
     ]
     rows = []
     for v in ("sp_save", "sp_recompute"):
-        m = gpt[v]["memory"]
+        m, pk = gpt[v]["memory"], _peak_summary(gpt[v].get("peak_live"))
         rows.append([LABELS[v], _fmt_mib(m["peak_bytes"]), _fmt_mib(m["temp_bytes"]),
-                     _fmt_mib(m["argument_bytes"]), _fmt_mib(m["output_bytes"])])
-    out.append(_table(["variant", "peak MiB", "temp MiB", "arguments MiB", "outputs MiB"],
-                      rows))
+                     _fmt_mib(m["argument_bytes"]), _fmt_mib(m["output_bytes"]),
+                     pk["live"], pk["fwd_scores"]])
+    out.append(_table(["variant", "peak MiB", "temp MiB", "arguments MiB", "outputs MiB",
+                       "live at peak MiB", "forward attention scores/probabilities live at "
+                       "peak MiB"], rows))
+    rec_pk = gpt["sp_recompute"].get("peak_live")
+    if rec_pk:
+        out += ["", "What is live at the peak of the sp_jax recompute GPT (XLA's live-range "
+                "dump; JAX `op_name` of the instruction that produced each buffer; "
+                "`jvp()` = forward, `transpose(jvp())` = backward):", ""]
+        out.append(_table(["live buffers", "MiB"], [[f"`{n}`", _fmt_mib(b)]
+                                                    for n, b in rec_pk["entries"][:10]]))
+        fwd = _peak_summary(rec_pk)
+        if fwd["fwd_scores_bytes"]:
+            out += ["", (
+                f"{fwd['fwd_scores']} MiB of the peak are the *forward* pass's attention "
+                "score matrices (`jvp()/.../bqhd,bkhd->bhqk/dot_general`, fp32 "
+                "`[b, a/t, s, s]`) and more are its bf16 probabilities (part of "
+                "`jvp()/.../convert_element_type`), alive during the backward pass: XLA's "
+                "common-subexpression elimination merges the backward's recomputation of "
+                "the scores (`_causal_attention_bwd` recomputes them from q, k and the "
+                "log-sum-exp) with the identical forward computation, so the forward's s x s "
+                "arrays are kept instead of recomputed. The residual count above does not "
+                "see this (it is a property of the compiled program, not of the VJP).")]
+    probe = gpu.get("attention_barrier_probe", {})
+    if probe and "error" not in probe:
+        rows = []
+        for v in ("sp_save", "sp_recompute"):
+            before, after = gpt[v], probe[v]
+            pb, pa = _peak_summary(before.get("peak_live")), _peak_summary(after.get("peak_live"))
+            rows.append([LABELS[v], _fmt_mib(before["memory"]["peak_bytes"]),
+                         _fmt_mib(after["memory"]["peak_bytes"]), pb["fwd_scores"],
+                         pa["fwd_scores"]])
+        out += ["", "Diagnostic (benchmark-only patch, `sp_jax.bench.gpu."
+                "attention_backward_behind_barrier`): the same GPT compiled with the attention "
+                "backward's residuals and cotangent passed through `lax.optimization_barrier` "
+                "first, so that XLA cannot merge the recomputation into the forward:", "",
+                _table(["variant", "peak MiB as is", "peak MiB with barrier",
+                        "forward scores live as is MiB", "with barrier MiB"], rows)]
+    elif probe:
+        out += ["", f"(Attention-barrier diagnostic not run: `{probe['error']}`.)"]
     out += ["", "Backward collectives of the GPT by role (async / total; mean number of "
             "instructions overlapped between start and done):", ""]
     roles: dict[str, dict[str, list]] = {}
@@ -308,10 +399,12 @@ def _gpu_section(res) -> str:
             f" b={blk['shape']['b']}; unsharded on 1 H100, others on 8)", ""]
     rows = []
     for v in VARIANTS:
-        m = blk[v]["memory"]
+        m, pk = blk[v]["memory"], _peak_summary(blk[v].get("peak_live"))
         rows.append([LABELS[v], blk[v]["devices"], _fmt_mib(m["peak_bytes"]),
-                     _fmt_mib(m["temp_bytes"]), _fmt_mib(m["argument_bytes"])])
-    out.append(_table(["variant", "devices", "peak MiB", "temp MiB", "arguments MiB"], rows))
+                     _fmt_mib(m["temp_bytes"]), _fmt_mib(m["argument_bytes"]), pk["live"],
+                     pk["fwd_scores"]])
+    out.append(_table(["variant", "devices", "peak MiB", "temp MiB", "arguments MiB",
+                       "live at peak MiB", "forward attention scores live at peak MiB"], rows))
     return "\n".join(out) + "\n"
 
 
@@ -336,6 +429,14 @@ def _time_section(res) -> str:
             for v in VARIANTS]
     out.append(_table(["variant", "median step ms", "ratio to GSPMD", "compile + first step s"],
                       rows))
+    fp32 = res.get("step_time_fp32")
+    if fp32:
+        rows = [[LABELS[v], f"{fp32['median_s'][v] * 1e3:.1f}",
+                 f"{fp32['ratio_to_reference'][v]:.2f}"] for v in VARIANTS]
+        out += ["", "The same with fp32 compute (secondary: not a target; XLA:CPU runs bf16 "
+                "matmuls much slower than fp32, which changes the balance between matmuls and "
+                "data movement):", "",
+                _table(["variant", "median step ms (fp32)", "ratio to GSPMD (fp32)"], rows)]
     return "\n".join(out) + "\n"
 
 
@@ -355,10 +456,11 @@ def render_markdown(res: dict[str, Any]) -> str:
         "`nnx.Linear` / `nnx.LayerNorm` and `jnp`, parameters annotated `P(None, tensor)` / "
         "`P(tensor, None)`, activations pinned with `with_sharding_constraint` to "
         "`P(data, tensor, None)` at the block boundaries and norms and `P(data, None, tensor)` "
-        "(heads) inside, on an Auto mesh; XLA inserts the collectives; it keeps sp_jax's "
-        "attention function and recomputed MLP activation so that only the parallelisation "
-        "differs; tested equal to sp_jax's block), **sp_jax save** and **sp_jax recompute** "
-        "(`sp_jax.models.Block` with `recompute_allgather` off / on, `wgrad_dtype=float32`).",
+        "(heads) inside, on an Auto mesh; XLA inserts the collectives; it uses sp_jax's "
+        "attention function and recomputes the MLP activation like sp_jax's block, and "
+        "flax's `nnx.LayerNorm`; tested equal to sp_jax's block), **sp_jax save** and "
+        "**sp_jax recompute** (`sp_jax.models.Block` with `recompute_allgather` off / on, "
+        "`wgrad_dtype=float32`).",
         "",
     ]
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),

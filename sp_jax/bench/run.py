@@ -17,6 +17,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 
 from sp_jax.analysis import activation_bytes_formula
 from sp_jax.bench.collectives import MEGATRON, cpu_block_collectives
@@ -41,6 +42,8 @@ class Config:
     rounds: int
     inner: int
     warmup: int
+    gpu_probe: bool = True  # the attention-barrier diagnostic compiles (gpu.py)
+    timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
 
 
 FULL = Config(
@@ -67,6 +70,8 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     rounds=2,
     inner=1,
     warmup=1,
+    gpu_probe=False,
+    timing_fp32=False,
 )
 
 
@@ -105,7 +110,7 @@ def _collectives_cpu(cfg: Config) -> dict[str, Any]:
 
 
 def _gpu(cfg: Config) -> dict[str, Any]:
-    from sp_jax.bench.gpu import gpu_block, gpu_gpt  # needs the CUDA plugin
+    from sp_jax.bench.gpu import gpu_block, gpu_gpt, gpu_gpt_probe  # needs the CUDA plugin
 
     sh = cfg.realistic
     block = {"shape": sh.as_dict()}
@@ -114,7 +119,13 @@ def _gpu(cfg: Config) -> dict[str, Any]:
     gpt = {"layers": cfg.gpt_layers, "vocab": cfg.gpt_vocab, "shape": sh.as_dict()}
     for name, rec in (("sp_save", False), ("sp_recompute", True)):
         gpt[name] = gpu_gpt(rec, layers=cfg.gpt_layers, shape=sh, vocab=cfg.gpt_vocab)
-    return {"block": block, "gpt": gpt}
+    probe = {}
+    if cfg.gpu_probe:
+        try:  # uses sp_jax.layers.transformer internals: optional
+            probe = gpu_gpt_probe(layers=cfg.gpt_layers, shape=sh, vocab=cfg.gpt_vocab)
+        except Exception as e:  # noqa: BLE001 - a diagnostic; its absence is reported
+            probe = {"error": f"{type(e).__name__}: {e}"}
+    return {"block": block, "gpt": gpt, "attention_barrier_probe": probe}
 
 
 def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
@@ -149,6 +160,10 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("gpu", lambda: _gpu(cfg))
     section("step_time", lambda: step_times(cfg.timing, rounds=cfg.rounds, inner=cfg.inner,
                                             warmup=cfg.warmup))
+    if cfg.timing_fp32:
+        section("step_time_fp32", lambda: step_times(
+            cfg.timing.replace(dtype=jnp.float32), rounds=cfg.rounds, inner=cfg.inner,
+            warmup=cfg.warmup))
     results["megatron"] = MEGATRON
     results["meta"] = {
         "quick": quick,
