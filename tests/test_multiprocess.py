@@ -1,16 +1,20 @@
 """examples/train_gpt.py as 2 processes x 4 simulated CPU devices (jax.distributed on
 loopback, gloo collectives) trains exactly like 1 process with 8 devices.
 
-Both runs use the same flags otherwise (data=2 x tensor=4 mesh, tiny model, 3 steps, a
-checkpoint at step 3) and run concurrently. Checked: process 0 alone writes the log; the
-logged losses and held-out losses agree; the checkpoint the two processes wrote together
-(each its own shards) holds the parameters and optimizer state of the 1-process run.
+First, concurrently: the 2-process run (3 steps, checkpoint at step 3) and the 1-process
+reference (same flags, but 4 steps, checkpoints at steps 3 and 4; the warmup is 20 steps,
+so steps 1-4 do not depend on --steps). Then the 2 processes resume from the reference's
+step-3 checkpoint and train step 4. Checked: process 0 alone writes the log; the logged
+losses and held-out losses agree; the checkpoint the two processes wrote together (each
+its own shards) holds the reference's parameters and optimizer state; restoring in 2
+processes continues the reference run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,7 +37,7 @@ DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 STEPS = 3
 FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",
          "--batch-size", "8", "--micro-batches", "2", "--mesh", "2,4", "--data", DATA,
-         "--eval-every", "3", "--steps", str(STEPS), "--save-every", "3", "--no-progress"]
+         "--eval-every", "3", "--save-every", "3", "--no-progress"]
 TIMEOUT_S = 240
 # Gloo's cross-process all-reduce sums in another order than XLA:CPU's in-process one:
 # the losses agree to the last bit or two (observed: <= 1e-7 relative).
@@ -56,42 +60,57 @@ def _env() -> dict[str, str]:
 
 
 def _launch(*extra: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *FLAGS, *extra], cwd=ROOT,
-                            env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            text=True)
+    with log.open("w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, str(SCRIPT), *FLAGS, *extra], cwd=ROOT,
+                                env=_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("multiprocess")
-    port = _free_port()
-    procs = {
-        f"proc{i}": _launch("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                            "--process-id", str(i), "--ckpt-dir", str(tmp / "ckpt_2x4"),
-                            "--log-json", str(tmp / f"multi{i}.jsonl"),
-                            log=tmp / f"proc{i}.out")  # 8 / 2 = 4 devices each by default
-        for i in range(2)
-    }
-    procs["single"] = _launch("--ckpt-dir", str(tmp / "ckpt_1x8"),
-                              "--log-json", str(tmp / "single.jsonl"),
-                              log=tmp / "single.out")
-    deadline = time.monotonic() + TIMEOUT_S
+def _wait(procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, int | None]:
+    """Waits for all of ``procs``; kills (by pid) any still running at ``deadline``, e.g.
+    a process whose peer died and that now waits for it."""
     try:
         for proc in procs.values():
             proc.wait(timeout=max(deadline - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for proc in procs.values():  # stragglers (e.g. a peer died): kill, by pid
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-    codes = {name: proc.returncode for name, proc in procs.items()}
-    outputs = {name: (tmp / f"{name}.out").read_text() for name in procs}
+    return {name: proc.returncode for name, proc in procs.items()}
+
+
+def _two_processes(tmp: Path, tag: str, *extra: str) -> dict[str, subprocess.Popen]:
+    port = _free_port()
+    return {f"{tag}{i}": _launch("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                 "--process-id", str(i), "--log-json",
+                                 str(tmp / f"{tag}{i}.jsonl"), *extra,
+                                 log=tmp / f"{tag}{i}.out")  # 8 / 2 = 4 devices each
+            for i in range(2)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    deadline = time.monotonic() + TIMEOUT_S
+    procs = _two_processes(tmp, "proc", "--steps", str(STEPS),
+                           "--ckpt-dir", str(tmp / "ckpt_2x4"))
+    procs["single"] = _launch("--steps", str(STEPS + 1), "--ckpt-dir", str(tmp / "ckpt_1x8"),
+                              "--log-json", str(tmp / "single.jsonl"),
+                              log=tmp / "single.out")
+    codes = _wait(procs, deadline)
+    if codes["single"] == 0:
+        # The reference's step-3 checkpoint, restored by 2 processes (each reads its shards).
+        shutil.copytree(tmp / "ckpt_1x8" / str(STEPS), tmp / "ckpt_resume" / str(STEPS))
+        resumed = _two_processes(tmp, "resumed", "--steps", str(STEPS + 1), "--resume",
+                                 "--ckpt-dir", str(tmp / "ckpt_resume"))
+        codes.update(_wait(resumed, deadline + TIMEOUT_S))
+    outputs = {name: (tmp / f"{name}.out").read_text() for name in codes}
     return tmp, codes, outputs
 
 
@@ -109,19 +128,20 @@ def test_two_processes_log_the_losses_of_one(runs):
     assert "on 8 of 8 cpu devices in 2 processes (4 each)" in out, out
     assert f"done: steps 1-{STEPS}" in out
     # Process 0 alone writes the log (and prints).
-    assert not (tmp / "multi1.jsonl").exists()
+    assert not (tmp / "proc1.jsonl").exists()
     assert "done:" not in _ok(runs, "proc1")
-    multi, single = _read(tmp / "multi0.jsonl"), _read(tmp / "single.jsonl")
+    multi, single = _read(tmp / "proc0.jsonl"), _read(tmp / "single.jsonl")
     losses = {r["step"]: r["loss"] for r in multi if "loss" in r}
     reference = {r["step"]: r["loss"] for r in single if "loss" in r}
-    assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
-    for step in reference:
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert sorted(reference) == list(range(1, STEPS + 2))
+    for step in losses:
         assert losses[step] == pytest.approx(reference[step], rel=RTOL, abs=0), step
-    evals = [(r["step"], r["eval_loss"]) for r in multi if "eval_loss" in r]
-    ref_evals = [(r["step"], r["eval_loss"]) for r in single if "eval_loss" in r]
-    assert [s for s, _ in evals] == [s for s, _ in ref_evals] == [0, STEPS]
-    for (_, a), (_, b) in zip(evals, ref_evals, strict=True):
-        assert a == pytest.approx(b, rel=RTOL, abs=0)
+    evals = dict((r["step"], r["eval_loss"]) for r in multi if "eval_loss" in r)
+    ref_evals = dict((r["step"], r["eval_loss"]) for r in single if "eval_loss" in r)
+    assert sorted(evals) == [0, STEPS] and sorted(ref_evals) == [0, STEPS, STEPS + 1]
+    for step in evals:
+        assert evals[step] == pytest.approx(ref_evals[step], rel=RTOL, abs=0), step
 
 
 def test_two_processes_save_one_checkpoint(runs):
@@ -132,6 +152,7 @@ def test_two_processes_save_one_checkpoint(runs):
     _ok(runs, "proc0")
     _ok(runs, "single")
     assert sorted(os.listdir(tmp / "ckpt_2x4")) == [str(STEPS)]
+    assert sorted(os.listdir(tmp / "ckpt_1x8")) == [str(STEPS), str(STEPS + 1)]
     model = GPT(GPTConfig(vocab_size=256, max_seq_len=32, num_layers=1, num_heads=4,
                           hidden=32), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -139,7 +160,7 @@ def test_two_processes_save_one_checkpoint(runs):
     opt_state = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(lambda count: 1e-3)).init(params)
     multi = restore_checkpoint(tmp / "ckpt_2x4", params_like=params, opt_state_like=opt_state)
-    single = restore_checkpoint(tmp / "ckpt_1x8", params_like=params,
+    single = restore_checkpoint(tmp / "ckpt_1x8", STEPS, params_like=params,
                                 opt_state_like=opt_state)
     assert multi.step == single.step == STEPS
     assert multi.metadata == single.metadata
@@ -147,3 +168,19 @@ def test_two_processes_save_one_checkpoint(runs):
     ref_leaves = jax.tree.leaves((single.params, single.opt_state))
     for a, b in zip(leaves, ref_leaves, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_two_processes_resume_a_checkpoint(runs):
+    """2 processes restore the 1-process run's step-3 checkpoint (each reading the shards
+    its devices hold) and train step 4 as the 1-process run did."""
+    tmp, _, _ = runs
+    _ok(runs, "single")
+    out = _ok(runs, "resumed0")
+    _ok(runs, "resumed1")
+    assert f"resume: restored step {STEPS}" in out and f"done: steps {STEPS + 1}-" in out
+    resumed = {r["step"]: r for r in _read(tmp / "resumed0.jsonl") if "loss" in r}
+    reference = {r["step"]: r for r in _read(tmp / "single.jsonl") if "loss" in r}
+    assert sorted(resumed) == [STEPS + 1]
+    assert resumed[STEPS + 1]["loss"] == pytest.approx(reference[STEPS + 1]["loss"], rel=RTOL,
+                                                       abs=0)
+    assert sorted(os.listdir(tmp / "ckpt_resume")) == [str(STEPS), str(STEPS + 1)]
