@@ -19,7 +19,7 @@ backward pass, gradients in flight, workspace). Checkpoints (``sp_jax.checkpoint
 hold the parameters, the optimizer state, the step (which is also the data position) and
 the model/data settings; ``--resume`` restores the latest into the current mesh's
 shardings, which may differ from the mesh it was saved from. A non-finite loss stops the
-run (exit status 1) naming the step; ``--debug-nans`` makes JAX raise at the first NaN.
+run (exit status 1) naming the step; ``--debug-nans`` turns on JAX's NaN checks.
 
 Multi-process (one process per host or per GPU; CPU processes simulate devices):
 
@@ -27,7 +27,8 @@ Multi-process (one process per host or per GPU; CPU processes simulate devices):
 
 or, under SLURM (``srun``) / Open MPI (``mpirun``), no flags at all: with more than one
 task JAX's cluster auto-detection (``jax.distributed.initialize()`` without arguments)
-supplies all three (``--distributed on`` forces it, ``off`` disables it). The mesh spans
+supplies all three (``--distributed on`` forces it, ``off`` disables it; there JAX gives
+each process the one GPU of its local rank, ``--local-device-ids`` overrides). The mesh spans
 ``jax.devices()`` of all processes (processes' devices in order, so the tensor axis stays
 within a process when TENSOR divides its device count); each process builds only the
 batch rows its devices hold (``jax.make_array_from_callback``); process 0 alone prints,
@@ -74,6 +75,11 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-processes", type=int, default=None, help="number of processes")
     g.add_argument("--process-id", type=int, default=None,
                    help="this process's index, 0 .. N-1")
+    g.add_argument("--local-device-ids", default=None, metavar="IDS",
+                   help="comma-separated GPU ids this process uses (jax.distributed's "
+                        "local_device_ids). Under SLURM / Open MPI JAX's default is one GPU "
+                        "per process, the one of its local rank; with one process per node "
+                        "pass all of them, e.g. 0,1,2,3,4,5,6,7")
     g.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
                    help="auto: initialise jax.distributed when the three flags above are "
                         "given or a SLURM/Open MPI launcher started several tasks; on: "
@@ -111,11 +117,15 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches (of batch-size/micro-batches sequences) per eval")
     g = p.add_argument_group("output")
-    g.add_argument("--ckpt-dir", default=None, help="orbax checkpoint directory")
+    g.add_argument("--ckpt-dir", default=None,
+                   help="orbax checkpoint directory (sp_jax.checkpoint; in multi-process "
+                        "runs on a file system all processes share)")
     g.add_argument("--save-every", type=int, default=0,
                    help="checkpoint every K steps (and after the last); 0: never")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --ckpt-dir")
+                   help="continue from the latest checkpoint in --ckpt-dir (parameters, "
+                        "optimizer state, step and data position), resharded onto the "
+                        "current --mesh")
     g.add_argument("--log-json", default=None,
                    help="JSON lines: one record per step, plus eval records")
     g.add_argument("--plot", default=None, help="write the loss curve to this PNG")
@@ -174,6 +184,12 @@ def _parse_distributed(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if any(explicit) and not all(explicit) and tasks is None:
         p.error("--coordinator HOST:PORT, --num-processes N and --process-id I go together "
                 "(only a SLURM / Open MPI launch can supply the missing ones)")
+    if args.local_device_ids is not None:
+        try:
+            args.local_device_ids = [int(v) for v in args.local_device_ids.split(",")]
+        except ValueError:
+            p.error(f"--local-device-ids {args.local_device_ids!r}: expected integers "
+                    "separated by commas, e.g. 0,1,2,3")
     if args.num_processes is not None and args.num_processes <= 0:
         p.error("--num-processes must be positive")
     if args.process_id is not None and not (
@@ -463,7 +479,8 @@ def init_distributed(args: argparse.Namespace) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes, process_id=args.process_id)
+                               num_processes=args.num_processes, process_id=args.process_id,
+                               local_device_ids=args.local_device_ids)
 
 
 def say(*values, **kwargs) -> None:

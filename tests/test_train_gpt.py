@@ -218,8 +218,10 @@ def test_explicit_processes(example, no_cluster):
                            "--process-id", "1"])
     assert args.multiprocess and args.processes == 2
     assert args.local_devices is None  # 8 / 2 = 4 simulated CPU devices each
-    assert example._parse(["--local-devices", "2", "--mesh", "1,4", "--coordinator",
-                           "h:1", "--num-processes", "2", "--process-id", "0"]).local_devices == 2
+    args = example._parse(["--local-devices", "2", "--mesh", "1,4", "--coordinator", "h:1",
+                           "--num-processes", "2", "--process-id", "0",
+                           "--local-device-ids", "0,1"])
+    assert args.local_devices == 2 and args.local_device_ids == [0, 1]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -230,6 +232,7 @@ def test_explicit_processes(example, no_cluster):
      "does not divide over 3 processes"),
     (["--distributed", "off", "--coordinator", "h:1", "--num-processes", "2",
       "--process-id", "0"], "contradicts"),
+    (["--local-device-ids", "0;1"], "expected integers"),
 ])
 def test_bad_process_flags(example, no_cluster, capsys, argv, message):
     with pytest.raises(SystemExit):
