@@ -353,6 +353,9 @@ class CheckpointManager:
         for name, like in targets.items():
             target = _target(like)
             tree = saved.get(name)
+            if tree is None:
+                raise ValueError(f"checkpoint step {step} in {self.directory} has no "
+                                 f"'{name}' item (not written by sp_jax.checkpoint?)")
             _check_compatible(name, getattr(tree, "tree", tree), target, step,
                               self.directory, allow_dtype_cast)
             items[name] = ocp.args.StandardRestore(target)
