@@ -61,9 +61,18 @@ def step_times(shape: Shape, *, rounds: int = 10, inner: int = 3, warmup: int = 
         "rounds": rounds, "inner": inner, "warmup": warmup, "reference": reference,
         "median_s": {v: statistics.median(samples[v]) for v in variants},
         "ratio_to_reference": {v: statistics.median(ratios[v]) for v in variants},
+        "ratio_quartiles": {v: _quartiles(ratios[v]) for v in variants},
         "samples_s": samples,
         "compile_s": {v: runs[v][2] for v in variants},
     }
+
+
+def _quartiles(xs: list[float]) -> list[float]:
+    """25th and 75th percentiles."""
+    if len(xs) < 2:
+        return [xs[0], xs[0]]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [q[0], q[2]]
 
 
 def _merge(setup):
