@@ -16,7 +16,7 @@ from sp_jax.layers._sharding import (
     data_spec,
     reshard,
 )
-from sp_jax.layers.embedding import padded_vocab_size
+from sp_jax.layers.embedding import _nan_where, padded_vocab_size
 
 __all__ = ["parallel_cross_entropy"]
 
@@ -42,8 +42,7 @@ def _local_cross_entropy(logits, labels, *, axis_name, vocab_size, ignore_index,
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
     if z_loss:
         loss = loss + z_loss * lse**2
-    invalid = (labels < 0) | (labels >= vocab_size)
-    loss = jnp.where(invalid, jnp.nan, loss)  # never silently wrong under jit
+    loss = loss + _nan_where((labels < 0) | (labels >= vocab_size))  # never silently wrong
     return jnp.where(labels == ignore_index, 0.0, loss)
 
 

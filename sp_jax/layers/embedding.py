@@ -42,8 +42,13 @@ def _lookup(ids: jax.Array, table: jax.Array, axis_name: str, vocab_size: int) -
     inside = (local >= 0) & (local < rows)
     emb = jnp.take(table, jnp.where(inside, local, 0), axis=0)
     emb = jnp.where(inside[..., None], emb, jnp.zeros((), emb.dtype))
-    invalid = (ids < 0) | (ids >= vocab_size)
-    return jnp.where(invalid[..., None], jnp.full((), jnp.nan, emb.dtype), emb)
+    return emb + _nan_where((ids < 0) | (ids >= vocab_size))[..., None].astype(emb.dtype)
+
+
+def _nan_where(bad: jax.Array) -> jax.Array:
+    """0 where ``bad`` is false and NaN where it is true, made without a NaN constant
+    (so ``jax_debug_nans`` fires only when a bad value really occurs)."""
+    return jnp.sqrt(jnp.where(bad, -1.0, 0.0))
 
 
 class VocabParallelEmbedding(nnx.Module):
