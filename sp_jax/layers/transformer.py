@@ -66,6 +66,9 @@ def _causal_attention_fwd(q, k, v):
 
 
 def _causal_attention_bwd(res, d_out):
+    # Tie the residuals to the incoming cotangent: otherwise XLA's CSE merges the
+    # recomputed scores with the forward ones and keeps those alive until backward.
+    res, d_out = jax.lax.optimization_barrier((res, d_out))
     q, k, v, out, lse = res
     probs = jnp.exp(_causal_scores(q, k) - lse[..., None])  # recomputed, fp32
     d_v = jnp.einsum("bhqk,bqhd->bkhd", probs.astype(d_out.dtype), d_out)
