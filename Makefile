@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 # Trains the byte-level GPT (examples/train_gpt.py; ~1-2 min on CPU); examples/train_mlp.py is
 # the smaller example: $(CPU_ENV) $(PY) examples/train_mlp.py
 demo: $(STAMP)
-	$(CPU_ENV) $(PY) examples/train_gpt.py --plot docs/loss.png --log-json runs/demo.jsonl
+	$(CPU_ENV) $(PY) examples/train_gpt.py --plot runs/loss.png --log-json runs/demo.jsonl
 
 # Benchmarks sp_jax's TP+SP block against a GSPMD baseline and the unsharded block (a few
 # minutes on CPU, 8 simulated devices + deviceless 8 x H100 compiles); writes BENCHMARKS.md,
