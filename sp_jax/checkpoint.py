@@ -36,8 +36,8 @@ Example::
     params, opt_state, step = restored.params, restored.opt_state, restored.step
     ckpt.close()
 
-orbax-checkpoint is imported on first use (``pip install orbax-checkpoint``, part of the
-``examples`` extra).
+orbax-checkpoint (a dependency of sp_jax) is imported on first use, so ``import sp_jax``
+stays light.
 """
 
 from __future__ import annotations
