@@ -218,3 +218,31 @@ def test_compile_for_gpu_without_the_plugin_says_how_to_install(monkeypatch):
             gpu_mesh((8,), ("tensor",))
     finally:
         gpu._topology.cache_clear()
+
+
+def test_h100_tp_column_dx_all_reduce_is_async():
+    """mp_async_allreduce for the plain TP layers: the dx all-reduce entering the TP
+    region runs concurrently with other work in backward (is_sync false)."""
+    h, s = 1024, 1024
+    parallel = sp_jax.ParallelConfig(data_axis=None)
+    with jax.set_mesh(gpu_mesh((8,), ("tensor",))):
+        layers = nnx.eval_shape(lambda: nnx.List([m for i in range(2) for m in (
+            sp_jax.ColumnParallelLinear(h, 4 * h, config=parallel, dtype=jnp.bfloat16,
+                                        rngs=nnx.Rngs(i)),
+            sp_jax.RowParallelLinear(4 * h, h, config=parallel, dtype=jnp.bfloat16,
+                                     rngs=nnx.Rngs(i)))]))
+        graphdef, params = nnx.split(layers)
+    x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P())
+
+    def grad(params, x):
+        def loss(p, x):
+            m = nnx.merge(graphdef, p)
+            for i in (0, 2):
+                x = x + m[i + 1](jax.nn.gelu(m[i](x)))
+            return jnp.sum(x.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    report = compile_for_gpu(grad, params, x, mesh_shape=(8,), axis_names=("tensor",))
+    dx = _starts(report.hlo, "tp_dx_all_reduce")
+    assert len(dx) == 2 and all(dx), dx
