@@ -116,3 +116,18 @@ def test_cpu_warning_without_cse_flag(mesh_2x4, monkeypatch):
         layer = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=nnx.Rngs(0))
         with pytest.warns(UserWarning, match="cse_barrier_expander"):
             layer(jnp.ones((B, S, H)))
+
+
+def test_saved_activation_bytes_breakdown(mesh_2x4):
+    from sp_jax.analysis import saved_activation_bytes
+
+    residuals = _column_residuals(mesh_2x4, recompute=True)
+    cfg = sp_jax.ParallelConfig(recompute_allgather=True)
+    with jax.set_mesh(mesh_2x4):
+        layer = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(layer)
+        x = jax.reshard(jnp.ones((B, S, H)), P("data", "tensor", None))
+        total = saved_activation_bytes(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+    assert total == sum(r.device_bytes for r in residuals)
+    assert sum(total.by_source.values()) == total
+    assert [r.device_shape for r in total.residuals] == [r.device_shape for r in residuals]

@@ -78,7 +78,31 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
     return out
 
 
-def saved_activation_bytes(fn: Callable[..., Any], *args: Any) -> int:
+class SavedBytes(int):
+    """Per-device bytes saved for backward (an ``int``), with the breakdown.
+
+    Attributes:
+      residuals: the :class:`Residual` s behind the total.
+      by_source: bytes per source (JAX's note on the producing operation; residuals it
+        cannot attribute are grouped under ``"unattributed"``), largest first.
+    """
+
+    residuals: list[Residual]
+    by_source: dict[str, int]
+
+    def __new__(cls, residuals: list[Residual]) -> SavedBytes:
+        obj = super().__new__(cls, sum(r.device_bytes for r in residuals))
+        obj.residuals = residuals
+        totals: dict[str, int] = {}
+        for r in residuals:
+            key = r.source or "unattributed"
+            totals[key] = totals.get(key, 0) + r.device_bytes
+        obj.by_source = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+        return obj
+
+
+def saved_activation_bytes(fn: Callable[..., Any], *args: Any) -> SavedBytes:
     """Per-device bytes of all residuals ``jax.vjp(fn, *args)`` saves (see
-    :func:`saved_residuals`)."""
-    return sum(r.device_bytes for r in saved_residuals(fn, *args))
+    :func:`saved_residuals`), as an ``int`` that also carries ``.residuals`` and the
+    breakdown ``.by_source``."""
+    return SavedBytes(saved_residuals(fn, *args))
