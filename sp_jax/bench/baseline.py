@@ -20,7 +20,8 @@ the constraints are skipped and it is the plain single-device block.
 To compare parallelisation strategies rather than kernels, the baseline keeps sp_jax's
 memory policy: the same attention function (:func:`sp_jax.layers.transformer.causal_attention`,
 which saves the log-sum-exp instead of the ``s x s`` probabilities) and the MLP activation
-recomputed in backward (``jax.checkpoint``). :func:`copy_weights` loads an sp_jax block's
+recomputed in backward (``jax.checkpoint``), and the same LayerNorm backward (the norm
+keeps only its input and per-token statistics). :func:`copy_weights` loads an sp_jax block's
 parameters into it (the parameter tree has the same names and global shapes).
 """
 
@@ -35,7 +36,17 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.layers.elementwise import _norm
 from sp_jax.layers.transformer import causal_attention
+
+
+class _LayerNorm(nnx.LayerNorm):
+    """``nnx.LayerNorm`` with sp_jax's memory-lean backward (no mesh needed)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(
+            x, self.scale[...], self.bias[...])
+        return _norm(x, self.scale[...], self.bias[...], self.epsilon, True, dtype)
 
 __all__ = ["GspmdAttention", "GspmdBlock", "GspmdMLP", "Layout", "constrain", "copy_weights",
            "param_specs"]
@@ -111,7 +122,7 @@ class GspmdAttention(nnx.Module):
                              f"num_heads={num_heads}.")
         t = layout.tensor_axis
         self.hidden, self.num_heads, self.layout = hidden, num_heads, layout
-        self.norm = nnx.LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
+        self.norm = _LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
         self.qkv = _linear(hidden, 3 * hidden, (None, t), (t,), use_bias=False, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
@@ -140,7 +151,7 @@ class GspmdMLP(nnx.Module):
                  param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         t = layout.tensor_axis
         self.layout = layout
-        self.norm = nnx.LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
+        self.norm = _LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
         self.up = _linear(hidden, mlp_hidden, (None, t), (t,), dtype=dtype,
                           param_dtype=param_dtype, rngs=rngs)

@@ -17,11 +17,11 @@ PLOT_T = "bench_memory_vs_t.png"
 PLOT_S = "bench_memory_vs_s.png"
 
 _WHY = {
-    "layernorm": "the 2 norms' residuals. The paper counts each norm's 2-byte input. Plain "
-                 "autodiff of flax's `nnx.LayerNorm` (the GSPMD baseline's and unsharded "
-                 "block's norm) keeps the fp32 input, `x - mean` and the normalised output (3 "
-                 "x 4 bytes per element) plus per-token statistics; a norm with its own VJP "
-                 "can keep the input in its dtype plus 2 fp32 numbers per token (2 units).",
+    "layernorm": "the 2 norms' residuals. The paper counts each norm's 2-byte input. All "
+                 "variants use sp_jax's norm VJP, which keeps the bf16 input plus 2 fp32 "
+                 "numbers per token (2 units per norm); plain autodiff of flax's "
+                 "`nnx.LayerNorm` would keep the fp32 input, `x - mean` and the normalised "
+                 "output (3 x 4 bytes per element, 12 units per norm).",
     "column_inputs": "recompute and GSPMD: the local `[b, s/t, h]` shard (2 bytes per "
                      "element); save: the gathered `[b, s, h]` (2t).",
     "qkv_out": "q, k, v and the attention output, kept by the attention VJP (2 bytes each).",
@@ -460,12 +460,13 @@ def render_markdown(res: dict[str, Any]) -> str:
         "",
         "Variants: **unsharded** (the block on one device: the baseline module with no mesh), "
         "**GSPMD TP+SP baseline** (`sp_jax/bench/baseline.py`: the same block from "
-        "`nnx.Linear` / `nnx.LayerNorm` and `jnp`, parameters annotated `P(None, tensor)` / "
+        "`nnx.Linear`, `nnx.LayerNorm` and `jnp`, parameters annotated `P(None, tensor)` / "
         "`P(tensor, None)`, activations pinned with `with_sharding_constraint` to "
         "`P(data, tensor, None)` at the block boundaries and norms and `P(data, None, tensor)` "
         "(heads) inside, on an Auto mesh; XLA inserts the collectives; it uses sp_jax's "
-        "attention function and recomputes the MLP activation like sp_jax's block, and "
-        "flax's `nnx.LayerNorm`; tested equal to sp_jax's block), **sp_jax save** and "
+        "attention function, recomputes the MLP activation and uses the norm backward of "
+        "sp_jax's block, so only the parallelisation differs; tested equal to sp_jax's "
+        "block), **sp_jax save** and "
         "**sp_jax recompute** (`sp_jax.models.Block` with `recompute_allgather` off / on, "
         "`wgrad_dtype=float32`).",
         "",
