@@ -213,13 +213,10 @@ def _configure_devices(args: argparse.Namespace) -> None:
     devices on GPUs. ``cse_barrier_expander`` off keeps recompute's backward re-all-gather
     on XLA:CPU (XLA:GPU keeps it by itself). Flags already in XLA_FLAGS win.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
+    from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
+
     count = args.local_devices or args.data_size * args.tensor_size // args.processes
-    for flag in (f"--xla_force_host_platform_device_count={count}",
-                 "--xla_disable_hlo_passes=cse_barrier_expander"):
-        if flag.split("=")[0] not in flags:
-            flags = f"{flags} {flag}".strip()
-    os.environ["XLA_FLAGS"] = flags
+    apply_xla_flags(cpu_simulation_flags(count))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ batches, and the two loss curves are printed side by side.
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def _parse() -> argparse.Namespace:
@@ -29,13 +28,11 @@ def _parse() -> argparse.Namespace:
 
 
 args = _parse()
-# Simulated CPU devices must be configured before JAX initialises its backend. The second
-# flag keeps recompute's backward re-all-gather on XLA:CPU (XLA:GPU keeps it by itself).
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""),
-    f"--xla_force_host_platform_device_count={args.cpu_devices}",
-    "--xla_disable_hlo_passes=cse_barrier_expander",
-]).strip()
+# Simulated CPU devices must be configured before JAX initialises its backend (and
+# XLA:CPU must keep recompute's backward re-all-gather; XLA:GPU keeps it by itself).
+from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
+
+apply_xla_flags(cpu_simulation_flags(args.cpu_devices))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

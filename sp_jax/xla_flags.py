@@ -288,6 +288,22 @@ def _backend_initialized() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
 
 
+def cpu_simulation_flags(num_devices: int) -> list[str]:
+    """XLA_FLAGS for running sharded programs on a CPU-only machine.
+
+    ``num_devices`` simulated host devices (the flag affects only the host platform, so a
+    run on GPUs uses its real devices), and XLA:CPU's ``cse_barrier_expander`` pass off, so
+    that ``recompute_allgather``'s backward re-all-gather is not merged with the forward
+    one (XLA:GPU keeps it by itself). Pass them to :func:`apply_xla_flags` before JAX
+    starts; flags already in ``XLA_FLAGS`` keep the user's value.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices <= 0:
+        raise ValueError(f"cpu_simulation_flags: num_devices={num_devices!r} must be a "
+                         "positive int.")
+    return [f"--xla_force_host_platform_device_count={num_devices}",
+            "--xla_disable_hlo_passes=cse_barrier_expander"]
+
+
 def apply_xla_flags(flags: Iterable[str] | None = None) -> str:
     """Adds ``flags`` (default: :func:`recommended_xla_flags`) to ``os.environ["XLA_FLAGS"]``.
 

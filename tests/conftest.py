@@ -3,16 +3,11 @@
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
+
 # 8 host devices; cse_barrier_expander off so XLA:CPU keeps recompute's backward
 # re-all-gather separate from the forward one (XLA:GPU keeps it without this flag).
-_flags = os.environ.get("XLA_FLAGS", "")
-for flag in (
-    "--xla_force_host_platform_device_count=8",
-    "--xla_disable_hlo_passes=cse_barrier_expander",
-):
-    if flag.split("=")[0] not in _flags:
-        _flags = f"{_flags} {flag}".strip()
-os.environ["XLA_FLAGS"] = _flags
+apply_xla_flags(cpu_simulation_flags(8))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -229,3 +229,12 @@ def test_flags_reach_xla_gpu_in_a_deviceless_compile():
     with_flags, without = proc.stdout.strip().splitlines()[-2:]
     assert with_flags == "['2']", proc.stdout
     assert without == "['4']", proc.stdout
+
+
+def test_cpu_simulation_flags():
+    assert xla_flags.cpu_simulation_flags(4) == [
+        "--xla_force_host_platform_device_count=4",
+        "--xla_disable_hlo_passes=cse_barrier_expander",
+    ]
+    with pytest.raises(ValueError, match="num_devices=0 must be a positive int"):
+        xla_flags.cpu_simulation_flags(0)

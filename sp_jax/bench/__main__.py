@@ -8,14 +8,11 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-for _flag in ("--xla_force_host_platform_device_count=8",
-              "--xla_disable_hlo_passes=cse_barrier_expander"):
-    if _flag.split("=")[0] not in _flags:
-        _flags = f"{_flags} {_flag}".strip()
-os.environ["XLA_FLAGS"] = _flags
-
 import jax  # noqa: E402
+
+from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
+
+apply_xla_flags(cpu_simulation_flags(8))
 
 # `python -m sp_jax.bench` imports the sp_jax package (and so jax) before this file runs;
 # the backend is not initialised yet, so the platform can still be chosen here.
