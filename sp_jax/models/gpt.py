@@ -210,9 +210,14 @@ class GPT(nnx.Module):
 
     def hidden_states(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
         """Final-normed hidden states ``[batch, seq, hidden]``, SP layout."""
+        return self._hidden_states(tokens, rngs, None)
+
+    def _hidden_states(self, tokens: jax.Array, rngs: Any, table: jax.Array | None
+                       ) -> jax.Array:
+        """:meth:`hidden_states`; ``table``: the embedding's padded table if already made."""
         tokens = jnp.asarray(tokens)
         self._check_tokens(tokens)
-        x = self.embed(tokens)
+        x = self.embed(tokens, table=table)
         if self.position is not None:
             x = x + self.position[: tokens.shape[1]].astype(x.dtype)[None]
             x = to_sequence_parallel(x, self.parallel, where="GPT")
@@ -233,11 +238,12 @@ class GPT(nnx.Module):
     def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
-        h = self.hidden_states(tokens, rngs=rngs)
         mesh = current_mesh(self.parallel, where="GPT")
         d, t = data_spec(self.parallel), self.parallel.tensor_axis
         vocab_table = self.embed if self.head is None else self.head
         table = vocab_table.padded_table(mesh)  # [Vp, hidden], P(t, None)
+        # A tied head shares the padded table with the embedding: made once.
+        h = self._hidden_states(tokens, rngs, table if self.head is None else None)
         recompute, wd = self.parallel.recompute_allgather, self.parallel.wgrad_dtype
 
         def tied_head(h, table):
