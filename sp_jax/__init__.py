@@ -1,6 +1,13 @@
-"""sp_jax: Megatron-style tensor and sequence parallelism for JAX / Flax NNX."""
+"""sp_jax: Megatron-style tensor and sequence parallelism for JAX / Flax NNX.
 
-from sp_jax import checkpoint, ops, xla_flags
+Subpackages and modules, bottom to top: ``config`` (:class:`ParallelConfig`), ``layout``
+(the logical-axis table and PartitionSpecs), ``ops`` (per-device collectives with their
+VJPs), ``layers`` (NNX modules on global arrays), ``models`` (GPT), ``training`` (the
+jitted step), ``checkpoint`` (orbax across meshes); beside them ``analysis``
+(measurement) and ``xla_flags`` (XLA GPU overlap flags).
+"""
+
+from sp_jax import analysis, checkpoint, layers, layout, models, ops, training, xla_flags
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
@@ -16,13 +23,20 @@ from sp_jax.layers import (
     padded_vocab_size,
     parallel_cross_entropy,
 )
+from sp_jax.layout import Layout
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ParallelConfig",
+    "Layout",
+    "analysis",
     "checkpoint",
+    "layers",
+    "layout",
+    "models",
     "ops",
+    "training",
     "xla_flags",
     "ColumnParallelLinear",
     "RowParallelLinear",

@@ -219,14 +219,12 @@ def reduce_scatter_sequence(x: jax.Array, axis_name: AxisName, seq_dim: int = 1)
     return _reduce_scatter_ag(_vary(x, (axis_name,)), axis_name, seq_dim)
 
 
-def copy_to_tensor_region(x: jax.Array, axis_name: AxisName,
-                          seq_dim: int | None = None) -> jax.Array:
+def copy_to_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Identity into a tensor-parallel region; VJP: all-reduce (psum) of the cotangents.
 
     Args:
       x: local array, replicated over ``axis_name`` (invariant).
-      seq_dim: accepted for the same signature as the sequence ops; unused (the identity
-        and the all-reduce act on whole arrays).
+      axis_name: the tensor-parallel mesh axis.
     Returns:
       ``x`` unchanged (no copy in the HLO), typed as varying over ``axis_name``.
     """
@@ -240,13 +238,12 @@ def copy_to_tensor_region(x: jax.Array, axis_name: AxisName,
     return _copy(x, axis_name, None)
 
 
-def reduce_from_tensor_region(x: jax.Array, axis_name: AxisName,
-                              seq_dim: int | None = None) -> jax.Array:
+def reduce_from_tensor_region(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """All-reduce (psum) out of a tensor-parallel region; VJP: identity.
 
     Args:
       x: local partial sums, varying over ``axis_name``.
-      seq_dim: accepted for the same signature as the sequence ops; unused.
+      axis_name: the tensor-parallel mesh axis.
     Returns:
       The sum over ``axis_name``, invariant over it.
     """

@@ -25,6 +25,8 @@ import optax
 from flax import nnx
 from jax import lax
 
+from sp_jax.xla_flags import warn_if_gpu_flags_missing
+
 __all__ = ["TrainStep", "accumulate_gradients", "lm_loss"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
@@ -100,6 +102,9 @@ class TrainStep:
       tx: the optax transformation (clipping, schedule, ... included).
       loss_fn: ``(model, micro_batch, key) -> (loss_sum, count)``; default
         :func:`lm_loss`.
+
+    On a GPU it warns once per process when ``XLA_FLAGS`` lacks sp_jax's recommended
+    overlap flags (:func:`sp_jax.xla_flags.warn_if_gpu_flags_missing`).
     """
 
     model: nnx.Module
@@ -107,6 +112,7 @@ class TrainStep:
     loss_fn: LossFn = lm_loss
 
     def __post_init__(self) -> None:
+        warn_if_gpu_flags_missing()  # once per process, on GPU only; no subprocess
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
         mesh = jax.sharding.get_mesh()
         if not mesh.empty:

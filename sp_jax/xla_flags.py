@@ -4,8 +4,8 @@ Megatron-LM (and Paddle's fleet) warn when ``CUDA_DEVICE_MAX_CONNECTIONS != 1``,
 their overlap of tensor/sequence-parallel collectives with GEMMs depends on it. Under XLA
 the overlap is decided at compile time: which collectives run asynchronously next to which
 matmuls is chosen by XLA:GPU's scheduler and collective passes, steered by ``XLA_FLAGS``.
-This module names the flags, sets them, and warns (once) when parallel layers run on a GPU
-without them.
+This module names the flags, sets them, and warns (once) when a training program is set up
+on a GPU without them.
 
 Usage, before JAX starts its backend (before the first ``jax.devices()`` / computation)::
 
@@ -106,6 +106,7 @@ __all__ = [
     "supported_xla_flags",
     "recommended_compiler_options",
     "missing_xla_flags",
+    "gpu_flags_not_set",
     "apply_xla_flags",
     "warn_if_gpu_flags_missing",
 ]
@@ -341,11 +342,18 @@ def apply_xla_flags(flags: Iterable[str] | None = None) -> str:
     return value
 
 
+def gpu_flags_not_set() -> list[str]:
+    """:data:`RECOMMENDED_GPU_FLAGS` whose name does not appear in ``XLA_FLAGS``, as
+    ``--name=value``; compares names only (no probe of jaxlib, no subprocess)."""
+    present = _names_in(os.environ.get("XLA_FLAGS", ""))
+    return [f.flag for f in RECOMMENDED_GPU_FLAGS if f.name not in present]
+
+
 def warn_if_gpu_flags_missing() -> None:
     """Warns once per process when running on a GPU without the recommended flags.
 
-    Called by the parallel layers at trace time. On other backends it returns after one
-    ``jax.default_backend()`` call (no subprocess).
+    Called where a program is set up (:class:`sp_jax.training.TrainStep`), never by the
+    layers. Reads only ``XLA_FLAGS`` and the default backend: no subprocess, no probe.
     """
     if jax.default_backend() not in _GPU_BACKENDS:
         return
@@ -356,9 +364,9 @@ def warn_if_gpu_flags_missing() -> None:
 def _warn_gpu_flags_missing_once() -> None:
     # functools.cache, not the warnings registry, makes this once per process: the
     # registry's once-per-location holds only under the default filter (pytest or -W always
-    # would repeat it at every traced layer) and resets when filters change, and the cache
-    # also runs the flag probe only once. Users can still silence it with warnings filters.
-    missing = missing_xla_flags()
+    # would repeat it) and resets when filters change. Users can still silence it with
+    # warnings filters.
+    missing = gpu_flags_not_set()
     if not missing:
         return
     line = " ".join(missing)

@@ -1,7 +1,16 @@
 """Flax NNX parallel layers on global arrays."""
 
 from sp_jax.layers.cross_entropy import parallel_cross_entropy
-from sp_jax.layers.elementwise import Dropout, LayerNorm, RMSNorm, to_sequence_parallel
+from sp_jax.layers.elementwise import (
+    NORMS,
+    Dropout,
+    LayerNorm,
+    RMSNorm,
+    layer_norm,
+    make_norm,
+    rms_norm,
+    to_sequence_parallel,
+)
 from sp_jax.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from sp_jax.layers.linear import (
     ColumnParallelLinear,
@@ -9,7 +18,12 @@ from sp_jax.layers.linear import (
     RowParallelLinear,
     RowSequenceParallelLinear,
 )
-from sp_jax.layers.transformer import MLP, CausalSelfAttention, rotary_embedding
+from sp_jax.layers.transformer import (
+    MLP,
+    CausalSelfAttention,
+    causal_attention,
+    rotary_embedding,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -19,11 +33,16 @@ __all__ = [
     "VocabParallelEmbedding",
     "padded_vocab_size",
     "parallel_cross_entropy",
+    "NORMS",
     "LayerNorm",
     "RMSNorm",
+    "layer_norm",
+    "rms_norm",
+    "make_norm",
     "Dropout",
     "to_sequence_parallel",
     "CausalSelfAttention",
     "MLP",
+    "causal_attention",
     "rotary_embedding",
 ]

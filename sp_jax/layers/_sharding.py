@@ -14,9 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 
-# XLA GPU flag check (sp_jax/xla_flags.py), re-exported for the layers.
-from sp_jax.xla_flags import warn_if_gpu_flags_missing  # noqa: F401
-
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
@@ -102,14 +99,6 @@ def check_int_range(where: str, what: str, values: Any, low: int, high: int,
             f"{where}: {what} {int(v[pos])} at position {pos} is outside [{low}, {high}){extra}; "
             f"{int(bad.sum())} value(s) out of range."
         )
-
-
-def data_spec(config: ParallelConfig):
-    """The PartitionSpec entry for the batch dimension."""
-    axes = config.data_axes
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
 
 
 def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:

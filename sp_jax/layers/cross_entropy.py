@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import (
@@ -13,10 +12,10 @@ from sp_jax.layers._sharding import (
     check_batch_and_sequence,
     check_int_range,
     current_mesh,
-    data_spec,
     reshard,
 )
 from sp_jax.layers.embedding import _nan_where, padded_vocab_size
+from sp_jax.layout import Layout
 
 __all__ = ["parallel_cross_entropy"]
 
@@ -99,7 +98,7 @@ def parallel_cross_entropy(
             f"parallel_cross_entropy: vocab_size={vocab_size} must be in [1, {vocab}] (the "
             "logits' last dimension)."
         )
-    d, t = data_spec(config), config.tensor_axis
+    layout, t = Layout.of(config), config.tensor_axis
     check_batch_and_sequence("parallel_cross_entropy", mesh, config, labels.shape[0])
     check_int_range("parallel_cross_entropy", "label", labels, 0, vocab_size,
                     allowed=(ignore_index,))
@@ -110,7 +109,7 @@ def parallel_cross_entropy(
         lambda z, y: _local_cross_entropy(
             z, y, axis_name=t, vocab_size=vocab_size, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss),
-        in_specs=(P(d, None, t), P(d, None)),
-        out_specs=P(d, None),
+        in_specs=(layout.logits, layout.tokens),
+        out_specs=layout.tokens,
     )
-    return local(reshard(logits, P(d, None, t), mesh), reshard(labels, P(d, None), mesh))
+    return local(reshard(logits, layout.logits, mesh), reshard(labels, layout.tokens, mesh))

@@ -26,12 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import current_mesh, data_spec, reshard
+from sp_jax.layers._sharding import current_mesh, reshard
+from sp_jax.layout import Layout
 
-__all__ = ["LayerNorm", "RMSNorm", "Dropout", "to_sequence_parallel"]
+__all__ = ["NORMS", "LayerNorm", "RMSNorm", "Dropout", "layer_norm", "make_norm", "rms_norm",
+           "to_sequence_parallel"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -76,6 +77,32 @@ def _norm_bwd(epsilon, center, out_dtype, res, g):
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
+def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
+               epsilon: float = 1e-6, dtype=None) -> jax.Array:
+    """LayerNorm over the last axis with a memory-lean backward (no mesh needed).
+
+    Normalises in fp32; keeps for backward only ``x`` (in its own dtype) and two fp32
+    numbers per token. Equal to :class:`flax.nnx.LayerNorm` forward and backward.
+
+    Args:
+      x: ``[..., features]`` activations, any sharding.
+      scale / bias: ``[features]`` parameters, or None for none.
+      epsilon: added to the variance.
+      dtype: output dtype (default: promoted dtype of ``x`` and the parameters).
+    """
+    if dtype is None:
+        dtype = jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
+    return _norm(x, scale, bias, epsilon, True, dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None, *, epsilon: float = 1e-6,
+             dtype=None) -> jax.Array:
+    """RMSNorm over the last axis with the memory-lean backward of :func:`layer_norm`."""
+    if dtype is None:
+        dtype = jnp.result_type(x, *(p for p in (scale,) if p is not None))
+    return _norm(x, scale, None, epsilon, False, dtype)
+
+
 def _fast_path(module: nnx.Module, mask: jax.Array | None) -> bool:
     """Our lean VJP covers the usual case: normalise and scale the last axis only."""
     return (mask is None and module.axis_name is None
@@ -100,7 +127,7 @@ def to_sequence_parallel(x: jax.Array, config: ParallelConfig, *, where: str) ->
         return x
     if config.data_axes and x.shape[0] % mesh.shape[config.data_axes[0]]:
         return x
-    return reshard(x, P(data_spec(config), config.tensor_axis, None), mesh)
+    return reshard(x, Layout.of(config).sp, mesh)
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -121,7 +148,7 @@ class LayerNorm(nnx.LayerNorm):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if self.bias is not None else None
-        return _norm(x, scale, bias, self.epsilon, True, _out_dtype(self, x))
+        return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
 
 
 class RMSNorm(nnx.RMSNorm):
@@ -141,7 +168,21 @@ class RMSNorm(nnx.RMSNorm):
         if not _fast_path(self, mask):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
-        return _norm(x, scale, None, self.epsilon, False, _out_dtype(self, x))
+        return rms_norm(x, scale, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+
+
+NORMS: dict[str, type[nnx.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+"""The norms a block or model can be configured with, by name."""
+
+
+def make_norm(kind: str, features: int, *, config: ParallelConfig, epsilon: float,
+              dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+    """The :data:`NORMS` entry ``kind`` over ``features``; a ValueError names the valid
+    kinds for an unknown one."""
+    if kind not in NORMS:
+        raise ValueError(f"norm={kind!r} is not a known norm; use one of {sorted(NORMS)}.")
+    return NORMS[kind](features, config=config, epsilon=epsilon, dtype=dtype,
+                       param_dtype=param_dtype, rngs=rngs)
 
 
 class Dropout(nnx.Dropout):

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
@@ -19,9 +18,9 @@ from sp_jax.layers._sharding import (
     check_batch_and_sequence,
     check_int_range,
     current_mesh,
-    data_spec,
     reshard,
 )
+from sp_jax.layout import Layout
 
 __all__ = ["VocabParallelEmbedding", "padded_vocab_size"]
 
@@ -106,16 +105,16 @@ class VocabParallelEmbedding(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         mesh = current_mesh(config, where="VocabParallelEmbedding", required=False)
-        t = config.tensor_axis
+        layout, t = Layout.of(config), config.tensor_axis
         if mesh is None or num_embeddings % axis_size(mesh, t) == 0:
-            axes = (t, None)
+            spec = layout.vocab_table
         elif features % axis_size(mesh, t) == 0:
-            axes = (None, t)
+            spec = layout.spec(None, "mlp")  # features split; vocabulary blocks per call
         else:
-            axes = (None, None)
+            spec = layout.spec(None, None)
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
-            out_sharding=axes,
+            out_sharding=tuple(spec),
             eager_sharding=mesh is not None,
         )
 
@@ -127,7 +126,7 @@ class VocabParallelEmbedding(nnx.Module):
         pad = padded_vocab_size(self.num_embeddings, axis_size(mesh, t)) - self.num_embeddings
         if pad:
             table = jnp.pad(table, ((0, pad), (0, 0)))
-        return reshard(table, P(t, None), mesh)
+        return reshard(table, Layout.of(self.config).vocab_table, mesh)
 
     def __call__(self, ids: jax.Array, *, table: jax.Array | None = None) -> jax.Array:
         """Embeds integer ids ``[batch, seq]`` -> ``[batch, seq, features]``.
@@ -147,7 +146,7 @@ class VocabParallelEmbedding(nnx.Module):
             raise TypeError(
                 f"VocabParallelEmbedding: token ids must be integers, got dtype {ids.dtype}."
             )
-        d, t = data_spec(self.config), self.config.tensor_axis
+        layout, t = Layout.of(self.config), self.config.tensor_axis
         check_batch_and_sequence("VocabParallelEmbedding", mesh, self.config, ids.shape[0],
                                  ids.shape[1] if self.sequence_parallel else None)
         check_int_range("VocabParallelEmbedding", "token id", ids, 0, self.num_embeddings)
@@ -162,7 +161,6 @@ class VocabParallelEmbedding(nnx.Module):
                 return ops.reduce_scatter_sequence(emb, t, seq_dim=1)
             return ops.reduce_from_tensor_region(emb, t)
 
-        out_spec = P(d, t, None) if self.sequence_parallel else P(d, None, None)
-        return jax.shard_map(local, in_specs=(P(d, None), P(t, None)), out_specs=out_spec)(
-            reshard(ids, P(d, None), mesh), table
-        )
+        out_spec = layout.sp if self.sequence_parallel else layout.replicated
+        return jax.shard_map(local, in_specs=(layout.tokens, layout.vocab_table),
+                             out_specs=out_spec)(reshard(ids, layout.tokens, mesh), table)

@@ -39,11 +39,10 @@ from sp_jax.layers._sharding import (
     check_batch_and_sequence,
     check_divisible,
     current_mesh,
-    data_spec,
     reshard,
-    warn_if_gpu_flags_missing,
     warn_if_recompute_may_be_merged,
 )
+from sp_jax.layout import Layout
 
 __all__ = [
     "ColumnParallelLinear",
@@ -101,9 +100,7 @@ class _ParallelLinear(nnx.Module):
         mesh = current_mesh(config, where=name, required=False)
         if mesh is not None:
             self._check_features(mesh)
-        t = config.tensor_axis
-        kernel_axes = (t, None) if self._split_in else (None, t)
-        bias_axes = (None,) if self._split_in else (t,)
+        kernel_axes, bias_axes = (tuple(spec) for spec in self._param_specs(Layout.of(config)))
         # Same rng draws as nnx.Linear, so equal seeds give equal weights.
         kernel_key = rngs.params()
         self.kernel = nnx.Param(
@@ -121,6 +118,13 @@ class _ParallelLinear(nnx.Module):
             )
         else:
             self.bias = None
+
+    def _param_specs(self, layout: Layout) -> tuple[P, P]:
+        """(kernel spec, bias spec): row layers split the input features, column layers
+        the output features."""
+        if self._split_in:
+            return layout.row_kernel, layout.row_bias
+        return layout.column_kernel, layout.column_bias
 
     # -- validation --------------------------------------------------------------------
 
@@ -158,7 +162,7 @@ class _ParallelLinear(nnx.Module):
 
     # -- forward ------------------------------------------------------------------------
 
-    def _specs(self, d, t) -> tuple[P, P]:
+    def _specs(self, layout: Layout) -> tuple[P, P]:
         """(input spec, output spec) of the activations."""
         raise NotImplementedError
 
@@ -172,7 +176,6 @@ class _ParallelLinear(nnx.Module):
         Returns ``[batch, seq, out_features]`` in the compute dtype (``dtype``, or the
         promoted dtype of input and parameters) with the layer's output sharding.
         """
-        warn_if_gpu_flags_missing()  # once per process, on GPU only (sp_jax.xla_flags)
         mesh = current_mesh(self.config, where=type(self).__name__)
         self._check_features(mesh)
         x = jnp.asarray(x)
@@ -182,10 +185,9 @@ class _ParallelLinear(nnx.Module):
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
         x = x.astype(dtype)
 
-        t = self.config.tensor_axis
-        x_spec, out_spec = self._specs(data_spec(self.config), t)
-        k_spec = P(t, None) if self._split_in else P(None, t)
-        b_spec = P(None) if self._split_in else P(t)
+        layout = Layout.of(self.config)
+        x_spec, out_spec = self._specs(layout)
+        k_spec, b_spec = self._param_specs(layout)
         args, in_specs = [reshard(x, x_spec, mesh), reshard(kernel, k_spec, mesh)], [x_spec, k_spec]
         if bias is not None:
             args.append(reshard(bias, b_spec, mesh))
@@ -226,8 +228,8 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, **kwargs)
         self.gather_output = gather_output
 
-    def _specs(self, d, t):
-        return P(d, None, None), P(d, None, None) if self.gather_output else P(d, None, t)
+    def _specs(self, layout):
+        return layout.replicated, layout.replicated if self.gather_output else layout.tp
 
     def _local(self, x, kernel, bias):
         t, wd = self.config.tensor_axis, self.config.wgrad_dtype
@@ -264,8 +266,8 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, **kwargs)
         self.input_is_parallel = input_is_parallel
 
-    def _specs(self, d, t):
-        return (P(d, None, t) if self.input_is_parallel else P(d, None, None)), P(d, None, None)
+    def _specs(self, layout):
+        return (layout.tp if self.input_is_parallel else layout.replicated), layout.replicated
 
     def _local(self, x, kernel, bias):
         t, wd = self.config.tensor_axis, self.config.wgrad_dtype
@@ -291,8 +293,8 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
 
     _sequence_parallel = True
 
-    def _specs(self, d, t):
-        return P(d, t, None), P(d, None, t)
+    def _specs(self, layout):
+        return layout.sp, layout.tp
 
     def __call__(self, x: jax.Array) -> jax.Array:
         warn_if_recompute_may_be_merged(self.config)
@@ -325,8 +327,8 @@ class RowSequenceParallelLinear(_ParallelLinear):
     _split_in = True
     _sequence_parallel = True
 
-    def _specs(self, d, t):
-        return P(d, None, t), P(d, t, None)
+    def _specs(self, layout):
+        return layout.tp, layout.sp
 
     def _local(self, x, kernel, bias):
         t, wd = self.config.tensor_axis, self.config.wgrad_dtype

@@ -15,24 +15,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, data_spec
-from sp_jax.layers.elementwise import Dropout, LayerNorm, RMSNorm
+from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh
+from sp_jax.layers.elementwise import Dropout, make_norm
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+from sp_jax.layout import Layout
 
 __all__ = ["CausalSelfAttention", "MLP", "causal_attention", "rotary_embedding"]
-
-_NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
-
-
-def _norm(kind: str, features: int, config, epsilon, dtype, param_dtype, rngs):
-    if kind not in _NORMS:
-        raise ValueError(f"norm={kind!r} must be one of {sorted(_NORMS)}.")
-    return _NORMS[kind](features, config=config, epsilon=epsilon, dtype=dtype,
-                        param_dtype=param_dtype, rngs=rngs)
-
 
 def _causal_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """fp32 scaled scores ``[b, heads, s_q, s_k]`` with the future masked to -inf."""
@@ -154,7 +144,8 @@ class CausalSelfAttention(nnx.Module):
         mesh = current_mesh(config, where="CausalSelfAttention", required=False)
         if mesh is not None:
             self._check_heads(mesh)
-        self.norm = _norm(norm, hidden, config, norm_epsilon, dtype, param_dtype, rngs)
+        self.norm = make_norm(norm, hidden, config=config, epsilon=norm_epsilon, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
         self.qkv = ColumnSequenceParallelLinear(
             hidden, 3 * hidden, use_bias=qkv_bias, config=config, dtype=dtype,
             param_dtype=param_dtype, rngs=rngs)
@@ -185,10 +176,9 @@ class CausalSelfAttention(nnx.Module):
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
         mesh = current_mesh(self.config, where="CausalSelfAttention")
         self._check_heads(mesh)
-        d, t = data_spec(self.config), self.config.tensor_axis
-        qkv = self.qkv(self.norm(x))  # P(d, None, t): this device's heads, full sequence
-        attended = jax.shard_map(self._attend, in_specs=P(d, None, t),
-                                 out_specs=P(d, None, t))(qkv)
+        tp = Layout.of(self.config).tp
+        qkv = self.qkv(self.norm(x))  # tp layout: this device's heads, full sequence
+        attended = jax.shard_map(self._attend, in_specs=tp, out_specs=tp)(qkv)
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y
 
@@ -222,7 +212,8 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.activation = activation
-        self.norm = _norm(norm, hidden, config, norm_epsilon, dtype, param_dtype, rngs)
+        self.norm = make_norm(norm, hidden, config=config, epsilon=norm_epsilon, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
         self.up = ColumnSequenceParallelLinear(
             hidden, mlp_hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.down = RowSequenceParallelLinear(

@@ -8,17 +8,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import axis_size, current_mesh, data_spec, reshard
+from sp_jax.layers._sharding import axis_size, current_mesh, reshard
 from sp_jax.layers.cross_entropy import parallel_cross_entropy
-from sp_jax.layers.elementwise import Dropout, LayerNorm, RMSNorm, to_sequence_parallel
+from sp_jax.layers.elementwise import NORMS, Dropout, make_norm, to_sequence_parallel
 from sp_jax.layers.embedding import VocabParallelEmbedding
 from sp_jax.layers.transformer import MLP, CausalSelfAttention
+from sp_jax.layout import Layout
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "Block", "POSITIONS"]
+
+POSITIONS = ("learned", "rotary")
+"""Position encodings a :class:`GPT` supports: a learned table or rotary embeddings."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +82,14 @@ class GPTConfig:
                 f"GPTConfig: hidden={self.hidden} must be divisible by "
                 f"num_heads={self.num_heads}."
             )
-        if self.positions not in ("learned", "rotary"):
+        if self.positions not in POSITIONS:
             raise ValueError(
-                f"GPTConfig.positions={self.positions!r} must be 'learned' or 'rotary'."
+                f"GPTConfig.positions={self.positions!r} is not a known position encoding; "
+                f"use one of {list(POSITIONS)}."
+            )
+        if self.norm not in NORMS:
+            raise ValueError(
+                f"GPTConfig.norm={self.norm!r} is not a known norm; use one of {sorted(NORMS)}."
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1).")
@@ -187,9 +195,9 @@ class GPT(nnx.Module):
         self.dropout = Dropout(cfg.dropout, config=parallel, rngs=rngs)
         blocks = [Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)]
         self.blocks = _stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
-        norm_cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
-        self.final_norm = norm_cls(cfg.hidden, config=parallel, epsilon=cfg.norm_epsilon,
-                                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.final_norm = make_norm(cfg.norm, cfg.hidden, config=parallel,
+                                    epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
+                                    param_dtype=cfg.param_dtype, rngs=rngs)
         # An untied head is a second vocabulary table [V, hidden] (the layout of Megatron's
         # output layer), vocabulary-parallel like the embedding.
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
@@ -239,20 +247,20 @@ class GPT(nnx.Module):
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
         mesh = current_mesh(self.parallel, where="GPT")
-        d, t = data_spec(self.parallel), self.parallel.tensor_axis
+        layout, t = Layout.of(self.parallel), self.parallel.tensor_axis
         vocab_table = self.embed if self.head is None else self.head
-        table = vocab_table.padded_table(mesh)  # [Vp, hidden], P(t, None)
+        table = vocab_table.padded_table(mesh)  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
         h = self._hidden_states(tokens, rngs, table if self.head is None else None)
         recompute, wd = self.parallel.recompute_allgather, self.parallel.wgrad_dtype
 
-        def tied_head(h, table):
+        def lm_head(h, table):
             return ops.column_sequence_parallel_matmul(
                 h, table.T, None, axis_name=t, seq_dim=1,
                 recompute_allgather=recompute, wgrad_dtype=wd)
 
-        return jax.shard_map(tied_head, in_specs=(P(d, t, None), P(t, None)),
-                             out_specs=P(d, None, t))(reshard(h, P(d, t, None), mesh), table)
+        return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
+                             out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -269,11 +277,11 @@ class GPT(nnx.Module):
         if logits.shape[-1] == vocab:
             return logits
         mesh = current_mesh(self.parallel, where="GPT")
-        d, t = data_spec(self.parallel), self.parallel.tensor_axis
-        if tokens.shape[1] % axis_size(mesh, t) == 0:
-            logits = reshard(logits, P(d, t, None), mesh)
+        layout = Layout.of(self.parallel)
+        if tokens.shape[1] % axis_size(mesh, self.parallel.tensor_axis) == 0:
+            logits = reshard(logits, layout.sp, mesh)
         else:
-            logits = reshard(logits, P(d, None, None), mesh)
+            logits = reshard(logits, layout.replicated, mesh)
         return logits[..., :vocab]
 
     def loss(self, tokens: jax.Array, labels: jax.Array, *, ignore_index: int = -100,
