@@ -144,6 +144,8 @@ _scatter_varying = _conjugate_pair(_split, _all_gather)
 _gather = _conjugate_pair(_gather_invariant, _vary_then(_split))
 _all_gather_rs = _conjugate_pair(_all_gather, _vary_then(_reduce_scatter))
 _reduce_scatter_ag = _conjugate_pair(_reduce_scatter, _vary_then(_all_gather))
+
+
 def _tp_dx_all_reduce(g, axis_name, _):
     with jax.named_scope("tp_dx_all_reduce"):  # names show in HLO and profiles
         return lax.psum(_vary(g, (axis_name,)), axis_name)

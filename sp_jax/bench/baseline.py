@@ -48,6 +48,7 @@ class _LayerNorm(nnx.LayerNorm):
             x, self.scale[...], self.bias[...])
         return _norm(x, self.scale[...], self.bias[...], self.epsilon, True, dtype)
 
+
 __all__ = ["GspmdAttention", "GspmdBlock", "GspmdMLP", "Layout", "constrain", "copy_weights",
            "param_specs"]
 

@@ -424,6 +424,7 @@ def _time_section(res) -> str:
         "these numbers compare the programs' work and collective overheads, not GPU speed.",
         "",
     ]
+
     def quart(r, v):
         q = r.get("ratio_quartiles", {}).get(v)
         return f"{q[0]:.2f} - {q[1]:.2f}" if q else "-"

@@ -24,6 +24,7 @@ from sp_jax.layout import Layout
 
 __all__ = ["CausalSelfAttention", "MLP", "causal_attention", "rotary_embedding"]
 
+
 def _causal_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """fp32 scaled scores ``[b, heads, s_q, s_k]`` with the future masked to -inf."""
     scale = q.shape[-1] ** -0.5
