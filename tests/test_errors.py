@@ -1,6 +1,6 @@
 """The bad-input matrix: every documented bad input fails early, with a ValueError /
 TypeError / RuntimeError that names the value and the fix. Each case has the id of its
-row in README.md's "Bad inputs" table; a test checks the two lists agree."""
+row in docs/errors.md's "Bad inputs" table; a test checks the two lists agree."""
 
 import re
 from pathlib import Path
@@ -109,6 +109,12 @@ CASES = {
             lambda: GPTConfig.from_dict({**GPT_BASE, "n_layer": 2})),
     "E25": (ValueError, r"GPTConfig.dropout=1.0 must be in \[0, 1\)",
             lambda: GPTConfig(**{**GPT_BASE, "dropout": 1.0})),
+    "E29": (ValueError, r"GPTConfig.norm='batchnorm' is not a known norm; use one of "
+                        r"\['layernorm', 'rmsnorm'\]",
+            lambda: GPTConfig(**{**GPT_BASE, "norm": "batchnorm"})),
+    "E30": (ValueError, r"GPTConfig.positions='alibi' is not a known position encoding; use "
+                        r"one of \['learned', 'rotary'\]",
+            lambda: GPTConfig(**{**GPT_BASE, "positions": "alibi"})),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
@@ -124,9 +130,9 @@ def test_bad_input(case):
         thunk()
 
 
-def test_readme_table_lists_exactly_these_cases():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    table_ids = set(re.findall(r"^\| (E\d\d) \|", readme, flags=re.M))
+def test_docs_table_lists_exactly_these_cases():
+    table = (Path(__file__).parent.parent / "docs" / "errors.md").read_text()
+    table_ids = set(re.findall(r"^\| (E\d\d) \|", table, flags=re.M))
     assert table_ids == set(CASES) | {"E28"}  # E28: wrong checkpoint, tests/test_checkpoint.py
     assert len(table_ids) >= 15
 
