@@ -31,3 +31,21 @@ def test_linked_docs_exist():
             "docs/errors.md"} <= set(links)
     for link in links:
         assert (ROOT / link).is_file(), link
+
+
+def test_import_sp_jax_exposes_the_subpackages():
+    """``import sp_jax`` alone gives ``sp_jax.models.GPT`` and friends (fresh interpreter,
+    so no other test's import can help), without starting the JAX backend."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sp_jax\n"
+            "from jax._src import xla_bridge\n"
+            "assert sp_jax.models.GPT and sp_jax.training.TrainStep and sp_jax.layout.Layout\n"
+            "assert sp_jax.analysis.compile_for_gpu and sp_jax.checkpoint.CheckpointManager\n"
+            "assert not xla_bridge.backends_are_initialized()\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
