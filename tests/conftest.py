@@ -1,5 +1,7 @@
-"""Test setup: 8 simulated CPU devices, configured before JAX initialises its backend."""
+"""Test setup: 8 simulated CPU devices, configured before JAX initialises its backend; the
+marker for tests that compile for a GPU without one."""
 
+import importlib.util
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -14,6 +16,14 @@ import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.devices()}"
+
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+requires_cuda_plugin = pytest.mark.skipif(
+    not HAS_CUDA_PLUGIN,
+    reason="deviceless GPU compiles need the CUDA PJRT plugin: pip install -e '.[gpu-aot]'",
+)
+"""Marks a test that compiles for a GPU mesh without a GPU (``compile_for_gpu``,
+``gpu_mesh``): skipped where the plugin is missing (``make test`` installs it)."""
 
 
 def make_mesh(data: int, tensor: int, axis_type: AxisType = AxisType.Explicit):

@@ -7,17 +7,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, requires_cuda_plugin
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
 from sp_jax.analysis import (
+    COLLECTIVE_KINDS,
+    CollectiveStats,
+    PeakBreakdown,
     activation_bytes_formula,
     collective_stats,
     compile_for_gpu,
     gpu_mesh,
+    parse_collectives,
+    peak_breakdown,
     saved_residuals,
 )
 from sp_jax.models import Block, GPTConfig
@@ -135,6 +140,87 @@ def test_no_all_reduce_of_activations():
     assert set(reduced) <= param_shapes, set(reduced) - param_shapes
 
 
+# A hand-written HLO text: every number below is counted by hand. An async all-gather of
+# two arrays with one fusion scheduled inside it, an all-reduce of a concatenation (XLA:GPU's
+# combiner; the two arrays are what it moves), a synchronous reduce-scatter from backward.
+HLO_TEXT = "\n".join([
+    "HloModule m",
+    '  %ag = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), dimensions={0}, '
+    'metadata={op_name="jit(f)/jvp()/shard_map/all_gather"}',
+    "  %ags = ((bf16[2,4]{1,0}, f32[2]{0}), (bf16[8,4]{1,0}, f32[8]{0})) "
+    "all-gather-start(bf16[2,4]{1,0} %p, f32[2]{0} %q), dimensions={0}, "
+    'backend_config={"collective_backend_config":{"is_sync":false}}',
+    "  %fus = f32[8]{0} fusion(f32[2]{0} %q), kind=kLoop",
+    "  %gte = f32[8]{0} get-tuple-element(%fus), index=0",
+    "  %agd = (bf16[8,4]{1,0}, f32[8]{0}) all-gather-done(%ags)",
+    "  %a = f32[4]{0} parameter(0)",
+    "  %b = f32[8]{0} parameter(1)",
+    "  %wrapped_concatenate = f32[12]{0} fusion(%a, /*index=1*/%b), kind=kLoop",
+    "  %ars = f32[12]{0} all-reduce-start(%wrapped_concatenate), to_apply=%add, "
+    'backend_config={"collective_backend_config":{"is_sync":true}}',
+    "  %ard = f32[12]{0} all-reduce-done(%ars)",
+    "  ROOT %rs = bf16[2,4]{1,0} reduce-scatter(bf16[8,4]{1,0} %g), dimensions={0}, "
+    'metadata={op_name="jit(f)/transpose(jvp())/shard_map/reduce_scatter"}',
+])
+
+
+def test_parse_collectives_and_collective_stats_count_alike():
+    ag, ags, ar, rs = parse_collectives(HLO_TEXT)
+    assert (ag.kind, ag.phase, ag.arrays, ag.bytes, ag.is_async) == (
+        "all-gather", "forward", [("bf16", (8, 4))], 64, False)
+    assert ags.arrays == [("bf16", (8, 4)), ("f32", (8,))]  # results, not operands
+    assert (ags.bytes, ags.is_async, ags.overlapped_ops, ags.phase) == (96, True, 1, "unknown")
+    assert ar.arrays == [("f32", (4,)), ("f32", (8,))] and ar.bytes == 48
+    assert not ar.is_async  # is_sync true
+    assert (rs.kind, rs.phase, rs.bytes, rs.operands) == ("reduce-scatter", "backward", 16, 1)
+
+    stats = collective_stats(HLO_TEXT)
+    assert set(stats.ops) == set(COLLECTIVE_KINDS)
+    assert stats.ops == {"all-gather": 2, "reduce-scatter": 1, "all-reduce": 1,
+                         "collective-permute": 0, "all-to-all": 0}
+    assert stats.operands["all-gather"] == 3 and stats.operands["all-reduce"] == 2
+    assert stats.bytes["all-gather"] == 160 and stats.bytes["all-reduce"] == 48
+    assert stats.async_ops == {**dict.fromkeys(COLLECTIVE_KINDS, 0), "all-gather": 1}
+    assert stats == CollectiveStats.of(parse_collectives(HLO_TEXT))
+
+
+def test_parse_collectives_of_a_compiled_layer():
+    """On XLA:CPU's HLO of one layer (Megatron's counts, see above), the per-instruction
+    view sums to the per-kind counts, and every collective has its phase and issuer."""
+    compiled, _ = _compiled_layer_grad(True)
+    ops = parse_collectives(compiled)
+    stats = collective_stats(compiled.as_text())
+    for kind in COLLECTIVE_KINDS:
+        mine = [c for c in ops if c.kind == kind]
+        assert stats.ops[kind] == len(mine)
+        assert stats.operands[kind] == sum(c.operands for c in mine)
+        assert stats.bytes[kind] == sum(c.bytes for c in mine)
+    gathers = [c for c in ops if c.kind == "all-gather"]
+    assert sum(c.operands for c in gathers if c.phase == "forward") == 2
+    assert sum(c.operands for c in gathers if c.phase == "backward") == 4  # 2 dy + 2 re-gathers
+    assert all(c.functions for c in gathers), [c.op_name for c in gathers]
+
+
+LIVE_RANGE_TEXT = """\
+  Peak usage: whatever XLA prints before the breakdown
+  Stack trace breakdown for peak usage: 5 242 880 bytes
+    main.0_spmd (100.0%, total: 5 242 880 bytes, current: 0 bytes, remaining: 5 242 880 bytes)
+      ├── x (5.0%, total: 262 144 bytes, current: 262 144 bytes, remaining: 0 bytes)
+      ├── jit(f)/transpose(jvp())/dot_general (45.0%, total: 2 359 296 bytes, current: 1 bytes)
+      │   └── jit(f)/transpose(jvp())/inner (5.0%, total: 262 144 bytes, current: 1 bytes)
+      └── w (10.0%, total: 2 621 440 bytes, current: 524 288 bytes, remaining: 262 144 bytes)
+"""
+
+
+def test_peak_breakdown_reads_the_top_level_entries_largest_first():
+    peak = peak_breakdown(LIVE_RANGE_TEXT)
+    assert peak == PeakBreakdown(peak_bytes=5_242_880, entries=[
+        ("w", 2_621_440), ("jit(f)/transpose(jvp())/dot_general", 2_359_296), ("x", 262_144)])
+    assert peak.as_dict() == {"peak_bytes": 5_242_880, "entries": [
+        ["w", 2_621_440], ["jit(f)/transpose(jvp())/dot_general", 2_359_296], ["x", 262_144]]}
+    assert peak_breakdown("no peak section here") is None
+
+
 # --------------------------------------------------------------------------------------
 # XLA:GPU, 8 x H100 (deviceless compile)
 # --------------------------------------------------------------------------------------
@@ -176,6 +262,7 @@ def _starts(hlo, scope):
     return out
 
 
+@requires_cuda_plugin
 def test_h100_backward_dx_reduce_scatter_and_regather_are_async(h100_reports):
     save, rec = h100_reports[False], h100_reports[True]
     assert rec.collectives.ops["reduce-scatter"] == save.collectives.ops["reduce-scatter"] > 0
@@ -188,6 +275,7 @@ def test_h100_backward_dx_reduce_scatter_and_regather_are_async(h100_reports):
     assert rec.collectives.async_ops["all-gather"] > save.collectives.async_ops["all-gather"]
 
 
+@requires_cuda_plugin
 def test_h100_peak_memory_recompute_below_save(h100_reports):
     save, rec = h100_reports[False], h100_reports[True]
     assert rec.peak_bytes < save.peak_bytes
@@ -220,6 +308,7 @@ def test_compile_for_gpu_without_the_plugin_says_how_to_install(monkeypatch):
         gpu._topology.cache_clear()
 
 
+@requires_cuda_plugin
 def test_h100_tp_column_dx_all_reduce_is_async():
     """mp_async_allreduce for the plain TP layers: the dx all-reduce entering the TP
     region runs concurrently with other work in backward (is_sync false)."""
@@ -246,3 +335,28 @@ def test_h100_tp_column_dx_all_reduce_is_async():
     report = compile_for_gpu(grad, params, x, mesh_shape=(8,), axis_names=("tensor",))
     dx = _starts(report.hlo, "tp_dx_all_reduce")
     assert len(dx) == 2 and all(dx), dx
+
+
+@requires_cuda_plugin
+def test_compile_for_gpu_reports_what_is_live_at_the_peak(tmp_path):
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=P(None, "tensor"))
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=P("tensor", None))
+
+    def grad(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2), argnums=(0, 1))(x, w)
+
+    kw = dict(mesh_shape=(8,), axis_names=("tensor",), axis_types=jax.sharding.AxisType.Auto)
+    plain = compile_for_gpu(grad, x, w, **kw)
+    assert plain.peak_live is None and plain.as_dict()["peak_live"] is None
+    report = compile_for_gpu(grad, x, w, live_buffers=True, **kw)
+    peak = report.peak_live
+    assert 0 < peak.peak_bytes <= report.peak_bytes == plain.peak_bytes
+    sizes = [b for _, b in peak.entries]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) == peak.peak_bytes
+    assert {"x", "w"} <= {name for name, _ in peak.entries}  # the arguments, by name
+    assert report.as_dict()["peak_live"] == peak.as_dict()
+    # a dump directory of the caller's is used and kept
+    kept = compile_for_gpu(grad, x, w, live_buffers=True,
+                           compiler_options={"xla_dump_to": str(tmp_path)}, **kw)
+    assert kept.peak_live == peak
+    assert list(tmp_path.glob("*after_optimizations-live-range.txt"))

@@ -1,9 +1,24 @@
 """Measurement: saved residuals (activation memory), collectives in compiled HLO,
-deviceless GPU compilation, and the Korthikanti et al. activation-memory formula."""
+deviceless GPU compilation (peak memory and what is live at it), and the Korthikanti et
+al. activation-memory formula."""
 
 from sp_jax.analysis.formula import MODES, activation_bytes_formula
-from sp_jax.analysis.gpu import GpuCompileReport, compile_for_gpu, gpu_mesh
-from sp_jax.analysis.hlo import CollectiveStats, collective_stats
+from sp_jax.analysis.gpu import (
+    GpuCompileReport,
+    PeakBreakdown,
+    compile_for_gpu,
+    default_compiler_options,
+    gpu_mesh,
+    peak_breakdown,
+)
+from sp_jax.analysis.hlo import (
+    COLLECTIVE_KINDS,
+    Collective,
+    CollectiveStats,
+    array_bytes,
+    collective_stats,
+    parse_collectives,
+)
 from sp_jax.analysis.memory import (
     Residual,
     SavedBytes,
@@ -12,15 +27,22 @@ from sp_jax.analysis.memory import (
 )
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "MODES",
+    "Collective",
     "CollectiveStats",
     "GpuCompileReport",
+    "PeakBreakdown",
     "Residual",
     "SavedBytes",
     "activation_bytes_formula",
+    "array_bytes",
     "collective_stats",
     "compile_for_gpu",
+    "default_compiler_options",
     "gpu_mesh",
+    "parse_collectives",
+    "peak_breakdown",
     "saved_activation_bytes",
     "saved_residuals",
 ]

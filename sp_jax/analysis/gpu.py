@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import importlib.util
 import os
+import re
+import tempfile
 from collections.abc import Callable, Sequence
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,7 +36,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from sp_jax.analysis.hlo import CollectiveStats, collective_stats
 from sp_jax.xla_flags import recommended_compiler_options
 
-__all__ = ["GpuCompileReport", "compile_for_gpu", "gpu_mesh", "TARGETS"]
+__all__ = [
+    "GpuCompileReport",
+    "PeakBreakdown",
+    "TARGETS",
+    "compile_for_gpu",
+    "default_compiler_options",
+    "gpu_mesh",
+    "peak_breakdown",
+]
 
 TARGETS = {"h100": "h100_sxm.txtpb"}
 
@@ -102,6 +114,55 @@ def gpu_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str], *, target: st
                              axis_types=(axis_types,) * len(axis_names))
 
 
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+    """What is live at the peak of a compiled program (XLA's buffer live-range analysis).
+
+    Attributes:
+      peak_bytes: the largest sum of simultaneously live buffers, per device (the
+        allocator's peak in ``memory_analysis()`` also counts fragmentation).
+      entries: ``(name, bytes)`` of the top-level groups of those buffers, largest first:
+        ``params`` / argument names, or the JAX ``op_name`` of the instruction that
+        produced a buffer (``jvp()`` = forward, ``transpose(jvp())`` = backward).
+    """
+
+    peak_bytes: int
+    entries: list[tuple[str, int]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak_bytes, "entries": [list(e) for e in self.entries]}
+
+
+_PEAK = re.compile(r"Stack trace breakdown for peak usage:\s*(?P<total>[\d ]+) bytes")
+_ENTRY = re.compile(r"^(?P<indent>[\s│]*)[├└]── (?P<name>.+?) \([\d.]+%, total: "
+                    r"(?P<total>[\d ]+) bytes")
+
+
+def peak_breakdown(live_range_text: str) -> PeakBreakdown | None:
+    """Parses XLA's live-range dump (``*after_optimizations-live-range.txt``, written with
+    the ``xla_dump_to`` option) into a :class:`PeakBreakdown`; ``None`` if the text has no
+    peak-usage section. :func:`compile_for_gpu` does this with ``live_buffers=True``."""
+    m = _PEAK.search(live_range_text)
+    if m is None:
+        return None
+    entries, top = [], None
+    for line in live_range_text[m.end():].splitlines()[1:]:
+        e = _ENTRY.match(line)
+        if e is None:
+            if entries:
+                break
+            continue
+        depth = len(e.group("indent"))
+        top = depth if top is None else top
+        if depth == top:
+            entries.append((e.group("name"), int(e.group("total").replace(" ", ""))))
+    entries.sort(key=lambda x: -x[1])
+    return PeakBreakdown(peak_bytes=int(m.group("total").replace(" ", "")), entries=entries)
+
+
+_LIVE_RANGE_GLOB = "*after_optimizations-live-range.txt"
+
+
 @dataclasses.dataclass
 class GpuCompileReport:
     """What one deviceless GPU compile tells.
@@ -112,7 +173,10 @@ class GpuCompileReport:
       argument_bytes / output_bytes / temp_bytes / alias_bytes: per-device
         ``memory_analysis()`` figures.
       peak_bytes: per-device peak, ``temp + arguments + outputs - aliased``.
-      collectives: :class:`~sp_jax.analysis.CollectiveStats` of the HLO.
+      collectives: :class:`~sp_jax.analysis.CollectiveStats` of the HLO (per instruction:
+        :func:`~sp_jax.analysis.parse_collectives` of ``hlo``).
+      peak_live: what is live at the peak (:class:`PeakBreakdown`), with
+        ``compile_for_gpu(..., live_buffers=True)``; else ``None``.
     """
 
     compiled: Any
@@ -123,6 +187,7 @@ class GpuCompileReport:
     alias_bytes: int
     peak_bytes: int
     collectives: CollectiveStats
+    peak_live: PeakBreakdown | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -132,6 +197,7 @@ class GpuCompileReport:
             "alias_bytes": self.alias_bytes,
             "peak_bytes": self.peak_bytes,
             "collectives": dataclasses.asdict(self.collectives),
+            "peak_live": self.peak_live.as_dict() if self.peak_live is not None else None,
         }
 
 
@@ -155,6 +221,7 @@ def compile_for_gpu(
     target: str = "h100",
     axis_types: AxisType = AxisType.Explicit,
     compiler_options: dict[str, Any] | None = None,
+    live_buffers: bool = False,
 ) -> GpuCompileReport:
     """Compiles ``jax.jit(fn)(*args)`` for a ``mesh_shape`` mesh of ``target`` GPUs.
 
@@ -165,14 +232,32 @@ def compile_for_gpu(
     shard over it. The compile uses sp_jax's recommended XLA GPU flags
     (:func:`default_compiler_options`); ``compiler_options`` adds to or overrides them.
 
+    Args:
+      live_buffers: also report what is live at the peak (``peak_live``): XLA dumps its
+        buffer live-range analysis to a temporary directory (or to the ``xla_dump_to``
+        of ``compiler_options``, which is kept), parsed by :func:`peak_breakdown`.
+
     Returns:
       a :class:`GpuCompileReport` (per-device peak memory and collective statistics).
     """
     mesh = gpu_mesh(mesh_shape, axis_names, target=target, axis_types=axis_types)
     options = {**default_compiler_options(), **(compiler_options or {})}
+    peak_live = None
     with jax.set_mesh(mesh):
         abstract_args = jax.tree.map(lambda x: _abstract(x, mesh), args)
-        compiled = jax.jit(fn).lower(*abstract_args).compile(compiler_options=options)
+        lowered = jax.jit(fn).lower(*abstract_args)
+        if not live_buffers:
+            compiled = lowered.compile(compiler_options=options)
+        elif options.get("xla_dump_to"):
+            dump = str(options["xla_dump_to"])
+            before = set(glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB)))
+            compiled = lowered.compile(compiler_options=options)
+            peak_live = _read_peak(set(glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB)))
+                                   - before)
+        else:
+            with tempfile.TemporaryDirectory(prefix="sp_jax_live_range_") as dump:
+                compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
+                peak_live = _read_peak(set(glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB))))
     mem = compiled.memory_analysis()
     arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
     temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
@@ -180,5 +265,12 @@ def compile_for_gpu(
     return GpuCompileReport(
         compiled=compiled, hlo=hlo, argument_bytes=arg, output_bytes=out, temp_bytes=temp,
         alias_bytes=alias, peak_bytes=temp + arg + out - alias,
-        collectives=collective_stats(hlo),
+        collectives=collective_stats(hlo), peak_live=peak_live,
     )
+
+
+def _read_peak(paths: set[str]) -> PeakBreakdown | None:
+    """The breakdown of the last live-range dump (by name) among ``paths``, if any."""
+    if not paths:
+        return None
+    return peak_breakdown(Path(sorted(paths)[-1]).read_text())

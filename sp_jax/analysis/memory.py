@@ -10,6 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
+__all__ = ["Residual", "SavedBytes", "saved_activation_bytes", "saved_residuals"]
+
+_Listing = list[tuple[tuple[int, ...], str, str]]  # (shape, dtype, source) per residual
+
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
@@ -38,14 +42,38 @@ def _device_shape(x: Any) -> tuple[int, ...]:
     return tuple(sharding.shard_shape(x.shape))
 
 
-def _sources(fn: Callable[..., Any], args: tuple) -> list[tuple[tuple, str]]:
-    """(shape, source) per residual from JAX's own residual listing, when available."""
-    try:  # the listing behind jax.ad_checkpoint.print_saved_residuals
+def _jax_sources(fn: Callable[..., Any], args: tuple) -> _Listing:
+    """(shape, dtype, source) per residual from JAX's own residual listing, when available."""
+    try:  # the listing behind jax.ad_checkpoint.print_saved_residuals (a private helper)
         from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
 
-        return [(tuple(aval.shape), src) for aval, src in _jax_saved_residuals(fn, *args)]
-    except Exception:  # noqa: BLE001 - a private helper; the breakdown is optional
+        return [(tuple(aval.shape), str(aval.dtype), src)
+                for aval, src in _jax_saved_residuals(fn, *args)]
+    except Exception:  # noqa: BLE001 - only the optional source column depends on it
         return []
+
+
+def _match_sources(leaves: list[Any], listing: _Listing) -> list[str]:
+    """JAX's source string for each residual in ``leaves`` ("" where none matches).
+
+    JAX's listing may order residuals differently and reports ``shard_map`` residuals with
+    per-device shapes: equal (shape, dtype) are matched first, then the rest in order by
+    dtype.
+    """
+    out: list[str | None] = [None] * len(leaves)
+    used = [False] * len(listing)
+    for exact in (True, False):
+        for i, leaf in enumerate(leaves):
+            if out[i] is not None:
+                continue
+            for j, (shape, dtype, src) in enumerate(listing):
+                if used[j] or dtype != str(leaf.dtype):
+                    continue
+                if exact and shape != tuple(leaf.shape):
+                    continue
+                out[i], used[j] = src, True
+                break
+    return [s or "" for s in out]
 
 
 def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
@@ -59,11 +87,9 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
     """
     vjp_fn = jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *args)
     leaves = [x for x in jax.tree.leaves(vjp_fn) if hasattr(x, "shape") and hasattr(x, "dtype")]
-    sources = _sources(fn, args)
-    if [shape for shape, _ in sources] != [tuple(x.shape) for x in leaves]:
-        sources = [((), "")] * len(leaves)
+    sources = _match_sources(leaves, _jax_sources(fn, args))
     out = []
-    for leaf, (_, source) in zip(leaves, sources, strict=True):
+    for leaf, source in zip(leaves, sources, strict=True):
         device_shape = _device_shape(leaf)
         dtype = np.dtype(leaf.dtype)
         out.append(
