@@ -23,16 +23,17 @@ demo: $(STAMP)
 	$(CPU_ENV) $(PY) examples/train_gpt.py --plot runs/loss.png --log-json runs/demo.jsonl
 
 # Benchmarks sp_jax's TP+SP block against a GSPMD baseline and the unsharded block (a few
-# minutes on CPU, 8 simulated devices + deviceless 8 x H100 compiles); writes BENCHMARKS.md,
-# docs/bench.json and docs/bench_memory_vs_{t,s}.png. `--quick` for a smoke run.
+# minutes on CPU, 8 simulated devices + deviceless 8 x H100 compiles; benchmarks/, not part
+# of the installed package); writes BENCHMARKS.md, docs/bench.json and
+# docs/bench_memory_vs_{t,s}.png here. `--quick` for a smoke run.
 bench: $(STAMP)
-	$(CPU_ENV) $(PY) -m sp_jax.bench
+	$(CPU_ENV) $(PY) -m benchmarks --out .
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(PY) -m ruff check sp_jax tests examples
+	$(PY) -m ruff check sp_jax tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

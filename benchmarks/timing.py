@@ -14,17 +14,20 @@ from typing import Any
 
 import jax
 
-from sp_jax.bench.variants import VARIANTS, Shape, make_setup
+from benchmarks.variants import VARIANTS, Shape, make_setup
 
-__all__ = ["step_times"]
+__all__ = ["REFERENCE", "step_times"]
+
+REFERENCE = "gspmd"  # ratios are to the GSPMD baseline's time
 
 
-def step_times(shape: Shape, *, rounds: int = 10, inner: int = 3, warmup: int = 2,
-               variants=VARIANTS, reference: str = "gspmd") -> dict[str, Any]:
-    """Times ``variants`` at ``shape`` on the simulated CPU devices.
+def step_times(shape: Shape, *, rounds: int, inner: int, warmup: int) -> dict[str, Any]:
+    """Times every variant of :data:`~benchmarks.variants.VARIANTS` at ``shape`` on the
+    simulated CPU devices.
 
     Every variant gets the same weights (copied from the GSPMD baseline's) and input.
     """
+    variants, reference = VARIANTS, REFERENCE
     ref_setup = make_setup(reference, shape, abstract=False)
     with ref_setup.context():
         ref_model = _merge(ref_setup)

@@ -1,16 +1,17 @@
-"""GSPMD baseline: the sp_jax GPT block written the MaxText way.
+"""GSPMD baseline: the sp_jax GPT block written the MaxText way, sharded by annotations.
 
 The same pre-LN block as :class:`sp_jax.models.Block` (attention then MLP, one fused
 ``[hidden, 3 * hidden]`` q/k/v projection with its columns laid out per head
-``(head, {q, k, v}, head_dim)``), built from plain :class:`flax.nnx.Linear` /
-:class:`flax.nnx.LayerNorm` and ``jnp`` ops. There is no ``shard_map`` and no explicit
-collective: parameters carry sharding annotations (column kernels ``P(None, tensor)``,
-row kernels ``P(tensor, None)``) and the activations are pinned with
-``jax.lax.with_sharding_constraint``:
+``(head, {q, k, v}, head_dim)``), built from plain :class:`flax.nnx.Linear` and ``jnp``
+ops. There is no ``shard_map`` and no explicit collective: parameters carry sharding
+annotations and the activations are pinned with ``jax.lax.with_sharding_constraint``,
+every spec taken from the library's :class:`sp_jax.Layout` (one vocabulary for both):
 
-- block boundaries and norms in the SP layout ``P(data, tensor, None)``;
-- column-projection outputs, heads and the row-projection input in the TP layout
-  ``P(data, None, tensor)`` (heads sharded);
+- column kernels ``layout.column_kernel`` (``P(None, t)``), row kernels
+  ``layout.row_kernel`` (``P(t, None)``), and their biases;
+- block boundaries and norms in the SP layout ``layout.sp`` (``P(d, t, None)``);
+- column-projection outputs and the row-projection input in ``layout.tp``
+  (``P(d, None, t)``), heads in ``layout.heads(rank)`` (heads sharded);
 
 and XLA's SPMD partitioner (GSPMD) inserts whatever collectives these annotations imply.
 Run it under ``jax.set_mesh`` of a mesh with **Auto** axes
@@ -18,16 +19,16 @@ Run it under ``jax.set_mesh`` of a mesh with **Auto** axes
 the constraints are skipped and it is the plain single-device block.
 
 To compare parallelisation strategies rather than kernels, the baseline keeps sp_jax's
-memory policy: the same attention function (:func:`sp_jax.layers.transformer.causal_attention`,
-which saves the log-sum-exp instead of the ``s x s`` probabilities) and the MLP activation
-recomputed in backward (``jax.checkpoint``), and the same LayerNorm backward (the norm
-keeps only its input and per-token statistics). :func:`copy_weights` loads an sp_jax block's
-parameters into it (the parameter tree has the same names and global shapes).
+memory policy: the same attention function (:func:`sp_jax.layers.causal_attention`,
+which saves the log-sum-exp instead of the ``s x s`` probabilities), the MLP activation
+recomputed in backward (``jax.checkpoint``), and the same LayerNorm backward
+(:func:`sp_jax.layers.layer_norm`: the norm keeps only its input and per-token
+statistics). :func:`copy_weights` loads an sp_jax block's parameters into it (the
+parameter tree has the same names and global shapes).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -36,50 +37,21 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.layers.elementwise import _norm
-from sp_jax.layers.transformer import causal_attention
+from sp_jax import Layout
+from sp_jax.layers import causal_attention, layer_norm
+
+__all__ = ["GspmdAttention", "GspmdBlock", "GspmdMLP", "constrain", "copy_weights",
+           "param_specs"]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
 
 
 class _LayerNorm(nnx.LayerNorm):
     """``nnx.LayerNorm`` with sp_jax's memory-lean backward (no mesh needed)."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(
-            x, self.scale[...], self.bias[...])
-        return _norm(x, self.scale[...], self.bias[...], self.epsilon, True, dtype)
-
-
-__all__ = ["GspmdAttention", "GspmdBlock", "GspmdMLP", "Layout", "constrain", "copy_weights",
-           "param_specs"]
-
-_default_kernel_init = nnx.initializers.lecun_normal()
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Mesh axis names of the baseline's annotations.
-
-    Attributes:
-      tensor_axis: mesh axis of tensor parallelism (and of the sequence in SP regions).
-      data_axis: mesh axis of the batch; ``None`` replicates the batch.
-    """
-
-    tensor_axis: str = "tensor"
-    data_axis: str | None = "data"
-
-    @property
-    def sp(self) -> P:
-        """``[b, s, h]`` sequence-parallel: ``P(data, tensor, None)``."""
-        return P(self.data_axis, self.tensor_axis, None)
-
-    @property
-    def tp(self) -> P:
-        """``[b, s, features]`` tensor-parallel: ``P(data, None, tensor)``."""
-        return P(self.data_axis, None, self.tensor_axis)
-
-    def heads(self, rank: int) -> P:
-        """``[b, s, heads, ...]`` with the heads sharded."""
-        return P(self.data_axis, None, self.tensor_axis, *([None] * (rank - 3)))
+        return layer_norm(x, self.scale[...], self.bias[...], epsilon=self.epsilon,
+                          dtype=self.dtype)
 
 
 def constrain(x: jax.Array, spec: P) -> jax.Array:
@@ -96,15 +68,19 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _linear(in_f: int, out_f: int, spec: tuple, bias_spec: tuple, *, use_bias: bool = True,
+def _linear(in_f: int, out_f: int, layout: Layout, *, row: bool, use_bias: bool = True,
             dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    """``nnx.Linear`` annotated as a column (``row=False``) or row layer of ``layout``."""
+    kernel_spec = layout.row_kernel if row else layout.column_kernel
+    bias_spec = layout.row_bias if row else layout.column_bias
     # Annotated parameters are placed on creation only when a mesh is set.
     mesh = jax.sharding.get_abstract_mesh()
     eager = mesh is not None and not mesh.empty
     return nnx.Linear(
         in_f, out_f, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=nnx.with_partitioning(_default_kernel_init, spec, eager_sharding=eager),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), bias_spec,
+        kernel_init=nnx.with_partitioning(_default_kernel_init, tuple(kernel_spec),
+                                          eager_sharding=eager),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), tuple(bias_spec),
                                         eager_sharding=eager),
         rngs=rngs)
 
@@ -121,13 +97,12 @@ class GspmdAttention(nnx.Module):
         if hidden % num_heads:
             raise ValueError(f"GspmdAttention: hidden={hidden} must be divisible by "
                              f"num_heads={num_heads}.")
-        t = layout.tensor_axis
         self.hidden, self.num_heads, self.layout = hidden, num_heads, layout
         self.norm = _LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
-        self.qkv = _linear(hidden, 3 * hidden, (None, t), (t,), use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+        self.qkv = _linear(hidden, 3 * hidden, layout, row=False, use_bias=False, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
-        self.out = _linear(hidden, hidden, (t, None), (None,), dtype=dtype,
+        self.out = _linear(hidden, hidden, layout, row=True, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -150,13 +125,12 @@ class GspmdMLP(nnx.Module):
     def __init__(self, hidden: int, mlp_hidden: int, *, layout: Layout = Layout(),
                  norm_epsilon: float = 1e-5, dtype: Any = None,
                  param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        t = layout.tensor_axis
         self.layout = layout
         self.norm = _LayerNorm(hidden, epsilon=norm_epsilon, dtype=dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
-        self.up = _linear(hidden, mlp_hidden, (None, t), (t,), dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+        self.up = _linear(hidden, mlp_hidden, layout, row=False, dtype=dtype,
                           param_dtype=param_dtype, rngs=rngs)
-        self.down = _linear(mlp_hidden, hidden, (t, None), (None,), dtype=dtype,
+        self.down = _linear(mlp_hidden, hidden, layout, row=True, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -173,7 +147,8 @@ class GspmdBlock(nnx.Module):
 
     Args:
       hidden, num_heads, mlp_hidden: shape (``mlp_hidden`` defaults to ``4 * hidden``).
-      layout: the mesh axis names of the annotations.
+      layout: the :class:`sp_jax.Layout` every annotation is taken from (default: data
+        axis ``"data"``, tensor axis ``"tensor"``).
       norm_epsilon, dtype, param_dtype: as :class:`sp_jax.models.GPTConfig`.
       rngs: ``params`` stream (same draw order as the sp_jax block).
     """

@@ -1,6 +1,6 @@
-"""``python -m sp_jax.bench``: every measurement in one run, then the report.
+"""Runs every measurement of ``python -m benchmarks`` in one process, then the report.
 
-See :mod:`sp_jax.bench` for what is measured. ``main`` parses the command line; ``run``
+See :mod:`benchmarks` for what is measured. ``main`` parses the command line; ``run``
 does the work and returns the results as one JSON-serialisable dict.
 """
 
@@ -19,11 +19,11 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from benchmarks.collectives import MEGATRON, cpu_block_collectives
+from benchmarks.memory import activation_memory
+from benchmarks.targets import evaluate_targets
+from benchmarks.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
 from sp_jax.analysis import activation_bytes_formula
-from sp_jax.bench.collectives import MEGATRON, cpu_block_collectives
-from sp_jax.bench.memory import activation_memory
-from sp_jax.bench.targets import evaluate_targets
-from sp_jax.bench.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
 
 __all__ = ["Config", "FULL", "QUICK", "main", "run"]
 
@@ -42,7 +42,6 @@ class Config:
     rounds: int
     inner: int
     warmup: int
-    gpu_probe: bool = True  # the attention-barrier diagnostic compiles (gpu.py)
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
 
 
@@ -70,7 +69,6 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     rounds=2,
     inner=1,
     warmup=1,
-    gpu_probe=False,
     timing_fp32=False,
 )
 
@@ -117,7 +115,7 @@ def _collectives_cpu(cfg: Config) -> dict[str, Any]:
 
 
 def _gpu(cfg: Config) -> dict[str, Any]:
-    from sp_jax.bench.gpu import gpu_block, gpu_gpt, gpu_gpt_probe  # needs the CUDA plugin
+    from benchmarks.gpu import gpu_block, gpu_gpt  # needs the CUDA plugin
 
     sh = cfg.realistic
     block = {"shape": sh.as_dict()}
@@ -126,13 +124,7 @@ def _gpu(cfg: Config) -> dict[str, Any]:
     gpt = {"layers": cfg.gpt_layers, "vocab": cfg.gpt_vocab, "shape": sh.as_dict()}
     for name, rec in (("sp_save", False), ("sp_recompute", True)):
         gpt[name] = gpu_gpt(rec, layers=cfg.gpt_layers, shape=sh, vocab=cfg.gpt_vocab)
-    probe = {}
-    if cfg.gpu_probe:
-        try:  # uses sp_jax.layers.transformer internals: optional
-            probe = gpu_gpt_probe(layers=cfg.gpt_layers, shape=sh, vocab=cfg.gpt_vocab)
-        except Exception as e:  # noqa: BLE001 - a diagnostic; its absence is reported
-            probe = {"error": f"{type(e).__name__}: {e}"}
-    return {"block": block, "gpt": gpt, "attention_barrier_probe": probe}
+    return {"block": block, "gpt": gpt}
 
 
 def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
@@ -140,10 +132,10 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     of each number)."""
     if jax.device_count() < 8:
         raise RuntimeError(
-            f"sp_jax.bench needs 8 devices, found {jax.device_count()}: run it as "
-            "`python -m sp_jax.bench` (which simulates 8 CPU devices) or set XLA_FLAGS="
+            f"the benchmark needs 8 devices, found {jax.device_count()}: run it as "
+            "`python -m benchmarks` (which simulates 8 CPU devices) or set XLA_FLAGS="
             "--xla_force_host_platform_device_count=8 before JAX starts.")
-    from sp_jax.bench.timing import step_times
+    from benchmarks.timing import step_times
 
     start = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -192,29 +184,25 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     return results
 
 
-def default_out() -> Path:
-    """The repository root when run from a checkout, else the working directory."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").exists() else Path.cwd()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parses ``argv`` (``--out DIR`` required, ``--quick``), runs, writes the outputs and
+    returns the results."""
     parser = argparse.ArgumentParser(
-        prog="python -m sp_jax.bench",
+        prog="python -m benchmarks",
         description="Benchmark sp_jax's TP+SP block against a GSPMD baseline and the "
                     "unsharded block; writes BENCHMARKS.md, docs/bench.json and plots.")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory: BENCHMARKS.md there, JSON and plots in "
-                             "OUT/docs (default: the repository root)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="output directory: OUT/BENCHMARKS.md, OUT/docs/bench.json and "
+                             "OUT/docs/bench_memory_vs_{t,s}.png (`make bench`: the "
+                             "repository root)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes and few repeats (seconds; for tests)")
     args = parser.parse_args(argv)
-    from sp_jax.bench.report import write_outputs
+    from benchmarks.report import write_outputs
 
     cfg = QUICK if args.quick else FULL
-    out = args.out or default_out()
     results = run(cfg, quick=args.quick)
-    paths = write_outputs(results, out)
+    paths = write_outputs(results, args.out)
     met = sum(t["met"] is True for t in results["targets"])
     _log(f"targets met: {met}/{len(results['targets'])}; wrote " +
          ", ".join(str(p) for p in paths))

@@ -1,11 +1,12 @@
 """Activation memory per block and device: what the backward pass keeps.
 
-sp_jax variants and the unsharded block: :func:`sp_jax.analysis.saved_residuals`
-(abstract ``jax.vjp``, no compute; per-device bytes from the residuals' shardings on the
-Explicit mesh). The GSPMD baseline runs on an Auto mesh, where shardings are not part of
-the types: its residuals are listed the same way (global shapes) and their per-device
-shapes are read from the compiled forward pass that returns them (``jax.jit`` of
-``jax.vjp(...)[1]``; XLA:CPU, the shardings GSPMD chose).
+Every variant's residuals come from :func:`sp_jax.analysis.saved_residuals` (abstract
+``jax.vjp``, no compute; global and per-device shape, dtype and JAX's source of each).
+sp_jax variants and the unsharded block: per-device shapes from the residuals' shardings
+on the Explicit mesh. The GSPMD baseline runs on an Auto mesh, where shardings are not
+part of the types: its per-device shapes are read from the compiled forward pass that
+returns the residuals (``jax.jit`` of ``jax.vjp(...)[1]``; XLA:CPU, the shardings GSPMD
+chose).
 
 Every residual is classified by evaluating the variant again with a doubled batch:
 arrays whose shape does not change and equal a parameter's (or its low-precision copy's)
@@ -23,8 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from sp_jax.analysis import activation_bytes_formula, saved_residuals
-from sp_jax.bench.variants import Setup, Shape, make_setup
+from benchmarks.variants import Setup, Shape, make_setup
+from sp_jax.analysis import Residual, activation_bytes_formula, saved_residuals
 
 __all__ = ["TERMS", "ResidualRow", "activation_memory", "paper_terms"]
 
@@ -58,44 +59,6 @@ class ResidualRow:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _jax_sources(fn, args) -> list[tuple[tuple[int, ...], str, str]]:
-    """(shape, dtype, source) per residual from JAX's own listing (private helper)."""
-    try:
-        from jax._src.ad_checkpoint import saved_residuals as _listing
-
-        return [(tuple(a.shape), str(a.dtype), src) for a, src in _listing(fn, *args)]
-    except Exception:  # noqa: BLE001 - only the optional source column depends on it
-        return []
-
-
-def _match_sources(avals, listing) -> list[str]:
-    """JAX's source string for each residual of ``avals``.
-
-    JAX's listing may order residuals differently and reports ``shard_map`` residuals with
-    other shapes: match equal (shape, dtype) first, then the rest in order by dtype.
-    """
-    out: list[str | None] = [None] * len(avals)
-    used = [False] * len(listing)
-    for exact in (True, False):
-        for i, aval in enumerate(avals):
-            if out[i] is not None:
-                continue
-            for j, (shape, dtype, src) in enumerate(listing):
-                if used[j] or dtype != str(aval.dtype):
-                    continue
-                if exact and shape != tuple(aval.shape):
-                    continue
-                out[i], used[j] = src, True
-                break
-    return [s or "" for s in out]
-
-
-def _residual_avals(setup: Setup) -> list[Any]:
-    with setup.context():
-        vjp = jax.eval_shape(lambda p, x: jax.vjp(setup.apply, p, x)[1], setup.params, setup.x)
-    return [v for v in jax.tree.leaves(vjp) if hasattr(v, "shape") and hasattr(v, "dtype")]
 
 
 def _squeeze(shape) -> tuple[int, ...]:
@@ -134,41 +97,41 @@ def _term(row: ResidualRow, shape: Shape, t: int, compute_dtype: str, previous: 
     return "other"
 
 
-def _gspmd_device_shapes(setup: Setup, avals) -> list[tuple[int, ...]]:
+def _residuals(setup: Setup) -> list[Residual]:
+    with setup.context():
+        return saved_residuals(setup.apply, setup.params, setup.x)
+
+
+def _gspmd_device_shapes(setup: Setup, residuals: list[Residual]) -> list[tuple[int, ...]]:
     with setup.context():
         compiled = jax.jit(lambda p, x: jax.vjp(setup.apply, p, x)[1]).lower(
             setup.params, setup.x).compile()
     shardings = jax.tree.leaves(compiled.output_shardings)
-    if len(shardings) != len(avals):
-        raise RuntimeError(f"{len(shardings)} output shardings for {len(avals)} residuals")
-    return [tuple(s.shard_shape(a.shape)) for s, a in zip(shardings, avals, strict=True)]
+    if len(shardings) != len(residuals):
+        raise RuntimeError(f"{len(shardings)} output shardings for {len(residuals)} residuals")
+    return [tuple(s.shard_shape(r.shape)) for s, r in zip(shardings, residuals, strict=True)]
 
 
 def residual_rows(variant: str, shape: Shape) -> list[ResidualRow]:
     """Every residual of ``variant``'s block at ``shape`` (abstract; GSPMD compiles)."""
     setup = make_setup(variant, shape, abstract=True)
     doubled = make_setup(variant, shape.replace(b=2 * shape.b), abstract=True)
-    avals = _residual_avals(setup)
-    avals2 = _residual_avals(doubled)
+    residuals = _residuals(setup)
+    residuals2 = _residuals(doubled)
     if variant == "gspmd":
-        device_shapes = _gspmd_device_shapes(setup, avals)
+        device_shapes = _gspmd_device_shapes(setup, residuals)
     else:
-        with setup.context():
-            device_shapes = [r.device_shape for r in saved_residuals(setup.apply, setup.params,
-                                                                     setup.x)]
-    with setup.context():
-        sources = _match_sources(avals, _jax_sources(setup.apply, (setup.params, setup.x)))
+        device_shapes = [r.device_shape for r in residuals]
     param_shapes = _param_device_shapes(setup)
     t = shape.t if variant != "unsharded" else 1
     compute = np.dtype(shape.dtype).name
-    same_count = len(avals2) == len(avals)
+    same_count = len(residuals2) == len(residuals)
     rows, previous = [], ""
-    for i, (aval, dev) in enumerate(zip(avals, device_shapes, strict=True)):
-        batch_independent = same_count and tuple(avals2[i].shape) == tuple(aval.shape)
+    for i, (res, dev) in enumerate(zip(residuals, device_shapes, strict=True)):
+        batch_independent = same_count and residuals2[i].shape == res.shape
         is_weight = batch_independent and _squeeze(dev) in param_shapes
-        dtype = np.dtype(aval.dtype)
-        row = ResidualRow(shape=tuple(aval.shape), device_shape=tuple(dev), dtype=dtype.name,
-                          bytes=math.prod(dev) * dtype.itemsize, source=sources[i],
+        row = ResidualRow(shape=res.shape, device_shape=tuple(dev), dtype=res.dtype.name,
+                          bytes=math.prod(dev) * res.dtype.itemsize, source=res.source,
                           kind="weight" if is_weight else "activation", term="")
         if not is_weight:
             row.term = previous = _term(row, shape, t, compute, previous)

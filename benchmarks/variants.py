@@ -3,9 +3,9 @@
 =================  ===========================================================  ==========
 variant            what                                                         mesh
 =================  ===========================================================  ==========
-``unsharded``      :class:`~sp_jax.bench.baseline.GspmdBlock` with no mesh       one device
+``unsharded``      :class:`~benchmarks.baseline.GspmdBlock` with no mesh         one device
                    (its sharding constraints are skipped: the plain block)
-``gspmd``          :class:`~sp_jax.bench.baseline.GspmdBlock`: annotations,      Auto axes
+``gspmd``          :class:`~benchmarks.baseline.GspmdBlock`: annotations,        Auto axes
                    XLA inserts the collectives
 ``sp_save``        :class:`sp_jax.models.Block`, ``recompute_allgather=False``  Explicit
 ``sp_recompute``   :class:`sp_jax.models.Block`, ``recompute_allgather=True``   Explicit
@@ -19,7 +19,6 @@ input; :meth:`Setup.apply` / :meth:`Setup.loss` are pure functions of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,15 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import sp_jax
-from sp_jax.bench.baseline import GspmdBlock, Layout, copy_weights, param_specs
-from sp_jax.models.gpt import Block, GPTConfig
+from benchmarks.baseline import GspmdBlock, copy_weights, param_specs
+from sp_jax import Layout
+from sp_jax.models import Block, GPTConfig
 
 __all__ = ["VARIANTS", "SP_VARIANTS", "Shape", "Setup", "make_setup", "make_mesh"]
 
 VARIANTS = ("unsharded", "gspmd", "sp_save", "sp_recompute")
+SEED = 0  # parameter seed of every variant; the input is drawn with SEED + 1
 SP_VARIANTS = ("sp_save", "sp_recompute")
 LABELS = {
     "unsharded": "unsharded (1 device)",
@@ -70,9 +70,9 @@ class Shape:
                 "dtype": jnp.dtype(self.dtype).name}
 
 
-def make_mesh(shape: Shape, axis_type: AxisType, devices: Sequence[Any] | None = None):
-    """A ``(data, tensor)`` mesh of ``d x t`` devices (the first ones by default)."""
-    devices = list(devices if devices is not None else jax.devices())[: shape.d * shape.t]
+def make_mesh(shape: Shape, axis_type: AxisType):
+    """A ``(data, tensor)`` mesh of the first ``d x t`` devices."""
+    devices = jax.devices()[: shape.d * shape.t]
     if len(devices) < shape.d * shape.t:
         raise ValueError(f"need {shape.d * shape.t} devices for {shape}, have {len(devices)}")
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape.d, shape.t), ("data", "tensor"),
@@ -82,7 +82,7 @@ def make_mesh(shape: Shape, axis_type: AxisType, devices: Sequence[Any] | None =
 @dataclasses.dataclass
 class Setup:
     """One variant ready to run: ``mesh`` (``None`` for unsharded), ``graphdef`` and
-    ``params`` of the block, input ``x`` ``[b, s, h]``, per-parameter ``specs``."""
+    ``params`` of the block (placed in their shardings), input ``x`` ``[b, s, h]``."""
 
     variant: str
     shape: Shape
@@ -90,7 +90,6 @@ class Setup:
     graphdef: Any
     params: Any
     x: Any
-    specs: Any
 
     def apply(self, params, x):
         """Block output ``[b, s, h]``."""
@@ -122,14 +121,14 @@ def _parallel(variant: str, shape: Shape) -> sp_jax.ParallelConfig:
                                  data_axis="data", wgrad_dtype=wgrad)
 
 
-def _build(variant: str, shape: Shape, seed: int) -> nnx.Module:
+def _build(variant: str, shape: Shape) -> nnx.Module:
     if variant in SP_VARIANTS:
-        return Block(_gpt_config(shape), _parallel(variant, shape), rngs=nnx.Rngs(seed))
+        return Block(_gpt_config(shape), _parallel(variant, shape), rngs=nnx.Rngs(SEED))
     return GspmdBlock(shape.h, shape.a, dtype=shape.dtype, layout=Layout(),
-                      rngs=nnx.Rngs(seed))
+                      rngs=nnx.Rngs(SEED))
 
 
-def make_setup(variant: str, shape: Shape, *, abstract: bool, devices=None, seed: int = 0,
+def make_setup(variant: str, shape: Shape, *, abstract: bool,
                weights_from: nnx.Module | None = None) -> Setup:
     """Builds ``variant`` at ``shape``.
 
@@ -139,9 +138,8 @@ def make_setup(variant: str, shape: Shape, *, abstract: bool, devices=None, seed
       abstract: ``True``: parameters and input are ``jax.ShapeDtypeStruct`` s (nothing is
         allocated; for residual listings and compiles). ``False``: real arrays, placed in
         their shardings.
-      devices: the devices of the mesh (default ``jax.devices()``); e.g. abstract GPUs.
-      seed: parameter and input seed.
-      weights_from: copy this module's parameter values (same tree) instead of ``seed``'s.
+      weights_from: copy this module's parameter values (same tree) instead of
+        :data:`SEED`'s.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS}")
@@ -149,20 +147,19 @@ def make_setup(variant: str, shape: Shape, *, abstract: bool, devices=None, seed
         mesh = None
     else:
         axis = AxisType.Auto if variant == "gspmd" else AxisType.Explicit
-        mesh = make_mesh(shape, axis, devices)
-    ctx = Setup(variant, shape, mesh, None, None, None, None).context()
-    x_spec = P("data", "tensor", None)
+        mesh = make_mesh(shape, axis)
+    ctx = Setup(variant, shape, mesh, None, None, None).context()
+    x_spec = Layout().sp  # [b, s, h] in the SP layout: P(data, tensor, None)
     with ctx:
         if abstract:
-            model = nnx.eval_shape(lambda: _build(variant, shape, seed))
+            model = nnx.eval_shape(lambda: _build(variant, shape))
         else:
-            model = _build(variant, shape, seed)
+            model = _build(variant, shape)
             if weights_from is not None:
                 copy_weights(model, weights_from)
-        specs = param_specs(model) if variant != "unsharded" else None
         graphdef, params = nnx.split(model)
         if mesh is not None:
-            shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+            shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(model))
             if abstract:
                 params = jax.tree.map(
                     lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
@@ -171,14 +168,13 @@ def make_setup(variant: str, shape: Shape, *, abstract: bool, devices=None, seed
                 params = jax.device_put(params, shardings)
             x_sharding = NamedSharding(mesh, x_spec)
         else:
-            x_sharding = jax.sharding.SingleDeviceSharding(
-                (devices or jax.devices())[0])
+            x_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             if not abstract:
                 params = jax.device_put(params, x_sharding)
         xshape = (shape.b, shape.s, shape.h)
         if abstract:
             x = jax.ShapeDtypeStruct(xshape, shape.dtype, sharding=x_sharding)
         else:
-            host = np.random.default_rng(seed + 1).normal(size=xshape).astype(np.float32)
+            host = np.random.default_rng(SEED + 1).normal(size=xshape).astype(np.float32)
             x = jax.device_put(jnp.asarray(host, shape.dtype), x_sharding)
-    return Setup(variant, shape, mesh, graphdef, params, x, specs)
+    return Setup(variant, shape, mesh, graphdef, params, x)

@@ -1,29 +1,31 @@
-"""8 x H100 deviceless compiles (no GPU needed): per-device memory and async collectives.
+"""8 x H100 deviceless compiles (no GPU needed): per-device memory, what is live at the
+peak, and async collectives.
 
 - :func:`gpu_block`: one block's forward+backward for each variant (the unsharded one on
   a single H100);
 - :func:`gpu_gpt`: a full GPT forward+backward (embedding, blocks, tied LM head,
   vocabulary-parallel cross-entropy) in save and recompute mode.
+
+Needs the CUDA PJRT plugin (``pip install -e '.[gpu-aot]'``).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 
 import sp_jax
+from benchmarks.collectives import gpu_compile
+from benchmarks.variants import Shape, make_setup
+from sp_jax import Layout
 from sp_jax.analysis import gpu_mesh
-from sp_jax.bench.collectives import gpu_compile
-from sp_jax.bench.variants import Shape, make_setup
-from sp_jax.models.gpt import GPT, GPTConfig
+from sp_jax.models import GPT, GPTConfig
 
-__all__ = ["attention_backward_behind_barrier", "gpu_block", "gpu_gpt", "gpu_gpt_probe"]
+__all__ = ["gpu_block", "gpu_gpt"]
 
 
 def gpu_block(variant: str, shape: Shape) -> dict[str, Any]:
@@ -39,7 +41,8 @@ def gpu_block(variant: str, shape: Shape) -> dict[str, Any]:
     out = gpu_compile(setup.grad_fn(), (setup.params, setup.x), setup, **kw)
     out["devices"] = mesh_shape[0] * mesh_shape[1]
     if variant != "unsharded":  # the forward alone: phases of ops XLA made without metadata
-        fwd = gpu_compile(setup.loss, (setup.params, setup.x), setup, **kw)
+        fwd = gpu_compile(setup.loss, (setup.params, setup.x), setup, live_buffers=False,
+                          **kw)
         out["forward_only_compile"] = fwd["all_phases"]
     return out
 
@@ -55,7 +58,8 @@ def gpu_gpt(recompute: bool, *, layers: int, shape: Shape, vocab: int) -> dict[s
     with jax.set_mesh(gpu_mesh((shape.t,), ("tensor",))):
         model = nnx.eval_shape(lambda: GPT(cfg, parallel=par, rngs=nnx.Rngs(0)))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tokens = jax.ShapeDtypeStruct((shape.b, shape.s), jnp.int32, sharding=P())
+    tokens = jax.ShapeDtypeStruct((shape.b, shape.s), jnp.int32,
+                                  sharding=Layout.of(par).tokens)  # replicated batch
 
     def grads(params, rest, tokens):
         return jax.grad(lambda p: nnx.merge(graphdef, p, rest).loss(tokens, tokens))(params)
@@ -69,44 +73,4 @@ def gpu_gpt(recompute: bool, *, layers: int, shape: Shape, vocab: int) -> dict[s
                       axis_names=("tensor",), unit_elements=shape.s * shape.b * shape.h,
                       param_shapes=replicated)
     out["devices"] = shape.t
-    return out
-
-
-@contextlib.contextmanager
-def attention_backward_behind_barrier():
-    """Diagnostic (benchmark only; the library is not changed): while active, sp_jax's
-    attention layers use a copy of :func:`sp_jax.layers.transformer.causal_attention`
-    whose backward first passes its residuals and cotangent through
-    ``lax.optimization_barrier``, so XLA cannot merge the backward's recomputation of the
-    scores with the forward's. Comparing compiles with and without it shows what that
-    merge costs in peak memory."""
-    from sp_jax.layers import transformer
-
-    fwd, bwd = transformer._causal_attention_fwd, transformer._causal_attention_bwd
-
-    @jax.custom_vjp
-    def attention(q, k, v):
-        return fwd(q, k, v)[0]
-
-    def barrier_bwd(res, d_out):
-        res, d_out = jax.lax.optimization_barrier((res, d_out))
-        return bwd(res, d_out)
-
-    attention.defvjp(fwd, barrier_bwd)
-    saved = transformer.causal_attention
-    transformer.causal_attention = attention
-    try:
-        yield
-    finally:
-        transformer.causal_attention = saved
-
-
-def gpu_gpt_probe(*, layers: int, shape: Shape, vocab: int) -> dict[str, Any]:
-    """:func:`gpu_gpt` (save and recompute) under :func:`attention_backward_behind_barrier`:
-    per-device peak and what is live at it."""
-    out = {}
-    with attention_backward_behind_barrier():
-        for name, rec in (("sp_save", False), ("sp_recompute", True)):
-            r = gpu_gpt(rec, layers=layers, shape=shape, vocab=vocab)
-            out[name] = {"memory": r["memory"], "peak_live": r["peak_live"]}
     return out

@@ -1,4 +1,4 @@
-"""Collectives of one block (forward and backward) in compiled HLO, CPU or H100.
+"""Collectives of one block (forward and backward) in compiled HLO, CPU or H100, by role.
 
 Every array a collective moves is classified as
 
@@ -7,30 +7,32 @@ Every array a collective moves is classified as
   all-reduce of a replicated parameter's gradient over the data or tensor axis;
 - ``scalar``: one element (the loss).
 
-Counts are of moved arrays (``operands``), not instructions, so XLA's combiners do not
-change them. The phase of a collective is read from JAX's ``op_name`` metadata
-(backward ops are named ``transpose(jvp(...))``); on CPU the forward counts also come from
-a separate compile of the forward pass alone, and backward = forward+backward - forward.
+The HLO is parsed by :func:`sp_jax.analysis.parse_collectives`. Counts are of moved
+arrays (``operands``), not instructions, so XLA's combiners do not change them. The phase
+of a collective is read from JAX's ``op_name`` metadata (backward ops are named
+``transpose(jvp(...))``); on CPU the forward counts also come from a separate compile of
+the forward pass alone, and backward = forward+backward - forward.
 """
 
 from __future__ import annotations
 
-import glob
 import math
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import AxisType
 
-from sp_jax.analysis import compile_for_gpu
-from sp_jax.bench.hlo import Collective, array_bytes, parse_collectives, peak_breakdown
-from sp_jax.bench.variants import Setup
+from benchmarks.variants import Setup
+from sp_jax.analysis import (
+    COLLECTIVE_KINDS,
+    Collective,
+    array_bytes,
+    compile_for_gpu,
+    parse_collectives,
+)
 
-__all__ = ["MEGATRON", "classify", "role", "count_table", "cpu_block_collectives",
-           "gpu_compile", "GPU_OPTIONS"]
+__all__ = ["MEGATRON", "classify", "role", "count_table", "ops_list", "cpu_block_collectives",
+           "gpu_compile"]
 
 # Megatron-LM per TP+SP layer: (all-gathers, reduce-scatters) of [s, b, h] per direction;
 # the backward adds one re-gather per column layer with recompute.
@@ -39,13 +41,6 @@ MEGATRON = {
     "backward": {"all-gather": 2, "reduce-scatter": 2, "all-reduce": 0},
     "backward_recompute": {"all-gather": 4, "reduce-scatter": 2, "all-reduce": 0},
 }
-
-# The bench process runs with --xla_disable_hlo_passes=cse_barrier_expander for XLA:CPU;
-# XLA:GPU needs that pass (it cannot emit opt-barrier), so GPU compiles clear the list:
-# the default XLA:GPU pipeline, as on a real GPU run.
-GPU_OPTIONS: dict[str, Any] = {"xla_disable_hlo_passes": ""}
-
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 
 
 def _param_shapes(setup: Setup) -> set[tuple[int, ...]]:
@@ -89,7 +84,7 @@ def role(c: Collective) -> str:
                  "column_sequence_parallel_matmul", "_csp_matmul", "reduce_scatter_sequence")
     if any("VocabParallelEmbedding" in x for x in f):
         where = "embedding"
-    elif any("tied_head" in x for x in f):
+    elif any("lm_head" in x for x in f):
         where = "LM head"
     elif any("cross_entropy" in x for x in f):
         where = "cross-entropy"
@@ -124,7 +119,7 @@ def count_table(collectives: list[Collective], param_shapes, unit_elements: int,
     out = {k: {"activation": 0, "param": 0, "scalar": 0, "activation_bytes": 0,
                "activation_units": 0.0, "param_bytes": 0, "ops": 0, "async_ops": 0,
                "activation_ops": 0, "activation_async_ops": 0}
-           for k in KINDS}
+           for k in COLLECTIVE_KINDS}
     for c in collectives:
         if phase is not None and c.phase != phase:
             continue
@@ -181,21 +176,19 @@ def cpu_block_collectives(setup: Setup) -> dict[str, Any]:
 
 def gpu_compile(fn, args: tuple, setup: Setup | None, *, mesh_shape, axis_names,
                 axis_types: AxisType = AxisType.Explicit, unit_elements: int,
-                param_shapes=None) -> dict[str, Any]:
-    """Deviceless H100 compile of ``fn(*args)``: memory (with what is live at the peak,
-    from XLA's live-range dump) and collectives by phase."""
-    with tempfile.TemporaryDirectory(prefix="sp_jax_bench_") as dump:
-        rep = compile_for_gpu(fn, *args, mesh_shape=mesh_shape, axis_names=axis_names,
-                              axis_types=axis_types,
-                              compiler_options={**GPU_OPTIONS, "xla_dump_to": dump})
-        live = sorted(glob.glob(os.path.join(dump, "*after_optimizations-live-range.txt")))
-        peak = peak_breakdown(Path(live[-1]).read_text()) if live else None
+                param_shapes=None, live_buffers: bool = True) -> dict[str, Any]:
+    """Deviceless H100 compile of ``fn(*args)`` (:func:`sp_jax.analysis.compile_for_gpu`,
+    sp_jax's GPU compile options): memory (with what is live at the peak, from XLA's
+    live-range dump, when ``live_buffers``) and collectives by phase."""
+    rep = compile_for_gpu(fn, *args, mesh_shape=mesh_shape, axis_names=axis_names,
+                          axis_types=axis_types, live_buffers=live_buffers)
     if param_shapes is None:
         param_shapes = _param_shapes(setup) if setup is not None else set()
     ops = parse_collectives(rep.hlo)
     return {
-        "memory": {k: v for k, v in rep.as_dict().items() if k != "collectives"},
-        "peak_live": peak,
+        "memory": {k: v for k, v in rep.as_dict().items()
+                   if k not in ("collectives", "peak_live")},
+        "peak_live": rep.peak_live.as_dict() if rep.peak_live is not None else None,
         "by_phase": {p: count_table(ops, param_shapes, unit_elements, phase=p)
                      for p in ("forward", "backward", "unknown")},
         "all_phases": count_table(ops, param_shapes, unit_elements),
