@@ -36,22 +36,33 @@ Example::
     params, opt_state, step = restored.params, restored.opt_state, restored.step
     ckpt.close()
 
-orbax-checkpoint (a dependency of sp_jax) is imported on first use, so ``import sp_jax``
-stays light.
+Resuming a run: :meth:`CheckpointManager.check_metadata` compares the metadata saved with a
+step to the current run's, section by section: it raises :class:`MetadataMismatchError`
+for sections that must match (e.g. ``"model"``) and returns the differences of the others
+(e.g. run settings such as the learning rate) for the caller to report::
+
+    changed = ckpt.check_metadata({"model": {...}, "run": {...}}, must_match=("model",))
+
+orbax-checkpoint (a core dependency of sp_jax) is imported on first use, so
+``import sp_jax`` stays light.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 __all__ = [
+    "ABSENT",
     "CheckpointManager",
     "CheckpointSaveError",
+    "MetadataMismatchError",
     "Restored",
     "abstract_like",
     "latest_step",
@@ -75,6 +86,37 @@ class CheckpointSaveError(RuntimeError):
         self.directory = directory
 
 
+class _Absent:
+    """The value of a metadata key one side does not have (see :data:`ABSENT`)."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+"""Stands, in :meth:`CheckpointManager.check_metadata` differences, for a key that the
+saved or the current metadata lacks."""
+
+Differences = dict[str, dict[str, tuple[Any, Any]]]
+"""``{section: {key: (saved, now)}}``: the metadata keys that differ, per section."""
+
+
+class MetadataMismatchError(ValueError):
+    """A checkpoint's saved metadata differs from the current run's in a section that must
+    match (e.g. another model configuration).
+
+    Attributes:
+      step, directory: the checkpoint.
+      differences: ``{section: {key: (saved, now)}}`` of the must-match sections only.
+    """
+
+    def __init__(self, message: str, *, step: int, directory: str, differences: Differences):
+        super().__init__(message)
+        self.step = step
+        self.directory = directory
+        self.differences = differences
+
+
 class Restored(NamedTuple):
     """What :meth:`CheckpointManager.restore` returns.
 
@@ -95,8 +137,9 @@ def _ocp():
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - depends on the installation
-        raise ImportError("sp_jax.checkpoint needs orbax-checkpoint: "
-                          "pip install orbax-checkpoint (or sp_jax[examples])") from e
+        raise ImportError("sp_jax.checkpoint needs orbax-checkpoint, a dependency of sp_jax "
+                          "that is missing from this environment: reinstall sp_jax "
+                          "(pip install sp_jax) or pip install orbax-checkpoint") from e
     return ocp
 
 
@@ -205,6 +248,7 @@ class CheckpointManager:
         ocp = _ocp()
         self.directory = os.path.abspath(os.fspath(directory))
         self._pending: int | None = None
+        self._async = bool(async_save)
         self._manager = ocp.CheckpointManager(
             self.directory,
             item_handlers={_PARAMS: ocp.handlers.StandardCheckpointHandler(),
@@ -213,15 +257,26 @@ class CheckpointManager:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 create=True,
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=async_save,
+                # Removed below, synchronously: orbax's own clean-up runs in the
+                # background and has no public way to wait for it.
+                cleanup_tmp_directories=False,
+                enable_async_checkpointing=self._async,
             ),
         )
-        # orbax removes the temporary directories of unfinished saves in the background;
-        # finish that now so the directory holds only committed steps from here on.
-        wait_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
-        if wait_cleanup is not None:
-            wait_cleanup()
+        self._remove_unfinished_saves(ocp)
+
+    def _remove_unfinished_saves(self, ocp: Any) -> None:
+        """Deletes the temporary directories of saves that never committed (a failed or
+        killed run), so the directory holds only committed steps from here on.
+
+        Process 0 deletes, as orbax's own clean-up does; the other processes need not wait:
+        they never read temporary directories, and orbax starts every save with a barrier
+        of all processes, which process 0 reaches only after this.
+        """
+        if jax.process_index() != 0:
+            return
+        for tmp in ocp.path.step.all_temporary_paths(self.directory):
+            shutil.rmtree(os.fspath(tmp.get()), ignore_errors=True)
 
     # -- listing ------------------------------------------------------------------------
 
@@ -298,7 +353,7 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - re-raised with the step named
             raise self._failed(step, e) from e
         self._pending = step
-        if not self._manager._options.enable_async_checkpointing:  # noqa: SLF001
+        if not self._async:
             self._check_pending()
 
     def wait_until_finished(self) -> None:
@@ -316,6 +371,63 @@ class CheckpointManager:
         meta = self._manager.restore(step, args=ocp.args.Composite(
             **{_META: ocp.args.JsonRestore()}))[_META]
         return dict(meta.get("metadata", {}))
+
+    def check_metadata(self, current: Mapping[str, Mapping[str, Any]],
+                       step: int | None = None, *,
+                       must_match: Sequence[str] = ("model",)) -> Differences:
+        """Compares the metadata saved with ``step`` (default: the latest) to ``current``,
+        the metadata this run would save, section by section.
+
+        Only the sections of ``current`` are compared (other saved keys, e.g. a step
+        counter, are ignored), key by key, after a JSON round trip of ``current`` (as
+        saving does: tuples compare equal to lists). A key one side lacks shows as
+        :data:`ABSENT`.
+
+        Args:
+          current: ``{section: {key: value}}``, JSON-serialisable, e.g.
+            ``{"model": {...}, "run": {"lr": 3e-3, ...}}``.
+          step: the checkpoint step; None for the latest.
+          must_match: sections that must be equal (e.g. the model configuration: the
+            arrays would not fit another one).
+        Returns:
+          ``{section: {key: (saved, now)}}`` for the other sections that differ (empty
+          when none does): settings a resumed run may change, to report.
+        Raises:
+          MetadataMismatchError: (a ``ValueError``) a ``must_match`` section differs; the
+            message names the checkpoint and each differing key with both values.
+          FileNotFoundError: no such step.
+          TypeError: a section of ``current`` is not a mapping or not JSON-serialisable.
+        """
+        step = self._resolve(step)
+        for section, values in current.items():
+            if not isinstance(values, Mapping):
+                raise TypeError(f"check_metadata: section {section!r} must be a mapping of "
+                                f"keys to values, got {type(values).__name__}.")
+        try:
+            now = json.loads(json.dumps(current))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"check_metadata: the current metadata must be JSON-serialisable "
+                            f"(as save() needs it): {e}") from e
+        saved = self.metadata(step)
+        differences: Differences = {}
+        for section, values in now.items():
+            old = saved.get(section)
+            old = old if isinstance(old, Mapping) else {}
+            diff = {k: (old.get(k, ABSENT), values.get(k, ABSENT))
+                    for k in sorted({*old, *values}) if old.get(k, ABSENT) != values.get(k, ABSENT)}
+            if diff:
+                differences[section] = diff
+        fatal = {s: d for s, d in differences.items() if s in must_match}
+        if fatal:
+            parts = "; ".join(f"{section}: " + ", ".join(
+                f"{k} {old!r} saved vs {new!r} now" for k, (old, new) in diff.items())
+                for section, diff in fatal.items())
+            raise MetadataMismatchError(
+                f"checkpoint step {step} in {self.directory} was saved with another "
+                f"{' and '.join(fatal)} than this run's ({parts}); use the same settings as "
+                "the saved run or another checkpoint directory",
+                step=step, directory=self.directory, differences=fatal)
+        return {s: d for s, d in differences.items() if s not in must_match}
 
     def restore(self, step: int | None = None, *, params_like: Any,
                 opt_state_like: Any = None, allow_dtype_cast: bool = False) -> Restored:

@@ -22,8 +22,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.checkpoint import (
+    ABSENT,
     CheckpointManager,
     CheckpointSaveError,
+    MetadataMismatchError,
     abstract_like,
     latest_step,
     restore_checkpoint,
@@ -301,3 +303,71 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
         restored = ckpt.restore(params_like=target)
     np.testing.assert_array_equal(np.asarray(restored.params["w"]),
                                   np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
+
+
+# -- resume metadata ---------------------------------------------------------------------
+
+_MODEL = {"hidden": 32, "num_layers": 1, "dtype": "float32"}
+_RUN = {"lr": 3e-3, "data": ["a/*.py"], "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def with_metadata(tmp_path_factory):
+    """Step 5 saved with model and run sections (and a step counter besides them)."""
+    directory = tmp_path_factory.mktemp("meta") / "c"
+    save_checkpoint(directory, 5, {"w": np.zeros(3, np.float32)},
+                    metadata={"step": 5, "model": _MODEL, "run": _RUN})
+    return directory
+
+
+def test_check_metadata_same_run(with_metadata):
+    with CheckpointManager(with_metadata) as ckpt:
+        # Tuples compare as the lists JSON saved; keys outside the sections are ignored.
+        current = {"model": dict(_MODEL), "run": {**_RUN, "data": ("a/*.py",)}}
+        assert ckpt.check_metadata(current) == {}
+        assert ckpt.check_metadata(current, 5, must_match=()) == {}
+
+
+def test_check_metadata_returns_changed_run_settings(with_metadata):
+    with CheckpointManager(with_metadata) as ckpt:
+        changed = ckpt.check_metadata({"model": _MODEL,
+                                       "run": {"lr": 1e-3, "data": ["a/*.py"], "warmup": 5}})
+    assert changed == {"run": {"lr": (3e-3, 1e-3), "seed": (0, ABSENT),
+                               "warmup": (ABSENT, 5)}}
+    assert repr(ABSENT) == "<absent>"
+
+
+def test_check_metadata_refuses_another_model(with_metadata):
+    with CheckpointManager(with_metadata) as ckpt:
+        with pytest.raises(MetadataMismatchError) as err:
+            ckpt.check_metadata({"model": {**_MODEL, "hidden": 64, "norm": "rmsnorm"},
+                                 "run": {**_RUN, "lr": 1.0}})
+        e = err.value
+        assert isinstance(e, ValueError)
+        assert e.step == 5 and e.directory == str(with_metadata)
+        assert e.differences == {"model": {"hidden": (32, 64), "norm": (ABSENT, "rmsnorm")}}
+        msg = str(e)
+        assert f"checkpoint step 5 in {with_metadata} was saved with another model" in msg
+        assert "hidden 32 saved vs 64 now" in msg and "norm <absent> saved vs 'rmsnorm' now" in msg
+        assert "lr" not in msg  # run settings may change
+        # Any section can be declared must-match.
+        with pytest.raises(MetadataMismatchError, match=r"another run .*lr 0\.003 saved vs 1"):
+            ckpt.check_metadata({"run": {**_RUN, "lr": 1}}, must_match=("run",))
+
+
+def test_check_metadata_bad_input(with_metadata):
+    with CheckpointManager(with_metadata) as ckpt:
+        with pytest.raises(TypeError, match="section 'model' must be a mapping"):
+            ckpt.check_metadata({"model": 3})
+        with pytest.raises(TypeError, match="must be JSON-serialisable"):
+            ckpt.check_metadata({"model": {"dtype": np.float32}})
+        with pytest.raises(FileNotFoundError, match="no checkpoint step 4"):
+            ckpt.check_metadata({"model": _MODEL}, 4)
+
+
+def test_missing_orbax_names_the_core_dependency(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # import fails
+    with pytest.raises(ImportError) as err:
+        CheckpointManager(tmp_path / "c")
+    assert "pip install orbax-checkpoint" in str(err.value)
+    assert "reinstall sp_jax" in str(err.value) and "examples" not in str(err.value)
