@@ -16,7 +16,7 @@ weight gradients).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from jax import lax
 
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
-__all__ = ["TrainStep", "accumulate_gradients", "lm_loss"]
+__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -83,6 +83,14 @@ def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of the arrays in ``tree``: the size of each array's first
+    addressable shard (a replicated array counts fully; leaves that are not
+    ``jax.Array`` count nothing)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+               if hasattr(x, "addressable_shards"))
+
+
 @dataclasses.dataclass
 class TrainStep:
     """Holds the split model and optimizer state and runs jitted training steps.
@@ -121,6 +129,7 @@ class TrainStep:
             self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
         self.opt_state = self.tx.init(self.params)
         self._step = None
+        self._eval = None
 
     def _build(self, batch: Any) -> Callable:
         graphdef, tx, loss_fn = self.graphdef, self.tx, self.loss_fn
@@ -150,6 +159,39 @@ class TrainStep:
         if self._step is None:
             self._step = self._build(batch)
         return self._step.lower(self.params, self.rest, self.opt_state, batch, key).compile()
+
+    def temp_bytes(self, batch: Any, key: jax.Array) -> int | None:
+        """XLA's temp buffer size on one device of the compiled step for ``batch``: the
+        activations kept for the backward pass, gradients in flight and workspace (from
+        ``memory_analysis()``); None where the backend does not report it."""
+        try:
+            return int(self.compile(batch, key).memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 - memory analysis is optional per backend
+            return None
+
+    def evaluate(self, batches: Iterable[Any]) -> float:
+        """Mean loss per target token over ``batches`` with the model in eval mode
+        (dropout off), at the current parameters.
+
+        Args:
+          batches: batches of ``loss_fn``'s form without the micro-batch dimension, e.g.
+            ``{"tokens", "labels"}`` ``[batch, seq]`` sharded ``P(data, None)``.
+        Returns:
+          ``sum(loss_sum) / sum(count)`` over the batches (nan when there are none).
+        """
+        if self._eval is None:
+            graphdef, loss_fn = self.graphdef, self.loss_fn
+
+            @jax.jit
+            def eval_loss(params, rest, batch):
+                model = nnx.merge(graphdef, params, rest)
+                model.eval()
+                return loss_fn(model, batch, jax.random.key(0))  # no dropout: key unused
+
+            self._eval = eval_loss
+        results = [self._eval(self.params, self.rest, batch) for batch in batches]
+        count = sum(int(n) for _, n in results)
+        return sum(float(s) for s, _ in results) / count if count else float("nan")
 
     def __call__(self, batch: Any, key: jax.Array) -> dict[str, jax.Array]:
         """One optimizer step on ``batch`` (leaves ``[micro_batches, batch, ...]``)."""

@@ -1,0 +1,39 @@
+"""Training: the jitted step, its learning-rate schedule, multi-process launch, metrics logs.
+
+Modules:
+
+* ``step``: :class:`TrainStep` (one jitted optimizer step with micro-batch gradient
+  accumulation in fp32, explicit shardings, donated state), :func:`accumulate_gradients`,
+  :func:`lm_loss`, :func:`device_bytes`.
+* ``schedule``: :func:`warmup_cosine_schedule` (optax's warmup-cosine in 1-based steps).
+* ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
+  :func:`build_mesh`, :func:`add_launch_arguments`, :func:`cluster_tasks`.
+* ``log``: :class:`MetricsLog` (JSON lines, resumable) and :func:`plot_losses`.
+
+The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
+:mod:`sp_jax.checkpoint`.
+"""
+
+from sp_jax.training import launch, log, schedule, step
+from sp_jax.training.launch import Launch, add_launch_arguments, build_mesh, cluster_tasks
+from sp_jax.training.log import MetricsLog, plot_losses
+from sp_jax.training.schedule import warmup_cosine_schedule
+from sp_jax.training.step import TrainStep, accumulate_gradients, device_bytes, lm_loss
+
+__all__ = [
+    "Launch",
+    "MetricsLog",
+    "TrainStep",
+    "accumulate_gradients",
+    "add_launch_arguments",
+    "build_mesh",
+    "cluster_tasks",
+    "device_bytes",
+    "launch",
+    "lm_loss",
+    "log",
+    "plot_losses",
+    "schedule",
+    "step",
+    "warmup_cosine_schedule",
+]

@@ -1,0 +1,232 @@
+"""Multi-process launch: which processes take part, ``jax.distributed``, and the mesh over them.
+
+One process per host or per GPU (CPU processes simulate devices). A run is multi-process
+when it is given ``--coordinator HOST:PORT --num-processes N --process-id I``, or when a
+SLURM (``srun``) or Open MPI (``mpirun``) launcher started more than one task: then
+``jax.distributed.initialize()`` without arguments auto-detects all three from the
+launcher's variables (:func:`cluster_tasks` reads the same ones). ``distributed="on"``
+forces initialisation, ``"off"`` disables it.
+
+The rules are plain functions raising ``ValueError`` whose messages name the command-line
+flags :func:`add_launch_arguments` defines, so a script reports them with
+``parser.error(str(e))``::
+
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    args = parser.parse_args()
+    try:
+        launch = Launch.from_args(args)
+        n_local = launch.local_device_count((2, 4), args.local_devices)
+    except ValueError as e:
+        parser.error(str(e))
+    apply_xla_flags(cpu_simulation_flags(n_local))   # before JAX starts its backend
+    launch.initialize()                               # before any JAX computation
+    mesh = build_mesh((2, 4))
+
+Under SLURM / Open MPI JAX gives each process the one GPU of its local rank;
+``local_device_ids`` overrides it (e.g. all GPUs of a node for one process per node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+
+__all__ = ["Launch", "add_launch_arguments", "build_mesh", "cluster_tasks",
+           "parse_local_device_ids"]
+
+_SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+          "SLURM_LOCALID")
+_OPEN_MPI = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")
+_MODES = ("auto", "on", "off")
+
+
+def cluster_tasks(environ: Mapping[str, str] | None = None) -> int | None:
+    """How many tasks a SLURM (``srun``) or Open MPI (``mpirun``) launcher started, from
+    the variables JAX's own cluster detection reads; None outside such a launch.
+
+    Args:
+      environ: the environment to read (default ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    if all(k in env for k in _SLURM):
+        return int(env["SLURM_NTASKS"])
+    if all(k in env for k in _OPEN_MPI):
+        return int(env["OMPI_COMM_WORLD_SIZE"])
+    return None
+
+
+def parse_local_device_ids(text: str) -> tuple[int, ...]:
+    """``"0,1,2,3"`` -> ``(0, 1, 2, 3)``; ValueError naming the text otherwise."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--local-device-ids {text!r}: expected integers separated by "
+                         "commas, e.g. 0,1,2,3") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process takes part in a run (build it with :meth:`plan`).
+
+    Attributes:
+      multiprocess: whether to call ``jax.distributed.initialize``.
+      processes: the expected number of processes (1 for a single-process run).
+      coordinator, num_processes, process_id, local_device_ids: the arguments for
+        ``jax.distributed.initialize``; None ones are left to JAX's cluster detection.
+    """
+
+    multiprocess: bool
+    processes: int
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def plan(cls, *, coordinator: str | None = None, num_processes: int | None = None,
+             process_id: int | None = None,
+             local_device_ids: str | Sequence[int] | None = None,
+             distributed: str = "auto", environ: Mapping[str, str] | None = None) -> Launch:
+        """Checks the combination of launch settings and decides on multi-process.
+
+        Args:
+          coordinator: ``HOST:PORT`` of process 0's coordinator service.
+          num_processes: number of processes (> 0).
+          process_id: this process's index, ``0 .. num_processes - 1``.
+          local_device_ids: GPU ids this process uses, as ints or ``"0,1"``.
+          distributed: ``"auto"`` (multi-process when the three above are given or a
+            SLURM / Open MPI launch has several tasks), ``"on"`` or ``"off"``.
+          environ: the environment to detect a cluster launch in (default
+            ``os.environ``).
+        Raises:
+          ValueError: a contradictory or incomplete combination, naming the flags.
+        """
+        if distributed not in _MODES:
+            raise ValueError(f"--distributed {distributed!r}: expected one of {_MODES}")
+        explicit = [v is not None for v in (coordinator, num_processes, process_id)]
+        tasks = cluster_tasks(environ)
+        if distributed == "off" and any(explicit):
+            raise ValueError("--distributed off contradicts --coordinator / --num-processes"
+                             " / --process-id")
+        if any(explicit) and not all(explicit) and tasks is None:
+            raise ValueError("--coordinator HOST:PORT, --num-processes N and --process-id I "
+                             "go together (only a SLURM / Open MPI launch can supply the "
+                             "missing ones)")
+        if isinstance(local_device_ids, str):
+            local_device_ids = parse_local_device_ids(local_device_ids)
+        elif local_device_ids is not None:
+            local_device_ids = tuple(int(v) for v in local_device_ids)
+        if num_processes is not None and num_processes <= 0:
+            raise ValueError("--num-processes must be positive")
+        if process_id is not None and not (
+                0 <= process_id < (num_processes or tasks or process_id + 1)):
+            raise ValueError(f"--process-id {process_id} must be in 0 .. --num-processes - 1")
+        multiprocess = distributed == "on" or (
+            distributed == "auto" and (any(explicit) or (tasks or 1) > 1))
+        return cls(multiprocess=multiprocess,
+                   processes=(num_processes or tasks or 1) if multiprocess else 1,
+                   coordinator=coordinator, num_processes=num_processes,
+                   process_id=process_id, local_device_ids=local_device_ids)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace,
+                  environ: Mapping[str, str] | None = None) -> Launch:
+        """:meth:`plan` from the flags :func:`add_launch_arguments` defines."""
+        return cls.plan(coordinator=args.coordinator, num_processes=args.num_processes,
+                        process_id=args.process_id, local_device_ids=args.local_device_ids,
+                        distributed=args.distributed, environ=environ)
+
+    def local_device_count(self, mesh_shape: Sequence[int],
+                           local_devices: int | None = None) -> int:
+        """Simulated CPU devices for this process: ``local_devices`` if given, else the
+        mesh's devices divided evenly over the processes (no effect on GPUs).
+
+        Raises:
+          ValueError: ``local_devices`` is not positive, or the mesh does not divide over
+            the processes (the message asks for ``--local-devices``).
+        """
+        n_dev = 1
+        for size in mesh_shape:
+            n_dev *= size
+        if local_devices is not None:
+            if local_devices <= 0:
+                raise ValueError("--local-devices must be positive")
+            return local_devices
+        if n_dev % self.processes:
+            mesh = ",".join(str(s) for s in mesh_shape)
+            raise ValueError(f"--mesh {mesh} ({n_dev} devices) does not divide over "
+                             f"{self.processes} processes; set --local-devices")
+        return n_dev // self.processes
+
+    def initialize(self) -> None:
+        """``jax.distributed.initialize`` for a multi-process run (nothing otherwise);
+        call it before any JAX computation.
+
+        Cross-process collectives on the CPU platform go through gloo (set first); on
+        GPUs NCCL is used and that setting has no effect. Arguments that are None are
+        left to JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, ...).
+        """
+        if not self.multiprocess:
+            return
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=self.coordinator, num_processes=self.num_processes,
+            process_id=self.process_id,
+            local_device_ids=list(self.local_device_ids) if self.local_device_ids else None)
+
+
+def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")
+               ) -> jax.sharding.Mesh:
+    """The mesh of ``shape`` over the first ``prod(shape)`` devices of a single process, or
+    over all devices of all processes (in process order, so an inner axis stays within a
+    process when its size divides the process's device count).
+
+    Raises:
+      ValueError: too few devices, or, with several processes, a mesh that does not use
+        every process's devices (each process must hold part of the mesh).
+    """
+    n_dev = 1
+    for size in shape:
+        n_dev *= size
+    devices = jax.devices()
+    mesh = ",".join(str(s) for s in shape)
+    if jax.process_count() > 1 and len(devices) != n_dev:
+        raise ValueError(f"--mesh {mesh} needs {n_dev} devices; the {jax.process_count()} "
+                         f"processes have {len(devices)} ({jax.local_device_count()} each, "
+                         f"{devices[0].platform}). Use a mesh of all of them (or "
+                         "--local-devices on CPU).")
+    if len(devices) < n_dev:
+        raise ValueError(f"--mesh {mesh} needs {n_dev} devices, found {len(devices)} "
+                         f"({devices[0].platform})")
+    return jax.make_mesh(tuple(shape), tuple(axis_names), devices=devices[:n_dev])
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the multi-process flags (an argument group) that :meth:`Launch.from_args`
+    reads: ``--coordinator``, ``--num-processes``, ``--process-id``,
+    ``--local-device-ids``, ``--distributed`` and ``--local-devices``."""
+    g = parser.add_argument_group("multi-process (jax.distributed)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordinator service")
+    g.add_argument("--num-processes", type=int, default=None, help="number of processes")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="this process's index, 0 .. N-1")
+    g.add_argument("--local-device-ids", default=None, metavar="IDS",
+                   help="comma-separated GPU ids this process uses (jax.distributed's "
+                        "local_device_ids). Under SLURM / Open MPI JAX's default is one GPU "
+                        "per process, the one of its local rank; with one process per node "
+                        "pass all of them, e.g. 0,1,2,3,4,5,6,7")
+    g.add_argument("--distributed", choices=_MODES, default="auto",
+                   help="auto: initialise jax.distributed when the three flags above are "
+                        "given or a SLURM/Open MPI launcher started several tasks; on: "
+                        "always (JAX's cluster auto-detection fills in what the flags do not "
+                        "give); off: single process")
+    g.add_argument("--local-devices", "--cpu-devices", dest="local_devices", type=int,
+                   default=None,
+                   help="simulated CPU devices per process (default: the mesh's devices "
+                        "divided by the number of processes); no effect on GPUs")

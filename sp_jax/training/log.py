@@ -1,0 +1,133 @@
+"""Training metrics: a JSON-lines log that survives resumption, and the loss plot.
+
+:class:`MetricsLog` writes one JSON object per line and flushes after each, so an
+interrupted run leaves every record it made. Resumed from step ``k``, it keeps the earlier
+records up to step ``k`` (later ones belonged to the interrupted run's steps that the
+resumed run redoes) and appends. Without a path it only keeps the records in memory
+(e.g. on processes other than 0 of a multi-process run)::
+
+    with MetricsLog("runs/gpt.jsonl", resume_from=start) as log:
+        log.write({"step": 1, "loss": 5.5})
+    plot_losses("runs/loss.png", log.records, title="...")
+
+:func:`plot_losses` needs matplotlib (``pip install sp_jax[examples]``), imported on call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MetricsLog", "plot_losses"]
+
+
+class MetricsLog:
+    """A JSON-lines metrics file; also a context manager that closes it.
+
+    Args:
+      path: the file (its directory is created); None keeps records in memory only.
+      resume_from: the step a resumed run starts after; records of an existing file with
+        ``step <= resume_from`` are kept, the rest dropped. 0 starts a new file.
+
+    Attributes:
+      records: every record of the run so far, the kept ones included (dicts).
+    """
+
+    def __init__(self, path: str | os.PathLike | None, *, resume_from: int = 0):
+        if isinstance(resume_from, bool) or not isinstance(resume_from, int) or resume_from < 0:
+            raise ValueError(f"MetricsLog: resume_from={resume_from!r} must be an int >= 0 "
+                             "(the step a resumed run starts after; 0 for a new run).")
+        self.path = None if path is None else os.fspath(path)
+        self.records: list[dict[str, Any]] = []
+        self._file = None
+        if self.path is None:
+            return
+        if resume_from > 0 and os.path.exists(self.path):
+            with open(self.path) as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"MetricsLog: line {n} of {self.path} is not JSON "
+                                         f"({e}); resume with another log file.") from e
+                    if record.get("step", 0) <= resume_from:
+                        self.records.append(record)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._file = open(self.path, "w")  # noqa: SIM115 - closed by close() / __exit__
+        for record in self.records:
+            self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Appends ``record`` (JSON-serialisable) to :attr:`records` and the file, flushed."""
+        if self._file is not None and self._file.closed:
+            raise ValueError(f"MetricsLog: {self.path} is closed.")
+        record = dict(record)
+        line = json.dumps(record)  # fails before anything is kept if not serialisable
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Closes the file (idempotent); :attr:`records` stay readable."""
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plot_losses(path: str | os.PathLike, records: Sequence[Mapping[str, Any]],
+                title: str = "", *, ylabel: str = "loss", smooth: int = 20) -> None:
+    """Writes the loss curve of ``records`` to the image ``path`` (PNG by its suffix).
+
+    Records with ``loss`` are drawn faintly with their ``smooth``-step running mean on
+    top; records with ``eval_loss`` as points joined by a line. ``step`` is the x axis,
+    ``ylabel`` labels the y axis.
+
+    Raises:
+      ImportError: matplotlib is not installed (``pip install sp_jax[examples]``).
+    """
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("plot_losses needs matplotlib: pip install sp_jax[examples] "
+                          "(or pip install matplotlib)") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    try:
+        if train:
+            steps, losses = (np.asarray(v) for v in zip(*train, strict=True))
+            ax.plot(steps, losses, lw=0.8, alpha=0.35, color="C0")
+            k = max(1, min(smooth, len(losses)))
+            mean = np.convolve(losses, np.ones(k) / k, mode="valid")
+            ax.plot(steps[k - 1:], mean, lw=1.5, color="C0",
+                    label=f"train loss ({k}-step mean)" if k > 1 else "train loss")
+        if evals:
+            ax.plot(*zip(*evals, strict=True), "o-", ms=4, color="C1",
+                    label="held-out loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        if train or evals:
+            ax.legend()
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)

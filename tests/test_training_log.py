@@ -1,0 +1,85 @@
+"""sp_jax.training.log: the JSON-lines metrics log (flushed per record, resumable) and the
+loss plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from sp_jax.training import MetricsLog, plot_losses
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_records_are_written_and_flushed(tmp_path):
+    path = tmp_path / "runs" / "log.jsonl"  # the directory is created
+    with MetricsLog(path) as log:
+        log.write({"step": 0, "eval_loss": 5.5})
+        log.write({"step": 1, "loss": 5.0})
+        # Readable before the file is closed (an interrupted run keeps every record).
+        assert _lines(path) == [{"step": 0, "eval_loss": 5.5}, {"step": 1, "loss": 5.0}]
+    assert log.records == _lines(path)
+    with pytest.raises(ValueError, match="is closed"):
+        log.write({"step": 2, "loss": 4.0})
+    assert len(log.records) == 2
+
+
+def test_resume_keeps_records_up_to_the_step_and_appends(tmp_path):
+    path = tmp_path / "log.jsonl"
+    with MetricsLog(path) as log:
+        for step in range(1, 6):
+            log.write({"step": step, "loss": float(step)})
+        log.write({"step": 5, "eval_loss": 1.0})
+    # Resumed from the step-3 checkpoint: steps 4-5 of the interrupted run are redone.
+    with MetricsLog(path, resume_from=3) as log:
+        assert [r["step"] for r in log.records] == [1, 2, 3]
+        log.write({"step": 4, "loss": 40.0})
+    assert _lines(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
+                            {"step": 3, "loss": 3.0}, {"step": 4, "loss": 40.0}]
+    # A new run (resume_from=0) starts the file afresh.
+    with MetricsLog(path) as log:
+        log.write({"step": 1, "loss": 9.0})
+    assert _lines(path) == [{"step": 1, "loss": 9.0}]
+
+
+def test_resume_without_a_file_starts_one(tmp_path):
+    with MetricsLog(tmp_path / "new.jsonl", resume_from=7) as log:
+        log.write({"step": 8, "loss": 1.0})
+    assert _lines(tmp_path / "new.jsonl") == [{"step": 8, "loss": 1.0}]
+
+
+def test_in_memory_without_a_path(tmp_path):
+    with MetricsLog(None) as log:
+        log.write({"step": 1, "loss": 2.0})
+    assert log.records == [{"step": 1, "loss": 2.0}]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="resume_from=-1 must be an int >= 0"):
+        MetricsLog(tmp_path / "x.jsonl", resume_from=-1)
+    with MetricsLog(tmp_path / "x.jsonl") as log, pytest.raises(TypeError):
+        log.write({"step": 1, "loss": object()})
+    assert log.records == [] and (tmp_path / "x.jsonl").read_text() == ""
+    (tmp_path / "bad.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"line 2 of .*bad.jsonl is not JSON"):
+        MetricsLog(tmp_path / "bad.jsonl", resume_from=1)
+
+
+def test_plot_writes_a_png(tmp_path):
+    records = [{"step": i, "loss": 5.0 - 0.1 * i} for i in range(1, 31)]
+    records += [{"step": 0, "eval_loss": 5.2}, {"step": 30, "eval_loss": 2.3}]
+    path = tmp_path / "plots" / "loss.png"
+    plot_losses(path, records, title="test", ylabel="nats")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(ImportError, match=r"pip install sp_jax\[examples\]"):
+        plot_losses(tmp_path / "loss.png", [{"step": 1, "loss": 1.0}])
+    assert not (tmp_path / "loss.png").exists()
