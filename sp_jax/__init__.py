@@ -2,12 +2,23 @@
 
 Subpackages and modules, bottom to top: ``config`` (:class:`ParallelConfig`), ``layout``
 (the logical-axis table and PartitionSpecs), ``ops`` (per-device collectives with their
-VJPs), ``layers`` (NNX modules on global arrays), ``models`` (GPT), ``training`` (the
-jitted step), ``checkpoint`` (orbax across meshes); beside them ``analysis``
-(measurement) and ``xla_flags`` (XLA GPU overlap flags).
+VJPs), ``layers`` (NNX modules on global arrays), ``models`` (GPT), ``data`` (a byte
+corpus and batches assembled across processes), ``training`` (the jitted step, schedule,
+multi-process launch, metrics log), ``checkpoint`` (orbax across meshes); beside them
+``analysis`` (measurement) and ``xla_flags`` (XLA GPU overlap flags).
 """
 
-from sp_jax import analysis, checkpoint, layers, layout, models, ops, training, xla_flags
+from sp_jax import (
+    analysis,
+    checkpoint,
+    data,
+    layers,
+    layout,
+    models,
+    ops,
+    training,
+    xla_flags,
+)
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
@@ -32,6 +43,7 @@ __all__ = [
     "Layout",
     "analysis",
     "checkpoint",
+    "data",
     "layers",
     "layout",
     "models",
