@@ -39,7 +39,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sp_jax  # noqa: E402
 
@@ -107,7 +106,8 @@ def main() -> None:
     nnx.update(reference, state)
     teacher = MLPBlock(args.hidden, parallel=None, rngs=nnx.Rngs(args.seed + 1))
 
-    sp_sharding = jax.sharding.NamedSharding(mesh, P("data", "tensor", None))
+    # [batch, seq, hidden] sharded as in a sequence-parallel region: P("data", "tensor", None)
+    sp_sharding = jax.sharding.NamedSharding(mesh, sp_jax.Layout.of(parallel).sp)
     with jax.set_mesh(mesh):
         sp_losses = train(model, batches(np.random.default_rng(args.seed), teacher,
                                          args.steps, shape), args.lr, sp_sharding)

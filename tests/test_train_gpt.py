@@ -1,5 +1,5 @@
 """End-to-end runs of examples/train_gpt.py as a subprocess (tiny model, 8 simulated CPU
-devices configured by the example itself), plus its command-line checks in-process.
+devices configured by the example itself), plus how it reports bad flags and data.
 
 The runs share one module fixture. First, concurrently: an uninterrupted 6-step run that
 checkpoints every 3 steps; a run of 3 steps that checkpoints and stops; two runs whose loss
@@ -10,7 +10,6 @@ and a fresh run refused because the checkpoint directory is not empty.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -186,68 +185,33 @@ def test_fresh_run_refuses_nonempty_checkpoint_dir(runs):
     assert "step 1" not in run.stdout  # nothing trained
 
 
-# -- command line (in-process: the flag checks run before JAX is configured) -------------
-
-
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("train_gpt_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+# -- command line: the library's rules (tests/test_launch.py, tests/test_data.py) reach the
+# user as a usage error or an "error: ..." exit ------------------------------------------
 
 _CLUSTER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
                  "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    for var in _CLUSTER_VARS:
-        monkeypatch.delenv(var, raising=False)
-    return monkeypatch
+def _run_quick(*argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
-def test_single_process_by_default(example, no_cluster):
-    args = example._parse([])
-    assert not args.multiprocess and args.processes == 1
+def test_bad_process_flags_are_usage_errors():
+    run = _run_quick("--coordinator", "h:1")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "usage:" in run.stderr
+    assert "--coordinator HOST:PORT, --num-processes N and --process-id I go together" \
+        in run.stderr
+    run = _run_quick("--coordinator", "h:1", "--num-processes", "3", "--process-id", "0")
+    assert run.returncode == 2 and "does not divide over 3 processes" in run.stderr
 
 
-def test_explicit_processes(example, no_cluster):
-    args = example._parse(["--coordinator", "10.0.0.1:1234", "--num-processes", "2",
-                           "--process-id", "1"])
-    assert args.multiprocess and args.processes == 2
-    assert args.local_devices is None  # 8 / 2 = 4 simulated CPU devices each
-    args = example._parse(["--local-devices", "2", "--mesh", "1,4", "--coordinator", "h:1",
-                           "--num-processes", "2", "--process-id", "0",
-                           "--local-device-ids", "0,1"])
-    assert args.local_devices == 2 and args.local_device_ids == [0, 1]
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--coordinator", "h:1"], "go together"),
-    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
-     "--process-id 2 must be in 0 .. --num-processes - 1"),
-    (["--coordinator", "h:1", "--num-processes", "3", "--process-id", "0"],
-     "does not divide over 3 processes"),
-    (["--distributed", "off", "--coordinator", "h:1", "--num-processes", "2",
-      "--process-id", "0"], "contradicts"),
-    (["--local-device-ids", "0;1"], "expected integers"),
-])
-def test_bad_process_flags(example, no_cluster, capsys, argv, message):
-    with pytest.raises(SystemExit):
-        example._parse(argv)
-    assert message in capsys.readouterr().err
-
-
-def test_slurm_launch_is_detected(example, no_cluster):
-    """srun with 4 tasks: jax.distributed.initialize() auto-detects the rest."""
-    for var, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]",
-                       "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}.items():
-        no_cluster.setenv(var, value)
-    args = example._parse([])
-    assert args.multiprocess and args.processes == 4
-    assert not example._parse(["--distributed", "off"]).multiprocess
-    no_cluster.setenv("SLURM_NTASKS", "1")  # one task: a plain single-process run
-    assert not example._parse([]).multiprocess
-    assert example._parse(["--distributed", "on"]).multiprocess
+def test_bad_data_is_an_error_exit(tmp_path):
+    missing = str(tmp_path / "none" / "*.txt")
+    run = _run_quick("--data", missing, "--steps", "1", "--no-progress")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert f"error: no files match {missing}" in run.stderr
