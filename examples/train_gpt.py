@@ -34,48 +34,43 @@ from sp_jax.training import Launch, MetricsLog, TrainStep, build_mesh, device_by
 from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:  # no "(default: None)"
+        absent = action.default is None or action.default is False
+        return (action.help or "") if absent else super()._get_help_string(action)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_Help)
     add = p.add_argument_group("run").add_argument
     add("--steps", type=int, default=600, help="total optimizer steps")
     add("--mesh", default="2,4", help="DATA,TENSOR mesh shape")
     add("--seed", type=int, default=0, help="seeds the initialisation, dropout and data order")
-    add("--debug-nans", action="store_true",
-        help="jax_debug_nans: JAX names the operation that made a NaN (best effort; the "
-             "stop on a non-finite loss applies either way)")
+    add("--debug-nans", action="store_true", help="jax_debug_nans: name the op making a NaN")
     sp_jax.training.add_launch_arguments(p)
     add = p.add_argument_group("model").add_argument
     add("--layers", type=int, default=2, help="transformer blocks")
     add("--hidden", type=int, default=128, help="model width")
     add("--heads", type=int, default=4, help="attention heads (a multiple of TENSOR)")
     add("--seq-len", type=int, default=128, help="bytes per sequence (a multiple of TENSOR)")
-    add("--precision", choices=("fp32", "bf16"), default="fp32",
-        help="compute dtype (parameters and optimizer state stay fp32)")
-    add("--recompute-allgather", action="store_true",
-        help="SP column layers re-gather their input in backward")
+    add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    add("--recompute-allgather", action="store_true", help="re-gather SP inputs in backward")
     add = p.add_argument_group("optimization").add_argument
     add("--batch-size", type=int, default=16, help="global batch (sequences) per step")
     add("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches")
     add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    add("--warmup-steps", type=int, default=20,
-        help="linear warmup steps, then cosine decay to lr/10 at --steps")
+    add("--warmup-steps", type=int, default=20, help="linear warmup, then cosine to lr/10")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     add = p.add_argument_group("data and evaluation").add_argument
     add("--data", nargs="+", default=None, metavar="GLOB",
         help="text files: paths or quoted globs (recursive **); default: the stdlib's *.py")
-    add("--max-data-bytes", type=int, default=8 << 20,
-        help="read files in sorted order up to this many bytes")
-    add("--eval-every", type=int, default=100,
-        help="evaluate before training, every K steps and after the last; 0: only the last")
-    add("--eval-batches", type=int, default=4,
-        help="held-out batches (of batch-size/micro-batches sequences) per eval")
+    add("--max-data-bytes", type=int, default=8 << 20, help="read up to this many bytes")
+    add("--eval-every", type=int, default=100, help="evaluate at 0, every K steps and the end")
+    add("--eval-batches", type=int, default=4, help="held-out micro-batches per eval")
     add = p.add_argument_group("output").add_argument
     add("--ckpt-dir", default=None, help="checkpoint directory (shared by all processes)")
-    add("--save-every", type=int, default=0,
-        help="checkpoint every K steps (and after the last); 0: never")
-    add("--resume", action="store_true",
-        help="continue from the latest checkpoint in --ckpt-dir, onto the current --mesh")
+    add("--save-every", type=int, default=0, help="checkpoint every K steps and at the end")
+    add("--resume", action="store_true", help="continue from the latest in --ckpt-dir")
     add("--log-json", default=None, help="JSON lines: one record per step, plus evals")
     add("--plot", default=None, help="write the loss curve to this PNG")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -163,7 +158,9 @@ def resume(args: argparse.Namespace, manager: CheckpointManager | None, step: Tr
     return restored.step
 
 
-def train(args, step, corpus, sharding, held_out, log, bar, manager, meta, start) -> tuple:
+def train(args: argparse.Namespace, step: TrainStep, corpus: ByteCorpus, sharding, held_out,
+          log: MetricsLog, bar: tqdm, manager: CheckpointManager | None, meta: dict,
+          start: int) -> tuple:
     """Steps ``start + 1 .. --steps``; returns (first loss, last loss, last held-out loss)."""
     key0, tokens = jax.random.key(args.seed), args.batch_size * args.seq_len
     param_b, opt_b, temp = device_bytes(step.params), device_bytes(step.opt_state), None
@@ -244,8 +241,8 @@ def main(args: argparse.Namespace) -> int:
     args.launch.initialize()
     jax.config.update("jax_debug_nans", args.debug_nans)
     parallel, cfg, tx = configure(args)
-    layout, is_main, meta = sp_jax.Layout.of(parallel), jax.process_index() == 0, run_meta(
-        args, cfg)
+    layout, meta = sp_jax.Layout.of(parallel), run_meta(args, cfg)
+    is_main = jax.process_index() == 0
     try:
         mesh = build_mesh((args.data_size, args.tensor_size))
         corpus = ByteCorpus.from_files(args.data, seq_len=args.seq_len,
@@ -261,8 +258,8 @@ def main(args: argparse.Namespace) -> int:
             step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(args.seed)), tx)
             n_params = sum(x.size for x in jax.tree.leaves(step.params))
             describe(args, mesh, corpus, n_params)
-            manager = stack.enter_context(CheckpointManager(args.ckpt_dir, max_to_keep=3)
-                                          ) if args.ckpt_dir else None
+            manager = (stack.enter_context(CheckpointManager(args.ckpt_dir, max_to_keep=3))
+                       if args.ckpt_dir else None)
             start = resume(args, manager, step, meta)
             if start >= args.steps:
                 say(f"nothing to do: checkpoint step {start} >= --steps {args.steps}")
