@@ -25,6 +25,7 @@ import importlib.util
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -249,15 +250,13 @@ def compile_for_gpu(
         if not live_buffers:
             compiled = lowered.compile(compiler_options=options)
         elif options.get("xla_dump_to"):
-            dump = str(options["xla_dump_to"])
-            before = set(glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB)))
+            started = time.time()
             compiled = lowered.compile(compiler_options=options)
-            peak_live = _read_peak(set(glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB)))
-                                   - before)
+            peak_live = _read_peak(str(options["xla_dump_to"]), since=started)
         else:
             with tempfile.TemporaryDirectory(prefix="sp_jax_live_range_") as dump:
                 compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
-                peak_live = _read_peak(set(glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB))))
+                peak_live = _read_peak(dump)
     mem = compiled.memory_analysis()
     arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
     temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
@@ -269,8 +268,9 @@ def compile_for_gpu(
     )
 
 
-def _read_peak(paths: set[str]) -> PeakBreakdown | None:
-    """The breakdown of the last live-range dump (by name) among ``paths``, if any."""
-    if not paths:
-        return None
-    return peak_breakdown(Path(sorted(paths)[-1]).read_text())
+def _read_peak(dump: str, since: float | None = None) -> PeakBreakdown | None:
+    """The breakdown of the last live-range dump (by name) in ``dump``, among the files
+    written at or after ``since`` (a ``time.time()``; all files if ``None``)."""
+    paths = sorted(p for p in glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB))
+                   if since is None or os.path.getmtime(p) >= since - 0.05)  # coarse fs clock
+    return peak_breakdown(Path(paths[-1]).read_text()) if paths else None
