@@ -8,6 +8,7 @@ import warnings
 
 import jax
 import pytest
+from conftest import requires_cuda_plugin
 
 import sp_jax
 from sp_jax import xla_flags
@@ -207,3 +208,55 @@ def test_train_step_warns_on_gpu_and_layers_do_not(clean_warning_state, monkeypa
             layer(jax.numpy.ones((2, 8, 16)))
         with pytest.warns(UserWarning, match="apply_xla_flags"):
             TrainStep(layer, optax.sgd(0.1))
+
+
+@requires_cuda_plugin
+def test_flags_reach_xla_gpu_in_a_deviceless_compile():
+    """XLA:GPU (the CUDA plugin's own XLA) accepts the flags from XLA_FLAGS and uses them.
+
+    A scan over 4 layers is double-buffered (trip count 2) with the flags; turning them
+    off for one compilation through compiler_options gives the plain loop back.
+    """
+    code = """
+        import re
+        from importlib import resources
+        import jax, jax.numpy as jnp
+        from jax.experimental import topologies
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from sp_jax import xla_flags
+
+        target = resources.files("sp_jax.analysis").joinpath("targets", "h100_sxm.txtpb")
+        topo = topologies.get_topology_desc(
+            platform="cuda", topology="1x1x2", target_config=target.read_text())
+        mesh = Mesh(topo.devices, ("tensor",))
+
+        def body(x, w):
+            x = jax.lax.all_gather(x, "tensor", axis=0, tiled=True) @ w
+            return jax.lax.psum_scatter(x, "tensor", scatter_dimension=0, tiled=True), None
+
+        def f(x, ws):
+            step = jax.shard_map(lambda x, w: body(x, w)[0], mesh=mesh,
+                                 in_specs=(P("tensor"), P()), out_specs=P("tensor"))
+            return jax.lax.scan(lambda x, w: (step(x, w), None), x, ws)[0]
+
+        spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                     sharding=NamedSharding(mesh, p))
+        lowered = jax.jit(f).lower(spec((64, 64), P("tensor")), spec((4, 64, 64), P()))
+        off = {k: False for k in xla_flags.recommended_compiler_options()}
+        for hlo in (lowered.compile().as_text(), lowered.compile(off).as_text()):
+            print(sorted(re.findall(r'"known_trip_count":{"n":"(\\d+)"', hlo)))
+    """
+    proc = _run(code, " ".join(xla_flags.recommended_xla_flags()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_flags, without = proc.stdout.strip().splitlines()[-2:]
+    assert with_flags == "['2']", proc.stdout
+    assert without == "['4']", proc.stdout
+
+
+def test_cpu_simulation_flags():
+    assert xla_flags.cpu_simulation_flags(4) == [
+        "--xla_force_host_platform_device_count=4",
+        "--xla_disable_hlo_passes=cse_barrier_expander",
+    ]
+    with pytest.raises(ValueError, match="num_devices=0 must be a positive int"):
+        xla_flags.cpu_simulation_flags(0)
