@@ -3,8 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# Simulated devices for CPU runs; XLA:CPU needs cse_barrier_expander disabled to keep the
-# backward re-all-gather of recompute_allgather (XLA:GPU keeps it on its own).
+# CPU runs: the scripts simulate their devices themselves (sp_jax.xla_flags.cpu_simulation_flags)
 CPU_ENV := JAX_PLATFORMS=cpu
 
 .PHONY: demo test lint bench clean
