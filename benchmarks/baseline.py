@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -40,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 from sp_jax import Layout
 from sp_jax.layers import causal_attention, layer_norm
 
-__all__ = ["GspmdAttention", "GspmdBlock", "GspmdMLP", "constrain", "copy_weights",
-           "param_specs"]
+__all__ = ["GspmdAttention", "GspmdBlock", "GspmdGPT", "GspmdMLP", "constrain",
+           "copy_weights", "param_specs"]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
 
@@ -163,6 +164,75 @@ class GspmdBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.mlp(self.attention(x))
+
+
+class _Embedding(nnx.Module):
+    """The token table ``embedding`` ``[V, hidden]``, split over the vocabulary."""
+
+    def __init__(self, vocab: int, hidden: int, layout: Layout, param_dtype: Any,
+                 rngs: nnx.Rngs):
+        mesh = jax.sharding.get_abstract_mesh()
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, hidden), param_dtype),
+                                   out_sharding=tuple(layout.vocab_table),
+                                   eager_sharding=mesh is not None and not mesh.empty)
+
+
+class GspmdGPT(nnx.Module):
+    """The sp_jax GPT (:class:`sp_jax.models.GPT`: learned positions, pre-LN blocks, final
+    LayerNorm, tied LM head, mean next-token cross-entropy) written the MaxText way:
+    :class:`GspmdBlock` s, ``jnp.take`` on the vocabulary-sharded table, ``h @ table.T``
+    with the logits pinned vocabulary-parallel (``layout.logits``), and optax's
+    cross-entropy; GSPMD inserts every collective. The parameter tree has the sp_jax
+    GPT's names and global shapes (tied head, learned positions), so :func:`copy_weights`
+    moves weights either way. ``loss`` has the signature :func:`sp_jax.training.lm_loss`
+    calls, so :class:`sp_jax.training.TrainStep` trains it unchanged.
+
+    Args:
+      config: a :class:`sp_jax.models.GPTConfig` with ``positions="learned"``,
+        ``norm="layernorm"``, ``tie_embeddings=True`` and no dropout.
+      layout: the :class:`sp_jax.Layout` of every annotation.
+      rngs: ``params`` stream.
+    """
+
+    def __init__(self, config: Any, *, layout: Layout = Layout(), rngs: nnx.Rngs):
+        cfg = config
+        if (cfg.positions, cfg.norm, cfg.tie_embeddings, cfg.dropout) != (
+                "learned", "layernorm", True, 0.0):
+            raise ValueError("GspmdGPT mirrors the default GPT only: learned positions, "
+                             "layernorm, tied embeddings, no dropout.")
+        self.config, self.layout = cfg, layout
+        self.embed = _Embedding(cfg.vocab_size, cfg.hidden, layout, cfg.param_dtype, rngs)
+        self.position = nnx.Param(nnx.initializers.normal(0.02)(
+            rngs.params(), (cfg.max_seq_len, cfg.hidden), cfg.param_dtype))
+        self.blocks = nnx.List([
+            GspmdBlock(cfg.hidden, cfg.num_heads, cfg.mlp_hidden, layout=layout,
+                       norm_epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
+                       param_dtype=cfg.param_dtype, rngs=rngs)
+            for _ in range(cfg.num_layers)])
+        self.final_norm = _LayerNorm(cfg.hidden, epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
+                                     param_dtype=cfg.param_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """``tokens [b, s]`` -> logits ``[b, s, V]`` (vocabulary-parallel)."""
+        cfg, lay = self.config, self.layout
+        table = self.embed.embedding[...].astype(cfg.dtype)
+        x = jnp.take(table, tokens, axis=0)
+        x = constrain(x + self.position[: tokens.shape[1]].astype(cfg.dtype)[None], lay.sp)
+        for block in self.blocks:
+            x = block(x)
+        h = constrain(self.final_norm(x), lay.sp)
+        return constrain(jnp.einsum("bsh,vh->bsv", h, table), lay.logits)
+
+    def loss(self, tokens: jax.Array, labels: jax.Array, *, ignore_index: int = -100,
+             rngs: Any = None) -> jax.Array:
+        """Mean next-token cross-entropy (fp32) over the labels that are not
+        ``ignore_index``; ``rngs`` is accepted and unused (no dropout)."""
+        logits = self(tokens).astype(jnp.float32)
+        valid = labels != ignore_index
+        per_token = optax.softmax_cross_entropy_with_integer_labels(
+            logits, jnp.where(valid, labels, 0))
+        return jnp.sum(jnp.where(valid, per_token, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
 def param_specs(module: nnx.Module) -> Any:

@@ -81,7 +81,8 @@ def role(c: Collective) -> str:
     f = c.functions
     block_fns = ("Block.", "CausalSelfAttention.", "MLP.", "_ParallelLinear.", "Gspmd",
                  "Linear.", "ColumnSequenceParallelLinear.", "RowSequenceParallelLinear.",
-                 "column_sequence_parallel_matmul", "_csp_matmul", "reduce_scatter_sequence")
+                 "column_sequence_parallel_matmul", "_csp_", "reduce_scatter_sequence",
+                 "row_sequence_parallel_matmul", "_rsp_", "column_parallel_matmul", "_cp_")
     if any("VocabParallelEmbedding" in x for x in f):
         where = "embedding"
     elif any("lm_head" in x for x in f):
@@ -92,8 +93,9 @@ def role(c: Collective) -> str:
         where = "block"
     else:
         where = f[0]
-    column = any(x.startswith(("column_sequence_parallel_matmul", "_csp_matmul")) for x in f)
-    row = any(x.startswith("reduce_scatter_sequence") for x in f)
+    column = any(x.startswith(("column_sequence_parallel_matmul", "_csp_")) for x in f)
+    row = any(x.startswith(("reduce_scatter_sequence", "row_sequence_parallel_matmul", "_rsp_"))
+              for x in f)
     what = ""
     if c.phase == "forward":
         if c.kind == "all-gather" and column:

@@ -433,6 +433,92 @@ def _time_section(res) -> str:
     return "\n".join(out) + "\n"
 
 
+def _stacks_section(res) -> str:
+    from benchmarks.stacks import LABELS as STACK_LABELS
+    from benchmarks.stacks import STACK_VARIANTS
+
+    st = res.get("stacks", {})
+    if "error" in st or not st:
+        return f"## Multi-layer stacks on 8 x H100\n\nNot measured: {st.get('error')}\n"
+    sh = st["shape"]
+    out = [
+        "## Multi-layer stacks on 8 x H100",
+        "",
+        f"Forward+backward of `layers` blocks in a row (gradients w.r.t. the parameters "
+        f"and the input), h={sh['h']}, a={sh['a']}, b={sh['b']}, data={sh['d']} x "
+        f"tensor={sh['t']}, bf16 compute, compiled for H100 without a GPU with the "
+        "recommended XLA flags. Per-device MiB from `memory_analysis()`: **peak** = temp + "
+        "arguments + outputs - aliased, and **temp** (arguments and outputs, the "
+        "parameters and their gradients, are the same for every variant). A single block "
+        "hides what stays alive across layers; these stacks show it.",
+        "",
+    ]
+    rows = []
+    for row in st["stacks"]:
+        rows.append([row["stack"]["name"]] + [
+            f"{row[v]['peak_bytes'] / MiB:.1f} / {row[v]['temp_bytes'] / MiB:.1f}"
+            for v in STACK_VARIANTS])
+    out.append(_table(["stack (peak / temp MiB)"] + [STACK_LABELS[v] for v in STACK_VARIANTS],
+                      rows))
+    out += ["",
+            "What changed in sp_jax to get here (each found in XLA's buffer live ranges, "
+            "`compile_for_gpu(..., live_buffers=True)`): the row layers' backward gathers dy "
+            "once and computes dx and dW from it together (`row_sequence_parallel_matmul`), "
+            "so no gathered dy waits for a weight-gradient GEMM at the end of the backward "
+            "pass; kernels are cast to the compute dtype again in the backward pass behind "
+            "a barrier, so XLA no longer keeps a bf16 copy of every fp32 weight from forward "
+            "to backward; bias and norm-parameter gradients are released with dx, so no "
+            "layer's incoming gradient waits for them. The GSPMD baseline uses the same norm "
+            "function and so benefits from the last change too.",
+            ""]
+    long8 = st["stacks"][1]
+    ring = long8.get("sp_recompute_cm", {}).get("rings")
+    if ring:
+        rows = [[scope, f"{r['transfers']} / {r['expected_transfers']}", r["permutes"],
+                 r["async"], r["async_with_gemm"]] for scope, r in ring["scopes"].items()]
+        out += [f"Collective matmul in the {long8['stack']['name']} schedule (recompute): "
+                "every ring's transfers, against `t - 1` per ring and layer (XLA may "
+                "combine two transfers of one step into one permute):", "",
+                _table(["ring (HLO scope)", "arrays moved / expected", "permutes",
+                        "async", "async with a GEMM inside"], rows), "",
+                "All-gathers and reduce-scatters of activations left: "
+                f"{ring['all_gathers_and_reduce_scatters'] or 'none'}.", ""]
+    return "\n".join(out) + "\n"
+
+
+def _gpt_time_section(res) -> str:
+    runs = res.get("gpt_step_time", [])
+    if not runs:
+        return ""
+    mesh = runs[0]["mesh"]
+    out = [
+        "## CPU: the whole GPT training step",
+        "",
+        f"`sp_jax.training.TrainStep` (forward, backward, clipping, AdamW) of the sp_jax GPT "
+        f"and of the GSPMD baseline GPT (`benchmarks.baseline.GspmdGPT`, the same model "
+        f"written with annotations) from the same weights on the same batches, "
+        f"data={mesh['data']} x tensor={mesh['tensor']} simulated CPU devices; "
+        f"{runs[0]['rounds']} interleaved rounds of {runs[0]['inner']} steps. Ratio: median "
+        "over rounds of the step time / the GSPMD step time of the same round.",
+        "",
+    ]
+    rows = []
+    for r in runs:
+        m = r["model"]
+        q = r["ratio_quartiles"]["sp_jax"]
+        rows.append([
+            f"{m['name']} ({m['layers']} layers, h={m['hidden']}, s={m['seq']}, batch "
+            f"{m['batch']})", m["dtype"], f"{r['median_s']['gspmd'] * 1e3:.1f}",
+            f"{r['median_s']['sp_jax'] * 1e3:.1f}", f"{r['ratio_to_reference']['sp_jax']:.2f}",
+            f"{q[0]:.2f} - {q[1]:.2f}", f"{r['ratio_to_reference']['sp_jax_cm']:.2f}"])
+    out.append(_table(["model", "compute", "GSPMD ms", "sp_jax ms", "sp_jax / GSPMD",
+                       "25th - 75th percentile", "with collective matmul / GSPMD"], rows))
+    out += ["", "Collective matmul trades one collective for `t - 1` permutes and `t` "
+            "smaller GEMMs; on a CPU, where nothing overlaps, that is pure overhead, and "
+            "the option is meant for GPUs (see the H100 schedule above).", ""]
+    return "\n".join(out)
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     head = [
@@ -459,7 +545,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         "",
     ]
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),
-            _gpu_section(res), _time_section(res)]
+            _gpu_section(res), _stacks_section(res), _time_section(res),
+            _gpt_time_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)

@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.collectives import MEGATRON, cpu_block_collectives
+from benchmarks.gpt_timing import Model
 from benchmarks.memory import activation_memory
+from benchmarks.stacks import STACK_VARIANTS, Stack
 from benchmarks.targets import evaluate_targets
 from benchmarks.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
 from sp_jax.analysis import activation_bytes_formula
@@ -42,6 +44,10 @@ class Config:
     rounds: int
     inner: int
     warmup: int
+    stack_shape: Shape  # multi-layer H100 compiles (b, h, a, t; s per stack)
+    stacks: tuple[Stack, ...]  # the first two: same s, fewer and more layers; then others
+    gpt_models: tuple[Model, ...]  # CPU training step time, sp_jax vs the GSPMD GPT
+    gpt_rounds: int
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
 
 
@@ -56,6 +62,14 @@ FULL = Config(
     rounds=15,
     inner=3,
     warmup=2,
+    stack_shape=Shape(h=4096, a=32, s=2048, b=1, t=8),
+    stacks=(Stack(4, 2048), Stack(8, 2048), Stack(8, 2048, "bfloat16"), Stack(4, 8192)),
+    gpt_models=tuple(
+        Model(name, dtype=dtype, **shape)
+        for name, shape in (("demo", dict(layers=2, hidden=128, heads=4, seq=128)),
+                            ("4 layers, h=256", dict(layers=4, hidden=256, heads=8, seq=256)))
+        for dtype in ("float32", "bfloat16")),
+    gpt_rounds=21,
 )
 
 QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
@@ -69,6 +83,10 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     rounds=2,
     inner=1,
     warmup=1,
+    stack_shape=Shape(h=128, a=8, s=128, b=1, t=8),
+    stacks=(Stack(1, 128), Stack(2, 128)),
+    gpt_models=(Model("tiny", layers=1, hidden=32, heads=4, seq=32, batch=8),),
+    gpt_rounds=2,
     timing_fp32=False,
 )
 
@@ -127,6 +145,33 @@ def _gpu(cfg: Config) -> dict[str, Any]:
     return {"block": block, "gpt": gpt}
 
 
+def _stacks(cfg: Config) -> dict[str, Any]:
+    from benchmarks.stacks import compile_stack  # needs the CUDA plugin
+
+    sh = cfg.stack_shape
+    out: dict[str, Any] = {"shape": sh.as_dict(), "stacks": []}
+    for stack in cfg.stacks:
+        row = {"stack": stack.as_dict()}
+        for v in STACK_VARIANTS:
+            row[v] = compile_stack(v, stack, sh.replace(s=stack.s))
+        out["stacks"].append(row)
+        _log(f"  {stack.name}: " + ", ".join(
+            f"{v} {row[v]['peak_bytes'] / 2**20:.1f} MiB" for v in STACK_VARIANTS))
+    return out
+
+
+def _gpt_times(cfg: Config) -> list[dict[str, Any]]:
+    from benchmarks.gpt_timing import gpt_step_times
+
+    out = []
+    for model in cfg.gpt_models:
+        out.append(gpt_step_times(model, rounds=cfg.gpt_rounds, inner=cfg.inner,
+                                  warmup=cfg.warmup))
+        _log(f"  {model.name} {model.dtype}: " + ", ".join(
+            f"{v} {r:.2f}x" for v, r in out[-1]["ratio_to_reference"].items()))
+    return out
+
+
 def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     """Runs every measurement; returns the results (see ``BENCHMARKS.md`` for the meaning
     of each number)."""
@@ -147,7 +192,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
-            if name != "gpu":
+            if name not in ("gpu", "stacks"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -157,12 +202,14 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("memory", lambda: _memory(cfg))
     section("collectives_cpu", lambda: _collectives_cpu(cfg))
     section("gpu", lambda: _gpu(cfg))
+    section("stacks", lambda: _stacks(cfg))
     section("step_time", lambda: step_times(cfg.timing, rounds=cfg.rounds, inner=cfg.inner,
                                             warmup=cfg.warmup))
     if cfg.timing_fp32:
         section("step_time_fp32", lambda: step_times(
             cfg.timing.replace(dtype=jnp.float32), rounds=cfg.rounds, inner=cfg.inner,
             warmup=cfg.warmup))
+    section("gpt_step_time", lambda: _gpt_times(cfg))
     results["megatron"] = MEGATRON
     results["meta"] = {
         "quick": quick,
@@ -175,10 +222,12 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "section_seconds": seconds,
         "runtime_s": time.perf_counter() - start,
-        "config": {k: (v.as_dict() if isinstance(v, Shape) else v)
-                   for k, v in dataclasses.asdict(cfg).items()
-                   if not isinstance(v, dict)} | {
-            k: getattr(cfg, k).as_dict() for k in ("realistic", "cpu_collectives", "timing")},
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                   if not isinstance(v, dict | tuple | list) or k.endswith("_values")} | {
+            k: getattr(cfg, k).as_dict()
+            for k in ("realistic", "cpu_collectives", "timing", "stack_shape")} | {
+            "stacks": [s.as_dict() for s in cfg.stacks],
+            "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }
     results["targets"] = evaluate_targets(results)
     return results

@@ -186,7 +186,102 @@ def _time_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _stack_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    st = res.get("stacks", {})
+    rows = st.get("stacks", [])
+    deep = rows[1]["stack"]["layers"] if len(rows) > 1 else 8
+    shallow = rows[0]["stack"]["layers"] if rows else 4
+    ids = [("stack_peak", f"H100, {deep} layers: sp_jax recompute peak <= GSPMD's"),
+           ("stack_temp", f"H100, {deep} layers: sp_jax recompute temp <= 0.85x GSPMD's"),
+           ("stack_growth", f"H100: temp growth per layer ({shallow} -> {deep} layers) <= "
+                            "GSPMD's"),
+           ("stack_long", "H100, the longest sequence: recompute peak <= 0.95x GSPMD's"),
+           ("stack_save", f"H100, {deep} layers: save mode above recompute by at most the "
+                          "gathered inputs"),
+           ("cm_rings", "collective matmul: t-1 transfers per ring and layer, forward and "
+                        "backward, every one async with a GEMM inside; no all-gather or "
+                        "reduce-scatter of activations left"),
+           ("cm_memory", "collective matmul: peak within +4 MiB per layer of the plain path "
+                         f"({deep} layers, recompute)")]
+    if "error" in st or not st:
+        why = f"not measured: {st.get('error', 'no stack section')}"
+        return [_target(tid, text, None, why) for tid, text in ids]
+    short, long8 = rows[0], rows[1]
+    long_s = max(rows, key=lambda r: r["stack"]["s"])
+    out = []
+    g, r = long8["gspmd"], long8["sp_recompute"]
+    name = long8["stack"]["name"]
+    out.append(_target(ids[0][0], ids[0][1], r["peak_bytes"] <= g["peak_bytes"],
+                       f"{name}: {_mib(r['peak_bytes'])} vs {_mib(g['peak_bytes'])} "
+                       f"({r['peak_bytes'] / g['peak_bytes']:.3f}x)"))
+    out.append(_target(ids[1][0], ids[1][1], r["temp_bytes"] <= 0.85 * g["temp_bytes"],
+                       f"{name}: temp {_mib(r['temp_bytes'])} vs {_mib(g['temp_bytes'])} "
+                       f"({r['temp_bytes'] / g['temp_bytes']:.3f}x)"))
+    layers = long8["stack"]["layers"] - short["stack"]["layers"]
+
+    def growth(v):
+        return (long8[v]["temp_bytes"] - short[v]["temp_bytes"]) / layers
+
+    out.append(_target(ids[2][0], ids[2][1], growth("sp_recompute") <= growth("gspmd"),
+                       f"recompute {_mib(growth('sp_recompute'))} per layer, save "
+                       f"{_mib(growth('sp_save'))}, GSPMD {_mib(growth('gspmd'))}"))
+    g, r = long_s["gspmd"], long_s["sp_recompute"]
+    if long_s["stack"]["s"] > long8["stack"]["s"]:
+        out.append(_target(ids[3][0], ids[3][1], r["peak_bytes"] <= 0.95 * g["peak_bytes"],
+                           f"{long_s['stack']['name']}: {_mib(r['peak_bytes'])} vs "
+                           f"{_mib(g['peak_bytes'])} "
+                           f"({r['peak_bytes'] / g['peak_bytes']:.3f}x)"))
+    else:
+        out.append(_target(ids[3][0], ids[3][1], None, "not measured: no longer sequence "
+                           "in this run's stacks"))
+    sh = st["shape"]
+    itemsize = np.dtype(sh["dtype"]).itemsize
+    b, s_, h, t = sh["b"] // sh["d"], long8["stack"]["s"], sh["h"], sh["t"]
+    gathered = long8["stack"]["layers"] * 2 * (s_ * b * h - s_ * b * h // t) * itemsize
+    diff = long8["sp_save"]["peak_bytes"] - long8["sp_recompute"]["peak_bytes"]
+    out.append(_target(ids[4][0], ids[4][1], 0 <= diff <= gathered,
+                       f"{name}: save - recompute = {_mib(diff)}, gathered inputs "
+                       f"{_mib(gathered)}"))
+    ring = long8["sp_recompute_cm"]["rings"]
+    bad = [f"{scope}: {r['transfers']}/{r['expected_transfers']} transfers, "
+           f"{r['async_with_gemm']}/{r['permutes']} async with a GEMM"
+           for scope, r in ring["scopes"].items()
+           if r["transfers"] != r["expected_transfers"] or r["async_with_gemm"] != r["permutes"]]
+    left = ring["all_gathers_and_reduce_scatters"]
+    total = sum(r["permutes"] for r in ring["scopes"].values())
+    out.append(_target(ids[5][0], ids[5][1], not bad and not left,
+                       f"{name}, recompute: {total} permutes, " + (
+                           "; ".join(bad) if bad else "all async with a GEMM inside, "
+                           "t-1 transfers per ring") + (f"; left: {left}" if left else
+                                                        "; no all-gather/reduce-scatter")))
+    extra = long8["sp_recompute_cm"]["peak_bytes"] - long8["sp_recompute"]["peak_bytes"]
+    per_layer = extra / long8["stack"]["layers"]
+    save_extra = (long8["sp_save_cm"]["peak_bytes"] - long8["sp_save"]["peak_bytes"]) \
+        / long8["stack"]["layers"]
+    out.append(_target(ids[6][0], ids[6][1], per_layer <= 4 * MiB,
+                       f"{name}: {per_layer / MiB:+.1f} MiB per layer with recompute "
+                       f"({save_extra / MiB:+.1f} in save mode)"))
+    return out
+
+
+def _gpt_time_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for run in res.get("gpt_step_time", []):
+        m = run["model"]
+        r = run["ratio_to_reference"]["sp_jax"]
+        q = run["ratio_quartiles"]["sp_jax"]
+        med = run["median_s"]
+        out.append(_target(
+            f"cpu_gpt_{m['name'].replace(' ', '_').replace(',', '')}_{m['dtype']}",
+            f"CPU: GPT training step ({m['name']}, {m['dtype']}) <= 1.0x the GSPMD GPT",
+            r <= 1.0,
+            f"{r:.2f}x (quartiles {q[0]:.2f}-{q[1]:.2f}; {med['sp_jax'] * 1e3:.1f} vs "
+            f"{med['gspmd'] * 1e3:.1f} ms, median of {run['rounds']} interleaved rounds; "
+            f"with collective matmul {run['ratio_to_reference']['sp_jax_cm']:.2f}x)"))
+    return out
+
+
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The target table: one dict per target with ``met`` True / False / None."""
     return (_memory_targets(res["memory"]) + _collective_targets(res) + _gpu_targets(res)
-            + _time_targets(res))
+            + _stack_targets(res) + _time_targets(res) + _gpt_time_targets(res))

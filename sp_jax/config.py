@@ -57,12 +57,20 @@ class ParallelConfig:
         weight gradient is computed from the bf16 operands straight into fp32 (the analog
         of Paddle's ``mp_fused_linear_param_grad_add`` / Megatron's
         ``gradient_accumulation_fusion``), with no intermediate bf16 rounding.
+      collective_matmul: sequence-parallel column and row layers (and the GPT's LM head)
+        decompose their all-gather / reduce-scatter into a bidirectional ring of ``t - 1``
+        collective-permutes, each overlapped with the GEMM of one sequence chunk, in the
+        forward and the backward pass (Megatron's ``tp_comm_overlap``; Wang et al.
+        2023). Same results as the plain path up to the summation order; no-op when the
+        tensor axis has size 1. Needs XLA's latency-hiding scheduler on GPU
+        (:mod:`sp_jax.xla_flags`).
     """
 
     tensor_axis: str = "tensor"
     data_axis: str | tuple[str, ...] | None = "data"
     recompute_allgather: bool = False
     wgrad_dtype: Any = None
+    collective_matmul: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -101,6 +109,12 @@ class ParallelConfig:
                 "True or False."
             )
         object.__setattr__(self, "recompute_allgather", bool(self.recompute_allgather))
+        if not isinstance(self.collective_matmul, (bool, np.bool_)):
+            raise TypeError(
+                f"ParallelConfig.collective_matmul={self.collective_matmul!r} must be True "
+                "or False."
+            )
+        object.__setattr__(self, "collective_matmul", bool(self.collective_matmul))
         object.__setattr__(
             self, "wgrad_dtype", _canonical_dtype("wgrad_dtype", self.wgrad_dtype)
         )

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.ring import ring_gather, ring_reduce_scatter
+
 try:  # public from the jax release that exports it; the primitive has existed since 0.6
     _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
 except AttributeError:  # pragma: no cover - depends on the installed jax
@@ -54,7 +56,9 @@ __all__ = [
     "reduce_from_tensor_region",
     "matmul",
     "add_bias",
+    "column_parallel_matmul",
     "column_sequence_parallel_matmul",
+    "row_sequence_parallel_matmul",
 ]
 
 AxisName = Hashable
@@ -279,9 +283,25 @@ def _dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())))
 
 
+def _bwd_cast(kernel: jax.Array, g: jax.Array) -> jax.Array:
+    """``kernel`` in the dtype of the cotangent ``g``, cast anew in the backward pass.
+
+    The cast follows an optimization barrier that ties the kernel to ``g``: otherwise
+    XLA's CSE merges it with the forward pass's cast and keeps a low-precision copy of
+    every weight alive from forward to backward (48 MiB per layer at h=4096, t=8, fp32
+    parameters with bf16 compute).
+    """
+    if kernel.dtype == g.dtype:
+        return kernel
+    kernel, _ = lax.optimization_barrier((kernel, g))
+    return kernel.astype(g.dtype)
+
+
 def _dot_t(g: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``g [..., out] @ kernel.T`` -> ``[..., in]`` in the dtype of ``g``."""
-    return lax.dot_general(g, kernel.astype(g.dtype), (((g.ndim - 1,), (1,)), ((), ())))
+    """``g [..., out] @ kernel.T`` -> ``[..., in]`` in the dtype of ``g`` (backward only;
+    the kernel is cast by :func:`_bwd_cast`)."""
+    kernel = _bwd_cast(kernel, g)
+    return lax.dot_general(g, kernel, (((g.ndim - 1,), (1,)), ((), ())))
 
 
 def _check_linear_shapes(name: str, x: jax.Array, kernel: jax.Array, bias=None) -> None:
@@ -309,7 +329,8 @@ def _matmul_fwd(x, kernel, wgrad_dtype):
 
 def _matmul_bwd(wgrad_dtype, res, g):
     x, kernel = res
-    return _dot_t(g, kernel), _wgrad(x, g, wgrad_dtype, kernel.dtype)
+    dx = lax.dot_general(g, kernel.astype(g.dtype), (((g.ndim - 1,), (1,)), ((), ())))
+    return dx, _wgrad(x, g, wgrad_dtype, kernel.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -356,6 +377,302 @@ def add_bias(y: jax.Array, bias: jax.Array | None, *, wgrad_dtype=None) -> jax.A
 
 
 # --------------------------------------------------------------------------------------
+# Column-parallel matmul: identity into the tensor region + matmul; backward all-reduces
+# dx while the dW GEMM runs
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _cp_matmul(x, kernel, bias, axis_name, wgrad_dtype):
+    return _cp_matmul_fwd(x, kernel, bias, axis_name, wgrad_dtype)[0]
+
+
+def _cp_matmul_fwd(x, kernel, bias, axis_name, wgrad_dtype):
+    y = _dot(_vary(x, (axis_name,)), kernel)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y, (x, kernel, bias)
+
+
+def _cp_matmul_bwd(axis_name, wgrad_dtype, res, g):
+    x, kernel, bias = res
+    dx = _dot_t(g, kernel)
+    # dW and db after dx (Megatron's order: dgrad, then wgrad while dx is all-reduced)
+    x, g_w, _ = lax.optimization_barrier((_vary(x, (axis_name,)), g, dx))
+    with jax.named_scope("tp_dx_all_reduce"):  # names show in HLO and profiles
+        dx = lax.psum(dx, axis_name)
+    dkernel = _wgrad(x, g_w, wgrad_dtype, kernel.dtype)
+    dbias = None if bias is None else _bgrad(g_w, wgrad_dtype, bias.dtype)
+    return dx, dkernel, dbias
+
+
+_cp_matmul.defvjp(_cp_matmul_fwd, _cp_matmul_bwd)
+
+
+def column_parallel_matmul(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis_name: AxisName,
+    wgrad_dtype=None,
+) -> jax.Array:
+    """``x @ kernel + bias`` entering a tensor-parallel region from replicated activations
+    (``copy_to_tensor_region`` and the matmul as one op, Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication``).
+
+    The forward is a local matmul (no collective). The backward all-reduces ``dx = g @
+    kernel.T`` over ``axis_name`` while the weight-gradient GEMM runs, and releases both
+    together.
+
+    Args:
+      x: ``[..., in]`` replicated over ``axis_name``, compute dtype.
+      kernel: local column block ``[in, out / t]``.
+      bias: local ``[out / t]`` or ``None``.
+      axis_name: the tensor mesh axis.
+      wgrad_dtype: accumulation dtype of the weight and bias gradients.
+    Returns:
+      ``[..., out / t]`` in ``x.dtype``, varying over ``axis_name``.
+    """
+    _check_linear_shapes("column_parallel_matmul", x, kernel, bias)
+    if axis_name in _vma(x):
+        raise TypeError(
+            f"column_parallel_matmul expects an input replicated over {axis_name!r}, but it "
+            f"already varies over that axis (type {jax.typeof(x)}); use "
+            "column_sequence_parallel_matmul to enter the region from sharded activations."
+        )
+    vma = _vma(x) | _vma(kernel) | {axis_name}
+    if bias is not None:
+        vma |= _vma(bias)
+    return _cp_matmul(
+        _vary(x, vma - {axis_name}),
+        _vary(kernel, vma),
+        _vary(bias, vma),
+        axis_name,
+        None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Collective matmul: the same two ops as rings of collective-permutes, each transfer
+# overlapped with the GEMM of one sequence chunk (forward and backward)
+# --------------------------------------------------------------------------------------
+
+
+def _chunk(x: jax.Array, position, size: int, dim: int) -> jax.Array:
+    """Chunk ``position`` (traced) of ``x`` along ``dim``, ``size`` long."""
+    return lax.dynamic_slice_in_dim(x, position * size, size, axis=dim)
+
+
+def _put(buf: jax.Array, value: jax.Array, position, dim: int) -> jax.Array:
+    """``buf`` with chunk ``position`` along ``dim`` replaced by ``value``."""
+    return lax.dynamic_update_slice_in_dim(buf, value, position * value.shape[dim], axis=dim)
+
+
+def _buffer(shape, dtype, tie: jax.Array) -> jax.Array:
+    """A zero buffer to assemble chunks in, created after ``tie``: a plain ``jnp.zeros`` is
+    one constant for every layer, which XLA would share and materialise early, keeping a
+    ``[b, s, h]`` buffer alive across layers."""
+    zeros, _ = lax.optimization_barrier((jnp.zeros(shape, dtype), tie))
+    return zeros
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _csp_ring(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
+    return _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype)[0]
+
+
+def _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
+    t, n = lax.axis_size(axis_name), x.shape[seq_dim]
+    kernel_c = kernel.astype(x.dtype)
+    full = list(x.shape)
+    full[seq_dim] = n * t
+    out = list(full)
+    out[-1] = kernel.shape[1]
+
+    def fn(acc, position, x_chunk):
+        y, x_full = acc
+        y = _put(y, _dot(x_chunk, kernel_c), position, seq_dim)
+        if x_full is not None:  # save mode keeps the gathered input for backward
+            x_full = _put(x_full, x_chunk, position, seq_dim)
+        return y, x_full
+
+    with jax.named_scope("sp_cm_column"):
+        init = (_buffer(out, x.dtype, x), None if recompute else _buffer(full, x.dtype, x))
+        y, x_full = ring_gather(x, axis_name, fn, init)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y, (x if recompute else x_full, kernel, bias)
+
+
+def _csp_ring_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
+    x, kernel, bias = res
+    t = lax.axis_size(axis_name)
+    n = dy.shape[seq_dim] // t
+    kernel_c = _bwd_cast(kernel, dy)
+
+    def partial_dx(dy, position):
+        g = _chunk(dy, position, n, seq_dim)
+        return lax.dot_general(g, kernel_c, (((g.ndim - 1,), (1,)), ((), ())))
+
+    with jax.named_scope("sp_cm_column_bwd"):
+        if recompute:
+            # The input's chunks travel the ring again, in lockstep with the dx ring, so
+            # that each transfer runs during a dx GEMM; tied to dy, so that CSE cannot
+            # reuse the forward ring's transfers (which would keep every received chunk
+            # alive from forward to backward).
+            x, _ = lax.optimization_barrier((x, dy))
+            full = list(x.shape)
+            full[seq_dim] *= t
+            dx, x = ring_reduce_scatter(
+                dy, axis_name, partial_dx,
+                gather=(x, lambda buf, position, chunk: _put(buf, chunk, position, seq_dim),
+                        _buffer(full, x.dtype, x)))
+        else:
+            dx = ring_reduce_scatter(dy, axis_name, partial_dx)
+        dkernel = _wgrad(x, dy, wgrad_dtype, kernel.dtype)
+    dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
+    return lax.optimization_barrier((dx, dkernel, dbias))
+
+
+_csp_ring.defvjp(_csp_ring_fwd, _csp_ring_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rsp_ring(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
+    return _rsp_ring_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype)[0]
+
+
+def _rsp_ring_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
+    n = x.shape[seq_dim] // lax.axis_size(axis_name)
+    kernel_c = kernel.astype(x.dtype)
+    with jax.named_scope("sp_cm_row"):
+        y = ring_reduce_scatter(x, axis_name,
+                                lambda x, position: _dot(_chunk(x, position, n, seq_dim),
+                                                         kernel_c))
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y, (x, kernel, bias)
+
+
+def _rsp_ring_bwd(axis_name, seq_dim, wgrad_dtype, res, dy):
+    x, kernel, bias = res
+    kernel_c = _bwd_cast(kernel, dy)
+
+    def fn(carry, position, g):
+        dx, dy_full = carry
+        dx = _put(dx, lax.dot_general(g, kernel_c, (((g.ndim - 1,), (1,)), ((), ()))),
+                  position, seq_dim)
+        return dx, _put(dy_full, g, position, seq_dim)
+
+    with jax.named_scope("sp_cm_row_bwd"):
+        # dy's chunks arrive one by one, each feeding its dx GEMM; they are also kept in
+        # one buffer for the weight gradient, a single GEMM once all have arrived.
+        full = list(dy.shape)
+        full[seq_dim] = x.shape[seq_dim]
+        dx, dy_full = ring_gather(dy, axis_name, fn, (_buffer(x.shape, dy.dtype, dy),
+                                                      _buffer(full, dy.dtype, dy)))
+        dkernel = _wgrad(x, dy_full, wgrad_dtype, kernel.dtype)
+    dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
+    return lax.optimization_barrier((dx.astype(x.dtype), dkernel, dbias))
+
+
+_rsp_ring.defvjp(_rsp_ring_fwd, _rsp_ring_bwd)
+
+
+# --------------------------------------------------------------------------------------
+# Row sequence-parallel matmul: matmul + reduce-scatter; backward gathers dy once and
+# computes dx and dW from it together
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rsp_matmul(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
+    return _rsp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype)[0]
+
+
+def _rsp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
+    y = _reduce_scatter(_dot(x, kernel), axis_name, seq_dim)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y, (x, kernel, bias)
+
+
+def _rsp_matmul_bwd(axis_name, seq_dim, wgrad_dtype, res, dy):
+    x, kernel, bias = res
+    with jax.named_scope("sp_dy_all_gather"):
+        dy_full = _all_gather(dy, axis_name, seq_dim)
+    dx = _dot_t(dy_full, kernel)
+    dkernel = _wgrad(x, dy_full, wgrad_dtype, kernel.dtype)
+    dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
+    # dW (and db) are computed together with dx: the gathered dy [b, s, out] then dies in
+    # this layer's backward instead of waiting for a dW GEMM XLA would otherwise put at the
+    # end of the backward pass (one gathered dy per row layer alive at once).
+    return lax.optimization_barrier((dx, dkernel, dbias))
+
+
+_rsp_matmul.defvjp(_rsp_matmul_fwd, _rsp_matmul_bwd)
+
+
+def row_sequence_parallel_matmul(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis_name: AxisName,
+    seq_dim: int = 1,
+    wgrad_dtype=None,
+    collective_matmul: bool = False,
+) -> jax.Array:
+    """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
+    into a sequence-parallel one, as one op.
+
+    The forward multiplies this device's feature block by its row block of the weight and
+    reduce-scatters the partial sums along the sequence; the bias is added once, after the
+    reduction. The backward all-gathers ``dy`` once and computes ``dx = dy_full @
+    kernel.T`` and ``d kernel = x^T dy_full`` (in ``wgrad_dtype``) from it together, so the
+    gathered ``dy`` lives only during this op's backward.
+
+    Args:
+      x: local ``[b, s, in / t]`` (full sequence, this device's features), compute dtype.
+      kernel: local row block ``[in / t, out]`` (any float dtype; cast to ``x.dtype``).
+      bias: ``[out]`` (replicated over ``axis_name``) or ``None``.
+      axis_name: the tensor mesh axis (size ``t``).
+      seq_dim: the sequence dimension of ``x``; not the last (feature) dimension; its
+        size divisible by ``t``.
+      wgrad_dtype: accumulation dtype of the weight and bias gradients (``None``: the
+        compute dtype, as plain autodiff).
+      collective_matmul: decompose the reduce-scatter into ``t - 1`` collective-permutes
+        of partial sums, each overlapped with the GEMM of the next sequence chunk
+        (:func:`sp_jax.ring.ring_reduce_scatter`); the backward's all-gather of ``dy`` is
+        decomposed likewise, its chunks feeding the dx and dW GEMMs as they arrive. No-op
+        when ``t = 1``.
+    Returns:
+      ``[b, s / t, out]`` in ``x.dtype``: the sum over ``axis_name``, this device's chunk.
+    """
+    _check_linear_shapes("row_sequence_parallel_matmul", x, kernel, bias)
+    seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
+    if seq_dim == x.ndim - 1:
+        raise ValueError(
+            "row_sequence_parallel_matmul: seq_dim must not be the feature (last) "
+            f"dimension of x {x.shape}."
+        )
+    _check_divisible(x, seq_dim, axis_name, "row_sequence_parallel_matmul")
+    vma = _vma(x) | _vma(kernel) | {axis_name}
+    if bias is not None:
+        vma |= _vma(bias)
+    ring = collective_matmul and lax.axis_size(axis_name) > 1
+    return (_rsp_ring if ring else _rsp_matmul)(
+        _vary(x, vma),
+        _vary(kernel, vma),
+        _vary(bias, vma),
+        axis_name,
+        seq_dim,
+        None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
+    )
+
+
+# --------------------------------------------------------------------------------------
 # Column sequence-parallel matmul: all-gather + matmul, saving or recomputing the gather
 # --------------------------------------------------------------------------------------
 
@@ -381,24 +698,27 @@ def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
     if recompute:
         # Tie the shard to the incoming cotangent: the re-gather then cannot be hoisted
         # into the forward pass or merged (CSE) with the forward gather, which would keep
-        # the full input alive and silently undo the memory saving.
-        x, dy = lax.optimization_barrier((x, dy))
+        # the full input alive and silently undo the memory saving. The kernel's cast is
+        # tied by the same barrier (see _bwd_cast), so the re-gather and the dx GEMM
+        # become ready together and the gather runs during the GEMM.
+        x, kernel, dy = lax.optimization_barrier((x, kernel, dy))
         with jax.named_scope("sp_regather"):
             x_full = _all_gather(x, axis_name, seq_dim)
+        kernel_c = kernel.astype(dy.dtype)
     else:
-        x_full = x
+        x_full, kernel_c = x, _bwd_cast(kernel, dy)
     # dx does not depend on the re-gather and the reduce-scatter does not depend on the
     # dW matmul, so XLA may overlap gather || dx-matmul and reduce-scatter || dW-matmul.
-    dx = _dot_t(dy, kernel)
+    dx = lax.dot_general(dy, kernel_c, (((dy.ndim - 1,), (1,)), ((), ())))
     with jax.named_scope("sp_dx_reduce_scatter"):  # names show in HLO and profiles
         dx = _reduce_scatter(dx, axis_name, seq_dim)
     dkernel = _wgrad(x_full, dy, wgrad_dtype, kernel.dtype)
     dbias = None if bias is None else _bgrad(dy, wgrad_dtype, bias.dtype)
-    # Release dx together with dW (Megatron's async dx collective, waited for after the
-    # dW GEMM): the scheduler then runs the reduce-scatter while dW is computed instead
-    # of serialising it on the critical path.
-    dx, dkernel = lax.optimization_barrier((dx, dkernel))
-    return dx, dkernel, dbias
+    # Release dx together with dW and db (Megatron's async dx collective, waited for after
+    # the dW GEMM): the scheduler then runs the reduce-scatter while dW is computed instead
+    # of serialising it on the critical path, and neither the gathered input nor dy waits
+    # for a weight-gradient GEMM or bias sum scheduled at the end of the backward pass.
+    return lax.optimization_barrier((dx, dkernel, dbias))
 
 
 _csp_matmul.defvjp(_csp_matmul_fwd, _csp_matmul_bwd)
@@ -413,6 +733,7 @@ def column_sequence_parallel_matmul(
     seq_dim: int = 1,
     recompute_allgather: bool = False,
     wgrad_dtype=None,
+    collective_matmul: bool = False,
 ) -> jax.Array:
     """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
 
@@ -433,6 +754,11 @@ def column_sequence_parallel_matmul(
         ``--xla_disable_hlo_passes=cse_barrier_expander``).
       wgrad_dtype: accumulation dtype of the weight and bias gradients (``None``: the
         compute dtype, as plain autodiff).
+      collective_matmul: decompose the all-gather into ``t - 1`` collective-permutes, each
+        overlapped with the GEMM of the chunk that arrived before
+        (:func:`sp_jax.ring.ring_gather`); the backward's reduce-scatter of ``dx`` and,
+        with ``recompute_allgather``, its re-gather of ``x`` are decomposed likewise. No-op
+        when ``t = 1``.
     Returns:
       ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
@@ -446,7 +772,8 @@ def column_sequence_parallel_matmul(
     vma = _vma(x) | _vma(kernel) | {axis_name}
     if bias is not None:
         vma |= _vma(bias)
-    return _csp_matmul(
+    ring = collective_matmul and lax.axis_size(axis_name) > 1
+    return (_csp_ring if ring else _csp_matmul)(
         _vary(x, vma),
         _vary(kernel, vma),
         _vary(bias, vma),

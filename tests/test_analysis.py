@@ -202,6 +202,17 @@ def test_parse_collectives_of_a_compiled_layer():
 
 
 LIVE_RANGE_TEXT = """\
+HloLiveRange (max 9):
+  InstructionSequence:
+    0:p
+  BufferLiveRange:
+    p{}:0-9
+    ag{}:1-3
+    ag{1}:1-6
+    dot.1{}:4-9
+    t{}:2-5
+  Live ranges at 5 (peak):
+    p{}: 262144 bytes (cumulative: 262144 bytes)
   Peak usage: whatever XLA prints before the breakdown
   Stack trace breakdown for peak usage: 5 242 880 bytes
     main.0_spmd (100.0%, total: 5 242 880 bytes, current: 0 bytes, remaining: 5 242 880 bytes)
@@ -210,15 +221,33 @@ LIVE_RANGE_TEXT = """\
       │   └── jit(f)/transpose(jvp())/inner (5.0%, total: 262 144 bytes, current: 1 bytes)
       └── w (10.0%, total: 2 621 440 bytes, current: 524 288 bytes, remaining: 262 144 bytes)
 """
+LIVE_RANGE_HLO = """\
+  %p = bf16[64,1024]{1,0} parameter(0), metadata={op_name="x"}
+  %ag = (bf16[8,1024]{1,0}, bf16[64,1024]{1,0}) all-gather-start(%p), metadata={op_name=\
+"jit(f)/transpose(jvp())/all_gather"}
+  %t = (f32[4]{0}, f32[4]{0}) tuple(%a, %b)
+  %dot.1 = f32[1024,1024]{1,0} dot(%p, %p), metadata={op_name="jit(f)/jvp()/dot_general"}
+"""
 
 
-def test_peak_breakdown_reads_the_top_level_entries_largest_first():
+def test_peak_breakdown_reads_the_top_level_entries_and_live_ranges():
     peak = peak_breakdown(LIVE_RANGE_TEXT)
     assert peak == PeakBreakdown(peak_bytes=5_242_880, entries=[
-        ("w", 2_621_440), ("jit(f)/transpose(jvp())/dot_general", 2_359_296), ("x", 262_144)])
+        ("w", 2_621_440), ("jit(f)/transpose(jvp())/dot_general", 2_359_296), ("x", 262_144)],
+        peak_position=5)
     assert peak.as_dict() == {"peak_bytes": 5_242_880, "entries": [
-        ["w", 2_621_440], ["jit(f)/transpose(jvp())/dot_general", 2_359_296], ["x", 262_144]]}
+        ["w", 2_621_440], ["jit(f)/transpose(jvp())/dot_general", 2_359_296],
+        ["x", 262_144]], "peak_position": 5}
     assert peak_breakdown("no peak section here") is None
+    buffers = {b.name: b for b in peak_breakdown(LIVE_RANGE_TEXT, LIVE_RANGE_HLO).buffers}
+    # a tuple as a whole (ag{}, t{}) holds no memory of its own
+    assert set(buffers) == {"p{}", "ag{1}", "dot.1{}"}
+    gathered = buffers["ag{1}"]
+    assert (gathered.shape, gathered.bytes, gathered.start, gathered.end) == (
+        "bf16[64,1024]", 64 * 1024 * 2, 1, 6)
+    assert gathered.backward and not buffers["dot.1{}"].backward
+    live = peak_breakdown(LIVE_RANGE_TEXT, LIVE_RANGE_HLO).live_at(5)
+    assert sorted(b.name for b in live) == ["ag{1}", "dot.1{}", "p{}"]
 
 
 # --------------------------------------------------------------------------------------
@@ -360,3 +389,49 @@ def test_compile_for_gpu_reports_what_is_live_at_the_peak(tmp_path):
                            compiler_options={"xla_dump_to": str(tmp_path)}, **kw)
     assert kept.peak_live == peak
     assert list(tmp_path.glob("*after_optimizations-live-range.txt"))
+
+
+def _stack_grad_report(layers, recompute, *, h=256, s=512, t=8):
+    cfg = GPTConfig(vocab_size=256, max_seq_len=s, num_layers=1, num_heads=8, hidden=h,
+                    dtype=jnp.bfloat16)
+    parallel = sp_jax.ParallelConfig(recompute_allgather=recompute, data_axis=None,
+                                     wgrad_dtype=jnp.float32)
+    with jax.set_mesh(gpu_mesh((t,), ("tensor",))):
+        blocks = nnx.eval_shape(lambda: nnx.List(
+            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
+        graphdef, params = nnx.split(blocks)
+    x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P(None, "tensor", None))
+
+    def grad(params, x):
+        def loss(p, x):
+            for block in nnx.merge(graphdef, p):
+                x = block(x)
+            return jnp.sum(x.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    return compile_for_gpu(grad, params, x, mesh_shape=(t,), axis_names=("tensor",),
+                           live_buffers=True)
+
+
+@requires_cuda_plugin
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
+def test_h100_no_gathered_activation_outlives_its_layers_backward(recompute):
+    """In XLA's buffer live ranges of a compiled multi-layer step, every gathered
+    ``[b, s, h]`` buffer of the backward pass (a row layer's dy, a column layer's
+    re-gathered input) dies within one layer's backward, and as many are alive at once
+    with 4 layers as with 2: none waits for a weight-gradient GEMM at the end."""
+    s, h = 512, 256
+    concurrent = {}
+    for layers in (2, 4):
+        live = _stack_grad_report(layers, recompute, h=h, s=s).peak_live
+        backward = [b for b in live.buffers if b.backward]
+        per_layer = (max(b.end for b in backward) - min(b.start for b in backward)) / layers
+        gathered = [b for b in backward if b.shape.startswith("bf16[")
+                    and b.shape.rstrip("]").split("[")[1].split(",")[-2:] == [str(s), str(h)]]
+        assert len(gathered) >= 2 * layers, [b.name for b in gathered]  # 2 dy per layer
+        longest = max(gathered, key=lambda b: b.end - b.start)
+        assert longest.end - longest.start < per_layer, (longest, per_layer)
+        ends = sorted((b.start, b.end) for b in gathered)
+        concurrent[layers] = max(sum(a <= t_ <= b for a, b in ends) for t_, _ in ends)
+    assert concurrent[4] == concurrent[2] <= 3, concurrent

@@ -74,6 +74,10 @@ CASES = {
     "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), dict()),
     "vocab_50": (dict(vocab_size=50), dict()),
     "vocab_50_untied": (dict(vocab_size=50, tie_embeddings=False), dict()),
+    "collective_matmul_recompute": (dict(), dict(collective_matmul=True,
+                                                 recompute_allgather=True)),
+    "collective_matmul_scan_untied_50": (dict(scan_layers=True, tie_embeddings=False,
+                                              vocab_size=50), dict(collective_matmul=True)),
 }
 
 

@@ -242,7 +242,8 @@ def test_flags_reach_xla_gpu_in_a_deviceless_compile():
         spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.float32,
                                                      sharding=NamedSharding(mesh, p))
         lowered = jax.jit(f).lower(spec((64, 64), P("tensor")), spec((4, 64, 64), P()))
-        off = {k: False for k in xla_flags.recommended_compiler_options()}
+        off = {k: v if not isinstance(v, bool) else False
+               for k, v in xla_flags.recommended_compiler_options().items()}
         for hlo in (lowered.compile().as_text(), lowered.compile(off).as_text()):
             print(sorted(re.findall(r'"known_trip_count":{"n":"(\\d+)"', hlo)))
     """

@@ -5,6 +5,7 @@ al. activation-memory formula."""
 from sp_jax.analysis.formula import MODES, activation_bytes_formula
 from sp_jax.analysis.gpu import (
     GpuCompileReport,
+    LiveBuffer,
     PeakBreakdown,
     compile_for_gpu,
     default_compiler_options,
@@ -32,6 +33,7 @@ __all__ = [
     "Collective",
     "CollectiveStats",
     "GpuCompileReport",
+    "LiveBuffer",
     "PeakBreakdown",
     "Residual",
     "SavedBytes",

@@ -39,6 +39,7 @@ from sp_jax.xla_flags import recommended_compiler_options
 
 __all__ = [
     "GpuCompileReport",
+    "LiveBuffer",
     "PeakBreakdown",
     "TARGETS",
     "compile_for_gpu",
@@ -116,6 +117,33 @@ def gpu_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str], *, target: st
 
 
 @dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+    """One buffer of a compiled program and when it is live (XLA's live-range analysis).
+
+    Attributes:
+      name: the HLO value, ``instruction{tuple index}`` (e.g. ``all-gather-start.3{1}``).
+      shape: its HLO shape, e.g. ``bf16[2048,4096]``.
+      bytes: its size per device.
+      start / end: first and last position in the program's instruction sequence at which
+        it is live.
+      op_name: the JAX ``op_name`` of the instruction that produced it (``jvp(...)``:
+        forward, ``transpose(jvp(...))``: backward); empty if XLA made it.
+    """
+
+    name: str
+    shape: str
+    bytes: int
+    start: int
+    end: int
+    op_name: str
+
+    @property
+    def backward(self) -> bool:
+        """Produced by the backward pass."""
+        return "transpose(" in self.op_name
+
+
+@dataclasses.dataclass(frozen=True)
 class PeakBreakdown:
     """What is live at the peak of a compiled program (XLA's buffer live-range analysis).
 
@@ -125,24 +153,75 @@ class PeakBreakdown:
       entries: ``(name, bytes)`` of the top-level groups of those buffers, largest first:
         ``params`` / argument names, or the JAX ``op_name`` of the instruction that
         produced a buffer (``jvp()`` = forward, ``transpose(jvp())`` = backward).
+      peak_position: the position of the peak in the instruction sequence.
+      buffers: every buffer with its live range (:class:`LiveBuffer`), when the HLO
+        text was given to :func:`peak_breakdown`; else empty.
     """
 
     peak_bytes: int
     entries: list[tuple[str, int]]
+    peak_position: int = -1
+    buffers: tuple[LiveBuffer, ...] = ()
+
+    def live_at(self, position: int) -> list[LiveBuffer]:
+        """The buffers live at ``position`` of the instruction sequence."""
+        return [b for b in self.buffers if b.start <= position <= b.end]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "entries": [list(e) for e in self.entries]}
+        return {"peak_bytes": self.peak_bytes, "entries": [list(e) for e in self.entries],
+                "peak_position": self.peak_position}
 
 
 _PEAK = re.compile(r"Stack trace breakdown for peak usage:\s*(?P<total>[\d ]+) bytes")
 _ENTRY = re.compile(r"^(?P<indent>[\s│]*)[├└]── (?P<name>.+?) \([\d.]+%, total: "
                     r"(?P<total>[\d ]+) bytes")
+_PEAK_AT = re.compile(r"Live ranges at (\d+) \(peak\)")
+_RANGE = re.compile(r"^\s+(?P<name>[\w.\-]+)(?P<index>\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$",
+                    re.M)
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>.*?) [\w\-]+\(")
+_SHAPE = re.compile(r"(?:pred|[a-z]+\d+)\[[\d,]*\]")
 
 
-def peak_breakdown(live_range_text: str) -> PeakBreakdown | None:
+def _definitions(hlo: str) -> dict[str, tuple[list[str], str]]:
+    """instruction name -> (the array shapes of its result, flattened; its op_name)."""
+    out = {}
+    for line in hlo.splitlines():
+        m = _DEF.match(line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            out[m.group("name")] = (_SHAPE.findall(m.group("shape")),
+                                    op.group(1) if op else "")
+    return out
+
+
+def _live_buffers(live_range_text: str, hlo: str) -> tuple[LiveBuffer, ...]:
+    from sp_jax.analysis.hlo import array_bytes
+
+    defs = _definitions(hlo)
+    out = []
+    for m in _RANGE.finditer(live_range_text):
+        name, index = m.group("name"), m.group("index").strip("{}")
+        if name not in defs:
+            continue
+        shapes, op_name = defs[name]
+        i = int(index.split(",")[0]) if index else 0
+        if not shapes or (index and i >= len(shapes)) or (not index and len(shapes) != 1):
+            continue  # a tuple as a whole holds no memory of its own
+        shape = shapes[i]
+        dtype, dims = shape.split("[")
+        nbytes = array_bytes(dtype, tuple(int(d) for d in dims.rstrip("]").split(",") if d))
+        out.append(LiveBuffer(name=f"{name}{{{index}}}", shape=shape, bytes=nbytes,
+                              start=int(m.group("start")), end=int(m.group("end")),
+                              op_name=op_name))
+    return tuple(out)
+
+
+def peak_breakdown(live_range_text: str, hlo: str | None = None) -> PeakBreakdown | None:
     """Parses XLA's live-range dump (``*after_optimizations-live-range.txt``, written with
     the ``xla_dump_to`` option) into a :class:`PeakBreakdown`; ``None`` if the text has no
-    peak-usage section. :func:`compile_for_gpu` does this with ``live_buffers=True``."""
+    peak-usage section. With the optimized ``hlo`` text of the same program, the
+    breakdown also lists every buffer's live range (``buffers``).
+    :func:`compile_for_gpu` does this with ``live_buffers=True``."""
     m = _PEAK.search(live_range_text)
     if m is None:
         return None
@@ -158,7 +237,12 @@ def peak_breakdown(live_range_text: str) -> PeakBreakdown | None:
         if depth == top:
             entries.append((e.group("name"), int(e.group("total").replace(" ", ""))))
     entries.sort(key=lambda x: -x[1])
-    return PeakBreakdown(peak_bytes=int(m.group("total").replace(" ", "")), entries=entries)
+    at = _PEAK_AT.search(live_range_text)
+    return PeakBreakdown(
+        peak_bytes=int(m.group("total").replace(" ", "")), entries=entries,
+        peak_position=int(at.group(1)) if at else -1,
+        buffers=_live_buffers(live_range_text, hlo) if hlo is not None else (),
+    )
 
 
 _LIVE_RANGE_GLOB = "*after_optimizations-live-range.txt"
@@ -252,11 +336,12 @@ def compile_for_gpu(
         elif options.get("xla_dump_to"):
             started = time.time()
             compiled = lowered.compile(compiler_options=options)
-            peak_live = _read_peak(str(options["xla_dump_to"]), since=started)
+            peak_live = _read_peak(str(options["xla_dump_to"]), compiled.as_text(),
+                                   since=started)
         else:
             with tempfile.TemporaryDirectory(prefix="sp_jax_live_range_") as dump:
                 compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
-                peak_live = _read_peak(dump)
+                peak_live = _read_peak(dump, compiled.as_text())
     mem = compiled.memory_analysis()
     arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
     temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
@@ -268,9 +353,9 @@ def compile_for_gpu(
     )
 
 
-def _read_peak(dump: str, since: float | None = None) -> PeakBreakdown | None:
+def _read_peak(dump: str, hlo: str, since: float | None = None) -> PeakBreakdown | None:
     """The breakdown of the last live-range dump (by name) in ``dump``, among the files
     written at or after ``since`` (a ``time.time()``; all files if ``None``)."""
     paths = sorted(p for p in glob.glob(os.path.join(dump, _LIVE_RANGE_GLOB))
                    if since is None or os.path.getmtime(p) >= since - 0.05)  # coarse fs clock
-    return peak_breakdown(Path(paths[-1]).read_text()) if paths else None
+    return peak_breakdown(Path(paths[-1]).read_text(), hlo) if paths else None

@@ -57,6 +57,8 @@ class Collective:
       bytes: per-device bytes of the results.
       is_async: XLA scheduled it asynchronously (``is_sync`` false on the start).
       overlapped_ops: instructions doing work between its start and done.
+      overlapped_gemms: how many of those are matrix multiplications (``dot``, a GEMM
+        fusion, or a cuBLAS custom call).
       op_name: JAX's ``op_name`` metadata (empty without it).
       functions: Python functions of the issuing stack, innermost first (empty when the
         HLO has no stack-frame tables).
@@ -70,6 +72,7 @@ class Collective:
     overlapped_ops: int
     op_name: str
     functions: list[str]
+    overlapped_gemms: int = 0
 
     @property
     def operands(self) -> int:
@@ -147,6 +150,17 @@ def _split_concatenated(operands: str, arrays, defs):
     return parts or arrays
 
 
+def _is_gemm(name: str, opcode: str, line: str) -> bool:
+    """Whether an HLO instruction is a matrix multiplication: a ``dot``, a fusion XLA
+    made around one (``gemm_fusion_*`` on GPU, ``*dot*`` fusions on CPU), or a call to
+    cuBLAS."""
+    if opcode in ("dot", "convolution"):
+        return True
+    if opcode == "fusion":
+        return "gemm" in name or "dot" in name
+    return opcode == "custom-call" and "cublas" in line
+
+
 def _hlo_text(compiled: Any) -> str:
     return compiled if isinstance(compiled, str) else compiled.as_text()
 
@@ -189,17 +203,18 @@ def parse_collectives(compiled: Any) -> list[Collective]:
         frame = re.search(r"stack_frame_id=(\d+)", rest)
         functions = _functions(int(frame.group(1)), locations, frames) if frame else []
         is_async = m.group("suffix") == "-start" and '"is_sync":true' not in rest
-        overlapped = 0
+        overlapped = gemms = 0
         if m.group("suffix") == "-start" and m.group("name") in done_at:
             for between in lines[i + 1:done_at[m.group("name")]]:
                 b = _ANY_INSTR.match(between)
                 if b and b.group("op") not in _TRIVIAL and not b.group("op").endswith("-done"):
                     overlapped += 1
+                    gemms += _is_gemm(b.group("name"), b.group("op"), between)
         out.append(Collective(
             kind=kind, phase=phase, arrays=arrays,
             bytes=sum(array_bytes(dtype, dims) for dtype, dims in arrays),
             is_async=is_async, overlapped_ops=overlapped, op_name=op_name,
-            functions=functions))
+            functions=functions, overlapped_gemms=gemms))
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import current_mesh, reshard
@@ -71,7 +72,10 @@ def _norm_bwd(epsilon, center, out_dtype, res, g):
     d_x = d_xhat - x_hat * proj
     if center:
         d_x = d_x - jnp.mean(d_xhat, axis=-1, keepdims=True)
-    return (d_x * rstd).astype(x.dtype), d_scale, d_bias
+    # The parameter gradients are reductions over this device's tokens; released with
+    # d_x, they are computed here instead of at the end of the backward pass, where XLA
+    # would otherwise keep every layer's incoming gradient alive until then.
+    return lax.optimization_barrier(((d_x * rstd).astype(x.dtype), d_scale, d_bias))
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

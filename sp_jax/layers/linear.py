@@ -233,8 +233,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _local(self, x, kernel, bias):
         t, wd = self.config.tensor_axis, self.config.wgrad_dtype
-        y = ops.matmul(ops.copy_to_tensor_region(x, t), kernel, wgrad_dtype=wd)
-        y = ops.add_bias(y, bias, wgrad_dtype=wd)
+        y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd)
         if self.gather_output:
             y = ops.gather_from_sequence(y, t, seq_dim=-1)
         return y
@@ -308,6 +307,7 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
             seq_dim=1,
             recompute_allgather=cfg.recompute_allgather,
             wgrad_dtype=cfg.wgrad_dtype,
+            collective_matmul=cfg.collective_matmul,
         )
 
 
@@ -331,6 +331,7 @@ class RowSequenceParallelLinear(_ParallelLinear):
         return layout.tp, layout.sp
 
     def _local(self, x, kernel, bias):
-        t, wd = self.config.tensor_axis, self.config.wgrad_dtype
-        y = ops.reduce_scatter_sequence(ops.matmul(x, kernel, wgrad_dtype=wd), t, seq_dim=1)
-        return ops.add_bias(y, bias, wgrad_dtype=wd)
+        cfg = self.config
+        return ops.row_sequence_parallel_matmul(
+            x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
+            collective_matmul=cfg.collective_matmul)

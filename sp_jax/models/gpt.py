@@ -252,12 +252,13 @@ class GPT(nnx.Module):
         table = vocab_table.padded_table(mesh)  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
         h = self._hidden_states(tokens, rngs, table if self.head is None else None)
-        recompute, wd = self.parallel.recompute_allgather, self.parallel.wgrad_dtype
+        par = self.parallel
 
         def lm_head(h, table):
             return ops.column_sequence_parallel_matmul(
                 h, table.T, None, axis_name=t, seq_dim=1,
-                recompute_allgather=recompute, wgrad_dtype=wd)
+                recompute_allgather=par.recompute_allgather, wgrad_dtype=par.wgrad_dtype,
+                collective_matmul=par.collective_matmul)
 
         return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
                              out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)
