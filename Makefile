@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU runs: the scripts simulate their devices themselves (sp_jax.xla_flags.cpu_simulation_flags)
 CPU_ENV := JAX_PLATFORMS=cpu
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ demo: $(STAMP)
 # docs/bench_memory_vs_{t,s}.png here. `--quick` for a smoke run.
 bench: $(STAMP)
 	$(CPU_ENV) $(PY) -m benchmarks --out .
+
+# On 1-8 real GPUs (meant to take under 6 min): times the GPT training step of sp_jax, sp_jax
+# with collective matmul, the GSPMD baseline and the unsharded GPT; real vs predicted peak
+# memory, MFU, a profiler trace; writes runs/gpu-check/gpu_check.{md,json}
+# (benchmarks/gpu_check.py). Not CPU_ENV: it needs the GPUs. Without a GPU only `--quick`
+# runs (tiny shapes on simulated CPU devices).
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check --out runs/gpu-check
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
