@@ -611,5 +611,24 @@ def write_outputs(res: dict[str, Any], out: Path) -> list[Path]:
     json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
     plots = plot_memory(res, docs)
     md = out / "BENCHMARKS.md"
-    md.write_text(render_markdown(res))
+    md.write_text(render_markdown(res) + "\n" + _real_gpu_section(docs / GPU_CHECK_NAME))
     return [md, json_path, *plots]
+
+
+GPU_CHECK_NAME = "gpu_check.md"
+
+
+def _real_gpu_section(gpu_check: Path) -> str:
+    """The latest ``make gpu-check`` report, when one was copied to ``docs/``."""
+    head = ("## On a real GPU (`make gpu-check`)\n\n"
+            "`make gpu-check` runs the GPT training step on the GPUs of the machine (1 to 8) "
+            "for sp_jax (plain and collective matmul), the GSPMD baseline GPT and the "
+            "unsharded model: step time, tokens/s, MFU, the allocator's real peak next to "
+            "the compiled program's predicted peak, and a profiler trace "
+            "(`benchmarks/gpu_check.py`). ")
+    if not gpu_check.exists():
+        return head + ("It has not run on a GPU yet: every GPU number above comes from "
+                       "deviceless compiles. After a run, copy "
+                       f"`runs/gpu-check/gpu_check.md` to `docs/{GPU_CHECK_NAME}` and rerun "
+                       "`make bench` to include it here.\n")
+    return head + f"The latest run (`docs/{GPU_CHECK_NAME}`):\n\n" + gpu_check.read_text()

@@ -165,7 +165,7 @@ def _gpt_times(cfg: Config) -> list[dict[str, Any]]:
 
     out = []
     for model in cfg.gpt_models:
-        out.append(gpt_step_times(model, rounds=cfg.gpt_rounds, inner=cfg.inner,
+        out.append(gpt_step_times(model, rounds=cfg.gpt_rounds, inner=1,
                                   warmup=cfg.warmup))
         _log(f"  {model.name} {model.dtype}: " + ", ".join(
             f"{v} {r:.2f}x" for v, r in out[-1]["ratio_to_reference"].items()))
