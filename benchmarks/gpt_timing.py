@@ -15,6 +15,7 @@ same round.
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 import sp_jax
 from benchmarks.baseline import GspmdGPT, copy_weights
 from sp_jax import Layout
+from sp_jax.analysis import parse_collectives
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.training import TrainStep
 
@@ -95,7 +97,7 @@ def gpt_step_times(model: Model, *, rounds: int, inner: int, warmup: int, data: 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.vocab, size=(model.micro, model.batch // model.micro,
                                                 model.seq + 1)).astype(np.int32)
-    runs, losses = {}, {}
+    runs, losses, hlo = {}, {}, {}
     for variant, (mesh, step) in steps.items():
         with jax.set_mesh(mesh):
             place = NamedSharding(mesh, Layout().spec(None, "batch", "length"))
@@ -105,6 +107,7 @@ def gpt_step_times(model: Model, *, rounds: int, inner: int, warmup: int, data: 
             t0 = time.perf_counter()
             losses[variant] = float(step(batch, key)["loss"])  # compiles
             compile_s = time.perf_counter() - t0
+            hlo[variant] = _hlo_counts(step.compile(batch, key).as_text())
             for _ in range(warmup):
                 jax.block_until_ready(step(batch, key)["loss"])
         runs[variant] = (mesh, step, batch, key, compile_s)
@@ -132,7 +135,17 @@ def gpt_step_times(model: Model, *, rounds: int, inner: int, warmup: int, data: 
         "ratio_to_reference": {v: statistics.median(ratios[v]) for v in steps},
         "ratio_quartiles": {v: _quartiles(ratios[v]) for v in steps},
         "compile_s": {v: runs[v][4] for v in steps},
+        "hlo": hlo,
     }
+
+
+def _hlo_counts(text: str) -> dict[str, int]:
+    """Instructions of a compiled step that move data rather than compute: copies
+    (layout changes XLA inserts), transposes, and collectives (arrays moved)."""
+    out = {"copy": len(re.findall(r"= \S+ copy\(", text)),
+           "transpose": len(re.findall(r"= \S+ transpose\(", text)),
+           "collective_arrays": sum(c.operands for c in parse_collectives(text))}
+    return out
 
 
 def _quartiles(xs: list[float]) -> list[float]:

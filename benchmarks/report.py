@@ -453,12 +453,13 @@ def _stacks_section(res) -> str:
         "hides what stays alive across layers; these stacks show it.",
         "",
     ]
+    variants = [v for v in STACK_VARIANTS if v in st["stacks"][0]]
     rows = []
     for row in st["stacks"]:
         rows.append([row["stack"]["name"]] + [
             f"{row[v]['peak_bytes'] / MiB:.1f} / {row[v]['temp_bytes'] / MiB:.1f}"
-            for v in STACK_VARIANTS])
-    out.append(_table(["stack (peak / temp MiB)"] + [STACK_LABELS[v] for v in STACK_VARIANTS],
+            for v in variants])
+    out.append(_table(["stack (peak / temp MiB)"] + [STACK_LABELS[v] for v in variants],
                       rows))
     out += ["",
             "What changed in sp_jax to get here (each found in XLA's buffer live ranges, "
@@ -513,7 +514,18 @@ def _gpt_time_section(res) -> str:
             f"{q[0]:.2f} - {q[1]:.2f}", f"{r['ratio_to_reference']['sp_jax_cm']:.2f}"])
     out.append(_table(["model", "compute", "GSPMD ms", "sp_jax ms", "sp_jax / GSPMD",
                        "25th - 75th percentile", "with collective matmul / GSPMD"], rows))
-    out += ["", "Collective matmul trades one collective for `t - 1` permutes and `t` "
+    rows = [[f"{r['model']['name']} {r['model']['dtype']}"] + [
+        f"{r['hlo'][v]['copy']} / {r['hlo'][v]['collective_arrays']}"
+        for v in ("gspmd", "sp_jax", "sp_jax_cm")] for r in runs if "hlo" in r]
+    out += ["", "Data movement in the compiled steps (copies XLA:CPU inserts to change "
+            "layouts / arrays moved by collectives):", "",
+            _table(["model", "GSPMD", "sp_jax", "sp_jax + collective matmul"], rows), "",
+            "Where sp_jax is slower on the CPU it is with fp32 compute, where the matmuls "
+            "are cheap and data movement weighs more: XLA:CPU copies every array that "
+            "sp_jax's explicit collectives gather or scatter along the sequence (not the "
+            "major dimension of `[batch, seq, hidden]`), while GSPMD picks layouts that "
+            "avoid some of them; with bf16 compute the matmuls dominate and sp_jax is "
+            "faster. Collective matmul trades one collective for `t - 1` permutes and `t` "
             "smaller GEMMs; on a CPU, where nothing overlaps, that is pure overhead, and "
             "the option is meant for GPUs (see the H100 schedule above).", ""]
     return "\n".join(out)

@@ -256,11 +256,13 @@ def _stack_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                                                         "; no all-gather/reduce-scatter")))
     extra = long8["sp_recompute_cm"]["peak_bytes"] - long8["sp_recompute"]["peak_bytes"]
     per_layer = extra / long8["stack"]["layers"]
-    save_extra = (long8["sp_save_cm"]["peak_bytes"] - long8["sp_save"]["peak_bytes"]) \
-        / long8["stack"]["layers"]
+    save = ""
+    if "sp_save_cm" in long8:
+        save_extra = (long8["sp_save_cm"]["peak_bytes"] - long8["sp_save"]["peak_bytes"]) \
+            / long8["stack"]["layers"]
+        save = f" ({save_extra / MiB:+.1f} in save mode)"
     out.append(_target(ids[6][0], ids[6][1], per_layer <= 4 * MiB,
-                       f"{name}: {per_layer / MiB:+.1f} MiB per layer with recompute "
-                       f"({save_extra / MiB:+.1f} in save mode)"))
+                       f"{name}: {per_layer / MiB:+.1f} MiB per layer with recompute{save}"))
     return out
 
 

@@ -93,7 +93,7 @@ def test_gpt_over_two_data_axes_equals_unsharded():
                            devices=jax.devices()[:1])
     with jax.set_mesh(single):
         ref = copy_weights(GPT(cfg, rngs=nnx.Rngs(1)), model)
-        ref_loss, ref_grads = nnx.value_and_grad(loss)(ref, tokens)
+        ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(loss))(ref, tokens)
 
     def pure(g):
         return to_host(nnx.to_pure_dict(nnx.state(g, nnx.Param)))
