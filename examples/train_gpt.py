@@ -44,7 +44,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_Help)
     add = p.add_argument_group("run").add_argument
     add("--steps", type=int, default=600, help="total optimizer steps")
-    add("--mesh", default="2,4", help="DATA,TENSOR mesh shape")
+    add("--mesh", default="2,4", help="DATA,TENSOR or DATA,CONTEXT,TENSOR mesh shape")
+    add("--context-parallel", choices=("ring", "ulysses"), default="ring",
+        help="attention across the CONTEXT axis of a 3-axis --mesh")
     add("--seed", type=int, default=0, help="seeds the initialisation, dropout and data order")
     add("--debug-nans", action="store_true", help="jax_debug_nans: name the op making a NaN")
     sp_jax.training.add_launch_arguments(p)
@@ -76,11 +78,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     try:
-        a.data_size, a.tensor_size = (int(v) for v in a.mesh.split(","))
-    except ValueError:
-        p.error(f"--mesh {a.mesh!r}: expected DATA,TENSOR, e.g. 2,4")
+        a.mesh_shape = sp_jax.training.parse_mesh(a.mesh)
+        a.launch = Launch.from_args(a)
+        a.local_devices = a.launch.local_device_count(a.mesh_shape, a.local_devices)
+    except ValueError as e:
+        p.error(str(e))
+    (a.data_size, c, a.tensor_size), ring = a.mesh_shape, a.context_parallel == "ring"
+    a.context_size, a.mesh_name = c, sp_jax.training.mesh_description(a.mesh_shape)
+    sp, heads = a.tensor_size * c, a.tensor_size * (1 if ring else c)
     for name in ("steps", "layers", "hidden", "heads", "seq_len", "batch_size",
-                 "micro_batches", "data_size", "tensor_size", "eval_batches"):
+                 "micro_batches", "eval_batches"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     micro = a.batch_size // a.micro_batches
@@ -89,21 +96,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                          f"--micro-batches {a.micro_batches}"),
         (micro % a.data_size, f"the micro-batch ({micro} sequences) is not divisible by the "
                               f"data size {a.data_size}"),
-        (a.seq_len % a.tensor_size, f"--seq-len {a.seq_len} is not divisible by the tensor "
-                                    f"size {a.tensor_size} (sequence parallelism splits it)"),
-        (a.heads % a.tensor_size or a.hidden % a.heads, f"--heads {a.heads} must be a multiple"
-         f" of the tensor size {a.tensor_size} and divide --hidden {a.hidden}"),
+        (a.seq_len % sp or ring and c > 1 and a.seq_len % (2 * c), f"--seq-len {a.seq_len} "
+         f"must divide by {sp} (context x tensor) and, for ring attention, by {2 * c}"),
+        (a.heads % heads or a.hidden % a.heads, f"--heads {a.heads} must be a multiple of "
+         f"{heads} (tensor size{', x context' if heads > a.tensor_size else ''}) and divide "
+         f"--hidden {a.hidden}"),
         ((a.save_every or a.resume) and not a.ckpt_dir, "--save-every / --resume need --ckpt-dir"),
         (min(a.warmup_steps, a.save_every, a.eval_every) < 0,
          "--warmup-steps, --save-every and --eval-every must be >= 0")]:
         if bad:
             p.error(message)
-    try:
-        a.launch = Launch.from_args(a)
-        a.local_devices = a.launch.local_device_count((a.data_size, a.tensor_size),
-                                                      a.local_devices)
-    except ValueError as e:
-        p.error(str(e))
     return a
 
 
@@ -154,7 +156,7 @@ def resume(args: argparse.Namespace, manager: CheckpointManager | None, step: Tr
         say(f"warning: resuming with changed settings (saved, now): {changed['run']}")
     step.params, step.opt_state = restored.params, restored.opt_state
     say(f"resume: restored step {restored.step} from {args.ckpt_dir} onto mesh "
-        f"data={args.data_size} x tensor={args.tensor_size}")
+        f"{args.mesh_name}")
     return restored.step
 
 
@@ -209,8 +211,9 @@ def train(args: argparse.Namespace, step: TrainStep, corpus: ByteCorpus, shardin
 def configure(args: argparse.Namespace) -> tuple:
     """The parallel and model configurations and the optimizer the flags ask for."""
     bf16 = args.precision == "bf16"
-    parallel = sp_jax.ParallelConfig(recompute_allgather=args.recompute_allgather,
-                                     wgrad_dtype=jnp.float32 if bf16 else None)
+    parallel = sp_jax.ParallelConfig(
+        recompute_allgather=args.recompute_allgather, wgrad_dtype=jnp.float32 if bf16 else None,
+        context_parallel=args.context_parallel if args.context_size > 1 else None)
     cfg = GPTConfig(vocab_size=256, max_seq_len=args.seq_len, num_layers=args.layers,
                     num_heads=args.heads, hidden=args.hidden, dropout=0.0,
                     tie_embeddings=True, dtype=jnp.bfloat16 if bf16 else jnp.float32,
@@ -227,9 +230,10 @@ def describe(args: argparse.Namespace, mesh, corpus: ByteCorpus, n_params: int) 
         f"{args.precision} compute")
     procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
              if jax.process_count() > 1 else "")
-    say(f"mesh: data={args.data_size} x tensor={args.tensor_size} on {mesh.size} of "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices{procs}; "
-        f"recompute_allgather={args.recompute_allgather}")
+    cp = f"; {args.context_parallel} attention" if args.context_size > 1 else ""
+    say(f"mesh: {args.mesh_name} on {mesh.size} of {jax.device_count()} "
+        f"{jax.devices()[0].platform} devices{procs}; recompute_allgather="
+        f"{args.recompute_allgather}{cp}")
     say(f"data: {corpus.summary()}")
     say(f"batch: {args.batch_size} x {args.seq_len} = {args.batch_size * args.seq_len} "
         f"tokens/step in {args.micro_batches} micro-batch(es); {args.steps} steps, AdamW lr "
@@ -244,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
     layout, meta = sp_jax.Layout.of(parallel), run_meta(args, cfg)
     is_main = jax.process_index() == 0
     try:
-        mesh = build_mesh((args.data_size, args.tensor_size))
+        mesh = build_mesh(args.mesh_shape, sp_jax.training.MESH_AXES)
         corpus = ByteCorpus.from_files(args.data, seq_len=args.seq_len,
                                        max_bytes=args.max_data_bytes)
     except ValueError as e:
@@ -279,7 +283,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and is_main:
         sp_jax.training.plot_losses(
             args.plot, log.records, f"byte-level GPT, {n_params / 1e6:.2f}M params, mesh "
-            f"data={args.data_size} x tensor={args.tensor_size}, {args.precision}",
+            f"{args.mesh_name}, {args.precision}",
             ylabel="cross-entropy (nats / byte)")
     if first is not None:
         say(f"done: steps {start + 1}-{args.steps}, loss {first:.3f} -> {last:.3f}, held-out "
@@ -290,7 +294,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    # Simulated CPU devices (and XLA:CPU keeping recompute's re-all-gather) must be set
-    # before JAX starts its backend; the device-count flag does not affect GPUs.
+    # Simulated CPU devices must be set before JAX starts (no effect on GPUs).
     apply_xla_flags(cpu_simulation_flags(args.local_devices))
     sys.exit(main(args))

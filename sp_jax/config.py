@@ -14,7 +14,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ParallelConfig"]
+__all__ = ["CONTEXT_PARALLEL", "ParallelConfig"]
+
+CONTEXT_PARALLEL = (None, "ring", "ulysses")
+"""The values of ``ParallelConfig.context_parallel``."""
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -64,6 +67,17 @@ class ParallelConfig:
         2023). Same results as the plain path up to the summation order; no-op when the
         tensor axis has size 1. Needs XLA's latency-hiding scheduler on GPU
         (:mod:`sp_jax.xla_flags`).
+      context_axis: mesh axis of context parallelism (used when ``context_parallel`` is
+        set): the sequence is then sharded over ``(context_axis, tensor_axis)`` in
+        sequence-parallel regions and over ``context_axis`` inside tensor-parallel ones
+        (mesh ``(data, context, tensor)``, tensor innermost); column layers all-gather over
+        the tensor axis only, and attention runs across the context axis.
+      context_parallel: how attention spans the context axis: ``"ring"`` (each device
+        keeps its queries and passes key/value blocks around the context ring; the
+        sequence is assigned to devices in zigzag order for causal load balance,
+        handled inside the model), ``"ulysses"`` (all-to-all from sequence-sharded to
+        head-sharded and back; heads per tensor shard must divide by the context size),
+        or ``None``: no context axis (the default).
     """
 
     tensor_axis: str = "tensor"
@@ -71,6 +85,8 @@ class ParallelConfig:
     recompute_allgather: bool = False
     wgrad_dtype: Any = None
     collective_matmul: bool = False
+    context_axis: str = "context"
+    context_parallel: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -115,9 +131,31 @@ class ParallelConfig:
                 "or False."
             )
         object.__setattr__(self, "collective_matmul", bool(self.collective_matmul))
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            raise ValueError(
+                f"ParallelConfig.context_parallel={self.context_parallel!r} is not a known "
+                f"kind of context parallelism; use one of {CONTEXT_PARALLEL}."
+            )
+        if not isinstance(self.context_axis, str) or not self.context_axis:
+            raise TypeError(
+                f"ParallelConfig.context_axis={self.context_axis!r} must be a non-empty mesh "
+                "axis name (str), e.g. 'context'."
+            )
+        if self.context_parallel is not None and self.context_axis in (
+                self.tensor_axis, *self.data_axes):
+            raise ValueError(
+                f"ParallelConfig.context_axis={self.context_axis!r} is also the tensor or a "
+                "data axis; context parallelism needs a mesh axis of its own, e.g. "
+                "jax.make_mesh((data, context, tensor), ('data', 'context', 'tensor'))."
+            )
         object.__setattr__(
             self, "wgrad_dtype", _canonical_dtype("wgrad_dtype", self.wgrad_dtype)
         )
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """The context axis as a tuple (empty without context parallelism)."""
+        return (self.context_axis,) if self.context_parallel is not None else ()
 
     @property
     def data_axes(self) -> tuple[str, ...]:

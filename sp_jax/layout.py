@@ -9,7 +9,7 @@ of spelling them out, in the manner of MaxText's logical axis rules. The table
 logical axis   meaning                                    mesh axes
 =============  =========================================  ===============================
 ``batch``      batch dimension                            the data axes (may be several)
-``length``     sequence inside tensor-parallel regions    the context axes (none today)
+``length``     sequence inside tensor-parallel regions    the context axes (if any)
 ``length_sp``  sequence in sequence-parallel regions      context axes, then tensor axis
 ``embed``      hidden features outside the TP region      none (replicated)
 ``heads``      attention heads                            tensor axis
@@ -36,9 +36,9 @@ name                  logical axes                   spec
 ``logits``            (batch, length, vocab)         ``P(d, None, t)``
 ====================  =============================  ===================================
 
-A context axis (sequence sharding across devices *inside* attention) maps ``length`` to
-it and ``length_sp`` to ``(context, tensor)``: the specs above then follow without any
-change to the layers.
+A context axis (``ParallelConfig(context_parallel=...)``: sequence sharding across
+devices *inside* attention) maps ``length`` to it and ``length_sp`` to ``(context,
+tensor)``: the specs above then follow without any change to the layers.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class Layout:
       data: mesh axes the batch is sharded over (empty: replicated batch).
       tensor: the tensor-parallel mesh axis.
       context: mesh axes the sequence is sharded over inside tensor-parallel regions
-        (empty today: the whole sequence is on every device of a tensor group there).
+        (``ParallelConfig.context_axis`` with context parallelism; else empty: the whole
+        sequence is on every device of a tensor group there).
     """
 
     data: MeshAxes = ("data",)
@@ -99,7 +100,8 @@ class Layout:
             raise TypeError(
                 f"Layout.of expects a sp_jax.ParallelConfig, got {type(config).__name__}."
             )
-        return cls(data=config.data_axes, tensor=config.tensor_axis)
+        return cls(data=config.data_axes, tensor=config.tensor_axis,
+                   context=config.context_axes)
 
     # -- the table ------------------------------------------------------------------------
 

@@ -44,6 +44,14 @@ def current_mesh(config: ParallelConfig, *, where: str, required: bool = True) -
                 f"axes {axes}; pass ParallelConfig(data_axis=None) to replicate the batch, "
                 "or name one of the mesh axes."
             )
+    for name in config.context_axes:
+        if name not in axes:
+            raise ValueError(
+                f"{where}: context axis {name!r} (ParallelConfig.context_axis, with "
+                f"context_parallel={config.context_parallel!r}) is not in the mesh axes "
+                f"{axes}; build the mesh as jax.make_mesh((data, context, tensor), ('data', "
+                f"'{name}', 'tensor')) or pass context_parallel=None."
+            )
     return mesh
 
 
@@ -64,9 +72,10 @@ def check_divisible(where: str, what: str, size: int, mesh: Mesh, axes, fix: str
 
 
 def check_batch_and_sequence(where: str, mesh: Mesh, config: ParallelConfig, batch: int,
-                             seq: int | None = None) -> None:
-    """The batch must split over the data axes and (SP layouts) ``seq`` over the tensor
-    axis; raises a ValueError naming the size and the fix otherwise."""
+                             seq: int | None = None, *, length: int | None = None) -> None:
+    """The batch must split over the data axes, ``seq`` (the sequence of an SP layout) over
+    the context and tensor axes, and ``length`` (a sequence outside SP regions) over the
+    context axis; raises a ValueError naming the size and the fix otherwise."""
     if config.data_axes:
         check_divisible(
             where, "batch size", batch, mesh, config.data_axes,
@@ -74,9 +83,16 @@ def check_batch_and_sequence(where: str, mesh: Mesh, config: ParallelConfig, bat
             "ParallelConfig(data_axis=None)",
         )
     if seq is not None:
+        axes = (*config.context_axes, config.tensor_axis)
         check_divisible(
-            where, "sequence length", seq, mesh, config.tensor_axis,
-            "pad the sequence to a multiple of the tensor-parallel size",
+            where, "sequence length", seq, mesh, axes if len(axes) > 1 else axes[0],
+            "pad the sequence to a multiple of the tensor-parallel size"
+            + (" times the context-parallel size" if config.context_axes else ""),
+        )
+    if length is not None and config.context_axes:
+        check_divisible(
+            where, "sequence length", length, mesh, config.context_axes,
+            "pad the sequence to a multiple of the context-parallel size",
         )
 
 
@@ -99,6 +115,27 @@ def check_int_range(where: str, what: str, values: Any, low: int, high: int,
             f"{where}: {what} {int(v[pos])} at position {pos} is outside [{low}, {high}){extra}; "
             f"{int(bad.sum())} value(s) out of range."
         )
+
+
+def sequence_order(config: ParallelConfig, mesh: Mesh, seq_len: int) -> np.ndarray | None:
+    """The order in which the model holds the sequence: ``None`` (the natural order), or,
+    with ring context parallelism over ``c > 1`` devices, the zigzag order
+    (:func:`sp_jax.attention.zigzag_order`: position ``i`` of the held sequence is
+    position ``order[i]`` of the input), which gives every device an equal share of the
+    causal attention work. Raises a ValueError when the sequence cannot be split so."""
+    if config.context_parallel != "ring":
+        return None
+    c = axis_size(mesh, config.context_axis)
+    if c == 1:
+        return None
+    from sp_jax.attention import zigzag_order
+
+    if seq_len % (2 * c):
+        raise ValueError(
+            f"ring context parallelism over {c} devices splits the sequence into {2 * c} "
+            f"chunks (zigzag order), but sequence length={seq_len} is not divisible by "
+            f"{2 * c}; pad the sequence.")
+    return zigzag_order(seq_len, c)
 
 
 def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:

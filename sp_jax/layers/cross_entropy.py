@@ -99,7 +99,8 @@ def parallel_cross_entropy(
             "logits' last dimension)."
         )
     layout, t = Layout.of(config), config.tensor_axis
-    check_batch_and_sequence("parallel_cross_entropy", mesh, config, labels.shape[0])
+    check_batch_and_sequence("parallel_cross_entropy", mesh, config, labels.shape[0],
+                             length=labels.shape[1])
     check_int_range("parallel_cross_entropy", "label", labels, 0, vocab_size,
                     allowed=(ignore_index,))
     padded = padded_vocab_size(vocab, axis_size(mesh, t))

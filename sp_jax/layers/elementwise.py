@@ -25,11 +25,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import current_mesh, reshard
+from sp_jax.layers._sharding import axis_size, current_mesh, reshard, sequence_order
 from sp_jax.layout import Layout
 
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "Dropout", "layer_norm", "make_norm", "rms_norm",
@@ -122,14 +123,16 @@ def _out_dtype(module: nnx.Module, x: jax.Array):
 
 
 def to_sequence_parallel(x: jax.Array, config: ParallelConfig, *, where: str) -> jax.Array:
-    """Places ``[batch, seq, hidden]`` ``x`` in the SP layout ``P(data, tensor, None)``.
+    """Places ``[batch, seq, hidden]`` ``x`` in the SP layout ``P(data, tensor, None)``
+    (``P(data, (context, tensor), None)`` with a context axis).
 
-    A sequence not divisible by the tensor size is left as it is (GSPMD then chooses).
+    A sequence (or batch) that does not split evenly is left as it is (GSPMD then
+    chooses).
     """
     mesh = current_mesh(config, where=where)
-    if x.ndim != 3 or x.shape[1] % mesh.shape[config.tensor_axis]:
+    if x.ndim != 3 or x.shape[1] % axis_size(mesh, (*config.context_axes, config.tensor_axis)):
         return x
-    if config.data_axes and x.shape[0] % mesh.shape[config.data_axes[0]]:
+    if x.shape[0] % axis_size(mesh, config.data_axes):
         return x
     return reshard(x, Layout.of(config).sp, mesh)
 
@@ -194,7 +197,11 @@ class Dropout(nnx.Dropout):
 
     Same arguments as ``nnx.Dropout`` plus ``config``. The mask is drawn with
     ``out_sharding`` equal to the input's (SP) sharding: each device generates only its
-    own block, and, keys being partitionable, the values equal the unsharded draw.
+    own block, and, keys being partitionable, the values equal the unsharded draw. When
+    the model holds the sequence in another order (ring context parallelism's zigzag
+    order, :func:`~sp_jax.layers._sharding.sequence_order`), the mask is drawn in the
+    natural order and permuted like the activations, so it still equals the unsharded
+    model's at every (batch, position, feature).
     """
 
     def __init__(self, rate: float, *, config: ParallelConfig = ParallelConfig(),
@@ -206,7 +213,33 @@ class Dropout(nnx.Dropout):
 
     def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
-        if self.rate and not (deterministic if deterministic is not None
-                              else self.deterministic):
-            inputs = to_sequence_parallel(inputs, self.config, where="Dropout")
-        return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        active = self.rate and not (deterministic if deterministic is not None
+                                    else self.deterministic)
+        if not active:
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        inputs = to_sequence_parallel(inputs, self.config, where="Dropout")
+        order = None
+        if inputs.ndim == 3:
+            order = sequence_order(self.config, current_mesh(self.config, where="Dropout"),
+                                   inputs.shape[1])
+        if order is None or self.rate == 1.0 or self.broadcast_dims:
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        return self._permuted(inputs, order, rngs)
+
+    def _permuted(self, inputs: jax.Array, order: np.ndarray, rngs: Any) -> jax.Array:
+        """Dropout with the mask of the natural order, permuted to ``order``."""
+        stream = rngs if rngs is not None else self.rngs
+        if isinstance(stream, nnx.Rngs):
+            key = stream[self.rng_collection]()
+        elif isinstance(stream, nnx.RngStream):
+            key = stream()
+        else:
+            key = stream
+        keep = 1.0 - self.rate
+        sharding = jax.typeof(inputs).sharding
+        mask = jax.random.bernoulli(key, p=keep, shape=inputs.shape, out_sharding=sharding)
+        mesh = current_mesh(self.config, where="Dropout")
+        whole = Layout.of(self.config).spec("batch", None, None)
+        mask = reshard(jnp.take(reshard(mask, whole, mesh), jnp.asarray(order), axis=1),
+                       Layout.of(self.config).sp, mesh)
+        return lax.select(mask, inputs / keep, jnp.zeros_like(inputs))

@@ -148,7 +148,8 @@ class VocabParallelEmbedding(nnx.Module):
             )
         layout, t = Layout.of(self.config), self.config.tensor_axis
         check_batch_and_sequence("VocabParallelEmbedding", mesh, self.config, ids.shape[0],
-                                 ids.shape[1] if self.sequence_parallel else None)
+                                 ids.shape[1] if self.sequence_parallel else None,
+                                 length=ids.shape[1])
         check_int_range("VocabParallelEmbedding", "token id", ids, 0, self.num_embeddings)
         if table is None:
             table = self.padded_table(mesh)

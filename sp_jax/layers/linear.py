@@ -158,7 +158,8 @@ class _ParallelLinear(nnx.Module):
                 "(e.g. x.astype(jnp.float32))."
             )
         check_batch_and_sequence(name, mesh, self.config, x.shape[0],
-                                 x.shape[1] if self._sequence_parallel else None)
+                                 x.shape[1] if self._sequence_parallel else None,
+                                 length=x.shape[1])
 
     # -- forward ------------------------------------------------------------------------
 

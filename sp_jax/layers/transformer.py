@@ -14,10 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh
+from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, sequence_order
 from sp_jax.layers.elementwise import Dropout, make_norm
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layout import Layout
@@ -164,9 +165,16 @@ class CausalSelfAttention(nnx.Module):
         exactly zero gradient, since softmax ignores a constant added to every score).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
       norm_epsilon: epsilon of the norm.
+      attention_block_q / attention_block_k: query and key/value block sizes of the
+        blockwise attention kernel (:func:`sp_jax.attention.blockwise_attention`).
       dtype / param_dtype: compute and parameter dtypes.
       rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call
         (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
+
+    With context parallelism (``config.context_parallel``) the attention spans the
+    context axis: :func:`sp_jax.attention.ring_attention` on the zigzag-ordered sequence,
+    or :func:`sp_jax.attention.ulysses_attention`; rotary positions follow each device's
+    tokens.
     """
 
     def __init__(
@@ -181,6 +189,8 @@ class CausalSelfAttention(nnx.Module):
         qkv_bias: bool = False,
         norm: str = "layernorm",
         norm_epsilon: float = 1e-5,
+        attention_block_q: int = 512,
+        attention_block_k: int = 512,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
@@ -195,8 +205,14 @@ class CausalSelfAttention(nnx.Module):
                 f"CausalSelfAttention: rotary embeddings need an even head size, got "
                 f"{hidden // num_heads}."
             )
+        for name, value in (("attention_block_q", attention_block_q),
+                            ("attention_block_k", attention_block_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CausalSelfAttention: {name}={value!r} must be a positive "
+                                 "int.")
         self.hidden, self.num_heads, self.config = hidden, num_heads, config
         self.rotary, self.rope_base = rotary, rope_base
+        self.block_q, self.block_k = attention_block_q, attention_block_k
         mesh = current_mesh(config, where="CausalSelfAttention", required=False)
         if mesh is not None:
             self._check_heads(mesh)
@@ -213,18 +229,40 @@ class CausalSelfAttention(nnx.Module):
         check_divisible("CausalSelfAttention", "num_heads", self.num_heads, mesh,
                         self.config.tensor_axis,
                         "choose a head count that is a multiple of the tensor-parallel size")
+        cfg = self.config
+        if cfg.context_parallel == "ulysses":
+            check_divisible(
+                "CausalSelfAttention (ulysses)", "num_heads", self.num_heads, mesh,
+                (cfg.tensor_axis, cfg.context_axis),
+                "Ulysses gives each context device whole heads: choose num_heads a multiple "
+                "of tensor x context, or context_parallel='ring'")
 
-    def _attend(self, qkv: jax.Array) -> jax.Array:
-        """Per device: ``[b, s, 3 * hidden / t]`` (local heads) -> ``[b, s, hidden / t]``."""
+    def _attend(self, qkv: jax.Array, order: np.ndarray | None) -> jax.Array:
+        """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
+        the sequence) -> ``[b, s_local, hidden / t]``."""
         b, s, width = qkv.shape
         head_dim = self.hidden // self.num_heads
         heads = width // (3 * head_dim)
         q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
+        cfg = self.config
         if self.rotary:
             positions = jnp.arange(s)
+            if cfg.context_axes:  # this device's tokens of the (possibly permuted) sequence
+                start = jax.lax.axis_index(cfg.context_axis) * s
+                ordered = jnp.arange(s * jax.lax.axis_size(cfg.context_axis)) \
+                    if order is None else jnp.asarray(order)
+                positions = jax.lax.dynamic_slice_in_dim(ordered, start, s)
             q = rotary_embedding(q, positions, self.rope_base)
             k = rotary_embedding(k, positions, self.rope_base)
-        out = causal_attention(q, k, v)
+        from sp_jax.attention import blockwise_attention, ring_attention, ulysses_attention
+
+        blocks = dict(block_q=self.block_q, block_k=self.block_k)
+        if cfg.context_parallel == "ring":
+            out = ring_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
+        elif cfg.context_parallel == "ulysses":
+            out = ulysses_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
+        else:
+            out = blockwise_attention(q, k, v, **blocks)
         return out.reshape(b, s, heads * head_dim)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
@@ -232,9 +270,11 @@ class CausalSelfAttention(nnx.Module):
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
         mesh = current_mesh(self.config, where="CausalSelfAttention")
         self._check_heads(mesh)
+        order = sequence_order(self.config, mesh, x.shape[1])
         tp = Layout.of(self.config).tp
         qkv = self.qkv(self.norm(x))  # tp layout: this device's heads, full sequence
-        attended = jax.shard_map(self._attend, in_specs=tp, out_specs=tp)(qkv)
+        attended = jax.shard_map(lambda qkv: self._attend(qkv, order), in_specs=tp,
+                                 out_specs=tp)(qkv)
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y
 

@@ -7,11 +7,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import axis_size, current_mesh, reshard
+from sp_jax.layers._sharding import axis_size, current_mesh, reshard, sequence_order
 from sp_jax.layers.cross_entropy import parallel_cross_entropy
 from sp_jax.layers.elementwise import NORMS, Dropout, make_norm, to_sequence_parallel
 from sp_jax.layers.embedding import VocabParallelEmbedding
@@ -47,6 +48,9 @@ class GPTConfig:
       param_dtype: parameter (master weight) dtype.
       remat: recompute each block in the backward pass (``jax.checkpoint``) instead of
         keeping its activations; composes with ``recompute_allgather``.
+      attention_block_q / attention_block_k: query and key/value block sizes of the
+        blockwise attention (:func:`sp_jax.attention.blockwise_attention`; the largest
+        divisors of the sequence length up to these).
       scan_layers: store the blocks' parameters stacked along a leading layer axis and
         run them with one ``lax.scan`` (compile time independent of ``num_layers``).
         Same initial values as the unrolled model; parameters ``blocks/...`` get shape
@@ -69,9 +73,12 @@ class GPTConfig:
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan_layers: bool = False
+    attention_block_q: int = 512
+    attention_block_k: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden"):
+        for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden",
+                     "attention_block_q", "attention_block_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int.")
@@ -117,7 +124,8 @@ class Block(nnx.Module):
                       param_dtype=cfg.param_dtype, rngs=rngs)
         self.attention = CausalSelfAttention(
             cfg.hidden, cfg.num_heads, rotary=cfg.positions == "rotary",
-            rope_base=cfg.rope_base, **common)
+            rope_base=cfg.rope_base, attention_block_q=cfg.attention_block_q,
+            attention_block_k=cfg.attention_block_k, **common)
         self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, **common)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
@@ -217,17 +225,48 @@ class GPT(nnx.Module):
             )
 
     def hidden_states(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
-        """Final-normed hidden states ``[batch, seq, hidden]``, SP layout."""
-        return self._hidden_states(tokens, rngs, None)
-
-    def _hidden_states(self, tokens: jax.Array, rngs: Any, table: jax.Array | None
-                       ) -> jax.Array:
-        """:meth:`hidden_states`; ``table``: the embedding's padded table if already made."""
+        """Final-normed hidden states ``[batch, seq, hidden]``, SP layout, in the order of
+        ``tokens``."""
         tokens = jnp.asarray(tokens)
+        order = self._order(tokens)
+        return self._natural(self._hidden_states(self._held(tokens, order), rngs, None,
+                                                 order), order)
+
+    def _order(self, tokens: jax.Array) -> np.ndarray | None:
+        """The order the model holds the sequence in (zigzag with ring context
+        parallelism, else None: the natural order)."""
+        mesh = current_mesh(self.parallel, where="GPT")
+        return sequence_order(self.parallel, mesh, tokens.shape[-1])
+
+    def _held(self, x: jax.Array, order: np.ndarray | None) -> jax.Array:
+        """``x`` ``[batch, seq]`` (token ids or labels) in the held order."""
+        if order is None:
+            return x
+        mesh = current_mesh(self.parallel, where="GPT")
+        whole = reshard(jnp.asarray(x), Layout.of(self.parallel).spec("batch", None), mesh)
+        return jnp.take(whole, jnp.asarray(order), axis=1)
+
+    def _natural(self, x: jax.Array, order: np.ndarray | None, last: str | None = None
+                 ) -> jax.Array:
+        """``x`` ``[batch, seq, features]`` held in ``order``, back in the natural order
+        (the sequence gathered first; ``last``: the logical axis of the features)."""
+        if order is None:
+            return x
+        mesh = current_mesh(self.parallel, where="GPT")
+        whole = Layout.of(self.parallel).spec("batch", None, last)
+        return jnp.take(reshard(x, whole, mesh), jnp.asarray(np.argsort(order)), axis=1)
+
+    def _hidden_states(self, tokens: jax.Array, rngs: Any, table: jax.Array | None,
+                       order: np.ndarray | None) -> jax.Array:
+        """:meth:`hidden_states` of ``tokens`` already in the held ``order``; ``table``:
+        the embedding's padded table if already made."""
         self._check_tokens(tokens)
         x = self.embed(tokens, table=table)
         if self.position is not None:
-            x = x + self.position[: tokens.shape[1]].astype(x.dtype)[None]
+            positions = self.position[...]
+            positions = positions[: tokens.shape[1]] if order is None else \
+                jnp.take(positions, jnp.asarray(order), axis=0)
+            x = x + positions.astype(x.dtype)[None]
             x = to_sequence_parallel(x, self.parallel, where="GPT")
         training = self.config.dropout > 0 and not self.dropout.deterministic
         stream = None
@@ -246,12 +285,21 @@ class GPT(nnx.Module):
     def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
+        tokens = jnp.asarray(tokens)
+        order = self._order(tokens)
+        return self._natural(self._padded_logits(self._held(tokens, order), rngs, order),
+                             order, "vocab")
+
+    def _padded_logits(self, tokens: jax.Array, rngs: Any, order: np.ndarray | None
+                       ) -> jax.Array:
+        """:meth:`padded_logits` of ``tokens`` already in the held ``order``, in that
+        order."""
         mesh = current_mesh(self.parallel, where="GPT")
         layout, t = Layout.of(self.parallel), self.parallel.tensor_axis
         vocab_table = self.embed if self.head is None else self.head
         table = vocab_table.padded_table(mesh)  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
-        h = self._hidden_states(tokens, rngs, table if self.head is None else None)
+        h = self._hidden_states(tokens, rngs, table if self.head is None else None, order)
         par = self.parallel
 
         def lm_head(h, table):
@@ -279,10 +327,11 @@ class GPT(nnx.Module):
             return logits
         mesh = current_mesh(self.parallel, where="GPT")
         layout = Layout.of(self.parallel)
-        if tokens.shape[1] % axis_size(mesh, self.parallel.tensor_axis) == 0:
+        par = self.parallel
+        if tokens.shape[1] % axis_size(mesh, (*par.context_axes, par.tensor_axis)) == 0:
             logits = reshard(logits, layout.sp, mesh)
         else:
-            logits = reshard(logits, layout.replicated, mesh)
+            logits = reshard(logits, layout.spec("batch", None, None), mesh)
         return logits[..., :vocab]
 
     def loss(self, tokens: jax.Array, labels: jax.Array, *, ignore_index: int = -100,
@@ -297,8 +346,12 @@ class GPT(nnx.Module):
         Returns:
           scalar float32.
         """
+        tokens = jnp.asarray(tokens)
+        order = self._order(tokens)  # the loss is a mean: the held order will do
+        labels = self._held(labels, order)
         per_token = parallel_cross_entropy(
-            self.padded_logits(tokens, rngs=rngs), labels, config=self.parallel,
+            self._padded_logits(self._held(tokens, order), rngs, order), labels,
+            config=self.parallel,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             vocab_size=self.config.vocab_size)
         count = jnp.sum(labels != ignore_index)

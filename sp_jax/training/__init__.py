@@ -7,7 +7,8 @@ Modules:
   :func:`lm_loss`, :func:`device_bytes`.
 * ``schedule``: :func:`warmup_cosine_schedule` (optax's warmup-cosine in 1-based steps).
 * ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
-  :func:`build_mesh`, :func:`add_launch_arguments`, :func:`cluster_tasks`.
+  :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
+  DATA[,CONTEXT],TENSOR``), :func:`add_launch_arguments`, :func:`cluster_tasks`.
 * ``log``: :class:`MetricsLog` (JSON lines, resumable) and :func:`plot_losses`.
 
 The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
@@ -15,12 +16,21 @@ The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 """
 
 from sp_jax.training import launch, log, schedule, step
-from sp_jax.training.launch import Launch, add_launch_arguments, build_mesh, cluster_tasks
+from sp_jax.training.launch import (
+    MESH_AXES,
+    Launch,
+    add_launch_arguments,
+    build_mesh,
+    cluster_tasks,
+    mesh_description,
+    parse_mesh,
+)
 from sp_jax.training.log import MetricsLog, plot_losses
 from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.step import TrainStep, accumulate_gradients, device_bytes, lm_loss
 
 __all__ = [
+    "MESH_AXES",
     "Launch",
     "MetricsLog",
     "TrainStep",
@@ -32,6 +42,8 @@ __all__ = [
     "launch",
     "lm_loss",
     "log",
+    "mesh_description",
+    "parse_mesh",
     "plot_losses",
     "schedule",
     "step",

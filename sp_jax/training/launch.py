@@ -180,6 +180,34 @@ class Launch:
             local_device_ids=list(self.local_device_ids) if self.local_device_ids else None)
 
 
+MESH_AXES = ("data", "context", "tensor")
+"""The mesh axes of :func:`parse_mesh`'s shapes, outermost first (tensor innermost)."""
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    """``"DATA,TENSOR"`` or ``"DATA,CONTEXT,TENSOR"`` -> ``(data, context, tensor)`` sizes
+    of a :data:`MESH_AXES` mesh (context 1 when not given).
+
+    Raises:
+      ValueError: not two or three positive integers separated by commas.
+    """
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (2, 3) or min(sizes) <= 0:
+        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR or DATA,CONTEXT,TENSOR "
+                         "(positive integers), e.g. 2,4 or 1,2,4")
+    return (sizes[0], 1, sizes[1]) if len(sizes) == 2 else tuple(sizes)
+
+
+def mesh_description(shape: Sequence[int]) -> str:
+    """``"data=2 x tensor=4"`` (``"data=1 x context=2 x tensor=4"`` with a context axis)
+    for a :data:`MESH_AXES` shape."""
+    return " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, shape, strict=True)
+                      if name != "context" or size > 1)
+
+
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")
                ) -> jax.sharding.Mesh:
     """The mesh of ``shape`` over the first ``prod(shape)`` devices of a single process, or

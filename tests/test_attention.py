@@ -1,0 +1,394 @@
+"""The long-context attention kernels of sp_jax.attention against an independent plain
+attention (explicit causal mask, jax.nn.softmax), forward and gradients; blocks skipped,
+not masked; ring and Ulysses on context meshes; their collectives; no s x s buffer."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import requires_cuda_plugin
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from sp_jax import attention as A
+from sp_jax.analysis import parse_collectives
+
+# --------------------------------------------------------------------------------------
+# The independent reference and helpers
+# --------------------------------------------------------------------------------------
+
+
+def naive_attention(q, k, v):
+    """Plain causal attention in fp32 with the whole s x s score matrix."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    s = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    mask = np.tril(np.ones((s, s), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@jax.jit
+def naive_vjp(q, k, v, do):
+    out, vjp = jax.vjp(naive_attention, q, k, v)
+    return out, vjp(do)
+
+
+def inputs(shape, seed=0, dtype=jnp.float32):
+    """q, k, v and an output cotangent."""
+    return tuple(jax.random.normal(key, shape, dtype)
+                 for key in jax.random.split(jax.random.key(seed), 4))
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=rtol, atol=atol)
+
+
+@functools.cache
+def blockwise_vjp(block_q, block_k):
+    def f(q, k, v, do):
+        out, vjp = jax.vjp(
+            functools.partial(A.blockwise_attention, block_q=block_q, block_k=block_k),
+            q, k, v)
+        return out, vjp(do)
+
+    return jax.jit(f)
+
+
+# --------------------------------------------------------------------------------------
+# blockwise_attention
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "seq,block_q,block_k,blocks",
+    [
+        (30, 6, 6, (5, 5)),  # an odd number of blocks
+        (30, 10, 6, (3, 5)),  # unequal blocks, odd counts
+        (30, 4, 7, (10, 5)),  # blocks: the largest divisors of 30 up to 4 and 7 -> 3, 6
+        (16, 512, 512, (1, 1)),  # one block
+    ],
+)
+def test_blockwise_matches_naive_fp32(seq, block_q, block_k, blocks):
+    bq, bk = A._block_size(seq, block_q), A._block_size(seq, block_k)
+    assert (seq // bq, seq // bk) == blocks
+    args = inputs((2, seq, 3, 8), seed=seq + block_q)
+    assert_close(blockwise_vjp(block_q, block_k)(*args), naive_vjp(*args))
+
+
+def test_blockwise_bf16_within_bf16_rounding():
+    """bf16 inputs against the fp32 reference on the same (bf16-rounded) inputs.
+
+    The kernel's statistics and accumulations are fp32; what bf16 adds is the rounding
+    of the matmul operands (probabilities, score gradients: relative error u = 2^-9
+    each) and of the results (u again). Each output element is a sum of such products,
+    so its error is below ~3u times the sum of the magnitudes of its terms; for these
+    O(1) inputs those sums are below ~4 max|reference|, so 2^-5 max|reference| (16u x
+    the largest reference value... with margin) bounds it. Plain bf16 autodiff of the
+    naive attention has errors of the same size (checked below, within 2x).
+    """
+    args = inputs((2, 64, 4, 16), seed=3, dtype=jnp.bfloat16)
+    got = blockwise_vjp(16, 32)(*args)
+    want = naive_vjp(*(x.astype(jnp.float32) for x in args))
+    plain = jax.jit(lambda q, k, v, do: jax.vjp(
+        lambda q, k, v: naive_bf16(q, k, v), q, k, v)[1](do))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == jnp.bfloat16
+        err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)))
+        assert err <= 2.0 ** -5 * float(jnp.max(jnp.abs(w))), err
+    for g, p, w in zip(jax.tree.leaves(got)[1:], plain, want[1], strict=True):
+        err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)))
+        plain_err = float(jnp.max(jnp.abs(p.astype(jnp.float32) - w)))
+        assert err <= 2 * plain_err + 1e-3, (err, plain_err)
+
+
+def naive_bf16(q, k, v):
+    """Plain autodiff-able causal attention computed in bf16 (the accuracy yardstick)."""
+    s = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
+    mask = np.tril(np.ones((s, s), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def test_blocks_above_the_diagonal_are_skipped():
+    """The kernels' loop counters (carried by the compiled while loops, one per block
+    product) count exactly the causal blocks: n (n + 1) / 2 of n^2 for n equal blocks,
+    forward and backward; no score block is larger than block_q x block_k."""
+    q, k, v, do = inputs((1, 48, 2, 8), seed=1)
+    for block_q, block_k, n_q, n_k in ((8, 8, 6, 6), (16, 6, 3, 8), (6, 16, 8, 3)):
+        fwd = jax.jit(A._blockwise_forward, static_argnums=(3, 4))
+        bwd = jax.jit(A._blockwise_backward, static_argnums=(2, 3))
+        out, lse, count = fwd(q, k, v, block_q, block_k)
+        _, count_bwd = bwd((q, k, v, out, lse), do, block_q, block_k)
+        expected = A.attention_block_counts(48, 1, mode="local", block_q=block_q,
+                                            block_k=block_k)
+        assert int(count) == int(count_bwd) == int(expected[0])
+        if block_q == block_k:
+            assert int(count) == n_q * (n_q + 1) // 2
+        assert int(count) < 0.6 * n_q * n_k  # about half of the unmasked kernel's products
+    jaxpr = jax.make_jaxpr(jax.grad(
+        lambda q: A.blockwise_attention(q, k, v, block_q=16, block_k=8).sum()))(q)
+    dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(np.prod(e.outvars[0].aval.shape) <= 2 * 16 * 16 for e in dots)
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.subjaxprs(e):
+            yield from _all_eqns(sub)
+
+
+def test_blockwise_input_errors():
+    q = jnp.zeros((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="same shape"):
+        A.blockwise_attention(q, q[:, :4], q)
+    with pytest.raises(ValueError, match="implementation='tpu'.*'xla' or 'cudnn'"):
+        A.blockwise_attention(q, q, q, implementation="tpu")
+    with pytest.raises(ValueError, match="block_q=0"):
+        A.blockwise_attention(q, q, q, block_q=0)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(RuntimeError, match="cuDNN.*implementation='xla'"):
+            A.blockwise_attention(q, q, q, implementation="cudnn")
+
+
+# --------------------------------------------------------------------------------------
+# zigzag_order and attention_block_counts
+# --------------------------------------------------------------------------------------
+
+
+def test_zigzag_order():
+    np.testing.assert_array_equal(A.zigzag_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+    np.testing.assert_array_equal(A.zigzag_order(6, 1), np.arange(6))
+    for s, c in ((48, 4), (96, 8)):
+        perm, inv = A.zigzag_order(s, c), A.zigzag_inverse(s, c)
+        np.testing.assert_array_equal(np.sort(perm), np.arange(s))
+        np.testing.assert_array_equal(perm[inv], np.arange(s))
+        n = s // (2 * c)
+        for r, shard in enumerate(perm.reshape(c, 2 * n)):  # device r: chunks r, 2c-1-r
+            np.testing.assert_array_equal(shard // n, [r] * n + [2 * c - 1 - r] * n)
+    with pytest.raises(ValueError, match=r"seq_len=12 .* 2 \* context = 8"):
+        A.zigzag_order(12, 4)
+
+
+def test_attention_block_counts_balance():
+    s = 8192
+    for c in (2, 4, 8):
+        zigzag = A.attention_block_counts(s, c, mode="ring", block_q=512, block_k=512)
+        contiguous = A.attention_block_counts(s, c, mode="ring_contiguous", block_q=512,
+                                              block_k=512)
+        ulysses = A.attention_block_counts(s, c, mode="ulysses", block_q=512, block_k=512)
+        assert zigzag.shape == contiguous.shape == ulysses.shape == (c,)
+        assert zigzag.max() <= 1.1 * zigzag.mean()  # balanced (here exactly)
+        assert contiguous.max() >= 1.5 * contiguous.mean()  # the last device does most
+        # the ring does no redundant work: every device's products add up to one device's
+        # causal attention over the whole sequence in the same blocks
+        n = s // (2 * c)
+        local = A.attention_block_counts(s, 1, mode="local", block_q=min(512, n),
+                                         block_k=min(512, n))
+        assert zigzag.sum() == local[0]
+        assert contiguous.sum() == local[0] if (s // c) % 512 == 0 else True
+    # the largest divisors: 8192 / 16 = 512-row chunks -> blocks of 512 (the last row of
+    # a 2-block causal product plus 7 unmasked steps of 2 x 1 blocks)
+    np.testing.assert_array_equal(
+        A.attention_block_counts(8192, 8, mode="ring", block_q=512, block_k=512),
+        [3 + 7 * 2] * 8)
+    np.testing.assert_array_equal(
+        A.attention_block_counts(12, 1, mode="local", block_q=4, block_k=4), [6])
+    with pytest.raises(ValueError, match="mode='zigzag'"):
+        A.attention_block_counts(64, 2, mode="zigzag", block_q=8, block_k=8)
+    with pytest.raises(ValueError, match="context=2 must be 1"):
+        A.attention_block_counts(64, 2, mode="local", block_q=8, block_k=8)
+
+
+# --------------------------------------------------------------------------------------
+# ring_attention and ulysses_attention inside shard_map
+# --------------------------------------------------------------------------------------
+
+
+def context_mesh(shape, names):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape),
+                         devices=jax.devices()[:n])
+
+
+@functools.cache
+def sharded_vjp(shape, names, mode, block_q, block_k):
+    """A jitted ``(q, k, v, do) -> (out, (dq, dk, dv))`` on global, unpermuted arrays:
+    ``mode`` ("ring" or "ulysses") inside shard_map over the mesh ``(shape, names)``,
+    the sequence on "context", batch on "data", heads on "tensor" where present."""
+    mesh = context_mesh(shape, names)
+    spec = P(*(a if a in names else None for a in ("data", "context", "tensor")), None)
+    c = dict(zip(names, shape, strict=True))["context"]
+    kernel = A.ring_attention if mode == "ring" else A.ulysses_attention
+    inner = jax.shard_map(
+        functools.partial(kernel, axis_name="context", block_q=block_q, block_k=block_k),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+    def attention(q, k, v):
+        s = q.shape[1]
+        if mode == "ring":  # zigzag in, zigzag out
+            perm, inv = A.zigzag_order(s, c), A.zigzag_inverse(s, c)
+            q, k, v = (x[:, perm] for x in (q, k, v))
+        out = inner(*(jax.reshard(x, spec) for x in (q, k, v)))
+        out = jax.reshard(out, P())
+        return out[:, inv] if mode == "ring" else out
+
+    def f(q, k, v, do):
+        out, vjp = jax.vjp(attention, q, k, v)
+        return out, vjp(do)
+
+    jitted = jax.jit(f)
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return jitted(*args)
+
+    call.lower = lambda *args: _lower(mesh, jitted, *args)
+    return call
+
+
+def _lower(mesh, jitted, *args):
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+# 2n = 12 rows per device, chunks of n = 6: ring blocks 2 x 3 rows (3 and 2 blocks per
+# chunk: odd numbers and unequal sizes); Ulysses over s = 12 c rows, blocks 4c and 3c
+# rows (3 and 4 blocks).
+@pytest.mark.parametrize("c", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_context_parallel_matches_naive(mode, c):
+    shape = (1, 12 * c, 8, 8)
+    blocks = (2, 3) if mode == "ring" else (4 * c, 3 * c)
+    args = inputs(shape, seed=c)
+    got = sharded_vjp((c,), ("context",), mode, *blocks)(*args)
+    assert_close(got, naive_vjp(*args))
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_context_parallel_composed_with_data_and_tensor(mode):
+    """A (data=2, context=2, tensor=2) mesh: batch on data, heads on tensor as well."""
+    args = inputs((2, 20, 4, 8), seed=5)  # chunks of 5 rows: blocks of 5 and 1 (ring)
+    got = sharded_vjp((2, 2, 2), ("data", "context", "tensor"), mode, 5, 1)(*args)
+    assert_close(got, naive_vjp(*args))
+
+
+def test_ring_block_counts_per_device():
+    """The products each device computes (its loop counters) are
+    attention_block_counts(mode="ring"): the same on every device."""
+    c, s = 4, 48
+    mesh = context_mesh((c,), ("context",))
+    spec = P(None, "context")
+    bq, bk = A._ring_blocks(jnp.zeros((1, s // c)), 2, 3)
+
+    def per_device(q, k, v, do):
+        out, lse, count = A._ring_forward_bshd(q, k, v, "context", bq, bk)
+        _, count_bwd = A._ring_backward_bshd((q, k, v, out, lse), do, "context", bq, bk)
+        return jnp.stack([count, count_bwd])[None]
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4,
+                              out_specs=P("context")))
+    with jax.set_mesh(mesh):
+        counts = np.asarray(f(*(jax.reshard(x, spec) for x in inputs((1, s, 2, 4)))))
+    want = A.attention_block_counts(s, c, mode="ring", block_q=2, block_k=3)
+    np.testing.assert_array_equal(counts[:, 0], want)
+    np.testing.assert_array_equal(counts[:, 1], want)
+
+
+def test_ulysses_needs_heads_divisible_by_context():
+    mesh = context_mesh((4,), ("context",))
+    f = jax.shard_map(functools.partial(A.ulysses_attention, axis_name="context"),
+                      mesh=mesh, in_specs=(P(None, "context"),) * 3,
+                      out_specs=P(None, "context"))
+    q = jnp.zeros((1, 16, 6, 4))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"6 heads.*size 4.*divides 6"):
+        jax.eval_shape(f, q, q, q)
+
+
+# --------------------------------------------------------------------------------------
+# Compiled programs
+# --------------------------------------------------------------------------------------
+
+
+def test_hlo_collectives_cpu():
+    """Ring: collective-permutes only (no all-gather of the k/v sequence); Ulysses:
+    all-to-alls only. CPU compiles of the forward + backward programs at c = 4."""
+    args = inputs((1, 48, 8, 8))
+    kinds = {}
+    for mode in ("ring", "ulysses"):
+        lowered = sharded_vjp((4,), ("context",), mode, 2, 3).lower(*args)
+        inner = [col for col in parse_collectives(lowered.compile().as_text())
+                 if "shard_map" in col.op_name]
+        kinds[mode] = {col.kind for col in inner}
+        if mode == "ring":  # forward: 3 k/v steps; backward: 3 k/v steps, 4 dk/dv steps
+            shapes = [dims for col in inner for _, dims in col.arrays]
+            assert all(dims[2] == 12 for dims in shapes), shapes  # [b, h, 2n, d] blocks
+    assert kinds == {"ring": {"collective-permute"}, "ulysses": {"all-to-all"}}
+
+
+def _permute_overlaps(hlo: str) -> list[bool]:
+    """For each async collective-permute, whether attention compute (a conditional or a
+    while loop) runs between its start and its done."""
+    lines, starts, out = hlo.splitlines(), {}, []
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*%(\S+) = .*collective-permute-start\(", line)
+        if m:
+            starts[m.group(1)] = i
+        m = re.match(r"\s*%\S+ = .*collective-permute-done\(%(\S+)\)", line)
+        if m:
+            between = lines[starts[m.group(1)] + 1:i]
+            out.append(any(" conditional(" in b or " while(" in b for b in between))
+    return out
+
+
+def _no_s_by_s(buffers, s: int) -> None:
+    assert buffers
+    for b in buffers:
+        dims = [int(d) for d in b.shape.split("[")[1].rstrip("]").split(",") if d]
+        assert sum(d >= s for d in dims) < 2 and np.prod(dims) < s * s, b
+
+
+@requires_cuda_plugin
+def test_gpu_no_s_by_s_buffer_and_ring_overlap():
+    """Deviceless H100 compiles of forward + backward at s = 4096, blocks of 512 (bf16):
+    no buffer of the blockwise program has two dims of 4096 or 4096^2 elements; the ring
+    program on 4 GPUs (local 1024 rows) none with two dims of 1024 or 1024^2 elements,
+    and every one of its k/v transfers but the final return of dk/dv runs while a block
+    of attention is computed."""
+    from sp_jax.analysis import compile_for_gpu
+
+    s = 4096
+    x = jax.ShapeDtypeStruct((1, s, 8, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return A.blockwise_attention(q, k, v).astype(jnp.float32).sum()
+
+    report = compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, mesh_shape=(1,),
+                             axis_names=("context",), live_buffers=True)
+    _no_s_by_s(report.peak_live.buffers, s)
+
+    spec = P(None, "context")
+    x = jax.ShapeDtypeStruct((1, s, 8, 64), jnp.bfloat16, sharding=spec)
+    ring = jax.shard_map(functools.partial(A.ring_attention, axis_name="context"),
+                         in_specs=(spec,) * 3, out_specs=spec)
+
+    def ring_loss(q, k, v):
+        return ring(q, k, v).astype(jnp.float32).sum()
+
+    report = compile_for_gpu(jax.grad(ring_loss, argnums=(0, 1, 2)), x, x, x,
+                             mesh_shape=(4,), axis_names=("context",), live_buffers=True)
+    _no_s_by_s(report.peak_live.buffers, s // 4)
+    collectives = parse_collectives(report.hlo)
+    assert {c.kind for c in collectives} == {"collective-permute"}
+    forward = [c for c in collectives if c.phase == "forward"]
+    assert len(forward) == 3 and all(c.is_async for c in forward)
+    overlaps = _permute_overlaps(report.hlo)
+    # forward 3, backward: 3 k/v (2 combined with dk/dv), 1 dk/dv; then dk/dv go home
+    assert sum(overlaps) >= 7, overlaps
