@@ -19,8 +19,9 @@ Run it under ``jax.set_mesh`` of a mesh with **Auto** axes
 the constraints are skipped and it is the plain single-device block.
 
 To compare parallelisation strategies rather than kernels, the baseline keeps sp_jax's
-memory policy: the same attention function (:func:`sp_jax.layers.causal_attention`,
-which saves the log-sum-exp instead of the ``s x s`` probabilities), the MLP activation
+memory policy: the same attention kernel (:func:`sp_jax.attention.blockwise_attention`
+with the same blocks, which saves the log-sum-exp instead of the ``s x s``
+probabilities), the MLP activation
 recomputed in backward (``jax.checkpoint``), and the same LayerNorm backward
 (:func:`sp_jax.layers.layer_norm`: the norm keeps only its input and per-token
 statistics). :func:`copy_weights` loads an sp_jax block's parameters into it (the
@@ -39,7 +40,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import Layout
-from sp_jax.layers import causal_attention, layer_norm
+from sp_jax.attention import blockwise_attention
+from sp_jax.layers import layer_norm
 
 __all__ = ["GspmdAttention", "GspmdBlock", "GspmdGPT", "GspmdMLP", "constrain",
            "copy_weights", "param_specs"]
@@ -114,7 +116,7 @@ class GspmdAttention(nnx.Module):
         head_dim = self.hidden // self.num_heads
         qkv = constrain(qkv.reshape(b, s, self.num_heads, 3, head_dim), lay.heads(5))
         q, k, v = (constrain(qkv[:, :, :, i], lay.heads(4)) for i in range(3))
-        o = constrain(causal_attention(q, k, v), lay.heads(4))
+        o = constrain(blockwise_attention(q, k, v), lay.heads(4))
         o = constrain(o.reshape(b, s, self.hidden), lay.tp)
         y = constrain(self.out(o), lay.sp)
         return x.astype(y.dtype) + y

@@ -16,6 +16,7 @@ __all__ = ["write_outputs", "render_markdown", "plot_memory"]
 JSON_NAME = "bench.json"
 PLOT_T = "bench_memory_vs_t.png"
 PLOT_S = "bench_memory_vs_s.png"
+PLOT_CONTEXT = "bench_context_memory.png"
 
 _WHY = {
     "layernorm": "the 2 norms' residuals. The paper counts each norm's 2-byte input. All "
@@ -531,6 +532,178 @@ def _gpt_time_section(res) -> str:
     return "\n".join(out)
 
 
+def _mesh(r: dict[str, Any]) -> str:
+    return f"{r['context']} x {r['tensor']}"
+
+
+def _context_section(res) -> str:
+    gpu, cpu = res.get("context", {}), res.get("context_cpu", {})
+    if not gpu and not cpu:
+        return ""
+    b = res["meta"]["config"]["context"]
+    out = [
+        "## Long context: a context mesh axis",
+        "",
+        "`ParallelConfig(context_parallel=\"ring\" | \"ulysses\")` on a `(data, context, "
+        "tensor)` mesh: the sequence is sharded over (context, tensor) in the SP layout, "
+        "column layers gather over tensor only, and attention runs across the context axis "
+        "(`sp_jax.attention`: ring attention passes k/v blocks around the context ring on "
+        "a zigzag order; Ulysses all-to-alls the sequence shards to head shards and back; "
+        "both use the blockwise kernel, which never forms an `s x s` array). "
+        "`benchmarks/context.py`.",
+        "",
+    ]
+    if "runs" in gpu:
+        out += [f"### {b['layers']} layers of h={b['h']}, a={b['a']} on H100s (deviceless "
+                "compiles)", "",
+                f"A GPT of {b['layers']} blocks with h={b['h']}, a={b['a']}, rotary "
+                f"positions, `scan_layers`, bf16 compute with fp32 parameters, "
+                f"`recompute_allgather`, attention blocks of {b['block']}, batch 1, a "
+                "256-entry vocabulary (so the blocks dominate); the gradients of the loss. "
+                "Per-GPU memory from `memory_analysis()` (peak = arguments + outputs + temp "
+                "- aliased; H100: 80 GB). 8 GPUs: one host (1x1x8); 32 and 64 GPUs: hosts "
+                "of 8.", ""]
+        rows = [[f"{r['s']:,}", r["gpus"], LABELS_CP[r["mode"]], _mesh(r),
+                 f"{r['argument_bytes'] / 2**30:.2f}", f"{r['temp_bytes'] / 2**30:.2f}",
+                 f"{r['peak_bytes'] / 2**30:.2f}", "yes" if r["fits_h100"] else "**no**",
+                 f"{r['compile_s']:.0f}"] for r in gpu["runs"]]
+        out += [_table(["tokens", "GPUs", "attention", "context x tensor",
+                        "arguments GiB", "temp GiB", "peak GiB", "fits 80 GB",
+                        "compile s"], rows), ""]
+        out += [_fits_summary(gpu["runs"]), ""]
+    scaling = cpu.get("scaling")
+    if scaling:
+        out += [f"### Activation bytes per device vs sequence length (one block, h="
+                f"{scaling['h']}, a={scaling['a']})", "",
+                "Residuals `jax.vjp` keeps for backward on the simulated CPU devices "
+                "(abstract, per device from the residuals' shardings), activations only "
+                "(batch 2 minus batch 1). MiB per device; last column: bytes x context x "
+                "tensor / s, the same for every mesh when memory scales as s / (context x "
+                "tensor).", "",
+                f"![activation memory vs s on context meshes](docs/{PLOT_CONTEXT})", ""]
+        rows = [[LABELS_CP[m["mode"]] if m["context"] * m["tensor"] > 1 else "unsharded",
+                 _mesh(m)] + [_fmt_mib(x) for x in m["bytes"]]
+                + [f"{min(m['per_token_x_devices']):.0f} - "
+                   f"{max(m['per_token_x_devices']):.0f}"]
+                for m in scaling["meshes"]]
+        out += [_table(["attention", "context x tensor", *(f"s={s:,}" for s in scaling["s"]),
+                        "bytes x c x t / s"], rows), ""]
+    if gpu.get("communication"):
+        out += ["### Context-axis communication per layer (one block, 8 x H100)", "",
+                "Bytes per device of the context-axis collectives in the compiled "
+                "forward+backward of one block against the analytic volumes (ring: the "
+                "device's heads of k and v over the whole sequence, `kv`, moves "
+                "`(c-1)/c kv` forward; backward `(c-1)/c kv` again plus fp32 dk/dv "
+                "accumulators for the same steps and their return home (`kv / c`, sent "
+                "in bf16); Ulysses: 4 all-to-alls of `s*b*h/(c*t)` elements each way).", ""]
+        rows = []
+        for c in gpu["communication"]:
+            for key, want in c["analytic_bytes"].items():
+                got = c["measured_bytes"].get(key, 0)
+                rows.append([LABELS_CP[c["mode"]], _mesh(c), f"{c['s']:,}", key,
+                             c["ops"].get(key, 0), c["async_ops"].get(key, 0),
+                             _fmt_mib(got), _fmt_mib(want)])
+        out += [_table(["attention", "context x tensor", "tokens", "phase / collective",
+                        "ops", "async", "measured MiB", "analytic MiB"], rows), ""]
+    if cpu.get("balance"):
+        rows = [[bl["context"], f"{bl['s']:,}", bl["block"],
+                 f"{min(bl['ring']['counts'])} - {max(bl['ring']['counts'])}",
+                 f"{bl['ring']['max_over_mean']:.2f}",
+                 f"{min(bl['ring_contiguous']['counts'])} - "
+                 f"{max(bl['ring_contiguous']['counts'])}",
+                 f"{bl['ring_contiguous']['max_over_mean']:.2f}"] for bl in cpu["balance"]]
+        out += ["### Ring attention: causal load balance", "",
+                "Block products per device (`sp_jax.attention.attention_block_counts`, "
+                "equal to the kernels' own loop counters in `tests/test_attention.py`); "
+                "each is one block x block score block, so attention FLOPs per device are "
+                "proportional. The zigzag order gives device r chunks r and 2c-1-r; the "
+                "contiguous split is shown for contrast.", "",
+                _table(["context", "tokens", "block", "zigzag products", "zigzag max/mean",
+                        "contiguous products", "contiguous max/mean"], rows), ""]
+    st = cpu.get("step_time")
+    if st:
+        q = st["ratio_quartiles"]
+        out += ["### CPU: blockwise attention vs the query-blocked kernel", "",
+                f"Attention forward+backward (`jax.grad`), fp32, batch 1, s={st['s']}, "
+                f"{st['heads']} heads of {st['head_dim']} sharded over {st['devices']} "
+                f"simulated CPU devices, {st['rounds']} interleaved rounds: the blockwise "
+                f"kernel (blocks of {st['block']}, key blocks above the diagonal skipped) "
+                f"{st['median_s']['blockwise'] * 1e3:.1f} ms, the query-blocked kernel it "
+                f"replaced (`sp_jax.layers.causal_attention`: all keys per query block, "
+                f"masked) {st['median_s']['query_blocked'] * 1e3:.1f} ms: ratio "
+                f"{st['ratio_blockwise_to_query_blocked']:.2f}x (quartiles {q[0]:.2f} - "
+                f"{q[1]:.2f}).", ""]
+    return "\n".join(out)
+
+
+LABELS_CP = {"tp_sp": "TP+SP alone", "ring": "ring", "ulysses": "Ulysses"}
+
+
+def _fits_summary(runs: list[dict[str, Any]]) -> str:
+    """What the table shows, from its rows."""
+    parts = []
+    for s in sorted({r["s"] for r in runs}):
+        rows = [r for r in runs if r["s"] == s]
+        fit = [f"{LABELS_CP[r['mode']]} on {r['gpus']} GPUs ({_mesh(r)})" for r in rows
+               if r["fits_h100"]]
+        no = [f"{LABELS_CP[r['mode']]} on {r['gpus']} GPUs ({_mesh(r)})" for r in rows
+              if not r["fits_h100"]]
+        parts.append(f"at {s:,} tokens {', '.join(fit) or 'nothing'} fit"
+                     + (f"; {', '.join(no)} does not" if no else ""))
+    return (
+        "In this run " + "; ".join(parts) + ". With the blockwise kernel no `s x s` array "
+        "exists in any mode, so attention memory is linear in s, and TP+SP alone keeps as "
+        "many activations per device as context x tensor = its tensor size: on one 8-GPU "
+        "host it matches ring and Ulysses at c x t = 8 (the expectation that TP+SP alone "
+        "could not hold 128k tokens came from the `[b, a/t, s, s]` scores of a "
+        "materialised softmax). What the context axis adds is scale beyond a host: tensor "
+        "parallelism stops at the NVLink-connected GPUs of one host and at a/t heads, the "
+        "context axis does not (Ulysses is bounded too: context <= a/t). Context "
+        "parallelism replicates the weights over the context axis, hence the larger "
+        "arguments (parameters and their gradients: 1/t of the model per GPU).")
+
+
+def plot_context(res: dict[str, Any], docs: Path) -> list[Path]:
+    scaling = res.get("context_cpu", {}).get("scaling")
+    if not scaling:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = scaling["s"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    markers = {"tp_sp": "o", "ring": "s", "ulysses": "^"}
+    base = next((m for m in scaling["meshes"] if m["context"] * m["tensor"] == 1), None)
+    for i, m in enumerate(scaling["meshes"]):
+        n = m["context"] * m["tensor"]
+        label = ("unsharded" if n == 1 else f"{LABELS_CP[m['mode']]}, context {m['context']}"
+                 f" x tensor {m['tensor']}")
+        ax.plot(xs, [y / MiB for y in m["bytes"]], marker=markers[m["mode"]], color=f"C{i}",
+                label=label, zorder=3)
+    if base:
+        sizes = sorted({m["context"] * m["tensor"] for m in scaling["meshes"]} - {1})
+        for j, n in enumerate(sizes):
+            ax.plot(xs, [y / n / MiB for y in base["bytes"]], ls="--", color="0.5", lw=1,
+                    zorder=2, label="unsharded / (context x tensor)" if j == 0 else None)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 else str(x) for x in xs])
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("activation MiB per device")
+    ax.set_title(f"One block's activations (h={scaling['h']}, a={scaling['a']}, bf16)",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = docs / PLOT_CONTEXT
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     head = [
@@ -558,7 +731,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     ]
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),
             _gpu_section(res), _stacks_section(res), _time_section(res),
-            _gpt_time_section(res)]
+            _gpt_time_section(res), _context_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)
@@ -621,7 +794,7 @@ def write_outputs(res: dict[str, Any], out: Path) -> list[Path]:
     docs.mkdir(parents=True, exist_ok=True)
     json_path = docs / JSON_NAME
     json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    plots = plot_memory(res, docs)
+    plots = plot_memory(res, docs) + plot_context(res, docs)
     md = out / "BENCHMARKS.md"
     md.write_text(render_markdown(res) + "\n" + _real_gpu_section(docs / GPU_CHECK_NAME))
     return [md, json_path, *plots]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.collectives import MEGATRON, cpu_block_collectives
+from benchmarks.context import ContextBench, LongRun, run_context_cpu, run_context_gpu
 from benchmarks.gpt_timing import Model
 from benchmarks.memory import activation_memory
 from benchmarks.stacks import STACK_VARIANTS, Stack
@@ -48,6 +49,7 @@ class Config:
     stacks: tuple[Stack, ...]  # the first two: same s, fewer and more layers; then others
     gpt_models: tuple[Model, ...]  # CPU training step time, sp_jax vs the GSPMD GPT
     gpt_rounds: int
+    context: ContextBench  # long context: ring / Ulysses on a context axis
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
 
@@ -71,6 +73,19 @@ FULL = Config(
                             ("4 layers, h=256", dict(layers=4, hidden=256, heads=8, seq=256)))
         for dtype in ("float32", "bfloat16")),
     gpt_rounds=21,
+    context=ContextBench(
+        h=4096, a=32, layers=4, block=512,
+        runs=(LongRun("tp_sp", 1, 8, 131072), LongRun("ring", 4, 2, 131072),
+              LongRun("ulysses", 4, 2, 131072), LongRun("ring", 8, 1, 131072),
+              LongRun("ulysses", 8, 1, 131072), LongRun("tp_sp", 1, 8, 1048576),
+              LongRun("ring", 8, 8, 1048576), LongRun("ulysses", 4, 8, 1048576)),
+        scaling_s=(8192, 16384, 32768, 65536, 131072),
+        scaling_meshes=(("tp_sp", 1, 1), ("tp_sp", 1, 8), ("ring", 2, 1), ("ring", 2, 2),
+                        ("ring", 4, 2), ("ring", 8, 1), ("ulysses", 2, 2),
+                        ("ulysses", 4, 2), ("ulysses", 8, 1)),
+        comm=(LongRun("ring", 4, 2, 131072), LongRun("ulysses", 4, 2, 131072)),
+        balance_s=131072, balance_contexts=(2, 4, 8),
+        timing_s=2048, timing_heads=8, timing_head_dim=64, timing_rounds=15),
 )
 
 QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
@@ -90,6 +105,14 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     gpt_rounds=2,
     timing_fp32=False,
     stack_variants=("gspmd", "sp_save", "sp_recompute", "sp_recompute_cm"),
+    context=ContextBench(
+        h=128, a=8, layers=1, block=64,
+        runs=(LongRun("tp_sp", 1, 8, 512), LongRun("ulysses", 4, 2, 512)),
+        scaling_s=(256, 512), scaling_meshes=(("tp_sp", 1, 1), ("ring", 4, 2),
+                                              ("ulysses", 4, 2)),
+        comm=(LongRun("ring", 4, 2, 256), LongRun("ulysses", 4, 2, 256)),
+        balance_s=1024, balance_contexts=(4,),
+        timing_s=256, timing_heads=8, timing_head_dim=16, timing_rounds=2),
 )
 
 
@@ -194,7 +217,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
-            if name not in ("gpu", "stacks"):
+            if name not in ("gpu", "stacks", "context"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -212,6 +235,8 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
             cfg.timing.replace(dtype=jnp.float32), rounds=cfg.rounds, inner=cfg.inner,
             warmup=cfg.warmup))
     section("gpt_step_time", lambda: _gpt_times(cfg))
+    section("context", lambda: run_context_gpu(cfg.context, log=_log))
+    section("context_cpu", lambda: run_context_cpu(cfg.context))
     results["megatron"] = MEGATRON
     results["meta"] = {
         "quick": quick,
@@ -227,7 +252,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         "config": {k: v for k, v in dataclasses.asdict(cfg).items()
                    if not isinstance(v, dict | tuple | list) or k.endswith("_values")} | {
             k: getattr(cfg, k).as_dict()
-            for k in ("realistic", "cpu_collectives", "timing", "stack_shape")} | {
+            for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context")} | {
             "stacks": [s.as_dict() for s in cfg.stacks],
             "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }

@@ -283,7 +283,79 @@ def _gpt_time_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+GiB = 2**30
+CONTEXT_IDS = (
+    ("context_long_compile", "context parallelism: the 7B-shaped 4-layer stack at the "
+     "longest sequence on 8 x H100 (context x tensor = 8) compiles and fits in 80 GB, ring "
+     "and Ulysses (TP+SP alone reported)"),
+    ("context_activation_scaling", "context parallelism: activation bytes per device scale "
+     "as s / (context x tensor): bytes x context x tensor / s within 10% over every mesh "
+     "and sequence length"),
+    ("context_communication", "context parallelism: the context-axis bytes per layer equal "
+     "the analytic volumes (ring: (c-1)/c of k/v per direction; Ulysses: 4 all-to-alls of "
+     "s*b*h/(c*t)), forward and backward, within 1%"),
+    ("context_ring_balance", "ring attention (zigzag): max attention FLOPs per device within "
+     "10% of the mean"),
+    ("context_cpu_attention_time", "CPU: blockwise attention forward+backward <= 1.0x the "
+     "query-blocked kernel it replaced (8 simulated devices)"),
+)
+
+
+def _context_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    ids = CONTEXT_IDS
+    out = []
+    gpu = res.get("context", {})
+    if "runs" not in gpu:
+        out.append(_target(*ids[0], None, f"not measured: {gpu.get('error')}"))
+    else:
+        s_max = max(r["s"] for r in gpu["runs"] if r["gpus"] == 8 and r["mode"] != "tp_sp")
+        longest = [r for r in gpu["runs"] if r["s"] == s_max and r["gpus"] == 8]
+        cp = [r for r in longest if r["mode"] != "tp_sp"]
+        text = "; ".join(f"{r['mode']} {r['context']}x{r['tensor']}: "
+                         f"{r['peak_bytes'] / GiB:.1f} GiB" for r in longest)
+        out.append(_target(*ids[0], bool(cp) and all(r["fits_h100"] for r in cp),
+                           f"s={s_max}: {text} (per-GPU peak)"))
+    cpu = res.get("context_cpu", {})
+    scaling = cpu.get("scaling")
+    if scaling:
+        values = [v for m in scaling["meshes"] for v in m["per_token_x_devices"]]
+        spread = max(values) / min(values)
+        out.append(_target(*ids[1], spread <= 1.10,
+                           f"{min(values):.0f} - {max(values):.0f} bytes per token x devices "
+                           f"({spread:.3f}x) over {len(scaling['meshes'])} meshes, "
+                           f"s={scaling['s'][0]}..{scaling['s'][-1]}"))
+    if "communication" in gpu:
+        worst, parts = 0.0, []
+        for c in gpu["communication"]:
+            for key, want in c["analytic_bytes"].items():
+                got = c["measured_bytes"].get(key, 0)
+                worst = max(worst, abs(got / want - 1))
+                parts.append(f"{c['mode']} {key}: {got / MiB:.0f} / {want / MiB:.0f} MiB")
+        out.append(_target(*ids[2], bool(parts) and worst <= 0.01,
+                           "; ".join(parts) + f" (measured / analytic, s="
+                           f"{gpu['communication'][0]['s']})"))
+    if "balance" in cpu:
+        zig = [b["ring"]["max_over_mean"] for b in cpu["balance"]]
+        contiguous = [b["ring_contiguous"]["max_over_mean"] for b in cpu["balance"]]
+        ctx = [b["context"] for b in cpu["balance"]]
+        out.append(_target(*ids[3], max(zig) <= 1.10,
+                           f"max / mean {', '.join(f'{z:.2f}' for z in zig)} for context "
+                           f"{ctx} (contiguous shards, no zigzag: "
+                           f"{', '.join(f'{z:.2f}' for z in contiguous)})"))
+    if "step_time" in cpu:
+        st = cpu["step_time"]
+        r, q = st["ratio_blockwise_to_query_blocked"], st["ratio_quartiles"]
+        med = st["median_s"]
+        out.append(_target(*ids[4], r <= 1.0,
+                           f"{r:.2f}x (quartiles {q[0]:.2f}-{q[1]:.2f}; "
+                           f"{med['blockwise'] * 1e3:.1f} vs {med['query_blocked'] * 1e3:.1f} ms "
+                           f"at s={st['s']}, {st['heads']} heads of {st['head_dim']}, fp32, "
+                           f"median of {st['rounds']} interleaved rounds)"))
+    return out
+
+
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The target table: one dict per target with ``met`` True / False / None."""
     return (_memory_targets(res["memory"]) + _collective_targets(res) + _gpu_targets(res)
-            + _stack_targets(res) + _time_targets(res) + _gpt_time_targets(res))
+            + _stack_targets(res) + _time_targets(res) + _gpt_time_targets(res)
+            + _context_targets(res))

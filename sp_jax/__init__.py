@@ -2,14 +2,16 @@
 
 Subpackages and modules, bottom to top: ``config`` (:class:`ParallelConfig`), ``layout``
 (the logical-axis table and PartitionSpecs), ``ops`` (per-device collectives with their
-VJPs), ``layers`` (NNX modules on global arrays), ``models`` (GPT), ``data`` (a byte
-corpus and batches assembled across processes), ``training`` (the jitted step, schedule,
-multi-process launch, metrics log), ``checkpoint`` (orbax across meshes); beside them
-``analysis`` (measurement) and ``xla_flags`` (XLA GPU overlap flags).
+VJPs), ``attention`` (blockwise, ring and Ulysses attention kernels), ``layers`` (NNX
+modules on global arrays), ``models`` (GPT), ``data`` (a byte corpus and batches
+assembled across processes), ``training`` (the jitted step, schedule, multi-process
+launch, metrics log), ``checkpoint`` (orbax across meshes); beside them ``analysis``
+(measurement) and ``xla_flags`` (XLA GPU overlap flags).
 """
 
 from sp_jax import (
     analysis,
+    attention,
     checkpoint,
     data,
     layers,
@@ -42,6 +44,7 @@ __all__ = [
     "ParallelConfig",
     "Layout",
     "analysis",
+    "attention",
     "checkpoint",
     "data",
     "layers",

@@ -205,17 +205,17 @@ def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
         q_i = _slice(q, q_start, bq)
 
         def kv_step(j, acc, masked):
-            o, m, l, n = acc
+            o, m, norm, n = acc
             s = _scores(q_i, _slice(k, j * bk, bk), scale,
                         (q_start, j * bk) if masked else None)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: key 0 comes first
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
-            l = alpha * l + jnp.sum(p, axis=-1)
+            norm = alpha * norm + jnp.sum(p, axis=-1)
             o = alpha[..., None] * o + jnp.einsum(
                 "bhqk,bhkd->bhqd", p.astype(v.dtype), _slice(v, j * bk, bk),
                 preferred_element_type=_F32)
-            return o, m_new, l, n + 1
+            return o, m_new, norm, n + 1
 
         zero = jnp.zeros_like(q_i, dtype=_F32)  # varies like q inside shard_map
         acc = (zero, zero[..., 0] - jnp.inf, zero[..., 0], count)
@@ -228,9 +228,9 @@ def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
             acc = lax.fori_loop(n_full, n_end, functools.partial(kv_step, masked=True), acc)
         else:
             acc = lax.fori_loop(0, sk // bk, functools.partial(kv_step, masked=False), acc)
-        o, m, l, count = acc
-        out = lax.dynamic_update_slice_in_dim(out, o / l[..., None], q_start, axis=2)
-        lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(l), q_start, axis=2)
+        o, m, norm, count = acc
+        out = lax.dynamic_update_slice_in_dim(out, o / norm[..., None], q_start, axis=2)
+        lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(norm), q_start, axis=2)
         return out, lse, count
 
     out = jnp.zeros_like(q, dtype=_F32)

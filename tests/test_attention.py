@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import requires_cuda_plugin
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import attention as A
@@ -129,9 +129,12 @@ def test_blocks_above_the_diagonal_are_skipped():
         expected = A.attention_block_counts(48, 1, mode="local", block_q=block_q,
                                             block_k=block_k)
         assert int(count) == int(count_bwd) == int(expected[0])
+        # independently: the (query block, key block) pairs with any unmasked entry
+        causal = sum(j * block_k <= i * block_q + block_q - 1
+                     for i in range(n_q) for j in range(n_k))
+        assert int(count) == causal < n_q * n_k
         if block_q == block_k:
             assert int(count) == n_q * (n_q + 1) // 2
-        assert int(count) < 0.6 * n_q * n_k  # about half of the unmasked kernel's products
     jaxpr = jax.make_jaxpr(jax.grad(
         lambda q: A.blockwise_attention(q, k, v, block_q=16, block_k=8).sum()))(q)
     dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
@@ -139,10 +142,9 @@ def test_blocks_above_the_diagonal_are_skipped():
 
 
 def _all_eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for sub in jax.core.subjaxprs(e):
-            yield from _all_eqns(sub)
+    yield from jaxpr.eqns
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _all_eqns(sub)
 
 
 def test_blockwise_input_errors():
@@ -186,7 +188,7 @@ def test_attention_block_counts_balance():
         ulysses = A.attention_block_counts(s, c, mode="ulysses", block_q=512, block_k=512)
         assert zigzag.shape == contiguous.shape == ulysses.shape == (c,)
         assert zigzag.max() <= 1.1 * zigzag.mean()  # balanced (here exactly)
-        assert contiguous.max() >= 1.5 * contiguous.mean()  # the last device does most
+        assert contiguous.max() >= 1.4 * contiguous.mean()  # the last device does most
         # the ring does no redundant work: every device's products add up to one device's
         # causal attention over the whole sequence in the same blocks
         n = s // (2 * c)
@@ -307,7 +309,8 @@ def test_ulysses_needs_heads_divisible_by_context():
     f = jax.shard_map(functools.partial(A.ulysses_attention, axis_name="context"),
                       mesh=mesh, in_specs=(P(None, "context"),) * 3,
                       out_specs=P(None, "context"))
-    q = jnp.zeros((1, 16, 6, 4))
+    q = jax.ShapeDtypeStruct((1, 16, 6, 4), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "context")))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"6 heads.*size 4.*divides 6"):
         jax.eval_shape(f, q, q, q)
 
@@ -348,11 +351,13 @@ def _permute_overlaps(hlo: str) -> list[bool]:
     return out
 
 
-def _no_s_by_s(buffers, s: int) -> None:
+def _no_s_by_s(buffers, s: int, heads: int) -> None:
+    """No live buffer is [.., s, .., s, ..] or holds half of the heads' s x s scores
+    (a score block [b * heads, block_q, block_k] is far smaller)."""
     assert buffers
     for b in buffers:
         dims = [int(d) for d in b.shape.split("[")[1].rstrip("]").split(",") if d]
-        assert sum(d >= s for d in dims) < 2 and np.prod(dims) < s * s, b
+        assert sum(d >= s for d in dims) < 2 and np.prod(dims) < heads * s * s // 2, b
 
 
 @requires_cuda_plugin
@@ -372,7 +377,7 @@ def test_gpu_no_s_by_s_buffer_and_ring_overlap():
 
     report = compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, mesh_shape=(1,),
                              axis_names=("context",), live_buffers=True)
-    _no_s_by_s(report.peak_live.buffers, s)
+    _no_s_by_s(report.peak_live.buffers, s, 8)
 
     spec = P(None, "context")
     x = jax.ShapeDtypeStruct((1, s, 8, 64), jnp.bfloat16, sharding=spec)
@@ -384,7 +389,7 @@ def test_gpu_no_s_by_s_buffer_and_ring_overlap():
 
     report = compile_for_gpu(jax.grad(ring_loss, argnums=(0, 1, 2)), x, x, x,
                              mesh_shape=(4,), axis_names=("context",), live_buffers=True)
-    _no_s_by_s(report.peak_live.buffers, s // 4)
+    _no_s_by_s(report.peak_live.buffers, s // 4, 8)
     collectives = parse_collectives(report.hlo)
     assert {c.kind for c in collectives} == {"collective-permute"}
     forward = [c for c in collectives if c.phase == "forward"]

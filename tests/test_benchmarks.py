@@ -162,7 +162,8 @@ TARGET_IDS = ["memory_recompute", "memory_save", "collective_count",
               "no_activation_all_reduce", "h100_async", "h100_peak", "stack_peak",
               "stack_temp", "stack_growth", "stack_long", "stack_save", "cm_rings",
               "cm_memory", "cpu_time_sp_save", "cpu_time_sp_recompute",
-              "cpu_gpt_tiny_float32"]
+              "cpu_gpt_tiny_float32", "context_long_compile", "context_activation_scaling",
+              "context_communication", "context_ring_balance", "context_cpu_attention_time"]
 STATUS = {True: "met", False: "**not met**", None: "not measured"}
 
 
@@ -174,7 +175,7 @@ def test_quick_run_writes_report(tmp_path):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     data = json.loads((tmp_path / "docs" / "bench.json").read_text())
     assert data == json.loads(json.dumps(results, default=str))
-    for name in ("bench_memory_vs_t.png", "bench_memory_vs_s.png"):
+    for name in ("bench_memory_vs_t.png", "bench_memory_vs_s.png", "bench_context_memory.png"):
         png = (tmp_path / "docs" / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000
 
@@ -187,7 +188,8 @@ def test_quick_run_writes_report(tmp_path):
     by_id = {t["id"]: t for t in data["targets"]}
     # the structural targets hold at any shape
     for tid in ("memory_recompute", "memory_save", "collective_count",
-                "no_activation_all_reduce"):
+                "no_activation_all_reduce", "context_activation_scaling",
+                "context_ring_balance"):
         assert by_id[tid]["met"] is True, by_id[tid]
     # timing verdicts follow the measured ratios (their values are noise at this size)
     ratios = data["step_time"]["ratio_to_reference"]
@@ -201,11 +203,13 @@ def test_quick_run_writes_report(tmp_path):
     assert by_id["cpu_gpt_tiny_float32"]["met"] is (
         gpt_run["ratio_to_reference"]["sp_jax"] <= 1.0)
     assert "## CPU: the whole GPT training step" in md
+    assert "## Long context: a context mesh axis" in md
     if HAS_CUDA_PLUGIN:
         # the structural memory and overlap targets hold at any shape (which collectives
         # get compute to overlap is the scheduler's cost-model decision, shape-dependent:
         # tests/test_analysis.py checks it at a moderate shape, `make bench` at full size)
-        for tid in ("h100_peak", "stack_peak", "stack_growth", "stack_save", "cm_rings"):
+        for tid in ("h100_peak", "stack_peak", "stack_growth", "stack_save", "cm_rings",
+                    "context_long_compile", "context_communication"):
             assert by_id[tid]["met"] is True, by_id[tid]
         assert by_id["stack_long"]["met"] is None  # the quick run has one sequence length
         assert "## Multi-layer stacks on 8 x H100" in md

@@ -85,9 +85,13 @@ def _topology(target: str, num_devices: int):
     from jax.experimental import topologies
 
     _check_plugin()
+    # one host of up to 8 GPUs; more: hosts of 8 (as real clusters are built)
+    hosts, per_host = (num_devices // 8, 8) if num_devices > 8 and num_devices % 8 == 0 \
+        else (1, num_devices)
     try:
         return topologies.get_topology_desc(
-            platform="cuda", topology=f"1x1x{num_devices}", target_config=_target_config(target)
+            platform="cuda", topology=f"1x{hosts}x{per_host}",
+            target_config=_target_config(target)
         )
     except Exception as e:  # the plugin raises various types when it cannot load
         hint = "" if os.environ.get("JAX_PLATFORMS") == "cpu" else (

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.attention import zigzag_order
 from sp_jax.config import ParallelConfig
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
@@ -128,8 +129,6 @@ def sequence_order(config: ParallelConfig, mesh: Mesh, seq_len: int) -> np.ndarr
     c = axis_size(mesh, config.context_axis)
     if c == 1:
         return None
-    from sp_jax.attention import zigzag_order
-
     if seq_len % (2 * c):
         raise ValueError(
             f"ring context parallelism over {c} devices splits the sequence into {2 * c} "

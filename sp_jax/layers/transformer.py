@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sp_jax.attention import blockwise_attention, ring_attention, ulysses_attention
 from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, sequence_order
 from sp_jax.layers.elementwise import Dropout, make_norm
@@ -254,8 +255,6 @@ class CausalSelfAttention(nnx.Module):
                 positions = jax.lax.dynamic_slice_in_dim(ordered, start, s)
             q = rotary_embedding(q, positions, self.rope_base)
             k = rotary_embedding(k, positions, self.rope_base)
-        from sp_jax.attention import blockwise_attention, ring_attention, ulysses_attention
-
         blocks = dict(block_q=self.block_q, block_k=self.block_k)
         if cfg.context_parallel == "ring":
             out = ring_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
