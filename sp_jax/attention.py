@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 AxisName = Hashable
+IMPLEMENTATIONS = ("xla", "cudnn")
+"""Kernels of :func:`blockwise_attention`: sp_jax's (every backend) or cuDNN's (GPU)."""
 _F32 = jnp.float32
 _MODES = ("ring", "ring_contiguous", "ulysses", "local")
 
@@ -398,7 +400,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
                 f"blockwise_attention(implementation='cudnn') needs cuDNN on a GPU ({e}); "
                 "use implementation='xla' on other backends."
             ) from e
-    if implementation != "xla":
+    if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: use 'xla' or 'cudnn'.")
     s = q.shape[1]
     bq, bk = _block_size(s, block_q, "block_q"), _block_size(s, block_k, "block_k")
@@ -588,7 +590,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
-                      block_q: int = 512, block_k: int = 512) -> jax.Array:
+                      block_q: int = 512, block_k: int = 512,
+                      implementation: str = "xla") -> jax.Array:
     """Causal attention by DeepSpeed-Ulysses sequence parallelism, per device.
 
     Call inside :func:`jax.shard_map` with the sequence sharded contiguously over
@@ -602,10 +605,15 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
         (the heads on this device) divisible by ``c``.
       axis_name: the context mesh axis.
       block_q / block_k: rows per block: the largest divisors of ``s`` up to these.
+      implementation: the kernel on the head shards, as in :func:`blockwise_attention`
+        (``"xla"`` or ``"cudnn"``).
     Returns:
       ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
     """
     _check_qkv("ulysses_attention", q, k, v)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"ulysses_attention: implementation={implementation!r}: use 'xla' "
+                         "or 'cudnn'.")
     c, heads = lax.axis_size(axis_name), q.shape[2]
     if heads % c:
         raise ValueError(
@@ -621,5 +629,6 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
         return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
     q, k, v = (to_heads(_vary(x, (axis_name,))) for x in _same_vma(q, k, v))
-    out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k)
+    out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
+                              implementation=implementation)
     return to_sequence(out)

@@ -9,7 +9,11 @@ from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
 
 # 8 host devices; cse_barrier_expander off so XLA:CPU keeps recompute's backward
 # re-all-gather separate from the forward one (XLA:GPU keeps it without this flag).
-apply_xla_flags(cpu_simulation_flags(8))
+# The suite's shapes are tiny and compiling dominates its time: LLVM's optimisation of
+# the CPU code is not worth it here (a quarter of the suite's time; HLO passes, and so
+# every collective, buffer and schedule the tests check, are unaffected). Subprocesses
+# the tests start inherit XLA_FLAGS.
+apply_xla_flags([*cpu_simulation_flags(8), "--xla_backend_optimization_level=0"])
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -157,3 +157,9 @@ def test_errors():
         model = GPT(cfg, parallel=sp_jax.ParallelConfig(context_parallel="ring"),
                     rngs=nnx.Rngs(0))
         model(np.zeros((1, 36), np.int32))
+    # cuDNN's attention: an option of the local and Ulysses kernels, not of the ring
+    with pytest.raises(ValueError, match="attention_implementation='flash'.*'xla'"):
+        GPTConfig(**BASE, attention_implementation="flash")
+    with jax.set_mesh(_mesh(1, 2, 2)), pytest.raises(ValueError, match="cannot run ring"):
+        GPT(GPTConfig(**BASE, attention_implementation="cudnn"),
+            parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0))

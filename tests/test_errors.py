@@ -31,6 +31,14 @@ def _on(mesh_shape, fn):
         return fn()
 
 
+def _on_context(mesh_shape, fn):
+    """Runs ``fn`` under a (data, context, tensor) mesh of the given shape."""
+    mesh = jax.make_mesh(mesh_shape, ("data", "context", "tensor"),
+                         devices=jax.devices()[: int(np.prod(mesh_shape))])
+    with jax.set_mesh(mesh):
+        return fn()
+
+
 def _layer(cls=sp_jax.ColumnSequenceParallelLinear, n_in=16, n_out=16, **kw):
     return cls(n_in, n_out, rngs=nnx.Rngs(0), **kw)
 
@@ -115,6 +123,34 @@ CASES = {
     "E30": (ValueError, r"GPTConfig.positions='alibi' is not a known position encoding; use "
                         r"one of \['learned', 'rotary'\]",
             lambda: GPTConfig(**{**GPT_BASE, "positions": "alibi"})),
+    # context parallelism (tests/test_context.py checks them on the GPT too)
+    "E31": (ValueError, r"context_parallel='rings' is not a known kind of context "
+                        r"parallelism; use one of \(None, 'ring', 'ulysses'\)",
+            lambda: sp_jax.ParallelConfig(context_parallel="rings")),
+    "E32": (ValueError, r"context_axis='tensor' is also the tensor or a data axis; context "
+                        r"parallelism needs a mesh axis of its own",
+            lambda: sp_jax.ParallelConfig(context_parallel="ring", context_axis="tensor")),
+    "E33": (ValueError, r"context axis 'context'.*not in the mesh axes \('data', 'tensor'\)",
+            lambda: _on((2, 4), lambda: _layer(
+                config=sp_jax.ParallelConfig(context_parallel="ring")))),
+    "E34": (ValueError, r"num_heads=4 is not divisible by.*tensor x context, or "
+                        r"context_parallel='ring'",
+            lambda: _on_context((1, 4, 2), lambda: GPT(
+                GPTConfig(**GPT_BASE), parallel=sp_jax.ParallelConfig(
+                    context_parallel="ulysses"), rngs=nnx.Rngs(0)))),
+    "E35": (ValueError, r"ring context parallelism over 4 devices splits the sequence into 8 "
+                        r"chunks.*sequence length=12 is not divisible by 8; pad the sequence",
+            lambda: _on_context((1, 4, 1), lambda: GPT(
+                GPTConfig(**GPT_BASE), parallel=sp_jax.ParallelConfig(
+                    context_parallel="ring"), rngs=nnx.Rngs(0))(np.zeros((1, 12), np.int32)))),
+    "E36": (ValueError, r"GPTConfig.attention_implementation='flash' is not a known kernel; "
+                        r"use 'xla' \(every backend\) or 'cudnn' \(GPUs\)",
+            lambda: GPTConfig(**{**GPT_BASE, "attention_implementation": "flash"})),
+    "E37": (ValueError, r"attention_implementation='cudnn' cannot run ring attention.*use "
+                        r"attention_implementation='xla' or context_parallel='ulysses'",
+            lambda: _on_context((1, 2, 2), lambda: GPT(
+                GPTConfig(**{**GPT_BASE, "attention_implementation": "cudnn"}),
+                parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0)))),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),

@@ -17,7 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sp_jax.attention import blockwise_attention, ring_attention, ulysses_attention
+from sp_jax.attention import (
+    IMPLEMENTATIONS,
+    blockwise_attention,
+    ring_attention,
+    ulysses_attention,
+)
 from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, sequence_order
 from sp_jax.layers.elementwise import Dropout, make_norm
@@ -168,6 +173,11 @@ class CausalSelfAttention(nnx.Module):
       norm_epsilon: epsilon of the norm.
       attention_block_q / attention_block_k: query and key/value block sizes of the
         blockwise attention kernel (:func:`sp_jax.attention.blockwise_attention`).
+      attention_implementation: ``"xla"`` (sp_jax's blockwise kernel, every backend) or
+        ``"cudnn"`` (cuDNN's fused attention through
+        :func:`jax.nn.dot_product_attention`, GPUs only; without context parallelism or
+        with Ulysses: ring attention merges partial results by their log-sum-exp, which
+        the cuDNN call does not return).
       dtype / param_dtype: compute and parameter dtypes.
       rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call
         (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
@@ -192,6 +202,7 @@ class CausalSelfAttention(nnx.Module):
         norm_epsilon: float = 1e-5,
         attention_block_q: int = 512,
         attention_block_k: int = 512,
+        attention_implementation: str = "xla",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
@@ -211,6 +222,16 @@ class CausalSelfAttention(nnx.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"CausalSelfAttention: {name}={value!r} must be a positive "
                                  "int.")
+        if attention_implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"CausalSelfAttention: attention_implementation={attention_implementation!r}"
+                f" is not one of {IMPLEMENTATIONS}.")
+        if attention_implementation == "cudnn" and config.context_parallel == "ring":
+            raise ValueError(
+                "CausalSelfAttention: attention_implementation='cudnn' cannot run ring "
+                "attention (its steps are merged by log-sum-exp, which cuDNN's kernel does not "
+                "return); use attention_implementation='xla' or context_parallel='ulysses'.")
+        self.implementation = attention_implementation
         self.hidden, self.num_heads, self.config = hidden, num_heads, config
         self.rotary, self.rope_base = rotary, rope_base
         self.block_q, self.block_k = attention_block_q, attention_block_k
@@ -259,9 +280,10 @@ class CausalSelfAttention(nnx.Module):
         if cfg.context_parallel == "ring":
             out = ring_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
         elif cfg.context_parallel == "ulysses":
-            out = ulysses_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
+            out = ulysses_attention(q, k, v, axis_name=cfg.context_axis,
+                                    implementation=self.implementation, **blocks)
         else:
-            out = blockwise_attention(q, k, v, **blocks)
+            out = blockwise_attention(q, k, v, implementation=self.implementation, **blocks)
         return out.reshape(b, s, heads * head_dim)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,

@@ -51,6 +51,8 @@ class GPTConfig:
       attention_block_q / attention_block_k: query and key/value block sizes of the
         blockwise attention (:func:`sp_jax.attention.blockwise_attention`; the largest
         divisors of the sequence length up to these).
+      attention_implementation: ``"xla"`` (the blockwise kernel, every backend) or
+        ``"cudnn"`` (cuDNN's fused attention on GPUs; not with ring attention).
       scan_layers: store the blocks' parameters stacked along a leading layer axis and
         run them with one ``lax.scan`` (compile time independent of ``num_layers``).
         Same initial values as the unrolled model; parameters ``blocks/...`` get shape
@@ -75,6 +77,7 @@ class GPTConfig:
     scan_layers: bool = False
     attention_block_q: int = 512
     attention_block_k: int = 512
+    attention_implementation: str = "xla"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden",
@@ -98,6 +101,10 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.norm={self.norm!r} is not a known norm; use one of {sorted(NORMS)}."
             )
+        if self.attention_implementation not in ("xla", "cudnn"):
+            raise ValueError(
+                f"GPTConfig.attention_implementation={self.attention_implementation!r} is "
+                "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1).")
 
@@ -125,7 +132,8 @@ class Block(nnx.Module):
         self.attention = CausalSelfAttention(
             cfg.hidden, cfg.num_heads, rotary=cfg.positions == "rotary",
             rope_base=cfg.rope_base, attention_block_q=cfg.attention_block_q,
-            attention_block_k=cfg.attention_block_k, **common)
+            attention_block_k=cfg.attention_block_k,
+            attention_implementation=cfg.attention_implementation, **common)
         self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, **common)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
