@@ -357,8 +357,8 @@ def _gpu_section(res) -> str:
                 "score matrices (`jvp()/.../bqhd,bkhd->bhqk/dot_general`, fp32 "
                 "`[b, a/t, s, s]`) and more are its bf16 probabilities (part of "
                 "`jvp()/.../convert_element_type`), alive during the backward pass: XLA "
-                "merged the backward's recomputation of the scores (the backward of "
-                "`sp_jax.layers.causal_attention` recomputes them from q, k and the "
+                "merged the backward's recomputation of the scores (the backward of the "
+                "attention kernel recomputes them from q, k and the "
                 "log-sum-exp, behind an optimization barrier meant to prevent this) with the "
                 "identical forward computation, so the forward's s x s arrays are kept "
                 "instead of recomputed. The residual count above does not see this (it is a "
@@ -485,6 +485,17 @@ def _stacks_section(res) -> str:
                         "async", "async with a GEMM inside"], rows), "",
                 "All-gathers and reduce-scatters of activations left: "
                 f"{ring['all_gathers_and_reduce_scatters'] or 'none'}.", ""]
+    cm = next((t for t in res.get("targets", []) if t["id"] == "cm_memory"), None)
+    if cm is not None and cm["met"] is False:
+        out += ["Collective matmul's memory target is missed in this run "
+                f"({cm['measured']}). Its rings assemble each gathered or reduced chunk "
+                "into a full `[b, s, h]` buffer with dynamic-update-slices and keep the "
+                "in-flight chunk of both directions, a few MiB per layer that the plain "
+                "path's single collective does not hold. The extra was +3.7 MiB per layer "
+                "before the attention became the blockwise kernel (issue 10, which also "
+                "grew every variant's stack by about 1 MiB per layer) and is +5.3 MiB now; "
+                "which buffer XLA's schedule keeps longer since then is not isolated yet. "
+                "The option is off by default.", ""]
     return "\n".join(out) + "\n"
 
 
