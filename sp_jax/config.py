@@ -78,6 +78,16 @@ class ParallelConfig:
         handled inside the model), ``"ulysses"`` (all-to-all from sequence-sharded to
         head-sharded and back; heads per tensor shard must divide by the context size),
         or ``None``: no context axis (the default).
+      fsdp: shard parameters (and so their gradients and optimizer state) over the data
+        axes too (ZeRO-3 / FSDP), on the dimension tensor parallelism does not split:
+        column kernels ``[in, out]`` over ``in``, row kernels over ``out``, vocabulary
+        tables over the hidden dimension. Each layer all-gathers its weights over the data
+        axes just before use, inside its computation, and re-gathers them in the backward
+        pass instead of keeping them (``ops.fsdp_gather``: all-gather forward,
+        reduce-scatter of the weight gradient backward), so weight gradients come out
+        sharded and no full-size gradient all-reduce exists. Biases, norm parameters and
+        the learned position table stay replicated over the data axes (small). Needs a
+        ``data_axis``.
     """
 
     tensor_axis: str = "tensor"
@@ -87,6 +97,7 @@ class ParallelConfig:
     collective_matmul: bool = False
     context_axis: str = "context"
     context_parallel: str | None = None
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -131,6 +142,13 @@ class ParallelConfig:
                 "or False."
             )
         object.__setattr__(self, "collective_matmul", bool(self.collective_matmul))
+        if not isinstance(self.fsdp, (bool, np.bool_)):
+            raise TypeError(f"ParallelConfig.fsdp={self.fsdp!r} must be True or False.")
+        object.__setattr__(self, "fsdp", bool(self.fsdp))
+        if self.fsdp and data_axis is None:
+            raise ValueError(
+                "ParallelConfig(fsdp=True) shards parameters over the data axes, but "
+                "data_axis=None; name the data axis (e.g. data_axis='data').")
         if self.context_parallel not in CONTEXT_PARALLEL:
             raise ValueError(
                 f"ParallelConfig.context_parallel={self.context_parallel!r} is not a known "
@@ -156,6 +174,12 @@ class ParallelConfig:
     def context_axes(self) -> tuple[str, ...]:
         """The context axis as a tuple (empty without context parallelism)."""
         return (self.context_axis,) if self.context_parallel is not None else ()
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The axes parameters are sharded over besides tensor: the data axes with
+        ``fsdp``, else empty."""
+        return self.data_axes if self.fsdp else ()
 
     @property
     def data_axes(self) -> tuple[str, ...]:

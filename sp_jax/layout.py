@@ -16,6 +16,7 @@ logical axis   meaning                                    mesh axes
 ``mlp``        column-layer outputs / row-layer inputs    tensor axis
 ``vocab``      vocabulary entries                         tensor axis
 ``head_dim``   features of one head                       none
+``param_embed`` hidden features of a parameter            the data axes with ``fsdp``
 =============  =========================================  ===============================
 
 The named specs built from it (``d`` = data axes, ``t`` = tensor axis):
@@ -28,11 +29,11 @@ name                  logical axes                   spec
 ``replicated``        (batch, length, embed)         ``P(d, None, None)``
 ``tokens``            (batch, length)                ``P(d, None)``
 ``heads(rank)``       (batch, length, heads, ...)    ``P(d, None, t, None, ...)``
-``column_kernel``     (embed, mlp)                   ``P(None, t)``
-``row_kernel``        (mlp, embed)                   ``P(t, None)``
+``column_kernel``     (param_embed, mlp)             ``P(None, t)`` (fsdp: ``P(d, t)``)
+``row_kernel``        (mlp, param_embed)             ``P(t, None)`` (fsdp: ``P(t, d)``)
 ``column_bias``       (mlp,)                         ``P(t)``
 ``row_bias``          (embed,)                       ``P(None)``
-``vocab_table``       (vocab, embed)                 ``P(t, None)``
+``vocab_table``       (vocab, param_embed)           ``P(t, None)`` (fsdp: ``P(t, d)``)
 ``logits``            (batch, length, vocab)         ``P(d, None, t)``
 ====================  =============================  ===================================
 
@@ -55,7 +56,8 @@ __all__ = ["Layout", "LOGICAL_AXES", "MeshAxes"]
 MeshAxes = tuple[str, ...]
 """Mesh axes one logical axis is sharded over (empty: replicated)."""
 
-LOGICAL_AXES = ("batch", "length", "length_sp", "embed", "heads", "mlp", "vocab", "head_dim")
+LOGICAL_AXES = ("batch", "length", "length_sp", "embed", "heads", "mlp", "vocab", "head_dim",
+                "param_embed")
 """The logical axis names :meth:`Layout.spec` understands."""
 
 
@@ -77,15 +79,23 @@ class Layout:
       context: mesh axes the sequence is sharded over inside tensor-parallel regions
         (``ParallelConfig.context_axis`` with context parallelism; else empty: the whole
         sequence is on every device of a tensor group there).
+      fsdp: mesh axes the hidden dimension of kernels and vocabulary tables is sharded
+        over (``ParallelConfig(fsdp=True)``: the data axes; else empty).
     """
 
     data: MeshAxes = ("data",)
     tensor: str = "tensor"
     context: MeshAxes = ()
+    fsdp: MeshAxes = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", _axes(self.data))
         object.__setattr__(self, "context", _axes(self.context))
+        object.__setattr__(self, "fsdp", _axes(self.fsdp))
+        if self.tensor in self.fsdp or set(self.fsdp) & set(self.context):
+            raise ValueError(
+                f"Layout: the fsdp axes {self.fsdp} must not include the tensor axis "
+                f"{self.tensor!r} or the context axes {self.context}.")
         used = [*self.data, self.tensor, *self.context]
         if len(set(used)) != len(used):
             raise ValueError(
@@ -101,7 +111,7 @@ class Layout:
                 f"Layout.of expects a sp_jax.ParallelConfig, got {type(config).__name__}."
             )
         return cls(data=config.data_axes, tensor=config.tensor_axis,
-                   context=config.context_axes)
+                   context=config.context_axes, fsdp=config.fsdp_axes)
 
     # -- the table ------------------------------------------------------------------------
 
@@ -117,6 +127,7 @@ class Layout:
             "mlp": t,
             "vocab": t,
             "head_dim": (),
+            "param_embed": self.fsdp,
         }
 
     def spec(self, *logical: str | None) -> P:
@@ -176,13 +187,15 @@ class Layout:
 
     @property
     def column_kernel(self) -> P:
-        """``[in, out]`` kernel split by columns (output features): ``P(None, t)``."""
-        return self.spec("embed", "mlp")
+        """``[in, out]`` kernel split by columns (output features): ``P(None, t)``; with
+        fsdp the input features over the data axes too: ``P(d, t)``."""
+        return self.spec("param_embed", "mlp")
 
     @property
     def row_kernel(self) -> P:
-        """``[in, out]`` kernel split by rows (input features): ``P(t, None)``."""
-        return self.spec("mlp", "embed")
+        """``[in, out]`` kernel split by rows (input features): ``P(t, None)``; with fsdp
+        the output features over the data axes too: ``P(t, d)``."""
+        return self.spec("mlp", "param_embed")
 
     @property
     def column_bias(self) -> P:
@@ -197,5 +210,5 @@ class Layout:
     @property
     def vocab_table(self) -> P:
         """``[vocab, hidden]`` embedding / LM-head table split over the vocabulary:
-        ``P(t, None)``."""
-        return self.spec("vocab", "embed")
+        ``P(t, None)`` (with fsdp ``P(t, d)``)."""
+        return self.spec("vocab", "param_embed")

@@ -59,6 +59,7 @@ __all__ = [
     "column_parallel_matmul",
     "column_sequence_parallel_matmul",
     "row_sequence_parallel_matmul",
+    "fsdp_gather",
 ]
 
 AxisName = Hashable
@@ -336,18 +337,28 @@ def _matmul_bwd(wgrad_dtype, res, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None) -> jax.Array:
+def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
+           fsdp_axes: tuple[AxisName, ...] = (), fsdp_dim: int = 1) -> jax.Array:
     """Local ``x @ kernel`` in the dtype of ``x``, with the weight gradient in ``wgrad_dtype``.
 
     Args:
       x: ``[..., in]`` activations in the compute dtype.
       kernel: ``[in, out]`` parameter in its own (master) dtype; cast to ``x.dtype``.
       wgrad_dtype: accumulation dtype of ``d kernel`` (``None``: as plain autodiff).
+      fsdp_axes: data mesh axes the kernel is sharded over besides the tensor axis
+        (``ParallelConfig(fsdp=True)``; ``kernel`` is then this device's shard along
+        dimension ``fsdp_dim``): gathered just before the matmul, gathered again in the backward
+        pass instead of kept, and the weight gradient reduce-scattered over them.
+      fsdp_dim: the kernel dimension ``fsdp_axes`` shard (row layers: 1).
     Returns:
       ``[..., out]`` in ``x.dtype``.
     """
-    _check_linear_shapes("matmul", x, kernel)
-    vma = _vma(x) | _vma(kernel)
+    fsdp_axes = tuple(fsdp_axes)
+    _check_linear_shapes("matmul", x, _full_kernel(kernel, fsdp_axes, fsdp_dim))
+    vma = _vma(x) | _vma(kernel) | set(fsdp_axes)
+    if fsdp_axes:
+        return _fsdp_matmul(_vary(x, vma), _vary(kernel, vma), None, fsdp_axes, fsdp_dim,
+                            (wgrad_dtype,))
     return _matmul(_vary(x, vma), _vary(kernel, vma), wgrad_dtype)
 
 
@@ -416,6 +427,7 @@ def column_parallel_matmul(
     *,
     axis_name: AxisName,
     wgrad_dtype=None,
+    fsdp_axes: tuple[AxisName, ...] = (),
 ) -> jax.Array:
     """``x @ kernel + bias`` entering a tensor-parallel region from replicated activations
     (``copy_to_tensor_region`` and the matmul as one op, Megatron's
@@ -431,26 +443,30 @@ def column_parallel_matmul(
       bias: local ``[out / t]`` or ``None``.
       axis_name: the tensor mesh axis.
       wgrad_dtype: accumulation dtype of the weight and bias gradients.
+      fsdp_axes: data mesh axes the kernel is sharded over besides the tensor axis
+        (``ParallelConfig(fsdp=True)``; ``kernel`` is then this device's shard along
+        dimension 0): gathered just before the matmul, gathered again in the backward
+        pass instead of kept, and the weight gradient reduce-scattered over them.
     Returns:
       ``[..., out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
-    _check_linear_shapes("column_parallel_matmul", x, kernel, bias)
+    fsdp_axes = tuple(fsdp_axes)
+    _check_linear_shapes("column_parallel_matmul", x, _full_kernel(kernel, fsdp_axes, 0),
+                         bias)
     if axis_name in _vma(x):
         raise TypeError(
             f"column_parallel_matmul expects an input replicated over {axis_name!r}, but it "
             f"already varies over that axis (type {jax.typeof(x)}); use "
             "column_sequence_parallel_matmul to enter the region from sharded activations."
         )
-    vma = _vma(x) | _vma(kernel) | {axis_name}
+    vma = _vma(x) | _vma(kernel) | {axis_name} | set(fsdp_axes)
     if bias is not None:
         vma |= _vma(bias)
-    return _cp_matmul(
-        _vary(x, vma - {axis_name}),
-        _vary(kernel, vma),
-        _vary(bias, vma),
-        axis_name,
-        None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
-    )
+    args = (_vary(x, vma - {axis_name}), _vary(kernel, vma), _vary(bias, vma))
+    static = (axis_name, None if wgrad_dtype is None else jnp.dtype(wgrad_dtype))
+    if fsdp_axes:
+        return _fsdp_cp_matmul(*args, fsdp_axes, 0, static)
+    return _cp_matmul(*args, *static)
 
 
 # --------------------------------------------------------------------------------------
@@ -623,6 +639,7 @@ def row_sequence_parallel_matmul(
     seq_dim: int = 1,
     wgrad_dtype=None,
     collective_matmul: bool = False,
+    fsdp_axes: tuple[AxisName, ...] = (),
 ) -> jax.Array:
     """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
     into a sequence-parallel one, as one op.
@@ -647,10 +664,16 @@ def row_sequence_parallel_matmul(
         (:func:`sp_jax.ring.ring_reduce_scatter`); the backward's all-gather of ``dy`` is
         decomposed likewise, its chunks feeding the dx and dW GEMMs as they arrive. No-op
         when ``t = 1``.
+      fsdp_axes: data mesh axes the kernel is sharded over besides the tensor axis
+        (``ParallelConfig(fsdp=True)``; ``kernel`` is then this device's shard along
+        dimension 1): gathered just before the matmul, gathered again in the backward
+        pass instead of kept, and the weight gradient reduce-scattered over them.
     Returns:
       ``[b, s / t, out]`` in ``x.dtype``: the sum over ``axis_name``, this device's chunk.
     """
-    _check_linear_shapes("row_sequence_parallel_matmul", x, kernel, bias)
+    fsdp_axes = tuple(fsdp_axes)
+    _check_linear_shapes("row_sequence_parallel_matmul", x,
+                         _full_kernel(kernel, fsdp_axes, 1), bias)
     seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
     if seq_dim == x.ndim - 1:
         raise ValueError(
@@ -658,18 +681,15 @@ def row_sequence_parallel_matmul(
             f"dimension of x {x.shape}."
         )
     _check_divisible(x, seq_dim, axis_name, "row_sequence_parallel_matmul")
-    vma = _vma(x) | _vma(kernel) | {axis_name}
+    vma = _vma(x) | _vma(kernel) | {axis_name} | set(fsdp_axes)
     if bias is not None:
         vma |= _vma(bias)
     ring = collective_matmul and lax.axis_size(axis_name) > 1
-    return (_rsp_ring if ring else _rsp_matmul)(
-        _vary(x, vma),
-        _vary(kernel, vma),
-        _vary(bias, vma),
-        axis_name,
-        seq_dim,
-        None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
-    )
+    args = (_vary(x, vma), _vary(kernel, vma), _vary(bias, vma))
+    static = (axis_name, seq_dim, None if wgrad_dtype is None else jnp.dtype(wgrad_dtype))
+    if fsdp_axes:
+        return (_fsdp_rsp_ring if ring else _fsdp_rsp_matmul)(*args, fsdp_axes, 1, static)
+    return (_rsp_ring if ring else _rsp_matmul)(*args, *static)
 
 
 # --------------------------------------------------------------------------------------
@@ -734,6 +754,7 @@ def column_sequence_parallel_matmul(
     recompute_allgather: bool = False,
     wgrad_dtype=None,
     collective_matmul: bool = False,
+    fsdp_axes: tuple[AxisName, ...] = (),
 ) -> jax.Array:
     """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
 
@@ -759,26 +780,120 @@ def column_sequence_parallel_matmul(
         (:func:`sp_jax.ring.ring_gather`); the backward's reduce-scatter of ``dx`` and,
         with ``recompute_allgather``, its re-gather of ``x`` are decomposed likewise. No-op
         when ``t = 1``.
+      fsdp_axes: data mesh axes the kernel is sharded over besides the tensor axis
+        (``ParallelConfig(fsdp=True)``; ``kernel`` is then this device's shard along
+        dimension 0): gathered just before the matmul, gathered again in the backward
+        pass instead of kept, and the weight gradient reduce-scattered over them.
     Returns:
       ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
-    _check_linear_shapes("column_sequence_parallel_matmul", x, kernel, bias)
+    fsdp_axes = tuple(fsdp_axes)
+    _check_linear_shapes("column_sequence_parallel_matmul", x,
+                         _full_kernel(kernel, fsdp_axes, 0), bias)
     seq_dim = _canonical_dim(seq_dim, x.ndim, "seq_dim")
     if seq_dim == x.ndim - 1:
         raise ValueError(
             "column_sequence_parallel_matmul: seq_dim must not be the feature (last) "
             f"dimension of x {x.shape}."
         )
-    vma = _vma(x) | _vma(kernel) | {axis_name}
+    vma = _vma(x) | _vma(kernel) | {axis_name} | set(fsdp_axes)
     if bias is not None:
         vma |= _vma(bias)
     ring = collective_matmul and lax.axis_size(axis_name) > 1
-    return (_csp_ring if ring else _csp_matmul)(
-        _vary(x, vma),
-        _vary(kernel, vma),
-        _vary(bias, vma),
-        axis_name,
-        seq_dim,
-        bool(recompute_allgather),
-        None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
-    )
+    args = (_vary(x, vma), _vary(kernel, vma), _vary(bias, vma))
+    static = (axis_name, seq_dim, bool(recompute_allgather),
+              None if wgrad_dtype is None else jnp.dtype(wgrad_dtype))
+    if fsdp_axes:
+        return (_fsdp_csp_ring if ring else _fsdp_csp_matmul)(*args, fsdp_axes, 0, static)
+    return (_csp_ring if ring else _csp_matmul)(*args, *static)
+
+
+# --------------------------------------------------------------------------------------
+# Parameters sharded over the data axes (ZeRO-3 / FSDP)
+# --------------------------------------------------------------------------------------
+
+
+def _fsdp_all_gather(w: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    with jax.named_scope("fsdp_gather"):
+        return lax.all_gather(_vary(w, axes), axes, axis=dim, tiled=True)
+
+
+def _fsdp_reduce_scatter(g: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    with jax.named_scope("fsdp_wgrad_reduce_scatter"):
+        return lax.psum_scatter(_vary(g, axes), axes, scatter_dimension=dim, tiled=True)
+
+
+_fsdp_pair = _conjugate_pair(_fsdp_all_gather, _fsdp_reduce_scatter)
+
+
+def fsdp_gather(w: jax.Array, axes: tuple[AxisName, ...], dim: int) -> jax.Array:
+    """The whole of a parameter sharded over the data ``axes`` along ``dim``, for uses
+    whose backward does not need the parameter (an embedding lookup); the matmul ops
+    take ``fsdp_axes`` instead and gather inside their own VJP.
+
+    Forward: all-gather over ``axes`` (tiled, in the order of ``axes``, as
+    ``P(..., axes, ...)`` lays the shards out). Backward: reduce-scatter of the gradient
+    over ``axes``: the per-device partial gradients (each from its own batch shard) are
+    summed and every device keeps its own shard, so the gradient comes out sharded like
+    the parameter and no full-size all-reduce exists. No-op with empty ``axes``.
+    """
+    axes = tuple(axes)
+    if not axes:
+        return w
+    return _fsdp_pair(w, axes, _canonical_dim(dim, w.ndim, "dim"))
+
+
+def _fsdp_op(op_fwd: Callable, op_bwd: Callable) -> Callable:
+    """The FSDP form ``op(x, kernel_shard, bias, axes, dim, static)`` of a linear op whose
+    rules are ``op_fwd(x, kernel, bias, *static) -> (y, (a, kernel, bias))`` and
+    ``op_bwd(*static, res, g) -> (dx, dkernel, dbias)``.
+
+    Forward: the kernel is all-gathered over ``axes`` just before the op and dropped
+    after it: the residual is the local shard. Backward: the shard is gathered again
+    (behind a barrier with the incoming cotangent, so no CSE merges it with the forward
+    gather and it is not issued before the backward reaches this layer), the op's
+    backward runs, and the weight gradient is reduce-scattered over ``axes``.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+    def op(x, kernel, bias, axes, dim, static):
+        return op_fwd(x, _fsdp_all_gather(kernel, axes, dim), bias, *static)[0]
+
+    def fwd(x, kernel, bias, axes, dim, static):
+        y, (a, _, b) = op_fwd(x, _fsdp_all_gather(kernel, axes, dim), bias, *static)
+        return y, (a, kernel, b)
+
+    def bwd(axes, dim, static, res, g):
+        a, kernel, b = res
+        kernel, g = lax.optimization_barrier((kernel, g))
+        dx, dkernel, dbias = op_bwd(*static, (a, _fsdp_all_gather(kernel, axes, dim), b), g)
+        return dx, _fsdp_reduce_scatter(dkernel, axes, dim), dbias
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def _no_bias_fwd(x, kernel, bias, wgrad_dtype):
+    y, (x, kernel) = _matmul_fwd(x, kernel, wgrad_dtype)
+    return y, (x, kernel, None)
+
+
+def _no_bias_bwd(wgrad_dtype, res, g):
+    dx, dkernel = _matmul_bwd(wgrad_dtype, res[:2], g)
+    return dx, dkernel, None
+
+
+_fsdp_matmul = _fsdp_op(_no_bias_fwd, _no_bias_bwd)
+_fsdp_cp_matmul = _fsdp_op(_cp_matmul_fwd, _cp_matmul_bwd)
+_fsdp_csp_matmul = _fsdp_op(_csp_matmul_fwd, _csp_matmul_bwd)
+_fsdp_csp_ring = _fsdp_op(_csp_ring_fwd, _csp_ring_bwd)
+_fsdp_rsp_matmul = _fsdp_op(_rsp_matmul_fwd, _rsp_matmul_bwd)
+_fsdp_rsp_ring = _fsdp_op(_rsp_ring_fwd, _rsp_ring_bwd)
+
+
+def _full_kernel(kernel: jax.Array, axes: tuple, dim: int) -> jax.ShapeDtypeStruct:
+    """The shape the kernel has after the FSDP gather (for shape checks)."""
+    shape = list(kernel.shape)
+    for a in axes:
+        shape[dim] *= lax.axis_size(a)
+    return jax.ShapeDtypeStruct(tuple(shape), kernel.dtype)

@@ -16,6 +16,7 @@ from sp_jax.layers._sharding import (
     Mesh,
     axis_size,
     check_batch_and_sequence,
+    check_divisible,
     check_int_range,
     current_mesh,
     reshard,
@@ -106,6 +107,10 @@ class VocabParallelEmbedding(nnx.Module):
         self.param_dtype = param_dtype
         mesh = current_mesh(config, where="VocabParallelEmbedding", required=False)
         layout, t = Layout.of(config), config.tensor_axis
+        if mesh is not None and config.fsdp:
+            check_divisible("VocabParallelEmbedding (fsdp)", "features", features, mesh,
+                            config.fsdp_axes, "choose features as a multiple of the "
+                            "data-parallel size, or fsdp=False")
         if mesh is None or num_embeddings % axis_size(mesh, t) == 0:
             spec = layout.vocab_table
         elif features % axis_size(mesh, t) == 0:
@@ -156,7 +161,10 @@ class VocabParallelEmbedding(nnx.Module):
         dtype = self.dtype if self.dtype is not None else table.dtype
         table = table.astype(dtype)
 
+        fsdp_axes = self.config.fsdp_axes
+
         def local(ids, table):
+            table = ops.fsdp_gather(table, fsdp_axes, 1)  # hidden dim over the data axes
             emb = _lookup(ids, table, t, self.num_embeddings)
             if self.sequence_parallel:
                 return ops.reduce_scatter_sequence(emb, t, seq_dim=1)

@@ -139,6 +139,12 @@ class _ParallelLinear(nnx.Module):
             name, arg, size, mesh, t,
             f"choose {arg} as a multiple of the tensor-parallel size",
         )
+        if self.config.fsdp:  # the other kernel dimension is sharded over the data axes
+            arg, size = (("out_features", self.out_features) if self._split_in
+                         else ("in_features", self.in_features))
+            check_divisible(
+                f"{name} (fsdp)", arg, size, mesh, self.config.fsdp_axes,
+                f"choose {arg} as a multiple of the data-parallel size, or fsdp=False")
 
     def _check_input(self, x: jax.Array, mesh: Mesh) -> None:
         name = type(self).__name__
@@ -234,7 +240,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _local(self, x, kernel, bias):
         t, wd = self.config.tensor_axis, self.config.wgrad_dtype
-        y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd)
+        y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd,
+                                       fsdp_axes=self.config.fsdp_axes)
         if self.gather_output:
             y = ops.gather_from_sequence(y, t, seq_dim=-1)
         return y
@@ -273,7 +280,8 @@ class RowParallelLinear(_ParallelLinear):
         t, wd = self.config.tensor_axis, self.config.wgrad_dtype
         if not self.input_is_parallel:
             x = ops.scatter_to_sequence(x, t, seq_dim=-1)
-        y = ops.reduce_from_tensor_region(ops.matmul(x, kernel, wgrad_dtype=wd), t)
+        y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.config.fsdp_axes, fsdp_dim=1)
+        y = ops.reduce_from_tensor_region(y, t)
         return ops.add_bias(y, bias, wgrad_dtype=wd)
 
 
@@ -309,6 +317,7 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
             recompute_allgather=cfg.recompute_allgather,
             wgrad_dtype=cfg.wgrad_dtype,
             collective_matmul=cfg.collective_matmul,
+            fsdp_axes=cfg.fsdp_axes,
         )
 
 
@@ -335,4 +344,4 @@ class RowSequenceParallelLinear(_ParallelLinear):
         cfg = self.config
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
-            collective_matmul=cfg.collective_matmul)
+            collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes)

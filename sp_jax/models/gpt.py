@@ -314,7 +314,7 @@ class GPT(nnx.Module):
             return ops.column_sequence_parallel_matmul(
                 h, table.T, None, axis_name=t, seq_dim=1,
                 recompute_allgather=par.recompute_allgather, wgrad_dtype=par.wgrad_dtype,
-                collective_matmul=par.collective_matmul)
+                collective_matmul=par.collective_matmul, fsdp_axes=par.fsdp_axes)
 
         return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
                              out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)

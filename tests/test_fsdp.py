@@ -1,0 +1,198 @@
+"""Parameters sharded over the data axis (``ParallelConfig(fsdp=True)``): the GPT trains
+exactly like the replicated run and the unsharded model; parameters and optimizer state
+take 1 / (data x tensor) of the bytes per device; the compiled step reduce-scatters weight
+gradients over the data axis and all-reduces no full weight gradient; checkpoints move
+between sharded and replicated layouts bitwise."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from _util import copy_weights, param_values, to_host
+from conftest import make_mesh
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sp_jax
+from sp_jax.analysis import parse_collectives
+from sp_jax.checkpoint import abstract_like, restore_checkpoint, save_checkpoint
+from sp_jax.models import GPT, GPTConfig
+from sp_jax.training import TrainStep
+
+B, S, STEPS = 8, 16, 5
+BASE = dict(vocab_size=64, max_seq_len=S, num_layers=2, num_heads=4, hidden=32)
+
+
+def _batches(vocab, micro=1, steps=STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        start = rng.integers(0, vocab, size=(B, 1))
+        stride = rng.integers(1, 4, size=(B, 1))
+        tokens = ((start + stride * np.arange(S + 1)) % vocab).astype(np.int32)
+        out.append({"tokens": tokens[:, :-1].reshape(micro, B // micro, S),
+                    "labels": tokens[:, 1:].reshape(micro, B // micro, S)})
+    return out
+
+
+def _train(cfg, parallel, mesh, batches, *, init=None, train_mode=False):
+    """AdamW steps (eps=1e-5, see tests/test_gpt.py); (initial params, losses, params,
+    the TrainStep)."""
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        if init is not None:
+            copy_weights(model, init)
+        init = param_values(model)
+        if train_mode:
+            model.train()
+        step = TrainStep(model, optax.adamw(3e-3, eps=1e-5))
+        place = NamedSharding(mesh, P(None, "data", None))
+        losses = [float(step({k: jax.device_put(v, place) for k, v in b.items()},
+                             jax.random.key(i))["loss"]) for i, b in enumerate(batches)]
+        return init, np.array(losses), to_host(nnx.to_pure_dict(step.params)), step
+
+
+CASES = {  # id: ((data, tensor), model options, parallel options, micro-batches)
+    "2x4": ((2, 4), {}, {}, 1),
+    "4x2_micro_recompute_dropout": ((4, 2), {"dropout": 0.1}, {"recompute_allgather": True},
+                                    2),
+    "2x4_scan_untied_rotary": ((2, 4), {"scan_layers": True, "remat": True,
+                                        "tie_embeddings": False, "positions": "rotary"}, {},
+                               2),
+    "4x2_collective_matmul_vocab_50": ((4, 2), {"vocab_size": 50},
+                                       {"collective_matmul": True}, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_trains_like_replicated_and_unsharded(case):
+    (d, t), model_kw, parallel_kw, micro = CASES[case]
+    cfg = GPTConfig(**{**BASE, **model_kw})
+    batches = _batches(cfg.vocab_size, micro)
+    train = cfg.dropout > 0
+    init, losses, params, step = _train(cfg, sp_jax.ParallelConfig(fsdp=True, **parallel_kw),
+                                        make_mesh(d, t), batches, train_mode=train)
+    # parameters and AdamW moments sharded over data x tensor where TP shards them
+    ups = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(step.params)
+           if "'up'" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path)]
+    assert ups and all(tuple(k.sharding.spec)[-2:] == ("data", "tensor") for k in ups), ups
+    _, rep_losses, rep_params, _ = _train(cfg, sp_jax.ParallelConfig(**parallel_kw),
+                                          make_mesh(d, t), batches, init=init,
+                                          train_mode=train)
+    _, ref_losses, ref_params, _ = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+                                          batches, init=init, train_mode=train)
+    assert losses[-1] < losses[0]
+    for want_losses, want_params in ((rep_losses, rep_params), (ref_losses, ref_params)):
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(params, want_params, rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_with_a_context_axis_trains_like_unsharded():
+    cfg = GPTConfig(**{**BASE, "max_seq_len": 32, "positions": "rotary"})
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 64, size=(STEPS, 1, 4, 33)).astype(np.int32)
+    batches = [{"tokens": x[..., :-1], "labels": x[..., 1:]} for x in tokens]
+    mesh = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    init, losses, params, _ = _train(
+        cfg, sp_jax.ParallelConfig(fsdp=True, context_parallel="ring"), mesh, batches)
+    _, ref_losses, ref_params, _ = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+                                          batches, init=init)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
+
+
+def _device_bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_state_bytes_and_gradient_collectives():
+    """Per device: parameters + AdamW state of the kernels and tables = total / (d x t);
+    the compiled step reduce-scatters weight gradients over data and all-reduces none."""
+    cfg = GPTConfig(**{**BASE, "hidden": 64, "num_heads": 8})
+    d, t = 2, 4
+    batches = _batches(cfg.vocab_size, steps=1)
+    _, _, _, step = _train(cfg, sp_jax.ParallelConfig(fsdp=True), make_mesh(d, t), batches)
+    # kernels and the vocabulary table; the learned position table stays replicated
+    leaves = {jax.tree_util.keystr(k): v
+              for k, v in jax.tree_util.tree_leaves_with_path(step.params)}
+    kernels = {k: v for k, v in leaves.items() if v.ndim == 2 and "position" not in k}
+    assert len(kernels) == 4 * cfg.num_layers + 1, sorted(kernels)
+    total = sum(v.nbytes for v in kernels.values())
+    per_device = sum(v.addressable_shards[0].data.nbytes for v in kernels.values())
+    assert per_device * d * t == total
+    shapes = {tuple(v.shape) for v in kernels.values()}
+    moments = [leaf for leaf in jax.tree.leaves(step.opt_state)
+               if tuple(getattr(leaf, "shape", ())) in shapes]
+    assert len(moments) == 2 * len(kernels)  # AdamW mu and nu, sharded like the params
+    assert sum(m.addressable_shards[0].data.nbytes for m in moments) * d * t == 2 * total
+
+    mesh = make_mesh(d, t)
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(batches[0], NamedSharding(mesh, P(None, "data", None)))
+        hlo = step.compile(batch, jax.random.key(0)).as_text()
+    collectives = parse_collectives(hlo)
+    fsdp_rs = [c for c in collectives if "fsdp_wgrad_reduce_scatter" in c.op_name]
+    # 4 kernels per layer + the tied table (embedding and LM head) over the data axis
+    assert sum(c.operands for c in fsdp_rs) >= 4 * cfg.num_layers + 1
+    full = {tuple(v.shape) for v in kernels.values()} | {
+        tuple(v.shape[::-1]) for v in kernels.values()}
+    for c in collectives:
+        if c.kind == "all-reduce":
+            for _, dims in c.arrays:
+                assert tuple(dims) not in full, (c.op_name, c.arrays)
+                assert int(np.prod(dims)) < 64 * 64 // (d * t) * 4, (c.op_name, c.arrays)
+
+
+def _by_path(tree) -> dict[str, np.ndarray]:
+    # key paths, not treedefs: nnx Variables carry their sharding in the treedef
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _assert_bitwise(a, b) -> None:
+    a, b = _by_path(a), _by_path(b)
+    assert sorted(a) == sorted(b)
+    for path, x in a.items():
+        np.testing.assert_array_equal(x, b[path], err_msg=path)
+
+
+def test_checkpoint_between_sharded_and_replicated(tmp_path):
+    cfg = GPTConfig(**BASE)
+    batches = _batches(cfg.vocab_size, steps=2)
+    _, _, _, step = _train(cfg, sp_jax.ParallelConfig(fsdp=True), make_mesh(2, 4), batches)
+    params, opt_state = step.params, step.opt_state
+    save_checkpoint(tmp_path / "a", 2, step.params, step.opt_state)
+    for mesh, parallel in ((make_mesh(4, 2), sp_jax.ParallelConfig()),
+                           (make_mesh(8, 1), sp_jax.ParallelConfig(fsdp=True))):
+        with jax.set_mesh(mesh):
+            other = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(5)),
+                              optax.adamw(3e-3, eps=1e-5))
+        restored = restore_checkpoint(tmp_path / "a", params_like=abstract_like(other.params),
+                                      opt_state_like=abstract_like(other.opt_state))
+        for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(other.params),
+                             strict=True):
+            assert got.sharding == want.sharding  # the target's layout, sharded or not
+        _assert_bitwise(restored.params, params)
+        _assert_bitwise(restored.opt_state, opt_state)
+    # and back: the replicated run's checkpoint onto the sharded layout
+    save_checkpoint(tmp_path / "b", 2, restored.params, restored.opt_state)
+    with jax.set_mesh(make_mesh(2, 4)):
+        sharded = TrainStep(GPT(cfg, parallel=sp_jax.ParallelConfig(fsdp=True),
+                                rngs=nnx.Rngs(5)), optax.adamw(3e-3, eps=1e-5))
+    back = restore_checkpoint(tmp_path / "b", params_like=abstract_like(sharded.params),
+                              opt_state_like=abstract_like(sharded.opt_state))
+    _assert_bitwise(back.params, params)
+    _assert_bitwise(back.opt_state, opt_state)
+
+
+def test_fsdp_errors():
+    with pytest.raises(ValueError, match="fsdp=True.*data_axis=None"):
+        sp_jax.ParallelConfig(fsdp=True, data_axis=None)
+    with pytest.raises(TypeError, match="fsdp='yes' must be True or False"):
+        sp_jax.ParallelConfig(fsdp="yes")
+    with jax.set_mesh(make_mesh(4, 2)), pytest.raises(ValueError, match=r"\(fsdp\).*in_features=6"):
+        sp_jax.ColumnSequenceParallelLinear(6, 8, config=sp_jax.ParallelConfig(fsdp=True),
+                                            rngs=nnx.Rngs(0))
