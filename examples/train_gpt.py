@@ -57,6 +57,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=128, help="bytes per sequence (a multiple of TENSOR)")
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     add("--recompute-allgather", action="store_true", help="re-gather SP inputs in backward")
+    add("--fsdp", action="store_true",
+        help="shard parameters, gradients and optimizer state over DATA too (ZeRO-3)")
     add = p.add_argument_group("optimization").add_argument
     add("--batch-size", type=int, default=16, help="global batch (sequences) per step")
     add("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches")
@@ -101,6 +103,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         (a.heads % heads or a.hidden % a.heads, f"--heads {a.heads} must be a multiple of "
          f"{heads} (tensor size{', x context' if heads > a.tensor_size else ''}) and divide "
          f"--hidden {a.hidden}"),
+        (a.fsdp and a.hidden % a.data_size, f"--fsdp shards the hidden dimension over the "
+         f"data size {a.data_size}: --hidden {a.hidden} must be a multiple of it"),
         ((a.save_every or a.resume) and not a.ckpt_dir, "--save-every / --resume need --ckpt-dir"),
         (min(a.warmup_steps, a.save_every, a.eval_every) < 0,
          "--warmup-steps, --save-every and --eval-every must be >= 0")]:
@@ -213,7 +217,8 @@ def configure(args: argparse.Namespace) -> tuple:
     bf16 = args.precision == "bf16"
     parallel = sp_jax.ParallelConfig(
         recompute_allgather=args.recompute_allgather, wgrad_dtype=jnp.float32 if bf16 else None,
-        context_parallel=args.context_parallel if args.context_size > 1 else None)
+        context_parallel=args.context_parallel if args.context_size > 1 else None,
+        fsdp=args.fsdp)
     cfg = GPTConfig(vocab_size=256, max_seq_len=args.seq_len, num_layers=args.layers,
                     num_heads=args.heads, hidden=args.hidden, dropout=0.0,
                     tie_embeddings=True, dtype=jnp.bfloat16 if bf16 else jnp.float32,
@@ -233,7 +238,7 @@ def describe(args: argparse.Namespace, mesh, corpus: ByteCorpus, n_params: int) 
     cp = f"; {args.context_parallel} attention" if args.context_size > 1 else ""
     say(f"mesh: {args.mesh_name} on {mesh.size} of {jax.device_count()} "
         f"{jax.devices()[0].platform} devices{procs}; recompute_allgather="
-        f"{args.recompute_allgather}{cp}")
+        f"{args.recompute_allgather}{cp}{'; fsdp' if args.fsdp else ''}")
     say(f"data: {corpus.summary()}")
     say(f"batch: {args.batch_size} x {args.seq_len} = {args.batch_size * args.seq_len} "
         f"tokens/step in {args.micro_batches} micro-batch(es); {args.steps} steps, AdamW lr "
