@@ -26,9 +26,15 @@ from sp_jax.analysis.memory import (
     saved_activation_bytes,
     saved_residuals,
 )
+from sp_jax.analysis.plan import MODELS, ModelShape, PlanOption, PlanRow, plan
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MODELS",
+    "ModelShape",
+    "PlanOption",
+    "PlanRow",
+    "plan",
     "MODES",
     "Collective",
     "CollectiveStats",

@@ -27,7 +27,13 @@ from sp_jax.training.launch import (
 )
 from sp_jax.training.log import MetricsLog, plot_losses
 from sp_jax.training.schedule import warmup_cosine_schedule
-from sp_jax.training.step import TrainStep, accumulate_gradients, device_bytes, lm_loss
+from sp_jax.training.step import (
+    TrainStep,
+    accumulate_gradients,
+    device_bytes,
+    lm_loss,
+    train_step_fn,
+)
 
 __all__ = [
     "MESH_AXES",
@@ -47,5 +53,6 @@ __all__ = [
     "plot_losses",
     "schedule",
     "step",
+    "train_step_fn",
     "warmup_cosine_schedule",
 ]

@@ -27,7 +27,7 @@ from jax import lax
 
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
-__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss"]
+__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss", "train_step_fn"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -91,6 +91,26 @@ def device_bytes(tree: Any) -> int:
                if hasattr(x, "addressable_shards"))
 
 
+def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
+                  loss_fn: LossFn = lm_loss) -> Callable:
+    """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
+    batch, key) -> (params, opt_state, {"loss", "grad_norm"})`` (micro-batch gradient
+    accumulation in fp32, then the optimizer update). Also what
+    :func:`sp_jax.analysis.plan` compiles."""
+
+    def step(params, rest, opt_state, batch, key):
+        def pure_loss(p, micro_batch, k):
+            return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
+
+        loss, grads = accumulate_gradients(pure_loss, params, batch, key)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return step
+
+
 @dataclasses.dataclass
 class TrainStep:
     """Holds the split model and optimizer state and runs jitted training steps.
@@ -132,17 +152,7 @@ class TrainStep:
         self._eval = None
 
     def _build(self, batch: Any) -> Callable:
-        graphdef, tx, loss_fn = self.graphdef, self.tx, self.loss_fn
-
-        def step(params, rest, opt_state, batch, key):
-            def pure_loss(p, micro_batch, k):
-                return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
-
-            loss, grads = accumulate_gradients(pure_loss, params, batch, key)
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        step = train_step_fn(self.graphdef, self.tx, self.loss_fn)
 
         # The rest (rng counters, buffers) is small and keeps whatever placement it has.
         param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)

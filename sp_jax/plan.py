@@ -1,0 +1,62 @@
+"""``python -m sp_jax.plan``: per-GPU memory of a GPT training run for every sensible
+layout, from deviceless XLA:GPU compiles of the real training step (no GPU needed).
+
+Example::
+
+    python -m sp_jax.plan --model 70b --gpus 64
+    python -m sp_jax.plan --model 7b --gpus 64 --seq 131072
+    python -m sp_jax.plan --hidden 2048 --layers 24 --heads 16 --vocab 50304 --seq 2048 --gpus 8
+
+See :func:`sp_jax.analysis.plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Deviceless compiles: the CUDA plugin registers for compilation only on a CPU backend
+    # (``import sp_jax`` has imported jax already, but no backend has started).
+    import jax
+
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+    from sp_jax.analysis.plan import MODELS, ModelShape, format_table, plan
+
+    p = argparse.ArgumentParser(prog="python -m sp_jax.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), help="a preset shape")
+    for name in ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden"):
+        p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (H100)")
+    p.add_argument("--batch", type=int, help="global sequences per step (default: one per "
+                                             "data shard)")
+    p.add_argument("--json", help="also write the rows as JSON to this path")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    sizes = {k: getattr(args, k.replace("-", "_")) for k in
+             ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden")}
+    if args.model:
+        model = MODELS[args.model].replace(**{k.replace("-", "_"): v for k, v in sizes.items()
+                                              if v is not None})
+    else:
+        missing = [k for k in ("hidden", "layers", "heads", "vocab", "seq") if sizes[k] is None]
+        if missing:
+            p.error(f"give --model or all of --hidden --layers --heads --vocab --seq "
+                    f"(missing: {', '.join('--' + m for m in missing)})")
+        model = ModelShape("custom", sizes["hidden"], sizes["layers"], sizes["heads"],
+                           sizes["vocab"], sizes["seq"], sizes["mlp-hidden"])
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus} must be positive")
+    rows = plan(model, args.gpus, batch=args.batch, progress=not args.no_progress)
+    print(format_table(model, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in rows], f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

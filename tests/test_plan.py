@@ -1,0 +1,98 @@
+"""The memory planner (``sp_jax.analysis.plan``, ``python -m sp_jax.plan``): its parameter
+and optimizer bytes equal the analytic values, its activation figure is the compiled
+step's, sharding over data shrinks what it should, and the command line prints the table."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import requires_cuda_plugin
+
+from sp_jax.analysis.plan import MODELS, ModelShape, PlanOption, candidates, format_table, plan
+
+TINY = ModelShape("tiny", hidden=256, layers=2, heads=8, vocab=512, seq=256)
+
+
+def test_parameter_count_of_the_presets():
+    # GPT blocks with a 4h MLP: 12 h^2 per layer dominates
+    assert 6.4e9 < MODELS["7b"].params < 6.7e9
+    assert 64e9 < MODELS["70b"].params < 66e9
+    assert 1.2e9 < MODELS["1.3b"].params < 1.4e9
+    assert 0.12e9 < MODELS["gpt2-small"].params < 0.17e9
+
+
+def test_candidates():
+    seventy = candidates(MODELS["70b"], 64)
+    assert {(o.data, o.context, o.tensor) for o in seventy} == {(8, 1, 8)}
+    assert {(o.fsdp, o.remat) for o in seventy} == {(False, True), (True, False), (True, True)}
+    long = candidates(MODELS["7b"].replace(seq=131072), 64)
+    assert all(o.context > 1 and o.tensor == 8 for o in long)
+    small = candidates(MODELS["7b"], 8)
+    assert (8, 1, 1) in {(o.data, o.context, o.tensor) for o in small}
+    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
+        plan("gpt5", 8)
+    with pytest.raises(ValueError, match="do not use 8 GPUs"):
+        plan(TINY, 8, options=[PlanOption(2, 1, 2, fsdp=True, remat=False)], progress=False)
+
+
+@requires_cuda_plugin
+def test_plan_bytes_match_analytic_and_sharding_over_data_shrinks_them():
+    options = [PlanOption(2, 1, 4, fsdp=False, remat=False),
+               PlanOption(2, 1, 4, fsdp=True, remat=False)]
+    rows = plan(TINY, 8, options=options, progress=False)
+    assert not any(r.error for r in rows), [r.error for r in rows]
+    replicated, sharded = rows
+    for r in rows:
+        # fp32 parameters; AdamW: two fp32 moments + a count
+        assert r.param_bytes == pytest.approx(r.formula_param_bytes, rel=0.01)
+        assert r.opt_bytes == pytest.approx(2 * r.param_bytes, rel=0.01)
+        assert r.peak_bytes > r.param_bytes + r.opt_bytes and r.fits
+        assert r.activation_bytes > 0 and r.collective_bytes > 0
+    # sharding over data=2 halves the kernels' and tables' share (norms, biases stay)
+    assert sharded.param_bytes < 0.55 * replicated.param_bytes
+    assert sharded.peak_bytes < replicated.peak_bytes
+    table = format_table(TINY, rows)
+    assert "2x1x4 recompute_allgather+fsdp" in table and "| yes |" in table
+
+
+@requires_cuda_plugin
+def test_activation_figure_is_the_compiled_temp_on_cpu_too():
+    """The plan's activation figure (deviceless H100 compile) against the same training
+    step compiled for the 8 simulated CPU devices: within 10%."""
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import sp_jax
+    from sp_jax.models import GPT, GPTConfig
+    from sp_jax.training import TrainStep
+
+    option = PlanOption(2, 1, 4, fsdp=True, remat=False)
+    (row,) = plan(TINY, 8, options=[option], progress=False)
+    mesh = jax.make_mesh((2, 1, 4), ("data", "context", "tensor"))
+    cfg = GPTConfig(vocab_size=TINY.vocab, max_seq_len=TINY.seq, num_layers=TINY.layers,
+                    num_heads=TINY.heads, hidden=TINY.hidden, positions="rotary",
+                    dtype=jax.numpy.bfloat16, scan_layers=True)
+    parallel = sp_jax.ParallelConfig(recompute_allgather=True, fsdp=True,
+                                     wgrad_dtype=jax.numpy.float32)
+    with jax.set_mesh(mesh):
+        step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)), optax.adamw(1e-4))
+        tokens = np.zeros((1, 2, TINY.seq), np.int32)
+        batch = jax.device_put({"tokens": tokens, "labels": tokens},
+                               NamedSharding(mesh, P(None, "data", None)))
+        temp = step.temp_bytes(batch, jax.random.key(0))
+    cpu_acts = temp - row.grad_bytes
+    assert math.isclose(row.activation_bytes, cpu_acts, rel_tol=0.10), (row, temp)
+
+
+@requires_cuda_plugin
+def test_command_line_prints_the_table(capsys):
+    from sp_jax.plan import main
+
+    assert main(["--hidden", "128", "--layers", "1", "--heads", "4", "--vocab", "256",
+                 "--seq", "128", "--gpus", "8", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("custom: h=128, 1 layers") and "MiB per GPU" in out
+    assert "| 2x1x4 recompute_allgather+fsdp | 2 |" in out  # tensor 4: divides 4 heads
