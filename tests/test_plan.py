@@ -96,3 +96,44 @@ def test_command_line_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert out.startswith("custom: h=128, 1 layers") and "MiB per GPU" in out
     assert "| 2x1x4 recompute_allgather+fsdp | 2 |" in out  # tensor 4: divides 4 heads
+
+
+def _grad_temp(layers: int, fsdp: bool) -> int:
+    """XLA temp of the loss gradient (no optimizer: the gradients are outputs) of TINY
+    with ``layers`` scanned, rematerialised layers on 2 x 4 H100s."""
+    from flax import nnx
+
+    import sp_jax
+    from sp_jax import Layout
+    from sp_jax.analysis import compile_for_gpu, gpu_mesh
+    from sp_jax.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=TINY.vocab, max_seq_len=TINY.seq, num_layers=layers,
+                    num_heads=TINY.heads, hidden=TINY.hidden, positions="rotary",
+                    dtype=jax.numpy.bfloat16, scan_layers=True, remat=True)
+    parallel = sp_jax.ParallelConfig(fsdp=fsdp, recompute_allgather=True,
+                                     wgrad_dtype=jax.numpy.float32)
+    with jax.set_mesh(gpu_mesh((4, 2), ("data", "tensor"))):
+        model = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((4, TINY.seq), jax.numpy.int32,
+                                  sharding=Layout.of(parallel).tokens)
+
+    def grads(params, rest, tokens):
+        return jax.grad(lambda p: nnx.merge(graphdef, p, rest).loss(tokens, tokens))(params)
+
+    return compile_for_gpu(grads, params, rest, tokens, mesh_shape=(4, 2),
+                           axis_names=("data", "tensor")).temp_bytes
+
+
+@requires_cuda_plugin
+def test_only_one_layers_gathered_weights_stay_alive_with_scan_and_remat():
+    """Sharded over data with scanned, rematerialised layers, the gradient's temp grows
+    per layer (4 -> 8 layers, data 4 x tensor 2) by far less than one layer's gathered
+    weights: the other layers' gathered weights are not kept. (What it grows by: each
+    layer's input and a bf16 copy of the layer's weight *shard*, 1/4 of the gathered
+    weights, that XLA converts before the gather.)"""
+    h, t = TINY.hidden, 2
+    growth = (_grad_temp(8, True) - _grad_temp(4, True)) / 4
+    one_layer_weights = 12 * h * h // t * 2  # q, k, v, out + MLP kernels, bf16, gathered
+    assert 0 <= growth < one_layer_weights / 3, (growth, one_layer_weights)
