@@ -715,6 +715,32 @@ def plot_context(res: dict[str, Any], docs: Path) -> list[Path]:
     return [path]
 
 
+def _plan_section(res) -> str:
+    pl = res.get("plan")
+    if not pl:
+        return ""
+    if "error" in pl:
+        return f"## Memory planner\n\nNot measured: `{pl['error']}`\n"
+    out = ["## Memory planner (`python -m sp_jax.plan`)", "",
+           "Per-GPU memory of GPT training runs from deviceless H100 compiles of the real "
+           "training step (`sp_jax.training.train_step_fn`: forward, backward, AdamW; "
+           "parameters and optimizer state donated; layers scanned; bf16 compute, fp32 "
+           "master weights; `recompute_allgather` always on), for the layouts "
+           "`sp_jax.analysis.plan.candidates` proposes. Parameters and optimizer state: the "
+           "per-device shards the step takes (formula beside); gradients: fp32 shards like "
+           "the parameters; activations + temp: XLA's temp minus the gradients (formula: "
+           "selective-recompute TP+SP activations, rough); collectives: bytes per step "
+           "(the scanned layer's once per layer).", ""]
+    for p in pl["plans"]:
+        out += [f"### {p['model']}, s={p['seq']:,}, {p['gpus']} GPUs", "", p["table"], ""]
+    sm = pl["small"]
+    out += ["Check against a CPU compile (the same step for a small model, h=256, 2 layers, "
+            "data 2 x tensor 4, sharded over data): activations + temp "
+            f"{sm['row']['activation_bytes'] / 2**20:.2f} MiB from the H100 compile, "
+            f"{sm['cpu_activation_bytes'] / 2**20:.2f} MiB from XLA:CPU.", ""]
+    return "\n".join(out)
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     head = [
@@ -742,7 +768,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     ]
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),
             _gpu_section(res), _stacks_section(res), _time_section(res),
-            _gpt_time_section(res), _context_section(res)]
+            _gpt_time_section(res), _context_section(res), _plan_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)

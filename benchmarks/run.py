@@ -51,6 +51,7 @@ class Config:
     gpt_rounds: int
     context: ContextBench  # long context: ring / Ulysses on a context axis
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
+    plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
 
 
@@ -104,6 +105,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     gpt_models=(Model("tiny", layers=1, hidden=32, heads=4, seq=32, batch=8),),
     gpt_rounds=2,
     timing_fp32=False,
+    plans=False,
     stack_variants=("gspmd", "sp_save", "sp_recompute", "sp_recompute_cm"),
     context=ContextBench(
         h=128, a=8, layers=1, block=64,
@@ -217,7 +219,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
-            if name not in ("gpu", "stacks", "context"):
+            if name not in ("gpu", "stacks", "context", "plan"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -237,6 +239,10 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("gpt_step_time", lambda: _gpt_times(cfg))
     section("context", lambda: run_context_gpu(cfg.context, log=_log))
     section("context_cpu", lambda: run_context_cpu(cfg.context))
+    if cfg.plans:
+        from benchmarks.plan import run_plans
+
+        section("plan", lambda: run_plans(log=_log))
     results["megatron"] = MEGATRON
     results["meta"] = {
         "quick": quick,

@@ -354,8 +354,64 @@ def _context_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _plan_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    pl = res.get("plan")
+    if not pl:
+        return []
+    ids = [("plan_7b_8", "plan: 7B (h=4096, 32 layers, s=4096) on 8 H100 fits in 80 GB with "
+            "sharding over data"),
+           ("plan_7b_128k_64", "plan: 7B at s=131072 on 64 H100 (context parallel): a layout "
+            "that fits, or by how much the best misses"),
+           ("plan_70b_64", "plan: 70B (h=8192, 80 layers, 64 heads, s=4096) on 64 H100 "
+            "(data 8 x tensor 8) fits with full sharding + recompute_allgather + remat, not "
+            "without sharding over data"),
+           ("plan_accuracy", "plan: parameter and optimizer bytes = analytic within 1%; "
+            "activations within 10% of the CPU-compiled temp (small model)")]
+    if "error" in pl:
+        return [_target(i, t, None, f"not measured: {pl['error']}") for i, t in ids]
+
+    def rows(model, seq, gpus):
+        return next(p["rows"] for p in pl["plans"]
+                    if p["model"] == model and p["seq"] == seq and p["gpus"] == gpus)
+
+    def desc(r):
+        return f"{r['label']}: {r['peak_bytes'] / GiB:.1f} GiB"
+
+    out = []
+    r7 = rows("7b", 4096, 8)
+    fsdp = [r for r in r7 if r["option"]["fsdp"] and not r["error"]]
+    out.append(_target(*ids[0], any(r["fits"] for r in fsdp),
+                       "; ".join(desc(r) for r in r7)))
+    r128 = [r for r in rows("7b", 131072, 64) if not r["error"]]
+    best = min(r128, key=lambda r: r["peak_bytes"]) if r128 else None
+    text = "; ".join(desc(r) for r in r128) or "no layout compiled"
+    if best and not best["fits"]:
+        text += f" (best misses by {(best['peak_bytes'] - 80e9) / GiB:.1f} GiB)"
+    out.append(_target(*ids[1], bool(best) and best["fits"], text))
+    r70 = rows("70b", 4096, 64)
+    full = [r for r in r70 if r["option"]["fsdp"] and r["option"]["remat"]]
+    plain = [r for r in r70 if not r["option"]["fsdp"]]
+    out.append(_target(*ids[2], bool(full) and all(r["fits"] for r in full) and bool(plain)
+                       and not any(r["fits"] for r in plain),
+                       "; ".join(desc(r) for r in r70)))
+    worst = 0.0
+    for p in pl["plans"]:
+        for r in p["rows"]:
+            if not r["error"]:
+                worst = max(worst, abs(r["param_bytes"] / r["formula_param_bytes"] - 1),
+                            abs(r["opt_bytes"] / (2 * r["param_bytes"]) - 1))
+    sm = pl["small"]
+    act, cpu = sm["row"]["activation_bytes"], sm["cpu_activation_bytes"]
+    out.append(_target(*ids[3], worst <= 0.01 and abs(act / cpu - 1) <= 0.10,
+                       f"parameters/optimizer within {100 * worst:.2f}% of analytic over "
+                       f"every plan row; small model activations {act / 2**20:.2f} MiB "
+                       f"(H100 compile) vs {cpu / 2**20:.2f} MiB (CPU compile), "
+                       f"{100 * (act / cpu - 1):+.1f}%"))
+    return out
+
+
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The target table: one dict per target with ``met`` True / False / None."""
     return (_memory_targets(res["memory"]) + _collective_targets(res) + _gpu_targets(res)
             + _stack_targets(res) + _time_targets(res) + _gpt_time_targets(res)
-            + _context_targets(res))
+            + _context_targets(res) + _plan_targets(res))
