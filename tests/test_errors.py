@@ -151,6 +151,14 @@ CASES = {
             lambda: _on_context((1, 2, 2), lambda: GPT(
                 GPTConfig(**{**GPT_BASE, "attention_implementation": "cudnn"}),
                 parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0)))),
+    # sharding over data
+    "E38": (ValueError, r"fsdp=True\) shards parameters over the data axes, but "
+                        r"data_axis=None",
+            lambda: sp_jax.ParallelConfig(fsdp=True, data_axis=None)),
+    "E39": (ValueError, r"ColumnSequenceParallelLinear \(fsdp\): in_features=6 is not "
+                        r"divisible by the size 4.*or fsdp=False",
+            lambda: _on((4, 2), lambda: _layer(
+                n_in=6, n_out=8, config=sp_jax.ParallelConfig(fsdp=True)))),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),

@@ -196,3 +196,14 @@ def test_fsdp_errors():
     with jax.set_mesh(make_mesh(4, 2)), pytest.raises(ValueError, match=r"\(fsdp\).*in_features=6"):
         sp_jax.ColumnSequenceParallelLinear(6, 8, config=sp_jax.ParallelConfig(fsdp=True),
                                             rngs=nnx.Rngs(0))
+
+
+def test_fsdp_on_an_auto_mesh_matches_explicit():
+    cfg = GPTConfig(**BASE)
+    batches = _batches(cfg.vocab_size, steps=2)
+    parallel = sp_jax.ParallelConfig(fsdp=True)
+    init, losses, params, _ = _train(cfg, parallel, make_mesh(2, 4), batches)
+    _, auto_losses, auto_params, _ = _train(cfg, parallel, make_mesh(2, 4, AxisType.Auto),
+                                            batches, init=init)
+    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(params, auto_params, rtol=1e-5, atol=1e-5)
