@@ -92,10 +92,11 @@ def test_command_line_prints_the_table(capsys):
     from sp_jax.plan import main
 
     assert main(["--hidden", "128", "--layers", "1", "--heads", "4", "--vocab", "256",
-                 "--seq", "128", "--gpus", "8", "--no-progress"]) == 0
+                 "--seq", "128", "--gpus", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("custom: h=128, 1 layers") and "MiB per GPU" in out
-    assert "| 2x1x4 recompute_allgather+fsdp | 2 |" in out  # tensor 4: divides 4 heads
+    assert "| 1x1x2 recompute_allgather+remat | 1 |" in out  # tensor 2 within the host
+    assert "| 2x1x1 recompute_allgather+fsdp+remat | 2 |" in out  # or all over data
 
 
 def _grad_temp(layers: int, fsdp: bool) -> int:
