@@ -105,10 +105,11 @@ def runs(tmp_path_factory):
                               log=tmp / "single.out")
     codes = _wait(procs, deadline)
     if codes["single"] == 0:
-        # The reference's step-3 checkpoint, restored by 2 processes (each reads its shards).
+        # The reference's step-3 checkpoint, restored by 2 processes (each reads its shards)
+        # with the parameters and optimizer state sharded over data as well (--fsdp).
         shutil.copytree(tmp / "ckpt_1x8" / str(STEPS), tmp / "ckpt_resume" / str(STEPS))
         resumed = _two_processes(tmp, "resumed", "--steps", str(STEPS + 1), "--resume",
-                                 "--ckpt-dir", str(tmp / "ckpt_resume"))
+                                 "--fsdp", "--ckpt-dir", str(tmp / "ckpt_resume"))
         codes.update(_wait(resumed, deadline + TIMEOUT_S))
     outputs = {name: (tmp / f"{name}.out").read_text() for name in codes}
     return tmp, codes, outputs
@@ -172,7 +173,8 @@ def test_two_processes_save_one_checkpoint(runs):
 
 def test_two_processes_resume_a_checkpoint(runs):
     """2 processes restore the 1-process run's step-3 checkpoint (each reading the shards
-    its devices hold) and train step 4 as the 1-process run did."""
+    its devices hold, parameters and optimizer state now sharded over data too: --fsdp)
+    and train step 4 as the 1-process run did."""
     tmp, _, _ = runs
     _ok(runs, "single")
     out = _ok(runs, "resumed0")
