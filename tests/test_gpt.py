@@ -73,7 +73,8 @@ CASES = {
                               dict()),
     "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), dict()),
     "vocab_50": (dict(vocab_size=50), dict()),
-    "vocab_50_untied": (dict(vocab_size=50, tie_embeddings=False), dict()),
+    "swiglu_untied_50": (dict(mlp_activation="swiglu", vocab_size=50, tie_embeddings=False),
+                         dict()),
     "collective_matmul_recompute": (dict(), dict(collective_matmul=True,
                                                  recompute_allgather=True)),
     "collective_matmul_scan_untied_50": (dict(scan_layers=True, tie_embeddings=False,
@@ -242,6 +243,8 @@ def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
         (dict(num_layers=0), "num_layers=0 must be a positive int"),
         (dict(positions="alibi"), "positions='alibi'"),
         (dict(dropout=1.0), "dropout=1.0"),
+        (dict(mlp_activation="swish"), r"mlp_activation='swish' is not a known activation; "
+                                       r"use one of \['geglu', 'gelu', 'gelu_exact', 'relu'"),
     ],
 )
 def test_gpt_config_errors(kwargs, match):

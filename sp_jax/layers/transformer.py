@@ -307,10 +307,17 @@ class MLP(nnx.Module):
     ``down`` a :class:`RowSequenceParallelLinear` ``[mlp_hidden, hidden]``; input and
     output in the SP layout.
 
+    Gated (``gated=True``: SwiGLU with ``activation=jax.nn.silu``, GeGLU with gelu):
+    ``down(act(gate(x)) * up(x))`` with gate and up fused in ONE column layer ``up``
+    ``[hidden, 2 * mlp_hidden]`` whose columns are interleaved ``(j, {gate, up})``, so
+    every tensor shard holds matching gate and up columns, for any tensor size dividing
+    ``mlp_hidden``, and the normed input is gathered once.
+
     Args:
       hidden: model width.
       mlp_hidden: inner width; divisible by the tensor-axis size.
-      activation: elementwise nonlinearity (default ``jax.nn.gelu``).
+      activation: elementwise nonlinearity (default ``jax.nn.gelu``, tanh approximation).
+      gated: gated linear unit (above).
       others: as :class:`CausalSelfAttention`.
     """
 
@@ -322,26 +329,40 @@ class MLP(nnx.Module):
         config: ParallelConfig = ParallelConfig(),
         dropout: float = 0.0,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+        gated: bool = False,
         norm: str = "layernorm",
         norm_epsilon: float = 1e-5,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.activation = activation
+        self.activation, self.gated = activation, bool(gated)
         self.norm = make_norm(norm, hidden, config=config, epsilon=norm_epsilon, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
         self.up = ColumnSequenceParallelLinear(
-            hidden, mlp_hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            hidden, (2 if self.gated else 1) * mlp_hidden, config=config, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
         self.down = RowSequenceParallelLinear(
             mlp_hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.dropout = Dropout(dropout, config=config)  # rngs come with each call
+        self.config = config
+
+    def _act(self, y: jax.Array) -> jax.Array:
+        if not self.gated:
+            return self.activation(y)
+        tp = Layout.of(self.config).tp
+
+        def local(y):  # this shard's interleaved (gate, up) column pairs
+            pairs = y.reshape(*y.shape[:-1], -1, 2)
+            return self.activation(pairs[..., 0]) * pairs[..., 1]
+
+        return jax.shard_map(local, in_specs=tp, out_specs=tp)(y)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
         # The activation is recomputed in backward: only its input is kept (the tanh
         # approximation of gelu would otherwise keep several [b, s, mlp_hidden / t] arrays).
-        y = self.down(jax.checkpoint(self.activation)(self.up(self.norm(x))))
+        y = self.down(jax.checkpoint(self._act)(self.up(self.norm(x))))
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y

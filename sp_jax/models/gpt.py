@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -20,6 +21,15 @@ from sp_jax.layers.transformer import MLP, CausalSelfAttention
 from sp_jax.layout import Layout
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS"]
+
+MLP_ACTIVATIONS = {
+    "gelu": (jax.nn.gelu, False),  # tanh approximation (GPT-2)
+    "gelu_exact": (functools.partial(jax.nn.gelu, approximate=False), False),
+    "relu": (jax.nn.relu, False),
+    "swiglu": (jax.nn.silu, True),  # Llama
+    "geglu": (functools.partial(jax.nn.gelu, approximate=False), True),
+}
+"""``GPTConfig.mlp_activation`` -> (activation, gated)."""
 
 POSITIONS = ("learned", "rotary")
 """Position encodings a :class:`GPT` supports: a learned table or rotary embeddings."""
@@ -51,6 +61,9 @@ class GPTConfig:
       attention_block_q / attention_block_k: query and key/value block sizes of the
         blockwise attention (:func:`sp_jax.attention.blockwise_attention`; the largest
         divisors of the sequence length up to these).
+      mlp_activation: ``"gelu"`` (tanh approximation), ``"gelu_exact"``, ``"relu"``,
+        ``"swiglu"`` or ``"geglu"`` (gated: gate and up fused in one column layer,
+        :class:`~sp_jax.layers.MLP`).
       attention_implementation: ``"xla"`` (the blockwise kernel, every backend) or
         ``"cudnn"`` (cuDNN's fused attention on GPUs; not with ring attention).
       scan_layers: store the blocks' parameters stacked along a leading layer axis and
@@ -78,6 +91,7 @@ class GPTConfig:
     attention_block_q: int = 512
     attention_block_k: int = 512
     attention_implementation: str = "xla"
+    mlp_activation: str = "gelu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden",
@@ -101,6 +115,10 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.norm={self.norm!r} is not a known norm; use one of {sorted(NORMS)}."
             )
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"GPTConfig.mlp_activation={self.mlp_activation!r} is not a known activation; "
+                f"use one of {sorted(MLP_ACTIVATIONS)}.")
         if self.attention_implementation not in ("xla", "cudnn"):
             raise ValueError(
                 f"GPTConfig.attention_implementation={self.attention_implementation!r} is "
@@ -134,7 +152,9 @@ class Block(nnx.Module):
             rope_base=cfg.rope_base, attention_block_q=cfg.attention_block_q,
             attention_block_k=cfg.attention_block_k,
             attention_implementation=cfg.attention_implementation, **common)
-        self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, **common)
+        activation, gated = MLP_ACTIVATIONS[cfg.mlp_activation]
+        self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, activation=activation, gated=gated,
+                       **common)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         rngs = None if key is None else nnx.Rngs(dropout=key)
