@@ -42,3 +42,20 @@ def probe(shape, seed=7):
 
 def grads_dict(grads) -> dict:
     return to_host(nnx.to_pure_dict(nnx.state(grads)))
+
+
+def by_path(tree) -> dict[str, np.ndarray]:
+    """Host arrays of ``tree`` by key path (not treedef: nnx Variables carry creation-time
+    metadata such as their sharding in the treedef, which is not part of the values)."""
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def assert_bitwise(a, b) -> None:
+    """``a`` and ``b`` hold the same paths with bitwise-equal values, dtypes and shapes."""
+    a, b = by_path(a), by_path(b)
+    assert sorted(a) == sorted(b)
+    for path, x in a.items():
+        assert x.dtype == b[path].dtype and x.shape == b[path].shape, path
+        np.testing.assert_array_equal(x, b[path], err_msg=path)
+

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _util import assert_bitwise
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -63,21 +64,6 @@ def _host(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def _by_path(tree) -> dict[str, np.ndarray]:
-    # Key paths, not treedefs: nnx Variables carry creation-time metadata (e.g. whether a
-    # mesh was set) in their treedef, which is not part of the parameter values.
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _assert_bitwise(a, b) -> None:
-    a, b = _by_path(a), _by_path(b)
-    assert sorted(a) == sorted(b)
-    for path, x in a.items():
-        assert x.dtype == b[path].dtype and x.shape == b[path].shape, path
-        np.testing.assert_array_equal(x, b[path], err_msg=path)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint (step 2) written from a data=2 x tensor=4 mesh, and its source."""
@@ -98,8 +84,8 @@ def test_restore_onto_other_meshes_bitwise(saved, shape):
     restored = restore_checkpoint(directory, params_like=abstract_like(dst.params),
                                   opt_state_like=abstract_like(dst.opt_state))
     assert restored.step == 2 and restored.metadata == {"note": "2x4"}
-    _assert_bitwise(restored.params, src.params)
-    _assert_bitwise(restored.opt_state, src.opt_state)
+    assert_bitwise(restored.params, src.params)
+    assert_bitwise(restored.opt_state, src.opt_state)
     # ... laid out as the target mesh says, so the step function accepts them as they are.
     for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(dst.params),
                          strict=True):
@@ -125,9 +111,9 @@ def test_restore_into_unsharded_model(saved):
     assert restored.opt_state is None
     for leaf in jax.tree.leaves(restored.params):
         assert isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding)
-    _assert_bitwise(restored.params, src.params)
+    assert_bitwise(restored.params, src.params)
     nnx.update(model, restored.params)
-    _assert_bitwise(nnx.state(model, nnx.Param), src.params)
+    assert_bitwise(nnx.state(model, nnx.Param), src.params)
 
 
 def test_other_model_shape_names_parameter_and_shapes(saved):
@@ -237,8 +223,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, async_save
     restored = reopened.restore(params_like=abstract_like(dst.params),
                                 opt_state_like=abstract_like(dst.opt_state))
     assert restored.step == 1
-    _assert_bitwise(restored.params, src.params)
-    _assert_bitwise(restored.opt_state, src.opt_state)
+    assert_bitwise(restored.params, src.params)
+    assert_bitwise(restored.opt_state, src.opt_state)
     # And the manager saves again afterwards.
     reopened.save(2, src.params, src.opt_state)
     assert reopened.all_steps() == [1, 2]

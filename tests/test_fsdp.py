@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _util import copy_weights, param_values, to_host
+from _util import assert_bitwise, copy_weights, param_values, to_host
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -146,19 +146,6 @@ def test_state_bytes_and_gradient_collectives():
                 assert int(np.prod(dims)) < 64 * 64 // (d * t) * 4, (c.op_name, c.arrays)
 
 
-def _by_path(tree) -> dict[str, np.ndarray]:
-    # key paths, not treedefs: nnx Variables carry their sharding in the treedef
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _assert_bitwise(a, b) -> None:
-    a, b = _by_path(a), _by_path(b)
-    assert sorted(a) == sorted(b)
-    for path, x in a.items():
-        np.testing.assert_array_equal(x, b[path], err_msg=path)
-
-
 def test_checkpoint_between_sharded_and_replicated(tmp_path):
     cfg = GPTConfig(**BASE)
     batches = _batches(cfg.vocab_size, steps=2)
@@ -175,8 +162,8 @@ def test_checkpoint_between_sharded_and_replicated(tmp_path):
         for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(other.params),
                              strict=True):
             assert got.sharding == want.sharding  # the target's layout, sharded or not
-        _assert_bitwise(restored.params, params)
-        _assert_bitwise(restored.opt_state, opt_state)
+        assert_bitwise(restored.params, params)
+        assert_bitwise(restored.opt_state, opt_state)
     # and back: the replicated run's checkpoint onto the sharded layout
     save_checkpoint(tmp_path / "b", 2, restored.params, restored.opt_state)
     with jax.set_mesh(make_mesh(2, 4)):
@@ -184,8 +171,8 @@ def test_checkpoint_between_sharded_and_replicated(tmp_path):
                                 rngs=nnx.Rngs(5)), optax.adamw(3e-3, eps=1e-5))
     back = restore_checkpoint(tmp_path / "b", params_like=abstract_like(sharded.params),
                               opt_state_like=abstract_like(sharded.opt_state))
-    _assert_bitwise(back.params, params)
-    _assert_bitwise(back.opt_state, opt_state)
+    assert_bitwise(back.params, params)
+    assert_bitwise(back.opt_state, opt_state)
 
 
 def test_fsdp_errors():

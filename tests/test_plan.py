@@ -5,7 +5,6 @@ step's, sharding over data shrinks what it should, and the command line prints t
 import math
 
 import jax
-import numpy as np
 import pytest
 from conftest import requires_cuda_plugin
 
@@ -59,32 +58,13 @@ def test_plan_bytes_match_analytic_and_sharding_over_data_shrinks_them():
 @requires_cuda_plugin
 def test_activation_figure_is_the_compiled_temp_on_cpu_too():
     """The plan's activation figure (deviceless H100 compile) against the same training
-    step compiled for the 8 simulated CPU devices: within 10%."""
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    step compiled for the 8 simulated CPU devices (``benchmarks.plan.small_check``, which
+    ``make bench`` reports): within 10%."""
+    from benchmarks.plan import small_check
 
-    import sp_jax
-    from sp_jax.models import GPT, GPTConfig
-    from sp_jax.training import TrainStep
-
-    option = PlanOption(2, 1, 4, fsdp=True, remat=False)
-    (row,) = plan(TINY, 8, options=[option], progress=False)
-    mesh = jax.make_mesh((2, 1, 4), ("data", "context", "tensor"))
-    cfg = GPTConfig(vocab_size=TINY.vocab, max_seq_len=TINY.seq, num_layers=TINY.layers,
-                    num_heads=TINY.heads, hidden=TINY.hidden, positions="rotary",
-                    dtype=jax.numpy.bfloat16, scan_layers=True)
-    parallel = sp_jax.ParallelConfig(recompute_allgather=True, fsdp=True,
-                                     wgrad_dtype=jax.numpy.float32)
-    with jax.set_mesh(mesh):
-        step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)), optax.adamw(1e-4))
-        tokens = np.zeros((1, 2, TINY.seq), np.int32)
-        batch = jax.device_put({"tokens": tokens, "labels": tokens},
-                               NamedSharding(mesh, P(None, "data", None)))
-        temp = step.temp_bytes(batch, jax.random.key(0))
-    cpu_acts = temp - row.grad_bytes
-    assert math.isclose(row.activation_bytes, cpu_acts, rel_tol=0.10), (row, temp)
+    check = small_check(TINY)
+    acts = check["row"]["activation_bytes"]
+    assert math.isclose(acts, check["cpu_activation_bytes"], rel_tol=0.10), check
 
 
 @requires_cuda_plugin

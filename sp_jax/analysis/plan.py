@@ -173,6 +173,17 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
     return params, acts
 
 
+def _device_bytes(tree: Any, itemsize: int | None = None) -> int:
+    """Bytes one device holds of the abstract arrays in ``tree`` (from their shardings),
+    each element ``itemsize`` bytes if given, else its dtype's."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        local = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(local) * (itemsize or np.dtype(leaf.dtype).itemsize)
+    return total
+
+
 def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
              target: str = "h100") -> PlanRow:
     """Compiles the training step of ``model`` under ``option`` for ``option.gpus``
@@ -211,18 +222,8 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     batch_tree = {"tokens": tokens, "labels": tokens}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
-    def device_bytes(tree: Any) -> int:
-        total = 0
-        for leaf in jax.tree.leaves(tree):
-            sharding = getattr(leaf, "sharding", None)
-            local = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-            total += math.prod(local) * np.dtype(leaf.dtype).itemsize
-        return total
-
-    param_bytes, opt_bytes = device_bytes(params), device_bytes(opt_state)
-    grad_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)
-                           if getattr(p, "sharding", None) is not None else p.shape) * 4
-                     for p in jax.tree.leaves(params))
+    param_bytes, opt_bytes = _device_bytes(params), _device_bytes(opt_state)
+    grad_bytes = _device_bytes(params, itemsize=4)  # fp32 gradients, sharded like params
     try:
         report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
                                  batch_tree, key, mesh_shape=shape, axis_names=axes,
