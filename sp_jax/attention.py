@@ -172,9 +172,10 @@ def attention_block_counts(seq_len: int, context: int, *, mode: str, block_q: in
 
 
 def _scores(q_i, k_j, scale, mask_at=None):
-    """fp32 scaled scores ``[b, h, bq, bk]``; with ``mask_at = (q_start, k_start)`` the
+    """fp32 scaled scores ``[b, h, g, bq, bk]`` of ``q_i [b, h, g, bq, d]`` (``g`` query
+    heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start, k_start)`` the
     keys after each query (causal, positions from the block starts) are -inf."""
-    s = jnp.einsum("bhqd,bhkd->bhqk", q_i, k_j, preferred_element_type=_F32) * scale
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
     if mask_at is not None:
         q_start, k_start = mask_at
         rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
@@ -183,22 +184,25 @@ def _scores(q_i, k_j, scale, mask_at=None):
     return s
 
 
-def _slice(x, start, size, axis=2):
-    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+def _slice(x, start, size, axis=-2):
+    """Rows ``start .. start + size`` of ``x`` along ``axis`` (default: the sequence axis
+    of ``[..., seq, head_dim]``; ``axis=-1`` for the statistics ``[..., seq]``)."""
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
 
 
 def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
-    """Attention of ``q [b, h, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks.
+    """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
+    ``g`` query heads of group ``h`` share key/value head ``h``).
 
     ``causal``: ``sq == sk`` and query ``i`` sees keys ``0 .. i`` (key blocks above the
     diagonal are not visited; those crossing it are masked); else every query sees every
     key. Every query row must see at least one key (true for both).
 
     Returns:
-      ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, sq, d]``, the log-sum-exp
-      fp32 ``[b, h, sq]`` and the number of block products computed (int32).
+      ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d]``, the log-sum-exp
+      fp32 ``[b, h, g, sq]`` and the number of block products computed (int32).
     """
-    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
 
     def q_block(i, carry):
@@ -215,7 +219,7 @@ def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
             alpha = jnp.exp(m - m_new)
             norm = alpha * norm + jnp.sum(p, axis=-1)
             o = alpha[..., None] * o + jnp.einsum(
-                "bhqk,bhkd->bhqd", p.astype(v.dtype), _slice(v, j * bk, bk),
+                "bhgqk,bhkd->bhgqd", p.astype(v.dtype), _slice(v, j * bk, bk),
                 preferred_element_type=_F32)
             return o, m_new, norm, n + 1
 
@@ -231,8 +235,10 @@ def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
         else:
             acc = lax.fori_loop(0, sk // bk, functools.partial(kv_step, masked=False), acc)
         o, m, norm, count = acc
-        out = lax.dynamic_update_slice_in_dim(out, o / norm[..., None], q_start, axis=2)
-        lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(norm), q_start, axis=2)
+        out = lax.dynamic_update_slice_in_dim(out, o / norm[..., None], q_start,
+                                              axis=out.ndim - 2)
+        lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(norm), q_start,
+                                              axis=lse.ndim - 1)
         return out, lse, count
 
     out = jnp.zeros_like(q, dtype=_F32)
@@ -246,15 +252,15 @@ def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: 
     query blocks that see them; the same blocks skipped and masked as forward).
 
     Args:
-      q, do: ``[b, h, sq, d]``; k, v: ``[b, h, sk, d]``.
-      lse, delta: fp32 ``[b, h, sq]``: the log-sum-exp of the whole attention row and
+      q, do: ``[b, h, g, sq, d]``; k, v: ``[b, h, sk, d]``.
+      lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
         ``rowsum(do * out)``.
-      dq: fp32 ``[b, h, sq, d]`` accumulator the query gradients are added to.
+      dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
     Returns:
       ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
       call, the number of block products.
     """
-    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
 
     def k_block(j, carry):
@@ -267,15 +273,17 @@ def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: 
             q_start = i * bq
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
             s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None)
-            p = jnp.exp(s - _slice(lse, q_start, bq)[..., None])  # recomputed
-            dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do.dtype), do_i,
+            p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
+            dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do_i,
                                      preferred_element_type=_F32)
-            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, v_j, preferred_element_type=_F32)
-            ds = (p * (dp - _slice(delta, q_start, bq)[..., None]) * scale).astype(q.dtype)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=_F32)
+            ds = (p * (dp - _slice(delta, q_start, bq, -1)[..., None]) * scale
+                  ).astype(q.dtype)
             dq_i = _slice(dq, q_start, bq) + jnp.einsum(
-                "bhqk,bhkd->bhqd", ds, k_j, preferred_element_type=_F32)
-            dq = lax.dynamic_update_slice_in_dim(dq, dq_i, q_start, axis=2)
-            dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q_i, preferred_element_type=_F32)
+                "bhgqk,bhkd->bhgqd", ds, k_j, preferred_element_type=_F32)
+            dq = lax.dynamic_update_slice_in_dim(dq, dq_i, q_start, axis=dq.ndim - 2)
+            dk_j = dk_j + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i,
+                                     preferred_element_type=_F32)
             return dq, dk_j, dv_j, n + 1
 
         zero = jnp.zeros_like(k_j, dtype=_F32)
@@ -290,8 +298,8 @@ def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: 
         else:
             acc = lax.fori_loop(0, sq // bq, functools.partial(q_step, masked=False), acc)
         dq, dk_j, dv_j, count = acc
-        dk = lax.dynamic_update_slice_in_dim(dk, dk_j, k_start, axis=2)
-        dv = lax.dynamic_update_slice_in_dim(dv, dv_j, k_start, axis=2)
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_j, k_start, axis=dk.ndim - 2)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_j, k_start, axis=dv.ndim - 2)
         return dq, dk, dv, count
 
     zero = jnp.zeros_like(k, dtype=_F32)
@@ -299,22 +307,38 @@ def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: 
 
 
 def _delta(do, out):
-    """``rowsum(do * out)`` in fp32, ``[b, h, s]``."""
-    return jnp.einsum("bhsd,bhsd->bhs", do.astype(_F32), out.astype(_F32))
+    """``rowsum(do * out)`` in fp32, ``[..., s]``."""
+    return jnp.einsum("...sd,...sd->...s", do.astype(_F32), out.astype(_F32))
 
 
 def _to_bhsd(x):
+    """Keys and values ``[b, s, h, d]`` <-> the kernels' ``[b, h, s, d]``."""
     return jnp.swapaxes(x, 1, 2)
 
 
 _to_bshd = _to_bhsd
 
 
+def _q_to_kernel(q, kv_heads: int):
+    """Queries ``[b, s, h, d]`` -> ``[b, kv_heads, h / kv_heads, s, d]``: query head
+    ``j * g + i`` is the ``i``-th of the ``g`` heads that share key/value head ``j``."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+
+
+def _q_from_kernel(x):
+    """The inverse of :func:`_q_to_kernel`."""
+    b, hk, g, s, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
+
+
 def _check_qkv(name: str, q, k, v) -> None:
-    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
+    if (q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[:2] != k.shape[:2]
+            or q.shape[3] != k.shape[3] or k.shape[2] == 0 or q.shape[2] % k.shape[2]):
         raise ValueError(
-            f"{name}: q, k, v must have the same shape [batch, seq, heads, head_dim], got "
-            f"{q.shape}, {k.shape}, {v.shape}."
+            f"{name}: q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
+            f"head_dim] must agree, with heads a multiple of kv_heads (grouped-query "
+            f"attention); got q {q.shape}, k {k.shape}, v {v.shape}."
         )
 
 
@@ -332,10 +356,11 @@ def _same_vma(q, k, v):
 
 
 def _blockwise_forward(q, k, v, bq, bk):
-    """``[b, s, h, d]`` inputs -> (out ``[b, s, h, d]`` in q's dtype, lse, count)."""
-    o, lse, count = _forward_blocks(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), causal=True,
-                                    bq=bq, bk=bk)
-    return _to_bshd(o).astype(q.dtype), lse, count
+    """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
+    lse, count)."""
+    o, lse, count = _forward_blocks(_q_to_kernel(q, k.shape[2]), _to_bhsd(k), _to_bhsd(v),
+                                    causal=True, bq=bq, bk=bk)
+    return _q_from_kernel(o).astype(q.dtype), lse, count
 
 
 def _blockwise_backward(res, d_out, bq, bk):
@@ -343,11 +368,12 @@ def _blockwise_backward(res, d_out, bq, bk):
     # recomputed scores with the forward ones and keep those alive until backward.
     res, d_out = lax.optimization_barrier((res, d_out))
     q, k, v, out, lse = res
-    qh, kh, vh, doh = _to_bhsd(q), _to_bhsd(k), _to_bhsd(v), _to_bhsd(d_out)
+    hk = k.shape[2]
+    qh, kh, vh, doh = _q_to_kernel(q, hk), _to_bhsd(k), _to_bhsd(v), _q_to_kernel(d_out, hk)
     dq, dk, dv, count = _backward_blocks(
-        qh, kh, vh, doh, lse, _delta(doh, _to_bhsd(out)), jnp.zeros_like(qh, dtype=_F32),
-        causal=True, bq=bq, bk=bk)
-    grads = (_to_bshd(dq).astype(q.dtype), _to_bshd(dk).astype(k.dtype),
+        qh, kh, vh, doh, lse, _delta(doh, _q_to_kernel(out, hk)),
+        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk)
+    grads = (_q_from_kernel(dq).astype(q.dtype), _to_bshd(dk).astype(k.dtype),
              _to_bshd(dv).astype(v.dtype))
     return grads, count
 
@@ -381,7 +407,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     and accumulates ``dq, dk, dv`` in fp32.
 
     Args:
-      q, k, v: ``[batch, seq, heads, head_dim]``, the same shape (any float dtype).
+      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``
+        (any float dtype), ``heads`` a multiple of ``kv_heads``: grouped-query attention
+        (query head ``j * heads / kv_heads + i`` uses key/value head ``j``, as in Hugging
+        Face's ``repeat_kv``), computed without repeating k and v.
       block_q / block_k: query / key rows per block: the largest divisors of ``seq`` up to
         these.
       implementation: ``"xla"`` (this kernel, every backend) or ``"cudnn"``
@@ -424,9 +453,10 @@ def _merge(o1, lse1, o2, lse2):
 
 
 def _ring_forward(q, k, v, axis_name, bq, bk):
-    """Per device, ``[b, h, 2n, d]`` zigzag shards -> (out fp32, lse, count)."""
+    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` -> (out
+    fp32, lse, count)."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n = q.shape[2] // 2
+    n = q.shape[-2] // 2
     kv = (k, v)
     recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
     # step 0: own keys; the local zigzag rows are in increasing global order -> causal
@@ -436,16 +466,17 @@ def _ring_forward(q, k, v, axis_name, bq, bk):
         # source r - t < r: every local query sees the source's first chunk, none its
         # second: all 2n queries x the first n keys, unmasked
         k_t, v_t = kv
-        o_p, lse_p, cnt = _forward_blocks(q, k_t[:, :, :n], v_t[:, :, :n], causal=False,
-                                          bq=bq, bk=bk)
+        o_p, lse_p, cnt = _forward_blocks(q, k_t[..., :n, :], v_t[..., :n, :],
+                                          causal=False, bq=bq, bk=bk)
         return (*_merge(o, lse, o_p, lse_p), cnt)
 
     def after(kv, o, lse):
         # source after r: only the second local chunk sees keys, all 2n of them, unmasked
         k_t, v_t = kv
-        o_p, lse_p, cnt = _forward_blocks(q[:, :, n:], k_t, v_t, causal=False, bq=bq, bk=bk)
-        o2, lse2 = _merge(o[:, :, n:], lse[..., n:], o_p, lse_p)
-        return (jnp.concatenate([o[:, :, :n], o2], axis=2),
+        o_p, lse_p, cnt = _forward_blocks(q[..., n:, :], k_t, v_t, causal=False, bq=bq,
+                                          bk=bk)
+        o2, lse2 = _merge(o[..., n:, :], lse[..., n:], o_p, lse_p)
+        return (jnp.concatenate([o[..., :n, :], o2], axis=-2),
                 jnp.concatenate([lse[..., :n], lse2], axis=-1), cnt)
 
     for t in range(1, c):
@@ -462,13 +493,13 @@ def _ring_forward(q, k, v, axis_name, bq, bk):
 
 
 def _ring_backward(res, d_out, axis_name, bq, bk):
-    """Per device: the gradients of :func:`_ring_forward` (``[b, h, 2n, d]`` layout):
+    """Per device: the gradients of :func:`_ring_forward` (its layouts):
     ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
     at their owner. Returns (dq, dk, dv, count), fp32."""
     res, d_out = lax.optimization_barrier((res, d_out))  # no CSE with the forward pass
     q, k, v, out, lse = res
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n = q.shape[2] // 2
+    n = q.shape[-2] // 2
     delta = _delta(d_out, out)
     kv = (k, v)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
@@ -479,18 +510,18 @@ def _ring_backward(res, d_out, axis_name, bq, bk):
 
     def before(kv, dq):
         k_t, v_t = kv
-        dq, dk_p, dv_p, cnt = _backward_blocks(q, k_t[:, :, :n], v_t[:, :, :n], d_out, lse,
-                                               delta, dq, causal=False, bq=bq, bk=bk)
+        dq, dk_p, dv_p, cnt = _backward_blocks(q, k_t[..., :n, :], v_t[..., :n, :], d_out,
+                                               lse, delta, dq, causal=False, bq=bq, bk=bk)
         pad = jnp.zeros_like(dk_p)
-        return (dq, jnp.concatenate([dk_p, pad], axis=2),
-                jnp.concatenate([dv_p, pad], axis=2), cnt)
+        return (dq, jnp.concatenate([dk_p, pad], axis=-2),
+                jnp.concatenate([dv_p, pad], axis=-2), cnt)
 
     def after(kv, dq):
         k_t, v_t = kv
         dq2, dk_p, dv_p, cnt = _backward_blocks(
-            q[:, :, n:], k_t, v_t, d_out[:, :, n:], lse[..., n:], delta[..., n:],
-            dq[:, :, n:], causal=False, bq=bq, bk=bk)
-        return jnp.concatenate([dq[:, :, :n], dq2], axis=2), dk_p, dv_p, cnt
+            q[..., n:, :], k_t, v_t, d_out[..., n:, :], lse[..., n:], delta[..., n:],
+            dq[..., n:, :], causal=False, bq=bq, bk=bk)
+        return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
 
     for t in range(1, c):
         # The k/v block in flight has arrived before the accumulators leave: two
@@ -509,15 +540,17 @@ def _ring_backward(res, d_out, axis_name, bq, bk):
 
 
 def _ring_forward_bshd(q, k, v, axis_name, bq, bk):
-    o, lse, count = _ring_forward(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), axis_name, bq, bk)
-    return _to_bshd(o).astype(q.dtype), lse, count
+    o, lse, count = _ring_forward(_q_to_kernel(q, k.shape[2]), _to_bhsd(k), _to_bhsd(v),
+                                  axis_name, bq, bk)
+    return _q_from_kernel(o).astype(q.dtype), lse, count
 
 
 def _ring_backward_bshd(res, d_out, axis_name, bq, bk):
     q, k, v, out, lse = res
-    res = (_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), _to_bhsd(out), lse)
-    dq, dk, dv, count = _ring_backward(res, _to_bhsd(d_out), axis_name, bq, bk)
-    grads = (_to_bshd(dq).astype(q.dtype), _to_bshd(dk).astype(k.dtype),
+    hk = k.shape[2]
+    res = (_q_to_kernel(q, hk), _to_bhsd(k), _to_bhsd(v), _q_to_kernel(out, hk), lse)
+    dq, dk, dv, count = _ring_backward(res, _q_to_kernel(d_out, hk), axis_name, bq, bk)
+    grads = (_q_from_kernel(dq).astype(q.dtype), _to_bshd(dk).astype(k.dtype),
              _to_bshd(dv).astype(v.dtype))
     return grads, count
 
@@ -569,7 +602,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     log-sum-exp. With ``c = 1`` this is :func:`blockwise_attention` of the local rows.
 
     Args:
-      q, k, v: the local zigzag shards ``[batch, 2n, heads, head_dim]``, the same shape.
+      q, k, v: the local zigzag shards ``[batch, 2n, heads, head_dim]`` (k, v:
+        ``kv_heads``, as in :func:`blockwise_attention`; only the key/value heads travel
+        the ring).
       axis_name: the context mesh axis.
       block_q / block_k: query / key rows per block: the largest divisors of ``n`` up to
         these.
@@ -601,8 +636,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
     The backward pass is the same all-to-alls around the blockwise kernel's backward.
 
     Args:
-      q, k, v: local ``[batch, s / c, heads, head_dim]``, the same shape; ``heads``
-        (the heads on this device) divisible by ``c``.
+      q, k, v: local ``[batch, s / c, heads, head_dim]`` (k, v: ``kv_heads``, as in
+        :func:`blockwise_attention`); ``heads`` and ``kv_heads`` (the heads on this device)
+        divisible by ``c``, so each context device gets whole query groups.
       axis_name: the context mesh axis.
       block_q / block_k: rows per block: the largest divisors of ``s`` up to these.
       implementation: the kernel on the head shards, as in :func:`blockwise_attention`
@@ -620,6 +656,13 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
             f"ulysses_attention: the {heads} heads on each device are not divisible by the "
             f"size {c} of the context axis {axis_name!r}; use a context axis whose size "
             f"divides {heads} (or ring_attention, which has no such constraint)."
+        )
+    if k.shape[2] % c:
+        raise ValueError(
+            f"ulysses_attention: the {k.shape[2]} key/value heads on each device are not "
+            f"divisible by the size {c} of the context axis {axis_name!r}: Ulysses gives each "
+            "context device whole query groups with their key/value heads; use more "
+            "key/value heads, a context axis whose size divides them, or ring_attention."
         )
 
     def to_heads(x):

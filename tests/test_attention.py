@@ -22,8 +22,10 @@ from sp_jax.analysis import parse_collectives
 
 
 def naive_attention(q, k, v):
-    """Plain causal attention in fp32 with the whole s x s score matrix."""
+    """Plain causal attention in fp32 with the whole s x s score matrix; grouped-query
+    k, v are repeated to the query heads first (Hugging Face's ``repeat_kv``)."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
     s = q.shape[1]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
     mask = np.tril(np.ones((s, s), dtype=bool))
@@ -37,10 +39,12 @@ def naive_vjp(q, k, v, do):
     return out, vjp(do)
 
 
-def inputs(shape, seed=0, dtype=jnp.float32):
-    """q, k, v and an output cotangent."""
-    return tuple(jax.random.normal(key, shape, dtype)
-                 for key in jax.random.split(jax.random.key(seed), 4))
+def inputs(shape, seed=0, dtype=jnp.float32, kv_heads=None):
+    """q, k, v and an output cotangent (k, v with ``kv_heads`` heads if given)."""
+    kv_shape = shape if kv_heads is None else (*shape[:2], kv_heads, shape[3])
+    return tuple(jax.random.normal(key, s, dtype) for key, s in zip(
+        jax.random.split(jax.random.key(seed), 4), (shape, kv_shape, kv_shape, shape),
+        strict=True))
 
 
 def assert_close(got, want, rtol=1e-5, atol=1e-5):
@@ -79,6 +83,14 @@ def test_blockwise_matches_naive_fp32(seq, block_q, block_k, blocks):
     assert (seq // bq, seq // bk) == blocks
     args = inputs((2, seq, 3, 8), seed=seq + block_q)
     assert_close(blockwise_vjp(block_q, block_k)(*args), naive_vjp(*args))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_blockwise_grouped_query_matches_repeated_kv(kv_heads):
+    """Grouped-query (6 query heads over 2 key/value heads) and multi-query attention:
+    the kernel's k, v gradients sum over each group, like autodiff of repeat_kv."""
+    args = inputs((2, 30, 6, 8), seed=kv_heads, kv_heads=kv_heads)
+    assert_close(blockwise_vjp(6, 10)(*args), naive_vjp(*args))
 
 
 def test_blockwise_bf16_within_bf16_rounding():
@@ -149,8 +161,10 @@ def _all_eqns(jaxpr):
 
 def test_blockwise_input_errors():
     q = jnp.zeros((1, 8, 2, 4))
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match=r"must agree.*got q \(1, 8, 2, 4\), k \(1, 4"):
         A.blockwise_attention(q, q[:, :4], q)
+    with pytest.raises(ValueError, match="heads a multiple of kv_heads"):
+        A.blockwise_attention(jnp.zeros((1, 8, 3, 4)), q, q)
     with pytest.raises(ValueError, match="implementation='tpu'.*'xla' or 'cudnn'"):
         A.blockwise_attention(q, q, q, implementation="tpu")
     with pytest.raises(ValueError, match="block_q=0"):
@@ -274,10 +288,14 @@ def test_context_parallel_matches_naive(mode, c):
     assert_close(got, naive_vjp(*args))
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_context_parallel_composed_with_data_and_tensor(mode):
-    """A (data=2, context=2, tensor=2) mesh: batch on data, heads on tensor as well."""
-    args = inputs((2, 20, 4, 8), seed=5)  # chunks of 5 rows: blocks of 5 and 1 (ring)
+@pytest.mark.parametrize("mode,kv_heads", [("ring", None), ("ulysses", None), ("ring", 2),
+                                           ("ulysses", 4)])
+def test_context_parallel_composed_with_data_and_tensor(mode, kv_heads):
+    """A (data=2, context=2, tensor=2) mesh: batch on data, heads on tensor as well;
+    grouped-query k, v (one or two key/value heads per tensor shard; the ring passes only
+    those)."""
+    heads = 4 if kv_heads is None else 8
+    args = inputs((2, 20, heads, 8), seed=5, kv_heads=kv_heads)  # ring blocks: 5 and 1
     got = sharded_vjp((2, 2, 2), ("data", "context", "tensor"), mode, 5, 1)(*args)
     assert_close(got, naive_vjp(*args))
 
@@ -313,6 +331,12 @@ def test_ulysses_needs_heads_divisible_by_context():
                              sharding=NamedSharding(mesh, P(None, "context")))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"6 heads.*size 4.*divides 6"):
         jax.eval_shape(f, q, q, q)
+    kv = jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, "context")))
+    q8 = jax.ShapeDtypeStruct((1, 16, 8, 4), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, "context")))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"2 key/value heads.*size 4"):
+        jax.eval_shape(f, q8, kv, kv)
 
 
 # --------------------------------------------------------------------------------------
