@@ -58,11 +58,14 @@ def _train(cfg, parallel, mesh, batches, *, init=None, train_mode=False):
 
 
 CASES = {  # id: (mesh, context_parallel, model options, parallel options)
-    "ring_1x2x2": ((1, 2, 2), "ring", {}, {}),
+    # grouped-query: 8 query heads over 4 key/value heads (2 per tensor shard), and
+    # multi-query (one kv head, replicated over the tensor axis)
+    "ring_1x2x2_gqa": ((1, 2, 2), "ring", {"num_kv_heads": 4}, {}),
     "ulysses_1x2x2_rotary": ((1, 2, 2), "ulysses", {"positions": "rotary"}, {}),
-    "ring_2x2x2_rotary_recompute": ((2, 2, 2), "ring", {"positions": "rotary"},
-                                    {"recompute_allgather": True}),
-    "ulysses_2x2x2": ((2, 2, 2), "ulysses", {}, {}),
+    "ring_2x2x2_rotary_mqa_recompute": ((2, 2, 2), "ring",
+                                        {"positions": "rotary", "num_kv_heads": 1},
+                                        {"recompute_allgather": True}),
+    "ulysses_2x2x2_gqa": ((2, 2, 2), "ulysses", {"num_kv_heads": 4}, {}),
     "ring_1x4x2_scan_remat": ((1, 4, 2), "ring", {"scan_layers": True, "remat": True}, {}),
     "ulysses_1x4x2_dropout": ((1, 4, 2), "ulysses", {"dropout": 0.1}, {}),
     "ring_1x8x1_dropout": ((1, 8, 1), "ring", {"dropout": 0.1}, {}),
@@ -151,6 +154,19 @@ def test_errors():
     with jax.set_mesh(_mesh(1, 4, 2)), pytest.raises(ValueError, match="Ulysses"):
         GPT(GPTConfig(**{**BASE, "num_heads": 4}),
             parallel=sp_jax.ParallelConfig(context_parallel="ulysses"), rngs=nnx.Rngs(0))
+    # ... and whole query groups: 2 kv heads over tensor 2 leave 1 per shard for context 2
+    with jax.set_mesh(_mesh(1, 2, 2)), pytest.raises(
+            ValueError, match="key/value heads per tensor shard=1.*num_kv_heads a multiple"):
+        GPT(GPTConfig(**{**BASE, "num_kv_heads": 2}),
+            parallel=sp_jax.ParallelConfig(context_parallel="ulysses"), rngs=nnx.Rngs(0))
+    # kv heads split over the tensor axis or replicated on it: 3 over 2 is neither
+    with jax.set_mesh(_mesh(1, 1, 2)), pytest.raises(
+            ValueError, match="num_kv_heads=3 cannot be laid out.*size 2"):
+        GPT(GPTConfig(**{**BASE, "num_heads": 12, "hidden": 48, "num_kv_heads": 3}),
+            rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_kv_heads=3 must be a positive divisor of "
+                                         "num_heads=8"):
+        GPTConfig(**BASE, num_kv_heads=3)
     # ring splits the sequence into 2 x context chunks: 36 tokens split over 4 devices
     # (the SP layout), not into 8 chunks
     with jax.set_mesh(_mesh(1, 4, 1)), pytest.raises(ValueError, match="into 8 chunks"):

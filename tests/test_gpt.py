@@ -73,8 +73,16 @@ CASES = {
                               dict()),
     "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), dict()),
     "vocab_50": (dict(vocab_size=50), dict()),
-    "swiglu_untied_50": (dict(mlp_activation="swiglu", vocab_size=50, tie_embeddings=False),
-                         dict()),
+    # Llama-shaped (RMSNorm, SwiGLU, rotary with Llama-3.1 scaling, no biases, untied
+    # head): 8 query heads over 2 key/value heads on tensor size 4 (kv heads replicated
+    # over pairs of shards), and over 4 on tensor size 2 with fsdp and q/k/v biases
+    "llama_gqa_kv2_t4_vocab50": (dict(preset="llama", num_kv_heads=2, vocab_size=50,
+                                      rope_scaling=dict(factor=4.0, low_freq_factor=1.0,
+                                                        high_freq_factor=4.0,
+                                                        original_max_position_embeddings=8)),
+                                 dict()),
+    "llama_gqa_kv4_t2_fsdp_bias": (dict(preset="llama", num_kv_heads=4, qkv_bias=True),
+                                   dict(fsdp=True), (4, 2)),
     "collective_matmul_recompute": (dict(), dict(collective_matmul=True,
                                                  recompute_allgather=True)),
     "collective_matmul_scan_untied_50": (dict(scan_layers=True, tie_embeddings=False,
@@ -82,13 +90,23 @@ CASES = {
 }
 
 
+def _config(model_kw) -> GPTConfig:
+    """``model_kw`` over BASE; ``preset="llama"``: over the Llama preset at test size."""
+    model_kw = dict(model_kw)
+    if model_kw.pop("preset", None) == "llama":
+        return GPTConfig.llama("llama-tiny", **{**BASE, "num_heads": 8, "mlp_hidden": 64,
+                                                **model_kw})
+    return GPTConfig(**{**BASE, **model_kw})
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_sp_gpt_trains_like_unsharded(case):
-    model_kw, parallel_kw = CASES[case]
-    cfg = GPTConfig(**{**BASE, **model_kw})
+    model_kw, parallel_kw, *mesh = CASES[case]
+    cfg = _config(model_kw)
     batches = _batches(cfg.vocab_size)
     train_mode = cfg.dropout > 0
-    init, losses, params = _train(cfg, sp_jax.ParallelConfig(**parallel_kw), make_mesh(2, 4),
+    init, losses, params = _train(cfg, sp_jax.ParallelConfig(**parallel_kw),
+                                  make_mesh(*(mesh[0] if mesh else (2, 4))),
                                   batches, train_mode=train_mode)
     _, ref_losses, ref_params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1), batches,
                                        init=init, train_mode=train_mode)

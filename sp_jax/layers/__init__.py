@@ -21,7 +21,11 @@ from sp_jax.layers.linear import (
 from sp_jax.layers.transformer import (
     MLP,
     CausalSelfAttention,
+    GroupedQKVProjection,
+    RopeScaling,
     causal_attention,
+    kv_heads_per_shard,
+    rope_frequencies,
     rotary_embedding,
 )
 
@@ -42,7 +46,11 @@ __all__ = [
     "Dropout",
     "to_sequence_parallel",
     "CausalSelfAttention",
+    "GroupedQKVProjection",
     "MLP",
+    "RopeScaling",
     "causal_attention",
+    "kv_heads_per_shard",
+    "rope_frequencies",
     "rotary_embedding",
 ]

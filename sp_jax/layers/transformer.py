@@ -9,6 +9,8 @@ activations.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from sp_jax import ops
 from sp_jax.attention import (
     IMPLEMENTATIONS,
     blockwise_attention,
@@ -24,12 +29,21 @@ from sp_jax.attention import (
     ulysses_attention,
 )
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import Mesh, check_divisible, current_mesh, sequence_order
+from sp_jax.layers._sharding import (
+    Mesh,
+    axis_size,
+    check_divisible,
+    current_mesh,
+    reshard,
+    sequence_order,
+    warn_if_recompute_may_be_merged,
+)
 from sp_jax.layers.elementwise import Dropout, make_norm
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layout import Layout
 
-__all__ = ["QUERY_BLOCK", "CausalSelfAttention", "MLP", "causal_attention",
+__all__ = ["QUERY_BLOCK", "CausalSelfAttention", "GroupedQKVProjection", "MLP",
+           "RopeScaling", "causal_attention", "kv_heads_per_shard", "rope_frequencies",
            "rotary_embedding"]
 
 
@@ -136,15 +150,202 @@ def _causal_attention_bwd(res, d_out):
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding (rotate-half form) of ``x`` ``[b, s, heads, head_dim]``."""
-    half = x.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style rotary frequency scaling (Hugging Face's ``rope_type="llama3"``).
+
+    Frequencies whose wavelength exceeds ``original_max_position_embeddings /
+    low_freq_factor`` are divided by ``factor``; those shorter than ``... /
+    high_freq_factor`` are kept; the ones between are interpolated smoothly.
+
+    Attributes:
+      factor: the division of the low frequencies (context extension factor).
+      low_freq_factor / high_freq_factor: the wavelength band boundaries (above).
+      original_max_position_embeddings: the context the frequencies were trained for.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ValueError(f"RopeScaling.factor={self.factor} must be >= 1.")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling: need 0 < low_freq_factor ({self.low_freq_factor}) < "
+                f"high_freq_factor ({self.high_freq_factor}).")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError("RopeScaling.original_max_position_embeddings="
+                             f"{self.original_max_position_embeddings} must be positive.")
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0,
+                     scaling: RopeScaling | None = None) -> np.ndarray:
+    """The ``head_dim / 2`` rotary angular frequencies ``base ** (-2i / head_dim)``,
+    optionally Llama-3 scaled, computed in float64 on the host (float32 result)."""
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        scaled = np.where(wavelen > old / scaling.low_freq_factor, inv / scaling.factor, inv)
+        medium = (wavelen >= old / scaling.high_freq_factor) & (
+            wavelen <= old / scaling.low_freq_factor)
+        inv = np.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled,
+                       scaled)
+    return inv.astype(np.float32)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0,
+                     scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary position embedding (rotate-half form, as Hugging Face's Llama) of ``x``
+    ``[b, s, heads, head_dim]`` at integer ``positions [s]``, computed in fp32;
+    frequencies from :func:`rope_frequencies`."""
+    freqs = jnp.asarray(rope_frequencies(x.shape[-1], base, scaling))
     angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [s, half]
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def _check_kv_heads(where: str, num_heads: int, num_kv_heads: int) -> None:
+    if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)
+            or num_kv_heads <= 0 or num_heads % num_kv_heads):
+        raise ValueError(
+            f"{where}: num_kv_heads={num_kv_heads!r} must be a positive divisor of "
+            f"num_heads={num_heads} (each key/value head serves num_heads / num_kv_heads "
+            "query heads).")
+
+
+def kv_heads_per_shard(num_kv_heads: int, tensor_size: int, where: str) -> int:
+    """Key/value heads each tensor shard holds: ``num_kv_heads / t`` when ``t`` divides
+    them, else 1 (replicated: ``t`` a multiple of ``num_kv_heads``, Megatron's rule);
+    raises a ValueError naming the fix for any other pair."""
+    if num_kv_heads % tensor_size == 0:
+        return num_kv_heads // tensor_size
+    if tensor_size % num_kv_heads == 0:
+        return 1
+    raise ValueError(
+        f"{where}: num_kv_heads={num_kv_heads} cannot be laid out over a tensor axis of size "
+        f"{tensor_size}: the key/value heads are split when the tensor size divides them "
+        "and replicated when it is a multiple of them; choose num_kv_heads a divisor or a "
+        f"multiple of {tensor_size}.")
+
+
+class GroupedQKVProjection(nnx.Module):
+    """The fused q/k/v projection of grouped-query attention, sequence-parallel.
+
+    Two parameters with mesh-independent global shapes: ``q_kernel [hidden, heads *
+    head_dim]`` (columns ``(head, head_dim)``) and ``kv_kernel [hidden, kv_heads * 2 *
+    head_dim]`` (columns ``(kv_head, {k, v}, head_dim)``), and biases ``q_bias`` /
+    ``kv_bias`` with ``use_bias``. ``q_kernel`` is split by columns over the tensor axis
+    like a :class:`ColumnSequenceParallelLinear`; ``kv_kernel`` too when the tensor size
+    ``t`` divides ``kv_heads``, else (``t`` a multiple of ``kv_heads``) it is replicated
+    over the tensor axis and shard ``i`` uses kv head ``i * kv_heads / t``: the one its
+    query heads read (Megatron's rule; its gradient is summed over the shards sharing it).
+
+    Per device the two column blocks are concatenated into one kernel and applied by ONE
+    :func:`sp_jax.ops.column_sequence_parallel_matmul`: one all-gather of the input per
+    block, with every option of the config (``recompute_allgather``,
+    ``collective_matmul``, ``wgrad_dtype``, ``fsdp``).
+
+    Shapes: input ``[b, s, hidden]`` ``P(data, tensor, None)``; output ``[b, s, t *
+    width]`` ``P(data, None, tensor)`` where shard ``i``'s ``width = (heads / t + 2 *
+    kv_local) * head_dim`` columns are its query heads then ``(kv_head, {k, v},
+    head_dim)`` of its ``kv_local`` (:func:`kv_heads_per_shard`) key/value heads.
+
+    Args:
+      hidden: model width.
+      num_heads / num_kv_heads / head_dim: query heads, key/value heads, head size.
+      use_bias: biases on q, k and v.
+      config / dtype / param_dtype / rngs: as :class:`CausalSelfAttention` (two
+        ``params`` draws, q then kv, then the biases).
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 use_bias: bool = False, config: ParallelConfig = ParallelConfig(),
+                 dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        _check_kv_heads("GroupedQKVProjection", num_heads, num_kv_heads)
+        self.hidden, self.num_heads, self.num_kv_heads = hidden, num_heads, num_kv_heads
+        self.head_dim, self.config, self.dtype = head_dim, config, dtype
+        mesh = current_mesh(config, where="GroupedQKVProjection", required=False)
+        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh)
+        layout, eager = Layout.of(config), mesh is not None
+        init = nnx.initializers.lecun_normal()
+        self.q_kernel = nnx.Param(
+            init(rngs.params(), (hidden, num_heads * head_dim), param_dtype),
+            out_sharding=tuple(layout.column_kernel), eager_sharding=eager)
+        self.kv_kernel = nnx.Param(
+            init(rngs.params(), (hidden, 2 * num_kv_heads * head_dim), param_dtype),
+            out_sharding=tuple(kv_kernel_spec), eager_sharding=eager)
+        self.q_bias: nnx.Param | None
+        self.kv_bias: nnx.Param | None
+        if use_bias:
+            self.q_bias = nnx.Param(jnp.zeros((num_heads * head_dim,), param_dtype),
+                                    out_sharding=tuple(layout.column_bias),
+                                    eager_sharding=eager)
+            self.kv_bias = nnx.Param(jnp.zeros((2 * num_kv_heads * head_dim,), param_dtype),
+                                     out_sharding=tuple(kv_bias_spec), eager_sharding=eager)
+        else:
+            self.q_bias = self.kv_bias = None
+
+    def _replicated(self, mesh: Mesh | None) -> bool:
+        if mesh is None:
+            return False
+        t = axis_size(mesh, self.config.tensor_axis)
+        return kv_heads_per_shard(self.num_kv_heads, t, "GroupedQKVProjection") \
+            * t != self.num_kv_heads
+
+    def _kv_specs(self, mesh: Mesh | None):
+        layout = Layout.of(self.config)
+        if self._replicated(mesh):
+            return layout.spec("param_embed", None), P(None)
+        return layout.column_kernel, layout.column_bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above."""
+        cfg = self.config
+        mesh = current_mesh(cfg, where="GroupedQKVProjection")
+        warn_if_recompute_may_be_merged(cfg)
+        t = axis_size(mesh, cfg.tensor_axis)
+        check_divisible("GroupedQKVProjection", "num_heads", self.num_heads, mesh,
+                        cfg.tensor_axis, "choose a head count that is a multiple of the "
+                        "tensor-parallel size")
+        replicated = self._replicated(mesh)
+        layout = Layout.of(cfg)
+        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh)
+        q_kernel, kv_kernel = self.q_kernel[...], self.kv_kernel[...]
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype,
+                                                                           q_kernel.dtype)
+        args = [reshard(x.astype(dtype), layout.sp, mesh),
+                reshard(q_kernel, layout.column_kernel, mesh),
+                reshard(kv_kernel, kv_kernel_spec, mesh)]
+        specs = [layout.sp, layout.column_kernel, kv_kernel_spec]
+        if self.q_bias is not None:
+            args += [reshard(self.q_bias[...], layout.column_bias, mesh),
+                     reshard(self.kv_bias[...], kv_bias_spec, mesh)]
+            specs += [layout.column_bias, kv_bias_spec]
+        width = 2 * self.head_dim
+        group = t // self.num_kv_heads if replicated else 1  # shards sharing a kv head
+
+        def local(x, q_kernel, kv_kernel, q_bias=None, kv_bias=None):
+            if replicated:  # this shard's kv head out of all of them
+                start = lax.axis_index(cfg.tensor_axis) // group * width
+                kv_kernel = lax.dynamic_slice_in_dim(kv_kernel, start, width, axis=1)
+                if kv_bias is not None:
+                    kv_bias = lax.dynamic_slice_in_dim(kv_bias, start, width, axis=0)
+            kernel = jnp.concatenate([q_kernel, kv_kernel], axis=1)
+            bias = None if q_bias is None else jnp.concatenate([q_bias, kv_bias])
+            return ops.column_sequence_parallel_matmul(
+                x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1,
+                recompute_allgather=cfg.recompute_allgather, wgrad_dtype=cfg.wgrad_dtype,
+                collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes)
+
+        return jax.shard_map(local, in_specs=tuple(specs), out_specs=layout.tp)(*args)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -157,18 +358,30 @@ class CausalSelfAttention(nnx.Module):
       head, ``(head, {q, k, v}, head_dim)``, so the column block of tensor shard ``i``
       holds the q, k and v of heads ``i * heads / t ...`` and attention needs no
       communication;
+    - with ``num_kv_heads < num_heads`` (grouped-query / multi-query attention) the
+      projection is a :class:`GroupedQKVProjection` instead (``q_kernel`` and
+      ``kv_kernel``, still one all-gather): kv heads are split over the tensor axis when
+      its size divides them, and replicated when it is a multiple of them;
     - attention runs over the full sequence on each device's heads;
     - ``out`` is a :class:`RowSequenceParallelLinear` back to the SP layout.
 
     Args:
       hidden: model width; divisible by ``num_heads``.
       num_heads: attention heads; divisible by the tensor-axis size.
+      num_kv_heads: key/value heads (default ``num_heads``); a divisor of ``num_heads``.
+        Fewer than ``num_heads``: grouped-query attention (1: multi-query), each key/value
+        head serving ``num_heads / num_kv_heads`` consecutive query heads (Hugging Face's
+        ``repeat_kv`` order); the tensor size must divide or be a multiple of it. With
+        Ulysses the key/value heads per tensor shard must also divide by the context size.
       config: the :class:`~sp_jax.ParallelConfig`.
       dropout: dropout rate on the block output (sharding-invariant masks).
       rotary: apply rotary position embeddings to q and k.
       rope_base: rotary base frequency.
-      qkv_bias: give the q/k/v projection a bias (off by default: the key bias has an
-        exactly zero gradient, since softmax ignores a constant added to every score).
+      rope_scaling: Llama-3 frequency scaling (:class:`RopeScaling`) or None.
+      qkv_bias: give the q/k/v projection a bias (GPT-2 has one; off by default: the key
+        bias has an exactly zero gradient, since softmax ignores a constant added to every
+        score).
+      out_bias: give the output projection a bias (GPT-2: yes, Llama: no).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
       norm_epsilon: epsilon of the norm.
       attention_block_q / attention_block_k: query and key/value block sizes of the
@@ -193,11 +406,14 @@ class CausalSelfAttention(nnx.Module):
         hidden: int,
         num_heads: int,
         *,
+        num_kv_heads: int | None = None,
         config: ParallelConfig = ParallelConfig(),
         dropout: float = 0.0,
         rotary: bool = False,
         rope_base: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
         qkv_bias: bool = False,
+        out_bias: bool = True,
         norm: str = "layernorm",
         norm_epsilon: float = 1e-5,
         attention_block_q: int = 512,
@@ -231,20 +447,32 @@ class CausalSelfAttention(nnx.Module):
                 "CausalSelfAttention: attention_implementation='cudnn' cannot run ring "
                 "attention (its steps are merged by log-sum-exp, which cuDNN's kernel does not "
                 "return); use attention_implementation='xla' or context_parallel='ulysses'.")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_kv_heads("CausalSelfAttention", num_heads, num_kv_heads)
+        if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+            raise TypeError(f"CausalSelfAttention: rope_scaling={rope_scaling!r} must be a "
+                            "RopeScaling or None.")
         self.implementation = attention_implementation
         self.hidden, self.num_heads, self.config = hidden, num_heads, config
-        self.rotary, self.rope_base = rotary, rope_base
+        self.num_kv_heads = num_kv_heads
+        self.rotary, self.rope_base, self.rope_scaling = rotary, rope_base, rope_scaling
         self.block_q, self.block_k = attention_block_q, attention_block_k
         mesh = current_mesh(config, where="CausalSelfAttention", required=False)
         if mesh is not None:
             self._check_heads(mesh)
         self.norm = make_norm(norm, hidden, config=config, epsilon=norm_epsilon, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
-        self.qkv = ColumnSequenceParallelLinear(
-            hidden, 3 * hidden, use_bias=qkv_bias, config=config, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+        if num_kv_heads == num_heads:
+            self.qkv = ColumnSequenceParallelLinear(
+                hidden, 3 * hidden, use_bias=qkv_bias, config=config, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.qkv = GroupedQKVProjection(
+                hidden, num_heads, num_kv_heads, hidden // num_heads, use_bias=qkv_bias,
+                config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.out = RowSequenceParallelLinear(
-            hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            hidden, hidden, use_bias=out_bias, config=config, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
         self.dropout = Dropout(dropout, config=config)  # rngs come with each call
 
     def _check_heads(self, mesh: Mesh) -> None:
@@ -252,20 +480,34 @@ class CausalSelfAttention(nnx.Module):
                         self.config.tensor_axis,
                         "choose a head count that is a multiple of the tensor-parallel size")
         cfg = self.config
+        t = axis_size(mesh, cfg.tensor_axis)
+        kv_local = kv_heads_per_shard(self.num_kv_heads, t, "CausalSelfAttention")
         if cfg.context_parallel == "ulysses":
             check_divisible(
                 "CausalSelfAttention (ulysses)", "num_heads", self.num_heads, mesh,
                 (cfg.tensor_axis, cfg.context_axis),
                 "Ulysses gives each context device whole heads: choose num_heads a multiple "
                 "of tensor x context, or context_parallel='ring'")
+            check_divisible(
+                "CausalSelfAttention (ulysses)", "key/value heads per tensor shard",
+                kv_local, mesh, cfg.context_axis,
+                "Ulysses gives each context device whole query groups with their key/value "
+                "heads: choose num_kv_heads a multiple of tensor x context, or "
+                "context_parallel='ring'")
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None) -> jax.Array:
         """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
         the sequence) -> ``[b, s_local, hidden / t]``."""
         b, s, width = qkv.shape
         head_dim = self.hidden // self.num_heads
-        heads = width // (3 * head_dim)
-        q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
+        if self.num_kv_heads == self.num_heads:  # columns (head, {q, k, v}, head_dim)
+            heads = width // (3 * head_dim)
+            q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
+        else:  # this shard's query heads, then (kv_head, {k, v}, head_dim)
+            heads = self.num_heads // lax.axis_size(self.config.tensor_axis)
+            q = qkv[..., :heads * head_dim].reshape(b, s, heads, head_dim)
+            k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
+                               axis=3)
         cfg = self.config
         if self.rotary:
             positions = jnp.arange(s)
@@ -274,8 +516,8 @@ class CausalSelfAttention(nnx.Module):
                 ordered = jnp.arange(s * jax.lax.axis_size(cfg.context_axis)) \
                     if order is None else jnp.asarray(order)
                 positions = jax.lax.dynamic_slice_in_dim(ordered, start, s)
-            q = rotary_embedding(q, positions, self.rope_base)
-            k = rotary_embedding(k, positions, self.rope_base)
+            q = rotary_embedding(q, positions, self.rope_base, self.rope_scaling)
+            k = rotary_embedding(k, positions, self.rope_base, self.rope_scaling)
         blocks = dict(block_q=self.block_q, block_k=self.block_k)
         if cfg.context_parallel == "ring":
             out = ring_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
@@ -318,6 +560,7 @@ class MLP(nnx.Module):
       mlp_hidden: inner width; divisible by the tensor-axis size.
       activation: elementwise nonlinearity (default ``jax.nn.gelu``, tanh approximation).
       gated: gated linear unit (above).
+      use_bias: biases on the up (gate) and down projections (GPT-2: yes, Llama: no).
       others: as :class:`CausalSelfAttention`.
     """
 
@@ -330,6 +573,7 @@ class MLP(nnx.Module):
         dropout: float = 0.0,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
         gated: bool = False,
+        use_bias: bool = True,
         norm: str = "layernorm",
         norm_epsilon: float = 1e-5,
         dtype: Any = None,
@@ -340,10 +584,11 @@ class MLP(nnx.Module):
         self.norm = make_norm(norm, hidden, config=config, epsilon=norm_epsilon, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
         self.up = ColumnSequenceParallelLinear(
-            hidden, (2 if self.gated else 1) * mlp_hidden, config=config, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+            hidden, (2 if self.gated else 1) * mlp_hidden, use_bias=use_bias, config=config,
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.down = RowSequenceParallelLinear(
-            mlp_hidden, hidden, config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            mlp_hidden, hidden, use_bias=use_bias, config=config, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
         self.dropout = Dropout(dropout, config=config)  # rngs come with each call
         self.config = config
 

@@ -17,10 +17,10 @@ from sp_jax.layers._sharding import axis_size, current_mesh, reshard, sequence_o
 from sp_jax.layers.cross_entropy import parallel_cross_entropy
 from sp_jax.layers.elementwise import NORMS, Dropout, make_norm, to_sequence_parallel
 from sp_jax.layers.embedding import VocabParallelEmbedding
-from sp_jax.layers.transformer import MLP, CausalSelfAttention
+from sp_jax.layers.transformer import MLP, CausalSelfAttention, RopeScaling
 from sp_jax.layout import Layout
 
-__all__ = ["GPT", "GPTConfig", "Block", "POSITIONS"]
+__all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
 MLP_ACTIVATIONS = {
     "gelu": (jax.nn.gelu, False),  # tanh approximation (GPT-2)
@@ -47,13 +47,22 @@ class GPTConfig:
       num_heads: attention heads (a multiple of the tensor size).
       hidden: model width.
       mlp_hidden: MLP inner width (default ``4 * hidden``).
-      dropout: dropout rate on embeddings and on each block's residual branches; active
-        in train mode (``model.train()``), off in ``model.eval()``.
+      num_kv_heads: key/value heads (default ``num_heads``): fewer is grouped-query
+        attention (1: multi-query); a divisor of ``num_heads``, and a divisor or a
+        multiple of the tensor size (split, or replicated so each shard holds the one its
+        query heads use; :class:`~sp_jax.layers.CausalSelfAttention`).
+      dropout: dropout rate on the embeddings and on each block's residual branches (the
+        attention and MLP outputs); active in train mode (``model.train()``, the mode of
+        a freshly built model), off in ``model.eval()``.
       tie_embeddings: the LM head reuses the token embedding table.
       positions: ``"learned"`` (table added to the embeddings) or ``"rotary"``.
-      rope_base: rotary base frequency.
+      rope_base: rotary base frequency (Llama-2: 1e4, Llama-3: 5e5).
+      rope_scaling: Llama-3.1 style frequency scaling (:class:`RopeScaling`, or a dict of
+        its fields), or None.
+      qkv_bias / out_bias / mlp_bias: biases on the q/k/v projection, the attention
+        output projection and the MLP projections (GPT-2: all; Llama: none).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
-      norm_epsilon: epsilon of the norms.
+      norm_epsilon: epsilon of the norms (GPT-2: 1e-5; Llama-2: 1e-5 or 1e-6).
       dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay in ``param_dtype``.
       param_dtype: parameter (master weight) dtype.
       remat: recompute each block in the backward pass (``jax.checkpoint``) instead of
@@ -92,6 +101,11 @@ class GPTConfig:
     attention_block_k: int = 512
     attention_implementation: str = "xla"
     mlp_activation: str = "gelu"
+    num_kv_heads: int | None = None
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    out_bias: bool = True
+    mlp_bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden",
@@ -101,6 +115,22 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int.")
         if self.mlp_hidden is None:
             object.__setattr__(self, "mlp_hidden", 4 * self.hidden)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        kv = self.num_kv_heads
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.num_heads % kv:
+            raise ValueError(
+                f"GPTConfig.num_kv_heads={kv!r} must be a positive divisor of "
+                f"num_heads={self.num_heads}.")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"GPTConfig.rope_scaling={self.rope_scaling!r} must be a "
+                            "RopeScaling, a dict of its fields, or None.")
+        for name in ("qkv_bias", "out_bias", "mlp_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name}={getattr(self, name)!r} must be True or "
+                                "False.")
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"GPTConfig: hidden={self.hidden} must be divisible by "
@@ -127,6 +157,64 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1).")
 
     @classmethod
+    def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
+        """GPT-2's shapes (Radford et al. 2019; Hugging Face ``gpt2``, ``gpt2-medium``, ...):
+        learned positions, LayerNorm (eps 1e-5), tanh-gelu MLP of ``4 * hidden``, biases
+        everywhere, tied embeddings, vocabulary 50257, 1024 positions. Only shapes:
+        nothing is downloaded (see :func:`sp_jax.models.hf.from_hf` for weights).
+
+        Args:
+          size: ``"small"`` (124M), ``"medium"`` (355M), ``"large"`` (774M), ``"xl"``
+            (1.5B) or ``"tiny"`` (a 2-layer model of the same structure, for tests).
+          overrides: any other :class:`GPTConfig` field (e.g. ``dtype``, ``remat``).
+        """
+        shapes = {"tiny": (2, 4, 64), "small": (12, 12, 768), "medium": (24, 16, 1024),
+                  "large": (36, 20, 1280), "xl": (48, 25, 1600)}
+        if size not in shapes:
+            raise ValueError(f"GPTConfig.gpt2: size={size!r} is not one of {list(shapes)}.")
+        layers, heads, hidden = shapes[size]
+        base = dict(vocab_size=50257, max_seq_len=1024, num_layers=layers, num_heads=heads,
+                    hidden=hidden, qkv_bias=True, out_bias=True, mlp_bias=True,
+                    norm="layernorm", norm_epsilon=1e-5, mlp_activation="gelu",
+                    positions="learned", tie_embeddings=True)
+        if size == "tiny":
+            base.update(vocab_size=256, max_seq_len=128)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama(cls, name: str = "llama-2-7b", **overrides: Any) -> GPTConfig:
+        """Llama-family shapes (Touvron et al. 2023; Meta's Llama 3): rotary positions,
+        RMSNorm, SwiGLU MLP, no biases, untied head. Only shapes: nothing is downloaded.
+
+        Args:
+          name: ``"llama-2-7b"`` (32 heads, 4096 wide, MLP 11008, vocabulary 32000, 4096
+            positions, rope_base 1e4), ``"llama-3-8b"`` (8 key/value heads, MLP 14336,
+            vocabulary 128256, 8192 positions, rope_base 5e5), ``"llama-3.1-8b"`` (the
+            same with Llama-3.1's :class:`RopeScaling` and 131072 positions) or
+            ``"llama-tiny"`` (2 layers, 8 heads over 2 key/value heads, 64 wide: the
+            structure of Llama-3 at test size).
+          overrides: any other :class:`GPTConfig` field.
+        """
+        common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
+                      qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                      num_layers=32, num_heads=32, hidden=4096)
+        presets = {
+            "llama-2-7b": dict(vocab_size=32000, max_seq_len=4096, mlp_hidden=11008,
+                               num_kv_heads=32, rope_base=10000.0, norm_epsilon=1e-5),
+            "llama-3-8b": dict(vocab_size=128256, max_seq_len=8192, mlp_hidden=14336,
+                               num_kv_heads=8, rope_base=500000.0, norm_epsilon=1e-5),
+            "llama-3.1-8b": dict(vocab_size=128256, max_seq_len=131072, mlp_hidden=14336,
+                                 num_kv_heads=8, rope_base=500000.0, norm_epsilon=1e-5,
+                                 rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
+            "llama-tiny": dict(vocab_size=256, max_seq_len=128, num_layers=2, num_heads=8,
+                               num_kv_heads=2, hidden=64, mlp_hidden=160,
+                               rope_base=500000.0, norm_epsilon=1e-5),
+        }
+        if name not in presets:
+            raise ValueError(f"GPTConfig.llama: name={name!r} is not one of {list(presets)}.")
+        return cls(**{**common, **presets[name], **overrides})
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Builds a config from a plain dict, rejecting unknown keys."""
         valid = [f.name for f in dataclasses.fields(cls)]
@@ -148,13 +236,15 @@ class Block(nnx.Module):
                       norm_epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
                       param_dtype=cfg.param_dtype, rngs=rngs)
         self.attention = CausalSelfAttention(
-            cfg.hidden, cfg.num_heads, rotary=cfg.positions == "rotary",
-            rope_base=cfg.rope_base, attention_block_q=cfg.attention_block_q,
+            cfg.hidden, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            rotary=cfg.positions == "rotary", rope_base=cfg.rope_base,
+            rope_scaling=cfg.rope_scaling, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+            attention_block_q=cfg.attention_block_q,
             attention_block_k=cfg.attention_block_k,
             attention_implementation=cfg.attention_implementation, **common)
         activation, gated = MLP_ACTIVATIONS[cfg.mlp_activation]
         self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, activation=activation, gated=gated,
-                       **common)
+                       use_bias=cfg.mlp_bias, **common)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         rngs = None if key is None else nnx.Rngs(dropout=key)
@@ -206,6 +296,12 @@ class GPT(nnx.Module):
     its own vocabulary-parallel ``[vocab, hidden]`` table) produces vocabulary-parallel logits
     ``P(data, None, tensor)`` from them, which :meth:`loss` consumes with
     :func:`parallel_cross_entropy` without gathering the vocabulary.
+
+    Mode: a freshly built GPT is in **train mode**, like every Flax NNX module: with a
+    dropout rate above 0 its dropouts are active (drawing from the ``rngs`` passed to the
+    call, else the ``dropout`` stream given here). Call ``model.eval()`` before
+    evaluating or generating and ``model.train()`` to switch back; with the default
+    rates of 0 both modes compute the same function.
 
     Args:
       gpt_config: the :class:`GPTConfig`.
@@ -362,19 +458,35 @@ class GPT(nnx.Module):
             logits = reshard(logits, layout.spec("batch", None, None), mesh)
         return logits[..., :vocab]
 
-    def loss(self, tokens: jax.Array, labels: jax.Array, *, ignore_index: int = -100,
-             label_smoothing: float = 0.0, z_loss: float = 0.0, rngs: Any = None
-             ) -> jax.Array:
-        """Mean next-token loss over the labels that are not ``ignore_index``.
+    def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
+             ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+             rngs: Any = None) -> jax.Array:
+        """Mean next-token loss over the targets that are not ``ignore_index``.
+
+        ``model.loss(tokens)``: the targets are the tokens themselves, shifted inside:
+        position ``i`` predicts ``tokens[:, i + 1]`` and the last position has no target
+        (the loss Hugging Face computes from ``labels=input_ids``).
+
+        ``model.loss(tokens, labels)``: explicit targets, **already aligned** with the
+        positions: ``labels[:, i]`` is what position ``i`` must predict (e.g.
+        ``tokens[:, 1:]`` of a ``seq + 1`` window). Hugging Face-style labels (a copy of
+        the inputs, shifted by the model) must be shifted first: ``labels[:, 1:]`` padded
+        with ``ignore_index``.
 
         Args:
           tokens: ``[batch, seq]`` input ids.
-          labels: ``[batch, seq]`` target ids (``ignore_index`` = no loss).
+          labels: ``[batch, seq]`` target ids (``ignore_index`` = no loss), or None.
+          ignore_index: the target id that contributes no loss.
+          label_smoothing / z_loss: as :func:`~sp_jax.layers.parallel_cross_entropy`.
           rngs: dropout rngs (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
         Returns:
           scalar float32.
         """
         tokens = jnp.asarray(tokens)
+        if labels is None:
+            self._check_tokens(tokens)
+            pad = jnp.full_like(tokens[:, :1], ignore_index)
+            labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
         order = self._order(tokens)  # the loss is a mean: the held order will do
         labels = self._held(labels, order)
         per_token = parallel_cross_entropy(
