@@ -54,6 +54,8 @@ class GPTConfig:
       dropout: dropout rate on the embeddings and on each block's residual branches (the
         attention and MLP outputs); active in train mode (``model.train()``, the mode of
         a freshly built model), off in ``model.eval()``.
+      attention_dropout: dropout rate on the attention probabilities (GPT-2's
+        ``attn_pdrop``), in train mode.
       tie_embeddings: the LM head reuses the token embedding table.
       positions: ``"learned"`` (table added to the embeddings) or ``"rotary"``.
       rope_base: rotary base frequency (Llama-2: 1e4, Llama-3: 5e5).
@@ -106,6 +108,7 @@ class GPTConfig:
     qkv_bias: bool = False
     out_bias: bool = True
     mlp_bias: bool = True
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden",
@@ -153,8 +156,9 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.attention_implementation={self.attention_implementation!r} is "
                 "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1).")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be in [0, 1).")
 
     @classmethod
     def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
