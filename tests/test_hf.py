@@ -1,0 +1,178 @@
+"""Hugging Face checkpoints: golden logits, loss and gradients that transformers computed
+(tests/fixtures/hf, made by scripts/make_hf_fixtures.py) reproduced on 1, 8 (2x4) and 8
+(1x8) devices; sp_jax -> Hugging Face -> sp_jax bitwise; config translation; every bad
+tensor named before anything is placed. No torch, no network."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from _util import to_host
+from conftest import make_mesh
+from flax import nnx
+from safetensors.numpy import load_file
+
+from sp_jax.models import GPT, GPTConfig, RopeScaling, hf
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+MESHES = [(1, 1), (2, 4), (1, 8)]
+
+
+@nnx.jit
+def _logits_loss_grads(model, tokens):
+    logits = model(tokens)
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
+    return logits, loss, grads
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_golden_logits_loss_and_gradients(family):
+    golden = np.load(FIXTURES / family / "golden.npz")
+    tokens = golden["input_ids"]
+    for shape in MESHES:
+        with jax.set_mesh(make_mesh(*shape)):
+            model = hf.from_hf(FIXTURES / family)
+            model.eval()  # transformers' golden values are in eval mode (no dropout)
+            logits, loss, grads = _logits_loss_grads(model, tokens)
+            flat = {"/".join(map(str, k)): to_host(v[...])
+                    for k, v in nnx.to_flat_state(grads)}
+        np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{family} {shape}")
+        np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
+        named = hf._convert_to_hf(model.config, flat)  # gradients in transformers' names
+        for key in golden.files:
+            if key.startswith("grad/"):
+                np.testing.assert_allclose(named[key[5:]], golden[key], rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{family} {shape} {key}")
+
+
+def _params(model):
+    return {"/".join(map(str, k)): to_host(v[...])
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_round_trip_is_bitwise(family, tmp_path):
+    """HF -> sp_jax (2x4) -> HF: the same tensors bit for bit, and the config; -> sp_jax
+    again (1x8, and scanned layers): the same parameters and shardings as a model built
+    directly."""
+    original = load_file(FIXTURES / family / "model.safetensors")
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = hf.from_hf(FIXTURES / family)
+        built = GPT(model.config, rngs=nnx.Rngs(0))
+        specs = lambda m: jax.tree.map(lambda v: v[...].sharding.spec,  # noqa: E731
+                                       nnx.state(m, nnx.Param))
+        assert specs(model) == specs(built)  # placed straight into the model's shardings
+        hf.to_hf(model, tmp_path / "a")
+        scanned = hf.from_hf(FIXTURES / family, scan_layers=True)
+        hf.to_hf(scanned, tmp_path / "b")
+    written = load_file(tmp_path / "a" / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    for name in original:
+        assert written[name].dtype == original[name].dtype
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    assert load_file(tmp_path / "b" / "model.safetensors").keys() == written.keys()
+    source = json.loads((FIXTURES / family / "config.json").read_text())
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert hf.config_from_hf(config) == hf.config_from_hf(source)
+    with jax.set_mesh(make_mesh(1, 8)):
+        again = hf.from_hf(tmp_path / "a")
+    first, second = _params(model), _params(again)
+    assert first.keys() == second.keys()
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+
+
+def test_config_translation():
+    v5 = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    cfg = hf.config_from_hf(v5)
+    assert (cfg.num_kv_heads, cfg.rope_base, cfg.norm_epsilon, cfg.tie_embeddings) == \
+        (2, 10000.0, 1e-6, False)
+    assert cfg.rope_scaling == RopeScaling(4.0, 1.0, 4.0, 8)
+    # transformers 4.x: rope_theta and rope_scaling at the top level
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4.update(rope_theta=10000.0, rope_scaling={
+        k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"})
+    assert hf.config_from_hf(v4) == cfg
+    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+    gpt2 = hf.config_from_hf(json.loads((FIXTURES / "gpt2" / "config.json").read_text()))
+    assert (gpt2.positions, gpt2.mlp_activation, gpt2.dropout, gpt2.attention_dropout) == \
+        ("learned", "gelu", 0.1, 0.1)
+    assert hf.config_from_hf(hf.config_to_hf(gpt2)) == gpt2
+    for bad, match in [
+        ({**v5, "model_type": "mistral"}, "model_type='mistral'"),
+        ({**v5, "head_dim": 8}, "head_dim=8 differs"),
+        ({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "'yarn'"),
+        ({**v5, "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({**hf.config_to_hf(gpt2), "embd_pdrop": 0.0}, "embd_pdrop=0.0 differs"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            hf.config_from_hf(bad)
+    with pytest.raises(ValueError, match="neither GPT-2-shaped.*positions='rotary'"):
+        hf.config_to_hf(GPTConfig(vocab_size=64, max_seq_len=8, num_layers=1, num_heads=2,
+                                  hidden=8, positions="rotary"))
+
+
+@pytest.mark.parametrize("preset,count", [
+    (GPTConfig.gpt2("small"), 124_439_808),  # Hugging Face gpt2
+    (GPTConfig.gpt2("medium"), 354_823_168),  # gpt2-medium
+    (GPTConfig.llama("llama-2-7b"), 6_738_415_616),  # meta-llama/Llama-2-7b-hf
+    (GPTConfig.llama("llama-3-8b"), 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
+])
+def test_presets_have_the_published_parameter_counts(preset, count):
+    model = nnx.eval_shape(lambda: GPT(preset, rngs=nnx.Rngs(0)))
+    assert sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param))
+               ) == count
+
+
+def test_bad_checkpoints_are_named_before_anything_is_placed(monkeypatch):
+    tensors = load_file(FIXTURES / "llama" / "model.safetensors")
+    config = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    placed = []
+    real = jax.make_array_from_callback
+    monkeypatch.setattr(jax, "make_array_from_callback",
+                        lambda *a: placed.append(a) or real(*a))
+    k = "model.layers.1.self_attn.k_proj.weight"
+    cases = [
+        ({**tensors, k: tensors[k][:4]}, rf"{k} has shape \(4, 32\), but "
+                                          r"blocks/1/attention/qkv/kv_kernel \(32, 16\) needs "
+                                          r"\(8, 32\)"),
+        ({n: t for n, t in tensors.items() if n != "model.norm.weight"},
+         r"model.norm.weight \(for final_norm/scale\) is missing"),
+        ({**tensors, "model.layers.0.extra.weight": tensors[k]},
+         r"unknown tensors \['model.layers.0.extra.weight'\]"),
+        ({**tensors, k: tensors[k].astype(np.int32)}, f"{k} has dtype int32"),
+    ]
+    with jax.set_mesh(make_mesh(2, 4)):
+        for state, match in cases:
+            with pytest.raises(ValueError, match=match):
+                hf.from_hf(state, config)
+        assert not placed  # nothing was placed
+        # bf16 tensors fit fp32 parameters exactly; fp32 ones need param_dtype= for bf16
+        half = {n: t.astype(ml_dtypes.bfloat16) for n, t in tensors.items()}
+        model = hf.from_hf(half, config)
+        assert model.embed.embedding[...].dtype == jnp.float32
+        with pytest.raises(ValueError, match="float32, which .* cannot hold exactly"):
+            hf.from_hf(tensors, {**config, "dtype": "bfloat16"})
+        model = hf.from_hf(tensors, {**config, "dtype": "bfloat16"},
+                           param_dtype=jnp.bfloat16)
+        assert model.embed.embedding[...].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="a state dict needs config_json"):
+        hf.from_hf(tensors)
+
+
+def test_sharded_checkpoint_directory(tmp_path):
+    """to_hf(max_shard_bytes=...) writes shards with an index; from_hf reads them."""
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = hf.from_hf(FIXTURES / "llama")
+        hf.to_hf(model, tmp_path, max_shard_bytes=20_000)
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 2
+        again = hf.from_hf(tmp_path)
+    first, second = _params(model), _params(again)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
