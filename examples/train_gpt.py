@@ -51,9 +51,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--debug-nans", action="store_true", help="jax_debug_nans: name the op making a NaN")
     sp_jax.training.add_launch_arguments(p)
     add = p.add_argument_group("model").add_argument
+    add("--preset", choices=("gpt", "llama-tiny"), default="gpt",
+        help="gpt: learned positions, LayerNorm, GELU, tied head; llama-tiny: Llama-shaped "
+             "(rotary, RMSNorm, SwiGLU, grouped-query attention, untied head, no biases)")
     add("--layers", type=int, default=2, help="transformer blocks")
     add("--hidden", type=int, default=128, help="model width")
     add("--heads", type=int, default=4, help="attention heads (a multiple of TENSOR)")
+    add("--kv-heads", type=int, default=None,
+        help="key/value heads of llama-tiny (default HEADS / 2): a divisor of HEADS, and a "
+             "divisor or a multiple of TENSOR")
     add("--seq-len", type=int, default=128, help="bytes per sequence (a multiple of TENSOR)")
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     add("--recompute-allgather", action="store_true", help="re-gather SP inputs in backward")
@@ -88,7 +94,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     (a.data_size, c, a.tensor_size), ring = a.mesh_shape, a.context_parallel == "ring"
     a.context_size, a.mesh_name = c, sp_jax.training.mesh_description(a.mesh_shape)
     sp, heads = a.tensor_size * c, a.tensor_size * (1 if ring else c)
-    for name in ("steps", "layers", "hidden", "heads", "seq_len", "batch_size",
+    a.kv_heads = (a.kv_heads or max(1, a.heads // 2)) if a.preset == "llama-tiny" else a.heads
+    for name in ("steps", "layers", "hidden", "heads", "kv_heads", "seq_len", "batch_size",
                  "micro_batches", "eval_batches"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -103,6 +110,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         (a.heads % heads or a.hidden % a.heads, f"--heads {a.heads} must be a multiple of "
          f"{heads} (tensor size{', x context' if heads > a.tensor_size else ''}) and divide "
          f"--hidden {a.hidden}"),
+        (a.heads % a.kv_heads or a.kv_heads % a.tensor_size and a.tensor_size % a.kv_heads,
+         f"--kv-heads {a.kv_heads} must divide --heads {a.heads} and divide or be a multiple "
+         f"of the tensor size {a.tensor_size}"),
+        (not ring and c > 1 and max(1, a.kv_heads // a.tensor_size) % c, f"ulysses needs "
+         f"the key/value heads per tensor shard divisible by the context size {c}: use more "
+         "--kv-heads or --context-parallel ring"),
         (a.fsdp and a.hidden % a.data_size, f"--fsdp shards the hidden dimension over the "
          f"data size {a.data_size}: --hidden {a.hidden} must be a multiple of it"),
         ((a.save_every or a.resume) and not a.ckpt_dir, "--save-every / --resume need --ckpt-dir"),
@@ -219,10 +232,14 @@ def configure(args: argparse.Namespace) -> tuple:
         recompute_allgather=args.recompute_allgather, wgrad_dtype=jnp.float32 if bf16 else None,
         context_parallel=args.context_parallel if args.context_size > 1 else None,
         fsdp=args.fsdp)
-    cfg = GPTConfig(vocab_size=256, max_seq_len=args.seq_len, num_layers=args.layers,
-                    num_heads=args.heads, hidden=args.hidden, dropout=0.0,
-                    tie_embeddings=True, dtype=jnp.bfloat16 if bf16 else jnp.float32,
-                    param_dtype=jnp.float32)
+    shape = dict(vocab_size=256, max_seq_len=args.seq_len, num_layers=args.layers,
+                 num_heads=args.heads, hidden=args.hidden, dropout=0.0,
+                 dtype=jnp.bfloat16 if bf16 else jnp.float32, param_dtype=jnp.float32)
+    if args.preset == "llama-tiny":  # Llama's MLP width: 8/3 hidden, rounded up to 64
+        cfg = GPTConfig.llama("llama-tiny", **shape, num_kv_heads=args.kv_heads,
+                              mlp_hidden=64 * math.ceil(8 * args.hidden / 3 / 64))
+    else:
+        cfg = GPTConfig(**shape, tie_embeddings=True)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         sp_jax.training.warmup_cosine_schedule(args.lr, args.warmup_steps, args.steps),
         weight_decay=args.weight_decay))
@@ -230,7 +247,9 @@ def configure(args: argparse.Namespace) -> tuple:
 
 
 def describe(args: argparse.Namespace, mesh, corpus: ByteCorpus, n_params: int) -> None:
-    say(f"model: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq "
+    kind = "Llama-shaped GPT" if args.preset == "llama-tiny" else "GPT"
+    kv = f" ({args.kv_heads} key/value)" if args.kv_heads != args.heads else ""
+    say(f"model: {kind} {args.layers} layers, hidden {args.hidden}, {args.heads} heads{kv}, seq "
         f"{args.seq_len}, vocab 256 (bytes): {n_params / 1e6:.2f}M parameters, "
         f"{args.precision} compute")
     procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"

@@ -25,7 +25,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
-TINY = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",
+# Llama-shaped: 4 query heads over 2 key/value heads, replicated over tensor 4 (pairs)
+TINY = ["--preset", "llama-tiny", "--seq-len", "32", "--hidden", "32", "--heads", "4",
+        "--layers", "1",
         "--batch-size", "8", "--micro-batches", "2", "--mesh", "2,4", "--data", DATA,
         "--eval-every", "3", "--no-progress"]
 
@@ -104,6 +106,7 @@ def test_run_logs_every_step(runs):
     assert all(math.isfinite(r["eval_loss"]) for r in evals)
     out = results["full"].stdout
     assert "mesh: data=2 x tensor=4 on 8 of 8 cpu devices" in out
+    assert "model: Llama-shaped GPT 1 layers, hidden 32, 4 heads (2 key/value)" in out
     assert "optimizer state" in out and "done: steps 1-6" in out
 
 
