@@ -40,8 +40,10 @@ product, ``heads`` the heads on the device).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,7 @@ from jax import lax
 from sp_jax.ops import _vary, _vma
 
 __all__ = [
+    "AttentionDropout",
     "attention_block_counts",
     "blockwise_attention",
     "ring_attention",
@@ -167,6 +170,72 @@ def attention_block_counts(seq_len: int, context: int, *, mode: str, block_q: in
 
 
 # --------------------------------------------------------------------------------------
+# Dropout on the attention probabilities
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["seed", "batch_offset",
+                                                                  "head_offset"],
+                   meta_fields=["rate"])
+@dataclasses.dataclass(frozen=True)
+class AttentionDropout:
+    """Dropout on the attention probabilities, reproducible under any sharding.
+
+    The kernels drop probability ``(b, h, i, j)`` (batch row, query head, query position,
+    key position, all global) when a counter-based hash of those four numbers and the
+    ``seed`` falls below ``rate`` (as flash attention does with Philox), and scale the
+    kept ones by ``1 / (1 - rate)``; the normaliser of the softmax is the undropped one.
+    The mask is recomputed, not stored, in the backward pass, and it depends on nothing
+    but the global coordinates: the same for every block size, mesh, tensor, context
+    (ring or Ulysses) or data split, so a sharded model drops exactly what the unsharded
+    one drops.
+
+    Attributes:
+      seed: uint32 ``[2]`` (e.g. ``jax.random.bits(key, (2,), jnp.uint32)``).
+      rate: the drop probability in ``[0, 1)`` (static).
+      batch_offset: the global index of this device's first batch row.
+      head_offset: the global index of this device's first query head.
+    """
+
+    seed: jax.Array
+    rate: float
+    batch_offset: Any = 0
+    head_offset: Any = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.rate) < 1.0:
+            raise ValueError(f"AttentionDropout.rate={self.rate} must be in [0, 1).")
+
+
+def _fmix(x):
+    """MurmurHash3's 32-bit finaliser (a bijection that mixes every input bit)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _drop_scale(drop, q_start, k_start, shape):
+    """fp32 ``[b, h, g, bq, bk]`` factors ``1 / (1 - rate)`` (kept) or 0 (dropped) of the
+    block at rows ``q_start``, columns ``k_start``; ``drop = (dropout, qpos, kpos)`` with
+    the global positions ``qpos [sq]``, ``kpos [sk]`` of the kernel's rows and columns."""
+    dropout, qpos, kpos = drop
+    b, hk, g, nq, nk = shape
+    u = jnp.uint32
+    seed = dropout.seed.astype(u)
+    rows = (jnp.asarray(dropout.batch_offset) + jnp.arange(b)).astype(u)[:, None, None]
+    heads = (jnp.asarray(dropout.head_offset) + jnp.arange(hk * g)).astype(u).reshape(hk, g)
+    x = _fmix(_fmix(seed[0] ^ (rows * u(0x9E3779B1))) ^ (heads[None] * u(0x85EBCA77)))
+    q = _slice(qpos, q_start, nq, -1).astype(u)
+    k = _slice(kpos, k_start, nk, -1).astype(u)
+    x = _fmix(x[..., None] ^ (q * u(0xC2B2AE3D)))
+    x = _fmix(x[..., None] ^ (k * u(0x27D4EB2F) + seed[1]))
+    threshold = min(int(round(dropout.rate * 2.0 ** 32)), 2 ** 32 - 1)
+    return jnp.where(x >= u(threshold), _F32(1.0 / (1.0 - dropout.rate)), _F32(0.0))
+
+
+# --------------------------------------------------------------------------------------
 # The block kernels (layout [batch, heads, seq, head_dim], fp32 statistics)
 # --------------------------------------------------------------------------------------
 
@@ -190,13 +259,14 @@ def _slice(x, start, size, axis=-2):
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
 
 
-def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
+def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int, drop=None):
     """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
     ``g`` query heads of group ``h`` share key/value head ``h``).
 
     ``causal``: ``sq == sk`` and query ``i`` sees keys ``0 .. i`` (key blocks above the
     diagonal are not visited; those crossing it are masked); else every query sees every
-    key. Every query row must see at least one key (true for both).
+    key. Every query row must see at least one key (true for both). ``drop``: None or
+    ``(AttentionDropout, qpos, kpos)`` (:func:`_drop_scale`).
 
     Returns:
       ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d]``, the log-sum-exp
@@ -217,7 +287,9 @@ def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: key 0 comes first
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
-            norm = alpha * norm + jnp.sum(p, axis=-1)
+            norm = alpha * norm + jnp.sum(p, axis=-1)  # the undropped normaliser
+            if drop is not None:
+                p = p * _drop_scale(drop, q_start, j * bk, p.shape)
             o = alpha[..., None] * o + jnp.einsum(
                 "bhgqk,bhkd->bhgqd", p.astype(v.dtype), _slice(v, j * bk, bk),
                 preferred_element_type=_F32)
@@ -246,7 +318,8 @@ def _forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int):
     return lax.fori_loop(0, sq // bq, q_block, init)
 
 
-def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: int):
+def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: int,
+                     drop=None):
     """The gradients of :func:`_forward_blocks`, recomputing each block's probabilities
     from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
     query blocks that see them; the same blocks skipped and masked as forward).
@@ -274,9 +347,10 @@ def _backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: 
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
             s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None)
             p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
-            dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do_i,
+            z = 1.0 if drop is None else _drop_scale(drop, q_start, k_start, p.shape)
+            dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", (p * z).astype(do.dtype), do_i,
                                      preferred_element_type=_F32)
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=_F32)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=_F32) * z
             ds = (p * (dp - _slice(delta, q_start, bq, -1)[..., None]) * scale
                   ).astype(q.dtype)
             dq_i = _slice(dq, q_start, bq) + jnp.einsum(
@@ -355,15 +429,20 @@ def _same_vma(q, k, v):
 # --------------------------------------------------------------------------------------
 
 
-def _blockwise_forward(q, k, v, bq, bk):
+def _blockwise_forward(q, k, v, drop, bq, bk):
     """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
-    lse, count)."""
+    lse, count); ``drop``: None or ``(AttentionDropout, positions)``."""
     o, lse, count = _forward_blocks(_q_to_kernel(q, k.shape[2]), _to_bhsd(k), _to_bhsd(v),
-                                    causal=True, bq=bq, bk=bk)
+                                    causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop))
     return _q_from_kernel(o).astype(q.dtype), lse, count
 
 
-def _blockwise_backward(res, d_out, bq, bk):
+def _kernel_drop(drop):
+    """``(AttentionDropout, positions)`` -> the kernels' ``(dropout, qpos, kpos)``."""
+    return None if drop is None else (drop[0], drop[1], drop[1])
+
+
+def _blockwise_backward(res, d_out, drop, bq, bk):
     # Tie the residuals to the incoming cotangent: otherwise XLA's CSE may merge the
     # recomputed scores with the forward ones and keep those alive until backward.
     res, d_out = lax.optimization_barrier((res, d_out))
@@ -372,31 +451,34 @@ def _blockwise_backward(res, d_out, bq, bk):
     qh, kh, vh, doh = _q_to_kernel(q, hk), _to_bhsd(k), _to_bhsd(v), _q_to_kernel(d_out, hk)
     dq, dk, dv, count = _backward_blocks(
         qh, kh, vh, doh, lse, _delta(doh, _q_to_kernel(out, hk)),
-        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk)
+        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop))
     grads = (_q_from_kernel(dq).astype(q.dtype), _to_bshd(dk).astype(k.dtype),
              _to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _blockwise(q, k, v, bq, bk):
-    return _blockwise_forward(q, k, v, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blockwise(q, k, v, drop, bq, bk):
+    return _blockwise_forward(q, k, v, drop, bq, bk)[0]
 
 
-def _blockwise_fwd(q, k, v, bq, bk):
-    out, lse, _ = _blockwise_forward(q, k, v, bq, bk)
-    return out, (q, k, v, out, lse)
+def _blockwise_fwd(q, k, v, drop, bq, bk):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, bq, bk)
+    return out, ((q, k, v, out, lse), drop)
 
 
 def _blockwise_bwd(bq, bk, res, d_out):
-    return _blockwise_backward(res, d_out, bq, bk)[0]
+    res, drop = res
+    return (*_blockwise_backward(res, d_out, drop, bq, bk)[0], None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int = 512,
-                        block_k: int = 512, implementation: str = "xla") -> jax.Array:
+                        block_k: int = 512, implementation: str = "xla",
+                        dropout: AttentionDropout | None = None,
+                        positions: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention in blocks (flash attention), on one device's arrays.
 
     Online softmax over key blocks with fp32 running statistics; key blocks above the
@@ -416,10 +498,14 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
       implementation: ``"xla"`` (this kernel, every backend) or ``"cudnn"``
         (:func:`jax.nn.dot_product_attention` with ``is_causal=True`` and cuDNN's fused
         kernel: GPU only; JAX raises elsewhere; block sizes unused).
+      dropout: dropout on the probabilities (:class:`AttentionDropout`), or None.
+      positions: int ``[seq]``: the global positions of the rows, which the dropout mask
+        depends on (default ``0 .. seq - 1``; causality uses the row order).
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     """
     _check_qkv("blockwise_attention", q, k, v)
+    drop = _drop_args(dropout, positions, q.shape[1], implementation)
     if implementation == "cudnn":
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -433,7 +519,20 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         raise ValueError(f"implementation={implementation!r}: use 'xla' or 'cudnn'.")
     s = q.shape[1]
     bq, bk = _block_size(s, block_q, "block_q"), _block_size(s, block_k, "block_k")
-    return _blockwise(*_same_vma(q, k, v), bq, bk)
+    return _blockwise(*_same_vma(q, k, v), drop, bq, bk)
+
+
+def _drop_args(dropout, positions, s: int, implementation: str):
+    """``(dropout, positions)`` for the kernels, or None without dropout."""
+    if dropout is None or dropout.rate == 0.0:
+        return None
+    if not isinstance(dropout, AttentionDropout):
+        raise TypeError(f"dropout={dropout!r} must be an AttentionDropout or None.")
+    if implementation != "xla":
+        raise ValueError(f"attention dropout needs implementation='xla' (got "
+                         f"{implementation!r}: cuDNN's kernel draws its own masks).")
+    positions = jnp.arange(s, dtype=jnp.int32) if positions is None else positions
+    return dropout, positions.astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------
@@ -452,29 +551,45 @@ def _merge(o1, lse1, o2, lse2):
     return (o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse)
 
 
-def _ring_forward(q, k, v, axis_name, bq, bk):
+def _zigzag_positions(r, c: int, n: int):
+    """Global positions of device ``r``'s zigzag rows: chunks ``r`` and ``2c - 1 - r``."""
+    return jnp.concatenate([r * n + jnp.arange(n), (2 * c - 1 - r) * n + jnp.arange(n)])
+
+
+def _ring_drops(dropout, r, c: int, n: int):
+    """The dropout arguments of the ring's steps: (own, before(src), after(src))."""
+    if dropout is None:
+        return None, lambda src: None, lambda src: None
+    qpos = _zigzag_positions(r, c, n)
+    return ((dropout, qpos, qpos),
+            lambda src: (dropout, qpos, src * n + jnp.arange(n)),
+            lambda src: (dropout, qpos[n:], _zigzag_positions(src, c, n)))
+
+
+def _ring_forward(q, k, v, axis_name, bq, bk, dropout=None):
     """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` -> (out
     fp32, lse, count)."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[-2] // 2
+    own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
     kv = (k, v)
     recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
     # step 0: own keys; the local zigzag rows are in increasing global order -> causal
-    o, lse, count = _forward_blocks(q, k, v, causal=True, bq=bq, bk=bk)
+    o, lse, count = _forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own)
 
-    def before(kv, o, lse):
+    def before(kv, src, o, lse):
         # source r - t < r: every local query sees the source's first chunk, none its
         # second: all 2n queries x the first n keys, unmasked
         k_t, v_t = kv
         o_p, lse_p, cnt = _forward_blocks(q, k_t[..., :n, :], v_t[..., :n, :],
-                                          causal=False, bq=bq, bk=bk)
+                                          causal=False, bq=bq, bk=bk, drop=drop_before(src))
         return (*_merge(o, lse, o_p, lse_p), cnt)
 
-    def after(kv, o, lse):
+    def after(kv, src, o, lse):
         # source after r: only the second local chunk sees keys, all 2n of them, unmasked
         k_t, v_t = kv
         o_p, lse_p, cnt = _forward_blocks(q[..., n:, :], k_t, v_t, causal=False, bq=bq,
-                                          bk=bk)
+                                          bk=bk, drop=drop_after(src))
         o2, lse2 = _merge(o[..., n:, :], lse[..., n:], o_p, lse_p)
         return (jnp.concatenate([o[..., :n, :], o2], axis=-2),
                 jnp.concatenate([lse[..., :n], lse2], axis=-1), cnt)
@@ -487,12 +602,12 @@ def _ring_forward(q, k, v, axis_name, bq, bk):
         if t < c - 1:  # independent of this step's compute
             recv = _shift(cur, axis_name, c)
         src = (r - t) % c
-        o, lse, cnt = lax.cond(src < r, before, after, cur, o, lse)
+        o, lse, cnt = lax.cond(src < r, before, after, cur, src, o, lse)
         count = count + cnt
     return o, lse, count
 
 
-def _ring_backward(res, d_out, axis_name, bq, bk):
+def _ring_backward(res, d_out, axis_name, bq, bk, dropout=None):
     """Per device: the gradients of :func:`_ring_forward` (its layouts):
     ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
     at their owner. Returns (dq, dk, dv, count), fp32."""
@@ -501,26 +616,28 @@ def _ring_backward(res, d_out, axis_name, bq, bk):
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[-2] // 2
     delta = _delta(d_out, out)
+    own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
     kv = (k, v)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
     dq, dk, dv, count = _backward_blocks(q, k, v, d_out, lse, delta,
                                          jnp.zeros_like(q, dtype=_F32),
-                                         causal=True, bq=bq, bk=bk)
+                                         causal=True, bq=bq, bk=bk, drop=own)
     acc = (dk, dv)  # gradient of the block held, summed over the devices it has visited
 
-    def before(kv, dq):
+    def before(kv, src, dq):
         k_t, v_t = kv
         dq, dk_p, dv_p, cnt = _backward_blocks(q, k_t[..., :n, :], v_t[..., :n, :], d_out,
-                                               lse, delta, dq, causal=False, bq=bq, bk=bk)
+                                               lse, delta, dq, causal=False, bq=bq, bk=bk,
+                                               drop=drop_before(src))
         pad = jnp.zeros_like(dk_p)
         return (dq, jnp.concatenate([dk_p, pad], axis=-2),
                 jnp.concatenate([dv_p, pad], axis=-2), cnt)
 
-    def after(kv, dq):
+    def after(kv, src, dq):
         k_t, v_t = kv
         dq2, dk_p, dv_p, cnt = _backward_blocks(
             q[..., n:, :], k_t, v_t, d_out[..., n:, :], lse[..., n:], delta[..., n:],
-            dq[..., n:, :], causal=False, bq=bq, bk=bk)
+            dq[..., n:, :], causal=False, bq=bq, bk=bk, drop=drop_after(src))
         return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
 
     for t in range(1, c):
@@ -531,7 +648,7 @@ def _ring_backward(res, d_out, axis_name, bq, bk):
             recv_kv = _shift(cur, axis_name, c)
         recv_acc = _shift(acc, axis_name, c)  # in flight during this step's compute
         src = (r - t) % c
-        dq, dk_p, dv_p, cnt = lax.cond(src < r, before, after, cur, dq)
+        dq, dk_p, dv_p, cnt = lax.cond(src < r, before, after, cur, src, dq)
         acc = (recv_acc[0] + dk_p, recv_acc[1] + dv_p)
         count = count + cnt
     if c > 1:  # the accumulators of block r + 1 go home
@@ -539,34 +656,36 @@ def _ring_backward(res, d_out, axis_name, bq, bk):
     return dq, acc[0], acc[1], count
 
 
-def _ring_forward_bshd(q, k, v, axis_name, bq, bk):
+def _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout=None):
     o, lse, count = _ring_forward(_q_to_kernel(q, k.shape[2]), _to_bhsd(k), _to_bhsd(v),
-                                  axis_name, bq, bk)
+                                  axis_name, bq, bk, dropout)
     return _q_from_kernel(o).astype(q.dtype), lse, count
 
 
-def _ring_backward_bshd(res, d_out, axis_name, bq, bk):
+def _ring_backward_bshd(res, d_out, axis_name, bq, bk, dropout=None):
     q, k, v, out, lse = res
     hk = k.shape[2]
     res = (_q_to_kernel(q, hk), _to_bhsd(k), _to_bhsd(v), _q_to_kernel(out, hk), lse)
-    dq, dk, dv, count = _ring_backward(res, _q_to_kernel(d_out, hk), axis_name, bq, bk)
+    dq, dk, dv, count = _ring_backward(res, _q_to_kernel(d_out, hk), axis_name, bq, bk,
+                                       dropout)
     grads = (_q_from_kernel(dq).astype(q.dtype), _to_bshd(dk).astype(k.dtype),
              _to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q, k, v, axis_name, bq, bk):
-    return _ring_forward_bshd(q, k, v, axis_name, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, dropout, axis_name, bq, bk):
+    return _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout)[0]
 
 
-def _ring_fwd(q, k, v, axis_name, bq, bk):
-    out, lse, _ = _ring_forward_bshd(q, k, v, axis_name, bq, bk)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, dropout, axis_name, bq, bk):
+    out, lse, _ = _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout)
+    return out, ((q, k, v, out, lse), dropout)
 
 
 def _ring_bwd(axis_name, bq, bk, res, d_out):
-    return _ring_backward_bshd(res, d_out, axis_name, bq, bk)[0]
+    res, dropout = res
+    return (*_ring_backward_bshd(res, d_out, axis_name, bq, bk, dropout)[0], None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -583,7 +702,8 @@ def _ring_blocks(q, block_q: int, block_k: int) -> tuple[int, int]:
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
-                   block_q: int = 512, block_k: int = 512) -> jax.Array:
+                   block_q: int = 512, block_k: int = 512,
+                   dropout: AttentionDropout | None = None) -> jax.Array:
     """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
 
     Call inside :func:`jax.shard_map` with the sequence in zigzag order
@@ -608,6 +728,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
       axis_name: the context mesh axis.
       block_q / block_k: query / key rows per block: the largest divisors of ``n`` up to
         these.
+      dropout: dropout on the probabilities (:class:`AttentionDropout`; the positions are
+        the zigzag layout's global ones), or None.
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
@@ -616,7 +738,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     bq, bk = _ring_blocks(q, block_q, block_k)
     q, k, v = _same_vma(q, k, v)
     q, k, v = (_vary(x, (axis_name,)) for x in (q, k, v))
-    return _ring(q, k, v, axis_name, bq, bk)
+    drop = _drop_args(dropout, None, q.shape[1], "xla")
+    return _ring(q, k, v, None if drop is None else drop[0], axis_name, bq, bk)
 
 
 # --------------------------------------------------------------------------------------
@@ -626,7 +749,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
                       block_q: int = 512, block_k: int = 512,
-                      implementation: str = "xla") -> jax.Array:
+                      implementation: str = "xla",
+                      dropout: AttentionDropout | None = None) -> jax.Array:
     """Causal attention by DeepSpeed-Ulysses sequence parallelism, per device.
 
     Call inside :func:`jax.shard_map` with the sequence sharded contiguously over
@@ -643,6 +767,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
       block_q / block_k: rows per block: the largest divisors of ``s`` up to these.
       implementation: the kernel on the head shards, as in :func:`blockwise_attention`
         (``"xla"`` or ``"cudnn"``).
+      dropout: dropout on the probabilities (:class:`AttentionDropout`, ``head_offset``
+        the global index of this device's first head before the all-to-all), or None.
     Returns:
       ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
     """
@@ -672,6 +798,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
         return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
     q, k, v = (to_heads(_vary(x, (axis_name,))) for x in _same_vma(q, k, v))
+    if dropout is not None:  # this device's heads after the all-to-all
+        dropout = dataclasses.replace(dropout, head_offset=dropout.head_offset + lax.axis_index(
+            axis_name) * q.shape[2])
     out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
-                              implementation=implementation)
+                              implementation=implementation, dropout=dropout)
     return to_sequence(out)

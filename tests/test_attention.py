@@ -134,10 +134,10 @@ def test_blocks_above_the_diagonal_are_skipped():
     forward and backward; no score block is larger than block_q x block_k."""
     q, k, v, do = inputs((1, 48, 2, 8), seed=1)
     for block_q, block_k, n_q, n_k in ((8, 8, 6, 6), (16, 6, 3, 8), (6, 16, 8, 3)):
-        fwd = jax.jit(A._blockwise_forward, static_argnums=(3, 4))
-        bwd = jax.jit(A._blockwise_backward, static_argnums=(2, 3))
-        out, lse, count = fwd(q, k, v, block_q, block_k)
-        _, count_bwd = bwd((q, k, v, out, lse), do, block_q, block_k)
+        fwd = jax.jit(A._blockwise_forward, static_argnums=(3, 4, 5))
+        bwd = jax.jit(A._blockwise_backward, static_argnums=(2, 3, 4))
+        out, lse, count = fwd(q, k, v, None, block_q, block_k)
+        _, count_bwd = bwd((q, k, v, out, lse), do, None, block_q, block_k)
         expected = A.attention_block_counts(48, 1, mode="local", block_q=block_q,
                                             block_k=block_k)
         assert int(count) == int(count_bwd) == int(expected[0])
@@ -421,3 +421,108 @@ def test_gpu_no_s_by_s_buffer_and_ring_overlap():
     overlaps = _permute_overlaps(report.hlo)
     # forward 3, backward: 3 k/v (2 combined with dk/dv), 1 dk/dv; then dk/dv go home
     assert sum(overlaps) >= 7, overlaps
+
+
+# --------------------------------------------------------------------------------------
+# Dropout on the attention probabilities
+# --------------------------------------------------------------------------------------
+
+RATE = 0.25
+
+
+def _dropout(seed=7, **offsets):
+    return A.AttentionDropout(jnp.array([seed, 2 * seed + 1], jnp.uint32), RATE, **offsets)
+
+
+def _probe(out, q, k):
+    """The kernel's dropout factors ``Z [b, h, i, j]``, read off its output for the
+    identity values (``v = I``: ``out[b, i, h, j] = P_ij Z_ij``) against the plain
+    softmax ``P``; -1 above the diagonal."""
+    s, k = q.shape[1], jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(np.tril(np.ones((s, s), bool)), scores, -jnp.inf), -1)
+    z = np.asarray(jnp.swapaxes(out, 1, 2) / jnp.where(probs > 0, probs, 1.0))
+    assert np.all((np.abs(z) < 1e-4) | (np.abs(z - 1 / (1 - RATE)) < 1e-4))  # 0 or 1/(1-r)
+    return np.where(np.tril(np.ones((s, s), bool)), np.where(z > 0.5, 1 / (1 - RATE), 0.0),
+                    -1.0)
+
+
+def _identity_inputs(b=2, s=16, h=4, kv=2, seed=0):
+    q, k = (jax.random.normal(key, (b, s, n, s)) for key, n in
+            zip(jax.random.split(jax.random.key(seed)), (h, kv), strict=True))
+    v = jnp.broadcast_to(jnp.eye(s)[None, :, None, :], (b, s, kv, s))
+    return q, k, v
+
+
+def test_attention_dropout_is_independent_of_blocks_and_sharding():
+    """The dropped probabilities (read off with v = I) are the same for every block size,
+    for ring and Ulysses over (data=2, context=2, tensor=2) meshes, and about RATE of
+    them; another seed drops others."""
+    q, k, v = _identity_inputs(h=8, kv=4)  # Ulysses: 2 kv heads per tensor shard
+    z = _probe(A.blockwise_attention(q, k, v, block_q=16, block_k=16, dropout=_dropout()),
+               q, k)
+    kept = z[z >= 0]
+    assert abs(np.mean(kept == 0) - RATE) < 0.05  # 2 x 8 x 136 probabilities
+    for bq, bk in ((4, 8), (8, 2)):
+        out = A.blockwise_attention(q, k, v, block_q=bq, block_k=bk, dropout=_dropout())
+        np.testing.assert_array_equal(_probe(out, q, k), z)
+    other = _probe(A.blockwise_attention(q, k, v, dropout=_dropout(seed=8)), q, k)
+    assert np.mean(other != z) > 0.1
+    for mode in ("ring", "ulysses"):
+        mesh, f = _sharded_dropout(mode)
+        with jax.set_mesh(mesh):
+            out = f(q, k, v)
+        np.testing.assert_array_equal(_probe(out, q, k), z, err_msg=mode)
+
+
+@functools.cache
+def _sharded_dropout(mode):
+    """``mode`` attention with dropout on a (data=2, context=2, tensor=2) mesh, on
+    global unpermuted arrays (offsets: this device's first batch row and head)."""
+    mesh = context_mesh((2, 2, 2), ("data", "context", "tensor"))
+    spec = P("data", "context", "tensor", None)
+    kernel = A.ring_attention if mode == "ring" else A.ulysses_attention
+
+    def local(q, k, v):
+        dropout = _dropout(batch_offset=jax.lax.axis_index("data") * q.shape[0],
+                           head_offset=jax.lax.axis_index("tensor") * q.shape[2])
+        return kernel(q, k, v, axis_name="context", block_q=2, block_k=4, dropout=dropout)
+
+    inner = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+    @jax.jit
+    def f(q, k, v):
+        s = q.shape[1]
+        if mode == "ring":
+            perm, inv = A.zigzag_order(s, 2), A.zigzag_inverse(s, 2)
+            q, k, v = (x[:, perm] for x in (q, k, v))
+        out = jax.reshard(inner(*(jax.reshard(x, spec) for x in (q, k, v))), P())
+        return out[:, inv] if mode == "ring" else out
+
+    return mesh, f
+
+
+def test_attention_dropout_gradients_match_plain_dropout_attention():
+    """Forward and gradients against plain attention with the kernel's dropout factors
+    applied to the probabilities (autodiff of the plain formula), blockwise and ring."""
+    q0, k0, v0 = _identity_inputs(seed=3)
+    z = jnp.asarray(np.maximum(_probe(
+        A.blockwise_attention(q0, k0, v0, dropout=_dropout()), q0, k0), 0.0))
+    q, k, v, do = inputs((2, 16, 4, 16), seed=4, kv_heads=2)
+
+    def plain(q, k, v):
+        kr, vr = (jnp.repeat(x, 2, axis=2) for x in (k, v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, kr) / np.sqrt(q.shape[-1])
+        probs = jax.nn.softmax(jnp.where(np.tril(np.ones((16, 16), bool)), scores, -jnp.inf))
+        return jnp.einsum("bhqk,bkhd->bqhd", probs * z, vr)
+
+    want = jax.vjp(plain, q, k, v)
+    want = (want[0], want[1](do))
+    got = jax.vjp(functools.partial(A.blockwise_attention, block_q=4, block_k=8,
+                                    dropout=_dropout()), q, k, v)
+    assert_close((got[0], got[1](do)), want, rtol=1e-5, atol=1e-5)
+    mesh, ring_fn = _sharded_dropout("ring")
+    with jax.set_mesh(mesh):
+        ring = jax.vjp(ring_fn, q, k, v)
+        ring = (ring[0], ring[1](do))
+    assert_close(ring, want, rtol=1e-5, atol=1e-5)

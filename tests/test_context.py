@@ -67,8 +67,9 @@ CASES = {  # id: (mesh, context_parallel, model options, parallel options)
                                         {"recompute_allgather": True}),
     "ulysses_2x2x2_gqa": ((2, 2, 2), "ulysses", {"num_kv_heads": 4}, {}),
     "ring_1x4x2_scan_remat": ((1, 4, 2), "ring", {"scan_layers": True, "remat": True}, {}),
-    "ulysses_1x4x2_dropout": ((1, 4, 2), "ulysses", {"dropout": 0.1}, {}),
-    "ring_1x8x1_dropout": ((1, 8, 1), "ring", {"dropout": 0.1}, {}),
+    "ulysses_1x4x2_dropout": ((1, 4, 2), "ulysses", {"dropout": 0.1, "attention_dropout": 0.1},
+                              {}),
+    "ring_1x8x1_dropout": ((1, 8, 1), "ring", {"dropout": 0.1, "attention_dropout": 0.1}, {}),
     "ulysses_1x8x1_rotary": ((1, 8, 1), "ulysses", {"positions": "rotary"}, {}),
 }
 
@@ -83,7 +84,7 @@ def references():
         if key not in cache:
             cfg = GPTConfig(**{**BASE, **model_kw})
             cache[key] = _train(cfg, sp_jax.ParallelConfig(data_axis=None), _mesh(1, 1, 1),
-                                _batches(), train_mode=cfg.dropout > 0)
+                                _batches(), train_mode=max(cfg.dropout, cfg.attention_dropout) > 0)
         return cache[key]
 
     return get
@@ -96,7 +97,7 @@ def test_gpt_with_a_context_axis_trains_like_unsharded(case, references):
     init, ref_losses, ref_params = references(model_kw)
     parallel = sp_jax.ParallelConfig(context_parallel=mode, **parallel_kw)
     _, losses, params = _train(cfg, parallel, _mesh(*mesh_shape), _batches(), init=init,
-                               train_mode=cfg.dropout > 0)
+                               train_mode=max(cfg.dropout, cfg.attention_dropout) > 0)
     assert losses[-1] < losses[0]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)

@@ -68,7 +68,7 @@ def _train(cfg, parallel, mesh, batches, *, init=None, lr=3e-3, train_mode=False
 CASES = {
     "fp32": (dict(), dict()),
     "recompute": (dict(), dict(recompute_allgather=True)),
-    "dropout": (dict(dropout=0.1), dict(recompute_allgather=True)),
+    "dropout": (dict(dropout=0.1, attention_dropout=0.1), dict(recompute_allgather=True)),
     "untied_rotary_rmsnorm": (dict(tie_embeddings=False, positions="rotary", norm="rmsnorm"),
                               dict()),
     "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), dict()),
@@ -104,7 +104,7 @@ def test_sp_gpt_trains_like_unsharded(case):
     model_kw, parallel_kw, *mesh = CASES[case]
     cfg = _config(model_kw)
     batches = _batches(cfg.vocab_size)
-    train_mode = cfg.dropout > 0
+    train_mode = max(cfg.dropout, cfg.attention_dropout) > 0
     init, losses, params = _train(cfg, sp_jax.ParallelConfig(**parallel_kw),
                                   make_mesh(*(mesh[0] if mesh else (2, 4))),
                                   batches, train_mode=train_mode)
@@ -115,19 +115,23 @@ def test_sp_gpt_trains_like_unsharded(case):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
 
 
-def test_dropout_changes_the_loss_in_train_mode_only():
-    cfg = GPTConfig(**{**BASE, "dropout": 0.5})
+@pytest.mark.parametrize("rates", [dict(dropout=0.5), dict(attention_dropout=0.5)])
+def test_dropout_changes_the_loss_in_train_mode_only(rates):
+    """Residual and attention dropout: a fresh model is in train mode (documented);
+    model.eval() turns both off."""
+    cfg = GPTConfig(**{**BASE, **rates})
     tokens = _batches(64, steps=1)[0]["tokens"][0]
-    loss = nnx.jit(lambda m, t, key: m.loss(t, t, rngs=nnx.Rngs(dropout=key)))
+    loss = nnx.jit(lambda m, t, key: m.loss(t, rngs=nnx.Rngs(dropout=key)))
     with jax.set_mesh(make_mesh(2, 4)):
         model = GPT(cfg, rngs=nnx.Rngs(0))
+        c = to_host(loss(model, tokens, jax.random.key(1)))  # fresh: train mode
+        d = to_host(loss(model, tokens, jax.random.key(2)))
         model.eval()
         a = to_host(loss(model, tokens, jax.random.key(1)))
         b = to_host(loss(model, tokens, jax.random.key(2)))
         model.train()
-        c = to_host(loss(model, tokens, jax.random.key(1)))
-        d = to_host(loss(model, tokens, jax.random.key(2)))
-    assert a == b and c != a and c != d
+        e = to_host(loss(model, tokens, jax.random.key(1)))
+    assert a == b and c != a and c != d and e == c
 
 
 def test_gpt_on_auto_mesh_matches_explicit():

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from sp_jax import ops
 from sp_jax.attention import (
     IMPLEMENTATIONS,
+    AttentionDropout,
     blockwise_attention,
     ring_attention,
     ulysses_attention,
@@ -375,6 +376,11 @@ class CausalSelfAttention(nnx.Module):
         Ulysses the key/value heads per tensor shard must also divide by the context size.
       config: the :class:`~sp_jax.ParallelConfig`.
       dropout: dropout rate on the block output (sharding-invariant masks).
+      attention_dropout: dropout rate on the attention probabilities, inside the
+        attention kernels (:class:`~sp_jax.attention.AttentionDropout`: masks from a hash
+        of the global batch row, head and positions, equal under every sharding and
+        context layout; ``attention_implementation="xla"`` only). Its key is drawn from
+        the call's ``rngs`` before the output dropout's.
       rotary: apply rotary position embeddings to q and k.
       rope_base: rotary base frequency.
       rope_scaling: Llama-3 frequency scaling (:class:`RopeScaling`) or None.
@@ -409,6 +415,7 @@ class CausalSelfAttention(nnx.Module):
         num_kv_heads: int | None = None,
         config: ParallelConfig = ParallelConfig(),
         dropout: float = 0.0,
+        attention_dropout: float = 0.0,
         rotary: bool = False,
         rope_base: float = 10000.0,
         rope_scaling: RopeScaling | None = None,
@@ -442,6 +449,11 @@ class CausalSelfAttention(nnx.Module):
             raise ValueError(
                 f"CausalSelfAttention: attention_implementation={attention_implementation!r}"
                 f" is not one of {IMPLEMENTATIONS}.")
+        if attention_implementation == "cudnn" and attention_dropout:
+            raise ValueError(
+                f"CausalSelfAttention: attention_dropout={attention_dropout} needs "
+                "attention_implementation='xla' (cuDNN's kernel draws masks of its own, "
+                "which would not be the same under every sharding).")
         if attention_implementation == "cudnn" and config.context_parallel == "ring":
             raise ValueError(
                 "CausalSelfAttention: attention_implementation='cudnn' cannot run ring "
@@ -474,6 +486,8 @@ class CausalSelfAttention(nnx.Module):
             hidden, hidden, use_bias=out_bias, config=config, dtype=dtype,
             param_dtype=param_dtype, rngs=rngs)
         self.dropout = Dropout(dropout, config=config)  # rngs come with each call
+        # holds the rate and the train/eval mode of the attention-probability dropout
+        self.attention_dropout = Dropout(attention_dropout, config=config)
 
     def _check_heads(self, mesh: Mesh) -> None:
         check_divisible("CausalSelfAttention", "num_heads", self.num_heads, mesh,
@@ -495,9 +509,10 @@ class CausalSelfAttention(nnx.Module):
                 "heads: choose num_kv_heads a multiple of tensor x context, or "
                 "context_parallel='ring'")
 
-    def _attend(self, qkv: jax.Array, order: np.ndarray | None) -> jax.Array:
+    def _attend(self, qkv: jax.Array, order: np.ndarray | None,
+                seed: jax.Array | None = None) -> jax.Array:
         """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
-        the sequence) -> ``[b, s_local, hidden / t]``."""
+        the sequence) -> ``[b, s_local, hidden / t]``; ``seed``: the attention dropout's."""
         b, s, width = qkv.shape
         head_dim = self.hidden // self.num_heads
         if self.num_kv_heads == self.num_heads:  # columns (head, {q, k, v}, head_dim)
@@ -519,6 +534,11 @@ class CausalSelfAttention(nnx.Module):
             q = rotary_embedding(q, positions, self.rope_base, self.rope_scaling)
             k = rotary_embedding(k, positions, self.rope_base, self.rope_scaling)
         blocks = dict(block_q=self.block_q, block_k=self.block_k)
+        if seed is not None:  # global coordinates of this device's first row and head
+            rows = lax.axis_index(cfg.data_axes) * b if cfg.data_axes else 0
+            blocks["dropout"] = AttentionDropout(
+                seed, self.attention_dropout.rate, batch_offset=rows,
+                head_offset=lax.axis_index(cfg.tensor_axis) * heads)
         if cfg.context_parallel == "ring":
             out = ring_attention(q, k, v, axis_name=cfg.context_axis, **blocks)
         elif cfg.context_parallel == "ulysses":
@@ -536,8 +556,19 @@ class CausalSelfAttention(nnx.Module):
         order = sequence_order(self.config, mesh, x.shape[1])
         tp = Layout.of(self.config).tp
         qkv = self.qkv(self.norm(x))  # tp layout: this device's heads, full sequence
-        attended = jax.shard_map(lambda qkv: self._attend(qkv, order), in_specs=tp,
-                                 out_specs=tp)(qkv)
+        seeds = ()
+        if self.attention_dropout.rate and not (
+                deterministic if deterministic is not None
+                else self.attention_dropout.deterministic):
+            if rngs is None:
+                raise ValueError(
+                    "CausalSelfAttention: attention dropout is active (train mode) but no "
+                    "rngs were passed; call with rngs=nnx.Rngs(dropout=key), or model.eval().")
+            key = rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs()
+            seeds = (jax.random.bits(key, (2,), jnp.uint32),)
+        attended = jax.shard_map(lambda qkv, *seed: self._attend(qkv, order, *seed),
+                                 in_specs=(tp, *(P(),) * len(seeds)),
+                                 out_specs=tp)(qkv, *seeds)
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y
 

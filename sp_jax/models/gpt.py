@@ -241,6 +241,7 @@ class Block(nnx.Module):
                       param_dtype=cfg.param_dtype, rngs=rngs)
         self.attention = CausalSelfAttention(
             cfg.hidden, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            attention_dropout=cfg.attention_dropout,
             rotary=cfg.positions == "rotary", rope_base=cfg.rope_base,
             rope_scaling=cfg.rope_scaling, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
             attention_block_q=cfg.attention_block_q,
@@ -396,7 +397,8 @@ class GPT(nnx.Module):
                 jnp.take(positions, jnp.asarray(order), axis=0)
             x = x + positions.astype(x.dtype)[None]
             x = to_sequence_parallel(x, self.parallel, where="GPT")
-        training = self.config.dropout > 0 and not self.dropout.deterministic
+        training = max(self.config.dropout, self.config.attention_dropout) > 0 and \
+            not self.dropout.deterministic
         stream = None
         if training:  # keys are drawn here, outside any rematerialised block
             stream = rngs.dropout if rngs is not None else self.dropout.rngs
