@@ -14,7 +14,7 @@ from flax import nnx
 
 import sp_jax
 from sp_jax.analysis import gpu_mesh
-from sp_jax.models import GPT, GPTConfig
+from sp_jax.models import GPT, GPTConfig, hf
 
 LAYERS = [
     sp_jax.ColumnParallelLinear,
@@ -159,6 +159,32 @@ CASES = {
                         r"divisible by the size 4.*or fsdp=False",
             lambda: _on((4, 2), lambda: _layer(
                 n_in=6, n_out=8, config=sp_jax.ParallelConfig(fsdp=True)))),
+    # Llama-family models and Hugging Face checkpoints
+    "E40": (ValueError, r"GPTConfig.num_kv_heads=3 must be a positive divisor of "
+                        r"num_heads=4",
+            lambda: GPTConfig(**{**GPT_BASE, "num_kv_heads": 3})),
+    "E41": (ValueError, r"num_kv_heads=3 cannot be laid out over a tensor axis of size 2.*"
+                        r"choose num_kv_heads a divisor or a multiple of 2",
+            lambda: _on((4, 2), lambda: _gpt(num_heads=6, hidden=48, num_kv_heads=3))),
+    "E42": (ValueError, r"key/value heads per tensor shard=1 is not divisible by the size 2"
+                        r".*num_kv_heads a multiple of tensor x context",
+            lambda: _on_context((1, 2, 2), lambda: GPT(
+                GPTConfig(**{**GPT_BASE, "num_kv_heads": 2}),
+                parallel=sp_jax.ParallelConfig(context_parallel="ulysses"),
+                rngs=nnx.Rngs(0)))),
+    "E43": (ValueError, r"attention_dropout=0.1 needs attention_implementation='xla'",
+            lambda: _on((2, 4), lambda: _gpt(attention_dropout=0.1,
+                                             attention_implementation="cudnn"))),
+    "E44": (ValueError, r"GPTConfig.llama: name='llama-4' is not one of",
+            lambda: GPTConfig.llama("llama-4")),
+    "E45": (ValueError, r"config.json: model_type='bert' is not one sp_jax converts",
+            lambda: hf.config_from_hf({"model_type": "bert"})),
+    "E46": (ValueError, r"from_hf: the checkpoint does not match[\s\S]*model.norm.weight \(for "
+                        r"final_norm/scale\) is missing",
+            lambda: _on((2, 4), lambda: hf.from_hf({}, hf.config_to_hf(
+                GPTConfig.llama("llama-tiny"))))),
+    "E47": (ValueError, r"to_hf: this GPTConfig is neither GPT-2-shaped.*Llama-shaped",
+            lambda: hf.config_to_hf(GPTConfig(**{**GPT_BASE, "positions": "rotary"}))),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
