@@ -233,6 +233,40 @@ def test_blocks_equal_on_sharded_and_single_device_mesh(rotary):
     chex.assert_trees_all_close(out[(2, 4)], out[(1, 1)], **TOL)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])  # replicated over pairs of shards / split
+def test_grouped_query_attention_matches_reference_with_one_all_gather(kv_heads, mesh_2x4):
+    """8 query heads over ``kv_heads`` on tensor 4 against plain jnp from the block's
+    ``q_kernel`` / ``kv_kernel`` (kv heads repeated), q/k/v biases included; the compiled
+    forward all-gathers the input once and reduce-scatters once, as for MHA."""
+    from sp_jax.analysis import parse_collectives
+
+    hidden, heads, hd = 32, 8, 4
+    x = np.random.default_rng(8).normal(size=(B, S, hidden)).astype(np.float32)
+    with jax.set_mesh(mesh_2x4):
+        block = sp_jax.CausalSelfAttention(hidden, heads, num_kv_heads=kv_heads,
+                                           qkv_bias=True, rngs=nnx.Rngs(0))
+        kv = block.num_kv_heads
+        for b in (block.qkv.q_bias, block.qkv.kv_bias):
+            b[...] = jax.random.normal(jax.random.key(kv), b[...].shape)
+        forward = nnx.jit(lambda m, x: m(x))
+        y = forward(block, x)
+        kinds = [c.kind for c in parse_collectives(forward.lower(block, x).compile())]
+    assert kinds.count("all-gather") == 1 and kinds.count("reduce-scatter") == 1, kinds
+    p = to_host(nnx.to_pure_dict(nnx.state(block, nnx.Param)))
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    h = (x - mu) / np.sqrt(var + 1e-5) * p["norm"]["scale"] + p["norm"]["bias"]
+    q = (h @ p["qkv"]["q_kernel"] + p["qkv"]["q_bias"]).reshape(B, S, heads, hd)
+    kvs = (h @ p["qkv"]["kv_kernel"] + p["qkv"]["kv_bias"]).reshape(B, S, kv, 2, hd)
+    k, v = (np.repeat(kvs[..., i, :], heads // kv, axis=2) for i in (0, 1))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
+    scores = np.where(np.tril(np.ones((S, S), bool)), scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", w, v).reshape(B, S, hidden)
+    want = x + out @ p["out"]["kernel"] + p["out"]["bias"]
+    chex.assert_trees_all_close(to_host(y), want, rtol=1e-4, atol=1e-4)
+
+
 def test_heads_not_divisible_by_tensor_size(mesh_2x4):
     with jax.set_mesh(mesh_2x4):
         with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by the size 4"):
