@@ -60,8 +60,6 @@ def _train(cfg, parallel, mesh, batches, *, init=None, train_mode=False):
 CASES = {  # id: (mesh, context_parallel, model options, parallel options)
     # grouped-query: 8 query heads over 4 key/value heads (2 per tensor shard), and
     # multi-query (one kv head, replicated over the tensor axis)
-    "ring_1x2x2_gqa": ((1, 2, 2), "ring", {"num_kv_heads": 4}, {}),
-    "ulysses_1x2x2_rotary": ((1, 2, 2), "ulysses", {"positions": "rotary"}, {}),
     "ring_2x2x2_rotary_mqa_recompute": ((2, 2, 2), "ring",
                                         {"positions": "rotary", "num_kv_heads": 1},
                                         {"recompute_allgather": True}),

@@ -65,28 +65,31 @@ def _train(cfg, parallel, mesh, batches, *, init=None, lr=3e-3, train_mode=False
         return init, np.array(losses), to_host(nnx.to_pure_dict(step.params))
 
 
+AUTO = AxisType.Auto
+LLAMA_SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8)
+# id: (model options, [(mesh shape, parallel options[, mesh axis type]), ...]): every run
+# is compared with ONE unsharded run of the model from the same weights and batches.
 CASES = {
-    "fp32": (dict(), dict()),
-    "recompute": (dict(), dict(recompute_allgather=True)),
-    "dropout": (dict(dropout=0.1, attention_dropout=0.1), dict(recompute_allgather=True)),
-    "untied_rotary_rmsnorm": (dict(tie_embeddings=False, positions="rotary", norm="rmsnorm"),
-                              dict()),
-    "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), dict()),
-    "vocab_50": (dict(vocab_size=50), dict()),
+    "fp32": ({}, [((2, 4), {}), ((2, 4), {}, AUTO),
+                  ((2, 4), dict(fsdp=True)), ((2, 4), dict(fsdp=True), AUTO),
+                  ((2, 4), dict(collective_matmul=True, recompute_allgather=True))]),
+    "dropout": (dict(dropout=0.1, attention_dropout=0.1),
+                [((2, 4), dict(recompute_allgather=True))]),
+    "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), [((2, 4), {})]),
+    "vocab_50": (dict(vocab_size=50), [((2, 4), {}),
+                                       ((4, 2), dict(fsdp=True, collective_matmul=True))]),
     # Llama-shaped (RMSNorm, SwiGLU, rotary with Llama-3.1 scaling, no biases, untied
     # head): 8 query heads over 2 key/value heads on tensor size 4 (kv heads replicated
-    # over pairs of shards), and over 4 on tensor size 2 with fsdp and q/k/v biases
+    # over pairs of shards), and over 4 on tensor size 2 with q/k/v biases; both with fsdp
     "llama_gqa_kv2_t4_vocab50": (dict(preset="llama", num_kv_heads=2, vocab_size=50,
-                                      rope_scaling=dict(factor=4.0, low_freq_factor=1.0,
-                                                        high_freq_factor=4.0,
-                                                        original_max_position_embeddings=8)),
-                                 dict()),
-    "llama_gqa_kv4_t2_fsdp_bias": (dict(preset="llama", num_kv_heads=4, qkv_bias=True),
-                                   dict(fsdp=True), (4, 2)),
-    "collective_matmul_recompute": (dict(), dict(collective_matmul=True,
-                                                 recompute_allgather=True)),
+                                      rope_scaling=LLAMA_SCALING),
+                                 [((2, 4), {}), ((2, 4), dict(fsdp=True))]),
+    "llama_gqa_kv4_t2_bias": (dict(preset="llama", num_kv_heads=4, qkv_bias=True),
+                              [((4, 2), dict(fsdp=True))]),
     "collective_matmul_scan_untied_50": (dict(scan_layers=True, tie_embeddings=False,
-                                              vocab_size=50), dict(collective_matmul=True)),
+                                              vocab_size=50),
+                                         [((2, 4), dict(collective_matmul=True))]),
 }
 
 
@@ -101,18 +104,23 @@ def _config(model_kw) -> GPTConfig:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sp_gpt_trains_like_unsharded(case):
-    model_kw, parallel_kw, *mesh = CASES[case]
+    model_kw, runs = CASES[case]
     cfg = _config(model_kw)
     batches = _batches(cfg.vocab_size)
     train_mode = max(cfg.dropout, cfg.attention_dropout) > 0
-    init, losses, params = _train(cfg, sp_jax.ParallelConfig(**parallel_kw),
-                                  make_mesh(*(mesh[0] if mesh else (2, 4))),
-                                  batches, train_mode=train_mode)
-    _, ref_losses, ref_params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1), batches,
-                                       init=init, train_mode=train_mode)
-    assert losses[-1] < losses[0]  # it trains
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
+    init = ref_losses = ref_params = None
+    for shape, parallel_kw, *axis_type in runs:
+        mesh = make_mesh(*shape, *axis_type)
+        got_init, losses, params = _train(cfg, sp_jax.ParallelConfig(**parallel_kw), mesh,
+                                          batches, init=init, train_mode=train_mode)
+        if init is None:  # the first run's initial weights, for every other run
+            init = got_init
+            _, ref_losses, ref_params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+                                               batches, init=init, train_mode=train_mode)
+        assert losses[-1] < losses[0]  # it trains
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{shape} {parallel_kw} {axis_type}")
+        chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rates", [dict(dropout=0.5), dict(attention_dropout=0.5)])
@@ -132,16 +140,6 @@ def test_dropout_changes_the_loss_in_train_mode_only(rates):
         model.train()
         e = to_host(loss(model, tokens, jax.random.key(1)))
     assert a == b and c != a and c != d and e == c
-
-
-def test_gpt_on_auto_mesh_matches_explicit():
-    cfg = GPTConfig(**BASE)
-    batches = _batches(64, steps=2)
-    init, losses, params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(2, 4), batches)
-    _, auto_losses, auto_params = _train(cfg, sp_jax.ParallelConfig(),
-                                         make_mesh(2, 4, AxisType.Auto), batches, init=init)
-    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(params, auto_params, rtol=1e-5, atol=1e-5)
 
 
 def test_logits_layout_and_padding(mesh_2x4):
