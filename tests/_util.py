@@ -1,9 +1,20 @@
 """Shared helpers for the tests (independent unsharded references)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+
+def script_env() -> dict[str, str]:
+    """The environment of an example or script run as a subprocess: CPU, and XLA_FLAGS
+    holding only the suite's compile-speed flag (no LLVM optimisation of the tiny CPU
+    programs, as in conftest.py); no device count, so the script must simulate its own
+    devices as on a user's machine."""
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS="--xla_backend_optimization_level=0")
 
 
 def to_host(tree):

@@ -1,16 +1,17 @@
 """The small MLP example trains and matches its unsharded twin (subprocess run)."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from _util import script_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_train_mlp_matches_unsharded():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = script_env()
     out = subprocess.run(
         [sys.executable, "examples/train_mlp.py", "--steps", "6", "--recompute-allgather"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
@@ -35,7 +36,7 @@ def test_finetune_hf_continues_a_checkpoint_and_writes_it_back(tmp_path):
     from sp_jax.models import hf
 
     fixture = ROOT / "tests" / "fixtures" / "hf" / "llama"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = script_env()
     out = subprocess.run(
         [sys.executable, "examples/finetune_hf.py", "--hf-dir", str(fixture), "--mesh", "2,4",
          "--steps", "12", "--seq-len", "32", "--lr", "1e-3", "--out", str(tmp_path)],

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _util import script_env
 
 from benchmarks.gpu_check import (
     VARIANTS,
@@ -28,9 +29,8 @@ SINGLE_DEVICE = "there is no communication at all"
 
 def _run(out: Path, *extra: str) -> tuple[dict, str]:
     """Runs the script as ``make gpu-check`` would, with ``--quick --platform cpu``; no
-    XLA_FLAGS, so it must set its own simulated devices."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    device count in XLA_FLAGS, so it must set its own simulated devices."""
+    env = script_env()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--platform", "cpu",
          "--out", str(out), *extra],

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _util import script_env
 from flax import nnx
 
 from sp_jax.checkpoint import restore_checkpoint
@@ -51,8 +52,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the example sets its own simulated device count
+    env = script_env()  # the example sets its own simulated device count
     for key in list(env):  # loopback gRPC must not go through a proxy
         if key.lower().endswith("_proxy"):
             env.pop(key)

@@ -21,6 +21,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from _util import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -33,8 +34,7 @@ TINY = ["--preset", "llama-tiny", "--seq-len", "32", "--hidden", "32", "--heads"
 
 
 def _start(*extra: str) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the example configures its own simulated devices
+    env = script_env()  # the example configures its own simulated devices
     return subprocess.Popen([sys.executable, str(SCRIPT), *TINY, *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
