@@ -162,7 +162,7 @@ class ModelShape:
 
 FULL_SHAPE = ModelShape(hidden=4096, heads=32, layers=8, seq=2048, vocab=32768, batch=8)
 """Default shape on GPUs: see the module docstring for the choice."""
-QUICK_SHAPE = ModelShape(hidden=64, heads=4, layers=2, seq=64, vocab=256, batch=4)
+QUICK_SHAPE = ModelShape(hidden=64, heads=4, layers=1, seq=64, vocab=256, batch=4)
 """``--quick``: a tiny GPT for smoke tests (seconds on CPU)."""
 
 

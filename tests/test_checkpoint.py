@@ -73,7 +73,7 @@ def saved(tmp_path_factory):
     return directory, src
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (4, 2), (1, 1)])
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 1)])
 def test_restore_onto_other_meshes_bitwise(saved, shape):
     directory, src = saved
     mesh = make_mesh(*shape)

@@ -72,7 +72,7 @@ LLAMA_SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
 # is compared with ONE unsharded run of the model from the same weights and batches.
 CASES = {
     "fp32": ({}, [((2, 4), {}), ((2, 4), {}, AUTO),
-                  ((2, 4), dict(fsdp=True)), ((2, 4), dict(fsdp=True), AUTO),
+                  ((2, 4), dict(fsdp=True)),
                   ((2, 4), dict(collective_matmul=True, recompute_allgather=True))]),
     "dropout": (dict(dropout=0.1, attention_dropout=0.1),
                 [((2, 4), dict(recompute_allgather=True))]),

@@ -3,6 +3,7 @@
 (1x8) devices; sp_jax -> Hugging Face -> sp_jax bitwise; config translation; every bad
 tensor named before anything is placed. No torch, no network."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -124,9 +125,14 @@ def test_config_translation():
     (GPTConfig.llama("llama-3-8b"), 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
 ])
 def test_presets_have_the_published_parameter_counts(preset, count):
-    model = nnx.eval_shape(lambda: GPT(preset, rngs=nnx.Rngs(0)))
-    assert sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param))
-               ) == count
+    """The models built at 1 and 2 layers, extrapolated (every block is the same)."""
+    def params(layers):
+        cfg = dataclasses.replace(preset, num_layers=layers)
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+        return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+    one, two = params(1), params(2)
+    assert one + (preset.num_layers - 1) * (two - one) == count
 
 
 def test_bad_checkpoints_are_named_before_anything_is_placed(monkeypatch):

@@ -24,7 +24,7 @@ LAYERS = {
 
 MESHES = [(1, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8)]
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
