@@ -37,7 +37,7 @@ gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check --out runs/gpu-check
 
 # Two pytest workers, one test file each at a time (module fixtures stay in one process):
-# XLA's compiles are mostly single-threaded, so the suite takes ~7 min on 2 cores, not ~10.
+# XLA's compiles are mostly single-threaded, so the suite takes ~9 min on 2 cores, not ~16.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
