@@ -182,3 +182,22 @@ def test_sharded_checkpoint_directory(tmp_path):
     first, second = _params(model), _params(again)
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+
+
+def test_transformers_loads_to_hf_strictly(tmp_path):
+    """Where torch and transformers are installed (not in CI: the fixtures script's
+    environment), a to_hf directory loads with no missing or unexpected tensors and gives
+    sp_jax's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    golden = np.load(FIXTURES / "llama" / "golden.npz")
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = hf.from_hf(FIXTURES / "llama")
+        hf.to_hf(model, tmp_path)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        logits = loaded.eval()(input_ids=torch.from_numpy(
+            golden["input_ids"].astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(logits, golden["logits"], rtol=1e-5, atol=1e-5)
