@@ -306,3 +306,20 @@ def test_scan_layers_equals_unrolled_layers(mesh_2x4):
     chex.assert_trees_all_equal(out[True][1]["blocks"], stack(out[False][1]["blocks"]))
     chex.assert_trees_all_close(out[True][2]["blocks"], stack(out[False][2]["blocks"]),
                                 rtol=1e-5, atol=1e-6)
+
+
+def test_token_ids_and_labels_of_any_integer_dtype(mesh_2x4):
+    """Byte data as uint8 ids with a vocabulary of 256 (the bound does not fit uint8) and
+    other integer dtypes give the int32 loss; shifted and explicit labels alike."""
+    cfg = GPTConfig(**{**BASE, "vocab_size": 256, "num_layers": 1})
+    tokens = np.random.default_rng(0).integers(0, 256, (B, S + 1)).astype(np.int32)
+    tokens[0, :4] = 255, 0, 255, 128  # the ends of the byte range
+    with jax.set_mesh(mesh_2x4):
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+        shifted = nnx.jit(lambda m, t: m.loss(t[:, 1:]))
+        explicit = nnx.jit(lambda m, t: m.loss(t[:, :-1], t[:, 1:]))
+        want = float(shifted(model, tokens)), float(explicit(model, tokens))
+        for dtype in (np.uint8, np.uint16, np.int16, np.uint32):
+            got = float(shifted(model, tokens.astype(dtype))), \
+                float(explicit(model, tokens.astype(dtype)))
+            assert np.isfinite(got).all() and got == pytest.approx(want, rel=1e-6), dtype

@@ -103,6 +103,7 @@ def parallel_cross_entropy(
                              length=labels.shape[1])
     check_int_range("parallel_cross_entropy", "label", labels, 0, vocab_size,
                     allowed=(ignore_index,))
+    labels = labels.astype(jnp.int32)  # any integer dtype (uint8 would wrap the bounds)
     padded = padded_vocab_size(vocab, axis_size(mesh, t))
     if padded != vocab:
         logits = jnp.pad(logits, ((0, 0), (0, 0), (0, padded - vocab)))

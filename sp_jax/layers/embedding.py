@@ -156,6 +156,9 @@ class VocabParallelEmbedding(nnx.Module):
                                  ids.shape[1] if self.sequence_parallel else None,
                                  length=ids.shape[1])
         check_int_range("VocabParallelEmbedding", "token id", ids, 0, self.num_embeddings)
+        # int32 whatever the integer dtype: in uint8 a range guard against a vocabulary of
+        # 256 would wrap the bound to 0 (and flag every id)
+        ids = ids.astype(jnp.int32)
         if table is None:
             table = self.padded_table(mesh)
         dtype = self.dtype if self.dtype is not None else table.dtype

@@ -342,6 +342,13 @@ class GPT(nnx.Module):
 
     # -- pieces -------------------------------------------------------------------------
 
+    @staticmethod
+    def _ids(x: jax.Array) -> jax.Array:
+        """Token ids or labels of any integer dtype as int32 (a float array is left for
+        :meth:`_check_tokens` to reject)."""
+        x = jnp.asarray(x)
+        return x.astype(jnp.int32) if jnp.issubdtype(x.dtype, jnp.integer) else x
+
     def _check_tokens(self, tokens: jax.Array) -> None:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(
@@ -356,7 +363,7 @@ class GPT(nnx.Module):
     def hidden_states(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
         """Final-normed hidden states ``[batch, seq, hidden]``, SP layout, in the order of
         ``tokens``."""
-        tokens = jnp.asarray(tokens)
+        tokens = self._ids(tokens)
         order = self._order(tokens)
         return self._natural(self._hidden_states(self._held(tokens, order), rngs, None,
                                                  order), order)
@@ -415,7 +422,7 @@ class GPT(nnx.Module):
     def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
-        tokens = jnp.asarray(tokens)
+        tokens = self._ids(tokens)
         order = self._order(tokens)
         return self._natural(self._padded_logits(self._held(tokens, order), rngs, order),
                              order, "vocab")
@@ -488,13 +495,13 @@ class GPT(nnx.Module):
         Returns:
           scalar float32.
         """
-        tokens = jnp.asarray(tokens)
+        tokens = self._ids(tokens)
         if labels is None:
             self._check_tokens(tokens)
             pad = jnp.full_like(tokens[:, :1], ignore_index)
             labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
         order = self._order(tokens)  # the loss is a mean: the held order will do
-        labels = self._held(labels, order)
+        labels = self._held(self._ids(labels), order)
         per_token = parallel_cross_entropy(
             self._padded_logits(self._held(tokens, order), rngs, order), labels,
             config=self.parallel,
