@@ -197,9 +197,10 @@ def train(args: argparse.Namespace, step: TrainStep, corpus: ByteCorpus, shardin
         except FloatingPointError as e:  # --debug-nans
             raise Stop(f"NaN at step {i} (--debug-nans): {e}") from e
         dt = time.perf_counter() - t0
-        if not math.isfinite(loss):
+        if not math.isfinite(loss) or not bool(metrics["finite"]):
             raise Stop(f"loss is {loss} at step {i} (grad norm {float(metrics['grad_norm']):.3g})"
-                       "; stopping. Try a lower --lr or more --warmup-steps.")
+                       "; stopping: this step's update was not applied and nothing "
+                       "non-finite was saved. Try a lower --lr or more --warmup-steps.")
         if i == start + 1:  # the first call compiled the step: time it as such
             temp = step.temp_bytes(batch, key)
             say(f"compiled the step in {dt:.1f} s; per device: params {mib(param_b)}, "

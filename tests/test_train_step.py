@@ -67,3 +67,24 @@ def test_device_bytes_and_temp_bytes(mesh_2x4):
         batch = jax.device_put(jax.tree.map(lambda x: x[None], _batches(1)[0]), place)
         temp = step.temp_bytes(batch, jax.random.key(0))
     assert isinstance(temp, int) and temp > 0
+
+
+def test_a_non_finite_step_changes_nothing(mesh_2x4):
+    """SGD with lr 1e9: the first step makes huge but finite weights, the second a NaN
+    loss; that step reports finite=False and leaves parameters and optimizer state exactly
+    as they were, so nothing non-finite can reach a checkpoint."""
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=1, num_heads=4, hidden=32)
+    tokens = np.random.default_rng(0).integers(0, 64, (1, 8, 17)).astype(np.int32)
+    with jax.set_mesh(mesh_2x4):
+        step = TrainStep(GPT(cfg, rngs=nnx.Rngs(0)), optax.chain(
+            optax.scale_by_adam(), optax.scale(-1e9)))
+        batch = jax.device_put({"tokens": tokens[..., :-1], "labels": tokens[..., 1:]},
+                               NamedSharding(mesh_2x4, P(None, "data", None)))
+        assert bool(step(batch, jax.random.key(0))["finite"])
+        before = jax.tree.map(np.asarray, (step.params, step.opt_state))
+        metrics = step(batch, jax.random.key(1))
+        after = jax.tree.map(np.asarray, (step.params, step.opt_state))
+    assert not bool(metrics["finite"]) and not np.isfinite(float(metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(a).all()

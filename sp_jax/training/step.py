@@ -16,6 +16,7 @@ weight gradients).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -94,9 +95,13 @@ def device_bytes(tree: Any) -> int:
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
                   loss_fn: LossFn = lm_loss) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
-    batch, key) -> (params, opt_state, {"loss", "grad_norm"})`` (micro-batch gradient
-    accumulation in fp32, then the optimizer update). Also what
-    :func:`sp_jax.analysis.plan` compiles."""
+    batch, key) -> (params, opt_state, {"loss", "grad_norm", "finite"})`` (micro-batch
+    gradient accumulation in fp32, then the optimizer update). Also what
+    :func:`sp_jax.analysis.plan` compiles.
+
+    A step whose loss, gradient norm or update norm is not finite changes nothing: it
+    returns the parameters and optimizer state it was given, and ``finite`` False, so a
+    blow-up never reaches the parameters (or a checkpoint of them)."""
 
     def step(params, rest, opt_state, batch, key):
         def pure_loss(p, micro_batch, k):
@@ -104,9 +109,14 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
 
         loss, grads = accumulate_gradients(pure_loss, params, batch, key)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+                  & jnp.isfinite(optax.tree.norm(updates)))
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+        return keep(new_params, params), keep(new_opt_state, opt_state), {
+            "loss": loss, "grad_norm": grad_norm, "finite": finite}
 
     return step
 
