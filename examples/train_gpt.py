@@ -160,8 +160,9 @@ def resume(args: argparse.Namespace, manager: CheckpointManager | None, step: Tr
                  f"{manager.all_steps()}); pass --resume to continue from step {latest}, "
                  "or use another directory")
     if latest is None:
-        if args.resume:
-            say(f"resume: no checkpoint in {args.ckpt_dir}, starting from step 0")
+        if args.resume:  # a mistyped --ckpt-dir must not start over (and truncate the log)
+            sys.exit(f"error: --resume: no checkpoint in --ckpt-dir {args.ckpt_dir}; check "
+                     "the path, or drop --resume to start a new run")
         return 0
     try:
         changed = manager.check_metadata(meta, latest, must_match=("model",))

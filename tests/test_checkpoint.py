@@ -357,3 +357,4 @@ def test_missing_orbax_names_the_core_dependency(tmp_path, monkeypatch):
         CheckpointManager(tmp_path / "c")
     assert "pip install orbax-checkpoint" in str(err.value)
     assert "reinstall sp_jax" in str(err.value) and "examples" not in str(err.value)
+

@@ -197,8 +197,7 @@ _CLUSTER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_P
 
 def _run_quick(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=script_env()["XLA_FLAGS"])
     return subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -218,3 +217,14 @@ def test_bad_data_is_an_error_exit(tmp_path):
     run = _run_quick("--data", missing, "--steps", "1", "--no-progress")
     assert run.returncode == 1, run.stderr[-2000:]
     assert f"error: no files match {missing}" in run.stderr
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    """A mistyped --ckpt-dir with --resume must not start over (and truncate the log)."""
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"step": 1, "loss": 5.0}\n')
+    run = _run_quick(*TINY, "--steps", "2", "--resume", "--ckpt-dir", str(tmp_path / "typo"),
+                     "--log-json", str(log))
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "--resume: no checkpoint in --ckpt-dir" in run.stderr
+    assert log.read_text() == '{"step": 1, "loss": 5.0}\n'

@@ -65,9 +65,21 @@ def test_bad_input(tmp_path):
     with MetricsLog(tmp_path / "x.jsonl") as log, pytest.raises(TypeError):
         log.write({"step": 1, "loss": object()})
     assert log.records == [] and (tmp_path / "x.jsonl").read_text() == ""
-    (tmp_path / "bad.jsonl").write_text('{"step": 1}\nnot json\n')
+    (tmp_path / "bad.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"line 2 of .*bad.jsonl is not JSON"):
         MetricsLog(tmp_path / "bad.jsonl", resume_from=1)
+
+
+def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
+    """A write cut short (kill, full disk) leaves half a record at the end: the resume
+    keeps the complete records up to its step and warns."""
+    path = tmp_path / "torn.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match="torn last line 3"), \
+            MetricsLog(path, resume_from=2) as log:
+        log.write({"step": 3, "loss": 1.8})
+    assert [r["step"] for r in log.records] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,10 @@ class MetricsLog:
     Args:
       path: the file (its directory is created); None keeps records in memory only.
       resume_from: the step a resumed run starts after; records of an existing file with
-        ``step <= resume_from`` are kept, the rest dropped. 0 starts a new file.
+        ``step <= resume_from`` are kept, the rest dropped. 0 starts a new file. A torn
+        last line (a write cut short by a kill or a full disk) is dropped with a warning;
+        a bad line before the last is an error. The kept records replace the file
+        atomically (a kill meanwhile leaves the old file).
 
     Attributes:
       records: every record of the run so far, the kept ones included (dicts).
@@ -48,21 +52,28 @@ class MetricsLog:
             return
         if resume_from > 0 and os.path.exists(self.path):
             with open(self.path) as fh:
-                for n, line in enumerate(fh, 1):
-                    if not line.strip():
+                lines = [(n, line) for n, line in enumerate(fh, 1) if line.strip()]
+            for n, line in lines:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    if n == lines[-1][0]:  # torn by a kill or a full disk mid-write
+                        warnings.warn(f"MetricsLog: dropped the torn last line {n} of "
+                                      f"{self.path} ({line[:60]!r})", stacklevel=2)
                         continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"MetricsLog: line {n} of {self.path} is not JSON "
-                                         f"({e}); resume with another log file.") from e
-                    if record.get("step", 0) <= resume_from:
-                        self.records.append(record)
+                    raise ValueError(f"MetricsLog: line {n} of {self.path} is not JSON "
+                                     f"({e}); resume with another log file.") from e
+                if record.get("step", 0) <= resume_from:
+                    self.records.append(record)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._file = open(self.path, "w")  # noqa: SIM115 - closed by close() / __exit__
-        for record in self.records:
-            self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self.records:  # the kept records replace the file atomically
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as fh:
+                fh.writelines(json.dumps(record) + "\n" for record in self.records)
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a")  # noqa: SIM115 - closed by close() / __exit__
+        else:
+            self._file = open(self.path, "w")  # noqa: SIM115 - closed by close() / __exit__
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Appends ``record`` (JSON-serialisable) to :attr:`records` and the file, flushed."""
