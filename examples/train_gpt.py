@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 
@@ -116,6 +117,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         (not ring and c > 1 and max(1, a.kv_heads // a.tensor_size) % c, f"ulysses needs "
          f"the key/value heads per tensor shard divisible by the context size {c}: use more "
          "--kv-heads or --context-parallel ring"),
+        (not a.lr > 0 or a.weight_decay < 0, f"--lr {a.lr} must be positive and "
+                                              f"--weight-decay {a.weight_decay} >= 0"),
+        (a.max_data_bytes <= 0, f"--max-data-bytes {a.max_data_bytes} must be positive"),
+        (a.ckpt_dir and os.path.exists(a.ckpt_dir) and not os.path.isdir(a.ckpt_dir),
+         f"--ckpt-dir {a.ckpt_dir} is a file, not a directory"),
+        (a.log_json and os.path.isdir(a.log_json), f"--log-json {a.log_json} is a directory; "
+                                                   "name a file"),
         (a.fsdp and a.hidden % a.data_size, f"--fsdp shards the hidden dimension over the "
          f"data size {a.data_size}: --hidden {a.hidden} must be a multiple of it"),
         ((a.save_every or a.resume) and not a.ckpt_dir, "--save-every / --resume need --ckpt-dir"),
@@ -147,7 +155,8 @@ def run_meta(args: argparse.Namespace, cfg: GPTConfig) -> dict:
     model = {k: v if isinstance(v, int | float | str | bool | None) else str(v)
              for k, v in vars(cfg).items()}
     return {"model": model, "run": {k: getattr(args, k) for k in (
-        "seed", "data", "max_data_bytes", "batch_size", "micro_batches", "lr", "warmup_steps")}}
+        "seed", "data", "max_data_bytes", "batch_size", "micro_batches", "lr", "warmup_steps",
+        "weight_decay")}}
 
 
 def resume(args: argparse.Namespace, manager: CheckpointManager | None, step: TrainStep,

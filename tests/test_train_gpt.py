@@ -228,3 +228,27 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     assert "--resume: no checkpoint in --ckpt-dir" in run.stderr
     assert log.read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
+    """Checked before JAX starts: in-process parse of the example's flags."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("train_gpt_flags", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for argv, message in [
+        (["--lr", "-0.003"], "--lr -0.003 must be positive"),
+        (["--weight-decay", "-1"], "--weight-decay -1.0 >= 0"),
+        (["--max-data-bytes", "0"], "--max-data-bytes 0 must be positive"),
+        (["--ckpt-dir", str(a_file)], "is a file, not a directory"),
+        (["--log-json", str(tmp_path)], "is a directory; name a file"),
+    ]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+            example.parse(argv)
+        assert exit_info.value.code == 2 and message in err.getvalue(), (argv, err.getvalue())
