@@ -304,21 +304,19 @@ def _rules(cfg: GPTConfig, family: str) -> list[_Rule]:
              _same("final_norm/scale", "model.norm.weight"),
              _interleave(m + "up/kernel", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                          (1, 1), cfg.mlp_hidden, transpose=True)]
-    if cfg.num_kv_heads == h:  # one fused kernel: (head, {q, k, v}, head_dim)
-        rules.append(_interleave(a + "qkv/kernel", (q + "weight", k + "weight", v + "weight"),
-                                 (d, d, d), h, transpose=True))
-    else:
-        rules += [_transposed(a + "qkv/q_kernel", q + "weight"),
-                  _interleave(a + "qkv/kv_kernel", (k + "weight", v + "weight"), (d, d),
-                              cfg.num_kv_heads, transpose=True)]
-    if cfg.qkv_bias:
+    # q/k/v weights (and biases): one fused (head, {q, k, v}, head_dim) kernel, or with
+    # grouped-query attention q_kernel and (kv_head, {k, v}, head_dim)
+    for kind, names, transpose in (("weight", ("kernel", "q_kernel", "kv_kernel"), True),
+                                   ("bias", ("bias", "q_bias", "kv_bias"), False)):
+        if kind == "bias" and not cfg.qkv_bias:
+            continue
         if cfg.num_kv_heads == h:
-            rules.append(_interleave(a + "qkv/bias", (q + "bias", k + "bias", v + "bias"),
-                                     (d, d, d), h, transpose=False))
+            rules.append(_interleave(a + "qkv/" + names[0], (q + kind, k + kind, v + kind),
+                                     (d, d, d), h, transpose=transpose))
         else:
-            rules += [_same(a + "qkv/q_bias", q + "bias"),
-                      _interleave(a + "qkv/kv_bias", (k + "bias", v + "bias"), (d, d),
-                                  cfg.num_kv_heads, transpose=False)]
+            rules += [(_transposed if transpose else _same)(a + "qkv/" + names[1], q + kind),
+                      _interleave(a + "qkv/" + names[2], (k + kind, v + kind), (d, d),
+                                  cfg.num_kv_heads, transpose=transpose)]
     if cfg.out_bias:
         rules.append(_same(a + "out/bias", p + "self_attn.o_proj.bias"))
     if cfg.mlp_bias:
