@@ -285,6 +285,24 @@ class RowParallelLinear(_ParallelLinear):
         return ops.add_bias(y, bias, wgrad_dtype=wd)
 
 
+def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                     config: ParallelConfig) -> jax.Array:
+    """Per device (inside ``shard_map``): :func:`sp_jax.ops.column_sequence_parallel_matmul`
+    of the sequence shard ``x [b, s / t, in]`` with this device's column block ``kernel``
+    (and ``bias``), with every option of ``config`` (recompute, wgrad dtype, collective
+    matmul, fsdp). Shared by :class:`ColumnSequenceParallelLinear`, the grouped-query
+    projection and the GPT's LM head."""
+    return ops.column_sequence_parallel_matmul(
+        x, kernel, bias,
+        axis_name=config.tensor_axis,
+        seq_dim=1,
+        recompute_allgather=config.recompute_allgather,
+        wgrad_dtype=config.wgrad_dtype,
+        collective_matmul=config.collective_matmul,
+        fsdp_axes=config.fsdp_axes,
+    )
+
+
 class ColumnSequenceParallelLinear(_ParallelLinear):
     """Column-parallel linear whose input is sharded along the sequence (SP).
 
@@ -309,16 +327,7 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
         return super().__call__(x)
 
     def _local(self, x, kernel, bias):
-        cfg = self.config
-        return ops.column_sequence_parallel_matmul(
-            x, kernel, bias,
-            axis_name=cfg.tensor_axis,
-            seq_dim=1,
-            recompute_allgather=cfg.recompute_allgather,
-            wgrad_dtype=cfg.wgrad_dtype,
-            collective_matmul=cfg.collective_matmul,
-            fsdp_axes=cfg.fsdp_axes,
-        )
+        return column_sp_matmul(x, kernel, bias, self.config)
 
 
 class RowSequenceParallelLinear(_ParallelLinear):

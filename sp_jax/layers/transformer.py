@@ -21,7 +21,6 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sp_jax import ops
 from sp_jax.attention import (
     IMPLEMENTATIONS,
     AttentionDropout,
@@ -40,7 +39,11 @@ from sp_jax.layers._sharding import (
     warn_if_recompute_may_be_merged,
 )
 from sp_jax.layers.elementwise import Dropout, make_norm
-from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+from sp_jax.layers.linear import (
+    ColumnSequenceParallelLinear,
+    RowSequenceParallelLinear,
+    column_sp_matmul,
+)
 from sp_jax.layout import Layout
 
 __all__ = ["QUERY_BLOCK", "CausalSelfAttention", "GroupedQKVProjection", "MLP",
@@ -341,10 +344,7 @@ class GroupedQKVProjection(nnx.Module):
                     kv_bias = lax.dynamic_slice_in_dim(kv_bias, start, width, axis=0)
             kernel = jnp.concatenate([q_kernel, kv_kernel], axis=1)
             bias = None if q_bias is None else jnp.concatenate([q_bias, kv_bias])
-            return ops.column_sequence_parallel_matmul(
-                x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1,
-                recompute_allgather=cfg.recompute_allgather, wgrad_dtype=cfg.wgrad_dtype,
-                collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes)
+            return column_sp_matmul(x, kernel, bias, cfg)
 
         return jax.shard_map(local, in_specs=tuple(specs), out_specs=layout.tp)(*args)
 

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sp_jax import ops
 from sp_jax.config import ParallelConfig
 from sp_jax.layers._sharding import axis_size, current_mesh, reshard, sequence_order
 from sp_jax.layers.cross_entropy import parallel_cross_entropy
 from sp_jax.layers.elementwise import NORMS, Dropout, make_norm, to_sequence_parallel
 from sp_jax.layers.embedding import VocabParallelEmbedding
+from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layers.transformer import MLP, CausalSelfAttention, RopeScaling
 from sp_jax.layout import Layout
 
@@ -432,7 +432,7 @@ class GPT(nnx.Module):
         """:meth:`padded_logits` of ``tokens`` already in the held ``order``, in that
         order."""
         mesh = current_mesh(self.parallel, where="GPT")
-        layout, t = Layout.of(self.parallel), self.parallel.tensor_axis
+        layout = Layout.of(self.parallel)
         vocab_table = self.embed if self.head is None else self.head
         table = vocab_table.padded_table(mesh)  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
@@ -440,10 +440,7 @@ class GPT(nnx.Module):
         par = self.parallel
 
         def lm_head(h, table):
-            return ops.column_sequence_parallel_matmul(
-                h, table.T, None, axis_name=t, seq_dim=1,
-                recompute_allgather=par.recompute_allgather, wgrad_dtype=par.wgrad_dtype,
-                collective_matmul=par.collective_matmul, fsdp_axes=par.fsdp_axes)
+            return column_sp_matmul(h, table.T, None, par)
 
         return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
                              out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)
