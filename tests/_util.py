@@ -5,7 +5,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+
+from sp_jax import Layout
+from sp_jax.models import GPT
+from sp_jax.training import TrainStep
 
 
 def script_env() -> dict[str, str]:
@@ -70,3 +76,28 @@ def assert_bitwise(a, b) -> None:
         assert x.dtype == b[path].dtype and x.shape == b[path].shape, path
         np.testing.assert_array_equal(x, b[path], err_msg=path)
 
+
+def train_gpt(cfg, parallel, mesh, batches, *, init=None, train_mode=False, tx=None):
+    """Trains a GPT on ``batches`` (AdamW(3e-3, eps=1e-5) unless ``tx``), each batch placed
+    ``P(None, batch, length)``; returns (initial params, per-step losses, final params,
+    the :class:`TrainStep`). ``init``: parameter values to start from.
+
+    AdamW's ``eps`` is 1e-5: Adam divides each update by ``sqrt(v) + eps``, so for an
+    entry whose gradient is nearly zero it turns the fp32 summation-order noise of any
+    two correct implementations (here: sharded vs unsharded reductions, ~1e-9) into
+    updates of order ``lr``. With the default 1e-8, one entry in a few thousand then
+    differs by ~1e-4 after 5 steps (~1e-5 with eps=1e-6); 1e-5 bounds the amplification
+    to ``lr / eps``.
+    """
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        if init is not None:
+            copy_weights(model, init)
+        init = param_values(model)
+        if train_mode:
+            model.train()
+        step = TrainStep(model, tx or optax.adamw(3e-3, eps=1e-5))
+        place = NamedSharding(mesh, Layout.of(parallel).spec(None, "batch", "length"))
+        losses = [float(step({k: jax.device_put(v, place) for k, v in b.items()},
+                             jax.random.key(i))["loss"]) for i, b in enumerate(batches)]
+        return init, np.array(losses), to_host(nnx.to_pure_dict(step.params)), step

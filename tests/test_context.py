@@ -6,16 +6,13 @@ sizes; bad layouts get clear errors."""
 import chex
 import jax
 import numpy as np
-import optax
 import pytest
-from _util import copy_weights, param_values, to_host
+from _util import copy_weights, to_host, train_gpt
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 
 import sp_jax
-from sp_jax import Layout
 from sp_jax.models import GPT, GPTConfig
-from sp_jax.training import TrainStep
 
 B, S, STEPS = 4, 48, 5
 # Blocks of 4 tokens: with s=48 each context device holds an odd number of attention
@@ -39,22 +36,6 @@ def _batches(steps=STEPS, seed=0):
         tokens = ((start + stride * np.arange(S + 1)) % 64).astype(np.int32)
         out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
     return out
-
-
-def _train(cfg, parallel, mesh, batches, *, init=None, train_mode=False):
-    """AdamW steps (eps=1e-5, see tests/test_gpt.py); (initial params, losses, params)."""
-    with jax.set_mesh(mesh):
-        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
-        if init is not None:
-            copy_weights(model, init)
-        init = param_values(model)
-        if train_mode:
-            model.train()
-        step = TrainStep(model, optax.adamw(3e-3, eps=1e-5))
-        place = NamedSharding(mesh, Layout.of(parallel).spec(None, "batch", "length"))
-        losses = [float(step({k: jax.device_put(v, place) for k, v in b.items()},
-                             jax.random.key(i))["loss"]) for i, b in enumerate(batches)]
-        return init, np.array(losses), to_host(nnx.to_pure_dict(step.params))
 
 
 CASES = {  # id: (mesh, context_parallel, model options, parallel options)
@@ -81,7 +62,7 @@ def references():
         key = tuple(sorted(model_kw.items()))
         if key not in cache:
             cfg = GPTConfig(**{**BASE, **model_kw})
-            cache[key] = _train(cfg, sp_jax.ParallelConfig(data_axis=None), _mesh(1, 1, 1),
+            cache[key] = train_gpt(cfg, sp_jax.ParallelConfig(data_axis=None), _mesh(1, 1, 1),
                                 _batches(), train_mode=max(cfg.dropout, cfg.attention_dropout) > 0)
         return cache[key]
 
@@ -92,9 +73,9 @@ def references():
 def test_gpt_with_a_context_axis_trains_like_unsharded(case, references):
     mesh_shape, mode, model_kw, parallel_kw = CASES[case]
     cfg = GPTConfig(**{**BASE, **model_kw})
-    init, ref_losses, ref_params = references(model_kw)
+    init, ref_losses, ref_params, _ = references(model_kw)
     parallel = sp_jax.ParallelConfig(context_parallel=mode, **parallel_kw)
-    _, losses, params = _train(cfg, parallel, _mesh(*mesh_shape), _batches(), init=init,
+    _, losses, params, _ = train_gpt(cfg, parallel, _mesh(*mesh_shape), _batches(), init=init,
                                train_mode=max(cfg.dropout, cfg.attention_dropout) > 0)
     assert losses[-1] < losses[0]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _util import assert_bitwise, copy_weights, param_values, to_host
+from _util import assert_bitwise, train_gpt
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -39,23 +39,6 @@ def _batches(vocab, micro=1, steps=STEPS, seed=0):
     return out
 
 
-def _train(cfg, parallel, mesh, batches, *, init=None, train_mode=False):
-    """AdamW steps (eps=1e-5, see tests/test_gpt.py); (initial params, losses, params,
-    the TrainStep)."""
-    with jax.set_mesh(mesh):
-        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
-        if init is not None:
-            copy_weights(model, init)
-        init = param_values(model)
-        if train_mode:
-            model.train()
-        step = TrainStep(model, optax.adamw(3e-3, eps=1e-5))
-        place = NamedSharding(mesh, P(None, "data", None))
-        losses = [float(step({k: jax.device_put(v, place) for k, v in b.items()},
-                             jax.random.key(i))["loss"]) for i, b in enumerate(batches)]
-        return init, np.array(losses), to_host(nnx.to_pure_dict(step.params)), step
-
-
 CASES = {  # id: ((data, tensor), model options, parallel options, micro-batches)
     "4x2_micro_recompute_dropout": ((4, 2), {"dropout": 0.1}, {"recompute_allgather": True},
                                     2),
@@ -71,14 +54,14 @@ def test_fsdp_trains_like_unsharded(case):
     cfg = GPTConfig(**{**BASE, **model_kw})
     batches = _batches(cfg.vocab_size, micro)
     train = cfg.dropout > 0
-    init, losses, params, step = _train(cfg, sp_jax.ParallelConfig(fsdp=True, **parallel_kw),
+    init, losses, params, step = train_gpt(cfg, sp_jax.ParallelConfig(fsdp=True, **parallel_kw),
                                         make_mesh(d, t), batches, train_mode=train)
     # parameters and AdamW moments sharded over data x tensor where TP shards them
     ups = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(step.params)
            if "'up'" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path)]
     assert ups and all(tuple(k.sharding.spec)[-2:] == ("data", "tensor") for k in ups), ups
     assert losses[-1] < losses[0]
-    _, want_losses, want_params, _ = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+    _, want_losses, want_params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
                                             batches, init=init, train_mode=train)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(params, want_params, rtol=1e-5, atol=1e-5)
@@ -91,9 +74,9 @@ def test_fsdp_with_a_context_axis_trains_like_unsharded():
     batches = [{"tokens": x[..., :-1], "labels": x[..., 1:]} for x in tokens]
     mesh = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"),
                          axis_types=(AxisType.Explicit,) * 3)
-    init, losses, params, _ = _train(
+    init, losses, params, _ = train_gpt(
         cfg, sp_jax.ParallelConfig(fsdp=True, context_parallel="ring"), mesh, batches)
-    _, ref_losses, ref_params, _ = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+    _, ref_losses, ref_params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
                                           batches, init=init)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
@@ -109,7 +92,7 @@ def test_state_bytes_and_gradient_collectives():
     cfg = GPTConfig(**{**BASE, "hidden": 64, "num_heads": 8})
     d, t = 2, 4
     batches = _batches(cfg.vocab_size, steps=1)
-    _, _, _, step = _train(cfg, sp_jax.ParallelConfig(fsdp=True), make_mesh(d, t), batches)
+    _, _, _, step = train_gpt(cfg, sp_jax.ParallelConfig(fsdp=True), make_mesh(d, t), batches)
     # kernels and the vocabulary table; the learned position table stays replicated
     leaves = {jax.tree_util.keystr(k): v
               for k, v in jax.tree_util.tree_leaves_with_path(step.params)}
@@ -144,7 +127,7 @@ def test_state_bytes_and_gradient_collectives():
 def test_checkpoint_between_sharded_and_replicated(tmp_path):
     cfg = GPTConfig(**BASE)
     batches = _batches(cfg.vocab_size, steps=2)
-    _, _, _, step = _train(cfg, sp_jax.ParallelConfig(fsdp=True), make_mesh(2, 4), batches)
+    _, _, _, step = train_gpt(cfg, sp_jax.ParallelConfig(fsdp=True), make_mesh(2, 4), batches)
     params, opt_state = step.params, step.opt_state
     save_checkpoint(tmp_path / "a", 2, step.params, step.opt_state)
     for mesh, parallel in ((make_mesh(4, 2), sp_jax.ParallelConfig()),

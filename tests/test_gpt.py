@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import copy_weights, param_values, to_host
+from _util import param_values, to_host, train_gpt
 from conftest import make_mesh
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
 from sp_jax.models import GPT, GPTConfig
-from sp_jax.training import TrainStep
 
 B, S, STEPS = 8, 16, 5
 BASE = dict(vocab_size=64, max_seq_len=S, num_layers=2, num_heads=4, hidden=32)
@@ -37,32 +36,6 @@ def _batches(vocab, steps=STEPS, batch=B, micro=1, ignore_every=0, seed=0):
         out.append({"tokens": x.reshape(micro, batch // micro, S),
                     "labels": y.reshape(micro, batch // micro, S)})
     return out
-
-
-def _train(cfg, parallel, mesh, batches, *, init=None, lr=3e-3, train_mode=False, tx=None):
-    """Trains (AdamW by default); returns (initial params, per-step losses, final params).
-
-    AdamW's ``eps`` is 1e-5: Adam divides each update by ``sqrt(v) + eps``, so for an
-    entry whose gradient is nearly zero it turns the fp32 summation-order noise of any
-    two correct implementations (here: sharded vs unsharded reductions, ~1e-9) into
-    updates of order ``lr``. With the default 1e-8, one entry in a few thousand then
-    differs by ~1e-4 after 5 steps (~1e-5 with eps=1e-6); 1e-5 bounds the amplification
-    to ``lr / eps``.
-    """
-    with jax.set_mesh(mesh):
-        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
-        if init is not None:
-            copy_weights(model, init)
-        init = param_values(model)
-        if train_mode:
-            model.train()
-        step = TrainStep(model, tx or optax.adamw(lr, eps=1e-5))
-        place = NamedSharding(mesh, P(None, "data", None))
-        losses = []
-        for i, batch in enumerate(batches):
-            batch = {k: jax.device_put(v, place) for k, v in batch.items()}
-            losses.append(float(step(batch, jax.random.key(i))["loss"]))
-        return init, np.array(losses), to_host(nnx.to_pure_dict(step.params))
 
 
 AUTO = AxisType.Auto
@@ -111,11 +84,11 @@ def test_sp_gpt_trains_like_unsharded(case):
     init = ref_losses = ref_params = None
     for shape, parallel_kw, *axis_type in runs:
         mesh = make_mesh(*shape, *axis_type)
-        got_init, losses, params = _train(cfg, sp_jax.ParallelConfig(**parallel_kw), mesh,
+        got_init, losses, params, _ = train_gpt(cfg, sp_jax.ParallelConfig(**parallel_kw), mesh,
                                           batches, init=init, train_mode=train_mode)
         if init is None:  # the first run's initial weights, for every other run
             init = got_init
-            _, ref_losses, ref_params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+            _, ref_losses, ref_params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
                                                batches, init=init, train_mode=train_mode)
         assert losses[-1] < losses[0]  # it trains
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5,
@@ -166,8 +139,8 @@ def test_micro_batches_equal_one_large_batch():
     big = _batches(64, steps=3, batch=32, micro=1, ignore_every=5, seed=3)
     split = [{k: v.reshape(4, 8, S) for k, v in b.items()} for b in big]
     sgd = optax.sgd(0.5)
-    init, losses, params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(2, 4), big, tx=sgd)
-    _, micro_losses, micro_params = _train(cfg, sp_jax.ParallelConfig(), make_mesh(2, 4),
+    init, losses, params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(2, 4), big, tx=sgd)
+    _, micro_losses, micro_params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(2, 4),
                                            split, init=init, tx=sgd)
     assert not np.allclose(jax.tree.leaves(init)[0], jax.tree.leaves(params)[0])
     np.testing.assert_allclose(micro_losses, losses, rtol=1e-5, atol=1e-5)
@@ -200,9 +173,9 @@ def test_amp_sp_gpt_matches_unsharded_under_same_policy():
     fp32 = GPTConfig(**BASE)
     policy = sp_jax.ParallelConfig(wgrad_dtype=jnp.float32)
     batches = _batches(64)
-    init, sp, sp_params = _train(amp, policy, make_mesh(2, 4), batches)
-    _, ref, ref_params = _train(amp, policy, make_mesh(1, 1), batches, init=init)
-    _, full, full_params = _train(fp32, policy, make_mesh(1, 1), batches, init=init)
+    init, sp, sp_params, _ = train_gpt(amp, policy, make_mesh(2, 4), batches)
+    _, ref, ref_params, _ = train_gpt(amp, policy, make_mesh(1, 1), batches, init=init)
+    _, full, full_params, _ = train_gpt(fp32, policy, make_mesh(1, 1), batches, init=init)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(sp_params))  # fp32 master
     np.testing.assert_allclose(sp, ref, rtol=2**-8)
     band = np.abs(ref - full).max()

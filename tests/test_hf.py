@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from _util import to_host
+from _util import assert_bitwise, param_values, to_host
 from conftest import make_mesh
 from flax import nnx
 from safetensors.numpy import load_file
@@ -51,11 +51,6 @@ def test_golden_logits_loss_and_gradients(family):
                                            err_msg=f"{family} {shape} {key}")
 
 
-def _params(model):
-    return {"/".join(map(str, k)): to_host(v[...])
-            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_round_trip_is_bitwise(family, tmp_path):
     """HF -> sp_jax (2x4) -> HF: the same tensors bit for bit, and the config; -> sp_jax
@@ -82,10 +77,7 @@ def test_round_trip_is_bitwise(family, tmp_path):
     assert hf.config_from_hf(config) == hf.config_from_hf(source)
     with jax.set_mesh(make_mesh(1, 8)):
         again = hf.from_hf(tmp_path / "a")
-    first, second = _params(model), _params(again)
-    assert first.keys() == second.keys()
-    for key in first:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert_bitwise(param_values(model), param_values(again))
 
 
 def test_config_translation():
@@ -179,9 +171,7 @@ def test_sharded_checkpoint_directory(tmp_path):
         index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2
         again = hf.from_hf(tmp_path)
-    first, second = _params(model), _params(again)
-    for key in first:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert_bitwise(param_values(model), param_values(again))
 
 
 def test_transformers_loads_to_hf_strictly(tmp_path):
