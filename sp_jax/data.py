@@ -156,8 +156,8 @@ class ByteCorpus:
           max_bytes: read files in sorted path order until this many bytes.
           held_out_fraction: the final part of the stream held out for evaluation.
         Raises:
-          ValueError: no file matches, ``max_bytes`` is not positive, or the text is too
-            short for ``seq_len``.
+          ValueError: no file matches, a file cannot be read, ``max_bytes`` is not positive,
+            or the text is too short for ``seq_len``.
         """
         max_bytes = _positive_int("ByteCorpus.from_files", "max_bytes", max_bytes)
         if isinstance(patterns, str):
@@ -171,8 +171,12 @@ class ByteCorpus:
         for path in sorted(f for f in files if os.path.isfile(f)):
             if total >= max_bytes:
                 break
-            with open(path, "rb") as fh:
-                chunks.append(fh.read(max_bytes - total))
+            try:
+                with open(path, "rb") as fh:
+                    chunks.append(fh.read(max_bytes - total))
+            except OSError as e:
+                raise ValueError(f"cannot read data file {path}: {e.strerror or e}; fix its "
+                                 "permissions or leave it out of the globs") from e
             total += len(chunks[-1])
         if not chunks:
             raise ValueError(f"no files match {' '.join(patterns) or '(no patterns)'}; give "

@@ -1,6 +1,12 @@
-"""Shared helpers for the tests (independent unsharded references)."""
+"""Shared helpers for the tests (independent unsharded references, script subprocesses)."""
 
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +27,66 @@ def script_env() -> dict[str, str]:
     devices as on a user's machine."""
     return dict(os.environ, JAX_PLATFORMS="cpu",
                 XLA_FLAGS="--xla_backend_optimization_level=0")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_GPT = ROOT / "examples" / "train_gpt.py"
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a jax.distributed coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env() -> dict[str, str]:
+    """:func:`script_env` for a jax.distributed process: no proxy for loopback gRPC."""
+    return {k: v for k, v in script_env().items() if not k.lower().endswith("_proxy")}
+
+
+def launch(argv: list[str], log: Path, script: Path = TRAIN_GPT) -> subprocess.Popen:
+    """Starts ``script argv`` with stdout and stderr going to ``log``."""
+    with log.open("w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, str(script), *argv], cwd=ROOT,
+                                env=process_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def two_processes(tmp: Path, tag: str, argv: list[str],
+                  per_process: tuple[list[str], list[str]] = ([], [])
+                  ) -> dict[str, subprocess.Popen]:
+    """``tag0`` and ``tag1``: ``script argv`` as 2 jax.distributed processes on loopback,
+    each logging JSON to ``tmp/<tag><i>.jsonl`` and its output to ``tmp/<tag><i>.out``;
+    ``per_process`` adds flags to one of them."""
+    port = free_port()
+    return {f"{tag}{i}": launch([*argv, "--coordinator", f"127.0.0.1:{port}",
+                                 "--num-processes", "2", "--process-id", str(i),
+                                 "--log-json", str(tmp / f"{tag}{i}.jsonl"),
+                                 *per_process[i]], tmp / f"{tag}{i}.out")
+            for i in range(2)}
+
+
+def wait_all(procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, int | None]:
+    """Waits for all of ``procs``; kills any still running at ``deadline`` (monotonic
+    clock), e.g. one whose peer died; returns their exit statuses."""
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return {name: proc.returncode for name, proc in procs.items()}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines log (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def to_host(tree):

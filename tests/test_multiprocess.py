@@ -12,12 +12,9 @@ processes continues the reference run.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -26,14 +23,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _util import script_env
+from _util import launch, read_jsonl, two_processes, wait_all
 from flax import nnx
 
 from sp_jax.checkpoint import restore_checkpoint
 from sp_jax.models import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "train_gpt.py"
 DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 STEPS = 3
 FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",
@@ -45,53 +40,12 @@ TIMEOUT_S = 240
 RTOL = 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = script_env()  # the example sets its own simulated device count
-    for key in list(env):  # loopback gRPC must not go through a proxy
-        if key.lower().endswith("_proxy"):
-            env.pop(key)
-    return env
-
-
 def _launch(*extra: str, log: Path) -> subprocess.Popen:
-    with log.open("w") as out:  # the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, str(SCRIPT), *FLAGS, *extra], cwd=ROOT,
-                                env=_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait(procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, int | None]:
-    """Waits for all of ``procs``; kills (by pid) any still running at ``deadline``, e.g.
-    a process whose peer died and that now waits for it."""
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    return {name: proc.returncode for name, proc in procs.items()}
+    return launch([*FLAGS, *extra], log)
 
 
 def _two_processes(tmp: Path, tag: str, *extra: str) -> dict[str, subprocess.Popen]:
-    port = _free_port()
-    return {f"{tag}{i}": _launch("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                 "--process-id", str(i), "--log-json",
-                                 str(tmp / f"{tag}{i}.jsonl"), *extra,
-                                 log=tmp / f"{tag}{i}.out")  # 8 / 2 = 4 devices each
-            for i in range(2)}
+    return two_processes(tmp, tag, [*FLAGS, *extra])  # 8 / 2 = 4 devices each
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +57,20 @@ def runs(tmp_path_factory):
     procs["single"] = _launch("--steps", str(STEPS + 1), "--ckpt-dir", str(tmp / "ckpt_1x8"),
                               "--log-json", str(tmp / "single.jsonl"),
                               log=tmp / "single.out")
-    codes = _wait(procs, deadline)
+    codes = wait_all(procs, deadline)
     if codes["single"] == 0:
         # The reference's step-3 checkpoint, restored by 2 processes (each reads its shards)
         # with the parameters and optimizer state sharded over data as well (--fsdp).
         shutil.copytree(tmp / "ckpt_1x8" / str(STEPS), tmp / "ckpt_resume" / str(STEPS))
         resumed = _two_processes(tmp, "resumed", "--steps", str(STEPS + 1), "--resume",
                                  "--fsdp", "--ckpt-dir", str(tmp / "ckpt_resume"))
-        codes.update(_wait(resumed, deadline + TIMEOUT_S))
+        codes.update(wait_all(resumed, deadline + TIMEOUT_S))
     outputs = {name: (tmp / f"{name}.out").read_text() for name in codes}
     return tmp, codes, outputs
+
+
+def _steps(directory: Path) -> list[int]:
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def _ok(runs, name: str) -> str:
@@ -131,7 +89,7 @@ def test_two_processes_log_the_losses_of_one(runs):
     # Process 0 alone writes the log (and prints).
     assert not (tmp / "proc1.jsonl").exists()
     assert "done:" not in _ok(runs, "proc1")
-    multi, single = _read(tmp / "proc0.jsonl"), _read(tmp / "single.jsonl")
+    multi, single = read_jsonl(tmp / "proc0.jsonl"), read_jsonl(tmp / "single.jsonl")
     losses = {r["step"]: r["loss"] for r in multi if "loss" in r}
     reference = {r["step"]: r["loss"] for r in single if "loss" in r}
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -152,8 +110,8 @@ def test_two_processes_save_one_checkpoint(runs):
     tmp, _, _ = runs
     _ok(runs, "proc0")
     _ok(runs, "single")
-    assert sorted(os.listdir(tmp / "ckpt_2x4")) == [str(STEPS)]
-    assert sorted(os.listdir(tmp / "ckpt_1x8")) == [str(STEPS), str(STEPS + 1)]
+    assert _steps(tmp / "ckpt_2x4") == [STEPS]
+    assert _steps(tmp / "ckpt_1x8") == [STEPS, STEPS + 1]
     model = GPT(GPTConfig(vocab_size=256, max_seq_len=32, num_layers=1, num_heads=4,
                           hidden=32), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -180,9 +138,9 @@ def test_two_processes_resume_a_checkpoint(runs):
     out = _ok(runs, "resumed0")
     _ok(runs, "resumed1")
     assert f"resume: restored step {STEPS}" in out and f"done: steps {STEPS + 1}-" in out
-    resumed = {r["step"]: r for r in _read(tmp / "resumed0.jsonl") if "loss" in r}
-    reference = {r["step"]: r for r in _read(tmp / "single.jsonl") if "loss" in r}
+    resumed = {r["step"]: r for r in read_jsonl(tmp / "resumed0.jsonl") if "loss" in r}
+    reference = {r["step"]: r for r in read_jsonl(tmp / "single.jsonl") if "loss" in r}
     assert sorted(resumed) == [STEPS + 1]
     assert resumed[STEPS + 1]["loss"] == pytest.approx(reference[STEPS + 1]["loss"], rel=RTOL,
                                                        abs=0)
-    assert sorted(os.listdir(tmp / "ckpt_resume")) == [str(STEPS), str(STEPS + 1)]
+    assert _steps(tmp / "ckpt_resume") == [STEPS, STEPS + 1]

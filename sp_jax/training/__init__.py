@@ -10,12 +10,23 @@ Modules:
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
   DATA[,CONTEXT],TENSOR``), :func:`add_launch_arguments`, :func:`cluster_tasks`.
 * ``log``: :class:`MetricsLog` (JSON lines, resumable) and :func:`plot_losses`.
+* ``faults``: :class:`StopSignals` and :func:`agree_to_stop` (SIGTERM / SIGINT: every
+  process stops after the same step), :func:`check_same_settings` (processes started
+  with different flags fail fast), :class:`Watchdog` (a stalled peer ends the run),
+  :class:`DivergenceGuard` (nothing diverged is saved) and the exit statuses.
 
 The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 :mod:`sp_jax.checkpoint`.
 """
 
-from sp_jax.training import launch, log, schedule, step
+from sp_jax.training import faults, launch, log, schedule, step
+from sp_jax.training.faults import (
+    DivergenceGuard,
+    StopSignals,
+    Watchdog,
+    agree_to_stop,
+    check_same_settings,
+)
 from sp_jax.training.launch import (
     MESH_AXES,
     Launch,
@@ -37,6 +48,12 @@ from sp_jax.training.step import (
 
 __all__ = [
     "MESH_AXES",
+    "DivergenceGuard",
+    "StopSignals",
+    "Watchdog",
+    "agree_to_stop",
+    "check_same_settings",
+    "faults",
     "Launch",
     "MetricsLog",
     "TrainStep",

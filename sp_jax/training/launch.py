@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -86,12 +87,14 @@ class Launch:
     num_processes: int | None = None
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
+    peer_timeout_s: float = 120.0
 
     @classmethod
     def plan(cls, *, coordinator: str | None = None, num_processes: int | None = None,
              process_id: int | None = None,
              local_device_ids: str | Sequence[int] | None = None,
-             distributed: str = "auto", environ: Mapping[str, str] | None = None) -> Launch:
+             distributed: str = "auto", peer_timeout_s: float = 120.0,
+             environ: Mapping[str, str] | None = None) -> Launch:
         """Checks the combination of launch settings and decides on multi-process.
 
         Args:
@@ -101,6 +104,10 @@ class Launch:
           local_device_ids: GPU ids this process uses, as ints or ``"0,1"``.
           distributed: ``"auto"`` (multi-process when the three above are given or a
             SLURM / Open MPI launch has several tasks), ``"on"`` or ``"off"``.
+          peer_timeout_s: how long a process waits for a missing, dead or stalled peer
+            before every process ends with an error (the coordination service's
+            initialisation, heartbeat and shutdown timeouts, and the bound of
+            :func:`sp_jax.training.faults.check_same_settings` and the watchdog).
           environ: the environment to detect a cluster launch in (default
             ``os.environ``).
         Raises:
@@ -121,6 +128,8 @@ class Launch:
             local_device_ids = parse_local_device_ids(local_device_ids)
         elif local_device_ids is not None:
             local_device_ids = tuple(int(v) for v in local_device_ids)
+        if not peer_timeout_s > 0:
+            raise ValueError(f"--peer-timeout {peer_timeout_s}: must be positive (seconds)")
         if num_processes is not None and num_processes <= 0:
             raise ValueError("--num-processes must be positive")
         if process_id is not None and not (
@@ -131,7 +140,8 @@ class Launch:
         return cls(multiprocess=multiprocess,
                    processes=(num_processes or tasks or 1) if multiprocess else 1,
                    coordinator=coordinator, num_processes=num_processes,
-                   process_id=process_id, local_device_ids=local_device_ids)
+                   process_id=process_id, local_device_ids=local_device_ids,
+                   peer_timeout_s=float(peer_timeout_s))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace,
@@ -139,7 +149,8 @@ class Launch:
         """:meth:`plan` from the flags :func:`add_launch_arguments` defines."""
         return cls.plan(coordinator=args.coordinator, num_processes=args.num_processes,
                         process_id=args.process_id, local_device_ids=args.local_device_ids,
-                        distributed=args.distributed, environ=environ)
+                        distributed=args.distributed,
+                        peer_timeout_s=getattr(args, "peer_timeout", 120.0), environ=environ)
 
     def local_device_count(self, mesh_shape: Sequence[int],
                            local_devices: int | None = None) -> int:
@@ -170,6 +181,10 @@ class Launch:
         Cross-process collectives on the CPU platform go through gloo (set first); on
         GPUs NCCL is used and that setting has no effect. Arguments that are None are
         left to JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, ...).
+        :attr:`peer_timeout_s` bounds every wait for another process: a process that
+        never starts (initialisation timeout), one that dies or freezes (heartbeat
+        timeout: the coordination service then ends every process) and the final
+        shutdown barrier.
         """
         if not self.multiprocess:
             return
@@ -177,7 +192,10 @@ class Launch:
         jax.distributed.initialize(
             coordinator_address=self.coordinator, num_processes=self.num_processes,
             process_id=self.process_id,
-            local_device_ids=list(self.local_device_ids) if self.local_device_ids else None)
+            local_device_ids=list(self.local_device_ids) if self.local_device_ids else None,
+            initialization_timeout=math.ceil(self.peer_timeout_s),
+            heartbeat_timeout_seconds=math.ceil(self.peer_timeout_s),
+            shutdown_timeout_seconds=math.ceil(self.peer_timeout_s))
 
 
 MESH_AXES = ("data", "context", "tensor")
@@ -258,3 +276,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                    default=None,
                    help="simulated CPU devices per process (default: the mesh's devices "
                         "divided by the number of processes); no effect on GPUs")
+    g.add_argument("--peer-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="multi-process: how long to wait for a process that did not start, "
+                        "died or stalled before every process ends with an error")

@@ -1,0 +1,369 @@
+"""Faults of a training run: signals, peers that disagree, die or stall, and a diverging loss.
+
+Every piece is small and explicit, for a training loop to use (``examples/train_gpt.py``
+uses all of them):
+
+* :class:`StopSignals`: SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C) become a request
+  to stop at a step boundary; a second signal ends the process at once, even while it is
+  blocked in a collective.
+* :func:`agree_to_stop`: every process of a multi-process run stops after the *same* step
+  (one of them may be the only one signalled), agreed through the ``jax.distributed``
+  coordination service's key-value store, without device collectives.
+* :func:`check_same_settings`: before the first step, every process checks that the others
+  run with the same settings (model, optimizer, data, seed, steps, mesh, ...) and all end
+  with :class:`SettingsMismatchError` naming the differing setting, instead of hanging in
+  mismatched collectives.
+* :class:`Watchdog`: ends the process with :data:`EXIT_PEER_FAILED` when a blocking call
+  (a step, an evaluation, a save) makes no progress for a bounded time: a stalled peer.
+  A dead peer is detected by the coordination service's heartbeats, a missing one by its
+  initialisation timeout (:meth:`sp_jax.training.Launch.initialize`, ``--peer-timeout``).
+* :class:`DivergenceGuard`: a loss that is not finite or spikes far above its recent median
+  ends the run before the diverged parameters are saved (see its docstring for the
+  known-good checkpoint rule).
+
+Exit statuses (the example's, documented in ``docs/errors.md``): :data:`EXIT_ERROR` 1,
+:data:`EXIT_USAGE` 2, :data:`EXIT_DIVERGED` 3, :data:`EXIT_PEER_FAILED` 4,
+:data:`EXIT_INTERRUPTED` 75 (``EX_TEMPFAIL``: stopped by a signal after writing a
+checkpoint; rerun with ``--resume``); a second signal: 128 + its number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_PEER_FAILED",
+    "EXIT_USAGE",
+    "DivergenceGuard",
+    "PeerTimeoutError",
+    "SettingsMismatchError",
+    "StopSignals",
+    "Watchdog",
+    "agree_to_stop",
+    "check_same_settings",
+]
+
+EXIT_ERROR = 1
+"""A run error (bad data, an unusable checkpoint, a failed save, ...)."""
+EXIT_USAGE = 2
+"""Bad command-line flags (argparse's status)."""
+EXIT_DIVERGED = 3
+"""The loss diverged; nothing diverged was saved: resume from the last checkpoint with a
+lower learning rate."""
+EXIT_PEER_FAILED = 4
+"""Another process disagreed on the settings, did not start, died or stalled."""
+EXIT_INTERRUPTED = 75
+"""Stopped by SIGTERM / SIGINT at an agreed step after writing a checkpoint (when a
+checkpoint directory was given): continue with ``--resume``."""
+
+_KEY = "sp_jax/faults"
+
+
+class SettingsMismatchError(ValueError):
+    """Processes of one run were started with different settings.
+
+    Attributes:
+      differences: ``{setting: {process_index: value}}`` for every setting that differs.
+    """
+
+    def __init__(self, message: str, differences: dict[str, dict[int, Any]]):
+        super().__init__(message)
+        self.differences = differences
+
+
+class PeerTimeoutError(RuntimeError):
+    """Other processes did not answer within the timeout (not started, dead or stalled).
+
+    Attributes:
+      missing: the process indices that did not answer.
+    """
+
+    def __init__(self, message: str, missing: Sequence[int]):
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
+def _client() -> Any:
+    """The ``jax.distributed`` coordination-service client (its key-value store)."""
+    from jax._src import distributed  # the client has no public accessor in jax 0.10
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised: call "
+                           "sp_jax.training.Launch.initialize() (or "
+                           "jax.distributed.initialize()) first")
+    return client
+
+
+def check_same_settings(settings: Mapping[str, Any], *, timeout_s: float = 120.0,
+                        tag: str = "settings") -> None:
+    """Checks that every process of the run was given the same ``settings``.
+
+    Each process publishes its settings (JSON) in the coordination service's key-value
+    store and reads everyone else's, waiting at most ``timeout_s`` for a process that has
+    not published yet. Nothing happens in a single-process run.
+
+    Args:
+      settings: ``{name: value}``, JSON-serialisable: what must be identical on every
+        process (e.g. the command-line flags without the per-process ones such as
+        ``--process-id``).
+      timeout_s: how long to wait for the other processes' settings.
+      tag: distinguishes several checks within one run (each needs its own tag).
+    Raises:
+      SettingsMismatchError: (a ``ValueError``) some setting differs; the message names
+        each differing setting with every process's value.
+      PeerTimeoutError: a process did not publish its settings within ``timeout_s``.
+    """
+    n, me = jax.process_count(), jax.process_index()
+    if n == 1:
+        return
+    client = _client()
+    mine = json.dumps(dict(settings), sort_keys=True, default=str)
+    client.key_value_set(f"{_KEY}/{tag}/{me}", mine)
+    everyone, deadline = {me: json.loads(mine)}, time.monotonic() + timeout_s
+    for other in range(n):
+        if other == me:
+            continue
+        left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+        try:
+            everyone[other] = json.loads(client.blocking_key_value_get(
+                f"{_KEY}/{tag}/{other}", left_ms))
+        except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+            missing = [p for p in range(n) if p not in everyone]
+            raise PeerTimeoutError(
+                f"process(es) {missing} did not report their settings within "
+                f"{timeout_s:g} s: not started, dead or stalled (--peer-timeout)",
+                missing) from None
+    names = sorted({k for s in everyone.values() for k in s})
+    absent = "<absent>"
+    differences = {
+        name: {p: everyone[p].get(name, absent) for p in sorted(everyone)}
+        for name in names if len({json.dumps(s.get(name, absent), sort_keys=True)
+                                  for s in everyone.values()}) > 1}
+    if differences:
+        listed = "; ".join(
+            f"{name}: " + ", ".join(f"process {p} {v!r}" for p, v in values.items())
+            for name, values in differences.items())
+        raise SettingsMismatchError(
+            f"the {n} processes were started with different settings ({listed}); start "
+            "every process with the same flags", differences)
+
+
+def agree_to_stop(step: int, requested: bool) -> bool:
+    """Whether to stop after ``step``, the same answer on every process.
+
+    Call it at every step boundary (after step ``step`` finished) on every process. A
+    process that wants to stop (``requested``, e.g. :attr:`StopSignals.received`)
+    proposes to stop after the next step, ``step + 1``: no process can be further than
+    that, since each step waits for every process in its collectives. The first proposal
+    wins (the key-value store refuses to overwrite it), so processes signalled at
+    different steps still agree. A single-process run stops at once.
+
+    Args:
+      step: the step just finished on this process.
+      requested: whether this process wants to stop.
+    Returns:
+      True when every process stops after this step.
+    """
+    if jax.process_count() == 1:
+        return requested
+    client = _client()
+    key = f"{_KEY}/stop_after"
+    if requested:
+        with contextlib.suppress(Exception):  # another process proposed first
+            client.key_value_set(key, str(step + 1))
+    try:
+        agreed = int(client.key_value_try_get(key))
+    except Exception:  # noqa: BLE001 - NOT_FOUND: nobody asked to stop
+        return False
+    return step >= agreed
+
+
+class StopSignals:
+    """Turns SIGTERM and SIGINT into a request to stop at the next step boundary.
+
+    Use it as a context manager around the training loop (from the main thread); poll
+    :attr:`received`. The first signal prints one line and sets :attr:`received`; a second
+    one prints one line and ends the process at once with status ``128 + signal`` (a
+    helper thread watches the signals, so this works even while the main thread is
+    blocked in a device call or a collective, where Python signal handlers do not run).
+
+    Args:
+      signals: the signals to catch (default SIGTERM and SIGINT).
+      stream: where the lines go (default ``sys.stderr``).
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+                 stream: Any = None):
+        self.signals = tuple(signals)
+        self.stream = stream
+        self.received: str | None = None
+        self._old: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._old_fd = -1
+
+    def _say(self, message: str) -> None:
+        stream = self.stream or sys.stderr
+        print(message, file=stream, flush=True)
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 1)
+            except OSError:
+                return
+            if not data:
+                return
+            signum = data[0]
+            if signum not in self.signals:
+                continue
+            name = signal.Signals(signum).name
+            if self.received is not None:
+                self._say(f"{name} again: exiting now (status {128 + signum}), no checkpoint")
+                os._exit(128 + signum)
+            self.received = name
+            self._say(f"{name} received: stopping after the current step (with a "
+                      "checkpoint when --ckpt-dir is set); send it again to exit at once")
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("StopSignals must be entered from the main thread")
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._pipe = (read, write)
+        # The C-level handler writes each signal's number to the pipe the moment it
+        # arrives; the Python-level handler (which may run much later) does nothing.
+        self._old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        for signum in self.signals:
+            self._old[signum] = signal.signal(signum, lambda *_: None)
+        threading.Thread(target=self._watch, args=(read,), name="sp_jax-signals",
+                         daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        if self._pipe is not None:
+            os.close(self._pipe[1])  # ends the watcher thread
+            self._pipe = None
+
+
+class Watchdog:
+    """Ends the process when a blocking call makes no progress for too long.
+
+    A multi-process step waits in collectives for every other process: a peer that is
+    alive but stuck (its heartbeats still reach the coordinator) would hold everyone
+    forever. Wrap each blocking call in :meth:`watch`; when one runs longer than its
+    limit, the watchdog prints one line naming it and calls ``os._exit`` with
+    :data:`EXIT_PEER_FAILED` (``sys.exit`` cannot interrupt a thread blocked in a
+    collective).
+
+    Args:
+      timeout_s: the limit of a watched call; ``None`` or ``<= 0`` disables the watchdog.
+      stream: where the line goes (default ``sys.stderr``).
+    """
+
+    def __init__(self, timeout_s: float | None, stream: Any = None):
+        self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._deadline: float | None = None
+        self._what = ""
+        self._extra = 0.0
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self._lock:
+                deadline, what = self._deadline, self._what
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"error: {what} made no progress for {self.timeout_s + self._extra:g} s:"
+                      " another process is stalled or dead (--peer-timeout); exiting "
+                      f"with status {EXIT_PEER_FAILED}", file=self.stream or sys.stderr,
+                      flush=True)
+                os._exit(EXIT_PEER_FAILED)
+
+    @contextlib.contextmanager
+    def watch(self, what: str, *, extra_s: float = 0.0) -> Iterator[None]:
+        """Watches the body: ``what`` names it in the message (e.g. ``"step 12"``);
+        ``extra_s`` extends this call's limit (e.g. for a first call that compiles)."""
+        if self.timeout_s is None:
+            yield
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sp_jax-watchdog",
+                                            daemon=True)
+            self._thread.start()
+        with self._lock:
+            self._deadline, self._what = time.monotonic() + self.timeout_s + extra_s, what
+            self._extra = extra_s
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._deadline = None
+
+
+class DivergenceGuard:
+    """Decides when training has diverged, so that nothing diverged is ever saved.
+
+    A loss has diverged when it is not finite, or (once ``min_history`` losses were seen)
+    when it exceeds ``spike`` times the median of the last ``window`` training losses. The
+    known-good checkpoint rule built on it: a checkpoint of the parameters after step *i*
+    is written only after *those* parameters gave a finite, non-spiking held-out loss
+    (:meth:`check` on an evaluation right before the save), so every checkpoint on disk
+    was good when it was written, and ``max_to_keep`` rotation can only ever drop older
+    good ones. A run that diverges stops without saving; resuming from the last checkpoint
+    with a lower learning rate starts from parameters that were good.
+
+    Args:
+      spike: the factor over the recent median that counts as divergence; ``0`` or
+        ``None`` checks finiteness only.
+      window: how many recent training losses the median is taken over.
+      min_history: how many losses must have been seen before spikes are checked (the
+        first steps of a run, or of a resumed one, check finiteness only).
+    """
+
+    def __init__(self, spike: float | None = 3.0, *, window: int = 20, min_history: int = 5):
+        if spike is not None and (not math.isfinite(spike) or spike < 0):
+            raise ValueError(f"spike={spike!r}: use a factor > 1 (e.g. 3.0), or 0 to check "
+                             "finiteness only")
+        if spike and spike <= 1:
+            raise ValueError(f"spike={spike!r} would flag ordinary noise as divergence: use a"
+                             " factor > 1 (e.g. 3.0), or 0 to check finiteness only")
+        self.spike = spike or None
+        self.min_history = min_history
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float, what: str = "loss") -> str | None:
+        """None when ``loss`` is fine, else the reason it counts as diverged (one line).
+        Does not record ``loss``: call :meth:`record` for training losses."""
+        if not math.isfinite(loss):
+            return f"{what} is {loss}"
+        if self.spike and len(self.recent) >= self.min_history:
+            median = sorted(self.recent)[len(self.recent) // 2]
+            if loss > self.spike * median:
+                return (f"{what} {loss:.4g} is over {self.spike:g}x the median of the last "
+                        f"{len(self.recent)} training losses ({median:.4g})")
+        return None
+
+    def record(self, loss: float) -> None:
+        """Adds a (checked) training loss to the recent history."""
+        self.recent.append(float(loss))
