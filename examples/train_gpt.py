@@ -28,11 +28,20 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 import sp_jax
-from sp_jax.checkpoint import CheckpointManager, CheckpointSaveError, abstract_like
+from sp_jax.checkpoint import (
+    CheckpointLockedError,
+    CheckpointManager,
+    CheckpointSaveError,
+    NonFiniteError,
+    abstract_like,
+)
 from sp_jax.data import ByteCorpus
 from sp_jax.models import GPT, GPTConfig
-from sp_jax.training import Launch, MetricsLog, TrainStep, build_mesh, device_bytes
+from sp_jax.training import Launch, MetricsLog, TrainStep, build_mesh, device_bytes, faults
 from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
+
+# A first step / evaluation / save compiles: its watchdog limit is longer by this much.
+COMPILE_ALLOWANCE_S = 600.0
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,6 +59,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="attention across the CONTEXT axis of a 3-axis --mesh")
     add("--seed", type=int, default=0, help="seeds the initialisation, dropout and data order")
     add("--debug-nans", action="store_true", help="jax_debug_nans: name the op making a NaN")
+    add("--loss-spike", type=float, default=3.0, metavar="FACTOR",
+        help="stop as diverged when a loss exceeds FACTOR x the median of the last 20 "
+             "(a checkpoint is written only after its parameters gave a good held-out "
+             "loss); 0: stop on non-finite losses only")
+    add("--max-update-ratio", type=float, default=1.0, metavar="R",
+        help="stop as diverged when a step's update norm exceeds R x the parameters' norm "
+             "(healthy: ~1e-3); 0: no limit")
     sp_jax.training.add_launch_arguments(p)
     add = p.add_argument_group("model").add_argument
     add("--preset", choices=("gpt", "llama-tiny"), default="gpt",
@@ -119,6 +135,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
          "--kv-heads or --context-parallel ring"),
         (not a.lr > 0 or a.weight_decay < 0, f"--lr {a.lr} must be positive and "
                                               f"--weight-decay {a.weight_decay} >= 0"),
+        (a.loss_spike and not a.loss_spike > 1, f"--loss-spike {a.loss_spike} must be > 1 "
+                                                 "(or 0 to stop on non-finite losses only)"),
+        (not a.max_update_ratio >= 0, f"--max-update-ratio {a.max_update_ratio} must be "
+                                      ">= 0"),
         (a.max_data_bytes <= 0, f"--max-data-bytes {a.max_data_bytes} must be positive"),
         (a.ckpt_dir and os.path.exists(a.ckpt_dir) and not os.path.isdir(a.ckpt_dir),
          f"--ckpt-dir {a.ckpt_dir} is a file, not a directory"),
@@ -135,7 +155,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Stop(Exception):
-    """Ends the run with exit status 1; process 0 prints ``error: <message>``."""
+    """Ends the run with ``status``; process 0 prints ``error: <message>``."""
+
+    def __init__(self, message: str, status: int = faults.EXIT_ERROR):
+        super().__init__(message)
+        self.status = status
 
 
 def say(message: str, bar=None) -> None:
@@ -149,6 +173,16 @@ def mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}MiB"
 
 
+# Flags that may differ between the processes of one run; all others must be identical.
+PER_PROCESS = ("process_id", "log_json", "plot", "no_progress", "local_device_ids",
+               "local_devices", "launch")
+
+
+def shared_settings(args: argparse.Namespace) -> dict:
+    """The settings every process must agree on (checked before the first step)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS}
+
+
 def run_meta(args: argparse.Namespace, cfg: GPTConfig) -> dict:
     """What a checkpoint records besides the arrays: the model (must match on resume) and
     the run's data and optimizer settings (may change, with a warning)."""
@@ -160,80 +194,149 @@ def run_meta(args: argparse.Namespace, cfg: GPTConfig) -> dict:
 
 
 def resume(args: argparse.Namespace, manager: CheckpointManager | None, step: TrainStep,
-           meta: dict) -> int:
-    """Restores the latest checkpoint into ``step`` (resharded onto the current mesh) and
-    returns its step; 0 when there is none. Refuses a fresh run into a used directory."""
+           meta: dict) -> tuple[int, list[float]]:
+    """Restores the newest intact checkpoint into ``step`` (resharded onto the current
+    mesh); returns its step and the training losses before it ((0, []) when there is
+    none). Refuses a fresh run into a used directory, and ``--resume`` without a
+    checkpoint."""
     latest = manager.latest_step() if manager is not None else None
     if latest is not None and not args.resume:
-        sys.exit(f"error: --ckpt-dir {args.ckpt_dir} already holds checkpoints (steps "
-                 f"{manager.all_steps()}); pass --resume to continue from step {latest}, "
-                 "or use another directory")
+        raise Stop(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints (steps "
+                   f"{manager.all_steps()}); pass --resume to continue from step {latest}, "
+                   "or use another directory")
     if latest is None:
         if args.resume:  # a mistyped --ckpt-dir must not start over (and truncate the log)
-            sys.exit(f"error: --resume: no checkpoint in --ckpt-dir {args.ckpt_dir}; check "
-                     "the path, or drop --resume to start a new run")
-        return 0
-    try:
-        changed = manager.check_metadata(meta, latest, must_match=("model",))
-        restored = manager.restore(latest, params_like=abstract_like(step.params),
-                                   opt_state_like=abstract_like(step.opt_state))
-    except ValueError as e:  # another model: MetadataMismatchError names each setting
-        sys.exit(f"error: {e}")
-    if changed:
-        say(f"warning: resuming with changed settings (saved, now): {changed['run']}")
+            raise Stop(f"--resume: no checkpoint in --ckpt-dir {args.ckpt_dir}; check the "
+                       "path, or drop --resume to start a new run")
+        return 0, []
+    try:  # damaged steps are skipped (named); another model is refused, naming each setting
+        restored = manager.restore(params_like=abstract_like(step.params),
+                                   opt_state_like=abstract_like(step.opt_state),
+                                   fallback=True, expect_metadata=meta, must_match=("model",))
+    except ValueError as e:  # CheckpointCorruptError (all damaged), MetadataMismatchError
+        raise Stop(str(e)) from e
+    for reason in restored.skipped:
+        say(f"warning: {reason}; skipped")
+    for damaged in [s for s in manager.all_steps() if s > restored.step]:
+        say(f"warning: moved damaged checkpoint step {damaged} aside to "
+            f"{manager.quarantine(damaged)}")
+    if restored.changed:
+        say(f"warning: resuming with changed settings (saved, now): {restored.changed['run']}")
     step.params, step.opt_state = restored.params, restored.opt_state
     say(f"resume: restored step {restored.step} from {args.ckpt_dir} onto mesh "
         f"{args.mesh_name}")
-    return restored.step
+    return restored.step, list(restored.metadata.get("recent_losses", []))
 
 
-def train(args: argparse.Namespace, step: TrainStep, corpus: ByteCorpus, sharding, held_out,
-          log: MetricsLog, bar: tqdm, manager: CheckpointManager | None, meta: dict,
-          start: int) -> tuple:
-    """Steps ``start + 1 .. --steps``; returns (first loss, last loss, last held-out loss)."""
-    key0, tokens = jax.random.key(args.seed), args.batch_size * args.seq_len
-    param_b, opt_b, temp = device_bytes(step.params), device_bytes(step.opt_state), None
-    first = last = final_eval = None
-    if start == 0 and args.eval_every:
-        log.write({"step": 0, "eval_loss": step.evaluate(held_out)})
-        say(f"step 0: held-out loss {log.records[-1]['eval_loss']:.4f}")
-    for i in bar:
-        batch = corpus.train_batch(i, seed=args.seed, batch_size=args.batch_size,
-                                   micro_batches=args.micro_batches, sharding=sharding)
-        key, t0 = jax.random.fold_in(key0, i), time.perf_counter()
+class Trainer:
+    """The loop's state: the step function, data, log, checkpoints and fault handling."""
+
+    def __init__(self, args, step: TrainStep, corpus: ByteCorpus, sharding, held_out,
+                 log: MetricsLog, bar: tqdm, manager: CheckpointManager | None, meta: dict,
+                 signals: faults.StopSignals, watchdog: faults.Watchdog):
+        self.args, self.step, self.corpus, self.sharding = args, step, corpus, sharding
+        self.held_out, self.log, self.bar, self.manager = held_out, log, bar, manager
+        self.meta, self.signals, self.watchdog = meta, signals, watchdog
+        self.guard = faults.DivergenceGuard(args.loss_spike or None,
+                                            max_update_ratio=args.max_update_ratio or None)
+        self.saved: int | None = None
+        self.compiled: set[str] = set()
+
+    def watch(self, what: str, kind: str):
+        """Watches a blocking call; the first one of each kind compiles (longer limit)."""
+        first = kind not in self.compiled
+        self.compiled.add(kind)
+        return self.watchdog.watch(what, extra_s=COMPILE_ALLOWANCE_S if first else 0.0)
+
+    def diverged(self, i: int, reason: str) -> Stop:
+        kept = (f"the last checkpoint, step {self.saved}, holds parameters that gave a good "
+                f"held-out loss: resume from it with a lower --lr (or more --warmup-steps)"
+                if self.saved is not None else "try a lower --lr or more --warmup-steps")
+        return Stop(f"step {i}: training diverged ({reason}); stopped without saving: "
+                    f"{kept}", faults.EXIT_DIVERGED)
+
+    def evaluate(self, i: int) -> float:
+        """Held-out loss of the current parameters, logged and checked for divergence."""
+        with self.watch(f"evaluation at step {i}", "eval"):
+            loss = self.step.evaluate(self.held_out)
+        self.log.write({"step": i, "eval_loss": loss})
+        reason = self.guard.check(loss, "held-out loss")
+        if reason:
+            raise self.diverged(i, reason)
+        return loss
+
+    def save(self, i: int) -> None:
+        """Checkpoint ``i``; the caller evaluated its parameters first (known-good rule)."""
         try:
-            metrics = step(batch, key)
-            loss = float(metrics["loss"])
-        except FloatingPointError as e:  # --debug-nans
-            raise Stop(f"NaN at step {i} (--debug-nans): {e}") from e
-        dt = time.perf_counter() - t0
-        if not math.isfinite(loss) or not bool(metrics["finite"]):
-            raise Stop(f"loss is {loss} at step {i} (grad norm {float(metrics['grad_norm']):.3g})"
-                       "; stopping: this step's update was not applied and nothing "
-                       "non-finite was saved. Try a lower --lr or more --warmup-steps.")
-        if i == start + 1:  # the first call compiled the step: time it as such
-            temp = step.temp_bytes(batch, key)
-            say(f"compiled the step in {dt:.1f} s; per device: params {mib(param_b)}, "
-                f"optimizer state {mib(opt_b)}, activations and temporaries (XLA temp of "
-                f"the compiled step) {mib(temp)}", bar)
-        first, last = first if first is not None else loss, loss
-        log.write({"step": i, "loss": loss, "tokens_per_s": tokens / dt,
-                   "grad_norm": float(metrics["grad_norm"]), "time_s": dt})
-        bar.set_postfix_str(f"loss={loss:.3f} tok/s={tokens / dt:,.0f} mem/dev: params="
-                            f"{mib(param_b)} opt={mib(opt_b)} act(temp)={mib(temp)}",
-                            refresh=False)
-        if (args.eval_every and i % args.eval_every == 0) or i == args.steps:
-            final_eval = step.evaluate(held_out)
-            log.write({"step": i, "eval_loss": final_eval})
-            say(f"step {i}: train loss {loss:.4f}, held-out loss {final_eval:.4f}", bar)
-        if manager is not None and args.save_every and (
-                i % args.save_every == 0 or i == args.steps):
+            with self.watch(f"saving step {i}", "save"):
+                self.manager.save(i, self.step.params, self.step.opt_state,
+                                  metadata={"step": i, "next_batch": i + 1, **self.meta,
+                                            "recent_losses": list(self.guard.recent)})
+        except (CheckpointSaveError, NonFiniteError) as e:
+            raise Stop(str(e)) from e
+        self.saved = i
+
+    def run(self, start: int, recent_losses: list[float]) -> tuple:
+        """Steps ``start + 1 .. --steps`` after the checkpoint of ``start`` (0: none) and
+        the training losses before it; returns (first loss, last loss, last held-out)."""
+        args, step, bar = self.args, self.step, self.bar
+        key0, tokens = jax.random.key(args.seed), args.batch_size * args.seq_len
+        param_b, opt_b, temp = device_bytes(step.params), device_bytes(step.opt_state), None
+        first = last = final_eval = None
+        self.saved = start or None
+        for loss in recent_losses:  # the same on every process: from the checkpoint
+            self.guard.record(loss)
+        if start == 0 and args.eval_every:
+            say(f"step 0: held-out loss {self.evaluate(0):.4f}")
+        for i in bar:
+            batch = self.corpus.train_batch(i, seed=args.seed, batch_size=args.batch_size,
+                                            micro_batches=args.micro_batches,
+                                            sharding=self.sharding)
+            key, t0 = jax.random.fold_in(key0, i), time.perf_counter()
             try:
-                manager.save(i, step.params, step.opt_state,
-                             metadata={"step": i, "next_batch": i + 1, **meta})
-            except CheckpointSaveError as e:
-                raise Stop(str(e)) from e
-    return first, last, final_eval
+                with self.watch(f"step {i}", "step"):
+                    metrics = step(batch, key)
+                    loss = float(metrics["loss"])
+            except FloatingPointError as e:  # --debug-nans
+                raise Stop(f"NaN at step {i} (--debug-nans): {e}", faults.EXIT_DIVERGED) from e
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss) or not bool(metrics["finite"]):
+                raise self.diverged(i, f"loss is {loss}, grad norm "
+                                       f"{float(metrics['grad_norm']):.3g}; this step's "
+                                       "update was not applied")
+            reason = self.guard.check(loss) or self.guard.check_update(
+                float(metrics["update_norm"]), float(metrics["param_norm"]))
+            if reason:
+                raise self.diverged(i, reason)
+            self.guard.record(loss)
+            if i == start + 1:  # the first call compiled the step: time it as such
+                temp = step.temp_bytes(batch, key)
+                say(f"compiled the step in {dt:.1f} s; per device: params {mib(param_b)}, "
+                    f"optimizer state {mib(opt_b)}, activations and temporaries (XLA temp "
+                    f"of the compiled step) {mib(temp)}", bar)
+            first, last = first if first is not None else loss, loss
+            self.log.write({"step": i, "loss": loss, "tokens_per_s": tokens / dt,
+                            "grad_norm": float(metrics["grad_norm"]),
+                            "update_ratio": float(metrics["update_norm"] / metrics["param_norm"]),
+                            "time_s": dt})
+            bar.set_postfix_str(f"loss={loss:.3f} tok/s={tokens / dt:,.0f} mem/dev: params="
+                                f"{mib(param_b)} opt={mib(opt_b)} act(temp)={mib(temp)}",
+                                refresh=False)
+            stop = faults.agree_to_stop(i, self.signals.received is not None)
+            save = self.manager is not None and (stop or args.save_every and (
+                i % args.save_every == 0 or i == args.steps))
+            if save or (args.eval_every and i % args.eval_every == 0) or i == args.steps:
+                final_eval = self.evaluate(i)  # before a save: only good parameters are kept
+                say(f"step {i}: train loss {loss:.4f}, held-out loss {final_eval:.4f}", bar)
+            if save:
+                self.save(i)
+            if stop and i < args.steps:
+                where = (f"checkpoint step {i} written to {args.ckpt_dir}; continue with "
+                         "--resume" if self.manager is not None else
+                         "no --ckpt-dir, nothing saved")
+                raise Stop(f"stopped by {self.signals.received or 'another process'} after "
+                           f"step {i}: {where}", faults.EXIT_INTERRUPTED)
+        return first, last, final_eval
 
 
 def configure(args: argparse.Namespace) -> tuple:
@@ -278,18 +381,28 @@ def describe(args: argparse.Namespace, mesh, corpus: ByteCorpus, n_params: int) 
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     args.launch.initialize()
+    is_main = jax.process_index() == 0
+    try:  # before anything that waits on the other processes
+        faults.check_same_settings(shared_settings(args), timeout_s=args.peer_timeout)
+    except (faults.SettingsMismatchError, faults.PeerTimeoutError) as e:
+        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr)
+        return faults.EXIT_PEER_FAILED
     jax.config.update("jax_debug_nans", args.debug_nans)
     parallel, cfg, tx = configure(args)
     layout, meta = sp_jax.Layout.of(parallel), run_meta(args, cfg)
-    is_main = jax.process_index() == 0
-    try:
-        mesh = build_mesh(args.mesh_shape, sp_jax.training.MESH_AXES)
-        corpus = ByteCorpus.from_files(args.data, seq_len=args.seq_len,
-                                       max_bytes=args.max_data_bytes)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    watchdog = faults.Watchdog(args.peer_timeout if jax.process_count() > 1 else None,
+                               name=f"process {jax.process_index()}")
     try:
         with contextlib.ExitStack() as stack:
+            signals = stack.enter_context(faults.StopSignals())
+            try:
+                mesh = build_mesh(args.mesh_shape, sp_jax.training.MESH_AXES)
+                corpus = ByteCorpus.from_files(args.data, seq_len=args.seq_len,
+                                               max_bytes=args.max_data_bytes)
+                manager = (stack.enter_context(CheckpointManager(args.ckpt_dir, max_to_keep=3))
+                           if args.ckpt_dir else None)  # one writer: a lock, process 0
+            except (ValueError, OSError, CheckpointLockedError) as e:
+                raise Stop(str(e)) from e
             stack.enter_context(jax.set_mesh(mesh))
             held_out = corpus.held_out_batches(
                 args.eval_batches, batch_size=args.batch_size // args.micro_batches,
@@ -297,9 +410,9 @@ def main(args: argparse.Namespace) -> int:
             step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(args.seed)), tx)
             n_params = sum(x.size for x in jax.tree.leaves(step.params))
             describe(args, mesh, corpus, n_params)
-            manager = (stack.enter_context(CheckpointManager(args.ckpt_dir, max_to_keep=3))
-                       if args.ckpt_dir else None)
-            start = resume(args, manager, step, meta)
+            with faults.exit_on_peer_failure(), watchdog.watch(  # a dead peer: one line, exit
+                    "restoring the checkpoint", extra_s=COMPILE_ALLOWANCE_S):
+                start, recent_losses = resume(args, manager, step, meta)
             if start >= args.steps:
                 say(f"nothing to do: checkpoint step {start} >= --steps {args.steps}")
             log = stack.enter_context(MetricsLog(args.log_json if is_main else None,
@@ -308,13 +421,15 @@ def main(args: argparse.Namespace) -> int:
                 range(start + 1, args.steps + 1), initial=start, total=args.steps,
                 desc="train", unit="step", disable=args.no_progress or not is_main,
                 mininterval=0.5, dynamic_ncols=True, file=sys.stderr))
-            first, last, final_eval = train(
-                args, step, corpus, NamedSharding(mesh, layout.spec(None, "batch", "length")),
-                held_out, log, bar, manager, meta, start)
+            trainer = Trainer(args, step, corpus,
+                              NamedSharding(mesh, layout.spec(None, "batch", "length")),
+                              held_out, log, bar, manager, meta, signals, watchdog)
+            with faults.exit_on_peer_failure():
+                first, last, final_eval = trainer.run(start, recent_losses)
     except Stop as e:
         if is_main:
             print(f"error: {e}", file=sys.stderr)
-        return 1
+        return e.status
     if args.plot and is_main:
         sp_jax.training.plot_losses(
             args.plot, log.records, f"byte-level GPT, {n_params / 1e6:.2f}M params, mesh "

@@ -883,6 +883,40 @@ class CheckpointManager:
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
+    def quarantine(self, step: int) -> str:
+        """Moves committed step ``step`` (e.g. one a fallback skipped as damaged) out of the
+        listing, to ``<directory>/damaged/<step>`` (``-1``, ``-2``, ... appended when that
+        exists), where it is kept for inspection; returns that path.
+
+        After a fallback to an older step a resumed run saves the newer step numbers
+        again: the damaged ones must be out of the way first. Every process calls it with
+        the same step; process 0 moves the directory.
+
+        Raises:
+          FileNotFoundError: no such committed step.
+        """
+        step = self._resolve(step)
+        base = os.path.join(self.directory, "damaged", str(step))
+        target, n = base, 0
+        while os.path.exists(target):
+            n += 1
+            target = f"{base}-{n}"
+        self._sync(f"quarantine-{step}-a")  # everyone chose the same name
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.rename(self._step_dir(step), target)
+        self._sync(f"quarantine-{step}-b")
+        self._manager.reload()
+        return target
+
+    @staticmethod
+    def _sync(name: str) -> None:
+        """A barrier of all processes (nothing in a single-process run)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"sp_jax.checkpoint.{name}")
+
     # -- saving -------------------------------------------------------------------------
 
     def _failed(self, step: int, error: BaseException) -> CheckpointSaveError:

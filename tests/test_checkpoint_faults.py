@@ -372,6 +372,30 @@ def test_fallback_to_the_newest_intact_step(state, tmp_path):
     assert "; step 2: " in msg and "; step 1: meta: " in msg and err.value.step == 3
 
 
+def test_quarantine_moves_a_damaged_step_out_of_the_way(state, tmp_path):
+    """After falling back, the damaged newer steps are moved aside, so that the resumed run
+    can save those step numbers again (and rotation never trips over them)."""
+    params, _ = state
+    directory = tmp_path / "ckpt"
+    with CheckpointManager(directory, max_to_keep=2) as manager:
+        manager.save(1, params)
+        manager.save(2, params)
+        (directory / "2" / "meta").rename(directory / "2" / "gone")  # damaged
+        restored = manager.restore(params_like=abstract_like(params), fallback=True)
+        assert restored.step == 1 and len(restored.skipped) == 1
+        moved = manager.quarantine(2)
+        assert moved == str(directory / "damaged" / "2") and os.path.isdir(moved)
+        assert manager.all_steps() == [1]
+        for step in (2, 3):  # 2 is saved anew; 1 rotates out
+            manager.save(step, params)
+        assert manager.all_steps() == [2, 3]
+        assert manager.quarantine(2) == str(directory / "damaged" / "2-1")
+        with pytest.raises(FileNotFoundError, match="no checkpoint step 7"):
+            manager.quarantine(7)
+    with CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [3]
+
+
 def test_expect_metadata_before_reading_arrays(saved, state, tmp_path):
     """restore(expect_metadata=): changed run settings come back in .changed; another
     model raises MetadataMismatchError before any array is read (here: even though the

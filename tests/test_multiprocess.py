@@ -122,6 +122,9 @@ def test_two_processes_save_one_checkpoint(runs):
     single = restore_checkpoint(tmp / "ckpt_1x8", STEPS, params_like=params,
                                 opt_state_like=opt_state)
     assert multi.step == single.step == STEPS
+    # The recent training losses (for the divergence check) agree to the last bit or two.
+    recent, ref_recent = (m.metadata.pop("recent_losses") for m in (multi, single))
+    assert recent == pytest.approx(ref_recent, rel=RTOL, abs=0)
     assert multi.metadata == single.metadata
     leaves = jax.tree.leaves((multi.params, multi.opt_state))
     ref_leaves = jax.tree.leaves((single.params, single.opt_state))

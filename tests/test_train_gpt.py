@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from _util import script_env
 
+from sp_jax.training import faults
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
@@ -56,6 +58,14 @@ def _losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def _truncate_an_array_file(step_dir: Path) -> str:
+    """Cuts the largest array data file of a checkpoint step in half; returns its path."""
+    files = [p for p in (step_dir / "params").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    return str(biggest)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train_gpt")
@@ -64,29 +74,44 @@ def runs(tmp_path_factory):
                        "--log-json", str(tmp / "full.jsonl"), "--plot", str(tmp / "full.png")),
         "part": _start("--steps", "3", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_part"),
                        "--log-json", str(tmp / "part.jsonl")),
+        # Blow-ups with the update-ratio and spike checks off: only a non-finite value stops.
         "nan": _start("--steps", "6", "--lr", "1e9", "--warmup-steps", "0",
+                      "--max-update-ratio", "0", "--loss-spike", "0",
                       "--log-json", str(tmp / "nan.jsonl")),
         "debug_nans": _start("--steps", "6", "--lr", "1e9", "--warmup-steps", "0",
-                             "--debug-nans"),
+                             "--max-update-ratio", "0", "--loss-spike", "0", "--debug-nans"),
     }
     results = {name: _finish(proc) for name, proc in started.items()}
-    # The same checkpoint and log, resumed on another mesh.
-    shutil.copytree(tmp / "ckpt_part", tmp / "ckpt_part_4x2")
-    shutil.copy(tmp / "part.jsonl", tmp / "part_4x2.jsonl")
+    # The full run's checkpoints (steps 3 and 6) with step 6 damaged, resumed on another
+    # mesh: it falls back to step 3 and redoes steps 4-6.
+    shutil.copytree(tmp / "ckpt_full", tmp / "ckpt_damaged")
+    shutil.copy(tmp / "full.jsonl", tmp / "part_4x2.jsonl")
+    truncated = _truncate_an_array_file(tmp / "ckpt_damaged" / "6")
+    # The 3-step run's checkpoint, resumed with a learning rate that makes it diverge.
+    shutil.copytree(tmp / "ckpt_part", tmp / "ckpt_blowup")
+    shutil.copy(tmp / "part.jsonl", tmp / "blowup.jsonl")
     started = {
         # Resumed into the same log: its records up to step 3 are kept, steps 4-6 appended.
         "resumed": _start("--steps", "6", "--resume", "--save-every", "3",
                           "--ckpt-dir", str(tmp / "ckpt_part"),
                           "--log-json", str(tmp / "part.jsonl")),
         "resumed_4x2": _start("--steps", "6", "--resume", "--save-every", "3", "--mesh", "4,2",
-                              "--ckpt-dir", str(tmp / "ckpt_part_4x2"),
+                              "--ckpt-dir", str(tmp / "ckpt_damaged"),
                               "--log-json", str(tmp / "part_4x2.jsonl")),
+        "blowup": _start("--steps", "6", "--resume", "--save-every", "1", "--lr", "1e9",
+                         "--ckpt-dir", str(tmp / "ckpt_blowup"),
+                         "--log-json", str(tmp / "blowup.jsonl")),
         # Not resuming into a directory with checkpoints: refused before any training.
         "refused": _start("--steps", "6", "--save-every", "3",
                           "--ckpt-dir", str(tmp / "ckpt_full")),
     }
     results.update({name: _finish(proc) for name, proc in started.items()})
-    return tmp, results
+    # The diverged run resumed as the first one ran (its --lr): it continues from the
+    # last good checkpoint exactly as the uninterrupted run did.
+    results["recovered"] = _finish(_start(
+        "--steps", "6", "--resume", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_blowup"),
+        "--log-json", str(tmp / "blowup.jsonl")))
+    return tmp, results, truncated
 
 
 def _ok(result: subprocess.CompletedProcess) -> None:
@@ -94,7 +119,7 @@ def _ok(result: subprocess.CompletedProcess) -> None:
 
 
 def test_run_logs_every_step(runs):
-    tmp, results = runs
+    tmp, results, _ = runs
     _ok(results["full"])
     records = _read(tmp / "full.jsonl")
     train = [r for r in records if "loss" in r]
@@ -111,19 +136,19 @@ def test_run_logs_every_step(runs):
 
 
 def test_plot_written(runs):
-    tmp, _ = runs
+    tmp, *_ = runs
     png = tmp / "full.png"
     assert png.exists() and png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_checkpoints_saved(runs):
-    tmp, _ = runs
+    tmp, *_ = runs
     assert sorted(p.name for p in (tmp / "ckpt_full").iterdir() if p.name.isdigit()) == ["3", "6"]
 
 
 def test_resume_reproduces_uninterrupted_run(runs):
-    tmp, results = runs
+    tmp, results, _ = runs
     _ok(results["part"])
     _ok(results["resumed"])
     assert "resume: restored step 3" in results["resumed"].stdout
@@ -147,40 +172,67 @@ def _assert_resumed_like_full(tmp, log, rel):
 
 
 def test_nan_loss_stops_with_step(runs):
-    tmp, results = runs
+    tmp, results, _ = runs
     nan = results["nan"]
-    assert nan.returncode != 0
-    assert re.search(r"loss is (nan|inf|-inf) at step \d+", nan.stderr), nan.stderr
+    assert nan.returncode == faults.EXIT_DIVERGED, nan.stderr[-3000:]
+    assert re.search(r"step \d+: training diverged \(loss is (nan|inf|-inf)", nan.stderr), \
+        nan.stderr[-3000:]
     logged = _losses(_read(tmp / "nan.jsonl"))
     assert all(math.isfinite(v) for v in logged.values())
     assert len(logged) < 6
 
 
-def test_resume_onto_another_mesh(runs):
-    """Saved on data=2 x tensor=4, resumed on data=4 x tensor=2: the restored parameters
-    and optimizer state are resharded; the losses agree with the uninterrupted run up to
-    the different meshes' summation order."""
-    tmp, results = runs
+def test_diverged_run_saves_nothing_and_resumes_with_a_lower_lr(runs):
+    """--lr 1e9 from step 3, saving every step: step 4's update is orders of magnitude
+    larger than the weights (the blown-up model's loss alone can look fine: collapsed to
+    uniform), so the run stops before saving and step 3 stays the last checkpoint;
+    resumed with the original --lr, steps 4-6 equal the uninterrupted run's."""
+    tmp, results, _ = runs
+    blowup = results["blowup"]
+    assert blowup.returncode == faults.EXIT_DIVERGED, blowup.stderr[-3000:]
+    assert re.search(r"step 4: training diverged \(the update's norm \S+ is over 1x the "
+                     r"parameters' norm", blowup.stderr), blowup.stderr[-3000:]
+    assert ("stopped without saving: the last checkpoint, step 3, holds parameters that "
+            "gave a good held-out loss: resume from it with a lower --lr") in blowup.stderr
+    assert "warning: resuming with changed settings" in blowup.stdout  # lr 3e-3 -> 1e9
+    recovered = results["recovered"]
+    _ok(recovered)
+    assert "resume: restored step 3" in recovered.stdout
+    assert sorted(p.name for p in (tmp / "ckpt_blowup").iterdir() if p.name.isdigit()) \
+        == ["3", "6"]
+    _assert_resumed_like_full(tmp, "blowup.jsonl", rel=1e-6)
+
+
+def test_resume_onto_another_mesh_falls_back_from_a_damaged_step(runs):
+    """Steps 3 and 6 saved on data=2 x tensor=4, step 6 then damaged (an array file cut
+    in half); resumed on data=4 x tensor=2: step 6 is named and skipped (moved aside),
+    step 3 restored and resharded; the losses agree with the uninterrupted run up to the
+    different meshes' summation order."""
+    tmp, results, truncated = runs
     _ok(results["resumed_4x2"])
     out = results["resumed_4x2"].stdout
     assert "mesh: data=4 x tensor=2" in out
+    assert re.search(r"warning: checkpoint step 6 in \S+ckpt_damaged is damaged: .*; skipped",
+                     out), out
+    assert "moved damaged checkpoint step 6 aside to" in out
     assert "resume: restored step 3" in out and "onto mesh data=4 x tensor=2" in out
     evals = _assert_resumed_like_full(tmp, "part_4x2.jsonl", rel=1e-5)
     assert evals[-1]["step"] == 6
-    assert sorted(p.name for p in (tmp / "ckpt_part_4x2").iterdir()) == ["3", "6"]
+    assert sorted(p.name for p in (tmp / "ckpt_damaged").iterdir() if p.name.isdigit()) \
+        == ["3", "6"]
 
 
 def test_debug_nans_stops_with_step(runs):
-    _, results = runs
+    _, results, _ = runs
     run = results["debug_nans"]
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == faults.EXIT_DIVERGED, run.stderr[-3000:]
     # JAX's check fires only where it runs (see --help); either way the step is named.
-    assert re.search(r"(NaN at step \d+ \(--debug-nans\)|loss is (nan|inf|-inf) at step \d+)",
+    assert re.search(r"(NaN at step \d+ \(--debug-nans\)|step \d+: training diverged)",
                      run.stderr), run.stderr[-3000:]
 
 
 def test_fresh_run_refuses_nonempty_checkpoint_dir(runs):
-    tmp, results = runs
+    tmp, results, _ = runs
     run = results["refused"]
     assert run.returncode != 0
     assert f"--ckpt-dir {tmp / 'ckpt_full'} already holds checkpoints (steps [3, 6]); " \
@@ -217,6 +269,23 @@ def test_bad_data_is_an_error_exit(tmp_path):
     run = _run_quick("--data", missing, "--steps", "1", "--no-progress")
     assert run.returncode == 1, run.stderr[-2000:]
     assert f"error: no files match {missing}" in run.stderr
+
+
+def test_unreadable_data_file_is_an_error_exit():
+    run = _run_quick("--data", "/proc/self/mem", "--steps", "1", "--no-progress")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "error: cannot read data file /proc/self/mem: Input/output error" in run.stderr
+
+
+def test_second_trainer_on_one_checkpoint_dir_is_refused(tmp_path):
+    """One writer per --ckpt-dir: held here, a trainer (or a --resume) is refused, naming
+    the holder, before it builds anything."""
+    from sp_jax.checkpoint import CheckpointManager
+
+    with CheckpointManager(tmp_path / "ckpt"):
+        run = _run_quick(*TINY, "--steps", "2", "--ckpt-dir", str(tmp_path / "ckpt"))
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"is in use by pid {os.getpid()}" in run.stderr, run.stderr[-2000:]
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):

@@ -26,6 +26,7 @@ from sp_jax.training.faults import (
     Watchdog,
     agree_to_stop,
     check_same_settings,
+    exit_on_peer_failure,
 )
 from sp_jax.training.launch import (
     MESH_AXES,
@@ -53,6 +54,7 @@ __all__ = [
     "Watchdog",
     "agree_to_stop",
     "check_same_settings",
+    "exit_on_peer_failure",
     "faults",
     "Launch",
     "MetricsLog",

@@ -13,6 +13,8 @@ uses all of them):
   run with the same settings (model, optimizer, data, seed, steps, mesh, ...) and all end
   with :class:`SettingsMismatchError` naming the differing setting, instead of hanging in
   mismatched collectives.
+* :func:`exit_on_peer_failure`: a collective that fails because a peer died ends the
+  process at once with one line and :data:`EXIT_PEER_FAILED`.
 * :class:`Watchdog`: ends the process with :data:`EXIT_PEER_FAILED` when a blocking call
   (a step, an evaluation, a save) makes no progress for a bounded time: a stalled peer.
   A dead peer is detected by the coordination service's heartbeats, a missing one by its
@@ -56,6 +58,7 @@ __all__ = [
     "Watchdog",
     "agree_to_stop",
     "check_same_settings",
+    "exit_on_peer_failure",
 ]
 
 EXIT_ERROR = 1
@@ -194,6 +197,33 @@ def agree_to_stop(step: int, requested: bool) -> bool:
     return step >= agreed
 
 
+@contextlib.contextmanager
+def exit_on_peer_failure(stream: Any = None) -> Iterator[None]:
+    """Ends a multi-process run at once when a cross-process collective fails in the body.
+
+    When a peer dies, the collectives waiting for it fail (gloo on CPU: "Connection reset
+    by peer") or hang (NCCL; the coordination service's heartbeat timeout then ends every
+    process). A failure would otherwise unwind into a traceback, and the exit would then
+    wait for the dead peer at jax.distributed's shutdown barrier. Here it prints one line
+    naming the failure and leaves with ``os._exit(EXIT_PEER_FAILED)``. In a single-process
+    run the error propagates unchanged.
+
+    Args:
+      stream: where the line goes (default ``sys.stderr``).
+    """
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: process {jax.process_index()}: a collective with the other processes "
+              f"failed ({first}): another process died or lost its connection; exiting with "
+              f"status {EXIT_PEER_FAILED}", file=stream or sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_FAILED)
+
+
 class StopSignals:
     """Turns SIGTERM and SIGINT into a request to stop at the next step boundary.
 
@@ -276,11 +306,14 @@ class Watchdog:
 
     Args:
       timeout_s: the limit of a watched call; ``None`` or ``<= 0`` disables the watchdog.
+      name: prefixes the line, e.g. ``"process 1"``.
       stream: where the line goes (default ``sys.stderr``).
     """
 
-    def __init__(self, timeout_s: float | None, stream: Any = None):
+    def __init__(self, timeout_s: float | None, *, name: str | None = None,
+                 stream: Any = None):
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
+        self.name = name
         self.stream = stream
         self._lock = threading.Lock()
         self._deadline: float | None = None
@@ -294,10 +327,11 @@ class Watchdog:
             with self._lock:
                 deadline, what = self._deadline, self._what
             if deadline is not None and time.monotonic() > deadline:
-                print(f"error: {what} made no progress for {self.timeout_s + self._extra:g} s:"
-                      " another process is stalled or dead (--peer-timeout); exiting "
-                      f"with status {EXIT_PEER_FAILED}", file=self.stream or sys.stderr,
-                      flush=True)
+                who = f"{self.name}: " if self.name else ""
+                print(f"error: {who}{what} made no progress for "
+                      f"{self.timeout_s + self._extra:g} s: another process is stalled, "
+                      "dead or was never started (--peer-timeout); exiting with status "
+                      f"{EXIT_PEER_FAILED}", file=self.stream or sys.stderr, flush=True)
                 os._exit(EXIT_PEER_FAILED)
 
     @contextlib.contextmanager
@@ -325,7 +359,11 @@ class DivergenceGuard:
     """Decides when training has diverged, so that nothing diverged is ever saved.
 
     A loss has diverged when it is not finite, or (once ``min_history`` losses were seen)
-    when it exceeds ``spike`` times the median of the last ``window`` training losses. The
+    when it exceeds ``spike`` times the median of the last ``window`` training losses; an
+    optimizer step has, when its update is larger than ``max_update_ratio`` times the
+    parameters it was applied to (global L2 norms; healthy steps move the weights by
+    ~1e-3 of their norm, a blown-up one by orders of magnitude more, and can leave a model
+    whose loss still looks fine: e.g. collapsed to the uniform distribution). The
     known-good checkpoint rule built on it: a checkpoint of the parameters after step *i*
     is written only after *those* parameters gave a finite, non-spiking held-out loss
     (:meth:`check` on an evaluation right before the save), so every checkpoint on disk
@@ -336,19 +374,27 @@ class DivergenceGuard:
     Args:
       spike: the factor over the recent median that counts as divergence; ``0`` or
         ``None`` checks finiteness only.
+      max_update_ratio: the largest update-to-weight norm ratio of a step; ``0`` or
+        ``None``: no limit.
       window: how many recent training losses the median is taken over.
-      min_history: how many losses must have been seen before spikes are checked (the
-        first steps of a run, or of a resumed one, check finiteness only).
+      min_history: how many losses must have been seen before spikes are checked (until
+        then, finiteness only). A resumed run can :meth:`record` the losses logged before
+        its checkpoint so that its first steps are checked too.
     """
 
-    def __init__(self, spike: float | None = 3.0, *, window: int = 20, min_history: int = 5):
+    def __init__(self, spike: float | None = 3.0, *, max_update_ratio: float | None = 1.0,
+                 window: int = 20, min_history: int = 1):
         if spike is not None and (not math.isfinite(spike) or spike < 0):
             raise ValueError(f"spike={spike!r}: use a factor > 1 (e.g. 3.0), or 0 to check "
                              "finiteness only")
         if spike and spike <= 1:
             raise ValueError(f"spike={spike!r} would flag ordinary noise as divergence: use a"
                              " factor > 1 (e.g. 3.0), or 0 to check finiteness only")
+        if max_update_ratio is not None and not max_update_ratio >= 0:
+            raise ValueError(f"max_update_ratio={max_update_ratio!r}: use a ratio > 0 (e.g. "
+                             "1.0), or 0 for no limit")
         self.spike = spike or None
+        self.max_update_ratio = max_update_ratio or None
         self.min_history = min_history
         self.recent: deque[float] = deque(maxlen=window)
 
@@ -362,6 +408,14 @@ class DivergenceGuard:
             if loss > self.spike * median:
                 return (f"{what} {loss:.4g} is over {self.spike:g}x the median of the last "
                         f"{len(self.recent)} training losses ({median:.4g})")
+        return None
+
+    def check_update(self, update_norm: float, param_norm: float) -> str | None:
+        """None when a step's update is within ``max_update_ratio`` of the parameters'
+        norm, else the reason it counts as diverged (one line)."""
+        if self.max_update_ratio and update_norm > self.max_update_ratio * param_norm:
+            return (f"the update's norm {update_norm:.3g} is over {self.max_update_ratio:g}x "
+                    f"the parameters' norm {param_norm:.3g}")
         return None
 
     def record(self, loss: float) -> None:

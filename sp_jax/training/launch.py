@@ -182,20 +182,31 @@ class Launch:
         GPUs NCCL is used and that setting has no effect. Arguments that are None are
         left to JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU, ...).
         :attr:`peer_timeout_s` bounds every wait for another process: a process that
-        never starts (initialisation timeout), one that dies or freezes (heartbeat
-        timeout: the coordination service then ends every process) and the final
-        shutdown barrier.
+        never starts (or a duplicate ``--process-id``) ends this one after that long
+        with one line and status :data:`~sp_jax.training.faults.EXIT_PEER_FAILED` (a
+        :class:`~sp_jax.training.faults.Watchdog`, a little before JAX's own
+        initialisation timeout); one that dies or freezes is caught by the coordination
+        service's heartbeats (``peer_timeout_s`` + 10 s: the watchdogs of a training loop
+        usually report it first) and the final shutdown barrier waits no longer.
         """
         if not self.multiprocess:
             return
+        from sp_jax.training.faults import Watchdog
+
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=self.coordinator, num_processes=self.num_processes,
-            process_id=self.process_id,
-            local_device_ids=list(self.local_device_ids) if self.local_device_ids else None,
-            initialization_timeout=math.ceil(self.peer_timeout_s),
-            heartbeat_timeout_seconds=math.ceil(self.peer_timeout_s),
-            shutdown_timeout_seconds=math.ceil(self.peer_timeout_s))
+        waiting = (f"starting: waiting for all {self.processes} processes (each with its own "
+                   "--process-id) to connect to the coordinator"
+                   f"{f' at {self.coordinator}' if self.coordinator else ''}")
+        slack = math.ceil(self.peer_timeout_s) + 10  # JAX's own timeouts come after ours
+        name = f"process {self.process_id}" if self.process_id is not None else None
+        with Watchdog(self.peer_timeout_s, name=name).watch(waiting):
+            jax.distributed.initialize(
+                coordinator_address=self.coordinator, num_processes=self.num_processes,
+                process_id=self.process_id,
+                local_device_ids=(list(self.local_device_ids) if self.local_device_ids
+                                  else None),
+                initialization_timeout=slack, heartbeat_timeout_seconds=slack,
+                shutdown_timeout_seconds=math.ceil(self.peer_timeout_s))
 
 
 MESH_AXES = ("data", "context", "tensor")

@@ -95,13 +95,17 @@ def device_bytes(tree: Any) -> int:
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
                   loss_fn: LossFn = lm_loss) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
-    batch, key) -> (params, opt_state, {"loss", "grad_norm", "finite"})`` (micro-batch
+    batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
+    "finite"})`` (micro-batch
     gradient accumulation in fp32, then the optimizer update). Also what
     :func:`sp_jax.analysis.plan` compiles.
 
     A step whose loss, gradient norm or update norm is not finite changes nothing: it
     returns the parameters and optimizer state it was given, and ``finite`` False, so a
-    blow-up never reaches the parameters (or a checkpoint of them)."""
+    blow-up never reaches the parameters (or a checkpoint of them). ``update_norm /
+    param_norm`` (the global L2 norms of the update and of the parameters it was applied
+    to) is the update-to-weight ratio a divergence check can bound
+    (:class:`sp_jax.training.faults.DivergenceGuard`)."""
 
     def step(params, rest, opt_state, batch, key):
         def pure_loss(p, micro_batch, k):
@@ -112,11 +116,12 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-                  & jnp.isfinite(optax.tree.norm(updates)))
+        update_norm = optax.tree.norm(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         return keep(new_params, params), keep(new_opt_state, opt_state), {
-            "loss": loss, "grad_norm": grad_norm, "finite": finite}
+            "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
+            "param_norm": optax.tree.norm(params), "finite": finite}
 
     return step
 
