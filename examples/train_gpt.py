@@ -6,9 +6,16 @@
 CPU-only machines simulate the mesh's devices. The text is by default the Python standard
 library's source (``sp_jax.data.ByteCorpus``); a step's data depends only on ``(--seed,
 step)``, so ``--resume`` (from ``--ckpt-dir``, onto any mesh) continues exactly as the
-interrupted run would have. A non-finite loss stops the run naming the step. Multi-process:
-``--coordinator HOST:PORT --num-processes N --process-id I``, or no flags under SLURM /
-Open MPI (``sp_jax.training.launch``); process 0 alone prints and writes the log and plot.
+interrupted run would have. Multi-process: ``--coordinator HOST:PORT --num-processes N
+--process-id I``, or no flags under SLURM / Open MPI (``sp_jax.training.launch``); process 0
+alone prints and writes the log and plot.
+
+Faults (``sp_jax.training.faults``; docs/errors.md): a diverging loss stops the run before
+anything diverged is saved (exit 3); SIGTERM / SIGINT to any process stops all after the
+same step with a checkpoint (exit 75); processes started with different flags, or a peer
+that is missing, dies or stalls, end every process within --peer-timeout (exit 4); a
+damaged checkpoint is skipped, named and moved aside on --resume; one trainer per
+--ckpt-dir.
 """
 
 from __future__ import annotations

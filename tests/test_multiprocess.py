@@ -1,19 +1,25 @@
 """examples/train_gpt.py as 2 processes x 4 simulated CPU devices (jax.distributed on
-loopback, gloo collectives) trains exactly like 1 process with 8 devices.
+loopback, gloo collectives) trains exactly like 1 process with 8 devices, and stops and
+resumes together after a SIGTERM to one of them.
 
-First, concurrently: the 2-process run (3 steps, checkpoint at step 3) and the 1-process
+First, concurrently: the 2-process run (3 steps, checkpoint at step 3), the 1-process
 reference (same flags, but 4 steps, checkpoints at steps 3 and 4; the warmup is 20 steps,
-so steps 1-4 do not depend on --steps). Then the 2 processes resume from the reference's
-step-3 checkpoint and train step 4. Checked: process 0 alone writes the log; the logged
-losses and held-out losses agree; the checkpoint the two processes wrote together (each
-its own shards) holds the reference's parameters and optimizer state; restoring in 2
-processes continues the reference run.
+so steps 1-4 do not depend on --steps), and a 2-process run of the reference's 4 steps
+whose process 1 alone receives SIGTERM before its first step. Then the 2 processes resume
+from the reference's step-3 checkpoint and train step 4, and the interrupted run resumes
+from its own checkpoint. Checked: process 0 alone writes the log; the logged losses and
+held-out losses agree; the checkpoint the two processes wrote together (each its own
+shards) holds the reference's parameters and optimizer state; restoring in 2 processes
+continues the reference run; the signalled run stops both processes after the same step
+with one checkpoint (exit 75) and, resumed, logs the reference's losses.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sysconfig
 import time
@@ -28,6 +34,7 @@ from flax import nnx
 
 from sp_jax.checkpoint import restore_checkpoint
 from sp_jax.models import GPT, GPTConfig
+from sp_jax.training import faults
 
 DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 STEPS = 3
@@ -57,16 +64,42 @@ def runs(tmp_path_factory):
     procs["single"] = _launch("--steps", str(STEPS + 1), "--ckpt-dir", str(tmp / "ckpt_1x8"),
                               "--log-json", str(tmp / "single.jsonl"),
                               log=tmp / "single.out")
-    codes = wait_all(procs, deadline)
+    interrupted = _two_processes(tmp, "int", "--steps", str(STEPS + 1),
+                                 "--ckpt-dir", str(tmp / "ckpt_int"))
+    # Process 0 prints the model line after building the model, which every process does
+    # together (after installing its signal handling): then process 1 alone is signalled.
+    signalled = _wait_for(tmp / "int0.out", "model:", interrupted, deadline)
+    if signalled:
+        interrupted["int1"].send_signal(signal.SIGTERM)
+    codes = wait_all({**procs, **interrupted}, deadline)
+    codes["signalled"] = 0 if signalled else None
+    interrupted_at = _steps(tmp / "ckpt_int") if (tmp / "ckpt_int").is_dir() else []
+    (tmp / "int_steps.json").write_text(json.dumps(interrupted_at))  # before the resume
+    later = {}
     if codes["single"] == 0:
         # The reference's step-3 checkpoint, restored by 2 processes (each reads its shards)
         # with the parameters and optimizer state sharded over data as well (--fsdp).
         shutil.copytree(tmp / "ckpt_1x8" / str(STEPS), tmp / "ckpt_resume" / str(STEPS))
-        resumed = _two_processes(tmp, "resumed", "--steps", str(STEPS + 1), "--resume",
-                                 "--fsdp", "--ckpt-dir", str(tmp / "ckpt_resume"))
-        codes.update(wait_all(resumed, deadline + TIMEOUT_S))
-    outputs = {name: (tmp / f"{name}.out").read_text() for name in codes}
+        later.update(_two_processes(tmp, "resumed", "--steps", str(STEPS + 1), "--resume",
+                                    "--fsdp", "--ckpt-dir", str(tmp / "ckpt_resume")))
+    if (tmp / "int0.jsonl").exists():
+        shutil.copy(tmp / "int0.jsonl", tmp / "intres0.jsonl")  # one log, continued
+        later.update(_two_processes(tmp, "intres", "--steps", str(STEPS + 1), "--resume",
+                                    "--ckpt-dir", str(tmp / "ckpt_int")))
+    codes.update(wait_all(later, deadline + TIMEOUT_S))
+    outputs = {name: (tmp / f"{name}.out").read_text(errors="replace")
+               for name in codes if (tmp / f"{name}.out").exists()}
     return tmp, codes, outputs
+
+
+def _wait_for(path: Path, text: str, procs: dict[str, subprocess.Popen],
+              deadline: float) -> bool:
+    """Polls ``path`` until it contains ``text`` (False if a process ended first)."""
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
+        if path.exists() and text in path.read_text(errors="replace"):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _steps(directory: Path) -> list[int]:
@@ -147,3 +180,30 @@ def test_two_processes_resume_a_checkpoint(runs):
     assert resumed[STEPS + 1]["loss"] == pytest.approx(reference[STEPS + 1]["loss"], rel=RTOL,
                                                        abs=0)
     assert _steps(tmp / "ckpt_resume") == [STEPS, STEPS + 1]
+
+
+def test_sigterm_to_one_process_stops_both_after_one_step_with_a_checkpoint(runs):
+    tmp, codes, outputs = runs
+    assert codes["signalled"] == 0, outputs["int0"][-3000:]
+    for name in ("int0", "int1"):
+        assert codes[name] == faults.EXIT_INTERRUPTED, f"{name}: {outputs[name][-3000:]}"
+    assert "SIGTERM received" in outputs["int1"] and "SIGTERM received" not in outputs["int0"]
+    steps = json.loads((tmp / "int_steps.json").read_text())
+    assert len(steps) == 1 and 1 <= steps[0] <= STEPS, steps
+    assert (f"stopped by another process after step {steps[0]}: checkpoint step {steps[0]} "
+            "written to") in outputs["int0"]
+    logged = [r["step"] for r in read_jsonl(tmp / "int0.jsonl") if "loss" in r]
+    assert logged == list(range(1, steps[0] + 1))
+
+
+def test_interrupted_run_resumes_to_the_reference_losses(runs):
+    tmp, _, _ = runs
+    _ok(runs, "single")
+    out = _ok(runs, "intres0")
+    _ok(runs, "intres1")
+    assert "resume: restored step" in out
+    resumed = {r["step"]: r["loss"] for r in read_jsonl(tmp / "intres0.jsonl") if "loss" in r}
+    reference = {r["step"]: r["loss"] for r in read_jsonl(tmp / "single.jsonl") if "loss" in r}
+    assert sorted(resumed) == sorted(reference) == list(range(1, STEPS + 2))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(reference[step], rel=RTOL, abs=0), step

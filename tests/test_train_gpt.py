@@ -316,6 +316,10 @@ def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
         (["--max-data-bytes", "0"], "--max-data-bytes 0 must be positive"),
         (["--ckpt-dir", str(a_file)], "is a file, not a directory"),
         (["--log-json", str(tmp_path)], "is a directory; name a file"),
+        (["--loss-spike", "0.5"], "--loss-spike 0.5 must be > 1"),
+        (["--max-update-ratio", "-1"], "--max-update-ratio -1.0 must be >= 0"),
+        (["--peer-timeout", "0"], "--peer-timeout 0.0: must be positive"),
+        (["--mesh", "0,4"], "--mesh '0,4': expected DATA,TENSOR or DATA,CONTEXT,TENSOR"),
     ]:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
