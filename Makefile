@@ -39,7 +39,7 @@ gpu-check: $(STAMP)
 # Two pytest workers, one test file each at a time (module fixtures stay in one process):
 # XLA's compiles are mostly single-threaded, so the suite takes ~9 min on 2 cores, not ~16.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check sp_jax tests examples benchmarks

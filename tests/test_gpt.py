@@ -44,12 +44,12 @@ LLAMA_SCALING = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
 # id: (model options, [(mesh shape, parallel options[, mesh axis type]), ...]): every run
 # is compared with ONE unsharded run of the model from the same weights and batches.
 CASES = {
+    # (fsdp: tests/test_fsdp.py, and below with other options)
     "fp32": ({}, [((2, 4), {}), ((2, 4), {}, AUTO),
-                  ((2, 4), dict(fsdp=True)),
                   ((2, 4), dict(collective_matmul=True, recompute_allgather=True))]),
-    "dropout": (dict(dropout=0.1, attention_dropout=0.1),
-                [((2, 4), dict(recompute_allgather=True))]),
-    "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1), [((2, 4), {})]),
+    "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1,
+                                attention_dropout=0.1),
+                           [((2, 4), dict(recompute_allgather=True))]),
     "vocab_50": (dict(vocab_size=50), [((2, 4), {}),
                                        ((4, 2), dict(fsdp=True, collective_matmul=True))]),
     # Llama-shaped (RMSNorm, SwiGLU, rotary with Llama-3.1 scaling, no biases, untied
