@@ -1,10 +1,13 @@
 """Shared helpers for the tests (independent unsharded references, script subprocesses)."""
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,14 +22,23 @@ from sp_jax import Layout
 from sp_jax.models import GPT
 from sp_jax.training import TrainStep
 
+# One persistent compilation cache per test process, shared by the scripts it starts: the
+# end-to-end runs of examples/train_gpt.py compile the same few programs again and again.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="sp_jax_test_jit_cache_")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+
 
 def script_env() -> dict[str, str]:
-    """The environment of an example or script run as a subprocess: CPU, and XLA_FLAGS
+    """The environment of an example or script run as a subprocess: CPU, XLA_FLAGS
     holding only the suite's compile-speed flag (no LLVM optimisation of the tiny CPU
-    programs, as in conftest.py); no device count, so the script must simulate its own
-    devices as on a user's machine."""
+    programs, as in conftest.py), and a persistent compilation cache shared by the
+    scripts this test process starts; no device count, so the script must simulate its
+    own devices as on a user's machine."""
     return dict(os.environ, JAX_PLATFORMS="cpu",
-                XLA_FLAGS="--xla_backend_optimization_level=0")
+                XLA_FLAGS="--xla_backend_optimization_level=0",
+                JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE,
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 ROOT = Path(__file__).resolve().parents[1]

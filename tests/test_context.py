@@ -49,7 +49,7 @@ CASES = {  # id: (mesh, context_parallel, model options, parallel options)
     "ulysses_1x4x2_dropout": ((1, 4, 2), "ulysses", {"dropout": 0.1, "attention_dropout": 0.1},
                               {}),
     "ring_1x8x1_dropout": ((1, 8, 1), "ring", {"dropout": 0.1, "attention_dropout": 0.1}, {}),
-    "ulysses_1x8x1_rotary": ((1, 8, 1), "ulysses", {"positions": "rotary"}, {}),
+    # (Ulysses on a context of 8: tests/test_attention.py; rotary: the first case)
 }
 
 

@@ -39,7 +39,7 @@ STEPS = 3
 FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",
          "--batch-size", "8", "--micro-batches", "2", "--mesh", "2,4", "--data", DATA,
          "--eval-every", "0", "--no-progress", "--steps", str(STEPS)]
-PEER_TIMEOUT_S = 10
+PEER_TIMEOUT_S = 6
 TIMEOUT_S = 240
 
 

@@ -50,8 +50,7 @@ CASES = {
     "scan_remat_dropout": (dict(scan_layers=True, remat=True, dropout=0.1,
                                 attention_dropout=0.1),
                            [((2, 4), dict(recompute_allgather=True))]),
-    "vocab_50": (dict(vocab_size=50), [((2, 4), {}),
-                                       ((4, 2), dict(fsdp=True, collective_matmul=True))]),
+    "vocab_50": (dict(vocab_size=50), [((2, 4), {})]),
     # Llama-shaped (RMSNorm, SwiGLU, rotary with Llama-3.1 scaling, no biases, untied
     # head): 8 query heads over 2 key/value heads on tensor size 4 (kv heads replicated
     # over pairs of shards), and over 4 on tensor size 2 with q/k/v biases; both with fsdp
@@ -62,7 +61,7 @@ CASES = {
                               [((4, 2), dict(fsdp=True))]),
     "collective_matmul_scan_untied_50": (dict(scan_layers=True, tie_embeddings=False,
                                               vocab_size=50),
-                                         [((2, 4), dict(collective_matmul=True))]),
+                                         [((4, 2), dict(collective_matmul=True, fsdp=True))]),
 }
 
 
