@@ -56,7 +56,7 @@ def mesh_8x1():
 
 
 # The slowest test files (measured, `pytest --durations`), longest first: with
-# `--dist loadfile --no-loadscope-reorder` (make test) xdist hands files to its two workers
+# `--dist loadfile --no-loadscope-reorder` (make test) xdist hands files to its workers
 # in collection order, so starting with these keeps one long file from running alone at
 # the end. Every other file follows in its usual order.
 SLOWEST_FIRST = ("test_benchmarks.py", "test_context.py", "test_gpt.py", "test_train_gpt.py",
