@@ -301,18 +301,17 @@ class Trainer:
                                             sharding=self.sharding)
             key, t0 = jax.random.fold_in(key0, i), time.perf_counter()
             try:
-                with self.watch(f"step {i}", "step"):
-                    metrics = step(batch, key)
-                    loss = float(metrics["loss"])
+                with self.watch(f"step {i}", "step"):  # the step's scalars, in one transfer
+                    metrics = {k: float(v) for k, v in jax.device_get(step(batch, key)).items()}
+                    loss = metrics["loss"]
             except FloatingPointError as e:  # --debug-nans
                 raise Stop(f"NaN at step {i} (--debug-nans): {e}", faults.EXIT_DIVERGED) from e
             dt = time.perf_counter() - t0
-            if not math.isfinite(loss) or not bool(metrics["finite"]):
-                raise self.diverged(i, f"loss is {loss}, grad norm "
-                                       f"{float(metrics['grad_norm']):.3g}; this step's "
-                                       "update was not applied")
+            if not math.isfinite(loss) or not metrics["finite"]:
+                raise self.diverged(i, f"loss is {loss}, grad norm {metrics['grad_norm']:.3g}; "
+                                       "this step's update was not applied")
             reason = self.guard.check(loss) or self.guard.check_update(
-                float(metrics["update_norm"]), float(metrics["param_norm"]))
+                metrics["update_norm"], metrics["param_norm"])
             if reason:
                 raise self.diverged(i, reason)
             self.guard.record(loss)
@@ -323,8 +322,8 @@ class Trainer:
                     f"of the compiled step) {mib(temp)}", bar)
             first, last = first if first is not None else loss, loss
             self.log.write({"step": i, "loss": loss, "tokens_per_s": tokens / dt,
-                            "grad_norm": float(metrics["grad_norm"]),
-                            "update_ratio": float(metrics["update_norm"] / metrics["param_norm"]),
+                            "grad_norm": metrics["grad_norm"],
+                            "update_ratio": metrics["update_norm"] / metrics["param_norm"],
                             "time_s": dt})
             bar.set_postfix_str(f"loss={loss:.3f} tok/s={tokens / dt:,.0f} mem/dev: params="
                                 f"{mib(param_b)} opt={mib(opt_b)} act(temp)={mib(temp)}",

@@ -94,6 +94,16 @@ def wait_all(procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, i
     return {name: proc.returncode for name, proc in procs.items()}
 
 
+def wait_until(ready, procs: dict[str, subprocess.Popen], deadline: float) -> bool:
+    """Polls ``ready()`` every 0.1 s until it is true; False if one of ``procs`` ended or
+    ``deadline`` (monotonic clock) passed first."""
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
+        if ready():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSON-lines log (none when it does not exist)."""
     if not path.exists():

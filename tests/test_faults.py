@@ -29,7 +29,16 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import ROOT, free_port, launch, process_env, read_jsonl, two_processes, wait_all
+from _util import (
+    ROOT,
+    free_port,
+    launch,
+    process_env,
+    read_jsonl,
+    two_processes,
+    wait_all,
+    wait_until,
+)
 
 from sp_jax.training import faults
 from sp_jax.training.faults import DivergenceGuard, check_same_settings
@@ -123,11 +132,8 @@ def test_watchdog_ends_a_stalled_call():
 
 def _wait_for_step(log: Path, step: int, procs, deadline: float) -> bool:
     """Polls ``log`` until it records ``step`` (False if a process ended or time ran out)."""
-    while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
-        if any(r.get("step", 0) >= step and "loss" in r for r in _records(log)):
-            return True
-        time.sleep(0.1)
-    return False
+    return wait_until(lambda: any(r.get("step", 0) >= step and "loss" in r
+                                  for r in _records(log)), procs, deadline)
 
 
 def _records(log: Path) -> list[dict]:

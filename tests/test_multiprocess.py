@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _util import launch, read_jsonl, two_processes, wait_all
+from _util import launch, read_jsonl, two_processes, wait_all, wait_until
 from flax import nnx
 
 from sp_jax.checkpoint import restore_checkpoint
@@ -67,7 +67,9 @@ def runs(tmp_path_factory):
                                  "--ckpt-dir", str(tmp / "ckpt_int"))
     # Process 0 prints the model line after building the model, which every process does
     # together (after installing its signal handling): then process 1 alone is signalled.
-    signalled = _wait_for(tmp / "int0.out", "model:", interrupted, deadline)
+    out0 = tmp / "int0.out"
+    signalled = wait_until(lambda: "model:" in out0.read_text(errors="replace"), interrupted,
+                           deadline)
     if signalled:
         interrupted["int1"].send_signal(signal.SIGTERM)
     codes = wait_all({**procs, **interrupted}, deadline)
@@ -89,16 +91,6 @@ def runs(tmp_path_factory):
     outputs = {name: (tmp / f"{name}.out").read_text(errors="replace")
                for name in codes if (tmp / f"{name}.out").exists()}
     return tmp, codes, outputs
-
-
-def _wait_for(path: Path, text: str, procs: dict[str, subprocess.Popen],
-              deadline: float) -> bool:
-    """Polls ``path`` until it contains ``text`` (False if a process ended first)."""
-    while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
-        if path.exists() and text in path.read_text(errors="replace"):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _steps(directory: Path) -> list[int]:
