@@ -81,7 +81,7 @@ def role(c: Collective) -> str:
     f = c.functions
     block_fns = ("Block.", "CausalSelfAttention.", "MLP.", "_ParallelLinear.", "Gspmd",
                  "Linear.", "ColumnSequenceParallelLinear.", "RowSequenceParallelLinear.",
-                 "column_sequence_parallel_matmul", "_csp_", "reduce_scatter_sequence",
+                 "column_sequence_parallel_matmul", "_csp_", "reduce_scatter_with_all_gather_grad",
                  "row_sequence_parallel_matmul", "_rsp_", "column_parallel_matmul", "_cp_")
     if any("VocabParallelEmbedding" in x for x in f):
         where = "embedding"
@@ -94,7 +94,8 @@ def role(c: Collective) -> str:
     else:
         where = f[0]
     column = any(x.startswith(("column_sequence_parallel_matmul", "_csp_")) for x in f)
-    row = any(x.startswith(("reduce_scatter_sequence", "row_sequence_parallel_matmul", "_rsp_"))
+    row = any(x.startswith(("reduce_scatter_with_all_gather_grad", "row_sequence_parallel_matmul",
+                             "_rsp_"))
               for x in f)
     what = ""
     if c.phase == "forward":

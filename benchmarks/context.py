@@ -37,10 +37,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
+from benchmarks.superseded import causal_attention
 from sp_jax import Layout
 from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives, saved_residuals
 from sp_jax.attention import attention_block_counts, blockwise_attention
-from sp_jax.layers import causal_attention
 from sp_jax.models import GPT, Block, GPTConfig
 
 __all__ = [
@@ -242,7 +242,7 @@ def ring_balance(bench: ContextBench) -> list[dict[str, Any]]:
 def attention_step_times(bench: ContextBench) -> dict[str, Any]:
     """CPU forward+backward time of the blockwise kernel
     (:func:`sp_jax.attention.blockwise_attention`) and of the query-blocked kernel it
-    replaced (:func:`sp_jax.layers.causal_attention`), fp32, batch 1, heads sharded over
+    replaced (:func:`benchmarks.superseded.causal_attention`), fp32, batch 1, heads sharded over
     8 simulated devices, interleaved rounds."""
     n = 8
     mesh = jax.make_mesh((n,), ("tensor",), axis_types=(AxisType.Explicit,),

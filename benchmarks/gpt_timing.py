@@ -100,7 +100,7 @@ def gpt_step_times(model: Model, *, rounds: int, inner: int, warmup: int, data: 
     runs, losses, hlo = {}, {}, {}
     for variant, (mesh, step) in steps.items():
         with jax.set_mesh(mesh):
-            place = NamedSharding(mesh, Layout().spec(None, "batch", "length"))
+            place = NamedSharding(mesh, Layout().micro_batched_tokens)
             batch = {"tokens": jax.device_put(tokens[..., :-1], place),
                      "labels": jax.device_put(tokens[..., 1:], place)}
             key = jax.random.key(0)

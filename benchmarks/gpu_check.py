@@ -323,7 +323,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                               "device_kind": devices[0].device_kind,
                               "platform": devices[0].platform}
     with jax.set_mesh(mesh):
-        sharding = NamedSharding(mesh, layout.spec(None, "batch", "length"))
+        sharding = NamedSharding(mesh, layout.micro_batched_tokens)
         batch = {"tokens": jax.device_put(ids[..., :-1], sharding),
                  "labels": jax.device_put(ids[..., 1:], sharding)}
         key = jax.random.key(settings.seed + 2)

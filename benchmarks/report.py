@@ -640,7 +640,7 @@ def _context_section(res) -> str:
                 f"simulated CPU devices, {st['rounds']} interleaved rounds: the blockwise "
                 f"kernel (blocks of {st['block']}, key blocks above the diagonal skipped) "
                 f"{st['median_s']['blockwise'] * 1e3:.1f} ms, the query-blocked kernel it "
-                f"replaced (`sp_jax.layers.causal_attention`: all keys per query block, "
+                f"replaced (`benchmarks.superseded.causal_attention`: all keys per query block, "
                 f"masked) {st['median_s']['query_blocked'] * 1e3:.1f} ms: ratio "
                 f"{st['ratio_blockwise_to_query_blocked']:.2f}x (quartiles {q[0]:.2f} - "
                 f"{q[1]:.2f}).", ""]

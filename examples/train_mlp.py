@@ -53,9 +53,9 @@ class MLPBlock(nnx.Module):
             self.down = nnx.Linear(4 * hidden, hidden, rngs=rngs)
         else:
             self.up = sp_jax.ColumnSequenceParallelLinear(
-                hidden, 4 * hidden, config=parallel, rngs=rngs)
+                hidden, 4 * hidden, parallel=parallel, rngs=rngs)
             self.down = sp_jax.RowSequenceParallelLinear(
-                4 * hidden, hidden, config=parallel, rngs=rngs)
+                4 * hidden, hidden, parallel=parallel, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x + self.down(jax.nn.gelu(self.up(self.norm(x))))

@@ -1,21 +1,27 @@
 """sp_jax: Megatron-style tensor and sequence parallelism for JAX / Flax NNX.
 
-Subpackages and modules, bottom to top: ``config`` (:class:`ParallelConfig`), ``layout``
-(the logical-axis table and PartitionSpecs), ``ops`` (per-device collectives with their
-VJPs), ``attention`` (blockwise, ring and Ulysses attention kernels), ``layers`` (NNX
-modules on global arrays), ``models`` (GPT), ``data`` (a byte corpus and batches
-assembled across processes), ``training`` (the jitted step, schedule, multi-process
-launch, metrics log), ``checkpoint`` (orbax across meshes); beside them ``analysis``
-(measurement) and ``xla_flags`` (XLA GPU overlap flags).
+Modules, bottom to top: ``config`` (:class:`ParallelConfig`), ``layout`` (the logical-axis
+table and PartitionSpecs), ``mesh`` (the current mesh, size checks, resharding), ``ring``
+(bidirectional ring schedules), ``ops`` (per-device collectives with their VJPs),
+``attention`` (blockwise, ring and Ulysses attention kernels; the zigzag sequence order),
+``layers`` (NNX modules on global arrays), ``models`` (GPT; ``models.hf``: Hugging Face
+checkpoints), ``training`` (the jitted step, the trainer, schedule, launch, faults,
+metrics log), ``data`` (token corpora and global batches), ``checkpoint`` (orbax across
+meshes, with integrity checks); beside them ``xla_flags`` (XLA GPU overlap flags) and
+``analysis`` (measurement: loaded on first use of ``sp_jax.analysis``, never by
+``import sp_jax``).
 """
 
+import importlib
+from typing import Any
+
 from sp_jax import (
-    analysis,
     attention,
     checkpoint,
     data,
     layers,
     layout,
+    mesh,
     models,
     ops,
     training,
@@ -24,11 +30,13 @@ from sp_jax import (
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
+    AttentionConfig,
     CausalSelfAttention,
     ColumnParallelLinear,
     ColumnSequenceParallelLinear,
     Dropout,
     LayerNorm,
+    MLPConfig,
     RMSNorm,
     RowParallelLinear,
     RowSequenceParallelLinear,
@@ -43,12 +51,12 @@ __version__ = "0.1.0"
 __all__ = [
     "ParallelConfig",
     "Layout",
-    "analysis",
     "attention",
     "checkpoint",
     "data",
     "layers",
     "layout",
+    "mesh",
     "models",
     "ops",
     "training",
@@ -63,6 +71,15 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "Dropout",
+    "AttentionConfig",
     "CausalSelfAttention",
+    "MLPConfig",
     "MLP",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``sp_jax.analysis`` (measurement) is imported on first use only."""
+    if name == "analysis":
+        return importlib.import_module("sp_jax.analysis")
+    raise AttributeError(f"module 'sp_jax' has no attribute {name!r}")

@@ -2,44 +2,48 @@
 every activation and parameter sp_jax shards.
 
 Every layer, model and baseline asks :class:`Layout` for its ``PartitionSpec`` s instead
-of spelling them out, in the manner of MaxText's logical axis rules. The table
-(:meth:`Layout.rules`):
+of spelling them out, in the manner of MaxText's logical axis rules, whose lead it also
+takes in naming activation axes apart from parameter axes (``activation_*`` for
+activations, the plain names for parameters). The table (:meth:`Layout.rules`):
 
-=============  =========================================  ===============================
-logical axis   meaning                                    mesh axes
-=============  =========================================  ===============================
-``batch``      batch dimension                            the data axes (may be several)
-``length``     sequence inside tensor-parallel regions    the context axes (if any)
-``length_sp``  sequence in sequence-parallel regions      context axes, then tensor axis
-``embed``      hidden features outside the TP region      none (replicated)
-``heads``      attention heads                            tensor axis
-``mlp``        column-layer outputs / row-layer inputs    tensor axis
-``vocab``      vocabulary entries                         tensor axis
-``head_dim``   features of one head                       none
-``param_embed`` hidden features of a parameter            the data axes with ``fsdp``
-=============  =========================================  ===============================
+=========================  ======================================  ======================
+logical axis               meaning                                 mesh axes
+=========================  ======================================  ======================
+``activation_batch``       batch dimension                         the data axes
+``activation_length``      sequence inside tensor-parallel regions the context axes
+``activation_length_sp``   sequence in sequence-parallel regions   context axes, tensor
+``activation_embed``       hidden features outside the TP region   none (replicated)
+``activation_heads``       attention heads                         tensor axis
+``activation_head_dim``    features of one head                    none
+``activation_mlp``         column-layer outputs / row-layer inputs tensor axis
+``activation_vocab``       vocabulary entries of logits            tensor axis
+``embed``                  hidden features of a parameter          data axes with fsdp
+``mlp``                    column outputs / row inputs of a kernel tensor axis
+``vocab``                  vocabulary rows of a table              tensor axis
+=========================  ======================================  ======================
 
 The named specs built from it (``d`` = data axes, ``t`` = tensor axis):
 
-====================  =============================  ===================================
-name                  logical axes                   spec
-====================  =============================  ===================================
-``sp``                (batch, length_sp, embed)      ``P(d, t, None)``
-``tp``                (batch, length, mlp)           ``P(d, None, t)``
-``replicated``        (batch, length, embed)         ``P(d, None, None)``
-``tokens``            (batch, length)                ``P(d, None)``
-``heads(rank)``       (batch, length, heads, ...)    ``P(d, None, t, None, ...)``
-``column_kernel``     (param_embed, mlp)             ``P(None, t)`` (fsdp: ``P(d, t)``)
-``row_kernel``        (mlp, param_embed)             ``P(t, None)`` (fsdp: ``P(t, d)``)
-``column_bias``       (mlp,)                         ``P(t)``
-``row_bias``          (embed,)                       ``P(None)``
-``vocab_table``       (vocab, param_embed)           ``P(t, None)`` (fsdp: ``P(t, d)``)
-``logits``            (batch, length, vocab)         ``P(d, None, t)``
-====================  =============================  ===================================
+========================  ==========================  ====================================
+name                      shape                       spec
+========================  ==========================  ====================================
+``sp``                    ``[batch, seq, hidden]``    ``P(d, t, None)``
+``tp``                    ``[batch, seq, features]``  ``P(d, None, t)``
+``tensor_replicated``     ``[batch, seq, hidden]``    ``P(d, None, None)``
+``tokens``                ``[batch, seq]``            ``P(d, None)``
+``micro_batched_tokens``  ``[micro, batch, seq]``     ``P(None, d, None)``
+``logits``                ``[batch, seq, vocab]``     ``P(d, None, t)``
+``heads(rank)``           ``[batch, seq, heads, ..]`` ``P(d, None, t, None, ...)``
+``column_kernel``         ``[in, out]``               ``P(None, t)`` (fsdp: ``P(d, t)``)
+``row_kernel``            ``[in, out]``               ``P(t, None)`` (fsdp: ``P(t, d)``)
+``column_bias``           ``[out]``                   ``P(t)``
+``row_bias``              ``[out]``                   ``P(None)``
+``vocab_table``           ``[vocab, hidden]``         ``P(t, None)`` (fsdp: ``P(t, d)``)
+========================  ==========================  ====================================
 
 A context axis (``ParallelConfig(context_parallel=...)``: sequence sharding across
-devices *inside* attention) maps ``length`` to it and ``length_sp`` to ``(context,
-tensor)``: the specs above then follow without any change to the layers.
+devices *inside* attention) maps ``activation_length`` to it and ``activation_length_sp``
+to ``(context, tensor)``: the specs above then follow without any change to the layers.
 """
 
 from __future__ import annotations
@@ -51,14 +55,21 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 
-__all__ = ["Layout", "LOGICAL_AXES", "MeshAxes"]
+__all__ = ["ACTIVATION_AXES", "LOGICAL_AXES", "PARAMETER_AXES", "Layout", "MeshAxes"]
 
 MeshAxes = tuple[str, ...]
 """Mesh axes one logical axis is sharded over (empty: replicated)."""
 
-LOGICAL_AXES = ("batch", "length", "length_sp", "embed", "heads", "mlp", "vocab", "head_dim",
-                "param_embed")
-"""The logical axis names :meth:`Layout.spec` understands."""
+ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_length_sp",
+                   "activation_embed", "activation_heads", "activation_head_dim",
+                   "activation_mlp", "activation_vocab")
+"""Logical axes of activations (inputs, hidden states, logits, token ids)."""
+
+PARAMETER_AXES = ("embed", "mlp", "vocab")
+"""Logical axes of parameters (kernels, biases, vocabulary tables)."""
+
+LOGICAL_AXES = ACTIVATION_AXES + PARAMETER_AXES
+"""Every logical axis name :meth:`Layout.spec` understands."""
 
 
 def _axes(value: str | tuple[str, ...] | None) -> MeshAxes:
@@ -71,36 +82,37 @@ def _axes(value: str | tuple[str, ...] | None) -> MeshAxes:
 class Layout:
     """Mesh axes of the data, context and tensor dimensions, and the specs they imply.
 
-    Build one from a config with :meth:`of`; the layers do so on every call.
+    Build one from a config with :meth:`of`; the layers do so on every call. The fields
+    carry the names of the :class:`~sp_jax.ParallelConfig` properties they come from.
 
     Attributes:
-      data: mesh axes the batch is sharded over (empty: replicated batch).
-      tensor: the tensor-parallel mesh axis.
-      context: mesh axes the sequence is sharded over inside tensor-parallel regions
+      data_axes: mesh axes the batch is sharded over (empty: replicated batch).
+      tensor_axis: the tensor-parallel mesh axis.
+      context_axes: mesh axes the sequence is sharded over inside tensor-parallel regions
         (``ParallelConfig.context_axis`` with context parallelism; else empty: the whole
         sequence is on every device of a tensor group there).
-      fsdp: mesh axes the hidden dimension of kernels and vocabulary tables is sharded
-        over (``ParallelConfig(fsdp=True)``: the data axes; else empty).
+      fsdp_axes: mesh axes the hidden dimension of kernels and vocabulary tables is
+        sharded over (``ParallelConfig(fsdp=True)``: the data axes; else empty).
     """
 
-    data: MeshAxes = ("data",)
-    tensor: str = "tensor"
-    context: MeshAxes = ()
-    fsdp: MeshAxes = ()
+    data_axes: MeshAxes = ("data",)
+    tensor_axis: str = "tensor"
+    context_axes: MeshAxes = ()
+    fsdp_axes: MeshAxes = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data", _axes(self.data))
-        object.__setattr__(self, "context", _axes(self.context))
-        object.__setattr__(self, "fsdp", _axes(self.fsdp))
-        if self.tensor in self.fsdp or set(self.fsdp) & set(self.context):
+        object.__setattr__(self, "data_axes", _axes(self.data_axes))
+        object.__setattr__(self, "context_axes", _axes(self.context_axes))
+        object.__setattr__(self, "fsdp_axes", _axes(self.fsdp_axes))
+        if self.tensor_axis in self.fsdp_axes or set(self.fsdp_axes) & set(self.context_axes):
             raise ValueError(
-                f"Layout: the fsdp axes {self.fsdp} must not include the tensor axis "
-                f"{self.tensor!r} or the context axes {self.context}.")
-        used = [*self.data, self.tensor, *self.context]
+                f"Layout: the fsdp axes {self.fsdp_axes} must not include the tensor axis "
+                f"{self.tensor_axis!r} or the context axes {self.context_axes}.")
+        used = [*self.data_axes, self.tensor_axis, *self.context_axes]
         if len(set(used)) != len(used):
             raise ValueError(
-                f"Layout: the data axes {self.data}, tensor axis {self.tensor!r} and context "
-                f"axes {self.context} must be distinct mesh axes."
+                f"Layout: the data axes {self.data_axes}, tensor axis {self.tensor_axis!r} "
+                f"and context axes {self.context_axes} must be distinct mesh axes."
             )
 
     @classmethod
@@ -110,24 +122,26 @@ class Layout:
             raise TypeError(
                 f"Layout.of expects a sp_jax.ParallelConfig, got {type(config).__name__}."
             )
-        return cls(data=config.data_axes, tensor=config.tensor_axis,
-                   context=config.context_axes, fsdp=config.fsdp_axes)
+        return cls(data_axes=config.data_axes, tensor_axis=config.tensor_axis,
+                   context_axes=config.context_axes, fsdp_axes=config.fsdp_axes)
 
     # -- the table ------------------------------------------------------------------------
 
     def rules(self) -> Mapping[str, MeshAxes]:
         """Logical axis -> mesh axes: the one table every spec is built from."""
-        t = (self.tensor,)
+        t = (self.tensor_axis,)
         return {
-            "batch": self.data,
-            "length": self.context,
-            "length_sp": (*self.context, self.tensor),
-            "embed": (),
-            "heads": t,
+            "activation_batch": self.data_axes,
+            "activation_length": self.context_axes,
+            "activation_length_sp": (*self.context_axes, self.tensor_axis),
+            "activation_embed": (),
+            "activation_heads": t,
+            "activation_head_dim": (),
+            "activation_mlp": t,
+            "activation_vocab": t,
+            "embed": self.fsdp_axes,
             "mlp": t,
             "vocab": t,
-            "head_dim": (),
-            "param_embed": self.fsdp,
         }
 
     def spec(self, *logical: str | None) -> P:
@@ -153,35 +167,42 @@ class Layout:
     @property
     def sp(self) -> P:
         """``[batch, seq, hidden]`` in a sequence-parallel region: ``P(d, t, None)``."""
-        return self.spec("batch", "length_sp", "embed")
+        return self.spec("activation_batch", "activation_length_sp", "activation_embed")
 
     @property
     def tp(self) -> P:
         """``[batch, seq, features]`` with the features split: ``P(d, None, t)``."""
-        return self.spec("batch", "length", "mlp")
+        return self.spec("activation_batch", "activation_length", "activation_mlp")
 
     @property
-    def replicated(self) -> P:
-        """``[batch, seq, hidden]`` whole on every device of a tensor group:
-        ``P(d, None, None)``."""
-        return self.spec("batch", "length", "embed")
+    def tensor_replicated(self) -> P:
+        """``[batch, seq, hidden]`` whole on every device of a tensor group (the batch
+        still sharded over the data axes): ``P(d, None, None)``."""
+        return self.spec("activation_batch", "activation_length", "activation_embed")
 
     @property
     def tokens(self) -> P:
         """``[batch, seq]`` token ids, labels or per-token losses: ``P(d, None)``."""
-        return self.spec("batch", "length")
+        return self.spec("activation_batch", "activation_length")
+
+    @property
+    def micro_batched_tokens(self) -> P:
+        """``[micro_batches, batch, seq]`` token ids or labels of a training step with
+        gradient accumulation: ``P(None, d, None)``."""
+        return self.spec(None, "activation_batch", "activation_length")
 
     @property
     def logits(self) -> P:
         """``[batch, seq, vocab]`` vocabulary-parallel logits: ``P(d, None, t)``."""
-        return self.spec("batch", "length", "vocab")
+        return self.spec("activation_batch", "activation_length", "activation_vocab")
 
     def heads(self, rank: int = 4) -> P:
         """``[batch, seq, heads, ...]`` of rank ``rank`` with the heads split:
         ``P(d, None, t, None, ...)``."""
         if rank < 3:
             raise ValueError(f"Layout.heads: rank={rank} must be at least 3.")
-        return self.spec("batch", "length", "heads", *(["head_dim"] * (rank - 3)))
+        return self.spec("activation_batch", "activation_length", "activation_heads",
+                         *(["activation_head_dim"] * (rank - 3)))
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -189,13 +210,13 @@ class Layout:
     def column_kernel(self) -> P:
         """``[in, out]`` kernel split by columns (output features): ``P(None, t)``; with
         fsdp the input features over the data axes too: ``P(d, t)``."""
-        return self.spec("param_embed", "mlp")
+        return self.spec("embed", "mlp")
 
     @property
     def row_kernel(self) -> P:
         """``[in, out]`` kernel split by rows (input features): ``P(t, None)``; with fsdp
         the output features over the data axes too: ``P(t, d)``."""
-        return self.spec("mlp", "param_embed")
+        return self.spec("mlp", "embed")
 
     @property
     def column_bias(self) -> P:
@@ -205,10 +226,10 @@ class Layout:
     @property
     def row_bias(self) -> P:
         """``[out]`` bias of a row layer, added after the reduction: ``P(None)``."""
-        return self.spec("embed")
+        return self.spec(None)
 
     @property
     def vocab_table(self) -> P:
         """``[vocab, hidden]`` embedding / LM-head table split over the vocabulary:
         ``P(t, None)`` (with fsdp ``P(t, d)``)."""
-        return self.spec("vocab", "param_embed")
+        return self.spec("vocab", "embed")

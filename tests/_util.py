@@ -111,6 +111,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def truncate_an_array_file(step_dir: Path) -> str:
+    """Cuts the largest array data file of a checkpoint step in half; returns its path."""
+    files = [p for p in (step_dir / "params").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    return str(biggest)
+
+
 def to_host(tree):
     """Pulls every array of ``tree`` to host numpy (drops all sharding)."""
     return jax.tree.map(np.asarray, tree)
@@ -185,7 +193,7 @@ def train_gpt(cfg, parallel, mesh, batches, *, init=None, train_mode=False, tx=N
         if train_mode:
             model.train()
         step = TrainStep(model, tx or optax.adamw(3e-3, eps=1e-5))
-        place = NamedSharding(mesh, Layout.of(parallel).spec(None, "batch", "length"))
+        place = NamedSharding(mesh, Layout.of(parallel).micro_batched_tokens)
         losses = [float(step({k: jax.device_put(v, place) for k, v in b.items()},
                              jax.random.key(i))["loss"]) for i, b in enumerate(batches)]
         return init, np.array(losses), to_host(nnx.to_pure_dict(step.params)), step

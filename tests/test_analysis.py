@@ -345,9 +345,9 @@ def test_h100_tp_column_dx_all_reduce_is_async():
     parallel = sp_jax.ParallelConfig(data_axis=None)
     with jax.set_mesh(gpu_mesh((8,), ("tensor",))):
         layers = nnx.eval_shape(lambda: nnx.List([m for i in range(2) for m in (
-            sp_jax.ColumnParallelLinear(h, 4 * h, config=parallel, dtype=jnp.bfloat16,
+            sp_jax.ColumnParallelLinear(h, 4 * h, parallel=parallel, dtype=jnp.bfloat16,
                                         rngs=nnx.Rngs(i)),
-            sp_jax.RowParallelLinear(4 * h, h, config=parallel, dtype=jnp.bfloat16,
+            sp_jax.RowParallelLinear(4 * h, h, parallel=parallel, dtype=jnp.bfloat16,
                                      rngs=nnx.Rngs(i)))]))
         graphdef, params = nnx.split(layers)
     x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P())

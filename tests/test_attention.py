@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import attention as A
+from sp_jax.attention import blockwise, kernels, ring
 from sp_jax.analysis import parse_collectives
 
 # --------------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def blockwise_vjp(block_q, block_k):
     ],
 )
 def test_blockwise_matches_naive_fp32(seq, block_q, block_k, blocks):
-    bq, bk = A._block_size(seq, block_q), A._block_size(seq, block_k)
+    bq, bk = kernels.block_size(seq, block_q), kernels.block_size(seq, block_k)
     assert (seq // bq, seq // bk) == blocks
     args = inputs((2, seq, 3, 8), seed=seq + block_q)
     assert_close(blockwise_vjp(block_q, block_k)(*args), naive_vjp(*args))
@@ -134,8 +135,8 @@ def test_blocks_above_the_diagonal_are_skipped():
     forward and backward; no score block is larger than block_q x block_k."""
     q, k, v, do = inputs((1, 48, 2, 8), seed=1)
     for block_q, block_k, n_q, n_k in ((8, 8, 6, 6), (16, 6, 3, 8), (6, 16, 8, 3)):
-        fwd = jax.jit(A._blockwise_forward, static_argnums=(3, 4, 5))
-        bwd = jax.jit(A._blockwise_backward, static_argnums=(2, 3, 4))
+        fwd = jax.jit(blockwise._blockwise_forward, static_argnums=(3, 4, 5))
+        bwd = jax.jit(blockwise._blockwise_backward, static_argnums=(2, 3, 4))
         out, lse, count = fwd(q, k, v, None, block_q, block_k)
         _, count_bwd = bwd((q, k, v, out, lse), do, None, block_q, block_k)
         expected = A.attention_block_counts(48, 1, mode="local", block_q=block_q,
@@ -306,11 +307,11 @@ def test_ring_block_counts_per_device():
     c, s = 4, 48
     mesh = context_mesh((c,), ("context",))
     spec = P(None, "context")
-    bq, bk = A._ring_blocks(jnp.zeros((1, s // c)), 2, 3)
+    bq, bk = ring._ring_blocks(jnp.zeros((1, s // c)), 2, 3)
 
     def per_device(q, k, v, do):
-        out, lse, count = A._ring_forward_bshd(q, k, v, "context", bq, bk)
-        _, count_bwd = A._ring_backward_bshd((q, k, v, out, lse), do, "context", bq, bk)
+        out, lse, count = ring._ring_forward_bshd(q, k, v, "context", bq, bk)
+        _, count_bwd = ring._ring_backward_bshd((q, k, v, out, lse), do, "context", bq, bk)
         return jnp.stack([count, count_bwd])[None]
 
     f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4,

@@ -78,7 +78,7 @@ def test_gspmd_baseline_takes_every_parameter_spec_from_the_layout(mesh_2x4):
     assert flat == dict(jax.tree.leaves_with_path(sp_specs, is_leaf=lambda x: isinstance(x, P)))
     assert flat and all(isinstance(s, P) for s in flat.values())
 
-    layout = sp_jax.Layout(data=("dp",), tensor="tp")
+    layout = sp_jax.Layout(data_axes=("dp",), tensor_axis="tp")
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
         other = nnx.eval_shape(lambda: GspmdBlock(H, A, layout=layout, rngs=nnx.Rngs(0)))

@@ -186,7 +186,7 @@ def test_dropout_deterministic_is_identity(mesh_2x4):
 def _reference_attention(block, x):
     """Independent pre-LN causal attention from the block's weights (plain jnp)."""
     p = to_host(nnx.to_pure_dict(nnx.state(block, nnx.Param)))
-    heads, hd = block.num_heads, block.hidden // block.num_heads
+    heads, hd = block.config.num_heads, block.config.head_dim
     mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     h = (x - mu) / np.sqrt(var + 1e-5) * p["norm"]["scale"] + p["norm"]["bias"]
     qkv = (h @ p["qkv"]["kernel"]).reshape(B, S, heads, 3, hd)
@@ -202,7 +202,7 @@ def _reference_attention(block, x):
 def test_attention_matches_independent_reference(mesh_2x4):
     x = np.random.default_rng(6).normal(size=(B, S, H)).astype(np.float32)
     with jax.set_mesh(mesh_2x4):
-        block = sp_jax.CausalSelfAttention(H, 4, rngs=nnx.Rngs(0))
+        block = sp_jax.CausalSelfAttention(sp_jax.AttentionConfig(H, 4), rngs=nnx.Rngs(0))
         block.out.bias[...] = jnp.arange(H, dtype=jnp.float32) / H
         y = nnx.jit(lambda m, x: m(x))(block, x)
         assert y.sharding.spec == P("data", "tensor", None)
@@ -220,8 +220,9 @@ def test_blocks_equal_on_sharded_and_single_device_mesh(rotary):
     out, sharded = {}, None
     for shape in ((2, 4), (1, 1)):
         with jax.set_mesh(make_mesh(*shape)):
-            attn = sp_jax.CausalSelfAttention(H, 4, rotary=rotary, rngs=nnx.Rngs(0))
-            mlp = sp_jax.MLP(H, 4 * H, rngs=nnx.Rngs(1))
+            attn = sp_jax.CausalSelfAttention(sp_jax.AttentionConfig(H, 4, rotary=rotary),
+                                              rngs=nnx.Rngs(0))
+            mlp = sp_jax.MLP(sp_jax.MLPConfig(H, 4 * H), rngs=nnx.Rngs(1))
             if sharded is None:
                 sharded = (attn, mlp)
             else:  # the single-device copy starts from the sharded blocks' weights
@@ -243,9 +244,10 @@ def test_grouped_query_attention_matches_reference_with_one_all_gather(kv_heads,
     hidden, heads, hd = 32, 8, 4
     x = np.random.default_rng(8).normal(size=(B, S, hidden)).astype(np.float32)
     with jax.set_mesh(mesh_2x4):
-        block = sp_jax.CausalSelfAttention(hidden, heads, num_kv_heads=kv_heads,
-                                           qkv_bias=True, rngs=nnx.Rngs(0))
-        kv = block.num_kv_heads
+        block = sp_jax.CausalSelfAttention(
+            sp_jax.AttentionConfig(hidden, heads, num_kv_heads=kv_heads, qkv_bias=True),
+            rngs=nnx.Rngs(0))
+        kv = block.config.num_kv_heads
         for b in (block.qkv.q_bias, block.qkv.kv_bias):
             b[...] = jax.random.normal(jax.random.key(kv), b[...].shape)
         forward = nnx.jit(lambda m, x: m(x))
@@ -270,16 +272,16 @@ def test_grouped_query_attention_matches_reference_with_one_all_gather(kv_heads,
 def test_heads_not_divisible_by_tensor_size(mesh_2x4):
     with jax.set_mesh(mesh_2x4):
         with pytest.raises(ValueError, match=r"num_heads=6 is not divisible by the size 4"):
-            sp_jax.CausalSelfAttention(24, 6, rngs=nnx.Rngs(0))
+            sp_jax.CausalSelfAttention(sp_jax.AttentionConfig(24, 6), rngs=nnx.Rngs(0))
         with pytest.raises(ValueError, match=r"out_features=18 is not divisible"):
-            sp_jax.MLP(16, 18, rngs=nnx.Rngs(0))
+            sp_jax.MLP(sp_jax.MLPConfig(16, 18), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="hidden=30 must be divisible by num_heads=4"):
-        sp_jax.CausalSelfAttention(30, 4, rngs=nnx.Rngs(0))
+        sp_jax.AttentionConfig(30, 4)
 
 
 def test_causal_attention_matches_autodiff_and_keeps_no_score_matrix():
     from sp_jax.analysis import saved_residuals
-    from sp_jax.layers.transformer import causal_attention
+    from benchmarks.superseded import causal_attention
 
     rng = np.random.default_rng(8)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32) for _ in range(3))
@@ -303,7 +305,7 @@ def test_gated_mlp_matches_a_plain_swiglu(mesh_2x4):
     """SwiGLU MLP on 2 x 4 devices against jnp: gate and up are the even and odd columns
     of the fused up kernel, ``down(silu(gate) * up)`` plus the residual."""
     with jax.set_mesh(mesh_2x4):
-        mlp = sp_jax.MLP(16, 24, activation=jax.nn.silu, gated=True, rngs=nnx.Rngs(0))
+        mlp = sp_jax.MLP(sp_jax.MLPConfig(16, 24, mlp_activation="swiglu"), rngs=nnx.Rngs(0))
         x = jax.random.normal(jax.random.key(1), (2, 8, 16))
         got = np.asarray(mlp(x))
     p = to_host(nnx.to_pure_dict(nnx.state(mlp, nnx.Param)))

@@ -25,7 +25,6 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sp_jax import checkpoint as ckpt_module
 from sp_jax.checkpoint import (
     CheckpointCorruptError,
     CheckpointLockedError,
@@ -33,6 +32,7 @@ from sp_jax.checkpoint import (
     MetadataMismatchError,
     NonFiniteError,
     abstract_like,
+    integrity,
     restore_checkpoint,
     save_checkpoint,
 )
@@ -129,13 +129,13 @@ def test_checksums_are_sharding_independent_and_catch_every_single_bit_flip():
               "bool": rng.integers(0, 2, size=(8,)).astype(bool),
               "f64": rng.normal(size=(4, 3)),  # host only (x64 is off)
               "scalar": np.float32(3.5)}
-    host = ckpt_module._checksums(values)
+    host = integrity.checksums(values)
     for shape in [(2, 4), (4, 2)]:
         mesh = make_mesh(*shape)
         placed = {k: jax.device_put(v, NamedSharding(mesh, P("data") if v.ndim else P()))
                   for k, v in values.items() if v.dtype != np.float64}
-        assert ckpt_module._checksums(placed) == {k: host[k] for k in placed}
-    assert ckpt_module._checksums({"f32": jnp.asarray(values["f32"])})["f32"] == host["f32"]
+        assert integrity.checksums(placed) == {k: host[k] for k in placed}
+    assert integrity.checksums({"f32": jnp.asarray(values["f32"])})["f32"] == host["f32"]
     for name, x in values.items():
         raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
         for byte in range(raw.size) if raw.size <= 32 else rng.choice(raw.size, 32, False):
@@ -143,7 +143,7 @@ def test_checksums_are_sharding_independent_and_catch_every_single_bit_flip():
                 flipped = raw.copy()
                 flipped[byte] ^= 1 << bit
                 other = flipped.view(x.dtype).reshape(np.shape(x))
-                assert ckpt_module._checksums({name: other})[name][:2] != host[name][:2], (
+                assert integrity.checksums({name: other})[name][:2] != host[name][:2], (
                     name, byte, bit)
 
 

@@ -53,8 +53,8 @@ def test_column_row_pair_matches_unsharded(data, tensor, axis_type, recompute):
     s = 4 * tensor  # a few sequence positions per device
     x_host = np.random.default_rng(0).normal(size=(2 * data, s, IN)).astype(np.float32)
     with jax.set_mesh(_mesh(data, tensor, axis_type)):
-        col = sp_jax.ColumnSequenceParallelLinear(IN, HID, config=cfg, rngs=nnx.Rngs(1))
-        row = sp_jax.RowSequenceParallelLinear(HID, IN, config=cfg, rngs=nnx.Rngs(2))
+        col = sp_jax.ColumnSequenceParallelLinear(IN, HID, parallel=cfg, rngs=nnx.Rngs(1))
+        row = sp_jax.RowSequenceParallelLinear(HID, IN, parallel=cfg, rngs=nnx.Rngs(2))
         for layer, seed in ((col, 3), (row, 4)):
             layer.bias[...] = jax.random.normal(jax.random.key(seed), layer.bias.shape)
         ref_col, ref_row = reference_linear(col), reference_linear(row)
@@ -82,8 +82,8 @@ def _cpu_hlo(recompute, t=4, collective_matmul=True):
                                 collective_matmul=collective_matmul)
     mesh = _mesh(1, t)
     with jax.set_mesh(mesh):
-        col = sp_jax.ColumnSequenceParallelLinear(IN, HID, config=cfg, rngs=nnx.Rngs(1))
-        row = sp_jax.RowSequenceParallelLinear(HID, IN, config=cfg, rngs=nnx.Rngs(2))
+        col = sp_jax.ColumnSequenceParallelLinear(IN, HID, parallel=cfg, rngs=nnx.Rngs(1))
+        row = sp_jax.RowSequenceParallelLinear(HID, IN, parallel=cfg, rngs=nnx.Rngs(2))
         x = jax.device_put(jnp.ones((2, 4 * t, IN)), NamedSharding(mesh, P(None, "tensor")))
         fwd = nnx.jit(lambda c, r, x: c(x)).lower(col, row, x).compile().as_text()
         both = nnx.jit(nnx.grad(_pair_loss, argnums=(0, 1, 2))).lower(col, row, x)

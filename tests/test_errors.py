@@ -60,7 +60,7 @@ CASES = {
             lambda: _layer()(jnp.ones((2, 8, 16)))),
     "E02": (ValueError, r"tensor axis 'model'.*not in the mesh axes \('data', 'tensor'\)",
             lambda: _on((2, 4), lambda: _layer(
-                config=sp_jax.ParallelConfig(tensor_axis="model")))),
+                parallel=sp_jax.ParallelConfig(tensor_axis="model")))),
     "E03": (ValueError, r"data axis 'data'.*data_axis=None", _tensor_only_mesh),
     "E04": (ValueError, r"Unknown ParallelConfig key\(s\) \['tensor_size'\]; valid keys",
             lambda: sp_jax.ParallelConfig.from_dict({"tensor_size": 4})),
@@ -68,8 +68,8 @@ CASES = {
             lambda: sp_jax.ParallelConfig(recompute_allgather="yes")),
     "E06": (ValueError, r"wgrad_dtype=.*int32.* must be a floating dtype",
             lambda: sp_jax.ParallelConfig(wgrad_dtype=jnp.int32)),
-    "E07": (TypeError, r"config=\{'recompute_allgather': True\} must be a sp_jax.ParallelConfig",
-            lambda: _layer(config={"recompute_allgather": True})),
+    "E07": (TypeError, r"parallel=\{'recompute_allgather': True\} must be a sp_jax.ParallelConfig",
+            lambda: _layer(parallel={"recompute_allgather": True})),
     # shapes and divisibility
     "E08": (ValueError, r"out_features=30 is not divisible by the size 4 of mesh axis",
             lambda: _on((2, 4), lambda: _layer(sp_jax.ColumnParallelLinear, 16, 30))),
@@ -87,7 +87,8 @@ CASES = {
     "E14": (ValueError, r"in_features=0 must be a positive int",
             lambda: _layer(n_in=0)),
     "E15": (ValueError, r"num_heads=6 is not divisible by the size 4",
-            lambda: _on((2, 4), lambda: sp_jax.CausalSelfAttention(24, 6, rngs=nnx.Rngs(0)))),
+            lambda: _on((2, 4), lambda: sp_jax.CausalSelfAttention(sp_jax.AttentionConfig(24, 6),
+                                                                   rngs=nnx.Rngs(0)))),
     "E16": (ValueError, r"hidden=30 must be divisible by num_heads=4",
             lambda: GPTConfig(**{**GPT_BASE, "hidden": 30})),
     # dtypes
@@ -132,7 +133,7 @@ CASES = {
             lambda: sp_jax.ParallelConfig(context_parallel="ring", context_axis="tensor")),
     "E33": (ValueError, r"context axis 'context'.*not in the mesh axes \('data', 'tensor'\)",
             lambda: _on((2, 4), lambda: _layer(
-                config=sp_jax.ParallelConfig(context_parallel="ring")))),
+                parallel=sp_jax.ParallelConfig(context_parallel="ring")))),
     "E34": (ValueError, r"num_heads=4 is not divisible by.*tensor x context, or "
                         r"context_parallel='ring'",
             lambda: _on_context((1, 4, 2), lambda: GPT(
@@ -158,7 +159,7 @@ CASES = {
     "E39": (ValueError, r"ColumnSequenceParallelLinear \(fsdp\): in_features=6 is not "
                         r"divisible by the size 4.*or fsdp=False",
             lambda: _on((4, 2), lambda: _layer(
-                n_in=6, n_out=8, config=sp_jax.ParallelConfig(fsdp=True)))),
+                n_in=6, n_out=8, parallel=sp_jax.ParallelConfig(fsdp=True)))),
     # Llama-family models and Hugging Face checkpoints
     "E40": (ValueError, r"GPTConfig.num_kv_heads=3 must be a positive divisor of "
                         r"num_heads=4",

@@ -159,5 +159,5 @@ def test_fsdp_errors():
     with pytest.raises(TypeError, match="fsdp='yes' must be True or False"):
         sp_jax.ParallelConfig(fsdp="yes")
     with jax.set_mesh(make_mesh(4, 2)), pytest.raises(ValueError, match=r"\(fsdp\).*in_features=6"):
-        sp_jax.ColumnSequenceParallelLinear(6, 8, config=sp_jax.ParallelConfig(fsdp=True),
+        sp_jax.ColumnSequenceParallelLinear(6, 8, parallel=sp_jax.ParallelConfig(fsdp=True),
                                             rngs=nnx.Rngs(0))

@@ -194,7 +194,7 @@ def test_fp32_wgrad_is_closer_to_fp32_than_bf16_autodiff(mesh_2x4):
     def dkernel(dtype, wgrad_dtype):
         cfg = sp_jax.ParallelConfig(wgrad_dtype=wgrad_dtype)
         with jax.set_mesh(mesh_2x4):
-            layer = sp_jax.ColumnSequenceParallelLinear(32, 64, dtype=dtype, config=cfg,
+            layer = sp_jax.ColumnSequenceParallelLinear(32, 64, dtype=dtype, parallel=cfg,
                                                         rngs=nnx.Rngs(0))
             g = nnx.jit(nnx.grad(
                 lambda m, x: jnp.sum(m(x).astype(jnp.float32) * probe)))(layer, x)

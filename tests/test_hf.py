@@ -44,7 +44,7 @@ def test_golden_logits_loss_and_gradients(family):
         np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5,
                                    err_msg=f"{family} {shape}")
         np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
-        named = hf._convert_to_hf(model.config, flat)  # gradients in transformers' names
+        named = hf.io._convert_to_hf(model.config, flat)  # gradients in transformers' names
         for key in golden.files:
             if key.startswith("grad/"):
                 np.testing.assert_allclose(named[key[5:]], golden[key], rtol=1e-4, atol=1e-6,

@@ -72,7 +72,7 @@ def test_layer_matches_nnx_linear(layer_name, mesh_name, recompute):
     x_host = np.random.default_rng(1).normal(size=(B, S, n_in)).astype(np.float32)
 
     with jax.set_mesh(mesh):
-        layer = cls(n_in, n_out, config=cfg, rngs=nnx.Rngs(0), **kwargs)
+        layer = cls(n_in, n_out, parallel=cfg, rngs=nnx.Rngs(0), **kwargs)
         _random_bias(layer, 3)
         ref = reference_linear(layer)
         (loss, y), (g_layer, g_x) = _sharded_step(layer, jnp.asarray(x_host))
@@ -105,8 +105,8 @@ def test_column_gelu_row_residual_matches_unsharded(sp, recompute, mesh_name):
         return jnp.sum(jnp.sin(y) * probe(y.shape))
 
     with jax.set_mesh(mesh):
-        col = col_cls(IN, 4 * IN, config=cfg, rngs=nnx.Rngs(1))
-        row = row_cls(4 * IN, IN, config=cfg, rngs=nnx.Rngs(2))
+        col = col_cls(IN, 4 * IN, parallel=cfg, rngs=nnx.Rngs(1))
+        row = row_cls(4 * IN, IN, parallel=cfg, rngs=nnx.Rngs(2))
         _random_bias(col, 4)
         _random_bias(row, 5)
         ref_col, ref_row = reference_linear(col), reference_linear(row)
@@ -124,7 +124,7 @@ def test_eager_call_and_grad_without_jit(mesh_2x4):
     x_host = np.random.default_rng(3).normal(size=(B, S, IN)).astype(np.float32)
     with jax.set_mesh(mesh_2x4):
         layer = sp_jax.ColumnSequenceParallelLinear(
-            IN, OUT, config=sp_jax.ParallelConfig(recompute_allgather=True), rngs=nnx.Rngs(0)
+            IN, OUT, parallel=sp_jax.ParallelConfig(recompute_allgather=True), rngs=nnx.Rngs(0)
         )
         ref = reference_linear(layer)
         y = layer(jnp.asarray(x_host))
@@ -188,8 +188,8 @@ def test_batch_replicated_with_data_axis_none():
     cfg = sp_jax.ParallelConfig(data_axis=None)
     x_host = np.random.default_rng(8).normal(size=(3, S, IN)).astype(np.float32)
     with jax.set_mesh(mesh):
-        col = sp_jax.ColumnSequenceParallelLinear(IN, OUT, config=cfg, rngs=nnx.Rngs(0))
-        row = sp_jax.RowSequenceParallelLinear(OUT, IN, config=cfg, rngs=nnx.Rngs(1))
+        col = sp_jax.ColumnSequenceParallelLinear(IN, OUT, parallel=cfg, rngs=nnx.Rngs(0))
+        row = sp_jax.RowSequenceParallelLinear(OUT, IN, parallel=cfg, rngs=nnx.Rngs(1))
         y = row(col(jnp.asarray(x_host)))
         assert y.sharding.spec == P(None, "tensor", None)
     ref = reference_linear(row)(reference_linear(col)(x_host))

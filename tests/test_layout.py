@@ -18,10 +18,10 @@ from sp_jax.models import GPT, GPTConfig
 
 def test_named_specs():
     lay = Layout.of(ParallelConfig())
-    assert (lay.data, lay.tensor, lay.context) == (("data",), "tensor", ())
+    assert (lay.data_axes, lay.tensor_axis, lay.context_axes) == (("data",), "tensor", ())
     assert lay.sp == P("data", "tensor", None)
     assert lay.tp == P("data", None, "tensor")
-    assert lay.replicated == P("data", None, None)
+    assert lay.tensor_replicated == P("data", None, None)
     assert lay.tokens == P("data", None)
     assert lay.logits == P("data", None, "tensor")
     assert lay.heads(4) == P("data", None, "tensor", None)
@@ -35,13 +35,13 @@ def test_replicated_batch_and_tuple_data_axes():
     assert Layout.of(ParallelConfig(data_axis=None)).sp == P(None, "tensor", None)
     lay = Layout.of(ParallelConfig(data_axis=("replica", "data"), tensor_axis="model"))
     assert lay.sp == P(("replica", "data"), "model", None)
-    assert lay.spec(None, "batch", "length") == P(None, ("replica", "data"), None)
+    assert lay.micro_batched_tokens == P(None, ("replica", "data"), None)
 
 
 def test_context_axis_shards_the_sequence_everywhere():
     """A third mesh axis for the sequence: every spec follows from the table."""
-    lay = Layout(data=("data",), tensor="tensor", context=("context",))
-    assert lay.rules()["length_sp"] == ("context", "tensor")
+    lay = Layout(data_axes=("data",), tensor_axis="tensor", context_axes=("context",))
+    assert lay.rules()["activation_length_sp"] == ("context", "tensor")
     assert lay.sp == P("data", ("context", "tensor"), None)
     assert lay.tp == P("data", "context", "tensor")
     assert lay.tokens == P("data", "context")
@@ -50,9 +50,9 @@ def test_context_axis_shards_the_sequence_everywhere():
 
 def test_errors():
     with pytest.raises(ValueError, match="unknown logical axis 'seq'"):
-        Layout().spec("batch", "seq")
+        Layout().spec("activation_batch", "seq")
     with pytest.raises(ValueError, match="must be distinct"):
-        Layout(data=("tensor",), tensor="tensor")
+        Layout(data_axes=("tensor",), tensor_axis="tensor")
     with pytest.raises(TypeError, match="ParallelConfig"):
         Layout.of({"tensor_axis": "tensor"})
     with pytest.raises(ValueError, match="rank=2"):
@@ -63,9 +63,9 @@ def test_layer_parameters_carry_the_layout_specs(mesh_2x4):
     config = ParallelConfig()
     lay = Layout.of(config)
     with jax.set_mesh(mesh_2x4):
-        col = sp_jax.ColumnSequenceParallelLinear(16, 32, config=config, rngs=nnx.Rngs(0))
-        row = sp_jax.RowSequenceParallelLinear(32, 16, config=config, rngs=nnx.Rngs(0))
-        emb = sp_jax.VocabParallelEmbedding(64, 16, config=config, rngs=nnx.Rngs(0))
+        col = sp_jax.ColumnSequenceParallelLinear(16, 32, parallel=config, rngs=nnx.Rngs(0))
+        row = sp_jax.RowSequenceParallelLinear(32, 16, parallel=config, rngs=nnx.Rngs(0))
+        emb = sp_jax.VocabParallelEmbedding(64, 16, parallel=config, rngs=nnx.Rngs(0))
     assert col.kernel[...].sharding.spec == lay.column_kernel
     assert col.bias[...].sharding.spec == lay.column_bias
     assert row.kernel[...].sharding.spec == lay.row_kernel

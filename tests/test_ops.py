@@ -25,22 +25,22 @@ def _chunks(a, axis):
 # Per-device arrays travel as [T, ...] globals sharded P("tensor") on the leading dim.
 def _expected(name, x, ct):
     """numpy forward and VJP; x / ct are [T, ...] per-device stacks or one replicated."""
-    if name == "scatter_to_sequence":
+    if name == "split_with_all_gather_grad":
         y = np.stack(_chunks(x, 1))
         dx = np.concatenate(list(ct), axis=1)
-    elif name == "gather_from_sequence":
+    elif name == "all_gather_with_split_grad":
         y = np.concatenate(list(x), axis=1)
         dx = np.stack(_chunks(ct, 1))
-    elif name == "all_gather_sequence":
+    elif name == "all_gather_with_reduce_scatter_grad":
         y = np.stack([np.concatenate(list(x), axis=1)] * T)
         dx = np.stack(_chunks(ct.sum(0), 1))
-    elif name == "reduce_scatter_sequence":
+    elif name == "reduce_scatter_with_all_gather_grad":
         y = np.stack(_chunks(x.sum(0), 1))
         dx = np.stack([np.concatenate(list(ct), axis=1)] * T)
-    elif name == "copy_to_tensor_region":
+    elif name == "identity_with_all_reduce_grad":
         y = np.stack([x] * T)
         dx = ct.sum(0)
-    elif name == "reduce_from_tensor_region":
+    elif name == "all_reduce_with_identity_grad":
         y = x.sum(0)
         dx = np.stack([ct] * T)
     return y, dx
@@ -48,12 +48,12 @@ def _expected(name, x, ct):
 
 # name -> (x per-device, y per-device, local seq length of x, of y)
 OPS = {
-    "scatter_to_sequence": (False, True, S, S // T),
-    "gather_from_sequence": (True, False, S // T, S),
-    "all_gather_sequence": (True, True, S // T, S),
-    "reduce_scatter_sequence": (True, True, S, S // T),
-    "copy_to_tensor_region": (False, True, S, S),
-    "reduce_from_tensor_region": (True, False, S, S),
+    "split_with_all_gather_grad": (False, True, S, S // T),
+    "all_gather_with_split_grad": (True, False, S // T, S),
+    "all_gather_with_reduce_scatter_grad": (True, True, S // T, S),
+    "reduce_scatter_with_all_gather_grad": (True, True, S, S // T),
+    "identity_with_all_reduce_grad": (False, True, S, S),
+    "all_reduce_with_identity_grad": (True, False, S, S),
 }
 
 
@@ -70,10 +70,10 @@ def test_op_forward_and_vjp(tensor_mesh, name, check_vma):
     x = RNG.normal(size=((T,) if x_dev else ()) + (N, s_x, H)).astype(np.float32)
     ct = RNG.normal(size=((T,) if y_dev else ()) + (N, s_y, H)).astype(np.float32)
     fn = getattr(ops, name)
-    if "tensor_region" in name:
+    if name.startswith(("identity", "all_reduce")):
         op = functools.partial(fn, axis_name="tensor")
     else:
-        op = functools.partial(fn, axis_name="tensor", seq_dim=1)
+        op = functools.partial(fn, axis_name="tensor", dim=1)
 
     def body(x, ct):
         x = x[0] if x_dev else x
@@ -94,9 +94,9 @@ def test_op_forward_and_vjp(tensor_mesh, name, check_vma):
     chex.assert_trees_all_close(np.asarray(dx), dx_exp, rtol=1e-6, atol=1e-6)
 
 
-def test_copy_to_tensor_region_rejects_varying_input(tensor_mesh):
+def test_identity_with_all_reduce_grad_rejects_varying_input(tensor_mesh):
     with jax.set_mesh(tensor_mesh):
-        f = jax.shard_map(lambda x: ops.copy_to_tensor_region(x, "tensor"),
+        f = jax.shard_map(lambda x: ops.identity_with_all_reduce_grad(x, "tensor"),
                           in_specs=P("tensor"), out_specs=P("tensor"))
         with pytest.raises(TypeError, match="already varies"):
             f(jax.reshard(jnp.ones((T, 2)), P("tensor")))
@@ -104,7 +104,7 @@ def test_copy_to_tensor_region_rejects_varying_input(tensor_mesh):
 
 def test_scatter_rejects_indivisible_sequence(tensor_mesh):
     with jax.set_mesh(tensor_mesh):
-        f = jax.shard_map(lambda x: ops.scatter_to_sequence(x, "tensor", seq_dim=1),
+        f = jax.shard_map(lambda x: ops.split_with_all_gather_grad(x, "tensor", dim=1),
                           in_specs=P(), out_specs=P(None, "tensor"))
         with pytest.raises(ValueError, match="not divisible by the size 4"):
             f(jnp.ones((2, 6, 3)))
@@ -199,7 +199,7 @@ def _hlo_ops(compiled):
     return collections.Counter(m.group(1) for m in pattern.finditer(compiled.as_text()))
 
 
-def test_copy_to_tensor_region_adds_no_hlo(tensor_mesh):
+def test_identity_with_all_reduce_grad_adds_no_hlo(tensor_mesh):
     """mp_skip_c_identity: the identity into the TP region costs nothing in the HLO
     (forward and backward), compared with letting JAX insert the implicit cast."""
     x, k = jnp.ones((2, S, H)), jnp.ones((H, 8))
@@ -211,10 +211,10 @@ def test_copy_to_tensor_region_adds_no_hlo(tensor_mesh):
 
     with jax.set_mesh(tensor_mesh):
         explicit = compiled(
-            lambda x, k: ops.reduce_from_tensor_region(
-                ops.matmul(ops.copy_to_tensor_region(x, "tensor"), k), "tensor"))
+            lambda x, k: ops.all_reduce_with_identity_grad(
+                ops.matmul(ops.identity_with_all_reduce_grad(x, "tensor"), k), "tensor"))
         # ops.matmul casts the replicated x to varying itself (transpose: psum).
         implicit = compiled(
-            lambda x, k: ops.reduce_from_tensor_region(ops.matmul(x, k), "tensor"))
+            lambda x, k: ops.all_reduce_with_identity_grad(ops.matmul(x, k), "tensor"))
     assert _hlo_ops(explicit) == _hlo_ops(implicit)
     assert _hlo_ops(explicit)["all-reduce"] == 2  # the psum forward and the dx psum

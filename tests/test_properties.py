@@ -54,9 +54,9 @@ def test_layer_matches_unsharded_or_raises(layer, mesh_shape, batch, seq, n_in, 
     with jax.set_mesh(make_mesh(data, tensor)):
         if sharded % tensor:
             with pytest.raises(ValueError, match=r"(in|out)_features=\d+ is not divisible"):
-                cls(n_in, n_out, config=cfg, rngs=nnx.Rngs(0))
+                cls(n_in, n_out, parallel=cfg, rngs=nnx.Rngs(0))
             return
-        module = cls(n_in, n_out, config=cfg, rngs=nnx.Rngs(0))
+        module = cls(n_in, n_out, parallel=cfg, rngs=nnx.Rngs(0))
         if batch % data:
             with pytest.raises(ValueError, match=rf"batch size={batch} is not divisible"):
                 module(x)

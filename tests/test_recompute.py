@@ -17,7 +17,7 @@ D, T = 2, 4
 def _column_residuals(mesh, recompute):
     cfg = sp_jax.ParallelConfig(recompute_allgather=recompute)
     with jax.set_mesh(mesh):
-        layer = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=nnx.Rngs(0))
+        layer = sp_jax.ColumnSequenceParallelLinear(H, F, parallel=cfg, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(layer)
         x = jax.reshard(jnp.ones((B, S, H)), P("data", "tensor", None))
         return saved_residuals(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
@@ -44,8 +44,8 @@ def test_recompute_saves_only_the_local_shard(mesh_2x4):
 
 class _Block(nnx.Module):
     def __init__(self, cfg, rngs):
-        self.col = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=rngs)
-        self.row = sp_jax.RowSequenceParallelLinear(F, H, config=cfg, rngs=rngs)
+        self.col = sp_jax.ColumnSequenceParallelLinear(H, F, parallel=cfg, rngs=rngs)
+        self.row = sp_jax.RowSequenceParallelLinear(F, H, parallel=cfg, rngs=rngs)
 
     def __call__(self, x):
         return x + self.row(jax.nn.gelu(self.col(x)))
@@ -113,7 +113,7 @@ def test_cpu_warning_without_cse_flag(mesh_2x4, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     cfg = sp_jax.ParallelConfig(recompute_allgather=True)
     with jax.set_mesh(mesh_2x4):
-        layer = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=nnx.Rngs(0))
+        layer = sp_jax.ColumnSequenceParallelLinear(H, F, parallel=cfg, rngs=nnx.Rngs(0))
         with pytest.warns(UserWarning, match="cse_barrier_expander"):
             layer(jnp.ones((B, S, H)))
 
@@ -124,7 +124,7 @@ def test_saved_activation_bytes_breakdown(mesh_2x4):
     residuals = _column_residuals(mesh_2x4, recompute=True)
     cfg = sp_jax.ParallelConfig(recompute_allgather=True)
     with jax.set_mesh(mesh_2x4):
-        layer = sp_jax.ColumnSequenceParallelLinear(H, F, config=cfg, rngs=nnx.Rngs(0))
+        layer = sp_jax.ColumnSequenceParallelLinear(H, F, parallel=cfg, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(layer)
         x = jax.reshard(jnp.ones((B, S, H)), P("data", "tensor", None))
         total = saved_activation_bytes(lambda p, x: nnx.merge(graphdef, p)(x), params, x)

@@ -218,7 +218,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
         opt_state = jax.eval_shape(tx.init, params)
     micro = batch // option.micro_batches
     tokens = jax.ShapeDtypeStruct((option.micro_batches, micro, model.seq), jnp.int32,
-                                  sharding=Layout.of(parallel).spec(None, "batch", "length"))
+                                  sharding=Layout.of(parallel).micro_batched_tokens)
     batch_tree = {"tokens": tokens, "labels": tokens}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 

@@ -1,16 +1,23 @@
-"""Flax NNX parallel layers on global arrays."""
+"""Flax NNX parallel layers on global arrays.
 
-from sp_jax.layers.cross_entropy import parallel_cross_entropy
-from sp_jax.layers.elementwise import (
-    NORMS,
-    Dropout,
-    LayerNorm,
-    RMSNorm,
-    layer_norm,
-    make_norm,
-    rms_norm,
-    to_sequence_parallel,
+Modules, bottom to top: ``linear`` (the four TP / SP linear layers), ``embedding``
+(vocabulary-parallel embedding), ``cross_entropy`` (loss over vocabulary-parallel
+logits), ``norm`` (LayerNorm / RMSNorm on sequence shards), ``dropout`` (sharding-invariant
+dropout), ``rotary`` (rotary position embeddings), ``block_config`` (the configurations of
+a block's attention and MLP, and the grouped-query rules), ``qkv`` (the grouped-query
+q/k/v projection), ``attention`` (causal self-attention) and ``mlp``.
+"""
+
+from sp_jax.layers.attention import CausalSelfAttention
+from sp_jax.layers.block_config import (
+    MLP_ACTIVATIONS,
+    AttentionConfig,
+    MLPConfig,
+    check_kv_heads,
+    kv_heads_per_shard,
 )
+from sp_jax.layers.cross_entropy import parallel_cross_entropy
+from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from sp_jax.layers.linear import (
     ColumnParallelLinear,
@@ -18,16 +25,10 @@ from sp_jax.layers.linear import (
     RowParallelLinear,
     RowSequenceParallelLinear,
 )
-from sp_jax.layers.transformer import (
-    MLP,
-    CausalSelfAttention,
-    GroupedQKVProjection,
-    RopeScaling,
-    causal_attention,
-    kv_heads_per_shard,
-    rope_frequencies,
-    rotary_embedding,
-)
+from sp_jax.layers.mlp import MLP
+from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
+from sp_jax.layers.qkv import GroupedQKVProjection
+from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
 
 __all__ = [
     "ColumnParallelLinear",
@@ -44,13 +45,15 @@ __all__ = [
     "rms_norm",
     "make_norm",
     "Dropout",
-    "to_sequence_parallel",
-    "CausalSelfAttention",
-    "GroupedQKVProjection",
-    "MLP",
     "RopeScaling",
-    "causal_attention",
-    "kv_heads_per_shard",
     "rope_frequencies",
     "rotary_embedding",
+    "MLP_ACTIVATIONS",
+    "AttentionConfig",
+    "MLPConfig",
+    "check_kv_heads",
+    "kv_heads_per_shard",
+    "GroupedQKVProjection",
+    "CausalSelfAttention",
+    "MLP",
 ]

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import (
+from sp_jax.layers.embedding import _nan_where, padded_vocab_size
+from sp_jax.layout import Layout
+from sp_jax.mesh import (
     axis_size,
     check_batch_and_sequence,
     check_int_range,
     current_mesh,
     reshard,
 )
-from sp_jax.layers.embedding import _nan_where, padded_vocab_size
-from sp_jax.layout import Layout
 
 __all__ = ["parallel_cross_entropy"]
 
@@ -49,7 +49,7 @@ def parallel_cross_entropy(
     logits: jax.Array,
     labels: jax.Array,
     *,
-    config: ParallelConfig = ParallelConfig(),
+    parallel: ParallelConfig = ParallelConfig(),
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
@@ -69,7 +69,7 @@ def parallel_cross_entropy(
       labels: integer ``[batch, seq]`` in ``[0, vocab_size)``; ``ignore_index`` marks
         tokens without a loss. Other values raise a ValueError when the labels are
         concrete, and give a NaN loss under ``jit``.
-      config: the :class:`~sp_jax.ParallelConfig` (mesh axes).
+      parallel: the :class:`~sp_jax.ParallelConfig` (mesh axes).
       ignore_index: label value whose loss is 0.
       label_smoothing: ``eps``: the target distribution puts ``1 - eps`` on the label and
         ``eps`` uniformly over the ``vocab_size`` entries.
@@ -80,7 +80,7 @@ def parallel_cross_entropy(
       ``[batch, seq]`` float32 loss per token (0 where ``labels == ignore_index``), sharded
       ``P(data, None)``.
     """
-    mesh = current_mesh(config, where="parallel_cross_entropy")
+    mesh = current_mesh(parallel, where="parallel_cross_entropy")
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(
@@ -98,8 +98,8 @@ def parallel_cross_entropy(
             f"parallel_cross_entropy: vocab_size={vocab_size} must be in [1, {vocab}] (the "
             "logits' last dimension)."
         )
-    layout, t = Layout.of(config), config.tensor_axis
-    check_batch_and_sequence("parallel_cross_entropy", mesh, config, labels.shape[0],
+    layout, t = Layout.of(parallel), parallel.tensor_axis
+    check_batch_and_sequence("parallel_cross_entropy", mesh, parallel, labels.shape[0],
                              length=labels.shape[1])
     check_int_range("parallel_cross_entropy", "label", labels, 0, vocab_size,
                     allowed=(ignore_index,))

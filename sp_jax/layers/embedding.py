@@ -12,7 +12,8 @@ from jax import lax
 
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import (
+from sp_jax.layout import Layout
+from sp_jax.mesh import (
     Mesh,
     axis_size,
     check_batch_and_sequence,
@@ -21,7 +22,6 @@ from sp_jax.layers._sharding import (
     current_mesh,
     reshard,
 )
-from sp_jax.layout import Layout
 
 __all__ = ["VocabParallelEmbedding", "padded_vocab_size"]
 
@@ -71,7 +71,7 @@ class VocabParallelEmbedding(nnx.Module):
     Args:
       num_embeddings: vocabulary size ``V``.
       features: embedding size.
-      config: the :class:`~sp_jax.ParallelConfig`.
+      parallel: the :class:`~sp_jax.ParallelConfig`.
       sequence_parallel: output in the SP layout (reduce-scatter) or replicated over the
         tensor axis (all-reduce).
       dtype: dtype of the output (default: the parameter dtype).
@@ -85,7 +85,7 @@ class VocabParallelEmbedding(nnx.Module):
         num_embeddings: int,
         features: int,
         *,
-        config: ParallelConfig = ParallelConfig(),
+        parallel: ParallelConfig = ParallelConfig(),
         sequence_parallel: bool = True,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -95,21 +95,21 @@ class VocabParallelEmbedding(nnx.Module):
         for arg, value in (("num_embeddings", num_embeddings), ("features", features)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"VocabParallelEmbedding: {arg}={value!r} must be a positive int.")
-        if not isinstance(config, ParallelConfig):
+        if not isinstance(parallel, ParallelConfig):
             raise TypeError(
-                f"VocabParallelEmbedding: config={config!r} must be a sp_jax.ParallelConfig."
+                f"VocabParallelEmbedding: parallel={parallel!r} must be a sp_jax.ParallelConfig."
             )
         self.num_embeddings = num_embeddings
         self.features = features
-        self.config = config
+        self.parallel = parallel
         self.sequence_parallel = sequence_parallel
         self.dtype = dtype
         self.param_dtype = param_dtype
-        mesh = current_mesh(config, where="VocabParallelEmbedding", required=False)
-        layout, t = Layout.of(config), config.tensor_axis
-        if mesh is not None and config.fsdp:
+        mesh = current_mesh(parallel, where="VocabParallelEmbedding", required=False)
+        layout, t = Layout.of(parallel), parallel.tensor_axis
+        if mesh is not None and parallel.fsdp:
             check_divisible("VocabParallelEmbedding (fsdp)", "features", features, mesh,
-                            config.fsdp_axes, "choose features as a multiple of the "
+                            parallel.fsdp_axes, "choose features as a multiple of the "
                             "data-parallel size, or fsdp=False")
         if mesh is None or num_embeddings % axis_size(mesh, t) == 0:
             spec = layout.vocab_table
@@ -125,13 +125,13 @@ class VocabParallelEmbedding(nnx.Module):
 
     def padded_table(self, mesh: Mesh | None = None) -> jax.Array:
         """The ``[padded_vocab_size(V, t), features]`` table sharded ``P(tensor, None)``."""
-        mesh = mesh or current_mesh(self.config, where="VocabParallelEmbedding")
-        t = self.config.tensor_axis
+        mesh = mesh or current_mesh(self.parallel, where="VocabParallelEmbedding")
+        t = self.parallel.tensor_axis
         table = self.embedding[...]
         pad = padded_vocab_size(self.num_embeddings, axis_size(mesh, t)) - self.num_embeddings
         if pad:
             table = jnp.pad(table, ((0, pad), (0, 0)))
-        return reshard(table, Layout.of(self.config).vocab_table, mesh)
+        return reshard(table, Layout.of(self.parallel).vocab_table, mesh)
 
     def __call__(self, ids: jax.Array, *, table: jax.Array | None = None) -> jax.Array:
         """Embeds integer ids ``[batch, seq]`` -> ``[batch, seq, features]``.
@@ -140,7 +140,7 @@ class VocabParallelEmbedding(nnx.Module):
         divisible by the tensor size) or ``P(data, None, None)``. ``table`` may pass a
         precomputed :meth:`padded_table` (e.g. shared with a tied LM head).
         """
-        mesh = current_mesh(self.config, where="VocabParallelEmbedding")
+        mesh = current_mesh(self.parallel, where="VocabParallelEmbedding")
         ids = jnp.asarray(ids)
         if ids.ndim != 2:
             raise ValueError(
@@ -151,8 +151,8 @@ class VocabParallelEmbedding(nnx.Module):
             raise TypeError(
                 f"VocabParallelEmbedding: token ids must be integers, got dtype {ids.dtype}."
             )
-        layout, t = Layout.of(self.config), self.config.tensor_axis
-        check_batch_and_sequence("VocabParallelEmbedding", mesh, self.config, ids.shape[0],
+        layout, t = Layout.of(self.parallel), self.parallel.tensor_axis
+        check_batch_and_sequence("VocabParallelEmbedding", mesh, self.parallel, ids.shape[0],
                                  ids.shape[1] if self.sequence_parallel else None,
                                  length=ids.shape[1])
         check_int_range("VocabParallelEmbedding", "token id", ids, 0, self.num_embeddings)
@@ -164,15 +164,15 @@ class VocabParallelEmbedding(nnx.Module):
         dtype = self.dtype if self.dtype is not None else table.dtype
         table = table.astype(dtype)
 
-        fsdp_axes = self.config.fsdp_axes
+        fsdp_axes = self.parallel.fsdp_axes
 
         def local(ids, table):
             table = ops.fsdp_gather(table, fsdp_axes, 1)  # hidden dim over the data axes
             emb = _lookup(ids, table, t, self.num_embeddings)
             if self.sequence_parallel:
-                return ops.reduce_scatter_sequence(emb, t, seq_dim=1)
-            return ops.reduce_from_tensor_region(emb, t)
+                return ops.reduce_scatter_with_all_gather_grad(emb, t, dim=1)
+            return ops.all_reduce_with_identity_grad(emb, t)
 
-        out_spec = layout.sp if self.sequence_parallel else layout.replicated
+        out_spec = layout.sp if self.sequence_parallel else layout.tensor_replicated
         return jax.shard_map(local, in_specs=(layout.tokens, layout.vocab_table),
                              out_specs=out_spec)(reshard(ids, layout.tokens, mesh), table)

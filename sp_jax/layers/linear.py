@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import (
+from sp_jax.layout import Layout
+from sp_jax.mesh import (
     Mesh,
     check_batch_and_sequence,
     check_divisible,
@@ -42,7 +43,6 @@ from sp_jax.layers._sharding import (
     reshard,
     warn_if_recompute_may_be_merged,
 )
-from sp_jax.layout import Layout
 
 __all__ = [
     "ColumnParallelLinear",
@@ -74,7 +74,7 @@ class _ParallelLinear(nnx.Module):
         out_features: int,
         *,
         use_bias: bool = True,
-        config: ParallelConfig = ParallelConfig(),
+        parallel: ParallelConfig = ParallelConfig(),
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         kernel_init: Initializer = default_kernel_init,
@@ -85,22 +85,22 @@ class _ParallelLinear(nnx.Module):
         for arg, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: {arg}={value!r} must be a positive int.")
-        if not isinstance(config, ParallelConfig):
+        if not isinstance(parallel, ParallelConfig):
             raise TypeError(
-                f"{name}: config={config!r} must be a sp_jax.ParallelConfig "
+                f"{name}: parallel={parallel!r} must be a sp_jax.ParallelConfig "
                 "(use ParallelConfig.from_dict for a plain dict)."
             )
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias
-        self.config = config
+        self.parallel = parallel
         self.dtype = dtype
         self.param_dtype = param_dtype
 
-        mesh = current_mesh(config, where=name, required=False)
+        mesh = current_mesh(parallel, where=name, required=False)
         if mesh is not None:
             self._check_features(mesh)
-        kernel_axes, bias_axes = (tuple(spec) for spec in self._param_specs(Layout.of(config)))
+        kernel_axes, bias_axes = (tuple(spec) for spec in self._param_specs(Layout.of(parallel)))
         # Same rng draws as nnx.Linear, so equal seeds give equal weights.
         kernel_key = rngs.params()
         self.kernel = nnx.Param(
@@ -129,7 +129,7 @@ class _ParallelLinear(nnx.Module):
     # -- validation --------------------------------------------------------------------
 
     def _check_features(self, mesh: Mesh) -> None:
-        name, t = type(self).__name__, self.config.tensor_axis
+        name, t = type(self).__name__, self.parallel.tensor_axis
         arg, size = (
             ("in_features", self.in_features)
             if self._split_in
@@ -139,11 +139,11 @@ class _ParallelLinear(nnx.Module):
             name, arg, size, mesh, t,
             f"choose {arg} as a multiple of the tensor-parallel size",
         )
-        if self.config.fsdp:  # the other kernel dimension is sharded over the data axes
+        if self.parallel.fsdp:  # the other kernel dimension is sharded over the data axes
             arg, size = (("out_features", self.out_features) if self._split_in
                          else ("in_features", self.in_features))
             check_divisible(
-                f"{name} (fsdp)", arg, size, mesh, self.config.fsdp_axes,
+                f"{name} (fsdp)", arg, size, mesh, self.parallel.fsdp_axes,
                 f"choose {arg} as a multiple of the data-parallel size, or fsdp=False")
 
     def _check_input(self, x: jax.Array, mesh: Mesh) -> None:
@@ -163,7 +163,7 @@ class _ParallelLinear(nnx.Module):
                 f"{name}: input dtype {x.dtype} is not floating point; cast the input "
                 "(e.g. x.astype(jnp.float32))."
             )
-        check_batch_and_sequence(name, mesh, self.config, x.shape[0],
+        check_batch_and_sequence(name, mesh, self.parallel, x.shape[0],
                                  x.shape[1] if self._sequence_parallel else None,
                                  length=x.shape[1])
 
@@ -183,7 +183,7 @@ class _ParallelLinear(nnx.Module):
         Returns ``[batch, seq, out_features]`` in the compute dtype (``dtype``, or the
         promoted dtype of input and parameters) with the layer's output sharding.
         """
-        mesh = current_mesh(self.config, where=type(self).__name__)
+        mesh = current_mesh(self.parallel, where=type(self).__name__)
         self._check_features(mesh)
         x = jnp.asarray(x)
         self._check_input(x, mesh)
@@ -192,7 +192,7 @@ class _ParallelLinear(nnx.Module):
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
         x = x.astype(dtype)
 
-        layout = Layout.of(self.config)
+        layout = Layout.of(self.parallel)
         x_spec, out_spec = self._specs(layout)
         k_spec, b_spec = self._param_specs(layout)
         args, in_specs = [reshard(x, x_spec, mesh), reshard(kernel, k_spec, mesh)], [x_spec, k_spec]
@@ -211,7 +211,7 @@ class ColumnParallelLinear(_ParallelLinear):
     """Linear layer with the kernel split by columns (output features) over the tensor axis.
 
     ``y = x @ kernel + bias`` where device ``i`` holds ``kernel[:, i*o/t:(i+1)*o/t]``. The
-    replicated input enters the tensor region by ``copy_to_tensor_region`` (identity;
+    replicated input enters the tensor region by ``identity_with_all_reduce_grad`` (identity;
     backward all-reduce).
 
     Shapes: input ``[b, s, in]`` ``P(data, None, None)``; output ``[b, s, out]``
@@ -222,7 +222,7 @@ class ColumnParallelLinear(_ParallelLinear):
       out_features: output feature size; divisible by the tensor-axis size.
       use_bias: whether to add a bias.
       gather_output: all-gather the output features so every device holds all of them.
-      config: the :class:`~sp_jax.ParallelConfig`.
+      parallel: the :class:`~sp_jax.ParallelConfig`.
       dtype: compute dtype (default: promoted dtype of input and parameters).
       param_dtype: parameter dtype.
       kernel_init: initializer of the global ``[in, out]`` kernel.
@@ -236,14 +236,15 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def _specs(self, layout):
-        return layout.replicated, layout.replicated if self.gather_output else layout.tp
+        out = layout.tensor_replicated if self.gather_output else layout.tp
+        return layout.tensor_replicated, out
 
     def _local(self, x, kernel, bias):
-        t, wd = self.config.tensor_axis, self.config.wgrad_dtype
+        t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd,
-                                       fsdp_axes=self.config.fsdp_axes)
+                                       fsdp_axes=self.parallel.fsdp_axes)
         if self.gather_output:
-            y = ops.gather_from_sequence(y, t, seq_dim=-1)
+            y = ops.all_gather_with_split_grad(y, t, dim=-1)
         return y
 
 
@@ -251,7 +252,7 @@ class RowParallelLinear(_ParallelLinear):
     """Linear layer with the kernel split by rows (input features) over the tensor axis.
 
     Each device multiplies its input-feature block by its row block of the kernel and the
-    partial results are all-reduced (``reduce_from_tensor_region``); the bias is added
+    partial results are all-reduced (``all_reduce_with_identity_grad``); the bias is added
     once, after the reduction.
 
     Shapes: input ``[b, s, in]`` ``P(data, None, tensor)`` (``input_is_parallel=True``)
@@ -262,7 +263,7 @@ class RowParallelLinear(_ParallelLinear):
       in_features: input feature size; divisible by the tensor-axis size.
       input_is_parallel: the input is already split over features (the output of a
         :class:`ColumnParallelLinear`); otherwise it is split on entry
-        (``scatter_to_sequence`` on the feature dimension, backward all-gather).
+        (``split_with_all_gather_grad`` on the feature dimension).
       others: as :class:`ColumnParallelLinear`.
     """
 
@@ -274,32 +275,33 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def _specs(self, layout):
-        return (layout.tp if self.input_is_parallel else layout.replicated), layout.replicated
+        x_spec = layout.tp if self.input_is_parallel else layout.tensor_replicated
+        return x_spec, layout.tensor_replicated
 
     def _local(self, x, kernel, bias):
-        t, wd = self.config.tensor_axis, self.config.wgrad_dtype
+        t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         if not self.input_is_parallel:
-            x = ops.scatter_to_sequence(x, t, seq_dim=-1)
-        y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.config.fsdp_axes, fsdp_dim=1)
-        y = ops.reduce_from_tensor_region(y, t)
+            x = ops.split_with_all_gather_grad(x, t, dim=-1)
+        y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes, fsdp_dim=1)
+        y = ops.all_reduce_with_identity_grad(y, t)
         return ops.add_bias(y, bias, wgrad_dtype=wd)
 
 
 def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                     config: ParallelConfig) -> jax.Array:
+                     parallel: ParallelConfig) -> jax.Array:
     """Per device (inside ``shard_map``): :func:`sp_jax.ops.column_sequence_parallel_matmul`
     of the sequence shard ``x [b, s / t, in]`` with this device's column block ``kernel``
-    (and ``bias``), with every option of ``config`` (recompute, wgrad dtype, collective
+    (and ``bias``), with every option of ``parallel`` (recompute, wgrad dtype, collective
     matmul, fsdp). Shared by :class:`ColumnSequenceParallelLinear`, the grouped-query
     projection and the GPT's LM head."""
     return ops.column_sequence_parallel_matmul(
         x, kernel, bias,
-        axis_name=config.tensor_axis,
+        axis_name=parallel.tensor_axis,
         seq_dim=1,
-        recompute_allgather=config.recompute_allgather,
-        wgrad_dtype=config.wgrad_dtype,
-        collective_matmul=config.collective_matmul,
-        fsdp_axes=config.fsdp_axes,
+        recompute_allgather=parallel.recompute_allgather,
+        wgrad_dtype=parallel.wgrad_dtype,
+        collective_matmul=parallel.collective_matmul,
+        fsdp_axes=parallel.fsdp_axes,
     )
 
 
@@ -308,7 +310,7 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
 
     Forward: all-gather the sequence, multiply by this device's column block
     (``ops.column_sequence_parallel_matmul``). Backward: reduce-scatter ``dx`` back to
-    the sequence shards; with ``config.recompute_allgather`` only the local shard is kept
+    the sequence shards; with ``parallel.recompute_allgather`` only the local shard is kept
     for the backward pass and gathered again there.
 
     Shapes: input ``[b, s, in]`` ``P(data, tensor, None)`` (``s`` divisible by the tensor
@@ -323,18 +325,18 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
         return layout.sp, layout.tp
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        warn_if_recompute_may_be_merged(self.config)
+        warn_if_recompute_may_be_merged(self.parallel)
         return super().__call__(x)
 
     def _local(self, x, kernel, bias):
-        return column_sp_matmul(x, kernel, bias, self.config)
+        return column_sp_matmul(x, kernel, bias, self.parallel)
 
 
 class RowSequenceParallelLinear(_ParallelLinear):
     """Row-parallel linear whose output is sharded along the sequence (SP).
 
     Forward: multiply this device's feature block by its row block of the kernel, then
-    reduce-scatter the partial sums along the sequence (``reduce_scatter_sequence``);
+    reduce-scatter the partial sums along the sequence (one op with the matmul);
     the bias is added once, after the reduction. Backward: all-gather ``dy``.
 
     Shapes: input ``[b, s, in]`` ``P(data, None, tensor)``; output ``[b, s, out]``
@@ -350,7 +352,7 @@ class RowSequenceParallelLinear(_ParallelLinear):
         return layout.tp, layout.sp
 
     def _local(self, x, kernel, bias):
-        cfg = self.config
+        cfg = self.parallel
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
             collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -11,25 +10,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sp_jax.attention import IMPLEMENTATIONS, sequence_order, to_held, to_natural
 from sp_jax.config import ParallelConfig
-from sp_jax.layers._sharding import axis_size, current_mesh, reshard, sequence_order
-from sp_jax.layers.cross_entropy import parallel_cross_entropy
-from sp_jax.layers.elementwise import NORMS, Dropout, make_norm, to_sequence_parallel
-from sp_jax.layers.embedding import VocabParallelEmbedding
+from sp_jax.layers import (
+    MLP,
+    MLP_ACTIVATIONS,
+    NORMS,
+    AttentionConfig,
+    CausalSelfAttention,
+    Dropout,
+    MLPConfig,
+    RopeScaling,
+    VocabParallelEmbedding,
+    check_kv_heads,
+    make_norm,
+    parallel_cross_entropy,
+)
 from sp_jax.layers.linear import column_sp_matmul
-from sp_jax.layers.transformer import MLP, CausalSelfAttention, RopeScaling
 from sp_jax.layout import Layout
+from sp_jax.mesh import axis_size, current_mesh, reshard, to_sequence_parallel
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
-
-MLP_ACTIVATIONS = {
-    "gelu": (jax.nn.gelu, False),  # tanh approximation (GPT-2)
-    "gelu_exact": (functools.partial(jax.nn.gelu, approximate=False), False),
-    "relu": (jax.nn.relu, False),
-    "swiglu": (jax.nn.silu, True),  # Llama
-    "geglu": (functools.partial(jax.nn.gelu, approximate=False), True),
-}
-"""``GPTConfig.mlp_activation`` -> (activation, gated)."""
 
 POSITIONS = ("learned", "rotary")
 """Position encodings a :class:`GPT` supports: a learned table or rotary embeddings."""
@@ -120,11 +121,7 @@ class GPTConfig:
             object.__setattr__(self, "mlp_hidden", 4 * self.hidden)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        kv = self.num_kv_heads
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.num_heads % kv:
-            raise ValueError(
-                f"GPTConfig.num_kv_heads={kv!r} must be a positive divisor of "
-                f"num_heads={self.num_heads}.")
+        check_kv_heads("GPTConfig", self.num_heads, self.num_kv_heads)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -152,13 +149,14 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.mlp_activation={self.mlp_activation!r} is not a known activation; "
                 f"use one of {sorted(MLP_ACTIVATIONS)}.")
-        if self.attention_implementation not in ("xla", "cudnn"):
+        if self.attention_implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"GPTConfig.attention_implementation={self.attention_implementation!r} is "
                 "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be in [0, 1).")
+        self.attention_config(), self.mlp_config()  # the blocks' own checks
 
     @classmethod
     def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
@@ -218,6 +216,21 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.llama: name={name!r} is not one of {list(presets)}.")
         return cls(**{**common, **presets[name], **overrides})
 
+    def attention_config(self) -> AttentionConfig:
+        """The :class:`~sp_jax.layers.AttentionConfig` of every block (the fields of the
+        same names, and ``rotary`` for ``positions="rotary"``)."""
+        return AttentionConfig(rotary=self.positions == "rotary",
+                               **self._fields_of(AttentionConfig))
+
+    def mlp_config(self) -> MLPConfig:
+        """The :class:`~sp_jax.layers.MLPConfig` of every block (the fields of the same
+        names)."""
+        return MLPConfig(**self._fields_of(MLPConfig))
+
+    def _fields_of(self, config_class: type) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(config_class)
+                if hasattr(self, f.name)}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Builds a config from a plain dict, rejecting unknown keys."""
@@ -233,23 +246,17 @@ class Block(nnx.Module):
 
     Its dropouts hold no rng stream; they draw from ``nnx.Rngs(dropout=key)`` built
     from the ``key`` passed to each call (so a block can be rematerialised).
+
+    Args:
+      config: the :class:`GPTConfig` (its ``attention_config()`` and ``mlp_config()``).
+      parallel: the :class:`~sp_jax.ParallelConfig`.
+      rngs: ``params`` rng stream.
     """
 
-    def __init__(self, cfg: GPTConfig, parallel: ParallelConfig, *, rngs: nnx.Rngs):
-        common = dict(config=parallel, dropout=cfg.dropout, norm=cfg.norm,
-                      norm_epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
-                      param_dtype=cfg.param_dtype, rngs=rngs)
-        self.attention = CausalSelfAttention(
-            cfg.hidden, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            attention_dropout=cfg.attention_dropout,
-            rotary=cfg.positions == "rotary", rope_base=cfg.rope_base,
-            rope_scaling=cfg.rope_scaling, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-            attention_block_q=cfg.attention_block_q,
-            attention_block_k=cfg.attention_block_k,
-            attention_implementation=cfg.attention_implementation, **common)
-        activation, gated = MLP_ACTIVATIONS[cfg.mlp_activation]
-        self.mlp = MLP(cfg.hidden, cfg.mlp_hidden, activation=activation, gated=gated,
-                       use_bias=cfg.mlp_bias, **common)
+    def __init__(self, config: GPTConfig, parallel: ParallelConfig, *, rngs: nnx.Rngs):
+        self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
+                                             rngs=rngs)
+        self.mlp = MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         rngs = None if key is None else nnx.Rngs(dropout=key)
@@ -321,7 +328,7 @@ class GPT(nnx.Module):
         cfg = gpt_config
         self.config, self.parallel = cfg, parallel
         self.embed = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden, config=parallel, dtype=cfg.dtype,
+            cfg.vocab_size, cfg.hidden, parallel=parallel, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, rngs=rngs)
         if cfg.positions == "learned":
             self.position = nnx.Param(
@@ -329,16 +336,16 @@ class GPT(nnx.Module):
                                              cfg.param_dtype))
         else:
             self.position = None
-        self.dropout = Dropout(cfg.dropout, config=parallel, rngs=rngs)
+        self.dropout = Dropout(cfg.dropout, parallel=parallel, rngs=rngs)
         blocks = [Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)]
         self.blocks = _stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
-        self.final_norm = make_norm(cfg.norm, cfg.hidden, config=parallel,
+        self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
                                     epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
                                     param_dtype=cfg.param_dtype, rngs=rngs)
         # An untied head is a second vocabulary table [V, hidden] (the layout of Megatron's
         # output layer), vocabulary-parallel like the embedding.
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden, config=parallel, param_dtype=cfg.param_dtype, rngs=rngs)
+            cfg.vocab_size, cfg.hidden, parallel=parallel, param_dtype=cfg.param_dtype, rngs=rngs)
 
     # -- pieces -------------------------------------------------------------------------
 
@@ -365,32 +372,14 @@ class GPT(nnx.Module):
         ``tokens``."""
         tokens = self._ids(tokens)
         order = self._order(tokens)
-        return self._natural(self._hidden_states(self._held(tokens, order), rngs, None,
-                                                 order), order)
+        held = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None, order)
+        return to_natural(held, order, self.parallel)
 
     def _order(self, tokens: jax.Array) -> np.ndarray | None:
         """The order the model holds the sequence in (zigzag with ring context
         parallelism, else None: the natural order)."""
         mesh = current_mesh(self.parallel, where="GPT")
         return sequence_order(self.parallel, mesh, tokens.shape[-1])
-
-    def _held(self, x: jax.Array, order: np.ndarray | None) -> jax.Array:
-        """``x`` ``[batch, seq]`` (token ids or labels) in the held order."""
-        if order is None:
-            return x
-        mesh = current_mesh(self.parallel, where="GPT")
-        whole = reshard(jnp.asarray(x), Layout.of(self.parallel).spec("batch", None), mesh)
-        return jnp.take(whole, jnp.asarray(order), axis=1)
-
-    def _natural(self, x: jax.Array, order: np.ndarray | None, last: str | None = None
-                 ) -> jax.Array:
-        """``x`` ``[batch, seq, features]`` held in ``order``, back in the natural order
-        (the sequence gathered first; ``last``: the logical axis of the features)."""
-        if order is None:
-            return x
-        mesh = current_mesh(self.parallel, where="GPT")
-        whole = Layout.of(self.parallel).spec("batch", None, last)
-        return jnp.take(reshard(x, whole, mesh), jnp.asarray(np.argsort(order)), axis=1)
 
     def _hidden_states(self, tokens: jax.Array, rngs: Any, table: jax.Array | None,
                        order: np.ndarray | None) -> jax.Array:
@@ -424,8 +413,8 @@ class GPT(nnx.Module):
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
         tokens = self._ids(tokens)
         order = self._order(tokens)
-        return self._natural(self._padded_logits(self._held(tokens, order), rngs, order),
-                             order, "vocab")
+        held = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order)
+        return to_natural(held, order, self.parallel, "activation_vocab")
 
     def _padded_logits(self, tokens: jax.Array, rngs: Any, order: np.ndarray | None
                        ) -> jax.Array:
@@ -465,7 +454,7 @@ class GPT(nnx.Module):
         if tokens.shape[1] % axis_size(mesh, (*par.context_axes, par.tensor_axis)) == 0:
             logits = reshard(logits, layout.sp, mesh)
         else:
-            logits = reshard(logits, layout.spec("batch", None, None), mesh)
+            logits = reshard(logits, layout.spec("activation_batch", None, None), mesh)
         return logits[..., :vocab]
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
@@ -498,10 +487,10 @@ class GPT(nnx.Module):
             pad = jnp.full_like(tokens[:, :1], ignore_index)
             labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
         order = self._order(tokens)  # the loss is a mean: the held order will do
-        labels = self._held(self._ids(labels), order)
+        labels = to_held(self._ids(labels), order, self.parallel)
         per_token = parallel_cross_entropy(
-            self._padded_logits(self._held(tokens, order), rngs, order), labels,
-            config=self.parallel,
+            self._padded_logits(to_held(tokens, order, self.parallel), rngs, order), labels,
+            parallel=self.parallel,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             vocab_size=self.config.vocab_size)
         count = jnp.sum(labels != ignore_index)

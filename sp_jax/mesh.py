@@ -1,4 +1,11 @@
-"""Mesh look-up, validation and resharding shared by the parallel layers."""
+"""The mesh a layer runs on: look-up, validation of sizes against it, resharding.
+
+Every parallel layer and model calls these outside its ``shard_map``: :func:`current_mesh`
+(the mesh set with ``jax.set_mesh``, checked against a :class:`~sp_jax.ParallelConfig`),
+the divisibility and range checks that turn a bad size into a ValueError naming the value
+and the fix, :func:`reshard` / :func:`to_sequence_parallel` (placing an input in the
+layout a layer expects) and :func:`mesh_platform`.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,12 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.attention import zigzag_order
 from sp_jax.config import ParallelConfig
+from sp_jax.layout import Layout
+
+__all__ = ["Mesh", "axis_size", "check_batch_and_sequence", "check_divisible",
+           "check_int_range", "current_mesh", "mesh_platform", "reshard",
+           "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
@@ -118,25 +129,6 @@ def check_int_range(where: str, what: str, values: Any, low: int, high: int,
         )
 
 
-def sequence_order(config: ParallelConfig, mesh: Mesh, seq_len: int) -> np.ndarray | None:
-    """The order in which the model holds the sequence: ``None`` (the natural order), or,
-    with ring context parallelism over ``c > 1`` devices, the zigzag order
-    (:func:`sp_jax.attention.zigzag_order`: position ``i`` of the held sequence is
-    position ``order[i]`` of the input), which gives every device an equal share of the
-    causal attention work. Raises a ValueError when the sequence cannot be split so."""
-    if config.context_parallel != "ring":
-        return None
-    c = axis_size(mesh, config.context_axis)
-    if c == 1:
-        return None
-    if seq_len % (2 * c):
-        raise ValueError(
-            f"ring context parallelism over {c} devices splits the sequence into {2 * c} "
-            f"chunks (zigzag order), but sequence length={seq_len} is not divisible by "
-            f"{2 * c}; pad the sequence.")
-    return zigzag_order(seq_len, c)
-
-
 def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     """Moves ``x`` to ``spec`` on ``mesh``: ``jax.reshard`` on Explicit meshes.
 
@@ -146,6 +138,21 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.reshard(x, spec)
     return x
+
+
+def to_sequence_parallel(x: jax.Array, config: ParallelConfig, *, where: str) -> jax.Array:
+    """Places ``[batch, seq, hidden]`` ``x`` in the SP layout ``P(data, tensor, None)``
+    (``P(data, (context, tensor), None)`` with a context axis).
+
+    A sequence (or batch) that does not split evenly is left as it is (GSPMD then
+    chooses).
+    """
+    mesh = current_mesh(config, where=where)
+    if x.ndim != 3 or x.shape[1] % axis_size(mesh, (*config.context_axes, config.tensor_axis)):
+        return x
+    if x.shape[0] % axis_size(mesh, config.data_axes):
+        return x
+    return reshard(x, Layout.of(config).sp, mesh)
 
 
 def mesh_platform() -> str:

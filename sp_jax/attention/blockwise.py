@@ -1,0 +1,124 @@
+"""Causal blockwise (flash) attention on one device's arrays: the whole sequence local,
+no ``s x s`` array forward or backward; or cuDNN's fused kernel on GPUs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sp_jax.attention.dropout import AttentionDropout, drop_arguments
+from sp_jax.attention.kernels import (
+    backward_blocks,
+    block_size,
+    check_qkv,
+    forward_blocks,
+    q_from_kernel,
+    q_to_kernel,
+    row_delta,
+    same_vma,
+    to_bhsd,
+    to_bshd,
+)
+
+__all__ = ["IMPLEMENTATIONS", "blockwise_attention"]
+
+IMPLEMENTATIONS = ("xla", "cudnn")
+"""Kernels of :func:`blockwise_attention`: sp_jax's (every backend) or cuDNN's (GPU)."""
+_F32 = jnp.float32
+
+
+def _blockwise_forward(q, k, v, drop, bq, bk):
+    """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
+    lse, count); ``drop``: None or ``(AttentionDropout, positions)``."""
+    o, lse, count = forward_blocks(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v),
+                                    causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop))
+    return q_from_kernel(o).astype(q.dtype), lse, count
+
+
+def _kernel_drop(drop):
+    """``(AttentionDropout, positions)`` -> the kernels' ``(dropout, qpos, kpos)``."""
+    return None if drop is None else (drop[0], drop[1], drop[1])
+
+
+def _blockwise_backward(res, d_out, drop, bq, bk):
+    # Tie the residuals to the incoming cotangent: otherwise XLA's CSE may merge the
+    # recomputed scores with the forward ones and keep those alive until backward.
+    res, d_out = lax.optimization_barrier((res, d_out))
+    q, k, v, out, lse = res
+    hk = k.shape[2]
+    qh, kh, vh, doh = q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(d_out, hk)
+    dq, dk, dv, count = backward_blocks(
+        qh, kh, vh, doh, lse, row_delta(doh, q_to_kernel(out, hk)),
+        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop))
+    grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
+             to_bshd(dv).astype(v.dtype))
+    return grads, count
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blockwise(q, k, v, drop, bq, bk):
+    return _blockwise_forward(q, k, v, drop, bq, bk)[0]
+
+
+def _blockwise_fwd(q, k, v, drop, bq, bk):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, bq, bk)
+    return out, ((q, k, v, out, lse), drop)
+
+
+def _blockwise_bwd(bq, bk, res, d_out):
+    res, drop = res
+    return (*_blockwise_backward(res, d_out, drop, bq, bk)[0], None)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int = 512,
+                        block_k: int = 512, implementation: str = "xla",
+                        dropout: AttentionDropout | None = None,
+                        positions: jax.Array | None = None) -> jax.Array:
+    """Causal softmax attention in blocks (flash attention), on one device's arrays.
+
+    Online softmax over key blocks with fp32 running statistics; key blocks above the
+    causal diagonal are skipped (loop bounds), the ones crossing it masked. The largest
+    array, forward or backward, is one ``[batch, heads, block_q, block_k]`` block. The
+    backward pass recomputes each block's probabilities from the saved log-sum-exp
+    (residuals ``q, k, v``, the output and the fp32 log-sum-exp ``[batch, heads, seq]``)
+    and accumulates ``dq, dk, dv`` in fp32.
+
+    Args:
+      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``
+        (any float dtype), ``heads`` a multiple of ``kv_heads``: grouped-query attention
+        (query head ``j * heads / kv_heads + i`` uses key/value head ``j``, as in Hugging
+        Face's ``repeat_kv``), computed without repeating k and v.
+      block_q / block_k: query / key rows per block: the largest divisors of ``seq`` up to
+        these.
+      implementation: ``"xla"`` (this kernel, every backend) or ``"cudnn"``
+        (:func:`jax.nn.dot_product_attention` with ``is_causal=True`` and cuDNN's fused
+        kernel: GPU only; JAX raises elsewhere; block sizes unused).
+      dropout: dropout on the probabilities (:class:`AttentionDropout`), or None.
+      positions: int ``[seq]``: the global positions of the rows, which the dropout mask
+        depends on (default ``0 .. seq - 1``; causality uses the row order).
+    Returns:
+      ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
+    """
+    check_qkv("blockwise_attention", q, k, v)
+    drop = drop_arguments(dropout, positions, q.shape[1], implementation)
+    if implementation == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                implementation="cudnn")
+        except RuntimeError as e:  # JAX: "cuDNN not found." without a GPU
+            raise RuntimeError(
+                f"blockwise_attention(implementation='cudnn') needs cuDNN on a GPU ({e}); "
+                "use implementation='xla' on other backends."
+            ) from e
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: use 'xla' or 'cudnn'.")
+    s = q.shape[1]
+    bq, bk = block_size(s, block_q, "block_q"), block_size(s, block_k, "block_k")
+    return _blockwise(*same_vma(q, k, v), drop, bq, bk)
+

@@ -1,0 +1,217 @@
+"""The flash-attention block kernels every attention function runs: online softmax over
+key blocks with fp32 statistics forward, per-block recomputation from the log-sum-exp
+backward, causal blocks above the diagonal skipped and those crossing it masked.
+
+Layout inside the kernels: queries ``[b, kv_heads, g, s, d]`` (``g`` query heads per
+key/value head), keys and values ``[b, kv_heads, s, d]``; :func:`q_to_kernel` /
+:func:`q_from_kernel` and :func:`to_bhsd` / :func:`to_bshd` convert from and to the
+public ``[b, s, heads, d]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from sp_jax.attention.dropout import drop_scale
+from sp_jax.ops.primitives import vary, vma
+
+__all__ = ["backward_blocks", "block_size", "check_qkv", "forward_blocks",
+           "q_from_kernel", "q_to_kernel", "row_delta", "same_vma", "to_bhsd",
+           "to_bshd"]
+
+_F32 = jnp.float32
+
+
+def block_size(length: int, block: int, name: str = "block") -> int:
+    """The largest divisor of ``length`` up to ``block``."""
+    if int(block) < 1:
+        raise ValueError(f"{name}={block} must be a positive number of rows.")
+    return next(b for b in range(min(length, int(block)), 0, -1) if length % b == 0)
+
+
+def _scores(q_i, k_j, scale, mask_at=None):
+    """fp32 scaled scores ``[b, h, g, bq, bk]`` of ``q_i [b, h, g, bq, d]`` (``g`` query
+    heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start, k_start)`` the
+    keys after each query (causal, positions from the block starts) are -inf."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
+    if mask_at is not None:
+        q_start, k_start = mask_at
+        rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
+        cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
+        s = jnp.where(rows >= cols, s, -jnp.inf)
+    return s
+
+
+def _slice(x, start, size, axis=-2):
+    """Rows ``start .. start + size`` of ``x`` along ``axis`` (default: the sequence axis
+    of ``[..., seq, head_dim]``; ``axis=-1`` for the statistics ``[..., seq]``)."""
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
+
+
+def forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int, drop=None):
+    """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
+    ``g`` query heads of group ``h`` share key/value head ``h``).
+
+    ``causal``: ``sq == sk`` and query ``i`` sees keys ``0 .. i`` (key blocks above the
+    diagonal are not visited; those crossing it are masked); else every query sees every
+    key. Every query row must see at least one key (true for both). ``drop``: None or
+    ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
+
+    Returns:
+      ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d]``, the log-sum-exp
+      fp32 ``[b, h, g, sq]`` and the number of block products computed (int32).
+    """
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = d ** -0.5
+
+    def q_block(i, carry):
+        out, lse, count = carry
+        q_start = i * bq
+        q_i = _slice(q, q_start, bq)
+
+        def kv_step(j, acc, masked):
+            o, m, norm, n = acc
+            s = _scores(q_i, _slice(k, j * bk, bk), scale,
+                        (q_start, j * bk) if masked else None)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: key 0 comes first
+            p = jnp.exp(s - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            norm = alpha * norm + jnp.sum(p, axis=-1)  # the undropped normaliser
+            if drop is not None:
+                p = p * drop_scale(drop, q_start, j * bk, p.shape)
+            o = alpha[..., None] * o + jnp.einsum(
+                "bhgqk,bhkd->bhgqd", p.astype(v.dtype), _slice(v, j * bk, bk),
+                preferred_element_type=_F32)
+            return o, m_new, norm, n + 1
+
+        zero = jnp.zeros_like(q_i, dtype=_F32)  # varies like q inside shard_map
+        acc = (zero, zero[..., 0] - jnp.inf, zero[..., 0], count)
+        if causal:
+            # key blocks wholly at or before the first query: unmasked; then the blocks
+            # crossing the diagonal, up to the one holding the last query's position
+            n_full = (q_start + 1) // bk
+            n_end = (q_start + bq + bk - 1) // bk
+            acc = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False), acc)
+            acc = lax.fori_loop(n_full, n_end, functools.partial(kv_step, masked=True), acc)
+        else:
+            acc = lax.fori_loop(0, sk // bk, functools.partial(kv_step, masked=False), acc)
+        o, m, norm, count = acc
+        out = lax.dynamic_update_slice_in_dim(out, o / norm[..., None], q_start,
+                                              axis=out.ndim - 2)
+        lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(norm), q_start,
+                                              axis=lse.ndim - 1)
+        return out, lse, count
+
+    out = jnp.zeros_like(q, dtype=_F32)
+    init = (out, out[..., 0], jnp.int32(0))
+    return lax.fori_loop(0, sq // bq, q_block, init)
+
+
+def backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: int,
+                     drop=None):
+    """The gradients of :func:`forward_blocks`, recomputing each block's probabilities
+    from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
+    query blocks that see them; the same blocks skipped and masked as forward).
+
+    Args:
+      q, do: ``[b, h, g, sq, d]``; k, v: ``[b, h, sk, d]``.
+      lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
+        ``rowsum(do * out)``.
+      dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
+    Returns:
+      ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
+      call, the number of block products.
+    """
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = d ** -0.5
+
+    def k_block(j, carry):
+        dq, dk, dv, count = carry
+        k_start = j * bk
+        k_j, v_j = _slice(k, k_start, bk), _slice(v, k_start, bk)
+
+        def q_step(i, acc, masked):
+            dq, dk_j, dv_j, n = acc
+            q_start = i * bq
+            q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
+            s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None)
+            p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
+            z = 1.0 if drop is None else drop_scale(drop, q_start, k_start, p.shape)
+            dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", (p * z).astype(do.dtype), do_i,
+                                     preferred_element_type=_F32)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=_F32) * z
+            ds = (p * (dp - _slice(delta, q_start, bq, -1)[..., None]) * scale
+                  ).astype(q.dtype)
+            dq_i = _slice(dq, q_start, bq) + jnp.einsum(
+                "bhgqk,bhkd->bhgqd", ds, k_j, preferred_element_type=_F32)
+            dq = lax.dynamic_update_slice_in_dim(dq, dq_i, q_start, axis=dq.ndim - 2)
+            dk_j = dk_j + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i,
+                                     preferred_element_type=_F32)
+            return dq, dk_j, dv_j, n + 1
+
+        zero = jnp.zeros_like(k_j, dtype=_F32)
+        acc = (dq, zero, zero, count)
+        if causal:
+            # query blocks from the one holding position k_start; masked while their first
+            # query precedes the block's last key
+            i_start = k_start // bq
+            i_full = jnp.minimum((k_start + bk - 1 + bq - 1) // bq, sq // bq)
+            acc = lax.fori_loop(i_start, i_full, functools.partial(q_step, masked=True), acc)
+            acc = lax.fori_loop(i_full, sq // bq, functools.partial(q_step, masked=False), acc)
+        else:
+            acc = lax.fori_loop(0, sq // bq, functools.partial(q_step, masked=False), acc)
+        dq, dk_j, dv_j, count = acc
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_j, k_start, axis=dk.ndim - 2)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_j, k_start, axis=dv.ndim - 2)
+        return dq, dk, dv, count
+
+    zero = jnp.zeros_like(k, dtype=_F32)
+    return lax.fori_loop(0, sk // bk, k_block, (dq, zero, zero, jnp.int32(0)))
+
+
+def row_delta(do, out):
+    """``rowsum(do * out)`` in fp32, ``[..., s]``."""
+    return jnp.einsum("...sd,...sd->...s", do.astype(_F32), out.astype(_F32))
+
+
+def to_bhsd(x):
+    """Keys and values ``[b, s, h, d]`` <-> the kernels' ``[b, h, s, d]``."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+to_bshd = to_bhsd
+
+
+def q_to_kernel(q, kv_heads: int):
+    """Queries ``[b, s, h, d]`` -> ``[b, kv_heads, h / kv_heads, s, d]``: query head
+    ``j * g + i`` is the ``i``-th of the ``g`` heads that share key/value head ``j``."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+
+
+def q_from_kernel(x):
+    """The inverse of :func:`q_to_kernel`."""
+    b, hk, g, s, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
+
+
+def check_qkv(name: str, q, k, v) -> None:
+    if (q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[:2] != k.shape[:2]
+            or q.shape[3] != k.shape[3] or k.shape[2] == 0 or q.shape[2] % k.shape[2]):
+        raise ValueError(
+            f"{name}: q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
+            f"head_dim] must agree, with heads a multiple of kv_heads (grouped-query "
+            f"attention); got q {q.shape}, k {k.shape}, v {v.shape}."
+        )
+
+
+def same_vma(q, k, v):
+    """``q, k, v`` cast to vary over the union of their mesh axes, so that each custom
+    VJP returns cotangents of its inputs' types (the casts' transposes sum the
+    cotangents of an input replicated over an axis)."""
+    axes = vma(q) | vma(k) | vma(v)
+    return vary(q, axes), vary(k, axes), vary(v, axes)
+

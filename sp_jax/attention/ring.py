@@ -1,0 +1,229 @@
+"""Causal ring attention over the context axis: each device keeps its queries of a
+zigzag-ordered sequence while key/value blocks travel the ring (``ppermute``), each
+transfer overlapped with the attention of the previous block."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sp_jax.attention.dropout import AttentionDropout, drop_arguments
+from sp_jax.attention.kernels import (
+    backward_blocks,
+    block_size,
+    check_qkv,
+    forward_blocks,
+    q_from_kernel,
+    q_to_kernel,
+    row_delta,
+    same_vma,
+    to_bhsd,
+    to_bshd,
+)
+from sp_jax.attention.sequence_order import zigzag_positions
+from sp_jax.ops.primitives import AxisName, vary
+
+__all__ = ["ring_attention"]
+
+_F32 = jnp.float32
+
+
+def _shift(x, axis_name: AxisName, c: int):
+    """``x`` of device ``i`` moved to device ``i + 1`` (mod ``c``)."""
+    return lax.ppermute(x, axis_name, perm=[(i, (i + 1) % c) for i in range(c)])
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Softmax-weighted merge of two normalised partial results over disjoint keys."""
+    lse = jnp.logaddexp(lse1, lse2)
+    return (o1 * jnp.exp(lse1 - lse)[..., None] + o2 * jnp.exp(lse2 - lse)[..., None], lse)
+
+
+def _ring_drops(dropout, r, c: int, n: int):
+    """The dropout arguments of the ring's steps: (own, before(src), after(src))."""
+    if dropout is None:
+        return None, lambda src: None, lambda src: None
+    qpos = zigzag_positions(r, c, n)
+    return ((dropout, qpos, qpos),
+            lambda src: (dropout, qpos, src * n + jnp.arange(n)),
+            lambda src: (dropout, qpos[n:], zigzag_positions(src, c, n)))
+
+
+def _ring_forward(q, k, v, axis_name, bq, bk, dropout=None):
+    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` -> (out
+    fp32, lse, count)."""
+    c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n = q.shape[-2] // 2
+    own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
+    kv = (k, v)
+    recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
+    # step 0: own keys; the local zigzag rows are in increasing global order -> causal
+    o, lse, count = forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own)
+
+    def before(kv, src, o, lse):
+        # source r - t < r: every local query sees the source's first chunk, none its
+        # second: all 2n queries x the first n keys, unmasked
+        k_t, v_t = kv
+        o_p, lse_p, cnt = forward_blocks(q, k_t[..., :n, :], v_t[..., :n, :],
+                                          causal=False, bq=bq, bk=bk, drop=drop_before(src))
+        return (*_merge(o, lse, o_p, lse_p), cnt)
+
+    def after(kv, src, o, lse):
+        # source after r: only the second local chunk sees keys, all 2n of them, unmasked
+        k_t, v_t = kv
+        o_p, lse_p, cnt = forward_blocks(q[..., n:, :], k_t, v_t, causal=False, bq=bq,
+                                          bk=bk, drop=drop_after(src))
+        o2, lse2 = _merge(o[..., n:, :], lse[..., n:], o_p, lse_p)
+        return (jnp.concatenate([o[..., :n, :], o2], axis=-2),
+                jnp.concatenate([lse[..., :n], lse2], axis=-1), cnt)
+
+    for t in range(1, c):
+        # The block that arrived, tied to the previous step's results: the next transfer
+        # leaves when this step's compute starts and runs during it (without the tie XLA
+        # runs the whole chain of transfers up front, holding every block at once).
+        cur, (o, lse) = lax.optimization_barrier((recv, (o, lse)))
+        if t < c - 1:  # independent of this step's compute
+            recv = _shift(cur, axis_name, c)
+        src = (r - t) % c
+        o, lse, cnt = lax.cond(src < r, before, after, cur, src, o, lse)
+        count = count + cnt
+    return o, lse, count
+
+
+def _ring_backward(res, d_out, axis_name, bq, bk, dropout=None):
+    """Per device: the gradients of :func:`_ring_forward` (its layouts):
+    ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
+    at their owner. Returns (dq, dk, dv, count), fp32."""
+    res, d_out = lax.optimization_barrier((res, d_out))  # no CSE with the forward pass
+    q, k, v, out, lse = res
+    c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n = q.shape[-2] // 2
+    delta = row_delta(d_out, out)
+    own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
+    kv = (k, v)
+    recv_kv = _shift(kv, axis_name, c) if c > 1 else None
+    dq, dk, dv, count = backward_blocks(q, k, v, d_out, lse, delta,
+                                         jnp.zeros_like(q, dtype=_F32),
+                                         causal=True, bq=bq, bk=bk, drop=own)
+    acc = (dk, dv)  # gradient of the block held, summed over the devices it has visited
+
+    def before(kv, src, dq):
+        k_t, v_t = kv
+        dq, dk_p, dv_p, cnt = backward_blocks(q, k_t[..., :n, :], v_t[..., :n, :], d_out,
+                                               lse, delta, dq, causal=False, bq=bq, bk=bk,
+                                               drop=drop_before(src))
+        pad = jnp.zeros_like(dk_p)
+        return (dq, jnp.concatenate([dk_p, pad], axis=-2),
+                jnp.concatenate([dv_p, pad], axis=-2), cnt)
+
+    def after(kv, src, dq):
+        k_t, v_t = kv
+        dq2, dk_p, dv_p, cnt = backward_blocks(
+            q[..., n:, :], k_t, v_t, d_out[..., n:, :], lse[..., n:], delta[..., n:],
+            dq[..., n:, :], causal=False, bq=bq, bk=bk, drop=drop_after(src))
+        return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
+
+    for t in range(1, c):
+        # The k/v block in flight has arrived before the accumulators leave: two
+        # transfers XLA cannot combine into one that would wait for this step's compute.
+        cur, acc = lax.optimization_barrier((recv_kv, acc))
+        if t < c - 1:
+            recv_kv = _shift(cur, axis_name, c)
+        recv_acc = _shift(acc, axis_name, c)  # in flight during this step's compute
+        src = (r - t) % c
+        dq, dk_p, dv_p, cnt = lax.cond(src < r, before, after, cur, src, dq)
+        acc = (recv_acc[0] + dk_p, recv_acc[1] + dv_p)
+        count = count + cnt
+    if c > 1:  # the accumulators of block r + 1 go home
+        acc = _shift(acc, axis_name, c)
+    return dq, acc[0], acc[1], count
+
+
+def _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout=None):
+    o, lse, count = _ring_forward(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v),
+                                  axis_name, bq, bk, dropout)
+    return q_from_kernel(o).astype(q.dtype), lse, count
+
+
+def _ring_backward_bshd(res, d_out, axis_name, bq, bk, dropout=None):
+    q, k, v, out, lse = res
+    hk = k.shape[2]
+    res = (q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(out, hk), lse)
+    dq, dk, dv, count = _ring_backward(res, q_to_kernel(d_out, hk), axis_name, bq, bk,
+                                       dropout)
+    grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
+             to_bshd(dv).astype(v.dtype))
+    return grads, count
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, dropout, axis_name, bq, bk):
+    return _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout)[0]
+
+
+def _ring_fwd(q, k, v, dropout, axis_name, bq, bk):
+    out, lse, _ = _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout)
+    return out, ((q, k, v, out, lse), dropout)
+
+
+def _ring_bwd(axis_name, bq, bk, res, d_out):
+    res, dropout = res
+    return (*_ring_backward_bshd(res, d_out, axis_name, bq, bk, dropout)[0], None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _ring_blocks(q, block_q: int, block_k: int) -> tuple[int, int]:
+    if q.shape[1] % 2:
+        raise ValueError(
+            f"ring_attention: the local sequence length {q.shape[1]} (q shape {q.shape}) "
+            "must be even: two zigzag chunks of seq / (2 * context) rows (see zigzag_order)."
+        )
+    n = q.shape[1] // 2
+    return block_size(n, block_q, "block_q"), block_size(n, block_k, "block_k")
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
+                   block_q: int = 512, block_k: int = 512,
+                   dropout: AttentionDropout | None = None) -> jax.Array:
+    """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
+
+    Call inside :func:`jax.shard_map` with the sequence in zigzag order
+    (:func:`zigzag_order`) sharded over ``axis_name``: device ``r`` holds ``[batch, 2n,
+    heads, head_dim]`` whose first ``n`` rows are the global chunk ``r`` and the last
+    ``n`` rows the chunk ``2c - 1 - r`` (``n = seq / (2c)``). Each device keeps its
+    queries; the key/value blocks travel the ring (``c - 1`` ``ppermute`` steps, each
+    transfer issued before, and independent of, the previous block's compute). Step 0 is
+    causal attention over the local rows; at each later step only what causality needs is
+    computed: all local queries x the first chunk of a source before this device, or the
+    second local chunk x both chunks of a source after it (``lax.cond``), ``2 n^2`` scores
+    each, the same on every device. Partial results are merged with log-sum-exp weights.
+
+    The backward pass sends ``k, v`` around the ring again with fp32 accumulators of their
+    gradients (so they end at their owner), recomputing every block from the saved
+    log-sum-exp. With ``c = 1`` this is :func:`blockwise_attention` of the local rows.
+
+    Args:
+      q, k, v: the local zigzag shards ``[batch, 2n, heads, head_dim]`` (k, v:
+        ``kv_heads``, as in :func:`blockwise_attention`; only the key/value heads travel
+        the ring).
+      axis_name: the context mesh axis.
+      block_q / block_k: query / key rows per block: the largest divisors of ``n`` up to
+        these.
+      dropout: dropout on the probabilities (:class:`AttentionDropout`; the positions are
+        the zigzag layout's global ones), or None.
+    Returns:
+      ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
+      the same zigzag layout as ``q``.
+    """
+    check_qkv("ring_attention", q, k, v)
+    bq, bk = _ring_blocks(q, block_q, block_k)
+    q, k, v = same_vma(q, k, v)
+    q, k, v = (vary(x, (axis_name,)) for x in (q, k, v))
+    drop = drop_arguments(dropout, None, q.shape[1], "xla")
+    return _ring(q, k, v, None if drop is None else drop[0], axis_name, bq, bk)
+

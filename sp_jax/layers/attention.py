@@ -1,0 +1,176 @@
+"""Pre-LN causal self-attention in the TP+SP layout (Flax NNX) on global arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.attention import (
+    AttentionDropout,
+    blockwise_attention,
+    local_positions,
+    ring_attention,
+    sequence_order,
+    ulysses_attention,
+)
+from sp_jax.config import ParallelConfig
+from sp_jax.layers.block_config import AttentionConfig, kv_heads_per_shard
+from sp_jax.layers.dropout import Dropout
+from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+from sp_jax.layers.norm import make_norm
+from sp_jax.layers.qkv import GroupedQKVProjection
+from sp_jax.layers.rotary import rotary_embedding
+from sp_jax.layout import Layout
+from sp_jax.mesh import Mesh, axis_size, check_divisible, current_mesh
+
+__all__ = ["CausalSelfAttention"]
+
+
+class CausalSelfAttention(nnx.Module):
+    """Pre-LN causal self-attention with a residual, tensor- and sequence-parallel.
+
+    ``x + dropout(out(attention(qkv(norm(x)))))`` where
+
+    - ``qkv`` is ONE :class:`~sp_jax.layers.ColumnSequenceParallelLinear` ``[hidden, 3 *
+      hidden]``, so the normed input is all-gathered once per block. Its output columns
+      are laid out per head, ``(head, {q, k, v}, head_dim)``, so the column block of
+      tensor shard ``i`` holds the q, k and v of heads ``i * heads / t ...`` and
+      attention needs no communication;
+    - with ``num_kv_heads < num_heads`` (grouped-query / multi-query attention) the
+      projection is a :class:`~sp_jax.layers.GroupedQKVProjection` instead
+      (``q_kernel`` and ``kv_kernel``, still one all-gather): kv heads are split over the
+      tensor axis when its size divides them, and replicated when it is a multiple of
+      them;
+    - attention runs over the full sequence on each device's heads
+      (:func:`sp_jax.attention.blockwise_attention`), or, with context parallelism
+      (``parallel.context_parallel``), across the context axis:
+      :func:`sp_jax.attention.ring_attention` on the zigzag-ordered sequence, or
+      :func:`sp_jax.attention.ulysses_attention`; rotary positions follow each device's
+      tokens;
+    - ``out`` is a :class:`~sp_jax.layers.RowSequenceParallelLinear` back to the SP layout.
+
+    Args:
+      config: the block's :class:`~sp_jax.layers.AttentionConfig`.
+      parallel: the :class:`~sp_jax.ParallelConfig`.
+      rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call
+        (e.g. ``nnx.Rngs(dropout=key)``) in train mode; the attention dropout's key is
+        drawn before the output dropout's.
+    """
+
+    def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
+                 rngs: nnx.Rngs):
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"CausalSelfAttention: config={config!r} must be an "
+                            "AttentionConfig (sp_jax.layers.AttentionConfig).")
+        if not isinstance(parallel, ParallelConfig):
+            raise TypeError(f"CausalSelfAttention: parallel={parallel!r} must be a "
+                            "sp_jax.ParallelConfig.")
+        if config.attention_implementation == "cudnn" and parallel.context_parallel == "ring":
+            raise ValueError(
+                "CausalSelfAttention: attention_implementation='cudnn' cannot run ring "
+                "attention (its steps are merged by log-sum-exp, which cuDNN's kernel does not "
+                "return); use attention_implementation='xla' or context_parallel='ulysses'.")
+        self.config, self.parallel = config, parallel
+        mesh = current_mesh(parallel, where="CausalSelfAttention", required=False)
+        if mesh is not None:
+            self._check_heads(mesh)
+        common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
+                      rngs=rngs)
+        self.norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
+                              **common)
+        if config.num_kv_heads == config.num_heads:
+            self.qkv = ColumnSequenceParallelLinear(config.hidden, 3 * config.hidden,
+                                                    use_bias=config.qkv_bias, **common)
+        else:
+            self.qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
+        self.out = RowSequenceParallelLinear(config.hidden, config.hidden,
+                                             use_bias=config.out_bias, **common)
+        self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
+        # holds the rate and the train/eval mode of the attention-probability dropout
+        self.attention_dropout = Dropout(config.attention_dropout, parallel=parallel)
+
+    def _check_heads(self, mesh: Mesh) -> None:
+        cfg, par = self.config, self.parallel
+        check_divisible("CausalSelfAttention", "num_heads", cfg.num_heads, mesh,
+                        par.tensor_axis,
+                        "choose a head count that is a multiple of the tensor-parallel size")
+        t = axis_size(mesh, par.tensor_axis)
+        kv_local = kv_heads_per_shard(cfg.num_kv_heads, t, "CausalSelfAttention")
+        if par.context_parallel == "ulysses":
+            check_divisible(
+                "CausalSelfAttention (ulysses)", "num_heads", cfg.num_heads, mesh,
+                (par.tensor_axis, par.context_axis),
+                "Ulysses gives each context device whole heads: choose num_heads a multiple "
+                "of tensor x context, or context_parallel='ring'")
+            check_divisible(
+                "CausalSelfAttention (ulysses)", "key/value heads per tensor shard",
+                kv_local, mesh, par.context_axis,
+                "Ulysses gives each context device whole query groups with their key/value "
+                "heads: choose num_kv_heads a multiple of tensor x context, or "
+                "context_parallel='ring'")
+
+    def _attend(self, qkv: jax.Array, order: np.ndarray | None,
+                seed: jax.Array | None = None) -> jax.Array:
+        """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
+        the sequence) -> ``[b, s_local, hidden / t]``; ``seed``: the attention dropout's."""
+        cfg, par = self.config, self.parallel
+        b, s, width = qkv.shape
+        head_dim = cfg.head_dim
+        if cfg.num_kv_heads == cfg.num_heads:  # columns (head, {q, k, v}, head_dim)
+            heads = width // (3 * head_dim)
+            q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
+        else:  # this shard's query heads, then (kv_head, {k, v}, head_dim)
+            heads = cfg.num_heads // lax.axis_size(par.tensor_axis)
+            q = qkv[..., :heads * head_dim].reshape(b, s, heads, head_dim)
+            k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
+                               axis=3)
+        if cfg.rotary:  # the positions of this device's tokens in the held order
+            positions = local_positions(par, order, s)
+            q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
+            k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
+        blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
+                                      block_k=cfg.attention_block_k)
+        if seed is not None:  # global coordinates of this device's first row and head
+            rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
+            blocks["dropout"] = AttentionDropout(
+                seed, cfg.attention_dropout, batch_offset=rows,
+                head_offset=lax.axis_index(par.tensor_axis) * heads)
+        if par.context_parallel == "ring":
+            out = ring_attention(q, k, v, axis_name=par.context_axis, **blocks)
+        elif par.context_parallel == "ulysses":
+            out = ulysses_attention(q, k, v, axis_name=par.context_axis,
+                                    implementation=cfg.attention_implementation, **blocks)
+        else:
+            out = blockwise_attention(q, k, v, implementation=cfg.attention_implementation,
+                                      **blocks)
+        return out.reshape(b, s, heads * head_dim)
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
+        mesh = current_mesh(self.parallel, where="CausalSelfAttention")
+        self._check_heads(mesh)
+        order = sequence_order(self.parallel, mesh, x.shape[1])
+        tp = Layout.of(self.parallel).tp
+        qkv = self.qkv(self.norm(x))  # tp layout: this device's heads, full sequence
+        seeds = ()
+        if self.attention_dropout.rate and not (
+                deterministic if deterministic is not None
+                else self.attention_dropout.deterministic):
+            if rngs is None:
+                raise ValueError(
+                    "CausalSelfAttention: attention dropout is active (train mode) but no "
+                    "rngs were passed; call with rngs=nnx.Rngs(dropout=key), or model.eval().")
+            key = rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs()
+            seeds = (jax.random.bits(key, (2,), jnp.uint32),)
+        attended = jax.shard_map(lambda qkv, *seed: self._attend(qkv, order, *seed),
+                                 in_specs=(tp, *(P(),) * len(seeds)),
+                                 out_specs=tp)(qkv, *seeds)
+        y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
+        return x.astype(y.dtype) + y

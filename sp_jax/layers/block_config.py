@@ -1,0 +1,226 @@
+"""The configurations of a transformer block's two halves, each handed whole to its module
+(:class:`AttentionConfig` to :class:`~sp_jax.layers.CausalSelfAttention`,
+:class:`MLPConfig` to :class:`~sp_jax.layers.MLP`), and the grouped-query rules of how
+key/value heads relate to query heads and to the tensor axis.
+
+Both configs are frozen dataclasses of plain values (names, numbers, dtypes), validated at
+construction, so a block's shape can be written down, compared and saved. Their fields
+have the names of the :class:`~sp_jax.models.GPTConfig` fields they come from (one word
+per concept), which makes them with ``attention_config()`` / ``mlp_config()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sp_jax.attention import IMPLEMENTATIONS
+from sp_jax.layers.norm import NORMS
+from sp_jax.layers.rotary import RopeScaling
+
+__all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "check_kv_heads",
+           "kv_heads_per_shard"]
+
+MLP_ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
+    "gelu": (jax.nn.gelu, False),  # tanh approximation (GPT-2)
+    "gelu_exact": (functools.partial(jax.nn.gelu, approximate=False), False),
+    "relu": (jax.nn.relu, False),
+    "swiglu": (jax.nn.silu, True),  # Llama
+    "geglu": (functools.partial(jax.nn.gelu, approximate=False), True),
+}
+"""MLP activation name -> (elementwise function, gated): a gated MLP computes
+``act(gate(x)) * up(x)`` (SwiGLU, GeGLU)."""
+
+
+def check_kv_heads(owner: str, num_heads: int, num_kv_heads: Any) -> None:
+    """The grouped-query rule: ``num_kv_heads`` is a positive divisor of ``num_heads``
+    (each key/value head serves ``num_heads / num_kv_heads`` consecutive query heads);
+    a ValueError naming ``owner.num_kv_heads`` otherwise."""
+    if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)
+            or num_kv_heads <= 0 or num_heads % num_kv_heads):
+        raise ValueError(
+            f"{owner}.num_kv_heads={num_kv_heads!r} must be a positive divisor of "
+            f"num_heads={num_heads} (each key/value head serves num_heads / num_kv_heads "
+            "query heads).")
+
+
+def kv_heads_per_shard(num_kv_heads: int, tensor_size: int, where: str) -> int:
+    """The tensor-layout rule (Megatron's): key/value heads each tensor shard holds,
+    ``num_kv_heads / t`` when ``t`` divides them, else 1 (replicated: ``t`` a multiple of
+    ``num_kv_heads``); a ValueError naming the fix for any other pair."""
+    if num_kv_heads % tensor_size == 0:
+        return num_kv_heads // tensor_size
+    if tensor_size % num_kv_heads == 0:
+        return 1
+    raise ValueError(
+        f"{where}: num_kv_heads={num_kv_heads} cannot be laid out over a tensor axis of size "
+        f"{tensor_size}: the key/value heads are split when the tensor size divides them "
+        "and replicated when it is a multiple of them; choose num_kv_heads a divisor or a "
+        f"multiple of {tensor_size}.")
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name}={value!r} must be a positive int.")
+
+
+def _check_norm(owner: str, norm: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"{owner}.norm={norm!r} is not a known norm; use one of "
+                         f"{sorted(NORMS)}.")
+
+
+def _check_rate(owner: str, name: str, rate: float) -> None:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{owner}.{name}={rate} must be in [0, 1).")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Shape and numerics of a :class:`~sp_jax.layers.CausalSelfAttention` block.
+
+    Attributes:
+      hidden: model width; divisible by ``num_heads``.
+      num_heads: attention heads; divisible by the tensor-axis size.
+      num_kv_heads: key/value heads (default ``num_heads``); a divisor of ``num_heads``.
+        Fewer than ``num_heads``: grouped-query attention (1: multi-query), each key/value
+        head serving ``num_heads / num_kv_heads`` consecutive query heads (Hugging Face's
+        ``repeat_kv`` order); the tensor size must divide or be a multiple of it
+        (:func:`kv_heads_per_shard`). With Ulysses the key/value heads per tensor shard
+        must also divide by the context size.
+      dropout: dropout rate on the block output (sharding-invariant masks).
+      attention_dropout: dropout rate on the attention probabilities, inside the
+        attention kernels (:class:`~sp_jax.attention.AttentionDropout`: masks from a hash
+        of the global batch row, head and positions, equal under every sharding and
+        context layout; ``attention_implementation="xla"`` only).
+      rotary: apply rotary position embeddings to q and k.
+      rope_base: rotary base frequency.
+      rope_scaling: Llama-3 frequency scaling (:class:`~sp_jax.layers.RopeScaling`, or a
+        dict of its fields) or None.
+      qkv_bias: give the q/k/v projection a bias (GPT-2 has one; off by default: the key
+        bias has an exactly zero gradient, since softmax ignores a constant added to every
+        score).
+      out_bias: give the output projection a bias (GPT-2: yes, Llama: no).
+      norm: ``"layernorm"`` or ``"rmsnorm"`` (the pre-norm).
+      norm_epsilon: epsilon of the norm.
+      attention_block_q / attention_block_k: query and key/value rows per block of the
+        attention kernels (:func:`sp_jax.attention.blockwise_attention`: the largest
+        divisors of the sequence up to these).
+      attention_implementation: ``"xla"`` (sp_jax's blockwise kernel, every backend) or ``"cudnn"``
+        (cuDNN's fused attention through :func:`jax.nn.dot_product_attention`, GPUs
+        only; not with ring attention, which merges partial results by their
+        log-sum-exp, which the cuDNN call does not return).
+      dtype: compute dtype (None: the promoted dtype of input and parameters).
+      param_dtype: parameter dtype.
+    """
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    rotary: bool = False
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    out_bias: bool = True
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-5
+    attention_block_q: int = 512
+    attention_block_k: int = 512
+    attention_implementation: str = "xla"
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        owner = "AttentionConfig"
+        for name in ("hidden", "num_heads", "attention_block_q", "attention_block_k"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.hidden % self.num_heads:
+            raise ValueError(f"{owner}: hidden={self.hidden} must be divisible by "
+                             f"num_heads={self.num_heads}.")
+        if self.rotary and self.head_dim % 2:
+            raise ValueError(f"{owner}: rotary embeddings need an even head size, got "
+                             f"{self.head_dim}.")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        check_kv_heads(owner, self.num_heads, self.num_kv_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"{owner}.rope_scaling={self.rope_scaling!r} must be a "
+                            "RopeScaling, a dict of its fields, or None.")
+        for name in ("dropout", "attention_dropout"):
+            _check_rate(owner, name, getattr(self, name))
+        _check_norm(owner, self.norm)
+        if self.attention_implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"{owner}.attention_implementation={self.attention_implementation!r} is not a "
+                f"known kernel; use one of {IMPLEMENTATIONS}.")
+        if self.attention_implementation == "cudnn" and self.attention_dropout:
+            raise ValueError(
+                f"{owner}: attention_dropout={self.attention_dropout} needs "
+                "attention_implementation='xla' (cuDNN's kernel draws masks of its own, which "
+                "would not be the same under every sharding).")
+
+    @property
+    def head_dim(self) -> int:
+        """Features per head, ``hidden / num_heads``."""
+        return self.hidden // self.num_heads
+
+    def replace(self, **changes: Any) -> AttentionConfig:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """Shape and numerics of a :class:`~sp_jax.layers.MLP` block.
+
+    Attributes:
+      hidden: model width.
+      mlp_hidden: inner width; divisible by the tensor-axis size.
+      dropout: dropout rate on the block output.
+      mlp_activation: a name of :data:`MLP_ACTIVATIONS`: ``"gelu"`` (tanh approximation,
+        GPT-2), ``"gelu_exact"``, ``"relu"``, or gated ``"swiglu"`` (Llama) /
+        ``"geglu"``: gate and up fused in ONE column layer ``[hidden, 2 * mlp_hidden]``
+        whose columns are interleaved ``(j, {gate, up})``, so every tensor shard holds
+        matching gate and up columns.
+      mlp_bias: biases on the up (gate) and down projections (GPT-2: yes, Llama: no).
+      norm / norm_epsilon: the pre-norm.
+      dtype / param_dtype: compute and parameter dtypes.
+    """
+
+    hidden: int
+    mlp_hidden: int
+    dropout: float = 0.0
+    mlp_activation: str = "gelu"
+    mlp_bias: bool = True
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-5
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        owner = "MLPConfig"
+        for name in ("hidden", "mlp_hidden"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"{owner}.mlp_activation={self.mlp_activation!r} is not a known "
+                             f"activation; use one of {sorted(MLP_ACTIVATIONS)}.")
+        _check_rate(owner, "dropout", self.dropout)
+        _check_norm(owner, self.norm)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the activation is a gated linear unit."""
+        return MLP_ACTIVATIONS[self.mlp_activation][1]
+
+    def replace(self, **changes: Any) -> MLPConfig:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,135 @@
+"""The fused q/k/v projection of grouped-query attention, sequence-parallel (Flax NNX)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.config import ParallelConfig
+from sp_jax.layers.block_config import AttentionConfig, kv_heads_per_shard
+from sp_jax.layers.linear import column_sp_matmul
+from sp_jax.layout import Layout
+from sp_jax.mesh import (
+    Mesh,
+    axis_size,
+    check_divisible,
+    current_mesh,
+    reshard,
+    warn_if_recompute_may_be_merged,
+)
+
+__all__ = ["GroupedQKVProjection"]
+
+
+class GroupedQKVProjection(nnx.Module):
+    """The fused q/k/v projection of grouped-query attention, sequence-parallel.
+
+    Two parameters with mesh-independent global shapes: ``q_kernel [hidden, heads *
+    head_dim]`` (columns ``(head, head_dim)``) and ``kv_kernel [hidden, kv_heads * 2 *
+    head_dim]`` (columns ``(kv_head, {k, v}, head_dim)``), and biases ``q_bias`` /
+    ``kv_bias`` with ``config.qkv_bias``. ``q_kernel`` is split by columns over the
+    tensor axis like a :class:`~sp_jax.layers.ColumnSequenceParallelLinear`;
+    ``kv_kernel`` too when the tensor size ``t`` divides ``kv_heads``, else (``t`` a
+    multiple of ``kv_heads``) it is replicated over the tensor axis and shard ``i`` uses
+    kv head ``i * kv_heads / t``: the one its query heads read (Megatron's rule,
+    :func:`~sp_jax.layers.kv_heads_per_shard`; its gradient is summed over the shards
+    sharing it).
+
+    Per device the two column blocks are concatenated into one kernel and applied by ONE
+    :func:`sp_jax.ops.column_sequence_parallel_matmul`: one all-gather of the input per
+    block, with every option of the parallel config (``recompute_allgather``,
+    ``collective_matmul``, ``wgrad_dtype``, ``fsdp``).
+
+    Shapes: input ``[b, s, hidden]`` ``P(data, tensor, None)``; output ``[b, s, t *
+    width]`` ``P(data, None, tensor)`` where shard ``i``'s ``width = (heads / t + 2 *
+    kv_local) * head_dim`` columns are its query heads then ``(kv_head, {k, v},
+    head_dim)`` of its ``kv_local`` key/value heads.
+
+    Args:
+      config: the :class:`~sp_jax.layers.AttentionConfig` (``hidden``, ``num_heads``,
+        ``num_kv_heads``, ``qkv_bias``, ``dtype``, ``param_dtype`` are used).
+      parallel: the :class:`~sp_jax.ParallelConfig`.
+      rngs: two ``params`` draws, q then kv (biases start at zero).
+    """
+
+    def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
+                 rngs: nnx.Rngs):
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"GroupedQKVProjection: config={config!r} must be an "
+                            "AttentionConfig.")
+        self.config, self.parallel = config, parallel
+        hidden, dtype = config.hidden, config.param_dtype
+        q_width, kv_width = config.num_heads * config.head_dim, \
+            2 * config.num_kv_heads * config.head_dim
+        mesh = current_mesh(parallel, where="GroupedQKVProjection", required=False)
+        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh)
+        layout, eager = Layout.of(parallel), mesh is not None
+        init = nnx.initializers.lecun_normal()
+        self.q_kernel = nnx.Param(init(rngs.params(), (hidden, q_width), dtype),
+                                  out_sharding=tuple(layout.column_kernel), eager_sharding=eager)
+        self.kv_kernel = nnx.Param(init(rngs.params(), (hidden, kv_width), dtype),
+                                   out_sharding=tuple(kv_kernel_spec), eager_sharding=eager)
+        self.q_bias: nnx.Param | None
+        self.kv_bias: nnx.Param | None
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((q_width,), dtype),
+                                    out_sharding=tuple(layout.column_bias), eager_sharding=eager)
+            self.kv_bias = nnx.Param(jnp.zeros((kv_width,), dtype),
+                                     out_sharding=tuple(kv_bias_spec), eager_sharding=eager)
+        else:
+            self.q_bias = self.kv_bias = None
+
+    def _replicated(self, mesh: Mesh | None) -> bool:
+        """Whether the key/value heads are replicated over the tensor axis."""
+        if mesh is None:
+            return False
+        t = axis_size(mesh, self.parallel.tensor_axis)
+        kv = self.config.num_kv_heads
+        return kv_heads_per_shard(kv, t, "GroupedQKVProjection") * t != kv
+
+    def _kv_specs(self, mesh: Mesh | None):
+        layout = Layout.of(self.parallel)
+        if self._replicated(mesh):
+            return layout.spec("embed", None), P(None)
+        return layout.column_kernel, layout.column_bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above."""
+        par, cfg = self.parallel, self.config
+        mesh = current_mesh(par, where="GroupedQKVProjection")
+        warn_if_recompute_may_be_merged(par)
+        t = axis_size(mesh, par.tensor_axis)
+        check_divisible("GroupedQKVProjection", "num_heads", cfg.num_heads, mesh,
+                        par.tensor_axis, "choose a head count that is a multiple of the "
+                        "tensor-parallel size")
+        replicated = self._replicated(mesh)
+        layout = Layout.of(par)
+        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh)
+        q_kernel, kv_kernel = self.q_kernel[...], self.kv_kernel[...]
+        dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
+                                                                         q_kernel.dtype)
+        args = [reshard(x.astype(dtype), layout.sp, mesh),
+                reshard(q_kernel, layout.column_kernel, mesh),
+                reshard(kv_kernel, kv_kernel_spec, mesh)]
+        specs = [layout.sp, layout.column_kernel, kv_kernel_spec]
+        if self.q_bias is not None:
+            args += [reshard(self.q_bias[...], layout.column_bias, mesh),
+                     reshard(self.kv_bias[...], kv_bias_spec, mesh)]
+            specs += [layout.column_bias, kv_bias_spec]
+        width = 2 * cfg.head_dim
+        group = t // cfg.num_kv_heads if replicated else 1  # shards sharing a kv head
+
+        def local(x, q_kernel, kv_kernel, q_bias=None, kv_bias=None):
+            if replicated:  # this shard's kv head out of all of them
+                start = lax.axis_index(par.tensor_axis) // group * width
+                kv_kernel = lax.dynamic_slice_in_dim(kv_kernel, start, width, axis=1)
+                if kv_bias is not None:
+                    kv_bias = lax.dynamic_slice_in_dim(kv_bias, start, width, axis=0)
+            kernel = jnp.concatenate([q_kernel, kv_kernel], axis=1)
+            bias = None if q_bias is None else jnp.concatenate([q_bias, kv_bias])
+            return column_sp_matmul(x, kernel, bias, par)
+
+        return jax.shard_map(local, in_specs=tuple(specs), out_specs=layout.tp)(*args)

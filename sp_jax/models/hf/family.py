@@ -1,0 +1,139 @@
+"""What one Hugging Face model family is: :class:`Family` (its config.json mapping and its
+conversion table) and :class:`Rule` (one sp_jax parameter and the Hugging Face tensors it
+comes from), with the rule constructors the families' tables are written with."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sp_jax.models.gpt import GPTConfig
+
+# The sp_jax paths of one block's attention and MLP ("{i}": the layer).
+ATTENTION = "blocks/{i}/attention/"
+MLP = "blocks/{i}/mlp/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family (``model_type`` of ``config.json``).
+
+    Attributes:
+      model_type: ``config.json``'s ``model_type`` (``"gpt2"``, ``"llama"``).
+      description: how the :class:`GPTConfig` s it expresses look, for the error naming a
+        config no family expresses (``"Llama-shaped (rotary, RMSNorm, ...)"``).
+      config_from_hf: ``(config.json dict, overrides) -> GPTConfig fields`` (all but
+        ``param_dtype``, the config's ``dtype`` in every family); raises a ValueError
+        naming the key sp_jax cannot reproduce exactly.
+      config_to_hf: ``GPTConfig -> config.json`` entries (all but ``model_type`` and
+        ``dtype``), for a config :attr:`expresses` accepts.
+      expresses: whether this family expresses a :class:`GPTConfig` exactly.
+      rules: the conversion table of a :class:`GPTConfig`: one :class:`Rule` per sp_jax
+        parameter.
+      canonicalize: the canonical Hugging Face names (those the rules use) of a
+        checkpoint's tensors: ``{name: name}`` -> ``{canonical: name}``; None when the
+        checkpoint's names are the canonical ones (GPT-2's come with and without the
+        ``transformer.`` prefix).
+    """
+
+    model_type: str
+    description: str
+    config_from_hf: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
+    config_to_hf: Callable[[GPTConfig], dict[str, Any]]
+    expresses: Callable[[GPTConfig], bool]
+    rules: Callable[[GPTConfig], list[Rule]]
+    canonicalize: Callable[[dict[str, str]], dict[str, str]] | None = None
+
+    def canonical_names(self, names: dict[str, str]) -> dict[str, str]:
+        """Canonical Hugging Face name -> the name in the checkpoint, of ``names``
+        (``{name: name}``)."""
+        return names if self.canonicalize is None else self.canonicalize(names)
+
+
+def has_fields(cfg: GPTConfig, **want: Any) -> bool:
+    """Whether every named field of ``cfg`` has the value given."""
+    return all(getattr(cfg, k) == v for k, v in want.items())
+
+
+# --------------------------------------------------------------------------------------
+# The conversion table
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One sp_jax parameter (per layer: ``{i}`` in the names) and its Hugging Face
+    tensors. ``to_ours(*hf) -> ours`` and ``to_hf(ours) -> tuple(hf)`` are inverse
+    permutations; ``direct``: ``"same"`` / ``"T"`` when ``ours`` is the one Hugging Face
+    tensor as it is / transposed (read by slices), else None (read whole)."""
+
+    ours: str
+    hf: tuple[str, ...]
+    to_ours: Callable[..., Any]
+    to_hf: Callable[[Any], tuple]
+    direct: str | None = None
+
+    def hf_names(self, layer: int | None) -> tuple[str, ...]:
+        """The Hugging Face tensors of layer ``layer`` (None: not a per-layer rule)."""
+        return tuple(n.format(i=layer) for n in self.hf)
+
+
+def same(ours: str, hf: str) -> Rule:
+    """``ours`` is the Hugging Face tensor ``hf`` as it is."""
+    return Rule(ours, (hf,), lambda x: x, lambda x: (x,), "same")
+
+
+def transposed(ours: str, hf: str) -> Rule:
+    """``ours`` is ``hf`` transposed (a ``torch.nn.Linear`` weight ``[out, in]``)."""
+    return Rule(ours, (hf,), lambda x: x.T, lambda x: (x.T,), "T")
+
+
+def interleave(ours: str, hf: tuple[str, ...], cols: tuple[int, ...], group: int,
+               transpose: bool) -> Rule:
+    """``ours`` ``[..., n * (c_1 + ... + c_k)]`` whose columns are ``(j, {t_1 .. t_k},
+    ...)`` with ``n`` groups, from Hugging Face tensors ``t_m`` ``[..., n * c_m]`` (columns
+    ``(j, ...)``) or, with ``transpose``, their ``[n * c_m, in]`` Linear weights."""
+
+    def to_ours(*ts):
+        ts = [t.T if transpose else t for t in ts]
+        parts = [t.reshape(*t.shape[:-1], group, c) for t, c in zip(ts, cols, strict=True)]
+        out = jnp.concatenate(parts, axis=-1) if isinstance(ts[0], jax.Array) else \
+            np.concatenate(parts, axis=-1)
+        return out.reshape(*out.shape[:-2], -1)
+
+    def to_hf(x):
+        x = x.reshape(*x.shape[:-1], group, sum(cols))
+        bounds = np.cumsum((0, *cols))
+        ts = [x[..., a:b].reshape(*x.shape[:-2], -1)
+              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return tuple(t.T if transpose else t for t in ts)
+
+    return Rule(ours, hf, to_ours, to_hf)
+
+
+def swap_qkv(w, first: int, second: int, d: int):
+    """Columns ``(first, second, d)`` -> ``(second, first, d)`` of ``w [..., cols]``."""
+    lead = w.shape[:-1]
+    x = w.reshape(*lead, first, second, d)
+    return jnp.swapaxes(x, -3, -2).reshape(*lead, -1) if isinstance(w, jax.Array) else \
+        np.swapaxes(x, -3, -2).reshape(*lead, -1)
+
+
+def expand(rules: list[Rule], cfg: GPTConfig) -> list[tuple[str, Rule, int | None]]:
+    """(sp_jax path, rule, layer) for every tensor: per-layer rules once per layer (with
+    ``scan_layers`` the path has no layer index: layer ``l`` is row ``l`` of it)."""
+    out = []
+    for rule in rules:
+        if "{i}" not in rule.ours:
+            out.append((rule.ours, rule, None))
+            continue
+        for i in range(cfg.num_layers):
+            path = rule.ours.replace("{i}/", "") if cfg.scan_layers else \
+                rule.ours.format(i=i)
+            out.append((path, rule, i))
+    return out

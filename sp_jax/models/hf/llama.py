@@ -1,0 +1,130 @@
+"""Llama (``model_type`` ``"llama"``): rotary positions (default or ``llama3`` scaling),
+RMSNorm, SwiGLU, optional biases, grouped-query attention; ``torch.nn.Linear`` weights
+``[out, in]`` transposed, ``q_proj`` / ``k_proj`` / ``v_proj`` fused into sp_jax's per-head
+columns and ``gate_proj`` / ``up_proj`` interleaved into the fused SwiGLU kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from sp_jax.models.gpt import GPTConfig, RopeScaling
+from sp_jax.models.hf.family import (
+    ATTENTION,
+    MLP,
+    Family,
+    Rule,
+    has_fields,
+    interleave,
+    same,
+    transposed,
+)
+
+
+def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`GPTConfig` fields of a Llama ``config.json`` (transformers 4.x:
+    ``rope_theta`` and ``rope_scaling`` at the top level; 5.x: ``rope_parameters``)."""
+    del overrides  # no check depends on them
+    get = config.get
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if get("head_dim") not in (None, hidden // heads):
+        raise ValueError(f"config.json: head_dim={get('head_dim')} differs from "
+                         f"hidden_size / num_attention_heads = {hidden // heads}; sp_jax "
+                         "derives the head size from the width.")
+    if get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={get('hidden_act')!r}: sp_jax's Llama "
+                         "MLP is SwiGLU ('silu').")
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif rope_type in (None, "default"):
+        scaling = None
+    else:
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported; sp_jax "
+                         "implements 'default' and 'llama3'.")
+    bias = bool(get("attention_bias", False))
+    return dict(
+        vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings"),
+        num_layers=get("num_hidden_layers"), num_heads=heads, hidden=hidden,
+        mlp_hidden=get("intermediate_size"),
+        num_kv_heads=get("num_key_value_heads") or heads,
+        attention_dropout=float(get("attention_dropout", 0.0)),
+        tie_embeddings=bool(get("tie_word_embeddings", False)), positions="rotary",
+        rope_base=theta, rope_scaling=scaling, norm="rmsnorm",
+        norm_epsilon=float(get("rms_norm_eps", 1e-6)), mlp_activation="swiglu",
+        qkv_bias=bias, out_bias=bias, mlp_bias=bool(get("mlp_bias", False)))
+
+
+def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    """The Llama ``config.json`` entries of ``cfg``, rope settings in both transformers
+    4.x's and 5.x's spelling."""
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if cfg.rope_scaling is not None:
+        rope = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    return dict(
+        architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden, intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden // cfg.num_heads,
+        hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rope_base,
+        rope_scaling=None if cfg.rope_scaling is None else rope,
+        rope_parameters={**rope, "rope_theta": cfg.rope_base},
+        attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias,
+        attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.tie_embeddings)
+
+
+def expresses(cfg: GPTConfig) -> bool:
+    """Rotary positions, RMSNorm, SwiGLU, ``qkv_bias == out_bias``."""
+    return has_fields(cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
+                      out_bias=cfg.qkv_bias)
+
+
+def rules(cfg: GPTConfig) -> list[Rule]:
+    """The conversion table of ``cfg``."""
+    h, d = cfg.num_heads, cfg.hidden // cfg.num_heads
+    a, m, p = ATTENTION, MLP, "model.layers.{i}."
+    q, k, v = (p + f"self_attn.{n}_proj." for n in "qkv")
+    table = [same("embed/embedding", "model.embed_tokens.weight"),
+             same(a + "norm/scale", p + "input_layernorm.weight"),
+             transposed(a + "out/kernel", p + "self_attn.o_proj.weight"),
+             same(m + "norm/scale", p + "post_attention_layernorm.weight"),
+             transposed(m + "down/kernel", p + "mlp.down_proj.weight"),
+             same("final_norm/scale", "model.norm.weight"),
+             interleave(m + "up/kernel", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                        (1, 1), cfg.mlp_hidden, transpose=True)]
+    # q/k/v weights (and biases): one fused (head, {q, k, v}, head_dim) kernel, or with
+    # grouped-query attention q_kernel and (kv_head, {k, v}, head_dim)
+    for kind, names, transpose in (("weight", ("kernel", "q_kernel", "kv_kernel"), True),
+                                   ("bias", ("bias", "q_bias", "kv_bias"), False)):
+        if kind == "bias" and not cfg.qkv_bias:
+            continue
+        if cfg.num_kv_heads == h:
+            table.append(interleave(a + "qkv/" + names[0], (q + kind, k + kind, v + kind),
+                                    (d, d, d), h, transpose=transpose))
+        else:
+            table += [(transposed if transpose else same)(a + "qkv/" + names[1], q + kind),
+                      interleave(a + "qkv/" + names[2], (k + kind, v + kind), (d, d),
+                                 cfg.num_kv_heads, transpose=transpose)]
+    if cfg.out_bias:
+        table.append(same(a + "out/bias", p + "self_attn.o_proj.bias"))
+    if cfg.mlp_bias:
+        table += [interleave(m + "up/bias", (p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"),
+                             (1, 1), cfg.mlp_hidden, transpose=False),
+                  same(m + "down/bias", p + "mlp.down_proj.bias")]
+    if not cfg.tie_embeddings:
+        table.append(same("head/embedding", "lm_head.weight"))
+    return table
+
+
+LLAMA = Family(
+    model_type="llama",
+    description="Llama-shaped (rotary, RMSNorm, SwiGLU, qkv_bias == out_bias)",
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, expresses=expresses,
+    rules=rules)

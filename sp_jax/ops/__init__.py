@@ -1,0 +1,50 @@
+"""Per-device collectives and linear ops for tensor and sequence parallelism, each paired
+with its VJP.
+
+Every function works on the *local* (per-device) block of an array and is meant to be
+called inside :func:`jax.shard_map` over a mesh that has the named axes. Modules, bottom
+to top:
+
+* :mod:`~sp_jax.ops.primitives`: varying-manual-axes typing, tiled collectives, the
+  factory of conjugate pairs.
+* :mod:`~sp_jax.ops.mappings`: the region mappings (Megatron's ``mappings.py``), named
+  ``<forward>_with_<backward>_grad``.
+* :mod:`~sp_jax.ops.gemm`: local GEMMs with weight gradients in ``wgrad_dtype``.
+* :mod:`~sp_jax.ops.collective_matmul`: the sequence-parallel linear rules as rings of
+  collective-permutes overlapped with chunk GEMMs.
+* :mod:`~sp_jax.ops.fsdp`: parameters sharded over the data axes, gathered inside the op.
+* :mod:`~sp_jax.ops.linear`: the linear ops and the one dispatch to their plain,
+  collective-matmul and FSDP forms.
+"""
+
+from sp_jax.ops.fsdp import fsdp_gather
+from sp_jax.ops.linear import (
+    add_bias,
+    column_parallel_matmul,
+    column_sequence_parallel_matmul,
+    matmul,
+    row_sequence_parallel_matmul,
+)
+from sp_jax.ops.mappings import (
+    all_gather_with_reduce_scatter_grad,
+    all_gather_with_split_grad,
+    all_reduce_with_identity_grad,
+    identity_with_all_reduce_grad,
+    reduce_scatter_with_all_gather_grad,
+    split_with_all_gather_grad,
+)
+
+__all__ = [
+    "split_with_all_gather_grad",
+    "all_gather_with_split_grad",
+    "all_gather_with_reduce_scatter_grad",
+    "reduce_scatter_with_all_gather_grad",
+    "identity_with_all_reduce_grad",
+    "all_reduce_with_identity_grad",
+    "matmul",
+    "add_bias",
+    "column_parallel_matmul",
+    "column_sequence_parallel_matmul",
+    "row_sequence_parallel_matmul",
+    "fsdp_gather",
+]

@@ -1,0 +1,90 @@
+"""Parameters sharded over the data axes (ZeRO-3 / FSDP): the gather of a parameter paired
+with the reduce-scatter of its gradient, and the FSDP form of any linear rule.
+
+A weight sharded over the data axes is all-gathered inside the op that uses it, just
+before use, and gathered again in that op's backward pass instead of being kept: the
+residual is the local shard. (A ``jax.checkpoint`` policy cannot do this: its names are
+invisible through a custom VJP's residuals.) The weight gradient is reduce-scattered over
+the data axes, so it comes out sharded like the parameter and no full-size all-reduce
+exists.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from jax import lax
+
+from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary
+
+__all__ = ["fsdp_gather", "fsdp_op", "full_kernel"]
+
+
+def _fsdp_all_gather(w: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    with jax.named_scope("fsdp_gather"):
+        return lax.all_gather(vary(w, axes), axes, axis=dim, tiled=True)
+
+
+def _fsdp_reduce_scatter(g: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    with jax.named_scope("fsdp_wgrad_reduce_scatter"):
+        return lax.psum_scatter(vary(g, axes), axes, scatter_dimension=dim, tiled=True)
+
+
+_fsdp_pair = conjugate_pair(_fsdp_all_gather, _fsdp_reduce_scatter)
+
+
+def fsdp_gather(w: jax.Array, axes: tuple[AxisName, ...], dim: int) -> jax.Array:
+    """The whole of a parameter sharded over the data ``axes`` along ``dim``, for uses
+    whose backward does not need the parameter (an embedding lookup); the matmul ops
+    take ``fsdp_axes`` instead and gather inside their own VJP.
+
+    Forward: all-gather over ``axes`` (tiled, in the order of ``axes``, as
+    ``P(..., axes, ...)`` lays the shards out). Backward: reduce-scatter of the gradient
+    over ``axes``: the per-device partial gradients (each from its own batch shard) are
+    summed and every device keeps its own shard, so the gradient comes out sharded like
+    the parameter and no full-size all-reduce exists. No-op with empty ``axes``.
+    """
+    axes = tuple(axes)
+    if not axes:
+        return w
+    return _fsdp_pair(w, axes, canonical_dim(dim, w.ndim, "dim"))
+
+
+def fsdp_op(op_fwd: Callable, op_bwd: Callable) -> Callable:
+    """The FSDP form ``op(x, kernel_shard, bias, axes, dim, static)`` of a linear op whose
+    rules are ``op_fwd(x, kernel, bias, *static) -> (y, (a, kernel, bias))`` and
+    ``op_bwd(*static, res, g) -> (dx, dkernel, dbias)``.
+
+    Forward: the kernel is all-gathered over ``axes`` just before the op and dropped
+    after it: the residual is the local shard. Backward: the shard is gathered again
+    (behind a barrier with the incoming cotangent, so no CSE merges it with the forward
+    gather and it is not issued before the backward reaches this layer), the op's
+    backward runs, and the weight gradient is reduce-scattered over ``axes``.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+    def op(x, kernel, bias, axes, dim, static):
+        return op_fwd(x, _fsdp_all_gather(kernel, axes, dim), bias, *static)[0]
+
+    def fwd(x, kernel, bias, axes, dim, static):
+        y, (a, _, b) = op_fwd(x, _fsdp_all_gather(kernel, axes, dim), bias, *static)
+        return y, (a, kernel, b)
+
+    def bwd(axes, dim, static, res, g):
+        a, kernel, b = res
+        kernel, g = lax.optimization_barrier((kernel, g))
+        dx, dkernel, dbias = op_bwd(*static, (a, _fsdp_all_gather(kernel, axes, dim), b), g)
+        return dx, _fsdp_reduce_scatter(dkernel, axes, dim), dbias
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def full_kernel(kernel: jax.Array, axes: tuple, dim: int) -> jax.ShapeDtypeStruct:
+    """The shape the kernel has after the FSDP gather over ``axes`` (for shape checks)."""
+    shape = list(kernel.shape)
+    for a in axes:
+        shape[dim] *= lax.axis_size(a)
+    return jax.ShapeDtypeStruct(tuple(shape), kernel.dtype)

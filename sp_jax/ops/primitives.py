@@ -1,0 +1,104 @@
+"""The building blocks of every op: varying-manual-axes typing, tiled collectives, and
+the factory of conjugate collective pairs.
+
+Typing (``check_vma=True``, the :func:`jax.shard_map` default): a custom VJP must return
+cotangents with exactly the varying-manual-axes (VMA) type of its primal inputs. The
+public ops therefore settle the types *before* a custom VJP is entered: replicated
+parameters are cast to vary like the activations (``lax.pcast(..., to="varying")``),
+whose transpose is the ``psum`` that sums the data-parallel weight gradients. The ops are
+equally correct with ``check_vma=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+
+import jax
+from jax import lax
+
+try:  # public from the jax release that exports it; the primitive has existed since 0.6
+    _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - depends on the installed jax
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+
+__all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
+           "check_divisible", "conjugate_pair", "reduce_scatter", "split", "vary",
+           "vary_then", "vma"]
+
+AxisName = Hashable
+
+
+def vma(x: jax.Array) -> frozenset:
+    """The mesh axes ``x`` varies over (empty outside ``check_vma`` shard_maps)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def vary(x, axes) -> jax.Array:
+    """Casts ``x`` to vary over ``axes`` (no-op for axes it already varies over; None
+    stays None)."""
+    if x is None:
+        return None
+    missing = tuple(sorted(set(axes) - vma(x), key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def canonical_dim(dim: int, ndim: int, name: str) -> int:
+    """``dim`` of an array of rank ``ndim`` as a non-negative index; a ValueError naming
+    ``name`` when it is out of range."""
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for an array of rank {ndim}.")
+    return dim % ndim
+
+
+def check_divisible(x: jax.Array, dim: int, axis_name: AxisName, what: str) -> None:
+    """A ValueError naming ``what`` unless ``x.shape[dim]`` splits over ``axis_name``."""
+    size = lax.axis_size(axis_name)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"{what}: dimension {dim} of the local array {x.shape} has size {x.shape[dim]}, "
+            f"which is not divisible by the size {size} of mesh axis {axis_name!r}."
+        )
+
+
+def split(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    """This device's chunk of ``x`` along ``dim`` (chunk ``axis_index`` of ``axis_size``)."""
+    chunk = x.shape[dim] // lax.axis_size(axis_name)
+    start = lax.axis_index(axis_name) * chunk
+    return lax.dynamic_slice_in_dim(x, start, chunk, axis=dim)
+
+
+def all_gather(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    """Tiled all-gather along ``dim``; the result varies over ``axis_name``."""
+    return lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+
+def all_gather_invariant(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    """Tiled all-gather along ``dim``; the result is invariant over ``axis_name``."""
+    return _all_gather_invariant(x, axis_name, axis=dim, tiled=True)
+
+
+def reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    """Tiled reduce-scatter (``psum_scatter``) along ``dim``."""
+    return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
+
+
+def conjugate_pair(forward: Callable, backward: Callable) -> Callable:
+    """A custom-VJP op ``op(x, axis_name, dim)`` running ``forward`` and, for its VJP,
+    ``backward(g, axis_name, dim)``."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def op(x, axis_name, dim):
+        return forward(x, axis_name, dim)
+
+    op.defvjp(
+        lambda x, axis_name, dim: (forward(x, axis_name, dim), None),
+        lambda axis_name, dim, _, g: (backward(g, axis_name, dim),),
+    )
+    return op
+
+
+def vary_then(f: Callable) -> Callable:
+    """``f(g, axis_name, dim)`` applied after casting ``g`` to vary over ``axis_name``."""
+    return lambda g, axis_name, dim: f(vary(g, (axis_name,)), axis_name, dim)
