@@ -15,7 +15,11 @@ meshes, with integrity checks); beside them ``xla_flags`` (XLA GPU overlap flags
 import importlib
 from typing import Any
 
-from sp_jax import (
+from sp_jax._quiet import quiet_import_jax
+
+quiet_import_jax()  # before JAX starts: no CUDA-plugin noise on machines without a GPU
+
+from sp_jax import (  # noqa: E402
     attention,
     checkpoint,
     data,
@@ -27,8 +31,8 @@ from sp_jax import (
     training,
     xla_flags,
 )
-from sp_jax.config import ParallelConfig
-from sp_jax.layers import (
+from sp_jax.config import ParallelConfig  # noqa: E402
+from sp_jax.layers import (  # noqa: E402
     MLP,
     AttentionConfig,
     CausalSelfAttention,
@@ -44,7 +48,7 @@ from sp_jax.layers import (
     padded_vocab_size,
     parallel_cross_entropy,
 )
-from sp_jax.layout import Layout
+from sp_jax.layout import Layout  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -96,6 +96,7 @@ and applies the recommended flags.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import re
 import subprocess
@@ -107,6 +108,8 @@ from typing import NamedTuple
 import jax
 
 __all__ = [
+    "accelerator_present",
+    "simulate_cpu_devices",
     "XlaFlag",
     "RECOMMENDED_GPU_FLAGS",
     "recommended_xla_flags",
@@ -315,6 +318,35 @@ def cpu_simulation_flags(num_devices: int) -> list[str]:
                          "positive int.")
     return [f"--xla_force_host_platform_device_count={num_devices}",
             "--xla_disable_hlo_passes=cse_barrier_expander"]
+
+
+def accelerator_present() -> bool:
+    """Whether JAX will run on an accelerator here, decided without starting its backend:
+    ``JAX_PLATFORMS`` names one other than ``cpu``, or (``JAX_PLATFORMS`` unset) the
+    machine has an NVIDIA or AMD GPU or a TPU device node (``/dev/nvidia<N>``,
+    ``/dev/kfd``, ``/dev/accel<N>``, ``/dev/vfio/<N>``)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return any(p != "cpu" for p in platforms)
+    return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd",
+                                                  "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"))
+
+
+def simulate_cpu_devices(num_devices: int) -> bool:
+    """On a machine without an accelerator (:func:`accelerator_present`): adds
+    :func:`cpu_simulation_flags` ``(num_devices)`` to ``XLA_FLAGS`` and returns True;
+    elsewhere changes nothing (real devices are used, and XLA:GPU must keep the pass those
+    flags turn off) and returns False. Call it before JAX starts its backend.
+
+    Raises:
+      RuntimeError: the JAX backend is already initialised (see :func:`apply_xla_flags`).
+      ValueError: ``num_devices`` is not a positive int.
+    """
+    flags = cpu_simulation_flags(num_devices)
+    if accelerator_present():
+        return False
+    apply_xla_flags(flags)
+    return True
 
 
 def apply_xla_flags(flags: Iterable[str] | None = None) -> str:

@@ -1,7 +1,6 @@
 """Test setup: 8 simulated CPU devices, configured before JAX initialises its backend; the
 marker for tests that compile for a GPU without one."""
 
-import importlib.util
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -21,7 +20,9 @@ from jax.sharding import AxisType  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.devices()}"
 
-HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+from sp_jax.analysis import cuda_plugin_available  # noqa: E402
+
+HAS_CUDA_PLUGIN = cuda_plugin_available()
 requires_cuda_plugin = pytest.mark.skipif(
     not HAS_CUDA_PLUGIN,
     reason="deviceless GPU compiles need the CUDA PJRT plugin: pip install -e '.[gpu-aot]'",

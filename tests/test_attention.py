@@ -14,8 +14,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import attention as A
-from sp_jax.attention import blockwise, kernels, ring
 from sp_jax.analysis import parse_collectives
+from sp_jax.attention import blockwise, kernels, ring
 
 # --------------------------------------------------------------------------------------
 # The independent reference and helpers

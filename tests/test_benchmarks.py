@@ -168,6 +168,7 @@ STATUS = {True: "met", False: "**not met**", None: "not measured"}
 
 
 def test_quick_run_writes_report(tmp_path):
+    pytest.importorskip("matplotlib")  # the report's plots: the examples extra
     from benchmarks.run import main
 
     results = main(["--quick", "--out", str(tmp_path)])

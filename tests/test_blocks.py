@@ -280,8 +280,8 @@ def test_heads_not_divisible_by_tensor_size(mesh_2x4):
 
 
 def test_causal_attention_matches_autodiff_and_keeps_no_score_matrix():
-    from sp_jax.analysis import saved_residuals
     from benchmarks.superseded import causal_attention
+    from sp_jax.analysis import saved_residuals
 
     rng = np.random.default_rng(8)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32) for _ in range(3))

@@ -1,5 +1,6 @@
 """sp_jax.data: the byte corpus (files, split), windows as a pure function of (seed, step),
-the fixed held-out set, and global batches assembled from each process's rows."""
+the fixed held-out set, global batches assembled from each process's rows, and token ids
+(.npy / .bin files, synthetic progressions) checked against the vocabulary."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import sp_jax.data
 from sp_jax import Layout
-from sp_jax.data import ByteCorpus, assemble, rows_held
+from sp_jax.data import ByteCorpus, TokenIds, TrainData, assemble, rows_held
 
 SEQ = 8
 TEXT = bytes(range(256)) * 4  # 1024 bytes, every window distinct within a period
@@ -28,7 +29,7 @@ def corpus() -> ByteCorpus:
 @pytest.fixture(scope="module")
 def shardings(mesh_2x4):
     layout = Layout()
-    return (NamedSharding(mesh_2x4, layout.spec(None, "batch", "length")),
+    return (NamedSharding(mesh_2x4, layout.micro_batched_tokens),
             NamedSharding(mesh_2x4, layout.tokens))
 
 
@@ -161,3 +162,61 @@ def test_rows_held_along_another_axis(mesh_2x4):
     sharding = NamedSharding(mesh_2x4, P(None, "data", None))
     rows = rows_held(sharding, (2, 4, 3), axis=1)
     np.testing.assert_array_equal(rows, np.arange(4))
+
+
+# -- token ids (TokenIds: ByteCorpus is its byte-level case) ----------------------------
+
+def test_token_ids_from_npy_and_bin_files(tmp_path, shardings):
+    ids = np.random.default_rng(0).integers(0, 1000, 4000)
+    np.save(tmp_path / "ids.npy", ids.reshape(40, 100))  # any shape: flattened
+    ids.astype(np.uint16).tofile(tmp_path / "ids.bin")  # nanoGPT's format
+    for name in ("ids.npy", "ids.bin"):
+        data = TokenIds.from_file(tmp_path / name, seq_len=SEQ, vocab_size=1000)
+        assert data.source == str(tmp_path / name) and data.vocab_size == 1000
+        np.testing.assert_array_equal(np.concatenate([data.train, data.held_out]), ids)
+        assert len(data.held_out) == 200  # the last 5%
+        batch = data.train_batch(3, seed=0, batch_size=8, micro_batches=2,
+                                 sharding=shardings[0])
+        starts = data.train_starts(3, seed=0, batch_size=8).reshape(2, 4)
+        np.testing.assert_array_equal(np.asarray(batch["tokens"])[1, 2],
+                                      ids[starts[1, 2]:starts[1, 2] + SEQ])
+        held = data.held_out_batches(2, batch_size=4, sharding=shardings[1])
+        np.testing.assert_array_equal(np.asarray(held[-1]["labels"])[-1], ids[-SEQ:])
+    assert "4.0k token ids from 1 files" in data.summary()
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path):
+    np.save(tmp_path / "ids.npy", np.arange(-1, 2000))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{tmp_path / 'ids.npy'}: token ids range over [-1, 1999], outside the "
+            "vocabulary of 1000 (ids 0 .. 999)")):
+        TokenIds.from_file(tmp_path / "ids.npy", seq_len=SEQ, vocab_size=1000)
+    np.save(tmp_path / "floats.npy", np.ones(1000))
+    with pytest.raises(ValueError, match="holds float64 values, not integer token ids"):
+        TokenIds.from_file(tmp_path / "floats.npy", seq_len=SEQ, vocab_size=1000)
+    with pytest.raises(ValueError, match="cannot read token ids from .*missing.bin"):
+        TokenIds.from_file(tmp_path / "missing.bin", seq_len=SEQ, vocab_size=1000)
+    with pytest.raises(ValueError, match=r"30 token ids \(array\) are too few for seq_len 8"):
+        TokenIds.from_array(np.arange(30), seq_len=SEQ, vocab_size=1000)
+    with pytest.raises(TypeError, match="TokenIds: train must be a 1-D integer numpy array"):
+        TokenIds.from_array(np.ones(1000), seq_len=SEQ, vocab_size=1000)
+
+
+def test_synthetic_token_ids_are_progressions_fixed_by_the_seed():
+    data = TokenIds.synthetic(96, seq_len=SEQ, tokens=10_000, seed=3)
+    assert data.train.dtype == np.uint8 and len(data.train) + len(data.held_out) == 10_000
+    again = TokenIds.synthetic(96, seq_len=SEQ, tokens=10_000, seed=3)
+    np.testing.assert_array_equal(data.train, again.train)
+    assert not np.array_equal(data.train,
+                              TokenIds.synthetic(96, seq_len=SEQ, tokens=10_000).train)
+    run = data.train[:4 * (SEQ + 1)].astype(np.int64)  # the first run of 4 windows
+    stride = (run[1] - run[0]) % 96
+    assert 1 <= stride <= 7
+    np.testing.assert_array_equal(np.diff(run) % 96, stride)
+    assert int(data.train.max()) < 96 and "synthetic progressions" in data.summary()
+
+
+def test_byte_corpus_is_the_byte_level_token_ids(corpus):
+    assert isinstance(corpus, TokenIds) and isinstance(corpus, TrainData)
+    assert corpus.vocab_size == 256 and corpus.train.dtype == np.uint8
+    assert isinstance(TokenIds.synthetic(50, seq_len=SEQ, tokens=1000), TrainData)

@@ -88,3 +88,26 @@ def test_a_non_finite_step_changes_nothing(mesh_2x4):
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
         assert np.isfinite(a).all()
+
+
+def test_batches_not_on_the_mesh_are_placed(mesh_2x4):
+    """Host arrays and arrays on one device are laid out on the step's mesh (token ids
+    like the data pipeline's batches): the losses equal those of batches placed by hand;
+    a batch that does not split over the data axes is a ValueError naming the fix."""
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=1, num_heads=4, hidden=32)
+    host = jax.tree.map(lambda x: x.reshape(2, 2, -1), _batches(1)[0])
+    losses = {}
+    for how in ("placed", "host", "one device"):
+        with jax.set_mesh(mesh_2x4):
+            step = TrainStep(GPT(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+            batch = {"placed": lambda: jax.device_put(host, NamedSharding(
+                         mesh_2x4, sp_jax.Layout().micro_batched_tokens)),
+                     "host": lambda: host,
+                     "one device": lambda: jax.device_put(host, jax.devices()[0])}[how]()
+            losses[how] = [float(step(batch, jax.random.key(i))["loss"]) for i in range(2)]
+            held_out = step.evaluate([_batches(1, seed=1)[0]])
+            assert np.isfinite(held_out)
+            with pytest.raises(ValueError, match=r"batch dimension 1 divisible by the "
+                                                 r"data-parallel size 2"):
+                step(jax.tree.map(lambda x: x[:, :1], host), jax.random.key(0))
+    assert losses["host"] == losses["placed"] == losses["one device"]

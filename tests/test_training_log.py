@@ -83,6 +83,7 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")  # the examples extra, not the test extra
     records = [{"step": i, "loss": 5.0 - 0.1 * i} for i in range(1, 31)]
     records += [{"step": 0, "eval_loss": 5.2}, {"step": 30, "eval_loss": 2.3}]
     path = tmp_path / "plots" / "loss.png"

@@ -9,7 +9,7 @@ Requirements: the CUDA PJRT plugin of the installed jax version, without the NVI
 runtime libraries (about 180 MB)::
 
     pip install --no-deps "jax-cuda12-plugin==$JAXVER" "jax-cuda12-pjrt==$JAXVER"
-    # or: pip install "sp_jax[gpu-aot]"   (the plugin's CUDA libraries are an extra of it)
+    # or, in a clone of sp_jax: pip install ".[gpu-aot]"  (its CUDA libraries: the plugin's extra)
 
 and ``JAX_PLATFORMS=cpu`` in the environment before JAX starts (otherwise the plugin
 probes for a GPU and is not registered). The target descriptions ship with sp_jax
@@ -43,6 +43,7 @@ __all__ = [
     "PeakBreakdown",
     "TARGETS",
     "compile_for_gpu",
+    "cuda_plugin_available",
     "default_compiler_options",
     "gpu_mesh",
     "peak_breakdown",
@@ -70,13 +71,21 @@ def _target_config(target: str) -> str:
     return resources.files("sp_jax.analysis").joinpath("targets", TARGETS[target]).read_text()
 
 
+def cuda_plugin_available() -> bool:
+    """Whether the CUDA PJRT plugin (``jax_plugins.xla_cuda12``) is installed."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
 def _check_plugin() -> None:
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin_available():
         raise RuntimeError(
             "Deviceless GPU compilation needs the CUDA PJRT plugin matching jax "
             f"{jax.__version__}: pip install --no-deps jax-cuda12-plugin=={jax.__version__} "
-            f"jax-cuda12-pjrt=={jax.__version__} (or `pip install sp_jax[gpu-aot]`), and "
-            "JAX_PLATFORMS=cpu set before JAX starts."
+            f"jax-cuda12-pjrt=={jax.__version__} (or `pip install '.[gpu-aot]'` in a clone of "
+            "sp_jax), and JAX_PLATFORMS=cpu set before JAX starts."
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,19 @@ __all__ = ["MODELS", "ModelShape", "PlanOption", "PlanRow", "candidates", "forma
 
 GiB = 2**30
 H100_BYTES = 80 * 10**9
+
+XLA_DOES_NOT_FIT = (
+    re.compile(r"E\d{4} [\d:.]+ +\d+ gpu_hlo_schedule\.cc:\d+\] The byte size of input/output "
+               r"arguments \(\d+\) exceeds the base limit \(\d+\)\. This indicates an error in "
+               r"the calculation!"),
+    re.compile(r"W\d{4} [\d:.]+ +\d+ hlo_rematerialization\.cc:\d+\] Can't reduce memory use "
+               r"below .*by rematerialization.*"),
+)
+"""What XLA:GPU prints (to stderr, from C++) while compiling a layout that does not fit:
+its scheduler finds the arguments larger than the device's memory (and calls that an
+error in *its* calculation), and rematerialization cannot bring the program below it.
+:func:`plan_one` keeps these lines out of the output and says what they mean
+(:attr:`PlanRow.xla_notes`, the note under :func:`format_table`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +131,7 @@ class PlanRow:
     formula_activation_bytes: float
     compile_s: float
     error: str = ""
+    xla_notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"label": self.option.label}
@@ -192,6 +207,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     import optax
     from flax import nnx
 
+    from sp_jax._quiet import filtered_stderr
     from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
     from sp_jax.analysis.hlo import parse_collectives
     from sp_jax.config import ParallelConfig
@@ -225,9 +241,10 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     param_bytes, opt_bytes = _device_bytes(params), _device_bytes(opt_state)
     grad_bytes = _device_bytes(params, itemsize=4)  # fp32 gradients, sharded like params
     try:
-        report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
-                                 batch_tree, key, mesh_shape=shape, axis_names=axes,
-                                 target=target, donate_argnums=(0, 2))
+        with filtered_stderr(XLA_DOES_NOT_FIT) as xla_notes:
+            report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
+                                     batch_tree, key, mesh_shape=shape, axis_names=axes,
+                                     target=target, donate_argnums=(0, 2))
     except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
         return PlanRow(option, batch, param_bytes, opt_bytes, grad_bytes, 0, 0, False, 0,
                        formula_params, formula_acts, time.perf_counter() - t0,
@@ -242,7 +259,8 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
         activation_bytes=max(report.temp_bytes - grad_bytes, 0),
         peak_bytes=report.peak_bytes, fits=report.peak_bytes <= H100_BYTES,
         collective_bytes=collectives, formula_param_bytes=formula_params,
-        formula_activation_bytes=formula_acts, compile_s=time.perf_counter() - t0)
+        formula_activation_bytes=formula_acts, compile_s=time.perf_counter() - t0,
+        xla_notes=tuple(xla_notes))
 
 
 def plan(model: ModelShape | str, gpus: int, *, options: Sequence[PlanOption] | None = None,
@@ -298,4 +316,12 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             f" | {g(r.opt_bytes)} | {g(r.grad_bytes)} | {g(r.activation_bytes)} "
             f"({g(r.formula_activation_bytes)}) | {g(r.peak_bytes)} | "
             f"{'yes' if r.fits else '**no**'} | {g(r.collective_bytes)} |")
+    noted = [r.option.label for r in rows if r.xla_notes]
+    if noted:
+        lines.append(
+            f"\nXLA:GPU warned while compiling {', '.join(noted)}: the arguments (parameters, "
+            "optimizer state, batch) exceed the GPU's memory, and rematerialization cannot "
+            "bring the program below it. It is XLA's way of saying the layout does not fit "
+            "(its message calls it an error in its calculation); the peak above is what the "
+            "compiled program needs.")
     return head + "\n".join(lines)

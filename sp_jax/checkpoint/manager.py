@@ -66,8 +66,8 @@ def _ocp():
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError("sp_jax.checkpoint needs orbax-checkpoint, a dependency of sp_jax "
-                          "that is missing from this environment: reinstall sp_jax "
-                          "(pip install sp_jax) or pip install orbax-checkpoint") from e
+                          "that is missing from this environment: pip install orbax-checkpoint "
+                          "(or reinstall sp_jax: pip install '.' in its clone)") from e
     return ocp
 
 

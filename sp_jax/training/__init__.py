@@ -1,7 +1,14 @@
-"""Training: the jitted step, its learning-rate schedule, multi-process launch, metrics logs.
+"""Training: the loop, the jitted step, its schedule, multi-process launch, faults, logs, flags.
 
 Modules:
 
+* ``trainer``: :class:`Trainer` (the training loop: resume with fallback over damaged
+  checkpoints, eval before save, divergence, stop requests, watchdogs, metrics log,
+  progress bar), :class:`TrainerConfig`, :class:`TrainResult`, :class:`TrainingStopped`
+  (a stopped run's message and exit status), :func:`open_checkpoints`.
+* ``cli``: the command line of a training script: :func:`add_trainer_arguments` (and the
+  parallelism and model flags, ``--preset``), the checks of the flags (``ValueError``
+  naming them), :func:`~cli.shared_settings`, :func:`~cli.run_metadata`.
 * ``step``: :class:`TrainStep` (one jitted optimizer step with micro-batch gradient
   accumulation in fp32, explicit shardings, donated state), :func:`accumulate_gradients`,
   :func:`lm_loss`, :func:`device_bytes`.
@@ -19,7 +26,8 @@ The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 :mod:`sp_jax.checkpoint`.
 """
 
-from sp_jax.training import faults, launch, log, schedule, step
+from sp_jax.training import cli, faults, launch, log, schedule, step, trainer
+from sp_jax.training.cli import add_trainer_arguments
 from sp_jax.training.faults import (
     DivergenceGuard,
     StopSignals,
@@ -46,6 +54,13 @@ from sp_jax.training.step import (
     lm_loss,
     train_step_fn,
 )
+from sp_jax.training.trainer import (
+    Trainer,
+    TrainerConfig,
+    TrainingStopped,
+    TrainResult,
+    open_checkpoints,
+)
 
 __all__ = [
     "MESH_AXES",
@@ -58,20 +73,28 @@ __all__ = [
     "faults",
     "Launch",
     "MetricsLog",
+    "TrainResult",
     "TrainStep",
+    "Trainer",
+    "TrainerConfig",
+    "TrainingStopped",
     "accumulate_gradients",
     "add_launch_arguments",
+    "add_trainer_arguments",
     "build_mesh",
+    "cli",
     "cluster_tasks",
     "device_bytes",
     "launch",
     "lm_loss",
     "log",
     "mesh_description",
+    "open_checkpoints",
     "parse_mesh",
     "plot_losses",
     "schedule",
     "step",
     "train_step_fn",
+    "trainer",
     "warmup_cosine_schedule",
 ]

@@ -1,6 +1,6 @@
 """Faults of a training run: signals, peers that disagree, die or stall, and a diverging loss.
 
-Every piece is small and explicit, for a training loop to use (``examples/train_gpt.py``
+Every piece is small and explicit, for a training loop to use (:class:`sp_jax.training.Trainer`
 uses all of them):
 
 * :class:`StopSignals`: SIGTERM / SIGINT (preemption, ``scancel``, Ctrl-C) become a request
@@ -23,7 +23,8 @@ uses all of them):
   ends the run before the diverged parameters are saved (see its docstring for the
   known-good checkpoint rule).
 
-Exit statuses (the example's, documented in ``docs/errors.md``): :data:`EXIT_ERROR` 1,
+Exit statuses (:attr:`sp_jax.training.TrainingStopped.status`, the examples' exit
+statuses, documented in ``docs/errors.md``): :data:`EXIT_ERROR` 1,
 :data:`EXIT_USAGE` 2, :data:`EXIT_DIVERGED` 3, :data:`EXIT_PEER_FAILED` 4,
 :data:`EXIT_INTERRUPTED` 75 (``EX_TEMPFAIL``: stopped by a signal after writing a
 checkpoint; rerun with ``--resume``); a second signal: 128 + its number.

@@ -230,11 +230,13 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
     return (sizes[0], 1, sizes[1]) if len(sizes) == 2 else tuple(sizes)
 
 
-def mesh_description(shape: Sequence[int]) -> str:
+def mesh_description(shape: Sequence[int] | jax.sharding.Mesh) -> str:
     """``"data=2 x tensor=4"`` (``"data=1 x context=2 x tensor=4"`` with a context axis)
-    for a :data:`MESH_AXES` shape."""
-    return " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, shape, strict=True)
-                      if name != "context" or size > 1)
+    for a :data:`MESH_AXES` shape, or for a mesh (its axes and sizes; a context axis of
+    size 1 left out)."""
+    axes = (shape.shape.items() if isinstance(shape, jax.sharding.Mesh)
+            else zip(MESH_AXES, shape, strict=True))
+    return " x ".join(f"{name}={size}" for name, size in axes if name != "context" or size > 1)
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")

@@ -10,7 +10,8 @@ resumed run redoes) and appends. Without a path it only keeps the records in mem
         log.write({"step": 1, "loss": 5.5})
     plot_losses("runs/loss.png", log.records, title="...")
 
-:func:`plot_losses` needs matplotlib (``pip install sp_jax[examples]``), imported on call.
+:func:`plot_losses` needs matplotlib (the ``examples`` extra: ``pip install ".[examples]"`` in
+a clone of sp_jax), imported on call.
 """
 
 from __future__ import annotations
@@ -107,13 +108,14 @@ def plot_losses(path: str | os.PathLike, records: Sequence[Mapping[str, Any]],
     ``ylabel`` labels the y axis.
 
     Raises:
-      ImportError: matplotlib is not installed (``pip install sp_jax[examples]``).
+      ImportError: matplotlib is not installed (the ``examples`` extra).
     """
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError("plot_losses needs matplotlib: pip install sp_jax[examples] "
-                          "(or pip install matplotlib)") from e
+        raise ImportError("plot_losses needs matplotlib: pip install matplotlib (it is "
+                          "sp_jax's examples extra: pip install sp_jax[examples], or "
+                          "pip install '.[examples]' in a clone)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding
 
+from sp_jax.config import ParallelConfig
+from sp_jax.layout import Layout
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss", "train_step_fn"]
@@ -138,7 +143,9 @@ class TrainStep:
         step.sync_model()                # write the trained parameters back to ``model``
 
     Create it under ``jax.set_mesh(mesh)``: the parameters are then placed as their
-    sharding annotations say, and the optimizer state follows them.
+    sharding annotations say, and the optimizer state follows them. Batches may come as
+    host arrays (or arrays on one device): :meth:`place` lays them out on the mesh, as
+    the call and :meth:`evaluate` do with whatever is not placed there yet.
 
     Args:
       model: the NNX model (e.g. :class:`sp_jax.models.GPT`) built under the mesh.
@@ -157,33 +164,79 @@ class TrainStep:
     def __post_init__(self) -> None:
         warn_if_gpu_flags_missing()  # once per process, on GPU only; no subprocess
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
-        mesh = jax.sharding.get_mesh()
+        mesh = self.mesh = jax.sharding.get_mesh()
         if not mesh.empty:
             # Lay the parameters out as their sharding annotations say, whatever their
             # current placement (e.g. weights just loaded from an unsharded model).
             self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
         self.opt_state = self.tx.init(self.params)
         self._step = None
+        self._debug = False
         self._eval = None
 
-    def _build(self, batch: Any) -> Callable:
-        step = train_step_fn(self.graphdef, self.tx, self.loss_fn)
+    def place(self, batch: Any, *, micro_batched: bool = True) -> Any:
+        """``batch`` on the step's mesh. Leaves already on the mesh's devices are kept as
+        they are; the others (host arrays, arrays on one device) are placed like the
+        batches of :class:`~sp_jax.data.ByteCorpus`: token ids ``[micro_batches, batch,
+        seq]`` as ``Layout.micro_batched_tokens`` (``[batch, seq]`` as ``Layout.tokens``
+        without ``micro_batched``), any other leaf with its batch dimension (the second,
+        or the first without ``micro_batched``) over the data axes and the rest
+        replicated. The layout is the model's (its ``parallel`` config), else the
+        default :class:`~sp_jax.Layout`.
 
-        # The rest (rng counters, buffers) is small and keeps whatever placement it has.
-        param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
-        return jax.jit(
-            step,
-            in_shardings=(param_s, None, opt_s, _shardings(batch), None),
-            out_shardings=(param_s, opt_s, None),
-            donate_argnums=(0, 2),
-        )
+        Raises:
+          ValueError: a leaf has no batch dimension, or a batch that does not split over
+            the data axes (naming its shape and the fix).
+        """
+        if self.mesh.empty:
+            return batch
+        parallel = getattr(self.model, "parallel", None)
+        layout = Layout.of(parallel) if isinstance(parallel, ParallelConfig) else Layout()
+        lead = 1 if micro_batched else 0
+        named = layout.micro_batched_tokens if micro_batched else layout.tokens
+        devices = set(self.mesh.devices.flat)
+        data = math.prod(self.mesh.shape[a] for a in layout.data_axes)
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, jax.Array) and x.sharding.device_set == devices:
+                return x
+            x = np.asarray(x)
+            if x.ndim <= lead or x.shape[lead] % data:
+                raise ValueError(
+                    f"TrainStep: a batch leaf of shape {x.shape} needs a batch dimension "
+                    f"{lead} divisible by the data-parallel size {data} (leaves "
+                    f"[{'micro_batches, ' if micro_batched else ''}batch, ...]); resize it, "
+                    "or place it yourself with jax.device_put(x, NamedSharding(mesh, "
+                    "spec)).")
+            spec = named if x.ndim == len(named) else layout.spec(
+                *([None] * lead), "activation_batch", *([None] * (x.ndim - lead - 1)))
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(leaf, batch)
+
+    def _jitted(self, batch: Any) -> Callable:
+        """The jitted step, built on first use. It donates the parameters and optimizer
+        state, except under ``jax_debug_nans`` / ``jax_debug_infs`` (JAX re-runs a step
+        that made a NaN op by op on the same inputs): a change of those builds it again."""
+        debug = bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+        if self._step is None or self._debug != debug:
+            step = train_step_fn(self.graphdef, self.tx, self.loss_fn)
+            # The rest (rng counters, buffers) is small and keeps whatever placement it has.
+            param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
+            self._step, self._debug = jax.jit(
+                step,
+                in_shardings=(param_s, None, opt_s, _shardings(batch), None),
+                out_shardings=(param_s, opt_s, None),
+                donate_argnums=() if debug else (0, 2),
+            ), debug
+        return self._step
 
     def compile(self, batch: Any, key: jax.Array) -> jax.stages.Compiled:
         """The compiled step for ``batch``'s shapes and shardings (for inspection, e.g.
         ``compile(...).memory_analysis()``; the executable is cached by ``jax.jit``)."""
-        if self._step is None:
-            self._step = self._build(batch)
-        return self._step.lower(self.params, self.rest, self.opt_state, batch, key).compile()
+        batch = self.place(batch)
+        return self._jitted(batch).lower(self.params, self.rest, self.opt_state, batch,
+                                         key).compile()
 
     def temp_bytes(self, batch: Any, key: jax.Array) -> int | None:
         """XLA's temp buffer size on one device of the compiled step for ``batch``: the
@@ -214,15 +267,16 @@ class TrainStep:
                 return loss_fn(model, batch, jax.random.key(0))  # no dropout: key unused
 
             self._eval = eval_loss
-        results = [self._eval(self.params, self.rest, batch) for batch in batches]
+        results = [self._eval(self.params, self.rest, self.place(batch, micro_batched=False))
+                   for batch in batches]
         count = sum(int(n) for _, n in results)
         return sum(float(s) for s, _ in results) / count if count else float("nan")
 
     def __call__(self, batch: Any, key: jax.Array) -> dict[str, jax.Array]:
-        """One optimizer step on ``batch`` (leaves ``[micro_batches, batch, ...]``)."""
-        if self._step is None:
-            self._step = self._build(batch)
-        self.params, self.opt_state, metrics = self._step(
+        """One optimizer step on ``batch`` (leaves ``[micro_batches, batch, ...]``; placed
+        on the mesh by :meth:`place` where they are not yet)."""
+        batch = self.place(batch)
+        self.params, self.opt_state, metrics = self._jitted(batch)(
             self.params, self.rest, self.opt_state, batch, key)
         return metrics
 

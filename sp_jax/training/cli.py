@@ -1,0 +1,296 @@
+"""The command line of a training script: its flags, their checks, and what they build.
+
+A script adds the flag groups it needs, parses, checks (every rule a ``ValueError`` whose
+message names the flags, for ``parser.error``), and builds from the flags::
+
+    parser = argparse.ArgumentParser(description=description(__doc__),
+                                     formatter_class=HelpFormatter)
+    add_trainer_arguments(parser)      # --steps, --batch-size, --lr, --ckpt-dir, ...
+    add_parallel_arguments(parser)     # --mesh, --context-parallel, --precision, --fsdp, ...
+    add_model_arguments(parser)        # --preset, --layers, --hidden, --heads, ...
+    args = parser.parse_args()
+    try:
+        args.mesh_shape = parse_mesh(args.mesh)
+        check_model_args(args)         # the preset's values filled in, checked on the mesh
+        config = check_run_args(args)  # a TrainerConfig
+    except ValueError as e:
+        parser.error(str(e))
+    parallel, cfg, tx = parallel_config(args), model_config(args), optimizer(args)
+
+Beside them: :func:`shared_settings` (what every process of a run must agree on, for
+:func:`~sp_jax.training.faults.check_same_settings`) and :func:`run_metadata` (what a
+checkpoint records: the model, which must match on resume, and the run's settings, which
+may change with a warning).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from sp_jax.config import ParallelConfig
+from sp_jax.models import GPTConfig
+from sp_jax.training.schedule import warmup_cosine_schedule
+from sp_jax.training.trainer import TrainerConfig
+
+__all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
+           "add_model_arguments", "add_parallel_arguments", "add_trainer_arguments",
+           "check_model_args", "check_run_args", "description", "model_config", "optimizer",
+           "parallel_config", "run_metadata", "shared_settings"]
+
+PRESETS: dict[str, Callable[..., GPTConfig]] = {
+    "gpt": lambda **o: GPTConfig(**{"vocab_size": 256, "max_seq_len": 128, "num_layers": 2,
+                                    "num_heads": 4, "hidden": 128, **o}),
+    "llama-tiny": lambda **o: GPTConfig.llama("llama-tiny", **o),
+}
+"""``--preset``: the model a name stands for, with :class:`GPTConfig` fields overridden."""
+
+# --flag -> the GPTConfig field it sets (None: the preset's value).
+_MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden", "heads": "num_heads",
+                "kv_heads": "num_kv_heads", "mlp_hidden": "mlp_hidden", "seq_len": "max_seq_len"}
+
+PER_PROCESS = ("process_id", "log_json", "plot", "no_progress", "local_device_ids",
+               "local_devices", "launch", "trainer")
+"""Flags (and attributes a script adds) that may differ between the processes of a run."""
+
+RUN_SETTINGS = ("seed", "data", "max_data_bytes", "batch_size", "micro_batches", "lr",
+                "warmup_steps", "final_lr_fraction", "weight_decay")
+"""The flags :func:`run_metadata` records as the run's settings (those a script has)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` to a flag's help, except where X is None or False (no
+    default to state) or the help text states the default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def description(doc: str | None) -> str:
+    """The first paragraph of a module docstring, on one line (a parser's description)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Adds the flags of a :class:`~sp_jax.training.TrainerConfig` and the optimizer:
+    ``--steps --seed --debug-nans --loss-spike --max-update-ratio`` (group "run"),
+    ``--batch-size --micro-batches --lr --warmup-steps --final-lr-fraction --weight-decay``
+    ("optimization"),
+    ``--eval-every --eval-batches`` ("evaluation"), ``--ckpt-dir --save-every --resume
+    --log-json --no-progress`` ("output").
+
+    Args:
+      defaults: other defaults by destination, e.g. ``steps=50, lr=1e-4``.
+    Raises:
+      TypeError: a default for a flag that is not added here.
+    """
+    add = parser.add_argument_group("run").add_argument
+    add("--steps", type=int, default=600, help="total optimizer steps")
+    add("--seed", type=int, default=0, help="seeds the initialisation, dropout and data order")
+    add("--debug-nans", action="store_true", help="jax_debug_nans: name the op making a NaN")
+    add("--loss-spike", type=float, default=3.0, metavar="FACTOR",
+        help="stop as diverged when a loss exceeds FACTOR x the median of the last 20 "
+             "(a checkpoint is written only after its parameters gave a good held-out "
+             "loss); 0: stop on non-finite losses only")
+    add("--max-update-ratio", type=float, default=1.0, metavar="R",
+        help="stop as diverged when a step's update norm exceeds R x the parameters' norm "
+             "(healthy: ~1e-3); 0: no limit")
+    add = parser.add_argument_group("optimization").add_argument
+    add("--batch-size", type=int, default=16, help="global batch (sequences) per step")
+    add("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches")
+    add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    add("--warmup-steps", type=int, default=20,
+        help="linear warmup, then cosine decay to --final-lr-fraction x lr")
+    add("--final-lr-fraction", type=float, default=0.1, metavar="F",
+        help="where the cosine decay ends at --steps, a fraction of --lr (1: constant)")
+    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    add = parser.add_argument_group("evaluation").add_argument
+    add("--eval-every", type=int, default=100, help="evaluate at 0, every K steps and the end")
+    add("--eval-batches", type=int, default=4, help="held-out micro-batches per eval")
+    add = parser.add_argument_group("output").add_argument
+    add("--ckpt-dir", default=None, help="checkpoint directory (shared by all processes)")
+    add("--save-every", type=int, default=0, help="checkpoint every K steps and at the end")
+    add("--resume", action="store_true", help="continue from the latest in --ckpt-dir")
+    add("--log-json", default=None, help="JSON lines: one record per step, plus evals")
+    add("--no-progress", action="store_true", help="no progress bar")
+    _set_defaults(parser, defaults)
+    if parser.get_default("warmup_steps") is None:  # check_run_args takes a tenth of --steps
+        next(a for a in parser._actions if a.dest == "warmup_steps").help += \
+            " (default: a tenth of --steps)"
+
+
+def _set_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
+    known = {a.dest for a in parser._actions}
+    unknown = sorted(set(defaults) - known)
+    if unknown:
+        raise TypeError(f"no flag for the defaults {unknown}; flags: {sorted(known)}")
+    parser.set_defaults(**defaults)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Adds ``--mesh --context-parallel --precision --recompute-allgather --fsdp`` (group
+    "parallelism"), read by :func:`parallel_config`; ``defaults`` as for
+    :func:`add_trainer_arguments`."""
+    add = parser.add_argument_group("parallelism").add_argument
+    add("--mesh", default="2,4", help="DATA,TENSOR or DATA,CONTEXT,TENSOR mesh shape")
+    add("--context-parallel", choices=("ring", "ulysses"), default="ring",
+        help="attention across the CONTEXT axis of a 3-axis --mesh")
+    add("--precision", choices=("fp32", "bf16"), default="fp32",
+        help="compute dtype (parameters stay in their own dtype, fp32 master weights)")
+    add("--recompute-allgather", action="store_true", help="re-gather SP inputs in backward")
+    add("--fsdp", action="store_true",
+        help="shard parameters, gradients and optimizer state over DATA too (ZeRO-3)")
+    _set_defaults(parser, defaults)
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """The :class:`ParallelConfig` of the flags (``args.mesh_shape``: the parsed
+    ``--mesh``, ``(data, context, tensor)``)."""
+    return ParallelConfig(
+        recompute_allgather=args.recompute_allgather, fsdp=args.fsdp,
+        wgrad_dtype=jnp.float32 if args.precision == "bf16" else None,
+        context_parallel=args.context_parallel if args.mesh_shape[1] > 1 else None)
+
+
+def _describe_preset(name: str) -> str:
+    c = PRESETS[name]()
+    kv = f" ({c.num_kv_heads} key/value)" if c.num_kv_heads != c.num_heads else ""
+    return (f"{name}: {c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads{kv}, "
+            f"{c.mlp_activation} MLP of {c.mlp_hidden}, {c.positions} positions, {c.norm}, "
+            f"{'tied' if c.tie_embeddings else 'untied'} head"
+            f"{'' if c.qkv_bias or c.out_bias or c.mlp_bias else ', no biases'}")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--preset`` (:data:`PRESETS`) and the flags that override its values:
+    ``--layers --hidden --heads --kv-heads --mlp-hidden --seq-len`` (group "model")."""
+    add = parser.add_argument_group("model").add_argument
+    add("--preset", choices=tuple(PRESETS), default="gpt",
+        help="the model: " + "; ".join(_describe_preset(n) for n in PRESETS) + ". The flags "
+             "below override a preset's values (llama-tiny is GPTConfig.llama('llama-tiny'))")
+    add("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
+    add("--hidden", type=int, default=None, help="model width (default: the preset's)")
+    add("--heads", type=int, default=None,
+        help="attention heads, a multiple of TENSOR (default: the preset's)")
+    add("--kv-heads", type=int, default=None,
+        help="key/value heads: a divisor of HEADS, and a divisor or a multiple of TENSOR "
+             "(default: the preset's, or HEADS where the preset has as many as heads)")
+    add("--mlp-hidden", type=int, default=None,
+        help="MLP width (default: the preset's, or 4 x HIDDEN where the preset has that)")
+    add("--seq-len", type=int, default=None,
+        help="tokens per sequence, a multiple of CONTEXT x TENSOR (default: the preset's)")
+
+
+def _resolve_model_args(args: argparse.Namespace) -> None:
+    """Fills the model flags not given with the preset's values; where the preset follows
+    GPTConfig's own rule (key/value heads = heads, MLP = 4 x hidden) the rule is kept."""
+    for flag in _MODEL_FLAGS:
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    base = PRESETS[args.preset]()
+    for flag in ("layers", "hidden", "heads", "seq_len"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(base, _MODEL_FLAGS[flag]))
+    if args.kv_heads is None:
+        args.kv_heads = base.num_kv_heads if base.num_kv_heads != base.num_heads else args.heads
+    if args.mlp_hidden is None:
+        args.mlp_hidden = base.mlp_hidden if base.mlp_hidden != 4 * base.hidden \
+            else 4 * args.hidden
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Fills in the preset's values of the model flags not given, then checks the model
+    and batch flags against the mesh ``args.mesh_shape`` (``(data, context, tensor)``).
+
+    Raises:
+      ValueError: a flag that is not positive, or sizes the mesh cannot split, naming
+        the flags and the fix.
+    """
+    _resolve_model_args(args)
+    (data, c, tensor), ring = args.mesh_shape, args.context_parallel == "ring"
+    sp, heads = tensor * c, tensor * (1 if ring else c)
+    micro = args.batch_size // args.micro_batches
+    for bad, message in [
+        (micro % data, f"the micro-batch ({micro} sequences) is not divisible by the "
+                       f"data size {data}"),
+        (args.seq_len % sp or ring and c > 1 and args.seq_len % (2 * c), f"--seq-len "
+         f"{args.seq_len} must divide by {sp} (context x tensor) and, for ring attention, by "
+         f"{2 * c}"),
+        (args.heads % heads or args.hidden % args.heads, f"--heads {args.heads} must be a "
+         f"multiple of {heads} (tensor size{', x context' if heads > tensor else ''}) and "
+         f"divide --hidden {args.hidden}"),
+        (args.heads % args.kv_heads or args.kv_heads % tensor and tensor % args.kv_heads,
+         f"--kv-heads {args.kv_heads} must divide --heads {args.heads} and divide or be a "
+         f"multiple of the tensor size {tensor}"),
+        (not ring and c > 1 and max(1, args.kv_heads // tensor) % c, f"ulysses needs the "
+         f"key/value heads per tensor shard divisible by the context size {c}: use more "
+         "--kv-heads or --context-parallel ring"),
+        (args.fsdp and args.hidden % data, f"--fsdp shards the hidden dimension over the "
+         f"data size {data}: --hidden {args.hidden} must be a multiple of it")]:
+        if bad:
+            raise ValueError(message)
+
+
+def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfig:
+    """The :class:`GPTConfig` of ``--preset`` with the model flags (after
+    :func:`check_model_args`), no dropout, fp32 parameters, ``--precision`` compute."""
+    overrides = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()}
+    return PRESETS[args.preset](
+        **overrides, vocab_size=vocab_size, dropout=0.0, param_dtype=jnp.float32,
+        dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32)
+
+
+def check_run_args(args: argparse.Namespace) -> TrainerConfig:
+    """Checks the flags of :func:`add_trainer_arguments`; returns their
+    :class:`~sp_jax.training.TrainerConfig`.
+
+    ``--warmup-steps`` None (a script's default) becomes a tenth of ``--steps`` (at least 1).
+
+    Raises:
+      ValueError: a bad value, naming the flag, e.g. ``--lr -0.003 must be positive and
+        --weight-decay 0.1 >= 0``.
+    """
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.steps // 10)
+    if not args.lr > 0 or args.weight_decay < 0:
+        raise ValueError(f"--lr {args.lr} must be positive and --weight-decay "
+                         f"{args.weight_decay} >= 0")
+    if min(args.warmup_steps, args.save_every, args.eval_every) < 0:
+        raise ValueError("--warmup-steps, --save-every and --eval-every must be >= 0")
+    if not 0 <= args.final_lr_fraction <= 1:
+        raise ValueError(f"--final-lr-fraction {args.final_lr_fraction} must be in [0, 1]")
+    return TrainerConfig.from_args(args)
+
+
+def optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    """Global-norm clipping at 1.0, then AdamW with ``--lr`` (linear warmup over
+    ``--warmup-steps``, cosine decay to ``--final-lr-fraction`` x lr at ``--steps``) and
+    ``--weight-decay``."""
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        warmup_cosine_schedule(args.lr, args.warmup_steps, args.steps,
+                               final_fraction=args.final_lr_fraction),
+        weight_decay=args.weight_decay))
+
+
+def shared_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings every process must agree on (checked before the first step): every
+    attribute of ``args`` but the :data:`PER_PROCESS` ones."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS}
+
+
+def run_metadata(args: argparse.Namespace, model: Any) -> dict[str, dict[str, Any]]:
+    """What a checkpoint records besides the arrays: ``"model"``, the fields of the model
+    config ``model`` (must match on resume; non-JSON values as strings), and ``"run"``, the
+    :data:`RUN_SETTINGS` flags ``args`` has (may change, with a warning)."""
+    fields = {k: v if isinstance(v, int | float | str | bool | None) else str(v)
+              for k, v in vars(model).items()}
+    return {"model": fields, "run": {k: getattr(args, k) for k in RUN_SETTINGS
+                                     if hasattr(args, k)}}

@@ -1,0 +1,555 @@
+"""The training loop: resumable, checkpointed, and safe against the faults of a long run.
+
+:class:`Trainer` runs a :class:`~sp_jax.training.TrainStep` over the batches of a
+:class:`~sp_jax.data.TrainData` (e.g. :class:`~sp_jax.data.ByteCorpus`,
+:class:`~sp_jax.data.TokenIds`) as its :class:`TrainerConfig` says, on every process of a
+multi-process run alike::
+
+    config = TrainerConfig(steps=600, batch_size=16, micro_batches=2, eval_every=100,
+                           ckpt_dir="runs/ckpt", save_every=50, log_json="runs/gpt.jsonl")
+    with jax.set_mesh(mesh):
+        step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)), tx)
+        result = Trainer(step, corpus, config, metadata={"model": {...}, "run": {...}}).run()
+    print(result.first_loss, result.last_loss, result.eval_loss)
+
+What it does, step ``i`` of ``1 .. steps`` (the batch of step ``i`` is
+``data.train_batch(i, seed=...)``, so a resumed run trains on what an uninterrupted one
+would have):
+
+* Resume (``ckpt_dir``): a fresh run into a directory that holds checkpoints is refused,
+  and so is ``resume`` without one. The newest intact checkpoint is restored onto the
+  current mesh; damaged newer steps are named, skipped and moved aside
+  (``CheckpointManager.quarantine``); another model (metadata section ``"model"``) is
+  refused, changed run settings (section ``"run"``) are warned about.
+* Eval before save: the held-out loss is computed at step 0, every ``eval_every`` steps,
+  at the end and right before every checkpoint, so a checkpoint is written only after
+  its own parameters gave a good held-out loss.
+* Divergence (:class:`~sp_jax.training.faults.DivergenceGuard`): a non-finite loss, a
+  loss over ``loss_spike`` x the recent median, or an update over ``max_update_ratio`` x
+  the parameters' norm stops the run without saving (:data:`~faults.EXIT_DIVERGED`).
+* Stop requests: SIGTERM / SIGINT to any process (:class:`~faults.StopSignals`) stop
+  every process after the same step (:func:`~faults.agree_to_stop`) with a checkpoint
+  (:data:`~faults.EXIT_INTERRUPTED`).
+* Peers: every step, evaluation, save and restore is watched
+  (:class:`~faults.Watchdog`, ``peer_timeout_s``; the first of each kind compiles and gets
+  ``compile_allowance_s`` more), and a failed collective ends the process with one line
+  (:func:`~faults.exit_on_peer_failure`).
+* Output: one JSON line per step and per evaluation (:class:`MetricsLog`, kept up to the
+  checkpoint on resume), a tqdm progress bar on stderr (``progress``; tqdm is imported only
+  then), and process 0 alone prints (``say``): the held-out losses, the compile time and
+  per-device memory after the first step, resume warnings.
+
+A run that cannot go on raises :class:`TrainingStopped` with the message to print and the
+exit status (``faults.EXIT_*``). Messages name the command-line flags of
+``examples/train_gpt.py`` (``--lr``, ``--resume``, ...) that :mod:`sp_jax.training.cli`
+maps onto :class:`TrainerConfig`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from sp_jax.checkpoint import (
+    CheckpointLockedError,
+    CheckpointManager,
+    CheckpointSaveError,
+    NonFiniteError,
+    abstract_like,
+)
+from sp_jax.data import Batch, TrainData
+from sp_jax.layout import Layout
+from sp_jax.training import faults
+from sp_jax.training.launch import mesh_description
+from sp_jax.training.log import MetricsLog
+from sp_jax.training.step import TrainStep, device_bytes
+
+__all__ = ["TrainResult", "Trainer", "TrainerConfig", "TrainingStopped", "open_checkpoints"]
+
+# The command-line flag of a TrainerConfig field where it is not "--" + field with dashes.
+_FLAGS = {"peer_timeout_s": "--peer-timeout", "progress": "--no-progress"}
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _problems(v: Mapping[str, Any], flags: bool) -> Iterator[str]:
+    """The problems of the settings ``v`` (TrainerConfig fields), first to last, as
+    command-line flags (``flags``: ``--loss-spike 0.5 must be > 1 ...``) or as fields
+    (``loss_spike=0.5 must be > 1 ...``)."""
+    def name(field: str, value: bool = True) -> str:
+        if flags:
+            return _flag(field) + (f" {v[field]}" if value else "")
+        return f"{field}={v[field]!r}" if value else field
+
+    for f in ("steps", "batch_size", "micro_batches", "eval_batches"):
+        if not _is_int(v[f]) or v[f] <= 0:
+            yield f"{name(f, not flags)} must be positive" + ("" if flags else " (an int)")
+    for f in ("eval_every", "save_every", "seed"):
+        if not _is_int(v[f]) or v[f] < 0:
+            yield f"{name(f)} must be an int >= 0"
+    if v["batch_size"] % v["micro_batches"]:
+        yield f"{name('batch_size')} is not divisible by {name('micro_batches')}"
+    spike = v["loss_spike"]
+    if not isinstance(spike, int | float) or spike and not (spike > 1 and math.isfinite(spike)):
+        yield f"{name('loss_spike')} must be > 1 (or 0 to stop on non-finite losses only)"
+    if not isinstance(v["max_update_ratio"], int | float) or not v["max_update_ratio"] >= 0:
+        yield f"{name('max_update_ratio')} must be >= 0"
+    if v["ckpt_dir"] and os.path.exists(v["ckpt_dir"]) and not os.path.isdir(v["ckpt_dir"]):
+        yield f"{name('ckpt_dir')} is a file, not a directory"
+    if v["log_json"] and os.path.isdir(v["log_json"]):
+        yield f"{name('log_json')} is a directory; name a file"
+    if (v["save_every"] or v["resume"]) and not v["ckpt_dir"]:
+        yield (f"{name('save_every', False)} / {name('resume', False)} need "
+               f"{name('ckpt_dir', False)}")
+    if v["max_to_keep"] is not None and (not _is_int(v["max_to_keep"]) or v["max_to_keep"] < 1):
+        yield f"{name('max_to_keep')} must be a positive int (or None to keep every step)"
+    for f in ("peer_timeout_s", "compile_allowance_s"):
+        if not isinstance(v[f], int | float) or not v[f] > 0:
+            yield f"{name(f)} must be positive (seconds)"
+    for f in ("resume", "debug_nans", "progress"):
+        if not isinstance(v[f], bool):
+            yield f"{name(f)} must be True or False"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """What a :class:`Trainer` run does (every field is checked on construction).
+
+    Attributes:
+      steps: the last optimizer step (a resumed run continues up to it).
+      batch_size: global sequences per step, split into ``micro_batches``.
+      micro_batches: gradient-accumulation micro-batches (the batch's leading dimension).
+      seed: the data order (and, with the step, dropout's key).
+      eval_every: held-out loss at step 0, every K steps and after the last; 0: after the
+        last (and before each save) only.
+      eval_batches: held-out micro-batches per evaluation.
+      save_every: checkpoint every K steps and after the last (needs ``ckpt_dir``); 0: only
+        when stopped by a signal.
+      ckpt_dir: the checkpoint directory (shared by all processes); None: no checkpoints.
+      resume: continue from the newest intact checkpoint in ``ckpt_dir`` (required when it
+        holds any; an error when it holds none).
+      max_to_keep: checkpoints kept (the oldest are deleted); None keeps all.
+      log_json: the JSON-lines metrics file process 0 writes; None: in memory only.
+      loss_spike: a loss over this factor x the median of the last 20 stops the run as
+        diverged; 0: non-finite losses only.
+      max_update_ratio: a step whose update norm exceeds this x the parameters' norm stops
+        the run as diverged; 0: no limit.
+      peer_timeout_s: multi-process: a step, evaluation, save or restore that makes no
+        progress for this long ends the process (a stalled or dead peer).
+      compile_allowance_s: added to the first call of each kind (it compiles).
+      debug_nans: run under ``jax.debug_nans`` (names the operation making a NaN).
+      progress: a tqdm progress bar on stderr (process 0; needs tqdm).
+    """
+
+    steps: int
+    batch_size: int
+    micro_batches: int = 1
+    seed: int = 0
+    eval_every: int = 0
+    eval_batches: int = 4
+    save_every: int = 0
+    ckpt_dir: str | None = None
+    resume: bool = False
+    max_to_keep: int | None = 3
+    log_json: str | None = None
+    loss_spike: float = 3.0
+    max_update_ratio: float = 1.0
+    peer_timeout_s: float = 120.0
+    compile_allowance_s: float = 600.0
+    debug_nans: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("ckpt_dir", "log_json"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, os.fspath(value))
+        problem = next(_problems(dataclasses.asdict(self), flags=False), None)
+        if problem:
+            raise ValueError(f"TrainerConfig: {problem}.")
+
+    @classmethod
+    def from_args(cls, args: Any) -> TrainerConfig:
+        """The config of the flags :func:`sp_jax.training.cli.add_trainer_arguments` and
+        :func:`~sp_jax.training.add_launch_arguments` (``--peer-timeout``) define; flags
+        that are absent keep the defaults.
+
+        Raises:
+          ValueError: a bad value, naming the flag as the command line spells it, e.g.
+            ``--loss-spike 0.5 must be > 1 (or 0 to stop on non-finite losses only)``.
+        """
+        values = {f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)}
+        values["peer_timeout_s"] = getattr(args, "peer_timeout", cls.peer_timeout_s)
+        values["progress"] = not getattr(args, "no_progress", not cls.progress)
+        problem = next(_problems(values, flags=True), None)
+        if problem:
+            raise ValueError(problem)
+        return cls(**values)
+
+
+class TrainingStopped(Exception):
+    """The run stopped before its last step; ``str(e)`` says why and what to do.
+
+    Attributes:
+      status: the process exit status it calls for: :data:`~faults.EXIT_DIVERGED`,
+        :data:`~faults.EXIT_INTERRUPTED`, :data:`~faults.EXIT_PEER_FAILED` or
+        :data:`~faults.EXIT_ERROR`.
+    """
+
+    def __init__(self, message: str, status: int = faults.EXIT_ERROR):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What :meth:`Trainer.run` did.
+
+    Attributes:
+      start_step: the checkpoint step the run continued from (0: a fresh run).
+      first_loss: the training loss of step ``start_step + 1`` (None: nothing to do).
+      last_loss: the training loss of the last step (None: nothing to do).
+      eval_loss: the held-out loss after the last step (None: nothing to do).
+      records: the metrics log's records, those kept from before a resume included.
+      seconds: the run's wall time.
+    """
+
+    start_step: int
+    first_loss: float | None
+    last_loss: float | None
+    eval_loss: float | None
+    records: list[dict[str, Any]]
+    seconds: float
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """``{step: training loss}`` of :attr:`records`."""
+        return {r["step"]: r["loss"] for r in self.records if "loss" in r}
+
+    @property
+    def eval_losses(self) -> dict[int, float]:
+        """``{step: held-out loss}`` of :attr:`records` (step 0: before training)."""
+        return {r["step"]: r["eval_loss"] for r in self.records if "eval_loss" in r}
+
+
+@contextlib.contextmanager
+def open_checkpoints(config: TrainerConfig) -> Iterator[CheckpointManager | None]:
+    """The :class:`~sp_jax.checkpoint.CheckpointManager` of ``config.ckpt_dir`` (None
+    without one), closed on exit. It takes the directory's writer lock: open it before
+    building the model to refuse a second trainer early, and pass it to :class:`Trainer`.
+
+    Raises:
+      TrainingStopped: the directory is in use by another writer or cannot be created.
+    """
+    if config.ckpt_dir is None:
+        yield None
+        return
+    try:
+        manager = CheckpointManager(config.ckpt_dir, max_to_keep=config.max_to_keep)
+    except (ValueError, OSError, CheckpointLockedError) as e:
+        raise TrainingStopped(str(e)) from e
+    with manager:
+        yield manager
+
+
+def _print(message: str) -> None:
+    print(message, file=sys.stdout, flush=True)
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f}MiB"
+
+
+def _tokens(batch: Batch) -> int:
+    """Tokens of a batch: the size of its ``tokens`` (else of its first leaf)."""
+    leaf = batch["tokens"] if isinstance(batch, Mapping) and "tokens" in batch else \
+        jax.tree.leaves(batch)[0]
+    return int(leaf.size)
+
+
+class Trainer:
+    """Trains ``step`` on ``data`` as ``config`` says (see the module docstring).
+
+    Args:
+      step: the :class:`~sp_jax.training.TrainStep` (model and optimizer state, built under
+        the mesh); :meth:`run` updates its ``params`` and ``opt_state``.
+      data: a :class:`~sp_jax.data.TrainData`; batches ``[micro_batches, batch_size /
+        micro_batches, seq]`` sharded ``layout.micro_batched_tokens``, held-out
+        ``[batch_size / micro_batches, seq]`` sharded ``layout.tokens``.
+      config: the :class:`TrainerConfig`.
+      metadata: saved with every checkpoint, JSON sections ``{"model": {...}, "run":
+        {...}}``: on resume a differing ``"model"`` is refused, other sections are warned
+        about (:func:`sp_jax.training.cli.run_metadata` builds them from flags).
+      mesh: the mesh to train on; default: the current one (``jax.set_mesh``).
+      layout: the batches' layout; default ``Layout.of(step.model.parallel)`` (a
+        :class:`~sp_jax.models.GPT`'s), else ``Layout()``.
+      checkpoints: an open manager of ``config.ckpt_dir`` (:func:`open_checkpoints`,
+        opened early to refuse a second writer before building anything); default:
+        :meth:`run` opens and closes it.
+      signals: entered :class:`~faults.StopSignals` to poll (installed early, to catch a
+        signal while the model is built); default: :meth:`run` installs its own.
+      say: prints one line on process 0 (default: stdout, flushed); never called on the
+        other processes.
+    """
+
+    def __init__(self, step: TrainStep, data: TrainData, config: TrainerConfig, *,
+                 metadata: Mapping[str, Mapping[str, Any]] | None = None,
+                 mesh: jax.sharding.Mesh | None = None, layout: Layout | None = None,
+                 checkpoints: CheckpointManager | None = None,
+                 signals: faults.StopSignals | None = None,
+                 say: Callable[[str], None] | None = None):
+        if not isinstance(config, TrainerConfig):
+            raise TypeError(f"Trainer: config must be a TrainerConfig, got "
+                            f"{type(config).__name__}.")
+        if not isinstance(data, TrainData):
+            raise TypeError(f"Trainer: data ({type(data).__name__}) needs train_batch(step, *, "
+                            "seed, batch_size, micro_batches, sharding) and held_out_batches("
+                            "count, *, batch_size, sharding), as sp_jax.data.TokenIds has.")
+        self.mesh = mesh if mesh is not None else jax.sharding.get_mesh()
+        if self.mesh.empty:
+            raise ValueError("Trainer: no mesh: build the trainer under jax.set_mesh(mesh) "
+                             "or pass mesh=.")
+        parallel = getattr(step.model, "parallel", None)
+        if layout is None:
+            layout = Layout.of(parallel) if parallel is not None else Layout()
+        self.layout = layout
+        self.step, self.data, self.config = step, data, config
+        self.metadata = dict(metadata or {})
+        self.checkpoints, self.signals = checkpoints, signals
+        self.say = say or _print
+        self.records: list[dict[str, Any]] = []
+        self.watchdog = faults.Watchdog(config.peer_timeout_s if jax.process_count() > 1
+                                        else None, name=f"process {jax.process_index()}")
+        self._compiled: set[str] = set()
+        self._bar: Any = None
+        self.guard = self._new_guard()
+        self.saved: int | None = None
+
+    def _new_guard(self) -> faults.DivergenceGuard:
+        return faults.DivergenceGuard(self.config.loss_spike or None,
+                                      max_update_ratio=self.config.max_update_ratio or None)
+
+    @property
+    def _ckpt_dir(self) -> str | None:
+        if self.config.ckpt_dir is not None or self.checkpoints is None:
+            return self.config.ckpt_dir
+        return self.checkpoints.directory
+
+    # -- output ---------------------------------------------------------------------------
+
+    def _print(self, message: str) -> None:
+        """``say`` on process 0 only (every process runs the same loop), above the bar."""
+        if jax.process_index() != 0:
+            return
+        if self._bar is None:
+            self.say(message)
+            return
+        with self._bar.external_write_mode(file=sys.stdout):
+            self.say(message)
+
+    def _progress(self, start: int) -> contextlib.AbstractContextManager:
+        """tqdm's bar over steps ``start + 1 .. steps`` on process 0 (``progress``)."""
+        if not (self.config.progress and jax.process_index() == 0):
+            return contextlib.nullcontext()
+        try:
+            from tqdm import tqdm
+        except ImportError as e:
+            raise ImportError("Trainer: progress=True needs tqdm, a dependency of sp_jax: "
+                              "pip install tqdm, or pass progress=False") from e
+        return tqdm(initial=start, total=self.config.steps, desc="train", unit="step",
+                    mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
+
+    # -- pieces of a step -----------------------------------------------------------------
+
+    def _watch(self, what: str, kind: str) -> contextlib.AbstractContextManager:
+        """Watches a blocking call; the first one of each kind compiles (longer limit)."""
+        first = kind not in self._compiled
+        self._compiled.add(kind)
+        return self.watchdog.watch(
+            what, extra_s=self.config.compile_allowance_s if first else 0.0)
+
+    def _diverged(self, i: int, reason: str) -> TrainingStopped:
+        kept = (f"the last checkpoint, step {self.saved}, holds parameters that gave a good "
+                f"held-out loss: resume from it with a lower --lr (or more --warmup-steps)"
+                if self.saved is not None else "try a lower --lr or more --warmup-steps")
+        return TrainingStopped(f"step {i}: training diverged ({reason}); stopped without "
+                               f"saving: {kept}", faults.EXIT_DIVERGED)
+
+    def _evaluate(self, i: int, held_out: list[Batch], log: MetricsLog) -> float:
+        """Held-out loss of the current parameters, logged and checked for divergence."""
+        with self._watch(f"evaluation at step {i}", "eval"):
+            loss = self.step.evaluate(held_out)
+        log.write({"step": i, "eval_loss": loss})
+        reason = self.guard.check(loss, "held-out loss")
+        if reason:
+            raise self._diverged(i, reason)
+        return loss
+
+    def _save(self, i: int, manager: CheckpointManager) -> None:
+        """Checkpoint ``i``; the caller evaluated its parameters first (known-good rule)."""
+        try:
+            with self._watch(f"saving step {i}", "save"):
+                manager.save(i, self.step.params, self.step.opt_state,
+                             metadata={"step": i, "next_batch": i + 1, **self.metadata,
+                                       "recent_losses": list(self.guard.recent)})
+        except (CheckpointSaveError, NonFiniteError) as e:
+            raise TrainingStopped(str(e)) from e
+        self.saved = i
+
+    def _resume(self, manager: CheckpointManager | None) -> tuple[int, list[float]]:
+        """Restores the newest intact checkpoint into ``step`` (resharded onto the mesh);
+        returns its step and the training losses before it ((0, []) when there is none).
+        Refuses a fresh run into a used directory, and ``resume`` without a checkpoint."""
+        cfg, where = self.config, self._ckpt_dir
+        latest = manager.latest_step() if manager is not None else None
+        if latest is not None and not cfg.resume:
+            raise TrainingStopped(f"--ckpt-dir {where} already holds checkpoints (steps "
+                                  f"{manager.all_steps()}); pass --resume to continue from "
+                                  f"step {latest}, or use another directory")
+        if latest is None:
+            if cfg.resume:  # a mistyped --ckpt-dir must not start over (and truncate the log)
+                raise TrainingStopped(f"--resume: no checkpoint in --ckpt-dir {where}; check "
+                                      "the path, or drop --resume to start a new run")
+            return 0, []
+        try:  # damaged steps are skipped (named); another model is refused, naming each one
+            restored = manager.restore(params_like=abstract_like(self.step.params),
+                                       opt_state_like=abstract_like(self.step.opt_state),
+                                       fallback=True, expect_metadata=self.metadata or None,
+                                       must_match=("model",))
+        except ValueError as e:  # CheckpointCorruptError (all damaged), MetadataMismatchError
+            raise TrainingStopped(str(e)) from e
+        for reason in restored.skipped:
+            self._print(f"warning: {reason}; skipped")
+        for damaged in [s for s in manager.all_steps() if s > restored.step]:
+            self._print(f"warning: moved damaged checkpoint step {damaged} aside to "
+                        f"{manager.quarantine(damaged)}")
+        if restored.changed:
+            changed = restored.changed
+            self._print("warning: resuming with changed settings (saved, now): "
+                        f"{changed['run'] if set(changed) == {'run'} else changed}")
+        self.step.params, self.step.opt_state = restored.params, restored.opt_state
+        self._print(f"resume: restored step {restored.step} from {where} onto mesh "
+                    f"{mesh_description(self.mesh)}")
+        return restored.step, list(restored.metadata.get("recent_losses", []))
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        """Resumes (as ``config`` says), trains steps ``start + 1 .. steps`` and returns
+        what happened; :attr:`records` holds the metrics log's records meanwhile.
+
+        Raises:
+          TrainingStopped: a refused resume or save (``EXIT_ERROR``), divergence
+            (``EXIT_DIVERGED``, nothing diverged saved), or a stop request
+            (``EXIT_INTERRUPTED``, after a checkpoint when ``ckpt_dir`` is set).
+        """
+        cfg, t0 = self.config, time.perf_counter()
+        self.guard, self.saved, self._bar, self.records = self._new_guard(), None, None, []
+        with contextlib.ExitStack() as stack:
+            signals = (self.signals if self.signals is not None
+                       else stack.enter_context(faults.StopSignals()))
+            manager = (self.checkpoints if self.checkpoints is not None
+                       else stack.enter_context(open_checkpoints(cfg)))
+            stack.enter_context(jax.set_mesh(self.mesh))
+            if cfg.debug_nans:
+                stack.enter_context(jax.debug_nans(True))
+            held_out = self.data.held_out_batches(
+                cfg.eval_batches, batch_size=cfg.batch_size // cfg.micro_batches,
+                sharding=NamedSharding(self.mesh, self.layout.tokens))
+            with faults.exit_on_peer_failure(), self.watchdog.watch(  # dead peer: one line
+                    "restoring the checkpoint", extra_s=cfg.compile_allowance_s):
+                start, recent_losses = self._resume(manager)
+            if start >= cfg.steps:
+                self._print(f"nothing to do: checkpoint step {start} >= --steps {cfg.steps}")
+            log = stack.enter_context(MetricsLog(
+                cfg.log_json if jax.process_index() == 0 else None, resume_from=start))
+            self.records = log.records
+            self._bar = stack.enter_context(self._progress(start))
+            try:
+                with faults.exit_on_peer_failure():
+                    first, last, final_eval = self._loop(start, recent_losses, held_out, log,
+                                                         manager, signals)
+            finally:
+                self._bar = None
+        return TrainResult(start, first, last, final_eval, log.records,
+                           time.perf_counter() - t0)
+
+    def _loop(self, start: int, recent_losses: list[float], held_out: list[Batch],
+              log: MetricsLog, manager: CheckpointManager | None,
+              signals: faults.StopSignals) -> tuple[float | None, float | None, float | None]:
+        """Steps ``start + 1 .. steps`` after the checkpoint of ``start`` (0: none) and
+        the training losses before it; returns (first loss, last loss, last held-out)."""
+        cfg, step, bar = self.config, self.step, self._bar
+        sharding = NamedSharding(self.mesh, self.layout.micro_batched_tokens)
+        key0 = jax.random.key(cfg.seed)
+        param_b, opt_b, temp = device_bytes(step.params), device_bytes(step.opt_state), None
+        first = last = final_eval = None
+        self.saved = start or None
+        for loss in recent_losses:  # the same on every process: from the checkpoint
+            self.guard.record(loss)
+        if start == 0 and cfg.eval_every:
+            self._print(f"step 0: held-out loss {self._evaluate(0, held_out, log):.4f}")
+        for i in range(start + 1, cfg.steps + 1):
+            batch = self.data.train_batch(i, seed=cfg.seed, batch_size=cfg.batch_size,
+                                          micro_batches=cfg.micro_batches, sharding=sharding)
+            key, t0 = jax.random.fold_in(key0, i), time.perf_counter()
+            try:
+                with self._watch(f"step {i}", "step"):  # the step's scalars, in one transfer
+                    metrics = {k: float(v) for k, v in jax.device_get(step(batch, key)).items()}
+                    loss = metrics["loss"]
+            except FloatingPointError as e:  # debug_nans
+                raise TrainingStopped(f"NaN at step {i} (--debug-nans): {e}",
+                                      faults.EXIT_DIVERGED) from e
+            dt, tokens = time.perf_counter() - t0, _tokens(batch)
+            if not math.isfinite(loss) or not metrics["finite"]:
+                raise self._diverged(i, f"loss is {loss}, grad norm {metrics['grad_norm']:.3g}"
+                                        "; this step's update was not applied")
+            reason = self.guard.check(loss) or self.guard.check_update(
+                metrics["update_norm"], metrics["param_norm"])
+            if reason:
+                raise self._diverged(i, reason)
+            self.guard.record(loss)
+            if i == start + 1:  # the first call compiled the step: time it as such
+                temp = step.temp_bytes(batch, key)
+                self._print(f"compiled the step in {dt:.1f} s; per device: params "
+                            f"{_mib(param_b)}, optimizer state {_mib(opt_b)}, activations and "
+                            f"temporaries (XLA temp of the compiled step) {_mib(temp)}")
+            first, last = first if first is not None else loss, loss
+            log.write({"step": i, "loss": loss, "tokens_per_s": tokens / dt,
+                       "grad_norm": metrics["grad_norm"],
+                       "update_ratio": metrics["update_norm"] / metrics["param_norm"],
+                       "time_s": dt})
+            if bar is not None:
+                bar.set_postfix_str(f"loss={loss:.3f} tok/s={tokens / dt:,.0f} mem/dev: params="
+                                    f"{_mib(param_b)} opt={_mib(opt_b)} act(temp)={_mib(temp)}",
+                                    refresh=False)
+                bar.update()
+            stop = faults.agree_to_stop(i, signals.received is not None)
+            save = manager is not None and (stop or cfg.save_every and (
+                i % cfg.save_every == 0 or i == cfg.steps))
+            if save or (cfg.eval_every and i % cfg.eval_every == 0) or i == cfg.steps:
+                final_eval = self._evaluate(i, held_out, log)  # before a save: only good ones
+                self._print(f"step {i}: train loss {loss:.4f}, held-out loss {final_eval:.4f}")
+            if save:
+                self._save(i, manager)
+            if stop and i < cfg.steps:
+                where = (f"checkpoint step {i} written to {self._ckpt_dir}; continue with "
+                         "--resume" if manager is not None else "no --ckpt-dir, nothing saved")
+                raise TrainingStopped(f"stopped by {signals.received or 'another process'} "
+                                      f"after step {i}: {where}", faults.EXIT_INTERRUPTED)
+        return first, last, final_eval
