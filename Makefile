@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU runs: the scripts simulate their devices themselves (sp_jax.xla_flags.cpu_simulation_flags)
 CPU_ENV := JAX_PLATFORMS=cpu
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test test-fast lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,15 @@ gpu-check: $(STAMP)
 
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
-# single-threaded, and the end-to-end tests wait on their subprocesses and peers; measured
-# on 2 cores, one tree: 10:11 with three workers, 12:01 with two.
+# single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
+# suite (CI's `.ci/run`) takes about 10 min on 2 idle cores.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
+
+# The fast tier for the inner loop (under 3 min on 2 idle cores): unit tests of every floor
+# and one end-to-end test per feature (the FAST table in tests/conftest.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 3 -m "not slow" tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check sp_jax tests examples benchmarks

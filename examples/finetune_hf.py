@@ -18,6 +18,9 @@ mesh's devices.
 
 from __future__ import annotations
 
+import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts quietly
+
+# isort: split
 import argparse
 import pathlib
 import sys
@@ -31,7 +34,7 @@ import sp_jax.training as training
 from sp_jax.data import TokenIds
 from sp_jax.models import hf
 from sp_jax.training import cli
-from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
+from sp_jax.xla_flags import simulate_cpu_devices
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,5 +113,5 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     args = parse()
     d, c, t = args.mesh_shape
-    apply_xla_flags(cpu_simulation_flags(d * c * t))  # before JAX starts; no effect on GPUs
+    simulate_cpu_devices(d * c * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

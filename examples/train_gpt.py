@@ -21,6 +21,9 @@ per --ckpt-dir.
 
 from __future__ import annotations
 
+import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts quietly
+
+# isort: split
 import argparse
 import contextlib
 import functools
@@ -35,7 +38,7 @@ import sp_jax.training as training
 from sp_jax.data import ByteCorpus
 from sp_jax.models import GPT
 from sp_jax.training import cli, faults, mesh_description
-from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
+from sp_jax.xla_flags import simulate_cpu_devices
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +136,5 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    # Simulated CPU devices must be set before JAX starts (no effect on GPUs).
-    apply_xla_flags(cpu_simulation_flags(args.local_devices))
+    simulate_cpu_devices(args.local_devices)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -30,17 +30,15 @@ def _parse() -> argparse.Namespace:
 args = _parse()
 # Simulated CPU devices must be configured before JAX initialises its backend (and
 # XLA:CPU must keep recompute's backward re-all-gather; XLA:GPU keeps it by itself).
-from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
+import sp_jax  # noqa: E402  (before jax: on a machine without a GPU, no CUDA noise)
 
-apply_xla_flags(cpu_simulation_flags(args.cpu_devices))
+sp_jax.xla_flags.simulate_cpu_devices(args.cpu_devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-
-import sp_jax  # noqa: E402
 
 
 class MLPBlock(nnx.Module):

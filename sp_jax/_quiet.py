@@ -6,7 +6,9 @@ lines (``Could not find cuda drivers on your machine, GPU will not be used.``) s
 to file descriptor 2, and, without ``JAX_PLATFORMS=cpu``, JAX logs a traceback of the
 plugin's failed initialisation before it falls back to the CPU. Neither says anything a
 CPU user can act on. :func:`quiet_import_jax` imports JAX (and, later, lets it discover
-its plugins) with those lines removed; every other line reaches stderr unchanged.
+its plugins) with those lines removed; every other line reaches stderr unchanged. gloo,
+which carries cross-process collectives on the CPU, prints a line per process and
+device group when it connects: :func:`quiet_gloo` drops those from stdout.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["NOISE", "filtered_stderr", "quiet_import_jax"]
+__all__ = ["GLOO_NOISE", "NOISE", "filtered_fd", "filtered_stderr", "quiet_gloo",
+           "quiet_import_jax"]
 
 NOISE = (
     re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called are "
@@ -31,27 +34,37 @@ NOISE = (
 """Lines (whole) that :func:`filtered_stderr` drops."""
 
 
-@contextlib.contextmanager
-def filtered_stderr(noise: tuple[re.Pattern, ...] = NOISE) -> Iterator[list[str]]:
-    """Captures what is written to file descriptor 2 (C++ libraries included) in the body
-    and writes it back afterwards without the lines matching ``noise`` (whole lines).
+GLOO_NOISE = (
+    re.compile(r"(?:\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. Expected number of "
+               r"connected peer ranks is : \d+\s*)+"),
+)
+"""gloo's line per process and device group when a cross-process collective first runs on
+the CPU (written to stdout by several threads at once, so whole lines and fragments)."""
 
-    Yields a list that, after the body, holds the lines dropped. Does nothing where fd 2
-    cannot be duplicated."""
+
+@contextlib.contextmanager
+def filtered_fd(fd: int, noise: tuple[re.Pattern, ...]) -> Iterator[list[str]]:
+    """Captures what is written to file descriptor ``fd`` (1 or 2; C++ libraries included)
+    in the body and writes it back afterwards without the lines matching ``noise``
+    (whole lines).
+
+    Yields a list that, after the body, holds the lines dropped. Does nothing where the
+    descriptor cannot be duplicated."""
+    stream = sys.stdout if fd == 1 else sys.stderr
     dropped: list[str] = []
-    sys.stderr.flush()
+    stream.flush()
     try:
-        saved = os.dup(2)
+        saved = os.dup(fd)
     except OSError:
         yield dropped
         return
     with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
+        os.dup2(capture.fileno(), fd)
         try:
             yield dropped
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
+            stream.flush()
+            os.dup2(saved, fd)
             os.close(saved)
             capture.seek(0)
             kept = []
@@ -59,8 +72,25 @@ def filtered_stderr(noise: tuple[re.Pattern, ...] = NOISE) -> Iterator[list[str]
                 noisy = any(p.fullmatch(line.rstrip("\n")) for p in noise)
                 (dropped if noisy else kept).append(line.rstrip("\n") if noisy else line)
             if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
+                stream.write("".join(kept))
+                stream.flush()
+
+
+def filtered_stderr(noise: tuple[re.Pattern, ...] = NOISE
+                    ) -> contextlib.AbstractContextManager[list[str]]:
+    """:func:`filtered_fd` of stderr (default: the CUDA plugin's start-up lines)."""
+    return filtered_fd(2, noise)
+
+
+def quiet_gloo() -> contextlib.AbstractContextManager[list[str] | None]:
+    """In a multi-process run, :func:`filtered_fd` of stdout without gloo's connection
+    lines (:data:`GLOO_NOISE`), around the first call of each kind of computation (when
+    gloo connects each device group); a no-op in a single process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return contextlib.nullcontext()
+    return filtered_fd(1, GLOO_NOISE)
 
 
 class _CudaPluginFallback(logging.Filter):

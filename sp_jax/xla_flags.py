@@ -336,13 +336,17 @@ def simulate_cpu_devices(num_devices: int) -> bool:
     """On a machine without an accelerator (:func:`accelerator_present`): adds
     :func:`cpu_simulation_flags` ``(num_devices)`` to ``XLA_FLAGS`` and returns True;
     elsewhere changes nothing (real devices are used, and XLA:GPU must keep the pass those
-    flags turn off) and returns False. Call it before JAX starts its backend.
+    flags turn off) and returns False. Call it before JAX starts its backend; once it
+    has started with at least ``num_devices`` devices (a notebook cell run again, a
+    test process) there is nothing to do and it returns False.
 
     Raises:
-      RuntimeError: the JAX backend is already initialised (see :func:`apply_xla_flags`).
+      RuntimeError: the JAX backend has started with fewer devices.
       ValueError: ``num_devices`` is not a positive int.
     """
     flags = cpu_simulation_flags(num_devices)
+    if _backend_initialized() and jax.device_count() >= num_devices:
+        return False
     if accelerator_present():
         return False
     apply_xla_flags(flags)

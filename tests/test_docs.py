@@ -64,6 +64,10 @@ def test_import_sp_jax_exposes_the_subpackages():
     code = ("import sp_jax\n"
             "from jax._src import xla_bridge\n"
             "assert sp_jax.models.GPT and sp_jax.training.TrainStep and sp_jax.layout.Layout\n"
+            "import sys\n"
+            "loaded = [m for m in ('sp_jax.analysis', 'tqdm', 'matplotlib', 'orbax')\n"
+            "          if any(n == m or n.startswith(m + '.') for n in sys.modules)]\n"
+            "assert not loaded, loaded  # measurement code and heavy optional imports\n"
             "assert sp_jax.analysis.compile_for_gpu and sp_jax.checkpoint.CheckpointManager\n"
             "assert not xla_bridge.backends_are_initialized()\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -141,3 +141,27 @@ def test_only_one_layers_gathered_weights_stay_alive_with_scan_and_remat():
     growth = (_grad_temp(8, True) - _grad_temp(4, True)) / 4
     one_layer_weights = 12 * h * h // t * 2  # q, k, v, out + MLP kernels, bf16, gathered
     assert 0 <= growth < one_layer_weights / 3, (growth, one_layer_weights)
+
+
+def test_xla_does_not_fit_lines_are_kept_out_and_explained():
+    """What XLA:GPU prints for a layout that does not fit is matched whole (so it can be
+    kept off stderr) and explained under the table, for the rows it concerns."""
+    from sp_jax.analysis.plan import XLA_DOES_NOT_FIT
+
+    lines = ["E1201 13:29:45.617483    1920 gpu_hlo_schedule.cc:968] The byte size of "
+             "input/output arguments (97081328021) exceeds the base limit (67954383257). "
+             "This indicates an error in the calculation!",
+             "W1201 13:29:46.126931    1920 hlo_rematerialization.cc:3231] Can't reduce "
+             "memory use below 90.41GiB (97081295253 bytes) by rematerialization; only "
+             "reduced to 152.08GiB (163298513209 bytes), down from 152.08GiB (163298595645 "
+             "bytes) originally"]
+    assert all(any(p.fullmatch(line) for p in XLA_DOES_NOT_FIT) for line in lines)
+    assert not any(p.fullmatch("E1201 something else went wrong") for p in XLA_DOES_NOT_FIT)
+    model = MODELS["70b"]
+    fits, too_big = (PlanRow(PlanOption(8, 1, 8, fsdp=f, remat=True), 8, 1, 1, 1, 1,
+                             2**30 * (20 if f else 150), f, 1, 1.0, 1.0, 1.0,
+                             xla_notes=() if f else tuple(lines)) for f in (True, False))
+    table = format_table(model, [too_big, fits])
+    assert "XLA:GPU warned while compiling 8x1x8 recompute_allgather+remat:" in table
+    assert "does not fit" in table and table.count("XLA:GPU warned") == 1
+    assert "8x1x8 recompute_allgather+fsdp+remat:" not in table

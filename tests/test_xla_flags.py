@@ -261,3 +261,33 @@ def test_cpu_simulation_flags():
     ]
     with pytest.raises(ValueError, match="num_devices=0 must be a positive int"):
         xla_flags.cpu_simulation_flags(0)
+
+
+def test_simulated_cpu_devices_only_without_an_accelerator(monkeypatch):
+    """JAX_PLATFORMS decides first; without it, device nodes do. Nothing changes on an
+    accelerator (XLA:GPU must keep the pass the CPU flags turn off), nor once the backend
+    runs with enough devices (this process: 8); fewer is an error."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dummy=1")
+    for platforms, present in (("cuda", True), ("cpu", False), ("cpu,tpu", True)):
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        assert xla_flags.accelerator_present() is present
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert xla_flags.simulate_cpu_devices(16) is False  # the backend runs: no flag added
+    assert os.environ["XLA_FLAGS"] == "--xla_dummy=1"
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert xla_flags.simulate_cpu_devices(8) is False  # 8 devices already
+    with pytest.raises(RuntimeError, match="after JAX initialised its backend"):
+        xla_flags.simulate_cpu_devices(16)
+    assert os.environ["XLA_FLAGS"] == "--xla_dummy=1"
+
+
+def test_simulated_cpu_devices_in_a_fresh_process():
+    """Before JAX starts, on a CPU: the flags are added and JAX sees the devices."""
+    code = ("import sp_jax, jax\n"
+            "assert sp_jax.xla_flags.simulate_cpu_devices(3)\n"
+            "assert jax.device_count() == 3, jax.devices()\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

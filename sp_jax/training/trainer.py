@@ -59,6 +59,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from sp_jax._quiet import quiet_gloo
 from sp_jax.checkpoint import (
     CheckpointLockedError,
     CheckpointManager,
@@ -376,12 +377,15 @@ class Trainer:
 
     # -- pieces of a step -----------------------------------------------------------------
 
-    def _watch(self, what: str, kind: str) -> contextlib.AbstractContextManager:
-        """Watches a blocking call; the first one of each kind compiles (longer limit)."""
+    @contextlib.contextmanager
+    def _watch(self, what: str, kind: str) -> Iterator[None]:
+        """Watches a blocking call; the first one of each kind compiles (longer limit) and
+        connects gloo's device groups in a multi-process CPU run (their lines dropped)."""
         first = kind not in self._compiled
         self._compiled.add(kind)
-        return self.watchdog.watch(
-            what, extra_s=self.config.compile_allowance_s if first else 0.0)
+        with (quiet_gloo() if first else contextlib.nullcontext()), self.watchdog.watch(
+                what, extra_s=self.config.compile_allowance_s if first else 0.0):
+            yield
 
     def _diverged(self, i: int, reason: str) -> TrainingStopped:
         kept = (f"the last checkpoint, step {self.saved}, holds parameters that gave a good "
@@ -471,8 +475,8 @@ class Trainer:
             held_out = self.data.held_out_batches(
                 cfg.eval_batches, batch_size=cfg.batch_size // cfg.micro_batches,
                 sharding=NamedSharding(self.mesh, self.layout.tokens))
-            with faults.exit_on_peer_failure(), self.watchdog.watch(  # dead peer: one line
-                    "restoring the checkpoint", extra_s=cfg.compile_allowance_s):
+            with faults.exit_on_peer_failure(), self._watch(  # dead peer: one line
+                    "restoring the checkpoint", "restore"):
                 start, recent_losses = self._resume(manager)
             if start >= cfg.steps:
                 self._print(f"nothing to do: checkpoint step {start} >= --steps {cfg.steps}")

@@ -1,0 +1,83 @@
+"""Every code block of the README and docs/ runs as written, in a fresh process, as on a
+new user's machine: no conftest, no XLA_FLAGS or JAX_PLATFORMS from the suite (the
+snippets simulate their own devices), and nothing scary on stderr.
+
+Which blocks run: every ``python`` block, and every ``bash`` block except the two make
+commands (``make test`` is this suite). Blocks that cannot run here are fenced otherwise:
+``text`` for output shown, ``sh`` for templates to adapt (a SLURM script, commands for
+several hosts). Each block runs in a fresh directory holding links to the clone's
+``tests/``, ``examples/`` and ``.venv/``, so what it writes (``runs/...``) stays there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _util import script_env
+
+from sp_jax._quiet import NOISE
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+SCARY = ("Traceback", "cudart_stub", "Could not find cuda drivers", "Jax plugin configuration",
+         "gpu_hlo_schedule", "error in the calculation")
+
+
+def _blocks() -> list[tuple[str, str, str]]:
+    """(id, language, code) of every block that runs; the id is ``<file>#<n>``, the n-th
+    block of the file that runs, and its line."""
+    out = []
+    for path in DOCS:
+        text, n = path.read_text(), 0
+        for m in FENCE.finditer(text):
+            language, code = m.group(1), m.group(2)
+            line = text.count("\n", 0, m.start()) + 1
+            if language == "bash" and all(c.split("#")[0].strip().startswith("make ")
+                                          for c in code.splitlines() if c.strip()):
+                continue
+            if language in ("python", "bash"):
+                n += 1
+                out.append((f"{path.relative_to(ROOT)}#{n} (line {line})", language, code))
+    return out
+
+
+BLOCKS = _blocks()
+IDS = [where.split(" ")[0] for where, _, _ in BLOCKS]
+
+
+def _user_env() -> dict[str, str]:
+    """A user's environment: no XLA_FLAGS / JAX_PLATFORMS of the suite; the suite's
+    persistent compilation cache (speed only)."""
+    env = {k: v for k, v in script_env().items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.parametrize("where, language, code", BLOCKS, ids=IDS)
+def test_block_runs_as_written(where, language, code, tmp_path):
+    for name in ("tests", "examples", ".venv"):
+        if (ROOT / name).exists():
+            (tmp_path / name).symlink_to(ROOT / name)
+    if language == "bash" and ".venv/bin/python" in code and not (ROOT / ".venv").exists():
+        pytest.skip("no .venv in this clone (make creates it)")
+    script = tmp_path / ("snippet.py" if language == "python" else "snippet.sh")
+    script.write_text(code)
+    argv = [sys.executable, str(script)] if language == "python" else ["bash", "-e", str(script)]
+    run = subprocess.run(argv, cwd=tmp_path, env=_user_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, f"{where} exited {run.returncode}\n{run.stdout[-3000:]}\n" \
+                                f"{run.stderr[-3000:]}"
+    scary = [line for line in run.stderr.splitlines()
+             if any(word in line for word in SCARY) or any(p.fullmatch(line) for p in NOISE)]
+    assert not scary, f"{where} printed on stderr:\n" + "\n".join(scary[:20])
+
+
+def test_every_doc_has_its_blocks_found():
+    """The README's snippets are among the blocks run (the fence pattern finds them)."""
+    assert sum(where.startswith("README.md") for where, _, _ in BLOCKS) >= 4
