@@ -82,7 +82,7 @@ def _axes(value: str | tuple[str, ...] | None) -> MeshAxes:
 class Layout:
     """Mesh axes of the data, context and tensor dimensions, and the specs they imply.
 
-    Build one from a config with :meth:`of`; the layers do so on every call. The fields
+    Build one from a ParallelConfig with :meth:`of`; the layers do so on every call. The fields
     carry the names of the :class:`~sp_jax.ParallelConfig` properties they come from.
 
     Attributes:
@@ -116,14 +116,14 @@ class Layout:
             )
 
     @classmethod
-    def of(cls, config: ParallelConfig) -> Layout:
+    def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout of a :class:`~sp_jax.ParallelConfig`."""
-        if not isinstance(config, ParallelConfig):
+        if not isinstance(parallel, ParallelConfig):
             raise TypeError(
-                f"Layout.of expects a sp_jax.ParallelConfig, got {type(config).__name__}."
+                f"Layout.of expects a sp_jax.ParallelConfig, got {type(parallel).__name__}."
             )
-        return cls(data_axes=config.data_axes, tensor_axis=config.tensor_axis,
-                   context_axes=config.context_axes, fsdp_axes=config.fsdp_axes)
+        return cls(data_axes=parallel.data_axes, tensor_axis=parallel.tensor_axis,
+                   context_axes=parallel.context_axes, fsdp_axes=parallel.fsdp_axes)
 
     # -- the table ------------------------------------------------------------------------
 

@@ -29,8 +29,8 @@ __all__ = ["Mesh", "axis_size", "check_batch_and_sequence", "check_divisible",
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
-def current_mesh(config: ParallelConfig, *, where: str, required: bool = True) -> Mesh | None:
-    """The mesh set with ``jax.set_mesh``, checked against ``config``'s axis names.
+def current_mesh(parallel: ParallelConfig, *, where: str, required: bool = True) -> Mesh | None:
+    """The mesh set with ``jax.set_mesh``, checked against ``parallel``'s axis names.
 
     Returns ``None`` when no mesh is set and ``required`` is false.
     """
@@ -44,23 +44,23 @@ def current_mesh(config: ParallelConfig, *, where: str, required: bool = True) -
             "`with jax.set_mesh(mesh):`."
         )
     axes = tuple(mesh.axis_names)
-    if config.tensor_axis not in axes:
+    if parallel.tensor_axis not in axes:
         raise ValueError(
-            f"{where}: tensor axis {config.tensor_axis!r} (ParallelConfig.tensor_axis) is "
+            f"{where}: tensor axis {parallel.tensor_axis!r} (ParallelConfig.tensor_axis) is "
             f"not in the mesh axes {axes}; name a mesh axis or build the mesh with it."
         )
-    for name in config.data_axes:
+    for name in parallel.data_axes:
         if name not in axes:
             raise ValueError(
                 f"{where}: data axis {name!r} (ParallelConfig.data_axis) is not in the mesh "
                 f"axes {axes}; pass ParallelConfig(data_axis=None) to replicate the batch, "
                 "or name one of the mesh axes."
             )
-    for name in config.context_axes:
+    for name in parallel.context_axes:
         if name not in axes:
             raise ValueError(
                 f"{where}: context axis {name!r} (ParallelConfig.context_axis, with "
-                f"context_parallel={config.context_parallel!r}) is not in the mesh axes "
+                f"context_parallel={parallel.context_parallel!r}) is not in the mesh axes "
                 f"{axes}; build the mesh as jax.make_mesh((data, context, tensor), ('data', "
                 f"'{name}', 'tensor')) or pass context_parallel=None."
             )
@@ -83,27 +83,27 @@ def check_divisible(where: str, what: str, size: int, mesh: Mesh, axes, fix: str
         )
 
 
-def check_batch_and_sequence(where: str, mesh: Mesh, config: ParallelConfig, batch: int,
+def check_batch_and_sequence(where: str, mesh: Mesh, parallel: ParallelConfig, batch: int,
                              seq: int | None = None, *, length: int | None = None) -> None:
     """The batch must split over the data axes, ``seq`` (the sequence of an SP layout) over
     the context and tensor axes, and ``length`` (a sequence outside SP regions) over the
     context axis; raises a ValueError naming the size and the fix otherwise."""
-    if config.data_axes:
+    if parallel.data_axes:
         check_divisible(
-            where, "batch size", batch, mesh, config.data_axes,
+            where, "batch size", batch, mesh, parallel.data_axes,
             "use a batch that is a multiple of the data-parallel size or "
             "ParallelConfig(data_axis=None)",
         )
     if seq is not None:
-        axes = (*config.context_axes, config.tensor_axis)
+        axes = (*parallel.context_axes, parallel.tensor_axis)
         check_divisible(
             where, "sequence length", seq, mesh, axes if len(axes) > 1 else axes[0],
             "pad the sequence to a multiple of the tensor-parallel size"
-            + (" times the context-parallel size" if config.context_axes else ""),
+            + (" times the context-parallel size" if parallel.context_axes else ""),
         )
-    if length is not None and config.context_axes:
+    if length is not None and parallel.context_axes:
         check_divisible(
-            where, "sequence length", length, mesh, config.context_axes,
+            where, "sequence length", length, mesh, parallel.context_axes,
             "pad the sequence to a multiple of the context-parallel size",
         )
 
@@ -140,19 +140,19 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     return x
 
 
-def to_sequence_parallel(x: jax.Array, config: ParallelConfig, *, where: str) -> jax.Array:
+def to_sequence_parallel(x: jax.Array, parallel: ParallelConfig, *, where: str) -> jax.Array:
     """Places ``[batch, seq, hidden]`` ``x`` in the SP layout ``P(data, tensor, None)``
     (``P(data, (context, tensor), None)`` with a context axis).
 
     A sequence (or batch) that does not split evenly is left as it is (GSPMD then
     chooses).
     """
-    mesh = current_mesh(config, where=where)
-    if x.ndim != 3 or x.shape[1] % axis_size(mesh, (*config.context_axes, config.tensor_axis)):
+    mesh = current_mesh(parallel, where=where)
+    if x.ndim != 3 or x.shape[1] % axis_size(mesh, (*parallel.context_axes, parallel.tensor_axis)):
         return x
-    if x.shape[0] % axis_size(mesh, config.data_axes):
+    if x.shape[0] % axis_size(mesh, parallel.data_axes):
         return x
-    return reshard(x, Layout.of(config).sp, mesh)
+    return reshard(x, Layout.of(parallel).sp, mesh)
 
 
 def mesh_platform() -> str:
@@ -167,14 +167,14 @@ def mesh_platform() -> str:
     return platform if platform is not None else jax.default_backend()
 
 
-def warn_if_recompute_may_be_merged(config: ParallelConfig) -> None:
+def warn_if_recompute_may_be_merged(parallel: ParallelConfig) -> None:
     """Warns when XLA:CPU would merge recompute's re-all-gather with the forward one.
 
     XLA:CPU's CSE merges the backward re-gather into the forward gather unless the
     ``cse_barrier_expander`` pass is disabled; the result is still correct, but the
     gathered input is then kept alive and ``recompute_allgather`` saves nothing.
     """
-    if not config.recompute_allgather or mesh_platform() != "cpu":
+    if not parallel.recompute_allgather or mesh_platform() != "cpu":
         return
     if "cse_barrier_expander" in os.environ.get("XLA_FLAGS", ""):
         return

@@ -104,7 +104,7 @@ FAST = {
     "test_gpt.py": ("test_sp_gpt_trains_like_unsharded[llama_gqa_kv2_t4_vocab50]",
                     "test_gpt_config_errors", "test_gpt_input_errors"),
     "test_context.py": ("test_errors",),
-    "test_fsdp.py": ("test_fsdp_errors",),
+    "test_fsdp.py": ("test_fsdp_errors", "test_fsdp_trains_like_unsharded[2x4_scan_untied_rotary]"),
     "test_collective_matmul.py": ("test_ring_steps",
                                   "test_column_row_pair_matches_unsharded[2x4_rec]"),
     "test_checkpoint.py": ("test_restore_onto_other_meshes_bitwise[shape1]",
@@ -132,7 +132,8 @@ FAST = {
     "test_train_gpt.py": ("test_bad_numbers_and_paths_are_usage_errors",
                           "test_presets_are_the_library_presets"),
     "test_docs.py": ("test_readme_opens_with_the_two_commands", "test_readme_example_runs",
-                     "test_linked_docs_exist", "test_import_sp_jax_exposes_the_subpackages"),
+                     "test_readme_context_example_runs", "test_linked_docs_exist",
+                     "test_import_sp_jax_exposes_the_subpackages"),
     "test_doc_snippets.py": ("test_block_runs_as_written[README.md#1]",
                              "test_every_doc_has_its_blocks_found"),
 }

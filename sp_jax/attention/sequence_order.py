@@ -70,15 +70,15 @@ def zigzag_positions(r, c: int, n: int) -> jax.Array:
     return jnp.concatenate([r * n + jnp.arange(n), (2 * c - 1 - r) * n + jnp.arange(n)])
 
 
-def sequence_order(config: ParallelConfig, mesh: Mesh, seq_len: int) -> np.ndarray | None:
+def sequence_order(parallel: ParallelConfig, mesh: Mesh, seq_len: int) -> np.ndarray | None:
     """The order in which the model holds the sequence: ``None`` (the natural order), or,
     with ring context parallelism over ``c > 1`` devices, the zigzag order
     (:func:`zigzag_order`: position ``i`` of the held sequence is position ``order[i]`` of
     the input), which gives every device an equal share of the causal attention work.
     Raises a ValueError when the sequence cannot be split so."""
-    if config.context_parallel != "ring":
+    if parallel.context_parallel != "ring":
         return None
-    c = axis_size(mesh, config.context_axis)
+    c = axis_size(mesh, parallel.context_axis)
     if c == 1:
         return None
     if seq_len % (2 * c):
@@ -89,39 +89,39 @@ def sequence_order(config: ParallelConfig, mesh: Mesh, seq_len: int) -> np.ndarr
     return zigzag_order(seq_len, c)
 
 
-def local_positions(config: ParallelConfig, order: np.ndarray | None, s_local: int
+def local_positions(parallel: ParallelConfig, order: np.ndarray | None, s_local: int
                     ) -> jax.Array:
     """Per device (inside ``shard_map``): the global positions of this device's
     ``s_local`` rows of a sequence held in ``order`` and sharded over the context axis
     (the whole sequence ``0 .. s_local - 1`` without one)."""
-    if not config.context_axes:
+    if not parallel.context_axes:
         return jnp.arange(s_local)
-    start = lax.axis_index(config.context_axis) * s_local
-    held = jnp.arange(s_local * lax.axis_size(config.context_axis)) if order is None \
+    start = lax.axis_index(parallel.context_axis) * s_local
+    held = jnp.arange(s_local * lax.axis_size(parallel.context_axis)) if order is None \
         else jnp.asarray(order)
     return lax.dynamic_slice_in_dim(held, start, s_local)
 
 
-def _permute(x: jax.Array, perm: np.ndarray, config: ParallelConfig, feature: str | None
+def _permute(x: jax.Array, perm: np.ndarray, parallel: ParallelConfig, feature: str | None
              ) -> jax.Array:
     """``x [batch, seq, ...]`` with its sequence gathered (batch still over the data axes,
     the third dimension's logical axis ``feature``) and permuted by ``perm``."""
-    mesh = current_mesh(config, where="sequence order")
+    mesh = current_mesh(parallel, where="sequence order")
     trailing = [feature] + [None] * (x.ndim - 3) if x.ndim > 2 else []
-    whole = Layout.of(config).spec("activation_batch", None, *trailing)
+    whole = Layout.of(parallel).spec("activation_batch", None, *trailing)
     return jnp.take(reshard(jnp.asarray(x), whole, mesh), jnp.asarray(perm), axis=1)
 
 
-def to_held(x: jax.Array, order: np.ndarray | None, config: ParallelConfig,
+def to_held(x: jax.Array, order: np.ndarray | None, parallel: ParallelConfig,
             feature: str | None = None) -> jax.Array:
     """A global ``x [batch, seq, ...]`` in the natural order, in the held ``order`` (as
     is when ``order`` is None). ``feature``: the logical axis of a third dimension
     (e.g. ``"activation_vocab"``); the result is sharded over the batch only (callers
     reshard it to their layout)."""
-    return x if order is None else _permute(x, order, config, feature)
+    return x if order is None else _permute(x, order, parallel, feature)
 
 
-def to_natural(x: jax.Array, order: np.ndarray | None, config: ParallelConfig,
+def to_natural(x: jax.Array, order: np.ndarray | None, parallel: ParallelConfig,
                feature: str | None = None) -> jax.Array:
     """The inverse of :func:`to_held`: ``x`` held in ``order``, in the natural order."""
-    return x if order is None else _permute(x, np.argsort(order), config, feature)
+    return x if order is None else _permute(x, np.argsort(order), parallel, feature)

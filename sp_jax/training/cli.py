@@ -32,7 +32,9 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from sp_jax.attention import zigzag_order
 from sp_jax.config import ParallelConfig
+from sp_jax.layers import check_kv_heads, kv_heads_per_shard
 from sp_jax.models import GPTConfig
 from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.trainer import TrainerConfig
@@ -206,6 +208,15 @@ def _resolve_model_args(args: argparse.Namespace) -> None:
             else 4 * args.hidden
 
 
+def _breaks(rule: Callable[..., Any], *args: Any) -> bool:
+    """Whether the library's ``rule(*args)`` raises a ValueError."""
+    try:
+        rule(*args)
+    except ValueError:
+        return True
+    return False
+
+
 def check_model_args(args: argparse.Namespace) -> None:
     """Fills in the preset's values of the model flags not given, then checks the model
     and batch flags against the mesh ``args.mesh_shape`` (``(data, context, tensor)``).
@@ -218,19 +229,22 @@ def check_model_args(args: argparse.Namespace) -> None:
     (data, c, tensor), ring = args.mesh_shape, args.context_parallel == "ring"
     sp, heads = tensor * c, tensor * (1 if ring else c)
     micro = args.batch_size // args.micro_batches
+    # the library's rules (the zigzag order, the kv-head rules), reported as flags
+    kv_bad = _breaks(check_kv_heads, "", args.heads, args.kv_heads) or _breaks(
+        kv_heads_per_shard, args.kv_heads, tensor, "")
     for bad, message in [
         (micro % data, f"the micro-batch ({micro} sequences) is not divisible by the "
                        f"data size {data}"),
-        (args.seq_len % sp or ring and c > 1 and args.seq_len % (2 * c), f"--seq-len "
-         f"{args.seq_len} must divide by {sp} (context x tensor) and, for ring attention, by "
-         f"{2 * c}"),
+        (args.seq_len % sp or ring and c > 1 and _breaks(zigzag_order, args.seq_len, c),
+         f"--seq-len {args.seq_len} must divide by {sp} (context x tensor) and, for ring "
+         f"attention, by {2 * c}"),
         (args.heads % heads or args.hidden % args.heads, f"--heads {args.heads} must be a "
          f"multiple of {heads} (tensor size{', x context' if heads > tensor else ''}) and "
          f"divide --hidden {args.hidden}"),
-        (args.heads % args.kv_heads or args.kv_heads % tensor and tensor % args.kv_heads,
-         f"--kv-heads {args.kv_heads} must divide --heads {args.heads} and divide or be a "
-         f"multiple of the tensor size {tensor}"),
-        (not ring and c > 1 and max(1, args.kv_heads // tensor) % c, f"ulysses needs the "
+        (kv_bad, f"--kv-heads {args.kv_heads} must divide --heads {args.heads} and divide or "
+         f"be a multiple of the tensor size {tensor}"),
+        (not ring and c > 1 and not kv_bad
+         and kv_heads_per_shard(args.kv_heads, tensor, "") % c, f"ulysses needs the "
          f"key/value heads per tensor shard divisible by the context size {c}: use more "
          "--kv-heads or --context-parallel ring"),
         (args.fsdp and args.hidden % data, f"--fsdp shards the hidden dimension over the "
