@@ -122,6 +122,7 @@ FAST = {
                          "test_peak_breakdown_reads_the_top_level_entries_and_live_ranges",
                          "test_compile_for_gpu_errors",
                          "test_compile_for_gpu_without_the_plugin_says_how_to_install",
+                         "test_no_jax_plugins_package_at_all_is_a_missing_plugin",
                          "test_h100_tp_column_dx_all_reduce_is_async"),
     "test_plan.py": ("test_parameter_count_of_the_presets", "test_candidates",
                      "test_xla_does_not_fit_lines_are_kept_out_and_explained"),

@@ -337,6 +337,30 @@ def test_compile_for_gpu_without_the_plugin_says_how_to_install(monkeypatch):
         gpu._topology.cache_clear()
 
 
+def test_no_jax_plugins_package_at_all_is_a_missing_plugin(monkeypatch):
+    """A plain install has no ``jax_plugins`` package: looking up the plugin must not
+    raise ModuleNotFoundError for the parent but say the plugin is missing."""
+    import importlib.util
+
+    from sp_jax.analysis import cuda_plugin_available, gpu
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return real_find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert cuda_plugin_available() is False
+    gpu._topology.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"pip install --no-deps jax-cuda12-plugin=="):
+            gpu_mesh((8,), ("tensor",))
+    finally:
+        gpu._topology.cache_clear()
+
+
 @requires_cuda_plugin
 def test_h100_tp_column_dx_all_reduce_is_async():
     """mp_async_allreduce for the plain TP layers: the dx all-reduce entering the TP
