@@ -329,6 +329,11 @@ def test_compile_for_gpu_without_the_plugin_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
                         if name == "jax_plugins.xla_cuda12" else real_find_spec(name, *a))
+    _gpu_mesh_says_how_to_install(gpu)
+
+
+def _gpu_mesh_says_how_to_install(gpu) -> None:
+    """gpu_mesh raises the install hint (the topology cache cleared around it)."""
     gpu._topology.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"pip install --no-deps jax-cuda12-plugin=="):
@@ -353,12 +358,7 @@ def test_no_jax_plugins_package_at_all_is_a_missing_plugin(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert cuda_plugin_available() is False
-    gpu._topology.cache_clear()
-    try:
-        with pytest.raises(RuntimeError, match=r"pip install --no-deps jax-cuda12-plugin=="):
-            gpu_mesh((8,), ("tensor",))
-    finally:
-        gpu._topology.cache_clear()
+    _gpu_mesh_says_how_to_install(gpu)
 
 
 @requires_cuda_plugin
