@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                            sizes["vocab"], sizes["seq"], sizes["mlp-hidden"])
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus} must be positive")
-    rows = plan(model, args.gpus, batch=args.batch, progress=not args.no_progress)
+    try:
+        rows = plan(model, args.gpus, batch=args.batch, progress=not args.no_progress)
+    except RuntimeError as e:  # no CUDA plugin: one line saying how to install it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(format_table(model, rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -165,3 +165,29 @@ def test_xla_does_not_fit_lines_are_kept_out_and_explained():
     assert "XLA:GPU warned while compiling 8x1x8 recompute_allgather+remat:" in table
     assert "does not fit" in table and table.count("XLA:GPU warned") == 1
     assert "8x1x8 recompute_allgather+fsdp+remat:" not in table
+
+
+def test_command_line_without_the_plugin_is_one_error_line(monkeypatch, capsys):
+    """A plain install (no CUDA plugin, not even a jax_plugins package): the planner ends
+    with one line saying how to install it, exit status 1, no traceback."""
+    import importlib.util
+
+    from sp_jax.analysis import gpu
+    from sp_jax.plan import main
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return real_find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    gpu._topology.cache_clear()
+    try:
+        assert main(["--model", "7b", "--gpus", "8", "--no-progress"]) == 1
+    finally:
+        gpu._topology.cache_clear()
+    err = capsys.readouterr().err
+    assert err.startswith("error: Deviceless GPU compilation needs the CUDA PJRT plugin")
+    assert "pip install '.[gpu-aot]'" in err and "Traceback" not in err
