@@ -16,7 +16,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,examples,gpu-aot]"
 	touch $(STAMP)
 
-# Trains the byte-level GPT (examples/train_gpt.py; ~1-2 min on CPU); examples/train_mlp.py is
+# Trains the byte-level GPT (examples/train_gpt.py; under a minute on CPU); examples/train_mlp.py is
 # the smaller example: $(CPU_ENV) $(PY) examples/train_mlp.py
 demo: $(STAMP)
 	$(CPU_ENV) $(PY) examples/train_gpt.py --plot runs/loss.png --log-json runs/demo.jsonl

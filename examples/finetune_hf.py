@@ -61,10 +61,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not pathlib.Path(a.hf_dir, "config.json").is_file():
         p.error(f"--hf-dir {a.hf_dir}: no config.json there (a Hugging Face checkpoint "
                 "directory holds config.json and *.safetensors)")
-    data, context, tensor = a.mesh_shape
-    if (a.batch_size // a.micro_batches) % data or a.seq_len % (context * tensor):
-        p.error(f"--batch-size {a.batch_size} / --micro-batches must divide by DATA={data} "
-                f"and --seq-len {a.seq_len} by CONTEXT x TENSOR={context * tensor}")
     return a
 
 
@@ -75,15 +71,15 @@ def main(args: argparse.Namespace) -> int:
     if args.no_dropout:
         overrides.update(dropout=0.0, attention_dropout=0.0)
     with jax.set_mesh(mesh):
-        model = hf.from_hf(args.hf_dir, parallel=cli.parallel_config(args),
-                           rngs=nnx.Rngs(args.seed), **overrides)
-        cfg = model.config
-        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        print(f"loaded {args.hf_dir}: {cfg.num_layers} layers, hidden {cfg.hidden}, "
-              f"{cfg.num_heads} heads ({cfg.num_kv_heads} key/value), vocabulary "
-              f"{cfg.vocab_size}, {n_params / 1e6:.2f}M parameters; mesh "
-              f"{training.mesh_description(mesh)}")
-        try:
+        try:  # the library's checks (sizes against the mesh, the checkpoint) name the fix
+            model = hf.from_hf(args.hf_dir, parallel=cli.parallel_config(args),
+                               rngs=nnx.Rngs(args.seed), **overrides)
+            cfg = model.config
+            n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+            print(f"loaded {args.hf_dir}: {cfg.num_layers} layers, hidden {cfg.hidden}, "
+                  f"{cfg.num_heads} heads ({cfg.num_kv_heads} key/value), vocabulary "
+                  f"{cfg.vocab_size}, {n_params / 1e6:.2f}M parameters; mesh "
+                  f"{training.mesh_description(mesh)}")
             if args.seq_len > cfg.max_seq_len:
                 raise ValueError(f"--seq-len {args.seq_len} exceeds the model's "
                                  f"{cfg.max_seq_len} positions")
@@ -95,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
             step = training.TrainStep(model, cli.optimizer(args))
             result = training.Trainer(step, data, args.trainer,
                                       metadata=cli.run_metadata(args, cfg)).run()
-        except (ValueError, training.TrainingStopped) as e:
+        except (ValueError, OSError, training.TrainingStopped) as e:
             print(f"error: {e}", file=sys.stderr)
             return getattr(e, "status", training.faults.EXIT_ERROR)
         before = result.eval_losses.get(0)

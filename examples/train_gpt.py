@@ -27,6 +27,7 @@ import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts
 import argparse
 import contextlib
 import functools
+import importlib.util
 import sys
 import time
 from collections.abc import Callable
@@ -63,6 +64,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         cli.check_model_args(a)
         if a.max_data_bytes <= 0:
             raise ValueError(f"--max-data-bytes {a.max_data_bytes} must be positive")
+        if a.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib (the examples "
+                             "extra, pip install '.[examples]' in a clone of sp_jax)")
     except ValueError as e:
         p.error(str(e))
     return a

@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -23,7 +24,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layout import Layout
 
 __all__ = ["Mesh", "axis_size", "check_batch_and_sequence", "check_divisible",
-           "check_int_range", "current_mesh", "mesh_platform", "reshard",
+           "check_int_range", "current_mesh", "mesh_platform", "nan_where", "reshard",
            "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
@@ -127,6 +128,14 @@ def check_int_range(where: str, what: str, values: Any, low: int, high: int,
             f"{where}: {what} {int(v[pos])} at position {pos} is outside [{low}, {high}){extra}; "
             f"{int(bad.sum())} value(s) out of range."
         )
+
+
+def nan_where(bad: jax.Array) -> jax.Array:
+    """0 where ``bad`` is false and NaN where it is true, made without a NaN constant
+    (so ``jax_debug_nans`` fires only when a bad value really occurs): the traced side of
+    :func:`check_int_range`, added to the outputs a bad value would make wrong, so the
+    loss is NaN, never silently wrong."""
+    return jnp.sqrt(jnp.where(bad, -1.0, 0.0))
 
 
 def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:

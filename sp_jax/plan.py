@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     from sp_jax.analysis.plan import MODELS, ModelShape, format_table, plan
 
-    p = argparse.ArgumentParser(prog="python -m sp_jax.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m sp_jax.plan",
+        description="Per-GPU memory of a GPT training run on H100s for every sensible layout, "
+                    "from deviceless XLA:GPU compiles of the real training step (no GPU "
+                    "needed).")
     p.add_argument("--model", choices=sorted(MODELS), help="a preset shape")
     for name in ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden"):
         p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
@@ -48,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"(missing: {', '.join('--' + m for m in missing)})")
         model = ModelShape("custom", sizes["hidden"], sizes["layers"], sizes["heads"],
                            sizes["vocab"], sizes["seq"], sizes["mlp-hidden"])
-    if args.gpus < 1:
-        p.error(f"--gpus {args.gpus} must be positive")
+    for name, value in [("gpus", args.gpus), ("batch", args.batch),
+                        *((k, v) for k, v in sizes.items() if v is not None)]:
+        if value is not None and value < 1:
+            p.error(f"--{name} {value} must be positive")
+    if model.hidden % model.heads:
+        p.error(f"--heads {model.heads} must divide --hidden {model.hidden}")
     try:
         rows = plan(model, args.gpus, batch=args.batch, progress=not args.no_progress)
-    except RuntimeError as e:  # no CUDA plugin: one line saying how to install it
+    except (RuntimeError, ValueError) as e:  # e.g. no CUDA plugin: one line, how to fix it
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(model, rows))

@@ -96,7 +96,6 @@ and applies the recommended flags.
 from __future__ import annotations
 
 import functools
-import glob
 import os
 import re
 import subprocess
@@ -107,8 +106,11 @@ from typing import NamedTuple
 
 import jax
 
+from sp_jax._quiet import accelerator_present
+
 __all__ = [
     "accelerator_present",
+    "cpu_simulation_flags",
     "simulate_cpu_devices",
     "XlaFlag",
     "RECOMMENDED_GPU_FLAGS",
@@ -320,28 +322,18 @@ def cpu_simulation_flags(num_devices: int) -> list[str]:
             "--xla_disable_hlo_passes=cse_barrier_expander"]
 
 
-def accelerator_present() -> bool:
-    """Whether JAX will run on an accelerator here, decided without starting its backend:
-    ``JAX_PLATFORMS`` names one other than ``cpu``, or (``JAX_PLATFORMS`` unset) the
-    machine has an NVIDIA or AMD GPU or a TPU device node (``/dev/nvidia<N>``,
-    ``/dev/kfd``, ``/dev/accel<N>``, ``/dev/vfio/<N>``)."""
-    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
-    if platforms:
-        return any(p != "cpu" for p in platforms)
-    return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd",
-                                                  "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"))
-
-
 def simulate_cpu_devices(num_devices: int) -> bool:
     """On a machine without an accelerator (:func:`accelerator_present`): adds
     :func:`cpu_simulation_flags` ``(num_devices)`` to ``XLA_FLAGS`` and returns True;
     elsewhere changes nothing (real devices are used, and XLA:GPU must keep the pass those
-    flags turn off) and returns False. Call it before JAX starts its backend; once it
-    has started with at least ``num_devices`` devices (a notebook cell run again, a
-    test process) there is nothing to do and it returns False.
+    flags turn off) and returns False: a mesh then needs that many real devices. Call it
+    before JAX starts its backend; once it has started with at least ``num_devices``
+    devices (a notebook cell run again, a test process) there is nothing to do and it
+    returns False.
 
     Raises:
-      RuntimeError: the JAX backend has started with fewer devices.
+      RuntimeError: on a machine without an accelerator, the JAX backend has already
+        started with fewer devices (the flags can no longer take effect).
       ValueError: ``num_devices`` is not a positive int.
     """
     flags = cpu_simulation_flags(num_devices)

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import pytest
 from _util import script_env
+from conftest import HAS_CUDA_PLUGIN
 
 from sp_jax._quiet import NOISE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+# Blocks that compile for GPUs without one need the CUDA plugin (the gpu-aot extra).
+NEEDS_CUDA_PLUGIN = ("sp_jax.plan", "compile_for_gpu", "gpu_mesh")
 SCARY = ("Traceback", "cudart_stub", "Could not find cuda drivers", "Jax plugin configuration",
          "gpu_hlo_schedule", "error in the calculation")
 
@@ -66,6 +69,8 @@ def test_block_runs_as_written(where, language, code, tmp_path):
             (tmp_path / name).symlink_to(ROOT / name)
     if language == "bash" and ".venv/bin/python" in code and not (ROOT / ".venv").exists():
         pytest.skip("no .venv in this clone (make creates it)")
+    if not HAS_CUDA_PLUGIN and any(name in code for name in NEEDS_CUDA_PLUGIN):
+        pytest.skip("compiles for GPUs without one: needs the CUDA plugin (gpu-aot extra)")
     script = tmp_path / ("snippet.py" if language == "python" else "snippet.sh")
     script.write_text(code)
     argv = [sys.executable, str(script)] if language == "python" else ["bash", "-e", str(script)]

@@ -144,8 +144,9 @@ def test_only_one_layers_gathered_weights_stay_alive_with_scan_and_remat():
 
 
 def test_xla_does_not_fit_lines_are_kept_out_and_explained():
-    """What XLA:GPU prints for a layout that does not fit is matched whole (so it can be
-    kept off stderr) and explained under the table, for the rows it concerns."""
+    """What XLA:GPU prints when a layout's arguments exceed its scheduler's memory limit is
+    matched whole (so it can be kept off stderr) and explained under the table, with the
+    limit, for the rows it concerns."""
     from sp_jax.analysis.plan import XLA_DOES_NOT_FIT
 
     lines = ["E1201 13:29:45.617483    1920 gpu_hlo_schedule.cc:968] The byte size of "
@@ -163,7 +164,7 @@ def test_xla_does_not_fit_lines_are_kept_out_and_explained():
                              xla_notes=() if f else tuple(lines)) for f in (True, False))
     table = format_table(model, [too_big, fits])
     assert "XLA:GPU warned while compiling 8x1x8 recompute_allgather+remat:" in table
-    assert "does not fit" in table and table.count("XLA:GPU warned") == 1
+    assert "scheduler plans with (63.3 GiB)" in table and table.count("XLA:GPU warned") == 1
     assert "8x1x8 recompute_allgather+fsdp+remat:" not in table
 
 
@@ -191,3 +192,21 @@ def test_command_line_without_the_plugin_is_one_error_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: Deviceless GPU compilation needs the CUDA PJRT plugin")
     assert "pip install '.[gpu-aot]'" in err and "Traceback" not in err
+
+
+def test_sharding_over_data_only_where_the_data_size_divides_the_hidden_size():
+    """7B on 6 GPUs: tensor 2 x data 3, and 3 does not divide h=4096: no fsdp layout is
+    proposed (it could not be built), the replicated ones are."""
+    options = candidates(MODELS["7b"], 6)
+    assert options and all((o.data, o.tensor) == (3, 2) and not o.fsdp for o in options)
+    assert any(o.fsdp for o in candidates(MODELS["7b"], 8))
+
+
+def test_help_has_the_whole_description(capsys):
+    from sp_jax.plan import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0
+    assert "from deviceless XLA:GPU compiles of the real training step (no GPU needed)." in out

@@ -65,12 +65,16 @@ def _losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the examples extra
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train_gpt")
+    plot = ["--plot", str(tmp / "full.png")] if HAS_MATPLOTLIB else []
     started = {
         "full": _start("--steps", "6", "--save-every", "3", "--ckpt-dir", str(tmp / "ckpt_full"),
-                       "--log-json", str(tmp / "full.jsonl"), "--plot", str(tmp / "full.png")),
+                       "--log-json", str(tmp / "full.jsonl"), *plot),
         # A blow-up with the update-ratio and spike checks off: only a non-finite value stops.
         "nan": _start("--steps", "6", "--lr", "1e9", "--warmup-steps", "0",
                       "--max-update-ratio", "0", "--loss-spike", "0",
@@ -115,6 +119,7 @@ def test_run_logs_every_step(runs):
     assert "optimizer state" in out and "done: steps 1-6" in out
 
 
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="plots need matplotlib (the examples extra)")
 def test_plot_written(runs):
     tmp, *_ = runs
     png = tmp / "full.png"
@@ -316,3 +321,16 @@ def test_presets_are_the_library_presets():
     assert cli.model_config(args) == GPTConfig.llama("llama-tiny", num_kv_heads=4,
                                                      mlp_hidden=96)
     assert isinstance(args.trainer, TrainerConfig) and args.trainer.steps == 600
+
+
+def test_plot_without_matplotlib_is_a_usage_error(monkeypatch):
+    """--plot is refused before anything runs when matplotlib is missing (not after the
+    whole run, when the plot would be drawn)."""
+    import sys
+
+    example = _example("train_gpt")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        example.parse(["--plot", "loss.png"])
+    assert exit_info.value.code == 2 and "--plot needs matplotlib" in err.getvalue()

@@ -93,6 +93,6 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
-    with pytest.raises(ImportError, match=r"pip install sp_jax\[examples\]"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[examples\]' in a clone"):
         plot_losses(tmp_path / "loss.png", [{"step": 1, "loss": 1.0}])
     assert not (tmp_path / "loss.png").exists()

@@ -40,10 +40,10 @@ XLA_DOES_NOT_FIT = (
     re.compile(r"W\d{4} [\d:.]+ +\d+ hlo_rematerialization\.cc:\d+\] Can't reduce memory use "
                r"below .*by rematerialization.*"),
 )
-"""What XLA:GPU prints (to stderr, from C++) while compiling a layout that does not fit:
-its scheduler finds the arguments larger than the device's memory (and calls that an
-error in *its* calculation), and rematerialization cannot bring the program below it.
-:func:`plan_one` keeps these lines out of the output and says what they mean
+"""What XLA:GPU prints (to stderr, from C++) when the arguments of a layout exceed the
+memory limit its scheduler plans with (below the GPU's memory; it calls that an error in
+*its* calculation), and rematerialization cannot bring the program under that limit. Not
+a failure: :func:`plan_one` keeps these lines out of the output and says what they mean
 (:attr:`PlanRow.xla_notes`, the note under :func:`format_table`)."""
 
 
@@ -148,7 +148,8 @@ def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
     worth it); the rest of the GPUs over data, or, for sequences of ``long_context``
     tokens or more, over context (ring) or split between the two; each mesh without and
     with sharding over data and with and without remat (the replicated run without remat
-    only when nothing else is tried, as it never uses less memory)."""
+    only when nothing else is tried, as it never uses less memory; sharding over data only
+    where the data size divides the hidden size)."""
     t = max(d for d in _divisors(gpus) if d <= max_tensor and model.heads % d == 0)
     rest = gpus // t
     meshes = [(rest, 1)]
@@ -158,12 +159,12 @@ def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
     out = []
     for d, c in meshes:
         out += [PlanOption(d, c, t, fsdp=False, remat=True)]
-        if d > 1:  # sharding over data needs a data axis
+        if d > 1 and model.hidden % d == 0:  # sharding over data splits the hidden size
             out += [PlanOption(d, c, t, fsdp=True, remat=False),
                     PlanOption(d, c, t, fsdp=True, remat=True)]
         else:
             out += [PlanOption(d, c, t, fsdp=False, remat=False)]
-    if t > 1 and gpus <= max_tensor and model.seq < long_context:
+    if t > 1 and gpus <= max_tensor and model.seq < long_context and model.hidden % gpus == 0:
         # one host: pure data parallelism with everything sharded over data (ZeRO-3)
         out += [PlanOption(gpus, 1, 1, fsdp=True, remat=True)]
     return out
@@ -229,7 +230,12 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     t0 = time.perf_counter()
     formula_params, formula_acts = _formula(model, option, batch)
     with jax.set_mesh(gpu_mesh(shape, axes, target=target)):
-        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        try:
+            gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        except ValueError as e:  # a layout the model does not divide over: reported
+            return PlanRow(option, batch, 0, 0, 0, 0, 0, False, 0, formula_params,
+                           formula_acts, time.perf_counter() - t0,
+                           error=f"ValueError: {str(e).splitlines()[0][:200]}")
         graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
         opt_state = jax.eval_shape(tx.init, params)
     micro = batch // option.micro_batches
@@ -318,10 +324,15 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             f"{'yes' if r.fits else '**no**'} | {g(r.collective_bytes)} |")
     noted = [r.option.label for r in rows if r.xla_notes]
     if noted:
+        limits = {int(m.group(1)) for r in rows for line in r.xla_notes
+                  if (m := re.search(r"exceeds the base limit \((\d+)\)", line))}
+        limit = f" ({', '.join(f'{b / GiB:.1f} GiB' for b in sorted(limits))})" if limits \
+            else ""
         lines.append(
             f"\nXLA:GPU warned while compiling {', '.join(noted)}: the arguments (parameters, "
-            "optimizer state, batch) exceed the GPU's memory, and rematerialization cannot "
-            "bring the program below it. It is XLA's way of saying the layout does not fit "
-            "(its message calls it an error in its calculation); the peak above is what the "
-            "compiled program needs.")
+            "optimizer state, batch) alone exceed the memory limit its scheduler plans "
+            f"with{limit}, below the GPU's 80 GB, and rematerialization could not bring the "
+            "program under that limit (its message calls this an error in its calculation). "
+            "The peak above is what the compiled program needs; \"fits\" compares it with "
+            "the GPU's memory.")
     return head + "\n".join(lines)

@@ -11,7 +11,9 @@ public ``[b, s, heads, d]``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -32,7 +34,8 @@ def block_size(length: int, block: int, name: str = "block") -> int:
     return next(b for b in range(min(length, int(block)), 0, -1) if length % b == 0)
 
 
-def _scores(q_i, k_j, scale, mask_at=None):
+def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
+            mask_at: tuple[Any, Any] | None = None) -> jax.Array:
     """fp32 scaled scores ``[b, h, g, bq, bk]`` of ``q_i [b, h, g, bq, d]`` (``g`` query
     heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start, k_start)`` the
     keys after each query (causal, positions from the block starts) are -inf."""
@@ -45,13 +48,14 @@ def _scores(q_i, k_j, scale, mask_at=None):
     return s
 
 
-def _slice(x, start, size, axis=-2):
+def _slice(x: jax.Array, start: Any, size: int, axis: int = -2) -> jax.Array:
     """Rows ``start .. start + size`` of ``x`` along ``axis`` (default: the sequence axis
     of ``[..., seq, head_dim]``; ``axis=-1`` for the statistics ``[..., seq]``)."""
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
 
 
-def forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int, drop=None):
+def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq: int,
+                   bk: int, drop: tuple | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
     ``g`` query heads of group ``h`` share key/value head ``h``).
 
@@ -110,8 +114,10 @@ def forward_blocks(q, k, v, *, causal: bool, bq: int, bk: int, drop=None):
     return lax.fori_loop(0, sq // bq, q_block, init)
 
 
-def backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: int,
-                     drop=None):
+def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
+                    delta: jax.Array, dq: jax.Array, *, causal: bool, bq: int, bk: int,
+                    drop: tuple | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients of :func:`forward_blocks`, recomputing each block's probabilities
     from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
     query blocks that see them; the same blocks skipped and masked as forward).
@@ -172,12 +178,12 @@ def backward_blocks(q, k, v, do, lse, delta, dq, *, causal: bool, bq: int, bk: i
     return lax.fori_loop(0, sk // bk, k_block, (dq, zero, zero, jnp.int32(0)))
 
 
-def row_delta(do, out):
+def row_delta(do: jax.Array, out: jax.Array) -> jax.Array:
     """``rowsum(do * out)`` in fp32, ``[..., s]``."""
     return jnp.einsum("...sd,...sd->...s", do.astype(_F32), out.astype(_F32))
 
 
-def to_bhsd(x):
+def to_bhsd(x: jax.Array) -> jax.Array:
     """Keys and values ``[b, s, h, d]`` <-> the kernels' ``[b, h, s, d]``."""
     return jnp.swapaxes(x, 1, 2)
 
@@ -185,20 +191,20 @@ def to_bhsd(x):
 to_bshd = to_bhsd
 
 
-def q_to_kernel(q, kv_heads: int):
+def q_to_kernel(q: jax.Array, kv_heads: int) -> jax.Array:
     """Queries ``[b, s, h, d]`` -> ``[b, kv_heads, h / kv_heads, s, d]``: query head
     ``j * g + i`` is the ``i``-th of the ``g`` heads that share key/value head ``j``."""
     b, s, h, d = q.shape
     return q.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
 
 
-def q_from_kernel(x):
+def q_from_kernel(x: jax.Array) -> jax.Array:
     """The inverse of :func:`q_to_kernel`."""
     b, hk, g, s, d = x.shape
     return x.transpose(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
 
 
-def check_qkv(name: str, q, k, v) -> None:
+def check_qkv(name: str, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
     if (q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[:2] != k.shape[:2]
             or q.shape[3] != k.shape[3] or k.shape[2] == 0 or q.shape[2] % k.shape[2]):
         raise ValueError(
@@ -208,7 +214,8 @@ def check_qkv(name: str, q, k, v) -> None:
         )
 
 
-def same_vma(q, k, v):
+def same_vma(q: jax.Array, k: jax.Array, v: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``q, k, v`` cast to vary over the union of their mesh axes, so that each custom
     VJP returns cotangents of its inputs' types (the casts' transposes sum the
     cotangents of an input replicated over an axis)."""

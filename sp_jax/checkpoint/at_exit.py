@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+__all__ = ["IN_FLIGHT", "register_exit_hook"]
+
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 

@@ -13,6 +13,8 @@ import re
 import sys
 from typing import Any
 
+__all__ = ["describe", "not_damage", "quiet_abandoned_reads"]
+
 _STATUS_HINTS = {
     "NOT_FOUND": "a file is missing",
     "OUT_OF_RANGE": "a file is truncated",

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+__all__ = ["CheckpointCorruptError", "CheckpointLockedError", "CheckpointSaveError",
+           "MetadataMismatchError", "NonFiniteError"]
+
 if TYPE_CHECKING:
     from .metadata import Differences
 

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+__all__ = ["CHECKSUM", "VERSION", "checksums", "dtype_name", "leaf_dtype", "record_digest"]
+
 VERSION = 1
 """The version of the integrity data written into the JSON record."""
 CHECKSUM = ("uint32 wrap-around sums over the array's bits as uint32 words w at flat word "

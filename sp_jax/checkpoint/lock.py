@@ -22,6 +22,8 @@ import numpy as np
 
 from .errors import CheckpointLockedError
 
+__all__ = ["LOCK_FILE", "WriterLock"]
+
 LOCK_FILE = ".sp_jax.lock"
 
 

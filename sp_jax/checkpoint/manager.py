@@ -35,6 +35,9 @@ from .metadata import (
     path_name,
 )
 
+__all__ = ["CheckpointManager", "Restored", "abstract_like", "latest_step", "restore_checkpoint",
+           "save_checkpoint"]
+
 _PARAMS, _OPT_STATE, _META = "params", "opt_state", "meta"
 
 

@@ -14,6 +14,9 @@ import numpy as np
 
 from .errors import MetadataMismatchError
 
+__all__ = ["ABSENT", "Differences", "check_compatible", "compare", "flatten", "json_sections",
+           "listing", "path_name"]
+
 _MAX_LISTED = 8
 
 

@@ -13,8 +13,10 @@ from sp_jax.layers.block_config import (
     MLP_ACTIVATIONS,
     AttentionConfig,
     MLPConfig,
+    check_block_fields,
     check_kv_heads,
     kv_heads_per_shard,
+    settle_block_fields,
 )
 from sp_jax.layers.cross_entropy import parallel_cross_entropy
 from sp_jax.layers.dropout import Dropout
@@ -51,7 +53,9 @@ __all__ = [
     "MLP_ACTIVATIONS",
     "AttentionConfig",
     "MLPConfig",
+    "check_block_fields",
     "check_kv_heads",
+    "settle_block_fields",
     "kv_heads_per_shard",
     "GroupedQKVProjection",
     "CausalSelfAttention",

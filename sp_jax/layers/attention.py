@@ -66,8 +66,9 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
         if not isinstance(config, AttentionConfig):
-            raise TypeError(f"CausalSelfAttention: config={config!r} must be an "
-                            "AttentionConfig (sp_jax.layers.AttentionConfig).")
+            raise TypeError(f"CausalSelfAttention: config must be an AttentionConfig "
+                            f"(sp_jax.AttentionConfig), got {type(config).__name__}; a "
+                            "GPTConfig gives its blocks' with config.attention_config().")
         if not isinstance(parallel, ParallelConfig):
             raise TypeError(f"CausalSelfAttention: parallel={parallel!r} must be a "
                             "sp_jax.ParallelConfig.")

@@ -23,8 +23,8 @@ from sp_jax.attention import IMPLEMENTATIONS
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
-__all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "check_kv_heads",
-           "kv_heads_per_shard"]
+__all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "check_block_fields",
+           "check_kv_heads", "kv_heads_per_shard", "settle_block_fields"]
 
 MLP_ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
     "gelu": (jax.nn.gelu, False),  # tanh approximation (GPT-2)
@@ -64,20 +64,86 @@ def kv_heads_per_shard(num_kv_heads: int, tensor_size: int, where: str) -> int:
         f"multiple of {tensor_size}.")
 
 
-def _positive_int(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}: {name}={value!r} must be a positive int.")
+_POSITIVE_INTS = ("hidden", "num_heads", "mlp_hidden", "attention_block_q",
+                  "attention_block_k")
+_BOOLS = ("rotary", "qkv_bias", "out_bias", "mlp_bias")
+_RATES = ("dropout", "attention_dropout")
 
 
-def _check_norm(owner: str, norm: str) -> None:
-    if norm not in NORMS:
-        raise ValueError(f"{owner}.norm={norm!r} is not a known norm; use one of "
+def settle_block_fields(config: Any) -> None:
+    """Fills the defaults that follow from other fields (``num_kv_heads``: ``num_heads``;
+    a dict ``rope_scaling``: its :class:`RopeScaling`) of a frozen config in place."""
+    if getattr(config, "num_kv_heads", 0) is None:
+        object.__setattr__(config, "num_kv_heads", config.num_heads)
+    if isinstance(getattr(config, "rope_scaling", None), dict):
+        object.__setattr__(config, "rope_scaling", RopeScaling(**config.rope_scaling))
+
+
+def _float_dtype(owner: str, name: str, value: Any, optional: bool) -> None:
+    if value is None and optional:
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"{owner}.{name}={value!r} is not a floating dtype; use e.g. "
+                        f"jnp.float32 or jnp.bfloat16{' (or None)' if optional else ''}.")
+
+
+def check_block_fields(owner: str, config: Any) -> None:
+    """The one check of a transformer block's fields, for every config that has them
+    (:class:`AttentionConfig`, :class:`MLPConfig`, :class:`~sp_jax.models.GPTConfig`):
+    each field ``config`` has is checked; a ValueError or TypeError names
+    ``owner.field``, the value and the fix. ``rotary`` may also be given as
+    ``positions="rotary"``."""
+    has = functools.partial(hasattr, config)
+    for name in filter(has, _POSITIVE_INTS):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name}={value!r} must be a positive int.")
+    for name in filter(has, _BOOLS):
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{owner}.{name}={getattr(config, name)!r} must be True or False.")
+    if has("num_heads"):
+        if config.hidden % config.num_heads:
+            raise ValueError(f"{owner}: hidden={config.hidden} must be divisible by "
+                             f"num_heads={config.num_heads}.")
+        check_kv_heads(owner, config.num_heads, config.num_kv_heads)
+        rotary = getattr(config, "rotary", getattr(config, "positions", None) == "rotary")
+        if rotary and (config.hidden // config.num_heads) % 2:
+            raise ValueError(f"{owner}: rotary embeddings need an even head size, got "
+                             f"{config.hidden // config.num_heads}.")
+    if has("rope_scaling") and config.rope_scaling is not None \
+            and not isinstance(config.rope_scaling, RopeScaling):
+        raise TypeError(f"{owner}.rope_scaling={config.rope_scaling!r} must be a "
+                        "RopeScaling, a dict of its fields, or None.")
+    for name in ("rope_base", "norm_epsilon"):
+        if has(name) and not (isinstance(getattr(config, name), int | float)
+                              and getattr(config, name) > 0):
+            raise ValueError(f"{owner}.{name}={getattr(config, name)!r} must be a positive "
+                             "number.")
+    if config.norm not in NORMS:
+        raise ValueError(f"{owner}.norm={config.norm!r} is not a known norm; use one of "
                          f"{sorted(NORMS)}.")
-
-
-def _check_rate(owner: str, name: str, rate: float) -> None:
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{owner}.{name}={rate} must be in [0, 1).")
+    if has("mlp_activation") and config.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"{owner}.mlp_activation={config.mlp_activation!r} is not a known "
+                         f"activation; use one of {sorted(MLP_ACTIVATIONS)}.")
+    for name in filter(has, _RATES):
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(f"{owner}.{name}={getattr(config, name)} must be in [0, 1).")
+    if has("attention_implementation"):
+        if config.attention_implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"{owner}.attention_implementation={config.attention_implementation!r} is "
+                "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
+        if config.attention_implementation == "cudnn" and config.attention_dropout:
+            raise ValueError(
+                f"{owner}: attention_dropout={config.attention_dropout} needs "
+                "attention_implementation='xla' (cuDNN's kernel draws masks of its own, which "
+                "would not be the same under every sharding).")
+    _float_dtype(owner, "dtype", config.dtype, optional=True)
+    _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,35 +204,8 @@ class AttentionConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
-        owner = "AttentionConfig"
-        for name in ("hidden", "num_heads", "attention_block_q", "attention_block_k"):
-            _positive_int(owner, name, getattr(self, name))
-        if self.hidden % self.num_heads:
-            raise ValueError(f"{owner}: hidden={self.hidden} must be divisible by "
-                             f"num_heads={self.num_heads}.")
-        if self.rotary and self.head_dim % 2:
-            raise ValueError(f"{owner}: rotary embeddings need an even head size, got "
-                             f"{self.head_dim}.")
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        check_kv_heads(owner, self.num_heads, self.num_kv_heads)
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise TypeError(f"{owner}.rope_scaling={self.rope_scaling!r} must be a "
-                            "RopeScaling, a dict of its fields, or None.")
-        for name in ("dropout", "attention_dropout"):
-            _check_rate(owner, name, getattr(self, name))
-        _check_norm(owner, self.norm)
-        if self.attention_implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"{owner}.attention_implementation={self.attention_implementation!r} is not a "
-                f"known kernel; use one of {IMPLEMENTATIONS}.")
-        if self.attention_implementation == "cudnn" and self.attention_dropout:
-            raise ValueError(
-                f"{owner}: attention_dropout={self.attention_dropout} needs "
-                "attention_implementation='xla' (cuDNN's kernel draws masks of its own, which "
-                "would not be the same under every sharding).")
+        settle_block_fields(self)
+        check_block_fields("AttentionConfig", self)
 
     @property
     def head_dim(self) -> int:
@@ -207,14 +246,7 @@ class MLPConfig:
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
-        owner = "MLPConfig"
-        for name in ("hidden", "mlp_hidden"):
-            _positive_int(owner, name, getattr(self, name))
-        if self.mlp_activation not in MLP_ACTIVATIONS:
-            raise ValueError(f"{owner}.mlp_activation={self.mlp_activation!r} is not a known "
-                             f"activation; use one of {sorted(MLP_ACTIVATIONS)}.")
-        _check_rate(owner, "dropout", self.dropout)
-        _check_norm(owner, self.norm)
+        check_block_fields("MLPConfig", self)
 
     @property
     def gated(self) -> bool:

@@ -7,13 +7,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers.embedding import _nan_where, padded_vocab_size
+from sp_jax.layers.embedding import padded_vocab_size
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     axis_size,
     check_batch_and_sequence,
     check_int_range,
     current_mesh,
+    nan_where,
     reshard,
 )
 
@@ -41,7 +42,7 @@ def _local_cross_entropy(logits, labels, *, axis_name, vocab_size, ignore_index,
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
     if z_loss:
         loss = loss + z_loss * lse**2
-    loss = loss + _nan_where((labels < 0) | (labels >= vocab_size))  # never silently wrong
+    loss = loss + nan_where((labels < 0) | (labels >= vocab_size))  # never silently wrong
     return jnp.where(labels == ignore_index, 0.0, loss)
 
 

@@ -20,6 +20,7 @@ from sp_jax.mesh import (
     check_divisible,
     check_int_range,
     current_mesh,
+    nan_where,
     reshard,
 )
 
@@ -42,13 +43,7 @@ def _lookup(ids: jax.Array, table: jax.Array, axis_name: str, vocab_size: int) -
     inside = (local >= 0) & (local < rows)
     emb = jnp.take(table, jnp.where(inside, local, 0), axis=0)
     emb = jnp.where(inside[..., None], emb, jnp.zeros((), emb.dtype))
-    return emb + _nan_where((ids < 0) | (ids >= vocab_size))[..., None].astype(emb.dtype)
-
-
-def _nan_where(bad: jax.Array) -> jax.Array:
-    """0 where ``bad`` is false and NaN where it is true, made without a NaN constant
-    (so ``jax_debug_nans`` fires only when a bad value really occurs)."""
-    return jnp.sqrt(jnp.where(bad, -1.0, 0.0))
+    return emb + nan_where((ids < 0) | (ids >= vocab_size))[..., None].astype(emb.dtype)
 
 
 class VocabParallelEmbedding(nnx.Module):

@@ -49,6 +49,7 @@ __all__ = [
     "RowParallelLinear",
     "ColumnSequenceParallelLinear",
     "RowSequenceParallelLinear",
+    "column_sp_matmul",
 ]
 
 default_kernel_init = initializers.lecun_normal()

@@ -42,8 +42,9 @@ class MLP(nnx.Module):
     def __init__(self, config: MLPConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
         if not isinstance(config, MLPConfig):
-            raise TypeError(f"MLP: config={config!r} must be an MLPConfig "
-                            "(sp_jax.layers.MLPConfig).")
+            raise TypeError(f"MLP: config must be an MLPConfig (sp_jax.MLPConfig), got "
+                            f"{type(config).__name__}; a GPTConfig gives its blocks' with "
+                            "config.mlp_config().")
         self.config, self.parallel = config, parallel
         common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
                       rngs=rngs)

@@ -58,8 +58,8 @@ class GroupedQKVProjection(nnx.Module):
     def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
         if not isinstance(config, AttentionConfig):
-            raise TypeError(f"GroupedQKVProjection: config={config!r} must be an "
-                            "AttentionConfig.")
+            raise TypeError(f"GroupedQKVProjection: config must be an AttentionConfig, got "
+                            f"{type(config).__name__}.")
         self.config, self.parallel = config, parallel
         hidden, dtype = config.hidden, config.param_dtype
         q_width, kv_width = config.num_heads * config.head_dim, \

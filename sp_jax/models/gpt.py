@@ -10,21 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sp_jax.attention import IMPLEMENTATIONS, sequence_order, to_held, to_natural
+from sp_jax.attention import sequence_order, to_held, to_natural
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
-    MLP_ACTIVATIONS,
-    NORMS,
     AttentionConfig,
     CausalSelfAttention,
     Dropout,
     MLPConfig,
     RopeScaling,
     VocabParallelEmbedding,
-    check_kv_heads,
+    check_block_fields,
     make_norm,
     parallel_cross_entropy,
+    settle_block_fields,
 )
 from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layout import Layout
@@ -112,51 +111,22 @@ class GPTConfig:
     attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden",
-                     "attention_block_q", "attention_block_k"):
+        for name in ("vocab_size", "max_seq_len", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int.")
-        if self.mlp_hidden is None:
+        if self.mlp_hidden is None and isinstance(self.hidden, int):
             object.__setattr__(self, "mlp_hidden", 4 * self.hidden)
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        check_kv_heads("GPTConfig", self.num_heads, self.num_kv_heads)
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise TypeError(f"GPTConfig.rope_scaling={self.rope_scaling!r} must be a "
-                            "RopeScaling, a dict of its fields, or None.")
-        for name in ("qkv_bias", "out_bias", "mlp_bias", "tie_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"GPTConfig.{name}={getattr(self, name)!r} must be True or "
-                                "False.")
-        if self.hidden % self.num_heads:
-            raise ValueError(
-                f"GPTConfig: hidden={self.hidden} must be divisible by "
-                f"num_heads={self.num_heads}."
-            )
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r} must be True or "
+                            "False.")
         if self.positions not in POSITIONS:
             raise ValueError(
                 f"GPTConfig.positions={self.positions!r} is not a known position encoding; "
                 f"use one of {list(POSITIONS)}."
             )
-        if self.norm not in NORMS:
-            raise ValueError(
-                f"GPTConfig.norm={self.norm!r} is not a known norm; use one of {sorted(NORMS)}."
-            )
-        if self.mlp_activation not in MLP_ACTIVATIONS:
-            raise ValueError(
-                f"GPTConfig.mlp_activation={self.mlp_activation!r} is not a known activation; "
-                f"use one of {sorted(MLP_ACTIVATIONS)}.")
-        if self.attention_implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"GPTConfig.attention_implementation={self.attention_implementation!r} is "
-                "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be in [0, 1).")
-        self.attention_config(), self.mlp_config()  # the blocks' own checks
+        settle_block_fields(self)
+        check_block_fields("GPTConfig", self)  # the fields the blocks' configs share
 
     @classmethod
     def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
@@ -253,7 +223,8 @@ class Block(nnx.Module):
       rngs: ``params`` rng stream.
     """
 
-    def __init__(self, config: GPTConfig, parallel: ParallelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
+                 rngs: nnx.Rngs):
         self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
                                              rngs=rngs)
         self.mlp = MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
@@ -316,16 +287,19 @@ class GPT(nnx.Module):
     rates of 0 both modes compute the same function.
 
     Args:
-      gpt_config: the :class:`GPTConfig`.
+      config: the :class:`GPTConfig`.
       parallel: the :class:`~sp_jax.ParallelConfig`.
-      rngs: rng streams (``params``; ``dropout`` when ``gpt_config.dropout > 0``).
+      rngs: rng streams (``params``; ``dropout`` when ``config.dropout > 0``).
     """
 
-    def __init__(self, gpt_config: GPTConfig, *, parallel: ParallelConfig = ParallelConfig(),
+    def __init__(self, config: GPTConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
-        if not isinstance(gpt_config, GPTConfig):
-            raise TypeError(f"GPT: gpt_config must be a GPTConfig, got {type(gpt_config)}.")
-        cfg = gpt_config
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}.")
+        if not isinstance(parallel, ParallelConfig):
+            raise TypeError(f"GPT: parallel={parallel!r} must be a sp_jax.ParallelConfig "
+                            "(use ParallelConfig.from_dict for a plain dict).")
+        cfg = config
         self.config, self.parallel = cfg, parallel
         self.embed = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden, parallel=parallel, dtype=cfg.dtype,

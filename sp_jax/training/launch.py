@@ -37,8 +37,8 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
-__all__ = ["Launch", "add_launch_arguments", "build_mesh", "cluster_tasks",
-           "parse_local_device_ids"]
+__all__ = ["MESH_AXES", "Launch", "add_launch_arguments", "build_mesh", "cluster_tasks",
+           "mesh_description", "parse_local_device_ids", "parse_mesh"]
 
 _SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
           "SLURM_LOCALID")

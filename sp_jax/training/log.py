@@ -113,9 +113,9 @@ def plot_losses(path: str | os.PathLike, records: Sequence[Mapping[str, Any]],
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError("plot_losses needs matplotlib: pip install matplotlib (it is "
-                          "sp_jax's examples extra: pip install sp_jax[examples], or "
-                          "pip install '.[examples]' in a clone)") from e
+        raise ImportError("plot_losses needs matplotlib: pip install matplotlib (the "
+                          "examples extra, pip install '.[examples]' in a clone of sp_jax)"
+                          ) from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -154,7 +154,7 @@ class TrainerConfig:
         progress for this long ends the process (a stalled or dead peer).
       compile_allowance_s: added to the first call of each kind (it compiles).
       debug_nans: run under ``jax.debug_nans`` (names the operation making a NaN).
-      progress: a tqdm progress bar on stderr (process 0; needs tqdm).
+      progress: a tqdm progress bar on stderr (process 0, when stderr is a terminal).
     """
 
     steps: int
@@ -329,6 +329,14 @@ class Trainer:
         if layout is None:
             layout = Layout.of(parallel) if parallel is not None else Layout()
         self.layout = layout
+        data_size = math.prod(self.mesh.shape[a] for a in layout.data_axes)
+        micro = config.batch_size // config.micro_batches
+        if micro % data_size:
+            raise ValueError(
+                f"Trainer: the micro-batch (batch_size / micro_batches = {micro} sequences) "
+                f"is not divisible by the data-parallel size {data_size} (mesh axes "
+                f"{layout.data_axes}); choose a batch size that is a multiple of "
+                f"{data_size * config.micro_batches}.")
         self.step, self.data, self.config = step, data, config
         self.metadata = dict(metadata or {})
         self.checkpoints, self.signals = checkpoints, signals
@@ -372,8 +380,9 @@ class Trainer:
         except ImportError as e:
             raise ImportError("Trainer: progress=True needs tqdm, a dependency of sp_jax: "
                               "pip install tqdm, or pass progress=False") from e
+        # disable=None: no bar when stderr is not a terminal (a pipe, a CI log)
         return tqdm(initial=start, total=self.config.steps, desc="train", unit="step",
-                    mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
+                    mininterval=0.5, dynamic_ncols=True, file=sys.stderr, disable=None)
 
     # -- pieces of a step -----------------------------------------------------------------
 

@@ -14,6 +14,9 @@ import numpy as np
 
 from sp_jax.models.gpt import GPTConfig
 
+__all__ = ["ATTENTION", "MLP", "Family", "Rule", "expand", "has_fields", "interleave", "same",
+           "swap_qkv", "transposed"]
+
 # The sp_jax paths of one block's attention and MLP ("{i}": the layer).
 ATTENTION = "blocks/{i}/attention/"
 MLP = "blocks/{i}/mlp/"

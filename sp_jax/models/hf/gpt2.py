@@ -10,6 +10,8 @@ from typing import Any
 from sp_jax.models.gpt import GPTConfig
 from sp_jax.models.hf.family import ATTENTION, MLP, Family, Rule, has_fields, same, swap_qkv
 
+__all__ = ["ACTIVATIONS", "GPT2"]
+
 # config.json's activation_function -> sp_jax's mlp_activation (the first of a value is
 # the one written).
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",

@@ -23,6 +23,8 @@ from sp_jax.models.gpt import GPT, GPTConfig
 from sp_jax.models.hf.family import Family, Rule, expand
 from sp_jax.models.hf.registry import REGISTRY, config_from_hf, config_to_hf, family_of
 
+__all__ = ["from_hf", "to_hf", "to_hf_state_dict"]
+
 # Tensors of Hugging Face checkpoints that are buffers, not parameters.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 

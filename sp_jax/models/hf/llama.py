@@ -21,6 +21,8 @@ from sp_jax.models.hf.family import (
     transposed,
 )
 
+__all__ = ["LLAMA"]
+
 
 def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The :class:`GPTConfig` fields of a Llama ``config.json`` (transformers 4.x:

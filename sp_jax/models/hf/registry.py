@@ -12,6 +12,8 @@ from sp_jax.models.gpt import GPTConfig
 from sp_jax.models.hf import gpt2, llama
 from sp_jax.models.hf.family import Family
 
+__all__ = ["FAMILIES", "REGISTRY", "config_from_hf", "config_to_hf", "family_of"]
+
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (gpt2.GPT2, llama.LLAMA)}
 """``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it."""
 
