@@ -119,6 +119,21 @@ def truncate_an_array_file(step_dir: Path) -> str:
     return str(biggest)
 
 
+def without_jax_plugins(monkeypatch) -> None:
+    """As in a plain install: no ``jax_plugins`` package at all (importlib cannot find
+    ``jax_plugins.*``; looking up a submodule raises for the missing parent)."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return real_find_spec(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
 def to_host(tree):
     """Pulls every array of ``tree`` to host numpy (drops all sharding)."""
     return jax.tree.map(np.asarray, tree)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import without_jax_plugins
 from conftest import make_mesh, requires_cuda_plugin
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -345,18 +346,9 @@ def _gpu_mesh_says_how_to_install(gpu) -> None:
 def test_no_jax_plugins_package_at_all_is_a_missing_plugin(monkeypatch):
     """A plain install has no ``jax_plugins`` package: looking up the plugin must not
     raise ModuleNotFoundError for the parent but say the plugin is missing."""
-    import importlib.util
-
     from sp_jax.analysis import cuda_plugin_available, gpu
 
-    real_find_spec = importlib.util.find_spec
-
-    def find_spec(name, *a):
-        if name.startswith("jax_plugins"):
-            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
-        return real_find_spec(name, *a)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    without_jax_plugins(monkeypatch)
     assert cuda_plugin_available() is False
     _gpu_mesh_says_how_to_install(gpu)
 

@@ -7,6 +7,7 @@ import math
 
 import jax
 import pytest
+from _util import without_jax_plugins
 from conftest import requires_cuda_plugin
 
 from sp_jax.analysis.plan import (
@@ -171,19 +172,10 @@ def test_xla_does_not_fit_lines_are_kept_out_and_explained():
 def test_command_line_without_the_plugin_is_one_error_line(monkeypatch, capsys):
     """A plain install (no CUDA plugin, not even a jax_plugins package): the planner ends
     with one line saying how to install it, exit status 1, no traceback."""
-    import importlib.util
-
     from sp_jax.analysis import gpu
     from sp_jax.plan import main
 
-    real_find_spec = importlib.util.find_spec
-
-    def find_spec(name, *a):
-        if name.startswith("jax_plugins"):
-            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
-        return real_find_spec(name, *a)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    without_jax_plugins(monkeypatch)
     gpu._topology.cache_clear()
     try:
         assert main(["--model", "7b", "--gpus", "8", "--no-progress"]) == 1
