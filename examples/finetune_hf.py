@@ -90,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
             model.train()  # dropout as the checkpoint's config says (off with --no-dropout)
             step = training.TrainStep(model, cli.optimizer(args))
             result = training.Trainer(step, data, args.trainer,
-                                      metadata=cli.run_metadata(args, cfg)).run()
+                                      metadata=cli.run_metadata(args, cfg),
+                                      lr_schedule=cli.lr_schedule).run()
         except (ValueError, OSError, training.TrainingStopped) as e:
             print(f"error: {e}", file=sys.stderr)
             return getattr(e, "status", training.faults.EXIT_ERROR)

@@ -30,6 +30,7 @@ import functools
 import importlib.util
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -93,8 +94,17 @@ def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: ByteCorp
 
 
 def main(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
     args.launch.initialize()
+    try:
+        status = run(args)
+    except Exception:  # noqa: BLE001 - a bug: its traceback, then no barrier to hang in
+        traceback.print_exc()
+        status = faults.EXIT_ERROR
+    return args.launch.end(status)  # the final barrier, or at once where peers may be gone
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
     is_main = jax.process_index() == 0
     say = functools.partial(print, flush=True) if is_main else (lambda _: None)
     try:  # before anything that waits on the other processes
@@ -120,10 +130,12 @@ def main(args: argparse.Namespace) -> int:
             describe(args, mesh, corpus, n_params, say)
             result = training.Trainer(
                 step, corpus, config, metadata=cli.run_metadata(args, cfg),
-                checkpoints=manager, signals=signals, say=say).run()
-    except training.TrainingStopped as e:
-        if is_main:
-            print(f"error: {e}", file=sys.stderr)
+                checkpoints=manager, signals=signals, say=say,
+                lr_schedule=cli.lr_schedule).run()
+    except training.TrainingStopped as e:  # an error of this process: said by it too
+        if is_main or e.status == faults.EXIT_ERROR:
+            who = "" if is_main else f"process {jax.process_index()}: "
+            print(f"error: {who}{e}", file=sys.stderr)
         return e.status
     if args.plot and is_main:
         training.plot_losses(

@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 from sp_jax.config import ParallelConfig
 from sp_jax.layout import Layout
 
-__all__ = ["Mesh", "axis_size", "check_batch_and_sequence", "check_divisible",
-           "check_int_range", "current_mesh", "mesh_platform", "nan_where", "reshard",
-           "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
+__all__ = ["Mesh", "axis_size", "check_activations", "check_batch_and_sequence",
+           "check_divisible", "check_int_range", "current_mesh", "mesh_platform", "nan_where",
+           "reshard", "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
@@ -33,8 +33,14 @@ Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 def current_mesh(parallel: ParallelConfig, *, where: str, required: bool = True) -> Mesh | None:
     """The mesh set with ``jax.set_mesh``, checked against ``parallel``'s axis names.
 
-    Returns ``None`` when no mesh is set and ``required`` is false.
+    Returns ``None`` when no mesh is set and ``required`` is false. A ``parallel`` that is
+    not a :class:`~sp_jax.ParallelConfig` (e.g. a plain dict) is a TypeError.
     """
+    if not isinstance(parallel, ParallelConfig):
+        raise TypeError(
+            f"{where}: parallel={parallel!r} must be a sp_jax.ParallelConfig (use "
+            "ParallelConfig.from_dict for a plain dict)."
+        )
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         if not required:
@@ -81,6 +87,31 @@ def check_divisible(where: str, what: str, size: int, mesh: Mesh, axes, fix: str
         raise ValueError(
             f"{where}: {what}={size} is not divisible by the size {n} of mesh axis "
             f"{axes!r}; {fix}."
+        )
+
+
+def check_activations(where: str, x: Any, size: int, what: str, *,
+                      fix: bool = True) -> None:
+    """Raises a ValueError unless ``x`` has shape ``[batch, seq, size]``: the rank and
+    hidden-size check of every layer that takes activations.
+
+    Shapes are static, so it runs at trace time and costs nothing at run time. ``where``
+    (the layer's name) starts the message; ``what`` names the argument or field that set
+    ``size`` (``in_features``, ``num_features``, ``hidden``); ``fix`` appends how to
+    resolve a size mismatch (the linear layers' message, docs/errors.md E13, has none).
+    """
+    shape = tuple(x.shape)
+    if len(shape) != 3:
+        raise ValueError(
+            f"{where} expects input of shape [batch, seq, {size}], got rank {len(shape)} "
+            f"shape {shape}; reshape to [batch, seq, features]."
+        )
+    if shape[-1] != size:
+        hint = (f"; pass [batch, seq, {size}] activations, or build the layer with "
+                f"{what}={shape[-1]}" if fix else "")
+        raise ValueError(
+            f"{where}: input feature size {shape[-1]} (shape {shape}) does not match "
+            f"{what}={size}{hint}."
         )
 
 

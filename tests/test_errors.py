@@ -14,7 +14,9 @@ from flax import nnx
 
 import sp_jax
 from sp_jax.analysis import gpu_mesh
+from sp_jax.layers import GroupedQKVProjection
 from sp_jax.models import GPT, GPTConfig, hf
+from sp_jax.models.gpt import Block
 
 LAYERS = [
     sp_jax.ColumnParallelLinear,
@@ -45,6 +47,38 @@ def _layer(cls=sp_jax.ColumnSequenceParallelLinear, n_in=16, n_out=16, **kw):
 
 def _gpt(**kw):
     return GPT(GPTConfig(**{**GPT_BASE, **kw}), rngs=nnx.Rngs(0))
+
+
+# The layers that take [batch, seq, hidden] activations besides the linear ones, each
+# built for hidden size 32: name -> (row of a wrong hidden size, the argument naming it)
+HIDDEN_LAYERS = {
+    "LayerNorm": ("E48", "num_features"), "RMSNorm": ("E48", "num_features"),
+    "CausalSelfAttention": ("E49", "hidden"), "GroupedQKVProjection": ("E49", "hidden"),
+    "MLP": ("E50", "hidden"), "Block": ("E51", "hidden"),
+}
+
+
+def _hidden_32(name):
+    rngs = nnx.Rngs(0)
+    return {
+        "LayerNorm": lambda: sp_jax.LayerNorm(32, rngs=rngs),
+        "RMSNorm": lambda: sp_jax.RMSNorm(32, rngs=rngs),
+        "CausalSelfAttention": lambda: sp_jax.CausalSelfAttention(
+            sp_jax.AttentionConfig(32, 4), rngs=rngs),
+        "GroupedQKVProjection": lambda: GroupedQKVProjection(
+            sp_jax.AttentionConfig(32, 4, num_kv_heads=2), rngs=rngs),
+        "MLP": lambda: sp_jax.MLP(sp_jax.MLPConfig(32, 64), rngs=rngs),
+        "Block": lambda: Block(GPTConfig(**GPT_BASE), rngs=rngs),
+    }[name]()
+
+
+def _wrong_hidden(name):
+    """The message pattern of a hidden size of 16 into ``name``'s layer, and the call."""
+    what = HIDDEN_LAYERS[name][1]
+    pattern = (rf"^{name}: input feature size 16 \(shape \(2, 8, 16\)\) does not match "
+               rf"{what}=32; pass \[batch, seq, 32\] activations, or build the layer with "
+               rf"{what}=16")
+    return pattern, lambda: _on((2, 4), lambda: _hidden_32(name)(jnp.ones((2, 8, 16))))
 
 
 def _tensor_only_mesh():
@@ -186,6 +220,11 @@ CASES = {
                 GPTConfig.llama("llama-tiny"))))),
     "E47": (ValueError, r"to_hf: this GPTConfig is neither GPT-2-shaped.*Llama-shaped",
             lambda: hf.config_to_hf(GPTConfig(**{**GPT_BASE, "positions": "rotary"}))),
+    # hidden sizes of the other layers (tests below: every layer, rank too, under jit)
+    "E48": (ValueError, *_wrong_hidden("LayerNorm")),
+    "E49": (ValueError, *_wrong_hidden("CausalSelfAttention")),
+    "E50": (ValueError, *_wrong_hidden("MLP")),
+    "E51": (ValueError, *_wrong_hidden("Block")),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
@@ -219,6 +258,36 @@ def test_every_layer_checks_rank_and_features(mesh_2x4, cls):
             layer(jnp.ones((8, 16)))
         with pytest.raises(ValueError, match="input feature size 12"):
             nnx.jit(lambda m, x: m(x))(layer, jnp.ones((2, 8, 12)))
+
+
+@pytest.mark.parametrize("name", list(HIDDEN_LAYERS))
+def test_every_other_layer_checks_rank_and_hidden_size(mesh_2x4, name):
+    """E12 and E48-E51 on every layer taking activations, at trace time: under jit, and
+    before any shape error from inside JAX; the right shape passes."""
+    what = HIDDEN_LAYERS[name][1]
+    with jax.set_mesh(mesh_2x4):
+        layer = _hidden_32(name)
+        with pytest.raises(ValueError, match=rf"^{name} expects input of shape \[batch, seq, "
+                                             r"32\], got rank 2 shape \(8, 32\); reshape"):
+            layer(jnp.ones((8, 32)))
+        with pytest.raises(ValueError, match=rf"^{name}: input feature size 16 \(shape "
+                                             rf"\(2, 8, 16\)\) does not match {what}=32"):
+            nnx.jit(lambda m, x: m(x))(layer, jnp.ones((2, 8, 16)))
+        out = nnx.eval_shape(lambda m, x: m(x), layer, jnp.ones((2, 8, 32)))
+    assert out.shape[:2] == (2, 8)
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: sp_jax.LayerNorm(32, parallel=p, rngs=nnx.Rngs(0))(jnp.ones((2, 8, 32))),
+    lambda p: sp_jax.Dropout(0.5, parallel=p)(jnp.ones((2, 8, 32)), rngs=nnx.Rngs(0)),
+    lambda p: sp_jax.parallel_cross_entropy(jnp.zeros((2, 8, 64)), np.zeros((2, 8), np.int32),
+                                            parallel=p),
+], ids=["norm", "dropout", "cross_entropy"])
+def test_dict_parallel_is_a_type_error_everywhere(mesh_2x4, call):
+    """E07 where the parallel config is first used at the call."""
+    with jax.set_mesh(mesh_2x4), pytest.raises(TypeError, match=r"parallel=\{'recompute_"
+                                                              r"allgather': True\} must be a"):
+        call({"recompute_allgather": True})
 
 
 def test_errors_raise_at_trace_time_under_jit(mesh_2x4):

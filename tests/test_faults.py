@@ -148,8 +148,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     deadline = time.monotonic() + TIMEOUT_S
     long_run = [*FLAGS[:-1], "100000", "--peer-timeout", str(PEER_TIMEOUT_S)]
-    killed = two_processes(tmp, "killed", long_run)
-    stalled = two_processes(tmp, "stalled", long_run)
+    # tag -> (the process hit, the signal); the other one must end within the bound
+    faults_of = {"killed": (1, signal.SIGKILL), "stalled": (1, signal.SIGSTOP),
+                 "killed_coordinator": (0, signal.SIGKILL),
+                 "stalled_coordinator": (0, signal.SIGSTOP)}
+    hit = {tag: two_processes(tmp, tag, long_run) for tag in faults_of}
     mismatch = two_processes(tmp, "mismatch", FLAGS, (["--seed", "0"], ["--seed", "1"]))
     # Process 1 is never started.
     missing = {"missing0": launch([*FLAGS, "--coordinator", f"127.0.0.1:{free_port()}",
@@ -162,14 +165,15 @@ def runs(tmp_path_factory):
     codes.update(wait_all(missing, deadline))
     missing_s = time.monotonic() - t0
     bound_s = {}
-    for tag, procs, fault in (("killed", killed, signal.SIGKILL),
-                              ("stalled", stalled, signal.SIGSTOP)):
+    for tag, (victim, fault) in faults_of.items():
+        procs = hit[tag]
         if _wait_for_step(tmp / f"{tag}0.jsonl", 1, procs, deadline):
-            procs[f"{tag}1"].send_signal(fault)
-            t_fault = time.monotonic()
-            codes.update(wait_all({f"{tag}0": procs[f"{tag}0"]}, t_fault + 3 * PEER_TIMEOUT_S))
+            procs[f"{tag}{victim}"].send_signal(fault)
+            t_fault, other = time.monotonic(), f"{tag}{1 - victim}"
+            codes.update(wait_all({other: procs[other]}, t_fault + 3 * PEER_TIMEOUT_S + 20))
             bound_s[tag] = time.monotonic() - t_fault
-    codes.update(wait_all({**killed, **stalled}, time.monotonic()))  # the rest: killed
+    codes.update(wait_all({k: v for procs in hit.values() for k, v in procs.items()},
+                          time.monotonic()))  # the rest: killed
     outputs = {name: (tmp / f"{name}.out").read_text(errors="replace") for name in codes}
     return dict(tmp=tmp, codes=codes, out=outputs, mismatch_s=mismatch_s,
                 missing_s=missing_s, bound_s=bound_s)

@@ -249,8 +249,11 @@ def test_gpt_input_errors(mesh_2x4):
         model = GPT(GPTConfig(**BASE), rngs=nnx.Rngs(0))
         with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
             model(np.zeros((B, 32), np.int32))
-        with pytest.raises(ValueError, match="integer tokens"):
+        with pytest.raises(TypeError, match="GPT: token ids must be integers, got dtype float32"):
             model(np.zeros((B, S), np.float32))
+        with pytest.raises(ValueError, match=r"GPT expects token ids of shape \[batch, seq\], "
+                                             r"got rank 1"):
+            model(np.zeros((S,), np.int32))
         with pytest.raises(ValueError, match=r"num_heads=6 is not divisible"):
             GPT(GPTConfig(**{**BASE, "num_heads": 6, "hidden": 48}), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="Unknown GPTConfig key"):

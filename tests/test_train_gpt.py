@@ -30,7 +30,7 @@ import pytest
 from _util import script_env, truncate_an_array_file
 
 from sp_jax.models import GPTConfig
-from sp_jax.training import faults
+from sp_jax.training import faults, warmup_cosine_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -86,6 +86,7 @@ def runs(tmp_path_factory):
     shutil.copytree(tmp / "ckpt_full", tmp / "ckpt_damaged")
     shutil.copy(tmp / "full.jsonl", tmp / "part_4x2.jsonl")
     truncated = truncate_an_array_file(tmp / "ckpt_damaged" / "6")
+    shutil.copytree(tmp / "ckpt_full", tmp / "ckpt_extended")
     started = {
         "resumed_4x2": _start("--steps", "6", "--resume", "--save-every", "3", "--mesh", "4,2",
                               "--ckpt-dir", str(tmp / "ckpt_damaged"),
@@ -93,6 +94,9 @@ def runs(tmp_path_factory):
         # Not resuming into a directory with checkpoints: refused before any training.
         "refused": _start("--steps", "6", "--save-every", "3",
                           "--ckpt-dir", str(tmp / "ckpt_full")),
+        # The finished 6-step run extended to 8 steps: warned about, with the schedule.
+        "extended": _start("--steps", "8", "--resume", "--ckpt-dir", str(tmp / "ckpt_extended"),
+                           "--warmup-steps", "2"),
     }
     results.update({name: _finish(proc) for name, proc in started.items()})
     return tmp, results, truncated
@@ -185,6 +189,27 @@ def test_fresh_run_refuses_nonempty_checkpoint_dir(runs):
     assert "step 1" not in run.stdout  # nothing trained
 
 
+def test_resume_with_other_run_settings_warns_with_both_values(runs):
+    """A finished 6-step run (warmup 20) resumed with --steps 8 --warmup-steps 2: one
+    warning per changed setting, with both values and what it does; --steps names the
+    learning rate of the next step under both schedules (the trainer's RESUME_RULE)."""
+    tmp, results, _ = runs
+    run = results["extended"]
+    _ok(run)
+    lr = {steps: float(warmup_cosine_schedule(3e-3, warmup, steps, 0.1)(6))
+          for steps, warmup in ((8, 2), (6, 20))}
+    warnings = [line for line in run.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: resuming with --steps 8 (saved: 6): a learning-rate schedule that depends "
+        "on the run length (warmup, decay) follows a run of 8 steps from step 7 on: at step 7 "
+        f"the learning rate is {lr[8]:.3g} (the saved run's schedule: {lr[6]:.3g}); to "
+        "finish the saved run as it was planned, resume with --steps 6",
+        "warning: resuming with --warmup-steps 2 (saved: 20): the learning-rate schedule "
+        "from step 7 on follows the new value"], run.stdout
+    assert "resume: restored step 6" in run.stdout
+    assert "done: steps 7-8" in run.stdout
+
+
 # -- command line: the library's rules (tests/test_launch.py, tests/test_data.py) reach the
 # user as a usage error or an "error: ..." exit ------------------------------------------
 
@@ -258,14 +283,20 @@ def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
     a_file = tmp_path / "f"
     a_file.write_text("x")
     for argv, message in [
-        (["--lr", "-0.003"], "--lr -0.003 must be positive"),
-        (["--weight-decay", "-1"], "--weight-decay -1.0 >= 0"),
+        (["--lr", "-0.003"], "--lr -0.003 must be positive and finite"),
+        (["--lr", "inf"], "--lr inf must be positive and finite"),
+        (["--weight-decay", "-1"], "--weight-decay -1.0 must be >= 0 and finite"),
+        (["--weight-decay", "nan"], "--weight-decay nan must be >= 0 and finite"),
+        (["--seed", "-1"], "--seed -1 must be an int >= 0"),
+        (["--seed", str(2**63)], f"--seed {2**63} must be < 2**63"),
+        (["--max-update-ratio", "inf"], "--max-update-ratio inf must be >= 0 and finite"),
+        (["--compile-allowance", "nan"], "--compile-allowance nan: must be a positive"),
         (["--max-data-bytes", "0"], "--max-data-bytes 0 must be positive"),
         (["--ckpt-dir", str(a_file)], f"--ckpt-dir {a_file} is a file, not a directory"),
         (["--log-json", str(tmp_path)], f"--log-json {tmp_path} is a directory; name a file"),
         (["--loss-spike", "0.5"], "--loss-spike 0.5 must be > 1"),
-        (["--max-update-ratio", "-1"], "--max-update-ratio -1.0 must be >= 0"),
-        (["--peer-timeout", "0"], "--peer-timeout 0.0: must be positive"),
+        (["--max-update-ratio", "-1"], "--max-update-ratio -1.0 must be >= 0 and finite"),
+        (["--peer-timeout", "0"], "--peer-timeout 0.0: must be a positive number of seconds"),
         (["--mesh", "0,4"], "--mesh '0,4': expected DATA,TENSOR or DATA,CONTEXT,TENSOR"),
         (["--batch-size", "6", "--micro-batches", "4"],
          "--batch-size 6 is not divisible by --micro-batches 4"),

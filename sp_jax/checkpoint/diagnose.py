@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["describe", "not_damage", "quiet_abandoned_reads"]
+__all__ = ["describe", "not_damage", "quiet_abandoned_io"]
 
 _STATUS_HINTS = {
     "NOT_FOUND": "a file is missing",
@@ -61,13 +61,25 @@ class _AbandonedReads(logging.Filter):
         return True
 
 
-def quiet_abandoned_reads() -> None:
-    """When one array fails to read, orbax closes its event loop while tensorstore still
-    completes the other reads of the step: each then reports "Event loop is closed"
-    through ``sys.unraisablehook`` (as do orbax's read coroutines when they are
-    collected), and asyncio logs their errors as never retrieved.
-    Both are noise about reads already given up (the failure itself is raised as one
-    :class:`CheckpointCorruptError`): filtered out here, and nothing else."""
+class _ReraisedThreadErrors(logging.Filter):
+    """Drops orbax's log record (with a traceback) of a worker thread that raised: the
+    thread keeps the exception and orbax raises it again to the caller who waits for the
+    save, which :class:`~sp_jax.checkpoint.CheckpointManager` reports as one
+    :class:`~sp_jax.checkpoint.CheckpointSaveError`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+def quiet_abandoned_io() -> None:
+    """When one array fails to read or write (a damaged file, a full disk), orbax closes
+    its event loop while tensorstore still completes the other reads or writes of the
+    step: each then reports "Event loop is closed" through ``sys.unraisablehook`` (as do
+    orbax's read coroutines when they are collected), asyncio logs their errors as never
+    retrieved, and orbax logs the traceback of each worker thread that failed. All of it
+    is noise about work already given up (the failure itself is raised as one
+    :class:`CheckpointCorruptError` or :class:`CheckpointSaveError`): filtered out here,
+    and nothing else."""
     if not getattr(sys.unraisablehook, "_sp_jax_quiet", False):
         previous = sys.unraisablehook
 
@@ -82,9 +94,10 @@ def quiet_abandoned_reads() -> None:
 
         hook._sp_jax_quiet = True  # type: ignore[attr-defined]
         sys.unraisablehook = hook
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _AbandonedReads) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_AbandonedReads())
+    for name, kind in (("asyncio", _AbandonedReads), ("absl", _ReraisedThreadErrors)):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in log.filters):
+            log.addFilter(kind())
 
 
 def not_damage(error: BaseException) -> bool:

@@ -9,6 +9,7 @@ orbax-checkpoint is imported on first use (by :func:`_ocp`), not with this modul
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 
 from .at_exit import IN_FLIGHT, register_exit_hook
-from .diagnose import describe, not_damage, quiet_abandoned_reads
+from .diagnose import describe, not_damage, quiet_abandoned_io
 from .errors import CheckpointCorruptError, CheckpointSaveError, NonFiniteError
 from .integrity import CHECKSUM, VERSION, checksums, dtype_name, leaf_dtype, record_digest
 from .lock import WriterLock
@@ -252,10 +253,14 @@ class CheckpointManager:
         latest = self.latest_step()
         before = (f"the latest complete checkpoint is step {latest}" if latest is not None
                   else "there is no earlier complete checkpoint")
+        full = (getattr(error, "errno", None) == errno.ENOSPC
+                or "No space left on device" in str(error))
         return CheckpointSaveError(
             f"saving checkpoint step {step} to {self.directory} failed: "
             f"{type(error).__name__}: {error}. Nothing of step {step} was committed; "
-            f"{before}.", step=step, directory=self.directory)
+            f"{before}" + (f". The file system of {self.directory} is full: free space (or "
+                           "keep fewer checkpoints) and resume" if full else "") + ".",
+            step=step, directory=self.directory)
 
     def _check_pending(self) -> None:
         """Surfaces the error of a background save (async_save=True)."""
@@ -327,6 +332,7 @@ class CheckpointManager:
         record["digest"] = record_digest(record)
         items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
         items[_META] = ocp.args.JsonSave(record)
+        quiet_abandoned_io()  # a failed write is reported once, by _failed
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001 - re-raised with the step named
@@ -379,7 +385,7 @@ class CheckpointManager:
         return record
 
     def _item_metadata(self, step: int) -> Any:
-        quiet_abandoned_reads()
+        quiet_abandoned_io()
         try:
             return self._manager.item_metadata(step)
         except Exception as e:  # noqa: BLE001 - reported as damage, with its gist
@@ -472,7 +478,7 @@ class CheckpointManager:
             items[name] = ocp.args.StandardRestore(
                 jax.tree_util.tree_map_with_path(as_saved, target))
             wanted[name] = target
-        quiet_abandoned_reads()
+        quiet_abandoned_io()
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - reported as damage, with its gist

@@ -27,7 +27,7 @@ from sp_jax.layers.norm import make_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import rotary_embedding
 from sp_jax.layout import Layout
-from sp_jax.mesh import Mesh, axis_size, check_divisible, current_mesh
+from sp_jax.mesh import Mesh, axis_size, check_activations, check_divisible, current_mesh
 
 __all__ = ["CausalSelfAttention"]
 
@@ -156,6 +156,8 @@ class CausalSelfAttention(nnx.Module):
                  rngs: Any = None) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
         mesh = current_mesh(self.parallel, where="CausalSelfAttention")
+        x = jnp.asarray(x)
+        check_activations("CausalSelfAttention", x, self.config.hidden, "hidden")
         self._check_heads(mesh)
         order = sequence_order(self.parallel, mesh, x.shape[1])
         tp = Layout.of(self.parallel).tp

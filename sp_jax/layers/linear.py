@@ -37,6 +37,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
+    check_activations,
     check_batch_and_sequence,
     check_divisible,
     current_mesh,
@@ -149,16 +150,7 @@ class _ParallelLinear(nnx.Module):
 
     def _check_input(self, x: jax.Array, mesh: Mesh) -> None:
         name = type(self).__name__
-        if x.ndim != 3:
-            raise ValueError(
-                f"{name} expects input of shape [batch, seq, {self.in_features}], got "
-                f"rank {x.ndim} shape {x.shape}; reshape to [batch, seq, features]."
-            )
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{name}: input feature size {x.shape[-1]} (shape {x.shape}) does not match "
-                f"in_features={self.in_features}."
-            )
+        check_activations(name, x, self.in_features, "in_features", fix=False)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(
                 f"{name}: input dtype {x.dtype} is not floating point; cast the input "

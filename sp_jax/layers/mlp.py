@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from sp_jax.config import ParallelConfig
@@ -13,6 +14,7 @@ from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.norm import make_norm
 from sp_jax.layout import Layout
+from sp_jax.mesh import check_activations
 
 __all__ = ["MLP"]
 
@@ -72,6 +74,8 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
+        x = jnp.asarray(x)
+        check_activations("MLP", x, self.config.hidden, "hidden")
         # The activation is recomputed in backward: only its input is kept (the tanh
         # approximation of gelu would otherwise keep several [b, s, mlp_hidden / t] arrays).
         y = self.down(jax.checkpoint(self._act)(self.up(self.norm(x))))

@@ -24,7 +24,7 @@ from flax import nnx
 from jax import lax
 
 from sp_jax.config import ParallelConfig
-from sp_jax.mesh import to_sequence_parallel
+from sp_jax.mesh import check_activations, to_sequence_parallel
 
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "layer_norm", "make_norm", "rms_norm"]
 
@@ -106,6 +106,14 @@ def _fast_path(module: nnx.Module, mask: jax.Array | None) -> bool:
             and module.reduction_axes in (-1, (-1,)) and module.feature_axes in (-1, (-1,)))
 
 
+def _check_input(module: nnx.Module, x: jax.Array) -> None:
+    """``x`` must be ``[batch, seq, num_features]`` (the features on the last axis unless
+    the norm was built with other ``feature_axes``)."""
+    last = module.feature_axes in (-1, (-1,))
+    check_activations(type(module).__name__, x,
+                      module.num_features if last else jnp.shape(x)[-1], "num_features")
+
+
 def _out_dtype(module: nnx.Module, x: jax.Array):
     if module.dtype is not None:
         return module.dtype
@@ -128,6 +136,8 @@ class LayerNorm(nnx.LayerNorm):
         self.parallel = parallel
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        x = jnp.asarray(x)
+        _check_input(self, x)
         x = to_sequence_parallel(x, self.parallel, where="LayerNorm")
         if not _fast_path(self, mask):
             return super().__call__(x, mask=mask)
@@ -149,6 +159,8 @@ class RMSNorm(nnx.RMSNorm):
         self.parallel = parallel
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x = jnp.asarray(x)
+        _check_input(self, x)
         x = to_sequence_parallel(x, self.parallel, where="RMSNorm")
         if not _fast_path(self, mask):
             return super().__call__(x, mask=mask)

@@ -15,6 +15,7 @@ from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
     axis_size,
+    check_activations,
     check_divisible,
     current_mesh,
     reshard,
@@ -100,6 +101,8 @@ class GroupedQKVProjection(nnx.Module):
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above."""
         par, cfg = self.parallel, self.config
         mesh = current_mesh(par, where="GroupedQKVProjection")
+        x = jnp.asarray(x)
+        check_activations("GroupedQKVProjection", x, cfg.hidden, "hidden")
         warn_if_recompute_may_be_merged(par)
         t = axis_size(mesh, par.tensor_axis)
         check_divisible("GroupedQKVProjection", "num_heads", cfg.num_heads, mesh,

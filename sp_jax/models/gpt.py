@@ -27,7 +27,13 @@ from sp_jax.layers import (
 )
 from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layout import Layout
-from sp_jax.mesh import axis_size, current_mesh, reshard, to_sequence_parallel
+from sp_jax.mesh import (
+    axis_size,
+    check_activations,
+    current_mesh,
+    reshard,
+    to_sequence_parallel,
+)
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
@@ -230,6 +236,10 @@ class Block(nnx.Module):
         self.mlp = MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """``x``: hidden states ``[batch, seq, hidden]`` in the SP layout -> same shape and
+        layout; ``key``: the dropout key of this block, or None."""
+        x = jnp.asarray(x)
+        check_activations("Block", x, self.attention.config.hidden, "hidden")
         rngs = None if key is None else nnx.Rngs(dropout=key)
         return self.mlp(self.attention(x, rngs=rngs), rngs=rngs)
 
@@ -331,9 +341,15 @@ class GPT(nnx.Module):
         return x.astype(jnp.int32) if jnp.issubdtype(x.dtype, jnp.integer) else x
 
     def _check_tokens(self, tokens: jax.Array) -> None:
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        if tokens.ndim != 2:
             raise ValueError(
-                f"GPT expects integer tokens [batch, seq], got {tokens.dtype} {tokens.shape}."
+                f"GPT expects token ids of shape [batch, seq], got rank {tokens.ndim} shape "
+                f"{tokens.shape}."
+            )
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(
+                f"GPT: token ids must be integers, got dtype {tokens.dtype}; cast them "
+                "(e.g. tokens.astype(jnp.int32))."
             )
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(

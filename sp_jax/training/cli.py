@@ -26,6 +26,7 @@ may change with a warning).
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,8 +42,8 @@ from sp_jax.training.trainer import TrainerConfig
 
 __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_model_arguments", "add_parallel_arguments", "add_trainer_arguments",
-           "check_model_args", "check_run_args", "description", "model_config", "optimizer",
-           "parallel_config", "run_metadata", "shared_settings"]
+           "check_model_args", "check_run_args", "description", "lr_schedule", "model_config",
+           "optimizer", "parallel_config", "run_metadata", "shared_settings"]
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "gpt": lambda **o: GPTConfig(**{"vocab_size": 256, "max_seq_len": 128, "num_layers": 2,
@@ -269,14 +270,15 @@ def check_run_args(args: argparse.Namespace) -> TrainerConfig:
     ``--warmup-steps`` None (a script's default) becomes a tenth of ``--steps`` (at least 1).
 
     Raises:
-      ValueError: a bad value, naming the flag, e.g. ``--lr -0.003 must be positive and
-        --weight-decay 0.1 >= 0``.
+      ValueError: a bad value, naming the flag, e.g. ``--lr inf must be positive and
+        finite``.
     """
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 10)
-    if not args.lr > 0 or args.weight_decay < 0:
-        raise ValueError(f"--lr {args.lr} must be positive and --weight-decay "
-                         f"{args.weight_decay} >= 0")
+    if not 0 < args.lr < math.inf:
+        raise ValueError(f"--lr {args.lr} must be positive and finite")
+    if not 0 <= args.weight_decay < math.inf:
+        raise ValueError(f"--weight-decay {args.weight_decay} must be >= 0 and finite")
     if min(args.warmup_steps, args.save_every, args.eval_every) < 0:
         raise ValueError("--warmup-steps, --save-every and --eval-every must be >= 0")
     if not 0 <= args.final_lr_fraction <= 1:
@@ -292,6 +294,16 @@ def optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
         warmup_cosine_schedule(args.lr, args.warmup_steps, args.steps,
                                final_fraction=args.final_lr_fraction),
         weight_decay=args.weight_decay))
+
+
+def lr_schedule(step: int, run: Mapping[str, Any]) -> float:
+    """The learning rate of :func:`optimizer` at optimizer step ``step`` (1-based) of a run
+    with the settings ``run`` (a checkpoint's ``"run"`` section: ``lr``,
+    ``warmup_steps``, ``steps``, ``final_lr_fraction``), for
+    :class:`~sp_jax.training.Trainer`'s ``lr_schedule``."""
+    schedule = warmup_cosine_schedule(run["lr"], run["warmup_steps"], run["steps"],
+                                      final_fraction=run["final_lr_fraction"])
+    return float(schedule(step - 1))
 
 
 def shared_settings(args: argparse.Namespace) -> dict[str, Any]:

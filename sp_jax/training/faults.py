@@ -16,9 +16,12 @@ uses all of them):
 * :func:`exit_on_peer_failure`: a collective that fails because a peer died ends the
   process at once with one line and :data:`EXIT_PEER_FAILED`.
 * :class:`Watchdog`: ends the process with :data:`EXIT_PEER_FAILED` when a blocking call
-  (a step, an evaluation, a save) makes no progress for a bounded time: a stalled peer.
-  A dead peer is detected by the coordination service's heartbeats, a missing one by its
-  initialisation timeout (:meth:`sp_jax.training.Launch.initialize`, ``--peer-timeout``).
+  (a step, an evaluation, a save) makes no progress for a bounded time: a stalled or dead
+  peer. A missing one is caught by the watchdog around ``jax.distributed.initialize``
+  (:meth:`sp_jax.training.Launch.initialize`, ``--peer-timeout``), whose timeouts for
+  JAX's own coordination service are set to come after every watchdog.
+* :class:`Heartbeats`: each process's sign of life in the coordination service's
+  key-value store, so that those two lines name the process that stalled or died.
 * :class:`DivergenceGuard`: a loss that is not finite or spikes far above its recent median
   ends the run before the diverged parameters are saved (see its docstring for the
   known-good checkpoint rule).
@@ -41,7 +44,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,6 +56,7 @@ __all__ = [
     "EXIT_PEER_FAILED",
     "EXIT_USAGE",
     "DivergenceGuard",
+    "Heartbeats",
     "PeerTimeoutError",
     "SettingsMismatchError",
     "StopSignals",
@@ -199,18 +203,23 @@ def agree_to_stop(step: int, requested: bool) -> bool:
 
 
 @contextlib.contextmanager
-def exit_on_peer_failure(stream: Any = None) -> Iterator[None]:
+def exit_on_peer_failure(stream: Any = None, *, heartbeats: Heartbeats | None = None,
+                         activity: Callable[[], str] | None = None) -> Iterator[None]:
     """Ends a multi-process run at once when a cross-process collective fails in the body.
 
     When a peer dies, the collectives waiting for it fail (gloo on CPU: "Connection reset
-    by peer") or hang (NCCL; the coordination service's heartbeat timeout then ends every
-    process). A failure would otherwise unwind into a traceback, and the exit would then
-    wait for the dead peer at jax.distributed's shutdown barrier. Here it prints one line
-    naming the failure and leaves with ``os._exit(EXIT_PEER_FAILED)``. In a single-process
-    run the error propagates unchanged.
+    by peer") or hang (NCCL: a :class:`Watchdog` ends them). A failure would otherwise
+    unwind into a traceback, and the exit would then wait for the dead peer at
+    jax.distributed's shutdown barrier. Here it prints one line naming the failure (and,
+    with ``heartbeats``, the process that died, about two heartbeat intervals later) and
+    leaves with ``os._exit(EXIT_PEER_FAILED)``. In a single-process run the error
+    propagates unchanged.
 
     Args:
       stream: where the line goes (default ``sys.stderr``).
+      heartbeats: started :class:`Heartbeats`, to name the dead process.
+      activity: says what this process was doing (e.g. :attr:`Watchdog.activity`:
+        ``"step 12"``), for the line.
     """
     try:
         yield
@@ -218,8 +227,11 @@ def exit_on_peer_failure(stream: Any = None) -> Iterator[None]:
         if jax.process_count() == 1:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: process {jax.process_index()}: a collective with the other processes "
-              f"failed ({first}): another process died or lost its connection; exiting with "
+        culprit = heartbeats.culprits() if heartbeats is not None else ""
+        doing = f"{activity()}: " if activity is not None else ""
+        print(f"error: process {jax.process_index()}: {doing}a collective with the other "
+              f"processes failed ({first}): "
+              f"{culprit or 'another process died or lost its connection'}; exiting with "
               f"status {EXIT_PEER_FAILED}", file=stream or sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_PEER_FAILED)
@@ -295,13 +307,135 @@ class StopSignals:
             self._pipe = None
 
 
+class Heartbeats:
+    """A sign of life of every process, to name the one that holds a multi-process run up.
+
+    A background thread of each process writes a counter and what the process is doing
+    (e.g. ``"step 12"``) to the ``jax.distributed`` coordination service's key-value
+    store every ``interval_s`` seconds. When a collective fails or a watched call makes
+    no progress, :meth:`culprits` reads everyone's counter twice, two intervals apart: a
+    process whose counter stood still is stalled (stopped, swapped out) or dead. No clock
+    is compared between hosts. Process 0 hosts the coordination service: when it is the
+    stalled one, the store does not answer, and that names it.
+
+    The same thread ends this process (one line, :data:`EXIT_PEER_FAILED`) within an
+    interval when another one announced with :meth:`fail` that it stops with an error of
+    its own (e.g. a full disk under its log): otherwise this one would wait for it in the
+    next collective until the watchdog's limit.
+
+    Args:
+      interval_s: seconds between two writes (default 5; the first write is at
+        :meth:`start`).
+    """
+
+    def __init__(self, interval_s: float = 5.0):
+        if not interval_s > 0:
+            raise ValueError(f"Heartbeats: interval_s={interval_s!r} must be positive")
+        self.interval_s = float(interval_s)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @staticmethod
+    def interval_for(timeout_s: float) -> float:
+        """The interval for a watchdog of ``timeout_s``: an eighth of it, within 0.5 to
+        5 s (naming a culprit then takes at most ``2 x interval + 0.5`` s more)."""
+        return min(5.0, max(0.5, timeout_s / 8))
+
+    def start(self, activity: Callable[[], str]) -> None:
+        """Starts writing (once; nothing in a single-process run); ``activity()`` says
+        what this process is doing at each write."""
+        if self._thread is not None or jax.process_count() == 1:
+            return
+        me = jax.process_index()
+        client, key = _client(), f"{_KEY}/alive/{me}"
+
+        def beat() -> None:
+            count = 0
+            while True:
+                with contextlib.suppress(Exception):  # a stalled coordinator: blocks here
+                    client.key_value_set(key, json.dumps({"n": count, "at": activity()}),
+                                         allow_overwrite=True)
+                failed = None
+                with contextlib.suppress(Exception):  # NOT_FOUND: nobody failed
+                    failed = client.key_value_try_get(f"{_KEY}/failed")
+                if failed and not self._stopping:
+                    print(f"error: process {me}: {activity()}: stopping because {failed}; "
+                          f"exiting with status {EXIT_PEER_FAILED}", file=sys.stderr,
+                          flush=True)
+                    os._exit(EXIT_PEER_FAILED)
+                count += 1
+                time.sleep(self.interval_s)
+
+        self._thread = threading.Thread(target=beat, name="sp_jax-heartbeat", daemon=True)
+        self._thread.start()
+
+    def fail(self, message: str) -> None:
+        """Announces that this process stops with an error of its own (``message``, one
+        line) and gives the others two intervals to end (each with one line naming it);
+        the caller then leaves without JAX's final barrier (:meth:`Launch.end
+        <sp_jax.training.Launch.end>`). Nothing in a single-process run."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        first = message.strip().splitlines()[0] if message.strip() else "an error"
+        with contextlib.suppress(Exception):  # another process announced first
+            _client().key_value_set(f"{_KEY}/failed",
+                                    f"process {jax.process_index()} failed: {first}")
+        time.sleep(2 * self.interval_s + 1)
+
+    def _read(self, timeout_s: float) -> dict[int, dict[str, Any]] | None:
+        """Everyone's last write, or None when the store does not answer in time."""
+        answer: list[Any] = []
+
+        def read() -> None:
+            with contextlib.suppress(Exception):
+                answer.append(_client().key_value_dir_get(f"{_KEY}/alive/"))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not answer:
+            return None
+        beats = {}
+        for key, value in answer[0]:
+            with contextlib.suppress(ValueError):
+                beats[int(key.rsplit("/", 1)[1])] = json.loads(value)
+        return beats
+
+    def culprits(self) -> str:
+        """Which processes stopped answering, as a clause for a message, e.g. ``"process
+        1 stopped answering (last seen in step 12): it is stalled or dead"``. Takes about
+        two intervals (a single-process run, or one that never started: ``""``)."""
+        if self._thread is None:
+            return ""
+        me, wait = jax.process_index(), 2 * self.interval_s + 0.5
+        first = self._read(timeout_s=3.0)
+        if first is None:
+            return ("process 0, which hosts the coordination service, does not answer: it "
+                    "is stalled or dead")
+        time.sleep(wait)
+        second = self._read(timeout_s=3.0) or {}
+        still = sorted(p for p in range(jax.process_count()) if p != me and (
+            p not in first or second.get(p, {}).get("n") == first[p].get("n")))
+        if still:
+            seen = ", ".join(f"process {p}" + (f" (last seen in {first[p]['at']})"
+                                               if p in first else " (never seen)")
+                             for p in still)
+            return (f"{seen} stopped answering: "
+                    f"{'it is' if len(still) == 1 else 'they are'} stalled or dead")
+        doing = "; ".join(f"process {p} in {second[p]['at']}" for p in sorted(second)
+                          if p != me and p in second)
+        return (f"every process still answers ({doing}): one is stuck (a hung collective, "
+                "slow storage)")
+
+
 class Watchdog:
     """Ends the process when a blocking call makes no progress for too long.
 
     A multi-process step waits in collectives for every other process: a peer that is
-    alive but stuck (its heartbeats still reach the coordinator) would hold everyone
-    forever. Wrap each blocking call in :meth:`watch`; when one runs longer than its
-    limit, the watchdog prints one line naming it and calls ``os._exit`` with
+    alive but stuck would hold everyone forever. Wrap each blocking call in :meth:`watch`;
+    when one runs longer than its limit, the watchdog prints one line naming it (and,
+    with ``heartbeats``, the process that holds it up) and calls ``os._exit`` with
     :data:`EXIT_PEER_FAILED` (``sys.exit`` cannot interrupt a thread blocked in a
     collective).
 
@@ -309,18 +443,34 @@ class Watchdog:
       timeout_s: the limit of a watched call; ``None`` or ``<= 0`` disables the watchdog.
       name: prefixes the line, e.g. ``"process 1"``.
       stream: where the line goes (default ``sys.stderr``).
+      heartbeats: started :class:`Heartbeats` to name the culprit with (the exit then
+        comes up to ``2 x heartbeats.interval_s + 0.5`` s after the limit).
     """
 
     def __init__(self, timeout_s: float | None, *, name: str | None = None,
-                 stream: Any = None):
+                 stream: Any = None, heartbeats: Heartbeats | None = None):
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.name = name
         self.stream = stream
+        self.heartbeats = heartbeats
         self._lock = threading.Lock()
         self._deadline: float | None = None
         self._what = ""
         self._extra = 0.0
         self._thread: threading.Thread | None = None
+
+    @property
+    def last(self) -> str:
+        """The name of the watched call, or of the last one (``""`` before the first)."""
+        with self._lock:
+            return self._what
+
+    @property
+    def activity(self) -> str:
+        """What this process is doing: the watched call, or ``"after <the last one>"``
+        between calls (for :meth:`Heartbeats.start`)."""
+        with self._lock:
+            return self._what if self._deadline is not None else f"after {self._what or 'start'}"
 
     def _run(self) -> None:
         while True:
@@ -329,10 +479,12 @@ class Watchdog:
                 deadline, what = self._deadline, self._what
             if deadline is not None and time.monotonic() > deadline:
                 who = f"{self.name}: " if self.name else ""
+                culprit = self.heartbeats.culprits() if self.heartbeats else ""
                 print(f"error: {who}{what} made no progress for "
-                      f"{self.timeout_s + self._extra:g} s: another process is stalled, "
-                      "dead or was never started (--peer-timeout); exiting with status "
-                      f"{EXIT_PEER_FAILED}", file=self.stream or sys.stderr, flush=True)
+                      f"{self.timeout_s + self._extra:g} s: "
+                      f"{culprit or 'another process is stalled, dead or was never started'}"
+                      f" (--peer-timeout); exiting with status {EXIT_PEER_FAILED}",
+                      file=self.stream or sys.stderr, flush=True)
                 os._exit(EXIT_PEER_FAILED)
 
     @contextlib.contextmanager

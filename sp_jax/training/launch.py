@@ -30,15 +30,17 @@ Under SLURM / Open MPI JAX gives each process the one GPU of its local rank;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
 import jax
 
-__all__ = ["MESH_AXES", "Launch", "add_launch_arguments", "build_mesh", "cluster_tasks",
-           "mesh_description", "parse_local_device_ids", "parse_mesh"]
+__all__ = ["JAX_MARGIN_S", "MESH_AXES", "Launch", "add_launch_arguments", "build_mesh",
+           "cluster_tasks", "mesh_description", "parse_local_device_ids", "parse_mesh"]
 
 _SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
           "SLURM_LOCALID")
@@ -70,6 +72,13 @@ def parse_local_device_ids(text: str) -> tuple[int, ...]:
                          "commas, e.g. 0,1,2,3") from None
 
 
+_AGREED = (0, 3, 75)  # statuses every process of a run ends with alike (faults.EXIT_*)
+
+JAX_MARGIN_S = 60
+"""Seconds by which JAX's coordination-service timeouts exceed the longest sp_jax watchdog
+bound (:meth:`Launch.jax_timeouts`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How this process takes part in a run (build it with :meth:`plan`).
@@ -79,6 +88,10 @@ class Launch:
       processes: the expected number of processes (1 for a single-process run).
       coordinator, num_processes, process_id, local_device_ids: the arguments for
         ``jax.distributed.initialize``; None ones are left to JAX's cluster detection.
+      peer_timeout_s: the bound on every wait for another process (``--peer-timeout``).
+      compile_allowance_s: what a first call, which compiles, may take longer
+        (``--compile-allowance``); with ``peer_timeout_s`` it sets JAX's own timeouts
+        (:meth:`jax_timeouts`).
     """
 
     multiprocess: bool
@@ -88,12 +101,14 @@ class Launch:
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
     peer_timeout_s: float = 120.0
+    compile_allowance_s: float = 600.0
 
     @classmethod
     def plan(cls, *, coordinator: str | None = None, num_processes: int | None = None,
              process_id: int | None = None,
              local_device_ids: str | Sequence[int] | None = None,
              distributed: str = "auto", peer_timeout_s: float = 120.0,
+             compile_allowance_s: float = 600.0,
              environ: Mapping[str, str] | None = None) -> Launch:
         """Checks the combination of launch settings and decides on multi-process.
 
@@ -108,6 +123,8 @@ class Launch:
             before every process ends with an error (the coordination service's
             initialisation, heartbeat and shutdown timeouts, and the bound of
             :func:`sp_jax.training.faults.check_same_settings` and the watchdog).
+          compile_allowance_s: added to the watchdog's bound for a first call, which
+            compiles (a step, an evaluation, a save, a restore).
           environ: the environment to detect a cluster launch in (default
             ``os.environ``).
         Raises:
@@ -128,8 +145,10 @@ class Launch:
             local_device_ids = parse_local_device_ids(local_device_ids)
         elif local_device_ids is not None:
             local_device_ids = tuple(int(v) for v in local_device_ids)
-        if not peer_timeout_s > 0:
-            raise ValueError(f"--peer-timeout {peer_timeout_s}: must be positive (seconds)")
+        for flag, value in (("--peer-timeout", peer_timeout_s),
+                            ("--compile-allowance", compile_allowance_s)):
+            if not (isinstance(value, int | float) and 0 < value < math.inf):
+                raise ValueError(f"{flag} {value}: must be a positive number of seconds")
         if num_processes is not None and num_processes <= 0:
             raise ValueError("--num-processes must be positive")
         if process_id is not None and not (
@@ -141,7 +160,8 @@ class Launch:
                    processes=(num_processes or tasks or 1) if multiprocess else 1,
                    coordinator=coordinator, num_processes=num_processes,
                    process_id=process_id, local_device_ids=local_device_ids,
-                   peer_timeout_s=float(peer_timeout_s))
+                   peer_timeout_s=float(peer_timeout_s),
+                   compile_allowance_s=float(compile_allowance_s))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace,
@@ -150,7 +170,9 @@ class Launch:
         return cls.plan(coordinator=args.coordinator, num_processes=args.num_processes,
                         process_id=args.process_id, local_device_ids=args.local_device_ids,
                         distributed=args.distributed,
-                        peer_timeout_s=getattr(args, "peer_timeout", 120.0), environ=environ)
+                        peer_timeout_s=getattr(args, "peer_timeout", 120.0),
+                        compile_allowance_s=getattr(args, "compile_allowance", 600.0),
+                        environ=environ)
 
     def local_device_count(self, mesh_shape: Sequence[int],
                            local_devices: int | None = None) -> int:
@@ -174,6 +196,25 @@ class Launch:
                              f"{self.processes} processes; set --local-devices")
         return n_dev // self.processes
 
+    def jax_timeouts(self) -> dict[str, int]:
+        """The timeouts of JAX's coordination service (``jax.distributed.initialize``'s
+        keyword arguments), set so that sp_jax's watchdogs always speak first.
+
+        JAX ends every process with SIGABRT and a C++ stack trace when a process misses
+        heartbeats for ``heartbeat_timeout_seconds`` (measured with jaxlib 0.10: 5 to 10 s
+        before that timeout; its error then reaches the others at once). The longest
+        watchdog bound of a run is ``peer_timeout_s + compile_allowance_s`` (a first call,
+        which compiles) plus the heartbeats' naming of the culprit (at most 11 s), so the
+        heartbeat timeout is that plus :data:`JAX_MARGIN_S`. Initialisation and the final
+        shutdown barrier are watched with ``peer_timeout_s``: their JAX timeouts are
+        ``peer_timeout_s + JAX_MARGIN_S``.
+        """
+        peer = math.ceil(self.peer_timeout_s)
+        return {"initialization_timeout": peer + JAX_MARGIN_S,
+                "heartbeat_timeout_seconds":
+                    math.ceil(self.peer_timeout_s + self.compile_allowance_s) + JAX_MARGIN_S,
+                "shutdown_timeout_seconds": peer + JAX_MARGIN_S}
+
     def initialize(self) -> None:
         """``jax.distributed.initialize`` for a multi-process run (nothing otherwise);
         call it before any JAX computation.
@@ -184,10 +225,9 @@ class Launch:
         :attr:`peer_timeout_s` bounds every wait for another process: a process that
         never starts (or a duplicate ``--process-id``) ends this one after that long
         with one line and status :data:`~sp_jax.training.faults.EXIT_PEER_FAILED` (a
-        :class:`~sp_jax.training.faults.Watchdog`, a little before JAX's own
-        initialisation timeout); one that dies or freezes is caught by the coordination
-        service's heartbeats (``peer_timeout_s`` + 10 s: the watchdogs of a training loop
-        usually report it first) and the final shutdown barrier waits no longer.
+        :class:`~sp_jax.training.faults.Watchdog`); one that dies or stalls later is
+        caught by the training loop's watchdogs. JAX's own timeouts come after all of
+        them (:meth:`jax_timeouts`).
         """
         if not self.multiprocess:
             return
@@ -197,16 +237,49 @@ class Launch:
         waiting = (f"starting: waiting for all {self.processes} processes (each with its own "
                    "--process-id) to connect to the coordinator"
                    f"{f' at {self.coordinator}' if self.coordinator else ''}")
-        slack = math.ceil(self.peer_timeout_s) + 10  # JAX's own timeouts come after ours
-        name = f"process {self.process_id}" if self.process_id is not None else None
-        with Watchdog(self.peer_timeout_s, name=name).watch(waiting):
+        with Watchdog(self.peer_timeout_s, name=self._name()).watch(waiting):
             jax.distributed.initialize(
                 coordinator_address=self.coordinator, num_processes=self.num_processes,
                 process_id=self.process_id,
                 local_device_ids=(list(self.local_device_ids) if self.local_device_ids
-                                  else None),
-                initialization_timeout=slack, heartbeat_timeout_seconds=slack,
-                shutdown_timeout_seconds=math.ceil(self.peer_timeout_s))
+                                  else None), **self.jax_timeouts())
+
+    def _name(self) -> str | None:
+        return f"process {self.process_id}" if self.process_id is not None else None
+
+    def end(self, status: int) -> int:
+        """Ends a process's part in the run with exit ``status``; returns it (to
+        ``sys.exit``) in a single-process run.
+
+        Multi-process: a status every process ends with alike (0 done, 3 diverged, 75
+        stopped by a signal: the trainer's agreed outcomes) passes the final barrier
+        (:meth:`shutdown`) and is returned. Any other status (an error of this process,
+        a failed peer) leaves at once with ``os._exit`` after flushing the output: the
+        other processes may be gone, and JAX's barrier would wait for them and then
+        abort the process.
+        """
+        if not self.multiprocess or jax.process_count() == 1:
+            return status
+        if status in _AGREED:
+            self.shutdown()
+            return status
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    def shutdown(self) -> None:
+        """``jax.distributed.shutdown`` (nothing in a single-process run): the final
+        barrier, where every process waits for the others to finish; a process that
+        does not arrive within :attr:`peer_timeout_s` ends this one with one line and
+        status :data:`~sp_jax.training.faults.EXIT_PEER_FAILED`."""
+        if not self.multiprocess or jax.process_count() == 1:
+            return
+        from sp_jax.training.faults import Watchdog
+
+        with Watchdog(self.peer_timeout_s, name=self._name()).watch(
+                "finishing: waiting for every process to reach the end"):
+            jax.distributed.shutdown()
 
 
 MESH_AXES = ("data", "context", "tensor")
@@ -268,7 +341,8 @@ def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tenso
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the multi-process flags (an argument group) that :meth:`Launch.from_args`
     reads: ``--coordinator``, ``--num-processes``, ``--process-id``,
-    ``--local-device-ids``, ``--distributed`` and ``--local-devices``."""
+    ``--local-device-ids``, ``--distributed``, ``--local-devices``, ``--peer-timeout`` and
+    ``--compile-allowance``."""
     g = parser.add_argument_group("multi-process (jax.distributed)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="address of process 0's coordinator service")
@@ -292,3 +366,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="multi-process: how long to wait for a process that did not start, "
                         "died or stalled before every process ends with an error")
+    g.add_argument("--compile-allowance", type=float, default=600.0, metavar="SECONDS",
+                   help="multi-process: how much longer than --peer-timeout a first step, "
+                        "evaluation, save or restore (which compile) may take")

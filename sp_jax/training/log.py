@@ -16,6 +16,7 @@ a clone of sp_jax), imported on call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -24,7 +25,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MetricsLog", "plot_losses"]
+__all__ = ["MetricsLog", "MetricsLogError", "plot_losses"]
+
+
+class MetricsLogError(OSError):
+    """A record could not be written (e.g. the disk is full); the file keeps every
+    complete record before it, and no part of this one. ``errno`` is the failed write's;
+    ``str()`` is the message alone."""
+
+    def __str__(self) -> str:
+        return str(self.args[-1])
 
 
 class MetricsLog:
@@ -37,6 +47,10 @@ class MetricsLog:
         last line (a write cut short by a kill or a full disk) is dropped with a warning;
         a bad line before the last is an error. The kept records replace the file
         atomically (a kill meanwhile leaves the old file).
+
+    Each record is one line written whole: a write that fails (a full disk) is cut back
+    off the file and raises :class:`MetricsLogError` naming the file, so only a kill in
+    the middle of a write can leave a torn last line.
 
     Attributes:
       records: every record of the run so far, the kept ones included (dicts).
@@ -69,23 +83,47 @@ class MetricsLog:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         if self.records:  # the kept records replace the file atomically
             tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as fh:
-                fh.writelines(json.dumps(record) + "\n" for record in self.records)
-            os.replace(tmp, self.path)
-            self._file = open(self.path, "a")  # noqa: SIM115 - closed by close() / __exit__
-        else:
-            self._file = open(self.path, "w")  # noqa: SIM115 - closed by close() / __exit__
+            try:
+                with open(tmp, "w") as fh:
+                    fh.writelines(json.dumps(record) + "\n" for record in self.records)
+                os.replace(tmp, self.path)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise self._error(e, "rewriting its kept records") from e
+        # unbuffered: each record is one write, cut back off the file if it fails
+        self._file = open(self.path, "ab" if self.records else "wb", buffering=0)  # noqa: SIM115
+
+    def _error(self, e: OSError, doing: str) -> MetricsLogError:
+        steps = [r["step"] for r in self.records if "step" in r]
+        kept = (f"its last complete record is of step {steps[-1]}" if steps
+                else "it holds no complete record")
+        return MetricsLogError(e.errno, f"MetricsLog: cannot write {self.path} ({doing}): "
+                                        f"{e.strerror or e}; {kept}")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Appends ``record`` (JSON-serialisable) to :attr:`records` and the file, flushed."""
+        """Appends ``record`` (JSON-serialisable) to the file, as one line, and to
+        :attr:`records`.
+
+        Raises:
+          MetricsLogError: the line could not be written (nothing of it is left in the
+            file; :attr:`records` is unchanged).
+        """
         if self._file is not None and self._file.closed:
             raise ValueError(f"MetricsLog: {self.path} is closed.")
         record = dict(record)
-        line = json.dumps(record)  # fails before anything is kept if not serialisable
-        self.records.append(record)
+        line = (json.dumps(record) + "\n").encode()  # not serialisable: fails here
         if self._file is not None:
-            self._file.write(line + "\n")
-            self._file.flush()
+            start = self._file.tell()
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[self._file.write(view):]
+            except OSError as e:
+                with contextlib.suppress(OSError):  # no torn line left behind
+                    self._file.truncate(start)
+                raise self._error(e, f"a record of step {record.get('step', '?')}") from e
+        self.records.append(record)
 
     def close(self) -> None:
         """Closes the file (idempotent); :attr:`records` stay readable."""

@@ -19,8 +19,13 @@ would have):
 * Resume (``ckpt_dir``): a fresh run into a directory that holds checkpoints is refused,
   and so is ``resume`` without one. The newest intact checkpoint is restored onto the
   current mesh; damaged newer steps are named, skipped and moved aside
-  (``CheckpointManager.quarantine``); another model (metadata section ``"model"``) is
-  refused, changed run settings (section ``"run"``) are warned about.
+  (``CheckpointManager.quarantine``). Every checkpoint records what changes a run's
+  numbers, and a resume compares it (:data:`RESUME_RULE`): another model (metadata
+  section ``"model"``) is refused; a changed run setting (section ``"run"``: ``steps``,
+  ``batch_size``, ``micro_batches`` and ``seed``, which the trainer adds, and the
+  caller's, e.g. the learning rate and the data) is warned about with both values and
+  what it does to the run (another ``steps`` moves the learning-rate schedule); the
+  mesh and the process count may change freely (the same numbers up to float rounding).
 * Eval before save: the held-out loss is computed at step 0, every ``eval_every`` steps,
   at the end and right before every checkpoint, so a checkpoint is written only after
   its own parameters gave a good held-out loss.
@@ -30,10 +35,11 @@ would have):
 * Stop requests: SIGTERM / SIGINT to any process (:class:`~faults.StopSignals`) stop
   every process after the same step (:func:`~faults.agree_to_stop`) with a checkpoint
   (:data:`~faults.EXIT_INTERRUPTED`).
-* Peers: every step, evaluation, save and restore is watched
+* Peers: every step, evaluation, save, restore and stop agreement is watched
   (:class:`~faults.Watchdog`, ``peer_timeout_s``; the first of each kind compiles and gets
-  ``compile_allowance_s`` more), and a failed collective ends the process with one line
-  (:func:`~faults.exit_on_peer_failure`).
+  ``compile_allowance_s`` more), and a failed collective ends the process
+  (:func:`~faults.exit_on_peer_failure`): one line, exit 4, naming the step and the
+  process that stalled or died (:class:`~faults.Heartbeats`).
 * Output: one JSON line per step and per evaluation (:class:`MetricsLog`, kept up to the
   checkpoint on resume), a tqdm progress bar on stderr (``progress``; tqdm is imported only
   then), and process 0 alone prints (``say``): the held-out losses, the compile time and
@@ -61,6 +67,7 @@ from jax.sharding import NamedSharding
 
 from sp_jax._quiet import quiet_gloo
 from sp_jax.checkpoint import (
+    ABSENT,
     CheckpointLockedError,
     CheckpointManager,
     CheckpointSaveError,
@@ -74,10 +81,12 @@ from sp_jax.training.launch import mesh_description
 from sp_jax.training.log import MetricsLog
 from sp_jax.training.step import TrainStep, device_bytes
 
-__all__ = ["TrainResult", "Trainer", "TrainerConfig", "TrainingStopped", "open_checkpoints"]
+__all__ = ["RESUME_RULE", "TrainResult", "Trainer", "TrainerConfig", "TrainingStopped",
+           "open_checkpoints"]
 
 # The command-line flag of a TrainerConfig field where it is not "--" + field with dashes.
-_FLAGS = {"peer_timeout_s": "--peer-timeout", "progress": "--no-progress"}
+_FLAGS = {"peer_timeout_s": "--peer-timeout", "compile_allowance_s": "--compile-allowance",
+          "progress": "--no-progress"}
 
 
 def _flag(field: str) -> str:
@@ -103,13 +112,16 @@ def _problems(v: Mapping[str, Any], flags: bool) -> Iterator[str]:
     for f in ("eval_every", "save_every", "seed"):
         if not _is_int(v[f]) or v[f] < 0:
             yield f"{name(f)} must be an int >= 0"
+    if _is_int(v["seed"]) and v["seed"] >= 2**63:
+        yield f"{name('seed')} must be < 2**63 (a 64-bit seed)"
     if v["batch_size"] % v["micro_batches"]:
         yield f"{name('batch_size')} is not divisible by {name('micro_batches')}"
     spike = v["loss_spike"]
     if not isinstance(spike, int | float) or spike and not (spike > 1 and math.isfinite(spike)):
         yield f"{name('loss_spike')} must be > 1 (or 0 to stop on non-finite losses only)"
-    if not isinstance(v["max_update_ratio"], int | float) or not v["max_update_ratio"] >= 0:
-        yield f"{name('max_update_ratio')} must be >= 0"
+    if not isinstance(v["max_update_ratio"], int | float) or not (
+            0 <= v["max_update_ratio"] < math.inf):
+        yield f"{name('max_update_ratio')} must be >= 0 and finite (0: no limit)"
     if v["ckpt_dir"] and os.path.exists(v["ckpt_dir"]) and not os.path.isdir(v["ckpt_dir"]):
         yield f"{name('ckpt_dir')} is a file, not a directory"
     if v["log_json"] and os.path.isdir(v["log_json"]):
@@ -120,7 +132,7 @@ def _problems(v: Mapping[str, Any], flags: bool) -> Iterator[str]:
     if v["max_to_keep"] is not None and (not _is_int(v["max_to_keep"]) or v["max_to_keep"] < 1):
         yield f"{name('max_to_keep')} must be a positive int (or None to keep every step)"
     for f in ("peer_timeout_s", "compile_allowance_s"):
-        if not isinstance(v[f], int | float) or not v[f] > 0:
+        if not isinstance(v[f], int | float) or not 0 < v[f] < math.inf:
             yield f"{name(f)} must be positive (seconds)"
     for f in ("resume", "debug_nans", "progress"):
         if not isinstance(v[f], bool):
@@ -196,6 +208,8 @@ class TrainerConfig:
         """
         values = {f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)}
         values["peer_timeout_s"] = getattr(args, "peer_timeout", cls.peer_timeout_s)
+        values["compile_allowance_s"] = getattr(args, "compile_allowance",
+                                                cls.compile_allowance_s)
         values["progress"] = not getattr(args, "no_progress", not cls.progress)
         problem = next(_problems(values, flags=True), None)
         if problem:
@@ -272,6 +286,43 @@ def _print(message: str) -> None:
     print(message, file=sys.stdout, flush=True)
 
 
+_RUN_FIELDS = ("steps", "batch_size", "micro_batches", "seed")
+"""The :class:`TrainerConfig` fields that change a run's numbers, recorded in the
+``"run"`` section of every checkpoint's metadata."""
+
+_CONSEQUENCE = {
+    "batch_size": "each step from step {next} on draws another batch than the saved run's",
+    "micro_batches": "the same batches, accumulated in another number of parts: the losses "
+                     "equal the saved run's up to float rounding",
+    "seed": "the data order (and dropout) from step {next} on differ from the saved run's; "
+            "the parameters come from the checkpoint, not from the new seed",
+    "data": "training and held-out data from step {next} on differ from the saved run's",
+    "max_data_bytes": "training and held-out data from step {next} on differ from the "
+                      "saved run's",
+    "lr": "the optimizer uses the new value from step {next} on",
+    "warmup_steps": "the learning-rate schedule from step {next} on follows the new value",
+    "final_lr_fraction": "the learning-rate schedule from step {next} on follows the new "
+                         "value",
+    "weight_decay": "the optimizer uses the new value from step {next} on",
+}
+"""What a changed run setting does to a resumed run (``{next}``: its first step)."""
+
+RESUME_RULE = """On resume each setting a checkpoint records is compared with the current run's:
+- the model (metadata section "model", e.g. every GPTConfig field, the compute dtype
+  included) must be equal: a difference is refused, naming each field with both values;
+- a run setting (section "run": steps, batch_size, micro_batches, seed, and those the
+  caller records, e.g. the learning rate, its warmup and decay, weight decay, the data) may
+  change: one warning per setting with the saved and the current value and what it does;
+  another --steps moves a learning-rate schedule that depends on the run length (warmup,
+  cosine decay) to the new length from the next step on;
+- the mesh, the process count and the parallel layout may change without a word (the
+  same numbers up to float rounding); the resume line names the mesh the step was saved
+  on;
+- a setting the checkpoint does not record (saved by an earlier version) is named once
+  and not checked."""
+"""The rule a :class:`Trainer` applies to a checkpoint's recorded settings on resume."""
+
+
 def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}MiB"
 
@@ -295,7 +346,12 @@ class Trainer:
       config: the :class:`TrainerConfig`.
       metadata: saved with every checkpoint, JSON sections ``{"model": {...}, "run":
         {...}}``: on resume a differing ``"model"`` is refused, other sections are warned
-        about (:func:`sp_jax.training.cli.run_metadata` builds them from flags).
+        about (:func:`sp_jax.training.cli.run_metadata` builds them from flags). The
+        trainer adds its own run settings to ``"run"`` (:data:`RESUME_RULE`).
+      lr_schedule: ``(step, run) -> learning rate`` at optimizer step ``step`` (1-based)
+        of the run whose ``"run"`` settings (the metadata section, e.g. ``steps``,
+        ``lr``, ``warmup_steps``) are ``run``; with it, a resume with another ``steps``
+        says where the schedule moves (e.g. from 1.6e-3 to 2.1e-3 at the next step).
       mesh: the mesh to train on; default: the current one (``jax.set_mesh``).
       layout: the batches' layout; default ``Layout.of(step.model.parallel)`` (a
         :class:`~sp_jax.models.GPT`'s), else ``Layout()``.
@@ -313,7 +369,8 @@ class Trainer:
                  mesh: jax.sharding.Mesh | None = None, layout: Layout | None = None,
                  checkpoints: CheckpointManager | None = None,
                  signals: faults.StopSignals | None = None,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None,
+                 lr_schedule: Callable[[int, Mapping[str, Any]], float] | None = None):
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"Trainer: config must be a TrainerConfig, got "
                             f"{type(config).__name__}.")
@@ -338,12 +395,19 @@ class Trainer:
                 f"{layout.data_axes}); choose a batch size that is a multiple of "
                 f"{data_size * config.micro_batches}.")
         self.step, self.data, self.config = step, data, config
-        self.metadata = dict(metadata or {})
+        self.metadata = {**(metadata or {}), "run": {
+            **{f: getattr(config, f) for f in _RUN_FIELDS},
+            **(metadata or {}).get("run", {})}}
+        self.lr_schedule = lr_schedule
         self.checkpoints, self.signals = checkpoints, signals
         self.say = say or _print
         self.records: list[dict[str, Any]] = []
-        self.watchdog = faults.Watchdog(config.peer_timeout_s if jax.process_count() > 1
-                                        else None, name=f"process {jax.process_index()}")
+        multiprocess = jax.process_count() > 1
+        self.heartbeats = (faults.Heartbeats(faults.Heartbeats.interval_for(
+            config.peer_timeout_s)) if multiprocess else None)
+        self.watchdog = faults.Watchdog(config.peer_timeout_s if multiprocess else None,
+                                        name=f"process {jax.process_index()}",
+                                        heartbeats=self.heartbeats)
         self._compiled: set[str] = set()
         self._bar: Any = None
         self.guard = self._new_guard()
@@ -387,14 +451,71 @@ class Trainer:
     # -- pieces of a step -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _watch(self, what: str, kind: str) -> Iterator[None]:
-        """Watches a blocking call; the first one of each kind compiles (longer limit) and
-        connects gloo's device groups in a multi-process CPU run (their lines dropped)."""
-        first = kind not in self._compiled
+    def _watch(self, what: str, kind: str | None = None) -> Iterator[None]:
+        """Watches a blocking call; the first one of each ``kind`` compiles (longer limit)
+        and connects gloo's device groups in a multi-process CPU run (their lines
+        dropped). Calls without a kind compile nothing."""
+        first = kind is not None and kind not in self._compiled
         self._compiled.add(kind)
         with (quiet_gloo() if first else contextlib.nullcontext()), self.watchdog.watch(
                 what, extra_s=self.config.compile_allowance_s if first else 0.0):
             yield
+
+    def _changes(self, step: int, changed: Mapping[str, Mapping[str, tuple[Any, Any]]],
+                 saved_run: Mapping[str, Any]) -> Iterator[str]:
+        """The warnings of a resume from ``step`` with the ``changed`` settings
+        (``{section: {key: (saved, now)}}``; :data:`RESUME_RULE`); ``saved_run``: the
+        checkpoint's ``"run"`` section."""
+        unrecorded = []
+        for diff in changed.values():
+            for key, (saved, now) in diff.items():
+                if now is ABSENT:  # the current run does not record it
+                    continue
+                if saved is ABSENT:
+                    unrecorded.append(_flag(key))
+                    continue
+                yield (f"resuming with {_flag(key)} {now} (saved: {saved}): "
+                       f"{self._consequence(key, saved, step + 1, saved_run)}")
+        if unrecorded:
+            yield (f"checkpoint step {step} does not record {', '.join(unrecorded)} (saved "
+                   "by an earlier version): not checked")
+
+    def _consequence(self, key: str, saved: Any, next_step: int,
+                     saved_run: Mapping[str, Any]) -> str:
+        if key != "steps":
+            return _CONSEQUENCE.get(key, "the run's numbers from step {next} on differ from "
+                                         "the saved run's").format(next=next_step)
+        now = self.config.steps
+        where = ""
+        if self.lr_schedule is not None:
+            with contextlib.suppress(Exception):  # a saved run the schedule cannot rebuild
+                where = (f"at step {next_step} the learning rate is "
+                         f"{self.lr_schedule(next_step, self.metadata['run']):.3g} (the saved "
+                         f"run's schedule: {self.lr_schedule(next_step, saved_run):.3g}); ")
+        return (f"a learning-rate schedule that depends on the run length (warmup, decay) "
+                f"follows a run of {now} steps from step {next_step} on: {where}to finish the "
+                f"saved run as it was planned, resume with {_flag(key)} {saved}")
+
+    def _peer_failure(self) -> contextlib.AbstractContextManager:
+        """A failed collective ends the process with one line naming the call and the
+        process that died (:func:`~faults.exit_on_peer_failure`)."""
+        return faults.exit_on_peer_failure(heartbeats=self.heartbeats,
+                                           activity=lambda: self.watchdog.last)
+
+    def _intact(self) -> str:
+        """``"; the latest complete checkpoint is step N"`` (or that there is none), for a
+        message about a failed write."""
+        if self._ckpt_dir is None:
+            return ""
+        return (f"; the latest complete checkpoint is step {self.saved}" if self.saved
+                else "; no checkpoint was written yet")
+
+    def _log(self, log: MetricsLog, record: dict[str, Any]) -> None:
+        """Writes a metrics record; a full disk stops the run with one line."""
+        try:
+            log.write(record)
+        except OSError as e:  # MetricsLogError: nothing torn left in the file
+            raise TrainingStopped(f"{e}{self._intact()}") from e
 
     def _diverged(self, i: int, reason: str) -> TrainingStopped:
         kept = (f"the last checkpoint, step {self.saved}, holds parameters that gave a good "
@@ -407,7 +528,7 @@ class Trainer:
         """Held-out loss of the current parameters, logged and checked for divergence."""
         with self._watch(f"evaluation at step {i}", "eval"):
             loss = self.step.evaluate(held_out)
-        log.write({"step": i, "eval_loss": loss})
+        self._log(log, {"step": i, "eval_loss": loss})
         reason = self.guard.check(loss, "held-out loss")
         if reason:
             raise self._diverged(i, reason)
@@ -419,6 +540,7 @@ class Trainer:
             with self._watch(f"saving step {i}", "save"):
                 manager.save(i, self.step.params, self.step.opt_state,
                              metadata={"step": i, "next_batch": i + 1, **self.metadata,
+                                       "mesh": mesh_description(self.mesh),
                                        "recent_losses": list(self.guard.recent)})
         except (CheckpointSaveError, NonFiniteError) as e:
             raise TrainingStopped(str(e)) from e
@@ -451,13 +573,14 @@ class Trainer:
         for damaged in [s for s in manager.all_steps() if s > restored.step]:
             self._print(f"warning: moved damaged checkpoint step {damaged} aside to "
                         f"{manager.quarantine(damaged)}")
-        if restored.changed:
-            changed = restored.changed
-            self._print("warning: resuming with changed settings (saved, now): "
-                        f"{changed['run'] if set(changed) == {'run'} else changed}")
+        for line in self._changes(restored.step, restored.changed,
+                                  restored.metadata.get("run", {})):
+            self._print(f"warning: {line}")
         self.step.params, self.step.opt_state = restored.params, restored.opt_state
-        self._print(f"resume: restored step {restored.step} from {where} onto mesh "
-                    f"{mesh_description(self.mesh)}")
+        saved_on = restored.metadata.get("mesh")
+        now_on = mesh_description(self.mesh)
+        self._print(f"resume: restored step {restored.step} from {where} onto mesh {now_on}"
+                    + (f" (saved on {saved_on})" if saved_on and saved_on != now_on else ""))
         return restored.step, list(restored.metadata.get("recent_losses", []))
 
     # -- the run --------------------------------------------------------------------------
@@ -467,10 +590,20 @@ class Trainer:
         what happened; :attr:`records` holds the metrics log's records meanwhile.
 
         Raises:
-          TrainingStopped: a refused resume or save (``EXIT_ERROR``), divergence
-            (``EXIT_DIVERGED``, nothing diverged saved), or a stop request
-            (``EXIT_INTERRUPTED``, after a checkpoint when ``ckpt_dir`` is set).
+          TrainingStopped: a refused resume or save, a full disk (``EXIT_ERROR``; in a
+            multi-process run the other processes are told and end within two heartbeat
+            intervals, :meth:`~faults.Heartbeats.fail`), divergence (``EXIT_DIVERGED``,
+            nothing diverged saved), or a stop request (``EXIT_INTERRUPTED``, after a
+            checkpoint when ``ckpt_dir`` is set).
         """
+        try:
+            return self._run()
+        except TrainingStopped as e:  # an error of this process: the others end at once
+            if e.status == faults.EXIT_ERROR and self.heartbeats is not None:
+                self.heartbeats.fail(str(e))
+            raise
+
+    def _run(self) -> TrainResult:
         cfg, t0 = self.config, time.perf_counter()
         self.guard, self.saved, self._bar, self.records = self._new_guard(), None, None, []
         with contextlib.ExitStack() as stack:
@@ -484,17 +617,23 @@ class Trainer:
             held_out = self.data.held_out_batches(
                 cfg.eval_batches, batch_size=cfg.batch_size // cfg.micro_batches,
                 sharding=NamedSharding(self.mesh, self.layout.tokens))
-            with faults.exit_on_peer_failure(), self._watch(  # dead peer: one line
+            if self.heartbeats is not None:
+                self.heartbeats.start(lambda: self.watchdog.activity)
+            with self._peer_failure(), self._watch(  # dead peer: one line
                     "restoring the checkpoint", "restore"):
                 start, recent_losses = self._resume(manager)
+            self.saved = start or None
             if start >= cfg.steps:
                 self._print(f"nothing to do: checkpoint step {start} >= --steps {cfg.steps}")
-            log = stack.enter_context(MetricsLog(
-                cfg.log_json if jax.process_index() == 0 else None, resume_from=start))
+            try:  # a bad line before the last, or a file that cannot be written
+                log = stack.enter_context(MetricsLog(
+                    cfg.log_json if jax.process_index() == 0 else None, resume_from=start))
+            except (ValueError, OSError) as e:
+                raise TrainingStopped(f"{e}{self._intact()}") from e
             self.records = log.records
             self._bar = stack.enter_context(self._progress(start))
             try:
-                with faults.exit_on_peer_failure():
+                with self._peer_failure():
                     first, last, final_eval = self._loop(start, recent_losses, held_out, log,
                                                          manager, signals)
             finally:
@@ -543,16 +682,17 @@ class Trainer:
                             f"{_mib(param_b)}, optimizer state {_mib(opt_b)}, activations and "
                             f"temporaries (XLA temp of the compiled step) {_mib(temp)}")
             first, last = first if first is not None else loss, loss
-            log.write({"step": i, "loss": loss, "tokens_per_s": tokens / dt,
-                       "grad_norm": metrics["grad_norm"],
-                       "update_ratio": metrics["update_norm"] / metrics["param_norm"],
-                       "time_s": dt})
+            self._log(log, {"step": i, "loss": loss, "tokens_per_s": tokens / dt,
+                            "grad_norm": metrics["grad_norm"],
+                            "update_ratio": metrics["update_norm"] / metrics["param_norm"],
+                            "time_s": dt})
             if bar is not None:
                 bar.set_postfix_str(f"loss={loss:.3f} tok/s={tokens / dt:,.0f} mem/dev: params="
                                     f"{_mib(param_b)} opt={_mib(opt_b)} act(temp)={_mib(temp)}",
                                     refresh=False)
                 bar.update()
-            stop = faults.agree_to_stop(i, signals.received is not None)
+            with self._watch(f"agreeing whether to stop after step {i}"):
+                stop = faults.agree_to_stop(i, signals.received is not None)
             save = manager is not None and (stop or cfg.save_every and (
                 i % cfg.save_every == 0 or i == cfg.steps))
             if save or (cfg.eval_every and i % cfg.eval_every == 0) or i == cfg.steps:
