@@ -10,7 +10,11 @@ concurrently in one module fixture:
 * ``missing``: process 0 alone (process 1 never starts): it ends after ``--peer-timeout``;
 * ``killed`` / ``stalled``: process 1 killed with SIGKILL / stopped with SIGSTOP after the
   first step: process 0 ends within the ``--peer-timeout`` bound, with EXIT_PEER_FAILED
-  and one line.
+  and one line naming the step and process 1;
+* ``killed_coordinator`` / ``stalled_coordinator``: the same to process 0, which hosts
+  JAX's coordination service;
+* ``failed``: process 0's log on a full disk (``/dev/full``): it ends with EXIT_ERROR
+  naming the file, and process 1 within a heartbeat interval, naming process 0's error.
 
 SIGTERM to one of 2 processes, and the resume to the same losses, are in
 tests/test_multiprocess.py (next to their 1-process reference run).
@@ -154,6 +158,8 @@ def runs(tmp_path_factory):
                  "stalled_coordinator": (0, signal.SIGSTOP)}
     hit = {tag: two_processes(tmp, tag, long_run) for tag in faults_of}
     mismatch = two_processes(tmp, "mismatch", FLAGS, (["--seed", "0"], ["--seed", "1"]))
+    # Process 0's log is on a full disk (/dev/full): it stops with an error of its own.
+    failed = two_processes(tmp, "failed", long_run, (["--log-json", "/dev/full"], []))
     # Process 1 is never started.
     missing = {"missing0": launch([*FLAGS, "--coordinator", f"127.0.0.1:{free_port()}",
                                    "--num-processes", "2", "--process-id", "0",
@@ -164,6 +170,7 @@ def runs(tmp_path_factory):
     mismatch_s = time.monotonic() - t0
     codes.update(wait_all(missing, deadline))
     missing_s = time.monotonic() - t0
+    codes.update(wait_all(failed, deadline))
     bound_s = {}
     for tag, (victim, fault) in faults_of.items():
         procs = hit[tag]
@@ -200,14 +207,38 @@ def test_missing_peer_ends_the_run_within_the_bound(runs):
     assert runs["missing_s"] < PEER_TIMEOUT_S + 30
 
 
+def _line(out: str) -> str:
+    """The one ``error:`` line of a process's output (asserting there is exactly one and
+    no traceback)."""
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    return errors[0]
+
+
 def test_stalled_peer_ends_the_other_within_the_bound(runs):
     """Process 1 stopped (SIGSTOP) mid-run: process 0's step waits for it in a
-    collective; the watchdog ends process 0 after --peer-timeout."""
+    collective; the watchdog ends process 0 after --peer-timeout, naming the step and,
+    from the heartbeats, process 1 and where it was last seen."""
     assert "stalled" in runs["bound_s"], runs["out"]["stalled0"][-3000:]
     out = _status(runs, "stalled0", faults.EXIT_PEER_FAILED)
     assert runs["bound_s"]["stalled"] < PEER_TIMEOUT_S + 10, runs["bound_s"]
-    assert re.search(rf"error: process 0: step \d+ made no progress for {PEER_TIMEOUT_S} s: "
-                     "another process is stalled, dead or was never started", out), out[-3000:]
+    assert re.fullmatch(rf"error: process 0: step \d+ made no progress for {PEER_TIMEOUT_S} s: "
+                        r"process 1 \(last seen in (after )?step \d+\) stopped answering: it "
+                        r"is stalled or dead \(--peer-timeout\); exiting with status 4",
+                        _line(out)), out[-3000:]
+
+
+def test_stalled_coordinator_ends_the_others_within_the_bound(runs):
+    """Process 0, which hosts JAX's coordination service, stopped: process 1's watchdog
+    ends it after --peer-timeout (JAX's own heartbeat timeout comes much later), naming
+    process 0 by the key-value store that no longer answers."""
+    assert "stalled_coordinator" in runs["bound_s"], runs["out"]["stalled_coordinator1"][-3000:]
+    out = _status(runs, "stalled_coordinator1", faults.EXIT_PEER_FAILED)
+    assert runs["bound_s"]["stalled_coordinator"] < PEER_TIMEOUT_S + 15, runs["bound_s"]
+    assert re.fullmatch(rf"error: process 1: step \d+ made no progress for {PEER_TIMEOUT_S} s: "
+                        "process 0, which hosts the coordination service, does not answer: "
+                        r"it is stalled or dead \(--peer-timeout\); exiting with status 4",
+                        _line(out)), out[-3000:]
 
 
 def test_killed_peer_ends_the_other_within_the_bound(runs):
@@ -216,7 +247,74 @@ def test_killed_peer_ends_the_other_within_the_bound(runs):
     assert runs["bound_s"]["killed"] < PEER_TIMEOUT_S + 10, runs["bound_s"]
     # gloo usually reports the lost connection in the next collective; where the
     # collective just waits (as NCCL does), the watchdog ends it after --peer-timeout.
-    assert re.search(r"error: process 0: (a collective with the other processes failed "
-                     r"\(.*\): another process died|step \d+ made no progress for "
-                     rf"{PEER_TIMEOUT_S} s: another process is stalled, dead)", out), out[-3000:]
-    assert "Traceback" not in out
+    assert re.fullmatch(r"error: process 0: (step \d+: a collective with the other processes "
+                        r"failed \(.*\)|step \d+ made no progress for "
+                        rf"{PEER_TIMEOUT_S} s): process 1 \(last seen in .*\) stopped "
+                        r"answering: it is stalled or dead.*; exiting with status 4",
+                        _line(out)), out[-3000:]
+
+
+def test_killed_coordinator_is_ended_by_jax(runs):
+    """Process 0 killed: it hosted JAX's coordination service, and jaxlib ends every
+    other process at once itself (SIGABRT from a C++ thread, with its own message and
+    stack trace, which sp_jax cannot intercept): within seconds, nothing hangs
+    (docs/errors.md, Faults)."""
+    assert "killed_coordinator" in runs["bound_s"], runs["out"]["killed_coordinator1"][-3000:]
+    assert runs["bound_s"]["killed_coordinator"] < PEER_TIMEOUT_S + 10, runs["bound_s"]
+    code, out = runs["codes"]["killed_coordinator1"], runs["out"]["killed_coordinator1"]
+    assert code in (-signal.SIGABRT, faults.EXIT_PEER_FAILED), (code, out[-3000:])
+    if code == -signal.SIGABRT:
+        assert "Terminating process because the JAX distributed service detected fatal " \
+               "errors" in out, out[-3000:]
+
+
+def test_an_error_of_one_process_ends_the_others_at_once(runs):
+    """Process 0 cannot write its log (a full disk): it stops with one line naming the
+    file (exit 1) and tells the others, which end within a heartbeat interval with one
+    line naming it (exit 4) instead of waiting for it in the next collective."""
+    out0 = _status(runs, "failed0", faults.EXIT_ERROR)
+    assert re.fullmatch(r"error: MetricsLog: cannot write /dev/full \(a record of step 1\): "
+                        r"No space left on device; it holds no complete record", _line(out0)), \
+        out0[-3000:]
+    out1 = _status(runs, "failed1", faults.EXIT_PEER_FAILED)
+    assert re.fullmatch(r"error: process 1: (after )?step \d+: stopping because process 0 "
+                        r"failed: MetricsLog: cannot write /dev/full .*; exiting with status 4",
+                        _line(out1)), out1[-3000:]
+
+
+_HEARTBEAT = """
+import sys, time
+import jax
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", 2, int(sys.argv[1]),
+                           heartbeat_timeout_seconds=int(sys.argv[3]))
+print("connected", flush=True)
+time.sleep(600)
+"""
+
+
+def test_jax_heartbeat_abort_comes_near_its_timeout(tmp_path):
+    """JAX's own backstop, measured: process 1 stopped (SIGSTOP), process 0 is aborted
+    by JAX's coordination service between 10 s before its heartbeat timeout and a little
+    after it. Launch.jax_timeouts (tests/test_launch.py) puts that timeout after every
+    sp_jax watchdog with this lag accounted for."""
+    heartbeat_s, port = 20, str(free_port())
+    procs = []
+    for i in range(2):
+        with (tmp_path / f"p{i}.out").open("w") as log:  # the child keeps its descriptor
+            procs.append(subprocess.Popen([sys.executable, "-c", _HEARTBEAT, str(i), port,
+                                           str(heartbeat_s)], env=process_env(), stdout=log,
+                                          stderr=subprocess.STDOUT))
+    try:
+        assert wait_until(lambda: all("connected" in (tmp_path / f"p{i}.out").read_text()
+                                      for i in range(2)), dict(enumerate(procs)),
+                          time.monotonic() + 120)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        procs[0].wait(timeout=heartbeat_s + 30)
+        lag_s = time.monotonic() - t0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode == -signal.SIGABRT
+    assert heartbeat_s - 10 <= lag_s <= heartbeat_s + 5, lag_s

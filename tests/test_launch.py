@@ -123,3 +123,34 @@ def test_build_mesh():
     assert dict(small.shape) == {"x": 1, "y": 2}
     with pytest.raises(ValueError, match=r"--mesh 4,4 needs 16 devices, found 8 \(cpu\)"):
         build_mesh((4, 4))
+
+
+@pytest.mark.parametrize("peer_timeout_s", [6.0, 30.0, 60.0, 120.0])
+def test_jax_timeouts_come_after_every_watchdog(peer_timeout_s):
+    """JAX's coordination service aborts every process (SIGABRT, a C++ stack trace) once a
+    process misses heartbeats for up to 10 s less than its heartbeat timeout (measured:
+    tests/test_faults.py::test_jax_heartbeat_abort_comes_near_its_timeout). Every
+    sp_jax watchdog must end the run first: the longest bound is a first call's
+    (--peer-timeout + --compile-allowance) plus the heartbeats' naming of the culprit
+    (two 5-s intervals, two 3-s reads) and process 0's wait for the others to leave."""
+    from sp_jax.training.faults import Heartbeats
+
+    launch = Launch.plan(**EXPLICIT, peer_timeout_s=peer_timeout_s, environ={})
+    timeouts = launch.jax_timeouts()
+    interval = Heartbeats.interval_for(peer_timeout_s)
+    naming_s = 2 * interval + 0.5 + 2 * 3.0
+    leaving_s = 5.0 + 2 * interval
+    longest_watch = peer_timeout_s + launch.compile_allowance_s + naming_s + leaving_s
+    jax_lag_s = 10.0
+    assert timeouts["heartbeat_timeout_seconds"] - jax_lag_s > longest_watch
+    # jax.distributed.initialize and the final barrier are watched with --peer-timeout
+    assert timeouts["initialization_timeout"] - jax_lag_s > peer_timeout_s
+    assert timeouts["shutdown_timeout_seconds"] - jax_lag_s > peer_timeout_s + naming_s
+    assert all(isinstance(v, int) for v in timeouts.values())  # JAX takes whole seconds
+
+
+def test_timeouts_must_be_positive_and_finite():
+    for flag, bad in (("peer_timeout_s", float("inf")), ("compile_allowance_s", 0.0),
+                      ("compile_allowance_s", float("nan"))):
+        with pytest.raises(ValueError, match="must be a positive number of seconds"):
+            Launch.plan(**EXPLICIT, **{flag: bad}, environ={})

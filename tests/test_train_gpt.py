@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 from _util import script_env, truncate_an_array_file
 
+import sp_jax.checkpoint
 from sp_jax.models import GPTConfig
 from sp_jax.training import faults, warmup_cosine_schedule
 
@@ -208,6 +210,53 @@ def test_resume_with_other_run_settings_warns_with_both_values(runs):
         "from step 7 on follows the new value"], run.stdout
     assert "resume: restored step 6" in run.stdout
     assert "done: steps 7-8" in run.stdout
+
+
+def _small_disk(size: str, mount: Path, script: str) -> list[str] | None:
+    """The command running ``script`` (sh) with a tmpfs of ``size`` mounted at ``mount``,
+    in a user and mount namespace of its own (no root needed); None where this machine
+    does not allow that."""
+    command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+               f"mount -t tmpfs -o size={size} tmpfs {mount} && {script}"]
+    try:
+        probe = subprocess.run([*command[:-1], f"mount -t tmpfs -o size={size} tmpfs "
+                                               f"{mount} && true"],
+                               capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return command if probe.returncode == 0 else None
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_latest_step(tmp_path):
+    """--ckpt-dir on a 1 MB file system, saving every step: a save runs out of space.
+    The run ends with exit 1 and one line (the step, the directory, the cause, the latest
+    complete step), none of orbax's or asyncio's tracebacks; a resume from that step
+    (copied off the small disk) restores and verifies it."""
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    argv = [sys.executable, str(SCRIPT), *TINY, "--steps", "30", "--save-every", "1",
+            "--ckpt-dir", str(disk / "ckpt")]
+    command = _small_disk("1000k", disk, f"{shlex.join(argv)}; status=$?; "
+                                         f"cp -r {disk / 'ckpt'} {kept}; exit $status")
+    if command is None:
+        pytest.skip("no unprivileged user namespaces here (unshare) for a small file system")
+    run = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == faults.EXIT_ERROR, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    match = re.fullmatch(rf"error: saving checkpoint step (\d+) to {disk / 'ckpt'} failed: .*"
+                         r"No space left on device.*\. Nothing of step \1 was committed; the "
+                         r"latest complete checkpoint is step (\d+)\. The file system of "
+                         rf"{disk / 'ckpt'} is full: free space \(or keep fewer checkpoints\) "
+                         r"and resume\.", errors[0])
+    assert match, errors[0]
+    latest = int(match.group(2))
+    assert latest >= 1 and int(match.group(1)) == latest + 1
+    assert sp_jax.checkpoint.latest_step(kept) == latest
+    resumed = _finish(_start("--steps", str(latest + 1), "--resume", "--ckpt-dir", str(kept)))
+    _ok(resumed)  # every array's checksum verified on restore
+    assert f"resume: restored step {latest} from {kept}" in resumed.stdout
 
 
 # -- command line: the library's rules (tests/test_launch.py, tests/test_data.py) reach the

@@ -121,6 +121,13 @@ def runs(tmp_path_factory, mesh_2x4):
                             ckpt_dir=tmp / "ckpt_stop", log_json=tmp / "stop.jsonl")
     # Not resuming into a directory with checkpoints / resuming from an empty one.
     runs["refused"] = a.run(ckpt_dir=tmp / "ckpt_full", save_every=3)
+    # The log on a full disk: the first record (step 0's held-out loss) cannot be written.
+    runs["full_disk_log"] = a.run(fresh=True, log_json="/dev/full")
+    # A resume whose log has a bad line before its last: refused in one line.
+    shutil.copytree(tmp / "ckpt_full", tmp / "ckpt_bad_log")
+    (tmp / "bad.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2,\n{"step": 3}\n')
+    runs["bad_log"] = a.run(resume=True, ckpt_dir=tmp / "ckpt_bad_log",
+                            log_json=tmp / "bad.jsonl")
     (tmp / "typo.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     runs["no_checkpoint"] = a.run(resume=True, ckpt_dir=tmp / "typo",
                                   log_json=tmp / "typo.jsonl")
@@ -275,6 +282,22 @@ def test_fresh_run_into_a_used_directory_and_resume_without_checkpoint_are_refus
     assert missing is not None and missing.status == faults.EXIT_ERROR
     assert str(missing).startswith(f"--resume: no checkpoint in --ckpt-dir {tmp / 'typo'}; ")
     assert (tmp / "typo.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
+
+
+def test_a_log_that_cannot_be_written_or_read_stops_in_one_line(runs):
+    """A full disk under --log-json, or a log with a bad line before its last on resume:
+    TrainingStopped (exit 1) naming the file and what is intact; nothing torn is written."""
+    tmp, runs = runs
+    full = runs["full_disk_log"].stopped
+    assert full is not None and full.status == faults.EXIT_ERROR
+    assert str(full) == ("MetricsLog: cannot write /dev/full (a record of step 0): No space "
+                         "left on device; it holds no complete record")
+    bad = runs["bad_log"].stopped
+    assert bad is not None and bad.status == faults.EXIT_ERROR
+    assert re.fullmatch(rf"MetricsLog: line 2 of {re.escape(str(tmp / 'bad.jsonl'))} is not "
+                        r"JSON \(.*\); resume with another log file; the latest complete "
+                        r"checkpoint is step 6", str(bad)), str(bad)
+    assert "\n" not in str(full) + str(bad)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -3,12 +3,14 @@ loss plot."""
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 
 import pytest
 
 from sp_jax.training import MetricsLog, plot_losses
+from sp_jax.training.log import MetricsLogError
 
 
 def _lines(path) -> list[dict]:
@@ -80,6 +82,38 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
         log.write({"step": 3, "loss": 1.8})
     assert [r["step"] for r in log.records] == [1, 2, 3]
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+class _DiskFillsUp:
+    """A log file whose disk fills up in the middle of the next write: half of the
+    bytes land, then ENOSPC."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data) -> int:
+        self.file.write(bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_a_full_disk_leaves_no_torn_line_and_names_the_file(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = MetricsLog(path)
+    log.write({"step": 1, "loss": 2.5})
+    log._file = _DiskFillsUp(log._file)
+    with pytest.raises(MetricsLogError) as info:
+        log.write({"step": 2, "loss": 2.25})
+    assert str(info.value) == (f"MetricsLog: cannot write {path} (a record of step 2): No space "
+                               "left on device; its last complete record is of step 1")
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
+    log.close()
+    assert path.read_text() == '{"step": 1, "loss": 2.5}\n'  # the half line was cut off
+    assert log.records == [{"step": 1, "loss": 2.5}]
+    with pytest.raises(MetricsLogError, match="cannot write /dev/full .* No space left"):
+        MetricsLog("/dev/full").write({"step": 1})
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -16,10 +16,12 @@ Modules:
 * ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
   DATA[,CONTEXT],TENSOR``), :func:`add_launch_arguments`, :func:`cluster_tasks`.
-* ``log``: :class:`MetricsLog` (JSON lines, resumable) and :func:`plot_losses`.
+* ``log``: :class:`MetricsLog` (JSON lines, resumable, whole lines only:
+  :class:`MetricsLogError` on a full disk) and :func:`plot_losses`.
 * ``faults``: :class:`StopSignals` and :func:`agree_to_stop` (SIGTERM / SIGINT: every
   process stops after the same step), :func:`check_same_settings` (processes started
   with different flags fail fast), :class:`Watchdog` (a stalled peer ends the run),
+  :class:`Heartbeats` (name the process that stalled, died or failed), :func:`leave`,
   :class:`DivergenceGuard` (nothing diverged is saved) and the exit statuses.
 
 The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
@@ -30,11 +32,13 @@ from sp_jax.training import cli, faults, launch, log, schedule, step, trainer
 from sp_jax.training.cli import add_trainer_arguments
 from sp_jax.training.faults import (
     DivergenceGuard,
+    Heartbeats,
     StopSignals,
     Watchdog,
     agree_to_stop,
     check_same_settings,
     exit_on_peer_failure,
+    leave,
 )
 from sp_jax.training.launch import (
     MESH_AXES,
@@ -45,7 +49,7 @@ from sp_jax.training.launch import (
     mesh_description,
     parse_mesh,
 )
-from sp_jax.training.log import MetricsLog, plot_losses
+from sp_jax.training.log import MetricsLog, MetricsLogError, plot_losses
 from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.step import (
     TrainStep,
@@ -65,14 +69,17 @@ from sp_jax.training.trainer import (
 __all__ = [
     "MESH_AXES",
     "DivergenceGuard",
+    "Heartbeats",
     "StopSignals",
     "Watchdog",
     "agree_to_stop",
     "check_same_settings",
     "exit_on_peer_failure",
+    "leave",
     "faults",
     "Launch",
     "MetricsLog",
+    "MetricsLogError",
     "TrainResult",
     "TrainStep",
     "Trainer",

@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 
@@ -64,6 +64,7 @@ __all__ = [
     "agree_to_stop",
     "check_same_settings",
     "exit_on_peer_failure",
+    "leave",
 ]
 
 EXIT_ERROR = 1
@@ -202,6 +203,62 @@ def agree_to_stop(step: int, requested: bool) -> bool:
     return step >= agreed
 
 
+def leave(status: int, *, wait_s: float = 10.0, coordinate: bool = True) -> NoReturn:
+    """Ends this process at once with ``status`` (``os._exit`` after flushing stdout and
+    stderr), also while other threads are blocked in collectives.
+
+    In a multi-process run process 0 hosts JAX's coordination service, and jaxlib aborts
+    every process still connected to it (SIGABRT, a C++ stack trace) the moment it goes.
+    So the other processes record their leaving in its key-value store first (at most
+    1 s: it may be the stalled one), and process 0 leaves last: when every other process
+    has left, or after ``wait_s`` (the others are dead, stalled, or still to be ended by
+    their own watchdog or :class:`Heartbeats`).
+
+    Args:
+      status: the exit status.
+      wait_s: how long process 0 waits for the others.
+      coordinate: False before ``jax.distributed`` is connected (while it starts): leave
+        at once.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if coordinate and jax.process_count() > 1:
+        with contextlib.suppress(Exception):
+            me, n, client = jax.process_index(), jax.process_count(), _client()
+            if me:
+                _bounded(lambda: client.key_value_set(f"{_KEY}/left/{me}", str(status)), 1.0)
+            else:
+                deadline = time.monotonic() + wait_s
+                while time.monotonic() < deadline:
+                    left = _bounded(lambda: client.key_value_dir_get(f"{_KEY}/left/"), 1.0)
+                    if left is not None and len(left) >= n - 1:
+                        break
+                    time.sleep(0.2)
+    os._exit(status)
+
+
+def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
+    """``call()``'s result, or None when it fails or takes longer than ``timeout_s`` (a
+    stalled coordination service; the call is left running in a daemon thread)."""
+    answer: list[Any] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            answer.append(call())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return answer[0] if answer else None
+
+
+def _wait_s(heartbeats: Heartbeats | None) -> float:
+    """How long process 0 waits for the others after a fault: long enough for their
+    heartbeat threads to be told (:meth:`Heartbeats.fail`) and leave."""
+    return 5.0 + (2 * heartbeats.interval_s if heartbeats is not None else 0.0)
+
+
 @contextlib.contextmanager
 def exit_on_peer_failure(stream: Any = None, *, heartbeats: Heartbeats | None = None,
                          activity: Callable[[], str] | None = None) -> Iterator[None]:
@@ -233,8 +290,7 @@ def exit_on_peer_failure(stream: Any = None, *, heartbeats: Heartbeats | None = 
               f"processes failed ({first}): "
               f"{culprit or 'another process died or lost its connection'}; exiting with "
               f"status {EXIT_PEER_FAILED}", file=stream or sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_PEER_FAILED)
+        leave(EXIT_PEER_FAILED, wait_s=_wait_s(heartbeats))
 
 
 class StopSignals:
@@ -362,7 +418,7 @@ class Heartbeats:
                     print(f"error: process {me}: {activity()}: stopping because {failed}; "
                           f"exiting with status {EXIT_PEER_FAILED}", file=sys.stderr,
                           flush=True)
-                    os._exit(EXIT_PEER_FAILED)
+                    leave(EXIT_PEER_FAILED, wait_s=_wait_s(self))
                 count += 1
                 time.sleep(self.interval_s)
 
@@ -371,9 +427,10 @@ class Heartbeats:
 
     def fail(self, message: str) -> None:
         """Announces that this process stops with an error of its own (``message``, one
-        line) and gives the others two intervals to end (each with one line naming it);
-        the caller then leaves without JAX's final barrier (:meth:`Launch.end
-        <sp_jax.training.Launch.end>`). Nothing in a single-process run."""
+        line): the others end within an interval, each with one line naming it. The
+        caller then leaves without JAX's final barrier (:func:`leave`, e.g. by
+        :meth:`Launch.end <sp_jax.training.Launch.end>`). Nothing in a single-process
+        run."""
         if self._thread is None:
             return
         self._stopping = True
@@ -381,7 +438,6 @@ class Heartbeats:
         with contextlib.suppress(Exception):  # another process announced first
             _client().key_value_set(f"{_KEY}/failed",
                                     f"process {jax.process_index()} failed: {first}")
-        time.sleep(2 * self.interval_s + 1)
 
     def _read(self, timeout_s: float) -> dict[int, dict[str, Any]] | None:
         """Everyone's last write, or None when the store does not answer in time."""
@@ -435,9 +491,9 @@ class Watchdog:
     A multi-process step waits in collectives for every other process: a peer that is
     alive but stuck would hold everyone forever. Wrap each blocking call in :meth:`watch`;
     when one runs longer than its limit, the watchdog prints one line naming it (and,
-    with ``heartbeats``, the process that holds it up) and calls ``os._exit`` with
-    :data:`EXIT_PEER_FAILED` (``sys.exit`` cannot interrupt a thread blocked in a
-    collective).
+    with ``heartbeats``, the process that holds it up) and ends the process with
+    :func:`leave` (:data:`EXIT_PEER_FAILED`; ``sys.exit`` cannot interrupt a thread
+    blocked in a collective).
 
     Args:
       timeout_s: the limit of a watched call; ``None`` or ``<= 0`` disables the watchdog.
@@ -445,14 +501,18 @@ class Watchdog:
       stream: where the line goes (default ``sys.stderr``).
       heartbeats: started :class:`Heartbeats` to name the culprit with (the exit then
         comes up to ``2 x heartbeats.interval_s + 0.5`` s after the limit).
+      coordinate: False for a watchdog around ``jax.distributed.initialize`` (no
+        coordination service to leave through yet, :func:`leave`).
     """
 
     def __init__(self, timeout_s: float | None, *, name: str | None = None,
-                 stream: Any = None, heartbeats: Heartbeats | None = None):
+                 stream: Any = None, heartbeats: Heartbeats | None = None,
+                 coordinate: bool = True):
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
         self.name = name
         self.stream = stream
         self.heartbeats = heartbeats
+        self.coordinate = coordinate
         self._lock = threading.Lock()
         self._deadline: float | None = None
         self._what = ""
@@ -485,7 +545,8 @@ class Watchdog:
                       f"{culprit or 'another process is stalled, dead or was never started'}"
                       f" (--peer-timeout); exiting with status {EXIT_PEER_FAILED}",
                       file=self.stream or sys.stderr, flush=True)
-                os._exit(EXIT_PEER_FAILED)
+                leave(EXIT_PEER_FAILED, wait_s=_wait_s(self.heartbeats),
+                      coordinate=self.coordinate)
 
     @contextlib.contextmanager
     def watch(self, what: str, *, extra_s: float = 0.0) -> Iterator[None]:

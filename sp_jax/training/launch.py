@@ -30,11 +30,9 @@ Under SLURM / Open MPI JAX gives each process the one GPU of its local rank;
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
-import sys
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -237,7 +235,7 @@ class Launch:
         waiting = (f"starting: waiting for all {self.processes} processes (each with its own "
                    "--process-id) to connect to the coordinator"
                    f"{f' at {self.coordinator}' if self.coordinator else ''}")
-        with Watchdog(self.peer_timeout_s, name=self._name()).watch(waiting):
+        with Watchdog(self.peer_timeout_s, name=self._name(), coordinate=False).watch(waiting):
             jax.distributed.initialize(
                 coordinator_address=self.coordinator, num_processes=self.num_processes,
                 process_id=self.process_id,
@@ -254,19 +252,19 @@ class Launch:
         Multi-process: a status every process ends with alike (0 done, 3 diverged, 75
         stopped by a signal: the trainer's agreed outcomes) passes the final barrier
         (:meth:`shutdown`) and is returned. Any other status (an error of this process,
-        a failed peer) leaves at once with ``os._exit`` after flushing the output: the
-        other processes may be gone, and JAX's barrier would wait for them and then
-        abort the process.
+        a failed peer) leaves without that barrier, by
+        :func:`~sp_jax.training.faults.leave` (process 0 last, after the others or
+        :attr:`peer_timeout_s`): the other processes may be gone, and JAX's barrier would
+        wait for them and then abort the process.
         """
         if not self.multiprocess or jax.process_count() == 1:
             return status
         if status in _AGREED:
             self.shutdown()
             return status
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(status)
+        from sp_jax.training.faults import leave
+
+        leave(status, wait_s=self.peer_timeout_s)
 
     def shutdown(self) -> None:
         """``jax.distributed.shutdown`` (nothing in a single-process run): the final

@@ -515,7 +515,7 @@ class Trainer:
         try:
             log.write(record)
         except OSError as e:  # MetricsLogError: nothing torn left in the file
-            raise TrainingStopped(f"{e}{self._intact()}") from e
+            raise TrainingStopped(f"{str(e).rstrip('.')}{self._intact()}") from e
 
     def _diverged(self, i: int, reason: str) -> TrainingStopped:
         kept = (f"the last checkpoint, step {self.saved}, holds parameters that gave a good "
@@ -629,7 +629,7 @@ class Trainer:
                 log = stack.enter_context(MetricsLog(
                     cfg.log_json if jax.process_index() == 0 else None, resume_from=start))
             except (ValueError, OSError) as e:
-                raise TrainingStopped(f"{e}{self._intact()}") from e
+                raise TrainingStopped(f"{str(e).rstrip('.')}{self._intact()}") from e
             self.records = log.records
             self._bar = stack.enter_context(self._progress(start))
             try:
