@@ -94,3 +94,29 @@ def test_readme_hf_round_trip_runs(tmp_path, monkeypatch):
     with jax.set_mesh(jax.make_mesh((1, 8), ("data", "tensor"))):
         again = hf.from_hf(tmp_path / "out")
     assert_bitwise(param_values(namespace["model"]), param_values(again))
+
+
+def test_every_test_the_fault_table_names_exists():
+    """docs/errors.md "Faults": each row's tests (``file.py::name``; a bare name is in the
+    file named before it in the same cell; ``*`` matches any name) are test functions of
+    tests/."""
+    import fnmatch
+
+    faults = (ROOT / "docs" / "errors.md").read_text().split("# Faults", 1)[1]
+    rows = [line for line in faults.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 20
+    missing = []
+    for row in rows:
+        test_file = None
+        for token in re.findall(r"`([^`]+)`", row.rstrip(" |").rsplit(" | ", 1)[1]):
+            if token.endswith(".py"):  # "(and the same test in `test_x.py`)"
+                test_file = token
+                continue
+            file_name, _, name = token.rpartition("::")
+            test_file = file_name or test_file
+            assert test_file is not None, row
+            source = (ROOT / "tests" / test_file).read_text()
+            defined = re.findall(r"^def (test_\w+)", source, re.M)
+            if not fnmatch.filter(defined, name):
+                missing.append(f"{test_file}::{name}")
+    assert not missing, missing
