@@ -203,7 +203,8 @@ def agree_to_stop(step: int, requested: bool) -> bool:
     return step >= agreed
 
 
-def leave(status: int, *, wait_s: float = 10.0, coordinate: bool = True) -> NoReturn:
+def leave(status: int, *, wait_s: float = 10.0, gone: Sequence[int] = (),
+          coordinate: bool = True) -> NoReturn:
     """Ends this process at once with ``status`` (``os._exit`` after flushing stdout and
     stderr), also while other threads are blocked in collectives.
 
@@ -217,6 +218,8 @@ def leave(status: int, *, wait_s: float = 10.0, coordinate: bool = True) -> NoRe
     Args:
       status: the exit status.
       wait_s: how long process 0 waits for the others.
+      gone: processes known to be stalled or dead (:attr:`Heartbeats.gone`): process 0
+        does not wait for them.
       coordinate: False before ``jax.distributed`` is connected (while it starts): leave
         at once.
     """
@@ -229,12 +232,12 @@ def leave(status: int, *, wait_s: float = 10.0, coordinate: bool = True) -> NoRe
             if me:
                 _bounded(lambda: client.key_value_set(f"{_KEY}/left/{me}", str(status)), 1.0)
             else:
-                deadline = time.monotonic() + wait_s
-                while time.monotonic() < deadline:
+                deadline, waiting = time.monotonic() + wait_s, set(range(1, n)) - set(gone)
+                while waiting and time.monotonic() < deadline:
                     left = _bounded(lambda: client.key_value_dir_get(f"{_KEY}/left/"), 1.0)
-                    if left is not None and len(left) >= n - 1:
-                        break
-                    time.sleep(0.2)
+                    waiting -= {int(key.rsplit("/", 1)[1]) for key, _ in left or ()}
+                    if waiting:
+                        time.sleep(0.2)
     os._exit(status)
 
 
@@ -290,7 +293,8 @@ def exit_on_peer_failure(stream: Any = None, *, heartbeats: Heartbeats | None = 
               f"processes failed ({first}): "
               f"{culprit or 'another process died or lost its connection'}; exiting with "
               f"status {EXIT_PEER_FAILED}", file=stream or sys.stderr, flush=True)
-        leave(EXIT_PEER_FAILED, wait_s=_wait_s(heartbeats))
+        leave(EXIT_PEER_FAILED, wait_s=_wait_s(heartbeats),
+              gone=heartbeats.gone if heartbeats is not None else ())
 
 
 class StopSignals:
@@ -382,6 +386,10 @@ class Heartbeats:
     Args:
       interval_s: seconds between two writes (default 5; the first write is at
         :meth:`start`).
+
+    Attributes:
+      gone: the processes :meth:`culprits` found stalled or dead (:func:`leave` does not
+        wait for them).
     """
 
     def __init__(self, interval_s: float = 5.0):
@@ -390,6 +398,7 @@ class Heartbeats:
         self.interval_s = float(interval_s)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.gone: set[int] = set()
 
     @staticmethod
     def interval_for(timeout_s: float) -> float:
@@ -418,7 +427,7 @@ class Heartbeats:
                     print(f"error: process {me}: {activity()}: stopping because {failed}; "
                           f"exiting with status {EXIT_PEER_FAILED}", file=sys.stderr,
                           flush=True)
-                    leave(EXIT_PEER_FAILED, wait_s=_wait_s(self))
+                    leave(EXIT_PEER_FAILED, wait_s=_wait_s(self), gone=self.gone)
                 count += 1
                 time.sleep(self.interval_s)
 
@@ -441,19 +450,11 @@ class Heartbeats:
 
     def _read(self, timeout_s: float) -> dict[int, dict[str, Any]] | None:
         """Everyone's last write, or None when the store does not answer in time."""
-        answer: list[Any] = []
-
-        def read() -> None:
-            with contextlib.suppress(Exception):
-                answer.append(_client().key_value_dir_get(f"{_KEY}/alive/"))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not answer:
+        answer = _bounded(lambda: _client().key_value_dir_get(f"{_KEY}/alive/"), timeout_s)
+        if answer is None:
             return None
         beats = {}
-        for key, value in answer[0]:
+        for key, value in answer:
             with contextlib.suppress(ValueError):
                 beats[int(key.rsplit("/", 1)[1])] = json.loads(value)
         return beats
@@ -467,12 +468,14 @@ class Heartbeats:
         me, wait = jax.process_index(), 2 * self.interval_s + 0.5
         first = self._read(timeout_s=3.0)
         if first is None:
+            self.gone.add(0)
             return ("process 0, which hosts the coordination service, does not answer: it "
                     "is stalled or dead")
         time.sleep(wait)
         second = self._read(timeout_s=3.0) or {}
         still = sorted(p for p in range(jax.process_count()) if p != me and (
             p not in first or second.get(p, {}).get("n") == first[p].get("n")))
+        self.gone.update(still)
         if still:
             seen = ", ".join(f"process {p}" + (f" (last seen in {first[p]['at']})"
                                                if p in first else " (never seen)")
@@ -546,6 +549,7 @@ class Watchdog:
                       f" (--peer-timeout); exiting with status {EXIT_PEER_FAILED}",
                       file=self.stream or sys.stderr, flush=True)
                 leave(EXIT_PEER_FAILED, wait_s=_wait_s(self.heartbeats),
+                      gone=self.heartbeats.gone if self.heartbeats else (),
                       coordinate=self.coordinate)
 
     @contextlib.contextmanager
