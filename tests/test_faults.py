@@ -53,6 +53,9 @@ FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",
          "--batch-size", "8", "--micro-batches", "2", "--mesh", "2,4", "--data", DATA,
          "--eval-every", "0", "--no-progress", "--steps", str(STEPS)]
 PEER_TIMEOUT_S = 6
+# the watchdog's limit, then naming the culprit (two heartbeat intervals of 0.75 s, two
+# reads), with the slack of 2 cores shared by 12 processes
+BOUND_S = PEER_TIMEOUT_S + 15
 TIMEOUT_S = 240
 
 
@@ -221,7 +224,7 @@ def test_stalled_peer_ends_the_other_within_the_bound(runs):
     from the heartbeats, process 1 and where it was last seen."""
     assert "stalled" in runs["bound_s"], runs["out"]["stalled0"][-3000:]
     out = _status(runs, "stalled0", faults.EXIT_PEER_FAILED)
-    assert runs["bound_s"]["stalled"] < PEER_TIMEOUT_S + 10, runs["bound_s"]
+    assert runs["bound_s"]["stalled"] < BOUND_S, runs["bound_s"]
     assert re.fullmatch(rf"error: process 0: step \d+ made no progress for {PEER_TIMEOUT_S} s: "
                         r"process 1 \(last seen in (after )?step \d+\) stopped answering: it "
                         r"is stalled or dead \(--peer-timeout\); exiting with status 4",
@@ -234,7 +237,7 @@ def test_stalled_coordinator_ends_the_others_within_the_bound(runs):
     process 0 by the key-value store that no longer answers."""
     assert "stalled_coordinator" in runs["bound_s"], runs["out"]["stalled_coordinator1"][-3000:]
     out = _status(runs, "stalled_coordinator1", faults.EXIT_PEER_FAILED)
-    assert runs["bound_s"]["stalled_coordinator"] < PEER_TIMEOUT_S + 15, runs["bound_s"]
+    assert runs["bound_s"]["stalled_coordinator"] < BOUND_S, runs["bound_s"]
     assert re.fullmatch(rf"error: process 1: step \d+ made no progress for {PEER_TIMEOUT_S} s: "
                         "process 0, which hosts the coordination service, does not answer: "
                         r"it is stalled or dead \(--peer-timeout\); exiting with status 4",
@@ -244,7 +247,7 @@ def test_stalled_coordinator_ends_the_others_within_the_bound(runs):
 def test_killed_peer_ends_the_other_within_the_bound(runs):
     assert "killed" in runs["bound_s"], runs["out"]["killed0"][-3000:]
     out = _status(runs, "killed0", faults.EXIT_PEER_FAILED)
-    assert runs["bound_s"]["killed"] < PEER_TIMEOUT_S + 10, runs["bound_s"]
+    assert runs["bound_s"]["killed"] < BOUND_S, runs["bound_s"]
     # gloo usually reports the lost connection in the next collective; where the
     # collective just waits (as NCCL does), the watchdog ends it after --peer-timeout.
     assert re.fullmatch(r"error: process 0: (step \d+: a collective with the other processes "
@@ -260,7 +263,7 @@ def test_killed_coordinator_is_ended_by_jax(runs):
     stack trace, which sp_jax cannot intercept): within seconds, nothing hangs
     (docs/errors.md, Faults)."""
     assert "killed_coordinator" in runs["bound_s"], runs["out"]["killed_coordinator1"][-3000:]
-    assert runs["bound_s"]["killed_coordinator"] < PEER_TIMEOUT_S + 10, runs["bound_s"]
+    assert runs["bound_s"]["killed_coordinator"] < BOUND_S, runs["bound_s"]
     code, out = runs["codes"]["killed_coordinator1"], runs["out"]["killed_coordinator1"]
     assert code in (-signal.SIGABRT, faults.EXIT_PEER_FAILED), (code, out[-3000:])
     if code == -signal.SIGABRT:
