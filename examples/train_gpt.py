@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         if is_main or e.status == faults.EXIT_ERROR:
             who = "" if is_main else f"process {jax.process_index()}: "
             print(f"error: {who}{e}", file=sys.stderr)
+        if e.status == faults.EXIT_ERROR:  # the others end at once, naming it
+            faults.announce_failure(str(e))
         return e.status
     if args.plot and is_main:
         training.plot_losses(

@@ -62,6 +62,7 @@ __all__ = [
     "StopSignals",
     "Watchdog",
     "agree_to_stop",
+    "announce_failure",
     "check_same_settings",
     "exit_on_peer_failure",
     "leave",
@@ -241,6 +242,21 @@ def leave(status: int, *, wait_s: float = 10.0, gone: Sequence[int] = (),
     os._exit(status)
 
 
+def announce_failure(message: str) -> None:
+    """Announces that this process stops with an error of its own (the first line of
+    ``message``): the other processes' :class:`Heartbeats` end them within an interval,
+    each with one line naming it, instead of waiting for this one in their next
+    collective. The caller then leaves without JAX's final barrier (:func:`leave`, e.g.
+    by :meth:`Launch.end <sp_jax.training.Launch.end>`). The first announcement of a run
+    is kept; nothing happens in a single-process run."""
+    if jax.process_count() == 1:
+        return
+    first = message.strip().splitlines()[0] if message.strip() else "an error"
+    me = jax.process_index()
+    _bounded(lambda: _client().key_value_set(f"{_KEY}/failed", f"process {me} failed: "
+                                                                f"{first}"), 1.0)
+
+
 def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
     """``call()``'s result, or None when it fails or takes longer than ``timeout_s`` (a
     stalled coordination service; the call is left running in a daemon thread)."""
@@ -379,9 +395,9 @@ class Heartbeats:
     stalled one, the store does not answer, and that names it.
 
     The same thread ends this process (one line, :data:`EXIT_PEER_FAILED`) within an
-    interval when another one announced with :meth:`fail` that it stops with an error of
-    its own (e.g. a full disk under its log): otherwise this one would wait for it in the
-    next collective until the watchdog's limit.
+    interval when another one announced (:meth:`fail`, :func:`announce_failure`) that it
+    stops with an error of its own (e.g. a full disk under its log): otherwise this one
+    would wait for it in the next collective until the watchdog's limit.
 
     Args:
       interval_s: seconds between two writes (default 5; the first write is at
@@ -423,7 +439,7 @@ class Heartbeats:
                 failed = None
                 with contextlib.suppress(Exception):  # NOT_FOUND: nobody failed
                     failed = client.key_value_try_get(f"{_KEY}/failed")
-                if failed and not self._stopping:
+                if failed and not self._stopping and not failed.startswith(f"process {me} "):
                     print(f"error: process {me}: {activity()}: stopping because {failed}; "
                           f"exiting with status {EXIT_PEER_FAILED}", file=sys.stderr,
                           flush=True)
@@ -435,18 +451,12 @@ class Heartbeats:
         self._thread.start()
 
     def fail(self, message: str) -> None:
-        """Announces that this process stops with an error of its own (``message``, one
-        line): the others end within an interval, each with one line naming it. The
-        caller then leaves without JAX's final barrier (:func:`leave`, e.g. by
-        :meth:`Launch.end <sp_jax.training.Launch.end>`). Nothing in a single-process
-        run."""
+        """:func:`announce_failure` of ``message`` by this process, whose own heartbeat
+        thread then does not end it for that (nothing in a single-process run)."""
         if self._thread is None:
             return
         self._stopping = True
-        first = message.strip().splitlines()[0] if message.strip() else "an error"
-        with contextlib.suppress(Exception):  # another process announced first
-            _client().key_value_set(f"{_KEY}/failed",
-                                    f"process {jax.process_index()} failed: {first}")
+        announce_failure(message)
 
     def _read(self, timeout_s: float) -> dict[int, dict[str, Any]] | None:
         """Everyone's last write, or None when the store does not answer in time."""
