@@ -280,7 +280,7 @@ def test_an_error_of_one_process_ends_the_others_at_once(runs):
                         r"No space left on device; it holds no complete record", _line(out0)), \
         out0[-3000:]
     out1 = _status(runs, "failed1", faults.EXIT_PEER_FAILED)
-    assert re.fullmatch(r"error: process 1: (after )?step \d+: stopping because process 0 "
+    assert re.fullmatch(r"error: process 1: [a-z ]*step \d+: stopping because process 0 "
                         r"failed: MetricsLog: cannot write /dev/full .*; exiting with status 4",
                         _line(out1)), out1[-3000:]
 
