@@ -14,10 +14,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CONTEXT_PARALLEL", "ParallelConfig"]
+__all__ = ["CONTEXT_PARALLEL", "PIPELINE_SCHEDULES", "ParallelConfig"]
 
 CONTEXT_PARALLEL = (None, "ring", "ulysses")
 """The values of ``ParallelConfig.context_parallel``."""
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+"""The values of ``ParallelConfig.pipeline_schedule``."""
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -87,7 +90,30 @@ class ParallelConfig:
         reduce-scatter of the weight gradient backward), so weight gradients come out
         sharded and no full-size gradient all-reduce exists. Biases, norm parameters and
         the learned position table stay replicated over the data axes (small). Needs a
-        ``data_axis``.
+        ``data_axis``. Inside a pipeline the weights of a stage are gathered once per
+        step and their gradients reduce-scattered once (:mod:`sp_jax.pipeline`).
+      pipeline_axis: mesh axis of pipeline parallelism (mesh ``(stage, data, context,
+        tensor)``, stage outermost), or ``None`` (the default): no pipeline. The GPT's
+        scanned blocks ``[num_layers, ...]`` are sharded over it, the embedding runs on
+        the first stage and the final norm, head and loss on the last; activations
+        cross stages as their sequence-parallel shard with ``ppermute``
+        (:mod:`sp_jax.pipeline`).
+      pipeline_microbatches: micro-batches ``M`` one training step runs through the
+        pipeline (the leading dimension of the step's batch).
+      pipeline_schedule: ``"gpipe"`` (every forward, then every backward, by autodiff
+        of the forward loop: activations of all ``M`` micro-batches stay alive) or
+        ``"1f1b"`` (after a warm-up every stage does one forward and one backward per
+        tick: at most ``2 * stages * repeats - 1`` stage inputs stay alive per stage,
+        whatever ``M``).
+      pipeline_repeats: ``R`` layer chunks per stage (``> 1``: the circular /
+        interleaved assignment, chunk ``c`` of ``stages * R`` on stage ``c % stages``;
+        fewer idle ticks, ``(P - 1) / (R M + P - 1)``); ``num_layers`` must divide by
+        ``stages * R`` and ``M`` by ``stages``.
+      manual_data_axes: data axes that an enclosing ``shard_map`` has already made
+        manual, so the batch the layers see is this device's block of it. Set by the
+        pipeline for the layers it runs (with ``data_axis=None``); dropout then draws the
+        masks of the whole batch and keeps this block's rows, so they still equal the
+        unsharded model's. Leave it empty otherwise.
     """
 
     tensor_axis: str = "tensor"
@@ -98,6 +124,11 @@ class ParallelConfig:
     context_axis: str = "context"
     context_parallel: str | None = None
     fsdp: bool = False
+    pipeline_axis: str | None = None
+    pipeline_microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
+    pipeline_repeats: int = 1
+    manual_data_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -169,6 +200,50 @@ class ParallelConfig:
         object.__setattr__(
             self, "wgrad_dtype", _canonical_dtype("wgrad_dtype", self.wgrad_dtype)
         )
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """Validates the ``pipeline_*`` fields and ``manual_data_axes``."""
+        axis = self.pipeline_axis
+        if axis is not None and (not isinstance(axis, str) or not axis):
+            raise TypeError(
+                f"ParallelConfig.pipeline_axis={axis!r} must be None or a non-empty mesh "
+                "axis name (str), e.g. 'stage'.")
+        if axis is not None and axis in (self.tensor_axis, *self.data_axes,
+                                         *self.context_axes):
+            raise ValueError(
+                f"ParallelConfig.pipeline_axis={axis!r} is also the tensor, a data or the "
+                "context axis; pipeline stages need a mesh axis of their own, e.g. "
+                "jax.make_mesh((stage, data, context, tensor), ('stage', 'data', "
+                "'context', 'tensor')).")
+        for name in ("pipeline_microbatches", "pipeline_repeats"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                    value, (int, np.integer)) or value < 1:
+                raise ValueError(f"ParallelConfig.{name}={value!r} must be a positive int.")
+            object.__setattr__(self, name, int(value))
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is not a known "
+                f"schedule; use one of {PIPELINE_SCHEDULES}.")
+        if axis is None and (self.pipeline_microbatches > 1 or self.pipeline_repeats > 1
+                             or self.pipeline_schedule != "gpipe"):
+            raise ValueError(
+                "ParallelConfig: pipeline_microbatches, pipeline_repeats and "
+                "pipeline_schedule need a pipeline; set pipeline_axis (e.g. "
+                "pipeline_axis='stage') or leave them at their defaults.")
+        manual = self.manual_data_axes
+        manual = (manual,) if isinstance(manual, str) else tuple(manual)
+        if not all(isinstance(n, str) and n for n in manual):
+            raise TypeError(
+                f"ParallelConfig.manual_data_axes={self.manual_data_axes!r} must be a "
+                "tuple of mesh axis names.")
+        object.__setattr__(self, "manual_data_axes", manual)
+
+    @property
+    def pipeline_axes(self) -> tuple[str, ...]:
+        """The pipeline axis as a tuple (empty without a pipeline)."""
+        return (self.pipeline_axis,) if self.pipeline_axis is not None else ()
 
     @property
     def context_axes(self) -> tuple[str, ...]:

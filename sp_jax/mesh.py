@@ -71,6 +71,12 @@ def current_mesh(parallel: ParallelConfig, *, where: str, required: bool = True)
                 f"{axes}; build the mesh as jax.make_mesh((data, context, tensor), ('data', "
                 f"'{name}', 'tensor')) or pass context_parallel=None."
             )
+    if parallel.pipeline_axis is not None and parallel.pipeline_axis not in axes:
+        raise ValueError(
+            f"{where}: pipeline axis {parallel.pipeline_axis!r} (ParallelConfig."
+            f"pipeline_axis) is not in the mesh axes {axes}; build the mesh as "
+            f"jax.make_mesh((stage, data, context, tensor), ('{parallel.pipeline_axis}', "
+            "'data', 'context', 'tensor')) or pass pipeline_axis=None.")
     return mesh
 
 
@@ -175,8 +181,8 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     On Auto meshes the layout is left to ``shard_map``, which reshards its arguments to
     its ``in_specs`` (GSPMD inside ``jit``).
     """
-    if all(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.reshard(x, spec)
+    if all(t != AxisType.Auto for t in mesh.axis_types):  # Explicit, or Manual inside a
+        return jax.reshard(x, spec)                          # pipeline's shard_map
     return x
 
 

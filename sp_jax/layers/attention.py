@@ -138,7 +138,8 @@ class CausalSelfAttention(nnx.Module):
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k)
         if seed is not None:  # global coordinates of this device's first row and head
-            rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
+            batch_axes = par.data_axes or par.manual_data_axes
+            rows = lax.axis_index(batch_axes) * b if batch_axes else 0
             blocks["dropout"] = AttentionDropout(
                 seed, cfg.attention_dropout, batch_offset=rows,
                 head_offset=lax.axis_index(par.tensor_axis) * heads)

@@ -13,7 +13,7 @@ from jax import lax
 from sp_jax.attention.sequence_order import sequence_order, to_held
 from sp_jax.config import ParallelConfig
 from sp_jax.layout import Layout
-from sp_jax.mesh import current_mesh, reshard, to_sequence_parallel
+from sp_jax.mesh import axis_size, current_mesh, reshard, to_sequence_parallel
 
 __all__ = ["Dropout"]
 
@@ -50,12 +50,15 @@ class Dropout(nnx.Dropout):
         if inputs.ndim == 3:
             order = sequence_order(self.parallel, current_mesh(self.parallel, where="Dropout"),
                                    inputs.shape[1])
-        if order is None or self.rate == 1.0 or self.broadcast_dims:
+        manual = self.parallel.manual_data_axes and inputs.ndim >= 1
+        if (order is None and not manual) or self.rate == 1.0 or self.broadcast_dims:
             return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
-        return self._permuted(inputs, order, rngs)
+        return self._drawn(inputs, order, rngs)
 
-    def _permuted(self, inputs: jax.Array, order: np.ndarray, rngs: Any) -> jax.Array:
-        """Dropout with the mask of the natural order, permuted to ``order``."""
+    def _drawn(self, inputs: jax.Array, order: np.ndarray | None, rngs: Any) -> jax.Array:
+        """Dropout with the mask of the natural order, permuted to ``order``, and of the
+        whole batch when the data axes are manual (``ParallelConfig.manual_data_axes``:
+        this device keeps its rows of it)."""
         stream = rngs if rngs is not None else self.rngs
         if isinstance(stream, nnx.Rngs):
             key = stream[self.rng_collection]()
@@ -65,8 +68,15 @@ class Dropout(nnx.Dropout):
             key = stream
         keep = 1.0 - self.rate
         sharding = jax.typeof(inputs).sharding
-        mask = jax.random.bernoulli(key, p=keep, shape=inputs.shape, out_sharding=sharding)
         mesh = current_mesh(self.parallel, where="Dropout")
-        mask = reshard(to_held(mask, order, self.parallel), Layout.of(self.parallel).sp, mesh)
+        manual = self.parallel.manual_data_axes
+        rows = inputs.shape[0]
+        shape = (rows * axis_size(mesh, manual), *inputs.shape[1:]) if manual else inputs.shape
+        mask = jax.random.bernoulli(key, p=keep, shape=shape, out_sharding=sharding)
+        if order is not None:
+            mask = reshard(to_held(mask, order, self.parallel), Layout.of(self.parallel).sp,
+                           mesh)
+        if manual:
+            mask = lax.dynamic_slice_in_dim(mask, lax.axis_index(manual) * rows, rows, 0)
         return lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
 

@@ -34,6 +34,7 @@ from sp_jax.mesh import (
     reshard,
     to_sequence_parallel,
 )
+from sp_jax.models.pipelined import check_pipeline, pipeline_forward_loss, pipeline_loss_and_grads
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
@@ -252,15 +253,18 @@ def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool) -
     return jax.checkpoint(lambda s, x, k: nnx.merge(graphdef, s)(x, k))(state, x, key)
 
 
-def _stack_blocks(blocks: list[Block]) -> Block:
-    """One :class:`Block` whose variables hold ``blocks``' values stacked on axis 0."""
+def _stack_blocks(blocks: list[Block], layer_axis: str | None = None) -> Block:
+    """One :class:`Block` whose variables hold ``blocks``' values stacked on axis 0
+    (sharded over ``layer_axis``, the pipeline axis, when given)."""
 
     def stack(*variables):
         first = variables[0]
         value = jnp.stack([v[...] for v in variables])
         metadata = first.get_metadata()
-        if metadata.get("out_sharding") is not None:
-            metadata["out_sharding"] = (None, *metadata["out_sharding"])
+        inner = metadata.get("out_sharding")
+        if inner is not None or layer_axis is not None:
+            inner = inner if inner is not None else (None,) * (value.ndim - 1)
+            metadata["out_sharding"] = (layer_axis, *inner)
         return first.from_metadata(value, metadata)
 
     states = [nnx.state(b) for b in blocks]
@@ -321,8 +325,11 @@ class GPT(nnx.Module):
         else:
             self.position = None
         self.dropout = Dropout(cfg.dropout, parallel=parallel, rngs=rngs)
+        if parallel.pipeline_axis is not None:
+            check_pipeline(cfg, parallel, current_mesh(parallel, where="GPT", required=False))
         blocks = [Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)]
-        self.blocks = _stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+        self.blocks = _stack_blocks(blocks, parallel.pipeline_axis) if cfg.scan_layers \
+            else nnx.List(blocks)
         self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
                                     epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
                                     param_dtype=cfg.param_dtype, rngs=rngs)
@@ -375,20 +382,12 @@ class GPT(nnx.Module):
                        order: np.ndarray | None) -> jax.Array:
         """:meth:`hidden_states` of ``tokens`` already in the held ``order``; ``table``:
         the embedding's padded table if already made."""
-        self._check_tokens(tokens)
-        x = self.embed(tokens, table=table)
-        if self.position is not None:
-            positions = self.position[...]
-            positions = positions[: tokens.shape[1]] if order is None else \
-                jnp.take(positions, jnp.asarray(order), axis=0)
-            x = x + positions.astype(x.dtype)[None]
-            x = to_sequence_parallel(x, self.parallel, where="GPT")
-        training = max(self.config.dropout, self.config.attention_dropout) > 0 and \
-            not self.dropout.deterministic
+        self._check_pipeline_call()
+        training = self.training
         stream = None
         if training:  # keys are drawn here, outside any rematerialised block
             stream = rngs.dropout if rngs is not None else self.dropout.rngs
-        x = self.dropout(x, rngs=stream() if training else None)
+        x = self._embed(tokens, table, order, stream() if training else None)
         if self.config.scan_layers:
             keys = jnp.stack([stream() for _ in range(self.config.num_layers)]) \
                 if training else None
@@ -397,6 +396,54 @@ class GPT(nnx.Module):
             for block in self.blocks:
                 x = _run_block(block, x, stream() if training else None, self.config.remat)
         return self.final_norm(x)
+
+    @property
+    def training(self) -> bool:
+        """Whether a call draws dropout masks: a rate above 0 and train mode."""
+        return max(self.config.dropout, self.config.attention_dropout) > 0 and \
+            not self.dropout.deterministic
+
+    def _embed(self, tokens: jax.Array, table: jax.Array | None, order: np.ndarray | None,
+               key: jax.Array | None) -> jax.Array:
+        """Token (and learned position) embeddings of ``tokens`` in the held ``order``,
+        SP layout, with the embedding dropout of ``key`` (None: none)."""
+        self._check_tokens(tokens)
+        x = self.embed(tokens, table=table)
+        if self.position is not None:
+            positions = self.position[...]
+            positions = positions[: tokens.shape[1]] if order is None else \
+                jnp.take(positions, jnp.asarray(order), axis=0)
+            x = x + positions.astype(x.dtype)[None]
+            x = to_sequence_parallel(x, self.parallel, where="GPT")
+        return self.dropout(x, rngs=key)
+
+    def _vocab_table(self) -> jax.Array:
+        """The LM head's padded ``[Vp, hidden]`` table (the embedding's when tied)."""
+        mesh = current_mesh(self.parallel, where="GPT")
+        return (self.embed if self.head is None else self.head).padded_table(mesh)
+
+    def _lm_head(self, h: jax.Array, table: jax.Array) -> jax.Array:
+        """Vocabulary-parallel logits ``P(data, None, tensor)`` of final-normed hidden
+        states ``h`` (SP layout) with the padded ``table``."""
+        mesh = current_mesh(self.parallel, where="GPT")
+        layout = Layout.of(self.parallel)
+        par = self.parallel
+
+        def lm_head(h, table):
+            return column_sp_matmul(h, table.T, None, par)
+
+        return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
+                             out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)
+
+    def _check_pipeline_call(self) -> None:
+        """A pipelined GPT runs whole only as a training step's loss (the schedule of
+        :mod:`sp_jax.pipeline`)."""
+        if self.parallel.pipeline_axis is not None:
+            raise ValueError(
+                f"GPT with ParallelConfig(pipeline_axis={self.parallel.pipeline_axis!r}) "
+                "runs as a pipeline: call model.loss(tokens[, labels]) (or train it with "
+                "TrainStep); for logits or hidden states, restore the parameters into a "
+                "GPT without pipeline_axis.")
 
     def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
@@ -410,19 +457,10 @@ class GPT(nnx.Module):
                        ) -> jax.Array:
         """:meth:`padded_logits` of ``tokens`` already in the held ``order``, in that
         order."""
-        mesh = current_mesh(self.parallel, where="GPT")
-        layout = Layout.of(self.parallel)
-        vocab_table = self.embed if self.head is None else self.head
-        table = vocab_table.padded_table(mesh)  # [Vp, hidden], layout.vocab_table
+        table = self._vocab_table()  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
         h = self._hidden_states(tokens, rngs, table if self.head is None else None, order)
-        par = self.parallel
-
-        def lm_head(h, table):
-            return column_sp_matmul(h, table.T, None, par)
-
-        return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
-                             out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)
+        return self._lm_head(h, table)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -446,6 +484,41 @@ class GPT(nnx.Module):
         else:
             logits = reshard(logits, layout.spec("activation_batch", None, None), mesh)
         return logits[..., :vocab]
+
+    def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
+                                key: jax.Array | None, *, ignore_index: int = -100
+                                ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+        """A training step's loss and gradients through the pipeline of
+        ``ParallelConfig(pipeline_axis=...)``, by its schedule (what
+        :class:`~sp_jax.training.TrainStep` runs for a pipelined GPT).
+
+        Args:
+          tokens / labels: ``[M, batch, seq]``, ``M = pipeline_microbatches``, labels
+            aligned as in :meth:`loss`.
+          key: dropout key; micro-batch ``i`` draws from ``fold_in(key, i)`` as
+            :func:`~sp_jax.training.lm_loss` of the unpipelined model does.
+          ignore_index: the target id that contributes no loss.
+        Returns:
+          ``(loss_sum, count, grads)``: the float32 sum of per-token losses, the number
+          of target tokens and the gradients of ``loss_sum``, a pure dict shaped like
+          ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``.
+        """
+        if self.parallel.pipeline_axis is None:
+            raise ValueError("GPT.pipeline_loss_and_grads needs ParallelConfig("
+                             "pipeline_axis=...); use jax.grad of GPT.loss otherwise.")
+        tokens, labels = self._ids(tokens), self._ids(labels)
+        if tokens.ndim != 3 or labels.shape != tokens.shape:
+            raise ValueError(
+                f"GPT.pipeline_loss_and_grads expects tokens and labels [micro_batches, "
+                f"batch, seq] of one shape, got {tokens.shape} and {labels.shape}.")
+        if tokens.shape[0] != self.parallel.pipeline_microbatches:
+            raise ValueError(
+                f"GPT: the batch has {tokens.shape[0]} micro-batches (its leading "
+                f"dimension) but ParallelConfig.pipeline_microbatches="
+                f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
+                "--microbatches sets both).")
+        self._check_tokens(tokens[0])
+        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index)
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -476,6 +549,16 @@ class GPT(nnx.Module):
             self._check_tokens(tokens)
             pad = jnp.full_like(tokens[:, :1], ignore_index)
             labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
+        if self.parallel.pipeline_axis is not None:
+            self._check_tokens(tokens)
+            labels = self._ids(labels)
+            stream = None
+            if self.training:
+                stream = rngs.dropout if rngs is not None else self.dropout.rngs
+            total = pipeline_forward_loss(
+                self, tokens, labels, stream, ignore_index=ignore_index,
+                label_smoothing=label_smoothing, z_loss=z_loss)
+            return total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
         order = self._order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
         per_token = parallel_cross_entropy(

@@ -85,6 +85,32 @@ def accumulate_gradients(
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
 
 
+def _pipelined(model: nnx.Module) -> bool:
+    """Whether ``model`` runs on a pipeline (``ParallelConfig(pipeline_axis=...)``)."""
+    parallel = getattr(model, "parallel", None)
+    return isinstance(parallel, ParallelConfig) and parallel.pipeline_axis is not None
+
+
+def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Array,
+                        loss_fn: LossFn) -> tuple[jax.Array, Any]:
+    """Mean loss and fp32 gradients of a pipelined model's step: its schedule runs the
+    batch's micro-batches (``model.pipeline_loss_and_grads``)."""
+    if loss_fn is not lm_loss or not hasattr(model, "pipeline_loss_and_grads"):
+        raise ValueError(
+            "TrainStep: a pipelined model (ParallelConfig(pipeline_axis=...)) trains with "
+            "the default loss_fn=lm_loss through its own schedule "
+            "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it.")
+    if not isinstance(batch, dict) or set(batch) != {"tokens", "labels"}:
+        raise ValueError("TrainStep: a pipelined model takes batches {'tokens', 'labels'} "
+                         "[micro_batches, batch, seq].")
+    loss_sum, count, pure = model.pipeline_loss_and_grads(batch["tokens"], batch["labels"],
+                                                           key)
+    grads = jax.tree.map(lambda x: x, params)
+    nnx.replace_by_pure_dict(grads, pure)
+    scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+    return loss_sum * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
+
+
 def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
 
@@ -116,7 +142,11 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         def pure_loss(p, micro_batch, k):
             return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
 
-        loss, grads = accumulate_gradients(pure_loss, params, batch, key)
+        model = nnx.merge(graphdef, params, rest)
+        if _pipelined(model):
+            loss, grads = _pipeline_gradients(model, params, batch, key, loss_fn)
+        else:
+            loss, grads = accumulate_gradients(pure_loss, params, batch, key)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)

@@ -1,0 +1,230 @@
+"""The GPT on a pipeline (``ParallelConfig(pipeline_axis=...)``): its pieces as a
+:class:`~sp_jax.pipeline.StageProgram`, and a training step's loss and gradients.
+
+The parameters keep the GPT's own layout: the scanned blocks ``[num_layers, ...]`` in
+layer order, sharded over the stage axis on their first dimension, so checkpoints move
+between stage counts (and to no pipeline) as they are. With ``pipeline_repeats = R > 1``
+stage ``s`` runs the chunks ``s, s + P, s + 2P, ...`` (round robin) while it stores
+the contiguous layers ``[s L / P, (s + 1) L / P)``: the step brings the chunks to their
+stages once (one all-to-all of the block weights on the stage axis, and of their
+gradients back), not per micro-batch.
+
+Inside the pipeline the layers run with the stage and data axes manual (their
+``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes and
+``fsdp=False``: fsdp weights are gathered once per step by the pipeline), so the
+weight gradients of all micro-batches are reduced over the data axes once per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.config import ParallelConfig
+from sp_jax.layers import parallel_cross_entropy
+from sp_jax.mesh import current_mesh
+from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
+
+__all__ = ["check_pipeline", "inner_parallel", "pipeline_forward_loss",
+           "pipeline_loss_and_grads"]
+
+
+def inner_parallel(parallel: ParallelConfig) -> ParallelConfig:
+    """The config of the layers inside the pipeline's ``shard_map`` (stage and data
+    axes manual there)."""
+    return parallel.replace(data_axis=None, fsdp=False, pipeline_axis=None,
+                            pipeline_microbatches=1, pipeline_schedule="gpipe",
+                            pipeline_repeats=1, manual_data_axes=parallel.data_axes)
+
+
+def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
+    """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline: blocks
+    not scanned, or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when
+    ``mesh`` is known)."""
+    if not config.scan_layers:
+        raise ValueError(
+            f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "
+            "GPTConfig(scan_layers=True): the stages hold slices of the stacked blocks.")
+    if mesh is None:
+        return
+    stages = mesh.shape[parallel.pipeline_axis]
+    chunks = stages * parallel.pipeline_repeats
+    if config.num_layers % chunks:
+        raise ValueError(
+            f"GPT: num_layers={config.num_layers} is not divisible by stages x "
+            f"pipeline_repeats = {stages} x {parallel.pipeline_repeats} = {chunks}; use a "
+            f"multiple of {chunks} layers, or another stage count or pipeline_repeats.")
+
+
+def _swap_parallel(module: nnx.Module, parallel: ParallelConfig) -> nnx.Module:
+    """``module`` with every submodule's ``parallel`` set to ``parallel``."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(getattr(node, "parallel", None), ParallelConfig):
+            node.parallel = parallel
+    return module
+
+
+def _program(model: Any, order: np.ndarray | None, ignore_index: int,
+             label_smoothing: float, z_loss: float) -> StageProgram:
+    """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts)."""
+    inner = inner_parallel(model.parallel)
+    graphdef = nnx.graphdef(model)
+    block_graphdef = nnx.graphdef(model.blocks)
+    rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+    blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
+    empty = jax.tree.map(lambda x: np.zeros((0,), x.dtype), blocks)
+    remat, vocab = model.config.remat, model.config.vocab_size
+
+    def shell(shared):
+        return _swap_parallel(nnx.merge(graphdef, {**shared, "blocks": empty}, rest), inner)
+
+    def key(data):
+        return None if data is None else jax.random.wrap_key_data(data)
+
+    def embed(shared, tokens, key_data):
+        return shell(shared)._embed(tokens, None, order, key(key_data))
+
+    def stage(chunk, x, keys):
+        from sp_jax.models.gpt import _scan_blocks
+        stacked = _swap_parallel(nnx.merge(block_graphdef, chunk), inner)
+        return _scan_blocks(stacked, x, key(keys), remat)
+
+    def head(shared, x, labels):
+        m = shell(shared)
+        logits = m._lm_head(m.final_norm(x), m._vocab_table())
+        per_token = parallel_cross_entropy(
+            logits, labels, parallel=inner, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
+        return jnp.sum(per_token).astype(jnp.float32)
+
+    return StageProgram(embed=embed, stage=stage, head=head)
+
+
+def _stage_major(blocks: Any, mesh: Any, axis: str, stages: int, repeats: int) -> Any:
+    """Block leaves ``[L, ...]`` (layer order, sharded over the stage axis) as
+    ``[P, R, L / (P R), ...]`` with chunk ``r * P + s`` at ``[s, r]``."""
+
+    def one(x):
+        rest = x.shape[1:]
+        spec = tuple(jax.typeof(x).sharding.spec)[1:]
+        spec = (*spec, *([None] * (len(rest) - len(spec))))
+        per = x.shape[0] // (stages * repeats)
+        out = NamedSharding(mesh, P(axis, None, None, *spec))
+        if repeats == 1:
+            return jnp.reshape(x, (stages, 1, per, *rest), out_sharding=out)
+        x = jnp.reshape(x, (repeats, stages, per, *rest),
+                        out_sharding=NamedSharding(mesh, P(None, axis, None, *spec)))
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(one, blocks)
+
+
+def _layer_major(grads: Any, like: Any, mesh: Any, repeats: int) -> Any:
+    """The inverse of :func:`_stage_major`: ``[P, R, per, ...]`` -> ``[L, ...]`` sharded
+    like ``like``."""
+
+    def one(g, x):
+        sharding = jax.typeof(x).sharding
+        if repeats > 1:
+            g = jnp.swapaxes(g, 0, 1)
+        return jnp.reshape(g, x.shape, out_sharding=sharding)
+
+    return jax.tree.map(one, grads, like)
+
+
+def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
+    """Dropout key data of each micro-batch's stream: the draws ``GPT.loss`` makes (the
+    embedding's, then one per layer)."""
+    embed, layers = [], []
+    for stream in streams:
+        embed.append(jax.random.key_data(stream()))
+        layers.append(jnp.stack([jax.random.key_data(stream()) for _ in range(num_layers)]))
+    return jnp.stack(embed), jnp.stack(layers)
+
+
+def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
+         keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
+         label_smoothing: float, z_loss: float, grads: bool) -> tuple[jax.Array, Any]:
+    par, cfg = model.parallel, model.config
+    mesh = current_mesh(par, where="GPT")
+    check_pipeline(cfg, par, mesh)
+    stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
+    micro = tokens.shape[0]
+    kind = par.pipeline_schedule if grads else "gpipe"
+    schedule = pipeline_schedule(kind, stages, micro, repeats)
+    order = model._order(tokens[0])
+    if order is not None:
+        tokens = jnp.take(tokens, jnp.asarray(order), axis=2)
+        labels = jnp.take(labels, jnp.asarray(order), axis=2)
+    if keys is not None:
+        embed_keys, layer_keys = keys
+        per = cfg.num_layers // (stages * repeats)
+        keys = (embed_keys, layer_keys.reshape(micro, repeats, stages, per,
+                                               *layer_keys.shape[2:]))
+    shared = {k: v for k, v in params.items() if k != "blocks"}
+    blocks = _stage_major(params["blocks"], mesh, par.pipeline_axis, stages, repeats)
+    program = _program(model, order, ignore_index, label_smoothing, z_loss)
+    run = one_f_one_b if kind == "1f1b" else gpipe
+    loss, result = run(program, schedule, shared, blocks, tokens, labels, keys,
+                       stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh,
+                       grads=grads)
+    if not grads:
+        return loss, None
+    g_shared, g_blocks = result
+    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], mesh,
+                                                     repeats)}
+
+
+def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,
+                            key: jax.Array | None, *, ignore_index: int = -100
+                            ) -> tuple[jax.Array, jax.Array, Any]:
+    """One training step's ``(loss_sum, count, grads)`` of a pipelined GPT ``model``:
+    ``tokens`` / ``labels`` ``[M, batch, seq]`` (``M`` micro-batches), micro-batch ``i``
+    with the dropout of ``fold_in(key, i)`` (what ``lm_loss`` of the unpipelined model
+    draws); ``grads`` of ``loss_sum`` as a pure dict shaped like the model's
+    parameters (``nnx.to_pure_dict``)."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    keys = None
+    if model.training and key is not None:
+        keys = _draws([nnx.Rngs(dropout=jax.random.fold_in(key, i)).dropout
+                       for i in range(tokens.shape[0])], model.config.num_layers)
+    loss, grads = _run(model, params, tokens, labels, keys, ignore_index, 0.0, 0.0, True)
+    count = jnp.sum(labels != ignore_index)
+    return loss, count, grads
+
+
+def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
+                          stream: Any, *, ignore_index: int,
+                          label_smoothing: float, z_loss: float) -> jax.Array:
+    """Sum of per-token losses of ``[batch, seq]`` ``tokens`` through the pipeline
+    (``GPT.loss`` of a pipelined model): the batch runs as
+    ``pipeline_microbatches`` micro-batches of a GPipe forward when it splits evenly
+    over them and the data axes and no dropout is drawn, else as one (whose dropout is
+    then the unpipelined model's: ``stream``, the dropout rng stream, draws its keys)."""
+    par = model.parallel
+    mesh = current_mesh(par, where="GPT")
+    data = math.prod(mesh.shape[a] for a in par.data_axes)
+    micro = par.pipeline_microbatches
+    if model.training or tokens.shape[0] % (micro * data):
+        micro = 1
+    batch = tokens.shape[0] // micro
+
+    def split(x):  # micro-batch i: rows i, i + M, ... (no data moves between devices)
+        spec = jax.typeof(x).sharding.spec
+        data_spec = spec[0] if len(spec) else None
+        x = jnp.reshape(x, (batch, micro, x.shape[1]),
+                        out_sharding=NamedSharding(mesh, P(data_spec, None, None)))
+        return jnp.swapaxes(x, 0, 1)
+
+    tokens, labels = split(tokens), split(labels)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    keys = _draws([stream], model.config.num_layers) if model.training else None
+    return _run(model, params, tokens, labels, keys, ignore_index, label_smoothing, z_loss,
+                False)[0]

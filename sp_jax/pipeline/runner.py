@@ -1,0 +1,335 @@
+"""The pipeline in one SPMD program: a ``shard_map`` manual over the stage and data axes
+whose tick loop runs a :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
+
+Every device runs the same loop. At each tick a stage looks up in the schedule's tables
+which micro-batch and layer chunk it works on, runs it (``lax.cond`` skips idle slots),
+and passes its output to the next stage with one ``ppermute`` on the stage axis: the
+activation in its sequence-parallel layout, ``[b, s / (c t), h]`` per device (Megatron's
+scatter-gather optimisation). The context and tensor axes stay in the hands of the layers
+(their own ``shard_map`` s, nested in this one).
+
+Gradients are computed per device, inside the loop's ``shard_map``, and reduced once per
+step: over the data axes (a ``psum``, or a ``psum_scatter`` for parameters sharded over
+them by fsdp, whose stage weights are all-gathered once before the loop) and, for the
+parameters every stage holds (embedding, head, final norm), over the stage axis.
+
+* :func:`gpipe` differentiates the forward loop (GPipe: every micro-batch's activations
+  stay alive until the backward; ``R > 1`` is the circular schedule).
+* :func:`one_f_one_b` drives forward and backward itself: each tick a stage forwards one
+  micro-batch and back-propagates another (``jax.vjp`` of the stage, recomputing its
+  forward from the kept stage input), so it keeps at most ``2 V - 1`` stage inputs
+  (``V = stages * repeats``) whatever the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.pipeline.schedule import PipelineSchedule
+
+__all__ = ["StageProgram", "gpipe", "one_f_one_b"]
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+    """What a model runs on the pipeline, as functions of one device's values inside the
+    pipeline's ``shard_map`` (batch dimensions local to the data shard).
+
+    Attributes:
+      embed: ``(shared, tokens [b, s], key) -> x [b, s, h]``: the input of the first
+        stage (sequence-parallel layout); ``key`` is the micro-batch's dropout key data
+        or None.
+      stage: ``(chunk, x, keys) -> x``: one layer chunk (``chunk``: the chunk's
+        parameters, leaves ``[layers_per_chunk, ...]``; ``keys``: its per-layer dropout
+        key data ``[layers_per_chunk, ...]`` or None).
+      head: ``(shared, x, labels [b, s]) -> loss sum`` (float32 scalar) of the last stage.
+    """
+
+    embed: Callable[[Any, jax.Array, Any], jax.Array]
+    stage: Callable[[Any, jax.Array, Any], jax.Array]
+    head: Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """The manual axes of the pipeline's ``shard_map`` and a tree of each parameter's
+    spec over them."""
+
+    stage: str
+    data: tuple[str, ...]
+
+    @property
+    def manual(self) -> frozenset[str]:
+        return frozenset((self.stage, *self.data))
+
+    def restrict(self, x: jax.Array) -> P:
+        """``x``'s spec with only the manual axes kept."""
+        spec = jax.typeof(x).sharding.spec
+        entries = []
+        for entry in (*spec, *([None] * (x.ndim - len(spec)))):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            kept = tuple(n for n in names if n in self.manual)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return P(*entries)
+
+
+def _data_dims(spec: P, data: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
+    """(dimension, data axes) of each dimension of ``spec`` sharded over data axes."""
+    out = []
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        axes = tuple(n for n in names if n in data)
+        if axes:
+            out.append((dim, axes))
+    return out
+
+
+def _gather(x: jax.Array, spec: P, data: tuple[str, ...]) -> jax.Array:
+    """The whole of ``x`` over the data axes (fsdp): one all-gather per sharded dim."""
+    for dim, axes in _data_dims(spec, data):
+        x = lax.all_gather(x, axes, axis=dim, tiled=True)
+    return x
+
+
+def _reduce(g: jax.Array, spec: P, axes: _Axes, over_stage: bool) -> jax.Array:
+    """The per-device gradient ``g`` of a whole (gathered) parameter, summed over the
+    devices that shared it: reduce-scattered over the data axes it is sharded over,
+    summed over the other data axes, and over the stage axis when ``over_stage``."""
+    dims = _data_dims(spec, axes.data)
+    scattered = {a for _, names in dims for a in names}
+    for dim, names in dims:
+        g = lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+    rest = tuple(a for a in axes.data if a not in scattered)
+    if over_stage:
+        rest = (axes.stage, *rest)
+    return lax.psum(g, rest) if rest else g
+
+
+def _chunk(tree: Any, r: jax.Array) -> Any:
+    """Layer chunk ``r`` of a tree of ``[R, layers_per_chunk, ...]`` leaves."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, r, 0, keepdims=False), tree)
+
+
+def _when(pred: jax.Array, fn: Callable[[], Any], like: Any) -> Any:
+    """``fn()`` where ``pred``, else zeros shaped like ``like`` (``lax.cond``: the work of
+    an idle slot is skipped, not masked)."""
+    return lax.cond(pred, fn, lambda: jax.tree.map(jnp.zeros_like, like))
+
+
+def _stacked_zeros(n: int, like: jax.Array) -> jax.Array:
+    """Zeros ``[n, *like.shape]`` laid out as ``like`` on the trailing dimensions."""
+    spec = tuple(jax.typeof(like).sharding.spec)
+    return jnp.zeros((n, *like.shape), like.dtype, out_sharding=P(None, *spec))
+
+
+def _keys_at(keys: Any, m: jax.Array, r: jax.Array, s: jax.Array) -> Any:
+    """The per-layer dropout keys of micro-batch ``m``, chunk ``r`` on stage ``s`` from
+    ``[M, R, P, layers_per_chunk, ...]`` key data (None without dropout)."""
+    if keys is None:
+        return None
+    return keys[m, r, s]
+
+
+def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: bool = True
+         ) -> Any:
+    """``body`` under the pipeline's ``shard_map`` (manual over stage and data)."""
+    specs = jax.tree.map(axes.restrict, program_inputs)
+    out_specs = (P(), (specs[0], specs[1])) if grads else P()
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                         axis_names=set(axes.manual), check_vma=False)(*program_inputs)
+
+
+def _prepare(shared, stages, axes, shared_specs, stage_specs):
+    """Parameters as the loop uses them: the whole of each over the data axes (fsdp's
+    one gather per step) and the stage dimension dropped."""
+    shared = jax.tree.map(lambda x, sp: _gather(x, sp, axes.data), shared, shared_specs)
+    stages = jax.tree.map(lambda x, sp: _gather(x, sp, axes.data)[0], stages, stage_specs)
+    return shared, stages
+
+
+def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
+    """Per-device gradients reduced once: see :func:`_reduce`."""
+    g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True), g_shared, shared_specs)
+    g_stages = jax.tree.map(lambda g, sp: _reduce(g[None], sp, axes, False), g_stages,
+                            stage_specs)
+    return g_shared, g_stages
+
+
+def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
+          tokens: jax.Array, labels: jax.Array, keys: tuple[Any, Any] | None, *,
+          stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True
+          ) -> tuple[jax.Array, tuple[Any, Any] | None]:
+    """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step.
+
+    Args:
+      program: the model's :class:`StageProgram`.
+      schedule: a ``"gpipe"`` :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
+      shared: parameters every stage holds (replicated over the stage axis).
+      stages: layer parameters, leaves ``[P, R, layers_per_chunk, ...]`` sharded over the
+        stage axis on dimension 0 (stage ``s`` holds chunks ``r * P + s``).
+      tokens / labels: ``[M, batch, seq]`` int32, batch over the data axes.
+      keys: ``(embed [M, ...], layers [M, R, P, layers_per_chunk, ...])`` dropout key
+        data, or None.
+      stage_axis / data_axes: the mesh axes; mesh: the mesh.
+      grads: False for the loss alone (the forward loop, no autodiff).
+    Returns:
+      ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
+      the step and its gradients, sharded like ``shared`` and ``stages`` (None without
+      ``grads``).
+    """
+    axes = _Axes(stage_axis, tuple(data_axes))
+    shared_specs = jax.tree.map(axes.restrict, shared)
+    stage_specs = jax.tree.map(axes.restrict, stages)
+    fwd_micro = jnp.asarray(schedule.fwd_micro)
+    fwd_repeat = jnp.asarray(schedule.fwd_repeat)
+    p, r_last, m_count = schedule.stages, schedule.repeats - 1, schedule.microbatches
+    ring = [(i, (i + 1) % p) for i in range(p)]
+
+    def body(shared, stages, tokens, labels, keys):
+        s = lax.axis_index(stage_axis)
+        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
+        ekeys, lkeys = keys if keys is not None else (None, None)
+
+        def local_loss(shared, stages):
+            x0 = program.embed(shared, tokens[0], None if ekeys is None else ekeys[0])
+
+            def tick(carry, t):
+                recv, outputs = carry
+                m, r = fwd_micro[t, s], fwd_repeat[t, s]
+                active = m >= 0
+                m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+                first = active & (r == 0) & (s == 0)
+                x = lax.cond(first, lambda: program.embed(
+                    shared, tokens[m], None if ekeys is None else ekeys[m]), lambda: recv)
+                y = _when(active, lambda: program.stage(_chunk(stages, r), x,
+                                                        _keys_at(lkeys, m, r, s)), x)
+                last = active & (r == r_last) & (s == p - 1)
+                outputs = lax.cond(last, lambda: outputs.at[m].set(y), lambda: outputs)
+                return (lax.ppermute(y, stage_axis, ring), outputs), None
+
+            outputs = _stacked_zeros(m_count, x0)
+            (_, outputs), _ = lax.scan(tick, (jnp.zeros_like(x0), outputs),
+                                       jnp.arange(schedule.num_ticks))
+
+            def heads():
+                def one(total, i):
+                    return total + program.head(shared, outputs[i], labels[i]), None
+                return lax.scan(one, jnp.zeros((), _F32), jnp.arange(m_count))[0]
+
+            return lax.cond(s == p - 1, heads, lambda: jnp.zeros((), _F32))
+
+        if not grads:
+            return lax.psum(local_loss(shared, stages), tuple(axes.manual))
+        loss, (g_shared, g_stages) = jax.value_and_grad(local_loss, argnums=(0, 1))(
+            shared, stages)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
+        return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
+
+    if not grads:
+        return _run(body, (shared, stages, tokens, labels, keys), axes, mesh, False), None
+    return _run(body, (shared, stages, tokens, labels, keys), axes, mesh)
+
+
+def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
+                stages: Any, tokens: jax.Array, labels: jax.Array,
+                keys: tuple[Any, Any] | None, *, stage_axis: str,
+                data_axes: tuple[str, ...], mesh: Any, grads: bool = True
+                ) -> tuple[jax.Array, tuple[Any, Any]]:
+    """Loss sum and gradients of a 1F1B pipeline step: arguments and results as
+    :func:`gpipe`, ``schedule`` a ``"1f1b"`` one (``grads`` must be True: a loss alone
+    is :func:`gpipe`'s forward). Gradients accumulate in float32 and come back in the
+    parameters' dtypes."""
+    if not grads:
+        raise ValueError("one_f_one_b computes gradients; use gpipe(..., grads=False) "
+                         "for the loss alone.")
+    axes = _Axes(stage_axis, tuple(data_axes))
+    shared_specs = jax.tree.map(axes.restrict, shared)
+    stage_specs = jax.tree.map(axes.restrict, stages)
+    tables = {name: jnp.asarray(getattr(schedule, name)) for name in (
+        "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
+    p, r_last = schedule.stages, schedule.repeats - 1
+    forward_ring = [(i, (i + 1) % p) for i in range(p)]
+    backward_ring = [(i, (i - 1) % p) for i in range(p)]
+
+    def body(shared, stages, tokens, labels, keys):
+        s = lax.axis_index(stage_axis)
+        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
+        ekeys, lkeys = keys if keys is not None else (None, None)
+
+        def embed(shared, m):
+            return program.embed(shared, tokens[m], None if ekeys is None else ekeys[m])
+
+        x0 = embed(shared, 0)
+        zeros32 = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=_F32), (shared, stages))
+
+        def tick(carry, t):
+            recv_f, recv_b, inputs, loss, (g_shared, g_stages) = carry
+            at = {name: table[t, s] for name, table in tables.items()}
+            # Forward: one micro-batch through this stage's chunk.
+            m, r = at["fwd_micro"], at["fwd_repeat"]
+            active = m >= 0
+            m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+            x = lax.cond(active & (r == 0) & (s == 0), lambda: embed(shared, m),
+                         lambda: recv_f)
+            slot = jnp.maximum(at["fwd_slot"], 0)
+            inputs = lax.cond(active, lambda: inputs.at[slot].set(x), lambda: inputs)
+            y = _when(active, lambda: program.stage(_chunk(stages, r), x,
+                                                    _keys_at(lkeys, m, r, s)), x)
+            # The last virtual stage: the loss and its gradient, which starts this
+            # micro-batch's backward in the same tick.
+            last = active & (r == r_last) & (s == p - 1)
+
+            def head():
+                value, (dh, dy) = jax.value_and_grad(program.head, argnums=(0, 1))(
+                    shared, y, labels[m])
+                return value.astype(_F32), dh, dy
+
+            value, dh, dy = _when(last, head, (jnp.zeros((), _F32), shared, y))
+            loss = loss + value
+            # Backward: one micro-batch back through this stage's chunk.
+            mb, rb = at["bwd_micro"], at["bwd_repeat"]
+            active_b = mb >= 0
+            mb, rb = jnp.maximum(mb, 0), jnp.maximum(rb, 0)
+            xb = inputs[jnp.maximum(at["bwd_slot"], 0)]
+            gy = jnp.where(active_b & (rb == r_last) & (s == p - 1), dy, recv_b)
+
+            def backward():
+                _, pullback = jax.vjp(
+                    lambda chunk, x: program.stage(chunk, x, _keys_at(lkeys, mb, rb, s)),
+                    _chunk(stages, rb), xb)
+                return pullback(gy)
+
+            d_chunk, dx = _when(active_b, backward, (_chunk(stages, 0), xb))
+
+            def embed_backward():
+                return jax.vjp(lambda sh: embed(sh, mb), shared)[1](dx)[0]
+
+            de = _when(active_b & (rb == 0) & (s == 0), embed_backward, shared)
+            g_shared = jax.tree.map(lambda g, a, b: g + a.astype(_F32) + b.astype(_F32),
+                                    g_shared, dh, de)
+            g_stages = jax.tree.map(
+                lambda g, d: g.at[rb].add(d.astype(_F32)), g_stages, d_chunk)
+            recv_f = lax.ppermute(y, stage_axis, forward_ring)
+            recv_b = lax.ppermute(dx, stage_axis, backward_ring)
+            return (recv_f, recv_b, inputs, loss, (g_shared, g_stages)), None
+
+        inputs = _stacked_zeros(schedule.num_slots, x0)
+        init = (jnp.zeros_like(x0), jnp.zeros_like(x0), inputs, jnp.zeros((), _F32),
+                zeros32)
+        (_, _, _, loss, (g_shared, g_stages)), _ = lax.scan(
+            tick, init, jnp.arange(schedule.num_ticks))
+        g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
+        g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
+        return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
+
+    return _run(body, (shared, stages, tokens, labels, keys), axes, mesh)
