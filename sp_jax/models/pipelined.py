@@ -160,9 +160,12 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     kind = par.pipeline_schedule if grads else "gpipe"
     schedule = pipeline_schedule(kind, stages, micro, repeats)
     order = model._order(tokens[0])
-    if order is not None:
-        tokens = jnp.take(tokens, jnp.asarray(order), axis=2)
-        labels = jnp.take(labels, jnp.asarray(order), axis=2)
+    if order is not None:  # ring attention's zigzag order, taken on whole sequences
+        def held(x):
+            spec = tuple(jax.typeof(x).sharding.spec)
+            whole = P(None, spec[1] if len(spec) > 1 else None, None)
+            return jnp.take(jax.reshard(x, whole), jnp.asarray(order), axis=2)
+        tokens, labels = held(tokens), held(labels)
     if keys is not None:
         embed_keys, layer_keys = keys
         per = cfg.num_layers // (stages * repeats)

@@ -2,7 +2,7 @@
 whose tick loop runs a :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
 
 Every device runs the same loop. At each tick a stage looks up in the schedule's tables
-which micro-batch and layer chunk it works on, runs it (``lax.cond`` skips idle slots),
+which micro-batch and layer chunk it works on, runs it (a tick in which every stage is idle is skipped),
 and passes its output to the next stage with one ``ppermute`` on the stage axis: the
 activation in its sequence-parallel layout, ``[b, s / (c t), h]`` per device (Megatron's
 scatter-gather optimisation). The context and tensor axes stay in the hands of the layers
@@ -100,6 +100,21 @@ def _gather(x: jax.Array, spec: P, data: tuple[str, ...]) -> jax.Array:
     return x
 
 
+def _psum_scatter(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+    """``lax.psum_scatter`` over the (manual) ``axes`` on dimension ``dim`` of ``g``,
+    which may still be sharded over other, explicit axes (the reduce-scatter runs on
+    each device's block, in a ``shard_map`` over those)."""
+    spec = jax.typeof(g).sharding.spec
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t != jax.sharding.AxisType.Manual}
+    if not explicit:
+        return lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    return jax.shard_map(lambda b: lax.psum_scatter(b, axes, scatter_dimension=dim,
+                                                    tiled=True),
+                         in_specs=spec, out_specs=spec, axis_names=explicit)(g)
+
+
 def _reduce(g: jax.Array, spec: P, axes: _Axes, over_stage: bool) -> jax.Array:
     """The per-device gradient ``g`` of a whole (gathered) parameter, summed over the
     devices that shared it: reduce-scattered over the data axes it is sharded over,
@@ -107,7 +122,7 @@ def _reduce(g: jax.Array, spec: P, axes: _Axes, over_stage: bool) -> jax.Array:
     dims = _data_dims(spec, axes.data)
     scattered = {a for _, names in dims for a in names}
     for dim, names in dims:
-        g = lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+        g = _psum_scatter(g, names, dim)
     rest = tuple(a for a in axes.data if a not in scattered)
     if over_stage:
         rest = (axes.stage, *rest)
@@ -119,10 +134,38 @@ def _chunk(tree: Any, r: jax.Array) -> Any:
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, r, 0, keepdims=False), tree)
 
 
-def _when(pred: jax.Array, fn: Callable[[], Any], like: Any) -> Any:
-    """``fn()`` where ``pred``, else zeros shaped like ``like`` (``lax.cond``: the work of
-    an idle slot is skipped, not masked)."""
-    return lax.cond(pred, fn, lambda: jax.tree.map(jnp.zeros_like, like))
+def _when(anywhere: jax.Array, here: jax.Array, fn: Callable[[], Any], like: Any) -> Any:
+    """``fn()`` where ``here`` (this stage's slot is busy), else zeros shaped like
+    ``like``.
+
+    ``anywhere`` (some stage is busy in this tick: the same on every device) skips the
+    work of a tick in which every stage is idle, with ``lax.cond``. Within a tick every
+    stage runs ``fn`` and the idle ones drop the result: a stage-dependent branch would
+    put the layers' own collectives (tensor, context) under a condition that differs
+    between devices, which XLA does not support (found with ring attention on XLA:CPU:
+    wrong values). In lockstep the tick takes as long as its busiest stage either way.
+    """
+    def run():
+        out = fn()
+        return jax.tree.map(lambda o: jnp.where(here, o, jnp.zeros_like(o)), out)
+
+    return lax.cond(anywhere, run, lambda: jax.tree.map(jnp.zeros_like, like))
+
+
+def _busy_ticks(schedule: PipelineSchedule) -> dict[str, jax.Array]:
+    """Per tick, whether any stage forwards, embeds (the first stage, chunk 0), ends a
+    micro-batch (the last stage, last chunk: its loss), back-propagates, or
+    back-propagates into the embedding: the same on every device (:func:`_when`)."""
+    fm, fr = schedule.fwd_micro, schedule.fwd_repeat
+    bm, br = schedule.bwd_micro, schedule.bwd_repeat
+    last = schedule.repeats - 1
+    return {name: jnp.asarray(value) for name, value in {
+        "fwd": (fm >= 0).any(axis=1),
+        "embed": (fm[:, 0] >= 0) & (fr[:, 0] == 0),
+        "last": (fm[:, -1] >= 0) & (fr[:, -1] == last),
+        "bwd": (bm >= 0).any(axis=1),
+        "embed_bwd": (bm[:, 0] >= 0) & (br[:, 0] == 0),
+    }.items()}
 
 
 def _stacked_zeros(n: int, like: jax.Array) -> jax.Array:
@@ -191,6 +234,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     stage_specs = jax.tree.map(axes.restrict, stages)
     fwd_micro = jnp.asarray(schedule.fwd_micro)
     fwd_repeat = jnp.asarray(schedule.fwd_repeat)
+    ticks = _busy_ticks(schedule)
     p, r_last, m_count = schedule.stages, schedule.repeats - 1, schedule.microbatches
     ring = [(i, (i + 1) % p) for i in range(p)]
 
@@ -208,24 +252,23 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
                 active = m >= 0
                 m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
                 first = active & (r == 0) & (s == 0)
-                x = lax.cond(first, lambda: program.embed(
-                    shared, tokens[m], None if ekeys is None else ekeys[m]), lambda: recv)
-                y = _when(active, lambda: program.stage(_chunk(stages, r), x,
-                                                        _keys_at(lkeys, m, r, s)), x)
+                x = jnp.where(first, _when(ticks["embed"][t], first, lambda: program.embed(
+                    shared, tokens[m], None if ekeys is None else ekeys[m]), recv), recv)
+                y = _when(ticks["fwd"][t], active, lambda: program.stage(
+                    _chunk(stages, r), x, _keys_at(lkeys, m, r, s)), x)
                 last = active & (r == r_last) & (s == p - 1)
-                outputs = lax.cond(last, lambda: outputs.at[m].set(y), lambda: outputs)
+                outputs = outputs.at[m].set(jnp.where(last, y, outputs[m]))
                 return (lax.ppermute(y, stage_axis, ring), outputs), None
 
             outputs = _stacked_zeros(m_count, x0)
             (_, outputs), _ = lax.scan(tick, (jnp.zeros_like(x0), outputs),
                                        jnp.arange(schedule.num_ticks))
 
-            def heads():
-                def one(total, i):
-                    return total + program.head(shared, outputs[i], labels[i]), None
-                return lax.scan(one, jnp.zeros((), _F32), jnp.arange(m_count))[0]
+            def one(total, i):  # on every stage (see _when); the last one's counts
+                return total + program.head(shared, outputs[i], labels[i]), None
 
-            return lax.cond(s == p - 1, heads, lambda: jnp.zeros((), _F32))
+            total = lax.scan(one, jnp.zeros((), _F32), jnp.arange(m_count))[0]
+            return jnp.where(s == p - 1, total, 0.0)
 
         if not grads:
             return lax.psum(local_loss(shared, stages), tuple(axes.manual))
@@ -257,6 +300,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in (
         "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
     p, r_last = schedule.stages, schedule.repeats - 1
+    ticks = _busy_ticks(schedule)
     forward_ring = [(i, (i + 1) % p) for i in range(p)]
     backward_ring = [(i, (i - 1) % p) for i in range(p)]
 
@@ -278,12 +322,13 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
             m, r = at["fwd_micro"], at["fwd_repeat"]
             active = m >= 0
             m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
-            x = lax.cond(active & (r == 0) & (s == 0), lambda: embed(shared, m),
-                         lambda: recv_f)
+            first = active & (r == 0) & (s == 0)
+            x = jnp.where(first, _when(ticks["embed"][t], first, lambda: embed(shared, m),
+                                       recv_f), recv_f)
             slot = jnp.maximum(at["fwd_slot"], 0)
-            inputs = lax.cond(active, lambda: inputs.at[slot].set(x), lambda: inputs)
-            y = _when(active, lambda: program.stage(_chunk(stages, r), x,
-                                                    _keys_at(lkeys, m, r, s)), x)
+            inputs = inputs.at[slot].set(jnp.where(active, x, inputs[slot]))
+            y = _when(ticks["fwd"][t], active, lambda: program.stage(
+                _chunk(stages, r), x, _keys_at(lkeys, m, r, s)), x)
             # The last virtual stage: the loss and its gradient, which starts this
             # micro-batch's backward in the same tick.
             last = active & (r == r_last) & (s == p - 1)
@@ -293,7 +338,8 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                     shared, y, labels[m])
                 return value.astype(_F32), dh, dy
 
-            value, dh, dy = _when(last, head, (jnp.zeros((), _F32), shared, y))
+            value, dh, dy = _when(ticks["last"][t], last, head,
+                                  (jnp.zeros((), _F32), shared, y))
             loss = loss + value
             # Backward: one micro-batch back through this stage's chunk.
             mb, rb = at["bwd_micro"], at["bwd_repeat"]
@@ -308,12 +354,14 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                     _chunk(stages, rb), xb)
                 return pullback(gy)
 
-            d_chunk, dx = _when(active_b, backward, (_chunk(stages, 0), xb))
+            d_chunk, dx = _when(ticks["bwd"][t], active_b, backward,
+                                (_chunk(stages, 0), xb))
 
             def embed_backward():
                 return jax.vjp(lambda sh: embed(sh, mb), shared)[1](dx)[0]
 
-            de = _when(active_b & (rb == 0) & (s == 0), embed_backward, shared)
+            first_b = active_b & (rb == 0) & (s == 0)
+            de = _when(ticks["embed_bwd"][t], first_b, embed_backward, shared)
             g_shared = jax.tree.map(lambda g, a, b: g + a.astype(_F32) + b.astype(_F32),
                                     g_shared, dh, de)
             g_stages = jax.tree.map(
