@@ -117,9 +117,11 @@ class CausalSelfAttention(nnx.Module):
                 "context_parallel='ring'")
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
-                seed: jax.Array | None = None) -> jax.Array:
+                seed: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
         """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
-        the sequence) -> ``[b, s_local, hidden / t]``; ``seed``: the attention dropout's."""
+        the sequence) -> ``[b, s_local, hidden / t]``; ``seed``: the attention dropout's;
+        ``rows``: the global index of this device's first batch row when the data axes
+        are manual outside (``ParallelConfig.manual_data_axes``)."""
         cfg, par = self.config, self.parallel
         b, s, width = qkv.shape
         head_dim = cfg.head_dim
@@ -138,8 +140,8 @@ class CausalSelfAttention(nnx.Module):
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k)
         if seed is not None:  # global coordinates of this device's first row and head
-            batch_axes = par.data_axes or par.manual_data_axes
-            rows = lax.axis_index(batch_axes) * b if batch_axes else 0
+            if rows is None:
+                rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
             blocks["dropout"] = AttentionDropout(
                 seed, cfg.attention_dropout, batch_offset=rows,
                 head_offset=lax.axis_index(par.tensor_axis) * heads)
@@ -173,6 +175,8 @@ class CausalSelfAttention(nnx.Module):
                     "rngs were passed; call with rngs=nnx.Rngs(dropout=key), or model.eval().")
             key = rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs()
             seeds = (jax.random.bits(key, (2,), jnp.uint32),)
+            if self.parallel.manual_data_axes:  # taken here, outside the tensor shard_map
+                seeds += (lax.axis_index(self.parallel.manual_data_axes) * x.shape[0],)
         attended = jax.shard_map(lambda qkv, *seed: self._attend(qkv, order, *seed),
                                  in_specs=(tp, *(P(),) * len(seeds)),
                                  out_specs=tp)(qkv, *seeds)
