@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held, to_natural
 from sp_jax.config import ParallelConfig
@@ -265,6 +266,9 @@ def _stack_blocks(blocks: list[Block], layer_axis: str | None = None) -> Block:
         if inner is not None or layer_axis is not None:
             inner = inner if inner is not None else (None,) * (value.ndim - 1)
             metadata["out_sharding"] = (layer_axis, *inner)
+        mesh = jax.sharding.get_abstract_mesh()
+        if layer_axis is not None and not mesh.empty:  # each stage holds its layers
+            value = reshard(value, P(*metadata["out_sharding"]), mesh)
         return first.from_metadata(value, metadata)
 
     states = [nnx.state(b) for b in blocks]

@@ -116,9 +116,8 @@ def _stage_major(blocks: Any, mesh: Any, axis: str, stages: int, repeats: int) -
         spec = tuple(jax.typeof(x).sharding.spec)[1:]
         spec = (*spec, *([None] * (len(rest) - len(spec))))
         per = x.shape[0] // (stages * repeats)
-        out = NamedSharding(mesh, P(axis, None, None, *spec))
-        if repeats == 1:
-            return jnp.reshape(x, (stages, 1, per, *rest), out_sharding=out)
+        if repeats == 1:  # splits the sharded dimension: no data moves
+            return jnp.reshape(x, (stages, 1, per, *rest))
         x = jnp.reshape(x, (repeats, stages, per, *rest),
                         out_sharding=NamedSharding(mesh, P(None, axis, None, *spec)))
         return jnp.swapaxes(x, 0, 1)
@@ -131,10 +130,9 @@ def _layer_major(grads: Any, like: Any, mesh: Any, repeats: int) -> Any:
     like ``like``."""
 
     def one(g, x):
-        sharding = jax.typeof(x).sharding
-        if repeats > 1:
-            g = jnp.swapaxes(g, 0, 1)
-        return jnp.reshape(g, x.shape, out_sharding=sharding)
+        if repeats == 1:  # merges into the sharded dimension: no data moves
+            return jnp.reshape(g, x.shape)
+        return jnp.reshape(jnp.swapaxes(g, 0, 1), x.shape, out_sharding=jax.typeof(x).sharding)
 
     return jax.tree.map(one, grads, like)
 
@@ -155,6 +153,11 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="GPT")
     check_pipeline(cfg, par, mesh)
+    if any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        raise ValueError(
+            f"GPT: a pipeline (pipeline_axis={par.pipeline_axis!r}) needs a mesh with "
+            f"Explicit axes, got {mesh.axis_types}; build it with jax.make_mesh(shape, "
+            "names) (Explicit by default) or axis_types=(AxisType.Explicit,) * len(names).")
     stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
     micro = tokens.shape[0]
     kind = par.pipeline_schedule if grads else "gpipe"
