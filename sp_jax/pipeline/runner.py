@@ -1,12 +1,12 @@
 """The pipeline in one SPMD program: a ``shard_map`` manual over the stage and data axes
 whose tick loop runs a :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
 
-
-
-
-
-scatter-gather optimisation). The context and tensor axes stay in the hands of the layers
-(their own ``shard_map`` s, nested in this one).
+Every device runs the same loop. At each tick a stage looks up in the schedule's tables
+which micro-batch and layer chunk it works on, runs it (a tick in which every stage is
+idle is skipped), and passes its output to the next stage with one ``ppermute`` on the
+stage axis: the activation in its sequence-parallel layout, ``[b, s / (c t), h]`` per
+device (Megatron's scatter-gather optimisation). The context and tensor axes stay in the
+hands of the layers (their own ``shard_map`` s, nested in this one).
 
 Gradients are computed per device, inside the loop's ``shard_map``, and reduced once per
 step: over the data axes (a ``psum``, or a ``psum_scatter`` for parameters sharded over
