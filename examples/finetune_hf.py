@@ -55,6 +55,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     try:
         a.mesh_shape = training.parse_mesh(a.mesh)
+        cli.check_pipeline_args(a)
         a.trainer = cli.check_run_args(a)
     except ValueError as e:
         p.error(str(e))
@@ -70,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
     overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
     if args.no_dropout:
         overrides.update(dropout=0.0, attention_dropout=0.0)
+    if args.mesh.count(",") == 3:  # a STAGE axis: the stages hold slices of the stack
+        overrides["scan_layers"] = True
     with jax.set_mesh(mesh):
         try:  # the library's checks (sizes against the mesh, the checkpoint) name the fix
             model = hf.from_hf(args.hf_dir, parallel=cli.parallel_config(args),
@@ -109,6 +112,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    d, c, t = args.mesh_shape
+    _, d, c, t = args.mesh_shape
     simulate_cpu_devices(d * c * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -61,6 +61,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.mesh_shape = training.parse_mesh(a.mesh)
         a.launch = training.Launch.from_args(a)
         a.local_devices = a.launch.local_device_count(a.mesh_shape, a.local_devices)
+        cli.check_pipeline_args(a)
         a.trainer = cli.check_run_args(a)
         cli.check_model_args(a)
         if a.max_data_bytes <= 0:
@@ -83,7 +84,10 @@ def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: ByteCorp
         f"{args.precision} compute")
     procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
              if jax.process_count() > 1 else "")
-    cp = f"; {args.context_parallel} attention" if args.mesh_shape[1] > 1 else ""
+    cp = f"; {args.context_parallel} attention" if args.mesh_shape[2] > 1 else ""
+    if args.mesh_shape[0] > 1:
+        cp += (f"; {args.pipeline_schedule} pipeline, {args.microbatches} micro-batches"
+               f"{f', {args.pipeline_repeats} chunks per stage' if args.pipeline_repeats > 1 else ''}")
     say(f"mesh: {mesh_description(mesh)} on {mesh.size} of {jax.device_count()} "
         f"{jax.devices()[0].platform} devices{procs}; recompute_allgather="
         f"{args.recompute_allgather}{cp}{'; fsdp' if args.fsdp else ''}")

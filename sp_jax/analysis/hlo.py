@@ -6,6 +6,14 @@ asynchronously and how much work runs between its start and done, whether it bel
 the forward or the backward pass (JAX names backward ops ``transpose(jvp(...))`` in the
 ``op_name`` metadata), and which Python functions issued it (the HLO's stack-frame
 tables).
+
+For a program with loops, :func:`while_loops` lists each ``while`` with the trip count
+XLA proved for it, and :func:`execution_counts` how many times each computation runs per
+call of the program, so a collective's bytes per step are its bytes times the count of
+the computation it sits in (:attr:`Collective.computation`). :func:`replica_groups`
+reads the devices of each group of a collective (every form XLA prints), and
+:func:`crosses` tells whether a collective moves data between devices that differ on
+some coordinate (e.g. the pipeline stage of a device).
 """
 
 from __future__ import annotations
@@ -13,15 +21,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
     "CollectiveStats",
+    "WhileLoop",
     "array_bytes",
     "collective_stats",
+    "crosses",
+    "execution_counts",
     "parse_collectives",
+    "replica_groups",
+    "source_target_pairs",
+    "while_loops",
 ]
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",

@@ -11,6 +11,7 @@ message names the flags, for ``parser.error``), and builds from the flags::
     args = parser.parse_args()
     try:
         args.mesh_shape = parse_mesh(args.mesh)
+        check_pipeline_args(args)      # with a STAGE axis: --microbatches, --pipeline-...
         check_model_args(args)         # the preset's values filled in, checked on the mesh
         config = check_run_args(args)  # a TrainerConfig
     except ValueError as e:
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from sp_jax.attention import zigzag_order
-from sp_jax.config import ParallelConfig
+from sp_jax.config import PIPELINE_SCHEDULES, ParallelConfig
 from sp_jax.layers import check_kv_heads, kv_heads_per_shard
 from sp_jax.models import GPTConfig
 from sp_jax.training.schedule import warmup_cosine_schedule
@@ -42,7 +43,7 @@ from sp_jax.training.trainer import TrainerConfig
 
 __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_model_arguments", "add_parallel_arguments", "add_trainer_arguments",
-           "check_model_args", "check_run_args", "description", "lr_schedule", "model_config",
+           "check_model_args", "check_pipeline_args", "check_run_args", "description", "lr_schedule", "model_config",
            "optimizer", "parallel_config", "run_metadata", "shared_settings"]
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
@@ -138,13 +139,25 @@ def _set_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) 
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
-    """Adds ``--mesh --context-parallel --precision --recompute-allgather --fsdp`` (group
-    "parallelism"), read by :func:`parallel_config`; ``defaults`` as for
+    """Adds ``--mesh --context-parallel --pipeline-schedule --microbatches
+    --pipeline-repeats --precision --recompute-allgather --fsdp`` (group "parallelism"),
+    read by :func:`parallel_config` (after :func:`check_pipeline_args`); ``defaults`` as for
     :func:`add_trainer_arguments`."""
     add = parser.add_argument_group("parallelism").add_argument
-    add("--mesh", default="2,4", help="DATA,TENSOR or DATA,CONTEXT,TENSOR mesh shape")
+    add("--mesh", default="2,4",
+        help="DATA,TENSOR, DATA,CONTEXT,TENSOR or STAGE,DATA,CONTEXT,TENSOR mesh shape "
+             "(with STAGE the layers are scanned; STAGE > 1 runs a pipeline)")
     add("--context-parallel", choices=("ring", "ulysses"), default="ring",
-        help="attention across the CONTEXT axis of a 3-axis --mesh")
+        help="attention across the CONTEXT axis of the --mesh")
+    add("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+        help="with STAGE > 1: gpipe (all forwards, then all backwards) or 1f1b (one "
+             "forward and one backward per tick: activation memory independent of "
+             "--microbatches)")
+    add("--microbatches", type=int, default=None,
+        help="with STAGE > 1: micro-batches per step through the pipeline (default: 2 x "
+             "STAGE); they are also the step's --micro-batches")
+    add("--pipeline-repeats", type=int, default=1,
+        help="with STAGE > 1: layer chunks per stage (> 1: the circular schedule)")
     add("--precision", choices=("fp32", "bf16"), default="fp32",
         help="compute dtype (parameters stay in their own dtype, fp32 master weights)")
     add("--recompute-allgather", action="store_true", help="re-gather SP inputs in backward")
@@ -155,11 +168,41 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """The :class:`ParallelConfig` of the flags (``args.mesh_shape``: the parsed
-    ``--mesh``, ``(data, context, tensor)``)."""
+    ``--mesh``, ``(stage, data, context, tensor)``; a pipeline when STAGE > 1, after
+    :func:`check_pipeline_args`)."""
+    stages = args.mesh_shape[0]
+    pipeline = dict(pipeline_axis="stage", pipeline_microbatches=args.microbatches,
+                    pipeline_schedule=args.pipeline_schedule,
+                    pipeline_repeats=args.pipeline_repeats) if stages > 1 else {}
     return ParallelConfig(
         recompute_allgather=args.recompute_allgather, fsdp=args.fsdp,
         wgrad_dtype=jnp.float32 if args.precision == "bf16" else None,
-        context_parallel=args.context_parallel if args.mesh_shape[1] > 1 else None)
+        context_parallel=args.context_parallel if args.mesh_shape[2] > 1 else None,
+        **pipeline)
+
+
+def check_pipeline_args(args: argparse.Namespace) -> None:
+    """With STAGE > 1 in ``args.mesh_shape``: ``--microbatches`` (default 2 x STAGE)
+    becomes the step's ``--micro-batches`` too; checks ``--microbatches`` and
+    ``--pipeline-repeats``. Call it before :func:`check_run_args`.
+
+    Raises:
+      ValueError: a pipeline flag without STAGE > 1, or a bad value, naming the flags.
+    """
+    stages = args.mesh_shape[0]
+    if stages == 1:
+        if args.microbatches is not None or args.pipeline_repeats != 1:
+            raise ValueError("--microbatches and --pipeline-repeats need a pipeline: a "
+                             "--mesh STAGE,DATA,CONTEXT,TENSOR with STAGE > 1")
+        return
+    if args.microbatches is None:
+        args.microbatches = 2 * stages
+    if args.microbatches <= 0 or args.pipeline_repeats <= 0:
+        raise ValueError("--microbatches and --pipeline-repeats must be positive")
+    if args.pipeline_repeats > 1 and args.microbatches % stages:
+        raise ValueError(f"--microbatches {args.microbatches} must be a multiple of STAGE "
+                         f"{stages} with --pipeline-repeats {args.pipeline_repeats}")
+    args.micro_batches = args.microbatches
 
 
 def _describe_preset(name: str) -> str:
@@ -227,7 +270,8 @@ def check_model_args(args: argparse.Namespace) -> None:
         the flags and the fix.
     """
     _resolve_model_args(args)
-    (data, c, tensor), ring = args.mesh_shape, args.context_parallel == "ring"
+    (stages, data, c, tensor), ring = args.mesh_shape, args.context_parallel == "ring"
+    chunks = stages * getattr(args, "pipeline_repeats", 1)
     sp, heads = tensor * c, tensor * (1 if ring else c)
     micro = args.batch_size // args.micro_batches
     # the library's rules (the zigzag order, the kv-head rules), reported as flags
@@ -249,7 +293,9 @@ def check_model_args(args: argparse.Namespace) -> None:
          f"key/value heads per tensor shard divisible by the context size {c}: use more "
          "--kv-heads or --context-parallel ring"),
         (args.fsdp and args.hidden % data, f"--fsdp shards the hidden dimension over the "
-         f"data size {data}: --hidden {args.hidden} must be a multiple of it")]:
+         f"data size {data}: --hidden {args.hidden} must be a multiple of it"),
+        (args.layers % chunks, f"--layers {args.layers} must divide by STAGE x "
+         f"--pipeline-repeats = {chunks} (each stage holds the same number of layers)")]:
         if bad:
             raise ValueError(message)
 
@@ -258,9 +304,10 @@ def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfi
     """The :class:`GPTConfig` of ``--preset`` with the model flags (after
     :func:`check_model_args`), no dropout, fp32 parameters, ``--precision`` compute."""
     overrides = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()}
+    scan = args.mesh.count(",") == 3  # a STAGE axis: stages hold slices of the stack
     return PRESETS[args.preset](
         **overrides, vocab_size=vocab_size, dropout=0.0, param_dtype=jnp.float32,
-        dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32)
+        dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32, scan_layers=scan)
 
 
 def check_run_args(args: argparse.Namespace) -> TrainerConfig:

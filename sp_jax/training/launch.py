@@ -280,34 +280,40 @@ class Launch:
             jax.distributed.shutdown()
 
 
-MESH_AXES = ("data", "context", "tensor")
-"""The mesh axes of :func:`parse_mesh`'s shapes, outermost first (tensor innermost)."""
+MESH_AXES = ("stage", "data", "context", "tensor")
+"""The mesh axes of :func:`parse_mesh`'s shapes, outermost first (tensor innermost): the
+pipeline stages outermost, across hosts; the tensor axis within one."""
 
 
-def parse_mesh(text: str) -> tuple[int, int, int]:
-    """``"DATA,TENSOR"`` or ``"DATA,CONTEXT,TENSOR"`` -> ``(data, context, tensor)`` sizes
-    of a :data:`MESH_AXES` mesh (context 1 when not given).
+def parse_mesh(text: str) -> tuple[int, int, int, int]:
+    """``"DATA,TENSOR"``, ``"DATA,CONTEXT,TENSOR"`` or ``"STAGE,DATA,CONTEXT,TENSOR"`` ->
+    ``(stage, data, context, tensor)`` sizes of a :data:`MESH_AXES` mesh (stage and
+    context 1 when not given).
 
     Raises:
-      ValueError: not two or three positive integers separated by commas.
+      ValueError: not two, three or four positive integers separated by commas.
     """
     try:
         sizes = [int(v) for v in text.split(",")]
     except ValueError:
         sizes = []
-    if len(sizes) not in (2, 3) or min(sizes) <= 0:
-        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR or DATA,CONTEXT,TENSOR "
-                         "(positive integers), e.g. 2,4 or 1,2,4")
-    return (sizes[0], 1, sizes[1]) if len(sizes) == 2 else tuple(sizes)
+    if len(sizes) not in (2, 3, 4) or min(sizes) <= 0:
+        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR or "
+                         "STAGE,DATA,CONTEXT,TENSOR (positive integers), e.g. 2,4, 1,2,4 or "
+                         "2,1,1,4")
+    if len(sizes) == 2:
+        return (1, sizes[0], 1, sizes[1])
+    return (1, *sizes) if len(sizes) == 3 else tuple(sizes)
 
 
 def mesh_description(shape: Sequence[int] | jax.sharding.Mesh) -> str:
-    """``"data=2 x tensor=4"`` (``"data=1 x context=2 x tensor=4"`` with a context axis)
-    for a :data:`MESH_AXES` shape, or for a mesh (its axes and sizes; a context axis of
-    size 1 left out)."""
+    """``"data=2 x tensor=4"`` (``"stage=2 x data=1 x context=2 x tensor=4"`` with stage
+    and context axes) for a :data:`MESH_AXES` shape, or for a mesh (its axes and sizes; a
+    stage or context axis of size 1 left out)."""
     axes = (shape.shape.items() if isinstance(shape, jax.sharding.Mesh)
             else zip(MESH_AXES, shape, strict=True))
-    return " x ".join(f"{name}={size}" for name, size in axes if name != "context" or size > 1)
+    return " x ".join(f"{name}={size}" for name, size in axes
+                      if name not in ("stage", "context") or size > 1)
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")
