@@ -4,7 +4,8 @@ Modules, bottom to top: ``config`` (:class:`ParallelConfig`), ``layout`` (the lo
 table and PartitionSpecs), ``mesh`` (the current mesh, size checks, resharding), ``ring``
 (bidirectional ring schedules), ``ops`` (per-device collectives with their VJPs),
 ``attention`` (blockwise, ring and Ulysses attention kernels; the zigzag sequence order),
-``layers`` (NNX modules on global arrays), ``models`` (GPT; ``models.hf``: Hugging Face
+``layers`` (NNX modules on global arrays), ``pipeline`` (pipeline schedules and their
+SPMD tick loops), ``models`` (GPT; ``models.hf``: Hugging Face
 checkpoints), ``training`` (the jitted step, the trainer, schedule, launch, faults,
 metrics log), ``data`` (token corpora and global batches), ``checkpoint`` (orbax across
 meshes, with integrity checks); beside them ``xla_flags`` (XLA GPU overlap flags) and
@@ -28,6 +29,7 @@ from sp_jax import (  # noqa: E402
     mesh,
     models,
     ops,
+    pipeline,
     training,
     xla_flags,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "layout",
     "mesh",
     "models",
+    "pipeline",
     "ops",
     "training",
     "xla_flags",

@@ -17,6 +17,7 @@ from sp_jax.analysis import gpu_mesh
 from sp_jax.layers import GroupedQKVProjection
 from sp_jax.models import GPT, GPTConfig, hf
 from sp_jax.models.gpt import Block
+from sp_jax.pipeline import pipeline_schedule
 
 LAYERS = [
     sp_jax.ColumnParallelLinear,
@@ -37,6 +38,16 @@ def _on_context(mesh_shape, fn):
     """Runs ``fn`` under a (data, context, tensor) mesh of the given shape."""
     mesh = jax.make_mesh(mesh_shape, ("data", "context", "tensor"),
                          devices=jax.devices()[: int(np.prod(mesh_shape))])
+    with jax.set_mesh(mesh):
+        return fn()
+
+
+_PIPE = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
+
+
+def _on_stages(fn):
+    """Runs ``fn`` under a (stage, data, context, tensor) = (2, 1, 1, 4) mesh."""
+    mesh = jax.make_mesh((2, 1, 1, 4), ("stage", "data", "context", "tensor"))
     with jax.set_mesh(mesh):
         return fn()
 
@@ -225,6 +236,27 @@ CASES = {
     "E49": (ValueError, *_wrong_hidden("CausalSelfAttention")),
     "E50": (ValueError, *_wrong_hidden("MLP")),
     "E51": (ValueError, *_wrong_hidden("Block")),
+    # pipeline stages
+    "E52": (ValueError, r"ParallelConfig.pipeline_schedule='zb' is not a known schedule; "
+                        r"use one of \('gpipe', '1f1b'\)",
+            lambda: sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_schedule="zb")),
+    "E53": (ValueError, r"pipeline_microbatches, pipeline_repeats and pipeline_schedule need "
+                        r"a pipeline; set pipeline_axis",
+            lambda: sp_jax.ParallelConfig(pipeline_microbatches=4)),
+    "E54": (ValueError, r"pipeline axis 'stage' \(ParallelConfig.pipeline_axis\) is not in "
+                        r"the mesh axes \('data', 'tensor'\)",
+            lambda: _on((2, 4), lambda: GPT(GPTConfig(**{**GPT_BASE, "scan_layers": True}),
+                                            parallel=_PIPE, rngs=nnx.Rngs(0)))),
+    "E55": (ValueError, r"pipeline_axis='stage'\) needs GPTConfig\(scan_layers=True\)",
+            lambda: _on_stages(lambda: GPT(GPTConfig(**GPT_BASE), parallel=_PIPE,
+                                           rngs=nnx.Rngs(0)))),
+    "E56": (ValueError, r"GPT: num_layers=1 is not divisible by stages x pipeline_repeats = "
+                        r"2 x 1 = 2; use a multiple of 2 layers",
+            lambda: _on_stages(lambda: GPT(GPTConfig(**{**GPT_BASE, "scan_layers": True}),
+                                           parallel=_PIPE, rngs=nnx.Rngs(0)))),
+    "E57": (ValueError, r"pipeline_microbatches=3 must be a multiple of the 2 stages with "
+                        r"pipeline_repeats=2",
+            lambda: pipeline_schedule("1f1b", 2, 3, 2)),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
