@@ -4,6 +4,7 @@ layout, from deviceless XLA:GPU compiles of the real training step (no GPU neede
 Example::
 
     python -m sp_jax.plan --model 70b --gpus 64
+    python -m sp_jax.plan --model gpt3-175b --gpus 128 --stages 8 16
     python -m sp_jax.plan --model 7b --gpus 64 --seq 131072
     python -m sp_jax.plan --hidden 2048 --layers 24 --heads 16 --vocab 50304 --seq 2048 --gpus 8
 
@@ -36,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (H100)")
     p.add_argument("--batch", type=int, help="global sequences per step (default: one per "
-                                             "data shard)")
+                                             "data shard; pipelined layouts: one per data "
+                                             "shard and micro-batch)")
+    p.add_argument("--stages", type=int, nargs="+", metavar="P",
+                   help="pipeline stage counts to try (default: the two largest that divide "
+                        "the layers and the GPUs beyond one tensor group; 1: no pipeline)")
+    p.add_argument("--microbatches", type=int, metavar="M",
+                   help="micro-batches per step of the pipelined layouts (default: batch / "
+                        "data with --batch, else 4 x stages)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -53,13 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelShape("custom", sizes["hidden"], sizes["layers"], sizes["heads"],
                            sizes["vocab"], sizes["seq"], sizes["mlp-hidden"])
     for name, value in [("gpus", args.gpus), ("batch", args.batch),
+                        ("microbatches", args.microbatches),
+                        *(("stages", v) for v in args.stages or ()),
                         *((k, v) for k, v in sizes.items() if v is not None)]:
         if value is not None and value < 1:
             p.error(f"--{name} {value} must be positive")
     if model.hidden % model.heads:
         p.error(f"--heads {model.heads} must divide --hidden {model.hidden}")
     try:
-        rows = plan(model, args.gpus, batch=args.batch, progress=not args.no_progress)
+        rows = plan(model, args.gpus, batch=args.batch, stages=args.stages,
+                    microbatches=args.microbatches, progress=not args.no_progress)
     except (RuntimeError, ValueError) as e:  # e.g. no CUDA plugin: one line, how to fix it
         print(f"error: {e}", file=sys.stderr)
         return 1

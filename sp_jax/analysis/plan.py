@@ -4,14 +4,18 @@ XLA:GPU compiles of the real training step, for every sensible layout.
 ``plan(model, gpus)`` enumerates meshes ``data x context x tensor`` (tensor within one
 8-GPU host and dividing the heads; a context axis only for long sequences) and option
 sets (sharding over data, remat, context parallelism; ``recompute_allgather`` always on),
-compiles :func:`sp_jax.training.train_step_fn` (forward, backward, AdamW update, the
-parameters and optimizer state donated) of :class:`sp_jax.models.GPT` with scanned layers
-for each on abstract H100s (``1x1x8`` for 8 GPUs, hosts of 8 beyond: no GPU needed), and
-reads ``memory_analysis()``. Each row splits the per-GPU peak into parameters and
-optimizer state (the per-device shards the compiled step takes), gradients (fp32, sharded
-like the parameters) and activations/temporaries (XLA's temp minus the gradients), next to
-the analytic values, and counts the collective bytes per step (ops inside the scanned
-layer counted once per layer). ``python -m sp_jax.plan`` prints the table.
+and pipelined meshes ``stage x data x context x tensor`` (a 1F1B pipeline of
+``4 x stages`` micro-batches over the GPUs beyond one tensor group, the stage count
+dividing the layers: :func:`candidates`). It compiles
+:func:`sp_jax.training.train_step_fn` (forward, backward, AdamW update, the parameters and
+optimizer state donated) of :class:`sp_jax.models.GPT` with scanned layers for each on
+abstract H100s (``1x1x8`` for 8 GPUs, hosts of 8 beyond: no GPU needed), and reads
+``memory_analysis()``. Each row splits the per-GPU peak into parameters and optimizer
+state (the per-device shards the compiled step takes), gradients (fp32, sharded like the
+parameters) and activations/temporaries (XLA's temp minus the gradients), next to the
+analytic values, and counts the collective bytes per step (each collective of the
+compiled program times the trip counts of the loops around it).
+``python -m sp_jax.plan`` prints the table.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MODELS", "ModelShape", "PlanOption", "PlanRow", "candidates", "format_table",
+__all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
+           "candidates", "collective_executions", "format_table", "pipeline_stage_counts",
            "plan", "plan_one"]
 
 GiB = 2**30
@@ -83,14 +88,35 @@ MODELS = {
     "1.3b": ModelShape("1.3b", hidden=2048, layers=24, heads=16, vocab=50304, seq=2048),
     "7b": ModelShape("7b", hidden=4096, layers=32, heads=32, vocab=32000, seq=4096),
     "70b": ModelShape("70b", hidden=8192, layers=80, heads=64, vocab=32000, seq=4096),
+    "gpt3-175b": ModelShape("gpt3-175b", hidden=12288, layers=96, heads=96, vocab=50257,
+                            seq=2048),
 }
-"""Presets: GPT-2 small, a 1.3B, a 7B and a 70B shape (GPT blocks: 4h MLP with GeLU,
-LayerNorm; the 7B and 70B have the Llama widths, depths and head counts)."""
+"""Presets: GPT-2 small, a 1.3B, a 7B, a 70B and GPT-3 175B (GPT blocks: 4h MLP with
+GeLU, LayerNorm; the 7B and 70B have the Llama widths, depths and head counts, the 175B
+GPT-3's)."""
+
+PIPELINE_MICROBATCHES_PER_STAGE = 4
+"""Micro-batches of a pipelined layout per stage (``M = 4 x stages`` unless given): the
+1F1B schedule's memory does not depend on ``M`` (each stage keeps at most
+``2 x stages - 1`` stage inputs), and its idle fraction here, ``(2P - 2) / (M + 2P - 2)``
+with ``P`` stages (one forward and one backward per tick), is below 1/3 at ``M = 4P``."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanOption:
-    """One layout: mesh ``data x context x tensor`` and the options of the run."""
+    """One layout: mesh ``data x context x tensor``, or ``stages x data x context x
+    tensor`` with a pipeline (``stages > 1``), and the options of the run.
+
+    Attributes:
+      data / context / tensor: the mesh's axis sizes.
+      fsdp: parameters and optimizer state sharded over data.
+      remat: each layer's activations recomputed in the backward.
+      micro_batches: micro-batches of one step; with a pipeline the pipeline's ``M``
+        (the step's batch ``[M, batch / M, seq]``).
+      context_parallel: the context-parallel attention (with ``context > 1``).
+      stages: pipeline stages (the ``stage`` mesh axis, outermost); 1: no pipeline.
+      pipeline_schedule: ``"1f1b"`` or ``"gpipe"`` (with ``stages > 1``).
+    """
 
     data: int
     context: int
@@ -99,19 +125,63 @@ class PlanOption:
     remat: bool
     micro_batches: int = 1
     context_parallel: str = "ring"
+    stages: int = 1
+    pipeline_schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        from sp_jax.config import PIPELINE_SCHEDULES
+
+        for name in ("data", "context", "tensor", "micro_batches", "stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PlanOption: {name}={value!r} must be a positive int.")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"PlanOption: pipeline_schedule={self.pipeline_schedule!r} is "
+                             f"not one of {PIPELINE_SCHEDULES}.")
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the layout runs a pipeline (``stages > 1``)."""
+        return self.stages > 1
 
     @property
     def gpus(self) -> int:
-        return self.data * self.context * self.tensor
+        return self.stages * self.data * self.context * self.tensor
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh: ``(stages, data, context, tensor)`` with a pipeline, else
+        ``(data, context, tensor)`` (:attr:`axis_names`)."""
+        inner = (self.data, self.context, self.tensor)
+        return (self.stages, *inner) if self.pipelined else inner
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        inner = ("data", "context", "tensor")
+        return ("stage", *inner) if self.pipelined else inner
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the pipeline's schedule (from its tables; 0 without one)."""
+        if not self.pipelined:
+            return 0.0
+        from sp_jax.pipeline import pipeline_schedule
+
+        return pipeline_schedule(self.pipeline_schedule, self.stages,
+                                 self.micro_batches).bubble_fraction
 
     @property
     def label(self) -> str:
         opts = ["recompute_allgather"] + (["fsdp"] if self.fsdp else []) + (
             ["remat"] if self.remat else []) + (
             [self.context_parallel] if self.context > 1 else [])
-        if self.micro_batches > 1:
+        mesh = "x".join(str(n) for n in self.mesh_shape)
+        if self.pipelined:
+            opts.append(f"{self.pipeline_schedule} ({self.stages} stages, "
+                        f"M={self.micro_batches}, bubble {100 * self.bubble:.0f}%)")
+        elif self.micro_batches > 1:
             opts.append(f"{self.micro_batches} micro-batches")
-        return f"{self.data}x{self.context}x{self.tensor} " + "+".join(opts)
+        return f"{mesh} " + "+".join(opts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,23 +211,95 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
-               long_context: int = 32768) -> list[PlanOption]:
-    """The layouts :func:`plan` compiles for ``model`` on ``gpus`` GPUs: tensor = the
-    largest size within a host that divides the heads (TP beyond a host is never
-    worth it); the rest of the GPUs over data, or, for sequences of ``long_context``
-    tokens or more, over context (ring) or split between the two; each mesh without and
-    with sharding over data and with and without remat (the replicated run without remat
-    only when nothing else is tried, as it never uses less memory; sharding over data only
-    where the data size divides the hidden size)."""
-    t = max(d for d in _divisors(gpus) if d <= max_tensor and model.heads % d == 0)
-    rest = gpus // t
-    meshes = [(rest, 1)]
+def _tensor_size(model: ModelShape, gpus: int, max_tensor: int) -> int:
+    """The largest tensor size within a host (``max_tensor``) dividing the GPUs and the
+    heads."""
+    return max(d for d in _divisors(gpus) if d <= max_tensor and model.heads % d == 0)
+
+
+def _split(model: ModelShape, rest: int, tensor: int, long_context: int
+           ) -> list[tuple[int, int]]:
+    """``(data, context)`` meshes of ``rest`` GPUs: all over data, or for sequences of
+    ``long_context`` tokens or more the two with the largest context sizes that divide
+    the sequence into zigzag chunks."""
     if model.seq >= long_context:
         meshes = [(rest // c, c) for c in _divisors(rest)
-                  if c > 1 and model.seq % (2 * c * t) == 0][-2:] or meshes
+                  if c > 1 and model.seq % (2 * c * tensor) == 0][-2:]
+        if meshes:
+            return meshes
+    return [(rest, 1)]
+
+
+def pipeline_stage_counts(model: ModelShape, gpus: int, *, max_tensor: int = 8
+                          ) -> list[int]:
+    """Every stage count ``> 1`` a pipelined layout of ``model`` on ``gpus`` GPUs can
+    have: dividing the layers and the GPUs beyond one tensor group
+    (``gpus / tensor``; the stage axis is outermost, across hosts)."""
+    rest = gpus // _tensor_size(model, gpus, max_tensor)
+    return [p for p in _divisors(rest) if p > 1 and model.layers % p == 0]
+
+
+def _check_stages(model: ModelShape, gpus: int, stages: Sequence[int], max_tensor: int
+                  ) -> list[int]:
+    """``stages`` without the 1s, each checked (ValueError naming it and the fix)."""
+    tensor = _tensor_size(model, gpus, max_tensor)
+    possible = pipeline_stage_counts(model, gpus, max_tensor=max_tensor)
     out = []
-    for d, c in meshes:
+    for p in stages:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"plan: stages={p!r} must be a positive int (1: no pipeline).")
+        if p == 1:
+            continue
+        if model.layers % p:
+            raise ValueError(
+                f"plan: stages={p} does not divide the {model.layers} layers of "
+                f"{model.name} (each stage runs layers / stages of them); use one of "
+                f"{possible or 'none: no pipeline fits these layers and GPUs'}.")
+        if (gpus // tensor) % p:
+            raise ValueError(
+                f"plan: stages={p} does not divide the {gpus // tensor} GPU groups beyond "
+                f"the tensor size {tensor} of {gpus} GPUs (stages x data x context x "
+                f"tensor = GPUs); use one of "
+                f"{possible or 'none: no pipeline fits these layers and GPUs'}, or "
+                f"{p * tensor}, {2 * p * tensor}, ... GPUs.")
+        out.append(p)
+    return out
+
+
+def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
+               long_context: int = 32768, stages: Sequence[int] | None = None,
+               microbatches: int | None = None, batch: int | None = None
+               ) -> list[PlanOption]:
+    """The layouts :func:`plan` compiles for ``model`` on ``gpus`` GPUs.
+
+    Without a pipeline: tensor = the largest size within a host that divides the heads
+    (TP beyond a host is never worth it); the rest of the GPUs over data, or, for
+    sequences of ``long_context`` tokens or more, over context (ring) or split between
+    the two; each mesh without and with sharding over data and with and without remat
+    (the replicated run without remat only when nothing else is tried, as it never uses
+    less memory; sharding over data only where the data size divides the hidden size).
+
+    Pipelined (``stage x data x context x tensor``, the same tensor size, the stage axis
+    outermost): for each stage count of ``stages`` (default: the two largest of
+    :func:`pipeline_stage_counts`, which use the least memory; ``()`` or ``[1]``: no
+    pipeline) the rest split as above (one mesh: the larger context size), a 1F1B
+    schedule of ``microbatches`` micro-batches (default: ``batch / data``, one sequence
+    per micro-batch and data shard, when ``batch`` is given, else
+    :data:`PIPELINE_MICROBATCHES_PER_STAGE` ``x stages``), without sharding over data,
+    with and without remat, and with both where the data size is above 1 and divides the
+    hidden size.
+
+    Raises:
+      ValueError: a stage count that does not divide the layers or the GPUs beyond the
+        tensor group, or a non-positive ``microbatches``.
+    """
+    if microbatches is not None and (isinstance(microbatches, bool)
+                                     or not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"plan: microbatches={microbatches!r} must be a positive int.")
+    t = _tensor_size(model, gpus, max_tensor)
+    rest = gpus // t
+    out = []
+    for d, c in _split(model, rest, t, long_context):
         out += [PlanOption(d, c, t, fsdp=False, remat=True)]
         if d > 1 and model.hidden % d == 0:  # sharding over data splits the hidden size
             out += [PlanOption(d, c, t, fsdp=True, remat=False),
@@ -167,26 +309,116 @@ def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
     if t > 1 and gpus <= max_tensor and model.seq < long_context and model.hidden % gpus == 0:
         # one host: pure data parallelism with everything sharded over data (ZeRO-3)
         out += [PlanOption(gpus, 1, 1, fsdp=True, remat=True)]
+    if stages is None:
+        stage_counts = pipeline_stage_counts(model, gpus, max_tensor=max_tensor)[-2:]
+    else:
+        stage_counts = _check_stages(model, gpus, stages, max_tensor)
+    for p in stage_counts:
+        d, c = _split(model, rest // p, t, long_context)[-1]
+        m = microbatches or (batch // d if batch and batch % d == 0
+                             else PIPELINE_MICROBATCHES_PER_STAGE * p)
+        kw = {"micro_batches": m, "stages": p, "pipeline_schedule": "1f1b"}
+        out += [PlanOption(d, c, t, fsdp=False, remat=False, **kw),
+                PlanOption(d, c, t, fsdp=False, remat=True, **kw)]
+        if d > 1 and model.hidden % d == 0:
+            out += [PlanOption(d, c, t, fsdp=True, remat=True, **kw)]
     return out
 
 
 def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
-    """(parameter bytes, activation bytes) per device. fp32 parameters: kernels and the
-    vocabulary table (padded to a multiple of t) over tensor, and data with fsdp; the
-    MLP-up bias over tensor; the other biases and the norms replicated. Activations: with
-    remat each layer keeps its bf16 input ``[b, s, h] / (c t)`` plus one layer's TP+SP
-    residuals (34 s b h / (c t) bytes, Korthikanti et al. with selective
-    recomputation), else every layer's."""
-    h, t, L = model.hidden, option.tensor, model.layers
+    """(parameter bytes, activation bytes) per device.
+
+    fp32 parameters: kernels and the vocabulary table (padded to a multiple of t) over
+    tensor, and data with fsdp; the MLP-up bias over tensor; the other biases and the
+    norms replicated; with a pipeline the layers' parameters also over the stages (the
+    vocabulary table and the final norm on every stage).
+
+    Activations of one micro-batch of ``b = batch / (data M)`` sequences: with remat each
+    layer keeps its bf16 input ``[b, s, h] / (c t)`` plus one layer's TP+SP residuals
+    (34 s b h / (c t) bytes, Korthikanti et al. with selective recomputation), else
+    every layer's. A pipeline's stage runs ``L / P`` of the layers; 1F1B keeps up to
+    ``2 P - 1`` bf16 stage inputs (its ring of slots) and one micro-batch's activations
+    of its layers (the backward's recomputed forward, the schedule of
+    :mod:`sp_jax.pipeline`); GPipe every micro-batch's. Temporaries beyond the
+    activations (gathered weights, gradient accumulators, the vocabulary's logits) are
+    not counted.
+    """
+    h, t, L, p = model.hidden, option.tensor, model.layers, option.stages
     shards = t * (option.data if option.fsdp else 1)
     vocab = -(-model.vocab // t) * t
-    params = 4 * ((L * (4 * h * h + 2 * h * model.mlp) + vocab * h) / shards
-                  + L * model.mlp / t + L * 6 * h + 2 * h)
+    layers = (L * (4 * h * h + 2 * h * model.mlp) / shards + L * model.mlp / t + L * 6 * h)
+    params = 4 * (layers / p + vocab * h / shards + 2 * h)
     b = batch // option.data // option.micro_batches
     sbh = model.seq * b * model.hidden / (option.context * option.tensor)
     per_layer = 34 * sbh
-    acts = model.layers * 2 * sbh + per_layer if option.remat else model.layers * per_layer
+    depth = L // p
+    acts = depth * 2 * sbh + per_layer if option.remat else depth * per_layer
+    if option.pipelined:
+        if option.pipeline_schedule == "1f1b":
+            acts += (2 * p - 1) * 2 * sbh
+        else:
+            acts *= option.micro_batches
     return params, acts
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<kind>body|calls|to_apply|true_computation|false_computation)"
+                     r"=%(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+def collective_executions(hlo: str) -> list[int]:
+    """How often each collective of :func:`~sp_jax.analysis.parse_collectives` (same
+    order) runs per call of the program: the product of the trip counts of the while
+    loops around it (XLA's ``known_trip_count``; 1 where unknown), so a scanned layer's
+    collectives count once per layer also when XLA unrolls or double-buffers the loop.
+    A collective in a branch of a conditional counts as if the branch ran every time (a
+    pipeline's ticks skip the work of idle stages: an upper bound there)."""
+    from sp_jax.analysis.hlo import _INSTR
+
+    calls: dict[str, list[tuple[str, int]]] = {}
+    owners: list[str] = []  # the computation of each collective, in program order
+    current = entry = None
+    for line in hlo.splitlines():
+        if not line.startswith((" ", "}")) and (m := _COMPUTATION.match(line)):
+            current = m.group("name")
+            calls[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+            continue
+        if current is None:
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        trip = _TRIP_COUNT.search(line)
+        for c in _CALLEE.finditer(line):
+            n = int(trip.group("n")) if c.group("kind") == "body" and trip else 1
+            calls[current].append((c.group("name"), n))
+        if b := _BRANCHES.search(line):
+            calls[current] += [(name.strip().lstrip("%"), 1)
+                               for name in b.group("names").split(",")]
+        if (i := _INSTR.match(line)) and i.group("suffix") != "-done":
+            owners.append(current)
+    order: list[str] = []  # callees before callers (depth-first post-order)
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:  # as deep as the program's calls nest: a few levels
+        seen.add(name)
+        for callee, _ in calls[name]:
+            if callee in calls and callee not in seen:
+                visit(callee)
+        order.append(name)
+
+    runs = dict.fromkeys(calls, 0)
+    if entry is not None:
+        visit(entry)
+        runs[entry] = 1
+    for name in reversed(order):
+        for callee, n in calls[name]:
+            if callee in runs:
+                runs[callee] += runs[name] * n
+    return [runs[name] for name in owners]
 
 
 def _device_bytes(tree: Any, itemsize: int | None = None) -> int:
@@ -200,11 +432,23 @@ def _device_bytes(tree: Any, itemsize: int | None = None) -> int:
     return total
 
 
+def _batch_error(batch: int, option: PlanOption) -> str:
+    """Why ``batch`` sequences do not fit ``option``, and what would."""
+    n = option.data * option.micro_batches
+    return (f"batch={batch} does not split into {option.micro_batches} micro-batch"
+            f"{'es' if option.micro_batches > 1 else ''} over data {option.data} of "
+            f"{option.label}; use a multiple of {n} sequences")
+
+
 def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
              target: str = "h100") -> PlanRow:
     """Compiles the training step of ``model`` under ``option`` for ``option.gpus``
     abstract GPUs and returns its per-GPU memory. ``batch``: global sequences per step
-    (default: one per data shard and micro-batch)."""
+    (default: one per data shard and micro-batch), as ``option.micro_batches``
+    micro-batches (with a pipeline: the pipeline's, ``ParallelConfig(pipeline_axis=
+    "stage", pipeline_microbatches=M, pipeline_schedule=...)`` on the mesh
+    ``stage x data x context x tensor``). A layout the model or the batch does not divide
+    over is a row with ``error`` set."""
     import optax
     from flax import nnx
 
@@ -217,11 +461,13 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     from sp_jax.training.step import train_step_fn
 
     batch = batch or option.data * option.micro_batches
-    axes = ("data", "context", "tensor")
-    shape = (option.data, option.context, option.tensor)
+    axes, shape = option.axis_names, option.mesh_shape
+    pipeline = {"pipeline_axis": "stage", "pipeline_microbatches": option.micro_batches,
+                "pipeline_schedule": option.pipeline_schedule} if option.pipelined else {}
     parallel = ParallelConfig(
         recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=option.fsdp,
-        context_parallel=option.context_parallel if option.context > 1 else None)
+        context_parallel=option.context_parallel if option.context > 1 else None,
+        **pipeline)
     cfg = GPTConfig(vocab_size=model.vocab, max_seq_len=model.seq, num_layers=model.layers,
                     num_heads=model.heads, hidden=model.hidden, mlp_hidden=model.mlp,
                     positions="rotary", dtype=jnp.bfloat16, param_dtype=jnp.float32,
@@ -229,6 +475,9 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     tx = optax.adamw(1e-4)
     t0 = time.perf_counter()
     formula_params, formula_acts = _formula(model, option, batch)
+    if batch % (option.data * option.micro_batches):
+        return PlanRow(option, batch, 0, 0, 0, 0, 0, False, 0, formula_params,
+                       formula_acts, 0.0, error=_batch_error(batch, option))
     with jax.set_mesh(gpu_mesh(shape, axes, target=target)):
         try:
             gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
@@ -255,10 +504,9 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
         return PlanRow(option, batch, param_bytes, opt_bytes, grad_bytes, 0, 0, False, 0,
                        formula_params, formula_acts, time.perf_counter() - t0,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    collectives = 0
-    for c in parse_collectives(report.hlo):
-        scanned = "/while/body/" in c.op_name or "scan" in c.op_name
-        collectives += c.bytes * (model.layers if scanned else 1)
+    collectives = sum(c.bytes * n for c, n in zip(parse_collectives(report.hlo),
+                                                  collective_executions(report.hlo),
+                                                  strict=True))
     return PlanRow(
         option=option, batch=batch, param_bytes=param_bytes, opt_bytes=opt_bytes,
         grad_bytes=grad_bytes,
@@ -270,21 +518,40 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
 
 
 def plan(model: ModelShape | str, gpus: int, *, options: Sequence[PlanOption] | None = None,
-         batch: int | None = None, progress: bool = True,
+         batch: int | None = None, stages: Sequence[int] | None = None,
+         microbatches: int | None = None, progress: bool = True,
          on_row: Callable[[PlanRow], None] | None = None) -> list[PlanRow]:
-    """:func:`plan_one` for every layout of ``options`` (default :func:`candidates`),
-    with a progress bar (tqdm, on stderr) while it compiles."""
+    """:func:`plan_one` for every layout of ``options`` (default: :func:`candidates` with
+    ``stages``, ``microbatches`` and ``batch``), with a progress bar (tqdm, on stderr)
+    while it compiles.
+
+    Raises:
+      ValueError: an unknown preset, a non-positive size, layouts that do not use
+        ``gpus`` GPUs, a stage count the model or the GPUs do not divide into, or a
+        ``batch`` that no layout can split."""
     if isinstance(model, str):
         if model not in MODELS:
             raise ValueError(f"plan: unknown model {model!r}; presets are {sorted(MODELS)} "
                              "(or pass a ModelShape).")
         model = MODELS[model]
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"plan: gpus={gpus!r} must be a positive int.")
-    options = list(options) if options is not None else candidates(model, gpus)
+    for name, value in (("gpus", gpus), ("batch", batch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"plan: {name}={value!r} must be a positive int.")
+    if options is None:
+        options = candidates(model, gpus, stages=stages, microbatches=microbatches,
+                             batch=batch)
+    elif stages is not None or microbatches is not None:
+        raise ValueError("plan: stages / microbatches choose the candidate layouts; with "
+                         "options given, set them in each PlanOption instead.")
+    options = list(options)
     bad = [o.label for o in options if o.gpus != gpus]
     if bad:
         raise ValueError(f"plan: layouts {bad} do not use {gpus} GPUs.")
+    if batch is not None and options and all(batch % (o.data * o.micro_batches)
+                                             for o in options):
+        raise ValueError(f"plan: {_batch_error(batch, options[0])} (and likewise for every "
+                         "other layout).")
     rows = []
     iterator = options
     if progress:
@@ -309,12 +576,15 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
     head = (f"{model.name}: h={model.hidden}, {model.layers} layers, {model.heads} heads, "
             f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters); "
             f"{unit} per GPU (H100: 80 GB = 74.5 GiB)\n\n")
-    lines = ["| layout (data x context x tensor, options) | batch | params (formula) | "
+    pipelined = [r for r in rows if r.option.pipelined]
+    mesh = "[stages x] data x context x tensor" if pipelined else "data x context x tensor"
+    lines = [f"| layout ({mesh}, options) | batch | params (formula) | "
              "optimizer | gradients | activations + temp (formula) | peak | fits | "
              f"collectives {unit}/step |", "|" + "---|" * 9]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.option.label} | {r.batch} | | | | | | compile failed: "
+            failed = "not compiled" if r.error.startswith("batch=") else "compile failed"
+            lines.append(f"| {r.option.label} | {r.batch} | | | | | | {failed}: "
                          f"{r.error} | |")
             continue
         lines.append(
@@ -322,6 +592,20 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             f" | {g(r.opt_bytes)} | {g(r.grad_bytes)} | {g(r.activation_bytes)} "
             f"({g(r.formula_activation_bytes)}) | {g(r.peak_bytes)} | "
             f"{'yes' if r.fits else '**no**'} | {g(r.collective_bytes)} |")
+    compiled = [r for r in rows if not r.error]
+    if compiled and not any(r.fits for r in compiled):
+        best = min(compiled, key=lambda r: r.peak_bytes)
+        lines.append(f"\nNo layout fits in 80 GB: the best, {best.option.label}, needs "
+                     f"{best.peak_bytes / GiB:.1f} GiB, "
+                     f"{(best.peak_bytes - H100_BYTES) / GiB:.1f} GiB too many.")
+    if pipelined:
+        lines.append(
+            "\nPipelined rows: mesh stages x data x context x tensor (the stage axis "
+            "outermost, across hosts); each step runs M micro-batches (batch / (data M) "
+            "sequences each) through the schedule; bubble: the schedule's idle fraction "
+            "(one forward and one backward per tick). Their collectives count the work in "
+            "the schedule's conditions at every tick, also at the ticks that skip it "
+            "because no stage has that work to do (an upper bound).")
     noted = [r.option.label for r in rows if r.xla_notes]
     if noted:
         limits = {int(m.group(1)) for r in rows for line in r.xla_notes
