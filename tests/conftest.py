@@ -60,7 +60,7 @@ def mesh_8x1():
 # `--dist loadfile --no-loadscope-reorder` (make test) xdist hands files to its workers
 # in collection order, so starting with these keeps one long file from running alone at
 # the end. Every other file follows in its usual order.
-SLOWEST_FIRST = ("test_doc_snippets.py", "test_benchmarks.py", "test_gpt.py",
+SLOWEST_FIRST = ("test_doc_snippets.py", "test_pipeline.py", "test_benchmarks.py", "test_gpt.py",
                  "test_context.py", "test_multiprocess.py", "test_plan.py", "test_fsdp.py",
                  "test_gpu_check.py", "test_train_gpt.py", "test_attention.py",
                  "test_analysis.py", "test_trainer.py", "test_faults.py", "test_blocks.py",
@@ -141,6 +141,10 @@ FAST = {
                      "test_import_sp_jax_exposes_the_subpackages"),
     "test_doc_snippets.py": ("test_block_runs_as_written[README.md#1]",
                              "test_every_doc_has_its_blocks_found"),
+    "test_pipeline.py": ("test_schedule_tables_keep_every_dependency",
+                         "test_1f1b_keeps_the_same_inputs_whatever_the_microbatches",
+                         "test_schedule_errors", "test_config_errors",
+                         "test_pipeline_trains_like_unsharded[2x1x1x4_1f1b_r1_m4]"),
 }
 
 

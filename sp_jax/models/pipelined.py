@@ -162,13 +162,13 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     micro = tokens.shape[0]
     kind = par.pipeline_schedule if grads else "gpipe"
     schedule = pipeline_schedule(kind, stages, micro, repeats)
+    # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
+    # the caller placed), whole sequences (ring attention's zigzag order is taken here)
+    rows = par.data_axes[0] if len(par.data_axes) == 1 else (par.data_axes or None)
+    tokens, labels = (jax.reshard(x, P(None, rows, None)) for x in (tokens, labels))
     order = model._order(tokens[0])
-    if order is not None:  # ring attention's zigzag order, taken on whole sequences
-        def held(x):
-            spec = tuple(jax.typeof(x).sharding.spec)
-            whole = P(None, spec[1] if len(spec) > 1 else None, None)
-            return jnp.take(jax.reshard(x, whole), jnp.asarray(order), axis=2)
-        tokens, labels = held(tokens), held(labels)
+    if order is not None:
+        tokens, labels = (jnp.take(x, jnp.asarray(order), axis=2) for x in (tokens, labels))
     if keys is not None:
         embed_keys, layer_keys = keys
         per = cfg.num_layers // (stages * repeats)
@@ -222,11 +222,11 @@ def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
         micro = 1
     batch = tokens.shape[0] // micro
 
+    rows = par.data_axes[0] if len(par.data_axes) == 1 else (par.data_axes or None)
+
     def split(x):  # micro-batch i: rows i, i + M, ... (no data moves between devices)
-        spec = jax.typeof(x).sharding.spec
-        data_spec = spec[0] if len(spec) else None
-        x = jnp.reshape(x, (batch, micro, x.shape[1]),
-                        out_sharding=NamedSharding(mesh, P(data_spec, None, None)))
+        x = jnp.reshape(jax.reshard(x, P(rows, None)), (batch, micro, x.shape[1]),
+                        out_sharding=NamedSharding(mesh, P(rows, None, None)))
         return jnp.swapaxes(x, 0, 1)
 
     tokens, labels = split(tokens), split(labels)
