@@ -17,6 +17,7 @@ from sp_jax.analysis.plan import (
     PlanRow,
     candidates,
     format_table,
+    pipeline_stage_counts,
     plan,
 )
 
@@ -27,18 +28,35 @@ def test_parameter_count_of_the_presets():
     # GPT blocks with a 4h MLP: 12 h^2 per layer dominates
     assert 6.4e9 < MODELS["7b"].params < 6.7e9
     assert 64e9 < MODELS["70b"].params < 66e9
+    assert 174e9 < MODELS["gpt3-175b"].params < 176e9
     assert 1.2e9 < MODELS["1.3b"].params < 1.4e9
     assert 0.12e9 < MODELS["gpt2-small"].params < 0.17e9
 
 
 def test_candidates():
     seventy = candidates(MODELS["70b"], 64)
-    assert {(o.data, o.context, o.tensor) for o in seventy} == {(8, 1, 8)}
-    assert {(o.fsdp, o.remat) for o in seventy} == {(False, True), (True, False), (True, True)}
+    flat = [o for o in seventy if not o.pipelined]
+    assert {(o.data, o.context, o.tensor) for o in flat} == {(8, 1, 8)}
+    assert {(o.fsdp, o.remat) for o in flat} == {(False, True), (True, False), (True, True)}
     long = candidates(MODELS["7b"].replace(seq=131072), 64)
-    assert all(o.context > 1 and o.tensor == 8 for o in long)
+    assert all(o.context > 1 and o.tensor == 8 for o in long if not o.pipelined)
     small = candidates(MODELS["7b"], 8)
     assert (8, 1, 1) in {(o.data, o.context, o.tensor) for o in small}
+    # Pipelines: the stage axis over the hosts beyond one tensor group (none on one host),
+    # the two largest stage counts dividing the layers, 1F1B with 4 micro-batches a stage
+    assert not any(o.pipelined for o in small)
+    piped = [o for o in seventy if o.pipelined]
+    assert {o.mesh_shape for o in piped} == {(4, 2, 1, 8), (8, 1, 1, 8)}
+    assert all(o.axis_names == ("stage", "data", "context", "tensor") and o.gpus == 64
+               and o.pipeline_schedule == "1f1b" and o.micro_batches == 4 * o.stages
+               for o in piped)
+    assert {(o.stages, o.fsdp, o.remat) for o in piped} == {
+        (4, False, False), (4, False, True), (4, True, True), (8, False, False),
+        (8, False, True)}  # sharding over data only where there is a data axis
+    assert "4x2x1x8 recompute_allgather+remat+1f1b (4 stages, M=16, bubble 16%)" in [
+        o.label for o in piped]
+    assert {o.mesh_shape for o in candidates(MODELS["gpt3-175b"], 128) if o.pipelined} == {
+        (8, 2, 1, 8), (16, 1, 1, 8)}
     with pytest.raises(ValueError, match="unknown model 'gpt5'"):
         plan("gpt5", 8)
     with pytest.raises(ValueError, match="do not use 8 GPUs"):
@@ -202,3 +220,131 @@ def test_help_has_the_whole_description(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert exit_info.value.code == 0
     assert "from deviceless XLA:GPU compiles of the real training step (no GPU needed)." in out
+
+
+def test_pipelined_candidates_on_request_and_their_errors():
+    """Stage counts and micro-batches on request; a batch sets M (one sequence per
+    micro-batch and data shard); long sequences keep a context axis inside each stage;
+    impossible requests are ValueErrors naming the value and what would work."""
+    seventy = MODELS["70b"]
+    assert pipeline_stage_counts(seventy, 64) == [2, 4, 8]
+    (two,) = {o.mesh_shape for o in candidates(seventy, 64, stages=[2]) if o.pipelined}
+    assert two == (2, 4, 1, 8)
+    assert not any(o.pipelined for o in candidates(seventy, 64, stages=[1]))
+    assert {o.micro_batches for o in candidates(seventy, 64, microbatches=6) if o.pipelined} \
+        == {6}
+    by_batch = {o.stages: o.micro_batches for o in candidates(seventy, 64, batch=64)
+                if o.pipelined}
+    assert by_batch == {4: 32, 8: 64}  # batch / data
+    long = [o for o in candidates(MODELS["7b"].replace(seq=131072), 64) if o.pipelined]
+    assert (4, 1, 2, 8) in {o.mesh_shape for o in long}
+    assert all(o.context_parallel == "ring" for o in long if o.context > 1)
+    with pytest.raises(ValueError, match=r"stages=3 does not divide the 80 layers of 70b.*"
+                                         r"use one of \[2, 4, 8\]"):
+        candidates(seventy, 64, stages=[3])
+    with pytest.raises(ValueError, match=r"stages=16 does not divide the 8 GPU groups beyond "
+                                         r"the tensor size 8 of 64 GPUs"):
+        candidates(seventy, 64, stages=[16])
+    with pytest.raises(ValueError, match="microbatches=0 must be a positive int"):
+        candidates(seventy, 64, microbatches=0)
+    with pytest.raises(ValueError, match="stages=0 must be a positive int"):
+        PlanOption(8, 1, 8, fsdp=False, remat=True, stages=0)
+    with pytest.raises(ValueError, match="pipeline_schedule='zb' is not one of"):
+        PlanOption(8, 1, 8, fsdp=False, remat=True, pipeline_schedule="zb")
+    with pytest.raises(ValueError, match="with options given, set them in each PlanOption"):
+        plan(TINY, 8, options=[PlanOption(8, 1, 1, fsdp=True, remat=True)], stages=[2],
+             progress=False)
+    piped = PlanOption(2, 1, 2, fsdp=False, remat=True, micro_batches=4, stages=2)
+    with pytest.raises(ValueError, match=r"batch=6 does not split into 4 micro-batches over "
+                                         r"data 2 of 2x2x1x2 .*use a multiple of 8 sequences"):
+        plan(TINY, 8, options=[piped], batch=6, progress=False)
+
+
+def test_formula_of_a_pipelined_layout():
+    """The analytic columns of a pipelined row: the layers' parameters over the stages
+    too (the vocabulary table on every stage); 1F1B's activations: 2P - 1 stage inputs
+    and one micro-batch through the stage's layers."""
+    from sp_jax.analysis.plan import _formula
+
+    model = MODELS["70b"]
+    flat = PlanOption(1, 1, 8, fsdp=False, remat=True)
+    piped = dataclasses.replace(flat, stages=8, micro_batches=32)
+    p_flat, a_flat = _formula(model, flat, 1)
+    p_piped, a_piped = _formula(model, piped, 32)
+    table = 4 * -(-model.vocab // 8) * 8 * model.hidden / 8
+    assert p_piped - table == pytest.approx((p_flat - table) / 8, rel=1e-3)
+    sbh = model.seq * model.hidden / 8  # b = 32 / (1 x 32) = 1
+    assert a_piped == pytest.approx((80 // 8) * 2 * sbh + 34 * sbh + (2 * 8 - 1) * 2 * sbh)
+    assert a_flat == pytest.approx(80 * 2 * sbh + 34 * sbh)
+    gpipe = dataclasses.replace(piped, pipeline_schedule="gpipe", remat=False)
+    assert _formula(model, gpipe, 32)[1] == pytest.approx(32 * 10 * 34 * sbh)
+
+
+HLO = """\
+%body.1 (p: f32[8]) -> f32[8] {
+  %all-gather-start = (f32[4], f32[8]) all-gather-start(f32[4] %p), dimensions={0}
+  %all-gather-done = f32[8] all-gather-done((f32[4], f32[8]) %all-gather-start)
+  ROOT %r = f32[8] reduce-scatter(f32[8] %all-gather-done), dimensions={0}
+}
+
+%branch.1 (q: f32[8]) -> f32[8] {
+  %w = f32[8] while(%q), condition=%c, body=%body.1, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %cp = f32[8] collective-permute(f32[8] %w), source_target_pairs={{0,1},{1,0}}
+}
+
+%tick (t: f32[8]) -> f32[8] {
+  ROOT %k = f32[8] conditional(%x, %t, %t), branch_computations={%branch.1, %branch.2}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %ar = f32[8] all-reduce(f32[8] %a), to_apply=%add
+  %l = f32[8] while(%ar), condition=%c, body=%tick, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_collective_executions_multiply_the_trip_counts_around_them():
+    """Each collective runs as often as the loops around it iterate (a conditional's
+    branch as if taken every time): the all-gather and reduce-scatter of a 5-trip loop in
+    a branch of a 3-trip loop 15 times, the permute in the branch 3 times, the entry's
+    all-reduce once."""
+    from sp_jax.analysis import parse_collectives
+    from sp_jax.analysis.plan import collective_executions
+
+    kinds = [c.kind for c in parse_collectives(HLO)]
+    assert kinds == ["all-gather", "reduce-scatter", "collective-permute", "all-reduce"]
+    assert collective_executions(HLO) == [15, 15, 3, 1]
+
+
+def test_table_of_pipelined_rows_and_of_rows_that_do_not_fit():
+    """A pipelined row names its stages, schedule, M and bubble under a header with the
+    stage axis; when nothing fits the table says by how much the best layout misses."""
+    piped = PlanOption(1, 1, 8, fsdp=False, remat=True, micro_batches=32, stages=8)
+    rows = [PlanRow(o, 32, 1, 1, 1, 1, 2**30 * peak, False, 1, 1.0, 1.0, 1.0)
+            for o, peak in ((PlanOption(8, 1, 8, fsdp=True, remat=True), 90), (piped, 80))]
+    table = format_table(MODELS["70b"], rows)
+    assert "| layout ([stages x] data x context x tensor, options) |" in table
+    assert "| 8x1x1x8 recompute_allgather+remat+1f1b (8 stages, M=32, bubble 18%) | 32 |" \
+        in table
+    assert "No layout fits in 80 GB: the best, 8x1x1x8 recompute_allgather+remat+1f1b " \
+        "(8 stages, M=32, bubble 18%), needs 80.0 GiB, 5.5 GiB too many." in table
+    assert "Pipelined rows: mesh stages x data x context x tensor" in table
+    flat = format_table(MODELS["70b"], rows[:1])
+    assert "| layout (data x context x tensor, options) |" in flat
+    assert "Pipelined rows" not in flat
+
+
+@requires_cuda_plugin
+def test_pipelined_layout_compiles_with_the_analytic_parameter_bytes():
+    """One pipelined row compiled (data 2 x stages 2 x tensor 2, 1F1B of 4 micro-batches
+    on 8 H100s): parameters = the formula (the layers over the stages), AdamW's moments
+    twice that, the batch M x data sequences, collectives counted, fits."""
+    option = PlanOption(2, 1, 2, fsdp=False, remat=True, micro_batches=4, stages=2)
+    (row,) = plan(TINY, 8, options=[option], progress=False)
+    assert not row.error, row.error
+    assert row.batch == 8 and row.fits
+    assert row.param_bytes == pytest.approx(row.formula_param_bytes, rel=0.01)
+    assert row.opt_bytes == pytest.approx(2 * row.param_bytes, rel=0.01)
+    assert row.activation_bytes > 0 and row.collective_bytes > 0
+    assert "| 2x2x1x2 recompute_allgather+remat+1f1b (2 stages, M=4, bubble 20%) | 8 |" in \
+        format_table(TINY, [row])

@@ -98,8 +98,8 @@ GPT-3's)."""
 PIPELINE_MICROBATCHES_PER_STAGE = 4
 """Micro-batches of a pipelined layout per stage (``M = 4 x stages`` unless given): the
 1F1B schedule's memory does not depend on ``M`` (each stage keeps at most
-``2 x stages - 1`` stage inputs), and its idle fraction here, ``(2P - 2) / (M + 2P - 2)``
-with ``P`` stages (one forward and one backward per tick), is below 1/3 at ``M = 4P``."""
+``2 x stages - 1`` stage inputs), and its idle fraction, ``(P - 1) / (M + P - 1)`` with
+``P`` stages (:func:`sp_jax.pipeline.bubble_formula`), is below 1/5 at ``M = 4P``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +162,14 @@ class PlanOption:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the pipeline's schedule (from its tables; 0 without one)."""
+        """Idle fraction of the pipeline's time, ``(P - 1) / (M + P - 1)``
+        (:func:`sp_jax.pipeline.bubble_formula`: 1F1B's ticks without any forward, or any
+        backward, skip that half); 0 without a pipeline."""
         if not self.pipelined:
             return 0.0
-        from sp_jax.pipeline import pipeline_schedule
+        from sp_jax.pipeline import bubble_formula
 
-        return pipeline_schedule(self.pipeline_schedule, self.stages,
-                                 self.micro_batches).bubble_fraction
+        return bubble_formula(self.stages, self.micro_batches)
 
     @property
     def label(self) -> str:
@@ -602,8 +603,8 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
         lines.append(
             "\nPipelined rows: mesh stages x data x context x tensor (the stage axis "
             "outermost, across hosts); each step runs M micro-batches (batch / (data M) "
-            "sequences each) through the schedule; bubble: the schedule's idle fraction "
-            "(one forward and one backward per tick). Their collectives count the work in "
+            "sequences each) through the schedule; bubble: the idle fraction of its time, "
+            "(stages - 1) / (M + stages - 1). Their collectives count the work in "
             "the schedule's conditions at every tick, also at the ticks that skip it "
             "because no stage has that work to do (an upper bound).")
     noted = [r.option.label for r in rows if r.xla_notes]
