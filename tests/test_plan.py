@@ -303,17 +303,18 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 """
 
 
-def test_collective_executions_multiply_the_trip_counts_around_them():
-    """Each collective runs as often as the loops around it iterate (a conditional's
+def test_collective_bytes_multiply_the_trip_counts_around_them():
+    """Each collective counts as often as the loops around it iterate (a conditional's
     branch as if taken every time): the all-gather and reduce-scatter of a 5-trip loop in
     a branch of a 3-trip loop 15 times, the permute in the branch 3 times, the entry's
-    all-reduce once."""
+    all-reduce once; 32 bytes each."""
     from sp_jax.analysis import parse_collectives
-    from sp_jax.analysis.plan import collective_executions
+    from sp_jax.analysis.plan import collective_bytes
 
-    kinds = [c.kind for c in parse_collectives(HLO)]
-    assert kinds == ["all-gather", "reduce-scatter", "collective-permute", "all-reduce"]
-    assert collective_executions(HLO) == [15, 15, 3, 1]
+    kinds = [(c.kind, c.bytes) for c in parse_collectives(HLO)]
+    assert kinds == [("all-gather", 32), ("reduce-scatter", 32), ("collective-permute", 32),
+                     ("all-reduce", 32)]
+    assert collective_bytes(HLO) == 32 * (15 + 15 + 3 + 1)
 
 
 def test_table_of_pipelined_rows_and_of_rows_that_do_not_fit():

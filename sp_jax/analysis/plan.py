@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
-           "candidates", "collective_executions", "format_table", "pipeline_stage_counts",
+           "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
            "plan", "plan_one"]
 
 GiB = 2**30
@@ -362,64 +362,18 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
     return params, acts
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
-_CALLEE = re.compile(r"\b(?P<kind>body|calls|to_apply|true_computation|false_computation)"
-                     r"=%(?P<name>[\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+def collective_bytes(hlo: str) -> int:
+    """Per-device bytes the collectives of a compiled program (its optimized HLO text)
+    move per step: each collective's bytes times the runs of its computation
+    (:func:`sp_jax.analysis.hlo.execution_counts`: the trip counts of the while loops
+    around it, so a scanned layer's collectives count once per layer also when XLA
+    unrolls or double-buffers the loop; a branch of a conditional as if it ran every
+    time, an upper bound where a pipeline's ticks skip work; once where a loop's trip
+    count is unknown)."""
+    from sp_jax.analysis.hlo import execution_counts, parse_collectives
 
-
-def collective_executions(hlo: str) -> list[int]:
-    """How often each collective of :func:`~sp_jax.analysis.parse_collectives` (same
-    order) runs per call of the program: the product of the trip counts of the while
-    loops around it (XLA's ``known_trip_count``; 1 where unknown), so a scanned layer's
-    collectives count once per layer also when XLA unrolls or double-buffers the loop.
-    A collective in a branch of a conditional counts as if the branch ran every time (a
-    pipeline's ticks skip the work of idle stages: an upper bound there)."""
-    from sp_jax.analysis.hlo import _INSTR
-
-    calls: dict[str, list[tuple[str, int]]] = {}
-    owners: list[str] = []  # the computation of each collective, in program order
-    current = entry = None
-    for line in hlo.splitlines():
-        if not line.startswith((" ", "}")) and (m := _COMPUTATION.match(line)):
-            current = m.group("name")
-            calls[current] = []
-            entry = current if line.startswith("ENTRY") else entry
-            continue
-        if current is None:
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        trip = _TRIP_COUNT.search(line)
-        for c in _CALLEE.finditer(line):
-            n = int(trip.group("n")) if c.group("kind") == "body" and trip else 1
-            calls[current].append((c.group("name"), n))
-        if b := _BRANCHES.search(line):
-            calls[current] += [(name.strip().lstrip("%"), 1)
-                               for name in b.group("names").split(",")]
-        if (i := _INSTR.match(line)) and i.group("suffix") != "-done":
-            owners.append(current)
-    order: list[str] = []  # callees before callers (depth-first post-order)
-    seen: set[str] = set()
-
-    def visit(name: str) -> None:  # as deep as the program's calls nest: a few levels
-        seen.add(name)
-        for callee, _ in calls[name]:
-            if callee in calls and callee not in seen:
-                visit(callee)
-        order.append(name)
-
-    runs = dict.fromkeys(calls, 0)
-    if entry is not None:
-        visit(entry)
-        runs[entry] = 1
-    for name in reversed(order):
-        for callee, n in calls[name]:
-            if callee in runs:
-                runs[callee] += runs[name] * n
-    return [runs[name] for name in owners]
+    runs = execution_counts(hlo)
+    return sum(c.bytes * (runs.get(c.computation) or 1) for c in parse_collectives(hlo))
 
 
 def _device_bytes(tree: Any, itemsize: int | None = None) -> int:
@@ -455,7 +409,6 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
 
     from sp_jax._quiet import filtered_stderr
     from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
-    from sp_jax.analysis.hlo import parse_collectives
     from sp_jax.config import ParallelConfig
     from sp_jax.layout import Layout
     from sp_jax.models import GPT, GPTConfig
@@ -505,9 +458,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
         return PlanRow(option, batch, param_bytes, opt_bytes, grad_bytes, 0, 0, False, 0,
                        formula_params, formula_acts, time.perf_counter() - t0,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    collectives = sum(c.bytes * n for c, n in zip(parse_collectives(report.hlo),
-                                                  collective_executions(report.hlo),
-                                                  strict=True))
+    collectives = collective_bytes(report.hlo)
     return PlanRow(
         option=option, batch=batch, param_bytes=param_bytes, opt_bytes=opt_bytes,
         grad_bytes=grad_bytes,
