@@ -21,6 +21,7 @@ import sp_jax
 from sp_jax.checkpoint import abstract_like, restore_checkpoint, save_checkpoint
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.pipeline import bubble_formula, pipeline_schedule
+from sp_jax.pipeline.schedule import chunk_moves
 from sp_jax.training import TrainStep
 
 B, S, STEPS = 16, 16, 5
@@ -97,6 +98,23 @@ def test_1f1b_keeps_the_same_inputs_whatever_the_microbatches():
     live = {m: pipeline_schedule("1f1b", 4, m).max_live_inputs for m in (4, 8, 16, 32)}
     assert live == {m: min(m, 7) for m in live}, live  # 2 x 4 stages - 1 at most
     assert pipeline_schedule("gpipe", 4, 32).max_live_inputs == 32
+
+
+@pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2), (4, 2), (2, 3), (4, 4), (3, 2)])
+def test_chunk_moves_bring_each_chunk_to_its_stage_once(stages, repeats):
+    """Stored in layer order (stage a: chunks aR .. aR + R - 1), run round robin (chunk c
+    on stage c % P at position c // P): R ppermutes, each a permutation of the stages."""
+    moves = chunk_moves(stages, repeats)
+    assert len(moves) == (0 if repeats == 1 else repeats)
+    stored = {a: [a * repeats + i for i in range(repeats)] for a in range(stages)}
+    run = {b: [b] if repeats == 1 else [None] * repeats for b in range(stages)}
+    for move in moves:
+        assert sorted(a for a, _ in move.pairs) == sorted(b for _, b in move.pairs) == \
+            list(range(stages))
+        for a, b in move.pairs:
+            assert run[b][move.recv[b]] is None
+            run[b][move.recv[b]] = stored[a][move.send[a]]
+    assert run == {b: [r * stages + b for r in range(repeats)] for b in range(stages)}
 
 
 def test_schedule_errors():

@@ -6,8 +6,8 @@ layer order, sharded over the stage axis on their first dimension, so checkpoint
 between stage counts (and to no pipeline) as they are. With ``pipeline_repeats = R > 1``
 stage ``s`` runs the chunks ``s, s + P, s + 2P, ...`` (round robin) while it stores
 the contiguous layers ``[s L / P, (s + 1) L / P)``: the step brings the chunks to their
-stages once (one all-to-all of the block weights on the stage axis, and of their
-gradients back), not per micro-batch.
+stages once (``R`` ``ppermute`` s of one chunk per stage, and the gradients back), not per
+micro-batch.
 
 Inside the pipeline the layers run with the stage and data axes manual (their
 ``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes and
@@ -107,34 +107,17 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     return StageProgram(embed=embed, stage=stage, head=head)
 
 
-def _stage_major(blocks: Any, mesh: Any, axis: str, stages: int, repeats: int) -> Any:
+def _stage_major(blocks: Any, stages: int, repeats: int) -> Any:
     """Block leaves ``[L, ...]`` (layer order, sharded over the stage axis) as
-    ``[P, R, L / (P R), ...]`` with chunk ``r * P + s`` at ``[s, r]``."""
-
-    def one(x):
-        rest = x.shape[1:]
-        spec = tuple(jax.typeof(x).sharding.spec)[1:]
-        spec = (*spec, *([None] * (len(rest) - len(spec))))
-        per = x.shape[0] // (stages * repeats)
-        if repeats == 1:  # splits the sharded dimension: no data moves
-            return jnp.reshape(x, (stages, 1, per, *rest))
-        x = jnp.reshape(x, (repeats, stages, per, *rest),
-                        out_sharding=NamedSharding(mesh, P(None, axis, None, *spec)))
-        return jnp.swapaxes(x, 0, 1)
-
-    return jax.tree.map(one, blocks)
+    ``[P, R, L / (P R), ...]``: stage ``a`` stores chunks ``a R .. a R + R - 1`` (a
+    split of the sharded dimension: no data moves)."""
+    return jax.tree.map(lambda x: jnp.reshape(
+        x, (stages, repeats, x.shape[0] // (stages * repeats), *x.shape[1:])), blocks)
 
 
-def _layer_major(grads: Any, like: Any, mesh: Any, repeats: int) -> Any:
-    """The inverse of :func:`_stage_major`: ``[P, R, per, ...]`` -> ``[L, ...]`` sharded
-    like ``like``."""
-
-    def one(g, x):
-        if repeats == 1:  # merges into the sharded dimension: no data moves
-            return jnp.reshape(g, x.shape)
-        return jnp.reshape(jnp.swapaxes(g, 0, 1), x.shape, out_sharding=jax.typeof(x).sharding)
-
-    return jax.tree.map(one, grads, like)
+def _layer_major(grads: Any, like: Any) -> Any:
+    """The inverse of :func:`_stage_major`: ``[P, R, per, ...]`` -> ``[L, ...]``."""
+    return jax.tree.map(lambda g, x: jnp.reshape(g, x.shape), grads, like)
 
 
 def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
@@ -175,7 +158,7 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
         keys = (embed_keys, layer_keys.reshape(micro, repeats, stages, per,
                                                *layer_keys.shape[2:]))
     shared = {k: v for k, v in params.items() if k != "blocks"}
-    blocks = _stage_major(params["blocks"], mesh, par.pipeline_axis, stages, repeats)
+    blocks = _stage_major(params["blocks"], stages, repeats)
     program = _program(model, order, ignore_index, label_smoothing, z_loss)
     run = one_f_one_b if kind == "1f1b" else gpipe
     loss, result = run(program, schedule, shared, blocks, tokens, labels, keys,
@@ -184,8 +167,7 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     if not grads:
         return loss, None
     g_shared, g_blocks = result
-    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], mesh,
-                                                     repeats)}
+    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"])}
 
 
 def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.pipeline.schedule import PipelineSchedule
+from sp_jax.pipeline.schedule import ChunkMove, PipelineSchedule, chunk_moves
 
 __all__ = ["StageProgram", "gpipe", "one_f_one_b"]
 
@@ -191,19 +191,44 @@ def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: b
                          axis_names=set(axes.manual), check_vma=False)(*program_inputs)
 
 
-def _prepare(shared, stages, axes, shared_specs, stage_specs):
-    """Parameters as the loop uses them: the whole of each over the data axes (fsdp's
-    one gather per step) and the stage dimension dropped."""
+def _relayout(x: jax.Array, moves: list[ChunkMove], s: jax.Array, axis: str,
+              inverse: bool = False) -> jax.Array:
+    """Stage ``s``'s chunks ``[R, ...]`` from the stored order to the run order
+    (:func:`~sp_jax.pipeline.schedule.chunk_moves`: one ``ppermute`` per round), or back
+    with ``inverse``."""
+    if not moves:
+        return x
+    out = jnp.zeros_like(x)
+    for move in moves:
+        send, recv = jnp.asarray(move.send), jnp.asarray(move.recv)
+        pairs = move.pairs
+        if inverse:
+            send, recv, pairs = recv, send, tuple((b, a) for a, b in pairs)
+        got = lax.ppermute(lax.dynamic_index_in_dim(x, send[s], 0, keepdims=False), axis,
+                           pairs)
+        out = lax.dynamic_update_index_in_dim(out, got, recv[s], 0)
+    return out
+
+
+def _prepare(shared, stages, axes, shared_specs, stage_specs, moves):
+    """Parameters as the loop uses them: this stage's chunks in the order it runs them
+    (``moves``), each whole over the data axes (fsdp's one gather per step)."""
+    s = lax.axis_index(axes.stage)
     shared = jax.tree.map(lambda x, sp: _gather(x, sp, axes.data), shared, shared_specs)
-    stages = jax.tree.map(lambda x, sp: _gather(x, sp, axes.data)[0], stages, stage_specs)
+    stages = jax.tree.map(
+        lambda x, sp: _gather(_relayout(x[0], moves, s, axes.stage)[None], sp, axes.data)[0],
+        stages, stage_specs)
     return shared, stages
 
 
-def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
-    """Per-device gradients reduced once: see :func:`_reduce`."""
+def _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves):
+    """Per-device gradients reduced once (:func:`_reduce`), the stage's back in the
+    stored order."""
+    s = lax.axis_index(axes.stage)
     g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True), g_shared, shared_specs)
-    g_stages = jax.tree.map(lambda g, sp: _reduce(g[None], sp, axes, False), g_stages,
-                            stage_specs)
+    g_stages = jax.tree.map(
+        lambda g, sp: _relayout(_reduce(g[None], sp, axes, False)[0], moves, s, axes.stage,
+                                inverse=True)[None], g_stages, stage_specs)
     return g_shared, g_stages
 
 
@@ -218,7 +243,9 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
       schedule: a ``"gpipe"`` :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
       shared: parameters every stage holds (replicated over the stage axis).
       stages: layer parameters, leaves ``[P, R, layers_per_chunk, ...]`` sharded over the
-        stage axis on dimension 0 (stage ``s`` holds chunks ``r * P + s``).
+        stage axis on dimension 0, stage ``a`` holding the chunks ``a R .. a R + R - 1``
+        (the stacked layers in order); stage ``s`` runs chunks ``r P + s``, which
+        :func:`~sp_jax.pipeline.schedule.chunk_moves` brings to it once per step.
       tokens / labels: ``[M, batch, seq]`` int32, batch over the data axes.
       keys: ``(embed [M, ...], layers [M, R, P, layers_per_chunk, ...])`` dropout key
         data, or None.
@@ -232,6 +259,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
     stage_specs = jax.tree.map(axes.restrict, stages)
+    moves = chunk_moves(schedule.stages, schedule.repeats)
     fwd_micro = jnp.asarray(schedule.fwd_micro)
     fwd_repeat = jnp.asarray(schedule.fwd_repeat)
     ticks = _busy_ticks(schedule)
@@ -240,7 +268,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
 
     def body(shared, stages, tokens, labels, keys):
         s = lax.axis_index(stage_axis)
-        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
+        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs, moves)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
         def local_loss(shared, stages):
@@ -274,7 +302,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             return lax.psum(local_loss(shared, stages), tuple(axes.manual))
         loss, (g_shared, g_stages) = jax.value_and_grad(local_loss, argnums=(0, 1))(
             shared, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves)
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
     if not grads:
@@ -297,6 +325,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
     stage_specs = jax.tree.map(axes.restrict, stages)
+    moves = chunk_moves(schedule.stages, schedule.repeats)
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in (
         "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
     p, r_last = schedule.stages, schedule.repeats - 1
@@ -306,7 +335,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
 
     def body(shared, stages, tokens, labels, keys):
         s = lax.axis_index(stage_axis)
-        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
+        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs, moves)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
         def embed(shared, m):
@@ -377,7 +406,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
             tick, init, jnp.arange(schedule.num_ticks))
         g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
         g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves)
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
     return _run(body, (shared, stages, tokens, labels, keys), axes, mesh)

@@ -43,8 +43,9 @@ from sp_jax.training.trainer import TrainerConfig
 
 __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_model_arguments", "add_parallel_arguments", "add_trainer_arguments",
-           "check_model_args", "check_pipeline_args", "check_run_args", "description", "lr_schedule", "model_config",
-           "optimizer", "parallel_config", "run_metadata", "shared_settings"]
+           "check_model_args", "check_pipeline_args", "check_run_args", "description",
+           "lr_schedule", "model_config", "optimizer", "parallel_config", "run_metadata",
+           "shared_settings"]
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "gpt": lambda **o: GPTConfig(**{"vocab_size": 256, "max_seq_len": 128, "num_layers": 2,
