@@ -319,11 +319,22 @@ def test_collective_bytes_multiply_the_trip_counts_around_them():
 
 def test_table_of_pipelined_rows_and_of_rows_that_do_not_fit():
     """A pipelined row names its stages, schedule, M and bubble under a header with the
-    stage axis; when nothing fits the table says by how much the best layout misses."""
+    stage axis; when nothing fits the table says by how much the best layout misses; XLA's
+    rematerialization warning alone is explained as such."""
     piped = PlanOption(1, 1, 8, fsdp=False, remat=True, micro_batches=32, stages=8)
-    rows = [PlanRow(o, 32, 1, 1, 1, 1, 2**30 * peak, False, 1, 1.0, 1.0, 1.0)
-            for o, peak in ((PlanOption(8, 1, 8, fsdp=True, remat=True), 90), (piped, 80))]
+    remat_line = ("W1201 17:15:39.679774   10713 hlo_rematerialization.cc:3231] Can't reduce "
+                  "memory use below 61.27GiB (65784435199 bytes) by rematerialization; only "
+                  "reduced to 61.65GiB (66193671927 bytes), down from 61.70GiB (66248845175 "
+                  "bytes) originally")
+    rows = [PlanRow(o, 32, 1, 1, 1, 1, 2**30 * peak, False, 1, 1.0, 1.0, 1.0,
+                    xla_notes=notes)
+            for o, peak, notes in ((PlanOption(8, 1, 8, fsdp=True, remat=True), 90, ()),
+                                   (piped, 80, (remat_line,)))]
     table = format_table(MODELS["70b"], rows)
+    assert "XLA:GPU's rematerialization could not bring its estimate of the memory of " \
+        "8x1x1x8 recompute_allgather+remat+1f1b (8 stages, M=32, bubble 18%) under the " \
+        "limit its scheduler plans with (61.3 GiB)" in table
+    assert "XLA:GPU warned" not in table  # (the arguments' line: its own sentence)
     assert "| layout ([stages x] data x context x tensor, options) |" in table
     assert "| 8x1x1x8 recompute_allgather+remat+1f1b (8 stages, M=32, bubble 18%) | 32 |" \
         in table

@@ -558,17 +558,28 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             "(stages - 1) / (M + stages - 1). Their collectives count the work in "
             "the schedule's conditions at every tick, also at the ticks that skip it "
             "because no stage has that work to do (an upper bound).")
-    noted = [r.option.label for r in rows if r.xla_notes]
-    if noted:
-        limits = {int(m.group(1)) for r in rows for line in r.xla_notes
+    arguments = [r for r in rows if any("exceeds the base limit" in line
+                                        for line in r.xla_notes)]
+    if arguments:
+        limits = {int(m.group(1)) for r in arguments for line in r.xla_notes
                   if (m := re.search(r"exceeds the base limit \((\d+)\)", line))}
-        limit = f" ({', '.join(f'{b / GiB:.1f} GiB' for b in sorted(limits))})" if limits \
-            else ""
+        limit = f" ({', '.join(f'{b / GiB:.1f} GiB' for b in sorted(limits))})"
         lines.append(
-            f"\nXLA:GPU warned while compiling {', '.join(noted)}: the arguments (parameters, "
-            "optimizer state, batch) alone exceed the memory limit its scheduler plans "
-            f"with{limit}, below the GPU's 80 GB, and rematerialization could not bring the "
-            "program under that limit (its message calls this an error in its calculation). "
-            "The peak above is what the compiled program needs; \"fits\" compares it with "
-            "the GPU's memory.")
+            f"\nXLA:GPU warned while compiling {', '.join(r.option.label for r in arguments)}: "
+            "the arguments (parameters, optimizer state, batch) alone exceed the memory limit "
+            f"its scheduler plans with{limit}, below the GPU's 80 GB, and rematerialization "
+            "could not bring the program under that limit (its message calls this an error "
+            "in its calculation). The peak above is what the compiled program needs; "
+            "\"fits\" compares it with the GPU's memory.")
+    remat_only = [r for r in rows if r.xla_notes and all(r is not a for a in arguments)]
+    if remat_only:
+        limits = {float(m.group(1)) for r in remat_only for line in r.xla_notes
+                  if (m := re.search(r"Can't reduce memory use below ([\d.]+)GiB", line))}
+        limit = f" ({', '.join(f'{b:.1f} GiB' for b in sorted(limits))})" if limits else ""
+        lines.append(
+            "\nXLA:GPU's rematerialization could not bring its estimate of the memory of "
+            f"{', '.join(r.option.label for r in remat_only)} under the limit its scheduler "
+            f"plans with{limit}, below the GPU's 80 GB (a warning, not a failure). The peak "
+            "above is what the compiled program needs; \"fits\" compares it with the GPU's "
+            "memory.")
     return head + "\n".join(lines)
