@@ -1,0 +1,723 @@
+"""Pipeline parallelism on a stage mesh axis: deviceless 8 x H100 compiles of a pipelined
+GPT's whole training step (forward, backward, AdamW update), GPipe against 1F1B.
+
+Run ``JAX_PLATFORMS=cpu python -m benchmarks.pipeline`` (about 5 minutes on 2 CPU cores;
+``--quick``: tiny shapes, 2 minutes; ``--json PATH`` writes the results, ``--markdown
+PATH`` the ``## Pipeline parallelism`` section of ``BENCHMARKS.md``). Needs the CUDA
+PJRT plugin (``pip install -e '.[gpu-aot]'``). In one run it measures, on a
+``stage x data x context x tensor = 4 x 1 x 1 x 2`` mesh (:class:`PipelineBench`):
+
+- :func:`memory_sweep`: per-device temp and peak memory (``memory_analysis()``) of the
+  training step for each schedule and number of micro-batches ``M``;
+- :func:`stage_traffic`: what crosses stages in the compiled program: the activation
+  ``collective-permute`` s of the tick loop(s) (bytes per step: bytes per op x how many
+  times XLA runs it, from the loops' proven trip counts), how many ticks the loops run
+  against :func:`sp_jax.pipeline.pipeline_schedule`'s ``num_ticks``, and every other
+  collective whose replica groups span stages (the shared parameters' gradient
+  all-reduce, scalars, anything else);
+- the bubble of each schedule from its tables beside ``(P - 1) / (R M + P - 1)``;
+
+and :func:`evaluate_targets` checks the memory targets of 1F1B. :func:`render_markdown`
+writes the section of ``BENCHMARKS.md``. Public ``sp_jax`` names and
+:mod:`sp_jax.analysis` only.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before JAX starts: the CUDA plugin registers for AOT only then
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import sp_jax  # noqa: E402
+from sp_jax import Layout  # noqa: E402
+from sp_jax.analysis import array_bytes, compile_for_gpu, gpu_mesh  # noqa: E402
+from sp_jax.analysis.hlo import (  # noqa: E402
+    Collective,
+    crosses,
+    execution_counts,
+    parse_collectives,
+    while_loops,
+)
+from sp_jax.models import GPT, GPTConfig  # noqa: E402
+from sp_jax.pipeline import bubble_formula, pipeline_schedule  # noqa: E402
+from sp_jax.training.step import train_step_fn  # noqa: E402
+
+__all__ = [
+    "FULL",
+    "QUICK",
+    "PipelineBench",
+    "compile_step",
+    "evaluate_targets",
+    "main",
+    "memory_sweep",
+    "render_markdown",
+    "run_pipeline",
+    "schedule_table",
+    "stacked_residuals",
+    "stage_traffic",
+]
+
+AXES = ("stage", "data", "context", "tensor")
+MiB = 2**20
+SCHEDULES = ("gpipe", "1f1b")
+TARGETS = {"flat_ratio": 1.15, "vs_gpipe": 0.5}  # from the issue
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineBench:
+    """Shapes of the pipeline benchmark: ``layers`` blocks of ``h`` / ``a`` on a
+    ``stages x 1 x 1 x tensor`` mesh of H100s, ``b`` sequences of ``s`` tokens per
+    micro-batch, a ``vocab`` vocabulary (tied embedding), bf16 compute with fp32
+    parameters, ``recompute_allgather``, fp32 weight gradients, AdamW."""
+
+    stages: int = 4
+    tensor: int = 2
+    layers: int = 8
+    h: int = 4096
+    a: int = 32
+    s: int = 2048
+    b: int = 1
+    vocab: int = 32768  # as the GPT compiles of benchmarks.run (FULL.gpt_vocab)
+    microbatches: tuple[int, ...] = (4, 8, 16, 32)  # memory sweep (R = 1)
+    tick_microbatches: int = 8  # tick counts and traffic, R = 1 and 2
+    repeats: tuple[int, ...] = (1, 2)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.stages, 1, 1, self.tensor)
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.tensor
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of one activation shard ``[b, s / (c t), h]`` in bf16 (c = 1)."""
+        return self.b * self.s // self.tensor * self.h * 2
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FULL = PipelineBench()
+QUICK = PipelineBench(h=128, a=8, s=256, vocab=512, microbatches=(4, 8))
+
+
+def _log(msg: str) -> None:
+    print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- one compile ------------------------------------------------------------------------
+
+
+def _parallel(kind: str, microbatches: int, repeats: int) -> sp_jax.ParallelConfig:
+    return sp_jax.ParallelConfig(
+        pipeline_axis="stage", pipeline_microbatches=microbatches, pipeline_schedule=kind,
+        pipeline_repeats=repeats, recompute_allgather=True, wgrad_dtype=jnp.float32)
+
+
+def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: int = 1
+                 ) -> tuple[Any, list[int], list[tuple[int, ...]]]:
+    """Deviceless H100 compile of one training step (``train_step_fn``: the pipeline's
+    loss and gradients, AdamW) of the pipelined GPT of ``bench`` with schedule ``kind``.
+
+    Returns:
+      ``(report, shared_elements, chunk_shapes)``: the
+      :class:`~sp_jax.analysis.GpuCompileReport` (parameters and optimizer state
+      donated), the per-device element counts of the parameters every stage holds (not
+      sharded over the stage axis: embedding, final norm), whose gradients are summed
+      over the stage axis, and the per-device shapes of one layer chunk's parameters
+      ``[layers / (stages R), ...]``.
+    """
+    par = _parallel(kind, microbatches, repeats)
+    cfg = GPTConfig(vocab_size=bench.vocab, max_seq_len=bench.s, num_layers=bench.layers,
+                    num_heads=bench.a, hidden=bench.h, positions="rotary",
+                    dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=True)
+    tx = optax.adamw(1e-4)
+    with jax.set_mesh(gpu_mesh(bench.mesh_shape, AXES)):
+        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=par, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+        opt_state = jax.eval_shape(tx.init, params)
+    shared, chunks = [], []
+    for x in jax.tree.leaves(params):
+        local = x.sharding.shard_shape(x.shape)
+        if "stage" in jax.tree.leaves(tuple(x.sharding.spec)):
+            chunks.append((bench.layers // (bench.stages * repeats), *local[1:]))
+        else:
+            shared.append(int(np.prod(local)))
+    tokens = jax.ShapeDtypeStruct((microbatches, bench.b, bench.s), jnp.int32,
+                                  sharding=Layout.of(par).micro_batched_tokens)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
+                             {"tokens": tokens, "labels": tokens}, key,
+                             mesh_shape=bench.mesh_shape, axis_names=AXES,
+                             donate_argnums=(0, 2))
+    return report, shared, chunks
+
+
+# -- what crosses stages ----------------------------------------------------------------
+
+
+def _ring_direction(c: Collective, per_stage: int, devices: int) -> int | None:
+    """+1 / -1 when every pair of a collective-permute sends to the same position of the
+    next / previous stage (a shift of the stage ring); None otherwise. With 2 stages
+    both shifts are the same: +1."""
+    if c.kind != "collective-permute" or not c.pairs:
+        return None
+    for step in (1, -1):
+        if all(t == (s + step * per_stage) % devices for s, t in c.pairs):
+            return step
+    return None
+
+
+def _shape(arrays: Sequence[tuple[str, tuple[int, ...]]]) -> str:
+    return ", ".join(f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in arrays)
+
+
+def stage_traffic(hlo: str, *, stages: int, devices: int, shared_elements: Sequence[int]
+                  ) -> dict[str, Any]:
+    """Every collective of the compiled program ``hlo`` that moves data between stages
+    (device ``d`` is on stage ``d // (devices / stages)``: the stage axis is outermost),
+    per step: bytes per device of one execution times how many times it executes
+    (:func:`~sp_jax.analysis.hlo.execution_counts`; a loop unrolled by XLA holds several
+    copies of an op, and peeled iterations put copies outside it).
+
+    Args:
+      hlo: optimized HLO text of one training step.
+      stages / devices: the stage-axis size and the number of devices.
+      shared_elements: per-device element counts of the parameters every stage holds:
+        a stage-crossing all-reduce of arrays of these sizes (or scalars) is their
+        gradients' sum over the stage axis.
+
+    Returns:
+      a dict:
+        ``activations``: one entry per ring direction (``+1``: to the next stage,
+        ``-1``: to the previous) and phase (JAX's forward / backward ``op_name``) of the
+        collective-permutes that shift along the stage ring: ``executions`` per step,
+        ``bytes`` per step, ``shape``, ``ops`` (instructions), ``async`` (all
+        scheduled asynchronously), ``loops`` (``[name, trip count, copies in its body]``
+        of each ``while`` whose body holds them) and ``outside_loops`` (copies outside
+        any loop: peeled iterations);
+        ``shared_gradients`` / ``scalars``: per-step bytes of the stage-crossing
+        all-reduces' arrays of shared-parameter sizes / of scalars;
+        ``other``: any other stage-crossing collective (kind, shape, bytes per step,
+        executions, the Python function that issued it);
+        ``unknown_counts``: ops whose execution count XLA could not bound.
+    """
+    per = devices // stages
+
+    def stage(d: int) -> int:
+        return d // per
+
+    counts = execution_counts(hlo)
+    loops = {loop.body: loop for loop in while_loops(hlo)}
+    acts: dict[tuple[int, str], dict[str, Any]] = {}
+    shared = set(shared_elements)
+    out: dict[str, Any] = {"shared_gradients": 0, "scalars": 0, "shared_gradient_ops": 0,
+                           "other": [], "unknown_counts": 0}
+    for c in parse_collectives(hlo):
+        if not crosses(c, stage):
+            continue
+        n = counts.get(c.computation)
+        if n is None:
+            out["unknown_counts"] += 1
+            n = 0
+        direction = _ring_direction(c, per, devices)
+        if direction is not None and "ppermute" in c.op_name:
+            e = acts.setdefault((direction, c.phase), {
+                "direction": direction, "phase": c.phase, "executions": 0, "bytes": 0,
+                "shape": _shape(c.arrays), "ops": 0, "async": True, "loops": {},
+                "outside_loops": 0})
+            e["executions"] += n
+            e["bytes"] += n * c.bytes
+            e["ops"] += 1
+            e["async"] &= c.is_async
+            loop = loops.get(c.computation)
+            if loop is None:
+                e["outside_loops"] += n
+            else:
+                name = loop.name.removesuffix(".double_buffer_clone")
+                entry = e["loops"].setdefault(name, [name, loop.trip_count, 0])
+                entry[2] += 1
+            continue
+        sizes = [int(np.prod(dims)) for _, dims in c.arrays]
+        if c.kind == "all-reduce" and all(s == 1 or s in shared for s in sizes):
+            for (dtype, dims), size in zip(c.arrays, sizes, strict=True):
+                key = "scalars" if size == 1 else "shared_gradients"
+                out[key] += n * array_bytes(dtype, dims)
+            out["shared_gradient_ops"] += 1
+            continue
+        out["other"].append({"kind": c.kind, "shape": _shape(c.arrays), "executions": n,
+                             "bytes": n * c.bytes, "async": c.is_async,
+                             "function": c.functions[0] if c.functions else c.op_name})
+    out["activations"] = [
+        {**e, "loops": list(e["loops"].values())}
+        for _, e in sorted(acts.items(), key=lambda kv: (-kv[0][0], kv[0][1]))]
+    out["other_bytes"] = sum(o["bytes"] for o in out["other"])
+    return out
+
+
+def stacked_residuals(hlo: str, traffic: dict[str, Any], ticks: int,
+                      chunk_shapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
+    """Per-device bytes of the arrays the forward tick loop stacks over its ``ticks``
+    iterations (the carry of the ``while`` that sends activations to the next stage in
+    the forward phase: residuals autodiff keeps for the backward loop), in all and those
+    shaped like one layer chunk's parameters (a copy of the stage's weights per tick)."""
+    names = {name for e in traffic["activations"] if e["direction"] == 1
+             and e["phase"] == "forward" for name, _, _ in e["loops"]}
+    out = {"total": 0, "weights": 0}
+    chunks = set(map(tuple, chunk_shapes))
+    for name in names:
+        m = re.search(r"^\s*%" + re.escape(name) + r" = \((?P<shape>.*?)\) while\(", hlo,
+                      re.M)
+        if m is None:
+            continue
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group("shape")):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if len(shape) > 1 and shape[0] == ticks:
+                n = array_bytes(dtype, shape)
+                out["total"] += n
+                out["weights"] += n * (shape[1:] in chunks)
+    return out
+
+
+def _ticks(traffic: dict[str, Any]) -> dict[str, int]:
+    """Activation sends per step to the next / previous stage (one per tick each)."""
+    out = {"forward_ring": 0, "backward_ring": 0}
+    for e in traffic["activations"]:
+        out["forward_ring" if e["direction"] == 1 else "backward_ring"] += e["executions"]
+    return out
+
+
+# -- schedules --------------------------------------------------------------------------
+
+
+def schedule_table(kind: str, stages: int, microbatches: int, repeats: int
+                   ) -> dict[str, Any]:
+    """The schedule's ticks and bubble: ``bubble_tables`` (idle stage-slots over all,
+    :attr:`~sp_jax.pipeline.PipelineSchedule.bubble_fraction`), ``bubble_time``
+    (the same in time: a tick in which no stage forwards skips its forward half, one in
+    which none back-propagates its backward half; forward and backward halves weighed
+    alike) and the formula ``(P - 1) / (R M + P - 1)``."""
+    sch = pipeline_schedule(kind, stages, microbatches, repeats)
+    fwd = int((sch.fwd_micro >= 0).any(axis=1).sum())
+    busy = int((sch.fwd_micro >= 0).sum())
+    if kind == "1f1b":
+        bwd = int((sch.bwd_micro >= 0).any(axis=1).sum())
+        busy += int((sch.bwd_micro >= 0).sum())
+    else:  # autodiff's backward loop mirrors the forward one
+        bwd, busy = fwd, 2 * busy
+    return {"kind": kind, "stages": stages, "microbatches": microbatches,
+            "repeats": repeats, "num_ticks": sch.num_ticks,
+            "forward_ticks": fwd, "backward_ticks": bwd,
+            "bubble_tables": sch.bubble_fraction,
+            "bubble_time": 1.0 - busy / (stages * (fwd + bwd)),
+            "bubble_formula": bubble_formula(stages, microbatches, repeats),
+            "max_live_inputs": sch.max_live_inputs}
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _xla_warnings(into: list[str]) -> Iterator[None]:
+    """Collects the warnings and errors XLA's C++ code logs to stderr (``W1201 ...`` /
+    ``E1201 ...`` lines, e.g. resharding or rematerialization notices) while the block
+    runs, into ``into``; everything it wrote still reaches stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            sys.stderr.write(text)
+            into += [line for line in text.splitlines() if re.match(r"^[WE]\d{4} ", line)]
+
+
+def _measure(bench: PipelineBench, kind: str, microbatches: int, repeats: int,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    warnings: list[str] = []
+    with _xla_warnings(warnings):
+        report, shared, chunks = compile_step(bench, kind, microbatches, repeats)
+    seconds = time.perf_counter() - t0
+    traffic = stage_traffic(report.hlo, stages=bench.stages, devices=bench.devices,
+                            shared_elements=shared)
+    sched = schedule_table(kind, bench.stages, microbatches, repeats)
+    stacked = stacked_residuals(report.hlo, traffic, sched["num_ticks"], chunks)
+    ticks = _ticks(traffic)
+    rec = {"kind": kind, "microbatches": microbatches, "repeats": repeats,
+           "compile_s": seconds,
+           **{k: getattr(report, k) for k in ("argument_bytes", "output_bytes",
+                                               "temp_bytes", "alias_bytes", "peak_bytes")},
+           "schedule": sched, "traffic": traffic, "measured_ticks": ticks,
+           "stacked_residuals": stacked, "xla_warnings": warnings,
+           "activation_bytes": sum(e["bytes"] for e in traffic["activations"]),
+           "analytic_activation_bytes": 2 * sched["num_ticks"] * bench.shard_bytes}
+    log(f"  {kind} M={microbatches} R={repeats}: temp {report.temp_bytes / MiB:.0f} MiB, "
+        f"peak {report.peak_bytes / MiB:.0f} MiB, ticks {ticks['forward_ring']}/"
+        f"{ticks['backward_ring']} (schedule {sched['num_ticks']}), "
+        f"{seconds:.0f} s")
+    return rec
+
+
+def memory_sweep(bench: PipelineBench, log: Callable[[str], None] = print
+                 ) -> list[dict[str, Any]]:
+    """One compile per schedule, ``M`` of ``bench.microbatches`` (R = 1) and ``R`` of
+    ``bench.repeats`` (at ``bench.tick_microbatches``): memory, traffic, ticks."""
+    runs = [(kind, m, 1) for kind in SCHEDULES for m in bench.microbatches]
+    runs += [(kind, bench.tick_microbatches, r) for kind in SCHEDULES for r in bench.repeats
+             if (kind, bench.tick_microbatches, r) not in runs]
+    return [_measure(bench, kind, m, r, log) for kind, m, r in runs]
+
+
+def _find(records: list[dict[str, Any]], kind: str, m: int, r: int = 1) -> dict[str, Any]:
+    for rec in records:
+        if (rec["kind"], rec["microbatches"], rec["repeats"]) == (kind, m, r):
+            return rec
+    raise KeyError((kind, m, r))
+
+
+def evaluate_targets(bench: PipelineBench, records: list[dict[str, Any]]
+                     ) -> list[dict[str, Any]]:
+    """The issue's memory targets (1F1B: temp at M=32 within 1.15x of M=8 and at most half
+    of GPipe's at M=32) and the structural checks of every compile (ticks and activation
+    bytes as analytic; nothing but activation permutes and the shared gradients' sum
+    crosses stages). ``met`` is None when a needed compile is not in the run."""
+    out = []
+    lo, hi = 8, max(bench.microbatches)
+    try:
+        a, b = _find(records, "1f1b", lo), _find(records, "1f1b", hi)
+        ratio = b["temp_bytes"] / a["temp_bytes"]
+        out.append({"target": f"1F1B temp(M={hi}) <= {TARGETS['flat_ratio']} x temp(M={lo})",
+                    "measured": f"{b['temp_bytes'] / MiB:.0f} / {a['temp_bytes'] / MiB:.0f} "
+                                f"MiB = {ratio:.3f}",
+                    "met": ratio <= TARGETS["flat_ratio"]})
+        g = _find(records, "gpipe", hi)
+        ratio = b["temp_bytes"] / g["temp_bytes"]
+        out.append({"target": f"1F1B temp(M={hi}) <= {TARGETS['vs_gpipe']} x GPipe temp(M={hi})",
+                    "measured": f"{b['temp_bytes'] / MiB:.0f} / {g['temp_bytes'] / MiB:.0f} "
+                                f"MiB = {ratio:.3f}",
+                    "met": ratio <= TARGETS["vs_gpipe"]})
+    except KeyError:
+        out.append({"target": "1F1B memory targets", "measured": "not in this run",
+                    "met": None})
+    bad_ticks = [f"{r['kind']} M={r['microbatches']} R={r['repeats']}" for r in records
+                 if set(r["measured_ticks"].values()) != {r["schedule"]["num_ticks"]}]
+    out.append({"target": "ticks run by the compiled loops = num_ticks (every compile)",
+                "measured": "all equal" if not bad_ticks else "differ: " + ", ".join(bad_ticks),
+                "met": not bad_ticks})
+    bad_bytes = [f"{r['kind']} M={r['microbatches']} R={r['repeats']}" for r in records
+                 if r["activation_bytes"] != r["analytic_activation_bytes"]]
+    out.append({"target": "stage-axis activation bytes = analytic (every compile)",
+                "measured": "all equal" if not bad_bytes else "differ: " + ", ".join(bad_bytes),
+                "met": not bad_bytes})
+    other = [f"{r['kind']} M={r['microbatches']} R={r['repeats']}: "
+             f"{r['traffic']['other_bytes'] / MiB:.0f} MiB" for r in records
+             if r["traffic"]["other"]]
+    out.append({"target": "only activation permutes and the shared-parameter gradient "
+                          "all-reduce cross stages (every compile)",
+                "measured": "yes" if not other else "also: " + "; ".join(other),
+                "met": not other})
+    return out
+
+
+def run_pipeline(bench: PipelineBench = FULL, log: Callable[[str], None] = _log
+                 ) -> dict[str, Any]:
+    """Every measurement of the pipeline benchmark (needs the CUDA plugin); returns the
+    results as one JSON-serialisable dict."""
+    start = time.perf_counter()
+    records = memory_sweep(bench, log)
+    return {"bench": bench.as_dict(), "shard_bytes": bench.shard_bytes,
+            "records": records, "targets": evaluate_targets(bench, records),
+            "meta": {"jax": jax.__version__,
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "runtime_s": time.perf_counter() - start}}
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _status(met: bool | None) -> str:
+    return {True: "PASS", False: "**MISS**", None: "not measured"}[met]
+
+
+def _loops(rec: dict[str, Any]) -> str:
+    """'while.N: trip x copies + peeled' per direction of the activation permutes."""
+    parts = []
+    acts = rec["traffic"]["activations"]
+    phases = len({e["phase"] for e in acts}) > 1
+    for e in acts:
+        ring = "next" if e["direction"] == 1 else "previous"
+        loops = " + ".join(f"{trip} x {copies}" for _, trip, copies in e["loops"])
+        peeled = f" + {e['outside_loops']}" if e["outside_loops"] else ""
+        loop = f" ({e['phase']} loop)" if phases else ""
+        parts.append(f"to {ring}{loop}: {loops or '0'}{peeled}")
+    return "; ".join(parts)
+
+
+def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu python -m "
+                    "benchmarks.pipeline") -> str:
+    """The ``## Pipeline parallelism`` section of ``BENCHMARKS.md`` for the results of
+    :func:`run_pipeline`."""
+    bench = PipelineBench(**{k: tuple(v) if isinstance(v, list) else v
+                             for k, v in res["bench"].items()})
+    recs = res["records"]
+    hi = max(bench.microbatches)
+    out = [
+        "## Pipeline parallelism",
+        "",
+        "`ParallelConfig(pipeline_axis=\"stage\", pipeline_microbatches=M, "
+        "pipeline_schedule=\"gpipe\" | \"1f1b\", pipeline_repeats=R)` on a `(stage, data, "
+        "context, tensor)` mesh: the scanned blocks are split over the stage axis, one "
+        "SPMD program runs a schedule's tick loop (`sp_jax.pipeline`), and activations "
+        "move between stages with one collective-permute per tick and direction, as "
+        "their sequence-parallel shard `[b, s/(c t), h]`. `benchmarks/pipeline.py`.",
+        "",
+        f"Deviceless compiles for 8 x H100 (one host, topology 1x1x8) of the whole "
+        f"training step (`sp_jax.training.step.train_step_fn`: the pipeline's loss and "
+        f"gradients, AdamW): stage {bench.stages} x data 1 x context 1 x tensor "
+        f"{bench.tensor}, a GPT of {bench.layers} blocks with h={bench.h}, a={bench.a}, "
+        f"rotary positions, vocabulary {bench.vocab:,} (tied embedding, as the GPT "
+        f"compiles above), s={bench.s}, b={bench.b} per micro-batch, bf16 compute with "
+        f"fp32 parameters, `recompute_allgather`, fp32 weight gradients; parameters and "
+        f"optimizer state donated. Per-GPU memory from `memory_analysis()` (peak = "
+        f"arguments + outputs + temp - aliased). Device `d` is on stage "
+        f"`d // {bench.devices // bench.stages}`.",
+        "",
+        f"Reproduce: `{command}` (about 5 minutes on 2 CPU cores; `--markdown PATH` "
+        f"writes this section, `--json PATH` the numbers; needs the CUDA plugin, "
+        f"`pip install -e '.[gpu-aot]'`). Run of {res['meta']['date']}, jax "
+        f"{res['meta']['jax']}.",
+        "",
+        "### Targets",
+        "",
+        _table(["target", "measured", "status"],
+               [[t["target"], t["measured"], _status(t["met"])] for t in res["targets"]]),
+        "",
+        "### Memory per GPU vs micro-batches (R = 1)",
+        "",
+    ]
+    rows = []
+    for m in bench.microbatches:
+        g, f = _find(recs, "gpipe", m), _find(recs, "1f1b", m)
+        st = g["stacked_residuals"]
+        rows.append([m, f"{g['temp_bytes'] / MiB:,.0f}", f"{g['peak_bytes'] / MiB:,.0f}",
+                     f"{st['total'] / MiB:,.0f} ({st['weights'] / MiB:,.0f})",
+                     f"{f['temp_bytes'] / MiB:,.0f}", f"{f['peak_bytes'] / MiB:,.0f}",
+                     f["schedule"]["max_live_inputs"],
+                     f"{f['temp_bytes'] / g['temp_bytes']:.3f}"])
+    out.append(_table(["M", "GPipe temp MiB", "GPipe peak MiB", "GPipe forward loop: "
+                       "residuals stacked over the ticks MiB (of which weight copies)",
+                       "1F1B temp MiB", "1F1B peak MiB", "1F1B stage inputs kept",
+                       "1F1B / GPipe temp"], rows))
+    f_lo, f_hi = _find(recs, "1f1b", 8), _find(recs, "1f1b", hi)
+    g_lo, g_hi = _find(recs, "gpipe", 8), _find(recs, "gpipe", hi)
+    first = _find(recs, "gpipe", min(bench.microbatches))
+    per_micro = (g_hi["temp_bytes"] - first["temp_bytes"]) / max(1, hi - first[
+        "microbatches"]) / MiB
+    ticks_lo = g_lo["schedule"]["num_ticks"]
+    st = g_lo["stacked_residuals"]
+    weights_tick = st["weights"] / ticks_lo / MiB
+    rest_tick = (st["total"] - st["weights"]) / ticks_lo / MiB
+    lean = g_hi["temp_bytes"] - g_hi["stacked_residuals"]["weights"]
+    args = f_lo["argument_bytes"] / MiB
+    out += ["", (
+        f"GPipe differentiates its forward loop, so the residuals of every tick stay alive "
+        f"until the backward loop: temp grows by {per_micro:,.0f} MiB per micro-batch "
+        f"(one more tick; {g_lo['temp_bytes'] / MiB:,.0f} MiB at M=8, "
+        f"{g_hi['temp_bytes'] / MiB:,.0f} MiB at M={hi}). The forward loop's carry shows "
+        f"what: per tick {rest_tick:,.0f} MiB of activations, masks and attention "
+        f"statistics of the stage's {bench.layers // bench.stages} layers, and "
+        f"{weights_tick:,.0f} MiB that is a copy of the stage's fp32 layer weights: the "
+        f"chunk a tick runs is picked from the stacked weights by an index read from the "
+        f"schedule's tables (`lax.dynamic_index_in_dim`), and autodiff of the scan saves "
+        f"that slice as a residual of every tick instead of slicing again in the backward "
+        f"loop. Without these copies GPipe's temp at M={hi} would be about "
+        f"{lean / MiB:,.0f} MiB (a `jax.checkpoint` around the chunk selection, or "
+        f"indexing outside the loop for R = 1, would remove them); the 1F1B target holds "
+        f"against that figure too ({f_hi['temp_bytes'] / lean:.2f}x). 1F1B back-propagates "
+        f"each micro-batch as soon as the last stage has its loss and keeps only the stage "
+        f"inputs in flight (at most 2V - 1 = {f_lo['schedule']['max_live_inputs']} "
+        f"`[b, s/t, h]` shards per stage whatever M, V = stages x R), recomputing the "
+        f"stage's forward inside its backward (`jax.vjp` per tick, so no weight copies "
+        f"either): temp is {f_lo['temp_bytes'] / MiB:,.0f} MiB at M=8 and "
+        f"{f_hi['temp_bytes'] / MiB:,.0f} MiB at M={hi} "
+        f"({f_hi['temp_bytes'] / f_lo['temp_bytes']:.3f}x). The price of the flat memory is "
+        f"that recomputation: one more forward per micro-batch and stage (about 4/3 of "
+        f"GPipe's FLOPs if a backward costs two forwards). Arguments (parameters, AdamW "
+        f"moments, tokens) are {args:,.0f} MiB per GPU in both.")]
+    warned = [(r, w) for r in recs for w in r.get("xla_warnings", [])]
+    if warned:
+        out += ["", "XLA logged while compiling: " + "; ".join(
+            f"{r['kind']} M={r['microbatches']} R={r['repeats']}: "
+            f"`{w.split('] ', 1)[-1]}`" for r, w in warned) + "." + (
+            " XLA:GPU's rematerialization pass runs when its estimate of a program's "
+            "memory exceeds what it targets on the device; it recomputed some buffers "
+            "of these programs instead of keeping them, so their temp above is after "
+            "that pass (its estimate is not the final buffer assignment's figure)."
+            if any("rematerialization" in w for _, w in warned) else "")]
+    out.append("")
+
+    out += [f"### Ticks and bubble (M = {bench.tick_microbatches})", ""]
+    rows = []
+    for kind in SCHEDULES:
+        for r in bench.repeats:
+            rec = _find(recs, kind, bench.tick_microbatches, r)
+            sch, ticks = rec["schedule"], rec["measured_ticks"]
+            ok = set(ticks.values()) == {sch["num_ticks"]}
+            rows.append([{"gpipe": "GPipe", "1f1b": "1F1B"}[kind] + (
+                " (circular)" if kind == "gpipe" and r > 1 else ""), r,
+                _loops(rec), f"{ticks['forward_ring']} / {ticks['backward_ring']}",
+                sch["num_ticks"], "PASS" if ok else "**MISS**",
+                f"{sch['bubble_tables']:.3f}", f"{sch['bubble_time']:.3f}",
+                f"{sch['bubble_formula']:.3f}"])
+    out.append(_table(["schedule", "R", "activation permutes in the compiled loops "
+                       "(trip count x copies per iteration + copies outside)",
+                       "sends to next / previous stage per step", "`num_ticks`", "match",
+                       "bubble (tables)", "bubble (time, lockstep)",
+                       "(P-1)/(RM+P-1)"], rows))
+    out += ["", (
+        "XLA:GPU unrolls each tick loop by two (double buffering: two ticks per "
+        "iteration, an odd tick peeled outside the loop), so the ticks are counted as "
+        "executions of the stage-ring collective-permutes: copies in a loop body times "
+        "the loop's `known_trip_count`, plus the copies outside. Every tick sends one "
+        "activation to the next stage; GPipe's backward loop (autodiff of the forward "
+        "one) and 1F1B's every tick send one gradient to the previous stage. GPipe and "
+        "circular GPipe run R M + P - 1 ticks per loop, 1F1B R M + P R + P - 2. The "
+        "*tables* bubble counts idle stage-slots over all slots of the loop(s); 1F1B's is "
+        "larger because its lockstep ticks each hold a forward and a backward slot, and "
+        "its first P R - 1 ticks have no backward, its last P R no forward. Ticks in "
+        "which no stage forwards (or none back-propagates) skip that half with "
+        "`lax.cond`, so in *time* (forward and backward halves weighed alike) 1F1B's "
+        "bubble equals GPipe's, the formula (P - 1) / (R M + P - 1); with R = 2 the "
+        "bubble shrinks as the formula says."), ""]
+
+    out += ["### Stage-axis traffic per step (bytes per GPU)", ""]
+    rows = []
+    for rec in [_find(recs, k, bench.tick_microbatches, r) for k in SCHEDULES
+                for r in bench.repeats]:
+        tr = rec["traffic"]
+        asyncs = all(e["async"] for e in tr["activations"])
+        rows.append([{"gpipe": "GPipe", "1f1b": "1F1B"}[rec["kind"]], rec["repeats"],
+                     rec["microbatches"],
+                     ", ".join(sorted({e["shape"] for e in tr["activations"]})),
+                     f"{rec['activation_bytes'] / MiB:,.0f}",
+                     f"{rec['analytic_activation_bytes'] / MiB:,.0f}",
+                     "yes" if asyncs else "**no**",
+                     f"{tr['shared_gradients'] / MiB:,.1f}", f"{tr['scalars']:,}",
+                     f"{tr['other_bytes'] / MiB:,.0f}" if tr["other"] else "0"])
+    out.append(_table(["schedule", "R", "M", "permute shape", "activations MiB",
+                       "analytic MiB", "all async", "shared-parameter gradient all-reduce "
+                       "MiB", "scalar all-reduce bytes", "other stage-crossing MiB"], rows))
+    rec1 = _find(recs, "1f1b", bench.tick_microbatches, 1)
+    other = [o for r in recs for o in r["traffic"]["other"]]
+    out += ["", (
+        f"Activations: the collective-permutes of the tick loops whose pairs shift the "
+        f"stage ring by one (same position on the next / previous stage), bytes x "
+        f"executions per step; analytic: one `[b, s/(c t), h]` bf16 shard = "
+        f"{bench.shard_bytes / MiB:g} MiB per tick and direction, 2 x `num_ticks` sends "
+        f"per step for both schedules (GPipe: its forward loop and its backward loop, "
+        f"1F1B: two per tick). Every other collective is checked for replica groups that "
+        f"span stages (all-gather, reduce-scatter, all-reduce, all-to-all; groups parsed "
+        f"from all three of XLA's notations). At R = 1 the only one is the all-reduce "
+        f"over the stage axis of the gradients of the parameters every stage holds "
+        f"(tied embedding `[vocab/t, h]` and final norm, fp32 since weight gradients "
+        f"are fp32: {rec1['traffic']['shared_gradients'] / MiB:,.1f} MiB, once per step, "
+        f"{rec1['traffic']['shared_gradients'] / rec1['activation_bytes']:.2f}x the "
+        f"activation traffic of 1F1B at M={bench.tick_microbatches}) plus a few scalars "
+        f"(loss, token counts). All {bench.stages} stages take part in that all-reduce "
+        f"although only the first (embedding) and the last (LM head) add non-zero terms "
+        f"to the tied embedding's gradient; Megatron reduces it between those two "
+        f"stages only.")]
+    if other:
+        kinds = sorted({o["kind"] for o in other})
+        funcs = sorted({o["function"] for o in other})
+        where = [f"{r['kind']} M={r['microbatches']} R={r['repeats']} "
+                 f"({r['traffic']['other_bytes'] / MiB:,.0f} MiB)" for r in recs
+                 if r["traffic"]["other"]]
+        circular = all(r["repeats"] > 1 for r in recs if r["traffic"]["other"])
+        out += ["", (
+            "**Also crossing stages:** " + ", ".join(kinds) + " issued by "
+            + ", ".join(f"`{f}`" for f in funcs) + " in " + ", ".join(where) + ", outside "
+            "the tick loops, once per step (operand bytes per GPU; a device whose data "
+            "stays on its stage sends to itself)." + (
+                " Only the circular schedule has them: the GPT stores its stacked blocks "
+                "layer-major, `[L, ...]` split over the stage axis in contiguous runs of "
+                "L/P layers, while the circular schedule runs chunk r P + s on stage s, so "
+                "the step re-lays the block parameters out to `[P, R, L/(P R), ...]` "
+                "before the loop and their fp32 gradients back after it: here the "
+                "operands are all of a stage's fp32 block weights one way and all of "
+                "their gradients the other, several times the activation traffic. "
+                "Storing the blocks in the circular order (a permutation of the layer "
+                "axis at initialisation and checkpoint load) "
+                "would make both local, as they are for R = 1." if circular else ""))]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``python -m benchmarks.pipeline [--quick] [--json PATH] [--markdown PATH]``: runs
+    :func:`run_pipeline`, prints the targets, writes the outputs asked for."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.pipeline",
+        description="Deviceless 8 x H100 compiles of a pipelined GPT training step: "
+                    "memory vs micro-batches (GPipe, 1F1B), tick counts and stage-axis "
+                    "traffic in the compiled HLO.")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (2 minutes)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path,
+                        help="write the BENCHMARKS.md section here")
+    parser.add_argument("--results", type=Path,
+                        help="render the section from the results (--json) of an earlier "
+                             "run instead of compiling")
+    args = parser.parse_args(argv)
+    if args.results:
+        res = json.loads(args.results.read_text())
+    else:
+        res = run_pipeline(QUICK if args.quick else FULL)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    text = render_markdown(res)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    for t in res["targets"]:
+        _log(f"{_status(t['met'])}: {t['target']}: {t['measured']}")
+    _log(f"total {res['meta']['runtime_s']:.0f} s")
+    return res
+
+
+if __name__ == "__main__":
+    main()
