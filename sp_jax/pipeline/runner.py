@@ -24,11 +24,13 @@ parameters every stage holds (embedding, head, final norm), over the stage axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -152,20 +154,33 @@ def _when(anywhere: jax.Array, here: jax.Array, fn: Callable[[], Any], like: Any
     return lax.cond(anywhere, run, lambda: jax.tree.map(jnp.zeros_like, like))
 
 
+def _always(anywhere: jax.Array, here: jax.Array, fn: Callable[[], Any], like: Any) -> Any:
+    """:func:`_when` without the condition: ``fn()`` on every stage, kept where ``here``."""
+    del anywhere, like
+    return jax.tree.map(lambda o: jnp.where(here, o, jnp.zeros_like(o)), fn())
+
+
+def _phases(schedule: PipelineSchedule) -> list[tuple[int, int, bool, bool]]:
+    """``(first tick, end tick, forward, backward)`` of a 1F1B schedule's three loops:
+    the warm-up (forwards only), the steady state (one forward and one backward per
+    stage and tick) and the cool-down (backwards only). Each is a loop without
+    conditions, so XLA's scheduler can overlap a tick's transfers with its GEMMs."""
+    fwd = np.flatnonzero((schedule.fwd_micro >= 0).any(axis=1))
+    bwd = np.flatnonzero((schedule.bwd_micro >= 0).any(axis=1))
+    steady = (int(bwd[0]), int(fwd[-1]) + 1)
+    phases = [(0, steady[0], True, False), (steady[0], steady[1], True, True),
+              (steady[1], schedule.num_ticks, False, True)]
+    return [phase for phase in phases if phase[1] > phase[0]]
+
+
 def _busy_ticks(schedule: PipelineSchedule) -> dict[str, jax.Array]:
-    """Per tick, whether any stage forwards, embeds (the first stage, chunk 0), ends a
-    micro-batch (the last stage, last chunk: its loss), back-propagates, or
-    back-propagates into the embedding: the same on every device (:func:`_when`)."""
+    """Per tick, whether the last stage ends a micro-batch (its last chunk: the loss) and
+    whether the first stage back-propagates into the embedding (its chunk 0): the same on
+    every device (:func:`_when`)."""
     fm, fr = schedule.fwd_micro, schedule.fwd_repeat
     bm, br = schedule.bwd_micro, schedule.bwd_repeat
-    last = schedule.repeats - 1
-    return {name: jnp.asarray(value) for name, value in {
-        "fwd": (fm >= 0).any(axis=1),
-        "embed": (fm[:, 0] >= 0) & (fr[:, 0] == 0),
-        "last": (fm[:, -1] >= 0) & (fr[:, -1] == last),
-        "bwd": (bm >= 0).any(axis=1),
-        "embed_bwd": (bm[:, 0] >= 0) & (br[:, 0] == 0),
-    }.items()}
+    return {"last": jnp.asarray((fm[:, -1] >= 0) & (fr[:, -1] == schedule.repeats - 1)),
+            "embed_bwd": jnp.asarray((bm[:, 0] >= 0) & (br[:, 0] == 0))}
 
 
 def _stacked_zeros(n: int, like: jax.Array) -> jax.Array:
@@ -262,7 +277,6 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     moves = chunk_moves(schedule.stages, schedule.repeats)
     fwd_micro = jnp.asarray(schedule.fwd_micro)
     fwd_repeat = jnp.asarray(schedule.fwd_repeat)
-    ticks = _busy_ticks(schedule)
     p, r_last, m_count = schedule.stages, schedule.repeats - 1, schedule.microbatches
     ring = [(i, (i + 1) % p) for i in range(p)]
 
@@ -280,10 +294,11 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
                 active = m >= 0
                 m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
                 first = active & (r == 0) & (s == 0)
-                x = jnp.where(first, _when(ticks["embed"][t], first, lambda: program.embed(
-                    shared, tokens[m], None if ekeys is None else ekeys[m]), recv), recv)
-                y = _when(ticks["fwd"][t], active, lambda: program.stage(
-                    _chunk(stages, r), x, _keys_at(lkeys, m, r, s)), x)
+                # some stage forwards in every tick: no condition (see _when)
+                x = jnp.where(first, program.embed(
+                    shared, tokens[m], None if ekeys is None else ekeys[m]), recv)
+                y = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s))
+                y = jnp.where(active, y, jnp.zeros_like(y))
                 last = active & (r == r_last) & (s == p - 1)
                 outputs = outputs.at[m].set(jnp.where(last, y, outputs[m]))
                 return (lax.ppermute(y, stage_axis, ring), outputs), None
@@ -330,6 +345,9 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
     p, r_last = schedule.stages, schedule.repeats - 1
     ticks = _busy_ticks(schedule)
+    # With one chunk per stage the last stage ends a micro-batch (and the first starts
+    # one) in every steady tick: no condition around the head or the embedding backward.
+    head_when = _when if schedule.repeats > 1 else _always
     forward_ring = [(i, (i + 1) % p) for i in range(p)]
     backward_ring = [(i, (i - 1) % p) for i in range(p)]
 
@@ -344,66 +362,72 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         x0 = embed(shared, 0)
         zeros32 = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=_F32), (shared, stages))
 
-        def tick(carry, t):
-            recv_f, recv_b, inputs, loss, (g_shared, g_stages) = carry
+        def tick(carry, t, forward, backward):
+            """One tick; ``forward`` / ``backward`` (static): whether any stage
+            forwards / back-propagates in this phase of the schedule."""
+            recv_f, sent_b, inputs, loss, (g_shared, g_stages) = carry
+            # The gradient the previous tick sent back: it travels while this tick's
+            # forward runs (needed only by the backward below), as this tick's forward
+            # output travels during its backward.
+            recv_b = lax.ppermute(sent_b, stage_axis, backward_ring)
             at = {name: table[t, s] for name, table in tables.items()}
-            # Forward: one micro-batch through this stage's chunk.
-            m, r = at["fwd_micro"], at["fwd_repeat"]
-            active = m >= 0
-            m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
-            first = active & (r == 0) & (s == 0)
-            x = jnp.where(first, _when(ticks["embed"][t], first, lambda: embed(shared, m),
-                                       recv_f), recv_f)
-            slot = jnp.maximum(at["fwd_slot"], 0)
-            inputs = inputs.at[slot].set(jnp.where(active, x, inputs[slot]))
-            y = _when(ticks["fwd"][t], active, lambda: program.stage(
-                _chunk(stages, r), x, _keys_at(lkeys, m, r, s)), x)
-            # The last virtual stage: the loss and its gradient, which starts this
-            # micro-batch's backward in the same tick.
-            last = active & (r == r_last) & (s == p - 1)
+            y, dy = jnp.zeros_like(x0), jnp.zeros_like(x0)
+            if forward:  # one micro-batch through this stage's chunk
+                m, r = at["fwd_micro"], at["fwd_repeat"]
+                active = m >= 0
+                m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+                first = active & (r == 0) & (s == 0)
+                x = jnp.where(first, embed(shared, m), recv_f)
+                slot = jnp.maximum(at["fwd_slot"], 0)
+                inputs = inputs.at[slot].set(jnp.where(active, x, inputs[slot]))
+                y = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s))
+                y = jnp.where(active, y, jnp.zeros_like(y))
+                sent_f = lax.ppermute(y, stage_axis, forward_ring)  # during the backward
+                # The last virtual stage: the loss and its gradient, which starts this
+                # micro-batch's backward in the same tick.
+                last = active & (r == r_last) & (s == p - 1)
 
-            def head():
-                value, (dh, dy) = jax.value_and_grad(program.head, argnums=(0, 1))(
-                    shared, y, labels[m])
-                return value.astype(_F32), dh, dy
+                def head():
+                    value, (dh, dy) = jax.value_and_grad(program.head, argnums=(0, 1))(
+                        shared, y, labels[m])
+                    return value.astype(_F32), dh, dy
 
-            value, dh, dy = _when(ticks["last"][t], last, head,
-                                  (jnp.zeros((), _F32), shared, y))
-            loss = loss + value
-            # Backward: one micro-batch back through this stage's chunk.
-            mb, rb = at["bwd_micro"], at["bwd_repeat"]
-            active_b = mb >= 0
-            mb, rb = jnp.maximum(mb, 0), jnp.maximum(rb, 0)
-            xb = inputs[jnp.maximum(at["bwd_slot"], 0)]
-            gy = jnp.where(active_b & (rb == r_last) & (s == p - 1), dy, recv_b)
-
-            def backward():
+                like = (jnp.zeros((), _F32), shared, y)
+                value, dh, dy = head_when(ticks["last"][t], last, head, like)
+                loss = loss + value
+                g_shared = jax.tree.map(lambda g, d: g + d.astype(_F32), g_shared, dh)
+            dx = jnp.zeros_like(x0)
+            if backward:  # one micro-batch back through this stage's chunk
+                mb, rb = at["bwd_micro"], at["bwd_repeat"]
+                active_b = mb >= 0
+                mb, rb = jnp.maximum(mb, 0), jnp.maximum(rb, 0)
+                xb = inputs[jnp.maximum(at["bwd_slot"], 0)]
+                gy = jnp.where(active_b & (rb == r_last) & (s == p - 1), dy, recv_b)
+                gy = jnp.where(active_b, gy, jnp.zeros_like(gy))  # idle: zero gradients
                 _, pullback = jax.vjp(
                     lambda chunk, x: program.stage(chunk, x, _keys_at(lkeys, mb, rb, s)),
                     _chunk(stages, rb), xb)
-                return pullback(gy)
+                d_chunk, dx = pullback(gy)
+                g_stages = jax.tree.map(
+                    lambda g, d: g.at[rb].add(d.astype(_F32)), g_stages, d_chunk)
+                first_b = active_b & (rb == 0) & (s == 0)
 
-            d_chunk, dx = _when(ticks["bwd"][t], active_b, backward,
-                                (_chunk(stages, 0), xb))
+                def embed_backward():
+                    return jax.vjp(lambda sh: embed(sh, mb), shared)[1](dx)[0]
 
-            def embed_backward():
-                return jax.vjp(lambda sh: embed(sh, mb), shared)[1](dx)[0]
-
-            first_b = active_b & (rb == 0) & (s == 0)
-            de = _when(ticks["embed_bwd"][t], first_b, embed_backward, shared)
-            g_shared = jax.tree.map(lambda g, a, b: g + a.astype(_F32) + b.astype(_F32),
-                                    g_shared, dh, de)
-            g_stages = jax.tree.map(
-                lambda g, d: g.at[rb].add(d.astype(_F32)), g_stages, d_chunk)
-            recv_f = lax.ppermute(y, stage_axis, forward_ring)
-            recv_b = lax.ppermute(dx, stage_axis, backward_ring)
-            return (recv_f, recv_b, inputs, loss, (g_shared, g_stages)), None
+                de = head_when(ticks["embed_bwd"][t], first_b, embed_backward, shared)
+                g_shared = jax.tree.map(lambda g, d: g + d.astype(_F32), g_shared, de)
+            if not forward:
+                sent_f = lax.ppermute(y, stage_axis, forward_ring)
+            return (sent_f, dx, inputs, loss, (g_shared, g_stages)), None
 
         inputs = _stacked_zeros(schedule.num_slots, x0)
-        init = (jnp.zeros_like(x0), jnp.zeros_like(x0), inputs, jnp.zeros((), _F32),
-                zeros32)
-        (_, _, _, loss, (g_shared, g_stages)), _ = lax.scan(
-            tick, init, jnp.arange(schedule.num_ticks))
+        carry = (jnp.zeros_like(x0), jnp.zeros_like(x0), inputs, jnp.zeros((), _F32),
+                 zeros32)
+        for begin, end, forward, backward in _phases(schedule):
+            carry, _ = lax.scan(functools.partial(tick, forward=forward, backward=backward),
+                                carry, jnp.arange(begin, end))
+        _, _, _, loss, (g_shared, g_stages) = carry
         g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
         g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
         g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves)
