@@ -2,11 +2,13 @@
 whose tick loop runs a :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
 
 Every device runs the same loop. At each tick a stage looks up in the schedule's tables
-which micro-batch and layer chunk it works on, runs it (a tick in which every stage is
-idle is skipped), and passes its output to the next stage with one ``ppermute`` on the
-stage axis: the activation in its sequence-parallel layout, ``[b, s / (c t), h]`` per
-device (Megatron's scatter-gather optimisation). The context and tensor axes stay in the
-hands of the layers (their own ``shard_map`` s, nested in this one).
+which micro-batch and layer chunk it works on, runs it (an idle stage computes on
+zeros and drops the result: conditions that differ between stages around the layers'
+collectives are not supported by XLA), and passes its output to the next stage with one
+``ppermute`` on the stage axis: the activation in its sequence-parallel layout,
+``[b, s / (c t), h]`` per device (Megatron's scatter-gather optimisation). The context
+and tensor axes stay in the hands of the layers (their own ``shard_map`` s, nested in
+this one).
 
 Gradients are computed per device, inside the loop's ``shard_map``, and reduced once per
 step: over the data axes (a ``psum``, or a ``psum_scatter`` for parameters sharded over
@@ -18,7 +20,10 @@ parameters every stage holds (embedding, head, final norm), over the stage axis.
 * :func:`one_f_one_b` drives forward and backward itself: each tick a stage forwards one
   micro-batch and back-propagates another (``jax.vjp`` of the stage, recomputing its
   forward from the kept stage input), so it keeps at most ``2 V - 1`` stage inputs
-  (``V = stages * repeats``) whatever the number of micro-batches.
+  (``V = stages * repeats``) whatever the number of micro-batches. It runs as three
+  loops, warm-up (forwards only), steady state and cool-down (backwards only), so no
+  tick computes a half that no stage needs; a tick's activation transfer travels during
+  its backward and its gradient transfer during the next tick's forward.
 """
 
 from __future__ import annotations
