@@ -329,10 +329,11 @@ def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
 def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
     """(parameter bytes, activation bytes) per device.
 
-    fp32 parameters: kernels and the vocabulary table (padded to a multiple of t) over
-    tensor, and data with fsdp; the MLP-up bias over tensor; the other biases and the
-    norms replicated; with a pipeline the layers' parameters also over the stages (the
-    vocabulary table and the final norm on every stage).
+    fp32 parameters: kernels and the vocabulary table over tensor, and data with fsdp (a
+    table whose vocabulary t does not divide: its features over tensor only, the layout
+    of :class:`~sp_jax.layers.VocabParallelEmbedding`); the MLP-up bias over tensor; the
+    other biases and the norms replicated; with a pipeline the layers' parameters also
+    over the stages (the vocabulary table and the final norm on every stage).
 
     Activations of one micro-batch of ``b = batch / (data M)`` sequences: with remat each
     layer keeps its bf16 input ``[b, s, h] / (c t)`` plus one layer's TP+SP residuals
@@ -346,9 +347,12 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
     """
     h, t, L, p = model.hidden, option.tensor, model.layers, option.stages
     shards = t * (option.data if option.fsdp else 1)
-    vocab = -(-model.vocab // t) * t
+    if model.vocab % t == 0:
+        table = model.vocab * h / shards
+    else:  # the library splits the features of such a table over tensor, not over data
+        table = model.vocab * h / (t if h % t == 0 else 1)
     layers = (L * (4 * h * h + 2 * h * model.mlp) / shards + L * model.mlp / t + L * 6 * h)
-    params = 4 * (layers / p + vocab * h / shards + 2 * h)
+    params = 4 * (layers / p + table + 2 * h)
     b = batch // option.data // option.micro_batches
     sbh = model.seq * b * model.hidden / (option.context * option.tensor)
     per_layer = 34 * sbh
@@ -555,9 +559,8 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             "\nPipelined rows: mesh stages x data x context x tensor (the stage axis "
             "outermost, across hosts); each step runs M micro-batches (batch / (data M) "
             "sequences each) through the schedule; bubble: the idle fraction of its time, "
-            "(stages - 1) / (M + stages - 1). Their collectives count the work in "
-            "the schedule's conditions at every tick, also at the ticks that skip it "
-            "because no stage has that work to do (an upper bound).")
+            "(stages - 1) / (M + stages - 1). Their collectives count every tick's work "
+            "on every stage (an idle stage computes on zeros in lockstep).")
     arguments = [r for r in rows if any("exceeds the base limit" in line
                                         for line in r.xla_notes)]
     if arguments:
