@@ -212,3 +212,20 @@ def train_gpt(cfg, parallel, mesh, batches, *, init=None, train_mode=False, tx=N
         losses = [float(step({k: jax.device_put(v, place) for k, v in b.items()},
                              jax.random.key(i))["loss"]) for i, b in enumerate(batches)]
         return init, np.array(losses), to_host(nnx.to_pure_dict(step.params)), step
+
+
+def restore_onto(directory, cfg, parallel, mesh):
+    """The checkpoint in ``directory`` restored onto a fresh GPT ``cfg`` under ``parallel``
+    on ``mesh`` (AdamW state), each array laid out as that model wants (asserted)."""
+    from sp_jax.checkpoint import abstract_like, restore_checkpoint
+
+    with jax.set_mesh(mesh):
+        other = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(5)),
+                          optax.adamw(3e-3, eps=1e-5))
+    restored = restore_checkpoint(directory, params_like=abstract_like(other.params),
+                                  opt_state_like=abstract_like(other.opt_state))
+    for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(other.params),
+                         strict=True):
+        assert got.sharding == want.sharding  # the target's layout, sharded or not
+    return restored
+

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _util import assert_bitwise, train_gpt
+from _util import assert_bitwise, restore_onto, train_gpt
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -132,14 +132,7 @@ def test_checkpoint_between_sharded_and_replicated(tmp_path):
     save_checkpoint(tmp_path / "a", 2, step.params, step.opt_state)
     for mesh, parallel in ((make_mesh(4, 2), sp_jax.ParallelConfig()),
                            (make_mesh(8, 1), sp_jax.ParallelConfig(fsdp=True))):
-        with jax.set_mesh(mesh):
-            other = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(5)),
-                              optax.adamw(3e-3, eps=1e-5))
-        restored = restore_checkpoint(tmp_path / "a", params_like=abstract_like(other.params),
-                                      opt_state_like=abstract_like(other.opt_state))
-        for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(other.params),
-                             strict=True):
-            assert got.sharding == want.sharding  # the target's layout, sharded or not
+        restored = restore_onto(tmp_path / "a", cfg, parallel, mesh)
         assert_bitwise(restored.params, params)
         assert_bitwise(restored.opt_state, opt_state)
     # and back: the replicated run's checkpoint onto the sharded layout
