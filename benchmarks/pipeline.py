@@ -68,6 +68,7 @@ __all__ = [
     "compile_step",
     "evaluate_targets",
     "main",
+    "measured_ticks",
     "memory_sweep",
     "render_markdown",
     "run_pipeline",
@@ -300,12 +301,45 @@ def stacked_residuals(hlo: str, traffic: dict[str, Any], ticks: int,
     return out
 
 
-def _ticks(traffic: dict[str, Any]) -> dict[str, int]:
-    """Activation sends per step to the next / previous stage (one per tick each)."""
-    out = {"forward_ring": 0, "backward_ring": 0}
+def measured_ticks(traffic: dict[str, Any]) -> dict[str, int]:
+    """Ticks of the compiled loops, from their activation sends (:func:`stage_traffic`):
+    ``forward_ring`` / ``backward_ring``, the sends per step to the next / previous stage
+    (one per tick that forwards / back-propagates), ``both``, the ticks holding one of
+    each (iterations of the loops whose body sends both ways, times the copies of a
+    send per iteration: XLA's unrolling), and ``iterations = forward_ring +
+    backward_ring - both``, the ticks the loops run in all."""
+    out = {"forward_ring": 0, "backward_ring": 0, "both": 0}
+    copies: dict[str, dict[int, int]] = {}
+    trips: dict[str, int] = {}
     for e in traffic["activations"]:
         out["forward_ring" if e["direction"] == 1 else "backward_ring"] += e["executions"]
+        for name, trip, n in e["loops"]:
+            copies.setdefault(name, {})[e["direction"]] = n
+            trips[name] = trip or 0
+    for name, by_direction in copies.items():
+        if len(by_direction) == 2:
+            out["both"] += trips[name] * min(by_direction.values())
+    out["iterations"] = out["forward_ring"] + out["backward_ring"] - out["both"]
     return out
+
+
+def _expected_ticks(rec: dict[str, Any]) -> dict[str, int]:
+    """:func:`measured_ticks` as the schedule's tables say: a send to the next stage
+    per tick in which some stage forwards, one to the previous stage per tick in which
+    some stage back-propagates; GPipe's two loops (forward, then its autodiff) each run
+    ``num_ticks``, 1F1B's ``num_ticks`` together."""
+    sch = rec["schedule"]
+    f, b, n = sch["forward_ticks"], sch["backward_ticks"], sch["num_ticks"]
+    if rec["kind"] == "gpipe":
+        return {"forward_ring": n, "backward_ring": n, "both": 0, "iterations": 2 * n}
+    return {"forward_ring": f, "backward_ring": b, "both": f + b - n, "iterations": n}
+
+
+def _analytic_bytes(rec: dict[str, Any], shard_bytes: int) -> int:
+    """Activation bytes per step and device: one ``[b, s/(c t), h]`` shard per send of
+    :func:`_expected_ticks`."""
+    ticks = _expected_ticks(rec)
+    return (ticks["forward_ring"] + ticks["backward_ring"]) * shard_bytes
 
 
 # -- schedules --------------------------------------------------------------------------
@@ -370,19 +404,18 @@ def _measure(bench: PipelineBench, kind: str, microbatches: int, repeats: int,
                             shared_elements=shared)
     sched = schedule_table(kind, bench.stages, microbatches, repeats)
     stacked = stacked_residuals(report.hlo, traffic, sched["num_ticks"], chunks)
-    ticks = _ticks(traffic)
+    ticks = measured_ticks(traffic)
     rec = {"kind": kind, "microbatches": microbatches, "repeats": repeats,
            "compile_s": seconds,
            **{k: getattr(report, k) for k in ("argument_bytes", "output_bytes",
                                                "temp_bytes", "alias_bytes", "peak_bytes")},
            "schedule": sched, "traffic": traffic, "measured_ticks": ticks,
            "stacked_residuals": stacked, "xla_warnings": warnings,
-           "activation_bytes": sum(e["bytes"] for e in traffic["activations"]),
-           "analytic_activation_bytes": 2 * sched["num_ticks"] * bench.shard_bytes}
+           "activation_bytes": sum(e["bytes"] for e in traffic["activations"])}
     log(f"  {kind} M={microbatches} R={repeats}: temp {report.temp_bytes / MiB:.0f} MiB, "
-        f"peak {report.peak_bytes / MiB:.0f} MiB, ticks {ticks['forward_ring']}/"
-        f"{ticks['backward_ring']} (schedule {sched['num_ticks']}), "
-        f"{seconds:.0f} s")
+        f"peak {report.peak_bytes / MiB:.0f} MiB, sends {ticks['forward_ring']} / "
+        f"{ticks['backward_ring']}, tick iterations {ticks['iterations']} (schedule "
+        f"{sched['num_ticks']}), {seconds:.0f} s")
     return rec
 
 
@@ -428,12 +461,13 @@ def evaluate_targets(bench: PipelineBench, records: list[dict[str, Any]]
         out.append({"target": "1F1B memory targets", "measured": "not in this run",
                     "met": None})
     bad_ticks = [f"{r['kind']} M={r['microbatches']} R={r['repeats']}" for r in records
-                 if set(r["measured_ticks"].values()) != {r["schedule"]["num_ticks"]}]
-    out.append({"target": "ticks run by the compiled loops = num_ticks (every compile)",
+                 if measured_ticks(r["traffic"]) != _expected_ticks(r)]
+    out.append({"target": "ticks and sends of the compiled loops = the schedule's "
+                          "(every compile)",
                 "measured": "all equal" if not bad_ticks else "differ: " + ", ".join(bad_ticks),
                 "met": not bad_ticks})
     bad_bytes = [f"{r['kind']} M={r['microbatches']} R={r['repeats']}" for r in records
-                 if r["activation_bytes"] != r["analytic_activation_bytes"]]
+                 if r["activation_bytes"] != _analytic_bytes(r, bench.shard_bytes)]
     out.append({"target": "stage-axis activation bytes = analytic (every compile)",
                 "measured": "all equal" if not bad_bytes else "differ: " + ", ".join(bad_bytes),
                 "met": not bad_bytes})
@@ -501,9 +535,10 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         "`ParallelConfig(pipeline_axis=\"stage\", pipeline_microbatches=M, "
         "pipeline_schedule=\"gpipe\" | \"1f1b\", pipeline_repeats=R)` on a `(stage, data, "
         "context, tensor)` mesh: the scanned blocks are split over the stage axis, one "
-        "SPMD program runs a schedule's tick loop (`sp_jax.pipeline`), and activations "
-        "move between stages with one collective-permute per tick and direction, as "
-        "their sequence-parallel shard `[b, s/(c t), h]`. `benchmarks/pipeline.py`.",
+        "SPMD program runs a schedule's tick loops (`sp_jax.pipeline`), and activations "
+        "move between stages by collective-permute, as their sequence-parallel shard "
+        "`[b, s/(c t), h]`: one to the next stage per tick that forwards, one gradient "
+        "to the previous stage per tick that back-propagates. `benchmarks/pipeline.py`.",
         "",
         f"Deviceless compiles for 8 x H100 (one host, topology 1x1x8) of the whole "
         f"training step (`sp_jax.training.step.train_step_fn`: the pipeline's loss and "
@@ -565,8 +600,9 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         f"schedule's tables (`lax.dynamic_index_in_dim`), and autodiff of the scan saves "
         f"that slice as a residual of every tick instead of slicing again in the backward "
         f"loop. Without these copies GPipe's temp at M={hi} would be about "
-        f"{lean / MiB:,.0f} MiB (a `jax.checkpoint` around the chunk selection, or "
-        f"indexing outside the loop for R = 1, would remove them); the 1F1B target holds "
+        f"{lean / MiB:,.0f} MiB (slicing again in the backward, e.g. a `jax.checkpoint` "
+        f"around the chunk selection, or indexing outside the loop for R = 1, should "
+        f"remove them; not tried here); the 1F1B target holds "
         f"against that figure too ({f_hi['temp_bytes'] / lean:.2f}x). 1F1B back-propagates "
         f"each micro-batch as soon as the last stage has its loss and keeps only the stage "
         f"inputs in flight (at most 2V - 1 = {f_lo['schedule']['max_live_inputs']} "
@@ -595,34 +631,41 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
     for kind in SCHEDULES:
         for r in bench.repeats:
             rec = _find(recs, kind, bench.tick_microbatches, r)
-            sch, ticks = rec["schedule"], rec["measured_ticks"]
-            ok = set(ticks.values()) == {sch["num_ticks"]}
+            sch, ticks = rec["schedule"], measured_ticks(rec["traffic"])
+            want = _expected_ticks(rec)
+            iters = (f"{ticks['forward_ring']} + {ticks['backward_ring']}"
+                     if kind == "gpipe" else f"{ticks['iterations']}")
             rows.append([{"gpipe": "GPipe", "1f1b": "1F1B"}[kind] + (
                 " (circular)" if kind == "gpipe" and r > 1 else ""), r,
                 _loops(rec), f"{ticks['forward_ring']} / {ticks['backward_ring']}",
-                sch["num_ticks"], "PASS" if ok else "**MISS**",
+                f"{want['forward_ring']} / {want['backward_ring']}", iters,
+                sch["num_ticks"], "PASS" if ticks == want else "**MISS**",
                 f"{sch['bubble_tables']:.3f}", f"{sch['bubble_time']:.3f}",
                 f"{sch['bubble_formula']:.3f}"])
     out.append(_table(["schedule", "R", "activation permutes in the compiled loops "
                        "(trip count x copies per iteration + copies outside)",
-                       "sends to next / previous stage per step", "`num_ticks`", "match",
-                       "bubble (tables)", "bubble (time, lockstep)",
-                       "(P-1)/(RM+P-1)"], rows))
+                       "sends to next / previous stage (measured)",
+                       "ticks with a forward / a backward (tables)",
+                       "tick iterations (measured)", "`num_ticks`", "match",
+                       "bubble (tables)", "bubble (time)", "(P-1)/(RM+P-1)"], rows))
     out += ["", (
         "XLA:GPU unrolls each tick loop by two (double buffering: two ticks per "
-        "iteration, an odd tick peeled outside the loop), so the ticks are counted as "
-        "executions of the stage-ring collective-permutes: copies in a loop body times "
-        "the loop's `known_trip_count`, plus the copies outside. Every tick sends one "
-        "activation to the next stage; GPipe's backward loop (autodiff of the forward "
-        "one) and 1F1B's every tick send one gradient to the previous stage. GPipe and "
-        "circular GPipe run R M + P - 1 ticks per loop, 1F1B R M + P R + P - 2. The "
-        "*tables* bubble counts idle stage-slots over all slots of the loop(s); 1F1B's is "
-        "larger because its lockstep ticks each hold a forward and a backward slot, and "
-        "its first P R - 1 ticks have no backward, its last P R no forward. Ticks in "
-        "which no stage forwards (or none back-propagates) skip that half with "
-        "`lax.cond`, so in *time* (forward and backward halves weighed alike) 1F1B's "
-        "bubble equals GPipe's, the formula (P - 1) / (R M + P - 1); with R = 2 the "
-        "bubble shrinks as the formula says."), ""]
+        "iteration, an odd tick peeled outside the loop), so ticks are counted from the "
+        "stage-ring collective-permutes: copies in a loop body times the loop's "
+        "`known_trip_count`, plus the copies outside. GPipe's forward loop sends one "
+        "activation to the next stage per tick and its backward loop (autodiff of the "
+        "forward one) one gradient to the previous stage; each runs R M + P - 1 ticks. "
+        "1F1B runs R M + P R + P - 2 ticks in three loops: warm-up (the first P R - 1 "
+        "ticks, forwards only: activations only), steady state (a forward and a backward "
+        "per stage: both sends) and cool-down (the last P R - 1 ticks, backwards only: "
+        "gradients only); its tick iterations are its sends both ways less the ticks "
+        "that hold both (iterations of the loops whose body sends both ways). The "
+        "*tables* bubble counts idle stage-slots over all slots; 1F1B's is larger as it "
+        "counts a forward and a backward slot in every tick, also in the warm-up and "
+        "cool-down ticks that only have one kind of work. In *time* (forward and "
+        "backward halves weighed alike; warm-up ticks run no backward, cool-down ticks "
+        "no forward) 1F1B's bubble equals GPipe's, the formula (P - 1) / (R M + P - 1); "
+        "with R = 2 it shrinks as the formula says."), ""]
 
     out += ["### Stage-axis traffic per step (bytes per GPU)", ""]
     rows = []
@@ -634,27 +677,34 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                      rec["microbatches"],
                      ", ".join(sorted({e["shape"] for e in tr["activations"]})),
                      f"{rec['activation_bytes'] / MiB:,.0f}",
-                     f"{rec['analytic_activation_bytes'] / MiB:,.0f}",
+                     f"{_analytic_bytes(rec, res['shard_bytes']) / MiB:,.0f}",
                      "yes" if asyncs else "**no**",
                      f"{tr['shared_gradients'] / MiB:,.1f}", f"{tr['scalars']:,}",
                      f"{tr['other_bytes'] / MiB:,.0f}" if tr["other"] else "0"])
     out.append(_table(["schedule", "R", "M", "permute shape", "activations MiB",
-                       "analytic MiB", "all async", "shared-parameter gradient all-reduce "
-                       "MiB", "scalar all-reduce bytes", "other stage-crossing MiB"], rows))
+                       "analytic MiB", "all async",
+                       "shared-parameter gradient all-reduce MiB", "scalar all-reduce bytes",
+                       "other stage-crossing MiB"], rows))
     rec1 = _find(recs, "1f1b", bench.tick_microbatches, 1)
     other = [o for r in recs for o in r["traffic"]["other"]]
     out += ["", (
         f"Activations: the collective-permutes of the tick loops whose pairs shift the "
         f"stage ring by one (same position on the next / previous stage), bytes x "
         f"executions per step; analytic: one `[b, s/(c t), h]` bf16 shard = "
-        f"{bench.shard_bytes / MiB:g} MiB per tick and direction, 2 x `num_ticks` sends "
-        f"per step for both schedules (GPipe: its forward loop and its backward loop, "
-        f"1F1B: two per tick). Every other collective is checked for replica groups that "
-        f"span stages (all-gather, reduce-scatter, all-reduce, all-to-all; groups parsed "
-        f"from all three of XLA's notations). At R = 1 the only one is the all-reduce "
-        f"over the stage axis of the gradients of the parameters every stage holds "
-        f"(tied embedding `[vocab/t, h]` and final norm, fp32 since weight gradients "
-        f"are fp32: {rec1['traffic']['shared_gradients'] / MiB:,.1f} MiB, once per step, "
+        f"{bench.shard_bytes / MiB:g} MiB per tick that forwards (to the next stage) "
+        f"and per tick that back-propagates (to the previous one): 2 (R M + P - 1) "
+        f"sends per step for both schedules (GPipe: its forward loop and its backward "
+        f"loop; 1F1B: its warm-up ticks send no gradient and its cool-down ticks no "
+        f"activation; a lockstep loop sending both ways every tick would send "
+        f"2 (R M + P R + P - 2), "
+        f"{2 * rec1['schedule']['num_ticks'] * bench.shard_bytes / MiB:,.0f} MiB at "
+        f"M={bench.tick_microbatches}, R = 1). Every other collective is checked for "
+        f"replica groups that span stages (all-gather, reduce-scatter, all-reduce, "
+        f"all-to-all; groups parsed from all three of XLA's notations). At R = 1 the "
+        f"only one is the all-reduce over the stage axis of the gradients of the "
+        f"parameters every stage holds (tied embedding `[vocab/t, h]` and final norm, "
+        f"fp32 since weight gradients are fp32: "
+        f"{rec1['traffic']['shared_gradients'] / MiB:,.1f} MiB, once per step, "
         f"{rec1['traffic']['shared_gradients'] / rec1['activation_bytes']:.2f}x the "
         f"activation traffic of 1F1B at M={bench.tick_microbatches}) plus a few scalars "
         f"(loss, token counts). All {bench.stages} stages take part in that all-reduce "
@@ -702,8 +752,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="render the section from the results (--json) of an earlier "
                              "run instead of compiling")
     args = parser.parse_args(argv)
-    if args.results:
+    if args.results:  # the targets again, by this version's rules
         res = json.loads(args.results.read_text())
+        bench = PipelineBench(**{k: tuple(v) if isinstance(v, list) else v
+                                 for k, v in res["bench"].items()})
+        res["targets"] = evaluate_targets(bench, res["records"])
     else:
         res = run_pipeline(QUICK if args.quick else FULL)
     if args.json:
