@@ -302,7 +302,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
                 # some stage forwards in every tick: no condition (see _when)
                 x = jnp.where(first, program.embed(
                     shared, tokens[m], None if ekeys is None else ekeys[m]), recv)
-                y = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s))
+                # the chunk is picked again in the backward loop: autodiff would
+                # otherwise keep a copy of the stage's weights per tick
+                chunk = jax.checkpoint(_chunk)(stages, r)
+                y = program.stage(chunk, x, _keys_at(lkeys, m, r, s))
                 y = jnp.where(active, y, jnp.zeros_like(y))
                 last = active & (r == r_last) & (s == p - 1)
                 outputs = outputs.at[m].set(jnp.where(last, y, outputs[m]))
