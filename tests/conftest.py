@@ -60,7 +60,8 @@ def mesh_8x1():
 # `--dist loadfile --no-loadscope-reorder` (make test) xdist hands files to its workers
 # in collection order, so starting with these keeps one long file from running alone at
 # the end. Every other file follows in its usual order.
-SLOWEST_FIRST = ("test_doc_snippets.py", "test_pipeline.py", "test_benchmarks.py", "test_gpt.py",
+SLOWEST_FIRST = ("test_doc_snippets.py", "test_pipeline.py", "test_benchmarks.py",
+                 "test_pipeline_hlo.py", "test_gpt.py",
                  "test_context.py", "test_multiprocess.py", "test_plan.py", "test_fsdp.py",
                  "test_gpu_check.py", "test_train_gpt.py", "test_attention.py",
                  "test_analysis.py", "test_trainer.py", "test_faults.py", "test_blocks.py",
@@ -146,6 +147,9 @@ FAST = {
                          "test_chunk_moves_bring_each_chunk_to_its_stage_once",
                          "test_schedule_errors", "test_config_errors",
                          "test_pipeline_trains_like_unsharded[2x1x1x4_1f1b_r1_m4]"),
+    "test_pipeline_hlo.py": (
+        "test_only_activation_permutes_cross_stages_one_per_tick_and_direction",
+        "test_hlo_helpers_read_groups_pairs_loops_and_counts"),
 }
 
 
