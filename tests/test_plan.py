@@ -260,6 +260,17 @@ def test_pipelined_candidates_on_request_and_their_errors():
         plan(TINY, 8, options=[piped], batch=6, progress=False)
 
 
+def test_command_line_stage_count_errors_are_one_line(capsys):
+    """``--stages`` the model cannot take: one error line naming the value and the stage
+    counts that would work, exit status 1, before any compile."""
+    from sp_jax.plan import main
+
+    assert main(["--model", "70b", "--gpus", "64", "--stages", "3", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: plan: stages=3 does not divide the 80 layers of 70b")
+    assert "use one of [2, 4, 8]" in err and "Traceback" not in err
+
+
 def test_formula_of_a_pipelined_layout():
     """The analytic columns of a pipelined row: the layers' parameters over the stages
     too (the vocabulary table on every stage); 1F1B's activations: 2P - 1 stage inputs
