@@ -144,7 +144,6 @@ FAST = {
                              "test_every_doc_has_its_blocks_found"),
     "test_pipeline.py": ("test_schedule_tables_keep_every_dependency",
                          "test_1f1b_keeps_the_same_inputs_whatever_the_microbatches",
-                         "test_chunk_moves_bring_each_chunk_to_its_stage_once",
                          "test_schedule_errors", "test_config_errors",
                          "test_pipeline_trains_like_unsharded[2x1x1x4_1f1b_r1_m4]"),
     "test_pipeline_hlo.py": (

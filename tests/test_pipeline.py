@@ -29,7 +29,6 @@ import sp_jax
 from sp_jax.checkpoint import save_checkpoint
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.pipeline import bubble_formula, pipeline_schedule
-from sp_jax.pipeline.schedule import chunk_moves
 from sp_jax.training import TrainStep
 
 B, S, STEPS = 16, 16, 5
@@ -106,23 +105,6 @@ def test_1f1b_keeps_the_same_inputs_whatever_the_microbatches():
     live = {m: pipeline_schedule("1f1b", 4, m).max_live_inputs for m in (4, 8, 16, 32)}
     assert live == {m: min(m, 7) for m in live}, live  # 2 x 4 stages - 1 at most
     assert pipeline_schedule("gpipe", 4, 32).max_live_inputs == 32
-
-
-@pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2), (4, 2), (2, 3), (4, 4), (3, 2)])
-def test_chunk_moves_bring_each_chunk_to_its_stage_once(stages, repeats):
-    """Stored in layer order (stage a: chunks aR .. aR + R - 1), run round robin (chunk c
-    on stage c % P at position c // P): R ppermutes, each a permutation of the stages."""
-    moves = chunk_moves(stages, repeats)
-    assert len(moves) == (0 if repeats == 1 else repeats)
-    stored = {a: [a * repeats + i for i in range(repeats)] for a in range(stages)}
-    run = {b: [b] if repeats == 1 else [None] * repeats for b in range(stages)}
-    for move in moves:
-        assert sorted(a for a, _ in move.pairs) == sorted(b for _, b in move.pairs) == \
-            list(range(stages))
-        for a, b in move.pairs:
-            assert run[b][move.recv[b]] is None
-            run[b][move.recv[b]] = stored[a][move.send[a]]
-    assert run == {b: [r * stages + b for r in range(repeats)] for b in range(stages)}
 
 
 def test_schedule_errors():
@@ -206,14 +188,27 @@ def test_pipeline_trains_like_unsharded(case):
     init, losses, params, step = train_gpt(cfg, parallel, _mesh(shape), batches,
                                            train_mode=train)
     blocks = jax.tree.leaves(step.params["blocks"])
-    assert all(tuple(x.sharding.spec)[0] == "stage" for x in blocks)  # each stage its layers
+    # each stage holds its layers: [L, ...] over stage, or [R, L / R, ...] round robin
+    assert all(tuple(x.sharding.spec)[repeats > 1] == "stage" for x in blocks)
+    assert all(x.shape[:2] == (repeats, BASE["num_layers"] // repeats) for x in blocks
+               if repeats > 1)
     per_device = sum(x.addressable_shards[0].data.nbytes for x in blocks)
     assert per_device <= sum(x.nbytes for x in blocks) // shape[0]
+    init, params = _layer_order(init), _layer_order(params)
     _, want_losses, want_params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
                                                batches, init=init, train_mode=train)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(params, want_params, rtol=1e-5, atol=1e-5)
     assert losses[-1] < losses[0]
+
+
+def _layer_order(values):
+    """Host parameter values with the stacked blocks as ``[L, ...]`` (the unpipelined
+    GPT's shape; a circular pipeline stores them ``[R, L / R, ...]``, in layer order)."""
+    layers = BASE["num_layers"]
+    return {**values, "blocks": jax.tree.map(
+        lambda x: x.reshape(layers, *x.shape[2:]) if x.shape[:1] != (layers,) else x,
+        values["blocks"])}
 
 
 def test_loss_of_a_pipelined_model_is_the_unsharded_loss():

@@ -254,9 +254,13 @@ def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool) -
     return jax.checkpoint(lambda s, x, k: nnx.merge(graphdef, s)(x, k))(state, x, key)
 
 
-def _stack_blocks(blocks: list[Block], layer_axis: str | None = None) -> Block:
+def _stack_blocks(blocks: list[Block], layer_axis: str | None = None,
+                  repeats: int = 1) -> Block:
     """One :class:`Block` whose variables hold ``blocks``' values stacked on axis 0
-    (sharded over ``layer_axis``, the pipeline axis, when given)."""
+    (sharded over ``layer_axis``, the pipeline axis, when given). With ``repeats > 1``
+    the stack is ``[repeats, L / repeats, ...]`` (still in layer order) sharded over
+    ``layer_axis`` on its second dimension: stage ``s`` of ``P`` then holds the layer
+    chunks ``r P + s`` (the circular assignment), each where the schedule runs it."""
 
     def stack(*variables):
         first = variables[0]
@@ -266,6 +270,9 @@ def _stack_blocks(blocks: list[Block], layer_axis: str | None = None) -> Block:
         if inner is not None or layer_axis is not None:
             inner = inner if inner is not None else (None,) * (value.ndim - 1)
             metadata["out_sharding"] = (layer_axis, *inner)
+        if repeats > 1:
+            value = value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:])
+            metadata["out_sharding"] = (None, *metadata["out_sharding"])
         mesh = jax.sharding.get_abstract_mesh()
         if layer_axis is not None and not mesh.empty:  # each stage holds its layers
             value = reshard(value, P(*metadata["out_sharding"]), mesh)
@@ -332,7 +339,8 @@ class GPT(nnx.Module):
         if parallel.pipeline_axis is not None:
             check_pipeline(cfg, parallel, current_mesh(parallel, where="GPT", required=False))
         blocks = [Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)]
-        self.blocks = _stack_blocks(blocks, parallel.pipeline_axis) if cfg.scan_layers \
+        self.blocks = _stack_blocks(blocks, parallel.pipeline_axis,
+                                    parallel.pipeline_repeats) if cfg.scan_layers \
             else nnx.List(blocks)
         self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
                                     epsilon=cfg.norm_epsilon, dtype=cfg.dtype,

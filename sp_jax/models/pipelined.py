@@ -4,10 +4,10 @@
 The parameters keep the GPT's own layout: the scanned blocks ``[num_layers, ...]`` in
 layer order, sharded over the stage axis on their first dimension, so checkpoints move
 between stage counts (and to no pipeline) as they are. With ``pipeline_repeats = R > 1``
-stage ``s`` runs the chunks ``s, s + P, s + 2P, ...`` (round robin) while it stores
-the contiguous layers ``[s L / P, (s + 1) L / P)``: the step brings the chunks to their
-stages once (``R`` ``ppermute`` s of one chunk per stage, and the gradients back), not per
-micro-batch.
+they are ``[R, num_layers / R, ...]``, still in layer order, sharded over the stage axis
+on the second dimension: stage ``s`` holds the chunks ``s, s + P, s + 2P, ...`` (round
+robin), where the circular schedule runs them (checkpoints move between stage counts of
+the same ``R``; the shape names a change of ``R``).
 
 Inside the pipeline the layers run with the stage and data axes manual (their
 ``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes and
@@ -52,6 +52,11 @@ def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
         raise ValueError(
             f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "
             "GPTConfig(scan_layers=True): the stages hold slices of the stacked blocks.")
+    if config.num_layers % parallel.pipeline_repeats:
+        raise ValueError(
+            f"GPT: num_layers={config.num_layers} is not divisible by pipeline_repeats="
+            f"{parallel.pipeline_repeats}; use a multiple of stages x pipeline_repeats "
+            "layers.")
     if mesh is None:
         return
     stages = mesh.shape[parallel.pipeline_axis]
@@ -108,16 +113,25 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
 
 
 def _stage_major(blocks: Any, stages: int, repeats: int) -> Any:
-    """Block leaves ``[L, ...]`` (layer order, sharded over the stage axis) as
-    ``[P, R, L / (P R), ...]``: stage ``a`` stores chunks ``a R .. a R + R - 1`` (a
-    split of the sharded dimension: no data moves)."""
-    return jax.tree.map(lambda x: jnp.reshape(
-        x, (stages, repeats, x.shape[0] // (stages * repeats), *x.shape[1:])), blocks)
+    """The stacked blocks as ``[P, R, L / (P R), ...]``, chunk ``r P + s`` at ``[s, r]``,
+    from ``[L, ...]`` (``R = 1``) or ``[R, L / R, ...]`` sharded over the stage axis on
+    the layer dimension: splits and a transpose of the sharded dimension, no data moves."""
+
+    def one(x):
+        if repeats == 1:
+            return jnp.reshape(x, (stages, 1, x.shape[0] // stages, *x.shape[1:]))
+        x = jnp.reshape(x, (repeats, stages, x.shape[1] // stages, *x.shape[2:]))
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(one, blocks)
 
 
-def _layer_major(grads: Any, like: Any) -> Any:
-    """The inverse of :func:`_stage_major`: ``[P, R, per, ...]`` -> ``[L, ...]``."""
-    return jax.tree.map(lambda g, x: jnp.reshape(g, x.shape), grads, like)
+def _layer_major(grads: Any, like: Any, repeats: int) -> Any:
+    """The inverse of :func:`_stage_major`: gradients shaped like the blocks ``like``."""
+    def one(g, x):
+        return jnp.reshape(g if repeats == 1 else jnp.swapaxes(g, 0, 1), x.shape)
+
+    return jax.tree.map(one, grads, like)
 
 
 def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
@@ -167,7 +181,7 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     if not grads:
         return loss, None
     g_shared, g_blocks = result
-    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"])}
+    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}
 
 
 def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,

@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.pipeline.schedule import ChunkMove, PipelineSchedule, chunk_moves
+from sp_jax.pipeline.schedule import PipelineSchedule
 
 __all__ = ["StageProgram", "gpipe", "one_f_one_b"]
 
@@ -211,44 +211,19 @@ def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: b
                          axis_names=set(axes.manual), check_vma=False)(*program_inputs)
 
 
-def _relayout(x: jax.Array, moves: list[ChunkMove], s: jax.Array, axis: str,
-              inverse: bool = False) -> jax.Array:
-    """Stage ``s``'s chunks ``[R, ...]`` from the stored order to the run order
-    (:func:`~sp_jax.pipeline.schedule.chunk_moves`: one ``ppermute`` per round), or back
-    with ``inverse``."""
-    if not moves:
-        return x
-    out = jnp.zeros_like(x)
-    for move in moves:
-        send, recv = jnp.asarray(move.send), jnp.asarray(move.recv)
-        pairs = move.pairs
-        if inverse:
-            send, recv, pairs = recv, send, tuple((b, a) for a, b in pairs)
-        got = lax.ppermute(lax.dynamic_index_in_dim(x, send[s], 0, keepdims=False), axis,
-                           pairs)
-        out = lax.dynamic_update_index_in_dim(out, got, recv[s], 0)
-    return out
-
-
-def _prepare(shared, stages, axes, shared_specs, stage_specs, moves):
-    """Parameters as the loop uses them: this stage's chunks in the order it runs them
-    (``moves``), each whole over the data axes (fsdp's one gather per step)."""
-    s = lax.axis_index(axes.stage)
+def _prepare(shared, stages, axes, shared_specs, stage_specs):
+    """Parameters as the loop uses them: this stage's chunks ``[R, ...]``, each whole
+    over the data axes (fsdp's one gather per step)."""
     shared = jax.tree.map(lambda x, sp: _gather(x, sp, axes.data), shared, shared_specs)
-    stages = jax.tree.map(
-        lambda x, sp: _gather(_relayout(x[0], moves, s, axes.stage)[None], sp, axes.data)[0],
-        stages, stage_specs)
+    stages = jax.tree.map(lambda x, sp: _gather(x, sp, axes.data)[0], stages, stage_specs)
     return shared, stages
 
 
-def _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves):
-    """Per-device gradients reduced once (:func:`_reduce`), the stage's back in the
-    stored order."""
-    s = lax.axis_index(axes.stage)
+def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
+    """Per-device gradients reduced once: see :func:`_reduce`."""
     g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True), g_shared, shared_specs)
-    g_stages = jax.tree.map(
-        lambda g, sp: _relayout(_reduce(g[None], sp, axes, False)[0], moves, s, axes.stage,
-                                inverse=True)[None], g_stages, stage_specs)
+    g_stages = jax.tree.map(lambda g, sp: _reduce(g[None], sp, axes, False), g_stages,
+                            stage_specs)
     return g_shared, g_stages
 
 
@@ -263,9 +238,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
       schedule: a ``"gpipe"`` :class:`~sp_jax.pipeline.schedule.PipelineSchedule`.
       shared: parameters every stage holds (replicated over the stage axis).
       stages: layer parameters, leaves ``[P, R, layers_per_chunk, ...]`` sharded over the
-        stage axis on dimension 0, stage ``a`` holding the chunks ``a R .. a R + R - 1``
-        (the stacked layers in order); stage ``s`` runs chunks ``r P + s``, which
-        :func:`~sp_jax.pipeline.schedule.chunk_moves` brings to it once per step.
+        stage axis on dimension 0: stage ``s`` holds the chunks ``r P + s`` it runs.
       tokens / labels: ``[M, batch, seq]`` int32, batch over the data axes.
       keys: ``(embed [M, ...], layers [M, R, P, layers_per_chunk, ...])`` dropout key
         data, or None.
@@ -279,7 +252,6 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
     stage_specs = jax.tree.map(axes.restrict, stages)
-    moves = chunk_moves(schedule.stages, schedule.repeats)
     fwd_micro = jnp.asarray(schedule.fwd_micro)
     fwd_repeat = jnp.asarray(schedule.fwd_repeat)
     p, r_last, m_count = schedule.stages, schedule.repeats - 1, schedule.microbatches
@@ -287,7 +259,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
 
     def body(shared, stages, tokens, labels, keys):
         s = lax.axis_index(stage_axis)
-        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs, moves)
+        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
         def local_loss(shared, stages):
@@ -325,7 +297,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             return lax.psum(local_loss(shared, stages), tuple(axes.manual))
         loss, (g_shared, g_stages) = jax.value_and_grad(local_loss, argnums=(0, 1))(
             shared, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
     if not grads:
@@ -348,7 +320,6 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
     stage_specs = jax.tree.map(axes.restrict, stages)
-    moves = chunk_moves(schedule.stages, schedule.repeats)
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in (
         "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
     p, r_last = schedule.stages, schedule.repeats - 1
@@ -361,7 +332,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
 
     def body(shared, stages, tokens, labels, keys):
         s = lax.axis_index(stage_axis)
-        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs, moves)
+        shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
         def embed(shared, m):
@@ -438,7 +409,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         _, _, _, loss, (g_shared, g_stages) = carry
         g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
         g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs, moves)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
     return _run(body, (shared, stages, tokens, labels, keys), axes, mesh)

@@ -30,8 +30,7 @@ import numpy as np
 
 from sp_jax.config import PIPELINE_SCHEDULES
 
-__all__ = ["ChunkMove", "PipelineSchedule", "bubble_formula", "chunk_moves",
-           "pipeline_schedule"]
+__all__ = ["PipelineSchedule", "bubble_formula", "pipeline_schedule"]
 
 
 def bubble_formula(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -175,69 +174,3 @@ def pipeline_schedule(kind: str, stages: int, microbatches: int, repeats: int = 
     return PipelineSchedule(kind, p, m, r, fwd_micro, fwd_repeat, bwd_micro, bwd_repeat,
                             fwd_slot, bwd_slot, slots)
 
-
-@dataclasses.dataclass(frozen=True)
-class ChunkMove:
-    """One round of :func:`chunk_moves`: one ``ppermute`` on the stage axis.
-
-    Attributes:
-      send: ``[P]`` the stored chunk (local index) each stage sends.
-      pairs: ``(source, target)`` stages of the ``ppermute`` (a permutation).
-      recv: ``[P]`` the run position (local index) where each stage puts what it gets.
-    """
-
-    send: np.ndarray
-    pairs: tuple[tuple[int, int], ...]
-    recv: np.ndarray
-
-
-def _perfect_matching(edges: dict[int, list[tuple[int, int, int]]], p: int
-                      ) -> dict[int, tuple[int, int]]:
-    """A perfect matching of a regular bipartite multigraph (Kuhn's augmenting paths):
-    target stage -> (source stage, index of its edge in ``edges[source]``)."""
-    match: dict[int, tuple[int, int]] = {}
-
-    def augment(a: int, seen: set[int]) -> bool:
-        for i, (b, _, _) in enumerate(edges[a]):
-            if b not in seen:
-                seen.add(b)
-                if b not in match or augment(match[b][0], seen):
-                    match[b] = (a, i)
-                    return True
-        return False
-
-    for a in range(p):
-        if not augment(a, set()):
-            raise AssertionError("chunk_moves: no perfect matching (not regular?)")
-    return match
-
-
-def chunk_moves(stages: int, repeats: int) -> list[ChunkMove]:
-    """How layer chunks stored contiguously reach the stages that run them round robin.
-
-    The stacked blocks ``[L, ...]`` are sharded over the stage axis in layer order: stage
-    ``a`` stores chunks ``a R .. a R + R - 1`` (of ``P R`` chunks). The circular schedule
-    runs chunk ``c`` on stage ``c % P`` at position ``c // P``. Every stage sends ``R``
-    chunks and receives ``R``: a ``R``-regular bipartite multigraph, which splits into
-    ``R`` perfect matchings (König), each one ``ppermute`` of one chunk per stage, so each
-    chunk moves once (chunks that stay are "sent" to their own stage). Empty for
-    ``R = 1`` (nothing moves).
-    """
-    if repeats == 1:
-        return []
-    p, r = stages, repeats
-    edges = {a: [(c % p, c % r, c // p) for c in range(a * r, (a + 1) * r)] for a in range(p)}
-    rounds = []
-    for _ in range(r):
-        match = _perfect_matching(edges, p)  # target stage -> (source stage, edge)
-        send, recv = np.zeros(p, np.int32), np.zeros(p, np.int32)
-        pairs = []
-        taken = dict(match.values())  # source stage -> its matched edge
-        for a, i in taken.items():
-            b, src, dst = edges[a][i]
-            send[a], recv[b] = src, dst
-            pairs.append((a, b))
-        for a, i in taken.items():
-            edges[a].pop(i)
-        rounds.append(ChunkMove(send, tuple(sorted(pairs)), recv))
-    return rounds
