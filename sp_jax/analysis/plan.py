@@ -157,6 +157,8 @@ class PlanOption:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """``("stage", "data", "context", "tensor")`` with a pipeline, else without
+        ``"stage"``."""
         inner = ("data", "context", "tensor")
         return ("stage", *inner) if self.pipelined else inner
 
