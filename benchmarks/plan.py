@@ -20,7 +20,8 @@ from sp_jax.training import TrainStep
 
 __all__ = ["PLANS", "run_plans", "small_check"]
 
-PLANS = (("7b", 8, {}), ("7b", 64, {"seq": 131072}), ("70b", 64, {}))
+PLANS = (("7b", 8, {}), ("7b", 64, {"seq": 131072}), ("70b", 64, {}),
+         ("gpt3-175b", 128, {}))
 SMALL = ModelShape("small", hidden=256, layers=2, heads=8, vocab=512, seq=256)
 
 

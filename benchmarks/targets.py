@@ -365,6 +365,10 @@ def _plan_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
            ("plan_70b_64", "plan: 70B (h=8192, 80 layers, 64 heads, s=4096) on 64 H100 "
             "(data 8 x tensor 8) fits with full sharding + recompute_allgather + remat, not "
             "without sharding over data"),
+           ("plan_70b_64_pipeline", "plan: 70B on 64 H100 gets a pipelined layout (stage "
+            "axis, 1F1B) that fits, next to the fsdp one"),
+           ("plan_175b_128", "plan: GPT-3 175B (h=12288, 96 layers, 96 heads, s=2048) on 128 "
+            "H100: a layout that fits, or by how much the best misses"),
            ("plan_accuracy", "plan: parameter and optimizer bytes = analytic within 1%; "
             "activations within 10% of the CPU-compiled temp (small model)")]
     if "error" in pl:
@@ -389,11 +393,21 @@ def _plan_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         text += f" (best misses by {(best['peak_bytes'] - 80e9) / GiB:.1f} GiB)"
     out.append(_target(*ids[1], bool(best) and best["fits"], text))
     r70 = rows("70b", 4096, 64)
-    full = [r for r in r70 if r["option"]["fsdp"] and r["option"]["remat"]]
-    plain = [r for r in r70 if not r["option"]["fsdp"]]
+    flat = [r for r in r70 if r["option"].get("stages", 1) == 1]  # no pipeline
+    full = [r for r in flat if r["option"]["fsdp"] and r["option"]["remat"]]
+    plain = [r for r in flat if not r["option"]["fsdp"]]
     out.append(_target(*ids[2], bool(full) and all(r["fits"] for r in full) and bool(plain)
                        and not any(r["fits"] for r in plain),
-                       "; ".join(desc(r) for r in r70)))
+                       "; ".join(desc(r) for r in flat)))
+    piped = [r for r in r70 if r["option"].get("stages", 1) > 1 and not r["error"]]
+    out.append(_target(*ids[3], any(r["fits"] for r in piped),
+                       "; ".join(desc(r) for r in piped) or "no pipelined layout compiled"))
+    r175 = [r for r in rows("gpt3-175b", 2048, 128) if not r["error"]]
+    best = min(r175, key=lambda r: r["peak_bytes"]) if r175 else None
+    text = "; ".join(desc(r) for r in r175) or "no layout compiled"
+    if best and not best["fits"]:
+        text += f" (best misses by {(best['peak_bytes'] - 80e9) / GiB:.1f} GiB)"
+    out.append(_target(*ids[4], bool(best) and best["fits"], text))
     worst = 0.0
     for p in pl["plans"]:
         for r in p["rows"]:
@@ -402,7 +416,7 @@ def _plan_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                             abs(r["opt_bytes"] / (2 * r["param_bytes"]) - 1))
     sm = pl["small"]
     act, cpu = sm["row"]["activation_bytes"], sm["cpu_activation_bytes"]
-    out.append(_target(*ids[3], worst <= 0.01 and abs(act / cpu - 1) <= 0.10,
+    out.append(_target(*ids[5], worst <= 0.01 and abs(act / cpu - 1) <= 0.10,
                        f"parameters/optimizer within {100 * worst:.2f}% of analytic over "
                        f"every plan row; small model activations {act / 2**20:.2f} MiB "
                        f"(H100 compile) vs {cpu / 2**20:.2f} MiB (CPU compile), "

@@ -126,6 +126,7 @@ FAST = {
                          "test_no_jax_plugins_package_at_all_is_a_missing_plugin",
                          "test_h100_tp_column_dx_all_reduce_is_async"),
     "test_plan.py": ("test_parameter_count_of_the_presets", "test_candidates",
+                     "test_pipelined_candidates_on_request_and_their_errors",
                      "test_xla_does_not_fit_lines_are_kept_out_and_explained",
                      "test_command_line_without_the_plugin_is_one_error_line",
                      "test_sharding_over_data_only_where_the_data_size_divides_the_hidden_size",
