@@ -16,6 +16,9 @@ PJRT plugin (``pip install -e '.[gpu-aot]'``). In one run it measures, on a
   collective whose replica groups span stages (the shared parameters' gradient
   all-reduce, scalars, anything else);
 - the bubble of each schedule from its tables beside ``(P - 1) / (R M + P - 1)``;
+- :func:`layer_scan_weight_residuals`: the weight-shaped residuals ``jax.vjp`` keeps for
+  the unpipelined scanned GPT of one stage's blocks (what GPipe's forward loop stacks
+  once per tick);
 
 and :func:`evaluate_targets` checks the memory targets of 1F1B. :func:`render_markdown`
 writes the section of ``BENCHMARKS.md``. Public ``sp_jax`` names and
@@ -49,7 +52,12 @@ from flax import nnx  # noqa: E402
 
 import sp_jax  # noqa: E402
 from sp_jax import Layout  # noqa: E402
-from sp_jax.analysis import array_bytes, compile_for_gpu, gpu_mesh  # noqa: E402
+from sp_jax.analysis import (  # noqa: E402
+    array_bytes,
+    compile_for_gpu,
+    gpu_mesh,
+    saved_residuals,
+)
 from sp_jax.analysis.hlo import (  # noqa: E402
     Collective,
     crosses,
@@ -67,6 +75,7 @@ __all__ = [
     "PipelineBench",
     "compile_step",
     "evaluate_targets",
+    "layer_scan_weight_residuals",
     "main",
     "measured_ticks",
     "memory_sweep",
@@ -136,6 +145,12 @@ def _parallel(kind: str, microbatches: int, repeats: int) -> sp_jax.ParallelConf
         pipeline_repeats=repeats, recompute_allgather=True, wgrad_dtype=jnp.float32)
 
 
+def _gpt_config(bench: PipelineBench, layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=bench.vocab, max_seq_len=bench.s, num_layers=layers,
+                     num_heads=bench.a, hidden=bench.h, positions="rotary",
+                     dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=True)
+
+
 def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: int = 1
                  ) -> tuple[Any, list[int], list[tuple[int, ...]]]:
     """Deviceless H100 compile of one training step (``train_step_fn``: the pipeline's
@@ -150,9 +165,7 @@ def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: in
       ``[layers / (stages R), ...]``.
     """
     par = _parallel(kind, microbatches, repeats)
-    cfg = GPTConfig(vocab_size=bench.vocab, max_seq_len=bench.s, num_layers=bench.layers,
-                    num_heads=bench.a, hidden=bench.h, positions="rotary",
-                    dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=True)
+    cfg = _gpt_config(bench, bench.layers)
     tx = optax.adamw(1e-4)
     with jax.set_mesh(gpu_mesh(bench.mesh_shape, AXES)):
         gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=par, rngs=nnx.Rngs(0)))
@@ -161,8 +174,9 @@ def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: in
     shared, chunks = [], []
     for x in jax.tree.leaves(params):
         local = x.sharding.shard_shape(x.shape)
-        if "stage" in jax.tree.leaves(tuple(x.sharding.spec)):
-            chunks.append((bench.layers // (bench.stages * repeats), *local[1:]))
+        if "stage" in jax.tree.leaves(tuple(x.sharding.spec)):  # [R,] L / (P R), ...
+            chunks.append((bench.layers // (bench.stages * repeats),
+                           *local[2 if repeats > 1 else 1:]))
         else:
             shared.append(int(np.prod(local)))
     tokens = jax.ShapeDtypeStruct((microbatches, bench.b, bench.s), jnp.int32,
@@ -173,6 +187,46 @@ def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: in
                              mesh_shape=bench.mesh_shape, axis_names=AXES,
                              donate_argnums=(0, 2))
     return report, shared, chunks
+
+
+def layer_scan_weight_residuals(bench: PipelineBench) -> dict[str, Any]:
+    """The weight-shaped residuals of the unpipelined scanned GPT with one stage's blocks
+    (``layers / stages``, no stage axis: ``data 1 x tensor``, the same per-device
+    shards), evaluated abstractly (:func:`sp_jax.analysis.saved_residuals` of its loss).
+
+    Returns:
+      ``layers``; ``bytes``: per-device bytes of the residuals shaped like a stacked
+      block parameter (``[layers, ...]``) that the layer scan outputs (the parameter
+      arguments themselves are not counted); ``by_parameter``: those bytes by the (first)
+      block parameter of the same shape and dtype; ``sources``: JAX's notes on where they come from.
+    """
+    layers = bench.layers // bench.stages
+    par = sp_jax.ParallelConfig(recompute_allgather=True, wgrad_dtype=jnp.float32)
+    mesh = gpu_mesh((1, bench.tensor), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        gpt = nnx.eval_shape(lambda: GPT(_gpt_config(bench, layers), parallel=par,
+                                         rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+        tokens = jax.ShapeDtypeStruct((bench.b, bench.s), jnp.int32,
+                                      sharding=Layout.of(par).tokens)
+        residuals = saved_residuals(
+            lambda p, t: nnx.merge(graphdef, p, rest).loss(t), params, tokens)
+    stacked = {}
+    for path, x in jax.tree.leaves_with_path(params):
+        local = tuple(x.sharding.shard_shape(x.shape))
+        if "blocks" in jax.tree_util.keystr(path) and len(local) > 1 and local[0] == layers:
+            stacked.setdefault((local, str(x.dtype)), jax.tree_util.keystr(path))
+    out: dict[str, Any] = {"layers": layers, "bytes": 0, "by_parameter": {}, "sources": []}
+    for r in residuals:
+        name = stacked.get((tuple(r.device_shape), str(r.dtype)))
+        if name is None or r.source.startswith("from the argument"):
+            continue
+        out["bytes"] += r.device_bytes
+        out["by_parameter"][name] = out["by_parameter"].get(name, 0) + r.device_bytes
+        source = re.sub(r"(?<=from )\S*/", "", r.source)  # the file name, not its path
+        if source not in out["sources"]:
+            out["sources"].append(source)
+    return out
 
 
 # -- what crosses stages ----------------------------------------------------------------
@@ -282,7 +336,7 @@ def stacked_residuals(hlo: str, traffic: dict[str, Any], ticks: int,
     """Per-device bytes of the arrays the forward tick loop stacks over its ``ticks``
     iterations (the carry of the ``while`` that sends activations to the next stage in
     the forward phase: residuals autodiff keeps for the backward loop), in all and those
-    shaped like one layer chunk's parameters (a copy of the stage's weights per tick)."""
+    shaped like one layer chunk's parameters (weights kept once per tick)."""
     names = {name for e in traffic["activations"] if e["direction"] == 1
              and e["phase"] == "forward" for name, _, _ in e["loops"]}
     out = {"total": 0, "weights": 0}
@@ -489,6 +543,7 @@ def run_pipeline(bench: PipelineBench = FULL, log: Callable[[str], None] = _log
     records = memory_sweep(bench, log)
     return {"bench": bench.as_dict(), "shard_bytes": bench.shard_bytes,
             "records": records, "targets": evaluate_targets(bench, records),
+            "layer_scan_residuals": layer_scan_weight_residuals(bench),
             "meta": {"jax": jax.__version__,
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "runtime_s": time.perf_counter() - start}}
@@ -574,7 +629,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                      f["schedule"]["max_live_inputs"],
                      f"{f['temp_bytes'] / g['temp_bytes']:.3f}"])
     out.append(_table(["M", "GPipe temp MiB", "GPipe peak MiB", "GPipe forward loop: "
-                       "residuals stacked over the ticks MiB (of which weight copies)",
+                       "residuals stacked over the ticks MiB (of which fp32 weight-shaped)",
                        "1F1B temp MiB", "1F1B peak MiB", "1F1B stage inputs kept",
                        "1F1B / GPipe temp"], rows))
     f_lo, f_hi = _find(recs, "1f1b", 8), _find(recs, "1f1b", hi)
@@ -588,27 +643,45 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
     rest_tick = (st["total"] - st["weights"]) / ticks_lo / MiB
     lean = g_hi["temp_bytes"] - g_hi["stacked_residuals"]["weights"]
     args = f_lo["argument_bytes"] / MiB
+    layers = bench.layers // bench.stages
+    scan = res.get("layer_scan_residuals")
+    if scan:  # the unpipelined scanned GPT of one stage's blocks keeps the same weights
+        kernels = sum(v for k, v in scan["by_parameter"].items() if "kernel" in k)
+        same = abs(scan["bytes"] - st["weights"] / ticks_lo) <= 0.01 * scan["bytes"]
+        unpipelined = (
+            f" The unpipelined scanned GPT keeps them too, once per step where GPipe keeps "
+            f"them once per tick: `jax.vjp` of the loss of a GPT of the stage's "
+            f"{scan['layers']} blocks on tensor {bench.tensor} "
+            f"(`sp_jax.analysis.saved_residuals`, abstract) keeps "
+            f"{scan['bytes'] / MiB:,.1f} MiB per GPU of fp32 block weights as outputs of its "
+            f"layer scan ({kernels / MiB:,.1f} MiB of it the four kernels of each block"
+            + (", the rest biases" if kernels < scan["bytes"] else "") + ")"
+            + (", as much as GPipe's forward loop stacks per tick" if same else "") + ".")
+    else:
+        unpipelined = ""
     out += ["", (
         f"GPipe differentiates its forward loop, so the residuals of every tick stay alive "
         f"until the backward loop: temp grows by {per_micro:,.0f} MiB per micro-batch "
         f"(one more tick; {g_lo['temp_bytes'] / MiB:,.0f} MiB at M=8, "
         f"{g_hi['temp_bytes'] / MiB:,.0f} MiB at M={hi}). The forward loop's carry shows "
         f"what: per tick {rest_tick:,.0f} MiB of activations, masks and attention "
-        f"statistics of the stage's {bench.layers // bench.stages} layers, and "
-        f"{weights_tick:,.0f} MiB that is a copy of the stage's fp32 layer weights: the "
-        f"chunk a tick runs is picked from the stacked weights by an index read from the "
-        f"schedule's tables (`lax.dynamic_index_in_dim`), and autodiff of the scan saves "
-        f"that slice as a residual of every tick instead of slicing again in the backward "
-        f"loop. Without these copies GPipe's temp at M={hi} would be about "
-        f"{lean / MiB:,.0f} MiB (slicing again in the backward, e.g. a `jax.checkpoint` "
-        f"around the chunk selection, or indexing outside the loop for R = 1, should "
-        f"remove them; not tried here); the 1F1B target holds "
-        f"against that figure too ({f_hi['temp_bytes'] / lean:.2f}x). 1F1B back-propagates "
+        f"statistics of the stage's {layers} layers, and {weights_tick:,.0f} MiB shaped "
+        f"like the stage's fp32 layer weights. These are not copies of the chunk a tick "
+        f"runs (the runner picks it from the stacked weights again in the backward loop: "
+        f"a `jax.checkpoint` around `lax.dynamic_index_in_dim`) but residuals of the layer "
+        f"scan inside the stage: the linear layers' custom VJPs (`sp_jax.ops.linear`) keep "
+        f"each layer's fp32 kernel shard (and bias) for the input gradient, and the scan "
+        f"stacks them." + unpipelined + f" Without them GPipe's temp at "
+        f"M={hi} would be about {lean / MiB:,.0f} MiB (a linear VJP that reads its kernel "
+        f"from the stacked parameters in the backward instead of keeping it would remove "
+        f"them; not tried here); the 1F1B target holds against that figure too "
+        f"({f_hi['temp_bytes'] / lean:.2f}x). 1F1B back-propagates "
         f"each micro-batch as soon as the last stage has its loss and keeps only the stage "
         f"inputs in flight (at most 2V - 1 = {f_lo['schedule']['max_live_inputs']} "
         f"`[b, s/t, h]` shards per stage whatever M, V = stages x R), recomputing the "
-        f"stage's forward inside its backward (`jax.vjp` per tick, so no weight copies "
-        f"either): temp is {f_lo['temp_bytes'] / MiB:,.0f} MiB at M=8 and "
+        f"stage's forward inside its backward (`jax.vjp` per tick, so the layer scan's "
+        f"weight residuals live for one tick): temp is {f_lo['temp_bytes'] / MiB:,.0f} MiB "
+        f"at M=8 and "
         f"{f_hi['temp_bytes'] / MiB:,.0f} MiB at M={hi} "
         f"({f_hi['temp_bytes'] / f_lo['temp_bytes']:.3f}x). The price of the flat memory is "
         f"that recomputation: one more forward per micro-batch and stage (about 4/3 of "
@@ -687,6 +760,10 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                        "other stage-crossing MiB"], rows))
     rec1 = _find(recs, "1f1b", bench.tick_microbatches, 1)
     other = [o for r in recs for o in r["traffic"]["other"]]
+    clean = " and ".join(str(r) for r in sorted(
+        {r["repeats"] for r in recs if not r["traffic"]["other"]}))
+    scope = (f"In every compile (R = {clean})" if not other
+             else f"In the compiles with R = {clean}")
     out += ["", (
         f"Activations: the collective-permutes of the tick loops whose pairs shift the "
         f"stage ring by one (same position on the next / previous stage), bytes x "
@@ -700,7 +777,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         f"{2 * rec1['schedule']['num_ticks'] * bench.shard_bytes / MiB:,.0f} MiB at "
         f"M={bench.tick_microbatches}, R = 1). Every other collective is checked for "
         f"replica groups that span stages (all-gather, reduce-scatter, all-reduce, "
-        f"all-to-all; groups parsed from all three of XLA's notations). At R = 1 the "
+        f"all-to-all; groups parsed from all three of XLA's notations). {scope} the "
         f"only one is the all-reduce over the stage axis of the gradients of the "
         f"parameters every stage holds (tied embedding `[vocab/t, h]` and final norm, "
         f"fp32 since weight gradients are fp32: "
@@ -717,22 +794,10 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         where = [f"{r['kind']} M={r['microbatches']} R={r['repeats']} "
                  f"({r['traffic']['other_bytes'] / MiB:,.0f} MiB)" for r in recs
                  if r["traffic"]["other"]]
-        circular = all(r["repeats"] > 1 for r in recs if r["traffic"]["other"])
         out += ["", (
             "**Also crossing stages:** " + ", ".join(kinds) + " issued by "
-            + ", ".join(f"`{f}`" for f in funcs) + " in " + ", ".join(where) + ", outside "
-            "the tick loops, once per step (operand bytes per GPU; a device whose data "
-            "stays on its stage sends to itself)." + (
-                " Only the circular schedule has them: the GPT stores its stacked blocks "
-                "layer-major, `[L, ...]` split over the stage axis in contiguous runs of "
-                "L/P layers, while the circular schedule runs chunk r P + s on stage s, so "
-                "the step re-lays the block parameters out to `[P, R, L/(P R), ...]` "
-                "before the loop and their fp32 gradients back after it: here the "
-                "operands are all of a stage's fp32 block weights one way and all of "
-                "their gradients the other, several times the activation traffic. "
-                "Storing the blocks in the circular order (a permutation of the layer "
-                "axis at initialisation and checkpoint load) "
-                "would make both local, as they are for R = 1." if circular else ""))]
+            + ", ".join(f"`{f}`" for f in funcs) + " in " + ", ".join(where) + " (operand "
+            "bytes per GPU and step).")]
     return "\n".join(out) + "\n"
 
 
