@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.memory import TERMS
+from benchmarks.pipeline import render_markdown as render_pipeline
 from benchmarks.targets import MiB
 from benchmarks.variants import LABELS, VARIANTS
 
@@ -715,6 +716,16 @@ def plot_context(res: dict[str, Any], docs: Path) -> list[Path]:
     return [path]
 
 
+def _pipeline_section(res) -> str:
+    """``benchmarks.pipeline``'s section (its own targets, tables and prose)."""
+    pl = res.get("pipeline")
+    if not pl:
+        return ""
+    if "error" in pl:
+        return f"## Pipeline parallelism\n\nNot measured: `{pl['error']}`\n"
+    return render_pipeline(pl)
+
+
 def _plan_section(res) -> str:
     pl = res.get("plan")
     if not pl:
@@ -768,7 +779,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     ]
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),
             _gpu_section(res), _stacks_section(res), _time_section(res),
-            _gpt_time_section(res), _context_section(res), _plan_section(res)]
+            _gpt_time_section(res), _context_section(res), _pipeline_section(res),
+            _plan_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)

@@ -23,6 +23,9 @@ from benchmarks.collectives import MEGATRON, cpu_block_collectives
 from benchmarks.context import ContextBench, LongRun, run_context_cpu, run_context_gpu
 from benchmarks.gpt_timing import Model
 from benchmarks.memory import activation_memory
+from benchmarks.pipeline import FULL as PIPELINE_FULL
+from benchmarks.pipeline import QUICK as PIPELINE_QUICK
+from benchmarks.pipeline import PipelineBench, run_pipeline
 from benchmarks.stacks import STACK_VARIANTS, Stack
 from benchmarks.targets import evaluate_targets
 from benchmarks.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
@@ -50,6 +53,7 @@ class Config:
     gpt_models: tuple[Model, ...]  # CPU training step time, sp_jax vs the GSPMD GPT
     gpt_rounds: int
     context: ContextBench  # long context: ring / Ulysses on a context axis
+    pipeline: PipelineBench  # pipeline parallelism: GPipe vs 1F1B (deviceless H100)
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
@@ -87,6 +91,7 @@ FULL = Config(
         comm=(LongRun("ring", 4, 2, 131072), LongRun("ulysses", 4, 2, 131072)),
         balance_s=131072, balance_contexts=(2, 4, 8),
         timing_s=2048, timing_heads=8, timing_head_dim=64, timing_rounds=15),
+    pipeline=PIPELINE_FULL,
 )
 
 QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
@@ -115,6 +120,8 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
         comm=(LongRun("ring", 4, 2, 256), LongRun("ulysses", 4, 2, 256)),
         balance_s=1024, balance_contexts=(4,),
         timing_s=256, timing_heads=8, timing_head_dim=16, timing_rounds=2),
+    # M = 8 only (the targets' and tables' M), R = 1: one compile per schedule
+    pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,)),
 )
 
 
@@ -219,7 +226,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
-            if name not in ("gpu", "stacks", "context", "plan"):
+            if name not in ("gpu", "stacks", "context", "pipeline", "plan"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -239,6 +246,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("gpt_step_time", lambda: _gpt_times(cfg))
     section("context", lambda: run_context_gpu(cfg.context, log=_log))
     section("context_cpu", lambda: run_context_cpu(cfg.context))
+    section("pipeline", lambda: run_pipeline(cfg.pipeline, log=_log))  # CUDA plugin
     if cfg.plans:
         from benchmarks.plan import run_plans
 
@@ -258,7 +266,8 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         "config": {k: v for k, v in dataclasses.asdict(cfg).items()
                    if not isinstance(v, dict | tuple | list) or k.endswith("_values")} | {
             k: getattr(cfg, k).as_dict()
-            for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context")} | {
+            for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context",
+                      "pipeline")} | {
             "stacks": [s.as_dict() for s in cfg.stacks],
             "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }

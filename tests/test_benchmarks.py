@@ -205,6 +205,12 @@ def test_quick_run_writes_report(tmp_path):
         gpt_run["ratio_to_reference"]["sp_jax"] <= 1.0)
     assert "## CPU: the whole GPT training step" in md
     assert "## Long context: a context mesh axis" in md
+    # the pipeline section sits after the long-context one and before the planner's (none
+    # in a quick run)
+    heads = [line for line in md.splitlines() if line.startswith("## ")]
+    pipe = heads.index("## Pipeline parallelism")
+    assert heads[pipe - 1:pipe + 2] == ["## Long context: a context mesh axis",
+                                        "## Pipeline parallelism", "## Run"]
     if HAS_CUDA_PLUGIN:
         # the structural memory and overlap targets hold at any shape (which collectives
         # get compute to overlap is the scheduler's cost-model decision, shape-dependent:
@@ -222,10 +228,21 @@ def test_quick_run_writes_report(tmp_path):
             roles = {o["role"] for o in gpt[v]["ops"]}
             assert "LM head: column dx reduce-scatter" in roles, roles
         assert set(data["gpu"]) == {"block", "gpt"}  # no attention-barrier probe
+        # the pipeline benchmark (benchmarks/pipeline.py): one compile per schedule at M=8
+        pl = data["pipeline"]
+        assert [(r["kind"], r["microbatches"], r["repeats"]) for r in pl["records"]] == [
+            ("gpipe", 8, 1), ("1f1b", 8, 1)]
+        for t in pl["targets"]:
+            assert f"| {t['target']} | {t['measured']} |" in md
+        # ticks, activation bytes and what crosses stages hold at any shape
+        assert all(t["met"] is True for t in pl["targets"][-3:]), pl["targets"]
+        assert pl["layer_scan_residuals"]["bytes"] > 0
     else:
         for tid in ("h100_async", "h100_peak", "stack_peak", "cm_rings"):
             assert by_id[tid]["met"] is None
             assert by_id[tid]["measured"].startswith("not measured")
+        assert "error" in data["pipeline"]
+        assert "## Pipeline parallelism\n\nNot measured: `" in md
     assert "barrier_probe" not in json.dumps(data) and "Diagnostic" not in md
 
     mem = data["memory"]["realistic"]
