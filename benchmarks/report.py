@@ -733,15 +733,24 @@ def _plan_section(res) -> str:
     if "error" in pl:
         return f"## Memory planner\n\nNot measured: `{pl['error']}`\n"
     out = ["## Memory planner (`python -m sp_jax.plan`)", "",
-           "Per-GPU memory of GPT training runs from deviceless H100 compiles of the real "
-           "training step (`sp_jax.training.train_step_fn`: forward, backward, AdamW; "
-           "parameters and optimizer state donated; layers scanned; bf16 compute, fp32 "
-           "master weights; `recompute_allgather` always on), for the layouts "
-           "`sp_jax.analysis.plan.candidates` proposes. Parameters and optimizer state: the "
-           "per-device shards the step takes (formula beside); gradients: fp32 shards like "
-           "the parameters; activations + temp: XLA's temp minus the gradients (formula: "
-           "selective-recompute TP+SP activations, rough); collectives: bytes per step "
-           "(the scanned layer's once per layer).", ""]
+           'Per-GPU memory of GPT training runs from deviceless H100 compiles of the real '
+           'training step (`sp_jax.training.train_step_fn`: forward, backward, AdamW; '
+           'parameters and optimizer state donated; layers scanned; bf16 compute, fp32 '
+           'master weights; `recompute_allgather` always on), for the layouts '
+           '`sp_jax.analysis.plan.candidates` proposes: meshes data x context x tensor, '
+           'and, where there are GPUs beyond one tensor group, pipelined meshes stages x '
+           'data x context x tensor (the stage axis outermost, across hosts; the two '
+           'largest stage counts that divide the layers and those GPUs; a 1F1B schedule of '
+           'M = 4 x stages micro-batches of one sequence per data shard, so a pipelined '
+           "row's batch is data x M; `--stages` and `--microbatches` choose others). "
+           'Parameters and optimizer state: the per-device shards the step takes (formula '
+           "beside; a pipeline divides the layers' share by the stages); gradients: fp32 "
+           "shards like the parameters; activations + temp: XLA's temp minus the gradients "
+           '(formula: selective-recompute TP+SP activations only, rough; a 1F1B stage '
+           "keeps 2 x stages - 1 bf16 stage inputs `[b, s/(c t), h]` and one micro-batch's "
+           'activations of its L / stages layers); collectives: bytes per step, each '
+           'collective of the compiled program times the trip counts of the loops around '
+           'it (`sp_jax.analysis.hlo.execution_counts`).', ""]
     for p in pl["plans"]:
         out += [f"### {p['model']}, s={p['seq']:,}, {p['gpus']} GPUs", "", p["table"], ""]
     sm = pl["small"]

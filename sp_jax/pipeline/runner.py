@@ -274,8 +274,9 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
                 # some stage forwards in every tick: no condition (see _when)
                 x = jnp.where(first, program.embed(
                     shared, tokens[m], None if ekeys is None else ekeys[m]), recv)
-                # the chunk is picked again in the backward loop: autodiff would
-                # otherwise keep a copy of the stage's weights per tick
+                # the chunk is picked again in the backward loop, not kept per tick
+                # (the layers' custom VJPs still keep their kernel shards per tick:
+                # BENCHMARKS.md, "Pipeline parallelism")
                 chunk = jax.checkpoint(_chunk)(stages, r)
                 y = program.stage(chunk, x, _keys_at(lkeys, m, r, s))
                 y = jnp.where(active, y, jnp.zeros_like(y))
