@@ -84,7 +84,8 @@ def test_readme_hf_round_trip_runs(tmp_path, monkeypatch):
 
     from sp_jax.models import hf
 
-    code = re.findall(r"```python\n(.*?)```", README, re.S)[2]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", README, re.S)
+                if "hf.from_hf" in c)
     assert "hf.from_hf" in code and "hf.to_hf" in code and len(code.splitlines()) <= 10
     monkeypatch.chdir(ROOT)
     code = code.replace('"runs/llama-out"', repr(str(tmp_path / "out")))

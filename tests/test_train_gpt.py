@@ -346,7 +346,11 @@ def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
         (["--loss-spike", "0.5"], "--loss-spike 0.5 must be > 1"),
         (["--max-update-ratio", "-1"], "--max-update-ratio -1.0 must be >= 0 and finite"),
         (["--peer-timeout", "0"], "--peer-timeout 0.0: must be a positive number of seconds"),
-        (["--mesh", "0,4"], "--mesh '0,4': expected DATA,TENSOR or DATA,CONTEXT,TENSOR"),
+        (["--mesh", "0,4"], "--mesh '0,4': expected DATA,TENSOR, DATA,CONTEXT,TENSOR or "
+                                "STAGE,DATA,CONTEXT,TENSOR"),
+            (["--microbatches", "4"], "--microbatches and --pipeline-repeats need a pipeline"),
+            (["--mesh", "2,1,1,4", "--layers", "3"], "--layers 3 must divide by STAGE x "
+                                                    "--pipeline-repeats = 2"),
         (["--batch-size", "6", "--micro-batches", "4"],
          "--batch-size 6 is not divisible by --micro-batches 4"),
         (["--save-every", "3"], "--save-every / --resume need --ckpt-dir"),
