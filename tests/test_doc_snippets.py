@@ -5,7 +5,9 @@ snippets simulate their own devices), and nothing scary on stderr.
 Which blocks run: every ``python`` block, and every ``bash`` block except the two make
 commands (``make test`` is this suite). Blocks that cannot run here are fenced otherwise:
 ``text`` for output shown, ``sh`` for templates to adapt (a SLURM script, commands for
-several hosts). Each block runs in a fresh directory holding links to the clone's
+several hosts), ``console`` for commands that take minutes (the 70B planner run, whose
+table ``make bench`` reproduces; tests/test_plan.py runs the same command line on a small
+model). Each block runs in a fresh directory holding links to the clone's
 ``tests/``, ``examples/`` and ``.venv/``, so what it writes (``runs/...``) stays there.
 """
 
