@@ -716,22 +716,28 @@ def plot_context(res: dict[str, Any], docs: Path) -> list[Path]:
     return [path]
 
 
+def _unmeasured(res, key: str, title: str) -> str | None:
+    """``""`` when the run has no ``key`` section, the "Not measured" section when it
+    failed, else None (render it)."""
+    section = res.get(key)
+    if not section:
+        return ""
+    if "error" in section:
+        return f"## {title}\n\nNot measured: `{section['error']}`\n"
+    return None
+
+
 def _pipeline_section(res) -> str:
     """``benchmarks.pipeline``'s section (its own targets, tables and prose)."""
-    pl = res.get("pipeline")
-    if not pl:
-        return ""
-    if "error" in pl:
-        return f"## Pipeline parallelism\n\nNot measured: `{pl['error']}`\n"
-    return render_pipeline(pl)
+    skipped = _unmeasured(res, "pipeline", "Pipeline parallelism")
+    return render_pipeline(res["pipeline"]) if skipped is None else skipped
 
 
 def _plan_section(res) -> str:
-    pl = res.get("plan")
-    if not pl:
-        return ""
-    if "error" in pl:
-        return f"## Memory planner\n\nNot measured: `{pl['error']}`\n"
+    skipped = _unmeasured(res, "plan", "Memory planner")
+    if skipped is not None:
+        return skipped
+    pl = res["plan"]
     out = ["## Memory planner (`python -m sp_jax.plan`)", "",
            'Per-GPU memory of GPT training runs from deviceless H100 compiles of the real '
            'training step (`sp_jax.training.train_step_fn`: forward, backward, AdamW; '

@@ -386,12 +386,17 @@ def _plan_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     fsdp = [r for r in r7 if r["option"]["fsdp"] and not r["error"]]
     out.append(_target(*ids[0], any(r["fits"] for r in fsdp),
                        "; ".join(desc(r) for r in r7)))
-    r128 = [r for r in rows("7b", 131072, 64) if not r["error"]]
-    best = min(r128, key=lambda r: r["peak_bytes"]) if r128 else None
-    text = "; ".join(desc(r) for r in r128) or "no layout compiled"
-    if best and not best["fits"]:
-        text += f" (best misses by {(best['peak_bytes'] - 80e9) / GiB:.1f} GiB)"
-    out.append(_target(*ids[1], bool(best) and best["fits"], text))
+
+    def fits_or_misses(target, model, seq, gpus):
+        """Met when the best compiled layout fits; else says by how much it misses."""
+        done = [r for r in rows(model, seq, gpus) if not r["error"]]
+        best = min(done, key=lambda r: r["peak_bytes"]) if done else None
+        text = "; ".join(desc(r) for r in done) or "no layout compiled"
+        if best and not best["fits"]:
+            text += f" (best misses by {(best['peak_bytes'] - 80e9) / GiB:.1f} GiB)"
+        return _target(*target, bool(best) and best["fits"], text)
+
+    out.append(fits_or_misses(ids[1], "7b", 131072, 64))
     r70 = rows("70b", 4096, 64)
     flat = [r for r in r70 if r["option"].get("stages", 1) == 1]  # no pipeline
     full = [r for r in flat if r["option"]["fsdp"] and r["option"]["remat"]]
@@ -402,12 +407,7 @@ def _plan_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     piped = [r for r in r70 if r["option"].get("stages", 1) > 1 and not r["error"]]
     out.append(_target(*ids[3], any(r["fits"] for r in piped),
                        "; ".join(desc(r) for r in piped) or "no pipelined layout compiled"))
-    r175 = [r for r in rows("gpt3-175b", 2048, 128) if not r["error"]]
-    best = min(r175, key=lambda r: r["peak_bytes"]) if r175 else None
-    text = "; ".join(desc(r) for r in r175) or "no layout compiled"
-    if best and not best["fits"]:
-        text += f" (best misses by {(best['peak_bytes'] - 80e9) / GiB:.1f} GiB)"
-    out.append(_target(*ids[4], bool(best) and best["fits"], text))
+    out.append(fits_or_misses(ids[4], "gpt3-175b", 2048, 128))
     worst = 0.0
     for p in pl["plans"]:
         for r in p["rows"]:

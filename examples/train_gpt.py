@@ -86,8 +86,9 @@ def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: ByteCorp
              if jax.process_count() > 1 else "")
     cp = f"; {args.context_parallel} attention" if args.mesh_shape[2] > 1 else ""
     if args.mesh_shape[0] > 1:
+        chunks = args.pipeline_repeats
         cp += (f"; {args.pipeline_schedule} pipeline, {args.microbatches} micro-batches"
-               f"{f', {args.pipeline_repeats} chunks per stage' if args.pipeline_repeats > 1 else ''}")
+               f"{f', {chunks} chunks per stage' if chunks > 1 else ''}")
     say(f"mesh: {mesh_description(mesh)} on {mesh.size} of {jax.device_count()} "
         f"{jax.devices()[0].platform} devices{procs}; recompute_allgather="
         f"{args.recompute_allgather}{cp}{'; fsdp' if args.fsdp else ''}")

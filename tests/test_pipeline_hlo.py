@@ -21,14 +21,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 
 import sp_jax
-from sp_jax.analysis.hlo import (
-    crosses,
-    execution_counts,
-    parse_collectives,
-    replica_groups,
-    source_target_pairs,
-    while_loops,
-)
+from sp_jax.analysis import hlo
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.pipeline import pipeline_schedule
 from sp_jax.training.step import train_step_fn
@@ -78,23 +71,23 @@ ENTRY %main (a: f32[2,4]) -> f32[2,4] {
 
 def test_hlo_helpers_read_groups_pairs_loops_and_counts():
     # replica groups in XLA's three notations (and the "every device" empty list)
-    assert replica_groups("replica_groups={{0,1},{2,3}}") == ((0, 1), (2, 3))
-    assert replica_groups("x, replica_groups={}, y") == ()
-    assert replica_groups("replica_groups=[2,4]<=[8]") == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert replica_groups("replica_groups=[2,2]<=[2,2]T(1,0)") == ((0, 2), (1, 3))
-    assert replica_groups("replica_groups=mesh['a'=2,'b'=1,'c'=4] {'c'}") == (
+    assert hlo.replica_groups("replica_groups={{0,1},{2,3}}") == ((0, 1), (2, 3))
+    assert hlo.replica_groups("x, replica_groups={}, y") == ()
+    assert hlo.replica_groups("replica_groups=[2,4]<=[8]") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert hlo.replica_groups("replica_groups=[2,2]<=[2,2]T(1,0)") == ((0, 2), (1, 3))
+    assert hlo.replica_groups("replica_groups=mesh['a'=2,'b'=1,'c'=4] {'c'}") == (
         (0, 1, 2, 3), (4, 5, 6, 7))
     # device ids iota([2,4]) transposed: [0,4,1,5,2,6,3,7] laid out over the mesh [4,1,2];
     # along 'a': {0,1,2,3} and {4,5,6,7}
-    assert replica_groups("replica_groups=mesh['a'=4,'b'=1,'c'=2], device_ids=([2,4]T(1,0)) "
+    assert hlo.replica_groups("replica_groups=mesh['a'=4,'b'=1,'c'=2], device_ids=([2,4]T(1,0)) "
                           "{'a'}") == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert replica_groups("replica_groups=mesh['a'=4] {'a':(1)2}") == ((0, 2), (1, 3))
-    assert replica_groups("all-gather(%x), dimensions={0}") is None
+    assert hlo.replica_groups("replica_groups=mesh['a'=4] {'a':(1)2}") == ((0, 2), (1, 3))
+    assert hlo.replica_groups("all-gather(%x), dimensions={0}") is None
     with pytest.raises(ValueError, match="unknown form"):
-        replica_groups("replica_groups=something_new")
-    assert source_target_pairs("source_target_pairs={{0,1},{1,0}}") == ((0, 1), (1, 0))
+        hlo.replica_groups("replica_groups=something_new")
+    assert hlo.source_target_pairs("source_target_pairs={{0,1},{1,0}}") == ((0, 1), (1, 0))
 
-    cols = {c.name: c for c in parse_collectives(HLO)}
+    cols = {c.name: c for c in hlo.parse_collectives(HLO)}
     assert cols["ar"].groups == ((0, 1), (2, 3)) and cols["ar"].computation == "main"
     assert cols["ag"].groups == ((0, 1), (2, 3))
     assert cols["cp"].pairs == ((0, 2), (2, 0), (1, 3), (3, 1)) and cols["cp"].groups is None
@@ -103,17 +96,17 @@ def test_hlo_helpers_read_groups_pairs_loops_and_counts():
     def pair_of(d):  # devices {0, 1} and {2, 3}
         return d // 2
 
-    assert crosses(cols["cp"], pair_of)
-    assert not crosses(cols["ar"], pair_of) and not crosses(cols["rs"], pair_of)
-    assert crosses(cols["ar"], lambda d: d % 2)
+    assert hlo.crosses(cols["cp"], pair_of)
+    assert not hlo.crosses(cols["ar"], pair_of) and not hlo.crosses(cols["rs"], pair_of)
+    assert hlo.crosses(cols["ar"], lambda d: d % 2)
 
-    (loop,) = while_loops(HLO)
+    (loop,) = hlo.while_loops(HLO)
     assert (loop.name, loop.computation, loop.body, loop.condition, loop.trip_count) == (
         "w", "main", "body", "cond", 5)
-    counts = execution_counts(HLO)
+    counts = hlo.execution_counts(HLO)
     assert counts["main"] == 1 and counts["body"] == 5 and counts["cond"] == 6
     assert counts["add"] == 2  # the reducer of two collectives of the entry
-    assert execution_counts(HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}',
+    assert hlo.execution_counts(HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}',
                                         ""))["body"] is None
 
 
@@ -139,12 +132,12 @@ def _compiled(kind: str, mesh_shape: tuple[int, ...]) -> tuple[str, Counter[int]
             (MICRO, B_LOCAL * mesh_shape[1], SEQ), jnp.int32,
             sharding=NamedSharding(mesh, sp_jax.Layout.of(par).micro_batched_tokens))
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-        hlo = jax.jit(train_step_fn(graphdef, tx), donate_argnums=(0, 2)).lower(
+        text = jax.jit(train_step_fn(graphdef, tx), donate_argnums=(0, 2)).lower(
             params, rest, opt_state, {"tokens": tokens, "labels": tokens}, key
         ).compile().as_text()
     shared = Counter(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(params)
                      if "stage" not in jax.tree.leaves(tuple(x.sharding.spec)))
-    return hlo, shared
+    return text, shared
 
 
 CONFIGS = [
@@ -158,7 +151,7 @@ CONFIGS = [
 @pytest.mark.parametrize(("kind", "mesh_shape"), CONFIGS)
 def test_only_activation_permutes_cross_stages_one_per_tick_and_direction(
         kind: str, mesh_shape: tuple[int, ...]):
-    hlo, shared = _compiled(kind, mesh_shape)
+    text, shared = _compiled(kind, mesh_shape)
     stages, data, context, tensor = mesh_shape
     devices = math.prod(mesh_shape)
     per_stage = devices // stages
@@ -166,13 +159,13 @@ def test_only_activation_permutes_cross_stages_one_per_tick_and_direction(
     def stage(d: int) -> int:  # the stage axis is outermost
         return d // per_stage
 
-    counts = execution_counts(hlo)
-    loops = {loop.body: loop for loop in while_loops(hlo)}
+    counts = hlo.execution_counts(text)
+    loops = {loop.body: loop for loop in hlo.while_loops(text)}
     shard = (B_LOCAL, SEQ // (context * tensor), HIDDEN)
     permutes: list[Any] = []
     reduced: Counter[int] = Counter()
-    for c in parse_collectives(hlo):
-        if not crosses(c, stage):
+    for c in hlo.parse_collectives(text):
+        if not hlo.crosses(c, stage):
             continue
         if c.kind == "collective-permute":
             # an activation (or its gradient): the SP shard, one stage along the ring
