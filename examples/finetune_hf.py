@@ -71,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
     if args.no_dropout:
         overrides.update(dropout=0.0, attention_dropout=0.0)
-    if args.mesh.count(",") == 3:  # a STAGE axis: the stages hold slices of the stack
+    if cli.scan_layers(args):  # a STAGE axis: the stages hold slices of the stack
         overrides["scan_layers"] = True
     with jax.set_mesh(mesh):
         try:  # the library's checks (sizes against the mesh, the checkpoint) name the fix

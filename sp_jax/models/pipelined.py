@@ -17,6 +17,7 @@ weight gradients of all micro-batches are reduced over the data axes once per st
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -25,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import parallel_cross_entropy
+from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
 from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
 
@@ -161,8 +162,8 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     schedule = pipeline_schedule(kind, stages, micro, repeats)
     # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
     # the caller placed), whole sequences (ring attention's zigzag order is taken here)
-    rows = par.data_axes[0] if len(par.data_axes) == 1 else (par.data_axes or None)
-    tokens, labels = (jax.reshard(x, P(None, rows, None)) for x in (tokens, labels))
+    whole = Layout.of(par).spec(None, "activation_batch", None)
+    tokens, labels = (jax.reshard(x, whole) for x in (tokens, labels))
     order = model._order(tokens[0])
     if order is not None:
         tokens, labels = (jnp.take(x, jnp.asarray(order), axis=2) for x in (tokens, labels))
@@ -174,10 +175,9 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], stages, repeats)
     program = _program(model, order, ignore_index, label_smoothing, z_loss)
-    run = one_f_one_b if kind == "1f1b" else gpipe
+    run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
     loss, result = run(program, schedule, shared, blocks, tokens, labels, keys,
-                       stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh,
-                       grads=grads)
+                       stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh)
     if not grads:
         return loss, None
     g_shared, g_blocks = result
@@ -218,11 +218,12 @@ def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
         micro = 1
     batch = tokens.shape[0] // micro
 
-    rows = par.data_axes[0] if len(par.data_axes) == 1 else (par.data_axes or None)
+    layout = Layout.of(par)
 
     def split(x):  # micro-batch i: rows i, i + M, ... (no data moves between devices)
-        x = jnp.reshape(jax.reshard(x, P(rows, None)), (batch, micro, x.shape[1]),
-                        out_sharding=NamedSharding(mesh, P(rows, None, None)))
+        x = jnp.reshape(jax.reshard(x, layout.spec("activation_batch", None)),
+                        (batch, micro, x.shape[1]), out_sharding=NamedSharding(
+                            mesh, layout.spec("activation_batch", None, None)))
         return jnp.swapaxes(x, 0, 1)
 
     tokens, labels = split(tokens), split(labels)

@@ -66,10 +66,15 @@ class StageProgram:
     head: Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
+def _kept(entry: Any, axes: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry that are among ``axes``."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return tuple(n for n in names if n in axes)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Axes:
-    """The manual axes of the pipeline's ``shard_map`` and a tree of each parameter's
-    spec over them."""
+    """The manual axes of the pipeline's ``shard_map``: the stage and the data axes."""
 
     stage: str
     data: tuple[str, ...]
@@ -83,21 +88,15 @@ class _Axes:
         spec = jax.typeof(x).sharding.spec
         entries = []
         for entry in (*spec, *([None] * (x.ndim - len(spec)))):
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            kept = tuple(n for n in names if n in self.manual)
+            kept = _kept(entry, self.manual)
             entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
         return P(*entries)
 
 
 def _data_dims(spec: P, data: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
     """(dimension, data axes) of each dimension of ``spec`` sharded over data axes."""
-    out = []
-    for dim, entry in enumerate(spec):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        axes = tuple(n for n in names if n in data)
-        if axes:
-            out.append((dim, axes))
-    return out
+    return [(dim, _kept(entry, data)) for dim, entry in enumerate(spec)
+            if _kept(entry, data)]
 
 
 def _gather(x: jax.Array, spec: P, data: tuple[str, ...]) -> jax.Array:
@@ -309,15 +308,11 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
 def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 stages: Any, tokens: jax.Array, labels: jax.Array,
                 keys: tuple[Any, Any] | None, *, stage_axis: str,
-                data_axes: tuple[str, ...], mesh: Any, grads: bool = True
-                ) -> tuple[jax.Array, tuple[Any, Any]]:
+                data_axes: tuple[str, ...], mesh: Any) -> tuple[jax.Array, tuple[Any, Any]]:
     """Loss sum and gradients of a 1F1B pipeline step: arguments and results as
-    :func:`gpipe`, ``schedule`` a ``"1f1b"`` one (``grads`` must be True: a loss alone
-    is :func:`gpipe`'s forward). Gradients accumulate in float32 and come back in the
-    parameters' dtypes."""
-    if not grads:
-        raise ValueError("one_f_one_b computes gradients; use gpipe(..., grads=False) "
-                         "for the loss alone.")
+    :func:`gpipe` with ``grads`` (a loss alone is :func:`gpipe`'s forward), ``schedule``
+    a ``"1f1b"`` one. Gradients accumulate in float32 and come back in the parameters'
+    dtypes."""
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
     stage_specs = jax.tree.map(axes.restrict, stages)

@@ -45,7 +45,7 @@ __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_model_arguments", "add_parallel_arguments", "add_trainer_arguments",
            "check_model_args", "check_pipeline_args", "check_run_args", "description",
            "lr_schedule", "model_config", "optimizer", "parallel_config", "run_metadata",
-           "shared_settings"]
+           "scan_layers", "shared_settings"]
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "gpt": lambda **o: GPTConfig(**{"vocab_size": 256, "max_seq_len": 128, "num_layers": 2,
@@ -305,10 +305,17 @@ def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfi
     """The :class:`GPTConfig` of ``--preset`` with the model flags (after
     :func:`check_model_args`), no dropout, fp32 parameters, ``--precision`` compute."""
     overrides = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()}
-    scan = args.mesh.count(",") == 3  # a STAGE axis: stages hold slices of the stack
     return PRESETS[args.preset](
         **overrides, vocab_size=vocab_size, dropout=0.0, param_dtype=jnp.float32,
-        dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32, scan_layers=scan)
+        dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32,
+        scan_layers=scan_layers(args))
+
+
+def scan_layers(args: argparse.Namespace) -> bool:
+    """Whether the model scans its layers: when ``--mesh`` names a STAGE axis (the
+    stages hold slices of the stacked blocks; ``1,D,C,T`` too, so that its checkpoints
+    move to and from pipelined runs)."""
+    return args.mesh.count(",") == 3
 
 
 def check_run_args(args: argparse.Namespace) -> TrainerConfig:
