@@ -71,7 +71,7 @@ def test_default_leaves_out_site_and_dist_packages(tmp_path, monkeypatch):
     _write(tmp_path / "lib" / "mod.py", b"x = 1\n" * 100)
     _write(tmp_path / "lib" / "site-packages" / "pkg.py", b"y = 2\n" * 100)
     _write(tmp_path / "lib" / "dist-packages" / "pkg.py", b"z = 3\n" * 100)
-    monkeypatch.setattr(sp_jax.data, "default_patterns",
+    monkeypatch.setattr(sp_jax.data.corpus, "default_patterns",
                         lambda: [str(tmp_path / "lib" / "**" / "*.py")])
     corpus = ByteCorpus.from_files(seq_len=SEQ)
     assert corpus.files == 1

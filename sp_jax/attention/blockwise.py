@@ -15,6 +15,7 @@ from sp_jax.attention.kernels import (
     block_size,
     check_qkv,
     forward_blocks,
+    kernel_segments,
     q_from_kernel,
     q_to_kernel,
     row_delta,
@@ -23,18 +24,25 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 
-__all__ = ["IMPLEMENTATIONS", "blockwise_attention"]
+__all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments"]
 
 IMPLEMENTATIONS = ("xla", "cudnn")
 """Kernels of :func:`blockwise_attention`: sp_jax's (every backend) or cuDNN's (GPU)."""
 _F32 = jnp.float32
 
 
-def _blockwise_forward(q, k, v, drop, bq, bk):
+def _pair(seg):
+    """Kernel document ids ``[b, s]`` (or None) as the kernels' ``(q_seg, k_seg)``."""
+    return None if seg is None else (seg, seg)
+
+
+def _blockwise_forward(q, k, v, drop, seg, bq, bk):
     """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
-    lse, count); ``drop``: None or ``(AttentionDropout, positions)``."""
+    lse, count); ``drop``: None or ``(AttentionDropout, positions)``; ``seg``: None or
+    the kernel document ids ``[b, s]``."""
     o, lse, count = forward_blocks(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v),
-                                    causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop))
+                                    causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
+                                    segments=_pair(seg))
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
@@ -43,7 +51,7 @@ def _kernel_drop(drop):
     return None if drop is None else (drop[0], drop[1], drop[1])
 
 
-def _blockwise_backward(res, d_out, drop, bq, bk):
+def _blockwise_backward(res, d_out, drop, seg, bq, bk):
     # Tie the residuals to the incoming cotangent: otherwise XLA's CSE may merge the
     # recomputed scores with the forward ones and keep those alive until backward.
     res, d_out = lax.optimization_barrier((res, d_out))
@@ -52,25 +60,26 @@ def _blockwise_backward(res, d_out, drop, bq, bk):
     qh, kh, vh, doh = q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(d_out, hk)
     dq, dk, dv, count = backward_blocks(
         qh, kh, vh, doh, lse, row_delta(doh, q_to_kernel(out, hk)),
-        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop))
+        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
+        segments=_pair(seg))
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _blockwise(q, k, v, drop, bq, bk):
-    return _blockwise_forward(q, k, v, drop, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q, k, v, drop, seg, bq, bk):
+    return _blockwise_forward(q, k, v, drop, seg, bq, bk)[0]
 
 
-def _blockwise_fwd(q, k, v, drop, bq, bk):
-    out, lse, _ = _blockwise_forward(q, k, v, drop, bq, bk)
-    return out, ((q, k, v, out, lse), drop)
+def _blockwise_fwd(q, k, v, drop, seg, bq, bk):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk)
+    return out, ((q, k, v, out, lse), drop, seg)
 
 
 def _blockwise_bwd(bq, bk, res, d_out):
-    res, drop = res
-    return (*_blockwise_backward(res, d_out, drop, bq, bk)[0], None)
+    res, drop, seg = res
+    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk)[0], None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -79,7 +88,8 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int = 512,
                         block_k: int = 512, implementation: str = "xla",
                         dropout: AttentionDropout | None = None,
-                        positions: jax.Array | None = None) -> jax.Array:
+                        positions: jax.Array | None = None,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal softmax attention in blocks (flash attention), on one device's arrays.
 
     Online softmax over key blocks with fp32 running statistics; key blocks above the
@@ -102,11 +112,22 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
       dropout: dropout on the probabilities (:class:`AttentionDropout`), or None.
       positions: int ``[seq]``: the global positions of the rows, which the dropout mask
         depends on (default ``0 .. seq - 1``; causality uses the row order).
+      segment_ids: int ``[batch, seq]`` document ids of packed rows (0 = padding), or
+        None: a query attends only to earlier keys of its own document, and block
+        products whose rows share no document in any batch row are skipped, not computed
+        and masked (exactly so for packed rows, whose ids never decrease; padding counts
+        as the last document). ``"xla"`` only.
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     """
     check_qkv("blockwise_attention", q, k, v)
     drop = drop_arguments(dropout, positions, q.shape[1], implementation)
+    seg = check_segments("blockwise_attention", segment_ids, q)
+    if implementation == "cudnn" and seg is not None:
+        raise ValueError(
+            "blockwise_attention: segment_ids (packed documents) need implementation='xla': "
+            "jax.nn.dot_product_attention's cuDNN kernel takes no document ids in this JAX "
+            "(only a dense [s, s] mask, which would undo the memory savings).")
     if implementation == "cudnn":
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -120,5 +141,22 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         raise ValueError(f"implementation={implementation!r}: use 'xla' or 'cudnn'.")
     s = q.shape[1]
     bq, bk = block_size(s, block_q, "block_q"), block_size(s, block_k, "block_k")
-    return _blockwise(*same_vma(q, k, v), drop, bq, bk)
+    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk)
+
+
+def check_segments(name: str, segment_ids: jax.Array | None, q: jax.Array,
+                   length: int | None = None) -> jax.Array | None:
+    """``segment_ids`` ``[batch, length]`` (default ``q``'s sequence) as kernel ids, or
+    None; a TypeError / ValueError naming ``name`` for other shapes or dtypes."""
+    if segment_ids is None:
+        return None
+    segment_ids = jnp.asarray(segment_ids)
+    want = (q.shape[0], q.shape[1] if length is None else length)
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"{name}: segment_ids must be integer document ids, got dtype "
+                        f"{segment_ids.dtype}.")
+    if tuple(segment_ids.shape) != want:
+        raise ValueError(f"{name}: segment_ids of shape {tuple(segment_ids.shape)} must be "
+                         f"[batch, seq] = {want}, one document id per row of q {q.shape}.")
+    return kernel_segments(segment_ids)
 

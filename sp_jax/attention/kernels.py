@@ -21,10 +21,17 @@ from sp_jax.attention.dropout import drop_scale
 from sp_jax.ops.primitives import vary, vma
 
 __all__ = ["backward_blocks", "block_size", "check_qkv", "forward_blocks",
-           "q_from_kernel", "q_to_kernel", "row_delta", "same_vma", "to_bhsd",
-           "to_bshd"]
+           "kernel_segments", "q_from_kernel", "q_to_kernel", "row_delta", "same_vma",
+           "to_bhsd", "to_bshd"]
 
 _F32 = jnp.float32
+# The score of a key in another document: finite, so that a row whose keys in a block are
+# all of other documents stays finite (its weight is wiped by the first visible key, whose
+# score is larger by ~1e30: exp underflows to exactly 0).
+_OTHER_DOCUMENT = -1e30
+# The padding segment (0) as the largest id: packed rows keep their ids non-decreasing, and
+# each block's [min, max] range then tells whether two blocks can share a document.
+_PADDING = jnp.iinfo(jnp.int32).max
 
 
 def block_size(length: int, block: int, name: str = "block") -> int:
@@ -34,18 +41,68 @@ def block_size(length: int, block: int, name: str = "block") -> int:
     return next(b for b in range(min(length, int(block)), 0, -1) if length % b == 0)
 
 
+def kernel_segments(segment_ids: jax.Array) -> jax.Array:
+    """Document ids ``[b, s]`` (0 = padding) as the kernels take them: int32, padding the
+    largest id (see ``_PADDING``)."""
+    segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+    return jnp.where(segment_ids == 0, _PADDING, segment_ids)
+
+
 def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
-            mask_at: tuple[Any, Any] | None = None) -> jax.Array:
+            mask_at: tuple[Any, Any] | None = None,
+            segments: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """fp32 scaled scores ``[b, h, g, bq, bk]`` of ``q_i [b, h, g, bq, d]`` (``g`` query
-    heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start, k_start)`` the
-    keys after each query (causal, positions from the block starts) are -inf."""
+    heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start,
+    k_start)`` the keys after each query (causal, positions from the block starts) are
+    -inf; with ``segments = (q_seg [b, bq], k_seg [b, bk])`` the keys of other documents
+    are ``_OTHER_DOCUMENT``."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
+    if segments is not None:
+        q_seg, k_seg = segments
+        same = q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :]
+        s = jnp.where(same, s, _OTHER_DOCUMENT)
     if mask_at is not None:
         q_start, k_start = mask_at
         rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
         cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
         s = jnp.where(rows >= cols, s, -jnp.inf)
     return s
+
+
+def _block_ranges(seg: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Per batch row and block of ``block`` rows, the smallest and largest document id:
+    ``([b, n_blocks], [b, n_blocks])``."""
+    b, s = seg.shape
+    blocks = seg.reshape(b, s // block, block)
+    return blocks.min(axis=-1), blocks.max(axis=-1)
+
+
+class _Documents:
+    """The document ids of a kernel call: the per-block masks and the test that skips a
+    ``(q block, k block)`` product whose rows share no document in any batch row (exact
+    for packed rows, whose ids never decrease; otherwise it only skips less)."""
+
+    def __init__(self, segments: tuple[jax.Array, jax.Array] | None, bq: int, bk: int):
+        self.segments, self.bq, self.bk = segments, bq, bk
+        if segments is not None:
+            self.q_range = _block_ranges(segments[0], bq)
+            self.k_range = _block_ranges(segments[1], bk)
+
+    def of(self, q_start: Any, k_start: Any) -> tuple[jax.Array, jax.Array] | None:
+        """The ``(q_seg, k_seg)`` of the blocks starting at these rows."""
+        if self.segments is None:
+            return None
+        q_seg, k_seg = self.segments
+        return (_slice(q_seg, q_start, self.bq, -1), _slice(k_seg, k_start, self.bk, -1))
+
+    def when_shared(self, i: Any, j: Any, step: Any, acc: Any) -> Any:
+        """``step(acc)`` if query block ``i`` and key block ``j`` can share a document,
+        else ``acc`` (the product skipped)."""
+        if self.segments is None:
+            return step(acc)
+        (q_lo, q_hi), (k_lo, k_hi) = self.q_range, self.k_range
+        shared = jnp.any((q_lo[:, i] <= k_hi[:, j]) & (k_lo[:, j] <= q_hi[:, i]))
+        return lax.cond(shared, step, lambda a: a, acc)
 
 
 def _slice(x: jax.Array, start: Any, size: int, axis: int = -2) -> jax.Array:
@@ -55,14 +112,19 @@ def _slice(x: jax.Array, start: Any, size: int, axis: int = -2) -> jax.Array:
 
 
 def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq: int,
-                   bk: int, drop: tuple | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   bk: int, drop: tuple | None = None,
+                   segments: tuple[jax.Array, jax.Array] | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
     ``g`` query heads of group ``h`` share key/value head ``h``).
 
     ``causal``: ``sq == sk`` and query ``i`` sees keys ``0 .. i`` (key blocks above the
     diagonal are not visited; those crossing it are masked); else every query sees every
-    key. Every query row must see at least one key (true for both). ``drop``: None or
-    ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
+    key. ``drop``: None or ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
+    ``segments``: None or the document ids ``(q_seg [b, sq], k_seg [b, sk])``
+    (:func:`kernel_segments`): a query sees only keys of its own document, and products
+    of blocks that share no document are skipped. A row that sees no key here gets out 0
+    and lse -inf (a part of a merge; a whole attention row always sees its own key).
 
     Returns:
       ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d]``, the log-sum-exp
@@ -70,6 +132,7 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
     """
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
+    docs = _Documents(segments, bq, bk)
 
     def q_block(i, carry):
         out, lse, count = carry
@@ -77,10 +140,14 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
         q_i = _slice(q, q_start, bq)
 
         def kv_step(j, acc, masked):
+            return docs.when_shared(i, j, functools.partial(kv_product, j, masked=masked),
+                                    acc)
+
+        def kv_product(j, acc, masked):
             o, m, norm, n = acc
             s = _scores(q_i, _slice(k, j * bk, bk), scale,
-                        (q_start, j * bk) if masked else None)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: key 0 comes first
+                        (q_start, j * bk) if masked else None, docs.of(q_start, j * bk))
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: each row's first key
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
             norm = alpha * norm + jnp.sum(p, axis=-1)  # the undropped normaliser
@@ -103,7 +170,11 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
         else:
             acc = lax.fori_loop(0, sk // bk, functools.partial(kv_step, masked=False), acc)
         o, m, norm, count = acc
-        out = lax.dynamic_update_slice_in_dim(out, o / norm[..., None], q_start,
+        if segments is not None:  # rows that saw no key (all their blocks skipped): out 0
+            o = o / jnp.where(norm == 0, 1.0, norm)[..., None]
+        else:
+            o = o / norm[..., None]
+        out = lax.dynamic_update_slice_in_dim(out, o, q_start,
                                               axis=out.ndim - 2)
         lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(norm), q_start,
                                               axis=lse.ndim - 1)
@@ -116,7 +187,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
 
 def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
                     delta: jax.Array, dq: jax.Array, *, causal: bool, bq: int, bk: int,
-                    drop: tuple | None = None
+                    drop: tuple | None = None,
+                    segments: tuple[jax.Array, jax.Array] | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients of :func:`forward_blocks`, recomputing each block's probabilities
     from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
@@ -127,12 +199,14 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
       lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
         ``rowsum(do * out)``.
       dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
+      segments: the document ids, as in :func:`forward_blocks`.
     Returns:
       ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
       call, the number of block products.
     """
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
+    docs = _Documents(segments, bq, bk)
 
     def k_block(j, carry):
         dq, dk, dv, count = carry
@@ -140,10 +214,15 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
         k_j, v_j = _slice(k, k_start, bk), _slice(v, k_start, bk)
 
         def q_step(i, acc, masked):
+            return docs.when_shared(i, j, functools.partial(q_product, i, masked=masked),
+                                    acc)
+
+        def q_product(i, acc, masked):
             dq, dk_j, dv_j, n = acc
             q_start = i * bq
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
-            s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None)
+            s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None,
+                        docs.of(q_start, k_start))
             p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
             z = 1.0 if drop is None else drop_scale(drop, q_start, k_start, p.shape)
             dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", (p * z).astype(do.dtype), do_i,

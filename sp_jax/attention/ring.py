@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.attention.blockwise import check_segments
 from sp_jax.attention.dropout import AttentionDropout, drop_arguments
 from sp_jax.attention.kernels import (
     backward_blocks,
@@ -52,30 +53,39 @@ def _ring_drops(dropout, r, c: int, n: int):
             lambda src: (dropout, qpos[n:], zigzag_positions(src, c, n)))
 
 
-def _ring_forward(q, k, v, axis_name, bq, bk, dropout=None):
-    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` -> (out
-    fp32, lse, count)."""
+def _segments(seg, k_seg):
+    """The kernels' ``(q_seg, k_seg)`` (None without document ids)."""
+    return None if seg is None else (seg, k_seg)
+
+
+def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None):
+    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` and the
+    kernel document ids ``seg [b, 2n]`` (or None) -> (out fp32, lse, count)."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[-2] // 2
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
-    kv = (k, v)
+    kv = (k, v, seg)  # the keys' document ids travel with them
     recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
     # step 0: own keys; the local zigzag rows are in increasing global order -> causal
-    o, lse, count = forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own)
+    o, lse, count = forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own,
+                                   segments=_segments(seg, seg))
 
     def before(kv, src, o, lse):
         # source r - t < r: every local query sees the source's first chunk, none its
         # second: all 2n queries x the first n keys, unmasked
-        k_t, v_t = kv
-        o_p, lse_p, cnt = forward_blocks(q, k_t[..., :n, :], v_t[..., :n, :],
-                                          causal=False, bq=bq, bk=bk, drop=drop_before(src))
+        k_t, v_t, seg_t = kv
+        o_p, lse_p, cnt = forward_blocks(
+            q, k_t[..., :n, :], v_t[..., :n, :], causal=False, bq=bq, bk=bk,
+            drop=drop_before(src), segments=_segments(seg, None if seg is None
+                                                      else seg_t[:, :n]))
         return (*_merge(o, lse, o_p, lse_p), cnt)
 
     def after(kv, src, o, lse):
         # source after r: only the second local chunk sees keys, all 2n of them, unmasked
-        k_t, v_t = kv
-        o_p, lse_p, cnt = forward_blocks(q[..., n:, :], k_t, v_t, causal=False, bq=bq,
-                                          bk=bk, drop=drop_after(src))
+        k_t, v_t, seg_t = kv
+        o_p, lse_p, cnt = forward_blocks(
+            q[..., n:, :], k_t, v_t, causal=False, bq=bq, bk=bk, drop=drop_after(src),
+            segments=_segments(None if seg is None else seg[:, n:], seg_t))
         o2, lse2 = _merge(o[..., n:, :], lse[..., n:], o_p, lse_p)
         return (jnp.concatenate([o[..., :n, :], o2], axis=-2),
                 jnp.concatenate([lse[..., :n], lse2], axis=-1), cnt)
@@ -93,7 +103,7 @@ def _ring_forward(q, k, v, axis_name, bq, bk, dropout=None):
     return o, lse, count
 
 
-def _ring_backward(res, d_out, axis_name, bq, bk, dropout=None):
+def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None):
     """Per device: the gradients of :func:`_ring_forward` (its layouts):
     ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
     at their owner. Returns (dq, dk, dv, count), fp32."""
@@ -103,27 +113,30 @@ def _ring_backward(res, d_out, axis_name, bq, bk, dropout=None):
     n = q.shape[-2] // 2
     delta = row_delta(d_out, out)
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
-    kv = (k, v)
+    kv = (k, v, seg)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
     dq, dk, dv, count = backward_blocks(q, k, v, d_out, lse, delta,
                                          jnp.zeros_like(q, dtype=_F32),
-                                         causal=True, bq=bq, bk=bk, drop=own)
+                                         causal=True, bq=bq, bk=bk, drop=own,
+                                         segments=_segments(seg, seg))
     acc = (dk, dv)  # gradient of the block held, summed over the devices it has visited
 
     def before(kv, src, dq):
-        k_t, v_t = kv
-        dq, dk_p, dv_p, cnt = backward_blocks(q, k_t[..., :n, :], v_t[..., :n, :], d_out,
-                                               lse, delta, dq, causal=False, bq=bq, bk=bk,
-                                               drop=drop_before(src))
+        k_t, v_t, seg_t = kv
+        dq, dk_p, dv_p, cnt = backward_blocks(
+            q, k_t[..., :n, :], v_t[..., :n, :], d_out, lse, delta, dq, causal=False,
+            bq=bq, bk=bk, drop=drop_before(src),
+            segments=_segments(seg, None if seg is None else seg_t[:, :n]))
         pad = jnp.zeros_like(dk_p)
         return (dq, jnp.concatenate([dk_p, pad], axis=-2),
                 jnp.concatenate([dv_p, pad], axis=-2), cnt)
 
     def after(kv, src, dq):
-        k_t, v_t = kv
+        k_t, v_t, seg_t = kv
         dq2, dk_p, dv_p, cnt = backward_blocks(
             q[..., n:, :], k_t, v_t, d_out[..., n:, :], lse[..., n:], delta[..., n:],
-            dq[..., n:, :], causal=False, bq=bq, bk=bk, drop=drop_after(src))
+            dq[..., n:, :], causal=False, bq=bq, bk=bk, drop=drop_after(src),
+            segments=_segments(None if seg is None else seg[:, n:], seg_t))
         return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
 
     for t in range(1, c):
@@ -142,36 +155,37 @@ def _ring_backward(res, d_out, axis_name, bq, bk, dropout=None):
     return dq, acc[0], acc[1], count
 
 
-def _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout=None):
-    o, lse, count = _ring_forward(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v),
+def _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout=None):
+    o, lse, count = _ring_forward(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v), seg,
                                   axis_name, bq, bk, dropout)
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
-def _ring_backward_bshd(res, d_out, axis_name, bq, bk, dropout=None):
+def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None):
     q, k, v, out, lse = res
     hk = k.shape[2]
     res = (q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(out, hk), lse)
-    dq, dk, dv, count = _ring_backward(res, q_to_kernel(d_out, hk), axis_name, bq, bk,
+    dq, dk, dv, count = _ring_backward(res, q_to_kernel(d_out, hk), seg, axis_name, bq, bk,
                                        dropout)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, dropout, axis_name, bq, bk):
-    return _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, dropout, seg, axis_name, bq, bk):
+    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout)[0]
 
 
-def _ring_fwd(q, k, v, dropout, axis_name, bq, bk):
-    out, lse, _ = _ring_forward_bshd(q, k, v, axis_name, bq, bk, dropout)
-    return out, ((q, k, v, out, lse), dropout)
+def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk):
+    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout)
+    return out, ((q, k, v, out, lse), dropout, seg)
 
 
 def _ring_bwd(axis_name, bq, bk, res, d_out):
-    res, dropout = res
-    return (*_ring_backward_bshd(res, d_out, axis_name, bq, bk, dropout)[0], None)
+    res, dropout, seg = res
+    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout)[0], None,
+            None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -189,7 +203,8 @@ def _ring_blocks(q, block_q: int, block_k: int) -> tuple[int, int]:
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
                    block_q: int = 512, block_k: int = 512,
-                   dropout: AttentionDropout | None = None) -> jax.Array:
+                   dropout: AttentionDropout | None = None,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
 
     Call inside :func:`jax.shard_map` with the sequence in zigzag order
@@ -216,6 +231,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         these.
       dropout: dropout on the probabilities (:class:`AttentionDropout`; the positions are
         the zigzag layout's global ones), or None.
+      segment_ids: int ``[batch, 2n]``: the document ids of the local zigzag rows (0 =
+        padding), or None. They travel the ring with the keys; a query attends only to
+        keys of its own document, and block products that share no document are skipped
+        (as in :func:`blockwise_attention`).
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
@@ -225,5 +244,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     q, k, v = same_vma(q, k, v)
     q, k, v = (vary(x, (axis_name,)) for x in (q, k, v))
     drop = drop_arguments(dropout, None, q.shape[1], "xla")
-    return _ring(q, k, v, None if drop is None else drop[0], axis_name, bq, bk)
+    seg = check_segments("ring_attention", segment_ids, q)
+    if seg is not None:
+        seg = vary(seg, (axis_name,))
+    return _ring(q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk)
 

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 from jax import lax
 
-from sp_jax.attention.blockwise import IMPLEMENTATIONS, blockwise_attention
+from sp_jax.attention.blockwise import IMPLEMENTATIONS, blockwise_attention, check_segments
 from sp_jax.attention.dropout import AttentionDropout
 from sp_jax.attention.kernels import check_qkv, same_vma
 from sp_jax.ops.primitives import AxisName, vary
@@ -19,7 +19,8 @@ __all__ = ["ulysses_attention"]
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
                       block_q: int = 512, block_k: int = 512,
                       implementation: str = "xla",
-                      dropout: AttentionDropout | None = None) -> jax.Array:
+                      dropout: AttentionDropout | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention by DeepSpeed-Ulysses sequence parallelism, per device.
 
     Call inside :func:`jax.shard_map` with the sequence sharded contiguously over
@@ -38,6 +39,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
         (``"xla"`` or ``"cudnn"``).
       dropout: dropout on the probabilities (:class:`AttentionDropout`, ``head_offset``
         the global index of this device's first head before the all-to-all), or None.
+      segment_ids: int ``[batch, s / c]``: the document ids of the local rows (0 =
+        padding), or None; all-gathered over ``axis_name`` (``[batch, s]``, 4 bytes a row)
+        for the blockwise kernel on the head shards (see :func:`blockwise_attention`).
     Returns:
       ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
     """
@@ -70,6 +74,11 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
     if dropout is not None:  # this device's heads after the all-to-all
         dropout = dataclasses.replace(dropout, head_offset=dropout.head_offset + lax.axis_index(
             axis_name) * q.shape[2])
+    if segment_ids is not None:  # the whole sequence's ids, for the head shards
+        segment_ids = lax.all_gather(vary(check_segments(
+            "ulysses_attention", segment_ids, q, q.shape[1] // c), (axis_name,)),
+            axis_name, axis=1, tiled=True)
     out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
-                              implementation=implementation, dropout=dropout)
+                              implementation=implementation, dropout=dropout,
+                              segment_ids=segment_ids)
     return to_sequence(out)

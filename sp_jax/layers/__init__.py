@@ -18,7 +18,7 @@ from sp_jax.layers.block_config import (
     kv_heads_per_shard,
     settle_block_fields,
 )
-from sp_jax.layers.cross_entropy import parallel_cross_entropy
+from sp_jax.layers.cross_entropy import document_labels, parallel_cross_entropy
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from sp_jax.layers.linear import (
@@ -39,6 +39,7 @@ __all__ = [
     "RowSequenceParallelLinear",
     "VocabParallelEmbedding",
     "padded_vocab_size",
+    "document_labels",
     "parallel_cross_entropy",
     "NORMS",
     "LayerNorm",

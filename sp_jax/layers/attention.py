@@ -27,7 +27,14 @@ from sp_jax.layers.norm import make_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import rotary_embedding
 from sp_jax.layout import Layout
-from sp_jax.mesh import Mesh, axis_size, check_activations, check_divisible, current_mesh
+from sp_jax.mesh import (
+    Mesh,
+    axis_size,
+    check_activations,
+    check_divisible,
+    current_mesh,
+    reshard,
+)
 
 __all__ = ["CausalSelfAttention"]
 
@@ -117,11 +124,14 @@ class CausalSelfAttention(nnx.Module):
                 "context_parallel='ring'")
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
+                segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                 seed: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
         """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
-        the sequence) -> ``[b, s_local, hidden / t]``; ``seed``: the attention dropout's;
-        ``rows``: the global index of this device's first batch row when the data axes
-        are manual outside (``ParallelConfig.manual_data_axes``)."""
+        the sequence) -> ``[b, s_local, hidden / t]``; ``segment_ids`` / ``positions``:
+        this device's ``[b, s_local]`` document ids and token positions (or None);
+        ``seed``: the attention dropout's; ``rows``: the global index of this device's
+        first batch row when the data axes are manual outside
+        (``ParallelConfig.manual_data_axes``)."""
         cfg, par = self.config, self.parallel
         b, s, width = qkv.shape
         head_dim = cfg.head_dim
@@ -134,11 +144,12 @@ class CausalSelfAttention(nnx.Module):
             k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
                                axis=3)
         if cfg.rotary:  # the positions of this device's tokens in the held order
-            positions = local_positions(par, order, s)
+            if positions is None:
+                positions = local_positions(par, order, s)
             q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
             k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
-                                      block_k=cfg.attention_block_k)
+                                      block_k=cfg.attention_block_k, segment_ids=segment_ids)
         if seed is not None:  # global coordinates of this device's first row and head
             if rows is None:
                 rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
@@ -156,8 +167,16 @@ class CausalSelfAttention(nnx.Module):
         return out.reshape(b, s, heads * head_dim)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
-                 rngs: Any = None) -> jax.Array:
-        """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
+                 rngs: Any = None, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout.
+
+        ``segment_ids``: int ``[batch, seq]`` document ids of packed rows (0 = padding),
+        in the order ``x`` is held, or None: each token attends only to earlier tokens of
+        its own document (:func:`~sp_jax.attention.blockwise_attention`).
+        ``positions``: int ``[batch, seq]`` token positions (restarting in each document)
+        for the rotary angles, or None (the row's global positions). Both are sharded
+        like the tokens (``Layout.tokens``) and resharded here."""
         mesh = current_mesh(self.parallel, where="CausalSelfAttention")
         x = jnp.asarray(x)
         check_activations("CausalSelfAttention", x, self.config.hidden, "hidden")
@@ -177,8 +196,14 @@ class CausalSelfAttention(nnx.Module):
             seeds = (jax.random.bits(key, (2,), jnp.uint32),)
             if self.parallel.manual_data_axes:  # taken here, outside the tensor shard_map
                 seeds += (lax.axis_index(self.parallel.manual_data_axes) * x.shape[0],)
-        attended = jax.shard_map(lambda qkv, *seed: self._attend(qkv, order, *seed),
-                                 in_specs=(tp, *(P(),) * len(seeds)),
-                                 out_specs=tp)(qkv, *seeds)
+        doc_spec = Layout.of(self.parallel).tokens
+        docs = tuple(None if a is None else reshard(jnp.asarray(a).astype(jnp.int32),
+                                                    doc_spec, mesh)
+                     for a in (segment_ids, positions))
+        attended = jax.shard_map(
+            lambda qkv, docs, *seed: self._attend(qkv, order, *docs, *seed),
+            in_specs=(tp, tuple(None if a is None else doc_spec for a in docs),
+                      *(P(),) * len(seeds)),
+            out_specs=tp)(qkv, docs, *seeds)
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y

@@ -18,7 +18,26 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["parallel_cross_entropy"]
+__all__ = ["document_labels", "parallel_cross_entropy"]
+
+
+def document_labels(labels: jax.Array, segment_ids: jax.Array | None,
+                    ignore_index: int = -100) -> jax.Array:
+    """``labels [batch, seq]`` of packed rows with ``ignore_index`` wherever the target is
+    not in the position's own document: padding (``segment_ids == 0``) and the last token
+    of each document before another one starts in the row (its label would be the next
+    document's first token). The row's last position keeps its label (a document split
+    across rows continues in the next row; a pipeline marks a true document end itself).
+    ``segment_ids`` None: ``labels`` as they are. Global arrays, sharded over the batch."""
+    if segment_ids is None:
+        return labels
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.shape != labels.shape:
+        raise ValueError(f"segment_ids of shape {segment_ids.shape} must match the labels' "
+                         f"{labels.shape} ([batch, seq]).")
+    same_next = jnp.concatenate([segment_ids[:, 1:] == segment_ids[:, :-1],
+                                 jnp.ones_like(segment_ids[:, :1], dtype=bool)], axis=1)
+    return jnp.where((segment_ids != 0) & same_next, labels, ignore_index)
 
 
 def _local_cross_entropy(logits, labels, *, axis_name, vocab_size, ignore_index,

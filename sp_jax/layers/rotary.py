@@ -65,11 +65,14 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
 def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0,
                      scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary position embedding (rotate-half form, as Hugging Face's Llama) of ``x``
-    ``[b, s, heads, head_dim]`` at integer ``positions [s]``, computed in fp32;
-    frequencies from :func:`rope_frequencies`."""
+    ``[b, s, heads, head_dim]`` at integer ``positions`` ``[s]`` (every batch row alike)
+    or ``[b, s]`` (per row, e.g. positions restarting in each packed document), computed in
+    fp32; frequencies from :func:`rope_frequencies`."""
     freqs = jnp.asarray(rope_frequencies(x.shape[-1], base, scaling))
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [s, half]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    angles = positions[..., None].astype(jnp.float32) * freqs  # [(b,) s, half]
+    if angles.ndim == 2:
+        angles = angles[None]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -22,6 +22,7 @@ from sp_jax.layers import (
     RopeScaling,
     VocabParallelEmbedding,
     check_block_fields,
+    document_labels,
     make_norm,
     parallel_cross_entropy,
     settle_block_fields,
@@ -237,21 +238,32 @@ class Block(nnx.Module):
                                              rngs=rngs)
         self.mlp = MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
 
-    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None,
+                 documents: Documents = None) -> jax.Array:
         """``x``: hidden states ``[batch, seq, hidden]`` in the SP layout -> same shape and
-        layout; ``key``: the dropout key of this block, or None."""
+        layout; ``key``: the dropout key of this block, or None; ``documents``: None or
+        ``(segment_ids, positions)`` ``[batch, seq]`` of packed rows (either None), in
+        the order ``x`` is held (see :meth:`GPT.loss`)."""
         x = jnp.asarray(x)
         check_activations("Block", x, self.attention.config.hidden, "hidden")
         rngs = None if key is None else nnx.Rngs(dropout=key)
-        return self.mlp(self.attention(x, rngs=rngs), rngs=rngs)
+        segment_ids, positions = documents if documents is not None else (None, None)
+        return self.mlp(self.attention(x, rngs=rngs, segment_ids=segment_ids,
+                                       positions=positions), rngs=rngs)
 
 
-def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool) -> jax.Array:
+# (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
+Documents = tuple[jax.Array | None, jax.Array | None] | None
+
+
+def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
+               documents: Documents = None) -> jax.Array:
     """Applies ``block``; with ``remat`` its activations are recomputed in backward."""
     if not remat:
-        return block(x, key)
+        return block(x, key, documents)
     graphdef, state = nnx.split(block)
-    return jax.checkpoint(lambda s, x, k: nnx.merge(graphdef, s)(x, k))(state, x, key)
+    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s)(x, k, d))(
+        state, x, key, documents)
 
 
 def _stack_blocks(blocks: list[Block], layer_axis: str | None = None,
@@ -283,14 +295,14 @@ def _stack_blocks(blocks: list[Block], layer_axis: str | None = None,
     return nnx.merge(nnx.graphdef(blocks[0]), stacked)
 
 
-def _scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool
-                 ) -> jax.Array:
+def _scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool,
+                 documents: Documents = None) -> jax.Array:
     """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each)."""
     graphdef, state = nnx.split(stacked)
 
     def layer(x, xs):
         layer_state, key = xs
-        return nnx.merge(graphdef, layer_state)(x, key), None
+        return nnx.merge(graphdef, layer_state)(x, key, documents), None
 
     body = jax.checkpoint(layer) if remat else layer
     return jax.lax.scan(body, x, (state, keys))[0]
@@ -376,13 +388,49 @@ class GPT(nnx.Module):
                 f"{self.config.max_seq_len}."
             )
 
-    def hidden_states(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
         """Final-normed hidden states ``[batch, seq, hidden]``, SP layout, in the order of
-        ``tokens``."""
+        ``tokens``; ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self._order(tokens)
-        held = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None, order)
+        held = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None, order,
+                                   self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel)
+
+    def _documents(self, tokens: jax.Array, segment_ids: jax.Array | None,
+                   positions: jax.Array | None, order: np.ndarray | None) -> Documents:
+        """``(segment_ids, positions)`` int32 in the held ``order`` (None when neither is
+        given), checked against ``tokens``."""
+        if segment_ids is None and positions is None:
+            return None
+        if self.parallel.pipeline_axis is not None:
+            raise ValueError("GPT: segment_ids / positions (packed documents) are not "
+                             "supported with pipeline_axis yet; train packed rows without "
+                             "pipeline stages.")
+        held = []
+        for name, a in (("segment_ids", segment_ids), ("positions", positions)):
+            if a is not None:
+                a = jnp.asarray(a)
+                if not jnp.issubdtype(a.dtype, jnp.integer) or a.shape != tokens.shape:
+                    raise ValueError(
+                        f"GPT: {name} must be integers of the tokens' shape {tokens.shape} "
+                        f"([batch, seq]), got {a.dtype} {a.shape}.")
+                a = to_held(a.astype(jnp.int32), order, self.parallel)
+            held.append(a)
+        if positions is not None and self.position is not None:
+            self._check_positions(positions)
+        return held[0], held[1]
+
+    def _check_positions(self, positions: jax.Array) -> None:
+        """Learned positions index a table of ``max_seq_len`` rows (checked on concrete
+        values only)."""
+        if isinstance(positions, jax.core.Tracer):
+            return
+        top = int(jnp.max(positions))
+        if top >= self.config.max_seq_len or int(jnp.min(positions)) < 0:
+            raise ValueError(f"GPT: positions up to {top} are outside the learned position "
+                             f"table of max_seq_len={self.config.max_seq_len} rows.")
 
     def _order(self, tokens: jax.Array) -> np.ndarray | None:
         """The order the model holds the sequence in (zigzag with ring context
@@ -391,22 +439,25 @@ class GPT(nnx.Module):
         return sequence_order(self.parallel, mesh, tokens.shape[-1])
 
     def _hidden_states(self, tokens: jax.Array, rngs: Any, table: jax.Array | None,
-                       order: np.ndarray | None) -> jax.Array:
+                       order: np.ndarray | None, documents: Documents = None) -> jax.Array:
         """:meth:`hidden_states` of ``tokens`` already in the held ``order``; ``table``:
-        the embedding's padded table if already made."""
+        the embedding's padded table if already made; ``documents``: from
+        :meth:`_documents`."""
         self._check_pipeline_call()
         training = self.training
         stream = None
         if training:  # keys are drawn here, outside any rematerialised block
             stream = rngs.dropout if rngs is not None else self.dropout.rngs
-        x = self._embed(tokens, table, order, stream() if training else None)
+        x = self._embed(tokens, table, order, stream() if training else None,
+                        None if documents is None else documents[1])
         if self.config.scan_layers:
             keys = jnp.stack([stream() for _ in range(self.config.num_layers)]) \
                 if training else None
-            x = _scan_blocks(self.blocks, x, keys, self.config.remat)
+            x = _scan_blocks(self.blocks, x, keys, self.config.remat, documents)
         else:
             for block in self.blocks:
-                x = _run_block(block, x, stream() if training else None, self.config.remat)
+                x = _run_block(block, x, stream() if training else None, self.config.remat,
+                               documents)
         return self.final_norm(x)
 
     @property
@@ -416,16 +467,25 @@ class GPT(nnx.Module):
             not self.dropout.deterministic
 
     def _embed(self, tokens: jax.Array, table: jax.Array | None, order: np.ndarray | None,
-               key: jax.Array | None) -> jax.Array:
+               key: jax.Array | None, positions: jax.Array | None = None) -> jax.Array:
         """Token (and learned position) embeddings of ``tokens`` in the held ``order``,
-        SP layout, with the embedding dropout of ``key`` (None: none)."""
+        SP layout, with the embedding dropout of ``key`` (None: none); ``positions``:
+        ``[batch, seq]`` held-order positions of packed rows, or None (the row's own)."""
         self._check_tokens(tokens)
         x = self.embed(tokens, table=table)
         if self.position is not None:
-            positions = self.position[...]
-            positions = positions[: tokens.shape[1]] if order is None else \
-                jnp.take(positions, jnp.asarray(order), axis=0)
-            x = x + positions.astype(x.dtype)[None]
+            table_p = self.position[...]
+            if positions is not None:  # per row: [b, s, hidden], laid out like x
+                mesh = current_mesh(self.parallel, where="GPT")
+                layout = Layout.of(self.parallel)
+                rows = reshard(table_p, P(), mesh).at[
+                    reshard(positions, layout.spec("activation_batch", None), mesh)].get(
+                        out_sharding=layout.spec("activation_batch", None, None))
+                x = x + reshard(rows.astype(x.dtype), jax.typeof(x).sharding.spec, mesh)
+            else:
+                rows = table_p[: tokens.shape[1]] if order is None else \
+                    jnp.take(table_p, jnp.asarray(order), axis=0)
+                x = x + rows.astype(x.dtype)[None]
             x = to_sequence_parallel(x, self.parallel, where="GPT")
         return self.dropout(x, rngs=key)
 
@@ -457,34 +517,41 @@ class GPT(nnx.Module):
                 "TrainStep); for logits or hidden states, restore the parameters into a "
                 "GPT without pipeline_axis.")
 
-    def padded_logits(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
+    def padded_logits(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
-        ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding."""
+        ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding.
+        ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self._order(tokens)
-        held = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order)
+        held = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
+                                   self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel, "activation_vocab")
 
-    def _padded_logits(self, tokens: jax.Array, rngs: Any, order: np.ndarray | None
-                       ) -> jax.Array:
+    def _padded_logits(self, tokens: jax.Array, rngs: Any, order: np.ndarray | None,
+                       documents: Documents = None) -> jax.Array:
         """:meth:`padded_logits` of ``tokens`` already in the held ``order``, in that
         order."""
         table = self._vocab_table()  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
-        h = self._hidden_states(tokens, rngs, table if self.head is None else None, order)
+        h = self._hidden_states(tokens, rngs, table if self.head is None else None, order,
+                                documents)
         return self._lm_head(h, table)
 
     # -- public API -----------------------------------------------------------------------
 
-    def __call__(self, tokens: jax.Array, *, rngs: Any = None) -> jax.Array:
-        """``tokens [batch, seq]`` -> ``logits [batch, seq, vocab_size]``.
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
+        """``tokens [batch, seq]`` -> ``logits [batch, seq, vocab_size]``
+        (``segment_ids`` / ``positions``: packed documents, as in :meth:`loss`).
 
         Sharded ``P(data, None, tensor)`` over the vocabulary when ``vocab_size`` is a
         multiple of the tensor size; otherwise the padding is cut off and the logits come
         back sharded over the sequence ``P(data, tensor, None)``. For training use
         :meth:`loss`, which never materialises more than a vocabulary block per device.
         """
-        logits = self.padded_logits(tokens, rngs=rngs)
+        logits = self.padded_logits(tokens, segment_ids=segment_ids, positions=positions,
+                                    rngs=rngs)
         vocab = self.config.vocab_size
         if logits.shape[-1] == vocab:
             return logits
@@ -533,6 +600,7 @@ class GPT(nnx.Module):
         return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index)
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
+             segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
              rngs: Any = None) -> jax.Array:
         """Mean next-token loss over the targets that are not ``ignore_index``.
@@ -550,6 +618,13 @@ class GPT(nnx.Module):
         Args:
           tokens: ``[batch, seq]`` input ids.
           labels: ``[batch, seq]`` target ids (``ignore_index`` = no loss), or None.
+          segment_ids: int ``[batch, seq]`` document ids of packed rows (0 = padding),
+            sharded like the tokens, or None: attention does not cross documents, and
+            padding and the last token of each document before the next one in the row
+            have no target (:func:`~sp_jax.layers.document_labels`).
+          positions: int ``[batch, seq]`` token positions (restarting at 0 in each
+            document) for the rotary or learned position embeddings, or None (``0 ..
+            seq - 1`` in every row).
           ignore_index: the target id that contributes no loss.
           label_smoothing / z_loss: as :func:`~sp_jax.layers.parallel_cross_entropy`.
           rngs: dropout rngs (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
@@ -561,8 +636,16 @@ class GPT(nnx.Module):
             self._check_tokens(tokens)
             pad = jnp.full_like(tokens[:, :1], ignore_index)
             labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
+        if segment_ids is not None:
+            self._documents(tokens, segment_ids, None, None)  # checked first
+            mesh = current_mesh(self.parallel, where="GPT")
+            whole = Layout.of(self.parallel).spec("activation_batch", None)
+            labels = document_labels(reshard(self._ids(labels), whole, mesh),
+                                     reshard(self._ids(segment_ids), whole, mesh),
+                                     ignore_index)
         if self.parallel.pipeline_axis is not None:
             self._check_tokens(tokens)
+            self._documents(tokens, segment_ids, positions, None)  # refused
             labels = self._ids(labels)
             stream = None
             if self.training:
@@ -573,8 +656,10 @@ class GPT(nnx.Module):
             return total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
         order = self._order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
+        documents = self._documents(tokens, segment_ids, positions, order)
         per_token = parallel_cross_entropy(
-            self._padded_logits(to_held(tokens, order, self.parallel), rngs, order), labels,
+            self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
+                                documents), labels,
             parallel=self.parallel,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             vocab_size=self.config.vocab_size)

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from sp_jax.config import ParallelConfig
+from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layout import Layout
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
@@ -42,13 +43,18 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array,
             ignore_index: int = -100) -> tuple[jax.Array, jax.Array]:
     """(sum of per-token losses, number of target tokens) of a language model.
 
-    ``batch`` holds ``tokens`` and ``labels`` ``[batch, seq]``; ``model.loss`` returns
-    the mean over target tokens, dropout drawing from ``key``.
+    ``batch`` holds ``tokens`` and ``labels`` ``[batch, seq]``, and for packed rows
+    ``segment_ids`` and ``positions`` (:class:`~sp_jax.data.PackedText`; the targets
+    across documents are dropped first, :func:`~sp_jax.layers.document_labels`);
+    ``model.loss`` returns the mean over target tokens, dropout drawing from ``key``.
     """
+    documents = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
     labels = batch["labels"]
+    if "segment_ids" in documents:
+        labels = document_labels(labels, documents["segment_ids"], ignore_index)
     count = jnp.sum(labels != ignore_index)
     mean = model.loss(batch["tokens"], labels, ignore_index=ignore_index,
-                      rngs=nnx.Rngs(dropout=key))
+                      rngs=nnx.Rngs(dropout=key), **documents)
     return mean * jnp.maximum(count, 1), count
 
 

@@ -56,8 +56,10 @@ class TrainData(Protocol):
     :class:`ByteCorpus` are two).
 
     ``train_batch`` must be a pure function of ``(seed, step)`` (a resumed run then sees
-    the batches the interrupted one would have), ``held_out_batches`` the same fixed set
-    on every call; both return global arrays with the ``sharding`` given, e.g.
+    the batches the interrupted one would have) or, for a stateful source such as
+    :class:`~sp_jax.data.PackedText`, take consecutive steps and resume from its
+    ``state()`` / ``restore()``; ``held_out_batches`` the same fixed set on every call;
+    both return global arrays with the ``sharding`` given, e.g.
     ``{"tokens", "labels"}`` int32 ``[micro_batches, batch_size / micro_batches, seq]``
     and ``[batch_size, seq]``.
     """
