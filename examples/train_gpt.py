@@ -3,11 +3,17 @@ sp_jax's training loop, on a simulated or real device mesh.
 
     python examples/train_gpt.py [--steps 600] [--mesh 2,4] [--precision bf16]
         [--plot docs/loss.png] [--log-json runs/gpt.jsonl] [--ckpt-dir runs/ckpt --save-every 50]
+        [--data 'corpus/*.jsonl' --tokenizer tokenizer.json [--text-field text]]
+        [--tensorboard runs/tb]
 
 CPU-only machines simulate the mesh's devices. The text is by default the Python standard
-library's source (``sp_jax.data.ByteCorpus``); a step's data depends only on ``(--seed,
-step)``, so ``--resume`` (from ``--ckpt-dir``, onto any mesh) continues exactly as the
-interrupted run would have. Multi-process: ``--coordinator HOST:PORT --num-processes N
+library's source read as bytes (``sp_jax.data.ByteCorpus``: a step's data depends only on
+``(--seed, step)``). With ``--tokenizer`` (a Hugging Face tokenizer.json, or ``bytes``) the
+``--data`` files (text, JSON lines, parquet) are tokenized documents packed into rows with
+segment ids (``sp_jax.data.PackedText``: attention stays inside each document), and the
+input pipeline's position is saved with every checkpoint. Either way ``--resume`` (from
+``--ckpt-dir``, onto any mesh or process count) continues exactly as the interrupted run
+would have. Multi-process: ``--coordinator HOST:PORT --num-processes N
 --process-id I``, or no flags under SLURM / Open MPI (``sp_jax.training.launch``); process 0
 alone prints and writes the log and plot.
 
@@ -37,7 +43,7 @@ import jax
 from flax import nnx
 
 import sp_jax.training as training
-from sp_jax.data import ByteCorpus
+from sp_jax.data import ByteCorpus, TrainData
 from sp_jax.models import GPT
 from sp_jax.training import cli, faults, mesh_description
 from sp_jax.xla_flags import simulate_cpu_devices
@@ -54,7 +60,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add = p.add_argument_group("data and plot").add_argument
     add("--data", nargs="+", default=None, metavar="GLOB",
         help="text files: paths or quoted globs (recursive **); default: the stdlib's *.py")
-    add("--max-data-bytes", type=int, default=8 << 20, help="read up to this many bytes")
+    add("--max-data-bytes", type=int, default=8 << 20,
+        help="read up to this many bytes (without --tokenizer)")
+    add("--tokenizer", default=None, metavar="JSON",
+        help="a tokenizer.json (or 'bytes'): pack tokenized --data documents")
+    add("--text-field", default="text", help="JSON lines field / parquet column of the text")
+    add("--packing", default="first_fit", choices=("first_fit", "concat"),
+        help="first-fit (pads, documents whole) or concatenate-then-split")
     add("--plot", default=None, help="write the loss curve to this PNG")
     a = p.parse_args(argv)
     try:
@@ -66,6 +78,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         cli.check_model_args(a)
         if a.max_data_bytes <= 0:
             raise ValueError(f"--max-data-bytes {a.max_data_bytes} must be positive")
+        if a.tokenizer and not a.data:
+            raise ValueError("--tokenizer needs --data: the files whose documents to pack")
         if a.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib (the examples "
                              "extra, pip install '.[examples]' in a clone of sp_jax)")
@@ -74,13 +88,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: ByteCorpus,
+def load_data(args: argparse.Namespace) -> TrainData:
+    """``--data`` as bytes (:class:`ByteCorpus`) or, with ``--tokenizer``, as packed
+    documents (:class:`~sp_jax.data.PackedText`)."""
+    if not args.tokenizer:
+        return ByteCorpus.from_files(args.data, seq_len=args.seq_len,
+                                     max_bytes=args.max_data_bytes)
+    from sp_jax.data import ByteTokenizer, PackedText, load_tokenizer
+
+    tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else load_tokenizer(args.tokenizer)
+    return PackedText.from_files(args.data, tokenizer=tokenizer, seq_len=args.seq_len,
+                                 text_field=args.text_field, packing=args.packing)
+
+
+def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: TrainData,
              n_params: int, say: Callable[[str], None]) -> None:
     """The model, mesh, data and batch lines (process 0)."""
     kind = "Llama-shaped GPT" if args.preset == "llama-tiny" else "GPT"
     kv = f" ({args.kv_heads} key/value)" if args.kv_heads != args.heads else ""
+    vocab = f"{corpus.vocab_size} ({args.tokenizer or 'bytes'})"
     say(f"model: {kind} {args.layers} layers, hidden {args.hidden}, {args.heads} heads{kv}, seq "
-        f"{args.seq_len}, vocab 256 (bytes): {n_params / 1e6:.2f}M parameters, "
+        f"{args.seq_len}, vocab {vocab}: {n_params / 1e6:.2f}M parameters, "
         f"{args.precision} compute")
     procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
              if jax.process_count() > 1 else "")
@@ -117,17 +145,17 @@ def run(args: argparse.Namespace) -> int:
     except (faults.SettingsMismatchError, faults.PeerTimeoutError) as e:
         print(f"error: process {jax.process_index()}: {e}", file=sys.stderr)
         return faults.EXIT_PEER_FAILED
-    cfg, config = cli.model_config(args), args.trainer
+    config = args.trainer
     try:
         with contextlib.ExitStack() as stack:
             signals = stack.enter_context(faults.StopSignals())  # before the model is built
             manager = stack.enter_context(training.open_checkpoints(config))  # one writer
             try:
                 mesh = training.build_mesh(args.mesh_shape, training.MESH_AXES)
-                corpus = ByteCorpus.from_files(args.data, seq_len=args.seq_len,
-                                               max_bytes=args.max_data_bytes)
+                corpus = load_data(args)
             except (ValueError, OSError) as e:
                 raise training.TrainingStopped(str(e)) from e
+            cfg = cli.model_config(args, vocab_size=corpus.vocab_size)
             stack.enter_context(jax.set_mesh(mesh))
             step = training.TrainStep(GPT(cfg, parallel=cli.parallel_config(args),
                                           rngs=nnx.Rngs(args.seed)), cli.optimizer(args))
@@ -135,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
             describe(args, mesh, corpus, n_params, say)
             result = training.Trainer(
                 step, corpus, config, metadata=cli.run_metadata(args, cfg),
-                checkpoints=manager, signals=signals, say=say,
-                lr_schedule=cli.lr_schedule).run()
+                checkpoints=manager, signals=signals, say=say, lr_schedule=cli.lr_schedule,
+                flops_per_token=cfg.flops_per_token(args.seq_len)).run()
     except training.TrainingStopped as e:  # an error of this process: said by it too
         if is_main or e.status == faults.EXIT_ERROR:
             who = "" if is_main else f"process {jax.process_index()}: "
@@ -146,9 +174,10 @@ def run(args: argparse.Namespace) -> int:
         return e.status
     if args.plot and is_main:
         training.plot_losses(
-            args.plot, result.records, f"byte-level GPT, {n_params / 1e6:.2f}M params, mesh "
-            f"{mesh_description(mesh)}, {args.precision}",
-            ylabel="cross-entropy (nats / byte)")
+            args.plot, result.records, f"{'packed' if args.tokenizer else 'byte-level'} GPT, "
+            f"{n_params / 1e6:.2f}M params, mesh {mesh_description(mesh)}, {args.precision}",
+            ylabel="cross-entropy (nats / token)" if args.tokenizer
+            else "cross-entropy (nats / byte)")
     if result.first_loss is not None:
         say(f"done: steps {result.start_step + 1}-{args.steps}, loss {result.first_loss:.3f} "
             f"-> {result.last_loss:.3f}, held-out loss {result.eval_loss:.3f}, "

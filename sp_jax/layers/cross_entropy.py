@@ -35,9 +35,20 @@ def document_labels(labels: jax.Array, segment_ids: jax.Array | None,
     if segment_ids.shape != labels.shape:
         raise ValueError(f"segment_ids of shape {segment_ids.shape} must match the labels' "
                          f"{labels.shape} ([batch, seq]).")
+    segment_ids, labels = _whole_rows(segment_ids), _whole_rows(labels)
     same_next = jnp.concatenate([segment_ids[:, 1:] == segment_ids[:, :-1],
                                  jnp.ones_like(segment_ids[:, :1], dtype=bool)], axis=1)
     return jnp.where((segment_ids != 0) & same_next, labels, ignore_index)
+
+
+def _whole_rows(x: jax.Array) -> jax.Array:
+    """``x [batch, seq]`` with its sequence gathered where an explicit mesh shards it (a
+    shift along a sharded sequence is not expressible in explicit sharding)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or spec is None or len(spec) < 2 or spec[1] is None:
+        return x
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(spec[0], None))
 
 
 def _local_cross_entropy(logits, labels, *, axis_name, vocab_size, ignore_index,

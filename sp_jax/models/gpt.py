@@ -195,6 +195,20 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.llama: name={name!r} is not one of {list(presets)}.")
         return cls(**{**common, **presets[name], **overrides})
 
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward and backward, recomputation not counted;
+        PaLM's accounting): ``6 N + 12 L h s`` with ``N`` the matmul parameters (every
+        block's projections and the LM head) and the attention scores and values over
+        ``seq_len`` (default ``max_seq_len``) keys, causal masking not discounted."""
+        s = self.max_seq_len if seq_len is None else int(seq_len)
+        h, kv = self.hidden, (self.num_kv_heads or self.num_heads)
+        attention = 2 * h * h + 2 * h * kv * (h // self.num_heads)
+        mlp_hidden = self.mlp_hidden or 4 * h
+        gated = self.mlp_activation in ("swiglu", "geglu")
+        mlp = (3 if gated else 2) * h * mlp_hidden
+        matmul_params = self.num_layers * (attention + mlp) + self.vocab_size * h
+        return float(6 * matmul_params + 12 * self.num_layers * h * s)
+
     def attention_config(self) -> AttentionConfig:
         """The :class:`~sp_jax.layers.AttentionConfig` of every block (the fields of the
         same names, and ``rotary`` for ``positions="rotary"``)."""

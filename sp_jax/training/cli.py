@@ -58,12 +58,14 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
 _MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden", "heads": "num_heads",
                 "kv_heads": "num_kv_heads", "mlp_hidden": "mlp_hidden", "seq_len": "max_seq_len"}
 
-PER_PROCESS = ("process_id", "log_json", "plot", "no_progress", "local_device_ids",
+PER_PROCESS = ("process_id", "log_json", "tensorboard", "plot", "no_progress",
+               "local_device_ids",
                "local_devices", "launch", "trainer")
 """Flags (and attributes a script adds) that may differ between the processes of a run."""
 
-RUN_SETTINGS = ("seed", "data", "max_data_bytes", "batch_size", "micro_batches", "lr",
-                "warmup_steps", "final_lr_fraction", "weight_decay")
+RUN_SETTINGS = ("seed", "data", "max_data_bytes", "tokenizer", "text_field", "packing",
+                "batch_size", "micro_batches", "lr", "warmup_steps", "final_lr_fraction",
+                "weight_decay")
 """The flags :func:`run_metadata` records as the run's settings (those a script has)."""
 
 
@@ -124,6 +126,8 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> N
     add("--save-every", type=int, default=0, help="checkpoint every K steps and at the end")
     add("--resume", action="store_true", help="continue from the latest in --ckpt-dir")
     add("--log-json", default=None, help="JSON lines: one record per step, plus evals")
+    add("--tensorboard", default=None, metavar="DIR",
+        help="TensorBoard event files of the same metrics (process 0)")
     add("--no-progress", action="store_true", help="no progress bar")
     _set_defaults(parser, defaults)
     if parser.get_default("warmup_steps") is None:  # check_run_args takes a tenth of --steps

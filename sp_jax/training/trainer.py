@@ -54,15 +54,15 @@ maps onto :class:`TrainerConfig`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from sp_jax._quiet import quiet_gloo
@@ -78,188 +78,18 @@ from sp_jax.data import Batch, TrainData
 from sp_jax.layout import Layout
 from sp_jax.training import faults
 from sp_jax.training.launch import mesh_description
-from sp_jax.training.log import MetricsLog
+from sp_jax.training.log import (
+    MetricsLog,
+    TensorBoardLog,
+    device_peak_flops,
+    model_flops_utilization,
+)
 from sp_jax.training.step import TrainStep, device_bytes
+from sp_jax.training.trainer_config import TrainerConfig, TrainingStopped, TrainResult
+from sp_jax.training.trainer_config import flag as _flag
 
 __all__ = ["RESUME_RULE", "TrainResult", "Trainer", "TrainerConfig", "TrainingStopped",
-           "open_checkpoints"]
-
-# The command-line flag of a TrainerConfig field where it is not "--" + field with dashes.
-_FLAGS = {"peer_timeout_s": "--peer-timeout", "compile_allowance_s": "--compile-allowance",
-          "progress": "--no-progress"}
-
-
-def _flag(field: str) -> str:
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _problems(v: Mapping[str, Any], flags: bool) -> Iterator[str]:
-    """The problems of the settings ``v`` (TrainerConfig fields), first to last, as
-    command-line flags (``flags``: ``--loss-spike 0.5 must be > 1 ...``) or as fields
-    (``loss_spike=0.5 must be > 1 ...``)."""
-    def name(field: str, value: bool = True) -> str:
-        if flags:
-            return _flag(field) + (f" {v[field]}" if value else "")
-        return f"{field}={v[field]!r}" if value else field
-
-    for f in ("steps", "batch_size", "micro_batches", "eval_batches"):
-        if not _is_int(v[f]) or v[f] <= 0:
-            yield f"{name(f, not flags)} must be positive" + ("" if flags else " (an int)")
-    for f in ("eval_every", "save_every", "seed"):
-        if not _is_int(v[f]) or v[f] < 0:
-            yield f"{name(f)} must be an int >= 0"
-    if _is_int(v["seed"]) and v["seed"] >= 2**63:
-        yield f"{name('seed')} must be < 2**63 (a 64-bit seed)"
-    if v["batch_size"] % v["micro_batches"]:
-        yield f"{name('batch_size')} is not divisible by {name('micro_batches')}"
-    spike = v["loss_spike"]
-    if not isinstance(spike, int | float) or spike and not (spike > 1 and math.isfinite(spike)):
-        yield f"{name('loss_spike')} must be > 1 (or 0 to stop on non-finite losses only)"
-    if not isinstance(v["max_update_ratio"], int | float) or not (
-            0 <= v["max_update_ratio"] < math.inf):
-        yield f"{name('max_update_ratio')} must be >= 0 and finite (0: no limit)"
-    if v["ckpt_dir"] and os.path.exists(v["ckpt_dir"]) and not os.path.isdir(v["ckpt_dir"]):
-        yield f"{name('ckpt_dir')} is a file, not a directory"
-    if v["log_json"] and os.path.isdir(v["log_json"]):
-        yield f"{name('log_json')} is a directory; name a file"
-    if (v["save_every"] or v["resume"]) and not v["ckpt_dir"]:
-        yield (f"{name('save_every', False)} / {name('resume', False)} need "
-               f"{name('ckpt_dir', False)}")
-    if v["max_to_keep"] is not None and (not _is_int(v["max_to_keep"]) or v["max_to_keep"] < 1):
-        yield f"{name('max_to_keep')} must be a positive int (or None to keep every step)"
-    for f in ("peer_timeout_s", "compile_allowance_s"):
-        if not isinstance(v[f], int | float) or not 0 < v[f] < math.inf:
-            yield f"{name(f)} must be positive (seconds)"
-    for f in ("resume", "debug_nans", "progress"):
-        if not isinstance(v[f], bool):
-            yield f"{name(f)} must be True or False"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    """What a :class:`Trainer` run does (every field is checked on construction).
-
-    Attributes:
-      steps: the last optimizer step (a resumed run continues up to it).
-      batch_size: global sequences per step, split into ``micro_batches``.
-      micro_batches: gradient-accumulation micro-batches (the batch's leading dimension).
-      seed: the data order (and, with the step, dropout's key).
-      eval_every: held-out loss at step 0, every K steps and after the last; 0: after the
-        last (and before each save) only.
-      eval_batches: held-out micro-batches per evaluation.
-      save_every: checkpoint every K steps and after the last (needs ``ckpt_dir``); 0: only
-        when stopped by a signal.
-      ckpt_dir: the checkpoint directory (shared by all processes); None: no checkpoints.
-      resume: continue from the newest intact checkpoint in ``ckpt_dir`` (required when it
-        holds any; an error when it holds none).
-      max_to_keep: checkpoints kept (the oldest are deleted); None keeps all.
-      log_json: the JSON-lines metrics file process 0 writes; None: in memory only.
-      loss_spike: a loss over this factor x the median of the last 20 stops the run as
-        diverged; 0: non-finite losses only.
-      max_update_ratio: a step whose update norm exceeds this x the parameters' norm stops
-        the run as diverged; 0: no limit.
-      peer_timeout_s: multi-process: a step, evaluation, save or restore that makes no
-        progress for this long ends the process (a stalled or dead peer).
-      compile_allowance_s: added to the first call of each kind (it compiles).
-      debug_nans: run under ``jax.debug_nans`` (names the operation making a NaN).
-      progress: a tqdm progress bar on stderr (process 0, when stderr is a terminal).
-    """
-
-    steps: int
-    batch_size: int
-    micro_batches: int = 1
-    seed: int = 0
-    eval_every: int = 0
-    eval_batches: int = 4
-    save_every: int = 0
-    ckpt_dir: str | None = None
-    resume: bool = False
-    max_to_keep: int | None = 3
-    log_json: str | None = None
-    loss_spike: float = 3.0
-    max_update_ratio: float = 1.0
-    peer_timeout_s: float = 120.0
-    compile_allowance_s: float = 600.0
-    debug_nans: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        for field in ("ckpt_dir", "log_json"):
-            value = getattr(self, field)
-            if value is not None:
-                object.__setattr__(self, field, os.fspath(value))
-        problem = next(_problems(dataclasses.asdict(self), flags=False), None)
-        if problem:
-            raise ValueError(f"TrainerConfig: {problem}.")
-
-    @classmethod
-    def from_args(cls, args: Any) -> TrainerConfig:
-        """The config of the flags :func:`sp_jax.training.cli.add_trainer_arguments` and
-        :func:`~sp_jax.training.add_launch_arguments` (``--peer-timeout``) define; flags
-        that are absent keep the defaults.
-
-        Raises:
-          ValueError: a bad value, naming the flag as the command line spells it, e.g.
-            ``--loss-spike 0.5 must be > 1 (or 0 to stop on non-finite losses only)``.
-        """
-        values = {f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)}
-        values["peer_timeout_s"] = getattr(args, "peer_timeout", cls.peer_timeout_s)
-        values["compile_allowance_s"] = getattr(args, "compile_allowance",
-                                                cls.compile_allowance_s)
-        values["progress"] = not getattr(args, "no_progress", not cls.progress)
-        problem = next(_problems(values, flags=True), None)
-        if problem:
-            raise ValueError(problem)
-        return cls(**values)
-
-
-class TrainingStopped(Exception):
-    """The run stopped before its last step; ``str(e)`` says why and what to do.
-
-    Attributes:
-      status: the process exit status it calls for: :data:`~faults.EXIT_DIVERGED`,
-        :data:`~faults.EXIT_INTERRUPTED`, :data:`~faults.EXIT_PEER_FAILED` or
-        :data:`~faults.EXIT_ERROR`.
-    """
-
-    def __init__(self, message: str, status: int = faults.EXIT_ERROR):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainResult:
-    """What :meth:`Trainer.run` did.
-
-    Attributes:
-      start_step: the checkpoint step the run continued from (0: a fresh run).
-      first_loss: the training loss of step ``start_step + 1`` (None: nothing to do).
-      last_loss: the training loss of the last step (None: nothing to do).
-      eval_loss: the held-out loss after the last step (None: nothing to do).
-      records: the metrics log's records, those kept from before a resume included.
-      seconds: the run's wall time.
-    """
-
-    start_step: int
-    first_loss: float | None
-    last_loss: float | None
-    eval_loss: float | None
-    records: list[dict[str, Any]]
-    seconds: float
-
-    @property
-    def losses(self) -> dict[int, float]:
-        """``{step: training loss}`` of :attr:`records`."""
-        return {r["step"]: r["loss"] for r in self.records if "loss" in r}
-
-    @property
-    def eval_losses(self) -> dict[int, float]:
-        """``{step: held-out loss}`` of :attr:`records` (step 0: before training)."""
-        return {r["step"]: r["eval_loss"] for r in self.records if "eval_loss" in r}
+           "data_state", "open_checkpoints"]
 
 
 @contextlib.contextmanager
@@ -297,8 +127,9 @@ _CONSEQUENCE = {
     "seed": "the data order (and dropout) from step {next} on differ from the saved run's; "
             "the parameters come from the checkpoint, not from the new seed",
     "data": "training and held-out data from step {next} on differ from the saved run's",
-    "max_data_bytes": "training and held-out data from step {next} on differ from the "
-                      "saved run's",
+    **dict.fromkeys(("max_data_bytes", "tokenizer", "text_field", "packing"),
+                    "training and held-out data from step {next} on differ from the saved "
+                    "run's"),
     "lr": "the optimizer uses the new value from step {next} on",
     "warmup_steps": "the learning-rate schedule from step {next} on follows the new value",
     "final_lr_fraction": "the learning-rate schedule from step {next} on follows the new "
@@ -321,6 +152,32 @@ RESUME_RULE = """On resume each setting a checkpoint records is compared with th
 - a setting the checkpoint does not record (saved by an earlier version) is named once
   and not checked."""
 """The rule a :class:`Trainer` applies to a checkpoint's recorded settings on resume."""
+
+
+def _gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-serialisable ``value`` (in process order), on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    blob = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int64(len(blob)))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(blob)] = blob
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, lengths, strict=True)]
+
+
+def data_state(data: TrainData) -> dict[str, Any] | None:
+    """The input pipeline's position for a checkpoint: a stateful source's (one with
+    ``state()``, e.g. :class:`~sp_jax.data.PackedText`) states of all processes merged
+    (every process reads only its rows' streams); None for a pure function of the step
+    (:class:`~sp_jax.data.TokenIds`). A collective in a multi-process run."""
+    if not hasattr(data, "state"):
+        return None
+    from sp_jax.data.packed import merge_states
+
+    return merge_states(_gather_json(data.state()))
 
 
 def _mib(n: int | None) -> str:
@@ -362,6 +219,15 @@ class Trainer:
         signal while the model is built); default: :meth:`run` installs its own.
       say: prints one line on process 0 (default: stdout, flushed); never called on the
         other processes.
+      flops_per_token: the model's training FLOPs per token (e.g.
+        :meth:`~sp_jax.models.GPTConfig.flops_per_token`): each step's record then has its
+        model FLOPs utilisation ``mfu`` where the devices' peak is known
+        (:func:`~sp_jax.training.log.device_peak_flops`; not on CPUs).
+
+    A stateful ``data`` (``state()`` / ``restore(state)``, e.g.
+    :class:`~sp_jax.data.PackedText`) has its position saved with every checkpoint
+    (:func:`data_state`) and restored on resume, so the resumed run reads exactly the
+    batches the uninterrupted one would have, on any mesh and process count.
     """
 
     def __init__(self, step: TrainStep, data: TrainData, config: TrainerConfig, *,
@@ -370,7 +236,8 @@ class Trainer:
                  checkpoints: CheckpointManager | None = None,
                  signals: faults.StopSignals | None = None,
                  say: Callable[[str], None] | None = None,
-                 lr_schedule: Callable[[int, Mapping[str, Any]], float] | None = None):
+                 lr_schedule: Callable[[int, Mapping[str, Any]], float] | None = None,
+                 flops_per_token: float | None = None):
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"Trainer: config must be a TrainerConfig, got "
                             f"{type(config).__name__}.")
@@ -399,6 +266,9 @@ class Trainer:
             **{f: getattr(config, f) for f in _RUN_FIELDS},
             **(metadata or {}).get("run", {})}}
         self.lr_schedule = lr_schedule
+        peak = device_peak_flops(self.mesh.devices.flat[0])
+        self._peak = None if peak is None or not flops_per_token else \
+            (peak * self.mesh.devices.size, flops_per_token)
         self.checkpoints, self.signals = checkpoints, signals
         self.say = say or _print
         self.records: list[dict[str, Any]] = []
@@ -409,6 +279,7 @@ class Trainer:
                                         name=f"process {jax.process_index()}",
                                         heartbeats=self.heartbeats)
         self._compiled: set[str] = set()
+        self._tensorboard = TensorBoardLog(None)
         self._bar: Any = None
         self.guard = self._new_guard()
         self.saved: int | None = None
@@ -511,9 +382,11 @@ class Trainer:
                 else "; no checkpoint was written yet")
 
     def _log(self, log: MetricsLog, record: dict[str, Any]) -> None:
-        """Writes a metrics record; a full disk stops the run with one line."""
+        """Writes a metrics record (and to TensorBoard); a full disk stops the run with one
+        line."""
         try:
             log.write(record)
+            self._tensorboard.write(record)
         except OSError as e:  # MetricsLogError: nothing torn left in the file
             raise TrainingStopped(f"{str(e).rstrip('.')}{self._intact()}") from e
 
@@ -538,10 +411,12 @@ class Trainer:
         """Checkpoint ``i``; the caller evaluated its parameters first (known-good rule)."""
         try:
             with self._watch(f"saving step {i}", "save"):
+                state = data_state(self.data)
                 manager.save(i, self.step.params, self.step.opt_state,
                              metadata={"step": i, "next_batch": i + 1, **self.metadata,
                                        "mesh": mesh_description(self.mesh),
-                                       "recent_losses": list(self.guard.recent)})
+                                       "recent_losses": list(self.guard.recent),
+                                       **({"data_state": state} if state else {})})
         except (CheckpointSaveError, NonFiniteError) as e:
             raise TrainingStopped(str(e)) from e
         self.saved = i
@@ -576,6 +451,16 @@ class Trainer:
         for line in self._changes(restored.step, restored.changed,
                                   restored.metadata.get("run", {})):
             self._print(f"warning: {line}")
+        if hasattr(self.data, "restore"):  # a stateful input pipeline: its position
+            state = restored.metadata.get("data_state")
+            try:
+                if state is None:
+                    raise ValueError("it holds no input-pipeline position (saved by a run "
+                                     "on other data); resume with the data it was trained "
+                                     "on, or start a new run")
+                self.data.restore(state)
+            except ValueError as e:
+                raise TrainingStopped(f"checkpoint step {restored.step}: {e}") from e
         self.step.params, self.step.opt_state = restored.params, restored.opt_state
         saved_on = restored.metadata.get("mesh")
         now_on = mesh_description(self.mesh)
@@ -614,9 +499,12 @@ class Trainer:
             stack.enter_context(jax.set_mesh(self.mesh))
             if cfg.debug_nans:
                 stack.enter_context(jax.debug_nans(True))
-            held_out = self.data.held_out_batches(
-                cfg.eval_batches, batch_size=cfg.batch_size // cfg.micro_batches,
-                sharding=NamedSharding(self.mesh, self.layout.tokens))
+            try:
+                held_out = self.data.held_out_batches(
+                    cfg.eval_batches, batch_size=cfg.batch_size // cfg.micro_batches,
+                    sharding=NamedSharding(self.mesh, self.layout.tokens))
+            except ValueError as e:  # e.g. too few held-out documents
+                raise TrainingStopped(str(e)) from e
             if self.heartbeats is not None:
                 self.heartbeats.start(lambda: self.watchdog.activity)
             with self._peer_failure(), self._watch(  # dead peer: one line
@@ -631,6 +519,12 @@ class Trainer:
             except (ValueError, OSError) as e:
                 raise TrainingStopped(f"{str(e).rstrip('.')}{self._intact()}") from e
             self.records = log.records
+            try:
+                self._tensorboard = stack.enter_context(TensorBoardLog(
+                    cfg.tensorboard if jax.process_index() == 0 else None,
+                    resume_from=start))
+            except OSError as e:
+                raise TrainingStopped(f"{str(e).rstrip('.')}{self._intact()}") from e
             self._bar = stack.enter_context(self._progress(start))
             try:
                 with self._peer_failure():
@@ -682,10 +576,17 @@ class Trainer:
                             f"{_mib(param_b)}, optimizer state {_mib(opt_b)}, activations and "
                             f"temporaries (XLA temp of the compiled step) {_mib(temp)}")
             first, last = first if first is not None else loss, loss
-            self._log(log, {"step": i, "loss": loss, "tokens_per_s": tokens / dt,
-                            "grad_norm": metrics["grad_norm"],
-                            "update_ratio": metrics["update_norm"] / metrics["param_norm"],
-                            "time_s": dt})
+            record = {"step": i, "loss": loss, "tokens_per_s": tokens / dt,
+                      "grad_norm": metrics["grad_norm"],
+                      "update_ratio": metrics["update_norm"] / metrics["param_norm"],
+                      "time_s": dt}
+            if self.lr_schedule is not None:
+                with contextlib.suppress(Exception):  # a schedule of other run settings
+                    record["lr"] = float(self.lr_schedule(i, self.metadata["run"]))
+            if self._peak is not None:
+                record["mfu"] = model_flops_utilization(tokens / dt, self._peak[1],
+                                                        self._peak[0])
+            self._log(log, record)
             if bar is not None:
                 bar.set_postfix_str(f"loss={loss:.3f} tok/s={tokens / dt:,.0f} mem/dev: params="
                                     f"{_mib(param_b)} opt={_mib(opt_b)} act(temp)={_mib(temp)}",
