@@ -70,10 +70,15 @@ def _unpacked():
     return tokens, labels
 
 
-def _loss_and_grads(model, batch, **documents):
+@nnx.jit
+def _jitted_loss_and_grads(model, batch, documents):
     def f(model):
         return model.loss(batch["tokens"], batch["labels"], **documents)
-    loss, grads = nnx.value_and_grad(f)(model)
+    return nnx.value_and_grad(f)(model)
+
+
+def _loss_and_grads(model, batch, **documents):
+    loss, grads = _jitted_loss_and_grads(model, batch, documents)
     return float(loss), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
 
 
