@@ -3,6 +3,7 @@ TypeError / RuntimeError that names the value and the fix. Each case has the id 
 row in docs/errors.md's "Bad inputs" table; a test checks the two lists agree."""
 
 import re
+import tempfile
 from pathlib import Path
 
 import jax
@@ -14,6 +15,7 @@ from flax import nnx
 
 import sp_jax
 from sp_jax.analysis import gpu_mesh
+from sp_jax.data import ByteTokenizer, Documents, check_vocab, load_tokenizer
 from sp_jax.layers import GroupedQKVProjection
 from sp_jax.models import GPT, GPTConfig, hf
 from sp_jax.models.gpt import Block
@@ -25,6 +27,15 @@ LAYERS = [
     sp_jax.ColumnSequenceParallelLinear,
     sp_jax.RowSequenceParallelLinear,
 ]
+
+
+def _file(name: str, content: bytes) -> str:
+    """A new file ``name`` holding ``content``, in a fresh temporary directory."""
+    path = Path(tempfile.mkdtemp()) / name
+    path.write_bytes(content)
+    return str(path)
+
+
 GPT_BASE = dict(vocab_size=64, max_seq_len=16, num_layers=1, num_heads=4, hidden=32)
 
 
@@ -257,6 +268,25 @@ CASES = {
     "E57": (ValueError, r"pipeline_microbatches=3 must be a multiple of the 2 stages with "
                         r"pipeline_repeats=2",
             lambda: pipeline_schedule("1f1b", 2, 3, 2)),
+    # text data and packed documents
+    "E58": (ValueError, r"docs.jsonl:2: no field 'text' \(fields: 'body'\); pass "
+                        r"--text-field",
+            lambda: Documents.from_paths(_file("docs.jsonl", b'{"text": "a"}\n{"body": "b"}\n'))),
+    "E59": (ValueError, r"docs.jsonl:1: not UTF-8 text",
+            lambda: Documents.from_paths(_file("docs.jsonl", b'{"text": "caf\xe9"}\n'))),
+    "E60": (ValueError, r"no documents in .*empty\.txt",
+            lambda: Documents.from_paths(_file("empty.txt", b""))),
+    "E61": (ValueError, r"tokenizer .*tok\.json does not load as a Hugging Face tokenizer\.json",
+            lambda: load_tokenizer(_file("tok.json", b"{not json"))),
+    "E62": (ValueError, r"tokenizer bytes has 257 ids but the model's vocabulary is 256",
+            lambda: check_vocab(ByteTokenizer(), 256)),
+    "E63": (ValueError, r"GPT: segment_ids must be integers of the tokens' shape \(2, 8\)",
+            lambda: _on((1, 1), lambda: _gpt().loss(
+                jnp.zeros((2, 8), jnp.int32), segment_ids=jnp.zeros((2, 7), jnp.int32)))),
+    "E64": (ValueError, r"segment_ids \(packed documents\) need implementation='xla'",
+            lambda: sp_jax.attention.blockwise_attention(
+                *(jnp.zeros((1, 8, 2, 4)),) * 3, implementation="cudnn",
+                segment_ids=jnp.ones((1, 8), jnp.int32))),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
