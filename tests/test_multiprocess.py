@@ -1,6 +1,9 @@
 """examples/train_gpt.py as 2 processes x 4 simulated CPU devices (jax.distributed on
 loopback, gloo collectives) trains exactly like 1 process with 8 devices, and stops and
-resumes together after a SIGTERM to one of them.
+resumes together after a SIGTERM to one of them. The data are packed documents
+(``--tokenizer bytes``: sp_jax.data.PackedText): each process reads only the streams of
+its rows, the global batches are the 1-process run's, and the input pipeline's position
+saved by 1 process (or by 2, merged) resumes in 2.
 
 First, concurrently: the 1-process reference (4 steps, checkpoints at steps 3 and 4; the
 warmup is 20 steps, so steps 1-4 do not depend on --steps) and a 2-process run of the same
@@ -36,10 +39,11 @@ from sp_jax.checkpoint import restore_checkpoint
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.training import faults
 
-DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+DATA = os.path.join(sysconfig.get_paths()["stdlib"], "email", "*.py")  # 20 documents
 STEPS = 3
 FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",
          "--batch-size", "8", "--micro-batches", "2", "--mesh", "2,4", "--data", DATA,
+         "--tokenizer", "bytes",
          "--eval-every", "3", "--save-every", "3", "--no-progress"]
 TIMEOUT_S = 240
 # Gloo's cross-process all-reduce sums in another order than XLA:CPU's in-process one:
@@ -138,7 +142,7 @@ def test_two_processes_save_one_checkpoint(runs):
     _ok(runs, "single")
     assert STEPS in _steps(tmp / "ckpt_int")
     assert _steps(tmp / "ckpt_1x8") == [STEPS, STEPS + 1]
-    model = GPT(GPTConfig(vocab_size=256, max_seq_len=32, num_layers=1, num_heads=4,
+    model = GPT(GPTConfig(vocab_size=257, max_seq_len=32, num_layers=1, num_heads=4,
                           hidden=32), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     # The example's optimizer structure (clipping, AdamW with a schedule).
@@ -152,6 +156,8 @@ def test_two_processes_save_one_checkpoint(runs):
     # The recent training losses (for the divergence check) agree to the last bit or two.
     recent, ref_recent = (m.metadata.pop("recent_losses") for m in (multi, single))
     assert recent == pytest.approx(ref_recent, rel=RTOL, abs=0)
+    # the input pipeline's position: every stream's, merged from both processes
+    assert sorted(multi.metadata["data_state"]["streams"], key=int) == [str(j) for j in range(8)]
     assert multi.metadata == single.metadata
     leaves = jax.tree.leaves((multi.params, multi.opt_state))
     ref_leaves = jax.tree.leaves((single.params, single.opt_state))
