@@ -42,10 +42,8 @@ def block_size(length: int, block: int, name: str = "block") -> int:
 
 
 def kernel_segments(segment_ids: jax.Array) -> jax.Array:
-    """Document ids ``[b, s]`` (0 = padding) as the kernels take them: int32, padding the
-    largest id (see ``_PADDING``)."""
-    segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
-    return jnp.where(segment_ids == 0, _PADDING, segment_ids)
+    """Document ids ``[b, s]`` (0 = padding) as the kernels take them: int32."""
+    return jnp.asarray(segment_ids).astype(jnp.int32)
 
 
 def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
@@ -70,23 +68,34 @@ def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
 
 
 def _block_ranges(seg: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """Per batch row and block of ``block`` rows, the smallest and largest document id:
-    ``([b, n_blocks], [b, n_blocks])``."""
+    """Per batch row and block of ``block`` rows, the smallest and largest document id,
+    padding (0) counted as the largest: ``([b, n_blocks], [b, n_blocks])``."""
     b, s = seg.shape
-    blocks = seg.reshape(b, s // block, block)
+    blocks = jnp.where(seg == 0, _PADDING, seg).reshape(b, s // block, block)
     return blocks.min(axis=-1), blocks.max(axis=-1)
 
 
 class _Documents:
-    """The document ids of a kernel call: the per-block masks and the test that skips a
-    ``(q block, k block)`` product whose rows share no document in any batch row (exact
-    for packed rows, whose ids never decrease; otherwise it only skips less)."""
+    """The document ids of a kernel call: the per-block masks, and the loop bounds that
+    skip the ``(q block, k block)`` products whose rows share no document in any batch row.
+
+    For each query block the key blocks run from the first that shares a document with it
+    to the last (and the other way round in backward): a range, so the loops keep plain
+    (dynamic) bounds and no conditional (one would copy its carried accumulators).
+    Exact for packed rows, whose ids never decrease (padding counts as the last document):
+    every block inside the range shares a document; otherwise the blocks inside the range
+    that share none are computed and masked."""
 
     def __init__(self, segments: tuple[jax.Array, jax.Array] | None, bq: int, bk: int):
         self.segments, self.bq, self.bk = segments, bq, bk
-        if segments is not None:
-            self.q_range = _block_ranges(segments[0], bq)
-            self.k_range = _block_ranges(segments[1], bk)
+        if segments is None:
+            return
+        (q_lo, q_hi), (k_lo, k_hi) = _block_ranges(segments[0], bq), _block_ranges(
+            segments[1], bk)
+        shared = jnp.any((q_lo[:, :, None] <= k_hi[:, None, :])
+                         & (k_lo[:, None, :] <= q_hi[:, :, None]), axis=0)  # [nq, nk]
+        self.k_first, self.k_end = _first_and_end(shared)
+        self.q_first, self.q_end = _first_and_end(shared.T)
 
     def of(self, q_start: Any, k_start: Any) -> tuple[jax.Array, jax.Array] | None:
         """The ``(q_seg, k_seg)`` of the blocks starting at these rows."""
@@ -95,20 +104,34 @@ class _Documents:
         q_seg, k_seg = self.segments
         return (_slice(q_seg, q_start, self.bq, -1), _slice(k_seg, k_start, self.bk, -1))
 
-    def when_shared(self, i: Any, j: Any, step: Any, acc: Any) -> Any:
-        """``step(acc)`` if query block ``i`` and key block ``j`` can share a document,
-        else ``acc`` (the product skipped)."""
+    def key_blocks(self, i: Any, lo: Any, hi: Any) -> tuple[Any, Any]:
+        """Key blocks ``lo .. hi - 1`` of query block ``i``, narrowed to those that may
+        share a document with it."""
         if self.segments is None:
-            return step(acc)
-        (q_lo, q_hi), (k_lo, k_hi) = self.q_range, self.k_range
-        shared = jnp.any((q_lo[:, i] <= k_hi[:, j]) & (k_lo[:, j] <= q_hi[:, i]))
-        return lax.cond(shared, step, lambda a: a, acc)
+            return lo, hi
+        return jnp.maximum(lo, self.k_first[i]), jnp.minimum(hi, self.k_end[i])
+
+    def query_blocks(self, j: Any, lo: Any, hi: Any) -> tuple[Any, Any]:
+        """Query blocks ``lo .. hi - 1`` of key block ``j``, narrowed likewise."""
+        if self.segments is None:
+            return lo, hi
+        return jnp.maximum(lo, self.q_first[j]), jnp.minimum(hi, self.q_end[j])
 
 
 def _slice(x: jax.Array, start: Any, size: int, axis: int = -2) -> jax.Array:
     """Rows ``start .. start + size`` of ``x`` along ``axis`` (default: the sequence axis
     of ``[..., seq, head_dim]``; ``axis=-1`` for the statistics ``[..., seq]``)."""
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
+
+
+def _first_and_end(shared: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of the boolean ``shared [n, m]``: the first column that is True and one
+    past the last (``(m, 0)``, an empty range, when none is), int32 ``[n]`` each."""
+    m = shared.shape[1]
+    any_ = jnp.any(shared, axis=1)
+    first = jnp.where(any_, jnp.argmax(shared, axis=1), m)
+    end = jnp.where(any_, m - jnp.argmax(shared[:, ::-1], axis=1), 0)
+    return first.astype(jnp.int32), end.astype(jnp.int32)
 
 
 def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq: int,
@@ -140,10 +163,6 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
         q_i = _slice(q, q_start, bq)
 
         def kv_step(j, acc, masked):
-            return docs.when_shared(i, j, functools.partial(kv_product, j, masked=masked),
-                                    acc)
-
-        def kv_product(j, acc, masked):
             o, m, norm, n = acc
             s = _scores(q_i, _slice(k, j * bk, bk), scale,
                         (q_start, j * bk) if masked else None, docs.of(q_start, j * bk))
@@ -165,10 +184,14 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
             # crossing the diagonal, up to the one holding the last query's position
             n_full = (q_start + 1) // bk
             n_end = (q_start + bq + bk - 1) // bk
-            acc = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False), acc)
-            acc = lax.fori_loop(n_full, n_end, functools.partial(kv_step, masked=True), acc)
+            lo, hi = docs.key_blocks(i, 0, n_end)
+            acc = lax.fori_loop(lo, jnp.minimum(n_full, hi),
+                                functools.partial(kv_step, masked=False), acc)
+            acc = lax.fori_loop(jnp.maximum(lo, n_full), hi,
+                                functools.partial(kv_step, masked=True), acc)
         else:
-            acc = lax.fori_loop(0, sk // bk, functools.partial(kv_step, masked=False), acc)
+            lo, hi = docs.key_blocks(i, 0, sk // bk)
+            acc = lax.fori_loop(lo, hi, functools.partial(kv_step, masked=False), acc)
         o, m, norm, count = acc
         if segments is not None:  # rows that saw no key (all their blocks skipped): out 0
             o = o / jnp.where(norm == 0, 1.0, norm)[..., None]
@@ -214,10 +237,6 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
         k_j, v_j = _slice(k, k_start, bk), _slice(v, k_start, bk)
 
         def q_step(i, acc, masked):
-            return docs.when_shared(i, j, functools.partial(q_product, i, masked=masked),
-                                    acc)
-
-        def q_product(i, acc, masked):
             dq, dk_j, dv_j, n = acc
             q_start = i * bq
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
@@ -244,10 +263,14 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             # query precedes the block's last key
             i_start = k_start // bq
             i_full = jnp.minimum((k_start + bk - 1 + bq - 1) // bq, sq // bq)
-            acc = lax.fori_loop(i_start, i_full, functools.partial(q_step, masked=True), acc)
-            acc = lax.fori_loop(i_full, sq // bq, functools.partial(q_step, masked=False), acc)
+            lo, hi = docs.query_blocks(j, i_start, sq // bq)
+            acc = lax.fori_loop(lo, jnp.minimum(i_full, hi),
+                                functools.partial(q_step, masked=True), acc)
+            acc = lax.fori_loop(jnp.maximum(lo, i_full), hi,
+                                functools.partial(q_step, masked=False), acc)
         else:
-            acc = lax.fori_loop(0, sq // bq, functools.partial(q_step, masked=False), acc)
+            lo, hi = docs.query_blocks(j, 0, sq // bq)
+            acc = lax.fori_loop(lo, hi, functools.partial(q_step, masked=False), acc)
         dq, dk_j, dv_j, count = acc
         dk = lax.dynamic_update_slice_in_dim(dk, dk_j, k_start, axis=dk.ndim - 2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_j, k_start, axis=dv.ndim - 2)
