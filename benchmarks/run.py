@@ -28,6 +28,9 @@ from benchmarks.pipeline import QUICK as PIPELINE_QUICK
 from benchmarks.pipeline import PipelineBench, run_pipeline
 from benchmarks.stacks import STACK_VARIANTS, Stack
 from benchmarks.targets import evaluate_targets
+from benchmarks.text import FULL as TEXT_FULL
+from benchmarks.text import QUICK as TEXT_QUICK
+from benchmarks.text import TextBench, run_text
 from benchmarks.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
 from sp_jax.analysis import activation_bytes_formula
 
@@ -54,6 +57,7 @@ class Config:
     gpt_rounds: int
     context: ContextBench  # long context: ring / Ulysses on a context axis
     pipeline: PipelineBench  # pipeline parallelism: GPipe vs 1F1B (deviceless H100)
+    text: TextBench  # packed documents: input pipeline vs step, packing, masked attention
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
@@ -92,6 +96,7 @@ FULL = Config(
         balance_s=131072, balance_contexts=(2, 4, 8),
         timing_s=2048, timing_heads=8, timing_head_dim=64, timing_rounds=15),
     pipeline=PIPELINE_FULL,
+    text=TEXT_FULL,
 )
 
 QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
@@ -122,6 +127,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
         timing_s=256, timing_heads=8, timing_head_dim=16, timing_rounds=2),
     # M = 8 only (the targets' and tables' M), R = 1: one compile per schedule
     pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,)),
+    text=TEXT_QUICK,  # tiny model, 20 batches per pipeline, s=1024 attention
 )
 
 
@@ -247,6 +253,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("context", lambda: run_context_gpu(cfg.context, log=_log))
     section("context_cpu", lambda: run_context_cpu(cfg.context))
     section("pipeline", lambda: run_pipeline(cfg.pipeline, log=_log))  # CUDA plugin
+    section("text", lambda: run_text(cfg.text, log=_log))  # its H100 part: CUDA plugin
     if cfg.plans:
         from benchmarks.plan import run_plans
 
@@ -267,7 +274,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
                    if not isinstance(v, dict | tuple | list) or k.endswith("_values")} | {
             k: getattr(cfg, k).as_dict()
             for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context",
-                      "pipeline")} | {
+                      "pipeline", "text")} | {
             "stacks": [s.as_dict() for s in cfg.stacks],
             "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }

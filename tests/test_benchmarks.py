@@ -205,12 +205,26 @@ def test_quick_run_writes_report(tmp_path):
         gpt_run["ratio_to_reference"]["sp_jax"] <= 1.0)
     assert "## CPU: the whole GPT training step" in md
     assert "## Long context: a context mesh axis" in md
-    # the pipeline section sits after the long-context one and before the planner's (none
-    # in a quick run)
+    # the pipeline and packed-documents sections sit after the long-context one and before
+    # the planner's (none in a quick run)
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     pipe = heads.index("## Pipeline parallelism")
-    assert heads[pipe - 1:pipe + 2] == ["## Long context: a context mesh axis",
-                                        "## Pipeline parallelism", "## Run"]
+    assert heads[pipe - 1:pipe + 3] == ["## Long context: a context mesh axis",
+                                        "## Pipeline parallelism", "## Packed documents",
+                                        "## Run"]
+    # packed documents (benchmarks/text.py): its targets in its section; the kernel skips
+    # exactly the block products of other documents at any shape
+    text = data["text"]
+    assert [t["id"] for t in text["targets"]] == [
+        "text_pipeline_rate", "text_first_fit_efficiency", "text_masked_attention_time",
+        "text_masked_attention_temp"]
+    for t in text["targets"]:
+        assert f"| {t['target']} | {t['measured']} |" in md
+    products = text["attention"]["block_products"]
+    assert (products["masked"], products["unmasked"]) == (products["masked_formula"],
+                                                          products["unmasked_formula"])
+    assert text["efficiency"]["stdlib"]["concat"]["efficiency"] == 1.0
+    assert ("error" not in text["attention"]["gpu"]) is HAS_CUDA_PLUGIN
     if HAS_CUDA_PLUGIN:
         # the structural memory and overlap targets hold at any shape (which collectives
         # get compute to overlap is the scheduler's cost-model decision, shape-dependent:

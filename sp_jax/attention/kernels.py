@@ -53,18 +53,21 @@ def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
     heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start,
     k_start)`` the keys after each query (causal, positions from the block starts) are
     -inf; with ``segments = (q_seg [b, bq], k_seg [b, bk])`` the keys of other documents
-    are ``_OTHER_DOCUMENT``."""
+    (and, with ``mask_at``, the later keys) are ``_OTHER_DOCUMENT``, by one mask."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
-    if segments is not None:
-        q_seg, k_seg = segments
-        same = q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :]
-        s = jnp.where(same, s, _OTHER_DOCUMENT)
+    causal = None
     if mask_at is not None:
         q_start, k_start = mask_at
         rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
         cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
-        s = jnp.where(rows >= cols, s, -jnp.inf)
-    return s
+        causal = rows >= cols
+    if segments is None:
+        return s if causal is None else jnp.where(causal, s, -jnp.inf)
+    # one mask per block (documents and causality together): a row's own key is always
+    # visible, so the finite score of the others vanishes in the softmax
+    q_seg, k_seg = segments
+    keep = q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :]
+    return jnp.where(keep if causal is None else keep & causal, s, _OTHER_DOCUMENT)
 
 
 def _block_ranges(seg: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
