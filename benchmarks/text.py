@@ -623,6 +623,9 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             gpu["unmasked"].get("temp_masks", []))
         why = (f"; {copies / MiB:.0f} MiB more of XLA copies live at the masked peak"
                if m > u and copies > 0 else
+               "; no block-sized buffer more: the document bookkeeping (per-block id "
+               "ranges, the loops' bounds: arrays of one entry per block, each "
+               "allocation aligned)" if 0 < m - u < 64 * 1024 else
                f"; {masks} more boolean block masks in the masked temp (document ids)"
                if m > u and masks > 0 else "")
         out.append({"id": "text_masked_attention_temp", "target": target,
