@@ -135,10 +135,10 @@ def test_blocks_above_the_diagonal_are_skipped():
     forward and backward; no score block is larger than block_q x block_k."""
     q, k, v, do = inputs((1, 48, 2, 8), seed=1)
     for block_q, block_k, n_q, n_k in ((8, 8, 6, 6), (16, 6, 3, 8), (6, 16, 8, 3)):
-        fwd = jax.jit(blockwise._blockwise_forward, static_argnums=(3, 4, 5))
-        bwd = jax.jit(blockwise._blockwise_backward, static_argnums=(2, 3, 4))
-        out, lse, count = fwd(q, k, v, None, block_q, block_k)
-        _, count_bwd = bwd((q, k, v, out, lse), do, None, block_q, block_k)
+        fwd = jax.jit(blockwise._blockwise_forward, static_argnums=(3, 4, 5, 6))
+        bwd = jax.jit(blockwise._blockwise_backward, static_argnums=(2, 3, 4, 5))
+        out, lse, count = fwd(q, k, v, None, None, block_q, block_k)
+        _, count_bwd = bwd((q, k, v, out, lse), do, None, None, block_q, block_k)
         expected = A.attention_block_counts(48, 1, mode="local", block_q=block_q,
                                             block_k=block_k)
         assert int(count) == int(count_bwd) == int(expected[0])
@@ -310,8 +310,9 @@ def test_ring_block_counts_per_device():
     bq, bk = ring._ring_blocks(jnp.zeros((1, s // c)), 2, 3)
 
     def per_device(q, k, v, do):
-        out, lse, count = ring._ring_forward_bshd(q, k, v, "context", bq, bk)
-        _, count_bwd = ring._ring_backward_bshd((q, k, v, out, lse), do, "context", bq, bk)
+        out, lse, count = ring._ring_forward_bshd(q, k, v, None, "context", bq, bk)
+        _, count_bwd = ring._ring_backward_bshd((q, k, v, out, lse), do, None, "context", bq,
+                                                bk)
         return jnp.stack([count, count_bwd])[None]
 
     f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4,

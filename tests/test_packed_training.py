@@ -1,18 +1,16 @@
 """Training on packed documents: the Trainer saves the input pipeline's position with each
 checkpoint, and a run resumed on another mesh trains on exactly the batches (and to the
 losses) of the uninterrupted one; the metrics go to TensorBoard event files that
-TensorBoard's reader opens; the example trains on a tokenizer.json it made itself."""
+TensorBoard's reader opens. (The example training on a tokenizer.json it made itself is
+the README's block, run verbatim by tests/test_doc_snippets.py.)"""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
-from _util import TRAIN_GPT, script_env
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -69,23 +67,3 @@ def test_packed_run_resumes_on_another_mesh_with_the_uninterrupted_batches(tmp_p
     losses = {e.step: e.value for e in events.Scalars("train/loss")}
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]  # the interrupted run's 4..6 purged
     np.testing.assert_allclose(losses[5], resumed.losses[5], rtol=1e-6)
-
-
-def test_example_trains_packed_rows_on_its_own_tokenizer(tmp_path):
-    corpus = _corpus(tmp_path / "docs.jsonl")
-    env = script_env()
-    out = subprocess.run([sys.executable, "-m", "sp_jax.data.tokenizer", "--vocab-size", "300",
-                          "--out", str(tmp_path / "tok.json"), corpus],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    run = subprocess.run(
-        [sys.executable, str(TRAIN_GPT), "--data", corpus, "--tokenizer",
-         str(tmp_path / "tok.json"), "--steps", "3", "--eval-every", "3", "--seq-len", "32",
-         "--batch-size", "8", "--layers", "1", "--eval-batches", "1", "--no-progress",
-         "--log-json", str(tmp_path / "run.jsonl"), "--tensorboard", str(tmp_path / "tb")],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "vocab 300 (" in run.stdout and "first-fit packing" in run.stdout
-    records = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
