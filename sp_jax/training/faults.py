@@ -414,6 +414,7 @@ class Heartbeats:
         self.interval_s = float(interval_s)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._done = threading.Event()
         self.gone: set[int] = set()
 
     @staticmethod
@@ -432,7 +433,7 @@ class Heartbeats:
 
         def beat() -> None:
             count = 0
-            while True:
+            while not self._done.is_set():
                 with contextlib.suppress(Exception):  # a stalled coordinator: blocks here
                     client.key_value_set(key, json.dumps({"n": count, "at": activity()}),
                                          allow_overwrite=True)
@@ -445,10 +446,19 @@ class Heartbeats:
                           flush=True)
                     leave(EXIT_PEER_FAILED, wait_s=_wait_s(self), gone=self.gone)
                 count += 1
-                time.sleep(self.interval_s)
+                self._done.wait(self.interval_s)
 
         self._thread = threading.Thread(target=beat, name="sp_jax-heartbeat", daemon=True)
         self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ends the writes and waits (up to ``timeout_s``) for the thread: before the
+        final barrier and the process's exit, a write still in the coordination client
+        when the interpreter finalizes would abort the process ("FATAL: exception not
+        rethrown")."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def fail(self, message: str) -> None:
         """:func:`announce_failure` of ``message`` by this process, whose own heartbeat

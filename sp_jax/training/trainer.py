@@ -487,6 +487,9 @@ class Trainer:
             if e.status == faults.EXIT_ERROR and self.heartbeats is not None:
                 self.heartbeats.fail(str(e))
             raise
+        finally:
+            if self.heartbeats is not None:  # no write left running into the exit
+                self.heartbeats.stop()
 
     def _run(self) -> TrainResult:
         cfg, t0 = self.config, time.perf_counter()
