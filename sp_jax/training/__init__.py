@@ -5,7 +5,10 @@ Modules:
 * ``trainer``: :class:`Trainer` (the training loop: resume with fallback over damaged
   checkpoints, eval before save, divergence, stop requests, watchdogs, metrics log,
   progress bar), :class:`TrainerConfig`, :class:`TrainResult`, :class:`TrainingStopped`
-  (a stopped run's message and exit status), :func:`open_checkpoints`.
+  (a stopped run's message and exit status), :func:`open_checkpoints`,
+  :func:`~trainer.data_state` (a stateful input pipeline's position, merged over the
+  processes, saved with each checkpoint); ``trainer_config`` holds the config, result and
+  stop types it re-exports.
 * ``cli``: the command line of a training script: :func:`add_trainer_arguments` (and the
   parallelism and model flags, ``--preset``), the checks of the flags (``ValueError``
   naming them), :func:`~cli.shared_settings`, :func:`~cli.run_metadata`.
@@ -17,7 +20,9 @@ Modules:
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
   DATA[,CONTEXT],TENSOR``), :func:`add_launch_arguments`, :func:`cluster_tasks`.
 * ``log``: :class:`MetricsLog` (JSON lines, resumable, whole lines only:
-  :class:`MetricsLogError` on a full disk) and :func:`plot_losses`.
+  :class:`MetricsLogError` on a full disk), :class:`TensorBoardLog` (the same records as
+  TensorBoard scalars), :func:`~log.device_peak_flops` / :func:`~log.model_flops_utilization`
+  and :func:`plot_losses`.
 * ``faults``: :class:`StopSignals` and :func:`agree_to_stop` (SIGTERM / SIGINT: every
   process stops after the same step), :func:`check_same_settings` (processes started
   with different flags fail fast), :class:`Watchdog` (a stalled peer ends the run),
@@ -50,7 +55,7 @@ from sp_jax.training.launch import (
     mesh_description,
     parse_mesh,
 )
-from sp_jax.training.log import MetricsLog, MetricsLogError, plot_losses
+from sp_jax.training.log import MetricsLog, MetricsLogError, TensorBoardLog, plot_losses
 from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.step import (
     TrainStep,
@@ -82,6 +87,7 @@ __all__ = [
     "Launch",
     "MetricsLog",
     "MetricsLogError",
+    "TensorBoardLog",
     "TrainResult",
     "TrainStep",
     "Trainer",
