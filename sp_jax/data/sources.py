@@ -84,7 +84,10 @@ class _TextFile:
     def location(self, index: int) -> str:
         return self.path
 
-    def check_head(self) -> None:
+    def check_head(self, count: int) -> None:
+        """Whether the file's first bytes are UTF-8 (the one document's start)."""
+        if not self.count:
+            return
         with open(self.path, "rb") as fh:
             head = fh.read(_CHECK_BYTES)
         try:
@@ -106,7 +109,21 @@ class _TextFile:
             raise self._not_utf8(data, e) from None
 
 
-class _JsonLinesFile:
+class _DocumentsFile:
+    """A file of many documents: reading its first few checks them."""
+
+    count: int
+
+    def read(self, index: int) -> str:
+        raise NotImplementedError
+
+    def check_head(self, count: int) -> None:
+        """Reads the first ``count`` documents (their errors name the file and line)."""
+        for index in range(min(count, self.count)):
+            self.read(index)
+
+
+class _JsonLinesFile(_DocumentsFile):
     """A JSON-lines file: one document per non-empty line; line offsets indexed once."""
 
     def __init__(self, path: str, text_field: str) -> None:
@@ -133,10 +150,6 @@ class _JsonLinesFile:
 
     def location(self, index: int) -> str:
         return f"{self.path}:{self.lines[index]}"
-
-    def check_head(self, count: int) -> None:
-        for index in range(min(count, self.count)):
-            self.read(index)
 
     def read(self, index: int) -> str:
         where = self.location(index)
@@ -169,7 +182,7 @@ class _JsonLinesFile:
         return text
 
 
-class _ParquetFile:
+class _ParquetFile(_DocumentsFile):
     """A parquet file: one document per row of the column ``text_field``."""
 
     def __init__(self, path: str, text_field: str, cache: _RowGroupCache) -> None:
@@ -201,10 +214,6 @@ class _ParquetFile:
 
     def location(self, index: int) -> str:
         return f"{self.path}: row {index}"
-
-    def check_head(self, count: int) -> None:
-        for index in range(min(count, self.count)):
-            self.read(index)
 
     def read(self, index: int) -> str:
         group = bisect.bisect_right(self._group_starts, index) - 1
@@ -291,16 +300,10 @@ class Documents:
         for path in expand_paths(paths):
             try:
                 kind = _kind(path)
-                if kind == "jsonl":
-                    file = _JsonLinesFile(path, text_field)
-                    file.check_head(check_first)
-                elif kind == "parquet":
-                    file = _ParquetFile(path, text_field, cache)
-                    file.check_head(check_first)
-                else:
-                    file = _TextFile(path)
-                    if file.count:
-                        file.check_head()
+                file = (_JsonLinesFile(path, text_field) if kind == "jsonl"
+                        else _ParquetFile(path, text_field, cache) if kind == "parquet"
+                        else _TextFile(path))
+                file.check_head(check_first)
             except OSError as e:
                 raise ValueError(f"cannot read data file {path}: {e.strerror or e}; fix its "
                                  "permissions or leave it out of the globs") from e
