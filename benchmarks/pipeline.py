@@ -51,6 +51,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import sp_jax  # noqa: E402
+from benchmarks.section import status, table, write_outputs  # noqa: E402
 from sp_jax import Layout  # noqa: E402
 from sp_jax.analysis import (  # noqa: E402
     array_bytes,
@@ -552,16 +553,6 @@ def run_pipeline(bench: PipelineBench = FULL, log: Callable[[str], None] = _log
 # -- the report -------------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _status(met: bool | None) -> str:
-    return {True: "PASS", False: "**MISS**", None: "not measured"}[met]
-
-
 def _loops(rec: dict[str, Any]) -> str:
     """'while.N: trip x copies + peeled' per direction of the activation permutes."""
     parts = []
@@ -613,8 +604,8 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         "",
         "### Targets",
         "",
-        _table(["target", "measured", "status"],
-               [[t["target"], t["measured"], _status(t["met"])] for t in res["targets"]]),
+        table(["target", "measured", "status"],
+               [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]]),
         "",
         "### Memory per GPU vs micro-batches (R = 1)",
         "",
@@ -628,7 +619,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                      f"{f['temp_bytes'] / MiB:,.0f}", f"{f['peak_bytes'] / MiB:,.0f}",
                      f["schedule"]["max_live_inputs"],
                      f"{f['temp_bytes'] / g['temp_bytes']:.3f}"])
-    out.append(_table(["M", "GPipe temp MiB", "GPipe peak MiB", "GPipe forward loop: "
+    out.append(table(["M", "GPipe temp MiB", "GPipe peak MiB", "GPipe forward loop: "
                        "residuals stacked over the ticks MiB (of which fp32 weight-shaped)",
                        "1F1B temp MiB", "1F1B peak MiB", "1F1B stage inputs kept",
                        "1F1B / GPipe temp"], rows))
@@ -715,7 +706,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                 sch["num_ticks"], "PASS" if ticks == want else "**MISS**",
                 f"{sch['bubble_tables']:.3f}", f"{sch['bubble_time']:.3f}",
                 f"{sch['bubble_formula']:.3f}"])
-    out.append(_table(["schedule", "R", "activation permutes in the compiled loops "
+    out.append(table(["schedule", "R", "activation permutes in the compiled loops "
                        "(trip count x copies per iteration + copies outside)",
                        "sends to next / previous stage (measured)",
                        "ticks with a forward / a backward (tables)",
@@ -754,7 +745,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                      "yes" if asyncs else "**no**",
                      f"{tr['shared_gradients'] / MiB:,.1f}", f"{tr['scalars']:,}",
                      f"{tr['other_bytes'] / MiB:,.0f}" if tr["other"] else "0"])
-    out.append(_table(["schedule", "R", "M", "permute shape", "activations MiB",
+    out.append(table(["schedule", "R", "M", "permute shape", "activations MiB",
                        "analytic MiB", "all async",
                        "shared-parameter gradient all-reduce MiB", "scalar all-reduce bytes",
                        "other stage-crossing MiB"], rows))
@@ -824,16 +815,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["targets"] = evaluate_targets(bench, res["records"])
     else:
         res = run_pipeline(QUICK if args.quick else FULL)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
-    text = render_markdown(res)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    for t in res["targets"]:
-        _log(f"{_status(t['met'])}: {t['target']}: {t['measured']}")
-    _log(f"total {res['meta']['runtime_s']:.0f} s")
+    write_outputs(res, json_path=args.json, markdown_path=args.markdown,
+                  render=render_markdown, log=_log)
     return res
 
 

@@ -56,6 +56,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import sp_jax.training as training  # noqa: E402
+from benchmarks.section import status, table, write_outputs  # noqa: E402
 from sp_jax import Layout  # noqa: E402
 from sp_jax.analysis import compile_for_gpu, cuda_plugin_available  # noqa: E402
 from sp_jax.attention import blockwise_attention  # noqa: E402
@@ -639,16 +640,6 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 # -- the report -------------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _status(met: bool | None) -> str:
-    return {True: "PASS", False: "**MISS**", None: "not measured"}[met]
-
-
 def _stall(pl: dict[str, Any]) -> str:
     """How long the slowest first-fit batch keeps a step waiting (no prefetching)."""
     slow = max((r["batch_ms"]["max"] for r in pl["rows"] if r["packing"] == "first_fit"),
@@ -712,8 +703,8 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         "",
         "### Targets",
         "",
-        _table(["target", "measured", "status"],
-               [[t["target"], t["measured"], _status(t["met"])] for t in res["targets"]]),
+        table(["target", "measured", "status"],
+               [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]]),
         "",
         "### Input pipeline vs training step (tokens/s, CPU)",
         "",
@@ -723,7 +714,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
              f"{step['tokens_per_s']:,.0f}", f"**{r['ratio']:.1f}x**",
              f"{r['round_ratios'][0]:.1f} - {r['round_ratios'][1]:.1f} "
              f"(min {r['round_ratios'][2]:.1f})", f"{r['warmup_s']:.2f}"] for r in pl["rows"]]
-    out += [_table(["packing", "read workers", "pipeline tokens/s",
+    out += [table(["packing", "read workers", "pipeline tokens/s",
                     "ms per batch, median / max", "training step tokens/s",
                     "pipeline / step", "per round: quartiles (min)",
                     f"start + {bench.warmup_steps} batches s"], rows), "",
@@ -752,7 +743,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                      f"{e['first_fit']['segments_per_row']:.2f}",
                      f"{e['concat']['efficiency']:.4f}",
                      f"{e['concat']['segments_per_row']:.2f}"])
-    out += [_table(["corpus", "documents", "tokens per document p10 / p50 / p90",
+    out += [table(["corpus", "documents", "tokens per document p10 / p50 / p90",
                     f"longer than a row ({bench.seq_len})", "rows", "first-fit efficiency",
                     "first-fit segments per row", "concat efficiency",
                     "concat segments per row"], rows), "",
@@ -778,7 +769,7 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
     if "error" not in gpu:
         header += [f"H100 temp MiB (bf16, {gpu['heads']} heads of {gpu['head_dim']})",
                    "H100 peak MiB", "live-range peak MiB"]
-    out += [_table(header, rows), "",
+    out += [table(header, rows), "",
             f"Block products: causal attention over n = {att['s'] // att['block']} blocks "
             f"computes n (n + 1) / 2; with documents aligned to blocks only the blocks of "
             f"each document's own causal triangle remain, documents x m (m + 1) / 2 with m = "
@@ -885,16 +876,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"benchmarks.text needs 8 devices, found {jax.device_count()}: run "
                          "it as `python -m benchmarks.text` (which simulates 8 CPU devices).")
     res = run_text(QUICK if args.quick else FULL)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
-    text = render_markdown(res)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    for t in res["targets"]:
-        _log(f"{_status(t['met'])}: {t['target']}: {t['measured']}")
-    _log(f"total {res['meta']['runtime_s']:.0f} s")
+    write_outputs(res, json_path=args.json, markdown_path=args.markdown,
+                  render=render_markdown, log=_log)
     return res
 
 

@@ -1,0 +1,39 @@
+"""What the stand-alone benchmark sections (:mod:`benchmarks.pipeline`,
+:mod:`benchmarks.text`) share: their markdown tables and verdicts, and how their command
+lines write the results and print the targets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["status", "table", "write_outputs"]
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table of ``rows`` under ``header``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def status(met: bool | None) -> str:
+    """A target's verdict in a section's table."""
+    return {True: "PASS", False: "**MISS**", None: "not measured"}[met]
+
+
+def write_outputs(res: dict[str, Any], *, json_path: Path | None, markdown_path: Path | None,
+                  render: Callable[[dict[str, Any]], str], log: Callable[[str], None]) -> None:
+    """Writes the results ``res`` as JSON and their section (``render``) as markdown where
+    asked, then logs each target's verdict and the run time (``res["meta"]``)."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(res, indent=1) + "\n")
+    if markdown_path:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(render(res))
+    for t in res["targets"]:
+        log(f"{status(t['met'])}: {t['target']}: {t['measured']}")
+    log(f"total {res['meta']['runtime_s']:.0f} s")
