@@ -133,21 +133,11 @@ class CausalSelfAttention(nnx.Module):
         first batch row when the data axes are manual outside
         (``ParallelConfig.manual_data_axes``)."""
         cfg, par = self.config, self.parallel
-        b, s, width = qkv.shape
-        head_dim = cfg.head_dim
-        if cfg.num_kv_heads == cfg.num_heads:  # columns (head, {q, k, v}, head_dim)
-            heads = width // (3 * head_dim)
-            q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
-        else:  # this shard's query heads, then (kv_head, {k, v}, head_dim)
-            heads = cfg.num_heads // lax.axis_size(par.tensor_axis)
-            q = qkv[..., :heads * head_dim].reshape(b, s, heads, head_dim)
-            k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
-                               axis=3)
-        if cfg.rotary:  # the positions of this device's tokens in the held order
-            if positions is None:
-                positions = local_positions(par, order, s)
-            q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
-            k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
+        b, s, _ = qkv.shape
+        if cfg.rotary and positions is None:  # this device's tokens in the held order
+            positions = local_positions(par, order, s)
+        q, k, v = self.split_heads(qkv, positions)
+        heads = q.shape[2]
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k, segment_ids=segment_ids)
         if seed is not None:  # global coordinates of this device's first row and head
@@ -164,7 +154,29 @@ class CausalSelfAttention(nnx.Module):
         else:
             out = blockwise_attention(q, k, v, implementation=cfg.attention_implementation,
                                       **blocks)
-        return out.reshape(b, s, heads * head_dim)
+        return out.reshape(b, s, heads * cfg.head_dim)
+
+    def split_heads(self, qkv: jax.Array, positions: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per device: the projection's columns ``[b, s, width]`` (this shard's heads) ->
+        ``q [b, s, heads / t, head_dim]`` and ``k``, ``v [b, s, kv_local, head_dim]``
+        with the rotary angles of ``positions`` (``[s]`` or ``[b, s]``; unused without
+        rotary) applied to q and k: what attention needs, in training and in decoding."""
+        cfg, par = self.config, self.parallel
+        b, s, width = qkv.shape
+        head_dim = cfg.head_dim
+        if cfg.num_kv_heads == cfg.num_heads:  # columns (head, {q, k, v}, head_dim)
+            heads = width // (3 * head_dim)
+            q, k, v = jnp.unstack(qkv.reshape(b, s, heads, 3, head_dim), axis=3)
+        else:  # this shard's query heads, then (kv_head, {k, v}, head_dim)
+            heads = cfg.num_heads // lax.axis_size(par.tensor_axis)
+            q = qkv[..., :heads * head_dim].reshape(b, s, heads, head_dim)
+            k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
+                               axis=3)
+        if cfg.rotary:
+            q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
+            k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
+        return q, k, v
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None, segment_ids: jax.Array | None = None,
