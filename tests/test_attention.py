@@ -154,6 +154,85 @@ def test_blocks_above_the_diagonal_are_skipped():
     assert dots and all(np.prod(e.outvars[0].aval.shape) <= 2 * 16 * 16 for e in dots)
 
 
+def naive_window_attention(q, k, v, window, segment_ids=None):
+    """Plain fp32 attention with the whole s x s mask: query ``i`` sees keys ``i - window
+    < j <= i`` (transformers' sliding window) of its own document."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    s = q.shape[1]
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    mask = jnp.asarray((j <= i) & (j > i - window))[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@pytest.mark.parametrize("seq,block_q,block_k,window,kv_heads,packed", [
+    (24, 4, 6, 5, None, False),    # the window inside a block, blocks skipped both ways
+    (30, 10, 6, 7, 2, False),      # unequal blocks, grouped-query
+    (30, 6, 10, 1, None, False),   # each query sees itself only
+    (24, 8, 4, 13, None, True),    # packed documents: both masks, both skips
+    (16, 4, 4, 64, 1, False),      # a window longer than the sequence: plain causal
+])
+def test_sliding_window_matches_dense_reference(seq, block_q, block_k, window, kv_heads,
+                                                packed):
+    """Forward and gradients equal a dense masked softmax in fp32; the block products
+    computed (forward = backward) are exactly the (query block, key block) pairs with a
+    key inside some query's window, so the blocks wholly before the window are skipped."""
+    q, k, v, do = inputs((2, seq, 4, 8), seed=seq + window, kv_heads=kv_heads)
+    seg = None
+    if packed:  # documents of 5, 11 and 8 rows; the second row: 13 rows, then padding
+        seg = jnp.asarray([[1] * 5 + [2] * 11 + [3] * 8, [4] * 13 + [0] * 11], jnp.int32)
+    f = functools.partial(A.blockwise_attention, block_q=block_q, block_k=block_k,
+                          sliding_window=window, segment_ids=seg)
+    got = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, vjp(do)))(*jax.vjp(f, q, k, v)))(
+        q, k, v, do)
+    ref = functools.partial(naive_window_attention, window=window, segment_ids=seg)
+    want = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, vjp(do)))(*jax.vjp(ref, q, k, v)))(
+        q, k, v, do)
+    assert_close(got, want)
+    bq, bk = kernels.block_size(seq, block_q), kernels.block_size(seq, block_k)
+    kseg = None if seg is None else kernels.kernel_segments(seg)
+    out, lse, count = blockwise._blockwise_forward(q, k, v, None, kseg, bq, bk, window)
+    _, count_bwd = blockwise._blockwise_backward((q, k, v, out, lse), do, None, kseg, bq,
+                                                 bk, window)
+    band = sum(j * bk <= i * bq + bq - 1 and j * bk + bk - 1 > i * bq - window
+               for i in range(seq // bq) for j in range(seq // bk))
+    assert int(count) == int(count_bwd)
+    if not packed:
+        assert int(count) == band
+        causal = sum(j * bk <= i * bq + bq - 1 for i in range(seq // bq)
+                     for j in range(seq // bk))
+        assert band < causal or window >= seq
+    else:
+        assert int(count) < band  # blocks of other documents skipped as well
+
+
+def test_sliding_window_errors_and_context_parallel():
+    q = jnp.zeros((1, 8, 2, 4))
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="sliding_window=.* must be a positive int"):
+            A.blockwise_attention(q, q, q, sliding_window=bad)
+    mesh, spec = context_mesh((2,), ("context",)), P(None, "context")
+
+    def sharded(kernel, **kw):
+        inner = jax.shard_map(functools.partial(kernel, axis_name="context", **kw),
+                              mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return jax.jit(lambda *a: inner(*(jax.reshard(x, spec) for x in a)))
+
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="sliding_window=4 is not "
+                                           "supported with ring attention; use "
+                                           "context_parallel='ulysses'"):
+        sharded(A.ring_attention, sliding_window=4)(q, q, q)
+    # Ulysses: the head shards hold the whole sequence, the window is exact
+    q, k, v, _ = inputs((1, 16, 4, 8), seed=11)
+    with jax.set_mesh(mesh):
+        got = sharded(A.ulysses_attention, block_q=4, block_k=4, sliding_window=3)(q, k, v)
+    assert_close(got, naive_window_attention(q, k, v, 3))
+
+
 def _all_eqns(jaxpr):
     yield from jaxpr.eqns
     for sub in jax.extend.core.subjaxprs(jaxpr):

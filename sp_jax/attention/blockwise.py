@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sp_jax.attention.dropout import AttentionDropout, drop_arguments
@@ -24,7 +25,7 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 
-__all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments"]
+__all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments", "check_window"]
 
 IMPLEMENTATIONS = ("xla", "cudnn")
 """Kernels of :func:`blockwise_attention`: sp_jax's (every backend) or cuDNN's (GPU)."""
@@ -36,13 +37,13 @@ def _pair(seg):
     return None if seg is None else (seg, seg)
 
 
-def _blockwise_forward(q, k, v, drop, seg, bq, bk):
+def _blockwise_forward(q, k, v, drop, seg, bq, bk, window=None):
     """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
     lse, count); ``drop``: None or ``(AttentionDropout, positions)``; ``seg``: None or
-    the kernel document ids ``[b, s]``."""
+    the kernel document ids ``[b, s]``; ``window``: None or the sliding window."""
     o, lse, count = forward_blocks(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v),
                                     causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
-                                    segments=_pair(seg))
+                                    segments=_pair(seg), window=window)
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
@@ -51,7 +52,7 @@ def _kernel_drop(drop):
     return None if drop is None else (drop[0], drop[1], drop[1])
 
 
-def _blockwise_backward(res, d_out, drop, seg, bq, bk):
+def _blockwise_backward(res, d_out, drop, seg, bq, bk, window=None):
     # Tie the residuals to the incoming cotangent: otherwise XLA's CSE may merge the
     # recomputed scores with the forward ones and keep those alive until backward.
     res, d_out = lax.optimization_barrier((res, d_out))
@@ -61,25 +62,25 @@ def _blockwise_backward(res, d_out, drop, seg, bq, bk):
     dq, dk, dv, count = backward_blocks(
         qh, kh, vh, doh, lse, row_delta(doh, q_to_kernel(out, hk)),
         jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
-        segments=_pair(seg))
+        segments=_pair(seg), window=window)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise(q, k, v, drop, seg, bq, bk):
-    return _blockwise_forward(q, k, v, drop, seg, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _blockwise(q, k, v, drop, seg, bq, bk, window):
+    return _blockwise_forward(q, k, v, drop, seg, bq, bk, window)[0]
 
 
-def _blockwise_fwd(q, k, v, drop, seg, bq, bk):
-    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk)
+def _blockwise_fwd(q, k, v, drop, seg, bq, bk, window):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window)
     return out, ((q, k, v, out, lse), drop, seg)
 
 
-def _blockwise_bwd(bq, bk, res, d_out):
+def _blockwise_bwd(bq, bk, window, res, d_out):
     res, drop, seg = res
-    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk)[0], None, None)
+    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window)[0], None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -89,7 +90,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
                         block_k: int = 512, implementation: str = "xla",
                         dropout: AttentionDropout | None = None,
                         positions: jax.Array | None = None,
-                        segment_ids: jax.Array | None = None) -> jax.Array:
+                        segment_ids: jax.Array | None = None,
+                        sliding_window: int | None = None) -> jax.Array:
     """Causal softmax attention in blocks (flash attention), on one device's arrays.
 
     Online softmax over key blocks with fp32 running statistics; key blocks above the
@@ -117,10 +119,16 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         products whose rows share no document in any batch row are skipped, not computed
         and masked (exactly so for packed rows, whose ids never decrease; padding counts
         as the last document). ``"xla"`` only.
+      sliding_window: None (every earlier key) or a positive int ``w``: query ``i``
+        attends keys ``i - w < j <= i`` only (Mistral's, transformers' semantics); key
+        blocks wholly before the window are skipped (loop bounds, forward and
+        backward), those crossing its edge masked. Composes with ``segment_ids`` and
+        dropout; with ``"cudnn"``, cuDNN's ``local_window_size=(w - 1, 0)``.
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     """
     check_qkv("blockwise_attention", q, k, v)
+    window = check_window("blockwise_attention", sliding_window)
     drop = drop_arguments(dropout, positions, q.shape[1], implementation)
     seg = check_segments("blockwise_attention", segment_ids, q)
     if implementation == "cudnn" and seg is not None:
@@ -130,8 +138,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
             "(only a dense [s, s] mask, which would undo the memory savings).")
     if implementation == "cudnn":
         try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn",
+                local_window_size=None if window is None else (window - 1, 0))
         except RuntimeError as e:  # JAX: "cuDNN not found." without a GPU
             raise RuntimeError(
                 f"blockwise_attention(implementation='cudnn') needs cuDNN on a GPU ({e}); "
@@ -141,7 +150,19 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         raise ValueError(f"implementation={implementation!r}: use 'xla' or 'cudnn'.")
     s = q.shape[1]
     bq, bk = block_size(s, block_q, "block_q"), block_size(s, block_k, "block_k")
-    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk)
+    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window)
+
+
+def check_window(name: str, sliding_window: int | None) -> int | None:
+    """``sliding_window`` as an int, or None; a ValueError naming ``name`` unless it is a
+    positive int (or None)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int | np.integer) \
+            or sliding_window <= 0:
+        raise ValueError(f"{name}: sliding_window={sliding_window!r} must be a positive int "
+                         "(the keys each query sees, itself included) or None.")
+    return int(sliding_window)
 
 
 def check_segments(name: str, segment_ids: jax.Array | None, q: jax.Array,

@@ -1,6 +1,8 @@
 """The flash-attention block kernels every attention function runs: online softmax over
 key blocks with fp32 statistics forward, per-block recomputation from the log-sum-exp
-backward, causal blocks above the diagonal skipped and those crossing it masked.
+backward, causal blocks above the diagonal skipped and those crossing it masked; with a
+sliding window, the key blocks wholly before it skipped too and those crossing its edge
+masked.
 
 Layout inside the kernels: queries ``[b, kv_heads, g, s, d]`` (``g`` query heads per
 key/value head), keys and values ``[b, kv_heads, s, d]``; :func:`q_to_kernel` /
@@ -48,12 +50,15 @@ def kernel_segments(segment_ids: jax.Array) -> jax.Array:
 
 def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
             mask_at: tuple[Any, Any] | None = None,
-            segments: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+            segments: tuple[jax.Array, jax.Array] | None = None,
+            window: int | None = None) -> jax.Array:
     """fp32 scaled scores ``[b, h, g, bq, bk]`` of ``q_i [b, h, g, bq, d]`` (``g`` query
     heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start,
     k_start)`` the keys after each query (causal, positions from the block starts) are
     -inf; with ``segments = (q_seg [b, bq], k_seg [b, bk])`` the keys of other documents
-    (and, with ``mask_at``, the later keys) are ``_OTHER_DOCUMENT``, by one mask."""
+    (and, with ``mask_at``, the later keys) are ``_OTHER_DOCUMENT``, by one mask; with
+    ``window`` (and ``mask_at``) so are the keys ``window`` or more rows before each query
+    (finite: a row may see no key of a block at the window's edge)."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
     causal = None
     if mask_at is not None:
@@ -61,8 +66,12 @@ def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
         rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
         cols = k_start + lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
         causal = rows >= cols
+        if window is not None:
+            causal = causal & (rows - cols < window)
     if segments is None:
-        return s if causal is None else jnp.where(causal, s, -jnp.inf)
+        if causal is None:
+            return s
+        return jnp.where(causal, s, -jnp.inf if window is None else _OTHER_DOCUMENT)
     # one mask per block (documents and causality together): a row's own key is always
     # visible, so the finite score of the others vanishes in the softmax
     q_seg, k_seg = segments
@@ -137,16 +146,35 @@ def _first_and_end(shared: jax.Array) -> tuple[jax.Array, jax.Array]:
     return first.astype(jnp.int32), end.astype(jnp.int32)
 
 
+def _check_window(window: int | None, causal: bool) -> None:
+    if window is not None and not causal:
+        raise ValueError(f"attention kernels: a sliding window ({window}) needs the causal "
+                         "kernel (queries and keys at the same positions).")
+
+
+def _three_loops(step: Any, acc: Any, lo: Any, hi: Any, a: Any, b: Any) -> Any:
+    """``step(n, acc, masked)`` over blocks ``lo .. hi - 1``: masked below ``a``, unmasked
+    from ``a`` to ``b`` (``a <= b``), masked from ``b`` on: three loops with plain
+    dynamic bounds, each empty when its range is."""
+    acc = lax.fori_loop(lo, jnp.minimum(a, hi), functools.partial(step, masked=True), acc)
+    acc = lax.fori_loop(jnp.maximum(lo, a), jnp.minimum(b, hi),
+                        functools.partial(step, masked=False), acc)
+    return lax.fori_loop(jnp.maximum(lo, b), hi, functools.partial(step, masked=True), acc)
+
+
 def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq: int,
                    bk: int, drop: tuple | None = None,
-                   segments: tuple[jax.Array, jax.Array] | None = None
+                   segments: tuple[jax.Array, jax.Array] | None = None,
+                   window: int | None = None
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
     ``g`` query heads of group ``h`` share key/value head ``h``).
 
     ``causal``: ``sq == sk`` and query ``i`` sees keys ``0 .. i`` (key blocks above the
     diagonal are not visited; those crossing it are masked); else every query sees every
-    key. ``drop``: None or ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
+    key. ``window`` (causal only): query ``i`` sees keys ``i - window < j <= i`` only
+    (a sliding window; key blocks wholly before it are not visited, those crossing its
+    edge are masked). ``drop``: None or ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
     ``segments``: None or the document ids ``(q_seg [b, sq], k_seg [b, sk])``
     (:func:`kernel_segments`): a query sees only keys of its own document, and products
     of blocks that share no document are skipped. A row that sees no key here gets out 0
@@ -159,6 +187,7 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
     docs = _Documents(segments, bq, bk)
+    _check_window(window, causal)
 
     def q_block(i, carry):
         out, lse, count = carry
@@ -168,7 +197,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
         def kv_step(j, acc, masked):
             o, m, norm, n = acc
             s = _scores(q_i, _slice(k, j * bk, bk), scale,
-                        (q_start, j * bk) if masked else None, docs.of(q_start, j * bk))
+                        (q_start, j * bk) if masked else None, docs.of(q_start, j * bk),
+                        window)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: each row's first key
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -187,11 +217,21 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
             # crossing the diagonal, up to the one holding the last query's position
             n_full = (q_start + 1) // bk
             n_end = (q_start + bq + bk - 1) // bk
-            lo, hi = docs.key_blocks(i, 0, n_end)
-            acc = lax.fori_loop(lo, jnp.minimum(n_full, hi),
-                                functools.partial(kv_step, masked=False), acc)
-            acc = lax.fori_loop(jnp.maximum(lo, n_full), hi,
-                                functools.partial(kv_step, masked=True), acc)
+            if window is None:
+                lo, hi = docs.key_blocks(i, 0, n_end)
+                acc = lax.fori_loop(lo, jnp.minimum(n_full, hi),
+                                    functools.partial(kv_step, masked=False), acc)
+                acc = lax.fori_loop(jnp.maximum(lo, n_full), hi,
+                                    functools.partial(kv_step, masked=True), acc)
+            else:
+                # from the block holding the first query's first key (masked while the
+                # last query's window starts after the block's first key), unmasked
+                # blocks, then the ones crossing the diagonal
+                first = jnp.maximum(q_start - window + 1, 0) // bk
+                in_window = (jnp.maximum(q_start + bq - window, 0) + bk - 1) // bk
+                lo, hi = docs.key_blocks(i, first, n_end)
+                acc = _three_loops(kv_step, acc, lo, hi, in_window,
+                                   jnp.maximum(in_window, n_full))
         else:
             lo, hi = docs.key_blocks(i, 0, sk // bk)
             acc = lax.fori_loop(lo, hi, functools.partial(kv_step, masked=False), acc)
@@ -214,7 +254,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
 def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array,
                     delta: jax.Array, dq: jax.Array, *, causal: bool, bq: int, bk: int,
                     drop: tuple | None = None,
-                    segments: tuple[jax.Array, jax.Array] | None = None
+                    segments: tuple[jax.Array, jax.Array] | None = None,
+                    window: int | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients of :func:`forward_blocks`, recomputing each block's probabilities
     from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
@@ -225,7 +266,8 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
       lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
         ``rowsum(do * out)``.
       dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
-      segments: the document ids, as in :func:`forward_blocks`.
+      segments, window: the document ids and the sliding window, as in
+        :func:`forward_blocks`.
     Returns:
       ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
       call, the number of block products.
@@ -233,6 +275,7 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
     docs = _Documents(segments, bq, bk)
+    _check_window(window, causal)
 
     def k_block(j, carry):
         dq, dk, dv, count = carry
@@ -244,7 +287,7 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             q_start = i * bq
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
             s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None,
-                        docs.of(q_start, k_start))
+                        docs.of(q_start, k_start), window)
             p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
             z = 1.0 if drop is None else drop_scale(drop, q_start, k_start, p.shape)
             dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", (p * z).astype(do.dtype), do_i,
@@ -266,11 +309,20 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             # query precedes the block's last key
             i_start = k_start // bq
             i_full = jnp.minimum((k_start + bk - 1 + bq - 1) // bq, sq // bq)
-            lo, hi = docs.query_blocks(j, i_start, sq // bq)
-            acc = lax.fori_loop(lo, jnp.minimum(i_full, hi),
-                                functools.partial(q_step, masked=True), acc)
-            acc = lax.fori_loop(jnp.maximum(lo, i_full), hi,
-                                functools.partial(q_step, masked=False), acc)
+            if window is None:
+                lo, hi = docs.query_blocks(j, i_start, sq // bq)
+                acc = lax.fori_loop(lo, jnp.minimum(i_full, hi),
+                                    functools.partial(q_step, masked=True), acc)
+                acc = lax.fori_loop(jnp.maximum(lo, i_full), hi,
+                                    functools.partial(q_step, masked=False), acc)
+            else:
+                # up to the block holding the last key's last query (row k_start + bk - 2
+                # + window); unmasked while the block's last query sees the first key
+                i_end = jnp.minimum((k_start + bk + window - 2) // bq + 1, sq // bq)
+                in_window = jnp.minimum((k_start + window) // bq, i_end)
+                lo, hi = docs.query_blocks(j, i_start, i_end)
+                acc = _three_loops(q_step, acc, lo, hi, i_full,
+                                   jnp.maximum(i_full, in_window))
         else:
             lo, hi = docs.query_blocks(j, 0, sq // bq)
             acc = lax.fori_loop(lo, hi, functools.partial(q_step, masked=False), acc)

@@ -204,7 +204,8 @@ def _ring_blocks(q, block_q: int, block_k: int) -> tuple[int, int]:
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
                    block_q: int = 512, block_k: int = 512,
                    dropout: AttentionDropout | None = None,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+                   segment_ids: jax.Array | None = None,
+                   sliding_window: int | None = None) -> jax.Array:
     """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
 
     Call inside :func:`jax.shard_map` with the sequence in zigzag order
@@ -235,11 +236,18 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         padding), or None. They travel the ring with the keys; a query attends only to
         keys of its own document, and block products that share no document are skipped
         (as in :func:`blockwise_attention`).
+      sliding_window: must be None: a sliding window is not implemented for the ring's
+        steps (a ValueError names the alternatives, Ulysses or no context axis).
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
     """
     check_qkv("ring_attention", q, k, v)
+    if sliding_window is not None:
+        raise ValueError(
+            f"ring_attention: sliding_window={sliding_window!r} is not supported with ring "
+            "attention; use context_parallel='ulysses' (exact with a window) or no "
+            "context axis.")
     bq, bk = _ring_blocks(q, block_q, block_k)
     q, k, v = same_vma(q, k, v)
     q, k, v = (vary(x, (axis_name,)) for x in (q, k, v))

@@ -20,7 +20,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
                       block_q: int = 512, block_k: int = 512,
                       implementation: str = "xla",
                       dropout: AttentionDropout | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None,
+                      sliding_window: int | None = None) -> jax.Array:
     """Causal attention by DeepSpeed-Ulysses sequence parallelism, per device.
 
     Call inside :func:`jax.shard_map` with the sequence sharded contiguously over
@@ -42,6 +43,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
       segment_ids: int ``[batch, s / c]``: the document ids of the local rows (0 =
         padding), or None; all-gathered over ``axis_name`` (``[batch, s]``, 4 bytes a row)
         for the blockwise kernel on the head shards (see :func:`blockwise_attention`).
+      sliding_window: None or the keys each query sees (:func:`blockwise_attention`;
+        the head shards hold the whole sequence, so the window is exact).
     Returns:
       ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
     """
@@ -80,5 +83,5 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
             axis_name, axis=1, tiled=True)
     out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
                               implementation=implementation, dropout=dropout,
-                              segment_ids=segment_ids)
+                              segment_ids=segment_ids, sliding_window=sliding_window)
     return to_sequence(out)
