@@ -39,6 +39,14 @@ from sp_jax.mesh import (
 __all__ = ["CausalSelfAttention"]
 
 
+def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
+    """RMSNorm of each head ``x [..., head_dim]`` over ``head_dim`` in fp32, times
+    ``scale [head_dim]`` (Qwen3's q/k norm), in ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + epsilon)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
 class CausalSelfAttention(nnx.Module):
     """Pre-LN causal self-attention with a residual, tensor- and sequence-parallel.
 
@@ -84,6 +92,11 @@ class CausalSelfAttention(nnx.Module):
                 "CausalSelfAttention: attention_implementation='cudnn' cannot run ring "
                 "attention (its steps are merged by log-sum-exp, which cuDNN's kernel does not "
                 "return); use attention_implementation='xla' or context_parallel='ulysses'.")
+        if config.sliding_window is not None and parallel.context_parallel == "ring":
+            raise ValueError(
+                f"CausalSelfAttention: sliding_window={config.sliding_window} is not "
+                "supported with ring attention; use context_parallel='ulysses' (exact with a "
+                "window) or no context axis.")
         self.config, self.parallel = config, parallel
         mesh = current_mesh(parallel, where="CausalSelfAttention", required=False)
         if mesh is not None:
@@ -99,6 +112,13 @@ class CausalSelfAttention(nnx.Module):
             self.qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
         self.out = RowSequenceParallelLinear(config.hidden, config.hidden,
                                              use_bias=config.out_bias, **common)
+        self.q_norm: nnx.Param | None
+        self.k_norm: nnx.Param | None
+        if config.qk_norm:  # Qwen3: one RMSNorm scale [head_dim] each for q and k, replicated
+            self.q_norm = nnx.Param(jnp.ones((config.head_dim,), config.param_dtype))
+            self.k_norm = nnx.Param(jnp.ones((config.head_dim,), config.param_dtype))
+        else:
+            self.q_norm = self.k_norm = None
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
         # holds the rate and the train/eval mode of the attention-probability dropout
         self.attention_dropout = Dropout(config.attention_dropout, parallel=parallel)
@@ -125,21 +145,23 @@ class CausalSelfAttention(nnx.Module):
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                seed: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
+                seed: jax.Array | None = None, rows: jax.Array | None = None,
+                qk_scales: tuple[jax.Array, ...] = ()) -> jax.Array:
         """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
         the sequence) -> ``[b, s_local, hidden / t]``; ``segment_ids`` / ``positions``:
         this device's ``[b, s_local]`` document ids and token positions (or None);
         ``seed``: the attention dropout's; ``rows``: the global index of this device's
         first batch row when the data axes are manual outside
-        (``ParallelConfig.manual_data_axes``)."""
+        (``ParallelConfig.manual_data_axes``); ``qk_scales``: :meth:`qk_scales`' values."""
         cfg, par = self.config, self.parallel
         b, s, _ = qkv.shape
         if cfg.rotary and positions is None:  # this device's tokens in the held order
             positions = local_positions(par, order, s)
-        q, k, v = self.split_heads(qkv, positions)
+        q, k, v = self.split_heads(qkv, positions, qk_scales)
         heads = q.shape[2]
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
-                                      block_k=cfg.attention_block_k, segment_ids=segment_ids)
+                                      block_k=cfg.attention_block_k, segment_ids=segment_ids,
+                                      sliding_window=cfg.sliding_window)
         if seed is not None:  # global coordinates of this device's first row and head
             if rows is None:
                 rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
@@ -156,12 +178,24 @@ class CausalSelfAttention(nnx.Module):
                                       **blocks)
         return out.reshape(b, s, heads * cfg.head_dim)
 
-    def split_heads(self, qkv: jax.Array, positions: jax.Array | None
+    def qk_scales(self) -> tuple[jax.Array, ...]:
+        """The q/k norm scales ``(q_norm, k_norm)``, ``[head_dim]`` each, with
+        ``qk_norm`` (else ``()``): pass them into the ``shard_map`` that calls
+        :meth:`split_heads` (``in_specs`` ``P()``: replicated; a ``shard_map`` cannot
+        close over them)."""
+        if self.q_norm is None or self.k_norm is None:
+            return ()
+        return (self.q_norm[...], self.k_norm[...])
+
+    def split_heads(self, qkv: jax.Array, positions: jax.Array | None,
+                    qk_scales: tuple[jax.Array, ...] = ()
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Per device: the projection's columns ``[b, s, width]`` (this shard's heads) ->
         ``q [b, s, heads / t, head_dim]`` and ``k``, ``v [b, s, kv_local, head_dim]``
-        with the rotary angles of ``positions`` (``[s]`` or ``[b, s]``; unused without
-        rotary) applied to q and k: what attention needs, in training and in decoding."""
+        with, with ``qk_norm``, each head's q and k RMS-normalised by ``qk_scales``
+        (:meth:`qk_scales`, ``[head_dim]`` each; epsilon ``norm_epsilon``), then the
+        rotary angles of ``positions`` (``[s]`` or ``[b, s]``; unused without rotary)
+        applied to q and k: what attention needs, in training and in decoding."""
         cfg, par = self.config, self.parallel
         b, s, width = qkv.shape
         head_dim = cfg.head_dim
@@ -173,6 +207,13 @@ class CausalSelfAttention(nnx.Module):
             q = qkv[..., :heads * head_dim].reshape(b, s, heads, head_dim)
             k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
                                axis=3)
+        if cfg.qk_norm:
+            if len(qk_scales) != 2:
+                raise ValueError(
+                    "CausalSelfAttention.split_heads: qk_norm=True needs qk_scales=(q_norm, "
+                    "k_norm): pass self.qk_scales() into the shard_map (in_specs P()).")
+            q = _head_rms_norm(q, qk_scales[0], cfg.norm_epsilon)
+            k = _head_rms_norm(k, qk_scales[1], cfg.norm_epsilon)
         if cfg.rotary:
             q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
             k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
@@ -212,10 +253,12 @@ class CausalSelfAttention(nnx.Module):
         docs = tuple(None if a is None else reshard(jnp.asarray(a).astype(jnp.int32),
                                                     doc_spec, mesh)
                      for a in (segment_ids, positions))
+        scales = tuple(reshard(a, P(), mesh) for a in self.qk_scales())
         attended = jax.shard_map(
-            lambda qkv, docs, *seed: self._attend(qkv, order, *docs, *seed),
+            lambda qkv, docs, scales, *seed: self._attend(qkv, order, *docs, *seed,
+                                                          qk_scales=scales),
             in_specs=(tp, tuple(None if a is None else doc_spec for a in docs),
-                      *(P(),) * len(seeds)),
-            out_specs=tp)(qkv, docs, *seeds)
+                      (P(),) * len(scales), *(P(),) * len(seeds)),
+            out_specs=tp)(qkv, docs, scales, *seeds)
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y

@@ -66,7 +66,7 @@ def kv_heads_per_shard(num_kv_heads: int, tensor_size: int, where: str) -> int:
 
 _POSITIVE_INTS = ("hidden", "num_heads", "mlp_hidden", "attention_block_q",
                   "attention_block_k")
-_BOOLS = ("rotary", "qkv_bias", "out_bias", "mlp_bias")
+_BOOLS = ("rotary", "qkv_bias", "out_bias", "mlp_bias", "qk_norm")
 _RATES = ("dropout", "attention_dropout")
 
 
@@ -129,6 +129,12 @@ def check_block_fields(owner: str, config: Any) -> None:
     if has("mlp_activation") and config.mlp_activation not in MLP_ACTIVATIONS:
         raise ValueError(f"{owner}.mlp_activation={config.mlp_activation!r} is not a known "
                          f"activation; use one of {sorted(MLP_ACTIVATIONS)}.")
+    if has("sliding_window") and config.sliding_window is not None and (
+            isinstance(config.sliding_window, bool) or not isinstance(config.sliding_window, int)
+            or config.sliding_window <= 0):
+        raise ValueError(f"{owner}.sliding_window={config.sliding_window!r} must be a positive "
+                         "int (the keys each query sees, itself included) or None (every "
+                         "earlier key).")
     for name in filter(has, _RATES):
         if not 0.0 <= getattr(config, name) < 1.0:
             raise ValueError(f"{owner}.{name}={getattr(config, name)} must be in [0, 1).")
@@ -172,6 +178,12 @@ class AttentionConfig:
         bias has an exactly zero gradient, since softmax ignores a constant added to every
         score).
       out_bias: give the output projection a bias (GPT-2: yes, Llama: no).
+      qk_norm: RMS-normalise each head's query and key over ``head_dim`` (Qwen3's
+        ``q_norm`` / ``k_norm``: scales ``[head_dim]`` shared by the heads, epsilon
+        ``norm_epsilon``) before the rotary angles.
+      sliding_window: None, or ``w``: query ``i`` attends keys ``i - w < j <= i`` only
+        (Mistral's sliding window; key blocks wholly before the window are skipped).
+        Not with ring attention.
       norm: ``"layernorm"`` or ``"rmsnorm"`` (the pre-norm).
       norm_epsilon: epsilon of the norm.
       attention_block_q / attention_block_k: query and key/value rows per block of the
@@ -202,6 +214,8 @@ class AttentionConfig:
     attention_implementation: str = "xla"
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         settle_block_fields(self)

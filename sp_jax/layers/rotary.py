@@ -46,19 +46,30 @@ class RopeScaling:
 
 def rope_frequencies(head_dim: int, base: float = 10000.0,
                      scaling: RopeScaling | None = None) -> np.ndarray:
-    """The ``head_dim / 2`` rotary angular frequencies ``base ** (-2i / head_dim)``,
-    optionally Llama-3 scaled, computed in float64 on the host (float32 result)."""
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    """The ``head_dim / 2`` rotary angular frequencies ``1 / base ** (2i / head_dim)``,
+    optionally Llama-3 scaled, float32, computed on the host as transformers computes
+    them in float32: the exponent ``arange(0, d, 2) / d`` in float32, the power rounded
+    to float32 (from float64: correctly rounded), its float32 reciprocal, the Llama-3
+    scaling in float32 in transformers' order of operations. Equal bit for bit to
+    transformers' ``inv_freq`` for the test fixtures and Llama-3.1-8B's; elsewhere
+    torch's float32 ``pow`` can differ by one unit in the last place in a few entries
+    (a relative 6e-8: an angle error growing with the position)."""
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)
+    inv = f32(1.0) / (np.float64(base) ** exponent.astype(np.float64)).astype(f32)
     if scaling is not None:
         old = scaling.original_max_position_embeddings
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - scaling.low_freq_factor) / (
+        low_wavelen = f32(old / scaling.low_freq_factor)
+        high_wavelen = f32(old / scaling.high_freq_factor)
+        factor = f32(scaling.factor)
+        # torch divides a number by a tensor as the tensor's reciprocal times the number
+        wavelen = (f32(1.0) / inv) * f32(2 * math.pi)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = ((f32(1.0) / wavelen) * f32(old) - f32(scaling.low_freq_factor)) / f32(
             scaling.high_freq_factor - scaling.low_freq_factor)
-        scaled = np.where(wavelen > old / scaling.low_freq_factor, inv / scaling.factor, inv)
-        medium = (wavelen >= old / scaling.high_freq_factor) & (
-            wavelen <= old / scaling.low_freq_factor)
-        inv = np.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled,
-                       scaled)
+        smoothed = (f32(1.0) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
     return inv.astype(np.float32)
 
 

@@ -90,6 +90,16 @@ class GPTConfig:
         run them with one ``lax.scan`` (compile time independent of ``num_layers``).
         Same initial values as the unrolled model; parameters ``blocks/...`` get shape
         ``[num_layers, ...]``.
+      qk_norm: RMS-normalise each head's query and key (Qwen3's ``q_norm`` / ``k_norm``,
+        scales ``[head_dim]`` per layer, epsilon ``norm_epsilon``) before the rotary
+        angles (:class:`~sp_jax.layers.AttentionConfig`).
+      sliding_window: None (causal attention over every earlier token) or ``w``: token
+        ``i`` attends tokens ``i - w < j <= i`` only (Mistral's ``sliding_window``); key
+        blocks wholly outside the window are skipped. Not with ring attention.
+      bos_token_id / eos_token_id / pad_token_id: the checkpoint's special token ids
+        (``config.json``'s), kept for :func:`~sp_jax.models.hf.to_hf` and generation;
+        None when it has none. ``eos_token_id`` may be several ids (a list in
+        ``config.json``, a tuple here). The model itself does not use them.
     """
 
     vocab_size: int
@@ -118,6 +128,11 @@ class GPTConfig:
     out_bias: bool = True
     mlp_bias: bool = True
     attention_dropout: float = 0.0
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -136,6 +151,27 @@ class GPTConfig:
             )
         settle_block_fields(self)
         check_block_fields("GPTConfig", self)  # the fields the blocks' configs share
+        self._check_token_ids()
+
+    def _check_token_ids(self) -> None:
+        """The special token ids: ints or None (``eos_token_id``: also several, kept as a
+        tuple)."""
+        def is_id(v: Any) -> bool:
+            return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if name == "eos_token_id" and isinstance(value, list | tuple) and value \
+                    and all(map(is_id, value)):
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+                continue
+            if value is None:
+                continue
+            if not is_id(value):
+                raise TypeError(f"GPTConfig.{name}={value!r} must be a token id (an int) or "
+                                "None" + (" or a list of ids" if name == "eos_token_id"
+                                          else "") + ".")
+            object.__setattr__(self, name, int(value))
 
     @classmethod
     def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
