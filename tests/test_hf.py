@@ -97,7 +97,7 @@ def test_config_translation():
         ("learned", "gelu", 0.1, 0.1)
     assert hf.config_from_hf(hf.config_to_hf(gpt2)) == gpt2
     for bad, match in [
-        ({**v5, "model_type": "mistral"}, "model_type='mistral'"),
+        ({**v5, "model_type": "gemma"}, "model_type='gemma'"),  # (mistral: now supported)
         ({**v5, "head_dim": 8}, "head_dim=8 differs"),
         ({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "'yarn'"),
         ({**v5, "hidden_act": "gelu"}, "hidden_act='gelu'"),

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2 and Llama-family models.
+"""Hugging Face checkpoints in and out: GPT-2, Llama, Mistral, Qwen2 and Qwen3 models.
 
     with jax.set_mesh(mesh):
         model = from_hf("path/to/llama", parallel=ParallelConfig())  # safetensors + config
@@ -8,10 +8,12 @@
 Reading needs neither torch nor transformers: tensors come from ``*.safetensors`` (one
 file or a sharded ``model.safetensors.index.json``) through ``safetensors``' NumPy API,
 and ``config.json`` (as transformers 4.x or 5.x writes it) is translated to a
-:class:`~sp_jax.models.GPTConfig` by :func:`config_from_hf`.
+:class:`~sp_jax.models.GPTConfig` by :func:`config_from_hf`, special token ids
+(``bos_token_id``, ``eos_token_id``, ``pad_token_id``) included; :func:`to_hf` writes them
+back to ``config.json`` and ``generation_config.json``.
 
-The conversion is one table per family (``Family.rules``, in :mod:`.gpt2` and
-:mod:`.llama`): each sp_jax parameter, the Hugging Face tensors it comes from and two
+The conversion is one table per family (``Family.rules``, in :mod:`.gpt2`, :mod:`.llama`;
+:mod:`.mistral`, :mod:`.qwen2` and :mod:`.qwen3` reuse Llama's): each sp_jax parameter, the Hugging Face tensors it comes from and two
 inverse functions between them. It applies the layout changes sp_jax's fused projections
 need:
 
@@ -31,7 +33,7 @@ path on any mismatch, and only then places each array straight into its sharding
 hold for the tensors used as they are (embeddings, norms, output and down projections,
 through safetensors' lazy slices); the fused ones are read whole once and permuted.
 
-Adding a family (Mistral, Qwen2): one module beside :mod:`.llama` holding one
+Adding a family: one module beside :mod:`.llama` holding one
 :class:`~sp_jax.models.hf.family.Family`: its ``config.json`` -> :class:`GPTConfig`
 fields (raising a ValueError on what sp_jax cannot reproduce) and back, which
 :class:`GPTConfig` s it expresses, its conversion table built with the

@@ -14,8 +14,8 @@ import numpy as np
 
 from sp_jax.models.gpt import GPTConfig
 
-__all__ = ["ATTENTION", "MLP", "Family", "Rule", "expand", "has_fields", "interleave", "same",
-           "swap_qkv", "transposed"]
+__all__ = ["ATTENTION", "MLP", "Family", "Rule", "expand", "has_fields", "interleave",
+           "require", "same", "swap_qkv", "transposed"]
 
 # The sp_jax paths of one block's attention and MLP ("{i}": the layer).
 ATTENTION = "blocks/{i}/attention/"
@@ -27,7 +27,8 @@ class Family:
     """One Hugging Face model family (``model_type`` of ``config.json``).
 
     Attributes:
-      model_type: ``config.json``'s ``model_type`` (``"gpt2"``, ``"llama"``).
+      model_type: ``config.json``'s ``model_type`` (``"gpt2"``, ``"llama"``,
+        ``"mistral"``, ``"qwen2"``, ``"qwen3"``).
       description: how the :class:`GPTConfig` s it expresses look, for the error naming a
         config no family expresses (``"Llama-shaped (rotary, RMSNorm, ...)"``).
       config_from_hf: ``(config.json dict, overrides) -> GPTConfig fields`` (all but
@@ -61,6 +62,15 @@ class Family:
 def has_fields(cfg: GPTConfig, **want: Any) -> bool:
     """Whether every named field of ``cfg`` has the value given."""
     return all(getattr(cfg, k) == v for k, v in want.items())
+
+
+def require(config: Mapping[str, Any], model_type: str, *keys: str) -> None:
+    """A ValueError naming the first of ``keys`` that ``config`` (a ``config.json``
+    dict) lacks or holds as null: the model's shape cannot be guessed."""
+    for key in keys:
+        if config.get(key) is None:
+            raise ValueError(f"config.json: the key {key!r} is missing (a {model_type} "
+                             "config.json needs it: the model's shape depends on it).")
 
 
 # --------------------------------------------------------------------------------------

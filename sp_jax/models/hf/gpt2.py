@@ -8,7 +8,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from sp_jax.models.gpt import GPTConfig
-from sp_jax.models.hf.family import ATTENTION, MLP, Family, Rule, has_fields, same, swap_qkv
+from sp_jax.models.hf.family import (
+    ATTENTION,
+    MLP,
+    Family,
+    Rule,
+    has_fields,
+    require,
+    same,
+    swap_qkv,
+)
 
 __all__ = ["ACTIVATIONS", "GPT2"]
 
@@ -21,6 +30,7 @@ ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "ge
 def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The :class:`GPTConfig` fields of a GPT-2 ``config.json`` (``dropout`` in
     ``overrides`` lifts the check that ``embd_pdrop`` equals ``resid_pdrop``)."""
+    require(config, "gpt2", "vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
     get = config.get
     for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                     ("add_cross_attention", False)):
@@ -61,10 +71,11 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 
 def expresses(cfg: GPTConfig) -> bool:
     """Learned positions, LayerNorm, a gelu/relu MLP, all biases, no grouped-query
-    attention."""
+    attention, no sliding window, no q/k norm."""
     return has_fields(cfg, positions="learned", norm="layernorm", qkv_bias=True,
                       out_bias=True, mlp_bias=True, num_kv_heads=cfg.num_heads,
-                      rope_scaling=None) and cfg.mlp_activation in ACTIVATIONS.values()
+                      rope_scaling=None, sliding_window=None, qk_norm=False) and \
+        cfg.mlp_activation in ACTIVATIONS.values()
 
 
 def rules(cfg: GPTConfig) -> list[Rule]:

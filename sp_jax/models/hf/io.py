@@ -21,7 +21,13 @@ from sp_jax.config import ParallelConfig
 from sp_jax.mesh import current_mesh
 from sp_jax.models.gpt import GPT, GPTConfig
 from sp_jax.models.hf.family import Family, Rule, expand
-from sp_jax.models.hf.registry import REGISTRY, config_from_hf, config_to_hf, family_of
+from sp_jax.models.hf.registry import (
+    REGISTRY,
+    config_to_hf,
+    family_of,
+    generation_config,
+    translate,
+)
 
 __all__ = ["from_hf", "to_hf", "to_hf_state_dict"]
 
@@ -45,33 +51,41 @@ class _Source:
 
     @classmethod
     def from_directory(cls, directory: pathlib.Path) -> _Source:
-        from safetensors import safe_open
-
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"from_hf: {index} has no 'weight_map' object (tensor name "
+                                 "-> file), as transformers writes it.")
             files = {name: directory / f for name, f in weight_map.items()}
+            for path in sorted(set(files.values())):
+                if not path.is_file():
+                    raise FileNotFoundError(f"from_hf: {path} is missing: {index} lists it "
+                                            "in its weight_map; download it again.")
+                _open_safetensors(path)  # a truncated or corrupt shard, named now
         else:
             paths = sorted(directory.glob("*.safetensors"))
             if not paths:
+                bins = sorted(p.name for p in directory.glob("*.bin"))
                 raise FileNotFoundError(
-                    f"from_hf: no *.safetensors in {directory}; save the model with "
-                    "save_pretrained(..., safe_serialization=True).")
+                    f"from_hf: no *.safetensors in {directory}"
+                    + (f" (it holds {', '.join(bins)}: sp_jax reads safetensors only)"
+                       if bins else "")
+                    + "; with transformers, AutoModelForCausalLM.from_pretrained(dir)"
+                    ".save_pretrained(out) writes model.safetensors (its default in 4.x "
+                    "and 5.x).")
             files = {}
             for path in paths:
-                with safe_open(path, framework="np") as f:
-                    files.update({name: path for name in f.keys()})  # noqa: SIM118
+                files.update(dict.fromkeys(_open_safetensors(path).keys(), path))
         return cls(files=files)
 
     def names(self) -> list[str]:
         return sorted({*self._dict, *self._files})
 
     def _handle(self, name: str):
-        from safetensors import safe_open
-
         path = self._files[name]
         if path not in self._open:
-            self._open[path] = safe_open(path, framework="np")
+            self._open[path] = _open_safetensors(path)
         return self._open[path]
 
     def shape_dtype(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -95,6 +109,36 @@ class _Source:
         self._open.clear()
 
 
+def _open_safetensors(path: pathlib.Path):
+    """``safetensors.safe_open(path)`` (NumPy), or a ValueError naming the file: truncated
+    (an interrupted download) or not a safetensors file at all."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="np")
+    except Exception as e:  # safetensors' SafetensorError (Rust) or an OSError
+        if isinstance(e, FileNotFoundError):
+            raise FileNotFoundError(f"from_hf: {path} is missing.") from e
+        raise ValueError(f"from_hf: {path} is not a readable safetensors file ("
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                         "truncated (an interrupted download?) or corrupt; download or save "
+                         "it again.") from e
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    """The parsed JSON file ``path``, or a FileNotFoundError / ValueError naming it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"from_hf: {path} is missing (a Hugging Face checkpoint "
+                                "directory holds config.json and *.safetensors).") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"from_hf: {path} is not valid JSON ({e.msg} at line {e.lineno} "
+                         f"column {e.colno}).") from e
+
+
 def _safetensors_dtypes() -> dict[str, np.dtype]:
     import ml_dtypes
 
@@ -107,29 +151,37 @@ def _safetensors_dtypes() -> dict[str, np.dtype]:
 _SAFETENSORS_DTYPES = _safetensors_dtypes()
 
 
-def _read_input(path_or_state_dict, config_json) -> tuple[_Source, dict[str, Any]]:
+def _read_input(path_or_state_dict, config_json) -> tuple[_Source, dict[str, Any], str]:
+    """The tensors, the ``config.json`` dict and the name its errors give it (its path,
+    or ``config.json`` for a dict)."""
+    directory = None
     if isinstance(path_or_state_dict, Mapping):
         if config_json is None:
             raise ValueError("from_hf: a state dict needs config_json= (the config.json dict "
                              "or its path).")
-        source = _Source(tensors=path_or_state_dict)
     elif isinstance(path_or_state_dict, str | os.PathLike):
         directory = pathlib.Path(path_or_state_dict)
         if not directory.is_dir():
             raise FileNotFoundError(f"from_hf: {directory} is not a directory (expected a "
                                     "Hugging Face checkpoint: config.json + *.safetensors).")
-        source = _Source.from_directory(directory)
         if config_json is None:
             config_json = directory / "config.json"
     else:
         raise TypeError(f"from_hf: expected a directory path or a dict of arrays, got "
                         f"{type(path_or_state_dict).__name__}.")
+    where = "config.json"
     if isinstance(config_json, str | os.PathLike):
-        config_json = json.loads(pathlib.Path(config_json).read_text())
+        where = str(config_json)
+        config_json = _read_json(pathlib.Path(config_json))
+        if not isinstance(config_json, Mapping):
+            raise ValueError(f"from_hf: {where} holds a JSON {type(config_json).__name__}, "
+                             "not an object.")
     if not isinstance(config_json, Mapping):
         raise TypeError(f"from_hf: config_json must be a dict or a path, got "
                         f"{type(config_json).__name__}.")
-    return source, dict(config_json)
+    source = _Source(tensors=path_or_state_dict) if directory is None else \
+        _Source.from_directory(directory)
+    return source, dict(config_json), where
 
 
 def _canonical_names(source: _Source, family: Family) -> dict[str, str]:
@@ -142,7 +194,8 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
             config_json: str | os.PathLike | Mapping[str, Any] | None = None, *,
             parallel: ParallelConfig = ParallelConfig(), rngs: nnx.Rngs | None = None,
             **overrides: Any) -> GPT:
-    """A :class:`~sp_jax.models.GPT` holding a Hugging Face GPT-2 or Llama checkpoint.
+    """A :class:`~sp_jax.models.GPT` holding a Hugging Face checkpoint of a family of
+    :data:`~sp_jax.models.hf.FAMILIES` (GPT-2, Llama, Mistral, Qwen2, Qwen3).
 
     Call under ``jax.set_mesh(mesh)``: every parameter is placed straight into its
     sharding on that mesh. Torch and transformers are not imported.
@@ -165,11 +218,16 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
     Raises:
       ValueError: before any array is placed, naming the Hugging Face tensor and the
         sp_jax path: a tensor missing, unknown, of the wrong global shape or of a dtype
-        that does not fit.
+        that does not fit; naming the file: a ``config.json`` that is not valid JSON or
+        lacks a key the model's shape needs (and the key), a truncated or corrupt
+        safetensors file.
+      FileNotFoundError: naming the file: no ``config.json``, no ``*.safetensors`` (a
+        directory of ``pytorch_model.bin`` only: how to convert it), a shard the index
+        lists.
     """
-    source, config = _read_input(path_or_state_dict, config_json)
+    source, config, where = _read_input(path_or_state_dict, config_json)
     try:
-        cfg = config_from_hf(config, **overrides)
+        cfg = translate(config, where, overrides)
         family = REGISTRY[config["model_type"]]
         current_mesh(parallel, where="from_hf")  # checks the axes
         mesh = jax.sharding.get_mesh()
@@ -283,11 +341,12 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
-def _convert_to_hf(cfg: GPTConfig, flat: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _convert_to_hf(cfg: GPTConfig, flat: Mapping[str, Any],
+                   model_type: str | None = None) -> dict[str, np.ndarray]:
     """sp_jax path -> array (parameters, or anything shaped like them: gradients) to the
     Hugging Face names and layouts."""
     out = {}
-    for path, rule, layer in expand(family_of(cfg).rules(cfg), cfg):
+    for path, rule, layer in expand(family_of(cfg, model_type).rules(cfg), cfg):
         x = np.asarray(flat[path])
         if cfg.scan_layers and layer is not None:
             x = x[layer]
@@ -296,28 +355,38 @@ def _convert_to_hf(cfg: GPTConfig, flat: Mapping[str, Any]) -> dict[str, np.ndar
     return out
 
 
-def to_hf_state_dict(model: GPT) -> dict[str, np.ndarray]:
+def to_hf_state_dict(model: GPT, *, model_type: str | None = None
+                     ) -> dict[str, np.ndarray]:
     """The model's parameters as transformers names them (host NumPy arrays, gathered
-    from every process), ready for ``safetensors.numpy.save_file``."""
+    from every process), ready for ``safetensors.numpy.save_file``; ``model_type`` as in
+    :func:`to_hf`."""
     if not isinstance(model, GPT):
         raise TypeError(f"to_hf: expected a sp_jax.models.GPT, got {type(model).__name__}.")
-    family_of(model.config)  # validates first
+    family_of(model.config, model_type)  # validates first
     flat = {"/".join(map(str, k)): _host(v[...])
             for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    return _convert_to_hf(model.config, flat)
+    return _convert_to_hf(model.config, flat, model_type)
 
 
-def to_hf(model: GPT, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30) -> None:
+def to_hf(model: GPT, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30,
+          model_type: str | None = None) -> None:
     """Writes ``model`` as a Hugging Face checkpoint directory: ``config.json``
-    (:func:`config_to_hf`) and ``model.safetensors`` (or shards of at most
-    ``max_shard_bytes`` with ``model.safetensors.index.json``), which transformers'
-    ``from_pretrained`` loads with every tensor accounted for. Every process gathers the
-    parameters; process 0 writes. Raises a ValueError before writing anything when
-    neither GPT-2 nor Llama expresses the model's config."""
+    (:func:`config_to_hf`, with the config's ``bos_token_id`` / ``eos_token_id`` /
+    ``pad_token_id``), ``generation_config.json`` (those ids, as transformers'
+    ``GenerationConfig.save_pretrained`` writes them) and ``model.safetensors`` (or
+    shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``), which
+    transformers' ``from_pretrained`` loads with every tensor accounted for. Every
+    process gathers the parameters; process 0 writes.
+
+    ``model_type``: the family to write (one of :data:`FAMILIES`, e.g. ``"mistral"``
+    for a Llama-shaped model without biases or window, which is otherwise written as
+    ``"llama"``), default the first that expresses the config. Raises a ValueError
+    before writing anything when no family (or not ``model_type``'s) expresses the
+    model's config."""
     from safetensors.numpy import save_file
 
-    config = config_to_hf(model.config)  # validates first
-    tensors = to_hf_state_dict(model)
+    config = config_to_hf(model.config, model_type)  # validates first
+    tensors = to_hf_state_dict(model, model_type=model_type)
     if jax.process_index() != 0:
         return
     directory = pathlib.Path(path)
@@ -343,4 +412,6 @@ def to_hf(model: GPT, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30
                  "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (directory / "generation_config.json").write_text(
+        json.dumps(generation_config(model.config), indent=2, sort_keys=True) + "\n")
 

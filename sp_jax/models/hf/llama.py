@@ -1,7 +1,12 @@
 """Llama (``model_type`` ``"llama"``): rotary positions (default or ``llama3`` scaling),
 RMSNorm, SwiGLU, optional biases, grouped-query attention; ``torch.nn.Linear`` weights
 ``[out, in]`` transposed, ``q_proj`` / ``k_proj`` / ``v_proj`` fused into sp_jax's per-head
-columns and ``gate_proj`` / ``up_proj`` interleaved into the fused SwiGLU kernel."""
+columns and ``gate_proj`` / ``up_proj`` interleaved into the fused SwiGLU kernel.
+
+The Llama-shaped families (:mod:`.mistral`, :mod:`.qwen2`, :mod:`.qwen3`) are written with
+this module's pieces: :func:`llama_shaped_fields` / :func:`llama_shaped_to_hf` (the
+``config.json`` entries they share) and :func:`llama_shaped_rules` (the conversion table,
+with Qwen3's q/k norms when the config has them)."""
 
 from __future__ import annotations
 
@@ -17,26 +22,23 @@ from sp_jax.models.hf.family import (
     Rule,
     has_fields,
     interleave,
+    require,
     same,
     transposed,
 )
 
-__all__ = ["LLAMA"]
+__all__ = ["LLAMA", "LLAMA_SHAPED_KEYS", "llama_shaped_fields", "llama_shaped_rules",
+           "llama_shaped_to_hf"]
+
+LLAMA_SHAPED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "max_position_embeddings")
+"""The ``config.json`` keys a Llama-shaped model cannot be read without."""
 
 
-def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The :class:`GPTConfig` fields of a Llama ``config.json`` (transformers 4.x:
-    ``rope_theta`` and ``rope_scaling`` at the top level; 5.x: ``rope_parameters``)."""
-    del overrides  # no check depends on them
+def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``(rope_base, rope_scaling)`` of a ``config.json`` (transformers 4.x: ``rope_theta``
+    and ``rope_scaling`` at the top level; 5.x: ``rope_parameters``)."""
     get = config.get
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
-    if get("head_dim") not in (None, hidden // heads):
-        raise ValueError(f"config.json: head_dim={get('head_dim')} differs from "
-                         f"hidden_size / num_attention_heads = {hidden // heads}; sp_jax "
-                         "derives the head size from the width.")
-    if get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={get('hidden_act')!r}: sp_jax's Llama "
-                         "MLP is SwiGLU ('silu').")
     rope = dict(get("rope_parameters") or get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -50,7 +52,29 @@ def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> d
     else:
         raise ValueError(f"config.json: rope type {rope_type!r} is not supported; sp_jax "
                          "implements 'default' and 'llama3'.")
-    bias = bool(get("attention_bias", False))
+    return theta, scaling
+
+
+def llama_shaped_fields(config: Mapping[str, Any], model_type: str,
+                        default_head_dim: int | None = None) -> dict[str, Any]:
+    """The :class:`GPTConfig` fields every Llama-shaped ``config.json`` gives the same way
+    (shapes, heads, rotary settings, RMSNorm, SwiGLU, tied head, attention dropout); the
+    family adds its biases, window and q/k norm. ``default_head_dim``: the head size
+    transformers assumes when ``head_dim`` is absent (Qwen3: 128; None: ``hidden /
+    heads``), which must be ``hidden / heads``: sp_jax derives the head size from the
+    width."""
+    require(config, model_type, *LLAMA_SHAPED_KEYS)
+    get = config.get
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    head_dim = get("head_dim") or default_head_dim
+    if head_dim not in (None, hidden // heads):
+        raise ValueError(f"config.json: head_dim={head_dim} differs from hidden_size / "
+                         f"num_attention_heads = {hidden // heads}; sp_jax derives the head "
+                         "size from the width.")
+    if get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={get('hidden_act')!r}: sp_jax's "
+                         f"{model_type} MLP is SwiGLU ('silu').")
+    theta, scaling = _rope(config)
     return dict(
         vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings"),
         num_layers=get("num_hidden_layers"), num_heads=heads, hidden=hidden,
@@ -59,18 +83,17 @@ def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> d
         attention_dropout=float(get("attention_dropout", 0.0)),
         tie_embeddings=bool(get("tie_word_embeddings", False)), positions="rotary",
         rope_base=theta, rope_scaling=scaling, norm="rmsnorm",
-        norm_epsilon=float(get("rms_norm_eps", 1e-6)), mlp_activation="swiglu",
-        qkv_bias=bias, out_bias=bias, mlp_bias=bool(get("mlp_bias", False)))
+        norm_epsilon=float(get("rms_norm_eps", 1e-6)), mlp_activation="swiglu")
 
 
-def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
-    """The Llama ``config.json`` entries of ``cfg``, rope settings in both transformers
-    4.x's and 5.x's spelling."""
+def llama_shaped_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
+    """The ``config.json`` entries every Llama-shaped family writes the same way, rope
+    settings in both transformers 4.x's and 5.x's spelling."""
     rope: dict[str, Any] = {"rope_type": "default"}
     if cfg.rope_scaling is not None:
         rope = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     return dict(
-        architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
+        architectures=[architecture], vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden, intermediate_size=cfg.mlp_hidden,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden // cfg.num_heads,
@@ -78,18 +101,35 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rope_base,
         rope_scaling=None if cfg.rope_scaling is None else rope,
         rope_parameters={**rope, "rope_theta": cfg.rope_base},
-        attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias,
         attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.tie_embeddings)
 
 
+def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`GPTConfig` fields of a Llama ``config.json`` (transformers 4.x:
+    ``rope_theta`` and ``rope_scaling`` at the top level; 5.x: ``rope_parameters``)."""
+    del overrides  # no check depends on them
+    bias = bool(config.get("attention_bias", False))
+    return dict(llama_shaped_fields(config, "llama"), qkv_bias=bias, out_bias=bias,
+                mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    """The Llama ``config.json`` entries of ``cfg``."""
+    return dict(llama_shaped_to_hf(cfg, "LlamaForCausalLM"), attention_bias=cfg.qkv_bias,
+                mlp_bias=cfg.mlp_bias)
+
+
 def expresses(cfg: GPTConfig) -> bool:
-    """Rotary positions, RMSNorm, SwiGLU, ``qkv_bias == out_bias``."""
+    """Rotary positions, RMSNorm, SwiGLU, ``qkv_bias == out_bias``, no sliding window, no
+    q/k norm."""
     return has_fields(cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
-                      out_bias=cfg.qkv_bias)
+                      out_bias=cfg.qkv_bias, sliding_window=None, qk_norm=False)
 
 
-def rules(cfg: GPTConfig) -> list[Rule]:
-    """The conversion table of ``cfg``."""
+def llama_shaped_rules(cfg: GPTConfig) -> list[Rule]:
+    """The conversion table of a Llama-shaped ``cfg`` (``model.layers.{i}.self_attn`` /
+    ``.mlp``; biases, untied head and Qwen3's ``q_norm`` / ``k_norm`` as ``cfg`` has
+    them)."""
     h, d = cfg.num_heads, cfg.hidden // cfg.num_heads
     a, m, p = ATTENTION, MLP, "model.layers.{i}."
     q, k, v = (p + f"self_attn.{n}_proj." for n in "qkv")
@@ -116,6 +156,9 @@ def rules(cfg: GPTConfig) -> list[Rule]:
                                  cfg.num_kv_heads, transpose=transpose)]
     if cfg.out_bias:
         table.append(same(a + "out/bias", p + "self_attn.o_proj.bias"))
+    if cfg.qk_norm:
+        table += [same(a + "q_norm", p + "self_attn.q_norm.weight"),
+                  same(a + "k_norm", p + "self_attn.k_norm.weight")]
     if cfg.mlp_bias:
         table += [interleave(m + "up/bias", (p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"),
                              (1, 1), cfg.mlp_hidden, transpose=False),
@@ -129,4 +172,4 @@ LLAMA = Family(
     model_type="llama",
     description="Llama-shaped (rotary, RMSNorm, SwiGLU, qkv_bias == out_bias)",
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, expresses=expresses,
-    rules=rules)
+    rules=llama_shaped_rules)

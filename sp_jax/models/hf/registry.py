@@ -1,5 +1,5 @@
 """The families sp_jax converts, by ``model_type``, and ``config.json`` <-> :class:`GPTConfig`
-through them."""
+through them (with the special token ids every family keeps the same way)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,53 @@ from typing import Any
 import jax.numpy as jnp
 
 from sp_jax.models.gpt import GPTConfig
-from sp_jax.models.hf import gpt2, llama
+from sp_jax.models.hf import gpt2, llama, mistral, qwen2, qwen3
 from sp_jax.models.hf.family import Family
 
-__all__ = ["FAMILIES", "REGISTRY", "config_from_hf", "config_to_hf", "family_of"]
+__all__ = ["FAMILIES", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf", "family_of",
+           "generation_config"]
 
-REGISTRY: dict[str, Family] = {f.model_type: f for f in (gpt2.GPT2, llama.LLAMA)}
-"""``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it."""
+REGISTRY: dict[str, Family] = {f.model_type: f for f in (
+    gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3)}
+"""``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it
+(unless ``model_type=`` asks for another)."""
 
 FAMILIES = tuple(REGISTRY)
 """The ``model_type`` s of ``config.json`` that :func:`from_hf` reads."""
 
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The special token ids kept from ``config.json`` in :class:`GPTConfig` and written back
+(``config.json`` and ``generation_config.json``), in every family."""
 
-def family_of(cfg: GPTConfig) -> Family:
-    """The Hugging Face family that expresses ``cfg`` exactly, or a ValueError naming the
-    fields that no family has."""
+
+def family_of(cfg: GPTConfig, model_type: str | None = None) -> Family:
+    """The Hugging Face family that expresses ``cfg`` exactly (``model_type``'s when
+    given), or a ValueError naming the fields that no family has."""
+    if model_type is not None:
+        if model_type not in REGISTRY:
+            raise ValueError(f"to_hf: model_type={model_type!r} is not one sp_jax writes; "
+                             f"supported: {list(FAMILIES)}.")
+        family = REGISTRY[model_type]
+        if not family.expresses(cfg):
+            raise ValueError(
+                f"to_hf: model_type={model_type!r} cannot express this GPTConfig exactly: "
+                f"{family.description}; got {_shape_fields(cfg)}.")
+        return family
     for family in REGISTRY.values():
         if family.expresses(cfg):
             return family
     raise ValueError(
         "to_hf: this GPTConfig is neither "
         + " nor ".join(f.description for f in REGISTRY.values())
-        + f": positions={cfg.positions!r}, norm={cfg.norm!r}, "
-        f"mlp_activation={cfg.mlp_activation!r}, qkv_bias={cfg.qkv_bias}, "
-        f"out_bias={cfg.out_bias}, mlp_bias={cfg.mlp_bias}, num_kv_heads={cfg.num_kv_heads}.")
+        + f": {_shape_fields(cfg)}.")
+
+
+def _shape_fields(cfg: GPTConfig) -> str:
+    return (f"positions={cfg.positions!r}, norm={cfg.norm!r}, "
+            f"mlp_activation={cfg.mlp_activation!r}, qkv_bias={cfg.qkv_bias}, "
+            f"out_bias={cfg.out_bias}, mlp_bias={cfg.mlp_bias}, "
+            f"num_kv_heads={cfg.num_kv_heads}, qk_norm={cfg.qk_norm}, "
+            f"sliding_window={cfg.sliding_window}")
 
 
 def _dtype_of(config: Mapping[str, Any]):
@@ -46,12 +69,16 @@ def _dtype_of(config: Mapping[str, Any]):
 def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face ``config.json`` (a dict).
 
-    ``model_type`` ``"gpt2"`` or ``"llama"``, as written by transformers 4.x (``rope_theta``
-    and ``rope_scaling`` at the top level) or 5.x (``rope_parameters``). Options sp_jax
+    ``model_type`` one of :data:`FAMILIES` (``"gpt2"``, ``"llama"``, ``"mistral"``,
+    ``"qwen2"``, ``"qwen3"``), as written by transformers 4.x (``rope_theta`` and
+    ``rope_scaling`` at the top level) or 5.x (``rope_parameters``). Options sp_jax
     cannot reproduce exactly raise a ValueError naming the key (e.g. GPT-2's
-    ``scale_attn_by_inverse_layer_idx``, a Llama ``head_dim`` other than ``hidden /
-    heads``, rope types other than default and ``llama3``). ``param_dtype`` is the
-    config's ``dtype`` (``torch_dtype`` in 4.x), float32 when absent.
+    ``scale_attn_by_inverse_layer_idx``, a ``head_dim`` other than ``hidden / heads``,
+    rope types other than default and ``llama3``, a Qwen sliding window on some layers
+    only), and so does a missing shape key (``hidden_size``, ...). ``param_dtype`` is
+    the config's ``dtype`` (``torch_dtype`` in 4.x), float32 when absent;
+    ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` are kept as they are (None
+    when absent).
 
     GPT-2 has three dropout rates; sp_jax has one for embeddings and residuals
     (``dropout`` = ``resid_pdrop``, which must equal ``embd_pdrop`` unless ``dropout`` is
@@ -62,18 +89,53 @@ def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
       overrides: :class:`GPTConfig` fields to set instead (e.g. ``dtype=jnp.bfloat16``,
         ``remat=True``, ``dropout=0.0``).
     """
-    kind = config.get("model_type")
-    if kind not in FAMILIES:
-        raise ValueError(f"config.json: model_type={kind!r} is not one sp_jax converts; "
-                         f"supported: {list(FAMILIES)}.")
-    fields = REGISTRY[kind].config_from_hf(config, overrides)
-    return GPTConfig(**{**fields, "param_dtype": _dtype_of(config), **overrides})
+    return translate(config, "config.json", overrides)
 
 
-def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
-    """The ``config.json`` dict of ``cfg`` for transformers (4.x and 5.x read it: Llama's
-    rope settings are written in both spellings). Raises a ValueError when neither
-    GPT-2 nor Llama expresses ``cfg``."""
-    family = family_of(cfg)
+def translate(config: Mapping[str, Any], where: str, overrides: Mapping[str, Any]
+              ) -> GPTConfig:
+    """:func:`config_from_hf` with the errors about the file naming ``where`` (its path)
+    instead of ``config.json``."""
+    try:
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config.json: expected a JSON object, got "
+                             f"{type(config).__name__}.")
+        kind = config.get("model_type")
+        if kind not in FAMILIES:
+            raise ValueError(f"config.json: model_type={kind!r} is not one sp_jax converts; "
+                             f"supported: {list(FAMILIES)}.")
+        fields = REGISTRY[kind].config_from_hf(config, overrides)
+        fields.update({k: config.get(k) for k in TOKEN_IDS})
+        return GPTConfig(**{**fields, "param_dtype": _dtype_of(config), **overrides})
+    except ValueError as e:
+        prefix = "config.json: "
+        if where == "config.json" or not str(e).startswith(prefix):
+            raise
+        raise ValueError(f"{where}: {str(e)[len(prefix):]}") from e
+
+
+def config_to_hf(cfg: GPTConfig, model_type: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` dict of ``cfg`` for transformers (4.x and 5.x read it: rope
+    settings are written in both spellings), by the first family that expresses it, or
+    ``model_type``'s (e.g. ``"mistral"`` for a Llama-shaped config without biases).
+    ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` are written when not None.
+    Raises a ValueError when no family expresses ``cfg``."""
+    family = family_of(cfg, model_type)
     return {"model_type": family.model_type, **family.config_to_hf(cfg),
-            "dtype": jnp.dtype(cfg.param_dtype).name}
+            "dtype": jnp.dtype(cfg.param_dtype).name, **_token_ids(cfg)}
+
+
+def _token_ids(cfg: GPTConfig) -> dict[str, Any]:
+    out = {}
+    for k in TOKEN_IDS:
+        value = getattr(cfg, k)
+        if value is not None:
+            out[k] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def generation_config(cfg: GPTConfig) -> dict[str, Any]:
+    """The ``generation_config.json`` dict of ``cfg``, as transformers'
+    ``GenerationConfig.save_pretrained`` writes one made from a model config: the special
+    token ids that are not None and ``"_from_model_config": true``."""
+    return {"_from_model_config": True, **_token_ids(cfg)}
