@@ -1,23 +1,37 @@
 """Regenerates the golden Hugging Face fixtures of tests/test_hf.py (run by hand).
 
-    pip install torch transformers safetensors   # in an environment of its own
+    pip install torch transformers safetensors numpy   # in an environment of its own
     python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
 
-For each of a small random-init GPT-2 and a grouped-query Llama (Llama-3.1 rope scaling)
-it writes ``<out>/<name>/`` with transformers' own ``save_pretrained`` (``config.json``
-and ``model.safetensors``) and ``golden.npz``: input ids, transformers' fp32 logits, its
-loss for ``labels=input_ids`` and the gradients of that loss for a few named tensors.
+For each of five small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
+rope scaling, a Mistral with a sliding window of 4 tokens, a tied Qwen2 and a tied Qwen3
+with its q/k norms) it writes ``<out>/<name>/`` with transformers' own ``save_pretrained``
+(``config.json``, ``generation_config.json`` and ``model.safetensors``) and
+``golden.npz``:
+
+- ``input_ids`` int32 ``[2, 16]``, transformers' fp32 ``logits`` ``[2, 16, vocab]``, its
+  ``loss`` for ``labels=input_ids`` and ``grad/<tensor>``: the gradients of that loss for
+  a few named tensors;
+- greedy generation, for three prompts of 5, 9 and 3 tokens (``i`` = 0, 1, 2), each run
+  alone: ``gen_prompt_<i>`` int32 ``[len]``, ``gen_tokens_<i>`` int32 ``[32]`` (the new
+  tokens of ``generate(do_sample=False, max_new_tokens=32, min_new_tokens=32)`` with no
+  end-of-sequence token, so all 32 are produced; checked against an argmax loop of full
+  forward passes) and ``gen_next_logits_<i>`` fp32 ``[vocab]`` (the logits of the first
+  new token).
+
 Nothing of sp_jax is imported: the fixtures are an independent reference.
 
     python scripts/make_hf_fixtures.py --check DIR
 
 loads an ``sp_jax.models.hf.to_hf`` output directory with transformers (strict: every
-tensor present, none unexpected) and checks its logits against a ``golden.npz`` in it.
+tensor present, none unexpected) and checks its logits against a ``golden.npz`` in it,
+and its special token ids against ``config.json``'s and ``generation_config.json``'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 
 import numpy as np
@@ -25,28 +39,53 @@ import torch
 import transformers
 
 SEQ, BATCH = 16, 2
+GEN_PROMPTS, GEN_NEW = (5, 9, 3), 32  # prompt lengths; new tokens per prompt
 GRADS = {  # the tensors whose gradients are recorded
     "gpt2": ["transformer.h.0.attn.c_attn.weight", "transformer.wte.weight",
              "transformer.h.1.mlp.c_fc.bias"],
     "llama": ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight",
               "model.embed_tokens.weight", "lm_head.weight"],
+    "mistral": ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+                "model.embed_tokens.weight", "lm_head.weight"],
+    "qwen2": ["model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias",
+              "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
+    "qwen3": ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight",
+              "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
 }
+# the shapes every Llama-shaped fixture shares: 8 query heads over 2 key/value heads
+LLAMA_SHAPED = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def configs() -> dict[str, tuple[transformers.PretrainedConfig, type]]:
+    return {
+        "gpt2": (transformers.GPT2Config(
+            vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=8,
+            activation_function="gelu_new", layer_norm_epsilon=1e-5,
+            bos_token_id=99, eos_token_id=99), transformers.GPT2LMHeadModel),
+        "llama": (transformers.LlamaConfig(
+            **LLAMA_SHAPED, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+                          "rope_theta": 10000.0}), transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig(
+            **LLAMA_SHAPED, rms_norm_eps=1e-5, sliding_window=4, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2), transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config(
+            **LLAMA_SHAPED, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            use_sliding_window=False, bos_token_id=90, eos_token_id=91, pad_token_id=92),
+            transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config(
+            **LLAMA_SHAPED, head_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            use_sliding_window=False, attention_bias=False, eos_token_id=[94, 95],
+            pad_token_id=93), transformers.Qwen3ForCausalLM),
+    }
 
 
 def models() -> dict[str, transformers.PreTrainedModel]:
-    gpt2 = transformers.GPT2Config(
-        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=8,
-        activation_function="gelu_new", layer_norm_epsilon=1e-5)
-    llama = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
-                      "rope_theta": 10000.0})
     out = {}
-    for name, cfg, cls in (("gpt2", gpt2, transformers.GPT2LMHeadModel),
-                           ("llama", llama, transformers.LlamaForCausalLM)):
+    for name, (cfg, cls) in configs().items():
         torch.manual_seed(0)
         model = cls(cfg).float().eval()
         with torch.no_grad():  # non-trivial norms and biases (the inits are 1 and 0)
@@ -58,7 +97,8 @@ def models() -> dict[str, transformers.PreTrainedModel]:
 
 
 def golden(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(seed).integers(0, vocab, (BATCH, SEQ)).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (BATCH, SEQ)).astype(np.int64)
     tokens = torch.from_numpy(ids)
     model.zero_grad()
     out = model(input_ids=tokens, labels=tokens)
@@ -69,20 +109,56 @@ def golden(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
               "loss": np.float32(out.loss.item())}
     for name in GRADS[model.config.model_type]:
         result["grad/" + name] = params[name].grad.numpy().astype(np.float32)
+    result.update(greedy(model, rng, vocab))
     return result
+
+
+def greedy(model, rng: np.random.Generator, vocab: int) -> dict[str, np.ndarray]:
+    """transformers' greedy generation of ``GEN_NEW`` tokens after each of the prompts,
+    with no end-of-sequence token (every token is produced), checked against an argmax
+    loop of full forward passes."""
+    gen = model.generation_config
+    saved = (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id)
+    gen.eos_token_id, gen.pad_token_id, gen.bos_token_id = None, 0, None
+    out = {}
+    try:
+        for i, n in enumerate(GEN_PROMPTS):
+            prompt = rng.integers(0, vocab, (n,)).astype(np.int64)
+            ids = torch.from_numpy(prompt)[None]
+            with torch.no_grad():
+                # an explicit mask: otherwise generate() masks the prompt's pad_token_id
+                new = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=GEN_NEW, min_new_tokens=GEN_NEW)[0, n:]
+                first = model(input_ids=ids).logits[0, -1]
+                seq = ids
+                for _ in range(GEN_NEW):  # the same tokens by plain argmax
+                    nxt = model(input_ids=seq).logits[0, -1].argmax()
+                    seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+            if new.shape[0] != GEN_NEW or not torch.equal(new, seq[0, n:]):
+                raise SystemExit(f"{model.config.model_type}: generate() differs from the "
+                                 f"argmax loop: {new.tolist()} vs {seq[0, n:].tolist()}")
+            out[f"gen_prompt_{i}"] = prompt.astype(np.int32)
+            out[f"gen_tokens_{i}"] = new.numpy().astype(np.int32)
+            out[f"gen_next_logits_{i}"] = first.numpy().astype(np.float32)
+    finally:
+        gen.eos_token_id, gen.pad_token_id, gen.bos_token_id = saved
+    return out
 
 
 def generate(out: pathlib.Path) -> None:
     for name, model in models().items():
         directory = out / name
         directory.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(directory, safe_serialization=True)
+        for old in directory.glob("*"):
+            old.unlink()
+        model.save_pretrained(directory)  # safetensors: the default in 4.x and 5.x
         np.savez(directory / "golden.npz", **golden(model, model.config.vocab_size))
         print(f"wrote {directory}")
 
 
 def check(directory: pathlib.Path) -> None:
-    """Strict load of an sp_jax-written checkpoint; logits against its golden.npz."""
+    """Strict load of an sp_jax-written checkpoint; logits against its golden.npz; the
+    special token ids of config.json in transformers' model and generation configs."""
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         directory, output_loading_info=True, dtype=torch.float32)
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} or info.get(
@@ -94,7 +170,15 @@ def check(directory: pathlib.Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=torch.from_numpy(ref["input_ids"].astype(np.int64))).logits
     err = float(np.max(np.abs(logits.numpy() - ref["logits"])))
-    print(f"{directory}: loaded strictly, max |logits - golden| = {err:.2e}")
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        want = config.get(key)
+        for where, got in (("config", getattr(model.config, key)),
+                           ("generation_config", getattr(model.generation_config, key))):
+            if got != want:
+                raise SystemExit(f"{key}: {where} has {got!r}, config.json {want!r}")
+    print(f"{directory}: {type(model).__name__} loaded strictly, special tokens kept, "
+          f"max |logits - golden| = {err:.2e}")
     if err > 1e-5:
         raise SystemExit("logits differ")
 

@@ -13,9 +13,9 @@ and ``config.json`` (as transformers 4.x or 5.x writes it) is translated to a
 back to ``config.json`` and ``generation_config.json``.
 
 The conversion is one table per family (``Family.rules``, in :mod:`.gpt2`, :mod:`.llama`;
-:mod:`.mistral`, :mod:`.qwen2` and :mod:`.qwen3` reuse Llama's): each sp_jax parameter, the Hugging Face tensors it comes from and two
-inverse functions between them. It applies the layout changes sp_jax's fused projections
-need:
+:mod:`.mistral`, :mod:`.qwen2` and :mod:`.qwen3` reuse Llama's): each sp_jax parameter,
+the Hugging Face tensors it comes from and two inverse functions between them. It
+applies the layout changes sp_jax's fused projections need:
 
 - GPT-2's ``c_attn`` ``[hidden, (q | k | v)]`` and Llama's ``q_proj``, ``k_proj``,
   ``v_proj`` become the per-head columns ``(head, {q, k, v}, head_dim)`` of one fused

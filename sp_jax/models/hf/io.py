@@ -62,7 +62,8 @@ class _Source:
                 if not path.is_file():
                     raise FileNotFoundError(f"from_hf: {path} is missing: {index} lists it "
                                             "in its weight_map; download it again.")
-                _open_safetensors(path)  # a truncated or corrupt shard, named now
+                with _open_safetensors(path):  # a truncated or corrupt shard, named now
+                    pass
         else:
             paths = sorted(directory.glob("*.safetensors"))
             if not paths:
@@ -76,7 +77,8 @@ class _Source:
                     "and 5.x).")
             files = {}
             for path in paths:
-                files.update(dict.fromkeys(_open_safetensors(path).keys(), path))
+                with _open_safetensors(path) as f:
+                    files.update(dict.fromkeys(f.keys(), path))
         return cls(files=files)
 
     def names(self) -> list[str]:
