@@ -145,10 +145,12 @@ class CausalSelfAttention(nnx.Module):
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                seed: jax.Array | None = None, rows: jax.Array | None = None,
-                qk_scales: tuple[jax.Array, ...] = ()) -> jax.Array:
+                seed: jax.Array | None = None, rows: jax.Array | None = None, *,
+                keep_kv: bool = False, qk_scales: tuple[jax.Array, ...] = ()) -> Any:
         """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
-        the sequence) -> ``[b, s_local, hidden / t]``; ``segment_ids`` / ``positions``:
+        the sequence) -> ``[b, s_local, hidden / t]`` (with ``keep_kv``, also this
+        device's rotated ``k`` and ``v`` ``[b, s_local, kv_local, head_dim]``: a KV
+        cache's prefill); ``segment_ids`` / ``positions``:
         this device's ``[b, s_local]`` document ids and token positions (or None);
         ``seed``: the attention dropout's; ``rows``: the global index of this device's
         first batch row when the data axes are manual outside
@@ -176,7 +178,8 @@ class CausalSelfAttention(nnx.Module):
         else:
             out = blockwise_attention(q, k, v, implementation=cfg.attention_implementation,
                                       **blocks)
-        return out.reshape(b, s, heads * cfg.head_dim)
+        out = out.reshape(b, s, heads * cfg.head_dim)
+        return (out, k, v) if keep_kv else out
 
     def qk_scales(self) -> tuple[jax.Array, ...]:
         """The q/k norm scales ``(q_norm, k_norm)``, ``[head_dim]`` each, with
@@ -221,7 +224,7 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, keep_kv: bool = False) -> Any:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout.
 
         ``segment_ids``: int ``[batch, seq]`` document ids of packed rows (0 = padding),
@@ -229,7 +232,13 @@ class CausalSelfAttention(nnx.Module):
         its own document (:func:`~sp_jax.attention.blockwise_attention`).
         ``positions``: int ``[batch, seq]`` token positions (restarting in each document)
         for the rotary angles, or None (the row's global positions). Both are sharded
-        like the tokens (``Layout.tokens``) and resharded here."""
+        like the tokens (``Layout.tokens``) and resharded here.
+
+        ``keep_kv``: also return the keys and values attention used (rotary angles
+        applied), ``(out, (k, v))`` with ``k``, ``v`` ``[batch, seq, t * kv_local,
+        head_dim]`` ``P(data, None, tensor, None)`` (each tensor shard's ``kv_local``
+        key/value heads: the split or replicated ones of training), in the held order:
+        what :func:`sp_jax.models.generate` keeps as its KV cache after the prefill."""
         mesh = current_mesh(self.parallel, where="CausalSelfAttention")
         x = jnp.asarray(x)
         check_activations("CausalSelfAttention", x, self.config.hidden, "hidden")
@@ -253,12 +262,16 @@ class CausalSelfAttention(nnx.Module):
         docs = tuple(None if a is None else reshard(jnp.asarray(a).astype(jnp.int32),
                                                     doc_spec, mesh)
                      for a in (segment_ids, positions))
+        heads = Layout.of(self.parallel).heads(4)
         scales = tuple(reshard(a, P(), mesh) for a in self.qk_scales())
         attended = jax.shard_map(
             lambda qkv, docs, scales, *seed: self._attend(qkv, order, *docs, *seed,
-                                                          qk_scales=scales),
+                                                          keep_kv=keep_kv, qk_scales=scales),
             in_specs=(tp, tuple(None if a is None else doc_spec for a in docs),
                       (P(),) * len(scales), *(P(),) * len(seeds)),
-            out_specs=tp)(qkv, docs, scales, *seeds)
+            out_specs=(tp, heads, heads) if keep_kv else tp)(qkv, docs, scales, *seeds)
+        if keep_kv:
+            attended, *kv = attended
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
-        return x.astype(y.dtype) + y
+        out = x.astype(y.dtype) + y
+        return (out, tuple(kv)) if keep_kv else out

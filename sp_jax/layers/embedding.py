@@ -24,7 +24,7 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["VocabParallelEmbedding", "padded_vocab_size"]
+__all__ = ["VocabParallelEmbedding", "padded_vocab_size", "vocab_parallel_lookup"]
 
 default_embed_init = initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 
@@ -34,9 +34,11 @@ def padded_vocab_size(vocab_size: int, tensor_size: int) -> int:
     return -(-vocab_size // tensor_size) * tensor_size
 
 
-def _lookup(ids: jax.Array, table: jax.Array, axis_name: str, vocab_size: int) -> jax.Array:
-    """Per device: rows of this device's vocabulary block, zero for ids outside it, and
-    NaN for ids outside the vocabulary (so a bad id can never pass unnoticed)."""
+def vocab_parallel_lookup(ids: jax.Array, table: jax.Array, axis_name: str,
+                          vocab_size: int) -> jax.Array:
+    """Per device (before the sum over ``axis_name``): rows of this device's vocabulary
+    block ``table [V / t, features]`` for ``ids``, zero for ids outside it, and NaN for
+    ids outside the vocabulary (so a bad id can never pass unnoticed)."""
     rows = table.shape[0]
     start = lax.axis_index(axis_name) * rows
     local = ids - start
@@ -163,7 +165,7 @@ class VocabParallelEmbedding(nnx.Module):
 
         def local(ids, table):
             table = ops.fsdp_gather(table, fsdp_axes, 1)  # hidden dim over the data axes
-            emb = _lookup(ids, table, t, self.num_embeddings)
+            emb = vocab_parallel_lookup(ids, table, t, self.num_embeddings)
             if self.sequence_parallel:
                 return ops.reduce_scatter_with_all_gather_grad(emb, t, dim=1)
             return ops.all_reduce_with_identity_grad(emb, t)

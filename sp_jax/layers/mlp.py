@@ -60,16 +60,19 @@ class MLP(nnx.Module):
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
 
     def _act(self, y: jax.Array) -> jax.Array:
+        if not self.config.gated:
+            return self.activate(y)
+        tp = Layout.of(self.parallel).tp
+        return jax.shard_map(self.activate, in_specs=tp, out_specs=tp)(y)
+
+    def activate(self, y: jax.Array) -> jax.Array:
+        """Per device: the activation of this shard's ``up`` columns ``[..., width]``;
+        gated, its interleaved ``(gate, up)`` column pairs -> ``[..., width / 2]``."""
         activation, gated = MLP_ACTIVATIONS[self.config.mlp_activation]
         if not gated:
             return activation(y)
-        tp = Layout.of(self.parallel).tp
-
-        def local(y):  # this shard's interleaved (gate, up) column pairs
-            pairs = y.reshape(*y.shape[:-1], -1, 2)
-            return activation(pairs[..., 0]) * pairs[..., 1]
-
-        return jax.shard_map(local, in_specs=tp, out_specs=tp)(y)
+        pairs = y.reshape(*y.shape[:-1], -1, 2)
+        return activation(pairs[..., 0]) * pairs[..., 1]
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:

@@ -104,7 +104,6 @@ class GroupedQKVProjection(nnx.Module):
         x = jnp.asarray(x)
         check_activations("GroupedQKVProjection", x, cfg.hidden, "hidden")
         warn_if_recompute_may_be_merged(par)
-        t = axis_size(mesh, par.tensor_axis)
         check_divisible("GroupedQKVProjection", "num_heads", cfg.num_heads, mesh,
                         par.tensor_axis, "choose a head count that is a multiple of the "
                         "tensor-parallel size")
@@ -122,17 +121,28 @@ class GroupedQKVProjection(nnx.Module):
             args += [reshard(self.q_bias[...], layout.column_bias, mesh),
                      reshard(self.kv_bias[...], kv_bias_spec, mesh)]
             specs += [layout.column_bias, kv_bias_spec]
-        width = 2 * cfg.head_dim
-        group = t // cfg.num_kv_heads if replicated else 1  # shards sharing a kv head
 
         def local(x, q_kernel, kv_kernel, q_bias=None, kv_bias=None):
-            if replicated:  # this shard's kv head out of all of them
-                start = lax.axis_index(par.tensor_axis) // group * width
-                kv_kernel = lax.dynamic_slice_in_dim(kv_kernel, start, width, axis=1)
-                if kv_bias is not None:
-                    kv_bias = lax.dynamic_slice_in_dim(kv_bias, start, width, axis=0)
-            kernel = jnp.concatenate([q_kernel, kv_kernel], axis=1)
-            bias = None if q_bias is None else jnp.concatenate([q_bias, kv_bias])
+            kernel, bias = self.local_kernel(q_kernel, kv_kernel, q_bias, kv_bias, replicated)
             return column_sp_matmul(x, kernel, bias, par)
 
         return jax.shard_map(local, in_specs=tuple(specs), out_specs=layout.tp)(*args)
+
+    def local_kernel(self, q_kernel: jax.Array, kv_kernel: jax.Array,
+                     q_bias: jax.Array | None, kv_bias: jax.Array | None, replicated: bool
+                     ) -> tuple[jax.Array, jax.Array | None]:
+        """Per device (inside ``shard_map`` over the tensor axis): this shard's ``[hidden,
+        width]`` kernel (and ``[width]`` bias) from its ``q_kernel`` column block and its
+        ``kv_kernel`` block, or, when the key/value heads are ``replicated`` over the
+        tensor axis (all of them here), the one its query heads read."""
+        cfg = self.config
+        if replicated:  # this shard's kv head out of all of them
+            width = 2 * cfg.head_dim
+            group = lax.axis_size(self.parallel.tensor_axis) // cfg.num_kv_heads
+            start = lax.axis_index(self.parallel.tensor_axis) // group * width
+            kv_kernel = lax.dynamic_slice_in_dim(kv_kernel, start, width, axis=1)
+            if kv_bias is not None:
+                kv_bias = lax.dynamic_slice_in_dim(kv_bias, start, width, axis=0)
+        kernel = jnp.concatenate([q_kernel, kv_kernel], axis=1)
+        bias = None if q_bias is None else jnp.concatenate([q_bias, kv_bias])
+        return kernel, bias

@@ -1,6 +1,8 @@
 """Models built from the sp_jax layers (and :mod:`sp_jax.models.hf`: Hugging Face
 checkpoints in and out)."""
 
+from sp_jax.models.generation import Generation, filter_logits, generate, sample_tokens
 from sp_jax.models.gpt import GPT, Block, GPTConfig, RopeScaling
 
-__all__ = ["GPT", "GPTConfig", "Block", "RopeScaling"]
+__all__ = ["GPT", "GPTConfig", "Block", "Generation", "RopeScaling", "filter_logits",
+           "generate", "sample_tokens"]

@@ -1,0 +1,236 @@
+"""Text out: :func:`generate` (greedy or sampled, ragged prompts, a sharded KV cache) and
+the logit filters it samples through (:func:`filter_logits`, transformers' order and
+rules)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sp_jax.mesh import axis_size, current_mesh
+from sp_jax.models.decode import check_decodable, decode_step, prefill
+
+__all__ = ["Generation", "filter_logits", "generate", "sample_tokens"]
+
+
+class Generation(NamedTuple):
+    """What :func:`generate` returns.
+
+    Attributes:
+      tokens: int32 ``[batch, max_new_tokens]`` new tokens; after a row's end (its
+        ``eos_token_id``, included) ``pad_token_id``.
+      lengths: int32 ``[batch]``: new tokens of each row, its eos included.
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+
+def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> jax.Array:
+    """``logits [..., vocab]`` scaled by ``1 / temperature``, then the entries outside the
+    ``top_k`` largest and outside the smallest set of largest whose probabilities sum
+    beyond ``top_p`` set to ``-inf`` (transformers' order and rules: top-k keeps ties of
+    the k-th value; top-p removes the tokens whose ascending cumulative probability is
+    at most ``1 - top_p``, always keeping the most likely). fp32."""
+    x = jnp.asarray(logits, jnp.float32) / jnp.float32(temperature)
+    if top_k is not None:
+        k = min(int(top_k), x.shape[-1])
+        kth = jax.lax.top_k(x, k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if top_p is not None and top_p < 1.0:
+        order = jnp.argsort(x, axis=-1, stable=True)  # ascending
+        ascending = jnp.take_along_axis(x, order, axis=-1)
+        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+        remove = (cumulative <= 1.0 - top_p).at[..., -1].set(False)
+        unsorted = jnp.zeros_like(remove)
+        unsorted = jnp.put_along_axis(unsorted, order, remove, axis=-1, inplace=False)
+        x = jnp.where(unsorted, -jnp.inf, x)
+    return x
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+    """Next tokens ``[...]`` of ``logits [..., vocab]``: the argmax when ``temperature``
+    is 0 (greedy), else drawn with ``key`` from :func:`filter_logits`."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
+# -- the jitted programs (one compile per shape, not per token) ------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graph: Any, sampling: tuple[float, int | None, float | None]):
+    """The jitted prefill and decode step of a model graph (cached: a second
+    :func:`generate` of the same model and shapes compiles nothing)."""
+    temperature, top_k, top_p = sampling
+    pick = functools.partial(sample_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p)
+
+    @functools.partial(jax.jit, static_argnums=(3,))
+    def first(state, tokens, last, length, key):
+        logits, cache = prefill(nnx.merge(graph, state), tokens, last, length)
+        return pick(logits, key), cache
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, cache, tokens, positions, done, key, eos, pad):
+        logits, cache = decode_step(nnx.merge(graph, state), cache, tokens, positions)
+        new = jnp.where(done, pad, pick(logits, key))
+        return new, done | (new == eos), cache
+
+    return first, step
+
+
+def _prompt_rows(prompts: Any, lengths: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [batch, longest], lengths [batch])`` int32 of a list of token-id lists or
+    a padded array with ``lengths``; a ValueError names what is wrong."""
+    if isinstance(prompts, tuple) and len(prompts) == 2 and lengths is None:
+        prompts, lengths = prompts
+    if lengths is None:
+        if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
+            raise ValueError("generate: prompts must be a non-empty list of token-id lists, "
+                             "or a padded [batch, length] array with lengths=.")
+        rows = [np.asarray(p) for p in prompts]
+        if any(r.ndim != 1 for r in rows):
+            raise ValueError("generate: each prompt must be a flat list of token ids.")
+        lens = np.array([len(r) for r in rows], np.int32)
+        tokens = np.zeros((len(rows), max(1, int(lens.max()))), np.int64)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)] = r
+    else:
+        tokens, lens = np.asarray(prompts), np.asarray(lengths).astype(np.int32)
+        if tokens.ndim != 2 or lens.shape != tokens.shape[:1]:
+            raise ValueError(f"generate: a padded prompt array must be [batch, length] with "
+                             f"lengths [batch], got {tokens.shape} and {lens.shape}.")
+        if np.any(lens > tokens.shape[1]):
+            raise ValueError(f"generate: lengths {lens.tolist()} exceed the prompt array's "
+                             f"{tokens.shape[1]} columns.")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"generate: token ids must be integers, got {tokens.dtype}.")
+    if np.any(lens < 1):
+        raise ValueError(f"generate: every prompt needs at least one token; lengths "
+                         f"{lens.tolist()}.")
+    held = np.concatenate([tokens[i, :n] for i, n in enumerate(lens)])
+    if held.size and (held.min() < 0 or held.max() >= vocab_size):
+        raise ValueError(f"generate: token ids must be in [0, {vocab_size}) (the model's "
+                         f"vocab_size); got {int(held.min())}..{int(held.max())}.")
+    return tokens.astype(np.int32), lens
+
+
+def _key(rngs: Any) -> jax.Array:
+    """A PRNG key from ``nnx.Rngs`` (its ``sample`` stream, else its default) or a key."""
+    if isinstance(rngs, nnx.Rngs):
+        return rngs.sample() if "sample" in rngs else rngs()
+    return jnp.asarray(rngs)
+
+
+def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             rngs: Any = None, lengths: Any = None) -> Generation:
+    """New tokens after each prompt, from a :class:`~sp_jax.models.GPT` on its mesh.
+
+    The prompts run through the training path once (the prefill: sequence-parallel
+    layers, blockwise attention), keeping every layer's keys and values in a cache
+    preallocated to the longest prompt + ``max_new_tokens`` (:class:`~sp_jax.models.
+    decode.KVCache`: batch over the data axes, key/value heads over the tensor axis as in
+    training). Then one jitted step per token for all rows (compiled once; rows at their
+    own positions), in which the row layers reduce with an all-reduce
+    (:mod:`sp_jax.models.decode`). Prompt lengths need not divide by anything: the
+    prompts are right-padded to a multiple of the tensor size, and the batch to a
+    multiple of the data size, inside. Dropout is off (the model is used in eval mode;
+    ``model`` itself is not changed).
+
+    Args:
+      model: a :class:`~sp_jax.models.GPT` (no pipeline stages, no context axis larger
+        than 1).
+      prompts: a list of token-id lists (any lengths), or a right-padded ``[batch,
+        length]`` array with ``lengths`` (or the pair ``(array, lengths)``).
+      max_new_tokens: tokens to generate per row (at most; a row ends at its eos).
+      temperature: 0 for greedy decoding (argmax); else the logits' temperature.
+      top_k / top_p: sampling filters (:func:`filter_logits`), or None.
+      eos_token_id: the token that ends a row (kept in its output), or None: every row
+        gets ``max_new_tokens``.
+      pad_token_id: fills a row after its end (default: ``eos_token_id``, else 0).
+      rngs: ``nnx.Rngs`` (its ``sample`` stream, else its default) or a PRNG key; needed
+        when ``temperature > 0``. Step ``n`` draws with ``fold_in(key, n)``: one key
+        gives the same tokens on every mesh.
+      lengths: prompt lengths ``[batch]`` of a padded ``prompts`` array.
+    Returns:
+      :class:`Generation`: ``tokens [batch, max_new_tokens]`` and ``lengths [batch]``
+      (NumPy, int32).
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
+            or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int.")
+    if not (isinstance(temperature, int | float) and np.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"generate: temperature={temperature!r} must be a finite number "
+                         ">= 0 (0: greedy).")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"generate: top_k={top_k!r} must be a positive int or None.")
+    if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p={top_p!r} must be in (0, 1] or None.")
+    if temperature > 0 and rngs is None:
+        raise ValueError("generate: sampling (temperature > 0) needs rngs= (e.g. "
+                         "nnx.Rngs(sample=0) or jax.random.key(0)); temperature=0 is greedy.")
+    cfg, par = model.config, model.parallel
+    check_decodable(model)
+    tokens, lens = _prompt_rows(prompts, lengths, cfg.vocab_size)
+    mesh = current_mesh(par, where="generate")
+    batch = tokens.shape[0]
+    data = axis_size(mesh, par.data_axes)
+    seq_shards = axis_size(mesh, (*par.context_axes, par.tensor_axis))
+    rows = -(-batch // data) * data
+    width = -(-tokens.shape[1] // seq_shards) * seq_shards
+    length = max(width, int(lens.max()) + max_new_tokens)
+    if cfg.positions == "learned" and max(width, int(lens.max()) + max_new_tokens - 1) \
+            > cfg.max_seq_len:
+        raise ValueError(
+            f"generate: the longest prompt ({int(lens.max())} tokens, padded to {width}) and "
+            f"max_new_tokens={max_new_tokens} reach position "
+            f"{max(width, int(lens.max()) + max_new_tokens - 1) - 1}, outside the learned "
+            f"position table of max_seq_len={cfg.max_seq_len}; generate fewer tokens.")
+    padded = np.zeros((rows, width), np.int32)
+    padded[:batch, :tokens.shape[1]] = tokens
+    padded[batch:, 0] = tokens[0, 0]  # filler rows (the data axes' multiple): dropped
+    all_lens = np.concatenate([lens, np.ones(rows - batch, np.int32)])
+    pad = int(pad_token_id if pad_token_id is not None else
+              eos_token_id if eos_token_id is not None else 0)
+    eos = -1 if eos_token_id is None else int(eos_token_id)
+    key = _key(rngs) if temperature > 0 else jax.random.key(0)
+
+    graph, state = nnx.split(model)
+    evaluation = nnx.merge(graph, state)
+    evaluation.eval()
+    graph, state = nnx.split(evaluation)
+    first, step = _programs(graph, (float(temperature), top_k, top_p))
+    new, cache = first(state, jnp.asarray(padded), jnp.asarray(all_lens - 1), length,
+                       jax.random.fold_in(key, 0))
+    done = new == eos
+    out = [new]
+    positions = jnp.asarray(all_lens)
+    eos_arr, pad_arr = jnp.int32(eos), jnp.int32(pad)
+    for n in range(1, max_new_tokens):
+        new, done, cache = step(state, cache, new, positions + (n - 1), done,
+                                jax.random.fold_in(key, n), eos_arr, pad_arr)
+        out.append(new)
+        if eos_token_id is not None and n % 8 == 0 and bool(jnp.all(done[:batch])):
+            break
+    generated = np.asarray(jnp.stack(out, axis=1))[:batch]
+    result = np.full((batch, max_new_tokens), pad, np.int32)
+    result[:, :generated.shape[1]] = generated
+    ends = result == eos
+    lengths_out = np.where(ends.any(axis=1), ends.argmax(axis=1) + 1, max_new_tokens)
+    return Generation(result, lengths_out.astype(np.int32))
+
