@@ -2,6 +2,7 @@
 TypeError / RuntimeError that names the value and the fix. Each case has the id of its
 row in docs/errors.md's "Bad inputs" table; a test checks the two lists agree."""
 
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -61,6 +62,29 @@ def _on_stages(fn):
     mesh = jax.make_mesh((2, 1, 1, 4), ("stage", "data", "context", "tensor"))
     with jax.set_mesh(mesh):
         return fn()
+
+
+_LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
+
+
+def _checkpoint(**files) -> str:
+    """A copy of the Llama fixture directory with ``files`` (name -> bytes, or None to
+    leave it out) replacing its own: a bad Hugging Face checkpoint."""
+    directory = Path(tempfile.mkdtemp())
+    for name in ("config.json", "model.safetensors"):
+        (directory / name).write_bytes((_LLAMA / name).read_bytes())
+    for name, content in files.items():
+        name = name.replace("__", ".")
+        if content is None:
+            (directory / name).unlink()
+        else:
+            (directory / name).write_bytes(content)
+    return str(directory)
+
+
+def _without(key: str) -> bytes:
+    config = json.loads((_LLAMA / "config.json").read_text())
+    return json.dumps({k: v for k, v in config.items() if k != key}).encode()
 
 
 def _layer(cls=sp_jax.ColumnSequenceParallelLinear, n_in=16, n_out=16, **kw):
@@ -287,6 +311,45 @@ CASES = {
             lambda: sp_jax.attention.blockwise_attention(
                 *(jnp.zeros((1, 8, 2, 4)),) * 3, implementation="cudnn",
                 segment_ids=jnp.ones((1, 8), jnp.int32))),
+    # Hugging Face checkpoint files (one line naming the file, and the key)
+    "E65": (ValueError, r"from_hf: .*model\.safetensors is not a readable safetensors file "
+                        r"\(Error while deserializing header: incomplete metadata, file not "
+                        r"fully covered\): truncated",
+            lambda: hf.from_hf(_checkpoint(model__safetensors=(
+                _LLAMA / "model.safetensors").read_bytes()[:30_000]))),
+    "E66": (ValueError, r"from_hf: .*model\.safetensors is not a readable safetensors file "
+                        r"\(Error while deserializing header: invalid JSON in header",
+            lambda: hf.from_hf(_checkpoint(
+                model__safetensors=b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}..."))),
+    "E67": (FileNotFoundError, r"from_hf: .*config\.json is missing \(a Hugging Face "
+                               r"checkpoint directory holds config\.json",
+            lambda: hf.from_hf(_checkpoint(config__json=None))),
+    "E68": (ValueError, r"from_hf: .*config\.json is not valid JSON \(Expecting .* at line 1 "
+                        r"column 2\)",
+            lambda: hf.from_hf(_checkpoint(config__json=b"{model_type: llama}"))),
+    "E69": (ValueError, r"/config\.json: the key 'hidden_size' is missing \(a llama "
+                        r"config\.json needs it",
+            lambda: hf.from_hf(_checkpoint(config__json=_without("hidden_size")))),
+    "E70": (FileNotFoundError, r"no \*\.safetensors in .* \(it holds pytorch_model\.bin: "
+                               r"sp_jax reads safetensors only\); with transformers, "
+                               r"AutoModelForCausalLM\.from_pretrained\(dir\)"
+                               r"\.save_pretrained\(out\) writes model\.safetensors \(its "
+                               r"default in 4\.x and 5\.x\)",
+            lambda: hf.from_hf(_checkpoint(model__safetensors=None,
+                                           pytorch_model__bin=b"torch"))),
+    "E71": (ValueError, r"config\.json: use_sliding_window with sliding_window=8 on some "
+                        r"layers only \(max_window_layers=1, 2 layers\)",
+            lambda: hf.config_from_hf({**hf.config_to_hf(GPTConfig.llama(
+                "llama-tiny", qkv_bias=True, out_bias=False)), "model_type": "qwen2",
+                "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+                "layer_types": None})),
+    "E72": (ValueError, r"CausalSelfAttention: sliding_window=4 is not supported with ring "
+                        r"attention; use context_parallel='ulysses'",
+            lambda: _on_context((1, 2, 4), lambda: GPT(
+                GPTConfig(**{**GPT_BASE, "sliding_window": 4}),
+                parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0)))),
+    "E73": (ValueError, r"GPTConfig.sliding_window=0 must be a positive int",
+            lambda: GPTConfig(**{**GPT_BASE, "sliding_window": 0})),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
