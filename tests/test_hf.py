@@ -158,6 +158,57 @@ def test_config_translation():
                                   hidden=8, positions="rotary"))
 
 
+def _config(family):
+    return json.loads((FIXTURES / family / "config.json").read_text())
+
+
+def test_config_translation_mistral_qwen2_qwen3():
+    """Sliding windows (Mistral's as it is; Qwen's on all layers or none, refused on some),
+    Qwen3's q/k norm and head_dim, biases, special token ids (several eos ids), and the
+    family written back."""
+    mistral, qwen2, qwen3 = (_config(f) for f in NEW)
+    cfg = hf.config_from_hf(mistral)
+    assert (cfg.sliding_window, cfg.qkv_bias, cfg.out_bias, cfg.qk_norm, cfg.bos_token_id,
+            cfg.eos_token_id, cfg.pad_token_id) == (4, False, False, False, 1, 2, None)
+    full = hf.config_from_hf({**mistral, "sliding_window": None})
+    assert full.sliding_window is None
+    assert hf.config_to_hf(full)["model_type"] == "llama"  # the first family expressing it
+    assert hf.config_to_hf(full, model_type="mistral")["model_type"] == "mistral"
+    assert hf.config_from_hf(hf.config_to_hf(full, model_type="mistral")) == full
+    with pytest.raises(ValueError, match="model_type='mistral' cannot express"):
+        hf.config_to_hf(dataclasses.replace(full, qkv_bias=True, out_bias=True),
+                        model_type="mistral")
+    cfg = hf.config_from_hf(qwen2)
+    assert (cfg.qkv_bias, cfg.out_bias, cfg.mlp_bias, cfg.tie_embeddings,
+            cfg.sliding_window) == (True, False, False, True, None)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (90, 91, 92)
+    window = {"use_sliding_window": True, "sliding_window": 8, "layer_types": None}
+    assert hf.config_from_hf({**qwen2, **window, "max_window_layers": 0}).sliding_window == 8
+    assert hf.config_from_hf({**qwen2, **window, "max_window_layers": 2}).sliding_window \
+        is None  # from layer 2 on: none of the 2
+    assert hf.config_from_hf({**qwen2, "sliding_window": 8}).sliding_window is None  # off
+    with pytest.raises(ValueError, match=r"some layers only \(layer_types=\['full_"):
+        hf.config_from_hf({**qwen2, **window,
+                           "layer_types": ["full_attention", "sliding_attention"]})
+    windowed = hf.config_from_hf({**qwen2, **window, "max_window_layers": 0})
+    assert hf.config_from_hf(hf.config_to_hf(windowed)) == windowed
+    cfg = hf.config_from_hf(qwen3)
+    assert (cfg.qk_norm, cfg.qkv_bias, cfg.out_bias, cfg.eos_token_id, cfg.pad_token_id) == \
+        (True, False, False, (94, 95), 93)
+    assert hf.config_to_hf(cfg)["eos_token_id"] == [94, 95]
+    assert "bos_token_id" not in hf.config_to_hf(cfg)  # None: left to transformers' default
+    assert hf.config_from_hf({**qwen3, "attention_bias": True}).out_bias is True
+    with pytest.raises(ValueError, match="head_dim=128 differs"):  # transformers' default
+        hf.config_from_hf({k: v for k, v in qwen3.items() if k != "head_dim"})
+    assert GPTConfig.from_dict(dataclasses.asdict(cfg)) == cfg  # as checkpoints store it
+    with pytest.raises(TypeError, match="GPTConfig.eos_token_id='2' must be a token id"):
+        dataclasses.replace(cfg, eos_token_id="2")
+    for family in NEW:  # every family's shape keys are required
+        with pytest.raises(ValueError, match=f"'num_hidden_layers' is missing \\(a {family}"):
+            hf.config_from_hf({k: v for k, v in _config(family).items()
+                               if k != "num_hidden_layers"})
+
+
 @pytest.mark.parametrize("preset,count", [
     (GPTConfig.gpt2("small"), 124_439_808),  # Hugging Face gpt2
     (GPTConfig.gpt2("medium"), 354_823_168),  # gpt2-medium
@@ -222,15 +273,17 @@ def test_sharded_checkpoint_directory(tmp_path):
     assert_bitwise(param_values(model), param_values(again))
 
 
-def test_transformers_loads_to_hf_strictly(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_loads_to_hf_strictly(family, tmp_path):
     """Where torch and transformers are installed (not in CI: the fixtures script's
-    environment), a to_hf directory loads with no missing or unexpected tensors and gives
-    sp_jax's logits."""
+    environment), a to_hf directory loads with no missing or unexpected tensors, gives
+    sp_jax's logits and keeps the special token ids in its model and generation
+    configs."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    golden = np.load(FIXTURES / "llama" / "golden.npz")
+    golden = np.load(FIXTURES / family / "golden.npz")
     with jax.set_mesh(make_mesh(2, 4)):
-        model = hf.from_hf(FIXTURES / "llama")
+        model = hf.from_hf(FIXTURES / family)
         hf.to_hf(model, tmp_path)
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True, dtype=torch.float32)
@@ -239,3 +292,7 @@ def test_transformers_loads_to_hf_strictly(tmp_path):
         logits = loaded.eval()(input_ids=torch.from_numpy(
             golden["input_ids"].astype(np.int64))).logits.numpy()
     np.testing.assert_allclose(logits, golden["logits"], rtol=1e-5, atol=1e-5)
+    source = _config(family)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(loaded.config, key) == getattr(loaded.generation_config, key) == \
+            source.get(key), key
