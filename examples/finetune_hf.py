@@ -1,5 +1,5 @@
-"""Continue training a Hugging Face GPT-2 or Llama checkpoint with tensor + sequence
-parallelism, and write it back as a Hugging Face checkpoint.
+"""Continue training a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 checkpoint with
+tensor + sequence parallelism, and write it back as a Hugging Face checkpoint.
 
     python examples/finetune_hf.py --hf-dir DIR [--mesh 2,4] [--steps 50] [--data ids.npy]
         [--out DIR_OUT] [--precision bf16] [--fsdp] [--recompute-allgather]
@@ -10,7 +10,9 @@ transformers is needed. The training data are token ids of the checkpoint's toke
 ``.npy`` array or a raw ``.bin`` of uint16 ids (nanoGPT's format), the last 5% held out;
 without ``--data`` the run uses synthetic sequences (arithmetic progressions over the
 vocabulary) that any model can learn, to show the loop works (``sp_jax.data.TokenIds``).
-Every step's batch depends only on ``(--seed, step)``. The loop is
+Every step's batch depends only on ``(--seed, step)``. ``--out`` writes the same family
+(``model_type``) with the checkpoint's special token ids (``config.json`` and
+``generation_config.json``). The loop is
 ``sp_jax.training.Trainer``: ``--ckpt-dir``, ``--resume``, ``--log-json`` and the
 divergence checks work as in ``examples/train_gpt.py``. CPU-only machines simulate the
 mesh's devices.
@@ -22,6 +24,7 @@ import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts
 
 # isort: split
 import argparse
+import json
 import pathlib
 import sys
 import time
@@ -103,8 +106,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"held-out loss after {args.steps} steps: {result.eval_loss:.4f}"
                   + (f" (before {before:.4f})" if before is not None else ""))
         step.sync_model()
-        if args.out:
-            hf.to_hf(model, args.out)
+        if args.out:  # the family read, e.g. a Mistral without a window stays a Mistral
+            source = json.loads(pathlib.Path(args.hf_dir, "config.json").read_text())
+            hf.to_hf(model, args.out, model_type=source["model_type"])
             print(f"wrote {args.out} (transformers: AutoModelForCausalLM.from_pretrained)")
     print(f"done in {time.perf_counter() - t0:.0f} s")
     return 0

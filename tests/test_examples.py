@@ -47,8 +47,12 @@ def test_finetune_hf_continues_a_checkpoint_and_writes_it_back(tmp_path):
     after, before = float(m.group(1)), float(m.group(2))
     assert after < before - 0.05
     config = json.loads((tmp_path / "config.json").read_text())
-    assert hf.config_from_hf(config) == hf.config_from_hf(
-        json.loads((fixture / "config.json").read_text()))
+    source = json.loads((fixture / "config.json").read_text())
+    assert hf.config_from_hf(config) == hf.config_from_hf(source)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    for key in ("model_type", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert config[key] == source[key], key  # the fixture has all three ids
+        assert key == "model_type" or generation[key] == source[key], key
     old, new = load_file(fixture / "model.safetensors"), load_file(tmp_path / "model.safetensors")
     assert old.keys() == new.keys()
     assert all(old[k].shape == new[k].shape for k in old)
