@@ -211,7 +211,7 @@ def _block_step(block: nnx.Module, x: jax.Array, k_cache: jax.Array, v_cache: ja
     attention, mlp = block.attention, block.mlp
     tensor = attention.parallel.tensor_axis
     q, k, v = attention.split_heads(_qkv(attention, _norm(attention.norm, x)),
-                                    positions[:, None])
+                                    positions[:, None], attention.qk_scales())
     o = cached_attention(q, k, v, k_cache, v_cache, positions,
                          getattr(attention.config, "sliding_window", None))
     out = attention.out

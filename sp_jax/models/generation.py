@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.mesh import axis_size, current_mesh
 from sp_jax.models.decode import check_decodable, decode_step, prefill
@@ -49,9 +50,8 @@ def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int | N
         ascending = jnp.take_along_axis(x, order, axis=-1)
         cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
         remove = (cumulative <= 1.0 - top_p).at[..., -1].set(False)
-        unsorted = jnp.zeros_like(remove)
-        unsorted = jnp.put_along_axis(unsorted, order, remove, axis=-1, inplace=False)
-        x = jnp.where(unsorted, -jnp.inf, x)
+        back = jnp.argsort(order, axis=-1)  # the inverse permutation
+        x = jnp.where(jnp.take_along_axis(remove, back, axis=-1), -jnp.inf, x)
     return x
 
 
@@ -73,8 +73,10 @@ def _programs(graph: Any, sampling: tuple[float, int | None, float | None]):
     """The jitted prefill and decode step of a model graph (cached: a second
     :func:`generate` of the same model and shapes compiles nothing)."""
     temperature, top_k, top_p = sampling
-    pick = functools.partial(sample_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p)
+
+    def pick(logits, key):  # on every device the whole [batch, vocab]: any mesh alike
+        return sample_tokens(jax.sharding.reshard(logits, P()), key,
+                             temperature=temperature, top_k=top_k, top_p=top_p)
 
     @functools.partial(jax.jit, static_argnums=(3,))
     def first(state, tokens, last, length, key):
@@ -85,7 +87,7 @@ def _programs(graph: Any, sampling: tuple[float, int | None, float | None]):
     def step(state, cache, tokens, positions, done, key, eos, pad):
         logits, cache = decode_step(nnx.merge(graph, state), cache, tokens, positions)
         new = jnp.where(done, pad, pick(logits, key))
-        return new, done | (new == eos), cache
+        return new, done | jnp.isin(new, eos), cache
 
     return first, step
 
@@ -135,8 +137,9 @@ def _key(rngs: Any) -> jax.Array:
 
 def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | None = None, pad_token_id: int | None = None,
-             rngs: Any = None, lengths: Any = None) -> Generation:
+             eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None, rngs: Any = None,
+             lengths: Any = None) -> Generation:
     """New tokens after each prompt, from a :class:`~sp_jax.models.GPT` on its mesh.
 
     The prompts run through the training path once (the prefill: sequence-parallel
@@ -158,9 +161,12 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
       max_new_tokens: tokens to generate per row (at most; a row ends at its eos).
       temperature: 0 for greedy decoding (argmax); else the logits' temperature.
       top_k / top_p: sampling filters (:func:`filter_logits`), or None.
-      eos_token_id: the token that ends a row (kept in its output), or None: every row
-        gets ``max_new_tokens``.
-      pad_token_id: fills a row after its end (default: ``eos_token_id``, else 0).
+      eos_token_id: the token (or tokens) that end a row, kept in its output; None:
+        every row gets ``max_new_tokens`` (a model loaded with
+        :func:`~sp_jax.models.hf.from_hf` has its checkpoint's in
+        ``model.config.eos_token_id``).
+      pad_token_id: fills a row after its end (default: the first ``eos_token_id``,
+        else 0).
       rngs: ``nnx.Rngs`` (its ``sample`` stream, else its default) or a PRNG key; needed
         when ``temperature > 0``. Step ``n`` draws with ``fold_in(key, n)``: one key
         gives the same tokens on every mesh.
@@ -205,9 +211,11 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     padded[:batch, :tokens.shape[1]] = tokens
     padded[batch:, 0] = tokens[0, 0]  # filler rows (the data axes' multiple): dropped
     all_lens = np.concatenate([lens, np.ones(rows - batch, np.int32)])
-    pad = int(pad_token_id if pad_token_id is not None else
-              eos_token_id if eos_token_id is not None else 0)
-    eos = -1 if eos_token_id is None else int(eos_token_id)
+    eos_ids = [] if eos_token_id is None else \
+        [int(eos_token_id)] if isinstance(eos_token_id, int | np.integer) else \
+        [int(e) for e in eos_token_id]
+    pad = int(pad_token_id if pad_token_id is not None else eos_ids[0] if eos_ids else 0)
+    eos = jnp.asarray(eos_ids or [-1], jnp.int32)
     key = _key(rngs) if temperature > 0 else jax.random.key(0)
 
     graph, state = nnx.split(model)
@@ -217,20 +225,20 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     first, step = _programs(graph, (float(temperature), top_k, top_p))
     new, cache = first(state, jnp.asarray(padded), jnp.asarray(all_lens - 1), length,
                        jax.random.fold_in(key, 0))
-    done = new == eos
+    done = jnp.isin(new, eos)
     out = [new]
     positions = jnp.asarray(all_lens)
-    eos_arr, pad_arr = jnp.int32(eos), jnp.int32(pad)
+    pad_arr = jnp.int32(pad)
     for n in range(1, max_new_tokens):
         new, done, cache = step(state, cache, new, positions + (n - 1), done,
-                                jax.random.fold_in(key, n), eos_arr, pad_arr)
+                                jax.random.fold_in(key, n), eos, pad_arr)
         out.append(new)
-        if eos_token_id is not None and n % 8 == 0 and bool(jnp.all(done[:batch])):
+        if eos_ids and n % 8 == 0 and bool(jnp.all(done[:batch])):
             break
     generated = np.asarray(jnp.stack(out, axis=1))[:batch]
     result = np.full((batch, max_new_tokens), pad, np.int32)
     result[:, :generated.shape[1]] = generated
-    ends = result == eos
+    ends = np.isin(result, eos_ids)
     lengths_out = np.where(ends.any(axis=1), ends.argmax(axis=1) + 1, max_new_tokens)
     return Generation(result, lengths_out.astype(np.int32))
 

@@ -1,0 +1,177 @@
+"""Generation: greedy tokens equal to transformers' ``generate(do_sample=False)`` token for
+token (tests/fixtures/hf goldens: 3 ragged prompts, 32 new tokens) on 1, 4 and 2 x 4
+devices; rows ending at their eos; the cache's next-token logits equal to a full forward
+(an independent computation: the training path over prompt + generated tokens);
+sampling filters equal to a NumPy reference; one compile of the decode step; the
+collectives per token."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+
+from sp_jax.models import GPT, GPTConfig, filter_logits, generate, hf
+from sp_jax.models.decode import decode_step, prefill
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+MESHES = [(1, 1), (1, 4), (2, 4)]
+
+
+def _golden(family: str):
+    golden = np.load(FIXTURES / family / "golden.npz")
+    prompts = [golden[f"gen_prompt_{i}"].tolist() for i in range(3)]
+    expected = np.stack([golden[f"gen_tokens_{i}"] for i in range(3)])
+    return prompts, expected
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_equals_transformers(family, shape):
+    """32 new tokens of 3 ragged prompts in one batch, equal to transformers' greedy
+    generation of each prompt alone."""
+    prompts, expected = _golden(family)
+    with jax.set_mesh(make_mesh(*shape)):
+        model = hf.from_hf(FIXTURES / family)
+        out = generate(model, prompts, max_new_tokens=32)
+    np.testing.assert_array_equal(out.tokens, expected)
+    np.testing.assert_array_equal(out.lengths, [32, 32, 32])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_new_families(family):
+    """The same for Mistral (a sliding window of 4, below the 32 new tokens), Qwen2
+    (q/k/v biases) and Qwen3 (per-head q/k norm) on 2 x 4 devices."""
+    prompts, expected = _golden(family)
+    with jax.set_mesh(make_mesh(2, 4)):
+        out = generate(hf.from_hf(FIXTURES / family), prompts, max_new_tokens=32)
+    np.testing.assert_array_equal(out.tokens, expected)
+
+
+def test_rows_stop_at_their_eos():
+    """With ``eos_token_id`` each row ends at its first eos (kept), then pad tokens; rows
+    without it run to max_new_tokens."""
+    prompts, expected = _golden("gpt2")
+    eos = int(expected[0, 5])
+    with jax.set_mesh(make_mesh(1, 4)):
+        out = generate(hf.from_hf(FIXTURES / "gpt2"), prompts, max_new_tokens=32,
+                       eos_token_id=eos, pad_token_id=99)
+    for row, tokens, n in zip(expected, out.tokens, out.lengths, strict=True):
+        hits = np.flatnonzero(row == eos)
+        end = int(hits[0]) + 1 if hits.size else 32
+        assert n == end
+        np.testing.assert_array_equal(tokens[:end], row[:end])
+        assert (tokens[end:] == 99).all()
+    assert out.lengths[0] <= 6
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_cache_gives_the_logits_of_a_full_forward(preset):
+    """After the prefill and n decode steps, the next-token logits from the cache equal
+    the logits of a forward over each row's prompt + n tokens (fp32, 1e-5); ragged rows
+    at different positions (2 x 4 devices; learned positions / rotary with GQA)."""
+    cfg = GPTConfig.gpt2("tiny", vocab_size=97) if preset == "gpt2" else \
+        GPTConfig.llama("llama-tiny", vocab_size=97, scan_layers=True,
+                        rope_scaling=dict(factor=4.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0,
+                                          original_max_position_embeddings=8))
+    rng = np.random.default_rng(0)
+    lengths = np.array([5, 3])
+    full = rng.integers(0, 97, (2, 12)).astype(np.int32)
+    steps = 4
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+        model.eval()
+        prompts = jnp.asarray(np.where(np.arange(8) < lengths[:, None], full[:, :8], 0))
+        logits, cache = nnx.jit(prefill, static_argnums=(3,))(
+            model, prompts, jnp.asarray(lengths - 1), 16)
+        step = nnx.jit(decode_step, donate_argnums=(1,))
+        for n in range(steps):
+            logits, cache = step(model, cache, jnp.asarray(full[[0, 1], lengths + n]),
+                                 jnp.asarray(lengths + n))
+        reference = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(full[:, :12]))
+    logits, reference = np.asarray(logits), np.asarray(reference)
+    for b in range(2):
+        np.testing.assert_allclose(logits[b], reference[b, lengths[b] + steps - 1],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _numpy_filter(logits, temperature, top_k, top_p):
+    """transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper."""
+    x = logits.astype(np.float32) / np.float32(temperature)
+    if top_k is not None:
+        kth = np.sort(x, axis=-1)[..., -top_k][..., None]
+        x = np.where(x < kth, -np.inf, x)
+    if top_p is not None:
+        for row in x:
+            order = np.argsort(row, kind="stable")
+            p = np.exp(row[order] - row[order].max())
+            cumulative = np.cumsum(p / p.sum())
+            remove = cumulative <= 1 - top_p
+            remove[-1] = False
+            row[order[remove]] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p",
+                         [(1.0, 5, None), (0.7, None, 0.9), (1.3, 20, 0.5), (1.0, None, 1.0)])
+def test_filters_equal_a_numpy_reference(temperature, top_k, top_p):
+    logits = np.random.default_rng(1).normal(size=(3, 50)).astype(np.float32) * 3
+    got = np.asarray(filter_logits(jnp.asarray(logits), temperature=temperature,
+                                   top_k=top_k, top_p=top_p))
+    want = _numpy_filter(logits, temperature, top_k, top_p)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
+
+
+def test_sampling_is_reproducible_and_mesh_independent():
+    """One key gives the same tokens twice and on another mesh; another key, other
+    tokens; a tiny temperature gives the greedy tokens."""
+    prompts, expected = _golden("llama")
+    kwargs = dict(max_new_tokens=8, temperature=1.0, top_k=20, top_p=0.95)
+    outs = {}
+    for shape in [(1, 4), (2, 4)]:
+        with jax.set_mesh(make_mesh(*shape)):
+            model = hf.from_hf(FIXTURES / "llama")
+            outs[shape] = generate(model, prompts, rngs=jax.random.key(3), **kwargs).tokens
+            again = generate(model, prompts, rngs=jax.random.key(3), **kwargs).tokens
+            streams = [generate(model, prompts, rngs=nnx.Rngs(sample=7), **kwargs).tokens
+                       for _ in range(2)]
+            other = generate(model, prompts, rngs=jax.random.key(4), **kwargs).tokens
+            cold = generate(model, prompts, max_new_tokens=8, temperature=1e-4,
+                            rngs=jax.random.key(0)).tokens
+        np.testing.assert_array_equal(again, outs[shape])
+        np.testing.assert_array_equal(*streams)
+        assert (other != outs[shape]).any()
+        np.testing.assert_array_equal(cold, expected[:, :8])
+    np.testing.assert_array_equal(outs[(1, 4)], outs[(2, 4)])
+
+
+def test_one_compile_and_the_collectives_per_token():
+    """Generating 24 tokens compiles the decode step once, and a second call of the same
+    shapes compiles nothing. The step's program has 2 all-reduces per layer + 1 (the
+    embedding) and 1 all-gather (the logits), all over the tensor axis."""
+    prompts, _ = _golden("llama")
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event)  # noqa: E731
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = hf.from_hf(FIXTURES / "llama")
+        generate(model, prompts, max_new_tokens=24)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            generate(model, prompts, max_new_tokens=24)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        backend = [e for e in compiles if "backend_compile" in e]
+        assert backend == [], backend
+        model.eval()
+        _, cache = nnx.jit(prefill, static_argnums=(3,))(
+            model, jnp.zeros((2, 8), jnp.int32), jnp.array([3, 5]), 16)
+        text = nnx.jit(decode_step).lower(model, cache, jnp.zeros(2, jnp.int32),
+                                          jnp.array([4, 6])).as_text()
+    layers = model.config.num_layers
+    assert text.count("stablehlo.all_reduce") == 2 * layers + 1
+    assert text.count("stablehlo.all_gather") == 1
