@@ -59,6 +59,10 @@ class Tokenizer(Protocol):
         """``[encode(t) for t in texts]`` (possibly in parallel)."""
         ...
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens written out)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255; the end of a document is id 256 (vocab_size 257)."""
@@ -74,6 +78,11 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """The UTF-8 bytes of each text."""
         return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The UTF-8 text of the byte ids (the end-of-document id dropped; a broken byte
+        sequence shown as U+FFFD)."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", "replace")
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -110,6 +119,10 @@ class HFTokenizer:
         """The ids of each text (in parallel: the library's own threads)."""
         return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts),
                                                                 add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens written out."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __repr__(self) -> str:
         return (f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, "

@@ -1,0 +1,123 @@
+"""Generate text from a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3),
+e.g. one written by examples/finetune_hf.py --out, with tensor parallelism and a KV cache.
+
+    python examples/generate.py --hf-dir DIR --tokenizer DIR/tokenizer.json
+        --prompt "Once upon a time" [--prompt "..."] [--max-new-tokens 32]
+        [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 0] [--mesh 1,4]
+    python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 [--prompt-ids 4,5]
+
+Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any lengths.
+``--tokenizer`` is the checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers``, no
+transformers needed) or ``bytes`` (UTF-8 bytes, the byte-level models of
+examples/train_gpt.py). ``--temperature 0`` (the default) is greedy decoding. Rows end at
+the checkpoint's ``eos_token_id`` (config.json) unless ``--ignore-eos``. The mesh is
+DATA,TENSOR (``sp_jax.models.generate``); CPU-only machines simulate its devices.
+"""
+
+from __future__ import annotations
+
+import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts quietly
+
+# isort: split
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import sp_jax.training as training
+from sp_jax.models import generate, hf
+from sp_jax.training import cli
+from sp_jax.xla_flags import simulate_cpu_devices
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more ids >= 0")
+    return ids
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (a usage error, exit 2, names the bad one) before JAX starts."""
+    p = argparse.ArgumentParser(description=cli.description(__doc__),
+                                formatter_class=cli.HelpFormatter)
+    add = p.add_argument
+    add("--hf-dir", required=True, help="Hugging Face checkpoint directory")
+    add("--tokenizer", default=None, help="tokenizer.json, or 'bytes'")
+    add("--prompt", action="append", default=[], help="a prompt (text; repeat for a batch)")
+    add("--prompt-ids", action="append", default=[], type=_ids,
+        help="a prompt as comma-separated token ids (repeatable)")
+    add("--max-new-tokens", type=int, default=32, help="new tokens per prompt (at most)")
+    add("--temperature", type=float, default=0.0, help="0: greedy; else sampling")
+    add("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    add("--top-p", type=float, default=None, help="sample within this probability mass")
+    add("--seed", type=int, default=0, help="the sampling key")
+    add("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    add("--mesh", default="1,4", help="DATA,TENSOR mesh shape")
+    add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    a = p.parse_args(argv)
+    if bool(a.prompt) == bool(a.prompt_ids):
+        p.error("give --prompt (with --tokenizer) or --prompt-ids, not both nor neither")
+    if a.prompt and a.tokenizer is None:
+        p.error("--prompt needs --tokenizer (the checkpoint's tokenizer.json, or bytes)")
+    if a.max_new_tokens < 1 or a.temperature < 0 or (a.top_k is not None and a.top_k < 1) \
+            or (a.top_p is not None and not 0 < a.top_p <= 1):
+        p.error("--max-new-tokens >= 1, --temperature >= 0, --top-k >= 1, 0 < --top-p <= 1")
+    try:
+        a.mesh_shape = training.parse_mesh(a.mesh)
+    except ValueError as e:
+        p.error(str(e))
+    if a.mesh_shape[0] * a.mesh_shape[2] != 1:
+        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR mesh")
+    if not pathlib.Path(a.hf_dir, "config.json").is_file():
+        p.error(f"--hf-dir {a.hf_dir}: no config.json there")
+    return a
+
+
+def main(args: argparse.Namespace) -> int:
+    from sp_jax.data.tokenizer import ByteTokenizer, check_vocab, load_tokenizer
+
+    mesh = training.build_mesh(args.mesh_shape, training.MESH_AXES)
+    overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
+    with jax.set_mesh(mesh):
+        try:
+            model = hf.from_hf(args.hf_dir, rngs=nnx.Rngs(0), **overrides)
+            tok = None
+            if args.tokenizer is not None:
+                tok = ByteTokenizer() if args.tokenizer == "bytes" else \
+                    load_tokenizer(args.tokenizer)
+                check_vocab(tok, model.config.vocab_size)
+            prompts = args.prompt_ids or [tok.encode(text) for text in args.prompt]
+            eos = None if args.ignore_eos else model.config.eos_token_id
+            t0 = time.perf_counter()
+            out = generate(model, prompts, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           eos_token_id=eos, pad_token_id=model.config.pad_token_id,
+                           rngs=jax.random.key(args.seed))
+            seconds = time.perf_counter() - t0
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    for prompt, tokens, n in zip(prompts, out.tokens, out.lengths, strict=True):
+        new = tokens[:n].tolist()
+        if tok is None:
+            print(f"{','.join(map(str, prompt))} -> {','.join(map(str, new))}")
+        else:
+            print(f"{tok.decode(prompt)}{tok.decode(new)}")
+    print(f"{int(out.lengths.sum())} tokens in {seconds:.1f} s (compiling included) on mesh "
+          f"{training.mesh_description(mesh)}")
+    return 0
+
+
+if __name__ == "__main__":
+    args = parse()
+    _, d, _, t = args.mesh_shape
+    simulate_cpu_devices(d * t)  # no GPU here: before JAX starts its backend
+    sys.exit(main(args))
