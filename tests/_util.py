@@ -22,10 +22,14 @@ from sp_jax import Layout
 from sp_jax.models import GPT
 from sp_jax.training import TrainStep
 
-# One persistent compilation cache per test process, shared by the scripts it starts: the
-# end-to-end runs of examples/train_gpt.py compile the same few programs again and again.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="sp_jax_test_jit_cache_")
-atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+# One persistent compilation cache for the scripts the tests start: the end-to-end runs of
+# examples/ compile the same few programs again and again, in every pytest worker. The
+# session's directory comes from conftest.py (made before xdist starts its workers, removed
+# when the session ends); a process without it makes its own.
+_COMPILE_CACHE = os.environ.get("SP_JAX_TEST_JIT_CACHE", "")
+if not _COMPILE_CACHE:
+    _COMPILE_CACHE = tempfile.mkdtemp(prefix="sp_jax_test_jit_cache_")
+    atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
 
 
 def script_env() -> dict[str, str]:

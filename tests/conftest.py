@@ -1,9 +1,18 @@
 """Test setup: 8 simulated CPU devices, configured before JAX initialises its backend; the
 marker for tests that compile for a GPU without one."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# The scripts' persistent compilation cache (tests/_util.py), one for the whole session:
+# made here, in the first process (xdist's controller, before it starts the workers, which
+# inherit the variable), and removed when that process exits.
+if "SP_JAX_TEST_JIT_CACHE" not in os.environ:
+    os.environ["SP_JAX_TEST_JIT_CACHE"] = tempfile.mkdtemp(prefix="sp_jax_test_jit_cache_")
+    atexit.register(shutil.rmtree, os.environ["SP_JAX_TEST_JIT_CACHE"], ignore_errors=True)
 from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
 
 # 8 host devices; cse_barrier_expander off so XLA:CPU keeps recompute's backward
