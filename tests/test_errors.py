@@ -18,7 +18,7 @@ import sp_jax
 from sp_jax.analysis import gpu_mesh
 from sp_jax.data import ByteTokenizer, Documents, check_vocab, load_tokenizer
 from sp_jax.layers import GroupedQKVProjection
-from sp_jax.models import GPT, GPTConfig, hf
+from sp_jax.models import GPT, GPTConfig, generate, hf
 from sp_jax.models.gpt import Block
 from sp_jax.pipeline import pipeline_schedule
 
@@ -350,6 +350,21 @@ CASES = {
                 parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0)))),
     "E73": (ValueError, r"GPTConfig.sliding_window=0 must be a positive int",
             lambda: GPTConfig(**{**GPT_BASE, "sliding_window": 0})),
+    # generation
+    "E74": (ValueError, r"generate: context_parallel='ring' over a context axis of size 2: "
+                        r"the KV cache is not split over the sequence",
+            lambda: _on_context((1, 2, 4), lambda: generate(GPT(
+                GPTConfig(**GPT_BASE), parallel=sp_jax.ParallelConfig(
+                    context_parallel="ring"), rngs=nnx.Rngs(0)), [[1]], max_new_tokens=1))),
+    "E75": (ValueError, r"generate: token ids must be in \[0, 64\) \(the model's vocab_size\)",
+            lambda: _on((1, 4), lambda: generate(_gpt(), [[1, 64]], max_new_tokens=2))),
+    "E76": (ValueError, r"generate: sampling \(temperature > 0\) needs rngs=",
+            lambda: _on((1, 4), lambda: generate(_gpt(), [[1]], max_new_tokens=2,
+                                                 temperature=0.7))),
+    "E77": (ValueError, r"generate: the longest prompt \(3 tokens, padded to 4\) and "
+                        r"max_new_tokens=20 reach position 21, outside the learned position "
+                        r"table of max_seq_len=16",
+            lambda: _on((1, 4), lambda: generate(_gpt(), [[1, 2, 3]], max_new_tokens=20))),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),

@@ -14,6 +14,7 @@ import pytest
 from conftest import make_mesh
 from flax import nnx
 
+import sp_jax
 from sp_jax.models import GPT, GPTConfig, filter_logits, generate, hf
 from sp_jax.models.decode import decode_step, prefill
 
@@ -68,22 +69,26 @@ def test_rows_stop_at_their_eos():
     assert out.lengths[0] <= 6
 
 
-@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+@pytest.mark.parametrize("preset", ["gpt2", "llama", "mqa_fsdp"])
 def test_cache_gives_the_logits_of_a_full_forward(preset):
     """After the prefill and n decode steps, the next-token logits from the cache equal
     the logits of a forward over each row's prompt + n tokens (fp32, 1e-5); ragged rows
-    at different positions (2 x 4 devices; learned positions / rotary with GQA)."""
-    cfg = GPTConfig.gpt2("tiny", vocab_size=97) if preset == "gpt2" else \
-        GPTConfig.llama("llama-tiny", vocab_size=97, scan_layers=True,
-                        rope_scaling=dict(factor=4.0, low_freq_factor=1.0,
-                                          high_freq_factor=4.0,
-                                          original_max_position_embeddings=8))
+    at different positions (2 x 4 devices; learned positions; rotary with rope scaling
+    and GQA, scanned layers; multi-query attention with parameters sharded by fsdp)."""
+    parallel = sp_jax.ParallelConfig(fsdp=preset == "mqa_fsdp")
+    scaling = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8)
+    cfg = {"gpt2": lambda: GPTConfig.gpt2("tiny", vocab_size=97),
+           "llama": lambda: GPTConfig.llama("llama-tiny", vocab_size=97, scan_layers=True,
+                                            rope_scaling=scaling),
+           "mqa_fsdp": lambda: GPTConfig.llama("llama-tiny", vocab_size=97, num_kv_heads=1,
+                                               tie_embeddings=True)}[preset]()
     rng = np.random.default_rng(0)
     lengths = np.array([5, 3])
     full = rng.integers(0, 97, (2, 12)).astype(np.int32)
     steps = 4
     with jax.set_mesh(make_mesh(2, 4)):
-        model = GPT(cfg, rngs=nnx.Rngs(0))
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
         model.eval()
         prompts = jnp.asarray(np.where(np.arange(8) < lengths[:, None], full[:, :8], 0))
         logits, cache = nnx.jit(prefill, static_argnums=(3,))(
