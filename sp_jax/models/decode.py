@@ -42,7 +42,7 @@ from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
 from sp_jax.ops.primitives import all_gather_invariant
 
-__all__ = ["KVCache", "check_decodable", "decode_step", "prefill"]
+__all__ = ["KVCache", "cached_attention", "check_decodable", "decode_step", "prefill"]
 
 
 @jax.tree_util.register_dataclass
