@@ -36,13 +36,14 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import kv_heads_per_shard
-from sp_jax.layers.embedding import vocab_parallel_lookup
+from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
 from sp_jax.layers.norm import RMSNorm, layer_norm, rms_norm
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
 from sp_jax.ops.primitives import all_gather_invariant
 
-__all__ = ["KVCache", "cached_attention", "check_decodable", "decode_step", "prefill"]
+__all__ = ["KVCache", "cached_attention", "check_decodable", "decode_step", "prefill",
+           "to_decode_layout"]
 
 
 @jax.tree_util.register_dataclass
@@ -235,12 +236,42 @@ def _logits(h: jax.Array, table: jax.Array, tensor: str, vocab_size: int) -> jax
 # -- the two programs -------------------------------------------------------------------
 
 
+def _padded(table: nnx.Module, mesh: Mesh) -> jax.Array:
+    """A vocabulary table ``[V, hidden]`` padded to a multiple of the tensor size,
+    ``P(tensor, None)`` (no fsdp split: whole rows for the lookups)."""
+    tensor = table.parallel.tensor_axis
+    value = table.embedding[...]
+    pad = padded_vocab_size(value.shape[0], axis_size(mesh, tensor)) - value.shape[0]
+    if pad:
+        value = jnp.pad(value, ((0, pad), (0, 0)))
+    return reshard(value, P(tensor, None), mesh)
+
+
 def _tables(model: Any, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
     """The embedding's and the LM head's padded tables, ``P(tensor, None)``."""
-    spec = P(model.parallel.tensor_axis, None)
-    embed = reshard(model.embed.padded_table(mesh), spec, mesh)
-    head = embed if model.head is None else reshard(model.head.padded_table(mesh), spec, mesh)
-    return embed, head
+    embed = _padded(model.embed, mesh)
+    return embed, embed if model.head is None else _padded(model.head, mesh)
+
+
+def to_decode_layout(model: Any) -> None:
+    """Reshards ``model``'s parameters in place into the layout :func:`decode_step`
+    reads (the tensor split of training, nothing over the data axes): done once before
+    decoding, so that a model sharded by fsdp is not gathered again at every token. The
+    training path still runs on it (its layers reshard to their layouts by slicing)."""
+    par, cfg = model.parallel, model.config
+    mesh = current_mesh(par, where="generate")
+    t = axis_size(mesh, par.tensor_axis)
+    kv_replicated = kv_heads_per_shard(cfg.num_kv_heads, t, "generate") * t \
+        != cfg.num_kv_heads
+    for module, stacked in ((model.blocks, cfg.scan_layers), (model.final_norm, False)):
+        (graph, treedef), leaves, _ = _parts(module, mesh, par, stacked, kv_replicated)
+        nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
+    for table in (model.embed, model.head):
+        if table is not None:
+            table.embedding[...] = reshard(table.embedding[...], P(par.tensor_axis, None)
+                                           if table.embedding.shape[0] % t == 0 else P(), mesh)
+    if model.position is not None:
+        model.position[...] = reshard(model.position[...], P(), mesh)
 
 
 def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int

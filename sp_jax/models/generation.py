@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.mesh import axis_size, current_mesh
-from sp_jax.models.decode import check_decodable, decode_step, prefill
+from sp_jax.models.decode import check_decodable, decode_step, prefill, to_decode_layout
 
 __all__ = ["Generation", "filter_logits", "generate", "sample_tokens"]
 
@@ -218,9 +218,9 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     eos = jnp.asarray(eos_ids or [-1], jnp.int32)
     key = _key(rngs) if temperature > 0 else jax.random.key(0)
 
-    graph, state = nnx.split(model)
-    evaluation = nnx.merge(graph, state)
+    evaluation = nnx.clone(model)  # new variables (the same arrays): model is not changed
     evaluation.eval()
+    to_decode_layout(evaluation)
     graph, state = nnx.split(evaluation)
     first, step = _programs(graph, (float(temperature), top_k, top_p))
     new, cache = first(state, jnp.asarray(padded), jnp.asarray(all_lens - 1), length,
