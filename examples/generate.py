@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
         if tok is None:
             print(f"{','.join(map(str, prompt))} -> {','.join(map(str, new))}")
         else:
-            print(f"{tok.decode(prompt)}{tok.decode(new)}")
+            print(tok.decode([*prompt, *new]))
     print(f"{int(out.lengths.sum())} tokens in {seconds:.1f} s (compiling included) on mesh "
           f"{training.mesh_description(mesh)}")
     return 0

@@ -1,4 +1,6 @@
-"""The small MLP example trains and matches its unsharded twin (subprocess run)."""
+"""The examples as subprocesses: the small MLP trains and matches its unsharded twin; a
+Hugging Face checkpoint is fine-tuned, written back, and generated from with a
+tokenizer.json."""
 
 import re
 import subprocess
@@ -57,3 +59,22 @@ def test_finetune_hf_continues_a_checkpoint_and_writes_it_back(tmp_path):
     assert old.keys() == new.keys()
     assert all(old[k].shape == new[k].shape for k in old)
     assert not np.array_equal(old["lm_head.weight"], new["lm_head.weight"])
+
+    # then generate from it with a tokenizer.json (word-level, the fixture's 96 ids)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(95)}
+    tok = Tokenizer(models.WordLevel({**words, "<|endoftext|>": 95}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = subprocess.run(
+        [sys.executable, "examples/generate.py", "--hf-dir", str(tmp_path), "--tokenizer",
+         str(tmp_path / "tokenizer.json"), "--prompt", "w5 w6 w7", "--prompt", "w1",
+         "--max-new-tokens", "5", "--ignore-eos", "--mesh", "2,4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("w5 w6 w7 ") and lines[1].startswith("w1 "), out.stdout
+    assert [len(line.split()) for line in lines[:2]] == [3 + 5, 1 + 5], out.stdout
+    assert "10 tokens in" in lines[2]
