@@ -21,6 +21,9 @@ import jax.numpy as jnp
 
 from benchmarks.collectives import MEGATRON, cpu_block_collectives
 from benchmarks.context import ContextBench, LongRun, run_context_cpu, run_context_gpu
+from benchmarks.generation import FULL as GENERATION_FULL
+from benchmarks.generation import QUICK as GENERATION_QUICK
+from benchmarks.generation import GenerationBench, run_generation
 from benchmarks.gpt_timing import Model
 from benchmarks.memory import activation_memory
 from benchmarks.pipeline import FULL as PIPELINE_FULL
@@ -58,6 +61,7 @@ class Config:
     context: ContextBench  # long context: ring / Ulysses on a context axis
     pipeline: PipelineBench  # pipeline parallelism: GPipe vs 1F1B (deviceless H100)
     text: TextBench  # packed documents: input pipeline vs step, packing, masked attention
+    generation: GenerationBench  # decode tokens/s vs transformers, the H100 decode step
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
@@ -97,6 +101,7 @@ FULL = Config(
         timing_s=2048, timing_heads=8, timing_head_dim=64, timing_rounds=15),
     pipeline=PIPELINE_FULL,
     text=TEXT_FULL,
+    generation=GENERATION_FULL,
 )
 
 QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
@@ -128,6 +133,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     # M = 8 only (the targets' and tables' M), R = 1: one compile per schedule
     pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,)),
     text=TEXT_QUICK,  # tiny model, 20 batches per pipeline, s=1024 attention
+    generation=GENERATION_QUICK,  # llama-tiny, batch 8, 8 tokens, 2 rounds
 )
 
 
@@ -232,7 +238,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
-            if name not in ("gpu", "stacks", "context", "pipeline", "plan"):
+            if name not in ("gpu", "stacks", "context", "pipeline", "generation", "plan"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -254,6 +260,8 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("context_cpu", lambda: run_context_cpu(cfg.context))
     section("pipeline", lambda: run_pipeline(cfg.pipeline, log=_log))  # CUDA plugin
     section("text", lambda: run_text(cfg.text, log=_log))  # its H100 part: CUDA plugin
+    # transformers from $SP_JAX_TORCH_PYTHON (else its ratio is not measured); H100: plugin
+    section("generation", lambda: run_generation(cfg.generation, log=_log))
     if cfg.plans:
         from benchmarks.plan import run_plans
 
@@ -274,7 +282,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
                    if not isinstance(v, dict | tuple | list) or k.endswith("_values")} | {
             k: getattr(cfg, k).as_dict()
             for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context",
-                      "pipeline", "text")} | {
+                      "pipeline", "text", "generation")} | {
             "stacks": [s.as_dict() for s in cfg.stacks],
             "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }

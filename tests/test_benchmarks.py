@@ -165,6 +165,8 @@ TARGET_IDS = ["memory_recompute", "memory_save", "collective_count",
               "cpu_gpt_tiny_float32", "context_long_compile", "context_activation_scaling",
               "context_communication", "context_ring_balance", "context_cpu_attention_time"]
 STATUS = {True: "met", False: "**not met**", None: "not measured"}
+GENERATION_TARGETS = ["generation_cpu_ratio", "generation_h100_memory",
+                      "generation_collectives"]
 
 
 def test_quick_run_writes_report(tmp_path):
@@ -205,13 +207,13 @@ def test_quick_run_writes_report(tmp_path):
         gpt_run["ratio_to_reference"]["sp_jax"] <= 1.0)
     assert "## CPU: the whole GPT training step" in md
     assert "## Long context: a context mesh axis" in md
-    # the pipeline and packed-documents sections sit after the long-context one and before
-    # the planner's (none in a quick run)
+    # the pipeline, packed-documents and generation sections sit after the long-context
+    # one and before the planner's (none in a quick run)
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     pipe = heads.index("## Pipeline parallelism")
-    assert heads[pipe - 1:pipe + 3] == ["## Long context: a context mesh axis",
+    assert heads[pipe - 1:pipe + 4] == ["## Long context: a context mesh axis",
                                         "## Pipeline parallelism", "## Packed documents",
-                                        "## Run"]
+                                        "## Generation", "## Run"]
     # packed documents (benchmarks/text.py): its targets in its section; the kernel skips
     # exactly the block products of other documents at any shape
     text = data["text"]
@@ -225,6 +227,15 @@ def test_quick_run_writes_report(tmp_path):
                                                           products["unmasked_formula"])
     assert text["efficiency"]["stdlib"]["concat"]["efficiency"] == 1.0
     assert ("error" not in text["attention"]["gpu"]) is HAS_CUDA_PLUGIN
+    # generation (benchmarks/generation.py): its targets in its section; without the CUDA
+    # plugin its H100 targets are not measured, with it they hold at any shape
+    gen = data["generation"]
+    assert [t["id"] for t in gen["targets"]] == GENERATION_TARGETS
+    for t in gen["targets"]:
+        assert f"| {t['target']} | {t['measured']} |" in md
+    assert all(r["sp_jax"]["tokens_per_s"] > 0 for r in gen["cpu"]["rows"])
+    for t in gen["targets"][1:]:
+        assert t["met"] is (True if HAS_CUDA_PLUGIN else None), t
     if HAS_CUDA_PLUGIN:
         # the structural memory and overlap targets hold at any shape (which collectives
         # get compute to overlap is the scheduler's cost-model decision, shape-dependent:
@@ -267,3 +278,87 @@ def test_quick_run_writes_report(tmp_path):
         assert all(r["source"] for r in mem[v]["residuals"]), v
     assert set(data["step_time"]["ratio_to_reference"]) == {
         "unsharded", "gspmd", "sp_save", "sp_recompute"}
+
+
+def _generation_results(mismatch: bool, combined: bool) -> dict:
+    """Fabricated results of ``benchmarks.generation.run_generation``: transformers
+    measured (batch 1 and 8), a deviceless compile of 2 layers whose layer loop XLA
+    runs one layer per trip (``combined``: two all-reduces merged into one of twice the bytes)."""
+    from benchmarks.generation import FULL
+
+    def timing(s):
+        return {"tokens_per_s": 64 / s, "median_s": s, "quartiles_s": [s, s]}
+
+    rows = [{"batch": b, "mesh": mesh, "first_call_s": [3.0], "transformers_first_call_s": [],
+             "sp_jax": timing(0.1), "transformers": timing(0.2), "ratio": 2.0,
+             "round_ratios": [1.9, 2.1, 1.8, 2.2],
+             "tokens": {"equal": not mismatch, "fraction": 0.75 if mismatch else 1.0,
+                        "first_difference": [0, 48] if mismatch else None}}
+            for b, mesh in ((1, "1,8"), (8, "2,4"))]
+    ar = {"kind": "all-reduce", "arrays": [["bf16", [8, 1, 64]]], "bytes": 1024,
+          "async": True, "overlapped_ops": 0, "groups": [list(range(8))], "op_name": ""}
+    collectives = [dict(ar, computation="main", runs=1, bytes=2048) if combined else
+                   dict(ar, computation="body", runs=2) for _ in range(2)]
+    collectives += [dict(ar, computation="main", runs=1),
+                    dict(ar, kind="all-gather", arrays=[["bf16", [8, 256]]], bytes=4096,
+                         computation="main", runs=1)]
+    analytic = {"parameters": [{"name": "embed/embedding", "shape": [256, 64],
+                                "dtype": "bfloat16", "split": True, "bytes": 4096}],
+                "parameter_bytes": 4096, "cache_bytes": 65536, "kv_local": 1, "head_dim": 8}
+    gpu = {"config": {"preset": "llama-tiny", "layers": 2, "hidden": 64, "heads": 8,
+                      "kv_heads": 8, "mlp_hidden": 160, "vocab": 256, "dtype": "bfloat16"},
+           "tensor": 8, "batch": 8, "cache_tokens": 128, "compile_s": 1.0,
+           "argument_bytes": 69700, "output_bytes": 73728, "temp_bytes": 100,
+           "alias_bytes": 65536, "peak_bytes": 77992, "analytic": analytic,
+           "collectives": collectives, "hlo_ops": {},
+           "expected": {"all-reduce": {"ops": 5, "bytes": 5 * 1024},
+                        "all-gather": {"ops": 1, "bytes": 4096}}}
+    cpu = {"threads": 2, "parameters": 1_000_000, "rows": rows,
+           "transformers_versions": {"torch": "2.x", "transformers": "5.x", "threads": 2},
+           "config": {"preset": "llama-tiny", "layers": 4, "hidden": 256, "heads": 8,
+                      "kv_heads": 2, "mlp_hidden": 768, "vocab": 4096, "dtype": "float32"}}
+    return {"bench": FULL.as_dict(), "cpu": cpu, "gpu": gpu,
+            "meta": {"date": "today", "jax": "0", "cpu_count": 2, "runtime_s": 1.0}}
+
+
+@pytest.mark.parametrize("mismatch,combined", [(False, False), (True, True)])
+def test_generation_section_from_results(mismatch, combined):
+    """The generation section's verdicts and tables (transformers measured, the H100
+    compile present: what a run with torch and the CUDA plugin renders), from fabricated
+    results: the ratio reported, the memory within 5% of analytic, combined all-reduces
+    accepted when they move the expected bytes; a run without transformers or the plugin
+    reports them as not measured."""
+    from benchmarks.generation import evaluate_targets, render_markdown
+
+    res = _generation_results(mismatch, combined)
+    res["targets"] = targets = evaluate_targets(res)
+    assert [t["id"] for t in targets] == GENERATION_TARGETS
+    assert [t["met"] for t in targets] == [True, True, True]
+    assert "batch 1 (1 x 8): 2.00x (640 vs 320 tokens/s)" in targets[0]["measured"]
+    assert ("greedy tokens differ" in targets[0]["measured"]) is mismatch
+    assert targets[2]["measured"].startswith(
+        f"all-reduce {3 if combined else 5} / 5 per token, 5.0 KiB / 5.0 KiB")
+    md = render_markdown(res)
+    assert md.startswith("## Generation\n")
+    assert "| 8 | 2 x 4 | 640 | 100 (100 - 100) | 320 | 200 (200 - 200) | **2.00x** |" in md
+    assert ("first difference at row 0, token 48" in md) is mismatch
+    assert ("XLA combined some of them" in md) is combined
+    assert ("2 in the body of the layer loop, which runs 2 times (one layer per trip)"
+            in md) is not combined
+    for t in targets:
+        assert f"| {t['target']} | {t['measured']} | PASS |" in md
+
+    res["gpu"]["argument_bytes"] = 2 * 69632  # twice the analytic: a miss
+    res["gpu"]["collectives"][-1]["bytes"] = 8192  # the logits gathered in fp32: a miss
+    assert [t["met"] for t in evaluate_targets(res)] == [True, False, False]
+
+    for row in res["cpu"]["rows"]:
+        row.update(transformers={"error": "no Python with torch"}, ratio=None,
+                   round_ratios=None, tokens=None)
+    res["gpu"] = {"error": "no CUDA PJRT plugin"}
+    res["targets"] = targets = evaluate_targets(res)
+    assert [t["met"] for t in targets] == [None, None, None]
+    assert targets[0]["measured"].startswith("not measured: no Python with torch (batch 1:")
+    md = render_markdown(res)
+    assert "transformers not measured: `no Python with torch`." in md
+    assert md.rstrip().endswith("Not measured: `no CUDA PJRT plugin`.")
