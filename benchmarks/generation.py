@@ -83,9 +83,11 @@ class GenerationBench:
     CPU: ``GPTConfig.llama(cpu_preset)`` with ``cpu_overrides`` (fp32), random weights of
     seed 0 written by ``to_hf`` and read back by ``from_hf`` on every mesh; for each
     ``(batch, mesh)`` of ``runs`` (mesh ``"data,tensor"``), ``batch`` random prompts of
-    ``prompt_len`` tokens (seed 0) continued by ``new_tokens`` greedy tokens; every
-    program run ``warmup`` times first (the compiles), then ``rounds`` interleaved rounds
-    (sp_jax and transformers alternating which goes first). H100: ``GPTConfig.llama(
+    ``prompt_len`` tokens (seed 0) continued by ``new_tokens`` greedy tokens, and each
+    batch again on every mesh of ``reference_meshes`` (``"1,1"``: one device, no
+    collectives: what the simulated devices cost); every program run ``warmup`` times
+    first (the compiles), then ``rounds`` interleaved rounds (the order rotated per
+    round). H100: ``GPTConfig.llama(
     gpu_preset, dtype=bf16, param_dtype=bf16, scan_layers=True)`` with ``gpu_overrides``
     on ``data 1 x tensor gpu_tensor``, ``gpu_batch`` rows, a ``gpu_cache``-token cache
     (``gpu`` False skips the compile)."""
@@ -94,10 +96,11 @@ class GenerationBench:
     cpu_overrides: tuple[tuple[str, Any], ...] = (
         ("num_layers", 4), ("hidden", 256), ("mlp_hidden", 768), ("vocab_size", 4096))
     runs: tuple[tuple[int, str], ...] = ((1, "1,8"), (8, "2,4"))
+    reference_meshes: tuple[str, ...] = ("1,1",)
     prompt_len: int = 16
     new_tokens: int = 64
     warmup: int = 1
-    rounds: int = 9
+    rounds: int = 15
     gpu_preset: str = "llama-3-8b"
     gpu_overrides: tuple[tuple[str, Any], ...] = ()
     gpu_tensor: int = 8
@@ -117,7 +120,8 @@ class GenerationBench:
 
 
 FULL = GenerationBench()
-QUICK = GenerationBench(cpu_overrides=(), runs=((8, "2,4"),), new_tokens=8, rounds=2,
+QUICK = GenerationBench(cpu_overrides=(), runs=((8, "2,4"),), reference_meshes=(),
+                        new_tokens=8, rounds=2,
                         gpu_preset="llama-tiny", gpu_overrides=(("num_kv_heads", 8),),
                         gpu_cache=128)
 
@@ -246,22 +250,32 @@ def cpu_decode(bench: GenerationBench, python: str | None = None,
     ``python`` has torch and transformers, of transformers' ``generate`` on the same
     weights (``new_tokens`` per row, ``min_new_tokens`` as many, no eos).
 
-    Tokens/s are ``batch x new_tokens`` over the seconds of one whole ``generate`` call
-    (the ``prompt_len``-token prefill included), median of ``rounds`` interleaved rounds
-    after ``warmup`` calls of each program (the compiles); ``ratio`` is sp_jax's over
-    transformers', ``round_ratios`` its quartiles over the rounds. ``tokens`` compares
-    the greedy tokens of the two (the last round's)."""
+    One row per ``(batch, mesh)`` of ``runs``, then (``reference``) each batch on every
+    mesh of ``reference_meshes``. Tokens/s are ``batch x new_tokens`` over the seconds of
+    one whole ``generate`` call (the ``prompt_len``-token prefill included), median of
+    ``rounds`` interleaved rounds (each round runs, per batch, transformers once and
+    sp_jax on each of the batch's meshes, in an order rotated per round) after ``warmup``
+    calls of each program (the compiles); ``ratio`` is sp_jax's over transformers',
+    ``round_ratios`` the quartiles, minimum and maximum of the same ratio per round.
+    ``tokens`` compares the greedy tokens of the two (the last round's)."""
     cfg = cpu_config(bench)
     threads = cpu_threads()
     rng = np.random.default_rng(0)
+    batches = list(dict.fromkeys(b for b, _ in bench.runs))
     prompts = {b: rng.integers(0, cfg.vocab_size, (b, bench.prompt_len)).astype(np.int32)
-               for b, _ in bench.runs}
+               for b in batches}
+    rows = [{"batch": b, "mesh": mesh, "reference": False} for b, mesh in bench.runs] + [
+        {"batch": b, "mesh": mesh, "reference": True} for b in batches
+        for mesh in bench.reference_meshes]
     out: dict[str, Any] = {"threads": threads, "config": {
         "preset": bench.cpu_preset, "layers": cfg.num_layers, "hidden": cfg.hidden,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp_hidden": cfg.mlp_hidden,
         "vocab": cfg.vocab_size, "dtype": jnp.dtype(cfg.param_dtype).name}}
+    theirs_s: dict[int, list[float]] = {b: [] for b in batches}
+    theirs_first: dict[int, list[float]] = {b: [] for b in batches}
+    last: dict[Any, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="sp_jax_generation_bench_") as tmp:
-        meshes = {mesh: build_mesh(_mesh_shape(mesh), AXES) for _, mesh in bench.runs}
+        meshes = {row["mesh"]: build_mesh(_mesh_shape(row["mesh"]), AXES) for row in rows}
         first = bench.runs[0][1]
         with jax.set_mesh(meshes[first]):
             hf.to_hf(GPT(cfg, parallel=sp_jax.ParallelConfig(), rngs=nnx.Rngs(0)), tmp)
@@ -293,51 +307,54 @@ def cpu_decode(bench: GenerationBench, python: str | None = None,
                 error = f"{type(e).__name__}: {e}"
                 log(f"  transformers not measured: {error}")
         try:
-            rows = []
-            for batch, mesh in bench.runs:
-                first_s = [ours(batch, mesh)[0] for _ in range(bench.warmup)]
-                theirs_first = [worker.generate(prompts[batch], bench.new_tokens)[0]
-                                for _ in range(bench.warmup)] if worker else []
-                rows.append({"batch": batch, "mesh": mesh, "first_call_s": first_s[:1],
-                             "transformers_first_call_s": theirs_first[:1],
-                             "sp_jax_s": [], "transformers_s": []})
-            last: dict[int, dict[str, np.ndarray]] = {}
+            for row in rows:
+                row["first_call_s"] = [ours(row["batch"], row["mesh"])[0]
+                                       for _ in range(bench.warmup)][:1]
+                row["sp_jax_s"] = []
+            for b in batches:
+                if worker is not None:
+                    theirs_first[b] = [worker.generate(prompts[b], bench.new_tokens)[0]
+                                       for _ in range(bench.warmup)][:1]
             for r in range(bench.rounds):
-                for row in rows:
-                    batch, mesh = row["batch"], row["mesh"]
-                    order = ["sp_jax", "transformers"] if r % 2 == 0 else \
-                        ["transformers", "sp_jax"]
-                    for name in order:
-                        if name == "sp_jax":
-                            s, tokens = ours(batch, mesh)
-                        elif worker is not None:
-                            s, tokens = worker.generate(prompts[batch], bench.new_tokens)
+                for b in batches:
+                    jobs: list[Any] = [row for row in rows if row["batch"] == b]
+                    if worker is not None:
+                        jobs.append("transformers")
+                    k = r % len(jobs)
+                    for job in jobs[k:] + jobs[:k]:
+                        if job == "transformers":
+                            s, tokens = worker.generate(prompts[b], bench.new_tokens)
+                            theirs_s[b].append(s)
+                            last[b] = tokens
                         else:
-                            continue
-                        row[f"{name}_s"].append(s)
-                        last.setdefault(batch, {})[name] = tokens
+                            s, tokens = ours(b, job["mesh"])
+                            job["sp_jax_s"].append(s)
+                            last[(b, job["mesh"])] = tokens
         finally:
             if worker is not None:
                 worker.close()
     for row in rows:
-        n = row["batch"] * bench.new_tokens
-        xs = row["sp_jax_s"]
+        b = row["batch"]
+        n = b * bench.new_tokens
+        xs, ys = row["sp_jax_s"], theirs_s[b]
         row["sp_jax"] = {"tokens_per_s": n / statistics.median(xs),
                          "median_s": statistics.median(xs), "quartiles_s": _quartiles(xs)}
-        ys = row["transformers_s"]
+        row["transformers_first_call_s"] = theirs_first[b]
         if ys:
+            row["transformers_s"] = ys
             row["transformers"] = {"tokens_per_s": n / statistics.median(ys),
                                    "median_s": statistics.median(ys),
                                    "quartiles_s": _quartiles(ys)}
             ratios = [y / x for x, y in zip(xs, ys, strict=True)]
             row["ratio"] = row["sp_jax"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             row["round_ratios"] = _quartiles(ratios) + [min(ratios), max(ratios)]
-            row["tokens"] = _match(last[row["batch"]]["sp_jax"],
-                                   last[row["batch"]]["transformers"])
+            row["tokens"] = _match(last[(b, row["mesh"])], last[b])
         else:
+            row["transformers_s"] = []
             row["transformers"] = {"error": error}
             row["ratio"] = row["round_ratios"] = row["tokens"] = None
-        log(f"  batch {row['batch']} ({row['mesh'].replace(',', 'x')}): sp_jax "
+        log(f"  batch {b} ({row['mesh'].replace(',', 'x')}"
+            f"{', reference' if row['reference'] else ''}): sp_jax "
             f"{row['sp_jax']['tokens_per_s']:,.0f} tokens/s" + (
                 f", transformers {row['transformers']['tokens_per_s']:,.0f} tokens/s "
                 f"({row['ratio']:.2f}x); greedy tokens equal: {row['tokens']['equal']}"
@@ -532,7 +549,7 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     bytes per token equal the analytic ones, no more instructions run than expected, no
     other collective). ``met`` is None when a measurement is not in the run."""
     out = []
-    rows = res["cpu"]["rows"]
+    rows = [r for r in res["cpu"]["rows"] if not r.get("reference")]
     target = ("CPU decode tokens/s vs transformers (torch CPU, same weights, same threads): "
               "report the ratio")
     if all(r["ratio"] is not None for r in rows):
@@ -593,7 +610,8 @@ def _cpu_rows(cpu: dict[str, Any], bench: GenerationBench) -> list[list[Any]]:
     for r in cpu["rows"]:
         ours = r["sp_jax"]
         theirs = r["transformers"]
-        row = [r["batch"], _mesh(r["mesh"]), f"{ours['tokens_per_s']:,.0f}",
+        mesh = _mesh(r["mesh"]) + (" (reference)" if r.get("reference") else "")
+        row = [r["batch"], mesh, f"{ours['tokens_per_s']:,.0f}",
                f"{ours['median_s'] * 1e3:,.0f} ({ours['quartiles_s'][0] * 1e3:,.0f} - "
                f"{ours['quartiles_s'][1] * 1e3:,.0f})"]
         if "error" in theirs:
@@ -610,6 +628,43 @@ def _cpu_rows(cpu: dict[str, Any], bench: GenerationBench) -> list[list[Any]]:
                     f"{tok['first_difference'][0]}, token {tok['first_difference'][1]}"]
         rows.append(row)
     return rows
+
+
+def _cpu_prose(cpu: dict[str, Any], bench: GenerationBench) -> str:
+    """The compiles, the greedy tokens, and what the reference meshes show."""
+    rows = cpu["rows"]
+    first = [f"batch {r['batch']} on {_mesh(r['mesh'])} {r['first_call_s'][0]:.1f} s"
+             for r in rows if r["first_call_s"]]
+    text = (f"sp_jax's first call (the prefill and the decode step compiled): "
+            f"{', '.join(first)}. " if first else "")
+    if any("error" in r["transformers"] for r in rows):
+        return text + f"transformers not measured: `{rows[0]['transformers']['error']}`."
+    equal = all(r["tokens"]["equal"] for r in rows)
+    text += ("Greedy tokens: the last round's of each sp_jax mesh against transformers', "
+             "token for token: " + ("equal in every row. " if equal else
+                                    "not all equal (the table's last column). "))
+    refs = [r for r in rows if r.get("reference")]
+    if not refs:
+        return text
+    parts = []
+    for ref in refs:
+        main = next((r for r in rows if not r.get("reference") and r["batch"] == ref["batch"]),
+                    None)
+        if main is None:
+            continue
+        parts.append(f"batch {ref['batch']}: {ref['sp_jax']['tokens_per_s']:,.0f} tokens/s on "
+                     f"{_mesh(ref['mesh'])}, {ref['ratio']:.2f}x transformers, "
+                     f"{ref['sp_jax']['tokens_per_s'] / main['sp_jax']['tokens_per_s']:.1f}x "
+                     f"its {_mesh(main['mesh'])} rate")
+    layers = cpu["config"]["layers"]
+    return text + (
+        f"The reference rows run the same model and `generate` on fewer simulated "
+        f"devices ({'; '.join(parts)}). At this size a decode step is a few small matrix "
+        f"products, so the calls measure per-token overhead more than arithmetic: on the "
+        f"8-device meshes each token's program spans 8 simulated devices sharing "
+        f"{cpu['threads']} cores, with {2 * layers + 1} all-reduces and an all-gather "
+        f"between them (each a rendezvous of the 8); transformers runs one torch process "
+        f"of {cpu['threads']} threads.")
 
 
 def _collective_prose(gpu: dict[str, Any]) -> str:
@@ -673,7 +728,10 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         f"seed 0), written by `sp_jax.models.hf.to_hf` and read back by `from_hf` on each "
         f"mesh; {bench.prompt_len}-token random prompts, {bench.new_tokens} new tokens "
         f"per row, greedy, no eos. sp_jax: `generate` on 8 simulated CPU devices (data x "
-        f"tensor mesh). transformers"
+        f"tensor mesh)"
+        + (f", and for reference on {', '.join(_mesh(m) for m in bench.reference_meshes)}"
+           if bench.reference_meshes else "")
+        + ". transformers"
         + (f" {versions['transformers']} (torch {versions['torch']}, CPU, "
            f"{versions['threads']} threads)" if versions else "")
         + f": `LlamaForCausalLM.from_pretrained(dir).generate(do_sample=False, "
@@ -682,8 +740,10 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
         f"the {cpu['threads']} cores the JAX process runs on (`torch.set_num_threads`). "
         f"Tokens/s: batch x new tokens over the seconds of one whole `generate` call (the "
         f"prefill of the prompts included), median of {bench.rounds} rounds after "
-        f"{bench.warmup} warm-up call(s) of each (the compiles), the two alternating which "
-        f"runs first each round.",
+        f"{bench.warmup} warm-up call(s) of each (the compiles); each round runs, per "
+        f"batch, transformers once and sp_jax on each of the batch's meshes, in an order "
+        f"rotated every round; the ratio is of the medians, the per-round column the "
+        f"quartiles of the same ratio within each round.",
         "",
         f"Reproduce: `{command}` (or `{TORCH_ENV}=PATH`; `--quick`: tiny shapes; "
         f"`--markdown PATH` writes this section, `--json PATH` the numbers). Run of "
@@ -703,19 +763,8 @@ def render_markdown(res: dict[str, Any], command: str = "JAX_PLATFORMS=cpu pytho
                "per round (quartiles)", "greedy tokens equal"], _cpu_rows(cpu, bench)),
         "",
     ]
-    first = [f"batch {r['batch']} {r['first_call_s'][0]:.1f} s" for r in cpu["rows"]
-             if r["first_call_s"]]
-    text = (f"sp_jax's first call (prefill and decode step compiled): {', '.join(first)}. "
-            if first else "")
-    if any("error" in r["transformers"] for r in cpu["rows"]):
-        text += f"transformers not measured: `{cpu['rows'][0]['transformers']['error']}`."
-    else:
-        text += ("Greedy tokens: the last round's of both, compared token for token. At "
-                 "this size a decode step is a few small matrix products, so both "
-                 "measure mostly per-token overhead: sp_jax one jitted program per token "
-                 "across 8 simulated devices, with 2 all-reduces per layer; transformers "
-                 "the Python of its layers and its generation loop.")
-    out += [text, "", "### 8 x H100: one decode step (deviceless compile)", ""]
+    out += [_cpu_prose(cpu, bench)]
+    out += ["", "### 8 x H100: one decode step (deviceless compile)", ""]
     if "error" in gpu:
         out += [f"Not measured: `{gpu['error']}`."]
         return "\n".join(out) + "\n"

@@ -294,7 +294,8 @@ def _generation_results(mismatch: bool, combined: bool) -> dict:
              "round_ratios": [1.9, 2.1, 1.8, 2.2],
              "tokens": {"equal": not mismatch, "fraction": 0.75 if mismatch else 1.0,
                         "first_difference": [0, 48] if mismatch else None}}
-            for b, mesh in ((1, "1,8"), (8, "2,4"))]
+            for b, mesh in ((1, "1,8"), (8, "2,4"), (8, "1,1"))]
+    rows[-1].update(reference=True, sp_jax=timing(0.05), ratio=4.0)
     ar = {"kind": "all-reduce", "arrays": [["bf16", [8, 1, 64]]], "bytes": 1024,
           "async": True, "overlapped_ops": 0, "groups": [list(range(8))], "op_name": ""}
     collectives = [dict(ar, computation="main", runs=1, bytes=2048) if combined else
@@ -342,6 +343,8 @@ def test_generation_section_from_results(mismatch, combined):
     assert md.startswith("## Generation\n")
     assert "| 8 | 2 x 4 | 640 | 100 (100 - 100) | 320 | 200 (200 - 200) | **2.00x** |" in md
     assert ("first difference at row 0, token 48" in md) is mismatch
+    assert "| 8 | 1 x 1 (reference) | 1,280 |" in md  # not in the targets
+    assert "batch 8: 1,280 tokens/s on 1 x 1, 4.00x transformers, 2.0x its 2 x 4 rate" in md
     assert ("XLA combined some of them" in md) is combined
     assert ("2 in the body of the layer loop, which runs 2 times (one layer per trip)"
             in md) is not combined
