@@ -1,8 +1,8 @@
-"""A GPT language model built from the sequence-parallel layers."""
+"""A GPT language model built from the sequence-parallel layers (its configuration,
+:class:`GPTConfig`, lives in :mod:`sp_jax.models.gpt_config` and is re-exported here)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -15,17 +15,12 @@ from sp_jax.attention import sequence_order, to_held, to_natural
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
-    AttentionConfig,
     CausalSelfAttention,
     Dropout,
-    MLPConfig,
-    RopeScaling,
     VocabParallelEmbedding,
-    check_block_fields,
     document_labels,
     make_norm,
     parallel_cross_entropy,
-    settle_block_fields,
 )
 from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layout import Layout
@@ -36,238 +31,10 @@ from sp_jax.mesh import (
     reshard,
     to_sequence_parallel,
 )
+from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
 from sp_jax.models.pipelined import check_pipeline, pipeline_forward_loss, pipeline_loss_and_grads
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
-
-POSITIONS = ("learned", "rotary")
-"""Position encodings a :class:`GPT` supports: a learned table or rotary embeddings."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    """Shape and numerics of a :class:`GPT`.
-
-    Attributes:
-      vocab_size: vocabulary size ``V`` (any size: padded internally to a multiple of the
-        tensor size; padded entries never appear in logits or loss).
-      max_seq_len: longest sequence (size of the learned position table).
-      num_layers: transformer blocks.
-      num_heads: attention heads (a multiple of the tensor size).
-      hidden: model width.
-      mlp_hidden: MLP inner width (default ``4 * hidden``).
-      num_kv_heads: key/value heads (default ``num_heads``): fewer is grouped-query
-        attention (1: multi-query); a divisor of ``num_heads``, and a divisor or a
-        multiple of the tensor size (split, or replicated so each shard holds the one its
-        query heads use; :class:`~sp_jax.layers.CausalSelfAttention`).
-      dropout: dropout rate on the embeddings and on each block's residual branches (the
-        attention and MLP outputs); active in train mode (``model.train()``, the mode of
-        a freshly built model), off in ``model.eval()``.
-      attention_dropout: dropout rate on the attention probabilities (GPT-2's
-        ``attn_pdrop``), in train mode.
-      tie_embeddings: the LM head reuses the token embedding table.
-      positions: ``"learned"`` (table added to the embeddings) or ``"rotary"``.
-      rope_base: rotary base frequency (Llama-2: 1e4, Llama-3: 5e5).
-      rope_scaling: Llama-3.1 style frequency scaling (:class:`RopeScaling`, or a dict of
-        its fields), or None.
-      qkv_bias / out_bias / mlp_bias: biases on the q/k/v projection, the attention
-        output projection and the MLP projections (GPT-2: all; Llama: none).
-      norm: ``"layernorm"`` or ``"rmsnorm"``.
-      norm_epsilon: epsilon of the norms (GPT-2: 1e-5; Llama-2: 1e-5 or 1e-6).
-      dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay in ``param_dtype``.
-      param_dtype: parameter (master weight) dtype.
-      remat: recompute each block in the backward pass (``jax.checkpoint``) instead of
-        keeping its activations; composes with ``recompute_allgather``.
-      attention_block_q / attention_block_k: query and key/value block sizes of the
-        blockwise attention (:func:`sp_jax.attention.blockwise_attention`; the largest
-        divisors of the sequence length up to these).
-      mlp_activation: ``"gelu"`` (tanh approximation), ``"gelu_exact"``, ``"relu"``,
-        ``"swiglu"`` or ``"geglu"`` (gated: gate and up fused in one column layer,
-        :class:`~sp_jax.layers.MLP`).
-      attention_implementation: ``"xla"`` (the blockwise kernel, every backend) or
-        ``"cudnn"`` (cuDNN's fused attention on GPUs; not with ring attention).
-      scan_layers: store the blocks' parameters stacked along a leading layer axis and
-        run them with one ``lax.scan`` (compile time independent of ``num_layers``).
-        Same initial values as the unrolled model; parameters ``blocks/...`` get shape
-        ``[num_layers, ...]``.
-      qk_norm: RMS-normalise each head's query and key (Qwen3's ``q_norm`` / ``k_norm``,
-        scales ``[head_dim]`` per layer, epsilon ``norm_epsilon``) before the rotary
-        angles (:class:`~sp_jax.layers.AttentionConfig`).
-      sliding_window: None (causal attention over every earlier token) or ``w``: token
-        ``i`` attends tokens ``i - w < j <= i`` only (Mistral's ``sliding_window``); key
-        blocks wholly outside the window are skipped. Not with ring attention.
-      bos_token_id / eos_token_id / pad_token_id: the checkpoint's special token ids
-        (``config.json``'s), kept for :func:`~sp_jax.models.hf.to_hf` and generation;
-        None when it has none. ``eos_token_id`` may be several ids (a list in
-        ``config.json``, a tuple here). The model itself does not use them.
-    """
-
-    vocab_size: int
-    max_seq_len: int
-    num_layers: int
-    num_heads: int
-    hidden: int
-    mlp_hidden: int | None = None
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    positions: str = "learned"
-    rope_base: float = 10000.0
-    norm: str = "layernorm"
-    norm_epsilon: float = 1e-5
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    remat: bool = False
-    scan_layers: bool = False
-    attention_block_q: int = 512
-    attention_block_k: int = 512
-    attention_implementation: str = "xla"
-    mlp_activation: str = "gelu"
-    num_kv_heads: int | None = None
-    rope_scaling: RopeScaling | None = None
-    qkv_bias: bool = False
-    out_bias: bool = True
-    mlp_bias: bool = True
-    attention_dropout: float = 0.0
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_seq_len", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive int.")
-        if self.mlp_hidden is None and isinstance(self.hidden, int):
-            object.__setattr__(self, "mlp_hidden", 4 * self.hidden)
-        if not isinstance(self.tie_embeddings, bool):
-            raise TypeError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r} must be True or "
-                            "False.")
-        if self.positions not in POSITIONS:
-            raise ValueError(
-                f"GPTConfig.positions={self.positions!r} is not a known position encoding; "
-                f"use one of {list(POSITIONS)}."
-            )
-        settle_block_fields(self)
-        check_block_fields("GPTConfig", self)  # the fields the blocks' configs share
-        self._check_token_ids()
-
-    def _check_token_ids(self) -> None:
-        """The special token ids: ints or None (``eos_token_id``: also several, kept as a
-        tuple)."""
-        def is_id(v: Any) -> bool:
-            return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if name == "eos_token_id" and isinstance(value, list | tuple) and value \
-                    and all(map(is_id, value)):
-                object.__setattr__(self, name, tuple(int(v) for v in value))
-                continue
-            if value is None:
-                continue
-            if not is_id(value):
-                raise TypeError(f"GPTConfig.{name}={value!r} must be a token id (an int) or "
-                                "None" + (" or a list of ids" if name == "eos_token_id"
-                                          else "") + ".")
-            object.__setattr__(self, name, int(value))
-
-    @classmethod
-    def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
-        """GPT-2's shapes (Radford et al. 2019; Hugging Face ``gpt2``, ``gpt2-medium``, ...):
-        learned positions, LayerNorm (eps 1e-5), tanh-gelu MLP of ``4 * hidden``, biases
-        everywhere, tied embeddings, vocabulary 50257, 1024 positions. Only shapes:
-        nothing is downloaded (see :func:`sp_jax.models.hf.from_hf` for weights).
-
-        Args:
-          size: ``"small"`` (124M), ``"medium"`` (355M), ``"large"`` (774M), ``"xl"``
-            (1.5B) or ``"tiny"`` (a 2-layer model of the same structure, for tests).
-          overrides: any other :class:`GPTConfig` field (e.g. ``dtype``, ``remat``).
-        """
-        shapes = {"tiny": (2, 4, 64), "small": (12, 12, 768), "medium": (24, 16, 1024),
-                  "large": (36, 20, 1280), "xl": (48, 25, 1600)}
-        if size not in shapes:
-            raise ValueError(f"GPTConfig.gpt2: size={size!r} is not one of {list(shapes)}.")
-        layers, heads, hidden = shapes[size]
-        base = dict(vocab_size=50257, max_seq_len=1024, num_layers=layers, num_heads=heads,
-                    hidden=hidden, qkv_bias=True, out_bias=True, mlp_bias=True,
-                    norm="layernorm", norm_epsilon=1e-5, mlp_activation="gelu",
-                    positions="learned", tie_embeddings=True)
-        if size == "tiny":
-            base.update(vocab_size=256, max_seq_len=128)
-        return cls(**{**base, **overrides})
-
-    @classmethod
-    def llama(cls, name: str = "llama-2-7b", **overrides: Any) -> GPTConfig:
-        """Llama-family shapes (Touvron et al. 2023; Meta's Llama 3): rotary positions,
-        RMSNorm, SwiGLU MLP, no biases, untied head. Only shapes: nothing is downloaded.
-
-        Args:
-          name: ``"llama-2-7b"`` (32 heads, 4096 wide, MLP 11008, vocabulary 32000, 4096
-            positions, rope_base 1e4), ``"llama-3-8b"`` (8 key/value heads, MLP 14336,
-            vocabulary 128256, 8192 positions, rope_base 5e5), ``"llama-3.1-8b"`` (the
-            same with Llama-3.1's :class:`RopeScaling` and 131072 positions) or
-            ``"llama-tiny"`` (2 layers, 8 heads over 2 key/value heads, 64 wide: the
-            structure of Llama-3 at test size).
-          overrides: any other :class:`GPTConfig` field.
-        """
-        common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
-                      qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
-                      num_layers=32, num_heads=32, hidden=4096)
-        presets = {
-            "llama-2-7b": dict(vocab_size=32000, max_seq_len=4096, mlp_hidden=11008,
-                               num_kv_heads=32, rope_base=10000.0, norm_epsilon=1e-5),
-            "llama-3-8b": dict(vocab_size=128256, max_seq_len=8192, mlp_hidden=14336,
-                               num_kv_heads=8, rope_base=500000.0, norm_epsilon=1e-5),
-            "llama-3.1-8b": dict(vocab_size=128256, max_seq_len=131072, mlp_hidden=14336,
-                                 num_kv_heads=8, rope_base=500000.0, norm_epsilon=1e-5,
-                                 rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
-            "llama-tiny": dict(vocab_size=256, max_seq_len=128, num_layers=2, num_heads=8,
-                               num_kv_heads=2, hidden=64, mlp_hidden=160,
-                               rope_base=500000.0, norm_epsilon=1e-5),
-        }
-        if name not in presets:
-            raise ValueError(f"GPTConfig.llama: name={name!r} is not one of {list(presets)}.")
-        return cls(**{**common, **presets[name], **overrides})
-
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward and backward, recomputation not counted;
-        PaLM's accounting): ``6 N + 12 L h s`` with ``N`` the matmul parameters (every
-        block's projections and the LM head) and the attention scores and values over
-        ``seq_len`` (default ``max_seq_len``) keys, causal masking not discounted."""
-        s = self.max_seq_len if seq_len is None else int(seq_len)
-        h, kv = self.hidden, (self.num_kv_heads or self.num_heads)
-        attention = 2 * h * h + 2 * h * kv * (h // self.num_heads)
-        mlp_hidden = self.mlp_hidden or 4 * h
-        gated = self.mlp_activation in ("swiglu", "geglu")
-        mlp = (3 if gated else 2) * h * mlp_hidden
-        matmul_params = self.num_layers * (attention + mlp) + self.vocab_size * h
-        return float(6 * matmul_params + 12 * self.num_layers * h * s)
-
-    def attention_config(self) -> AttentionConfig:
-        """The :class:`~sp_jax.layers.AttentionConfig` of every block (the fields of the
-        same names, and ``rotary`` for ``positions="rotary"``)."""
-        return AttentionConfig(rotary=self.positions == "rotary",
-                               **self._fields_of(AttentionConfig))
-
-    def mlp_config(self) -> MLPConfig:
-        """The :class:`~sp_jax.layers.MLPConfig` of every block (the fields of the same
-        names)."""
-        return MLPConfig(**self._fields_of(MLPConfig))
-
-    def _fields_of(self, config_class: type) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(config_class)
-                if hasattr(self, f.name)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
-        """Builds a config from a plain dict, rejecting unknown keys."""
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ValueError(f"Unknown GPTConfig key(s) {unknown}; valid keys are {valid}.")
-        return cls(**d)
 
 
 class Block(nnx.Module):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sp_jax.models.gpt import GPTConfig
+from sp_jax.models.gpt_config import GPTConfig
 
 __all__ = ["ATTENTION", "MLP", "Family", "Rule", "expand", "has_fields", "interleave",
            "require", "same", "swap_qkv", "transposed"]

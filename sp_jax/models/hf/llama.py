@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from sp_jax.models.gpt import GPTConfig, RopeScaling
+from sp_jax.models.gpt_config import GPTConfig, RopeScaling
 from sp_jax.models.hf.family import (
     ATTENTION,
     MLP,

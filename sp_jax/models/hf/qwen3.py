@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sp_jax.models.gpt import GPTConfig
+from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.models.hf.family import Family, has_fields
 from sp_jax.models.hf.llama import llama_shaped_fields, llama_shaped_rules, llama_shaped_to_hf
 from sp_jax.models.hf.qwen2 import qwen_window, qwen_window_to_hf

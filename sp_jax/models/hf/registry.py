@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from sp_jax.models.gpt import GPTConfig
+from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.models.hf import gpt2, llama, mistral, qwen2, qwen3
 from sp_jax.models.hf.family import Family
 
