@@ -156,22 +156,29 @@ def test_sampling_is_reproducible_and_mesh_independent():
 
 
 def test_one_compile_and_the_collectives_per_token():
-    """Generating 24 tokens compiles the decode step once, and a second call of the same
-    shapes compiles nothing. The step's program has 2 all-reduces per layer + 1 (the
-    embedding) and 1 all-gather (the logits), all over the tensor axis."""
+    """A call of new shapes compiles as many programs for 24 tokens as for 6 (nothing is
+    compiled per token), and a second call of the same shapes compiles nothing. The
+    step's program has 2 all-reduces per layer + 1 (the embedding) and 1 all-gather (the
+    logits), all over the tensor axis."""
     prompts, _ = _golden("llama")
     compiles = []
     listener = lambda event, *a, **k: compiles.append(event)  # noqa: E731
-    with jax.set_mesh(make_mesh(2, 4)):
-        model = hf.from_hf(FIXTURES / "llama")
-        generate(model, prompts, max_new_tokens=24)
+
+    def backend_compiles(*args, **kwargs) -> int:
+        compiles.clear()
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
-            generate(model, prompts, max_new_tokens=24)
+            generate(model, *args, **kwargs)
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
-        backend = [e for e in compiles if "backend_compile" in e]
-        assert backend == [], backend
+        return sum("backend_compile" in e for e in compiles)
+
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = hf.from_hf(FIXTURES / "llama")
+        backend_compiles([*prompts, *prompts][:5], max_new_tokens=3)  # what any call needs
+        first = backend_compiles(prompts, max_new_tokens=24)  # 4 rows on the data axis
+        assert first == backend_compiles(prompts[:2], max_new_tokens=6) > 0  # 2 rows
+        assert backend_compiles(prompts, max_new_tokens=24) == 0
         model.eval()
         _, cache = nnx.jit(prefill, static_argnums=(3,))(
             model, jnp.zeros((2, 8), jnp.int32), jnp.array([3, 5]), 16)
