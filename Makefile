@@ -39,7 +39,7 @@ gpu-check: $(STAMP)
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
-# suite (CI's `.ci/run`) takes about 16 min on 2 idle cores.
+# suite (CI's `.ci/run`) takes 16 to 19 min on 2 idle cores.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
