@@ -5,6 +5,7 @@ devices; rows ending at their eos; the cache's next-token logits equal to a full
 sampling filters equal to a NumPy reference; one compile of the decode step; the
 collectives per token."""
 
+import logging
 import pathlib
 
 import jax
@@ -156,29 +157,30 @@ def test_sampling_is_reproducible_and_mesh_independent():
 
 
 def test_one_compile_and_the_collectives_per_token():
-    """A call of new shapes compiles as many programs for 24 tokens as for 6 (nothing is
-    compiled per token), and a second call of the same shapes compiles nothing. The
-    step's program has 2 all-reduces per layer + 1 (the embedding) and 1 all-gather (the
-    logits), all over the tensor axis."""
+    """Generating 24 tokens compiles the prefill and the decode step once each (none per
+    token; jax's compile log), and a second call of the same shapes compiles neither.
+    The step's program has 2 all-reduces per layer + 1 (the embedding) and 1 all-gather
+    (the logits), all over the tensor axis."""
     prompts, _ = _golden("llama")
-    compiles = []
-    listener = lambda event, *a, **k: compiles.append(event)  # noqa: E731
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
 
-    def backend_compiles(*args, **kwargs) -> int:
-        compiles.clear()
-        jax.monitoring.register_event_duration_secs_listener(listener)
+    def compiled(**kwargs) -> list[str]:
+        logged.clear()
+        logging.getLogger("jax").addHandler(handler)
         try:
-            generate(model, *args, **kwargs)
+            with jax.log_compiles():
+                generate(model, prompts, **kwargs)
         finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
-        return sum("backend_compile" in e for e in compiles)
+            logging.getLogger("jax").removeHandler(handler)
+        return sorted(m.split()[1] for m in logged
+                      if m.startswith(("Compiling jit(first)", "Compiling jit(step)")))
 
     with jax.set_mesh(make_mesh(2, 4)):
         model = hf.from_hf(FIXTURES / "llama")
-        backend_compiles([*prompts, *prompts][:5], max_new_tokens=3)  # what any call needs
-        first = backend_compiles(prompts, max_new_tokens=24)  # 4 rows on the data axis
-        assert first == backend_compiles(prompts[:2], max_new_tokens=6) > 0  # 2 rows
-        assert backend_compiles(prompts, max_new_tokens=24) == 0
+        assert compiled(max_new_tokens=24) == ["jit(first)", "jit(step)"]
+        assert compiled(max_new_tokens=24) == []
         model.eval()
         _, cache = nnx.jit(prefill, static_argnums=(3,))(
             model, jnp.zeros((2, 8), jnp.int32), jnp.array([3, 5]), 16)
