@@ -16,6 +16,7 @@ from sp_jax.layers.block_config import (
     check_block_fields,
     check_kv_heads,
     kv_heads_per_shard,
+    kv_heads_replicated,
     settle_block_fields,
 )
 from sp_jax.layers.cross_entropy import document_labels, parallel_cross_entropy
@@ -58,6 +59,7 @@ __all__ = [
     "check_kv_heads",
     "settle_block_fields",
     "kv_heads_per_shard",
+    "kv_heads_replicated",
     "GroupedQKVProjection",
     "CausalSelfAttention",
     "MLP",

@@ -24,7 +24,8 @@ from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
 __all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "check_block_fields",
-           "check_kv_heads", "kv_heads_per_shard", "settle_block_fields"]
+           "check_kv_heads", "kv_heads_per_shard", "kv_heads_replicated",
+           "settle_block_fields"]
 
 MLP_ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
     "gelu": (jax.nn.gelu, False),  # tanh approximation (GPT-2)
@@ -62,6 +63,13 @@ def kv_heads_per_shard(num_kv_heads: int, tensor_size: int, where: str) -> int:
         f"{tensor_size}: the key/value heads are split when the tensor size divides them "
         "and replicated when it is a multiple of them; choose num_kv_heads a divisor or a "
         f"multiple of {tensor_size}.")
+
+
+def kv_heads_replicated(num_kv_heads: int, tensor_size: int, where: str) -> bool:
+    """Whether the key/value heads are replicated over a tensor axis of ``tensor_size``
+    (each shard holding the one its query heads read) rather than split
+    (:func:`kv_heads_per_shard`)."""
+    return kv_heads_per_shard(num_kv_heads, tensor_size, where) * tensor_size != num_kv_heads
 
 
 _POSITIVE_INTS = ("hidden", "num_heads", "mlp_hidden", "attention_block_q",

@@ -9,7 +9,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers.block_config import AttentionConfig, kv_heads_per_shard
+from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
 from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
@@ -87,9 +87,9 @@ class GroupedQKVProjection(nnx.Module):
         """Whether the key/value heads are replicated over the tensor axis."""
         if mesh is None:
             return False
-        t = axis_size(mesh, self.parallel.tensor_axis)
-        kv = self.config.num_kv_heads
-        return kv_heads_per_shard(kv, t, "GroupedQKVProjection") * t != kv
+        return kv_heads_replicated(self.config.num_kv_heads,
+                                   axis_size(mesh, self.parallel.tensor_axis),
+                                   "GroupedQKVProjection")
 
     def _kv_specs(self, mesh: Mesh | None):
         layout = Layout.of(self.parallel)

@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers import kv_heads_per_shard
+from sp_jax.layers import kv_heads_replicated
 from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
 from sp_jax.layers.norm import RMSNorm, layer_norm, rms_norm
 from sp_jax.layout import Layout
@@ -137,12 +137,13 @@ def _norm(norm: nnx.Module, x: jax.Array) -> jax.Array:
     return layer_norm(x, scale, bias, epsilon=norm.epsilon, dtype=dtype)
 
 
-def _dense(layer: nnx.Module, x: jax.Array, kernel: jax.Array,
+def _dense(dtype: Any, x: jax.Array, kernel: jax.Array,
            bias: jax.Array | None, reduce_over: str | None = None) -> jax.Array:
-    """Per device: ``x @ kernel`` in the layer's compute dtype; a row layer's partial
-    products summed over ``reduce_over`` (one all-reduce) before its bias."""
-    dtype = layer.dtype if getattr(layer, "dtype", None) is not None else \
-        jnp.result_type(x.dtype, kernel.dtype)
+    """Per device: ``x @ kernel`` in the compute ``dtype`` (None: the promoted dtype of
+    ``x`` and ``kernel``, as the layers compute); a row layer's partial products summed
+    over ``reduce_over`` (one all-reduce) before its bias."""
+    if dtype is None:
+        dtype = jnp.result_type(x.dtype, kernel.dtype)
     y = jnp.dot(x.astype(dtype), kernel.astype(dtype))
     if reduce_over is not None:
         y = lax.psum(y, reduce_over)
@@ -153,18 +154,15 @@ def _qkv(attention: nnx.Module, x: jax.Array) -> jax.Array:
     """Per device: this shard's q/k/v projection columns of whole rows ``x``."""
     qkv = attention.qkv
     if hasattr(qkv, "kernel"):
-        return _dense(qkv, x, qkv.kernel[...], None if qkv.bias is None else qkv.bias[...])
-    t = lax.axis_size(attention.parallel.tensor_axis)
-    kv = attention.config.num_kv_heads
-    replicated = kv_heads_per_shard(kv, t, "generate") * t != kv
+        return _dense(qkv.dtype, x, qkv.kernel[...],
+                      None if qkv.bias is None else qkv.bias[...])
+    replicated = kv_heads_replicated(attention.config.num_kv_heads,
+                                     lax.axis_size(attention.parallel.tensor_axis), "generate")
     kernel, bias = qkv.local_kernel(
         qkv.q_kernel[...], qkv.kv_kernel[...],
         None if qkv.q_bias is None else qkv.q_bias[...],
         None if qkv.kv_bias is None else qkv.kv_bias[...], replicated)
-    dtype = attention.config.dtype if attention.config.dtype is not None else \
-        jnp.result_type(x.dtype, kernel.dtype)
-    y = jnp.dot(x.astype(dtype), kernel.astype(dtype))
-    return y if bias is None else y + bias.astype(dtype)
+    return _dense(attention.config.dtype, x, kernel, bias)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
@@ -216,12 +214,13 @@ def _block_step(block: nnx.Module, x: jax.Array, k_cache: jax.Array, v_cache: ja
     o = cached_attention(q, k, v, k_cache, v_cache, positions,
                          getattr(attention.config, "sliding_window", None))
     out = attention.out
-    y = _dense(out, o, out.kernel[...], None if out.bias is None else out.bias[...], tensor)
+    y = _dense(out.dtype, o, out.kernel[...], None if out.bias is None else out.bias[...],
+               tensor)
     x = x.astype(y.dtype) + y
     up, down = mlp.up, mlp.down
-    h = _dense(up, _norm(mlp.norm, x), up.kernel[...],
+    h = _dense(up.dtype, _norm(mlp.norm, x), up.kernel[...],
                None if up.bias is None else up.bias[...])
-    y = _dense(down, mlp.activate(h), down.kernel[...],
+    y = _dense(down.dtype, mlp.activate(h), down.kernel[...],
                None if down.bias is None else down.bias[...], tensor)
     return x.astype(y.dtype) + y, k, v
 
@@ -261,8 +260,7 @@ def to_decode_layout(model: Any) -> None:
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="generate")
     t = axis_size(mesh, par.tensor_axis)
-    kv_replicated = kv_heads_per_shard(cfg.num_kv_heads, t, "generate") * t \
-        != cfg.num_kv_heads
+    kv_replicated = kv_heads_replicated(cfg.num_kv_heads, t, "generate")
     for module, stacked in ((model.blocks, cfg.scan_layers), (model.final_norm, False)):
         (graph, treedef), leaves, _ = _parts(module, mesh, par, stacked, kv_replicated)
         nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
@@ -352,8 +350,7 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
     layout = Layout.of(par)
     tensor = par.tensor_axis
     t = axis_size(mesh, tensor)
-    kv_replicated = kv_heads_per_shard(cfg.num_kv_heads, t, "generate") * t \
-        != cfg.num_kv_heads
+    kv_replicated = kv_heads_replicated(cfg.num_kv_heads, t, "generate")
     embed, head = _tables(model, mesh)
     blocks, block_leaves, block_specs = _parts(model.blocks, mesh, par, cfg.scan_layers,
                                                kv_replicated)
