@@ -38,7 +38,7 @@ def _buffer(shape, dtype, tie: jax.Array) -> jax.Array:
     return zeros
 
 
-def _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
+def _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype, param_dtype):
     t, n = lax.axis_size(axis_name), x.shape[seq_dim]
     kernel_c = kernel.astype(x.dtype)
     full = list(x.shape)
@@ -61,7 +61,7 @@ def _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
     return y, (x if recompute else x_full, kernel, bias)
 
 
-def _csp_ring_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
+def _csp_ring_bwd(axis_name, seq_dim, recompute, wgrad_dtype, param_dtype, res, dy):
     x, kernel, bias = res
     t = lax.axis_size(axis_name)
     n = dy.shape[seq_dim] // t
@@ -85,12 +85,12 @@ def _csp_ring_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
                         _buffer(full, x.dtype, x)))
         else:
             dx = ring_reduce_scatter(dy, axis_name, partial_dx)
-        dkernel = wgrad(x, dy, wgrad_dtype, kernel.dtype)
+        dkernel = wgrad(x, dy, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
     return lax.optimization_barrier((dx, dkernel, dbias))
 
 
-def _rsp_ring_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
+def _rsp_ring_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype, param_dtype):
     n = x.shape[seq_dim] // lax.axis_size(axis_name)
     kernel_c = kernel.astype(x.dtype)
     with jax.named_scope("sp_cm_row"):
@@ -102,7 +102,7 @@ def _rsp_ring_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
     return y, (x, kernel, bias)
 
 
-def _rsp_ring_bwd(axis_name, seq_dim, wgrad_dtype, res, dy):
+def _rsp_ring_bwd(axis_name, seq_dim, wgrad_dtype, param_dtype, res, dy):
     x, kernel, bias = res
     kernel_c = bwd_cast(kernel, dy)
 
@@ -118,7 +118,7 @@ def _rsp_ring_bwd(axis_name, seq_dim, wgrad_dtype, res, dy):
         full[seq_dim] = x.shape[seq_dim]
         dx, dy_full = ring_gather(dy, axis_name, fn, (_buffer(x.shape, dy.dtype, dy),
                                                       _buffer(full, dy.dtype, dy)))
-        dkernel = wgrad(x, dy_full, wgrad_dtype, kernel.dtype)
+        dkernel = wgrad(x, dy_full, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
     return lax.optimization_barrier((dx.astype(x.dtype), dkernel, dbias))
 

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary
@@ -33,6 +34,16 @@ def _fsdp_reduce_scatter(g: jax.Array, axes: tuple, dim: int) -> jax.Array:
 
 
 _fsdp_pair = conjugate_pair(_fsdp_all_gather, _fsdp_reduce_scatter)
+
+
+def _gather_in(kernel: jax.Array, dtype, axes: tuple, dim: int) -> jax.Array:
+    """The whole kernel in the compute ``dtype`` where that is narrower than its own: the
+    shard is cast before the gather, so a gather moves bf16, not the fp32 master weights
+    (XLA moves such a cast across the forward gather by itself, but not across the
+    backward's, which an optimization barrier holds)."""
+    if jnp.dtype(dtype).itemsize < jnp.dtype(kernel.dtype).itemsize:
+        kernel = kernel.astype(dtype)
+    return _fsdp_all_gather(kernel, axes, dim)
 
 
 def fsdp_gather(w: jax.Array, axes: tuple[AxisName, ...], dim: int) -> jax.Array:
@@ -57,26 +68,33 @@ def fsdp_op(op_fwd: Callable, op_bwd: Callable) -> Callable:
     rules are ``op_fwd(x, kernel, bias, *static) -> (y, (a, kernel, bias))`` and
     ``op_bwd(*static, res, g) -> (dx, dkernel, dbias)``.
 
-    Forward: the kernel is all-gathered over ``axes`` just before the op and dropped
-    after it: the residual is the local shard. Backward: the shard is gathered again
-    (behind a barrier with the incoming cotangent, so no CSE merges it with the forward
-    gather and it is not issued before the backward reaches this layer), the op's
-    backward runs, and the weight gradient is reduce-scattered over ``axes``.
+    Forward: the kernel is all-gathered over ``axes`` (in the compute dtype) just before
+    the op and dropped after it: the residual is the local shard. Backward: the shard is
+    gathered again, in the compute dtype (behind a barrier with the incoming cotangent,
+    so no CSE merges it with the forward gather and it is not issued before the backward
+    reaches this layer), the op's backward runs, and the weight gradient, in the
+    parameter's dtype (the rule's last static argument), is reduce-scattered over
+    ``axes``.
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
     def op(x, kernel, bias, axes, dim, static):
-        return op_fwd(x, _fsdp_all_gather(kernel, axes, dim), bias, *static)[0]
+        return op_fwd(x, _gather_in(kernel, x.dtype, axes, dim), bias, *static)[0]
 
     def fwd(x, kernel, bias, axes, dim, static):
-        y, (a, _, b) = op_fwd(x, _fsdp_all_gather(kernel, axes, dim), bias, *static)
+        y, (a, _, b) = op_fwd(x, _gather_in(kernel, x.dtype, axes, dim), bias, *static)
         return y, (a, kernel, b)
 
     def bwd(axes, dim, static, res, g):
         a, kernel, b = res
         kernel, g = lax.optimization_barrier((kernel, g))
-        dx, dkernel, dbias = op_bwd(*static, (a, _fsdp_all_gather(kernel, axes, dim), b), g)
-        return dx, _fsdp_reduce_scatter(dkernel, axes, dim), dbias
+        dx, dkernel, dbias = op_bwd(*static, (a, _gather_in(kernel, g.dtype, axes, dim), b),
+                                    g)
+        # The weight gradient leaves this op reduce-scattered: dx is released with the
+        # shard, so each full-size gradient is freed in this op's backward instead of
+        # waiting for a reduce-scatter XLA would otherwise start at the end.
+        return (*lax.optimization_barrier((dx, _fsdp_reduce_scatter(dkernel, axes, dim))),
+                dbias)
 
     op.defvjp(fwd, bwd)
     return op

@@ -15,7 +15,9 @@ op                                     forward                         backward
 =====================================  ==============================  ===========================
 
 Every op is built from a *rule*, a pair ``fwd(x, kernel, bias, *static) -> (y,
-residuals)`` / ``bwd(*static, residuals, g) -> (dx, dkernel, dbias)``. :data:`_OPS`
+residuals)`` / ``bwd(*static, residuals, g) -> (dx, dkernel, dbias)``; ``static`` ends with
+``wgrad_dtype, param_dtype`` (``dkernel``'s dtype: the parameter's, which the kernel
+handed to the rule need not have). :data:`_OPS`
 turns each rule into a custom-VJP op in each form: plain, as a ring of
 collective-permutes overlapped with chunk GEMMs (``collective_matmul``;
 :mod:`sp_jax.ops.collective_matmul`), and with the kernel sharded over the data axes
@@ -60,36 +62,37 @@ __all__ = ["add_bias", "column_parallel_matmul", "column_sequence_parallel_matmu
 # --------------------------------------------------------------------------------------
 
 
-def _matmul_fwd(x, kernel, bias, wgrad_dtype):
+def _matmul_fwd(x, kernel, bias, wgrad_dtype, param_dtype):
     return dot(x, kernel), (x, kernel, None)
 
 
-def _matmul_bwd(wgrad_dtype, res, g):
+def _matmul_bwd(wgrad_dtype, param_dtype, res, g):
     x, kernel, _ = res
     dx = dot_nt(g, kernel.astype(g.dtype))
-    return dx, wgrad(x, g, wgrad_dtype, kernel.dtype), None
+    return dx, wgrad(x, g, wgrad_dtype, param_dtype), None
 
 
-def _cp_matmul_fwd(x, kernel, bias, axis_name, wgrad_dtype):
+def _cp_matmul_fwd(x, kernel, bias, axis_name, wgrad_dtype, param_dtype):
     y = dot(vary(x, (axis_name,)), kernel)
     if bias is not None:
         y = y + bias.astype(y.dtype)
     return y, (x, kernel, bias)
 
 
-def _cp_matmul_bwd(axis_name, wgrad_dtype, res, g):
+def _cp_matmul_bwd(axis_name, wgrad_dtype, param_dtype, res, g):
     x, kernel, bias = res
     dx = dot_t(g, kernel)
     # dW and db after dx (Megatron's order: dgrad, then wgrad while dx is all-reduced)
     x, g_w, _ = lax.optimization_barrier((vary(x, (axis_name,)), g, dx))
     with jax.named_scope("tp_dx_all_reduce"):  # names show in HLO and profiles
         dx = lax.psum(dx, axis_name)
-    dkernel = wgrad(x, g_w, wgrad_dtype, kernel.dtype)
+    dkernel = wgrad(x, g_w, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(g_w, wgrad_dtype, bias.dtype)
     return dx, dkernel, dbias
 
 
-def _csp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype):
+def _csp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype,
+                    param_dtype):
     x_full = all_gather(x, axis_name, seq_dim)
     y = dot(x_full, kernel)
     if bias is not None:
@@ -99,15 +102,21 @@ def _csp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype)
     return y, (x if recompute else x_full, kernel, bias)
 
 
-def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
+def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, param_dtype, res, dy):
     x, kernel, bias = res
     if recompute:
         # Tie the shard to the incoming cotangent: the re-gather then cannot be hoisted
         # into the forward pass or merged (CSE) with the forward gather, which would keep
         # the full input alive and silently undo the memory saving. The kernel's cast is
         # tied by the same barrier (see gemm.bwd_cast), so the re-gather and the dx GEMM
-        # become ready together and the gather runs during the GEMM.
-        x, kernel, dy = lax.optimization_barrier((x, kernel, dy))
+        # become ready together and the gather runs during the GEMM. A kernel already in
+        # the compute dtype has no cast to tie (bf16 parameters; the FSDP form's kernel,
+        # gathered anew in this backward): it is not held back, so the weight gather
+        # of the FSDP form runs during the weight-gradient GEMM.
+        if kernel.dtype == dy.dtype:
+            x, dy = lax.optimization_barrier((x, dy))
+        else:
+            x, kernel, dy = lax.optimization_barrier((x, kernel, dy))
         with jax.named_scope("sp_regather"):
             x_full = all_gather(x, axis_name, seq_dim)
         kernel_c = kernel.astype(dy.dtype)
@@ -118,7 +127,7 @@ def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
     dx = dot_nt(dy, kernel_c)
     with jax.named_scope("sp_dx_reduce_scatter"):  # names show in HLO and profiles
         dx = reduce_scatter(dx, axis_name, seq_dim)
-    dkernel = wgrad(x_full, dy, wgrad_dtype, kernel.dtype)
+    dkernel = wgrad(x_full, dy, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
     # Release dx together with dW and db (Megatron's async dx collective, waited for after
     # the dW GEMM): the scheduler then runs the reduce-scatter while dW is computed instead
@@ -127,19 +136,19 @@ def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, res, dy):
     return lax.optimization_barrier((dx, dkernel, dbias))
 
 
-def _rsp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype):
+def _rsp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype, param_dtype):
     y = reduce_scatter(dot(x, kernel), axis_name, seq_dim)
     if bias is not None:
         y = y + bias.astype(y.dtype)
     return y, (x, kernel, bias)
 
 
-def _rsp_matmul_bwd(axis_name, seq_dim, wgrad_dtype, res, dy):
+def _rsp_matmul_bwd(axis_name, seq_dim, wgrad_dtype, param_dtype, res, dy):
     x, kernel, bias = res
     with jax.named_scope("sp_dy_all_gather"):
         dy_full = all_gather(dy, axis_name, seq_dim)
     dx = dot_t(dy_full, kernel)
-    dkernel = wgrad(x, dy_full, wgrad_dtype, kernel.dtype)
+    dkernel = wgrad(x, dy_full, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
     # dW (and db) are computed together with dx: the gathered dy [b, s, out] then dies in
     # this layer's backward instead of waiting for a dW GEMM XLA would otherwise put at the
@@ -182,7 +191,10 @@ def _apply(name: str, x, kernel, bias, static: tuple, *, ring: bool = False,
            fsdp_axes: tuple = (), fsdp_dim: int = 0) -> jax.Array:
     """Runs rule ``name`` in the form the options ask for: as a ring of transfers
     overlapped with chunk GEMMs (``ring``), and with ``kernel`` this device's shard over
-    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op)."""
+    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op). The rule's
+    static arguments end with the kernel's own dtype, the dtype of its gradient (the FSDP
+    form hands the rule a kernel gathered in the compute dtype)."""
+    static = (*static, jnp.dtype(kernel.dtype))
     if fsdp_axes:
         return _OPS[name, ring, True](x, kernel, bias, fsdp_axes, fsdp_dim, static)
     return _OPS[name, ring, False](x, kernel, bias, static)
