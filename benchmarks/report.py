@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fsdp import render_markdown as render_fsdp
 from benchmarks.generation import render_markdown as render_generation
 from benchmarks.memory import TERMS
 from benchmarks.pipeline import render_markdown as render_pipeline
@@ -747,6 +748,12 @@ def _generation_section(res) -> str:
     return render_generation(res["generation"]) if skipped is None else skipped
 
 
+def _fsdp_section(res) -> str:
+    """``benchmarks.fsdp``'s section (its own targets and table)."""
+    skipped = _unmeasured(res, "fsdp", "FSDP on 8 x H100")
+    return render_fsdp(res["fsdp"]) if skipped is None else skipped
+
+
 def _plan_section(res) -> str:
     skipped = _unmeasured(res, "plan", "Memory planner")
     if skipped is not None:
@@ -809,7 +816,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),
             _gpu_section(res), _stacks_section(res), _time_section(res),
             _gpt_time_section(res), _context_section(res), _pipeline_section(res),
-            _text_section(res), _generation_section(res), _plan_section(res)]
+            _text_section(res), _generation_section(res), _fsdp_section(res),
+            _plan_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)

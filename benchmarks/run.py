@@ -21,6 +21,9 @@ import jax.numpy as jnp
 
 from benchmarks.collectives import MEGATRON, cpu_block_collectives
 from benchmarks.context import ContextBench, LongRun, run_context_cpu, run_context_gpu
+from benchmarks.fsdp import FULL as FSDP_FULL
+from benchmarks.fsdp import QUICK as FSDP_QUICK
+from benchmarks.fsdp import FsdpBench
 from benchmarks.generation import FULL as GENERATION_FULL
 from benchmarks.generation import QUICK as GENERATION_QUICK
 from benchmarks.generation import GenerationBench, run_generation
@@ -62,6 +65,7 @@ class Config:
     pipeline: PipelineBench  # pipeline parallelism: GPipe vs 1F1B (deviceless H100)
     text: TextBench  # packed documents: input pipeline vs step, packing, masked attention
     generation: GenerationBench  # decode tokens/s vs transformers, the H100 decode step
+    fsdp: FsdpBench = FSDP_FULL  # the training step sharded over data (deviceless H100)
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
@@ -134,6 +138,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,)),
     text=TEXT_QUICK,  # tiny model, 20 batches per pipeline, s=1024 attention
     generation=GENERATION_QUICK,  # llama-tiny, batch 8, 8 tokens, 2 rounds
+    fsdp=FSDP_QUICK,  # 2 layers, h=512, data 8
 )
 
 
@@ -191,6 +196,12 @@ def _gpu(cfg: Config) -> dict[str, Any]:
     return {"block": block, "gpt": gpt}
 
 
+def _fsdp(cfg: Config) -> dict[str, Any]:
+    from benchmarks.fsdp import run_fsdp  # needs the CUDA plugin
+
+    return run_fsdp(cfg.fsdp)
+
+
 def _stacks(cfg: Config) -> dict[str, Any]:
     from benchmarks.stacks import compile_stack  # needs the CUDA plugin
 
@@ -238,7 +249,8 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
-            if name not in ("gpu", "stacks", "context", "pipeline", "generation", "plan"):
+            if name not in ("gpu", "stacks", "context", "pipeline", "generation", "fsdp",
+                            "plan"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -262,6 +274,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("text", lambda: run_text(cfg.text, log=_log))  # its H100 part: CUDA plugin
     # transformers from $SP_JAX_TORCH_PYTHON (else its ratio is not measured); H100: plugin
     section("generation", lambda: run_generation(cfg.generation, log=_log))
+    section("fsdp", lambda: _fsdp(cfg))  # CUDA plugin
     if cfg.plans:
         from benchmarks.plan import run_plans
 
@@ -283,6 +296,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
             k: getattr(cfg, k).as_dict()
             for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context",
                       "pipeline", "text", "generation")} | {
+            "fsdp": dataclasses.asdict(cfg.fsdp)} | {
             "stacks": [s.as_dict() for s in cfg.stacks],
             "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }

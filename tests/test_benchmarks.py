@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import sp_jax
 from benchmarks.baseline import GspmdBlock, constrain, copy_weights, param_specs
 from benchmarks.collectives import role
+from benchmarks.section import status
 from sp_jax.analysis import parse_collectives
 from sp_jax.models import Block, GPTConfig
 
@@ -211,9 +212,9 @@ def test_quick_run_writes_report(tmp_path):
     # one and before the planner's (none in a quick run)
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     pipe = heads.index("## Pipeline parallelism")
-    assert heads[pipe - 1:pipe + 4] == ["## Long context: a context mesh axis",
+    assert heads[pipe - 1:pipe + 5] == ["## Long context: a context mesh axis",
                                         "## Pipeline parallelism", "## Packed documents",
-                                        "## Generation", "## Run"]
+                                        "## Generation", "## FSDP on 8 x H100", "## Run"]
     # packed documents (benchmarks/text.py): its targets in its section; the kernel skips
     # exactly the block products of other documents at any shape
     text = data["text"]
@@ -236,6 +237,17 @@ def test_quick_run_writes_report(tmp_path):
     assert all(r["sp_jax"]["tokens_per_s"] > 0 for r in gen["cpu"]["rows"])
     for t in gen["targets"][1:]:
         assert t["met"] is (True if HAS_CUDA_PLUGIN else None), t
+    # FSDP (benchmarks/fsdp.py): with the CUDA plugin its memory target and the gathers'
+    # dtype hold at any shape (which gathers XLA schedules async is its cost model's
+    # choice, shape-dependent: `make bench` checks it at full size)
+    fsdp = data["fsdp"]
+    if HAS_CUDA_PLUGIN:
+        assert fsdp["targets"][0]["met"] is True, fsdp["targets"]
+        assert all(r["fsdp"]["bwd_gather_dtypes"] == ["bf16"] for r in fsdp["rows"])
+        for t in fsdp["targets"]:
+            assert f"| {t['target']} | {t['measured']} | {status(t['met'])} |" in md
+    else:
+        assert "error" in fsdp
     if HAS_CUDA_PLUGIN:
         # the structural memory and overlap targets hold at any shape (which collectives
         # get compute to overlap is the scheduler's cost-model decision, shape-dependent:
