@@ -103,10 +103,14 @@ def test_plan_bytes_match_analytic_and_sharding_over_data_shrinks_them(small):
 def test_activation_figure_is_the_compiled_temp_on_cpu_too(small):
     """The plan's activation figure (deviceless H100 compile) against the same training
     step compiled for the 8 simulated CPU devices (``benchmarks.plan.small_check``, which
-    ``make bench`` reports): within 10%."""
+    ``make bench`` reports): within 20%. The GPU program runs the fsdp weight gathers and
+    gradient reduce-scatters asynchronously, overlapped with the GEMMs, so some of their
+    buffers are alive together; XLA:CPU runs every collective synchronously. At this tiny
+    size, where the weights are as large as the activations, that is measured at +15%
+    (7.42 MB against 6.45; 6.90 before the backward gathers became bf16 and async)."""
     check = small
     acts = check["row"]["activation_bytes"]
-    assert math.isclose(acts, check["cpu_activation_bytes"], rel_tol=0.10), check
+    assert math.isclose(acts, check["cpu_activation_bytes"], rel_tol=0.20), check
 
 
 @requires_cuda_plugin
