@@ -218,7 +218,8 @@ def pytest_configure(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's file-by-file scheduling, except that the files of DEFAULT_EMITTER_FILES
-    go to worker gw0 only (first, as soon as it is free) and never to the others."""
+    go to worker gw0 only (first) and never to the others; after them gw0 takes the
+    other files from the end of the queue (the slowest files come first)."""
     if config.getoption("dist", "no") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -230,7 +231,9 @@ def pytest_xdist_make_scheduler(config, log):
                       if os.path.basename(s.split("::")[0]) in DEFAULT_EMITTER_FILES]
             free = [s for s in scopes if s not in pinned]
             if node.gateway.id == "gw0":
-                scope = (pinned or free)[0]
+                # its own files first; then the other files from the end of the queue
+                # (the quick ones: XLA's default emitters compile slower)
+                scope = pinned[0] if pinned else free[-1]
             elif free:
                 scope = free[0]
             else:  # only gw0's files are left
