@@ -39,8 +39,9 @@ gpu-check: $(STAMP)
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
-# suite (CI's `.ci/run`) takes about 12 min on 2 idle cores (12:22 from a fresh clone, the
-# install included). Worker gw0 alone runs tests/test_pipeline.py (tests/conftest.py).
+# suite (CI's `.ci/run`) takes 12 to 18 min on 2 cores (fresh clones, the install
+# included: 12:22, 18:15, 16:59). Worker gw0 alone runs tests/test_pipeline.py
+# (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
