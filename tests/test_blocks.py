@@ -301,6 +301,22 @@ def test_causal_attention_matches_autodiff_and_keeps_no_score_matrix():
     assert not any(s[-2:] == (16, 16) for s in shapes)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_mlp_keeps_its_hidden_layer_once(mesh_2x4, activation):
+    """The MLP's backward keeps one [b, s, width] hidden array: the up projection's output
+    (the activation's input), from which the down projection's backward computes the
+    activation again; not also the activation's output (two before)."""
+    with jax.set_mesh(mesh_2x4):
+        mlp = sp_jax.MLP(sp_jax.MLPConfig(16, 24, mlp_activation=activation),
+                         rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(mlp)
+        x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+        _, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x), params, x)
+    hidden = [r.shape for r in jax.tree.leaves(vjp) if r.shape[:2] == (2, 8)
+              and r.shape[-1] in (24, 48)]
+    assert hidden == [(2, 8, 48 if activation == "swiglu" else 24)], hidden
+
+
 def test_gated_mlp_matches_a_plain_swiglu(mesh_2x4):
     """SwiGLU MLP on 2 x 4 devices against jnp: gate and up are the even and odd columns
     of the fused up kernel, ``down(silu(gate) * up)`` plus the residual."""

@@ -176,10 +176,14 @@ class _ParallelLinear(nnx.Module):
         Returns ``[batch, seq, out_features]`` in the compute dtype (``dtype``, or the
         promoted dtype of input and parameters) with the layer's output sharding.
         """
+        return self._apply(x)
+
+    def _apply(self, x: jax.Array, activation=None) -> jax.Array:
+        """:meth:`__call__`, with ``activation`` (if given) handed to :meth:`_local`."""
         mesh = current_mesh(self.parallel, where=type(self).__name__)
         self._check_features(mesh)
         x = jnp.asarray(x)
-        self._check_input(x, mesh)
+        self._check_input(x if activation is None else jax.eval_shape(activation, x), mesh)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
@@ -192,8 +196,9 @@ class _ParallelLinear(nnx.Module):
         if bias is not None:
             args.append(reshard(bias, b_spec, mesh))
             in_specs.append(b_spec)
+        extra = {} if activation is None else {"activation": activation}
         local = jax.shard_map(
-            lambda x, k, b=None: self._local(x, k, b),
+            lambda x, k, b=None: self._local(x, k, b, **extra),
             in_specs=tuple(in_specs),
             out_specs=out_spec,
         )
@@ -341,11 +346,30 @@ class RowSequenceParallelLinear(_ParallelLinear):
     _split_in = True
     _sequence_parallel = True
 
+    def __call__(self, x: jax.Array, *, activation=None) -> jax.Array:
+        """Applies the layer to a global ``[batch, seq, in_features]`` array, or, with
+        ``activation``, to ``activation(x)``.
+
+        Args:
+          x: ``[batch, seq, width]`` ``P(data, None, tensor)``; ``width = in_features``
+            without ``activation``.
+          activation: ``None``, or a hashable function applied per device to this
+            device's block of ``x`` inside the op (``[b, s, width / t] -> [b, s,
+            in_features / t]``, elementwise along the sequence; an MLP's activation,
+            gated ones included): only ``x`` is kept for the backward pass, which
+            computes the activation again (see
+            :func:`sp_jax.ops.row_sequence_parallel_matmul`).
+        Returns:
+          ``[batch, seq, out_features]`` ``P(data, tensor, None)``, compute dtype.
+        """
+        return self._apply(x, activation)
+
     def _specs(self, layout):
         return layout.tp, layout.sp
 
-    def _local(self, x, kernel, bias):
+    def _local(self, x, kernel, bias, activation=None):
         cfg = self.parallel
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
-            collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes)
+            collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes,
+            activation=activation)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,10 +14,25 @@ from sp_jax.layers.block_config import MLP_ACTIVATIONS, MLPConfig
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.norm import make_norm
-from sp_jax.layout import Layout
 from sp_jax.mesh import check_activations
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "MLPActivation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPActivation:
+    """The MLP activation ``name`` (a key of ``MLP_ACTIVATIONS``) as a hashable function
+    of one device's ``up`` columns ``[..., width]``: elementwise, or, gated, of its
+    interleaved ``(gate, up)`` column pairs -> ``[..., width / 2]``."""
+
+    name: str
+
+    def __call__(self, y: jax.Array) -> jax.Array:
+        activation, gated = MLP_ACTIVATIONS[self.name]
+        if not gated:
+            return activation(y)
+        pairs = y.reshape(*y.shape[:-1], -1, 2)
+        return activation(pairs[..., 0]) * pairs[..., 1]
 
 
 class MLP(nnx.Module):
@@ -59,28 +75,20 @@ class MLP(nnx.Module):
                                               use_bias=config.mlp_bias, **common)
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
 
-    def _act(self, y: jax.Array) -> jax.Array:
-        if not self.config.gated:
-            return self.activate(y)
-        tp = Layout.of(self.parallel).tp
-        return jax.shard_map(self.activate, in_specs=tp, out_specs=tp)(y)
-
     def activate(self, y: jax.Array) -> jax.Array:
         """Per device: the activation of this shard's ``up`` columns ``[..., width]``;
         gated, its interleaved ``(gate, up)`` column pairs -> ``[..., width / 2]``."""
-        activation, gated = MLP_ACTIVATIONS[self.config.mlp_activation]
-        if not gated:
-            return activation(y)
-        pairs = y.reshape(*y.shape[:-1], -1, 2)
-        return activation(pairs[..., 0]) * pairs[..., 1]
+        return MLPActivation(self.config.mlp_activation)(y)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""
         x = jnp.asarray(x)
         check_activations("MLP", x, self.config.hidden, "hidden")
-        # The activation is recomputed in backward: only its input is kept (the tanh
-        # approximation of gelu would otherwise keep several [b, s, mlp_hidden / t] arrays).
-        y = self.down(jax.checkpoint(self._act)(self.up(self.norm(x))))
+        # The activation runs inside the down projection's op, per device, and is computed
+        # again in its backward: the hidden layer is kept once (the activation's input),
+        # not also as the activation's output for the weight gradient.
+        y = self.down(self.up(self.norm(x)),
+                      activation=MLPActivation(self.config.mlp_activation))
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y

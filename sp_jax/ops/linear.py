@@ -156,6 +156,31 @@ def _rsp_matmul_bwd(axis_name, seq_dim, wgrad_dtype, param_dtype, res, dy):
     return lax.optimization_barrier((dx, dkernel, dbias))
 
 
+def _activated(fwd: Callable, bwd: Callable) -> tuple[Callable, Callable]:
+    """The rule ``(fwd, bwd)`` applied to ``activation(x)``, keeping ``x`` alone: its
+    static arguments gain ``activation`` first; the residual is the activation's input,
+    not its output, and the backward computes the output again (an elementwise op) for
+    the weight gradient and differentiates it. Without this, an MLP keeps its hidden
+    layer twice: the activation's input for the activation's backward and its output
+    for the down projection's weight gradient."""
+
+    def a_fwd(x, kernel, bias, activation, *static):
+        y, (_, kernel_res, bias_res) = fwd(activation(x), kernel, bias, *static)
+        return y, (x, kernel_res, bias_res)
+
+    def a_bwd(activation, *args):
+        *static, (x, kernel, bias), g = args
+        # Tied to the cotangent: the recomputed activation can be neither hoisted into
+        # the forward pass nor merged (CSE) with the forward one, which would keep the
+        # activation's output alive until here and undo the saving.
+        x, g = lax.optimization_barrier((x, g))
+        h, activation_vjp = jax.vjp(activation, x)
+        dh, dkernel, dbias = bwd(*static, (h, kernel, bias), g)
+        return activation_vjp(dh)[0], dkernel, dbias
+
+    return a_fwd, a_bwd
+
+
 # --------------------------------------------------------------------------------------
 # The one dispatch: rule x {plain, collective matmul} x {replicated kernel, fsdp}
 # --------------------------------------------------------------------------------------
@@ -182,6 +207,8 @@ _RULES: dict[tuple[str, bool], tuple[Callable, Callable]] = {
     ("column_sequence", True): (column_ring_fwd, column_ring_bwd),
     ("row_sequence", False): (_rsp_matmul_fwd, _rsp_matmul_bwd),
     ("row_sequence", True): (row_ring_fwd, row_ring_bwd),
+    ("row_sequence_activated", False): _activated(_rsp_matmul_fwd, _rsp_matmul_bwd),
+    ("row_sequence_activated", True): _activated(row_ring_fwd, row_ring_bwd),
 }
 _OPS = {(*key, fsdp): (fsdp_op if fsdp else _custom_vjp)(*rule)
         for key, rule in _RULES.items() for fsdp in (False, True)}
@@ -328,6 +355,7 @@ def row_sequence_parallel_matmul(
     wgrad_dtype=None,
     collective_matmul: bool = False,
     fsdp_axes: tuple[AxisName, ...] = (),
+    activation: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
     into a sequence-parallel one, as one op.
@@ -353,16 +381,31 @@ def row_sequence_parallel_matmul(
         decomposed likewise, its chunks feeding the dx and dW GEMMs as they arrive. No-op
         when ``t = 1``.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 1.
+      activation: ``None``, or a function of this device's ``x`` applied before the matmul
+        (an MLP's activation: ``x`` is then the up projection's output, ``[b, s, w]``,
+        and ``activation(x)`` the ``[b, s, in / t]`` the kernel multiplies). It must be
+        hashable (a module-level function or a frozen dataclass) and elementwise along
+        the sequence. Only ``x`` is kept for the backward pass, which computes the
+        activation again (one elementwise op) for the weight gradient and
+        differentiates it: the hidden layer is kept once, not as the activation's
+        input and output both.
     Returns:
       ``[b, s / t, out]`` in ``x.dtype``: the sum over ``axis_name``, this device's chunk.
     """
     fsdp_axes = tuple(fsdp_axes)
-    seq_dim = _sequence_checks("row_sequence_parallel_matmul", x, kernel, bias, seq_dim,
-                               fsdp_axes, 1)
-    check_divisible(x, seq_dim, axis_name, "row_sequence_parallel_matmul")
+    name = "row_sequence_parallel_matmul"
+    h = x if activation is None else jax.eval_shape(activation, x)
+    seq_dim = _sequence_checks(name, h, kernel, bias, seq_dim, fsdp_axes, 1)
+    check_divisible(x, seq_dim, axis_name, name)
+    if activation is not None and h.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"{name}: activation must keep every dimension of x {x.shape} but "
+                         f"the last (features); it gave {h.shape}.")
     args = _vary_all(x, kernel, bias, {axis_name, *fsdp_axes})
-    return _apply("row_sequence", *args, (axis_name, seq_dim, _static_dtype(wgrad_dtype)),
-                  ring=collective_matmul and lax.axis_size(axis_name) > 1,
+    static = (axis_name, seq_dim, _static_dtype(wgrad_dtype))
+    rule = "row_sequence"
+    if activation is not None:
+        rule, static = "row_sequence_activated", (activation, *static)
+    return _apply(rule, *args, static, ring=collective_matmul and lax.axis_size(axis_name) > 1,
                   fsdp_axes=fsdp_axes, fsdp_dim=1)
 
 
