@@ -475,7 +475,14 @@ def _stacks_section(res) -> str:
             "a barrier, so XLA no longer keeps a bf16 copy of every fp32 weight from forward "
             "to backward; bias and norm-parameter gradients are released with dx, so no "
             "layer's incoming gradient waits for them. The GSPMD baseline uses the same norm "
-            "function and so benefits from the last change too.",
+            "function and so benefits from the last change too. The MLP's activation runs "
+            "inside the down projection's op (`row_sequence_parallel_matmul(activation=...)`"
+            "), which keeps only the activation's input and computes the activation again "
+            "in its backward: the `[b, s, mlp_hidden / t]` hidden layer is kept once per "
+            "layer (8 MiB here), not as the activation's input and output both. The GSPMD "
+            "baseline, written as a user would with `jax.checkpoint` around the activation, "
+            "keeps both (removing one there means recomputing the down projection's GEMM "
+            "and reduce-scatter, or a custom VJP like sp_jax's).",
             ""]
     long8 = st["stacks"][1]
     ring = long8.get("sp_recompute_cm", {}).get("rings")
