@@ -31,11 +31,15 @@ def _put(buf: jax.Array, value: jax.Array, position, dim: int) -> jax.Array:
 
 
 def _buffer(shape, dtype, tie: jax.Array) -> jax.Array:
-    """A zero buffer to assemble chunks in, created after ``tie``: a plain ``jnp.zeros`` is
-    one constant for every layer, which XLA would share and materialise early, keeping a
-    ``[b, s, h]`` buffer alive across layers."""
-    zeros, _ = lax.optimization_barrier((jnp.zeros(shape, dtype), tie))
-    return zeros
+    """A buffer to assemble chunks in (the ring overwrites every element), computed from
+    ``tie``, so it exists only once ``tie`` does and belongs to this op alone. A
+    ``jnp.zeros`` is one constant for every layer: XLA shares it (CSE) and keeps the one
+    buffer alive from the first layer's use to the last one's, a fixed ``[b, s, h]`` and
+    ``[b, s, mlp_hidden / t]`` on top of the plain path (measured: +80 MiB at 4 layers,
+    s=8192; a barrier with ``tie`` does not prevent the sharing). Its elements are ``0 *
+    tie[0]``: zero, or NaN where that element is not finite, overwritten either way."""
+    seed = lax.reshape(lax.slice(tie, (0,) * tie.ndim, (1,) * tie.ndim), ())
+    return jnp.full(shape, (seed * 0).astype(dtype), dtype)
 
 
 def _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype, param_dtype):
