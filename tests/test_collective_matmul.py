@@ -179,5 +179,10 @@ def test_h100_every_transfer_is_async_with_a_gemm_inside(h100_stacks):
 
 @requires_cuda_plugin
 def test_h100_collective_matmul_costs_little_memory(h100_stacks):
+    """The rings add less than one full ``[b, s, h]`` activation to the plain path's peak:
+    their assembly buffers are each op's own (a zeros constant, shared by every layer,
+    kept one ``[s, h]`` and one ``[s, 4h / t]`` buffer alive across the whole program:
+    +1.1 MiB here)."""
     plain, ring = h100_stacks[False], h100_stacks[True]
-    assert ring.peak_bytes <= plain.peak_bytes + 2 * 4 * 2**20  # +4 MiB per layer
+    full = 512 * 512 * 2  # [1, s, h] bf16
+    assert ring.peak_bytes - plain.peak_bytes < full, (ring.peak_bytes, plain.peak_bytes)
