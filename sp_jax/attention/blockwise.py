@@ -24,6 +24,7 @@ from sp_jax.attention.kernels import (
     to_bhsd,
     to_bshd,
 )
+from sp_jax.ops.primitives import fresh_zeros
 
 __all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments", "check_window"]
 
@@ -61,7 +62,7 @@ def _blockwise_backward(res, d_out, drop, seg, bq, bk, window=None):
     qh, kh, vh, doh = q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(d_out, hk)
     dq, dk, dv, count = backward_blocks(
         qh, kh, vh, doh, lse, row_delta(doh, q_to_kernel(out, hk)),
-        jnp.zeros_like(qh, dtype=_F32), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
+        fresh_zeros(qh.shape, _F32, qh), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
         segments=_pair(seg), window=window)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.attention.dropout import drop_scale
-from sp_jax.ops.primitives import vary, vma
+from sp_jax.ops.primitives import fresh_zeros, vary, vma
 
 __all__ = ["backward_blocks", "block_size", "check_qkv", "forward_blocks",
            "kernel_segments", "q_from_kernel", "q_to_kernel", "row_delta", "same_vma",
@@ -246,7 +246,7 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
                                               axis=lse.ndim - 1)
         return out, lse, count
 
-    out = jnp.zeros_like(q, dtype=_F32)
+    out = fresh_zeros(q.shape, _F32, q)  # not a constant that every layer would share
     init = (out, out[..., 0], jnp.int32(0))
     return lax.fori_loop(0, sq // bq, q_block, init)
 
@@ -331,7 +331,9 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
         dv = lax.dynamic_update_slice_in_dim(dv, dv_j, k_start, axis=dv.ndim - 2)
         return dq, dk, dv, count
 
-    zero = jnp.zeros_like(k, dtype=_F32)
+    # dk / dv made from k, not a constant that every layer would share (one buffer alive
+    # across the whole backward pass)
+    zero = fresh_zeros(k.shape, _F32, k)
     return lax.fori_loop(0, sk // bk, k_block, (dq, zero, zero, jnp.int32(0)))
 
 

@@ -25,7 +25,7 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 from sp_jax.attention.sequence_order import zigzag_positions
-from sp_jax.ops.primitives import AxisName, vary
+from sp_jax.ops.primitives import AxisName, fresh_zeros, vary
 
 __all__ = ["ring_attention"]
 
@@ -116,7 +116,7 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None):
     kv = (k, v, seg)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
     dq, dk, dv, count = backward_blocks(q, k, v, d_out, lse, delta,
-                                         jnp.zeros_like(q, dtype=_F32),
+                                         fresh_zeros(q.shape, _F32, q),
                                          causal=True, bq=bq, bk=bk, drop=own,
                                          segments=_segments(seg, seg))
     acc = (dk, dv)  # gradient of the block held, summed over the devices it has visited

@@ -11,10 +11,10 @@ custom-VJP ops (plain or FSDP). The ring schedules are :mod:`sp_jax.ring`'s.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.ops.gemm import bgrad, bwd_cast, dot, dot_nt, wgrad
+from sp_jax.ops.primitives import fresh_zeros
 from sp_jax.ring import ring_gather, ring_reduce_scatter
 
 __all__ = ["column_ring_bwd", "column_ring_fwd", "row_ring_bwd", "row_ring_fwd"]
@@ -31,15 +31,11 @@ def _put(buf: jax.Array, value: jax.Array, position, dim: int) -> jax.Array:
 
 
 def _buffer(shape, dtype, tie: jax.Array) -> jax.Array:
-    """A buffer to assemble chunks in (the ring overwrites every element), computed from
-    ``tie``, so it exists only once ``tie`` does and belongs to this op alone. A
-    ``jnp.zeros`` is one constant for every layer: XLA shares it (CSE) and keeps the one
-    buffer alive from the first layer's use to the last one's, a fixed ``[b, s, h]`` and
-    ``[b, s, mlp_hidden / t]`` on top of the plain path (measured: +80 MiB at 4 layers,
-    s=8192; a barrier with ``tie`` does not prevent the sharing). Its elements are ``0 *
-    tie[0]``: zero, or NaN where that element is not finite, overwritten either way."""
-    seed = lax.reshape(lax.slice(tie, (0,) * tie.ndim, (1,) * tie.ndim), ())
-    return jnp.full(shape, (seed * 0).astype(dtype), dtype)
+    """A buffer to assemble chunks in, made from ``tie`` (:func:`fresh_zeros`): a
+    ``jnp.zeros`` constant is shared by every layer and kept alive across them, a fixed
+    ``[b, s, h]`` and ``[b, s, mlp_hidden / t]`` on top of the plain path (measured: +80
+    MiB at 4 layers, s=8192; a barrier with ``tie`` did not prevent the sharing)."""
+    return fresh_zeros(shape, dtype, tie)
 
 
 def _csp_ring_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype, param_dtype):

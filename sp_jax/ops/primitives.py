@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Hashable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 try:  # public from the jax release that exports it; the primitive has existed since 0.6
@@ -23,8 +24,8 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
-           "check_divisible", "conjugate_pair", "reduce_scatter", "split", "vary",
-           "vary_then", "vma"]
+           "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_scatter", "split",
+           "vary", "vary_then", "vma"]
 
 AxisName = Hashable
 
@@ -42,6 +43,21 @@ def vary(x, axes) -> jax.Array:
         return None
     missing = tuple(sorted(set(axes) - vma(x), key=str))
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def fresh_zeros(shape, dtype, like: jax.Array) -> jax.Array:
+    """Zeros of ``shape`` and ``dtype`` computed from ``like`` (its first element), so they
+    exist only once ``like`` does and belong to the op that makes them: the start of an
+    accumulator or of a buffer chunks are written into.
+
+    ``jnp.zeros`` is a constant: XLA merges (CSE) the equal constants of every layer into
+    one buffer and keeps it alive from the first layer's use to the last one's (measured:
+    the attention backward's fp32 accumulators and collective matmul's assembly buffers,
+    each held across the whole program). Exact zeros whatever ``like`` holds (NaN and
+    infinities included); varies over the mesh axes ``like`` varies over."""
+    seed = lax.reshape(lax.slice(like, (0,) * like.ndim, (1,) * like.ndim), ())
+    zero = jnp.where(jnp.isfinite(seed), jnp.abs(seed * 0), 0).astype(dtype)
+    return jnp.broadcast_to(zero, tuple(shape))
 
 
 def canonical_dim(dim: int, ndim: int, name: str) -> int:
