@@ -208,6 +208,8 @@ def pytest_runtest_teardown(item, nextitem):
     of CPU time, as in a fresh process). A file's tests still share their compiled
     functions."""
     if nextitem is None or nextitem.path != item.path:
+        for array in jax.live_arrays():  # nothing still running while executables are freed
+            array.block_until_ready()
         jax.clear_caches()
         gc.collect()
 
@@ -240,6 +242,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class DefaultEmittersOnGw0(LoadFileScheduling):
         def _assign_work_unit(self, node) -> None:
+            if node not in self.registered_collections:
+                return  # a worker replacing a crashed one: scheduled once it has collected
             scopes = list(self.workqueue)
             pinned = [s for s in scopes
                       if os.path.basename(s.split("::")[0]) in DEFAULT_EMITTER_FILES]
