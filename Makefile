@@ -39,8 +39,11 @@ gpu-check: $(STAMP)
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
-# suite (CI's `.ci/run`) takes 12 to 18 min on 2 cores (fresh clones, the install
-# included: 12:22, 18:15, 16:59). Worker gw0 alone runs tests/test_pipeline.py
+# suite (CI's `.ci/run`) takes 13 to 16 min on 2 cores (fresh clones, the install
+# included: 13:34, then 16:07 with 4 more tests and the MLP / attention memory changes:
+# 27.5 against 23.5 min of CPU, not yet attributed). JAX's caches are cleared after each
+# test file (tests/conftest.py).
+# Worker gw0 alone runs tests/test_pipeline.py
 # (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
