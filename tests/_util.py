@@ -17,9 +17,11 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import sp_jax
 from sp_jax import Layout
-from sp_jax.models import GPT
+from sp_jax.models import GPT, Block, GPTConfig
 from sp_jax.training import TrainStep
 
 # One persistent compilation cache for the scripts the tests start: the end-to-end runs of
@@ -246,3 +248,34 @@ def restore_onto(directory, cfg, parallel, mesh):
         assert got.sharding == want.sharding  # the target's layout, sharded or not
     return restored
 
+
+def h100_block_stack(layers: int, *, h: int = 256, s: int = 512, heads: int = 8, t: int = 8,
+                     recompute: bool = True, collective_matmul: bool = False,
+                     live_buffers: bool = False, **config):
+    """Deviceless 8 x H100 compile (tensor ``t``, bf16 compute) of the gradients of a
+    sum-of-squares loss through ``layers`` :class:`~sp_jax.models.Block` s, w.r.t. the
+    parameters and the ``[1, s, h]`` input; ``config`` adds GPTConfig fields. Returns the
+    :class:`~sp_jax.analysis.GpuCompileReport`."""
+    from sp_jax.analysis import compile_for_gpu, gpu_mesh
+
+    cfg = GPTConfig(vocab_size=256, max_seq_len=s, num_layers=1, num_heads=heads, hidden=h,
+                    dtype=jnp.bfloat16, **config)
+    parallel = sp_jax.ParallelConfig(recompute_allgather=recompute, data_axis=None,
+                                     wgrad_dtype=jnp.float32,
+                                     collective_matmul=collective_matmul)
+    with jax.set_mesh(gpu_mesh((t,), ("tensor",))):
+        blocks = nnx.eval_shape(lambda: nnx.List(
+            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
+        graphdef, params = nnx.split(blocks)
+    x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P(None, "tensor", None))
+
+    def grad(params, x):
+        def loss(p, x):
+            for block in nnx.merge(graphdef, p):
+                x = block(x)
+            return jnp.sum(x.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    return compile_for_gpu(grad, params, x, mesh_shape=(t,), axis_names=("tensor",),
+                           live_buffers=live_buffers)

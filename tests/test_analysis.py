@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import without_jax_plugins
+from _util import h100_block_stack, without_jax_plugins
 from conftest import make_mesh, requires_cuda_plugin
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -407,29 +407,6 @@ def test_compile_for_gpu_reports_what_is_live_at_the_peak(tmp_path):
     assert list(tmp_path.glob("*after_optimizations-live-range.txt"))
 
 
-def _stack_grad_report(layers, recompute, *, h=256, s=512, t=8):
-    cfg = GPTConfig(vocab_size=256, max_seq_len=s, num_layers=1, num_heads=8, hidden=h,
-                    dtype=jnp.bfloat16)
-    parallel = sp_jax.ParallelConfig(recompute_allgather=recompute, data_axis=None,
-                                     wgrad_dtype=jnp.float32)
-    with jax.set_mesh(gpu_mesh((t,), ("tensor",))):
-        blocks = nnx.eval_shape(lambda: nnx.List(
-            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
-        graphdef, params = nnx.split(blocks)
-    x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P(None, "tensor", None))
-
-    def grad(params, x):
-        def loss(p, x):
-            for block in nnx.merge(graphdef, p):
-                x = block(x)
-            return jnp.sum(x.astype(jnp.float32) ** 2)
-
-        return jax.grad(loss, argnums=(0, 1))(params, x)
-
-    return compile_for_gpu(grad, params, x, mesh_shape=(t,), axis_names=("tensor",),
-                           live_buffers=True)
-
-
 @requires_cuda_plugin
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 def test_h100_no_gathered_activation_outlives_its_layers_backward(recompute):
@@ -440,7 +417,8 @@ def test_h100_no_gathered_activation_outlives_its_layers_backward(recompute):
     s, h = 512, 256
     concurrent = {}
     for layers in (2, 4):
-        live = _stack_grad_report(layers, recompute, h=h, s=s).peak_live
+        live = h100_block_stack(layers, h=h, s=s, recompute=recompute,
+                                live_buffers=True).peak_live
         backward = [b for b in live.buffers if b.backward]
         per_layer = (max(b.end for b in backward) - min(b.start for b in backward)) / layers
         gathered = [b for b in backward if b.shape.startswith("bf16[")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import h100_block_stack
 from conftest import requires_cuda_plugin
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -616,33 +617,9 @@ def test_h100_accumulators_live_within_their_layer():
     they start from zeros made from the op's own input. From a zeros constant, XLA merged
     them across layers and allocated copies layers before their use (the longest lived
     2217 of 2558 positions)."""
-    from flax import nnx
-
-    import sp_jax
-    from sp_jax.analysis import compile_for_gpu, gpu_mesh
-    from sp_jax.models import Block, GPTConfig
-
     layers, h, s, heads = 4, 256, 512, 8
-    cfg = GPTConfig(vocab_size=256, max_seq_len=s, num_layers=1, num_heads=heads, hidden=h,
-                    dtype=jnp.bfloat16, attention_block_q=128, attention_block_k=128)
-    parallel = sp_jax.ParallelConfig(recompute_allgather=True, data_axis=None,
-                                     wgrad_dtype=jnp.float32)
-    with jax.set_mesh(gpu_mesh((8,), ("tensor",))):
-        blocks = nnx.eval_shape(lambda: nnx.List(
-            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
-        graphdef, params = nnx.split(blocks)
-    x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P(None, "tensor", None))
-
-    def grad(params, x):
-        def loss(p, x):
-            for block in nnx.merge(graphdef, p):
-                x = block(x)
-            return jnp.sum(x.astype(jnp.float32) ** 2)
-
-        return jax.grad(loss, argnums=(0, 1))(params, x)
-
-    peak = compile_for_gpu(grad, params, x, mesh_shape=(8,), axis_names=("tensor",),
-                           live_buffers=True).peak_live
+    peak = h100_block_stack(layers, h=h, s=s, heads=heads, attention_block_q=128,
+                            attention_block_k=128, live_buffers=True).peak_live
     d = h // heads
     shapes = (f"f32[1,1,{s},{d}]", f"f32[1,1,1,{s},{d}]")  # one head per device
     accumulators = [b for b in peak.buffers if b.shape in shapes]

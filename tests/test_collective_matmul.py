@@ -10,15 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import grads_dict, probe, reference_linear, to_host
+from _util import grads_dict, h100_block_stack, probe, reference_linear, to_host
 from conftest import requires_cuda_plugin
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
-from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
-from sp_jax.models import Block, GPTConfig
+from sp_jax.analysis import parse_collectives
 from sp_jax.ring import ring_steps
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -132,32 +131,9 @@ def test_chunk_gemms_are_not_merged():
 # --------------------------------------------------------------------------------------
 
 
-def _h100_stack(collective_matmul, layers=2, h=512, s=512):
-    cfg = GPTConfig(vocab_size=256, max_seq_len=s, num_layers=1, num_heads=8, hidden=h,
-                    dtype=jnp.bfloat16)
-    parallel = sp_jax.ParallelConfig(recompute_allgather=True, data_axis=None,
-                                     wgrad_dtype=jnp.float32,
-                                     collective_matmul=collective_matmul)
-    with jax.set_mesh(gpu_mesh((8,), ("tensor",))):
-        blocks = nnx.eval_shape(lambda: nnx.List(
-            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
-        graphdef, params = nnx.split(blocks)
-    x = jax.ShapeDtypeStruct((1, s, h), jnp.bfloat16, sharding=P(None, "tensor", None))
-
-    def grad(params, x):
-        def loss(p, x):
-            for block in nnx.merge(graphdef, p):
-                x = block(x)
-            return jnp.sum(x.astype(jnp.float32) ** 2)
-
-        return jax.grad(loss, argnums=(0, 1))(params, x)
-
-    return compile_for_gpu(grad, params, x, mesh_shape=(8,), axis_names=("tensor",))
-
-
 @pytest.fixture(scope="module")
 def h100_stacks():
-    return {cm: _h100_stack(cm) for cm in (False, True)}
+    return {cm: h100_block_stack(2, h=512, collective_matmul=cm) for cm in (False, True)}
 
 
 @requires_cuda_plugin
