@@ -109,6 +109,14 @@ class ParallelConfig:
         interleaved assignment, chunk ``c`` of ``stages * R`` on stage ``c % stages``;
         fewer idle ticks, ``(P - 1) / (R M + P - 1)``); ``num_layers`` must divide by
         ``stages * R`` and ``M`` by ``stages``.
+      expert_axis: mesh axis of expert parallelism (mesh ``(data, expert, context,
+        tensor)``), or ``None`` (the default): the experts of a mixture-of-experts layer
+        (``GPTConfig(num_experts=...)``) are sharded over it, and the tokens of a layer go
+        to the devices holding their experts and back by all-to-all over it
+        (:class:`~sp_jax.layers.MoE`). Outside the expert layers it carries the batch
+        like a data axis: ``data_axes`` ends with it, so the batch is split over
+        ``(data..., expert)`` and ``fsdp`` shards parameters over it too (expert weights
+        over the other data axes). Dense models may use it as a data axis.
       manual_data_axes: data axes that an enclosing ``shard_map`` has already made
         manual, so the batch the layers see is this device's block of it. Set by the
         pipeline for the layers it runs (with ``data_axis=None``); dropout then draws the
@@ -128,6 +136,7 @@ class ParallelConfig:
     pipeline_microbatches: int = 1
     pipeline_schedule: str = "gpipe"
     pipeline_repeats: int = 1
+    expert_axis: str | None = None
     manual_data_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -176,7 +185,7 @@ class ParallelConfig:
         if not isinstance(self.fsdp, (bool, np.bool_)):
             raise TypeError(f"ParallelConfig.fsdp={self.fsdp!r} must be True or False.")
         object.__setattr__(self, "fsdp", bool(self.fsdp))
-        if self.fsdp and data_axis is None:
+        if self.fsdp and data_axis is None and self.expert_axis is None:
             raise ValueError(
                 "ParallelConfig(fsdp=True) shards parameters over the data axes, but "
                 "data_axis=None; name the data axis (e.g. data_axis='data').")
@@ -201,6 +210,28 @@ class ParallelConfig:
             self, "wgrad_dtype", _canonical_dtype("wgrad_dtype", self.wgrad_dtype)
         )
         self._check_pipeline()
+        self._check_expert_axis()
+
+    def _check_expert_axis(self) -> None:
+        """Validates ``expert_axis``: a mesh axis of its own, not with pipeline stages."""
+        axis = self.expert_axis
+        if axis is None:
+            return
+        if not isinstance(axis, str) or not axis:
+            raise TypeError(
+                f"ParallelConfig.expert_axis={axis!r} must be None or a non-empty mesh axis "
+                "name (str), e.g. 'expert'.")
+        names = self.data_axes[:-1]
+        if axis in (self.tensor_axis, *names, *self.context_axes, *self.pipeline_axes):
+            raise ValueError(
+                f"ParallelConfig.expert_axis={axis!r} is also the tensor, a data, the "
+                "context or the pipeline axis; expert parallelism needs a mesh axis of its "
+                "own, e.g. jax.make_mesh((data, expert, context, tensor), ('data', "
+                "'expert', 'context', 'tensor')).")
+        if self.pipeline_axis is not None:
+            raise ValueError(
+                "ParallelConfig: expert_axis with pipeline_axis is not supported yet; train "
+                "a mixture of experts without pipeline stages.")
 
     def _check_pipeline(self) -> None:
         """Validates the ``pipeline_*`` fields and ``manual_data_axes``."""
@@ -258,10 +289,16 @@ class ParallelConfig:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The data axes as a tuple (empty when the batch is replicated)."""
-        if self.data_axis is None:
-            return ()
-        return (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
+        """The axes the batch is split over: the data axes, then the expert axis when set
+        (empty when the batch is replicated)."""
+        names = () if self.data_axis is None else \
+            (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
+        return (*names, *self.expert_axes)
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The expert axis as a tuple (empty without expert parallelism)."""
+        return (self.expert_axis,) if self.expert_axis is not None else ()
 
     def replace(self, **changes: Any) -> ParallelConfig:
         """Returns a copy with ``changes`` applied (validated like the constructor)."""

@@ -20,6 +20,8 @@ logical axis               meaning                                 mesh axes
 ``embed``                  hidden features of a parameter          data axes with fsdp
 ``mlp``                    column outputs / row inputs of a kernel tensor axis
 ``vocab``                  vocabulary rows of a table              tensor axis
+``expert``                 experts of a mixture-of-experts layer   the expert axis
+``expert_embed``           hidden features of an expert kernel     fsdp axes but expert
 =========================  ======================================  ======================
 
 The named specs built from it (``d`` = data axes, ``t`` = tensor axis):
@@ -39,7 +41,13 @@ name                      shape                       spec
 ``column_bias``           ``[out]``                   ``P(t)``
 ``row_bias``              ``[out]``                   ``P(None)``
 ``vocab_table``           ``[vocab, hidden]``         ``P(t, None)`` (fsdp: ``P(t, d)``)
+``expert_up``             ``[experts, in, out]``      ``P(e, None, t)`` (fsdp: ``P(e, d', t)``)
+``expert_down``           ``[experts, in, out]``      ``P(e, t, None)`` (fsdp: ``P(e, t, d')``)
 ========================  ==========================  ====================================
+
+(``e``: the expert axis, ``d'``: the data axes other than it.) With an expert axis the
+data axes end with it (:attr:`~sp_jax.ParallelConfig.data_axes`): outside the expert
+layers it carries the batch.
 
 A context axis (``ParallelConfig(context_parallel=...)``: sequence sharding across
 devices *inside* attention) maps ``activation_length`` to it and ``activation_length_sp``
@@ -65,7 +73,7 @@ ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_length_s
                    "activation_mlp", "activation_vocab")
 """Logical axes of activations (inputs, hidden states, logits, token ids)."""
 
-PARAMETER_AXES = ("embed", "mlp", "vocab")
+PARAMETER_AXES = ("embed", "mlp", "vocab", "expert", "expert_embed")
 """Logical axes of parameters (kernels, biases, vocabulary tables)."""
 
 LOGICAL_AXES = ACTIVATION_AXES + PARAMETER_AXES
@@ -93,17 +101,21 @@ class Layout:
         sequence is on every device of a tensor group there).
       fsdp_axes: mesh axes the hidden dimension of kernels and vocabulary tables is
         sharded over (``ParallelConfig(fsdp=True)``: the data axes; else empty).
+      expert_axes: the mesh axis experts are sharded over (``ParallelConfig.expert_axis``;
+        else empty); also the last of ``data_axes``.
     """
 
     data_axes: MeshAxes = ("data",)
     tensor_axis: str = "tensor"
     context_axes: MeshAxes = ()
     fsdp_axes: MeshAxes = ()
+    expert_axes: MeshAxes = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_axes", _axes(self.data_axes))
         object.__setattr__(self, "context_axes", _axes(self.context_axes))
         object.__setattr__(self, "fsdp_axes", _axes(self.fsdp_axes))
+        object.__setattr__(self, "expert_axes", _axes(self.expert_axes))
         if self.tensor_axis in self.fsdp_axes or set(self.fsdp_axes) & set(self.context_axes):
             raise ValueError(
                 f"Layout: the fsdp axes {self.fsdp_axes} must not include the tensor axis "
@@ -123,7 +135,8 @@ class Layout:
                 f"Layout.of expects a sp_jax.ParallelConfig, got {type(parallel).__name__}."
             )
         return cls(data_axes=parallel.data_axes, tensor_axis=parallel.tensor_axis,
-                   context_axes=parallel.context_axes, fsdp_axes=parallel.fsdp_axes)
+                   context_axes=parallel.context_axes, fsdp_axes=parallel.fsdp_axes,
+                   expert_axes=parallel.expert_axes)
 
     # -- the table ------------------------------------------------------------------------
 
@@ -142,6 +155,8 @@ class Layout:
             "embed": self.fsdp_axes,
             "mlp": t,
             "vocab": t,
+            "expert": self.expert_axes,
+            "expert_embed": tuple(a for a in self.fsdp_axes if a not in self.expert_axes),
         }
 
     def spec(self, *logical: str | None) -> P:
@@ -233,3 +248,15 @@ class Layout:
         """``[vocab, hidden]`` embedding / LM-head table split over the vocabulary:
         ``P(t, None)`` (with fsdp ``P(t, d)``)."""
         return self.spec("vocab", "embed")
+
+    @property
+    def expert_up(self) -> P:
+        """``[experts, hidden, width]`` expert kernels of the column (up) projection:
+        ``P(e, None, t)`` (with fsdp ``P(e, d', t)``)."""
+        return self.spec("expert", "expert_embed", "mlp")
+
+    @property
+    def expert_down(self) -> P:
+        """``[experts, width, hidden]`` expert kernels of the row (down) projection:
+        ``P(e, t, None)`` (with fsdp ``P(e, t, d')``)."""
+        return self.spec("expert", "mlp", "expert_embed")

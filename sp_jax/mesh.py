@@ -56,6 +56,12 @@ def current_mesh(parallel: ParallelConfig, *, where: str, required: bool = True)
             f"{where}: tensor axis {parallel.tensor_axis!r} (ParallelConfig.tensor_axis) is "
             f"not in the mesh axes {axes}; name a mesh axis or build the mesh with it."
         )
+    for name in parallel.expert_axes:
+        if name not in axes:
+            raise ValueError(
+                f"{where}: expert axis {name!r} (ParallelConfig.expert_axis) is not in the "
+                f"mesh axes {axes}; build the mesh as jax.make_mesh((data, expert, context, "
+                f"tensor), ('data', '{name}', 'context', 'tensor')) or pass expert_axis=None.")
     for name in parallel.data_axes:
         if name not in axes:
             raise ValueError(

@@ -5,7 +5,8 @@ Modules, bottom to top: ``linear`` (the four TP / SP linear layers), ``embedding
 logits), ``norm`` (LayerNorm / RMSNorm on sequence shards), ``dropout`` (sharding-invariant
 dropout), ``rotary`` (rotary position embeddings), ``block_config`` (the configurations of
 a block's attention and MLP, and the grouped-query rules), ``qkv`` (the grouped-query
-q/k/v projection), ``attention`` (causal self-attention) and ``mlp``.
+q/k/v projection), ``attention`` (causal self-attention), ``mlp`` and ``moe`` (the
+mixture-of-experts MLP).
 """
 
 from sp_jax.layers.attention import CausalSelfAttention
@@ -13,7 +14,9 @@ from sp_jax.layers.block_config import (
     MLP_ACTIVATIONS,
     AttentionConfig,
     MLPConfig,
+    MoEConfig,
     check_block_fields,
+    check_moe_fields,
     check_kv_heads,
     kv_heads_per_shard,
     kv_heads_replicated,
@@ -28,7 +31,8 @@ from sp_jax.layers.linear import (
     RowParallelLinear,
     RowSequenceParallelLinear,
 )
-from sp_jax.layers.mlp import MLP
+from sp_jax.layers.mlp import MLP, MLPActivation
+from sp_jax.layers.moe import MoE, MoEStats, moe_losses
 from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
@@ -63,4 +67,10 @@ __all__ = [
     "GroupedQKVProjection",
     "CausalSelfAttention",
     "MLP",
+    "MLPActivation",
+    "MoE",
+    "MoEConfig",
+    "MoEStats",
+    "check_moe_fields",
+    "moe_losses",
 ]

@@ -23,7 +23,7 @@ from sp_jax.attention import IMPLEMENTATIONS
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
-__all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "check_block_fields",
+__all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "MoEConfig", "check_block_fields",
            "check_kv_heads", "kv_heads_per_shard", "kv_heads_replicated",
            "settle_block_fields"]
 
@@ -278,3 +278,86 @@ class MLPConfig:
     def replace(self, **changes: Any) -> MLPConfig:
         """A copy with ``changes`` applied (validated like the constructor)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shape and numerics of a :class:`~sp_jax.layers.MoE` (mixture-of-experts) block.
+
+    Attributes:
+      hidden: model width.
+      num_experts: routed experts ``E`` (divisible by the expert-axis size).
+      experts_per_token: ``k`` experts each token is sent to (at most ``E``).
+      moe_mlp_hidden: inner width ``F`` of each expert (divisible by the tensor size).
+      moe_capacity_factor: None (dropless: every token reaches its ``k`` experts) or a
+        positive factor ``c``: each expert takes at most ``ceil(c * seq * k / E)`` of a
+        sequence's (token, choice) pairs, first choices first, in position order
+        (:func:`sp_jax.ops.moe.capacity_keep`); the rest are dropped (the residual
+        carries those tokens).
+      num_shared_experts: experts every token also goes through (DeepSeek's / Qwen2-MoE's
+        shared experts, without a gate): one dense MLP of width ``num_shared_experts *
+        moe_mlp_hidden`` beside the routed ones.
+      moe_norm_topk: renormalise the ``k`` chosen router probabilities to sum to 1
+        (Mixtral, Qwen3-MoE's ``norm_topk_prob``).
+      mlp_activation: the experts' activation (:data:`MLP_ACTIVATIONS`; gated ones with
+        interleaved ``(gate, up)`` columns, as :class:`MLPConfig`).
+      dropout: dropout rate on the block output.
+      norm / norm_epsilon: the pre-norm.
+      dtype / param_dtype: compute and parameter dtypes (the router runs in fp32).
+    """
+
+    hidden: int
+    num_experts: int
+    experts_per_token: int
+    moe_mlp_hidden: int
+    moe_capacity_factor: float | None = None
+    num_shared_experts: int = 0
+    moe_norm_topk: bool = True
+    mlp_activation: str = "swiglu"
+    dropout: float = 0.0
+    norm: str = "rmsnorm"
+    norm_epsilon: float = 1e-5
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        check_block_fields("MoEConfig", self)
+        check_moe_fields("MoEConfig", self)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the activation is a gated linear unit."""
+        return MLP_ACTIVATIONS[self.mlp_activation][1]
+
+    def replace(self, **changes: Any) -> MoEConfig:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+
+def check_moe_fields(owner: str, config: Any) -> None:
+    """The mixture-of-experts fields of ``config`` (:class:`MoEConfig` or a
+    :class:`~sp_jax.models.GPTConfig` with ``num_experts > 0``); a ValueError or
+    TypeError names ``owner.field``, the value and the fix."""
+    def positive_int(name: str) -> int:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name}={value!r} must be a positive int.")
+        return value
+
+    experts = positive_int("num_experts")
+    k = positive_int("experts_per_token")
+    positive_int("moe_mlp_hidden")
+    if k > experts:
+        raise ValueError(f"{owner}.experts_per_token={k} must be at most num_experts="
+                         f"{experts}.")
+    shared = config.num_shared_experts
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"{owner}.num_shared_experts={shared!r} must be an int >= 0.")
+    factor = config.moe_capacity_factor
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float)
+                               or not factor > 0):
+        raise ValueError(f"{owner}.moe_capacity_factor={factor!r} must be None (dropless) "
+                         "or a positive number (e.g. 1.25).")
+    if not isinstance(config.moe_norm_topk, bool):
+        raise TypeError(f"{owner}.moe_norm_topk={config.moe_norm_topk!r} must be True or "
+                        "False.")

@@ -60,6 +60,10 @@ def check_decodable(model: Any) -> None:
     """A ValueError when ``model`` cannot decode: pipeline stages, or a context axis
     larger than 1 (the cache would be split over the sequence)."""
     par: ParallelConfig = model.parallel
+    if model.config.num_experts:
+        raise ValueError(
+            f"generate: the model has mixture-of-experts layers (num_experts="
+            f"{model.config.num_experts}); generation with experts is not supported yet.")
     if par.pipeline_axis is not None:
         raise ValueError(
             f"generate: the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r}); "

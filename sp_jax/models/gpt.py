@@ -16,10 +16,13 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
     CausalSelfAttention,
+    MoE,
+    MoEStats,
     Dropout,
     VocabParallelEmbedding,
     document_labels,
     make_norm,
+    moe_losses,
     parallel_cross_entropy,
 )
 from sp_jax.layers.linear import column_sp_matmul
@@ -38,22 +41,28 @@ __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
 
 class Block(nnx.Module):
-    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP`.
+    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP` (or, for a
+    mixture-of-experts layer of the config, :class:`~sp_jax.layers.MoE`).
 
     Its dropouts hold no rng stream; they draw from ``nnx.Rngs(dropout=key)`` built
     from the ``key`` passed to each call (so a block can be rematerialised).
 
     Args:
-      config: the :class:`GPTConfig` (its ``attention_config()`` and ``mlp_config()``).
+      config: the :class:`GPTConfig` (its ``attention_config()`` and ``mlp_config()`` /
+        ``moe_config()``).
       parallel: the :class:`~sp_jax.ParallelConfig`.
       rngs: ``params`` rng stream.
+      index: the layer's index (from 0), which says whether it is a mixture of experts
+        (``config.is_moe_layer(index)``).
     """
 
     def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, index: int = 0):
         self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
                                              rngs=rngs)
-        self.mlp = MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
+        self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
+            if config.is_moe_layer(index) else \
+            MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None,
                  documents: Documents = None) -> jax.Array:
@@ -61,12 +70,20 @@ class Block(nnx.Module):
         layout; ``key``: the dropout key of this block, or None; ``documents``: None or
         ``(segment_ids, positions)`` ``[batch, seq]`` of packed rows (either None), in
         the order ``x`` is held (see :meth:`GPT.loss`)."""
+        return self.apply(x, key, documents)[0]
+
+    def apply(self, x: jax.Array, key: jax.Array | None = None, documents: Documents = None
+              ) -> tuple[jax.Array, MoEStats | None]:
+        """As :meth:`__call__`, with the layer's router statistics (None for a dense
+        layer)."""
         x = jnp.asarray(x)
         check_activations("Block", x, self.attention.config.hidden, "hidden")
         rngs = None if key is None else nnx.Rngs(dropout=key)
         segment_ids, positions = documents if documents is not None else (None, None)
-        return self.mlp(self.attention(x, rngs=rngs, segment_ids=segment_ids,
-                                       positions=positions), rngs=rngs)
+        x = self.attention(x, rngs=rngs, segment_ids=segment_ids, positions=positions)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, rngs=rngs)
+        return self.mlp(x, rngs=rngs), None
 
 
 # (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
@@ -74,12 +91,13 @@ Documents = tuple[jax.Array | None, jax.Array | None] | None
 
 
 def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
-               documents: Documents = None) -> jax.Array:
-    """Applies ``block``; with ``remat`` its activations are recomputed in backward."""
+               documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
+    """Applies ``block`` (:meth:`Block.apply`); with ``remat`` its activations are
+    recomputed in backward."""
     if not remat:
-        return block(x, key, documents)
+        return block.apply(x, key, documents)
     graphdef, state = nnx.split(block)
-    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s)(x, k, d))(
+    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s).apply(x, k, d))(
         state, x, key, documents)
 
 
@@ -113,16 +131,17 @@ def _stack_blocks(blocks: list[Block], layer_axis: str | None = None,
 
 
 def _scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool,
-                 documents: Documents = None) -> jax.Array:
-    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each)."""
+                 documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
+    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each);
+    returns the output and the layers' stacked router statistics (None: dense)."""
     graphdef, state = nnx.split(stacked)
 
     def layer(x, xs):
         layer_state, key = xs
-        return nnx.merge(graphdef, layer_state)(x, key, documents), None
+        return nnx.merge(graphdef, layer_state).apply(x, key, documents)
 
     body = jax.checkpoint(layer) if remat else layer
-    return jax.lax.scan(body, x, (state, keys))[0]
+    return jax.lax.scan(body, x, (state, keys))
 
 
 class GPT(nnx.Module):
@@ -167,7 +186,7 @@ class GPT(nnx.Module):
         self.dropout = Dropout(cfg.dropout, parallel=parallel, rngs=rngs)
         if parallel.pipeline_axis is not None:
             check_pipeline(cfg, parallel, current_mesh(parallel, where="GPT", required=False))
-        blocks = [Block(cfg, parallel, rngs=rngs) for _ in range(cfg.num_layers)]
+        blocks = [Block(cfg, parallel, rngs=rngs, index=i) for i in range(cfg.num_layers)]
         self.blocks = _stack_blocks(blocks, parallel.pipeline_axis,
                                     parallel.pipeline_repeats) if cfg.scan_layers \
             else nnx.List(blocks)
@@ -211,8 +230,9 @@ class GPT(nnx.Module):
         ``tokens``; ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self._order(tokens)
-        held = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None, order,
-                                   self._documents(tokens, segment_ids, positions, order))
+        held, _ = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None,
+                                      order, self._documents(tokens, segment_ids, positions,
+                                                             order))
         return to_natural(held, order, self.parallel)
 
     def _documents(self, tokens: jax.Array, segment_ids: jax.Array | None,
@@ -256,8 +276,10 @@ class GPT(nnx.Module):
         return sequence_order(self.parallel, mesh, tokens.shape[-1])
 
     def _hidden_states(self, tokens: jax.Array, rngs: Any, table: jax.Array | None,
-                       order: np.ndarray | None, documents: Documents = None) -> jax.Array:
-        """:meth:`hidden_states` of ``tokens`` already in the held ``order``; ``table``:
+                       order: np.ndarray | None, documents: Documents = None
+                       ) -> tuple[jax.Array, MoEStats | None]:
+        """:meth:`hidden_states` of ``tokens`` already in the held ``order``, and the
+        mixture-of-experts layers' stacked router statistics (None without any); ``table``:
         the embedding's padded table if already made; ``documents``: from
         :meth:`_documents`."""
         self._check_pipeline_call()
@@ -270,12 +292,16 @@ class GPT(nnx.Module):
         if self.config.scan_layers:
             keys = jnp.stack([stream() for _ in range(self.config.num_layers)]) \
                 if training else None
-            x = _scan_blocks(self.blocks, x, keys, self.config.remat, documents)
+            x, stats = _scan_blocks(self.blocks, x, keys, self.config.remat, documents)
         else:
+            layers = []
             for block in self.blocks:
-                x = _run_block(block, x, stream() if training else None, self.config.remat,
-                               documents)
-        return self.final_norm(x)
+                x, layer = _run_block(block, x, stream() if training else None,
+                                      self.config.remat, documents)
+                layers.append(layer)
+            layers = [layer for layer in layers if layer is not None]
+            stats = jax.tree.map(lambda *v: jnp.stack(v), *layers) if layers else None
+        return self.final_norm(x), stats
 
     @property
     def training(self) -> bool:
@@ -341,19 +367,19 @@ class GPT(nnx.Module):
         ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self._order(tokens)
-        held = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
-                                   self._documents(tokens, segment_ids, positions, order))
+        held, _ = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
+                                      self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel, "activation_vocab")
 
     def _padded_logits(self, tokens: jax.Array, rngs: Any, order: np.ndarray | None,
-                       documents: Documents = None) -> jax.Array:
+                       documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
         """:meth:`padded_logits` of ``tokens`` already in the held ``order``, in that
-        order."""
+        order, and the router statistics of :meth:`_hidden_states`."""
         table = self._vocab_table()  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
-        h = self._hidden_states(tokens, rngs, table if self.head is None else None, order,
-                                documents)
-        return self._lm_head(h, table)
+        h, stats = self._hidden_states(tokens, rngs, table if self.head is None else None,
+                                       order, documents)
+        return self._lm_head(h, table), stats
 
     # -- public API -----------------------------------------------------------------------
 
@@ -419,8 +445,12 @@ class GPT(nnx.Module):
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-             rngs: Any = None) -> jax.Array:
-        """Mean next-token loss over the targets that are not ``ignore_index``.
+             rngs: Any = None, return_metrics: bool = False
+             ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+        """Mean next-token loss over the targets that are not ``ignore_index``, plus, with
+        mixture-of-experts layers, ``router_aux_loss_coef`` times the load-balancing loss
+        and ``router_z_loss_coef`` times the router z-loss (both over the whole batch,
+        :func:`~sp_jax.layers.moe_losses`).
 
         ``model.loss(tokens)``: the targets are the tokens themselves, shifted inside:
         position ``i`` predicts ``tokens[:, i + 1]`` and the last position has no target
@@ -445,8 +475,11 @@ class GPT(nnx.Module):
           ignore_index: the target id that contributes no loss.
           label_smoothing / z_loss: as :func:`~sp_jax.layers.parallel_cross_entropy`.
           rngs: dropout rngs (e.g. ``nnx.Rngs(dropout=key)``) in train mode.
+          return_metrics: also return a dict of metrics: ``lm_loss`` (the mean next-token
+            loss alone) and, with mixture-of-experts layers, those of
+            :func:`~sp_jax.layers.moe_losses`.
         Returns:
-          scalar float32.
+          scalar float32 (with ``return_metrics``: ``(loss, metrics)``).
         """
         tokens = self._ids(tokens)
         if labels is None:
@@ -470,15 +503,24 @@ class GPT(nnx.Module):
             total = pipeline_forward_loss(
                 self, tokens, labels, stream, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, z_loss=z_loss)
-            return total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
+            mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
+            return (mean, {"lm_loss": mean}) if return_metrics else mean
         order = self._order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
         documents = self._documents(tokens, segment_ids, positions, order)
+        logits, stats = self._padded_logits(to_held(tokens, order, self.parallel), rngs,
+                                            order, documents)
         per_token = parallel_cross_entropy(
-            self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
-                                documents), labels,
-            parallel=self.parallel,
+            logits, labels, parallel=self.parallel,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             vocab_size=self.config.vocab_size)
         count = jnp.sum(labels != ignore_index)
-        return jnp.sum(per_token) / jnp.maximum(count, 1)
+        mean = jnp.sum(per_token) / jnp.maximum(count, 1)
+        metrics = {"lm_loss": mean}
+        loss = mean
+        if stats is not None:
+            cfg = self.config
+            metrics.update(moe_losses(stats, cfg.num_experts, cfg.experts_per_token))
+            loss = mean + cfg.router_aux_loss_coef * metrics["moe_aux_loss"] + \
+                cfg.router_z_loss_coef * metrics["moe_z_loss"]
+        return (loss, metrics) if return_metrics else loss

@@ -12,8 +12,10 @@ import numpy as np
 from sp_jax.layers import (
     AttentionConfig,
     MLPConfig,
+    MoEConfig,
     RopeScaling,
     check_block_fields,
+    check_moe_fields,
     settle_block_fields,
 )
 
@@ -75,6 +77,24 @@ class GPTConfig:
       sliding_window: None (causal attention over every earlier token) or ``w``: token
         ``i`` attends tokens ``i - w < j <= i`` only (Mistral's ``sliding_window``); key
         blocks wholly outside the window are skipped. Not with ring attention.
+      num_experts: routed experts ``E`` of the mixture-of-experts layers; 0 (the default)
+        keeps every MLP dense. Layer ``i`` is a mixture of experts
+        (:class:`~sp_jax.layers.MoE`) when ``(i + 1) % moe_layer_freq == 0``.
+      experts_per_token: ``k``, the experts each token goes to.
+      moe_mlp_hidden: inner width ``F`` of each expert (default ``mlp_hidden``).
+      moe_capacity_factor: None (dropless) or ``c``: each expert takes at most
+        ``ceil(c * seq * k / E)`` (token, choice) pairs of a sequence, first choices
+        first, in position order; the rest are dropped.
+      router_aux_loss_coef: weight of the load-balancing loss added to the training loss
+        (transformers' Mixtral ``router_aux_loss_coef``; the loss over every layer's
+        tokens together, :func:`~sp_jax.layers.moe_losses`).
+      router_z_loss_coef: weight of the router z-loss (ST-MoE) added to the loss.
+      num_shared_experts: experts every token also goes through (one dense MLP of width
+        ``num_shared_experts * moe_mlp_hidden``, DeepSeek style, no gate).
+      moe_norm_topk: renormalise the ``k`` chosen router probabilities (Mixtral, Qwen3-MoE).
+      moe_layer_freq: every ``moe_layer_freq``-th layer is a mixture of experts (Qwen's
+        ``decoder_sparse_step``; 1: every layer, as Mixtral); the others keep the dense
+        MLP. With ``scan_layers`` the layers must be alike: 1.
       bos_token_id / eos_token_id / pad_token_id: the checkpoint's special token ids
         (``config.json``'s), kept for :func:`~sp_jax.models.hf.to_hf` and generation;
         None when it has none. ``eos_token_id`` may be several ids (a list in
@@ -109,6 +129,15 @@ class GPTConfig:
     attention_dropout: float = 0.0
     qk_norm: bool = False
     sliding_window: int | None = None
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_hidden: int | None = None
+    moe_capacity_factor: float | None = None
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    num_shared_experts: int = 0
+    moe_norm_topk: bool = True
+    moe_layer_freq: int = 1
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -130,7 +159,39 @@ class GPTConfig:
             )
         settle_block_fields(self)
         check_block_fields("GPTConfig", self)  # the fields the blocks' configs share
+        self._check_experts()
         self._check_token_ids()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields (checked when ``num_experts > 0``)."""
+        e = self.num_experts
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(f"GPTConfig.num_experts={e!r} must be an int >= 0 (0: dense MLPs).")
+        if self.moe_mlp_hidden is None:
+            object.__setattr__(self, "moe_mlp_hidden", self.mlp_hidden)
+        if not e:
+            return
+        check_moe_fields("GPTConfig", self)
+        freq = self.moe_layer_freq
+        if isinstance(freq, bool) or not isinstance(freq, int) or freq <= 0:
+            raise ValueError(f"GPTConfig.moe_layer_freq={freq!r} must be a positive int.")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a number >= 0.")
+        if self.scan_layers and freq != 1:
+            raise ValueError(
+                f"GPTConfig: scan_layers stacks alike layers, but moe_layer_freq={freq} mixes "
+                "dense and expert layers; use moe_layer_freq=1 or scan_layers=False.")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (from 0) is a mixture of experts."""
+        return self.num_experts > 0 and (index + 1) % self.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers are mixtures of experts."""
+        return sum(map(self.is_moe_layer, range(self.num_layers)))
 
     def _check_token_ids(self) -> None:
         """The special token ids: ints or None (``eos_token_id``: also several, kept as a
@@ -213,7 +274,8 @@ class GPTConfig:
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward and backward, recomputation not counted;
         PaLM's accounting): ``6 N + 12 L h s`` with ``N`` the matmul parameters (every
-        block's projections and the LM head) and the attention scores and values over
+        block's projections and the LM head; of a mixture of experts, the router and the
+        ``k`` routed and the shared experts a token goes through) and the attention scores and values over
         ``seq_len`` (default ``max_seq_len``) keys, causal masking not discounted."""
         s = self.max_seq_len if seq_len is None else int(seq_len)
         h, kv = self.hidden, (self.num_kv_heads or self.num_heads)
@@ -221,7 +283,11 @@ class GPTConfig:
         mlp_hidden = self.mlp_hidden or 4 * h
         gated = self.mlp_activation in ("swiglu", "geglu")
         mlp = (3 if gated else 2) * h * mlp_hidden
-        matmul_params = self.num_layers * (attention + mlp) + self.vocab_size * h
+        moe = self.num_moe_layers
+        active = (3 if gated else 2) * h * (self.moe_mlp_hidden or mlp_hidden) * (
+            self.experts_per_token + self.num_shared_experts) + h * self.num_experts
+        matmul_params = self.num_layers * attention + (self.num_layers - moe) * mlp + \
+            moe * active + self.vocab_size * h
         return float(6 * matmul_params + 12 * self.num_layers * h * s)
 
     def attention_config(self) -> AttentionConfig:
@@ -229,6 +295,11 @@ class GPTConfig:
         same names, and ``rotary`` for ``positions="rotary"``)."""
         return AttentionConfig(rotary=self.positions == "rotary",
                                **self._fields_of(AttentionConfig))
+
+    def moe_config(self) -> MoEConfig:
+        """The :class:`~sp_jax.layers.MoEConfig` of the mixture-of-experts layers (the
+        fields of the same names)."""
+        return MoEConfig(**self._fields_of(MoEConfig))
 
     def mlp_config(self) -> MLPConfig:
         """The :class:`~sp_jax.layers.MLPConfig` of every block (the fields of the same

@@ -49,6 +49,11 @@ def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
     """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline: blocks
     not scanned, or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when
     ``mesh`` is known)."""
+    if config.num_experts:
+        raise ValueError(
+            f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) with "
+            f"num_experts={config.num_experts}: mixture-of-experts layers do not run in "
+            "pipeline stages yet; train them without pipeline_axis.")
     if not config.scan_layers:
         raise ValueError(
             f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "

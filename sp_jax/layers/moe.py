@@ -1,0 +1,209 @@
+"""Pre-LN mixture-of-experts MLP (Flax NNX) on global arrays: top-k routing, dropless
+grouped GEMMs, experts split over the expert axis (all-to-all) and their width over the
+tensor axis, in the sequence-parallel layout."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.attention import sequence_order
+from sp_jax.config import ParallelConfig
+from sp_jax.layers.block_config import MoEConfig
+from sp_jax.layers.dropout import Dropout
+from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+from sp_jax.layers.mlp import MLPActivation
+from sp_jax.layers.norm import make_norm
+from sp_jax.layout import Layout
+from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
+from sp_jax.ops.fsdp import fsdp_gather
+from sp_jax.ops.moe import capacity_keep, expert_mixture, route
+from sp_jax.ops.primitives import all_gather, split
+
+__all__ = ["MoE", "MoEStats", "moe_losses"]
+
+MoEStats = dict[str, jax.Array]
+"""One layer's router statistics over the global batch (sums, fp32): ``expert_tokens``
+``[E]`` (pairs routed to each expert, before any drop), ``router_probs`` ``[E]`` (router
+probabilities), ``router_z`` (squared log-sum-exp of the router logits), ``tokens`` and
+``dropped`` (pairs over capacity)."""
+
+
+def moe_losses(stats: MoEStats, num_experts: int, experts_per_token: int
+               ) -> dict[str, jax.Array]:
+    """The auxiliary losses and metrics of stacked per-layer :data:`MoEStats` (leaves
+    ``[layers, ...]``), over every layer's tokens together (transformers'
+    ``load_balancing_loss_func`` of the concatenated router logits):
+
+    - ``moe_aux_loss``: ``E * sum_e f_e P_e``, ``f_e`` the fraction of (token, choice)
+      pairs routed to expert ``e`` (summed over the ``k`` choices) and ``P_e`` the mean
+      router probability of ``e``;
+    - ``moe_z_loss``: the mean squared log-sum-exp of the router logits (ST-MoE);
+    - ``moe_dropped_fraction``: dropped pairs over all pairs (capacity mode; else 0);
+    - ``moe_expert_tokens``: ``[layers, E]`` pairs routed to each expert.
+    """
+    tokens = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
+    fraction = jnp.sum(stats["expert_tokens"], axis=0) / tokens
+    probability = jnp.sum(stats["router_probs"], axis=0) / tokens
+    return {"moe_aux_loss": num_experts * jnp.sum(fraction * probability),
+            "moe_z_loss": jnp.sum(stats["router_z"]) / tokens,
+            "moe_dropped_fraction": jnp.sum(stats["dropped"]) / (tokens * experts_per_token),
+            "moe_expert_tokens": stats["expert_tokens"]}
+
+
+class MoE(nnx.Module):
+    """Pre-LN mixture of experts with a residual: ``x + dropout(sum_j w_j
+    FFN_{e_j}(norm(x)) + shared(norm(x)))``, the ``k`` experts ``e_j`` and weights
+    ``w_j`` chosen per token by a linear router (fp32 softmax, top-k, renormalised with
+    ``moe_norm_topk``).
+
+    Parameters: ``router`` ``[hidden, E]`` (replicated), ``experts_up`` ``[E, hidden,
+    width]`` (``width = 2F`` gated, columns interleaved ``(j, {gate, up})`` as in
+    :class:`~sp_jax.layers.MLP`, else ``F``) and ``experts_down`` ``[E, F, hidden]``,
+    sharded ``Layout.expert_up`` / ``expert_down``: experts over the expert axis, ``F``
+    over the tensor axis, and with fsdp ``hidden`` over the other data axes. With
+    ``num_shared_experts``: ``shared_up`` / ``shared_down``, a dense gated MLP of width
+    ``num_shared_experts * F``.
+
+    Per device (one ``shard_map``): the router runs on the device's sequence shard; the
+    normed input is all-gathered over the tensor axis (the dense MLP's gather), the
+    device's (token, choice) pairs are sorted by expert and sent to the devices holding
+    their experts and back by ragged all-to-all over the expert axis
+    (:func:`sp_jax.ops.moe.expert_mixture`), each computing its experts' ``F / t``
+    columns with grouped GEMMs (:func:`jax.lax.ragged_dot`), and the weighted sum is
+    reduce-scattered back to the sequence shards (the dense MLP's scatter). Dropless
+    unless ``moe_capacity_factor`` is set.
+
+    Args:
+      config: the :class:`~sp_jax.layers.MoEConfig`.
+      parallel: the :class:`~sp_jax.ParallelConfig` (``expert_axis``: the experts'
+        axis; None: every device holds every expert).
+      rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call.
+    """
+
+    def __init__(self, config: MoEConfig, *, parallel: ParallelConfig = ParallelConfig(),
+                 rngs: nnx.Rngs):
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoE: config must be a MoEConfig (sp_jax.layers.MoEConfig), got "
+                            f"{type(config).__name__}; a GPTConfig gives its blocks' with "
+                            "config.moe_config().")
+        self.config, self.parallel = config, parallel
+        mesh = current_mesh(parallel, where="MoE", required=False)
+        if mesh is not None:
+            self._check_mesh(mesh)
+        layout, eager = Layout.of(parallel), mesh is not None
+        e, h, f = config.num_experts, config.hidden, config.moe_mlp_hidden
+        width = (2 if config.gated else 1) * f
+        self.norm = make_norm(config.norm, h, parallel=parallel, epsilon=config.norm_epsilon,
+                              dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        dense = nnx.initializers.lecun_normal()
+        stacked = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        self.router = nnx.Param(dense(rngs.params(), (h, e), config.param_dtype),
+                                out_sharding=(None, None), eager_sharding=eager)
+        self.experts_up = nnx.Param(stacked(rngs.params(), (e, h, width), config.param_dtype),
+                                    out_sharding=tuple(layout.expert_up), eager_sharding=eager)
+        self.experts_down = nnx.Param(stacked(rngs.params(), (e, f, h), config.param_dtype),
+                                      out_sharding=tuple(layout.expert_down),
+                                      eager_sharding=eager)
+        self.shared_up = self.shared_down = None
+        if config.num_shared_experts:
+            shared = config.num_shared_experts * f
+            common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
+                          use_bias=False, rngs=rngs)
+            self.shared_up = ColumnSequenceParallelLinear(
+                h, (2 if config.gated else 1) * shared, **common)
+            self.shared_down = RowSequenceParallelLinear(shared, h, **common)
+        self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
+
+    def _check_mesh(self, mesh: Any) -> None:
+        cfg, par = self.config, self.parallel
+        ep = axis_size(mesh, par.expert_axes) if par.expert_axes else 1
+        t = axis_size(mesh, par.tensor_axis)
+        if cfg.num_experts % ep:
+            raise ValueError(f"MoE: num_experts={cfg.num_experts} must be divisible by the "
+                             f"expert axis size {ep} (each device holds E / {ep} experts).")
+        for name in ("moe_mlp_hidden",) + (("num_shared_experts",) if
+                                           cfg.num_shared_experts else ()):
+            width = cfg.moe_mlp_hidden * (cfg.num_shared_experts if name ==
+                                          "num_shared_experts" else 1)
+            if width % t:
+                raise ValueError(f"MoE: the expert width {width} ({name}) must be divisible "
+                                 f"by the tensor axis size {t}.")
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+                 rngs: Any = None) -> tuple[jax.Array, MoEStats]:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> (same shape and layout,
+        this layer's :data:`MoEStats` over the global batch)."""
+        x = jnp.asarray(x)
+        check_activations("MoE", x, self.config.hidden, "hidden")
+        normed = self.norm(x)
+        y, stats = self.mixture(normed)
+        if self.shared_up is not None:
+            y = y + self.shared_down(self.shared_up(normed),
+                                     activation=MLPActivation(self.config.mlp_activation))
+        y = self.dropout(y, deterministic=deterministic, rngs=rngs)
+        return x.astype(y.dtype) + y, stats
+
+    def mixture(self, normed: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """The routed experts' weighted sum of the normed input ``[batch, seq, hidden]``
+        (SP layout) and the layer's :data:`MoEStats`."""
+        cfg, par = self.config, self.parallel
+        mesh = current_mesh(par, where="MoE")
+        self._check_mesh(mesh)
+        layout = Layout.of(par)
+        seq = normed.shape[1]
+        positions = sequence_order(par, mesh, seq)
+        capacity = None if cfg.moe_capacity_factor is None else math.ceil(
+            cfg.moe_capacity_factor * seq * cfg.experts_per_token / cfg.num_experts)
+        device = functools.partial(
+            _mixture_device, config=cfg, parallel=par, capacity=capacity,
+            positions=positions, fsdp_axes=layout.rules()["expert_embed"])
+        dtype = normed.dtype
+        return jax.shard_map(
+            device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down),
+            out_specs=(layout.sp, P()))(
+                reshard(normed, layout.sp, mesh), self.router[...],
+                self.experts_up[...].astype(dtype), self.experts_down[...].astype(dtype))
+
+
+def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+                    config: MoEConfig, parallel: ParallelConfig, capacity: int | None,
+                    positions: np.ndarray | None, fsdp_axes: tuple[str, ...]
+                    ) -> tuple[jax.Array, MoEStats]:
+    """Per device: ``x`` ``[b, s_local, h]`` (this device's sequence shard) -> the
+    experts' output for it (same shape) and the global :data:`MoEStats`."""
+    e, k = config.num_experts, config.experts_per_token
+    tensor = parallel.tensor_axis
+    sequence_axes = (*parallel.context_axes, tensor)
+    logits, experts, weights = route(x, router, k, config.moe_norm_topk)
+    stats = {"expert_tokens": jnp.bincount(experts.reshape(-1), length=e).astype(jnp.float32),
+             "router_probs": jnp.sum(jax.nn.softmax(logits, axis=-1), axis=(0, 1)),
+             "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+             "tokens": jnp.asarray(x.shape[0] * x.shape[1], jnp.float32),
+             "dropped": jnp.zeros((), jnp.float32)}
+    if capacity is not None:  # the rule sees whole sequences: gather the choices
+        keep = split(capacity_keep(all_gather(experts, sequence_axes, 1), positions,
+                                   capacity, e), sequence_axes, 1)
+        experts = jnp.where(keep, experts, e)
+        weights = jnp.where(keep, weights, 0.0)
+        stats["dropped"] = jnp.sum(~keep).astype(jnp.float32)
+    token_axes = (*parallel.data_axes, *sequence_axes)
+    stats = jax.tree.map(lambda v: lax.psum(v, token_axes), stats)
+    # the tensor group's tokens, on every device of it (each computes F / t columns)
+    x, experts, weights = (all_gather(a, tensor, 1) for a in (x, experts, weights))
+    w_up, w_down = fsdp_gather(w_up, fsdp_axes, 1), fsdp_gather(w_down, fsdp_axes, 2)
+    b, s, h = x.shape
+    y = expert_mixture(x.reshape(b * s, h), experts.reshape(b * s, k),
+                       weights.reshape(b * s, k), w_up, w_down,
+                       MLPActivation(config.mlp_activation), num_experts=e,
+                       expert_axis=parallel.expert_axis)
+    y = lax.psum_scatter(y.reshape(b, s, h), tensor, scatter_dimension=1, tiled=True)
+    return y, stats

@@ -1,0 +1,214 @@
+"""Per-device ops of a mixture-of-experts layer (inside ``shard_map``): top-k routing, the
+capacity rule, dispatch to the experts' devices and back by ragged all-to-all, and the
+experts' grouped GEMMs (:func:`jax.lax.ragged_dot`).
+
+Dropless: every (token, choice) pair is computed. A device sorts its pairs by expert, so
+each expert's rows are contiguous, sends each peer on the expert axis the rows of the
+experts it holds (one ``ragged_all_to_all``: only the rows routed there move), groups what
+it receives by its local experts, runs the grouped GEMMs, and sends the results back the
+same way. The receive buffer is static: the most rows a device can receive,
+``ep * tokens * min(k, experts / ep)`` (every token of every peer routed to its experts),
+never a dense ``[tokens, experts, ...]`` one-hot dispatch.
+
+XLA:CPU has no ``ragged-all-to-all``; there :func:`ragged_all_to_all` runs the same
+exchange as an ``all_to_all`` of fixed-size chunks (each padded to the most rows one peer
+can be sent), chosen at lowering time (:func:`jax.lax.platform_dependent`), so the CPU
+tests run every other step of the GPU program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
+
+__all__ = ["capacity_keep", "expert_mixture", "grouped_ffn", "ragged_all_to_all", "route"]
+
+
+def route(x: jax.Array, router: jax.Array, k: int, normalize: bool
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-``k`` routing in fp32.
+
+    Args:
+      x: ``[..., hidden]`` tokens (any float dtype).
+      router: ``[hidden, experts]`` router kernel.
+      k: experts per token.
+      normalize: renormalise the ``k`` chosen probabilities to sum to 1 (Mixtral,
+        Qwen3-MoE's ``norm_topk_prob``).
+    Returns:
+      ``(logits [..., experts], experts [..., k] int32, weights [..., k])``, fp32; the
+      choices in descending probability (ties: the lower expert first, as
+      :func:`jax.lax.top_k`).
+    """
+    logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, experts.astype(jnp.int32), weights
+
+
+def capacity_keep(experts: jax.Array, positions: np.ndarray | None, capacity: int,
+                  num_experts: int) -> jax.Array:
+    """Which (token, choice) pairs of whole sequences fit their expert's capacity.
+
+    The rule (GShard's, per sequence): an expert takes at most ``capacity`` pairs of a
+    sequence, first every token's first choice in position order, then every second
+    choice, and so on; the pairs past its capacity are dropped. It depends on the
+    sequence alone, never on how it is sharded.
+
+    Args:
+      experts: ``[batch, seq, k]`` chosen experts, the sequence in the order it is held.
+      positions: ``[seq]`` the natural position of each held token (the zigzag order of
+        ring attention), or None: held in natural order.
+      capacity: pairs each expert may take per sequence.
+      num_experts: ``E``.
+    Returns:
+      bool ``[batch, seq, k]``.
+    """
+    b, s, k = experts.shape
+    pos = np.arange(s) if positions is None else np.asarray(positions)
+    # a unique priority per pair: expert, then choice rank, then natural position
+    order_key = (np.arange(k)[None, :] * s + pos[:, None]).astype(np.int32)  # [s, k]
+    key = experts * (k * s) + jnp.asarray(order_key)[None]
+    flat = key.reshape(b, s * k)
+    rank = jnp.argsort(jnp.argsort(flat, axis=-1), axis=-1)  # place in priority order
+    counts = jax.vmap(lambda e: jnp.bincount(e, length=num_experts))(experts.reshape(b, -1))
+    starts = jnp.cumsum(counts, axis=-1) - counts  # [b, E]: where each expert's pairs begin
+    within = rank - jnp.take_along_axis(starts, experts.reshape(b, -1), axis=-1)
+    return (within < capacity).reshape(b, s, k)
+
+
+def _peer_axis_size(axis_name: AxisName) -> int:
+    return lax.axis_size(axis_name)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name, chunk):
+    """``ragged_all_to_all`` as an ``all_to_all`` of ``chunk``-row blocks (the most rows
+    one peer is sent), for backends without the instruction (XLA:CPU)."""
+    ep = _peer_axis_size(axis_name)
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+    take = input_offsets[:, None] + rows[None]  # [ep, chunk]
+    valid = rows[None] < send_sizes[:, None]
+    blocks = jnp.take(operand, jnp.clip(take, 0, operand.shape[0] - 1), axis=0)
+    blocks = jnp.where(valid[..., None], blocks, jnp.zeros((), operand.dtype))
+    got = lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [ep (source), chunk, ...]
+    where = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # set by each source
+    put = where[:, None] + rows[None]
+    put = jnp.where(rows[None] < recv_sizes[:, None], put, output.shape[0])  # off the end
+    return output.at[put.reshape(-1)].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                      send_sizes: jax.Array, output_offsets: jax.Array,
+                      recv_sizes: jax.Array, *, axis_name: AxisName, chunk: int
+                      ) -> jax.Array:
+    """:func:`jax.lax.ragged_all_to_all` (rows ``input_offsets[j] : + send_sizes[j]`` of
+    ``operand`` go to peer ``j``, landing at ``output_offsets[j]`` of its ``output``; the
+    ``recv_sizes[i]`` rows from peer ``i`` arrive where it said), lowered as the
+    instruction on GPU and TPU and as an ``all_to_all`` of ``chunk``-row blocks on CPU
+    (``chunk``: the most rows one peer is sent)."""
+    def native(*args):
+        return lax.ragged_all_to_all(*args, axis_name=axis_name)
+
+    def emulated(*args):
+        return _emulated_ragged_all_to_all(*args, axis_name=axis_name, chunk=chunk)
+
+    axes = vma(operand) | vma(output)
+    operand, output = vary(operand, axes), vary(output, axes)
+    return lax.platform_dependent(operand, output, input_offsets, send_sizes, output_offsets,
+                                  recv_sizes, cpu=emulated, default=native)
+
+
+def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Expert FFNs of rows sorted by expert: ``down_g(act(up_g(x)))`` for the
+    ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs.
+
+    Args:
+      x: ``[rows, hidden]``; rows past ``sum(group_sizes)`` give zeros.
+      group_sizes: int32 ``[groups]``.
+      w_up: ``[groups, hidden, width]``; w_down: ``[groups, width', hidden]`` with
+        ``width'`` the activation's output width.
+      activation: of ``[rows, width]`` -> ``[rows, width']``.
+    """
+    up = lax.ragged_dot(x, w_up.astype(x.dtype), group_sizes)
+    y = lax.ragged_dot(activation(up), w_down.astype(x.dtype), group_sizes)
+    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+
+
+def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, activation: Callable[[jax.Array], jax.Array], *,
+                   num_experts: int, expert_axis: AxisName | None = None) -> jax.Array:
+    """``sum_j weights[:, j] * FFN_{experts[:, j]}(x)`` of one device's tokens, dropless.
+
+    Args:
+      x: ``[tokens, hidden]`` in the compute dtype.
+      experts: int32 ``[tokens, k]`` chosen experts; ``num_experts`` marks a dropped pair
+        (computed nowhere, contributing zero).
+      weights: ``[tokens, k]`` combine weights.
+      w_up / w_down: this device's experts ``[E_local, hidden, width]`` /
+        ``[E_local, width', hidden]``: all ``num_experts`` without ``expert_axis``, else
+        the ``E / ep`` consecutive experts of its index on ``expert_axis``.
+      activation: as :func:`grouped_ffn`.
+      num_experts: ``E``.
+      expert_axis: the mesh axis the experts are split over, or None.
+    Returns:
+      ``[tokens, hidden]`` in ``x``'s dtype (partial sums where the experts' width is
+      split over a tensor axis).
+    """
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert, dropped ones last
+    rows = jnp.take(x, order // k, axis=0)
+    sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
+    if ep == 1:
+        out = grouped_ffn(rows, sizes, w_up, w_down, activation)
+    else:
+        # a peer is sent at most min(k, E / ep) rows per token (distinct experts)
+        out = _across_devices(rows, sizes, w_up, w_down, activation, expert_axis, ep,
+                              chunk=tokens * min(k, num_experts // ep))
+    out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
+    out = out.reshape(tokens, k, -1)
+    return jnp.einsum("tkh,tk->th", out, weights.astype(out.dtype))
+
+
+def _across_devices(rows, sizes, w_up, w_down, activation, axis, ep, chunk):
+    """Rows sorted by expert -> their experts' outputs, the experts split over ``axis``
+    (``ep`` devices, each sent at most ``chunk`` rows by a peer): ragged all-to-all there,
+    grouped GEMMs, ragged all-to-all back."""
+    pairs, local = rows.shape[0], sizes.shape[0] // ep
+    me = lax.axis_index(axis)
+    per_peer = sizes.reshape(ep, local)  # rows for each peer's experts
+    send = jnp.sum(per_peer, axis=1)
+    send_at = jnp.cumsum(send) - send
+    got = lax.all_to_all(per_peer, axis, 0, 0, tiled=True)  # [ep (source), local]
+    recv = jnp.sum(got, axis=1)
+    table = lax.all_gather(send, axis)  # [source, destination]
+    lower = jnp.arange(ep) < me
+    land_at = jnp.sum(jnp.where(lower[:, None], table, 0), axis=0)  # in each receiver
+    capacity = ep * chunk
+    buffer = fresh_zeros((capacity, *rows.shape[1:]), rows.dtype, rows)
+    received = ragged_all_to_all(rows, buffer, send_at, send, land_at, recv, axis_name=axis,
+                                 chunk=chunk)
+    # group the received rows (source-major, expert within) by local expert
+    ends = jnp.cumsum(got.reshape(-1))
+    segment = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
+    local_expert = jnp.where(segment < ep * local, segment % local, local)
+    regroup = jnp.argsort(local_expert, stable=True)
+    out = grouped_ffn(jnp.take(received, regroup, axis=0), jnp.sum(got, axis=0), w_up,
+                      w_down, activation)
+    out = jnp.zeros_like(out).at[regroup].set(out)
+    back_at = jnp.sum(jnp.where(lower[None, :], table, 0), axis=1)  # where I sent from
+    return ragged_all_to_all(out, fresh_zeros((pairs, *out.shape[1:]), out.dtype, out),
+                             jnp.cumsum(recv) - recv, recv, back_at, send, axis_name=axis,
+                             chunk=chunk)
+
