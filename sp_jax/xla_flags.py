@@ -320,8 +320,9 @@ def cpu_simulation_flags(num_devices: int) -> list[str]:
     that ``recompute_allgather``'s backward re-all-gather is not merged with the forward
     one (XLA:GPU keeps it by itself), and a collective's wait for the other simulated
     devices bounded by :data:`CPU_COLLECTIVE_WAIT_S` instead of XLA:CPU's 40 s, after which
-    it aborts the process (``Fatal Python error: Aborted``, seen on 2 loaded cores). Pass them to :func:`apply_xla_flags` before JAX
-    starts; flags already in ``XLA_FLAGS`` keep the user's value.
+    it aborts the process (``Fatal Python error: Aborted``, seen on 2 loaded cores).
+    Pass them to :func:`apply_xla_flags` before JAX starts; flags already in
+    ``XLA_FLAGS`` keep the user's value.
     """
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices <= 0:
         raise ValueError(f"cpu_simulation_flags: num_devices={num_devices!r} must be a "

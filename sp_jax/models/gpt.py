@@ -16,9 +16,9 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     MLP,
     CausalSelfAttention,
+    Dropout,
     MoE,
     MoEStats,
-    Dropout,
     VocabParallelEmbedding,
     document_labels,
     make_norm,

@@ -275,8 +275,9 @@ class GPTConfig:
         """Training FLOPs per token (forward and backward, recomputation not counted;
         PaLM's accounting): ``6 N + 12 L h s`` with ``N`` the matmul parameters (every
         block's projections and the LM head; of a mixture of experts, the router and the
-        ``k`` routed and the shared experts a token goes through) and the attention scores and values over
-        ``seq_len`` (default ``max_seq_len``) keys, causal masking not discounted."""
+        ``k`` routed and the shared experts a token goes through) and the attention scores
+        and values over ``seq_len`` (default ``max_seq_len``) keys, causal masking not
+        discounted."""
         s = self.max_seq_len if seq_len is None else int(seq_len)
         h, kv = self.hidden, (self.num_kv_heads or self.num_heads)
         attention = 2 * h * h + 2 * h * kv * (h // self.num_heads)

@@ -84,15 +84,10 @@ def capacity_keep(experts: jax.Array, positions: np.ndarray | None, capacity: in
     return (within < capacity).reshape(b, s, k)
 
 
-def _peer_axis_size(axis_name: AxisName) -> int:
-    return lax.axis_size(axis_name)
-
-
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                 recv_sizes, *, axis_name, chunk):
     """``ragged_all_to_all`` as an ``all_to_all`` of ``chunk``-row blocks (the most rows
     one peer is sent), for backends without the instruction (XLA:CPU)."""
-    ep = _peer_axis_size(axis_name)
     rows = jnp.arange(chunk, dtype=jnp.int32)
     take = input_offsets[:, None] + rows[None]  # [ep, chunk]
     valid = rows[None] < send_sizes[:, None]
