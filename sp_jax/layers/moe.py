@@ -25,7 +25,7 @@ from sp_jax.layers.norm import make_norm
 from sp_jax.layout import Layout
 from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
 from sp_jax.ops.fsdp import fsdp_gather
-from sp_jax.ops.moe import capacity_keep, expert_mixture, route
+from sp_jax.ops.moe import capacity_keep, expert_mixture, route, router_stats
 from sp_jax.ops.primitives import all_gather, split
 
 __all__ = ["MoE", "MoEStats", "moe_losses"]
@@ -113,7 +113,8 @@ class MoE(nnx.Module):
         self.experts_down = nnx.Param(stacked(rngs.params(), (e, f, h), config.param_dtype),
                                       out_sharding=tuple(layout.expert_down),
                                       eager_sharding=eager)
-        self.shared_up = self.shared_down = None
+        self.shared_up: ColumnSequenceParallelLinear | None = nnx.data(None)
+        self.shared_down: RowSequenceParallelLinear | None = nnx.data(None)
         if config.num_shared_experts:
             shared = config.num_shared_experts * f
             common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
@@ -170,8 +171,9 @@ class MoE(nnx.Module):
         return jax.shard_map(
             device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down),
             out_specs=(layout.sp, P()))(
-                reshard(normed, layout.sp, mesh), self.router[...],
-                self.experts_up[...].astype(dtype), self.experts_down[...].astype(dtype))
+                reshard(normed, layout.sp, mesh), reshard(self.router[...], P(), mesh),
+                reshard(self.experts_up[...].astype(dtype), layout.expert_up, mesh),
+                reshard(self.experts_down[...].astype(dtype), layout.expert_down, mesh))
 
 
 def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
@@ -184,11 +186,7 @@ def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: ja
     tensor = parallel.tensor_axis
     sequence_axes = (*parallel.context_axes, tensor)
     logits, experts, weights = route(x, router, k, config.moe_norm_topk)
-    stats = {"expert_tokens": jnp.bincount(experts.reshape(-1), length=e).astype(jnp.float32),
-             "router_probs": jnp.sum(jax.nn.softmax(logits, axis=-1), axis=(0, 1)),
-             "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-             "tokens": jnp.asarray(x.shape[0] * x.shape[1], jnp.float32),
-             "dropped": jnp.zeros((), jnp.float32)}
+    stats = router_stats(logits, experts)
     if capacity is not None:  # the rule sees whole sequences: gather the choices
         keep = split(capacity_keep(all_gather(experts, sequence_axes, 1), positions,
                                    capacity, e), sequence_axes, 1)

@@ -27,7 +27,8 @@ from jax import lax
 
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
 
-__all__ = ["capacity_keep", "expert_mixture", "grouped_ffn", "ragged_all_to_all", "route"]
+__all__ = ["capacity_keep", "expert_mixture", "grouped_ffn", "ragged_all_to_all", "route",
+           "router_stats"]
 
 
 def route(x: jax.Array, router: jax.Array, k: int, normalize: bool
@@ -51,6 +52,20 @@ def route(x: jax.Array, router: jax.Array, k: int, normalize: bool
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits, experts.astype(jnp.int32), weights
+
+
+def router_stats(logits: jax.Array, experts: jax.Array) -> dict[str, jax.Array]:
+    """Sums over the tokens of ``logits`` ``[..., E]`` (fp32) and their chosen ``experts``
+    ``[..., k]``: ``expert_tokens`` ``[E]`` (pairs routed to each expert),
+    ``router_probs`` ``[E]`` (softmax probabilities), ``router_z`` (squared log-sum-exp),
+    ``tokens`` and ``dropped`` (0; the capacity rule adds its drops), all fp32, for the
+    auxiliary losses (:func:`sp_jax.layers.moe_losses`)."""
+    e = logits.shape[-1]
+    return {"expert_tokens": jnp.bincount(experts.reshape(-1), length=e).astype(jnp.float32),
+            "router_probs": jnp.sum(jax.nn.softmax(logits, axis=-1).reshape(-1, e), axis=0),
+            "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "tokens": jnp.asarray(np.prod(logits.shape[:-1]), jnp.float32),
+            "dropped": jnp.zeros((), jnp.float32)}
 
 
 def capacity_keep(experts: jax.Array, positions: np.ndarray | None, capacity: int,

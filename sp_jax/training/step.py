@@ -36,59 +36,89 @@ from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss", "train_step_fn"]
 
-LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
+LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple]
+"""``(model, micro_batch, key) -> (loss_sum, count)`` or ``(loss_sum, count, metrics)``
+(a dict of arrays, averaged over micro-batches into the step's metrics)."""
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array,
-            ignore_index: int = -100) -> tuple[jax.Array, jax.Array]:
-    """(sum of per-token losses, number of target tokens) of a language model.
+            ignore_index: int = -100) -> tuple:
+    """(sum of per-token losses, number of target tokens) of a language model, and for a
+    model with mixture-of-experts layers its metrics (``GPT.loss(...,
+    return_metrics=True)``: ``lm_loss``, ``moe_aux_loss``, ``moe_z_loss``,
+    ``moe_dropped_fraction``, ``moe_expert_tokens``) as a third element.
 
     ``batch`` holds ``tokens`` and ``labels`` ``[batch, seq]``, and for packed rows
     ``segment_ids`` and ``positions`` (:class:`~sp_jax.data.PackedText`; the targets
     across documents are dropped first, :func:`~sp_jax.layers.document_labels`);
-    ``model.loss`` returns the mean over target tokens, dropout drawing from ``key``.
+    ``model.loss`` returns the mean over target tokens (with the routers' auxiliary
+    losses), dropout drawing from ``key``.
     """
     documents = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
     labels = batch["labels"]
     if "segment_ids" in documents:
         labels = document_labels(labels, documents["segment_ids"], ignore_index)
     count = jnp.sum(labels != ignore_index)
-    mean = model.loss(batch["tokens"], labels, ignore_index=ignore_index,
-                      rngs=nnx.Rngs(dropout=key), **documents)
-    return mean * jnp.maximum(count, 1), count
+    experts = getattr(getattr(model, "config", None), "num_experts", 0)
+    out = model.loss(batch["tokens"], labels, ignore_index=ignore_index,
+                     rngs=nnx.Rngs(dropout=key), **documents,
+                     **({"return_metrics": True} if experts else {}))
+    mean, metrics = out if experts else (out, None)
+    total = mean * jnp.maximum(count, 1)
+    return (total, count) if metrics is None else (total, count, metrics)
 
 
 def accumulate_gradients(
-    loss_fn: Callable[[Any, Any, jax.Array], tuple[jax.Array, jax.Array]],
+    loss_fn: Callable[[Any, Any, jax.Array], tuple],
     params: Any,
     batch: Any,
     key: jax.Array,
-) -> tuple[jax.Array, Any]:
+    *,
+    with_metrics: bool = False,
+) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Mean loss and gradient over micro-batches, accumulated in fp32.
 
     Args:
-      loss_fn: ``(params, micro_batch, key) -> (loss_sum, count)``.
+      loss_fn: ``(params, micro_batch, key) -> (loss_sum, count)``, or ``(loss_sum, count,
+        metrics)`` with ``metrics`` a dict of arrays.
       params: pytree of parameters.
       batch: pytree whose leaves have a leading micro-batch dimension ``M``.
       key: rng key; micro-batch ``i`` uses ``fold_in(key, i)``.
+      with_metrics: also return the loss function's metrics, each averaged over the
+        micro-batches (fp32; an empty dict when it returns none).
     Returns:
-      ``(loss, grads)`` normalised by the total count; ``grads`` in fp32.
+      ``(loss, grads)`` normalised by the total count; ``grads`` in fp32 (with
+      ``with_metrics``: ``(loss, grads, metrics)``).
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    def split_out(p, micro_batch, k):
+        loss, count, *metrics = loss_fn(p, micro_batch, k)
+        return loss, (count, metrics[0] if metrics else {})
+
+    grad_fn = jax.value_and_grad(split_out, has_aux=True)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     n = jax.tree.leaves(batch)[0].shape[0]
+    first = jax.tree.map(lambda x: x[0], batch)
+    shapes = jax.eval_shape(split_out, params, first, key)[1][1]
+    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
     def micro_step(carry, xs):
-        loss_sum, count, grads = carry
+        loss_sum, count, grads, metrics = carry
         micro_batch, i = xs
-        (loss, micro_count), g = grad_fn(params, micro_batch, jax.random.fold_in(key, i))
+        (loss, (micro_count, micro_metrics)), g = grad_fn(params, micro_batch,
+                                                          jax.random.fold_in(key, i))
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-        return (loss_sum + loss.astype(jnp.float32), count + micro_count, grads), None
+        metrics = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), metrics,
+                               micro_metrics)
+        return (loss_sum + loss.astype(jnp.float32), count + micro_count, grads,
+                metrics), None
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
-    (loss_sum, count, grads), _ = lax.scan(micro_step, init, (batch, jnp.arange(n)))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros, no_metrics)
+    (loss_sum, count, grads, metrics), _ = lax.scan(micro_step, init, (batch, jnp.arange(n)))
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
-    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
+    loss, grads = loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
+    if not with_metrics:
+        return loss, grads
+    return loss, grads, jax.tree.map(lambda m: m / n, metrics)
 
 
 def _pipelined(model: nnx.Module) -> bool:
@@ -133,7 +163,8 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
                   loss_fn: LossFn = lm_loss) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
     batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
-    "finite"})`` (micro-batch
+    "finite", ...})`` (the loss function's own metrics too, e.g. a mixture of experts';
+    micro-batch
     gradient accumulation in fp32, then the optimizer update). Also what
     :func:`sp_jax.analysis.plan` compiles.
 
@@ -149,10 +180,12 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
             return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
 
         model = nnx.merge(graphdef, params, rest)
+        metrics = {}
         if _pipelined(model):
             loss, grads = _pipeline_gradients(model, params, batch, key, loss_fn)
         else:
-            loss, grads = accumulate_gradients(pure_loss, params, batch, key)
+            loss, grads, metrics = accumulate_gradients(pure_loss, params, batch, key,
+                                                        with_metrics=True)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -161,7 +194,7 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         return keep(new_params, params), keep(new_opt_state, opt_state), {
-            "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
+            **metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
             "param_norm": optax.tree.norm(params), "finite": finite}
 
     return step
@@ -303,7 +336,8 @@ class TrainStep:
                 return loss_fn(model, batch, jax.random.key(0))  # no dropout: key unused
 
             self._eval = eval_loss
-        results = [self._eval(self.params, self.rest, self.place(batch, micro_batched=False))
+        results = [self._eval(self.params, self.rest,
+                              self.place(batch, micro_batched=False))[:2]
                    for batch in batches]
         count = sum(int(n) for _, n in results)
         return sum(float(s) for s, _ in results) / count if count else float("nan")

@@ -559,7 +559,8 @@ class Trainer:
             key, t0 = jax.random.fold_in(key0, i), time.perf_counter()
             try:
                 with self._watch(f"step {i}", "step"):  # the step's scalars, in one transfer
-                    metrics = {k: float(v) for k, v in jax.device_get(step(batch, key)).items()}
+                    metrics = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+                               for k, v in jax.device_get(step(batch, key)).items()}
                     loss = metrics["loss"]
             except FloatingPointError as e:  # debug_nans
                 raise TrainingStopped(f"NaN at step {i} (--debug-nans): {e}",
@@ -582,7 +583,9 @@ class Trainer:
             record = {"step": i, "loss": loss, "tokens_per_s": tokens / dt,
                       "grad_norm": metrics["grad_norm"],
                       "update_ratio": metrics["update_norm"] / metrics["param_norm"],
-                      "time_s": dt}
+                      "time_s": dt,
+                      # a mixture of experts': the losses, dropped fraction, tokens per expert
+                      **{k: v for k, v in metrics.items() if k.startswith("moe_")}}
             if self.lr_schedule is not None:
                 with contextlib.suppress(Exception):  # a schedule of other run settings
                     record["lr"] = float(self.lr_schedule(i, self.metadata["run"]))

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama, Mistral, Qwen2 and Qwen3 models.
+"""Hugging Face checkpoints in and out: GPT-2, Llama, Mistral, Qwen2 and Qwen3 models, and
+the mixtures of experts Mixtral and Qwen3-MoE.
 
     with jax.set_mesh(mesh):
         model = from_hf("path/to/llama", parallel=ParallelConfig())  # safetensors + config
@@ -13,7 +14,8 @@ and ``config.json`` (as transformers 4.x or 5.x writes it) is translated to a
 back to ``config.json`` and ``generation_config.json``.
 
 The conversion is one table per family (``Family.rules``, in :mod:`.gpt2`, :mod:`.llama`;
-:mod:`.mistral`, :mod:`.qwen2` and :mod:`.qwen3` reuse Llama's): each sp_jax parameter,
+:mod:`.mistral`, :mod:`.qwen2` and :mod:`.qwen3` reuse Llama's, :mod:`.mixtral` and
+:mod:`.qwen3_moe` add their experts to it): each sp_jax parameter,
 the Hugging Face tensors it comes from and two inverse functions between them. It
 applies the layout changes sp_jax's fused projections need:
 
@@ -22,7 +24,9 @@ applies the layout changes sp_jax's fused projections need:
   kernel (grouped-query Llama: ``q_kernel`` and ``(kv_head, {k, v}, head_dim)``), so that
   every tensor shard holds whole heads;
 - Llama's ``gate_proj`` / ``up_proj`` become the interleaved ``(j, {gate, up})`` columns
-  of the fused SwiGLU kernel;
+  of the fused SwiGLU kernel, and so do each expert's (Mixtral's ``w1`` / ``w3``,
+  Qwen3-MoE's ``gate_proj`` / ``up_proj``) in row ``e`` of ``experts_up`` ``[E, hidden,
+  2F]`` (transformers 5.x's fused ``experts.gate_up_proj`` is read too);
 - ``torch.nn.Linear`` weights ``[out, in]`` are transposed to ``[in, out]`` (GPT-2's
   ``Conv1D`` weights already are).
 

@@ -5,7 +5,7 @@ comes from), with the rule constructors the families' tables are written with.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -15,7 +15,7 @@ import numpy as np
 from sp_jax.models.gpt_config import GPTConfig
 
 __all__ = ["ATTENTION", "MLP", "Family", "Rule", "expand", "has_fields", "interleave",
-           "require", "same", "swap_qkv", "transposed"]
+           "on_layers", "per_expert", "require", "same", "swap_qkv", "transposed"]
 
 # The sp_jax paths of one block's attention and MLP ("{i}": the layer).
 ATTENTION = "blocks/{i}/attention/"
@@ -28,7 +28,7 @@ class Family:
 
     Attributes:
       model_type: ``config.json``'s ``model_type`` (``"gpt2"``, ``"llama"``,
-        ``"mistral"``, ``"qwen2"``, ``"qwen3"``).
+        ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"mixtral"``, ``"qwen3_moe"``).
       description: how the :class:`GPTConfig` s it expresses look, for the error naming a
         config no family expresses (``"Llama-shaped (rotary, RMSNorm, ...)"``).
       config_from_hf: ``(config.json dict, overrides) -> GPTConfig fields`` (all but
@@ -38,7 +38,12 @@ class Family:
         ``dtype``), for a config :attr:`expresses` accepts.
       expresses: whether this family expresses a :class:`GPTConfig` exactly.
       rules: the conversion table of a :class:`GPTConfig`: one :class:`Rule` per sp_jax
-        parameter.
+        parameter (what :func:`~sp_jax.models.hf.to_hf` writes).
+      read_rules: the conversion table for reading a checkpoint whose canonical tensor
+        names are the second argument, when it may name its tensors in more than one way
+        (the mixture-of-experts families: transformers 5.x's fused expert tensors, as its
+        ``state_dict()`` gives them, or the per-expert ones ``save_pretrained`` writes);
+        None: :attr:`rules`.
       canonicalize: the canonical Hugging Face names (those the rules use) of a
         checkpoint's tensors: ``{name: name}`` -> ``{canonical: name}``; None when the
         checkpoint's names are the canonical ones (GPT-2's come with and without the
@@ -52,6 +57,12 @@ class Family:
     expresses: Callable[[GPTConfig], bool]
     rules: Callable[[GPTConfig], list[Rule]]
     canonicalize: Callable[[dict[str, str]], dict[str, str]] | None = None
+    read_rules: Callable[[GPTConfig, Collection[str]], list[Rule]] | None = None
+
+    def reading_rules(self, cfg: GPTConfig, names: Collection[str]) -> list[Rule]:
+        """The conversion table that reads a checkpoint of ``cfg`` whose canonical
+        tensor names are ``names``."""
+        return self.rules(cfg) if self.read_rules is None else self.read_rules(cfg, names)
 
     def canonical_names(self, names: dict[str, str]) -> dict[str, str]:
         """Canonical Hugging Face name -> the name in the checkpoint, of ``names``
@@ -83,13 +94,16 @@ class Rule:
     """One sp_jax parameter (per layer: ``{i}`` in the names) and its Hugging Face
     tensors. ``to_ours(*hf) -> ours`` and ``to_hf(ours) -> tuple(hf)`` are inverse
     permutations; ``direct``: ``"same"`` / ``"T"`` when ``ours`` is the one Hugging Face
-    tensor as it is / transposed (read by slices), else None (read whole)."""
+    tensor as it is / transposed (read by slices), else None (read whole); ``layers``:
+    the layers a per-layer rule applies to (None: every layer; a model whose dense and
+    mixture-of-experts layers alternate has rules for each kind)."""
 
     ours: str
     hf: tuple[str, ...]
     to_ours: Callable[..., Any]
     to_hf: Callable[[Any], tuple]
     direct: str | None = None
+    layers: frozenset[int] | None = None
 
     def hf_names(self, layer: int | None) -> tuple[str, ...]:
         """The Hugging Face tensors of layer ``layer`` (None: not a per-layer rule)."""
@@ -129,6 +143,29 @@ def interleave(ours: str, hf: tuple[str, ...], cols: tuple[int, ...], group: int
     return Rule(ours, hf, to_ours, to_hf)
 
 
+def per_expert(ours: str, inner: Rule, num_experts: int) -> Rule:
+    """``ours`` ``[E, ...]`` whose row ``e`` is ``inner`` (a rule of one expert's tensors,
+    their names holding ``{e}``) of expert ``e``'s tensors (transformers'
+    ``experts.{e}.*`` modules, as ``save_pretrained`` writes them)."""
+    k = len(inner.hf)
+    names = tuple(n.replace("{e}", str(e)) for e in range(num_experts) for n in inner.hf)
+
+    def to_ours(*ts):
+        rows = [inner.to_ours(*ts[e * k:(e + 1) * k]) for e in range(num_experts)]
+        return jnp.stack(rows) if isinstance(rows[0], jax.Array) else np.stack(rows)
+
+    def to_hf(x):
+        return tuple(t for e in range(num_experts) for t in inner.to_hf(x[e]))
+
+    return Rule(ours, names, to_ours, to_hf)
+
+
+def on_layers(rules: list[Rule], layers: Collection[int]) -> list[Rule]:
+    """``rules`` applied to ``layers`` only (an empty list when there are none)."""
+    layers = frozenset(layers)
+    return [dataclasses.replace(r, layers=layers) for r in rules] if layers else []
+
+
 def swap_qkv(w, first: int, second: int, d: int):
     """Columns ``(first, second, d)`` -> ``(second, first, d)`` of ``w [..., cols]``."""
     lead = w.shape[:-1]
@@ -146,6 +183,8 @@ def expand(rules: list[Rule], cfg: GPTConfig) -> list[tuple[str, Rule, int | Non
             out.append((rule.ours, rule, None))
             continue
         for i in range(cfg.num_layers):
+            if rule.layers is not None and i not in rule.layers:
+                continue
             path = rule.ours.replace("{i}/", "") if cfg.scan_layers else \
                 rule.ours.format(i=i)
             out.append((path, rule, i))

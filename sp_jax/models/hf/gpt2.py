@@ -70,10 +70,10 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def expresses(cfg: GPTConfig) -> bool:
-    """Learned positions, LayerNorm, a gelu/relu MLP, all biases, no grouped-query
-    attention, no sliding window, no q/k norm."""
-    return has_fields(cfg, positions="learned", norm="layernorm", qkv_bias=True,
-                      out_bias=True, mlp_bias=True, num_kv_heads=cfg.num_heads,
+    """Dense (no experts); learned positions, LayerNorm, a gelu/relu MLP, all biases, no
+    grouped-query attention, no sliding window, no q/k norm."""
+    return has_fields(cfg, num_experts=0, positions="learned", norm="layernorm",
+                      qkv_bias=True, out_bias=True, mlp_bias=True, num_kv_heads=cfg.num_heads,
                       rope_scaling=None, sliding_window=None, qk_norm=False) and \
         cfg.mlp_activation in ACTIVATIONS.values()
 

@@ -197,7 +197,8 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
             parallel: ParallelConfig = ParallelConfig(), rngs: nnx.Rngs | None = None,
             **overrides: Any) -> GPT:
     """A :class:`~sp_jax.models.GPT` holding a Hugging Face checkpoint of a family of
-    :data:`~sp_jax.models.hf.FAMILIES` (GPT-2, Llama, Mistral, Qwen2, Qwen3).
+    :data:`~sp_jax.models.hf.FAMILIES` (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral,
+    Qwen3-MoE).
 
     Call under ``jax.set_mesh(mesh)``: every parameter is placed straight into its
     sharding on that mesh. Torch and transformers are not imported.
@@ -205,7 +206,9 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
     Args:
       path_or_state_dict: a checkpoint directory (``config.json`` and ``*.safetensors``,
         possibly sharded with ``model.safetensors.index.json``), or a dict of NumPy
-        arrays named as in transformers' ``state_dict()``.
+        arrays named as in transformers' ``state_dict()`` (of a mixture of experts: the
+        per-expert tensors ``save_pretrained`` writes, or transformers 5.x's fused
+        ``mlp.experts.gate_up_proj`` / ``down_proj`` of its ``state_dict()``).
       config_json: the ``config.json`` dict or path (default: the directory's).
       parallel: the :class:`~sp_jax.ParallelConfig` of the model.
       rngs: rng streams for the model's dropout (default ``nnx.Rngs(0)``); parameters
@@ -264,7 +267,7 @@ def _check(source: _Source, cfg: GPTConfig, family: Family, flat: dict[str, Any]
     plan: dict[str, list] = {}
     used: set[str] = set()
     errors: list[str] = []
-    for path, rule, layer in expand(family.rules(cfg), cfg):
+    for path, rule, layer in expand(family.reading_rules(cfg, names), cfg):
         if path not in flat:
             raise AssertionError(f"from_hf: conversion table names {path}, not in the model")
         want = flat[path]
@@ -288,6 +291,8 @@ def _check(source: _Source, cfg: GPTConfig, family: Family, flat: dict[str, Any]
             used.add(name)
             stored.append(names[name])
         plan.setdefault(path, []).append((rule, layer, tuple(stored)))
+    for entries in plan.values():  # a scanned parameter's rows in layer order
+        entries.sort(key=lambda entry: -1 if entry[1] is None else entry[1])
     unknown = sorted(set(names) - used)
     if cfg.tie_embeddings and "lm_head.weight" in unknown:  # a tied copy
         unknown.remove("lm_head.weight")

@@ -120,10 +120,11 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def expresses(cfg: GPTConfig) -> bool:
-    """Rotary positions, RMSNorm, SwiGLU, ``qkv_bias == out_bias``, no sliding window, no
-    q/k norm."""
-    return has_fields(cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
-                      out_bias=cfg.qkv_bias, sliding_window=None, qk_norm=False)
+    """Dense (no experts); rotary positions, RMSNorm, SwiGLU, ``qkv_bias == out_bias``, no
+    sliding window, no q/k norm."""
+    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+                      mlp_activation="swiglu", out_bias=cfg.qkv_bias, sliding_window=None,
+                      qk_norm=False)
 
 
 def llama_shaped_rules(cfg: GPTConfig) -> list[Rule]:

@@ -66,10 +66,11 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def expresses(cfg: GPTConfig) -> bool:
-    """Rotary positions, RMSNorm, SwiGLU, q/k/v biases without an output or MLP bias, no
-    q/k norm."""
-    return has_fields(cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
-                      qkv_bias=True, out_bias=False, mlp_bias=False, qk_norm=False)
+    """Dense (no experts); rotary positions, RMSNorm, SwiGLU, q/k/v biases without an
+    output or MLP bias, no q/k norm."""
+    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+                      mlp_activation="swiglu", qkv_bias=True, out_bias=False, mlp_bias=False,
+                      qk_norm=False)
 
 
 QWEN2 = Family(

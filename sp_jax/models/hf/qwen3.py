@@ -34,10 +34,11 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def expresses(cfg: GPTConfig) -> bool:
-    """Rotary positions, RMSNorm, SwiGLU, q/k norm, ``qkv_bias == out_bias``, no MLP
-    bias."""
-    return has_fields(cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
-                      qk_norm=True, out_bias=cfg.qkv_bias, mlp_bias=False)
+    """Dense (no experts); rotary positions, RMSNorm, SwiGLU, q/k norm, ``qkv_bias ==
+    out_bias``, no MLP bias."""
+    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+                      mlp_activation="swiglu", qk_norm=True, out_bias=cfg.qkv_bias,
+                      mlp_bias=False)
 
 
 QWEN3 = Family(

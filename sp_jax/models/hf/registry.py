@@ -9,14 +9,15 @@ from typing import Any
 import jax.numpy as jnp
 
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.models.hf import gpt2, llama, mistral, qwen2, qwen3
+from sp_jax.models.hf import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from sp_jax.models.hf.family import Family
 
 __all__ = ["FAMILIES", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf", "family_of",
            "generation_config"]
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
-    gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3)}
+    gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3, mixtral.MIXTRAL,
+    qwen3_moe.QWEN3_MOE)}
 """``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it
 (unless ``model_type=`` asks for another)."""
 
@@ -55,7 +56,9 @@ def _shape_fields(cfg: GPTConfig) -> str:
             f"mlp_activation={cfg.mlp_activation!r}, qkv_bias={cfg.qkv_bias}, "
             f"out_bias={cfg.out_bias}, mlp_bias={cfg.mlp_bias}, "
             f"num_kv_heads={cfg.num_kv_heads}, qk_norm={cfg.qk_norm}, "
-            f"sliding_window={cfg.sliding_window}")
+            f"sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}"
+            + (f", moe_layer_freq={cfg.moe_layer_freq}, moe_norm_topk={cfg.moe_norm_topk}, "
+               f"num_shared_experts={cfg.num_shared_experts}" if cfg.num_experts else ""))
 
 
 def _dtype_of(config: Mapping[str, Any]):
@@ -70,13 +73,14 @@ def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face ``config.json`` (a dict).
 
     ``model_type`` one of :data:`FAMILIES` (``"gpt2"``, ``"llama"``, ``"mistral"``,
-    ``"qwen2"``, ``"qwen3"``), as written by transformers 4.x (``rope_theta`` and
-    ``rope_scaling`` at the top level) or 5.x (``rope_parameters``). Options sp_jax
-    cannot reproduce exactly raise a ValueError naming the key (e.g. GPT-2's
-    ``scale_attn_by_inverse_layer_idx``, a ``head_dim`` other than ``hidden / heads``,
-    rope types other than default and ``llama3``, a Qwen sliding window on some layers
-    only), and so does a missing shape key (``hidden_size``, ...). ``param_dtype`` is
-    the config's ``dtype`` (``torch_dtype`` in 4.x), float32 when absent;
+    ``"qwen2"``, ``"qwen3"``, ``"mixtral"``, ``"qwen3_moe"``), as written by transformers
+    4.x (``rope_theta`` and ``rope_scaling`` at the top level) or 5.x
+    (``rope_parameters``). Options sp_jax cannot reproduce exactly raise a ValueError
+    naming the key (e.g. GPT-2's ``scale_attn_by_inverse_layer_idx``, a ``head_dim``
+    other than ``hidden / heads``, rope types other than default and ``llama3``, a Qwen
+    sliding window on some layers only, Qwen3-MoE's ``mlp_only_layers``, Mixtral's
+    ``router_jitter_noise``), and so does a missing shape key (``hidden_size``, ...).
+    ``param_dtype`` is the config's ``dtype`` (``torch_dtype`` in 4.x), float32 when absent;
     ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` are kept as they are (None
     when absent).
 

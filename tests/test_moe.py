@@ -1,0 +1,189 @@
+"""Mixture of experts: the sharded, dropless (or capacity-limited) expert layers compute
+exactly what a plain unsharded loop over the experts computes, on meshes with an expert
+axis (data, expert, context, tensor), and the auxiliary loss is transformers' Mixtral one."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import copy_weights, param_values, to_host, train_gpt
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import sp_jax
+from sp_jax.layers import MoE, moe_losses
+from sp_jax.models import GPT, GPTConfig
+from sp_jax.ops.moe import router_stats
+
+B, S = 8, 16
+AXES = ("data", "expert", "context", "tensor")
+# (data, expert, context, tensor) meshes and their ParallelConfig options
+MESHES = {
+    "expert8": ((1, 8, 1, 1), {}),
+    "data2_expert2_tensor2_fsdp": ((2, 2, 1, 2), dict(fsdp=True, recompute_allgather=True)),
+    "expert4_tensor2": ((1, 4, 1, 2), {}),
+    "expert2_ring2_tensor2": ((1, 2, 2, 2), dict(context_parallel="ring")),
+}
+MOE = dict(num_experts=8, experts_per_token=2, moe_mlp_hidden=16, router_aux_loss_coef=0.05,
+           router_z_loss_coef=0.01)
+
+
+def _config(**overrides) -> GPTConfig:
+    return GPTConfig.llama("llama-tiny", **{
+        "vocab_size": 64, "max_seq_len": S, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "hidden": 32, "mlp_hidden": 48, **MOE, **overrides})
+
+
+def _mesh(shape):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 4,
+                         devices=jax.devices()[:n])
+
+
+def _batches(vocab, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, vocab, size=(B, S + 1)).astype(np.int32)
+        out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
+    return out
+
+
+def reference_mixture(self, normed):
+    """:meth:`MoE.mixture` written out plainly on the unsharded arrays: a loop over the
+    experts, each computing every token and keeping those routed to it; the capacity rule
+    as running counts over (choice rank, position)."""
+    cfg = self.config
+    e, k, f = cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_hidden
+    x = jax.reshard(normed, P())  # whole, on the one device
+    logits = x.astype(jnp.float32) @ jax.reshard(self.router[...], P()).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    chosen = jnp.argsort(-probs, axis=-1, stable=True)[..., :k]  # [b, s, k]
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)
+    if cfg.moe_norm_topk:
+        weights = weights / weights.sum(-1, keepdims=True)
+    onehot = jax.nn.one_hot(chosen, e)  # [b, s, k, e]
+    keep = jnp.ones(chosen.shape, bool)
+    if cfg.moe_capacity_factor is not None:
+        capacity = int(np.ceil(cfg.moe_capacity_factor * x.shape[1] * k / e))
+        by_priority = onehot.transpose(0, 2, 1, 3).reshape(x.shape[0], -1, e)
+        earlier = jnp.cumsum(by_priority, axis=1) - by_priority
+        place = jnp.sum(earlier * by_priority, -1).reshape(x.shape[0], k, -1).transpose(0, 2, 1)
+        keep = place < capacity
+    gate = jnp.sum(onehot * (weights * keep)[..., None], axis=2)  # [b, s, e]
+    up, down = (jax.reshard(w[...], P()) for w in (self.experts_up, self.experts_down))
+    y = jnp.zeros(x.shape, jnp.float32)
+    for i in range(e):
+        h = (x @ up[i].astype(x.dtype)).reshape(*x.shape[:2], f, 2)
+        out = (jax.nn.silu(h[..., 0]) * h[..., 1]) @ down[i].astype(x.dtype)
+        y = y + gate[..., i, None] * out
+    stats = {"expert_tokens": onehot.sum((0, 1, 2)),
+             "router_probs": probs.sum((0, 1)),
+             "router_z": jnp.sum(jax.nn.logsumexp(logits, -1) ** 2),
+             "tokens": jnp.asarray(x.shape[0] * x.shape[1], jnp.float32),
+             "dropped": jnp.sum(~keep).astype(jnp.float32)}
+    return y.astype(x.dtype), stats
+
+
+def _reference(monkeypatch, cfg, run):
+    with monkeypatch.context() as m:
+        m.setattr(MoE, "mixture", reference_mixture)
+        return run(cfg, sp_jax.ParallelConfig(), _mesh((1, 1, 1, 1)))
+
+
+def test_dropless_experts_train_like_the_reference_loop(monkeypatch):
+    """5 AdamW steps (aux and z losses on, one shared expert) on four meshes with an
+    expert axis, one with fsdp and recompute_allgather, one with ring attention, equal
+    to the unsharded model whose expert layers are the plain loop (fp32, 1e-5)."""
+    cfg = _config(num_shared_experts=1)
+    batches = _batches(cfg.vocab_size, 5)
+    init = None
+    results = {}
+    for name, (shape, options) in MESHES.items():
+        par = sp_jax.ParallelConfig(expert_axis="expert", **options)
+        got_init, losses, params, step = train_gpt(cfg, par, _mesh(shape), batches, init=init)
+        init = init or got_init
+        results[name] = (losses, params)
+    _, ref_losses, ref_params, _ = _reference(
+        monkeypatch, cfg, lambda c, p, m: train_gpt(c, p, m, batches, init=init))
+    assert ref_losses[-1] < ref_losses[0]
+    for name, (losses, params) in results.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5, err_msg=name)
+        chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
+
+
+def _loss_and_grads(cfg, par, mesh, init, tokens):
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=par, rngs=nnx.Rngs(0))
+        if init is not None:
+            copy_weights(model, init)
+
+        @nnx.jit
+        def loss_and_grads(m, tokens):
+            return nnx.value_and_grad(lambda m: m.loss(tokens, return_metrics=True),
+                                      has_aux=True)(m)
+
+        (value, metrics), grads = loss_and_grads(model, tokens)
+        return (param_values(model), float(value), to_host(metrics),
+                to_host(nnx.to_pure_dict(grads)))
+
+
+def test_capacity_drops_the_same_pairs_on_every_mesh(monkeypatch):
+    """Capacity mode (factor 1.0 on one expert layer): the loss, the dropped fraction,
+    the tokens per expert and every gradient equal the reference rule's on all four
+    meshes, so each mesh keeps exactly the pairs the rule keeps."""
+    cfg = _config(num_layers=1, moe_capacity_factor=1.0)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (B, S)), jnp.int32)
+    init, ref = None, None
+    runs = {}
+    for name, (shape, options) in MESHES.items():
+        par = sp_jax.ParallelConfig(expert_axis="expert", **options)
+        got_init, *out = _loss_and_grads(cfg, par, _mesh(shape), init, tokens)
+        init = init or got_init
+        runs[name] = out
+    ref = _reference(monkeypatch, cfg,
+                     lambda c, p, m: _loss_and_grads(c, p, m, init, tokens))[1:]
+    assert ref[1]["moe_dropped_fraction"] > 0.05  # the rule drops pairs here
+    for name, (value, metrics, grads) in runs.items():
+        np.testing.assert_allclose(value, ref[0], rtol=1e-5, err_msg=name)
+        for key in ("moe_dropped_fraction", "moe_expert_tokens"):
+            np.testing.assert_array_equal(metrics[key], ref[1][key], err_msg=name)
+        chex.assert_trees_all_close(grads, ref[2], rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_equals_transformers_mixtral():
+    """``moe_losses`` of the per-layer router statistics equals transformers' Mixtral
+    ``load_balancing_loss_func`` (tests/fixtures/moe_aux_loss.npz: its value on random
+    router logits of 3 layers, written by scripts/make_hf_fixtures.py)."""
+    data = np.load("tests/fixtures/moe_aux_loss.npz")
+    logits, k = jnp.asarray(data["logits"]), int(data["top_k"])  # [layers, tokens, E]
+    stats = [router_stats(layer, jax.lax.top_k(jax.nn.softmax(layer), k)[1])
+             for layer in logits]
+    stacked = jax.tree.map(lambda *v: jnp.stack(v), *stats)
+    got = moe_losses(stacked, logits.shape[-1], k)["moe_aux_loss"]
+    np.testing.assert_allclose(got, data["aux_loss"], rtol=1e-6)
+
+
+def test_moe_config_errors():
+    with pytest.raises(ValueError, match="experts_per_token=9 must be at most num_experts=8"):
+        _config(experts_per_token=9)
+    with pytest.raises(ValueError, match="moe_capacity_factor=0 must be None"):
+        _config(moe_capacity_factor=0)
+    with pytest.raises(ValueError, match="moe_layer_freq=2 mixes dense and expert layers"):
+        _config(scan_layers=True, moe_layer_freq=2)
+    with pytest.raises(ValueError, match="expert_axis='tensor' is also the tensor"):
+        sp_jax.ParallelConfig(expert_axis="tensor")
+    with jax.set_mesh(_mesh((1, 8, 1, 1))), pytest.raises(
+            ValueError, match="num_experts=4 must be divisible by the expert axis size 8"):
+        GPT(_config(num_experts=4), parallel=sp_jax.ParallelConfig(expert_axis="expert"),
+            rngs=nnx.Rngs(0))
+
+
+def test_moe_layer_freq_mixes_dense_and_expert_layers():
+    cfg = _config(num_layers=4, moe_layer_freq=2)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    with jax.set_mesh(_mesh((1, 1, 1, 1))):
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
