@@ -178,7 +178,7 @@ def test_parse_collectives_and_collective_stats_count_alike():
     stats = collective_stats(HLO_TEXT)
     assert set(stats.ops) == set(COLLECTIVE_KINDS)
     assert stats.ops == {"all-gather": 2, "reduce-scatter": 1, "all-reduce": 1,
-                         "collective-permute": 0, "all-to-all": 0}
+                         "collective-permute": 0, "all-to-all": 0, "ragged-all-to-all": 0}
     assert stats.operands["all-gather"] == 3 and stats.operands["all-reduce"] == 2
     assert stats.bytes["all-gather"] == 160 and stats.bytes["all-reduce"] == 48
     assert stats.async_ops == {**dict.fromkeys(COLLECTIVE_KINDS, 0), "all-gather": 1}

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import copy_weights, param_values, to_host, train_gpt
+from conftest import requires_cuda_plugin
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -187,3 +188,63 @@ def test_moe_layer_freq_mixes_dense_and_expert_layers():
     with jax.set_mesh(_mesh((1, 1, 1, 1))):
         model = GPT(cfg, rngs=nnx.Rngs(0))
     assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
+
+
+def _arrays_of(jaxpr, per_device=False):
+    """Every array the per-device programs (``shard_map`` bodies) of a jaxpr make:
+    (shape, primitive name)."""
+    for eqn in jaxpr.eqns:
+        if per_device and eqn.primitive.name != "shard_map":
+            for v in eqn.outvars:
+                if hasattr(v.aval, "shape"):
+                    yield tuple(v.aval.shape), eqn.primitive.name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _arrays_of(inner, per_device or eqn.primitive.name == "shard_map")
+
+
+@requires_cuda_plugin
+def test_h100_expert_traffic_is_ragged_all_to_all_without_a_dense_dispatch():
+    """One expert layer's forward+backward on (data, expert, context, tensor) = (2, 2, 1,
+    2) H100s: the traced program has no array of ``T x E x h`` elements (``T`` a device's
+    tokens), and in the compiled program the tokens cross devices only by ragged
+    all-to-all over the expert axis (4: dispatch and return, forward and backward), with
+    the counts exchanged by small all-to-alls over the same groups; the rest of its
+    traffic is the tensor axis' gather / reduce-scatter pair and gradient reductions."""
+    from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
+
+    shape, h, s, b = (2, 2, 1, 2), 64, 64, 4
+    cfg = _config(num_layers=1, hidden=h, max_seq_len=s, moe_mlp_hidden=32,
+                  dtype=jnp.bfloat16)
+    par = sp_jax.ParallelConfig(expert_axis="expert")
+    with jax.set_mesh(gpu_mesh(shape, AXES)):
+        layer = nnx.eval_shape(lambda: MoE(cfg.moe_config(), parallel=par, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(layer)
+    x = jax.ShapeDtypeStruct((b, s, h), jnp.bfloat16, sharding=P(("data", "expert"), "tensor"))
+
+    def grad(params, x):
+        def loss(p, x):
+            return jnp.sum(nnx.merge(graphdef, p)(x)[0].astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    tokens = b * s // (shape[0] * shape[1])  # a device's tokens after the tensor gather
+    with jax.set_mesh(gpu_mesh(shape, AXES)):
+        jaxpr = jax.make_jaxpr(grad)(params, x).jaxpr
+    largest = max(np.prod(a) for a, _ in _arrays_of(jaxpr))
+    assert largest < tokens * cfg.num_experts * h, largest
+    report = compile_for_gpu(grad, params, x, mesh_shape=shape, axis_names=AXES)
+    ops = parse_collectives(report.hlo)
+    expert_groups = {(0, 2), (1, 3), (4, 6), (5, 7)}  # devices (d, e, c, t): e varies
+    tensor_groups = {(0, 1), (2, 3), (4, 5), (6, 7)}
+    ragged = [c for c in ops if c.kind == "ragged-all-to-all"]
+    assert len(ragged) == 4
+    for c in ops:
+        if c.kind in ("ragged-all-to-all", "all-to-all"):
+            assert set(c.groups) == expert_groups, c
+            assert c.kind == "ragged-all-to-all" or c.bytes <= 64, c  # counts, offsets
+        elif c.kind in ("all-gather", "reduce-scatter") and c.bytes > 4096:
+            assert set(c.groups) == tensor_groups, c  # the activations' pair
+    assert all(c.is_async for c in ragged)

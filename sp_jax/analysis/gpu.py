@@ -54,7 +54,11 @@ TARGETS = {"h100": "h100_sxm.txtpb"}
 # XLA:CPU runs need --xla_disable_hlo_passes=cse_barrier_expander (see
 # ParallelConfig.recompute_allgather); the GPU pipeline must run that pass (XLA:GPU cannot
 # emit an optimization barrier), so the process-wide setting is cleared for GPU compiles.
-_GPU_ONLY_OPTIONS: dict[str, Any] = {"xla_disable_hlo_passes": ""}
+# Deviceless compiles cannot size the scratch of CUB's radix sort (it asks the CUDA
+# runtime; "Error loading CUDA libraries"): XLA's own sort kernel instead (the sorts of
+# the mixture-of-experts dispatch).
+_GPU_ONLY_OPTIONS: dict[str, Any] = {"xla_disable_hlo_passes": "",
+                                     "xla_gpu_enable_cub_radix_sort": False}
 
 
 def default_compiler_options() -> dict[str, Any]:

@@ -42,8 +42,10 @@ __all__ = [
 ]
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",
-                    "all-to-all")
-"""The HLO collective opcodes the parser recognises (async forms: ``<kind>-start``)."""
+                    "all-to-all", "ragged-all-to-all")
+"""The HLO collective opcodes the parser recognises (async forms: ``<kind>-start``). A
+``ragged-all-to-all``'s bytes are those of its result, the static receive buffer; the
+rows it moves are data-dependent (its ``send_sizes`` operand)."""
 
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
@@ -234,6 +236,8 @@ def parse_collectives(compiled: Any) -> list[Collective]:
                 arrays = arrays[n_in:]  # (operands..., results...) -> results
         if kind == "all-reduce":
             arrays = _split_concatenated(m.group("operands"), arrays, defs)
+        if kind == "ragged-all-to-all":  # ((operand, output, 4 offsets/sizes), result)
+            arrays = arrays[-1:]
         op_name = re.search(r'op_name="([^"]*)"', rest)
         op_name = op_name.group(1) if op_name else ""
         phase = ("backward" if "transpose(" in op_name else "forward") if op_name else "unknown"

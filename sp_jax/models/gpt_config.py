@@ -1,5 +1,6 @@
 """The configuration of a :class:`~sp_jax.models.GPT`: :class:`GPTConfig` (shape, numerics,
-the GPT-2 and Llama presets, the checkpoint's special token ids) and :data:`POSITIONS`."""
+the GPT-2, Llama and Mixtral presets, the checkpoint's special token ids) and
+:data:`POSITIONS`."""
 
 from __future__ import annotations
 
@@ -269,6 +270,38 @@ class GPTConfig:
         }
         if name not in presets:
             raise ValueError(f"GPTConfig.llama: name={name!r} is not one of {list(presets)}.")
+        return cls(**{**common, **presets[name], **overrides})
+
+    @classmethod
+    def mixtral(cls, name: str = "mixtral-8x7b", **overrides: Any) -> GPTConfig:
+        """Mixtral shapes (Jiang et al. 2024; Hugging Face ``mistralai/Mixtral-8x7B-v0.1``):
+        Mistral's attention (rotary, RMSNorm eps 1e-5, 8 key/value heads, no biases, no
+        sliding window) with a mixture of experts in every layer (8 SwiGLU experts, 2 per
+        token, renormalised top-k, ``router_aux_loss_coef`` 0.02), untied head. Only
+        shapes: nothing is downloaded (see :func:`sp_jax.models.hf.from_hf` for weights).
+
+        Args:
+          name: ``"mixtral-8x7b"`` (46.7B parameters: 32 layers, 32 heads, 4096 wide,
+            experts 14336 wide, vocabulary 32000, 32768 positions, rope_base 1e6) or
+            ``"mixtral-tiny"`` (2 layers, 8 heads over 2 key/value heads, 64 wide,
+            experts 32 wide, vocabulary 256, 128 positions: the same structure at test
+            size).
+          overrides: any other :class:`GPTConfig` field (e.g. ``moe_capacity_factor``).
+        """
+        common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
+                      qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                      norm_epsilon=1e-5, rope_base=1e6, sliding_window=None, num_experts=8,
+                      experts_per_token=2, moe_norm_topk=True, router_aux_loss_coef=0.02)
+        presets = {
+            "mixtral-8x7b": dict(vocab_size=32000, max_seq_len=32768, num_layers=32,
+                                 num_heads=32, num_kv_heads=8, hidden=4096, mlp_hidden=14336,
+                                 moe_mlp_hidden=14336),
+            "mixtral-tiny": dict(vocab_size=256, max_seq_len=128, num_layers=2, num_heads=8,
+                                 num_kv_heads=2, hidden=64, mlp_hidden=32, moe_mlp_hidden=32),
+        }
+        if name not in presets:
+            raise ValueError(f"GPTConfig.mixtral: name={name!r} is not one of "
+                             f"{list(presets)}.")
         return cls(**{**common, **presets[name], **overrides})
 
     def flops_per_token(self, seq_len: int | None = None) -> float:

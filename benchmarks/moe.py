@@ -1,0 +1,247 @@
+"""Mixture of experts: a Mixtral-8x7B-shaped stack on 8 x H100 (deviceless compiles) and the
+dropless layer's CPU step time against a dense MLP of the same active FLOPs.
+
+    python -m benchmarks.moe [--gpu] [--cpu] [--rounds N]
+
+GPU (``--gpu``): 2 layers of h=4096, 32 heads over 8 key/value heads, E=8 experts of
+F=14336, k=2, s=4096, global batch 8, bf16 compute, fp32 parameters and weight gradients,
+``recompute_allgather``; the forward+backward of the stack (gradients of a sum of squares
+w.r.t. the parameters and the input) on ``expert 8`` and ``data 2 x expert 2 x tensor
+2``: per-GPU peak (temp + arguments + outputs - aliased), the ragged all-to-alls per
+layer and their payload against the analytic ``2 k T h bytes (ep - 1) / ep`` (forward:
+dispatch and return; ``T`` the tokens of a device's tensor group), the static receive
+buffer (``ep T min(k, E / ep)`` rows) and the largest buffers of the program.
+
+CPU (``--cpu``, 1 device, fp32): the dropless layer (E=8, k=2, F) forward+backward vs a
+dense MLP of width ``k F`` (the same active FLOPs) on the same tokens, and the dropless
+layer with its grouped GEMMs replaced by one dense GEMM of the sorted rows (same FLOPs
+as a true grouped GEMM, wrong values): the difference is the masked lowering's part
+(XLA:CPU computes a ``ragged_dot`` as a dense dot over every group with the other
+groups' rows masked: ``E`` times the FLOPs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import sp_jax
+from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
+from sp_jax.models import Block, GPTConfig
+
+__all__ = ["MESHES", "MIXTRAL", "compile_moe_stack", "cpu_step_times", "mixtral_config"]
+
+AXES = ("data", "expert", "context", "tensor")
+MIXTRAL = dict(h=4096, F=14336, E=8, k=2, s=4096, batch=8, heads=32, kv_heads=8, layers=2)
+"""The Mixtral-8x7B-shaped stack of the targets."""
+MESHES = {"expert 8": (1, 8, 1, 1), "data 2 x expert 2 x tensor 2": (2, 2, 1, 2)}
+"""(data, expert, context, tensor) meshes of the targets."""
+
+
+def mixtral_config(*, h: int, F: int, E: int, k: int, s: int, heads: int, kv_heads: int,
+                   **_: Any) -> GPTConfig:
+    """One Mixtral-shaped layer (bf16 compute) of these shapes."""
+    return GPTConfig(vocab_size=256, max_seq_len=s, num_layers=1, num_heads=heads,
+                     num_kv_heads=kv_heads, hidden=h, mlp_hidden=F, dtype=jnp.bfloat16,
+                     positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
+                     qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                     num_experts=E, experts_per_token=k, moe_mlp_hidden=F)
+
+
+def _send_operand_bytes(hlo: str, name: str) -> int:
+    """Bytes of the first operand (what is sent) of the ragged all-to-all ``name``."""
+    m = re.search(r"%" + re.escape(name) + r" = \(\((\w+)\[([\d,]+)\]", hlo)
+    if m is None:
+        return 0
+    return math.prod(int(d) for d in m.group(2).split(",")) * (
+        2 if m.group(1) in ("bf16", "f16") else 4)
+
+
+def compile_moe_stack(mesh_shape: tuple[int, ...], *, recompute: bool = True,
+                      **shapes: Any) -> dict[str, Any]:
+    """Deviceless 8 x H100 compile of ``MIXTRAL`` (``shapes`` override it) on the
+    ``(data, expert, context, tensor)`` mesh ``mesh_shape``."""
+    m = {**MIXTRAL, **shapes}
+    cfg = mixtral_config(**m)
+    par = sp_jax.ParallelConfig(expert_axis="expert", recompute_allgather=recompute,
+                                wgrad_dtype=jnp.float32)
+    with jax.set_mesh(gpu_mesh(mesh_shape, AXES)):
+        blocks = nnx.eval_shape(lambda: nnx.List(
+            [Block(cfg, par, rngs=nnx.Rngs(i)) for i in range(m["layers"])]))
+        graphdef, params = nnx.split(blocks)
+    x = jax.ShapeDtypeStruct((m["batch"], m["s"], m["h"]), jnp.bfloat16,
+                             sharding=P(("data", "expert"), "tensor", None))
+
+    def grad(params, x):
+        def loss(p, x):
+            for block in nnx.merge(graphdef, p):
+                x = block(x)
+            return jnp.sum(x.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    started = time.perf_counter()
+    report = compile_for_gpu(grad, params, x, mesh_shape=mesh_shape, axis_names=AXES,
+                             live_buffers=True)
+    seconds = time.perf_counter() - started
+    data, ep, context, t = mesh_shape
+    tokens = m["batch"] * m["s"] // (data * ep * context)  # a tensor group's tokens
+    ragged = [c for c in parse_collectives(report.hlo) if c.kind == "ragged-all-to-all"]
+    # the dispatches' send operand: [k T, h], every routed row once (the return sends the
+    # same rows back); (ep - 1) / ep of them leave the device under balanced routing
+    sends = [_send_operand_bytes(report.hlo, c.name) for c in ragged]
+    dispatch = [b for b in sends if b == tokens * m["k"] * m["h"] * 2]
+    off_device = (dispatch[0] if dispatch else 0) * (ep - 1) / ep
+    live = report.peak_live
+    at_peak = sorted(live.live_at(live.peak_position), key=lambda b: -b.bytes)[:4] \
+        if live is not None else []
+    return {
+        "mesh": mesh_shape, "compile_s": seconds, "peak_bytes": report.peak_bytes,
+        "temp_bytes": report.temp_bytes, "argument_bytes": report.argument_bytes,
+        "output_bytes": report.output_bytes, "alias_bytes": report.alias_bytes,
+        "ragged_all_to_alls": len(ragged),
+        "ragged_per_layer": len(ragged) / m["layers"],
+        "dispatch_sends": len(dispatch),
+        "send_rows": tokens * m["k"],
+        "receive_rows": ep * tokens * min(m["k"], m["E"] // ep),
+        "receive_buffer_bytes": max((c.bytes for c in ragged), default=0),
+        "a2a_forward_bytes_per_layer": 2 * off_device,
+        "a2a_analytic_forward_bytes": 2 * m["k"] * tokens * m["h"] * 2 * (ep - 1) / ep,
+        "dense_dispatch_bytes": tokens * m["E"] * m["h"] * 2,
+        "largest_at_peak": [(b.bytes, b.shape, b.op_name) for b in at_peak],
+        "tokens": tokens,
+        "other_collectives": {k: v for k, v in report.collectives.ops.items()
+                              if v and k != "ragged-all-to-all"},
+    }
+
+
+def _timed(fn, args, rounds: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_step_times(*, tokens: int = 2048, h: int = 256, F: int = 512, E: int = 8, k: int = 2,
+                   rounds: int = 7) -> dict[str, Any]:
+    """Median forward+backward seconds on one CPU device (fp32) of the dropless layer,
+    a dense MLP of width ``k F``, and the dropless layer with a dense stand-in for its
+    grouped GEMMs (interleaved rounds)."""
+    from sp_jax.ops import moe as moe_ops
+
+    mesh = jax.make_mesh((1, 1, 1, 1), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 4,
+                         devices=jax.devices()[:1])
+    cfg = GPTConfig(vocab_size=256, max_seq_len=tokens, num_layers=1, num_heads=4, hidden=h,
+                    mlp_hidden=k * F, norm="rmsnorm", mlp_activation="swiglu",
+                    mlp_bias=False, num_experts=E, experts_per_token=k, moe_mlp_hidden=F)
+    par = sp_jax.ParallelConfig(expert_axis="expert")
+    x = np.random.default_rng(0).normal(size=(1, tokens, h)).astype(np.float32)
+
+    def program(module):
+        def loss(m, x):
+            out = m(x)
+            out = out[0] if isinstance(out, tuple) else out
+            return jnp.sum(out ** 2)
+
+        return nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+
+    with jax.set_mesh(mesh):
+        moe = sp_jax.layers.MoE(cfg.moe_config(), parallel=par, rngs=nnx.Rngs(0))
+        dense = sp_jax.layers.MLP(cfg.mlp_config(), parallel=par, rngs=nnx.Rngs(0))
+        xs = jax.device_put(x, jax.NamedSharding(mesh, P(("data", "expert"), "tensor")))
+        real = moe_ops.grouped_ffn
+
+        def stand_in(rows, sizes, w_up, w_down, activation):  # one dense GEMM pair
+            return activation(rows @ w_up[0].astype(rows.dtype)) @ w_down[0].astype(rows.dtype)
+
+        programs = {"dense MLP (width k F)": (program(dense), dense),
+                    "dropless MoE": (program(moe), moe)}
+        moe_ops.grouped_ffn = stand_in
+        try:
+            stand = program(sp_jax.layers.MoE(cfg.moe_config(), parallel=par,
+                                              rngs=nnx.Rngs(0)))
+            jax.block_until_ready(stand(moe, xs))  # traced with the stand-in
+        finally:
+            moe_ops.grouped_ffn = real
+        programs["dropless MoE, dense stand-in GEMMs"] = (stand, moe)
+        times: dict[str, list[float]] = {name: [] for name in programs}
+        for _ in range(rounds):
+            for name, (fn, module) in programs.items():
+                times[name].append(_timed(fn, (module, xs), 1))
+    out = {name: statistics.median(v) for name, v in times.items()}
+    return {"tokens": tokens, "h": h, "F": F, "E": E, "k": k, "rounds": rounds,
+            "seconds": out}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def markdown(gpu: dict[str, dict] | None, cpu: dict | None) -> str:
+    """The BENCHMARKS.md section of these results."""
+    lines = []
+    if gpu:
+        m = MIXTRAL
+        lines += [f"### Mixtral-8x7B-shaped stack on 8 x H100 ({m['layers']} layers, h={m['h']}, "
+                  f"F={m['F']}, E={m['E']}, k={m['k']}, s={m['s']}, global batch {m['batch']}; "
+                  "deviceless compiles)", "",
+                  "| mesh (data x expert x context x tensor) | per-GPU peak | temp | ragged "
+                  "all-to-alls per layer (fwd + bwd) | all-to-all bytes per layer, forward "
+                  "(from the HLO / analytic) | receive buffer | a dense [T, E, h] dispatch |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in gpu.items():
+            lines.append(
+                f"| {name} {r['mesh']} | {_mib(r['peak_bytes'])} | {_mib(r['temp_bytes'])} | "
+                f"{r['ragged_per_layer']:g} | {_mib(r['a2a_forward_bytes_per_layer'])}"
+                f" / {_mib(r['a2a_analytic_forward_bytes'])} | {r['receive_rows']:,} rows, "
+                f"{_mib(r['receive_buffer_bytes'])} | {_mib(r['dense_dispatch_bytes'])} |")
+        lines.append("")
+        for name, r in gpu.items():
+            big = "; ".join(f"{shape} {_mib(b)} ({op.split('/')[-1] or 'XLA'})"
+                            for b, shape, op in r["largest_at_peak"])
+            lines.append(f"- {name}: largest buffers live at the peak: {big}; other "
+                         f"collectives {r['other_collectives']}")
+        lines.append("")
+    if cpu:
+        s = cpu["seconds"]
+        base = s["dense MLP (width k F)"]
+        lines += [f"### CPU: the dropless layer vs a dense MLP of the same active FLOPs "
+                  f"({cpu['tokens']} tokens, h={cpu['h']}, E={cpu['E']}, k={cpu['k']}, "
+                  f"F={cpu['F']}; forward+backward, 1 device, fp32, median of "
+                  f"{cpu['rounds']} interleaved rounds)", "",
+                  "| program | seconds | vs dense |", "|---|---|---|"]
+        for name, v in s.items():
+            lines.append(f"| {name} | {v:.4f} | {v / base:.2f}x |")
+        masked = s["dropless MoE"] - s["dropless MoE, dense stand-in GEMMs"]
+        lines += ["", f"The masked lowering's part: {masked:.4f} s of "
+                  f"{s['dropless MoE']:.4f} s ({masked / s['dropless MoE']:.0%})."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    gpu = {name: compile_moe_stack(shape) for name, shape in MESHES.items()} \
+        if args.gpu else None
+    cpu = cpu_step_times(rounds=args.rounds) if args.cpu else None
+    print(markdown(gpu, cpu))
+
+
+if __name__ == "__main__":
+    main()
