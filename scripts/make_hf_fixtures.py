@@ -1,23 +1,31 @@
 """Regenerates the golden Hugging Face fixtures of tests/test_hf.py (run by hand).
 
     pip install torch transformers safetensors numpy   # in an environment of its own
-    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
+    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--only NAME ...]
 
-For each of five small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
-rope scaling, a Mistral with a sliding window of 4 tokens, a tied Qwen2 and a tied Qwen3
-with its q/k norms) it writes ``<out>/<name>/`` with transformers' own ``save_pretrained``
-(``config.json``, ``generation_config.json`` and ``model.safetensors``) and
-``golden.npz``:
+For each of seven small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
+rope scaling, a Mistral with a sliding window of 4 tokens, a tied Qwen2, a tied Qwen3
+with its q/k norms, and the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
+of width 16, 2 per token, in every layer) it writes ``<out>/<name>/`` (``--only``: those
+named) with transformers' own ``save_pretrained`` (``config.json``,
+``generation_config.json`` and ``model.safetensors``) and ``golden.npz``:
 
 - ``input_ids`` int32 ``[2, 16]``, transformers' fp32 ``logits`` ``[2, 16, vocab]``, its
   ``loss`` for ``labels=input_ids`` and ``grad/<tensor>``: the gradients of that loss for
-  a few named tensors;
-- greedy generation, for three prompts of 5, 9 and 3 tokens (``i`` = 0, 1, 2), each run
-  alone: ``gen_prompt_<i>`` int32 ``[len]``, ``gen_tokens_<i>`` int32 ``[32]`` (the new
-  tokens of ``generate(do_sample=False, max_new_tokens=32, min_new_tokens=32)`` with no
-  end-of-sequence token, so all 32 are produced; checked against an argmax loop of full
-  forward passes) and ``gen_next_logits_<i>`` fp32 ``[vocab]`` (the logits of the first
-  new token).
+  a few named tensors (named as ``save_pretrained`` writes them: one tensor per expert);
+- mixtures of experts (``[4, 16]`` inputs, for meshes that split the batch four ways),
+  whose routers are drawn wider (std 0.5: no token's k-th and next expert are within
+  1e-4 in probability, so routing cannot flip on rounding): ``loss`` is the plain
+  next-token loss (``output_router_logits=False``), ``aux_loss`` transformers'
+  load-balancing loss (``output_router_logits=True``), ``loss_with_aux`` its loss then
+  (``loss + router_aux_loss_coef * aux_loss``) and the gradients are those of
+  ``loss_with_aux``; no generation data (sp_jax's generate has no experts yet);
+- greedy generation (dense models), for three prompts of 5, 9 and 3 tokens (``i`` = 0,
+  1, 2), each run alone: ``gen_prompt_<i>`` int32 ``[len]``, ``gen_tokens_<i>`` int32
+  ``[32]`` (the new tokens of ``generate(do_sample=False, max_new_tokens=32,
+  min_new_tokens=32)`` with no end-of-sequence token, so all 32 are produced; checked
+  against an argmax loop of full forward passes) and ``gen_next_logits_<i>`` fp32
+  ``[vocab]`` (the logits of the first new token).
 
 Nothing of sp_jax is imported: the fixtures are an independent reference.
 
@@ -51,7 +59,25 @@ GRADS = {  # the tensors whose gradients are recorded
               "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
     "qwen3": ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight",
               "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
+    "mixtral": ["model.layers.0.block_sparse_moe.gate.weight",
+                "model.layers.1.block_sparse_moe.experts.2.w1.weight",
+                "model.layers.0.block_sparse_moe.experts.1.w2.weight",
+                "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+                "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight",
+                "lm_head.weight"],
+    "qwen3_moe": ["model.layers.1.mlp.gate.weight", "model.layers.0.mlp.experts.0.gate_proj.weight",
+                  "model.layers.1.mlp.experts.3.up_proj.weight",
+                  "model.layers.1.mlp.experts.1.down_proj.weight",
+                  "model.layers.0.self_attn.q_norm.weight", "model.embed_tokens.weight"],
 }
+MOE = ("mixtral", "qwen3_moe")  # mixtures of experts
+MOE_BATCH = 4
+ROUTER_SEEDS = {"mixtral": 2, "qwen3_moe": 1}  # routers without near-ties (golden_moe checks)
+# save_pretrained's per-expert tensor -> (transformers 5.x's fused parameter, which half of
+# gate_up_proj: 0 gate, 1 up; None: down_proj)
+PER_EXPERT = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+              "down_proj": ("down_proj", None)}
 # the shapes every Llama-shaped fixture shares: 8 query heads over 2 key/value heads
 LLAMA_SHAPED = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
@@ -80,23 +106,93 @@ def configs() -> dict[str, tuple[transformers.PretrainedConfig, type]]:
             **LLAMA_SHAPED, head_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
             use_sliding_window=False, attention_bias=False, eos_token_id=[94, 95],
             pad_token_id=93), transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig(
+            **{**LLAMA_SHAPED, "intermediate_size": 16}, num_local_experts=4,
+            num_experts_per_tok=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2),
+            transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig(
+            **LLAMA_SHAPED, head_dim=4, moe_intermediate_size=16, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, router_aux_loss_coef=0.01,
+            eos_token_id=95, pad_token_id=93), transformers.Qwen3MoeForCausalLM),
     }
 
 
-def models() -> dict[str, transformers.PreTrainedModel]:
+def models(only: list[str] | None = None) -> dict[str, transformers.PreTrainedModel]:
     out = {}
     for name, (cfg, cls) in configs().items():
+        if only and name not in only:
+            continue
         torch.manual_seed(0)
         model = cls(cfg).float().eval()
         with torch.no_grad():  # non-trivial norms and biases (the inits are 1 and 0)
             for pname, p in model.named_parameters():
                 if pname.endswith("bias") or "norm" in pname or "ln_" in pname:
                     p.add_(0.1 * torch.randn_like(p))
+            routers = torch.Generator().manual_seed(ROUTER_SEEDS.get(name, 0))
+            for pname, p in model.named_parameters():  # decisive routing (see the docstring)
+                if pname.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=routers))
         out[name] = model
     return out
 
 
+def saved_grad(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
+    """The gradient of the tensor ``save_pretrained`` writes as ``name``: the parameter's
+    (transformers 4.x), or one expert's slice of transformers 5.x's fused
+    ``experts.gate_up_proj`` / ``down_proj`` (Mixtral's ``block_sparse_moe`` module named
+    ``mlp``)."""
+    if name in params:
+        return params[name].grad
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if name in params:
+        return params[name].grad
+    head, e, kind, _ = name.rsplit(".", 3)
+    fused, half = PER_EXPERT[kind]
+    grad = params[f"{head}.{fused}"].grad[int(e)]
+    if half is None:
+        return grad
+    width = grad.shape[0] // 2
+    return grad[half * width:(half + 1) * width]
+
+
+def golden_moe(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A mixture of experts' golden values (the docstring's second item)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (MOE_BATCH, SEQ)).astype(np.int64)
+    tokens = torch.from_numpy(ids)
+    model.zero_grad()
+    out = model(input_ids=tokens, labels=tokens, output_router_logits=True)
+    out.loss.backward()
+    with torch.no_grad():
+        plain = model(input_ids=tokens, labels=tokens)
+    k = model.config.num_experts_per_tok
+    gap = min(float((p[:, k - 1] - p[:, k]).min()) for p in (
+        torch.softmax(layer.detach().float(), -1).sort(-1, descending=True).values
+        for layer in out.router_logits))
+    if gap < 1e-4:
+        raise SystemExit(f"{model.config.model_type}: a token's top-{k} routing is within "
+                         f"{gap:.1e} of a tie; draw the routers differently")
+    coef = model.config.router_aux_loss_coef
+    if not torch.allclose(out.loss, plain.loss + coef * out.aux_loss):
+        raise SystemExit(f"{model.config.model_type}: loss with output_router_logits is not "
+                         "loss + router_aux_loss_coef * aux_loss")
+    params = dict(model.named_parameters())
+    result = {"input_ids": ids.astype(np.int32),
+              "logits": plain.logits.numpy().astype(np.float32),
+              "loss": np.float32(plain.loss.item()),
+              "aux_loss": np.float32(out.aux_loss.item()),
+              "loss_with_aux": np.float32(out.loss.item())}
+    for name in GRADS[model.config.model_type]:
+        result["grad/" + name] = saved_grad(params, name).numpy().astype(np.float32)
+    print(f"{model.config.model_type}: smallest top-{k} routing gap {gap:.2e}")
+    return result
+
+
 def golden(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    if model.config.model_type in MOE:
+        return golden_moe(model, vocab, seed)
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, (BATCH, SEQ)).astype(np.int64)
     tokens = torch.from_numpy(ids)
@@ -145,8 +241,8 @@ def greedy(model, rng: np.random.Generator, vocab: int) -> dict[str, np.ndarray]
     return out
 
 
-def generate(out: pathlib.Path) -> None:
-    for name, model in models().items():
+def generate(out: pathlib.Path, only: list[str] | None = None) -> None:
+    for name, model in models(only).items():
         directory = out / name
         directory.mkdir(parents=True, exist_ok=True)
         for old in directory.glob("*"):
@@ -188,11 +284,13 @@ def main() -> None:
     p.add_argument("--out", default=str(pathlib.Path(__file__).parents[1] / "tests" /
                                          "fixtures" / "hf"))
     p.add_argument("--check", default=None, help="a to_hf directory to load strictly")
+    p.add_argument("--only", nargs="+", default=None, choices=sorted(GRADS),
+                   help="write these fixtures only (default: all)")
     a = p.parse_args()
     if a.check:
         check(pathlib.Path(a.check))
     else:
-        generate(pathlib.Path(a.out))
+        generate(pathlib.Path(a.out), a.only)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Hugging Face checkpoints: golden logits, loss and gradients that transformers computed
 (tests/fixtures/hf, made by scripts/make_hf_fixtures.py) reproduced on 1, 8 (2x4) and 8
-(1x8) devices (GPT-2 and Llama; Mistral, Qwen2 and Qwen3 on 1 and 2x4), and the logits
-along transformers' greedy generations (41 positions, past Mistral's sliding window);
-sp_jax -> Hugging Face -> sp_jax bitwise with the special token ids and
+(1x8) devices (GPT-2 and Llama; Mistral, Qwen2 and Qwen3 on 1 and 2x4; the mixtures of
+experts Mixtral and Qwen3-MoE on (data, expert, context, tensor) meshes (1, 4, 1, 2) and
+(2, 2, 1, 2) with expert parallelism, with transformers' load-balancing loss), and the
+logits along transformers' greedy generations (41 positions, past Mistral's sliding
+window); sp_jax -> Hugging Face -> sp_jax bitwise with the special token ids and
 generation_config.json; config translation; every bad tensor named before anything is
 placed. No torch, no network."""
 
@@ -18,14 +20,36 @@ import pytest
 from _util import assert_bitwise, param_values, to_host
 from conftest import make_mesh
 from flax import nnx
+from jax.sharding import AxisType
 from safetensors.numpy import load_file
 
+from sp_jax import ParallelConfig
 from sp_jax.models import GPT, GPTConfig, RopeScaling, hf
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MESHES = [(1, 1), (2, 4), (1, 8)]
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+DENSE = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+MOE = ["mixtral", "qwen3_moe"]  # mixtures of experts
+FAMILIES = DENSE + MOE
 NEW = ("mistral", "qwen2", "qwen3")  # tested on the first two meshes (the suite's time)
+# (data, expert, context, tensor): the (2, 4)-equivalent meshes with an expert axis
+MOE_MESHES = [(1, 4, 1, 2), (2, 2, 1, 2)]
+EXPERTS = ParallelConfig(expert_axis="expert")
+
+
+def _expert_mesh(*shape: int) -> jax.sharding.Mesh:
+    """A (data, expert, context, tensor) mesh over the first devices."""
+    return jax.make_mesh(shape, ("data", "expert", "context", "tensor"),
+                         axis_types=(AxisType.Explicit,) * 4,
+                         devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _meshes(family: str) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh, ParallelConfig]:
+    """Two 8-device meshes for a family's round trips and the model's ParallelConfig: (2,
+    4) and (1, 8); a mixture of experts' two MOE_MESHES with expert parallelism."""
+    if family in MOE:
+        return _expert_mesh(*MOE_MESHES[0]), _expert_mesh(*MOE_MESHES[1]), EXPERTS
+    return make_mesh(2, 4), make_mesh(1, 8), ParallelConfig()
 
 
 @nnx.jit
@@ -33,6 +57,33 @@ def _logits_loss_grads(model, tokens):
     logits = model(tokens)
     loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
     return logits, loss, grads
+
+
+@nnx.jit
+def _logits_losses_grads(model, tokens):
+    """The logits, the loss with its metrics and the loss's gradients."""
+    logits = model(tokens)
+    (loss, metrics), grads = nnx.value_and_grad(
+        lambda m: m.loss(tokens, return_metrics=True), has_aux=True)(model)
+    return logits, loss, metrics, grads
+
+
+def _assert_golden_grads(model, grads, golden, msg: str) -> None:
+    """sp_jax's gradients, in transformers' names and layouts, against the golden ones."""
+    flat = {"/".join(map(str, k)): to_host(v[...]) for k, v in nnx.to_flat_state(grads)}
+    named = hf.io._convert_to_hf(model.config, flat)  # gradients in transformers' names
+    for key in golden.files:
+        if key.startswith("grad/"):
+            got, want = named[key[5:]], golden[key]
+            pad = model.config.pad_token_id
+            if key.endswith("embed_tokens.weight") and pad is not None:
+                # transformers' Llama-shaped embeddings are nn.Embedding(padding_idx=
+                # pad_token_id): no gradient through the pad token's row (sp_jax has
+                # one, docs/api.md); every other row as transformers'
+                keep = np.arange(len(want)) != pad
+                got, want = got[keep], want[keep]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{msg} {key}")
 
 
 def _generations(golden) -> tuple[np.ndarray, list[int]]:
@@ -50,7 +101,7 @@ def _generations(golden) -> tuple[np.ndarray, list[int]]:
     return batch, lengths
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE)
 def test_golden_logits_loss_and_gradients(family):
     """transformers' logits, loss and gradients; and along each of its greedy generations
     (teacher-forced: prompt + 32 tokens, 41 positions at most), the logits of the first
@@ -63,8 +114,6 @@ def test_golden_logits_loss_and_gradients(family):
             model = hf.from_hf(FIXTURES / family)
             model.eval()  # transformers' golden values are in eval mode (no dropout)
             logits, loss, grads = _logits_loss_grads(model, tokens)
-            flat = {"/".join(map(str, k)): to_host(v[...])
-                    for k, v in nnx.to_flat_state(grads)}
             gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
         np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5,
                                    err_msg=f"{family} {shape}")
@@ -75,19 +124,32 @@ def test_golden_logits_loss_and_gradients(family):
                                           golden[f"gen_tokens_{i}"],
                                           err_msg=f"{family} {shape} generation {i}")
         np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
-        named = hf.io._convert_to_hf(model.config, flat)  # gradients in transformers' names
-        for key in golden.files:
-            if key.startswith("grad/"):
-                got, want = named[key[5:]], golden[key]
-                pad = model.config.pad_token_id
-                if key.endswith("embed_tokens.weight") and pad is not None:
-                    # transformers' Llama-shaped embeddings are nn.Embedding(padding_idx=
-                    # pad_token_id): no gradient through the pad token's row (sp_jax has
-                    # one, docs/api.md); every other row as transformers'
-                    keep = np.arange(len(want)) != pad
-                    got, want = got[keep], want[keep]
-                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6,
-                                           err_msg=f"{family} {shape} {key}")
+        _assert_golden_grads(model, grads, golden, f"{family} {shape}")
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_golden_moe_logits_losses_and_gradients(family):
+    """A mixture of experts on two (data, expert, context, tensor) meshes with expert
+    parallelism: transformers' logits (1e-5); its plain next-token loss
+    (output_router_logits=False) as metrics["lm_loss"], its load-balancing loss as
+    metrics["moe_aux_loss"] and its loss with output_router_logits=True (lm_loss +
+    router_aux_loss_coef * aux) as sp_jax's loss, whose gradients are transformers'."""
+    golden = np.load(FIXTURES / family / "golden.npz")
+    for shape in MOE_MESHES:
+        with jax.set_mesh(_expert_mesh(*shape)):
+            model = hf.from_hf(FIXTURES / family, parallel=EXPERTS)
+            model.eval()
+            logits, loss, metrics, grads = _logits_losses_grads(model, golden["input_ids"])
+        msg = f"{family} {shape}"
+        np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5,
+                                   err_msg=msg)
+        np.testing.assert_allclose(float(metrics["lm_loss"]), float(golden["loss"]),
+                                   rtol=1e-6, err_msg=msg)
+        np.testing.assert_allclose(float(metrics["moe_aux_loss"]), float(golden["aux_loss"]),
+                                   rtol=1e-5, err_msg=msg)
+        np.testing.assert_allclose(float(loss), float(golden["loss_with_aux"]), rtol=1e-6,
+                                   err_msg=msg)
+        _assert_golden_grads(model, grads, golden, msg)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,16 +157,18 @@ def test_round_trip_is_bitwise(family, tmp_path):
     """HF -> sp_jax (2x4) -> HF: the same tensors bit for bit, and the config (the same
     family, the special token ids in config.json and generation_config.json as
     transformers wrote them); -> sp_jax again (1x8, and scanned layers): the same
-    parameters and shardings as a model built directly."""
+    parameters and shardings as a model built directly. Mixtures of experts on the
+    (1, 4, 1, 2) and (2, 2, 1, 2) meshes with expert parallelism."""
     original = load_file(FIXTURES / family / "model.safetensors")
-    with jax.set_mesh(make_mesh(2, 4)):
-        model = hf.from_hf(FIXTURES / family)
-        built = GPT(model.config, rngs=nnx.Rngs(0))
+    first, second, parallel = _meshes(family)
+    with jax.set_mesh(first):
+        model = hf.from_hf(FIXTURES / family, parallel=parallel)
+        built = GPT(model.config, parallel=parallel, rngs=nnx.Rngs(0))
         specs = lambda m: jax.tree.map(lambda v: v[...].sharding.spec,  # noqa: E731
                                        nnx.state(m, nnx.Param))
         assert specs(model) == specs(built)  # placed straight into the model's shardings
         hf.to_hf(model, tmp_path / "a")
-        scanned = hf.from_hf(FIXTURES / family, scan_layers=True)
+        scanned = hf.from_hf(FIXTURES / family, parallel=parallel, scan_layers=True)
         hf.to_hf(scanned, tmp_path / "b")
     written = load_file(tmp_path / "a" / "model.safetensors")
     assert sorted(written) == sorted(original)
@@ -123,8 +187,8 @@ def test_round_trip_is_bitwise(family, tmp_path):
         assert config.get(key) == source.get(key) == generation.get(key) == \
             source_generation.get(key), key
     assert generation["_from_model_config"] is True
-    with jax.set_mesh(make_mesh(1, 8)):
-        again = hf.from_hf(tmp_path / "a")
+    with jax.set_mesh(second):
+        again = hf.from_hf(tmp_path / "a", parallel=parallel)
     assert_bitwise(param_values(model), param_values(again))
 
 
@@ -209,11 +273,107 @@ def test_config_translation_mistral_qwen2_qwen3():
                                if k != "num_hidden_layers"})
 
 
+def test_config_translation_mixtral_qwen3_moe():
+    """The experts' fields (either key of the expert count), Mixtral's default rope base,
+    Qwen3-MoE's decoder_sparse_step / norm_topk_prob / sliding window, what sp_jax refuses
+    (mlp_only_layers, router jitter, no experts, a head_dim that is not hidden / heads),
+    and dense and mixture-of-experts families each refusing the other's configs."""
+    mixtral, qwen3_moe = _config("mixtral"), _config("qwen3_moe")
+    cfg = hf.config_from_hf(mixtral)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_hidden, cfg.moe_norm_topk,
+            cfg.moe_layer_freq, cfg.router_aux_loss_coef, cfg.rope_base, cfg.sliding_window,
+            cfg.qk_norm, cfg.tie_embeddings) == (4, 2, 16, True, 1, 0.02, 1e6, None, False,
+                                                 False)
+    assert cfg == dataclasses.replace(GPTConfig.mixtral(
+        "mixtral-tiny", vocab_size=96, max_seq_len=64, hidden=32, num_experts=4,
+        mlp_hidden=16, moe_mlp_hidden=16), bos_token_id=1, eos_token_id=2,
+        param_dtype=jnp.float32)
+    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+    v4 = {k: v for k, v in mixtral.items() if k != "rope_parameters"}  # transformers' 1e6
+    assert hf.config_from_hf(v4).rope_base == 1e6
+    assert hf.config_from_hf({**v4, "rope_theta": 1e4}).rope_base == 1e4
+    assert hf.config_from_hf({**mixtral, "sliding_window": 8}).sliding_window == 8
+    cfg = hf.config_from_hf(qwen3_moe)
+    assert (cfg.num_experts, cfg.moe_mlp_hidden, cfg.mlp_hidden, cfg.moe_norm_topk,
+            cfg.moe_layer_freq, cfg.qk_norm, cfg.router_aux_loss_coef,
+            cfg.tie_embeddings) == (4, 16, 48, True, 1, True, 0.01, True)
+    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+    published = {k: v for k, v in qwen3_moe.items() if k != "num_local_experts"}
+    assert hf.config_from_hf({**published, "num_experts": 4}) == cfg  # 4.x / Hub spelling
+    assert hf.config_to_hf(cfg)["num_experts"] == 4
+    sparse = hf.config_from_hf({**qwen3_moe, "decoder_sparse_step": 2})
+    assert (sparse.moe_layer_freq, [sparse.is_moe_layer(i) for i in range(2)]) == \
+        (2, [False, True])
+    assert hf.config_from_hf({**published, "num_experts": 4}).moe_norm_topk is True
+    assert hf.config_from_hf({k: v for k, v in qwen3_moe.items()
+                              if k != "norm_topk_prob"}).moe_norm_topk is False  # default
+    window = {"use_sliding_window": True, "sliding_window": 8}
+    assert hf.config_from_hf({**qwen3_moe, **window}).sliding_window == 8
+    assert hf.config_from_hf({**qwen3_moe, "sliding_window": 8}).sliding_window is None
+    for bad, match in [
+        ({**qwen3_moe, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+        ({**qwen3_moe, "num_local_experts": 0}, "num_experts=0"),
+        ({**qwen3_moe, "head_dim": 128}, "head_dim=128 differs"),
+        ({k: v for k, v in qwen3_moe.items() if k != "moe_intermediate_size"},
+         "'moe_intermediate_size' is missing"),
+        ({k: v for k, v in mixtral.items() if k != "num_local_experts"},
+         "'num_local_experts' .* is missing"),
+        ({**mixtral, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            hf.config_from_hf(bad)
+    moe, dense = hf.config_from_hf(qwen3_moe), hf.config_from_hf(_config("qwen3"))
+    for family, config in hf.registry.REGISTRY.items():
+        assert config.expresses(moe) == (family == "qwen3_moe"), family
+        assert config.expresses(dense) == (family == "qwen3"), family
+    with pytest.raises(ValueError, match="model_type='qwen3' cannot express.*num_experts=4"):
+        hf.config_to_hf(moe, model_type="qwen3")
+    with pytest.raises(ValueError, match="model_type='mixtral' cannot express.*num_experts=0"):
+        hf.config_to_hf(hf.config_from_hf(_config("mistral")), model_type="mixtral")
+
+
+def test_moe_fused_experts_and_dense_layers():
+    """transformers 5.x's fused expert tensors (its state_dict(): mlp.experts.gate_up_proj /
+    down_proj) read as the per-expert ones; a Qwen3-MoE with decoder_sparse_step=2 (a
+    dense layer 0, experts in layer 1) out and back bitwise, each layer's tensors named
+    as transformers names them, a missing expert tensor named with its sp_jax path."""
+    tensors = load_file(FIXTURES / "mixtral" / "model.safetensors")
+    fused = {}
+    for name, t in tensors.items():
+        if ".experts." not in name:
+            fused[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    for i in range(2):
+        p = f"model.layers.{i}.block_sparse_moe.experts."
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack([np.concatenate(
+            [tensors[f"{p}{e}.w1.weight"], tensors[f"{p}{e}.w3.weight"]]) for e in range(4)])
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack(
+            [tensors[f"{p}{e}.w2.weight"] for e in range(4)])
+    config = {**_config("qwen3_moe"), "decoder_sparse_step": 2}
+    with jax.set_mesh(_expert_mesh(*MOE_MESHES[0])):
+        assert_bitwise(param_values(hf.from_hf(fused, _config("mixtral"), parallel=EXPERTS)),
+                       param_values(hf.from_hf(FIXTURES / "mixtral", parallel=EXPERTS)))
+        model = GPT(hf.config_from_hf(config), parallel=EXPERTS, rngs=nnx.Rngs(0))
+        state = hf.to_hf_state_dict(model)
+        again = hf.from_hf(state, config, parallel=EXPERTS)
+        missing = "model.layers.1.mlp.experts.2.up_proj.weight"
+        with pytest.raises(ValueError, match=rf"{missing} \(for blocks/1/mlp/experts_up\) is "
+                                             "missing"):
+            hf.from_hf({k: v for k, v in state.items() if k != missing}, config,
+                       parallel=EXPERTS)
+    assert_bitwise(param_values(model), param_values(again))
+    assert state["model.layers.0.mlp.gate_proj.weight"].shape == (48, 32)  # dense
+    assert state["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (32, 16)
+    assert state["model.layers.1.mlp.gate.weight"].shape == (4, 32)  # the router
+    assert not any(k.startswith("model.layers.0.mlp.experts") for k in state)
+    assert not any(k.startswith("model.layers.1.mlp.gate_proj") for k in state)
+
+
 @pytest.mark.parametrize("preset,count", [
     (GPTConfig.gpt2("small"), 124_439_808),  # Hugging Face gpt2
     (GPTConfig.gpt2("medium"), 354_823_168),  # gpt2-medium
     (GPTConfig.llama("llama-2-7b"), 6_738_415_616),  # meta-llama/Llama-2-7b-hf
     (GPTConfig.llama("llama-3-8b"), 8_030_261_248),  # meta-llama/Meta-Llama-3-8B
+    (GPTConfig.mixtral("mixtral-8x7b"), 46_702_792_704),  # mistralai/Mixtral-8x7B-v0.1
 ])
 def test_presets_have_the_published_parameter_counts(preset, count):
     """The models built at 1 and 2 layers, extrapolated (every block is the same)."""
@@ -282,8 +442,9 @@ def test_transformers_loads_to_hf_strictly(family, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     golden = np.load(FIXTURES / family / "golden.npz")
-    with jax.set_mesh(make_mesh(2, 4)):
-        model = hf.from_hf(FIXTURES / family)
+    first, _, parallel = _meshes(family)
+    with jax.set_mesh(first):
+        model = hf.from_hf(FIXTURES / family, parallel=parallel)
         hf.to_hf(model, tmp_path)
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True, dtype=torch.float32)
