@@ -116,6 +116,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    _, d, c, t = args.mesh_shape
-    simulate_cpu_devices(d * c * t)  # no GPU here: before JAX starts its backend
+    _, d, e, c, t = args.mesh_shape
+    simulate_cpu_devices(d * e * c * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -74,7 +74,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.mesh_shape = training.parse_mesh(a.mesh)
     except ValueError as e:
         p.error(str(e))
-    if a.mesh_shape[0] * a.mesh_shape[2] != 1:
+    if a.mesh_shape[0] * a.mesh_shape[2] * a.mesh_shape[3] != 1:
         p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR mesh")
     if not pathlib.Path(a.hf_dir, "config.json").is_file():
         p.error(f"--hf-dir {a.hf_dir}: no config.json there")
@@ -118,6 +118,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    _, d, _, t = args.mesh_shape
+    _, d, _, _, t = args.mesh_shape
     simulate_cpu_devices(d * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

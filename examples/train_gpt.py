@@ -104,7 +104,8 @@ def load_data(args: argparse.Namespace) -> TrainData:
 def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: TrainData,
              n_params: int, say: Callable[[str], None]) -> None:
     """The model, mesh, data and batch lines (process 0)."""
-    kind = "Llama-shaped GPT" if args.preset == "llama-tiny" else "GPT"
+    kind = {"llama-tiny": "Llama-shaped GPT", "mixtral-tiny": "Mixtral-shaped GPT (8 experts, "
+            "2 per token)"}.get(args.preset, "GPT")
     kv = f" ({args.kv_heads} key/value)" if args.kv_heads != args.heads else ""
     vocab = f"{corpus.vocab_size} ({args.tokenizer or 'bytes'})"
     say(f"model: {kind} {args.layers} layers, hidden {args.hidden}, {args.heads} heads{kv}, seq "
@@ -112,7 +113,7 @@ def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: TrainDat
         f"{args.precision} compute")
     procs = (f" in {jax.process_count()} processes ({jax.local_device_count()} each)"
              if jax.process_count() > 1 else "")
-    cp = f"; {args.context_parallel} attention" if args.mesh_shape[2] > 1 else ""
+    cp = f"; {args.context_parallel} attention" if args.mesh_shape[3] > 1 else ""
     if args.mesh_shape[0] > 1:
         chunks = args.pipeline_repeats
         cp += (f"; {args.pipeline_schedule} pipeline, {args.microbatches} micro-batches"

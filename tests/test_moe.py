@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import copy_weights, param_values, to_host, train_gpt
+from _util import copy_weights, param_values, restore_onto, to_host, train_gpt
 from conftest import requires_cuda_plugin
 from flax import nnx
 from jax.sharding import AxisType
@@ -249,3 +249,54 @@ def test_h100_expert_traffic_is_ragged_all_to_all_without_a_dense_dispatch():
         elif c.kind in ("all-gather", "reduce-scatter") and c.bytes > 4096:
             assert set(c.groups) == tensor_groups, c  # the activations' pair
     assert all(c.is_async for c in ragged)
+
+
+def test_checkpoint_restores_across_expert_axis_sizes(tmp_path):
+    """Trained on expert=4 x tensor=2, saved, restored onto expert=8 and onto data=2 x
+    expert=2 x tensor=2 with fsdp: every parameter and Adam moment equal, each laid out as
+    the new mesh wants, and the restored models' losses equal the trained one's."""
+    from sp_jax.checkpoint import save_checkpoint
+
+    cfg = _config(num_layers=1)
+    batches = _batches(cfg.vocab_size, 1)
+    par = sp_jax.ParallelConfig(expert_axis="expert")
+    _, _, params, step = train_gpt(cfg, par, _mesh((1, 4, 1, 2)), batches)
+    save_checkpoint(tmp_path, 1, step.params, step.opt_state)
+    tokens = batches[0]["tokens"][0]
+    with jax.set_mesh(step.mesh):
+        want = float(nnx.jit(lambda m, t: m.loss(t))(step.sync_model(), tokens))
+    for shape, options in (((1, 8, 1, 1), {}), ((2, 2, 1, 2), dict(fsdp=True))):
+        other = sp_jax.ParallelConfig(expert_axis="expert", **options)
+        restored = restore_onto(tmp_path, cfg, other, _mesh(shape))
+        chex.assert_trees_all_equal(to_host(nnx.to_pure_dict(restored.params)), params)
+        for got, want_moment in zip(jax.tree.leaves(restored.opt_state),
+                                    jax.tree.leaves(step.opt_state), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want_moment))
+        with jax.set_mesh(_mesh(shape)):
+            model = GPT(cfg, parallel=other, rngs=nnx.Rngs(9))
+            nnx.update(model, restored.params)
+            got = float(nnx.jit(lambda m, t: m.loss(t))(model, tokens))
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=str(shape))
+
+
+def test_scan_layers_and_remat_equal_the_unrolled_expert_layers():
+    """scan_layers (the experts stacked on a layer axis) with remat: the same loss, router
+    metrics and gradients as the unrolled layers, on expert=4 x tensor=2."""
+    par = sp_jax.ParallelConfig(expert_axis="expert")
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (B, S)), jnp.int32)
+    init, unrolled = None, None
+    for overrides in ({}, dict(scan_layers=True, remat=True)):
+        cfg = _config(**overrides)
+        if init is not None and overrides:  # stacked: [layers, ...] of the unrolled values
+            stacked = jax.tree.map(lambda *v: np.stack(v), *init["blocks"].values())
+            init = {**init, "blocks": stacked}
+        got_init, *out = _loss_and_grads(cfg, par, _mesh((1, 4, 1, 2)), init, tokens)
+        init = init or got_init
+        if unrolled is None:
+            unrolled = out
+            continue
+        np.testing.assert_allclose(out[0], unrolled[0], rtol=1e-6)
+        np.testing.assert_allclose(out[1]["moe_expert_tokens"],
+                                   unrolled[1]["moe_expert_tokens"])
+        stacked_grads = jax.tree.map(lambda *v: np.stack(v), *unrolled[2]["blocks"].values())
+        chex.assert_trees_all_close(out[2]["blocks"], stacked_grads, rtol=1e-5, atol=1e-7)

@@ -51,6 +51,7 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "gpt": lambda **o: GPTConfig(**{"vocab_size": 256, "max_seq_len": 128, "num_layers": 2,
                                     "num_heads": 4, "hidden": 128, **o}),
     "llama-tiny": lambda **o: GPTConfig.llama("llama-tiny", **o),
+    "mixtral-tiny": lambda **o: GPTConfig.mixtral("mixtral-tiny", **o),
 }
 """``--preset``: the model a name stands for, with :class:`GPTConfig` fields overridden."""
 
@@ -151,7 +152,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
     add = parser.add_argument_group("parallelism").add_argument
     add("--mesh", default="2,4",
         help="DATA,TENSOR, DATA,CONTEXT,TENSOR or STAGE,DATA,CONTEXT,TENSOR mesh shape "
-             "(with STAGE the layers are scanned; STAGE > 1 runs a pipeline)")
+             "(with STAGE the layers are scanned; STAGE > 1 runs a pipeline), or named "
+             "sizes such as data=2,expert=2,tensor=2 (EXPERT > 1: the experts of "
+             "--preset mixtral-tiny are split over it)")
     add("--context-parallel", choices=("ring", "ulysses"), default="ring",
         help="attention across the CONTEXT axis of the --mesh")
     add("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
@@ -179,11 +182,12 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     pipeline = dict(pipeline_axis="stage", pipeline_microbatches=args.microbatches,
                     pipeline_schedule=args.pipeline_schedule,
                     pipeline_repeats=args.pipeline_repeats) if stages > 1 else {}
+    experts = {"expert_axis": "expert"} if args.mesh_shape[2] > 1 else {}
     return ParallelConfig(
         recompute_allgather=args.recompute_allgather, fsdp=args.fsdp,
         wgrad_dtype=jnp.float32 if args.precision == "bf16" else None,
-        context_parallel=args.context_parallel if args.mesh_shape[2] > 1 else None,
-        **pipeline)
+        context_parallel=args.context_parallel if args.mesh_shape[3] > 1 else None,
+        **pipeline, **experts)
 
 
 def check_pipeline_args(args: argparse.Namespace) -> None:
@@ -213,8 +217,11 @@ def check_pipeline_args(args: argparse.Namespace) -> None:
 def _describe_preset(name: str) -> str:
     c = PRESETS[name]()
     kv = f" ({c.num_kv_heads} key/value)" if c.num_kv_heads != c.num_heads else ""
+    mlp = f"{c.mlp_activation} MLP of {c.mlp_hidden}" if not c.num_experts else (
+        f"{c.num_experts} {c.mlp_activation} experts of {c.moe_mlp_hidden} "
+        f"({c.experts_per_token} per token)")
     return (f"{name}: {c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads{kv}, "
-            f"{c.mlp_activation} MLP of {c.mlp_hidden}, {c.positions} positions, {c.norm}, "
+            f"{mlp}, {c.positions} positions, {c.norm}, "
             f"{'tied' if c.tie_embeddings else 'untied'} head"
             f"{'' if c.qkv_bias or c.out_bias or c.mlp_bias else ', no biases'}")
 
@@ -225,7 +232,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument_group("model").add_argument
     add("--preset", choices=tuple(PRESETS), default="gpt",
         help="the model: " + "; ".join(_describe_preset(n) for n in PRESETS) + ". The flags "
-             "below override a preset's values (llama-tiny is GPTConfig.llama('llama-tiny'))")
+             "below override a preset's values (llama-tiny is GPTConfig.llama('llama-tiny'), "
+             "mixtral-tiny is GPTConfig.mixtral('mixtral-tiny'))")
     add("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
     add("--hidden", type=int, default=None, help="model width (default: the preset's)")
     add("--heads", type=int, default=None,
@@ -268,14 +276,17 @@ def _breaks(rule: Callable[..., Any], *args: Any) -> bool:
 
 def check_model_args(args: argparse.Namespace) -> None:
     """Fills in the preset's values of the model flags not given, then checks the model
-    and batch flags against the mesh ``args.mesh_shape`` (``(data, context, tensor)``).
+    and batch flags against the mesh ``args.mesh_shape`` (``(stage, data, expert, context,
+    tensor)``).
 
     Raises:
       ValueError: a flag that is not positive, or sizes the mesh cannot split, naming
         the flags and the fix.
     """
     _resolve_model_args(args)
-    (stages, data, c, tensor), ring = args.mesh_shape, args.context_parallel == "ring"
+    (stages, data, experts, c, tensor), ring = args.mesh_shape, \
+        args.context_parallel == "ring"
+    data *= experts  # the expert axis carries the batch too
     chunks = stages * getattr(args, "pipeline_repeats", 1)
     sp, heads = tensor * c, tensor * (1 if ring else c)
     micro = args.batch_size // args.micro_batches

@@ -280,40 +280,56 @@ class Launch:
             jax.distributed.shutdown()
 
 
-MESH_AXES = ("stage", "data", "context", "tensor")
+MESH_AXES = ("stage", "data", "expert", "context", "tensor")
 """The mesh axes of :func:`parse_mesh`'s shapes, outermost first (tensor innermost): the
-pipeline stages outermost, across hosts; the tensor axis within one."""
+pipeline stages outermost, across hosts; the tensor axis within one. The expert axis
+carries the batch like data outside the mixture-of-experts layers."""
 
 
-def parse_mesh(text: str) -> tuple[int, int, int, int]:
-    """``"DATA,TENSOR"``, ``"DATA,CONTEXT,TENSOR"`` or ``"STAGE,DATA,CONTEXT,TENSOR"`` ->
-    ``(stage, data, context, tensor)`` sizes of a :data:`MESH_AXES` mesh (stage and
-    context 1 when not given).
+def parse_mesh(text: str) -> tuple[int, int, int, int, int]:
+    """``"DATA,TENSOR"``, ``"DATA,CONTEXT,TENSOR"``, ``"STAGE,DATA,CONTEXT,TENSOR"`` or named
+    sizes such as ``"data=2,expert=2,tensor=2"`` (any of :data:`MESH_AXES`, the others 1)
+    -> ``(stage, data, expert, context, tensor)`` sizes of a :data:`MESH_AXES` mesh.
 
     Raises:
-      ValueError: not two, three or four positive integers separated by commas.
+      ValueError: not two, three or four positive integers separated by commas, nor
+        ``axis=size`` pairs of known axes with positive sizes.
     """
+    if "=" in text:
+        sizes = dict.fromkeys(MESH_AXES, 1)
+        for part in text.split(","):
+            name, _, value = part.partition("=")
+            if name.strip() not in sizes or not value.strip().isdigit() \
+                    or int(value) <= 0:
+                raise ValueError(f"--mesh {text!r}: {part!r} is not AXIS=SIZE with AXIS one "
+                                 f"of {', '.join(MESH_AXES)} and a positive SIZE, e.g. "
+                                 "data=2,expert=2,tensor=2")
+            sizes[name.strip()] = int(value)
+        return tuple(sizes.values())
     try:
         sizes = [int(v) for v in text.split(",")]
     except ValueError:
         sizes = []
     if len(sizes) not in (2, 3, 4) or min(sizes) <= 0:
-        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR or "
-                         "STAGE,DATA,CONTEXT,TENSOR (positive integers), e.g. 2,4, 1,2,4 or "
-                         "2,1,1,4")
+        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR, "
+                         "STAGE,DATA,CONTEXT,TENSOR (positive integers) or AXIS=SIZE pairs, "
+                         "e.g. 2,4, 1,2,4, 2,1,1,4 or data=2,expert=2,tensor=2")
     if len(sizes) == 2:
-        return (1, sizes[0], 1, sizes[1])
-    return (1, *sizes) if len(sizes) == 3 else tuple(sizes)
+        sizes = [1, sizes[0], 1, sizes[1]]
+    elif len(sizes) == 3:
+        sizes = [1, *sizes]
+    stage, data, context, tensor = sizes
+    return (stage, data, 1, context, tensor)
 
 
 def mesh_description(shape: Sequence[int] | jax.sharding.Mesh) -> str:
     """``"data=2 x tensor=4"`` (``"stage=2 x data=1 x context=2 x tensor=4"`` with stage
     and context axes) for a :data:`MESH_AXES` shape, or for a mesh (its axes and sizes; a
-    stage or context axis of size 1 left out)."""
+    stage, expert or context axis of size 1 left out)."""
     axes = (shape.shape.items() if isinstance(shape, jax.sharding.Mesh)
             else zip(MESH_AXES, shape, strict=True))
     return " x ".join(f"{name}={size}" for name, size in axes
-                      if name not in ("stage", "context") or size > 1)
+                      if name not in ("stage", "expert", "context") or size > 1)
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")
