@@ -306,30 +306,20 @@ def _backend_initialized() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
 
 
-CPU_COLLECTIVE_WAIT_S = 1800
-"""How long a simulated device may wait in a collective for the others before XLA:CPU
-aborts the process (its default, 40 s, is shorter than a loaded machine can take: the
-devices' parts of queued programs share the host's cores)."""
-
-
 def cpu_simulation_flags(num_devices: int) -> list[str]:
     """XLA_FLAGS for running sharded programs on a CPU-only machine.
 
     ``num_devices`` simulated host devices (the flag affects only the host platform, so a
-    run on GPUs uses its real devices), XLA:CPU's ``cse_barrier_expander`` pass off, so
+    run on GPUs uses its real devices), and XLA:CPU's ``cse_barrier_expander`` pass off, so
     that ``recompute_allgather``'s backward re-all-gather is not merged with the forward
-    one (XLA:GPU keeps it by itself), and a collective's wait for the other simulated
-    devices bounded by :data:`CPU_COLLECTIVE_WAIT_S` instead of XLA:CPU's 40 s, after which
-    it aborts the process (``Fatal Python error: Aborted``, seen on 2 loaded cores).
-    Pass them to :func:`apply_xla_flags` before JAX starts; flags already in
-    ``XLA_FLAGS`` keep the user's value.
+    one (XLA:GPU keeps it by itself). Pass them to :func:`apply_xla_flags` before JAX
+    starts; flags already in ``XLA_FLAGS`` keep the user's value.
     """
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices <= 0:
         raise ValueError(f"cpu_simulation_flags: num_devices={num_devices!r} must be a "
                          "positive int.")
     return [f"--xla_force_host_platform_device_count={num_devices}",
-            "--xla_disable_hlo_passes=cse_barrier_expander",
-            f"--xla_cpu_collective_call_terminate_timeout_seconds={CPU_COLLECTIVE_WAIT_S}"]
+            "--xla_disable_hlo_passes=cse_barrier_expander"]
 
 
 def simulate_cpu_devices(num_devices: int) -> bool:

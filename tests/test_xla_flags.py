@@ -258,7 +258,6 @@ def test_cpu_simulation_flags():
     assert xla_flags.cpu_simulation_flags(4) == [
         "--xla_force_host_platform_device_count=4",
         "--xla_disable_hlo_passes=cse_barrier_expander",
-        "--xla_cpu_collective_call_terminate_timeout_seconds=1800",
     ]
     with pytest.raises(ValueError, match="num_devices=0 must be a positive int"):
         xla_flags.cpu_simulation_flags(0)

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.mesh import axis_size, current_mesh
+from sp_jax.mesh import axis_size, current_mesh, mesh_platform
 from sp_jax.models.decode import check_decodable, decode_step, prefill, to_decode_layout
 
 __all__ = ["Generation", "filter_logits", "generate", "sample_tokens"]
@@ -229,9 +229,16 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     out = [new]
     positions = jnp.asarray(all_lens)
     pad_arr = jnp.int32(pad)
+    # XLA:CPU runs each simulated device's part of a program as a task of one thread pool;
+    # with several decode steps queued, the devices' collectives of consecutive steps can
+    # wait on each other until XLA aborts the process (measured on 2 cores: 2 of 12 runs
+    # of tests/test_generate.py with 4 concurrent copies). On CPU one step at a time.
+    one_at_a_time = mesh_platform() == "cpu" and mesh.size > 1
     for n in range(1, max_new_tokens):
         new, done, cache = step(state, cache, new, positions + (n - 1), done,
                                 jax.random.fold_in(key, n), eos, pad_arr)
+        if one_at_a_time:
+            new.block_until_ready()
         out.append(new)
         if eos_ids and n % 8 == 0 and bool(jnp.all(done[:batch])):
             break
