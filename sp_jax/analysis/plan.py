@@ -64,17 +64,35 @@ class ModelShape:
     vocab: int
     seq: int
     mlp_hidden: int | None = None
+    kv_heads: int | None = None
+    experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_hidden: int | None = None
 
     @property
     def mlp(self) -> int:
         return self.mlp_hidden or 4 * self.hidden
 
     @property
+    def moe(self) -> bool:
+        """A mixture of experts in every layer (Mixtral's blocks: grouped-query attention,
+        RMSNorm, SwiGLU experts, no biases, an untied head); else GPT blocks."""
+        return self.experts > 0
+
+    @property
     def params(self) -> int:
-        """Parameter count: per layer q/k/v/out kernels (4 h^2), MLP kernels (2 h mlp),
-        the out-projection, MLP-up and MLP-down biases (h + mlp + h) and 2 LayerNorms
-        (4 h); plus the tied vocabulary table and the final norm."""
+        """Parameter count. GPT blocks: per layer q/k/v/out kernels (4 h^2), MLP kernels
+        (2 h mlp), the out-projection, MLP-up and MLP-down biases (h + mlp + h) and 2
+        LayerNorms (4 h); plus the tied vocabulary table and the final norm. Mixture of
+        experts: per layer q/out (2 h^2) and k/v (2 h kv_heads head_dim) kernels, the
+        router (h E), E SwiGLU experts (3 h F each) and 2 RMSNorms (2 h); plus the
+        embedding, the untied head and the final norm."""
         h = self.hidden
+        if self.moe:
+            kv = (self.kv_heads or self.heads) * (h // self.heads)
+            f = self.moe_mlp_hidden or self.mlp
+            layer = 2 * h * h + 2 * h * kv + h * self.experts + 3 * h * f * self.experts
+            return self.layers * (layer + 2 * h) + 2 * self.vocab * h + h
         return self.layers * (4 * h * h + 2 * h * self.mlp + self.mlp + 6 * h) \
             + self.vocab * h + 2 * h
 
@@ -90,10 +108,14 @@ MODELS = {
     "70b": ModelShape("70b", hidden=8192, layers=80, heads=64, vocab=32000, seq=4096),
     "gpt3-175b": ModelShape("gpt3-175b", hidden=12288, layers=96, heads=96, vocab=50257,
                             seq=2048),
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, vocab=32000,
+                               seq=4096, mlp_hidden=14336, kv_heads=8, experts=8,
+                               experts_per_token=2, moe_mlp_hidden=14336),
 }
 """Presets: GPT-2 small, a 1.3B, a 7B, a 70B and GPT-3 175B (GPT blocks: 4h MLP with
 GeLU, LayerNorm; the 7B and 70B have the Llama widths, depths and head counts, the 175B
-GPT-3's)."""
+GPT-3's), and Mixtral-8x7B (46.7B parameters: 8 experts of 14336, 2 per token, 8
+key/value heads)."""
 
 PIPELINE_MICROBATCHES_PER_STAGE = 4
 """Micro-batches of a pipelined layout per stage (``M = 4 x stages`` unless given): the
@@ -116,6 +138,8 @@ class PlanOption:
       context_parallel: the context-parallel attention (with ``context > 1``).
       stages: pipeline stages (the ``stage`` mesh axis, outermost); 1: no pipeline.
       pipeline_schedule: ``"1f1b"`` or ``"gpipe"`` (with ``stages > 1``).
+      expert: the expert axis' size (``> 1``: a mixture of experts' experts split over it,
+        mesh ``data x expert x context x tensor``; it carries the batch like data).
     """
 
     data: int
@@ -127,11 +151,12 @@ class PlanOption:
     context_parallel: str = "ring"
     stages: int = 1
     pipeline_schedule: str = "1f1b"
+    expert: int = 1
 
     def __post_init__(self) -> None:
         from sp_jax.config import PIPELINE_SCHEDULES
 
-        for name in ("data", "context", "tensor", "micro_batches", "stages"):
+        for name in ("data", "context", "tensor", "micro_batches", "stages", "expert"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PlanOption: {name}={value!r} must be a positive int.")
@@ -146,20 +171,29 @@ class PlanOption:
 
     @property
     def gpus(self) -> int:
-        return self.stages * self.data * self.context * self.tensor
+        return self.stages * self.data * self.expert * self.context * self.tensor
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the batch is split: the data and expert axes."""
+        return self.data * self.expert
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """The mesh: ``(stages, data, context, tensor)`` with a pipeline, else
-        ``(data, context, tensor)`` (:attr:`axis_names`)."""
-        inner = (self.data, self.context, self.tensor)
+        """The mesh: ``(stages, data, context, tensor)`` with a pipeline, ``(data,
+        expert, context, tensor)`` with an expert axis, else ``(data, context, tensor)``
+        (:attr:`axis_names`)."""
+        inner = (self.data, self.context, self.tensor) if self.expert == 1 else \
+            (self.data, self.expert, self.context, self.tensor)
         return (self.stages, *inner) if self.pipelined else inner
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        """``("stage", "data", "context", "tensor")`` with a pipeline, else without
-        ``"stage"``."""
-        inner = ("data", "context", "tensor")
+        """``("stage", "data", "context", "tensor")`` with a pipeline, ``("data",
+        "expert", "context", "tensor")`` with an expert axis, else ``("data", "context",
+        "tensor")``."""
+        inner = ("data", "context", "tensor") if self.expert == 1 else \
+            ("data", "expert", "context", "tensor")
         return ("stage", *inner) if self.pipelined else inner
 
     @property
@@ -176,6 +210,7 @@ class PlanOption:
     @property
     def label(self) -> str:
         opts = ["recompute_allgather"] + (["fsdp"] if self.fsdp else []) + (
+            [f"experts over {self.expert}"] if self.expert > 1 else []) + (
             ["remat"] if self.remat else []) + (
             [self.context_parallel] if self.context > 1 else [])
         mesh = "x".join(str(n) for n in self.mesh_shape)
@@ -299,6 +334,8 @@ def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
     if microbatches is not None and (isinstance(microbatches, bool)
                                      or not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"plan: microbatches={microbatches!r} must be a positive int.")
+    if model.moe:
+        return _moe_candidates(model, gpus, max_tensor)
     t = _tensor_size(model, gpus, max_tensor)
     rest = gpus // t
     out = []
@@ -328,6 +365,24 @@ def candidates(model: ModelShape, gpus: int, *, max_tensor: int = 8,
     return out
 
 
+def _moe_candidates(model: ModelShape, gpus: int, max_tensor: int) -> list[PlanOption]:
+    """A mixture of experts' layouts (no pipeline, no context axis): for tensor sizes 1
+    and 2 (within a host, dividing the heads and key/value heads), the experts over the
+    largest expert axis dividing them and the GPUs left, the rest over data; each with
+    parameters sharded over the batch axes (the experts over the data axes too) and
+    remat, and sharded without remat."""
+    out = []
+    for t in (1, 2):
+        kv = model.kv_heads or model.heads
+        if gpus % t or t > max_tensor or model.heads % t or (kv % t and t % kv):
+            continue
+        ep = math.gcd(model.experts, gpus // t)
+        d = gpus // (t * ep)
+        for remat in (True, False):
+            out.append(PlanOption(d, 1, t, fsdp=True, remat=remat, expert=ep))
+    return out
+
+
 def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
     """(parameter bytes, activation bytes) per device.
 
@@ -348,6 +403,8 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
     not counted.
     """
     h, t, L, p = model.hidden, option.tensor, model.layers, option.stages
+    if model.moe:
+        return _moe_formula(model, option, batch)
     shards = t * (option.data if option.fsdp else 1)
     if model.vocab % t == 0:
         table = model.vocab * h / shards
@@ -365,6 +422,28 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
             acts += (2 * p - 1) * 2 * sbh
         else:
             acts *= option.micro_batches
+    return params, acts
+
+
+def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
+    """:func:`_formula` of a mixture of experts: fp32 parameters, the experts over expert
+    x tensor (and data with fsdp), the rest over tensor (and data x expert with fsdp);
+    the activations as GPT blocks of the active MLP width ``k F``, plus per layer the
+    dispatch's bf16 receive buffer (``ep T min(k, E / ep)`` rows of ``h``) that sizes
+    the grouped GEMMs."""
+    h, t, ep = model.hidden, option.tensor, option.expert
+    fsdp = option.batch_shards if option.fsdp else 1
+    f = model.moe_mlp_hidden or model.mlp
+    kv = (model.kv_heads or model.heads) * (h // model.heads)
+    experts = model.experts * 3 * h * f / (ep * t * (option.data if option.fsdp else 1))
+    dense = (2 * h * h + 2 * h * kv) / (t * fsdp) + h * model.experts + 2 * h
+    params = 4 * (model.layers * (experts + dense) + 2 * model.vocab * h / (t * fsdp) + h)
+    b = batch // option.batch_shards // option.micro_batches
+    tokens = b * model.seq
+    sbh = tokens * h / t
+    per_layer = 34 * sbh + 2 * ep * tokens * min(model.experts_per_token,
+                                                 model.experts // ep) * h * 3
+    acts = model.layers * 2 * sbh + per_layer if option.remat else model.layers * per_layer
     return params, acts
 
 
@@ -395,9 +474,9 @@ def _device_bytes(tree: Any, itemsize: int | None = None) -> int:
 
 def _batch_error(batch: int, option: PlanOption) -> str:
     """Why ``batch`` sequences do not fit ``option``, and what would."""
-    n = option.data * option.micro_batches
+    n = option.batch_shards * option.micro_batches
     return (f"batch={batch} does not split into {option.micro_batches} micro-batch"
-            f"{'es' if option.micro_batches > 1 else ''} over data {option.data} of "
+            f"{'es' if option.micro_batches > 1 else ''} over data {option.batch_shards} of "
             f"{option.label}; use a multiple of {n} sequences")
 
 
@@ -420,22 +499,27 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     from sp_jax.models import GPT, GPTConfig
     from sp_jax.training.step import train_step_fn
 
-    batch = batch or option.data * option.micro_batches
+    batch = batch or option.batch_shards * option.micro_batches
     axes, shape = option.axis_names, option.mesh_shape
     pipeline = {"pipeline_axis": "stage", "pipeline_microbatches": option.micro_batches,
                 "pipeline_schedule": option.pipeline_schedule} if option.pipelined else {}
+    experts = {"expert_axis": "expert"} if option.expert > 1 else {}
     parallel = ParallelConfig(
         recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=option.fsdp,
         context_parallel=option.context_parallel if option.context > 1 else None,
-        **pipeline)
+        **pipeline, **experts)
+    moe = dict(num_kv_heads=model.kv_heads, norm="rmsnorm", mlp_activation="swiglu",
+               qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+               num_experts=model.experts, experts_per_token=model.experts_per_token,
+               moe_mlp_hidden=model.moe_mlp_hidden) if model.moe else {}
     cfg = GPTConfig(vocab_size=model.vocab, max_seq_len=model.seq, num_layers=model.layers,
                     num_heads=model.heads, hidden=model.hidden, mlp_hidden=model.mlp,
                     positions="rotary", dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                    scan_layers=True, remat=option.remat)
+                    scan_layers=True, remat=option.remat, **moe)
     tx = optax.adamw(1e-4)
     t0 = time.perf_counter()
     formula_params, formula_acts = _formula(model, option, batch)
-    if batch % (option.data * option.micro_batches):
+    if batch % (option.batch_shards * option.micro_batches):
         return PlanRow(option, batch, 0, 0, 0, 0, 0, False, 0, formula_params,
                        formula_acts, 0.0, error=_batch_error(batch, option))
     with jax.set_mesh(gpu_mesh(shape, axes, target=target)):
@@ -506,7 +590,7 @@ def plan(model: ModelShape | str, gpus: int, *, options: Sequence[PlanOption] | 
     bad = [o.label for o in options if o.gpus != gpus]
     if bad:
         raise ValueError(f"plan: layouts {bad} do not use {gpus} GPUs.")
-    if batch is not None and options and all(batch % (o.data * o.micro_batches)
+    if batch is not None and options and all(batch % (o.batch_shards * o.micro_batches)
                                              for o in options):
         raise ValueError(f"plan: {_batch_error(batch, options[0])} (and likewise for every "
                          "other layout).")
@@ -535,7 +619,9 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters); "
             f"{unit} per GPU (H100: 80 GB = 74.5 GiB)\n\n")
     pipelined = [r for r in rows if r.option.pipelined]
-    mesh = "[stages x] data x context x tensor" if pipelined else "data x context x tensor"
+    mesh = "[stages x] data x context x tensor" if pipelined else \
+        "data x expert x context x tensor" if any(r.option.expert > 1 for r in rows) else \
+        "data x context x tensor"
     lines = [f"| layout ({mesh}, options) | batch | params (formula) | "
              "optimizer | gradients | activations + temp (formula) | peak | fits | "
              f"collectives {unit}/step |", "|" + "---|" * 9]
