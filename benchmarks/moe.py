@@ -1,9 +1,9 @@
 """Mixture of experts: a Mixtral-8x7B-shaped stack on 8 x H100 (deviceless compiles) and the
 dropless layer's CPU step time against a dense MLP of the same active FLOPs.
 
-    python -m benchmarks.moe [--gpu] [--cpu] [--rounds N]
+    python -m benchmarks.moe [--quick] [--json PATH] [--markdown PATH]
 
-GPU (``--gpu``): 2 layers of h=4096, 32 heads over 8 key/value heads, E=8 experts of
+GPU: 2 layers of h=4096, 32 heads over 8 key/value heads, E=8 experts of
 F=14336, k=2, s=4096, global batch 8, bf16 compute, fp32 parameters and weight gradients,
 ``recompute_allgather``; the forward+backward of the stack (gradients of a sum of squares
 w.r.t. the parameters and the input) on ``expert 8`` and ``data 2 x expert 2 x tensor
@@ -12,7 +12,7 @@ layer and their payload against the analytic ``2 k T h bytes (ep - 1) / ep`` (fo
 dispatch and return; ``T`` the tokens of a device's tensor group), the static receive
 buffer (``ep T min(k, E / ep)`` rows) and the largest buffers of the program.
 
-CPU (``--cpu``, 1 device, fp32): the dropless layer (E=8, k=2, F) forward+backward vs a
+CPU (1 device, fp32): the dropless layer (E=8, k=2, F) forward+backward vs a
 dense MLP of width ``k F`` (the same active FLOPs) on the same tokens, and the dropless
 layer with its grouped GEMMs replaced by one dense GEMM of the sorted rows (same FLOPs
 as a true grouped GEMM, wrong values): the difference is the masked lowering's part
@@ -23,10 +23,12 @@ groups' rows masked: ``E`` times the FLOPs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,7 +41,8 @@ import sp_jax
 from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
 from sp_jax.models import Block, GPTConfig
 
-__all__ = ["MESHES", "MIXTRAL", "compile_moe_stack", "cpu_step_times", "mixtral_config"]
+__all__ = ["FULL", "MESHES", "MIXTRAL", "QUICK", "MoEBench", "compile_moe_stack",
+           "cpu_step_times", "mixtral_config", "render_markdown", "run_moe"]
 
 AXES = ("data", "expert", "context", "tensor")
 MIXTRAL = dict(h=4096, F=14336, E=8, k=2, s=4096, batch=8, heads=32, kv_heads=8, layers=2)
@@ -190,57 +193,161 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB"
 
 
-def markdown(gpu: dict[str, dict] | None, cpu: dict | None) -> str:
-    """The BENCHMARKS.md section of these results."""
-    lines = []
-    if gpu:
-        m = MIXTRAL
-        lines += [f"### Mixtral-8x7B-shaped stack on 8 x H100 ({m['layers']} layers, h={m['h']}, "
-                  f"F={m['F']}, E={m['E']}, k={m['k']}, s={m['s']}, global batch {m['batch']}; "
-                  "deviceless compiles)", "",
-                  "| mesh (data x expert x context x tensor) | per-GPU peak | temp | ragged "
-                  "all-to-alls per layer (fwd + bwd) | all-to-all bytes per layer, forward "
-                  "(from the HLO / analytic) | receive buffer | a dense [T, E, h] dispatch |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, r in gpu.items():
-            lines.append(
-                f"| {name} {r['mesh']} | {_mib(r['peak_bytes'])} | {_mib(r['temp_bytes'])} | "
-                f"{r['ragged_per_layer']:g} | {_mib(r['a2a_forward_bytes_per_layer'])}"
-                f" / {_mib(r['a2a_analytic_forward_bytes'])} | {r['receive_rows']:,} rows, "
-                f"{_mib(r['receive_buffer_bytes'])} | {_mib(r['dense_dispatch_bytes'])} |")
-        lines.append("")
-        for name, r in gpu.items():
-            big = "; ".join(f"{shape} {_mib(b)} ({op.split('/')[-1] or 'XLA'})"
-                            for b, shape, op in r["largest_at_peak"])
-            lines.append(f"- {name}: largest buffers live at the peak: {big}; other "
-                         f"collectives {r['other_collectives']}")
-        lines.append("")
-    if cpu:
-        s = cpu["seconds"]
-        base = s["dense MLP (width k F)"]
-        lines += [f"### CPU: the dropless layer vs a dense MLP of the same active FLOPs "
-                  f"({cpu['tokens']} tokens, h={cpu['h']}, E={cpu['E']}, k={cpu['k']}, "
-                  f"F={cpu['F']}; forward+backward, 1 device, fp32, median of "
-                  f"{cpu['rounds']} interleaved rounds)", "",
-                  "| program | seconds | vs dense |", "|---|---|---|"]
-        for name, v in s.items():
-            lines.append(f"| {name} | {v:.4f} | {v / base:.2f}x |")
-        masked = s["dropless MoE"] - s["dropless MoE, dense stand-in GEMMs"]
-        lines += ["", f"The masked lowering's part: {masked:.4f} s of "
-                  f"{s['dropless MoE']:.4f} s ({masked / s['dropless MoE']:.0%})."]
+@dataclasses.dataclass(frozen=True)
+class MoEBench:
+    """What :func:`run_moe` measures: the stack's shapes (``MIXTRAL`` overridden), its
+    meshes, the CPU comparison's sizes and rounds, and the planner's GPU counts for
+    Mixtral-8x7B (empty: no plan)."""
+
+    shapes: dict[str, int] = dataclasses.field(default_factory=dict)
+    meshes: tuple[tuple[str, tuple[int, ...]], ...] = tuple(MESHES.items())
+    cpu: dict[str, int] = dataclasses.field(default_factory=dict)
+    plan_gpus: tuple[int, ...] = (8, 16)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FULL = MoEBench()
+QUICK = MoEBench(shapes=dict(h=128, F=256, s=128, heads=8, kv_heads=2, layers=1),
+                 meshes=(("data 2 x expert 2 x tensor 2", (2, 2, 1, 2)),),
+                 cpu=dict(tokens=128, h=64, F=128, rounds=1), plan_gpus=())
+
+
+def _plans(gpus_counts: tuple[int, ...], log) -> list[dict[str, Any]]:
+    from sp_jax.analysis.plan import MODELS, format_table, plan
+
+    model = MODELS["mixtral-8x7b"]
+    out = []
+    for gpus in gpus_counts:
+        rows = plan(model, gpus, progress=False)
+        out.append({"gpus": gpus, "params": model.params, "table": format_table(model, rows),
+                    "rows": [r.as_dict() for r in rows]})
+        log(f"  mixtral-8x7b on {gpus} GPUs: {sum(r.fits for r in rows)}/{len(rows)} fit")
+    return out
+
+
+def run_moe(bench: MoEBench = FULL, log=print) -> dict[str, Any]:
+    """The section's measurements and its targets."""
+    started = time.perf_counter()
+    gpu = {}
+    for name, shape in bench.meshes:
+        gpu[name] = compile_moe_stack(shape, **bench.shapes)
+        log(f"  {name}: peak {_mib(gpu[name]['peak_bytes'])}")
+    cpu = cpu_step_times(**bench.cpu)
+    plans = _plans(bench.plan_gpus, log)
+    targets = []
+    for name, r in gpu.items():
+        equal = abs(r["a2a_forward_bytes_per_layer"] - r["a2a_analytic_forward_bytes"]) \
+            <= 0.01 * r["a2a_analytic_forward_bytes"] and r["dispatch_sends"] > 0
+        targets.append({
+            "id": f"moe_a2a_{'_'.join(map(str, r['mesh']))}",
+            "target": f"MoE stack, {name}: per-GPU peak, and the all-to-all bytes per layer "
+                      "= 2 k T h bytes (ep-1)/ep (forward; twice with the backward)",
+            "measured": f"peak {_mib(r['peak_bytes'])}; {r['ragged_per_layer']:g} ragged "
+                        f"all-to-alls per layer, forward {_mib(r['a2a_forward_bytes_per_layer'])}"
+                        f" vs analytic {_mib(r['a2a_analytic_forward_bytes'])}",
+            "met": equal})
+    for p in plans:
+        fits = [row for row in p["rows"] if row["fits"]]
+        best = min((row for row in p["rows"] if not row["error"]),
+                   key=lambda row: row["peak_bytes"], default=None)
+        targets.append({
+            "id": f"moe_plan_{p['gpus']}",
+            "target": f"plan: Mixtral-8x7B on {p['gpus']} H100: a layout that fits",
+            "measured": (", ".join(f"{row['label']}: {row['peak_bytes'] / 2**30:.1f} GiB"
+                                   for row in fits) if fits else
+                         f"none fits: the best, {best['label']}, needs "
+                         f"{best['peak_bytes'] / 2**30:.1f} GiB" if best else "not compiled"),
+            "met": bool(fits)})
+    s = cpu["seconds"]
+    dense = s["dense MLP (width k F)"]
+    targets.append({
+        "id": "moe_cpu", "target": "CPU: the dropless layer's step time vs a dense MLP of the "
+                                   "same active FLOPs (k F), and the masked lowering's part",
+        "measured": f"{s['dropless MoE'] / dense:.2f}x; with a dense stand-in for the "
+                    f"grouped GEMMs {s['dropless MoE, dense stand-in GEMMs'] / dense:.2f}x",
+        "met": None})
+    return {"config": bench.as_dict(), "gpu": gpu, "cpu": cpu, "plans": plans,
+            "targets": targets, "meta": {"runtime_s": time.perf_counter() - started}}
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    """The ``## Mixture of experts`` section of ``BENCHMARKS.md``."""
+    from benchmarks.section import status, table
+
+    gpu, cpu = res["gpu"], res["cpu"]
+    m = {**MIXTRAL, **res["config"]["shapes"]}
+    lines = ["## Mixture of experts", "",
+             "`python -m benchmarks.moe` (`benchmarks/moe.py`; part of `make bench`). "
+             "Deviceless 8 x H100 compiles of a Mixtral-shaped stack (bf16 compute, fp32 "
+             "parameters and weight gradients, `recompute_allgather`, "
+             "dropless), the CPU step time of one layer, and the planner on Mixtral-8x7B.", "",
+             "### Targets", "",
+             table(["target", "measured", "status"],
+                   [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]]),
+             "",
+             f"### Mixtral-shaped stack on 8 x H100 ({m['layers']} layers, h={m['h']}, "
+             f"F={m['F']}, E={m['E']}, k={m['k']}, s={m['s']}, global batch {m['batch']})", "",
+             table(["mesh (data x expert x context x tensor)", "per-GPU peak", "temp",
+                    "ragged all-to-alls per layer (fwd + bwd)",
+                    "all-to-all bytes per layer, forward (HLO / analytic)",
+                    "receive buffer (static)", "a dense [T, E, h] dispatch"],
+                   [[f"{name} {r['mesh']}", _mib(r["peak_bytes"]), _mib(r["temp_bytes"]),
+                     f"{r['ragged_per_layer']:g}",
+                     f"{_mib(r['a2a_forward_bytes_per_layer'])} / "
+                     f"{_mib(r['a2a_analytic_forward_bytes'])}",
+                     f"{r['receive_rows']:,} rows, {_mib(r['receive_buffer_bytes'])}",
+                     _mib(r["dense_dispatch_bytes"])] for name, r in gpu.items()]), ""]
+    for name, r in gpu.items():
+        big = "; ".join(f"{shape} {_mib(b)} ({op.split('/')[-1] or 'XLA'})"
+                        for b, shape, op in r["largest_at_peak"])
+        lines.append(f"- {name}: largest buffers live at the peak: {big}; other collectives "
+                     f"{r['other_collectives']}.")
+    lines += ["", "The HLO column is the dispatch's send operand, `[k T, h]` (every routed "
+              "row once; the return sends the same rows back), times the `(ep - 1) / ep` "
+              "that leaves the device when the routing is balanced: what moves is "
+              "data-dependent, the buffers are not. The receive buffer is the worst case, "
+              "`ep T min(k, E / ep)` rows (every peer's tokens routed to this device's "
+              "experts), and it sizes the grouped GEMMs' outputs: the largest buffers above. "
+              "With one expert per device (expert 8) it equals a dense `[T, E, h]` dispatch "
+              "buffer; with several (expert 2) XLA's masked `ragged_dot` lowering expands "
+              "the rows once per local expert (`[E / ep, rows, ...]`, the `bf16[4, ...]` "
+              "buffers), which is why the expert axis should hold one expert per device on "
+              "GPUs. A real grouped GEMM is TPU's lowering of `ragged_dot`; on GPUs it "
+              "needs a grouped-GEMM kernel (not in XLA:GPU 0.10.2).", ""]
+    s = cpu["seconds"]
+    base = s["dense MLP (width k F)"]
+    lines += [f"### CPU: the dropless layer vs a dense MLP of the same active FLOPs "
+              f"({cpu['tokens']} tokens, h={cpu['h']}, E={cpu['E']}, k={cpu['k']}, "
+              f"F={cpu['F']}; forward+backward, 1 device, fp32, median of "
+              f"{cpu['rounds']} interleaved rounds)", "",
+              table(["program", "seconds", "vs dense"],
+                    [[name, f"{v:.4f}", f"{v / base:.2f}x"] for name, v in s.items()]), ""]
+    masked = s["dropless MoE"] - s["dropless MoE, dense stand-in GEMMs"]
+    lines += [f"The masked lowering's part: {masked:.4f} s of {s['dropless MoE']:.4f} s "
+              f"({masked / s['dropless MoE']:.0%}): XLA:CPU computes each `ragged_dot` "
+              f"as a dense dot over all {cpu['E']} experts with the other experts' rows "
+              "masked. The stand-in (one dense GEMM pair over the sorted rows: the FLOPs of "
+              "a real grouped GEMM, not its values) runs the routing, sort, gathers and "
+              "scatters of the dropless layer around it.", ""]
+    for p in res["plans"]:
+        lines += [f"### Planner: Mixtral-8x7B on {p['gpus']} H100", "", p["table"], ""]
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    gpu = {name: compile_moe_stack(shape) for name, shape in MESHES.items()} \
-        if args.gpu else None
-    cpu = cpu_step_times(rounds=args.rounds) if args.cpu else None
-    print(markdown(gpu, cpu))
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, no plan")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, help="write the BENCHMARKS.md section here")
+    args = parser.parse_args(argv)
+    from benchmarks.section import write_outputs
+
+    res = run_moe(QUICK if args.quick else FULL)
+    write_outputs(res, json_path=args.json, markdown_path=args.markdown,
+                  render=render_markdown, log=print)
+    return res
 
 
 if __name__ == "__main__":

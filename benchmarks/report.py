@@ -10,6 +10,7 @@ from typing import Any
 from benchmarks.fsdp import render_markdown as render_fsdp
 from benchmarks.generation import render_markdown as render_generation
 from benchmarks.memory import TERMS
+from benchmarks.moe import render_markdown as render_moe
 from benchmarks.pipeline import render_markdown as render_pipeline
 from benchmarks.targets import MiB
 from benchmarks.text import render_markdown as render_text
@@ -755,6 +756,12 @@ def _generation_section(res) -> str:
     return render_generation(res["generation"]) if skipped is None else skipped
 
 
+def _moe_section(res) -> str:
+    """``benchmarks.moe``'s section (its own targets, tables and prose)."""
+    skipped = _unmeasured(res, "moe", "Mixture of experts")
+    return render_moe(res["moe"]) if skipped is None else skipped
+
+
 def _fsdp_section(res) -> str:
     """``benchmarks.fsdp``'s section (its own targets and table)."""
     skipped = _unmeasured(res, "fsdp", "FSDP on 8 x H100")
@@ -824,7 +831,7 @@ def render_markdown(res: dict[str, Any]) -> str:
             _gpu_section(res), _stacks_section(res), _time_section(res),
             _gpt_time_section(res), _context_section(res), _pipeline_section(res),
             _text_section(res), _generation_section(res), _fsdp_section(res),
-            _plan_section(res)]
+            _moe_section(res), _plan_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)

@@ -29,6 +29,9 @@ from benchmarks.generation import QUICK as GENERATION_QUICK
 from benchmarks.generation import GenerationBench, run_generation
 from benchmarks.gpt_timing import Model
 from benchmarks.memory import activation_memory
+from benchmarks.moe import FULL as MOE_FULL
+from benchmarks.moe import QUICK as MOE_QUICK
+from benchmarks.moe import MoEBench, run_moe
 from benchmarks.pipeline import FULL as PIPELINE_FULL
 from benchmarks.pipeline import QUICK as PIPELINE_QUICK
 from benchmarks.pipeline import PipelineBench, run_pipeline
@@ -66,6 +69,7 @@ class Config:
     text: TextBench  # packed documents: input pipeline vs step, packing, masked attention
     generation: GenerationBench  # decode tokens/s vs transformers, the H100 decode step
     fsdp: FsdpBench = FSDP_FULL  # the training step sharded over data (deviceless H100)
+    moe: MoEBench = MOE_FULL  # mixture of experts: Mixtral-shaped H100 stack, CPU, planner
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
@@ -138,6 +142,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,)),
     text=TEXT_QUICK,  # tiny model, 20 batches per pipeline, s=1024 attention
     generation=GENERATION_QUICK,  # llama-tiny, batch 8, 8 tokens, 2 rounds
+    moe=MOE_QUICK,
     fsdp=FSDP_QUICK,  # 2 layers, h=512, data 8
 )
 
@@ -250,7 +255,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
             if name not in ("gpu", "stacks", "context", "pipeline", "generation", "fsdp",
-                            "plan"):
+                            "plan", "moe"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -275,6 +280,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     # transformers from $SP_JAX_TORCH_PYTHON (else its ratio is not measured); H100: plugin
     section("generation", lambda: run_generation(cfg.generation, log=_log))
     section("fsdp", lambda: _fsdp(cfg))  # CUDA plugin
+    section("moe", lambda: run_moe(cfg.moe, log=_log))  # CUDA plugin
     if cfg.plans:
         from benchmarks.plan import run_plans
 
