@@ -129,13 +129,14 @@ def test_golden_logits_loss_and_gradients(family):
 
 @pytest.mark.parametrize("family", MOE)
 def test_golden_moe_logits_losses_and_gradients(family):
-    """A mixture of experts on two (data, expert, context, tensor) meshes with expert
-    parallelism: transformers' logits (1e-5); its plain next-token loss
+    """A mixture of experts on a (data, expert, context, tensor) mesh with expert
+    parallelism (Mixtral (1, 4, 1, 2), Qwen3-MoE (2, 2, 1, 2); the round trips below run
+    both on both): transformers' logits (1e-5); its plain next-token loss
     (output_router_logits=False) as metrics["lm_loss"], its load-balancing loss as
     metrics["moe_aux_loss"] and its loss with output_router_logits=True (lm_loss +
     router_aux_loss_coef * aux) as sp_jax's loss, whose gradients are transformers'."""
     golden = np.load(FIXTURES / family / "golden.npz")
-    for shape in MOE_MESHES:
+    for shape in MOE_MESHES[:1] if family == "mixtral" else MOE_MESHES[1:]:
         with jax.set_mesh(_expert_mesh(*shape)):
             model = hf.from_hf(FIXTURES / family, parallel=EXPERTS)
             model.eval()
