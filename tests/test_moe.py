@@ -135,12 +135,14 @@ def _loss_and_grads(cfg, par, mesh, init, tokens):
 def test_capacity_drops_the_same_pairs_on_every_mesh(monkeypatch):
     """Capacity mode (factor 1.0 on one expert layer): the loss, the dropped fraction,
     the tokens per expert and every gradient equal the reference rule's on all four
-    meshes, so each mesh keeps exactly the pairs the rule keeps."""
-    cfg = _config(num_layers=1, moe_capacity_factor=1.0)
+    meshes and with Ulysses attention, so each mesh keeps exactly the pairs the rule
+    keeps."""
+    cfg = _config(num_layers=1, moe_capacity_factor=1.0, num_heads=8, num_kv_heads=4)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (B, S)), jnp.int32)
     init, ref = None, None
     runs = {}
-    for name, (shape, options) in MESHES.items():
+    ulysses = {"expert2_ulysses2_tensor2": ((1, 2, 2, 2), dict(context_parallel="ulysses"))}
+    for name, (shape, options) in {**MESHES, **ulysses}.items():
         par = sp_jax.ParallelConfig(expert_axis="expert", **options)
         got_init, *out = _loss_and_grads(cfg, par, _mesh(shape), init, tokens)
         init = init or got_init
