@@ -85,7 +85,7 @@ def mesh_8x1():
 # in collection order, so starting with these keeps one long file from running alone at
 # the end. Every other file follows in its usual order.
 SLOWEST_FIRST = ("test_doc_snippets.py", "test_pipeline.py", "test_benchmarks.py",
-                 "test_pipeline_hlo.py", "test_gpt.py",
+                 "test_pipeline_hlo.py", "test_gpt.py", "test_moe.py",
                  "test_context.py", "test_multiprocess.py", "test_plan.py", "test_fsdp.py",
                  "test_gpu_check.py", "test_train_gpt.py", "test_attention.py",
                  "test_analysis.py", "test_trainer.py", "test_faults.py", "test_blocks.py",
@@ -183,6 +183,10 @@ FAST = {
     "test_pipeline_hlo.py": (
         "test_only_activation_permutes_cross_stages_one_per_tick_and_direction",
         "test_hlo_helpers_read_groups_pairs_loops_and_counts"),
+    "test_moe.py": ("test_capacity_drops_the_same_pairs_on_every_mesh",
+                    "test_aux_loss_equals_transformers_mixtral", "test_moe_config_errors",
+                    "test_moe_layer_freq_mixes_dense_and_expert_layers",
+                    "test_h100_expert_traffic_is_ragged_all_to_all_without_a_dense_dispatch"),
 }
 
 

@@ -94,7 +94,6 @@ def _reference(monkeypatch, cfg, run):
         return run(cfg, sp_jax.ParallelConfig(), _mesh((1, 1, 1, 1)))
 
 
-@pytest.mark.slow
 def test_dropless_experts_train_like_the_reference_loop(monkeypatch):
     """5 AdamW steps (aux and z losses on, one shared expert) on four meshes with an
     expert axis, one with fsdp and recompute_allgather, one with ring attention, equal
