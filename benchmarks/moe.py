@@ -333,6 +333,14 @@ def render_markdown(res: dict[str, Any]) -> str:
               "scatters of the dropless layer around it.", ""]
     for p in res["plans"]:
         lines += [f"### Planner: Mixtral-8x7B on {p['gpus']} H100", "", p["table"], ""]
+        if not any(row["fits"] for row in p["rows"]):
+            state = 16 * p["params"] / p["gpus"] / 2**30
+            lines += [f"Why none fits: fp32 master weights, fp32 Adam moments and fp32 "
+                      f"gradients are 16 bytes per parameter, {p['params'] / 1e9:.1f}B x 16 "
+                      f"B / {p['gpus']} GPUs = {state:.1f} GiB per GPU before any "
+                      "activation (an H100 has 74.5 GiB). It takes more GPUs (16 above), or "
+                      "low-precision optimizer state or offloading, which sp_jax does not "
+                      "have.", ""]
     return "\n".join(lines)
 
 

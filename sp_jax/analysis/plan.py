@@ -429,8 +429,9 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     """:func:`_formula` of a mixture of experts: fp32 parameters, the experts over expert
     x tensor (and data with fsdp), the rest over tensor (and data x expert with fsdp);
     the activations as GPT blocks of the active MLP width ``k F``, plus per layer the
-    dispatch's bf16 receive buffer (``ep T min(k, E / ep)`` rows of ``h``) that sizes
-    the grouped GEMMs."""
+    rows of the dispatch's static receive buffer (``ep T min(k, E / ep)``, the worst
+    case) through the grouped GEMMs: bf16 ``h`` received, ``2F / t`` up-projected and
+    ``F / t`` activated, kept for the backward and as many again in it."""
     h, t, ep = model.hidden, option.tensor, option.expert
     fsdp = option.batch_shards if option.fsdp else 1
     f = model.moe_mlp_hidden or model.mlp
@@ -441,8 +442,8 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     b = batch // option.batch_shards // option.micro_batches
     tokens = b * model.seq
     sbh = tokens * h / t
-    per_layer = 34 * sbh + 2 * ep * tokens * min(model.experts_per_token,
-                                                 model.experts // ep) * h * 3
+    rows = ep * tokens * min(model.experts_per_token, model.experts // ep)
+    per_layer = 34 * sbh + 2 * 2 * rows * (h + 3 * f / t)
     acts = model.layers * 2 * sbh + per_layer if option.remat else model.layers * per_layer
     return params, acts
 
