@@ -208,13 +208,17 @@ def test_quick_run_writes_report(tmp_path):
         gpt_run["ratio_to_reference"]["sp_jax"] <= 1.0)
     assert "## CPU: the whole GPT training step" in md
     assert "## Long context: a context mesh axis" in md
-    # the pipeline, packed-documents and generation sections sit after the long-context
-    # one and before the planner's (none in a quick run)
+    # the pipeline, packed-documents, generation, FSDP and mixture-of-experts sections sit
+    # after the long-context one and before the planner's (none in a quick run)
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     pipe = heads.index("## Pipeline parallelism")
-    assert heads[pipe - 1:pipe + 5] == ["## Long context: a context mesh axis",
+    assert heads[pipe - 1:pipe + 6] == ["## Long context: a context mesh axis",
                                         "## Pipeline parallelism", "## Packed documents",
-                                        "## Generation", "## FSDP on 8 x H100", "## Run"]
+                                        "## Generation", "## FSDP on 8 x H100",
+                                        "## Mixture of experts", "## Run"]
+    # mixture of experts (benchmarks/moe.py): the ragged all-to-alls carry the analytic bytes
+    moe = {t["id"]: t for t in data["moe"]["targets"]}
+    assert moe["moe_a2a_2_2_1_2"]["met"] is True
     # packed documents (benchmarks/text.py): its targets in its section; the kernel skips
     # exactly the block products of other documents at any shape
     text = data["text"]

@@ -105,7 +105,7 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     def stage(chunk, x, keys):
         from sp_jax.models.gpt import _scan_blocks
         stacked = _swap_parallel(nnx.merge(block_graphdef, chunk), inner)
-        return _scan_blocks(stacked, x, key(keys), remat)
+        return _scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
 
     def head(shared, x, labels):
         m = shell(shared)

@@ -311,9 +311,9 @@ def parse_mesh(text: str) -> tuple[int, int, int, int, int]:
     except ValueError:
         sizes = []
     if len(sizes) not in (2, 3, 4) or min(sizes) <= 0:
-        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR, "
-                         "STAGE,DATA,CONTEXT,TENSOR (positive integers) or AXIS=SIZE pairs, "
-                         "e.g. 2,4, 1,2,4, 2,1,1,4 or data=2,expert=2,tensor=2")
+        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR or "
+                         "STAGE,DATA,CONTEXT,TENSOR (positive integers), e.g. 2,4, 1,2,4 or "
+                         "2,1,1,4, or AXIS=SIZE pairs, e.g. data=2,expert=2,tensor=2")
     if len(sizes) == 2:
         sizes = [1, sizes[0], 1, sizes[1]]
     elif len(sizes) == 3:
