@@ -183,7 +183,8 @@ FAST = {
     "test_pipeline_hlo.py": (
         "test_only_activation_permutes_cross_stages_one_per_tick_and_direction",
         "test_hlo_helpers_read_groups_pairs_loops_and_counts"),
-    "test_moe.py": ("test_capacity_drops_the_same_pairs_on_every_mesh",
+    "test_moe.py": ("test_capacity_drops_the_same_pairs_on_every_mesh["
+                    "data2_expert2_tensor2_fsdp]",
                     "test_aux_loss_equals_transformers_mixtral", "test_moe_config_errors",
                     "test_moe_layer_freq_mixes_dense_and_expert_layers",
                     "test_h100_expert_traffic_is_ragged_all_to_all_without_a_dense_dispatch"),

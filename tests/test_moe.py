@@ -2,6 +2,9 @@
 exactly what a plain unsharded loop over the experts computes, on meshes with an expert
 axis (data, expert, context, tensor), and the auxiliary loss is transformers' Mixtral one."""
 
+import functools
+import unittest.mock
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -131,29 +134,37 @@ def _loss_and_grads(cfg, par, mesh, init, tokens):
                 to_host(nnx.to_pure_dict(grads)))
 
 
-def test_capacity_drops_the_same_pairs_on_every_mesh(monkeypatch):
+CAPACITY = _config(num_layers=1, moe_capacity_factor=1.0, num_heads=8, num_kv_heads=4)
+CAPACITY_MESHES = {**MESHES,
+                   "expert2_ulysses2_tensor2": ((1, 2, 2, 2), dict(context_parallel="ulysses"))}
+
+
+@functools.cache
+def _capacity_reference():
+    """(initial parameters, tokens, (loss, metrics, gradients)) of the capacity-mode model
+    unsharded, its expert layer the plain reference (computed once per process)."""
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (B, S)), jnp.int32)
+    with unittest.mock.patch.object(MoE, "mixture", reference_mixture):
+        init, *ref = _loss_and_grads(CAPACITY, sp_jax.ParallelConfig(), _mesh((1, 1, 1, 1)),
+                                     None, tokens)
+    return init, tokens, ref
+
+
+@pytest.mark.parametrize("name", list(CAPACITY_MESHES))
+def test_capacity_drops_the_same_pairs_on_every_mesh(name):
     """Capacity mode (factor 1.0 on one expert layer): the loss, the dropped fraction,
     the tokens per expert and every gradient equal the reference rule's on all four
     meshes and with Ulysses attention, so each mesh keeps exactly the pairs the rule
     keeps."""
-    cfg = _config(num_layers=1, moe_capacity_factor=1.0, num_heads=8, num_kv_heads=4)
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (B, S)), jnp.int32)
-    init, ref = None, None
-    runs = {}
-    ulysses = {"expert2_ulysses2_tensor2": ((1, 2, 2, 2), dict(context_parallel="ulysses"))}
-    for name, (shape, options) in {**MESHES, **ulysses}.items():
-        par = sp_jax.ParallelConfig(expert_axis="expert", **options)
-        got_init, *out = _loss_and_grads(cfg, par, _mesh(shape), init, tokens)
-        init = init or got_init
-        runs[name] = out
-    ref = _reference(monkeypatch, cfg,
-                     lambda c, p, m: _loss_and_grads(c, p, m, init, tokens))[1:]
+    init, tokens, ref = _capacity_reference()
     assert ref[1]["moe_dropped_fraction"] > 0.05  # the rule drops pairs here
-    for name, (value, metrics, grads) in runs.items():
-        np.testing.assert_allclose(value, ref[0], rtol=1e-5, err_msg=name)
-        for key in ("moe_dropped_fraction", "moe_expert_tokens"):
-            np.testing.assert_array_equal(metrics[key], ref[1][key], err_msg=name)
-        chex.assert_trees_all_close(grads, ref[2], rtol=1e-5, atol=1e-6)
+    shape, options = CAPACITY_MESHES[name]
+    par = sp_jax.ParallelConfig(expert_axis="expert", **options)
+    _, value, metrics, grads = _loss_and_grads(CAPACITY, par, _mesh(shape), init, tokens)
+    np.testing.assert_allclose(value, ref[0], rtol=1e-5)
+    for key in ("moe_dropped_fraction", "moe_expert_tokens"):
+        np.testing.assert_array_equal(metrics[key], ref[1][key], err_msg=key)
+    chex.assert_trees_all_close(grads, ref[2], rtol=1e-5, atol=1e-6)
 
 
 def test_aux_loss_equals_transformers_mixtral():
