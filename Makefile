@@ -40,15 +40,13 @@ gpu-check: $(STAMP)
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
 # suite (CI's `.ci/run`) takes 13 to 16 min on 2 cores (fresh clones, the install
-# included: 13:34, then 16:07 with 4 more tests and the MLP / attention memory changes:
-# 27.5 against 23.5 min of CPU, not yet attributed). JAX's caches are cleared after each
-# test file (tests/conftest.py).
-# Worker gw0 alone runs tests/test_pipeline.py
-# (tests/conftest.py).
+# included: 13:34, 16:07, and 14:50 with the mixture-of-experts tests, 852 s of pytest).
+# JAX's caches are cleared after each test file (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
-# The fast tier for the inner loop (under 3 min on 2 idle cores: 1:38 measured): unit tests
+# The fast tier for the inner loop (under 3 min on 2 idle cores: 2:16 of pytest measured,
+# about 3:00 with a fresh install): unit tests
 # of every floor and one end-to-end test per feature (the FAST table in tests/conftest.py);
 # one file per worker at a time, as in `test`, so a module fixture (a trainer run) is made
 # once, not once per worker.
