@@ -97,28 +97,24 @@ def accumulate_gradients(
     grad_fn = jax.value_and_grad(split_out, has_aux=True)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     n = jax.tree.leaves(batch)[0].shape[0]
-    first = jax.tree.map(lambda x: x[0], batch)
-    shapes = jax.eval_shape(split_out, params, first, key)[1][1]
-    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
 
     def micro_step(carry, xs):
-        loss_sum, count, grads, metrics = carry
+        loss_sum, count, grads = carry
         micro_batch, i = xs
-        (loss, (micro_count, micro_metrics)), g = grad_fn(params, micro_batch,
-                                                          jax.random.fold_in(key, i))
+        (loss, (micro_count, metrics)), g = grad_fn(params, micro_batch,
+                                                    jax.random.fold_in(key, i))
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-        metrics = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), metrics,
-                               micro_metrics)
-        return (loss_sum + loss.astype(jnp.float32), count + micro_count, grads,
-                metrics), None
+        # each micro-batch's metrics stacked (small), averaged below
+        return (loss_sum + loss.astype(jnp.float32), count + micro_count, grads), \
+            jax.tree.map(lambda m: m.astype(jnp.float32), metrics)
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros, no_metrics)
-    (loss_sum, count, grads, metrics), _ = lax.scan(micro_step, init, (batch, jnp.arange(n)))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
+    (loss_sum, count, grads), metrics = lax.scan(micro_step, init, (batch, jnp.arange(n)))
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     loss, grads = loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
     if not with_metrics:
         return loss, grads
-    return loss, grads, jax.tree.map(lambda m: m / n, metrics)
+    return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
 
 def _pipelined(model: nnx.Module) -> bool:
