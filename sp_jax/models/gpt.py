@@ -298,8 +298,8 @@ class GPT(nnx.Module):
             for block in self.blocks:
                 x, layer = _run_block(block, x, stream() if training else None,
                                       self.config.remat, documents)
-                layers.append(layer)
-            layers = [layer for layer in layers if layer is not None]
+                if layer is not None:  # a mixture-of-experts layer's router statistics
+                    layers.append(layer)
             stats = jax.tree.map(lambda *v: jnp.stack(v), *layers) if layers else None
         return self.final_norm(x), stats
 
