@@ -39,8 +39,8 @@ gpu-check: $(STAMP)
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
-# suite (CI's `.ci/run`) takes 13 to 16 min on 2 cores (fresh clones, the install
-# included: 13:34, 16:07, and 14:50 with the mixture-of-experts tests, 852 s of pytest).
+# suite (CI's `.ci/run`) takes 13 to 18 min on 2 cores (fresh clones, the install
+# included: 13:34, 16:07; with the mixture-of-experts tests 14:50 and 18:02, the same code).
 # JAX's caches are cleared after each test file (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
