@@ -33,7 +33,7 @@ from sp_jax import (  # noqa: E402
     training,
     xla_flags,
 )
-from sp_jax.config import ParallelConfig  # noqa: E402
+from sp_jax.config import Fp8Recipe, ParallelConfig  # noqa: E402
 from sp_jax.layers import (  # noqa: E402
     MLP,
     AttentionConfig,
@@ -55,6 +55,7 @@ from sp_jax.layout import Layout  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "Fp8Recipe",
     "ParallelConfig",
     "Layout",
     "attention",

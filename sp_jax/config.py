@@ -14,13 +14,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CONTEXT_PARALLEL", "PIPELINE_SCHEDULES", "ParallelConfig"]
+__all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "PIPELINE_SCHEDULES", "Fp8Recipe",
+           "ParallelConfig"]
 
 CONTEXT_PARALLEL = (None, "ring", "ulysses")
 """The values of ``ParallelConfig.context_parallel``."""
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 """The values of ``ParallelConfig.pipeline_schedule``."""
+
+FP8_SCALINGS = ("current", "delayed")
+"""The values of ``Fp8Recipe.scaling``."""
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -322,3 +326,46 @@ class ParallelConfig:
                 f"Unknown ParallelConfig key(s) {unknown}; valid keys are {valid}."
             )
         return cls(**dict(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How the parallel linear layers compute in FP8 (Transformer Engine's recipe, in JAX).
+
+    With a recipe, a linear layer's GEMMs take inputs and weights in ``float8_e4m3fn``
+    and the gradient of its output in ``float8_e5m2``, each with one per-tensor scale,
+    and accumulate in fp32 (:mod:`sp_jax.ops.fp8`); master weights, norms, softmax and
+    the loss are untouched. A tensor's scale comes from the amax of the *whole* tensor
+    (the maximum over its shards on the data, context and tensor axes), so a sharded
+    FP8 model computes what the unsharded one computes. A sequence-parallel column layer
+    quantises its local shard and all-gathers FP8 bytes.
+
+    Attributes:
+      scaling: ``"current"``: each tensor is scaled by its own amax, taken just before it
+        is quantised (one small all-reduce of a scalar per tensor on the critical path).
+        ``"delayed"``: scaled by the largest amax of the last ``amax_history_len`` steps
+        (kept per layer as :class:`sp_jax.ops.fp8.Fp8History` state, updated by the
+        training step); the step's own amax is only recorded, off the critical path.
+        Values above the history's amax saturate at the format's largest value.
+      amax_history_len: steps of amax history kept per tensor with ``"delayed"``.
+      margin: the scale is ``amax * 2**margin / fp8_max``: ``margin`` binades of headroom
+        (Transformer Engine's ``margin``).
+    """
+
+    scaling: str = "current"
+    amax_history_len: int = 16
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scaling not in FP8_SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling={self.scaling!r} must be one of "
+                             f"{FP8_SCALINGS}.")
+        for name, low in (("amax_history_len", 1), ("margin", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Fp8Recipe.{name}={value!r} must be an int >= {low}.")
+
+    @property
+    def delayed(self) -> bool:
+        """Whether the scales come from an amax history (``scaling="delayed"``)."""
+        return self.scaling == "delayed"

@@ -64,10 +64,20 @@ LAYER_CASES = [
 
 @pytest.mark.parametrize("layer_name, mesh_name, recompute", LAYER_CASES)
 def test_layer_matches_nnx_linear(layer_name, mesh_name, recompute):
+    _check_layer(layer_name, mesh_name, sp_jax.ParallelConfig(recompute_allgather=recompute))
+
+
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_fsdp_layer_matches_nnx_linear(layer_name):
+    """Every layer with its kernel sharded over the data axis too (the column layer's
+    all-reduced dx and its reduce-scattered weight gradient differ in their axes)."""
+    _check_layer(layer_name, "explicit_2x4", sp_jax.ParallelConfig(fsdp=True))
+
+
+def _check_layer(layer_name, mesh_name, cfg):
     cls, kwargs, in_spec, out_spec = LAYERS[layer_name]
     data, tensor, axis_type = MESHES[mesh_name]
     mesh = make_mesh(data, tensor, axis_type)
-    cfg = sp_jax.ParallelConfig(recompute_allgather=recompute)
     n_in, n_out = (IN, OUT) if "column" in layer_name else (OUT, IN)
     x_host = np.random.default_rng(1).normal(size=(B, S, n_in)).astype(np.float32)
 

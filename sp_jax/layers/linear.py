@@ -33,7 +33,8 @@ from flax.nnx.nn import initializers
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
-from sp_jax.config import ParallelConfig
+from sp_jax.config import Fp8Recipe, ParallelConfig
+from sp_jax.layers.fp8 import check_fp8_recipe, fp8_history, fp8_spec
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -81,6 +82,7 @@ class _ParallelLinear(nnx.Module):
         param_dtype: Any = jnp.float32,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
+        fp8: Fp8Recipe | None = None,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
@@ -98,6 +100,8 @@ class _ParallelLinear(nnx.Module):
         self.parallel = parallel
         self.dtype = dtype
         self.param_dtype = param_dtype
+        self.fp8 = check_fp8_recipe(name, fp8)
+        fp8_spec(self.fp8, parallel)  # FP8 options the layer cannot run fail here
 
         mesh = current_mesh(parallel, where=name, required=False)
         if mesh is not None:
@@ -120,6 +124,7 @@ class _ParallelLinear(nnx.Module):
             )
         else:
             self.bias = None
+        self.fp8_history = fp8_history(self.fp8, eager=mesh is not None)
 
     def _param_specs(self, layout: Layout) -> tuple[P, P]:
         """(kernel spec, bias spec): row layers split the input features, column layers
@@ -166,8 +171,10 @@ class _ParallelLinear(nnx.Module):
         """(input spec, output spec) of the activations."""
         raise NotImplementedError
 
-    def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
-        """The per-device computation (inside ``shard_map``)."""
+    def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+               fp8: dict) -> jax.Array:
+        """The per-device computation (inside ``shard_map``); ``fp8``: the FP8 keyword
+        arguments of the op (``fp8``, ``fp8_history``; empty without FP8)."""
         raise NotImplementedError
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -193,16 +200,19 @@ class _ParallelLinear(nnx.Module):
         x_spec, out_spec = self._specs(layout)
         k_spec, b_spec = self._param_specs(layout)
         args, in_specs = [reshard(x, x_spec, mesh), reshard(kernel, k_spec, mesh)], [x_spec, k_spec]
-        if bias is not None:
-            args.append(reshard(bias, b_spec, mesh))
-            in_specs.append(b_spec)
+        args.append(None if bias is None else reshard(bias, b_spec, mesh))
+        in_specs.append(None if bias is None else b_spec)
+        history = None if self.fp8_history is None else self.fp8_history[...]
+        args.append(None if history is None else reshard(history, P(), mesh))
+        in_specs.append(None if history is None else P())
         extra = {} if activation is None else {"activation": activation}
-        local = jax.shard_map(
-            lambda x, k, b=None: self._local(x, k, b, **extra),
-            in_specs=tuple(in_specs),
-            out_specs=out_spec,
-        )
-        return local(*args)
+        spec = fp8_spec(self.fp8, self.parallel)
+
+        def local(x, k, b, h):
+            fp8 = {} if spec is None else {"fp8": spec, "fp8_history": h}
+            return self._local(x, k, b, fp8, **extra)
+
+        return jax.shard_map(local, in_specs=tuple(in_specs), out_specs=out_spec)(*args)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -225,6 +235,10 @@ class ColumnParallelLinear(_ParallelLinear):
       param_dtype: parameter dtype.
       kernel_init: initializer of the global ``[in, out]`` kernel.
       bias_init: initializer of the global ``[out]`` bias.
+      fp8: an :class:`~sp_jax.Fp8Recipe` to compute in FP8 (e4m3 input and kernel, e5m2
+        output gradient, whole-tensor scales, fp32 accumulation; with delayed scaling the
+        layer holds its amax history as ``fp8_history``, an
+        :class:`~sp_jax.layers.fp8.Fp8History`), or ``None`` (the compute dtype).
       rngs: rng streams; one ``params`` draw for the kernel and one for the bias.
     """
 
@@ -237,10 +251,10 @@ class ColumnParallelLinear(_ParallelLinear):
         out = layout.tensor_replicated if self.gather_output else layout.tp
         return layout.tensor_replicated, out
 
-    def _local(self, x, kernel, bias):
+    def _local(self, x, kernel, bias, fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd,
-                                       fsdp_axes=self.parallel.fsdp_axes)
+                                       fsdp_axes=self.parallel.fsdp_axes, **fp8)
         if self.gather_output:
             y = ops.all_gather_with_split_grad(y, t, dim=-1)
         return y
@@ -276,21 +290,23 @@ class RowParallelLinear(_ParallelLinear):
         x_spec = layout.tp if self.input_is_parallel else layout.tensor_replicated
         return x_spec, layout.tensor_replicated
 
-    def _local(self, x, kernel, bias):
+    def _local(self, x, kernel, bias, fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         if not self.input_is_parallel:
             x = ops.split_with_all_gather_grad(x, t, dim=-1)
-        y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes, fsdp_dim=1)
+        y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes, fsdp_dim=1,
+                       **fp8)
         y = ops.all_reduce_with_identity_grad(y, t)
         return ops.add_bias(y, bias, wgrad_dtype=wd)
 
 
 def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                     parallel: ParallelConfig) -> jax.Array:
+                     parallel: ParallelConfig, **fp8: Any) -> jax.Array:
     """Per device (inside ``shard_map``): :func:`sp_jax.ops.column_sequence_parallel_matmul`
     of the sequence shard ``x [b, s / t, in]`` with this device's column block ``kernel``
     (and ``bias``), with every option of ``parallel`` (recompute, wgrad dtype, collective
-    matmul, fsdp). Shared by :class:`ColumnSequenceParallelLinear`, the grouped-query
+    matmul, fsdp), and in FP8 with ``fp8`` (the op's ``fp8`` and ``fp8_history``
+    arguments). Shared by :class:`ColumnSequenceParallelLinear`, the grouped-query
     projection and the GPT's LM head."""
     return ops.column_sequence_parallel_matmul(
         x, kernel, bias,
@@ -300,6 +316,7 @@ def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
         wgrad_dtype=parallel.wgrad_dtype,
         collective_matmul=parallel.collective_matmul,
         fsdp_axes=parallel.fsdp_axes,
+        **fp8,
     )
 
 
@@ -326,8 +343,8 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
         warn_if_recompute_may_be_merged(self.parallel)
         return super().__call__(x)
 
-    def _local(self, x, kernel, bias):
-        return column_sp_matmul(x, kernel, bias, self.parallel)
+    def _local(self, x, kernel, bias, fp8):
+        return column_sp_matmul(x, kernel, bias, self.parallel, **fp8)
 
 
 class RowSequenceParallelLinear(_ParallelLinear):
@@ -367,9 +384,9 @@ class RowSequenceParallelLinear(_ParallelLinear):
     def _specs(self, layout):
         return layout.tp, layout.sp
 
-    def _local(self, x, kernel, bias, activation=None):
+    def _local(self, x, kernel, bias, fp8, activation=None):
         cfg = self.parallel
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
             collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes,
-            activation=activation)
+            activation=activation, **fp8)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary
+from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
 
 __all__ = ["fsdp_gather", "fsdp_op", "full_kernel"]
 
@@ -92,9 +92,16 @@ def fsdp_op(op_fwd: Callable, op_bwd: Callable) -> Callable:
                                     g)
         # The weight gradient leaves this op reduce-scattered: dx is released with the
         # shard, so each full-size gradient is freed in this op's backward instead of
-        # waiting for a reduce-scatter XLA would otherwise start at the end.
-        return (*lax.optimization_barrier((dx, _fsdp_reduce_scatter(dkernel, axes, dim))),
-                dbias)
+        # waiting for a reduce-scatter XLA would otherwise start at the end. A dx that
+        # varies over fewer axes (the column form's, all-reduced over the tensor axis)
+        # only holds the shard back: a barrier types its outputs as varying over the
+        # union of its operands' axes.
+        dkernel = _fsdp_reduce_scatter(dkernel, axes, dim)
+        if vma(dx) == vma(dkernel):
+            dx, dkernel = lax.optimization_barrier((dx, dkernel))
+        else:
+            dkernel, _ = lax.optimization_barrier((dkernel, dx))
+        return dx, dkernel, dbias
 
     op.defvjp(fwd, bwd)
     return op

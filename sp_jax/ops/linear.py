@@ -41,6 +41,8 @@ from sp_jax.ops.collective_matmul import (
     row_ring_bwd,
     row_ring_fwd,
 )
+from sp_jax.ops.fp8 import Fp8Spec
+from sp_jax.ops.fp8_linear import FP8_RULES
 from sp_jax.ops.fsdp import fsdp_op, full_kernel
 from sp_jax.ops.gemm import bgrad, bwd_cast, check_linear_shapes, dot, dot_nt, dot_t, wgrad
 from sp_jax.ops.primitives import (
@@ -209,18 +211,28 @@ _RULES: dict[tuple[str, bool], tuple[Callable, Callable]] = {
     ("row_sequence", True): (row_ring_fwd, row_ring_bwd),
     ("row_sequence_activated", False): _activated(_rsp_matmul_fwd, _rsp_matmul_bwd),
     ("row_sequence_activated", True): _activated(row_ring_fwd, row_ring_bwd),
+    **FP8_RULES,  # the same ops in FP8 (sp_jax.ops.fp8_linear)
 }
 _OPS = {(*key, fsdp): (fsdp_op if fsdp else _custom_vjp)(*rule)
         for key, rule in _RULES.items() for fsdp in (False, True)}
 
 
 def _apply(name: str, x, kernel, bias, static: tuple, *, ring: bool = False,
-           fsdp_axes: tuple = (), fsdp_dim: int = 0) -> jax.Array:
+           fsdp_axes: tuple = (), fsdp_dim: int = 0, fp8: Fp8Spec | None = None,
+           fp8_history: jax.Array | None = None) -> jax.Array:
     """Runs rule ``name`` in the form the options ask for: as a ring of transfers
-    overlapped with chunk GEMMs (``ring``), and with ``kernel`` this device's shard over
-    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op). The rule's
-    static arguments end with the kernel's own dtype, the dtype of its gradient (the FSDP
-    form hands the rule a kernel gathered in the compute dtype)."""
+    overlapped with chunk GEMMs (``ring``), with ``kernel`` this device's shard over
+    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op), and in FP8
+    (``fp8``: rule ``name + "_fp8"``, whose third operand is ``(bias, fp8_history)`` and
+    whose static arguments hold ``fp8`` before ``wgrad_dtype``; a row rule's always
+    start with its activation, ``None`` without one). The rule's static arguments end
+    with the kernel's own dtype, the dtype of its gradient (the FSDP form hands the rule
+    a kernel gathered in the compute dtype)."""
+    if fp8 is not None:
+        if name == "row_sequence":
+            static = (None, *static)
+        name, bias = name.removesuffix("_activated") + "_fp8", (bias, fp8_history)
+        static = (*static[:-1], fp8, static[-1])
     static = (*static, jnp.dtype(kernel.dtype))
     if fsdp_axes:
         return _OPS[name, ring, True](x, kernel, bias, fsdp_axes, fsdp_dim, static)
@@ -234,6 +246,30 @@ def _vary_all(x, kernel, bias, axes) -> tuple:
     return vary(x, union), vary(kernel, union), vary(bias, union)
 
 
+def _check_fp8(name: str, fp8, fp8_history) -> None:
+    """TypeErrors / ValueErrors naming ``name`` unless ``fp8`` is None or an
+    :class:`~sp_jax.ops.fp8.Fp8Spec` with an amax history exactly when it scales with
+    delayed scaling."""
+    if fp8 is None:
+        if fp8_history is not None:
+            raise ValueError(f"{name}: fp8_history is given without fp8; pass "
+                             "fp8=Fp8Spec(Fp8Recipe('delayed'), amax_axes) as well.")
+        return
+    if not isinstance(fp8, Fp8Spec):
+        raise TypeError(f"{name}: fp8={fp8!r} must be a sp_jax.ops.fp8.Fp8Spec (an "
+                        "Fp8Recipe and the mesh axes a tensor's amax spans) or None.")
+    if not fp8.recipe.delayed:
+        if fp8_history is not None:
+            raise ValueError(f"{name}: fp8_history is only for delayed scaling; current "
+                             "scaling (Fp8Recipe('current')) takes none.")
+        return
+    expected = (3, fp8.recipe.amax_history_len)
+    if fp8_history is None or fp8_history.shape != expected:
+        got = None if fp8_history is None else fp8_history.shape
+        raise ValueError(f"{name}: delayed scaling needs fp8_history of shape {expected} "
+                         f"(input, kernel and output-gradient amaxes), got {got}.")
+
+
 def _static_dtype(wgrad_dtype):
     return None if wgrad_dtype is None else jnp.dtype(wgrad_dtype)
 
@@ -243,7 +279,8 @@ def _static_dtype(wgrad_dtype):
 # --------------------------------------------------------------------------------------
 
 def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
-           fsdp_axes: tuple[AxisName, ...] = (), fsdp_dim: int = 1) -> jax.Array:
+           fsdp_axes: tuple[AxisName, ...] = (), fsdp_dim: int = 1,
+           fp8: Fp8Spec | None = None, fp8_history: jax.Array | None = None) -> jax.Array:
     """Local ``x @ kernel`` in the dtype of ``x``, with the weight gradient in ``wgrad_dtype``.
 
     Args:
@@ -255,14 +292,19 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
         dimension ``fsdp_dim``): gathered just before the matmul, gathered again in the
         backward pass instead of kept, and the weight gradient reduce-scattered over them.
       fsdp_dim: the kernel dimension ``fsdp_axes`` shard (row layers: 1).
+      fp8: compute in FP8 (:mod:`sp_jax.ops.fp8_linear`): an
+        :class:`~sp_jax.ops.fp8.Fp8Spec`, or ``None`` (the default: the compute dtype).
+      fp8_history: with delayed scaling, the ``[3, amax_history_len]`` fp32 amax history
+        (invariant over the mesh axes); its cotangent is this step's amaxes in column 0.
     Returns:
       ``[..., out]`` in ``x.dtype``.
     """
     fsdp_axes = tuple(fsdp_axes)
     check_linear_shapes("matmul", x, full_kernel(kernel, fsdp_axes, fsdp_dim))
+    _check_fp8("matmul", fp8, fp8_history)
     x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
     return _apply("matmul", x, kernel, None, (wgrad_dtype,), fsdp_axes=fsdp_axes,
-                  fsdp_dim=fsdp_dim)
+                  fsdp_dim=fsdp_dim, fp8=fp8, fp8_history=fp8_history)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -298,6 +340,8 @@ def column_parallel_matmul(
     axis_name: AxisName,
     wgrad_dtype=None,
     fsdp_axes: tuple[AxisName, ...] = (),
+    fp8: Fp8Spec | None = None,
+    fp8_history: jax.Array | None = None,
 ) -> jax.Array:
     """``x @ kernel + bias`` entering a tensor-parallel region from replicated activations
     (``identity_with_all_reduce_grad`` and the matmul as one op, Megatron's
@@ -314,10 +358,12 @@ def column_parallel_matmul(
       axis_name: the tensor mesh axis.
       wgrad_dtype: accumulation dtype of the weight and bias gradients.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 0.
+      fp8, fp8_history: as :func:`matmul`.
     Returns:
       ``[..., out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
     fsdp_axes = tuple(fsdp_axes)
+    _check_fp8("column_parallel_matmul", fp8, fp8_history)
     check_linear_shapes("column_parallel_matmul", x, full_kernel(kernel, fsdp_axes, 0), bias)
     if axis_name in vma(x):
         raise TypeError(
@@ -330,7 +376,7 @@ def column_parallel_matmul(
         union |= vma(bias)
     args = (vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union))
     return _apply("column", *args, (axis_name, _static_dtype(wgrad_dtype)),
-                  fsdp_axes=fsdp_axes, fsdp_dim=0)
+                  fsdp_axes=fsdp_axes, fsdp_dim=0, fp8=fp8, fp8_history=fp8_history)
 
 
 def _sequence_checks(name: str, x, kernel, bias, seq_dim: int, fsdp_axes: tuple,
@@ -356,6 +402,8 @@ def row_sequence_parallel_matmul(
     collective_matmul: bool = False,
     fsdp_axes: tuple[AxisName, ...] = (),
     activation: Callable[[jax.Array], jax.Array] | None = None,
+    fp8: Fp8Spec | None = None,
+    fp8_history: jax.Array | None = None,
 ) -> jax.Array:
     """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
     into a sequence-parallel one, as one op.
@@ -406,7 +454,7 @@ def row_sequence_parallel_matmul(
     if activation is not None:
         rule, static = "row_sequence_activated", (activation, *static)
     return _apply(rule, *args, static, ring=collective_matmul and lax.axis_size(axis_name) > 1,
-                  fsdp_axes=fsdp_axes, fsdp_dim=1)
+                  fsdp_axes=fsdp_axes, fsdp_dim=1, fp8=fp8, fp8_history=fp8_history)
 
 
 def column_sequence_parallel_matmul(
@@ -420,6 +468,8 @@ def column_sequence_parallel_matmul(
     wgrad_dtype=None,
     collective_matmul: bool = False,
     fsdp_axes: tuple[AxisName, ...] = (),
+    fp8: Fp8Spec | None = None,
+    fp8_history: jax.Array | None = None,
 ) -> jax.Array:
     """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
 
@@ -446,14 +496,18 @@ def column_sequence_parallel_matmul(
         with ``recompute_allgather``, its re-gather of ``x`` are decomposed likewise. No-op
         when ``t = 1``.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 0.
+      fp8, fp8_history: as :func:`matmul`; the shard is quantised before the all-gather
+        (e4m3 bytes move, in the ring too) and the residual is the e4m3 shard
+        (``recompute_allgather``) or the gathered e4m3 input.
     Returns:
       ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
     fsdp_axes = tuple(fsdp_axes)
+    _check_fp8("column_sequence_parallel_matmul", fp8, fp8_history)
     seq_dim = _sequence_checks("column_sequence_parallel_matmul", x, kernel, bias, seq_dim,
                                fsdp_axes, 0)
     args = _vary_all(x, kernel, bias, {axis_name, *fsdp_axes})
     static = (axis_name, seq_dim, bool(recompute_allgather), _static_dtype(wgrad_dtype))
     return _apply("column_sequence", *args, static,
                   ring=collective_matmul and lax.axis_size(axis_name) > 1,
-                  fsdp_axes=fsdp_axes, fsdp_dim=0)
+                  fsdp_axes=fsdp_axes, fsdp_dim=0, fp8=fp8, fp8_history=fp8_history)

@@ -1,0 +1,130 @@
+"""FP8 arithmetic, per device: per-tensor scales from whole-tensor amaxes, quantisation to
+``float8_e4m3fn`` / ``float8_e5m2``, FP8 GEMMs accumulated in fp32, and the amax history
+of delayed scaling.
+
+Conventions (Flax's ``fp8_ops``, the form XLA:GPU rewrites into cuBLASLt FP8 GEMMs):
+
+* ``scale`` is the *dequantisation* factor, an fp32 scalar: ``x ~ q * scale``.
+  ``scale = amax * 2**margin / fp8_max`` (1 where ``amax`` is 0 or not finite).
+* ``quantize(x, dtype, scale) = clip(float32(x) / scale, -fp8_max, fp8_max)`` cast to
+  ``dtype`` (round to nearest even): values beyond the format saturate at its largest
+  value instead of becoming NaN.
+* An FP8 GEMM ``a @ b`` is ``dot(float32(qa) * sa, float32(qb) * sb)`` accumulated in
+  fp32 (``preferred_element_type``) and cast to the output dtype; XLA:GPU runs it as one
+  ``__cublas$lt$matmul$f8`` custom call with the two scales as its scale operands
+  (with ``xla_gpu_enable_triton_gemm=false``; see :mod:`sp_jax.xla_flags`).
+
+The amax of a tensor is the amax of the *whole* tensor: :func:`whole_amax` takes the
+maximum over the mesh axes its shards span, so a sharded layer quantises exactly as the
+unsharded one does.
+
+Roles: every FP8 linear op quantises three tensors, in this order of the rows of its
+amax history: its input (e4m3), its kernel (e4m3) and the gradient of its output (e5m2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sp_jax.config import Fp8Recipe
+from sp_jax.ops.primitives import AxisName, vma
+
+__all__ = ["E4M3", "E5M2", "FORMATS", "GRAD", "INPUT", "KERNEL", "Fp8Spec", "dequantize",
+           "fp8_max", "gemm", "history_amax_cotangent", "quantize", "roll_history",
+           "scale_from_amax", "whole_amax"]
+
+E4M3 = jnp.float8_e4m3fn
+"""The format of inputs and weights (max 448)."""
+E5M2 = jnp.float8_e5m2
+"""The format of output gradients (max 57344: range over precision)."""
+
+INPUT, KERNEL, GRAD = 0, 1, 2
+"""The rows of an amax history ``[3, amax_history_len]``."""
+FORMATS = (E4M3, E4M3, E5M2)
+"""The format of each role (``FORMATS[INPUT]`` ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """What an FP8 linear op needs to know beyond its operands (hashable: a static
+    argument of the op).
+
+    Attributes:
+      recipe: the :class:`~sp_jax.Fp8Recipe`.
+      amax_axes: the mesh axes a tensor's shards may span (data, context and tensor
+        axes): a tensor's amax is the maximum over those of them it varies over.
+    """
+
+    recipe: Fp8Recipe
+    amax_axes: tuple[AxisName, ...]
+
+
+def fp8_max(dtype) -> float:
+    """The largest finite value of the FP8 ``dtype`` (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def whole_amax(x: jax.Array, axes: Sequence[AxisName]) -> jax.Array:
+    """``max |x|`` over the whole tensor, fp32: the local maximum, then the maximum over
+    those of ``axes`` that ``x`` varies over (its shards; axes it is replicated over
+    hold the same values and need no collective)."""
+    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    over = tuple(a for a in axes if a in vma(x))
+    return lax.pmax(local, over) if over else local
+
+
+def scale_from_amax(amax: jax.Array, dtype, margin: int = 0) -> jax.Array:
+    """The dequantisation scale ``amax * 2**margin / fp8_max(dtype)`` (fp32); 1 where
+    ``amax`` is 0 or not finite (nothing to scale, or a blow-up the step will reject)."""
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = amax * jnp.float32(2.0 ** margin / fp8_max(dtype))
+    return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1.0))
+
+
+def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """``x / scale`` in fp32, saturated at ``±fp8_max(dtype)``, cast to ``dtype``."""
+    m = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -m, m).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """``float32(q) * scale``."""
+    return q.astype(jnp.float32) * scale
+
+
+def gemm(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
+         contracting: tuple[Sequence[int], Sequence[int]], out_dtype) -> jax.Array:
+    """The FP8 GEMM ``dot_general(a * a_scale, b * b_scale)`` over the ``contracting``
+    dimensions (no batch dimensions), accumulated in fp32, in ``out_dtype``.
+
+    Args:
+      a, b: FP8 operands (e4m3 or e5m2; not both e5m2, which cuBLASLt lacks).
+      a_scale, b_scale: their fp32 dequantisation scales.
+    """
+    dims = ((tuple(contracting[0]), tuple(contracting[1])), ((), ()))
+    out = lax.dot_general(dequantize(a, a_scale), dequantize(b, b_scale), dims,
+                          preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def roll_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The amax history after one step: every entry moves one place back along the last
+    axis (the oldest drops out) and ``amax`` becomes entry 0.
+
+    Args:
+      history: ``[..., n]`` (e.g. ``[3, amax_history_len]``, or stacked over layers).
+      amax: ``[...]``, this step's amaxes.
+    """
+    return jnp.roll(history, 1, axis=-1).at[..., 0].set(amax.astype(history.dtype))
+
+
+def history_amax_cotangent(history: jax.Array, amaxes: Sequence[jax.Array]) -> jax.Array:
+    """The cotangent an FP8 op returns for its amax ``history`` ``[3, n]``: this step's
+    amax of each role in column 0, zeros elsewhere (the training step combines those of
+    its micro-batches by maximum and rolls them in with :func:`roll_history`)."""
+    return jnp.zeros_like(history).at[:, 0].set(jnp.stack(amaxes).astype(history.dtype))
