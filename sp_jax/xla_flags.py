@@ -114,6 +114,8 @@ __all__ = [
     "simulate_cpu_devices",
     "XlaFlag",
     "RECOMMENDED_GPU_FLAGS",
+    "FP8_GPU_FLAGS",
+    "FP8_COMPILER_OPTIONS",
     "recommended_xla_flags",
     "supported_xla_flags",
     "recommended_compiler_options",
@@ -170,6 +172,21 @@ RECOMMENDED_GPU_FLAGS: tuple[XlaFlag, ...] = (
     ),
 )
 """The XLA GPU flags recommended for TP+SP overlap (see the module docstring for sources)."""
+
+FP8_GPU_FLAGS: tuple[XlaFlag, ...] = (
+    XlaFlag(
+        "xla_gpu_enable_triton_gemm", "false",
+        "FP8 layers (sp_jax.Fp8Recipe): every forward, dgrad and wgrad GEMM of a linear "
+        "layer becomes one cuBLASLt FP8 GEMM with its scales fused "
+        "(__cublas$lt$matmul$f8); with Triton GEMMs enabled XLA may pick a Triton kernel "
+        "instead (always, in a deviceless compile, which cannot autotune)",
+    ),
+)
+"""The XLA GPU flags of FP8 training, besides :data:`RECOMMENDED_GPU_FLAGS` (not in
+:func:`recommended_xla_flags`: they change the GEMMs of bf16 models too)."""
+
+FP8_COMPILER_OPTIONS: dict[str, bool] = {"xla_gpu_enable_triton_gemm": False}
+""":data:`FP8_GPU_FLAGS` as per-compilation options (``compiler_options=...``)."""
 
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _FLAG_RE = re.compile(r"^--([A-Za-z0-9_]+)(=.*)?$")

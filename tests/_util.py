@@ -251,7 +251,8 @@ def restore_onto(directory, cfg, parallel, mesh):
 
 def h100_block_stack(layers: int, *, h: int = 256, s: int = 512, heads: int = 8, t: int = 8,
                      recompute: bool = True, collective_matmul: bool = False,
-                     live_buffers: bool = False, **config):
+                     live_buffers: bool = False, compiler_options: dict | None = None,
+                     **config):
     """Deviceless 8 x H100 compile (tensor ``t``, bf16 compute) of the gradients of a
     sum-of-squares loss through ``layers`` :class:`~sp_jax.models.Block` s, w.r.t. the
     parameters and the ``[1, s, h]`` input; ``config`` adds GPTConfig fields. Returns the
@@ -278,4 +279,4 @@ def h100_block_stack(layers: int, *, h: int = 256, s: int = 512, heads: int = 8,
         return jax.grad(loss, argnums=(0, 1))(params, x)
 
     return compile_for_gpu(grad, params, x, mesh_shape=(t,), axis_names=("tensor",),
-                           live_buffers=live_buffers)
+                           live_buffers=live_buffers, compiler_options=compiler_options)

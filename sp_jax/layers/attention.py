@@ -107,11 +107,13 @@ class CausalSelfAttention(nnx.Module):
                               **common)
         if config.num_kv_heads == config.num_heads:
             self.qkv = ColumnSequenceParallelLinear(config.hidden, 3 * config.hidden,
-                                                    use_bias=config.qkv_bias, **common)
+                                                    use_bias=config.qkv_bias, fp8=config.fp8,
+                                                    **common)
         else:
             self.qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
         self.out = RowSequenceParallelLinear(config.hidden, config.hidden,
-                                             use_bias=config.out_bias, **common)
+                                             use_bias=config.out_bias, fp8=config.fp8,
+                                             **common)
         self.q_norm: nnx.Param | None
         self.k_norm: nnx.Param | None
         if config.qk_norm:  # Qwen3: one RMSNorm scale [head_dim] each for q and k, replicated

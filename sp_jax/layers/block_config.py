@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sp_jax.attention import IMPLEMENTATIONS
+from sp_jax.config import Fp8Recipe
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
@@ -80,7 +81,10 @@ _RATES = ("dropout", "attention_dropout")
 
 def settle_block_fields(config: Any) -> None:
     """Fills the defaults that follow from other fields (``num_kv_heads``: ``num_heads``;
-    a dict ``rope_scaling``: its :class:`RopeScaling`) of a frozen config in place."""
+    a dict ``rope_scaling``: its :class:`RopeScaling`; a dict ``fp8``: its
+    :class:`~sp_jax.Fp8Recipe`) of a frozen config in place."""
+    if isinstance(getattr(config, "fp8", None), dict):
+        object.__setattr__(config, "fp8", Fp8Recipe(**config.fp8))
     if getattr(config, "num_kv_heads", 0) is None:
         object.__setattr__(config, "num_kv_heads", config.num_heads)
     if isinstance(getattr(config, "rope_scaling", None), dict):
@@ -122,6 +126,9 @@ def check_block_fields(owner: str, config: Any) -> None:
         if rotary and (config.hidden // config.num_heads) % 2:
             raise ValueError(f"{owner}: rotary embeddings need an even head size, got "
                              f"{config.hidden // config.num_heads}.")
+    if has("fp8") and config.fp8 is not None and not isinstance(config.fp8, Fp8Recipe):
+        raise TypeError(f"{owner}.fp8={config.fp8!r} must be a sp_jax.Fp8Recipe (e.g. "
+                        "Fp8Recipe('current') or Fp8Recipe('delayed')) or None.")
     if has("rope_scaling") and config.rope_scaling is not None \
             and not isinstance(config.rope_scaling, RopeScaling):
         raise TypeError(f"{owner}.rope_scaling={config.rope_scaling!r} must be a "
@@ -203,6 +210,9 @@ class AttentionConfig:
         log-sum-exp, which the cuDNN call does not return).
       dtype: compute dtype (None: the promoted dtype of input and parameters).
       param_dtype: parameter dtype.
+      fp8: an :class:`~sp_jax.Fp8Recipe`: the block's linear layers compute in FP8
+        (the q/k/v and output projections; attention itself does not), or None (the
+        compute dtype).
     """
 
     hidden: int
@@ -224,6 +234,7 @@ class AttentionConfig:
     param_dtype: Any = jnp.float32
     qk_norm: bool = False
     sliding_window: int | None = None
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self) -> None:
         settle_block_fields(self)
@@ -255,6 +266,9 @@ class MLPConfig:
       mlp_bias: biases on the up (gate) and down projections (GPT-2: yes, Llama: no).
       norm / norm_epsilon: the pre-norm.
       dtype / param_dtype: compute and parameter dtypes.
+      fp8: an :class:`~sp_jax.Fp8Recipe`: the block's linear layers compute in FP8
+        (the up and down projections; the activation in the compute dtype), or None
+        (the compute dtype).
     """
 
     hidden: int
@@ -266,6 +280,7 @@ class MLPConfig:
     norm_epsilon: float = 1e-5
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self) -> None:
         check_block_fields("MLPConfig", self)

@@ -70,9 +70,10 @@ class MLP(nnx.Module):
                               **common)
         self.up = ColumnSequenceParallelLinear(
             config.hidden, (2 if config.gated else 1) * config.mlp_hidden,
-            use_bias=config.mlp_bias, **common)
+            use_bias=config.mlp_bias, fp8=config.fp8, **common)
         self.down = RowSequenceParallelLinear(config.mlp_hidden, config.hidden,
-                                              use_bias=config.mlp_bias, **common)
+                                              use_bias=config.mlp_bias, fp8=config.fp8,
+                                              **common)
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
 
     def activate(self, y: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
+from sp_jax.layers.fp8 import fp8_history, fp8_spec
 from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
@@ -82,6 +83,8 @@ class GroupedQKVProjection(nnx.Module):
                                      out_sharding=tuple(kv_bias_spec), eager_sharding=eager)
         else:
             self.q_bias = self.kv_bias = None
+        fp8_spec(config.fp8, parallel)  # FP8 options the layer cannot run fail here
+        self.fp8_history = fp8_history(config.fp8, eager=eager)  # one for q, k and v
 
     def _replicated(self, mesh: Mesh | None) -> bool:
         """Whether the key/value heads are replicated over the tensor axis."""
@@ -117,14 +120,18 @@ class GroupedQKVProjection(nnx.Module):
                 reshard(q_kernel, layout.column_kernel, mesh),
                 reshard(kv_kernel, kv_kernel_spec, mesh)]
         specs = [layout.sp, layout.column_kernel, kv_kernel_spec]
-        if self.q_bias is not None:
-            args += [reshard(self.q_bias[...], layout.column_bias, mesh),
-                     reshard(self.kv_bias[...], kv_bias_spec, mesh)]
-            specs += [layout.column_bias, kv_bias_spec]
+        has_bias, history = self.q_bias is not None, self.fp8_history
+        args += [reshard(self.q_bias[...], layout.column_bias, mesh) if has_bias else None,
+                 reshard(self.kv_bias[...], kv_bias_spec, mesh) if has_bias else None,
+                 None if history is None else reshard(history[...], P(), mesh)]
+        specs += [layout.column_bias if has_bias else None, kv_bias_spec if has_bias else None,
+                  None if history is None else P()]
+        spec = fp8_spec(cfg.fp8, par)
 
-        def local(x, q_kernel, kv_kernel, q_bias=None, kv_bias=None):
+        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, h):
             kernel, bias = self.local_kernel(q_kernel, kv_kernel, q_bias, kv_bias, replicated)
-            return column_sp_matmul(x, kernel, bias, par)
+            fp8 = {} if spec is None else {"fp8": spec, "fp8_history": h}
+            return column_sp_matmul(x, kernel, bias, par, **fp8)
 
         return jax.shard_map(local, in_specs=tuple(specs), out_specs=layout.tp)(*args)
 

@@ -10,6 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sp_jax.config import Fp8Recipe
 from sp_jax.layers import (
     AttentionConfig,
     MLPConfig,
@@ -100,6 +101,13 @@ class GPTConfig:
         (``config.json``'s), kept for :func:`~sp_jax.models.hf.to_hf` and generation;
         None when it has none. ``eos_token_id`` may be several ids (a list in
         ``config.json``, a tuple here). The model itself does not use them.
+      fp8: an :class:`~sp_jax.Fp8Recipe` (or a dict of its fields): every block's
+        q/k/v, output, up and down projections compute in FP8 (e4m3 inputs and weights,
+        e5m2 output gradients, whole-tensor scales, fp32 accumulation; the sequence
+        all-gathers move FP8); or None (the default: ``dtype``). Embeddings, norms,
+        attention, the LM head (a documented choice: its logits feed the loss
+        directly, and it is a small share of the FLOPs at scale) and the experts of a
+        mixture of experts stay in ``dtype``. Not with pipeline stages yet.
     """
 
     vocab_size: int
@@ -142,6 +150,7 @@ class GPTConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
+from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
@@ -75,6 +76,7 @@ def accumulate_gradients(
     key: jax.Array,
     *,
     with_metrics: bool = False,
+    maximum: Any = False,
 ) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Mean loss and gradient over micro-batches, accumulated in fp32.
 
@@ -86,6 +88,9 @@ def accumulate_gradients(
       key: rng key; micro-batch ``i`` uses ``fold_in(key, i)``.
       with_metrics: also return the loss function's metrics, each averaged over the
         micro-batches (fp32; an empty dict when it returns none).
+      maximum: a pytree prefix of ``params`` of bools: the "gradients" of the parts
+        marked True are combined over micro-batches by maximum and not normalised (the
+        amaxes an FP8 layer returns as the cotangent of its amax history).
     Returns:
       ``(loss, grads)`` normalised by the total count; ``grads`` in fp32 (with
       ``with_metrics``: ``(loss, grads, metrics)``).
@@ -103,7 +108,11 @@ def accumulate_gradients(
         micro_batch, i = xs
         (loss, (micro_count, metrics)), g = grad_fn(params, micro_batch,
                                                     jax.random.fold_in(key, i))
-        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        grads = jax.tree.map(
+            lambda flag, acc, new: jax.tree.map(
+                lambda a, b: (jnp.maximum if flag else jnp.add)(a, b.astype(jnp.float32)),
+                acc, new),
+            maximum, grads, g)
         # each micro-batch's metrics stacked (small), averaged below
         return (loss_sum + loss.astype(jnp.float32), count + micro_count, grads), \
             jax.tree.map(lambda m: m.astype(jnp.float32), metrics)
@@ -111,7 +120,9 @@ def accumulate_gradients(
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
     (loss_sum, count, grads), metrics = lax.scan(micro_step, init, (batch, jnp.arange(n)))
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
-    loss, grads = loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
+    loss = loss_sum * scale
+    grads = jax.tree.map(lambda flag, g: g if flag else jax.tree.map(lambda x: x * scale, g),
+                         maximum, grads)
     if not with_metrics:
         return loss, grads
     return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
@@ -172,13 +183,22 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     (:class:`sp_jax.training.faults.DivergenceGuard`)."""
 
     def step(params, rest, opt_state, batch, key):
-        def pure_loss(p, micro_batch, k):
-            return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
+        all_params = params
+        params, histories = split_fp8(all_params)
+        fp8 = bool(jax.tree.leaves(histories))
 
-        model = nnx.merge(graphdef, params, rest)
+        def pure_loss(p, micro_batch, k):
+            state = nnx.merge_state(*p) if fp8 else p
+            return loss_fn(nnx.merge(graphdef, state, rest), micro_batch, k)
+
+        model = nnx.merge(graphdef, all_params, rest)
         metrics = {}
         if _pipelined(model):
             loss, grads = _pipeline_gradients(model, params, batch, key, loss_fn)
+        elif fp8:  # the amax histories' "gradients" are the step's amaxes
+            loss, (grads, amaxes), metrics = accumulate_gradients(
+                pure_loss, (params, histories), batch, key, with_metrics=True,
+                maximum=(False, True))
         else:
             loss, grads, metrics = accumulate_gradients(pure_loss, params, batch, key,
                                                         with_metrics=True)
@@ -186,10 +206,13 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        if fp8:
+            new_params = nnx.merge_state(new_params,
+                                         update_fp8_histories(histories, amaxes))
         update_norm = optax.tree.norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-        return keep(new_params, params), keep(new_opt_state, opt_state), {
+        return keep(new_params, all_params), keep(new_opt_state, opt_state), {
             **metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
             "param_norm": optax.tree.norm(params), "finite": finite}
 
@@ -234,7 +257,7 @@ class TrainStep:
             # Lay the parameters out as their sharding annotations say, whatever their
             # current placement (e.g. weights just loaded from an unsharded model).
             self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
-        self.opt_state = self.tx.init(self.params)
+        self.opt_state = self.tx.init(split_fp8(self.params)[0])  # no FP8 histories
         self._step = None
         self._debug = False
         self._eval = None
