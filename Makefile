@@ -29,7 +29,8 @@ bench: $(STAMP)
 	$(CPU_ENV) $(PY) -m benchmarks --out .
 
 # On 1-8 real GPUs (meant to take under 6 min): times the GPT training step of sp_jax, sp_jax
-# with collective matmul, the GSPMD baseline and the unsharded GPT; real vs predicted peak
+# with collective matmul, the GSPMD baseline, the unsharded GPT and sp_jax in FP8 (current
+# and delayed scaling; tokens/s vs bf16, cuBLASLt FP8 GEMM count); real vs predicted peak
 # memory, MFU, a profiler trace; writes runs/gpu-check/gpu_check.{md,json}
 # (benchmarks/gpu_check.py). Not CPU_ENV: it needs the GPUs. Without a GPU only `--quick`
 # runs (tiny shapes on simulated CPU devices).

@@ -3,18 +3,25 @@
 ``python -m benchmarks.gpu_check --out DIR [--quick] [--platform auto|gpu|cpu]
 [--devices N]`` trains the sp_jax GPT (bf16 compute, fp32 parameters, AdamW, random
 tokens; ``ParallelConfig(wgrad_dtype=jnp.float32, recompute_allgather=True)``, mesh
-``data=1 x tensor=N``) as four variants, all at tensor size ``N``, the number of GPUs
+``data=1 x tensor=N``) as six variants, all at tensor size ``N``, the number of GPUs
 (at most 8):
 
-==============  ============================================================  ==============
-variant         what                                                          mesh
-==============  ============================================================  ==============
-``sp_jax``      :class:`sp_jax.models.GPT`                                    1 x N Explicit
-``sp_jax_cm``   the same with ``ParallelConfig(collective_matmul=True)``      1 x N Explicit
-``gspmd``       :class:`benchmarks.baseline.GspmdGPT` (sharding annotations,  1 x N Auto
-                GSPMD inserts the collectives), the sp_jax GPT's weights
-``unsharded``   :class:`sp_jax.models.GPT` on one GPU                         1 x 1 Explicit
-==============  ============================================================  ==============
+======================  ================================================  ==============
+variant                 what                                              mesh
+======================  ================================================  ==============
+``sp_jax``              :class:`sp_jax.models.GPT`                        1 x N Explicit
+``sp_jax_cm``           the same with                                     1 x N Explicit
+                        ``ParallelConfig(collective_matmul=True)``
+``gspmd``               :class:`benchmarks.baseline.GspmdGPT` (sharding   1 x N Auto
+                        annotations, GSPMD inserts the collectives), the
+                        sp_jax GPT's weights
+``unsharded``           :class:`sp_jax.models.GPT` on one GPU             1 x 1 Explicit
+``sp_jax_fp8_current``  ``sp_jax`` with                                   1 x N Explicit
+                        ``GPTConfig(fp8=sp_jax.Fp8Recipe("current"))``:
+                        the blocks' projections in FP8, current scaling
+``sp_jax_fp8_delayed``  the same with ``Fp8Recipe("delayed")`` (scales    1 x N Explicit
+                        from a 16-step amax history)
+======================  ================================================  ==============
 
 Every variant starts from the same weights (parameter seed ``--seed``; the GSPMD model
 gets the sp_jax model's values through :func:`benchmarks.baseline.copy_weights`) and
@@ -35,7 +42,14 @@ What is measured, and how
   product, causal masking not subtracted; recomputation is not model FLOPs).
   ``MFU = flops / (step time * devices * peak)``, the peak dense bf16 FLOP/s per device
   looked up by ``device_kind`` in :data:`PEAK_BF16_FLOPS`; an unknown kind (and a CPU)
-  gets ``null`` with the reason.
+  gets ``null`` with the reason. The FP8 variants' MFU uses the same formula and the
+  same **bf16** peak (not the FP8 peak, twice as high on H100 / H200), so FP8 GEMMs that
+  run faster show as an MFU above the bf16 variant's; the report also gives each FP8
+  variant's tokens/s as a ratio to the bf16 ``sp_jax`` variant's.
+- **cuBLASLt FP8 GEMMs** (FP8 variants, on GPU): the number of
+  ``__cublas$lt$matmul$f8`` custom calls in the compiled step's HLO
+  (``compiled.as_text()``), i.e. how many of the step's GEMMs XLA handed to cuBLASLt in
+  FP8 (forward, dgrad and wgrad of every FP8 projection); ``"n/a"`` on CPU (no cuBLASLt).
 - **Real peak memory per device**: ``Device.memory_stats()["peak_bytes_in_use"]``, the
   allocator's high-water mark. JAX cannot reset it, so **each variant runs in a fresh
   subprocess** and the peak covers that process only: building the model, compiling
@@ -78,8 +92,11 @@ lists such changes. ``--quick`` uses a tiny GPT (:data:`QUICK_SHAPE`); ``--hidde
 Flags and platforms
 -------------------
 On GPUs, sp_jax's recommended XLA GPU flags (:func:`sp_jax.xla_flags.apply_xla_flags`)
-are set before JAX starts in the workers. ``--platform cpu`` (or ``auto`` on a machine
-without a GPU) runs on ``--devices`` simulated CPU devices
+are set before JAX starts in the workers; on GPUs the FP8 variants' workers also get
+:data:`sp_jax.xla_flags.FP8_GPU_FLAGS` (``--xla_gpu_enable_triton_gemm=false``, so that XLA
+emits cuBLASLt FP8 GEMMs rather than Triton ones; those the installed jaxlib accepts, a
+value already in ``XLA_FLAGS`` kept). ``--platform cpu`` (or ``auto`` on a machine without
+a GPU) runs on ``--devices`` simulated CPU devices
 (:func:`sp_jax.xla_flags.cpu_simulation_flags`), for testing, and only with ``--quick``
 (the full shapes are sized for GPUs): step times then only show that everything runs.
 
@@ -101,20 +118,36 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
+from sp_jax.xla_flags import (
+    FP8_GPU_FLAGS,
+    apply_xla_flags,
+    cpu_simulation_flags,
+    supported_xla_flags,
+)
 
-__all__ = ["FULL_SHAPE", "QUICK_SHAPE", "PEAK_BF16_FLOPS", "VARIANTS", "ModelShape",
-           "Settings", "fit_shape", "model_flops", "peak_bf16_flops", "run_check", "main"]
+__all__ = ["FULL_SHAPE", "QUICK_SHAPE", "PEAK_BF16_FLOPS", "VARIANTS", "FP8_VARIANTS",
+           "ModelShape", "Settings", "fit_shape", "model_flops", "peak_bf16_flops",
+           "run_check", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_DEVICES = 8
-VARIANTS = ("sp_jax", "sp_jax_cm", "gspmd", "unsharded")
+VARIANTS = ("sp_jax", "sp_jax_cm", "gspmd", "unsharded", "sp_jax_fp8_current",
+            "sp_jax_fp8_delayed")
+FP8_VARIANTS = {"sp_jax_fp8_current": "current", "sp_jax_fp8_delayed": "delayed"}
+"""The FP8 variants and their ``Fp8Recipe.scaling``: ``sp_jax`` otherwise."""
+FP8_BASELINE = "sp_jax"
+"""The bf16 variant the FP8 variants' tokens/s are compared with."""
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+"""The custom call of XLA:GPU's cuBLASLt FP8 GEMMs, counted in the FP8 steps' HLO."""
+NOT_APPLICABLE = "n/a"
 TRACE_VARIANT = "sp_jax_cm"
 LABELS = {
     "sp_jax": "sp_jax TP+SP",
     "sp_jax_cm": "sp_jax TP+SP, collective matmul",
     "gspmd": "GSPMD baseline GPT",
     "unsharded": "sp_jax GPT, one device",
+    "sp_jax_fp8_current": "sp_jax TP+SP, FP8 current scaling",
+    "sp_jax_fp8_delayed": "sp_jax TP+SP, FP8 delayed scaling",
 }
 MIB = 2**20
 NOT_MEASURED = "not measured"
@@ -274,9 +307,10 @@ def _build(variant: str, shape: ModelShape, tensor: int, seed: int) -> tuple[Any
     from sp_jax.models import GPT, GPTConfig
     from sp_jax.training import TrainStep
 
+    fp8 = sp_jax.Fp8Recipe(FP8_VARIANTS[variant]) if variant in FP8_VARIANTS else None
     cfg = GPTConfig(vocab_size=shape.vocab, max_seq_len=shape.seq, num_layers=shape.layers,
                     num_heads=shape.heads, hidden=shape.hidden, dtype=jnp.bfloat16,
-                    param_dtype=jnp.float32)
+                    param_dtype=jnp.float32, fp8=fp8)
     parallel = sp_jax.ParallelConfig(wgrad_dtype=jnp.float32, recompute_allgather=True,
                                      collective_matmul=variant == "sp_jax_cm")
     tx = optax.adamw(1e-4)
@@ -310,6 +344,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     from jax.sharding import NamedSharding
 
     import sp_jax
+    from sp_jax.layers.fp8 import split_fp8
 
     variant, tensor = spec["variant"], spec["tensor"]
     shape, settings = ModelShape(**spec["shape"]), Settings(**spec["settings"])
@@ -327,14 +362,29 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         batch = {"tokens": jax.device_put(ids[..., :-1], sharding),
                  "labels": jax.device_put(ids[..., 1:], sharding)}
         key = jax.random.key(settings.seed + 2)
+        # the model's parameters: an FP8 step's amax histories are state, not parameters
+        trainable, histories = split_fp8(step.params)
         sizes = {jax.tree_util.keystr(path): int(p.size)
-                 for path, p in jax.tree_util.tree_leaves_with_path(step.params)}
+                 for path, p in jax.tree_util.tree_leaves_with_path(trainable)}
         result["params"] = sum(sizes.values())
         # the learned position table is added, not multiplied: no model FLOPs
         result["matmul_params"] = sum(n for k, n in sizes.items() if "position" not in k)
         t0 = time.perf_counter()
         compiled = step.compile(batch, key)
         result["compile_s"] = time.perf_counter() - t0
+        if variant in FP8_VARIANTS:
+            result["fp8_scaling"] = FP8_VARIANTS[variant]
+            result["fp8_history_values"] = sum(int(h.size) for h in jax.tree.leaves(histories))
+            result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+            if result["platform"] == "gpu":
+                result["fp8_gemms"] = compiled.as_text().count(
+                    f'custom_call_target="{FP8_GEMM_TARGET}"')
+                result["fp8_gemms_note"] = (f"{FP8_GEMM_TARGET} custom calls in the "
+                                            "compiled step's HLO")
+            else:
+                result["fp8_gemms"] = NOT_APPLICABLE
+                result["fp8_gemms_note"] = (f"{NOT_APPLICABLE}: no cuBLASLt on "
+                                            f"{result['platform']} (XLA has no FP8 GEMMs there)")
         try:
             ma = compiled.memory_analysis()
             parts = {name: int(getattr(ma, f"{name}_size_in_bytes"))
@@ -465,6 +515,26 @@ def _worker_env(platform: str, n: int) -> dict[str, str]:
     return dict(os.environ)
 
 
+def _fp8_flags(platform: str) -> list[str]:
+    """The XLA flags the FP8 variants' workers get besides :func:`_worker_env`'s: the
+    :data:`~sp_jax.xla_flags.FP8_GPU_FLAGS` this jaxlib accepts on GPUs (cuBLASLt FP8
+    GEMMs instead of Triton ones); none on CPU (GPU flags, nothing to steer there)."""
+    if platform != "gpu":
+        return []
+    return supported_xla_flags(f.flag for f in FP8_GPU_FLAGS)
+
+
+def _with_flags(env: dict[str, str], flags: list[str]) -> dict[str, str]:
+    """``env`` with ``flags`` added to its ``XLA_FLAGS``; a flag already set there keeps
+    its value (as :func:`~sp_jax.xla_flags.apply_xla_flags` does)."""
+    current = env.get("XLA_FLAGS", "").strip()
+    present = {word.lstrip("-").partition("=")[0] for word in current.split()}
+    added = [f for f in flags if f.lstrip("-").partition("=")[0] not in present]
+    if not added:
+        return env
+    return dict(env, XLA_FLAGS=" ".join([current, *added]).strip())
+
+
 def _finish(result: dict[str, Any], shape: ModelShape, peak: float | None,
             peak_note: str, platform: str) -> dict[str, Any]:
     """Adds tokens/s, FLOPs, MFU and the real-peak summary to a worker's result."""
@@ -480,6 +550,9 @@ def _finish(result: dict[str, Any], shape: ModelShape, peak: float | None,
     else:
         result["mfu"] = flops / (step_s * n * peak)
         result["mfu_note"] = f"flops / (step time * {n} device(s) * {peak_note})"
+        if result["variant"] in FP8_VARIANTS:
+            result["mfu_note"] += (" (FP8 variant quoted against the bf16 peak: FP8 GEMMs "
+                                   "faster than bf16 ones raise it above the bf16 MFU)")
     before, after = result["memory_before_steps"], result["memory_after_steps"]
     if after is None:
         result["real_peak_bytes"] = None
@@ -501,7 +574,7 @@ def _finish(result: dict[str, Any], shape: ModelShape, peak: float | None,
     return result
 
 
-def caveats(platform: str, tensor: int) -> list[str]:
+def caveats(platform: str, tensor: int, fp8: bool = False) -> list[str]:
     """What this run cannot measure, in words."""
     notes = []
     if tensor == 1:
@@ -514,6 +587,11 @@ def caveats(platform: str, tensor: int) -> list[str]:
         notes.append(
             "CPU run (simulated devices share the host's cores and memory): step times only "
             "show that every variant runs; real peak memory and MFU are not measured.")
+        if fp8:
+            notes.append(
+                "FP8 variants on CPU: XLA:CPU has no FP8 GEMM kernels (no cuBLASLt), so "
+                "their tokens/s ratio to sp_jax says nothing about a GPU, and the cuBLASLt "
+                "FP8 GEMM count is n/a.")
     return notes
 
 
@@ -543,6 +621,7 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
                          "(tiny shapes on simulated devices, overridable with --hidden, ...).")
     shape, shape_notes = fit_shape(requested, n)
     env = _worker_env(platform, n)
+    fp8_flags = _fp8_flags(platform) if any(v in FP8_VARIANTS for v in variants) else []
     out.mkdir(parents=True, exist_ok=True)
     log_dir, trace_dir = out / "logs", out / "trace"
     log_dir.mkdir(exist_ok=True)
@@ -554,12 +633,14 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
               f" {platform} device(s) ...", flush=True)
         spec = _worker_spec(variant, n, shape, settings,
                             trace_dir if variant == TRACE_VARIANT else None)
-        result = _run_worker(spec, env, log_dir, settings.timeout_s)
+        result = _run_worker(spec, _with_flags(env, fp8_flags) if variant in FP8_VARIANTS
+                             else env, log_dir, settings.timeout_s)
         results[variant] = _finish(result, shape, peak, peak_note, platform)
         r = results[variant]
         print("  " + (r["error"].splitlines()[0] if "error" in r else
                       f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s"),
               flush=True)
+    _compare_fp8(results)
     # this run's trace files (earlier runs' stay beside them)
     trace_files = sorted(str(p.relative_to(out)) for p in trace_dir.rglob("*")
                          if p.is_file() and p.stat().st_mtime >= started - 1
@@ -579,7 +660,14 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
                          "process per variant (max over its devices); predicted: "
                          "memory_analysis() of the compiled step, temp + argument + output "
                          "- alias, per device",
-        "caveats": caveats(platform, n),
+        "caveats": caveats(platform, n, fp8=any(v in FP8_VARIANTS for v in variants)),
+        "fp8": {"variants": [v for v in variants if v in FP8_VARIANTS],
+                "baseline": FP8_BASELINE,
+                "xla_flags": fp8_flags,
+                "xla_flags_note": ("added to the FP8 variants' XLA_FLAGS (values already set "
+                                   "kept)" if platform == "gpu" else
+                                   f"none: {platform} run (FP8_GPU_FLAGS are XLA:GPU flags)"),
+                "mfu_note": "FP8 MFU uses the same model FLOPs and the dense bf16 peak"},
         "trace": {"variant": TRACE_VARIANT, "dir": str(trace_dir), "files": trace_files,
                   "steps": settings.trace_steps,
                   "error": results.get(TRACE_VARIANT, {}).get("trace_error")},
@@ -590,6 +678,21 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "gpu_check.md").write_text(markdown(report))
     return report
+
+
+def _compare_fp8(results: dict[str, dict[str, Any]]) -> None:
+    """Adds each FP8 variant's tokens/s ratio to the bf16 :data:`FP8_BASELINE`'s."""
+    base = results.get(FP8_BASELINE, {})
+    for variant, r in results.items():
+        if variant not in FP8_VARIANTS or "error" in r:
+            continue
+        if "tokens_per_s" in base:
+            r["tokens_per_s_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+        else:
+            r["tokens_per_s_vs_bf16"] = None
+            r["tokens_per_s_vs_bf16_note"] = (
+                f"{NOT_MEASURED}: {FP8_BASELINE} " +
+                ("failed" if FP8_BASELINE in results else "not run (--variants)"))
 
 
 def _jax_version() -> str:
@@ -637,6 +740,20 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {r['devices']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{mfu} | {real} | {_mib(r['predicted_peak_bytes'])} | {r['first_loss']:.4f} |")
+    fp8 = [(name, r) for name, r in report["variants"].items()
+           if name in FP8_VARIANTS and "error" not in r]
+    if fp8:
+        lines += ["", f"FP8 (`GPTConfig(fp8=Fp8Recipe(...))`) against bf16 `{FP8_BASELINE}`:", "",
+                  "| variant | scaling | tokens/s | vs bf16 sp_jax | MFU (of bf16 peak) "
+                  "| cuBLASLt FP8 GEMMs |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for name, r in fp8:
+            ratio = r.get("tokens_per_s_vs_bf16")
+            ratio = NOT_MEASURED if ratio is None else f"{ratio:.2f}x"
+            mfu = (NOT_MEASURED if r["mfu"] is None else
+                   f"{100 * r['mfu']:.1f}%" if r["mfu"] >= 0.01 else f"{100 * r['mfu']:.3f}%")
+            lines.append(f"| {name} | {r['fp8_scaling']} | {r['tokens_per_s']:,.0f} | "
+                         f"{ratio} | {mfu} | {r['fp8_gemms']} |")
     first = [r for r in report["variants"].values() if "error" not in r]
     lines += ["", "How it was measured:", "",
               f"- step time: median of {report['settings']['steps']} steps after "
@@ -654,6 +771,18 @@ def markdown(report: dict[str, Any]) -> str:
                      "while building or compiling, which then bounds the step's peak from above.")
     lines.append("- first loss: loss of the first step at the shared initial weights "
                  "(equal across variants up to bf16 rounding).")
+    if fp8:
+        info = report["fp8"]
+        flags = " ".join(f"`{f}`" for f in info["xla_flags"]) or info["xla_flags_note"]
+        lines.append(
+            "- FP8: the blocks' q/k/v, output, up and down projections in FP8 (e4m3 inputs "
+            "and weights, e5m2 output gradients, per-tensor scales; embeddings, attention and "
+            "the LM head in bf16); their first loss differs from bf16 by the FP8 rounding. "
+            "MFU is quoted against the dense bf16 peak, with the same model FLOPs, so FP8 "
+            "GEMMs faster than bf16 ones show as an MFU above the bf16 figure; \"vs bf16 "
+            "sp_jax\" is tokens/s over those of "
+            f"`{FP8_BASELINE}`. cuBLASLt FP8 GEMMs: `{FP8_GEMM_TARGET}` custom calls in the "
+            f"compiled step's HLO (n/a off GPU). FP8 workers' extra XLA flags: {flags}.")
     trace = report["trace"]
     lines.append(f"- trace: {trace['steps']} steps of `{trace['variant']}` in `{trace['dir']}` "
                  f"({len(trace['files'])} file(s)"
@@ -673,7 +802,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_check",
         description="Times the sp_jax GPT training step (sp_jax, collective matmul, GSPMD, "
-                    "unsharded) on 1-8 GPUs; writes OUT/gpu_check.{json,md} and a trace.")
+                    "unsharded, FP8 current and delayed scaling) on 1-8 GPUs; writes "
+                    "OUT/gpu_check.{json,md} and a trace.")
     p.add_argument("--out", type=Path, help="output directory (required)")
     p.add_argument("--quick", action="store_true", help="tiny GPT, few steps (smoke test)")
     p.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",

@@ -22,13 +22,11 @@ groups' rows masked: ``E`` times the FLOPs).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -345,17 +343,10 @@ def render_markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, no plan")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--markdown", type=Path, help="write the BENCHMARKS.md section here")
-    args = parser.parse_args(argv)
-    from benchmarks.section import write_outputs
+    from benchmarks.section import section_main
 
-    res = run_moe(QUICK if args.quick else FULL)
-    write_outputs(res, json_path=args.json, markdown_path=args.markdown,
-                  render=render_markdown, log=print)
-    return res
+    return section_main(argv, description=__doc__.splitlines()[0], run=run_moe, full=FULL,
+                        quick=QUICK, render=render_markdown, quick_help="tiny shapes, no plan")
 
 
 if __name__ == "__main__":

@@ -762,6 +762,14 @@ def _moe_section(res) -> str:
     return render_moe(res["moe"]) if skipped is None else skipped
 
 
+def _fp8_section(res) -> str:
+    """``benchmarks.fp8``'s section (its own targets and tables)."""
+    from benchmarks.fp8 import render_markdown as render_fp8
+
+    skipped = _unmeasured(res, "fp8", "FP8")
+    return render_fp8(res["fp8"]) if skipped is None else skipped
+
+
 def _fsdp_section(res) -> str:
     """``benchmarks.fsdp``'s section (its own targets and table)."""
     skipped = _unmeasured(res, "fsdp", "FSDP on 8 x H100")
@@ -831,7 +839,7 @@ def render_markdown(res: dict[str, Any]) -> str:
             _gpu_section(res), _stacks_section(res), _time_section(res),
             _gpt_time_section(res), _context_section(res), _pipeline_section(res),
             _text_section(res), _generation_section(res), _fsdp_section(res),
-            _moe_section(res), _plan_section(res)]
+            _moe_section(res), _fp8_section(res), _plan_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
     return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)

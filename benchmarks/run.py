@@ -70,6 +70,7 @@ class Config:
     generation: GenerationBench  # decode tokens/s vs transformers, the H100 decode step
     fsdp: FsdpBench = FSDP_FULL  # the training step sharded over data (deviceless H100)
     moe: MoEBench = MOE_FULL  # mixture of experts: Mixtral-shaped H100 stack, CPU, planner
+    fp8: bool = True  # FP8: 8 H100 blocks vs bf16, the demo's loss (benchmarks.fp8; minutes)
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
     plans: bool = True  # the memory planner's 7B / 70B plans (deviceless, minutes)
     stack_variants: tuple[str, ...] = STACK_VARIANTS
@@ -144,6 +145,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     generation=GENERATION_QUICK,  # llama-tiny, batch 8, 8 tokens, 2 rounds
     moe=MOE_QUICK,
     fsdp=FSDP_QUICK,  # 2 layers, h=512, data 8
+    fp8=False,  # its own quick run: python -m benchmarks.fp8 --quick
 )
 
 
@@ -255,7 +257,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
             if name not in ("gpu", "stacks", "context", "pipeline", "generation", "fsdp",
-                            "plan", "moe"):
+                            "plan", "moe", "fp8"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -281,6 +283,10 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     section("generation", lambda: run_generation(cfg.generation, log=_log))
     section("fsdp", lambda: _fsdp(cfg))  # CUDA plugin
     section("moe", lambda: run_moe(cfg.moe, log=_log))  # CUDA plugin
+    if cfg.fp8:
+        from benchmarks.fp8 import run_fp8
+
+        section("fp8", lambda: run_fp8(log=_log))  # CUDA plugin; the demo as subprocesses
     if cfg.plans:
         from benchmarks.plan import run_plans
 

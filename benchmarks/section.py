@@ -4,12 +4,13 @@ lines write the results and print the targets."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["status", "table", "write_outputs"]
+__all__ = ["section_main", "status", "table", "write_outputs"]
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
@@ -37,3 +38,19 @@ def write_outputs(res: dict[str, Any], *, json_path: Path | None, markdown_path:
     for t in res["targets"]:
         log(f"{status(t['met'])}: {t['target']}: {t['measured']}")
     log(f"total {res['meta']['runtime_s']:.0f} s")
+
+
+def section_main(argv: list[str] | None, *, description: str, run: Callable[[Any], dict],
+                 full: Any, quick: Any, render: Callable[[dict[str, Any]], str],
+                 quick_help: str) -> dict[str, Any]:
+    """The command line of a stand-alone section: ``[--quick] [--json PATH] [--markdown
+    PATH]``; runs ``run(quick if --quick else full)``, writes and logs its results."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, help="write the BENCHMARKS.md section here")
+    args = parser.parse_args(argv)
+    res = run(quick if args.quick else full)
+    write_outputs(res, json_path=args.json, markdown_path=args.markdown, render=render,
+                  log=print)
+    return res

@@ -1,8 +1,9 @@
 """``make gpu-check``'s script (benchmarks/gpu_check.py) on simulated CPU devices: every
 variant trains from the same weights and is timed, the predicted peak is reported, the
 GPU-only numbers are reported as not measured with their reason, the single-device caveat
-appears exactly when tensor = 1, and the trace is written. Plus its pure helpers (shape
-fitting, peak table, FLOPs formula)."""
+appears exactly when tensor = 1, the trace is written, and the FP8 variants are reported
+beside bf16 (no GPU flags on CPU). Plus its pure helpers (shape fitting, peak table, FLOPs
+formula, the FP8 workers' flags)."""
 
 import json
 import math
@@ -16,12 +17,17 @@ import pytest
 from _util import script_env
 
 from benchmarks.gpu_check import (
+    FP8_VARIANTS,
     VARIANTS,
     ModelShape,
+    _fp8_flags,
+    _with_flags,
     fit_shape,
+    markdown,
     model_flops,
     peak_bf16_flops,
 )
+from sp_jax.xla_flags import FP8_GPU_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE_DEVICE = "there is no communication at all"
@@ -42,7 +48,7 @@ def _run(out: Path, *extra: str) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    """All four variants at tensor = 4."""
+    """All six variants (four bf16, two FP8) at tensor = 4."""
     out = tmp_path_factory.mktemp("gpu_check_4")
     report, md = _run(out, "--devices", "4")
     return out, report, md
@@ -56,14 +62,39 @@ def one(tmp_path_factory):
     return out, report, md
 
 
+def _tables(md: str) -> list[list[str]]:
+    """The markdown tables, each as its rows (header first, no separator)."""
+    tables, current = [], []
+    for line in [*md.splitlines(), ""]:
+        if line.startswith("| "):
+            current.append(line)
+        elif not line.startswith("|---") and current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def _rows(rows: list[str]) -> dict[str, list[str]]:
+    return {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in rows[1:]}
+
+
 def _table(md: str) -> dict[str, list[str]]:
-    """The markdown table's rows, by variant."""
-    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    """The main markdown table's rows, by variant."""
+    rows = _tables(md)[0]
     assert rows[0].split("|")[1:-1] == [
         " variant ", " tensor size ", " step ms ", " tokens/s ", " MFU ", " real peak MiB ",
         " predicted peak MiB ", " first loss "], rows[0]
-    return {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
-            for r in rows[1:]}
+    return _rows(rows)
+
+
+def _fp8_table(md: str) -> dict[str, list[str]]:
+    """The FP8 table's rows, by variant."""
+    rows = _tables(md)[1]
+    assert rows[0].split("|")[1:-1] == [
+        " variant ", " scaling ", " tokens/s ", " vs bf16 sp_jax ", " MFU (of bf16 peak) ",
+        " cuBLASLt FP8 GEMMs "], rows[0]
+    return _rows(rows)
 
 
 def test_every_variant_timed_on_its_devices(four):
@@ -72,6 +103,7 @@ def test_every_variant_timed_on_its_devices(four):
     # the script simulated its own devices (XLA_FLAGS was unset)
     assert "--xla_force_host_platform_device_count=4" in report["xla_flags"]
     assert tuple(report["variants"]) == VARIANTS
+    assert set(FP8_VARIANTS) < set(VARIANTS)
     tokens = report["shape"]["batch"] * report["shape"]["seq"]
     for name, r in report["variants"].items():
         assert "error" not in r, r.get("error")
@@ -86,10 +118,14 @@ def test_variants_start_from_the_same_weights(four):
     _, report, _ = four
     runs = report["variants"].values()
     assert len({r["params"] for r in runs}) == 1
-    losses = [r["first_loss"] for r in runs]
-    assert all(math.isfinite(x) for x in losses)
+    losses = {r["variant"]: r["first_loss"] for r in runs}
+    assert all(math.isfinite(x) for x in losses.values())
+    bf16 = [x for name, x in losses.items() if name not in FP8_VARIANTS]
     # same weights and batch: equal up to bf16 rounding (other seeds differ by far more)
-    assert max(losses) - min(losses) < 0.01, losses
+    assert max(bf16) - min(bf16) < 0.01, losses
+    # FP8 projections: close to bf16 at the same weights (e4m3 keeps 3 mantissa bits)
+    for name in FP8_VARIANTS:
+        assert abs(losses[name] - losses["sp_jax"]) < 0.05, losses
     # and every variant trained: the loss moved after the optimizer steps
     for r in runs:
         assert r["last_loss"] < r["first_loss"], r["variant"]
@@ -198,3 +234,57 @@ def test_bad_arguments_fail_clearly(tmp_path, args, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert re.search(message, proc.stderr), proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_fp8_rows_beside_bf16(four):
+    _, report, md = four
+    v = report["variants"]
+    base = v["sp_jax"]["tokens_per_s"]
+    fp8 = _fp8_table(md)
+    assert set(fp8) == set(FP8_VARIANTS)
+    assert report["fp8"]["variants"] == list(FP8_VARIANTS)
+    # CPU: none of the GPU flags (XLA:GPU's, for cuBLASLt FP8 GEMMs)
+    assert report["fp8"]["xla_flags"] == []
+    for name, scaling in FP8_VARIANTS.items():
+        r = v[name]
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, name
+        assert r["fp8_scaling"] == scaling
+        assert r["tokens_per_s_vs_bf16"] == pytest.approx(r["tokens_per_s"] / base), name
+        assert r["fp8_gemms"] == "n/a" and r["fp8_gemms_note"].startswith("n/a"), r
+        assert not any(f.name in r["xla_flags"] for f in FP8_GPU_FLAGS), r["xla_flags"]
+        # the delayed recipe keeps amax histories, and they are not counted as parameters
+        assert (r["fp8_history_values"] > 0) == (scaling == "delayed"), name
+        row_scaling, tokens_s, ratio, mfu, gemms = fp8[name]
+        assert row_scaling == scaling and mfu == "not measured" and gemms == "n/a", fp8[name]
+        assert float(tokens_s.replace(",", "")) == pytest.approx(r["tokens_per_s"], abs=1)
+        assert ratio == f"{r['tokens_per_s_vs_bf16']:.2f}x"
+    assert "MFU is quoted against the dense bf16 peak" in md
+    assert any("FP8 variants on CPU" in c for c in report["caveats"])
+
+
+def test_fp8_on_gpu_shows_mfu_and_gemm_count(four):
+    """The FP8 rows as a GPU run fills them in (numbers set by hand on the CPU report)."""
+    _, report, _ = four
+    report = json.loads(json.dumps(report))
+    report["fp8"]["xla_flags"] = [f.flag for f in FP8_GPU_FLAGS]
+    for r in report["variants"].values():
+        r["mfu"] = 0.41
+    v = report["variants"]
+    v["sp_jax_fp8_current"].update(mfu=0.62, fp8_gemms=24, tokens_per_s_vs_bf16=1.51)
+    v["sp_jax_fp8_delayed"].update(tokens_per_s_vs_bf16=None)
+    fp8 = _fp8_table(markdown(report))
+    assert fp8["sp_jax_fp8_current"][2:] == ["1.51x", "62.0%", "24"]
+    assert fp8["sp_jax_fp8_delayed"][2:4] == ["not measured", "41.0%"]
+    assert "`--xla_gpu_enable_triton_gemm=false`" in markdown(report)
+
+
+def test_fp8_flags_only_on_gpu():
+    assert _fp8_flags("cpu") == []
+    assert _fp8_flags("gpu") == ["--xla_gpu_enable_triton_gemm=false"]
+    flags = ["--xla_gpu_enable_triton_gemm=false"]
+    assert _with_flags({"XLA_FLAGS": "--a=1"}, flags) == {
+        "XLA_FLAGS": "--a=1 --xla_gpu_enable_triton_gemm=false"}
+    # a value the user set is kept
+    user = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    assert _with_flags(user, flags) == user
+    assert _with_flags({}, []) == {}

@@ -56,7 +56,8 @@ _ANY_INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S.*?)\s(?P<op>[\w\-]+)"
     r"\((?P<operands>[^)]*)\)"
 )
-_ARRAY = re.compile(r"(?P<dtype>pred|[a-z]+\d+)\[(?P<dims>[\d,]*)\]")
+# FP8 types (f8e4m3fn, f8e5m2, ...) spell their exponent and mantissa widths
+_ARRAY = re.compile(r"(?P<dtype>pred|f8e\d+m\d+(?:fnuz|fn)?|[a-z]+\d+)\[(?P<dims>[\d,]*)\]")
 _BITS = {"pred": 8}
 # Instructions that do no work of their own (not counted as overlapped computation).
 _TRIVIAL = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant", "copy-start",
@@ -118,7 +119,8 @@ def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
     """Bytes of an HLO array ``dtype[dims]`` (e.g. ``"bf16", (2, 3)`` -> 12)."""
-    bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
+    bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else
+                                int(re.sub(r"\D", "", dtype) or 8))
     return math.prod(dims) * bits // 8
 
 

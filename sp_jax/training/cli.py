@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from sp_jax.attention import zigzag_order
-from sp_jax.config import PIPELINE_SCHEDULES, ParallelConfig
+from sp_jax.config import PIPELINE_SCHEDULES, Fp8Recipe, ParallelConfig
 from sp_jax.layers import check_kv_heads, kv_heads_per_shard
 from sp_jax.models import GPTConfig
 from sp_jax.training.schedule import warmup_cosine_schedule
@@ -228,7 +228,8 @@ def _describe_preset(name: str) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--preset`` (:data:`PRESETS`) and the flags that override its values:
-    ``--layers --hidden --heads --kv-heads --mlp-hidden --seq-len`` (group "model")."""
+    ``--layers --hidden --heads --kv-heads --mlp-hidden --seq-len --fp8`` (group
+    "model")."""
     add = parser.add_argument_group("model").add_argument
     add("--preset", choices=tuple(PRESETS), default="gpt",
         help="the model: " + "; ".join(_describe_preset(n) for n in PRESETS) + ". The flags "
@@ -245,6 +246,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="MLP width (default: the preset's, or 4 x HIDDEN where the preset has that)")
     add("--seq-len", type=int, default=None,
         help="tokens per sequence, a multiple of CONTEXT x TENSOR (default: the preset's)")
+    add("--fp8", choices=("current", "delayed"), default=None,
+        help="the blocks' linear layers in FP8 (sp_jax.Fp8Recipe): scales from each "
+             "tensor's current amax or from an amax history (default: off)")
 
 
 def _resolve_model_args(args: argparse.Namespace) -> None:
@@ -311,19 +315,23 @@ def check_model_args(args: argparse.Namespace) -> None:
         (args.fsdp and args.hidden % data, f"--fsdp shards the hidden dimension over the "
          f"data size {data}: --hidden {args.hidden} must be a multiple of it"),
         (args.layers % chunks, f"--layers {args.layers} must divide by STAGE x "
-         f"--pipeline-repeats = {chunks} (each stage holds the same number of layers)")]:
+         f"--pipeline-repeats = {chunks} (each stage holds the same number of layers)"),
+        (getattr(args, "fp8", None) and stages > 1, "--fp8 does not run on pipeline stages "
+         "yet: drop it or use a --mesh without STAGE")]:
         if bad:
             raise ValueError(message)
 
 
 def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfig:
     """The :class:`GPTConfig` of ``--preset`` with the model flags (after
-    :func:`check_model_args`), no dropout, fp32 parameters, ``--precision`` compute."""
+    :func:`check_model_args`), no dropout, fp32 parameters, ``--precision`` compute,
+    ``--fp8``'s recipe."""
     overrides = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()}
     return PRESETS[args.preset](
         **overrides, vocab_size=vocab_size, dropout=0.0, param_dtype=jnp.float32,
         dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32,
-        scan_layers=scan_layers(args))
+        scan_layers=scan_layers(args),
+        fp8=None if getattr(args, "fp8", None) is None else Fp8Recipe(args.fp8))
 
 
 def scan_layers(args: argparse.Namespace) -> bool:
