@@ -13,6 +13,8 @@ to top:
 * :mod:`~sp_jax.ops.collective_matmul`: the sequence-parallel linear rules as rings of
   collective-permutes overlapped with chunk GEMMs.
 * :mod:`~sp_jax.ops.fsdp`: parameters sharded over the data axes, gathered inside the op.
+* :mod:`~sp_jax.ops.fp8`: FP8 quantisation with whole-tensor scales, FP8 GEMMs;
+  :mod:`~sp_jax.ops.fp8_linear`: the linear rules in FP8 (FP8 gathers and residuals).
 * :mod:`~sp_jax.ops.linear`: the linear ops and the one dispatch to their plain,
   collective-matmul and FSDP forms.
 """

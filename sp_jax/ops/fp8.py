@@ -35,8 +35,8 @@ from sp_jax.config import Fp8Recipe
 from sp_jax.ops.primitives import AxisName, vma
 
 __all__ = ["E4M3", "E5M2", "FORMATS", "GRAD", "INPUT", "KERNEL", "Fp8Spec", "dequantize",
-           "fp8_max", "gemm", "history_amax_cotangent", "quantize", "roll_history",
-           "scale_from_amax", "whole_amax"]
+           "fp8_max", "gemm", "history_amax_cotangent", "local_amax", "over_shards",
+           "quantize", "roll_history", "scale_from_amax", "whole_amax"]
 
 E4M3 = jnp.float8_e4m3fn
 """The format of inputs and weights (max 448)."""
@@ -69,13 +69,23 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+def local_amax(x: jax.Array) -> jax.Array:
+    """``max |x|`` over this device's block, fp32."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def over_shards(amax: jax.Array, axes: Sequence[AxisName]) -> jax.Array:
+    """The maximum of the per-device ``amax`` over those of ``axes`` it varies over (a
+    tensor's shards; axes it is replicated over hold the same values and need no
+    collective)."""
+    over = tuple(a for a in axes if a in vma(amax))
+    return lax.pmax(amax, over) if over else amax
+
+
 def whole_amax(x: jax.Array, axes: Sequence[AxisName]) -> jax.Array:
-    """``max |x|`` over the whole tensor, fp32: the local maximum, then the maximum over
-    those of ``axes`` that ``x`` varies over (its shards; axes it is replicated over
-    hold the same values and need no collective)."""
-    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    over = tuple(a for a in axes if a in vma(x))
-    return lax.pmax(local, over) if over else local
+    """``max |x|`` over the whole tensor, fp32: :func:`local_amax`, then
+    :func:`over_shards`."""
+    return over_shards(local_amax(x), axes)
 
 
 def scale_from_amax(amax: jax.Array, dtype, margin: int = 0) -> jax.Array:

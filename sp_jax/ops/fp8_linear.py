@@ -45,6 +45,8 @@ from sp_jax.ops.fp8 import (
     Fp8Spec,
     gemm,
     history_amax_cotangent,
+    local_amax,
+    over_shards,
     quantize,
     scale_from_amax,
     whole_amax,
@@ -57,13 +59,28 @@ __all__ = ["FP8_RULES"]
 
 
 def _quantized(x: jax.Array, role: int, history, spec: Fp8Spec):
-    """``(q, scale, amax)`` of ``x`` in role ``role``: ``amax`` of the whole tensor;
-    ``scale`` from it (current scaling) or from the largest amax of ``history``'s row
-    ``role`` (delayed scaling: this step's amax is only recorded)."""
-    amax = whole_amax(x, spec.amax_axes)
-    basis = amax if history is None else jnp.max(history[role])
-    scale = scale_from_amax(basis, FORMATS[role], spec.recipe.margin)
-    return quantize(x, FORMATS[role], scale), scale, amax
+    """``(q, scale, amax)`` of ``x`` in role ``role``. Current scaling (``history``
+    None): ``scale`` from the whole tensor's amax, ``amax`` None. Delayed: ``scale`` from
+    the largest amax of ``history``'s row ``role``, and ``amax`` this device's block's
+    amax, to be recorded: the op ties it to its outputs (an optimization barrier, so the
+    reduction over ``x`` runs while ``x`` is alive instead of keeping it until the end
+    of the step, where the scalars' all-reduces are combined) and reduces it over the
+    shards after that (:func:`_history_cotangent`)."""
+    if history is None:
+        amax, recorded = whole_amax(x, spec.amax_axes), None
+    else:
+        amax = recorded = local_amax(x)
+        amax = jnp.max(history[role])
+    scale = scale_from_amax(amax, FORMATS[role], spec.recipe.margin)
+    return quantize(x, FORMATS[role], scale), scale, recorded
+
+
+def _tied(y, *amaxes):
+    """``(y, *amaxes)``, the recorded amaxes (delayed scaling) computed with ``y``."""
+    if amaxes[0] is None:
+        return (y, *amaxes)
+    y, amaxes = lax.optimization_barrier((y, amaxes))
+    return (y, *amaxes)
 
 
 def _wgrad(qa, a_scale, qg, g_scale, wgrad_dtype, param_dtype):
@@ -82,18 +99,23 @@ def _backward_gemm(qg, g_scale, qw, w_scale, out_dtype):
     return gemm(qg, g_scale, qw, w_scale, ((qg.ndim - 1,), (1,)), out_dtype)
 
 
-def _released(dx, dkernel, dbias, history, amax_x, amax_w, amax_g):
+def _released(dx, dkernel, dbias, history, amaxes, spec):
     """``(dx, dkernel, (dbias, dhistory))``: the gradients released together (an
-    optimization barrier, as the plain rules do), and the history's cotangent, this
-    step's amaxes, outside the barrier (which would type it as varying like the
-    others; it is the same on every device)."""
-    dx, dkernel, dbias = lax.optimization_barrier((dx, dkernel, dbias))
-    return dx, dkernel, (dbias, _history_cotangent(history, amax_x, amax_w, amax_g))
+    optimization barrier, as the plain rules do, which also holds the recorded amaxes,
+    see :func:`_quantized`), and the history's cotangent, this step's amaxes, reduced
+    over the shards after the barrier (which types its outputs as varying; the amaxes
+    are the same on every device once reduced)."""
+    if history is None:
+        dx, dkernel, dbias = lax.optimization_barrier((dx, dkernel, dbias))
+        return dx, dkernel, (dbias, None)
+    dx, dkernel, dbias, amaxes = lax.optimization_barrier((dx, dkernel, dbias, amaxes))
+    return dx, dkernel, (dbias, _history_cotangent(history, amaxes, spec))
 
 
-def _history_cotangent(history, amax_x, amax_w, amax_g):
-    return None if history is None else history_amax_cotangent(
-        history, (amax_x, amax_w, amax_g))
+def _history_cotangent(history, amaxes, spec):
+    if history is None:
+        return None
+    return history_amax_cotangent(history, [over_shards(a, spec.amax_axes) for a in amaxes])
 
 
 def _add_bias(y, bias):
@@ -109,7 +131,7 @@ def _matmul_fwd(x, kernel, aux, spec, wgrad_dtype, param_dtype):
     bias, history = aux
     qx, sx, ax = _quantized(x, INPUT, history, spec)
     qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
-    y = _add_bias(_forward_gemm(qx, sx, qw, sw, x.dtype), bias)
+    y, ax, aw = _tied(_add_bias(_forward_gemm(qx, sx, qw, sw, x.dtype), bias), ax, aw)
     return y, ((qx, sx), kernel, (bias, history, sw, ax, aw))
 
 
@@ -122,13 +144,13 @@ def _matmul_bwd(spec, wgrad_dtype, param_dtype, res, g, axis_name=None):
     dbias = None if bias is None else bgrad(g, wgrad_dtype, bias.dtype)
     if axis_name is None:
         dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
-        return _released(dx, dkernel, dbias, history, ax, aw, ag)
+        return _released(dx, dkernel, dbias, history, (ax, aw, ag), spec)
     # the column form: dW after dx, while dx is all-reduced (as the plain rule)
-    qx, qg, _ = lax.optimization_barrier((qx, qg, dx))
+    qx, qg, _, ag = lax.optimization_barrier((qx, qg, dx, ag))
     with jax.named_scope("tp_dx_all_reduce"):
         dx = lax.psum(dx, axis_name)
     dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
-    return dx, dkernel, (dbias, _history_cotangent(history, ax, aw, ag))
+    return dx, dkernel, (dbias, _history_cotangent(history, (ax, aw, ag), spec))
 
 
 def _cp_fwd(x, kernel, aux, axis_name, spec, wgrad_dtype, param_dtype):
@@ -150,7 +172,7 @@ def _csp_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dtype, p
     qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
     with jax.named_scope("sp_fp8_all_gather"):
         qx_full = all_gather(qx, axis_name, seq_dim)
-    y = _add_bias(_forward_gemm(qx_full, sx, qw, sw, x.dtype), bias)
+    y, ax, aw = _tied(_add_bias(_forward_gemm(qx_full, sx, qw, sw, x.dtype), bias), ax, aw)
     return y, ((qx if recompute else qx_full, sx), kernel, (bias, history, sw, ax, aw))
 
 
@@ -169,7 +191,7 @@ def _csp_bwd(axis_name, seq_dim, recompute, spec, wgrad_dtype, param_dtype, res,
         dx = reduce_scatter(dx, axis_name, seq_dim)
     dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, ax, aw, ag)
+    return _released(dx, dkernel, dbias, history, (ax, aw, ag), spec)
 
 
 def _csp_ring_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dtype,
@@ -192,7 +214,7 @@ def _csp_ring_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dty
     with jax.named_scope("sp_cm_column_fp8"):
         init = (_buffer(out, x.dtype, x), None if recompute else _buffer(full, qx.dtype, x))
         y, qx_full = ring_gather(qx, axis_name, fn, init)
-    y = _add_bias(y, bias)
+    y, ax, aw = _tied(_add_bias(y, bias), ax, aw)
     return y, ((qx if recompute else qx_full, sx), kernel, (bias, history, sw, ax, aw))
 
 
@@ -219,7 +241,7 @@ def _csp_ring_bwd(axis_name, seq_dim, recompute, spec, wgrad_dtype, param_dtype,
             dx = ring_reduce_scatter(qg, axis_name, partial_dx)
         dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, ax, aw, ag)
+    return _released(dx, dkernel, dbias, history, (ax, aw, ag), spec)
 
 
 # --------------------------------------------------------------------------------------
@@ -251,7 +273,7 @@ def _rsp_fwd(x, kernel, aux, activation, axis_name, seq_dim, spec, wgrad_dtype,
     qh, sh, ah = _rsp_quantized_input(x, activation, history, spec)
     qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
     y = reduce_scatter(_forward_gemm(qh, sh, qw, sw, x.dtype), axis_name, seq_dim)
-    y = _add_bias(y, bias)
+    y, ah, aw = _tied(_add_bias(y, bias), ah, aw)
     return y, _rsp_residual(x, qh, sh, kernel, bias, history, sw, ah, aw, activation)
 
 
@@ -267,7 +289,7 @@ def _rsp_bwd(activation, axis_name, seq_dim, spec, wgrad_dtype, param_dtype, res
     dkernel = _wgrad(qh, sh, qg_full, sg, wgrad_dtype, param_dtype)
     dx = dh if activation_vjp is None else activation_vjp(dh)[0]
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, ah, aw, ag)
+    return _released(dx, dkernel, dbias, history, (ah, aw, ag), spec)
 
 
 def _rsp_ring_fwd(x, kernel, aux, activation, axis_name, seq_dim, spec, wgrad_dtype,
@@ -281,7 +303,7 @@ def _rsp_ring_fwd(x, kernel, aux, activation, axis_name, seq_dim, spec, wgrad_dt
             qh, axis_name,
             lambda q, position: _forward_gemm(_chunk(q, position, n, seq_dim), sh, qw, sw,
                                               x.dtype))
-    y = _add_bias(y, bias)
+    y, ah, aw = _tied(_add_bias(y, bias), ah, aw)
     return y, _rsp_residual(x, qh, sh, kernel, bias, history, sw, ah, aw, activation)
 
 
@@ -306,7 +328,7 @@ def _rsp_ring_bwd(activation, axis_name, seq_dim, spec, wgrad_dtype, param_dtype
         dkernel = _wgrad(qh, sh, qg_full, sg, wgrad_dtype, param_dtype)
     dx = dh if activation_vjp is None else activation_vjp(dh)[0]
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, ah, aw, ag)
+    return _released(dx, dkernel, dbias, history, (ah, aw, ag), spec)
 
 
 FP8_RULES = {

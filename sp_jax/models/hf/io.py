@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
+from sp_jax.layers.fp8 import Fp8History
 from sp_jax.mesh import current_mesh
 from sp_jax.models.gpt import GPT, GPTConfig
 from sp_jax.models.hf.family import Family, Rule, expand
@@ -362,6 +363,10 @@ def _convert_to_hf(cfg: GPTConfig, flat: Mapping[str, Any],
     return out
 
 
+_WEIGHTS = nnx.All(nnx.Param, nnx.Not(Fp8History))
+"""The parameters a checkpoint holds (not the amax histories of FP8 layers)."""
+
+
 def to_hf_state_dict(model: GPT, *, model_type: str | None = None
                      ) -> dict[str, np.ndarray]:
     """The model's parameters as transformers names them (host NumPy arrays, gathered
@@ -371,7 +376,7 @@ def to_hf_state_dict(model: GPT, *, model_type: str | None = None
         raise TypeError(f"to_hf: expected a sp_jax.models.GPT, got {type(model).__name__}.")
     family_of(model.config, model_type)  # validates first
     flat = {"/".join(map(str, k)): _host(v[...])
-            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+            for k, v in nnx.to_flat_state(nnx.state(model, _WEIGHTS))}
     return _convert_to_hf(model.config, flat, model_type)
 
 
