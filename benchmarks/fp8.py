@@ -202,10 +202,12 @@ def _cpu_table(c: dict[str, Any], cpu: dict[str, Any]) -> list[str]:
              f"{c['cpu_steps']} --precision bf16 [--fp8 ...]`: its default model, data and "
              "simulated devices; the same initialisation and batches)", "",
              table(["", "held-out loss", "vs bf16", "last training loss", "seconds"],
-                   [[name, f"{r['held_out_loss']:.4f}",
+                   [[name, f"{r['held_out_loss']:.5f}",
                      f"{r['held_out_loss'] / cpu['bf16']['held_out_loss'] - 1:+.2%}",
                      f"{r['train_losses'][-1]:.4f}", f"{r['seconds']:.0f}"]
-                    for name, r in cpu.items()]), ""]
+                    for name, r in cpu.items()]), "",
+            "The first training losses: " + ", ".join(
+                f"{name} {r['train_losses'][0]:.4f}" for name, r in cpu.items()) + ".", ""]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -915,8 +915,10 @@ def _real_gpu_section(gpu_check: Path) -> str:
     """The latest ``make gpu-check`` report, when one was copied to ``docs/``."""
     head = ("## On a real GPU (`make gpu-check`)\n\n"
             "`make gpu-check` runs the GPT training step on the GPUs of the machine (1 to 8) "
-            "for sp_jax (plain and collective matmul), the GSPMD baseline GPT and the "
-            "unsharded model: step time, tokens/s, MFU, the allocator's real peak next to "
+            "for sp_jax (plain, collective matmul, and FP8 with current and delayed scaling: "
+            "tokens/s beside bf16, MFU against the bf16 peak, the cuBLASLt FP8 GEMMs "
+            "counted), the GSPMD baseline GPT and the unsharded model: step time, "
+            "tokens/s, MFU, the allocator's real peak next to "
             "the compiled program's predicted peak, and a profiler trace "
             "(`benchmarks/gpu_check.py`). ")
     if not gpu_check.exists():

@@ -85,7 +85,7 @@ def mesh_8x1():
 # in collection order, so starting with these keeps one long file from running alone at
 # the end. Every other file follows in its usual order.
 SLOWEST_FIRST = ("test_doc_snippets.py", "test_pipeline.py", "test_benchmarks.py",
-                 "test_pipeline_hlo.py", "test_gpt.py", "test_moe.py",
+                 "test_pipeline_hlo.py", "test_gpt.py", "test_moe.py", "test_fp8.py",
                  "test_context.py", "test_multiprocess.py", "test_plan.py", "test_fsdp.py",
                  "test_gpu_check.py", "test_train_gpt.py", "test_attention.py",
                  "test_analysis.py", "test_trainer.py", "test_faults.py", "test_blocks.py",
