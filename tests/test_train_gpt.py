@@ -440,3 +440,26 @@ def test_mixture_of_experts_trains_on_an_expert_mesh(tmp_path):
     for record in steps:
         assert record["moe_aux_loss"] > 0 and record["moe_dropped_fraction"] == 0
         assert [sum(layer) for layer in record["moe_expert_tokens"]] == [pairs, pairs]
+
+
+def test_fp8_delayed_scaling_trains_from_the_command_line(tmp_path):
+    """--fp8 delayed on a 2 x 4 mesh with 2 micro-batches: the run ends, its loss falls,
+    and the checkpoint holds the amax history of every projection of the block (the
+    values and their resume: tests/test_fp8.py)."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--steps", "3", "--fp8",
+                           "delayed", "--eval-every", "0", "--warmup-steps", "0",
+                           "--ckpt-dir", str(ckpt), "--save-every", "3",
+                           "--log-json", str(tmp_path / "fp8.jsonl")],
+                          cwd=ROOT, env=script_env(), capture_output=True, text=True,
+                          timeout=300)
+    _ok(proc)
+    steps = [r for r in _read(tmp_path / "fp8.jsonl") if "loss" in r]
+    assert len(steps) == 3 and steps[-1]["loss"] < steps[0]["loss"]
+    # the checkpoint's parameter tree names the four amax histories (qkv, out, up, down)
+    names = {m.replace(".", "/") for f in (ckpt / "3").rglob("*")
+             if f.is_file() and f.stat().st_size < 1 << 20
+             for m in re.findall(r"blocks[./]0[./]\w+[./]\w+[./]fp8_history",
+                                 f.read_text(errors="ignore"))}
+    assert names == {f"blocks/0/{m}/fp8_history" for m in
+                     ("attention/qkv", "attention/out", "mlp/up", "mlp/down")}, names
