@@ -69,8 +69,7 @@ def _quantized(x: jax.Array, role: int, history, spec: Fp8Spec):
     if history is None:
         amax, recorded = whole_amax(x, spec.amax_axes), None
     else:
-        amax = recorded = local_amax(x)
-        amax = jnp.max(history[role])
+        amax, recorded = jnp.max(history[role]), local_amax(x)
     scale = scale_from_amax(amax, FORMATS[role], spec.recipe.margin)
     return quantize(x, FORMATS[role], scale), scale, recorded
 
