@@ -40,14 +40,6 @@ apply_xla_flags([*cpu_simulation_flags(8), "--xla_backend_optimization_level=0",
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-if os.environ.get("SP_JAX_TEST_PERSISTENT_CACHE", "1") == "1":
-    # The tests compile many programs that another test compiled already (the same
-    # unsharded reference, model and mesh built anew): JAX's persistent compilation
-    # cache, the one the scripts share (tests/_util.py), skips XLA for them.
-    jax.config.update("jax_compilation_cache_dir", os.environ["SP_JAX_TEST_JIT_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from jax.sharding import AxisType  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.devices()}"
