@@ -2,7 +2,7 @@
 tensor + sequence parallelism, and write it back as a Hugging Face checkpoint.
 
     python examples/finetune_hf.py --hf-dir DIR [--mesh 2,4] [--steps 50] [--data ids.npy]
-        [--out DIR_OUT] [--precision bf16] [--fsdp] [--recompute-allgather]
+        [--out DIR_OUT] [--precision bf16] [--fp8 current|delayed] [--fsdp] [--recompute-allgather]
 
 ``DIR`` is a local checkpoint directory (``config.json`` + ``*.safetensors``, e.g. from
 ``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``); neither torch nor
@@ -51,6 +51,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=128, help="tokens per sequence")
     add("--no-dropout", action="store_true", help="dropout rates of 0")
     add("--out", default=None, help="write the trained model here (Hugging Face format)")
+    cli.add_fp8_argument(p)
     cli.add_trainer_arguments(p, steps=50, batch_size=8, micro_batches=1, lr=1e-4,
                               warmup_steps=None, final_lr_fraction=1.0, weight_decay=0.0,
                               eval_every=10, eval_batches=2)
@@ -74,6 +75,8 @@ def main(args: argparse.Namespace) -> int:
     overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
     if args.no_dropout:
         overrides.update(dropout=0.0, attention_dropout=0.0)
+    if args.fp8:
+        overrides["fp8"] = cli.fp8_recipe(args)
     if cli.scan_layers(args):  # a STAGE axis: the stages hold slices of the stack
         overrides["scan_layers"] = True
     with jax.set_mesh(mesh):

@@ -3,6 +3,7 @@ ml_dtypes reference of the same arithmetic (whole-tensor amaxes, e4m3 forward, e
 output gradients, fp32 accumulation) on several meshes, and the errors."""
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -281,3 +282,20 @@ def test_h100_fp8_block_gathers_and_cublaslt_fp8_gemms():
     starts = re.findall(r"= \(?([a-z0-9]+)\[[^\n]*all-gather-start\(", rep.hlo)
     assert starts and set(starts) <= {"f8e4m3fn", "f8e5m2"}, starts
     assert rep.hlo.count('custom_call_target="__cublas$lt$matmul$f8"') == 2 * 12
+
+
+def test_hugging_face_checkpoints_load_into_and_save_from_fp8_models(mesh_2x4):
+    """from_hf with an FP8 recipe: the same weights, zero amax histories; to_hf writes
+    the same tensors as the model without FP8 (the histories are not weights)."""
+    from sp_jax.models import hf
+
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "gpt2"
+    with jax.set_mesh(mesh_2x4):
+        plain = hf.from_hf(fixture, rngs=nnx.Rngs(0))
+        fp8 = hf.from_hf(fixture, rngs=nnx.Rngs(0), fp8=sp_jax.Fp8Recipe("delayed", 4))
+    assert fp8.config.fp8 == sp_jax.Fp8Recipe("delayed", 4)
+    assert not np.asarray(fp8.blocks[0].mlp.up.fp8_history[...]).any()
+    a, b = hf.to_hf_state_dict(plain), hf.to_hf_state_dict(fp8)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -42,7 +42,8 @@ from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.trainer import TrainerConfig
 
 __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
-           "add_model_arguments", "add_parallel_arguments", "add_trainer_arguments",
+           "add_fp8_argument", "add_model_arguments", "add_parallel_arguments",
+           "add_trainer_arguments", "fp8_recipe",
            "check_model_args", "check_pipeline_args", "check_run_args", "description",
            "lr_schedule", "model_config", "optimizer", "parallel_config", "run_metadata",
            "scan_layers", "shared_settings"]
@@ -230,7 +231,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--preset`` (:data:`PRESETS`) and the flags that override its values:
     ``--layers --hidden --heads --kv-heads --mlp-hidden --seq-len --fp8`` (group
     "model")."""
-    add = parser.add_argument_group("model").add_argument
+    group = parser.add_argument_group("model")
+    add = group.add_argument
     add("--preset", choices=tuple(PRESETS), default="gpt",
         help="the model: " + "; ".join(_describe_preset(n) for n in PRESETS) + ". The flags "
              "below override a preset's values (llama-tiny is GPTConfig.llama('llama-tiny'), "
@@ -246,9 +248,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="MLP width (default: the preset's, or 4 x HIDDEN where the preset has that)")
     add("--seq-len", type=int, default=None,
         help="tokens per sequence, a multiple of CONTEXT x TENSOR (default: the preset's)")
-    add("--fp8", choices=("current", "delayed"), default=None,
+    add_fp8_argument(group)
+
+
+def add_fp8_argument(group: Any) -> None:
+    """Adds ``--fp8 current|delayed`` (the blocks' projections in FP8; :func:`fp8_recipe`)
+    to ``group`` (a parser or an argument group)."""
+    group.add_argument(
+        "--fp8", choices=("current", "delayed"), default=None,
         help="the blocks' linear layers in FP8 (sp_jax.Fp8Recipe): scales from each "
              "tensor's current amax or from an amax history (default: off)")
+
+
+def fp8_recipe(args: argparse.Namespace) -> Fp8Recipe | None:
+    """The :class:`~sp_jax.Fp8Recipe` of ``--fp8`` (None without it)."""
+    return None if getattr(args, "fp8", None) is None else Fp8Recipe(args.fp8)
 
 
 def _resolve_model_args(args: argparse.Namespace) -> None:
@@ -331,7 +345,7 @@ def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfi
         **overrides, vocab_size=vocab_size, dropout=0.0, param_dtype=jnp.float32,
         dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32,
         scan_layers=scan_layers(args),
-        fp8=None if getattr(args, "fp8", None) is None else Fp8Recipe(args.fp8))
+        fp8=fp8_recipe(args))
 
 
 def scan_layers(args: argparse.Namespace) -> bool:

@@ -193,6 +193,10 @@ def _canonical_names(source: _Source, family: Family) -> dict[str, str]:
         {n: n for n in source.names() if not n.endswith(_IGNORED_SUFFIXES)})
 
 
+_WEIGHTS = nnx.All(nnx.Param, nnx.Not(Fp8History))
+"""The parameters a checkpoint holds (not the amax histories of FP8 layers)."""
+
+
 def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
             config_json: str | os.PathLike | Mapping[str, Any] | None = None, *,
             parallel: ParallelConfig = ParallelConfig(), rngs: nnx.Rngs | None = None,
@@ -243,15 +247,16 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
             return GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
 
         abstract = nnx.eval_shape(build)
-        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(abstract, _WEIGHTS, ...)
         flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(params)}
         plan = _check(source, cfg, family, flat, explicit_dtype="param_dtype" in overrides)
         loaded = {path: _place(source, entries, flat[path], mesh,
                                cfg.scan_layers and entries[0][1] is not None)
                   for path, entries in plan.items()}
-        # The rng streams: the model built under jit, its parameters dead code.
+        # The rng streams (and FP8 layers' zero amax histories): the model built under
+        # jit, its weights dead code.
         rest = nnx.jit(lambda r: nnx.state(GPT(cfg, parallel=parallel, rngs=r),
-                                           nnx.Not(nnx.Param)))(rngs)
+                                           nnx.Not(_WEIGHTS)))(rngs)
     finally:
         source.close()
     values = nnx.from_flat_state([
@@ -361,10 +366,6 @@ def _convert_to_hf(cfg: GPTConfig, flat: Mapping[str, Any],
         for name, t in zip(rule.hf_names(layer), rule.to_hf(x), strict=True):
             out[name] = np.ascontiguousarray(t)
     return out
-
-
-_WEIGHTS = nnx.All(nnx.Param, nnx.Not(Fp8History))
-"""The parameters a checkpoint holds (not the amax histories of FP8 layers)."""
 
 
 def to_hf_state_dict(model: GPT, *, model_type: str | None = None
