@@ -82,6 +82,26 @@ def _tied(y, *amaxes):
     return (y, *amaxes)
 
 
+def _operands(x, kernel, aux, spec):
+    """The forward's ``bias, history, (qx, sx, ax), (qw, sw, aw)``: ``aux`` unpacked and
+    the input and kernel quantised (:func:`_quantized`)."""
+    bias, history = aux
+    return (bias, history, _quantized(x, INPUT, history, spec),
+            _quantized(kernel, KERNEL, history, spec))
+
+
+def _grad_operands(res, g, spec):
+    """The backward's ``a, sa, qw, sw, qg, sg, bias, history, amaxes`` from the
+    residuals ``res`` and the cotangent ``g``: ``g`` quantised to e5m2, tied with the
+    saved input ``a`` and the kernel (so the kernel's quantisation, with the forward's
+    scale, and any re-gather of ``a`` can be neither hoisted into the forward pass nor
+    merged with it), and the forward's and ``g``'s recorded amaxes."""
+    (a, sa), kernel, (bias, history, sw, ax, aw) = res
+    qg, sg, ag = _quantized(g, GRAD, history, spec)
+    a, kernel, qg = lax.optimization_barrier((a, kernel, qg))
+    return a, sa, quantize(kernel, E4M3, sw), sw, qg, sg, bias, history, (ax, aw, ag)
+
+
 def _wgrad(qa, a_scale, qg, g_scale, wgrad_dtype, param_dtype):
     """``sum over leading dims of a^T g`` of two FP8 tensors, accumulated in fp32 (or a
     wider ``wgrad_dtype``), in ``param_dtype``."""
@@ -127,29 +147,24 @@ def _add_bias(y, bias):
 
 
 def _matmul_fwd(x, kernel, aux, spec, wgrad_dtype, param_dtype):
-    bias, history = aux
-    qx, sx, ax = _quantized(x, INPUT, history, spec)
-    qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
+    bias, history, (qx, sx, ax), (qw, sw, aw) = _operands(x, kernel, aux, spec)
     y, ax, aw = _tied(_add_bias(_forward_gemm(qx, sx, qw, sw, x.dtype), bias), ax, aw)
     return y, ((qx, sx), kernel, (bias, history, sw, ax, aw))
 
 
 def _matmul_bwd(spec, wgrad_dtype, param_dtype, res, g, axis_name=None):
-    (qx, sx), kernel, (bias, history, sw, ax, aw) = res
-    qg, sg, ag = _quantized(g, GRAD, history, spec)
-    qx, kernel, qg = lax.optimization_barrier((qx, kernel, qg))
-    qw = quantize(kernel, E4M3, sw)
+    qx, sx, qw, sw, qg, sg, bias, history, amaxes = _grad_operands(res, g, spec)
     dx = _backward_gemm(qg, sg, qw, sw, g.dtype)
     dbias = None if bias is None else bgrad(g, wgrad_dtype, bias.dtype)
     if axis_name is None:
         dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
-        return _released(dx, dkernel, dbias, history, (ax, aw, ag), spec)
+        return _released(dx, dkernel, dbias, history, amaxes, spec)
     # the column form: dW after dx, while dx is all-reduced (as the plain rule)
-    qx, qg, _, ag = lax.optimization_barrier((qx, qg, dx, ag))
+    qx, qg, _, amaxes = lax.optimization_barrier((qx, qg, dx, amaxes))
     with jax.named_scope("tp_dx_all_reduce"):
         dx = lax.psum(dx, axis_name)
     dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
-    return dx, dkernel, (dbias, _history_cotangent(history, (ax, aw, ag), spec))
+    return dx, dkernel, (dbias, _history_cotangent(history, amaxes, spec))
 
 
 def _cp_fwd(x, kernel, aux, axis_name, spec, wgrad_dtype, param_dtype):
@@ -166,9 +181,7 @@ def _cp_bwd(axis_name, spec, wgrad_dtype, param_dtype, res, g):
 
 
 def _csp_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dtype, param_dtype):
-    bias, history = aux
-    qx, sx, ax = _quantized(x, INPUT, history, spec)
-    qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
+    bias, history, (qx, sx, ax), (qw, sw, aw) = _operands(x, kernel, aux, spec)
     with jax.named_scope("sp_fp8_all_gather"):
         qx_full = all_gather(qx, axis_name, seq_dim)
     y, ax, aw = _tied(_add_bias(_forward_gemm(qx_full, sx, qw, sw, x.dtype), bias), ax, aw)
@@ -176,28 +189,21 @@ def _csp_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dtype, p
 
 
 def _csp_bwd(axis_name, seq_dim, recompute, spec, wgrad_dtype, param_dtype, res, dy):
-    (qx, sx), kernel, (bias, history, sw, ax, aw) = res
-    qg, sg, ag = _quantized(dy, GRAD, history, spec)
-    # Tied to the cotangent (see the plain rule): the re-gather and the kernel's
-    # quantisation can be neither hoisted into the forward pass nor merged with it.
-    qx, kernel, qg = lax.optimization_barrier((qx, kernel, qg))
+    qx, sx, qw, sw, qg, sg, bias, history, amaxes = _grad_operands(res, dy, spec)
     if recompute:
         with jax.named_scope("sp_fp8_regather"):
             qx = all_gather(qx, axis_name, seq_dim)
-    qw = quantize(kernel, E4M3, sw)
     dx = _backward_gemm(qg, sg, qw, sw, dy.dtype)
     with jax.named_scope("sp_dx_reduce_scatter"):
         dx = reduce_scatter(dx, axis_name, seq_dim)
     dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, (ax, aw, ag), spec)
+    return _released(dx, dkernel, dbias, history, amaxes, spec)
 
 
 def _csp_ring_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dtype,
                   param_dtype):
-    bias, history = aux
-    qx, sx, ax = _quantized(x, INPUT, history, spec)
-    qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
+    bias, history, (qx, sx, ax), (qw, sw, aw) = _operands(x, kernel, aux, spec)
     t = lax.axis_size(axis_name)
     full = list(x.shape)
     full[seq_dim] *= t
@@ -218,10 +224,7 @@ def _csp_ring_fwd(x, kernel, aux, axis_name, seq_dim, recompute, spec, wgrad_dty
 
 
 def _csp_ring_bwd(axis_name, seq_dim, recompute, spec, wgrad_dtype, param_dtype, res, dy):
-    (qx, sx), kernel, (bias, history, sw, ax, aw) = res
-    qg, sg, ag = _quantized(dy, GRAD, history, spec)
-    qx, kernel, qg = lax.optimization_barrier((qx, kernel, qg))
-    qw = quantize(kernel, E4M3, sw)
+    qx, sx, qw, sw, qg, sg, bias, history, amaxes = _grad_operands(res, dy, spec)
     t = lax.axis_size(axis_name)
     n = dy.shape[seq_dim] // t
 
@@ -240,17 +243,12 @@ def _csp_ring_bwd(axis_name, seq_dim, recompute, spec, wgrad_dtype, param_dtype,
             dx = ring_reduce_scatter(qg, axis_name, partial_dx)
         dkernel = _wgrad(qx, sx, qg, sg, wgrad_dtype, param_dtype)
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, (ax, aw, ag), spec)
+    return _released(dx, dkernel, dbias, history, amaxes, spec)
 
 
 # --------------------------------------------------------------------------------------
 # row sequence-parallel (optionally after an activation): FP8 all-gather of dy
 # --------------------------------------------------------------------------------------
-
-
-def _rsp_quantized_input(x, activation, history, spec):
-    h = x if activation is None else activation(x)
-    return _quantized(h, INPUT, history, spec)
 
 
 def _rsp_residual(x, qh, sh, kernel, bias, history, sw, ah, aw, activation):
@@ -268,34 +266,29 @@ def _rsp_backward_input(a, sh, activation):
 
 def _rsp_fwd(x, kernel, aux, activation, axis_name, seq_dim, spec, wgrad_dtype,
              param_dtype):
-    bias, history = aux
-    qh, sh, ah = _rsp_quantized_input(x, activation, history, spec)
-    qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
+    h = x if activation is None else activation(x)
+    bias, history, (qh, sh, ah), (qw, sw, aw) = _operands(h, kernel, aux, spec)
     y = reduce_scatter(_forward_gemm(qh, sh, qw, sw, x.dtype), axis_name, seq_dim)
     y, ah, aw = _tied(_add_bias(y, bias), ah, aw)
     return y, _rsp_residual(x, qh, sh, kernel, bias, history, sw, ah, aw, activation)
 
 
 def _rsp_bwd(activation, axis_name, seq_dim, spec, wgrad_dtype, param_dtype, res, dy):
-    (a, sh), kernel, (bias, history, sw, ah, aw) = res
-    qg, sg, ag = _quantized(dy, GRAD, history, spec)
-    a, kernel, qg = lax.optimization_barrier((a, kernel, qg))
+    a, sh, qw, sw, qg, sg, bias, history, amaxes = _grad_operands(res, dy, spec)
     with jax.named_scope("sp_fp8_dy_all_gather"):
         qg_full = all_gather(qg, axis_name, seq_dim)
     qh, activation_vjp = _rsp_backward_input(a, sh, activation)
-    qw = quantize(kernel, E4M3, sw)
     dh = _backward_gemm(qg_full, sg, qw, sw, dy.dtype)
     dkernel = _wgrad(qh, sh, qg_full, sg, wgrad_dtype, param_dtype)
     dx = dh if activation_vjp is None else activation_vjp(dh)[0]
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, (ah, aw, ag), spec)
+    return _released(dx, dkernel, dbias, history, amaxes, spec)
 
 
 def _rsp_ring_fwd(x, kernel, aux, activation, axis_name, seq_dim, spec, wgrad_dtype,
                   param_dtype):
-    bias, history = aux
-    qh, sh, ah = _rsp_quantized_input(x, activation, history, spec)
-    qw, sw, aw = _quantized(kernel, KERNEL, history, spec)
+    h = x if activation is None else activation(x)
+    bias, history, (qh, sh, ah), (qw, sw, aw) = _operands(h, kernel, aux, spec)
     n = qh.shape[seq_dim] // lax.axis_size(axis_name)
     with jax.named_scope("sp_cm_row_fp8"):
         y = ring_reduce_scatter(
@@ -307,11 +300,8 @@ def _rsp_ring_fwd(x, kernel, aux, activation, axis_name, seq_dim, spec, wgrad_dt
 
 
 def _rsp_ring_bwd(activation, axis_name, seq_dim, spec, wgrad_dtype, param_dtype, res, dy):
-    (a, sh), kernel, (bias, history, sw, ah, aw) = res
-    qg, sg, ag = _quantized(dy, GRAD, history, spec)
-    a, kernel, qg = lax.optimization_barrier((a, kernel, qg))
+    a, sh, qw, sw, qg, sg, bias, history, amaxes = _grad_operands(res, dy, spec)
     qh, activation_vjp = _rsp_backward_input(a, sh, activation)
-    qw = quantize(kernel, E4M3, sw)
 
     def fn(carry, position, chunk):
         dh, qg_full = carry
@@ -321,13 +311,13 @@ def _rsp_ring_bwd(activation, axis_name, seq_dim, spec, wgrad_dtype, param_dtype
     with jax.named_scope("sp_cm_row_fp8_bwd"):
         full = list(dy.shape)
         full[seq_dim] = qh.shape[seq_dim]
-        dh_shape = (*qh.shape[:-1], kernel.shape[0])
+        dh_shape = (*qh.shape[:-1], qw.shape[0])
         dh, qg_full = ring_gather(qg, axis_name, fn, (_buffer(dh_shape, dy.dtype, dy),
                                                       _buffer(full, qg.dtype, dy)))
         dkernel = _wgrad(qh, sh, qg_full, sg, wgrad_dtype, param_dtype)
     dx = dh if activation_vjp is None else activation_vjp(dh)[0]
     dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    return _released(dx, dkernel, dbias, history, (ah, aw, ag), spec)
+    return _released(dx, dkernel, dbias, history, amaxes, spec)
 
 
 FP8_RULES = {
