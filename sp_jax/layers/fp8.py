@@ -21,7 +21,7 @@ from flax import nnx
 from sp_jax.config import Fp8Recipe, ParallelConfig
 from sp_jax.ops.fp8 import Fp8Spec, roll_history
 
-__all__ = ["Fp8History", "check_fp8_recipe", "fp8_history", "fp8_spec", "split_fp8",
+__all__ = ["WEIGHTS", "Fp8History", "check_fp8_recipe", "fp8_history", "fp8_spec", "split_fp8",
            "update_fp8_histories"]
 
 
@@ -29,6 +29,11 @@ class Fp8History(nnx.Param):
     """The amax history ``[3, amax_history_len]`` (fp32) of one FP8 linear layer under
     delayed scaling: rows input, kernel, output gradient; column 0 the latest step.
     Replicated over the mesh, equal on every process."""
+
+
+WEIGHTS = nnx.All(nnx.Param, nnx.Not(Fp8History))
+"""The filter of the trained parameters: ``nnx.Param`` but the amax histories (what a
+Hugging Face checkpoint holds, what an optimizer updates)."""
 
 
 def check_fp8_recipe(where: str, fp8: Any) -> Fp8Recipe | None:
@@ -67,7 +72,7 @@ def fp8_spec(fp8: Fp8Recipe | None, parallel: ParallelConfig) -> Fp8Spec | None:
 def split_fp8(params: nnx.State) -> tuple[nnx.State, nnx.State]:
     """``(trainable, histories)``: a parameter state split into what the optimizer
     updates and the :class:`Fp8History` leaves (an empty state when there are none)."""
-    histories, trainable = nnx.split_state(params, Fp8History, ...)
+    trainable, histories = nnx.split_state(params, WEIGHTS, ...)
     return trainable, histories
 
 

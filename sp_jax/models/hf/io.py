@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers.fp8 import Fp8History
+from sp_jax.layers.fp8 import WEIGHTS as _WEIGHTS
 from sp_jax.mesh import current_mesh
 from sp_jax.models.gpt import GPT, GPTConfig
 from sp_jax.models.hf.family import Family, Rule, expand
@@ -191,10 +191,6 @@ def _canonical_names(source: _Source, family: Family) -> dict[str, str]:
     """Our canonical Hugging Face name -> the name in ``source`` (buffers left out)."""
     return family.canonical_names(
         {n: n for n in source.names() if not n.endswith(_IGNORED_SUFFIXES)})
-
-
-_WEIGHTS = nnx.All(nnx.Param, nnx.Not(Fp8History))
-"""The parameters a checkpoint holds (not the amax histories of FP8 layers)."""
 
 
 def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
