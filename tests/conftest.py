@@ -23,20 +23,11 @@ from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
 # every collective, buffer and schedule the tests check, are unaffected). Subprocesses
 # the tests start inherit XLA_FLAGS.
 #
-# XLA:CPU's legacy (non-MLIR) fusion emitters compile the suite's programs about 30%
-# faster (measured: the suite without test_pipeline.py, 860 -> 628 s), but a 1F1B
-# pipeline program compiled with them deadlocks in its collectives (jaxlib 0.10.2: the
-# devices of one stage wait in an all-gather, the others in a collective-permute). So
-# under `make test` (xdist, --dist loadfile; LEGACY_EMITTERS set by the controller in
-# pytest_configure below) every worker but gw0 uses the legacy emitters, and gw0, with
-# XLA's default ones, alone runs the files of DEFAULT_EMITTER_FILES (the scheduler at the
-# end of this file). A plain `pytest` run (one process) keeps XLA's defaults.
-LEGACY_EMITTERS = "SP_JAX_TEST_LEGACY_EMITTERS"
-DEFAULT_EMITTER_FILES = ("test_pipeline.py",)
-_legacy = (os.environ.get(LEGACY_EMITTERS) == "1"
-           and os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0")
+# XLA:CPU's legacy (non-MLIR) fusion emitters compile the suite's programs about twice
+# as fast (measured: a GPT training step 1.7 vs 3.4 s; the pipeline tests 114 vs ~450 s).
+# Subprocesses the tests start inherit XLA_FLAGS (tests/_util.py keeps the emitter flag).
 apply_xla_flags([*cpu_simulation_flags(8), "--xla_backend_optimization_level=0",
-                 *(["--xla_cpu_use_fusion_emitters=false"] if _legacy else [])])
+                 "--xla_cpu_use_fusion_emitters=false"])
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -236,55 +227,3 @@ def pytest_runtest_teardown(item, nextitem):
             array.block_until_ready()
         jax.clear_caches()
         gc.collect()
-
-
-@pytest.fixture(autouse=True)
-def _default_emitters_where_needed(request):
-    """A test of DEFAULT_EMITTER_FILES in a process with the legacy emitters fails at once
-    (instead of deadlocking)."""
-    if _legacy and request.path.name in DEFAULT_EMITTER_FILES:
-        pytest.fail(f"{request.path.name} needs XLA's default CPU emitters: it runs on "
-                    "worker gw0 only (tests/conftest.py)")
-
-
-def pytest_configure(config):
-    # In xdist's controller, before it starts the workers (which inherit the variable).
-    workers = config.getoption("numprocesses", None)
-    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadfile" \
-            and isinstance(workers, int) and workers > 1:
-        os.environ[LEGACY_EMITTERS] = "1"
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's file-by-file scheduling, except that the files of DEFAULT_EMITTER_FILES
-    go to worker gw0 only (first) and never to the others; after them gw0 takes the
-    other files from the end of the queue (the slowest files come first)."""
-    if config.getoption("dist", "no") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class DefaultEmittersOnGw0(LoadFileScheduling):
-        def _assign_work_unit(self, node) -> None:
-            if node not in self.registered_collections:
-                return  # a worker replacing a crashed one: scheduled once it has collected
-            scopes = list(self.workqueue)
-            pinned = [s for s in scopes
-                      if os.path.basename(s.split("::")[0]) in DEFAULT_EMITTER_FILES]
-            free = [s for s in scopes if s not in pinned]
-            if node.gateway.id == "gw0":
-                # its own files first; then the other files from the end of the queue
-                # (the quick ones: XLA's default emitters compile slower)
-                scope = pinned[0] if pinned else free[-1]
-            elif free:
-                scope = free[0]
-            else:  # only gw0's files are left
-                node.shutdown()
-                return
-            work_unit = self.workqueue.pop(scope)
-            self.assigned_work.setdefault(node, {})[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(nodeid)
-                                    for nodeid, done in work_unit.items() if not done])
-
-    return DefaultEmittersOnGw0(config, log)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _util import LEGACY_EMITTERS_FLAG, script_env
+from _util import script_env
 from conftest import HAS_CUDA_PLUGIN
 
 from sp_jax._quiet import NOISE
@@ -57,16 +57,12 @@ BLOCKS = _blocks()
 IDS = [where.split(" ")[0] for where, _, _ in BLOCKS]
 
 
-def _user_env(code: str) -> dict[str, str]:
+def _user_env() -> dict[str, str]:
     """A user's environment: no JAX_PLATFORMS and no device count of the suite; only its
     compile-speed settings, which change no result: its persistent compilation cache and
-    XLA_FLAGS without LLVM optimisation and with XLA:CPU's legacy fusion emitters where
-    the test process has them (tests/_util.py), except for a block that runs a pipeline
-    (1F1B programs deadlock with the legacy emitters: tests/conftest.py)."""
+    XLA_FLAGS without LLVM optimisation and with XLA:CPU's legacy fusion emitters
+    (tests/_util.py)."""
     env = {k: v for k, v in script_env().items() if k != "JAX_PLATFORMS"}
-    if "pipeline" in code:
-        env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
-                                    if f != LEGACY_EMITTERS_FLAG)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
@@ -91,7 +87,7 @@ def test_block_runs_as_written(where, language, code, tmp_path):
     script = tmp_path / ("snippet.py" if language == "python" else "snippet.sh")
     script.write_text(code)
     argv = [sys.executable, str(script)] if language == "python" else ["bash", "-e", str(script)]
-    run = subprocess.run(argv, cwd=tmp_path, env=_user_env(code), capture_output=True, text=True,
+    run = subprocess.run(argv, cwd=tmp_path, env=_user_env(), capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, f"{where} exited {run.returncode}\n{run.stdout[-3000:]}\n" \
                                 f"{run.stderr[-3000:]}"

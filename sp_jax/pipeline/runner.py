@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.mesh import mesh_platform
 from sp_jax.pipeline.schedule import PipelineSchedule
 
 __all__ = ["StageProgram", "gpipe", "one_f_one_b"]
@@ -162,6 +163,20 @@ def _always(anywhere: jax.Array, here: jax.Array, fn: Callable[[], Any], like: A
     """:func:`_when` without the condition: ``fn()`` on every stage, kept where ``here``."""
     del anywhere, like
     return jax.tree.map(lambda o: jnp.where(here, o, jnp.zeros_like(o)), fn())
+
+
+def _ordered(cpu: bool, tree: Any) -> Any:
+    """``tree`` behind an optimization barrier on XLA:CPU (``cpu``), as is elsewhere.
+
+    XLA:CPU's runtime starts the collectives that do not depend on each other in any
+    order, and each device may pick another: one device of a stage then waits in a
+    stage transfer (``ppermute``) while another waits in a layer's all-gather, and the
+    step deadlocks (seen with XLA:CPU's legacy fusion emitters). Barriers that tie each
+    transfer to the values the next collectives use put them in one order on every
+    device. XLA:GPU issues collectives in its schedule's order on every device and
+    overlaps the transfers with the layers' GEMMs: no barrier there.
+    """
+    return lax.optimization_barrier(tree) if cpu else tree
 
 
 def _phases(schedule: PipelineSchedule) -> list[tuple[int, int, bool, bool]]:
@@ -325,6 +340,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
     head_when = _when if schedule.repeats > 1 else _always
     forward_ring = [(i, (i + 1) % p) for i in range(p)]
     backward_ring = [(i, (i - 1) % p) for i in range(p)]
+    cpu = mesh_platform() == "cpu"
 
     def body(shared, stages, tokens, labels, keys):
         s = lax.axis_index(stage_axis)
@@ -345,6 +361,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
             # forward runs (needed only by the backward below), as this tick's forward
             # output travels during its backward.
             recv_b = lax.ppermute(sent_b, stage_axis, backward_ring)
+            recv_b, recv_f, inputs, sh = _ordered(cpu, (recv_b, recv_f, inputs, shared))
             at = {name: table[t, s] for name, table in tables.items()}
             y, dy = jnp.zeros_like(x0), jnp.zeros_like(x0)
             if forward:  # one micro-batch through this stage's chunk
@@ -352,22 +369,23 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 active = m >= 0
                 m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
                 first = active & (r == 0) & (s == 0)
-                x = jnp.where(first, embed(shared, m), recv_f)
+                x = jnp.where(first, embed(sh, m), recv_f)
                 slot = jnp.maximum(at["fwd_slot"], 0)
                 inputs = inputs.at[slot].set(jnp.where(active, x, inputs[slot]))
                 y = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s))
                 y = jnp.where(active, y, jnp.zeros_like(y))
                 sent_f = lax.ppermute(y, stage_axis, forward_ring)  # during the backward
+                sent_f, y, inputs, sh = _ordered(cpu, (sent_f, y, inputs, sh))
                 # The last virtual stage: the loss and its gradient, which starts this
                 # micro-batch's backward in the same tick.
                 last = active & (r == r_last) & (s == p - 1)
 
                 def head():
                     value, (dh, dy) = jax.value_and_grad(program.head, argnums=(0, 1))(
-                        shared, y, labels[m])
+                        sh, y, labels[m])
                     return value.astype(_F32), dh, dy
 
-                like = (jnp.zeros((), _F32), shared, y)
+                like = (jnp.zeros((), _F32), sh, y)
                 value, dh, dy = head_when(ticks["last"][t], last, head, like)
                 loss = loss + value
                 g_shared = jax.tree.map(lambda g, d: g + d.astype(_F32), g_shared, dh)
@@ -388,11 +406,12 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 first_b = active_b & (rb == 0) & (s == 0)
 
                 def embed_backward():
-                    return jax.vjp(lambda sh: embed(sh, mb), shared)[1](dx)[0]
+                    return jax.vjp(lambda params: embed(params, mb), sh)[1](dx)[0]
 
-                de = head_when(ticks["embed_bwd"][t], first_b, embed_backward, shared)
+                de = head_when(ticks["embed_bwd"][t], first_b, embed_backward, sh)
                 g_shared = jax.tree.map(lambda g, d: g + d.astype(_F32), g_shared, de)
             if not forward:
+                y, dx, g_shared, g_stages = _ordered(cpu, (y, dx, g_shared, g_stages))
                 sent_f = lax.ppermute(y, stage_axis, forward_ring)
             return (sent_f, dx, inputs, loss, (g_shared, g_stages)), None
 
