@@ -75,13 +75,13 @@ def mesh_8x1():
 # `--dist loadfile --no-loadscope-reorder` (make test) xdist hands files to its workers
 # in collection order, so starting with these keeps one long file from running alone at
 # the end. Every other file follows in its usual order.
-SLOWEST_FIRST = ("test_doc_snippets.py", "test_pipeline.py", "test_benchmarks.py",
-                 "test_pipeline_hlo.py", "test_gpt.py", "test_moe.py", "test_fp8.py",
-                 "test_context.py", "test_multiprocess.py", "test_plan.py", "test_fsdp.py",
-                 "test_gpu_check.py", "test_train_gpt.py", "test_attention.py",
-                 "test_analysis.py", "test_trainer.py", "test_faults.py", "test_blocks.py",
-                 "test_collective_matmul.py", "test_checkpoint.py", "test_layers.py",
-                 "test_hf.py", "test_properties.py", "test_checkpoint_faults.py")
+SLOWEST_FIRST = ("test_doc_snippets.py", "test_benchmarks.py", "test_pipeline.py",
+                 "test_gpt.py", "test_fp8.py", "test_plan.py", "test_train_gpt.py",
+                 "test_fsdp.py", "test_moe.py", "test_faults.py", "test_gpu_check.py",
+                 "test_context.py", "test_attention.py", "test_collective_matmul.py",
+                 "test_blocks.py", "test_hf.py", "test_analysis.py", "test_multiprocess.py",
+                 "test_trainer.py", "test_generate.py", "test_pipeline_hlo.py",
+                 "test_packed.py", "test_checkpoint.py")
 
 # The fast tier (`make test-fast`, the inner loop; under 3 minutes on 2 idle cores): the
 # unit tests of every floor and one end-to-end test per feature, on small shapes. A file
