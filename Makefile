@@ -39,20 +39,19 @@ gpu-check: $(STAMP)
 
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly
-# single-threaded, and the end-to-end tests wait on their subprocesses and peers. The whole
-# suite (CI's `.ci/run`) took 13 to 18 min on 2 cores (fresh clones, the install
-# included: 13:34, 16:07; with the mixture-of-experts tests 14:50 and 18:02, the same code);
-# with the FP8 tests, on a slower machine (the fast tier 3:01 to 3:09 there, 2:16 before),
-# 24:18 and 24:58 (1407 s and 1433 s of pytest, 42 min of CPU). Not under 15 min yet.
-# JAX's caches are cleared after each test file (tests/conftest.py).
+# single-threaded, and the end-to-end tests wait on their subprocesses and peers. Every
+# test process and the scripts it starts compile with XLA:CPU's legacy fusion emitters
+# (about twice as fast to compile) and no LLVM optimisation (tests/conftest.py). The whole
+# suite (CI's `.ci/run`) from a fresh clone, the install included: 14:53 on 2 cores
+# (14:16 of pytest, 28 min of CPU; before the pipeline ran with the legacy emitters too:
+# 24 to 26 min, 43 to 51 min of CPU). JAX's caches are cleared after each test file.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
-# The fast tier for the inner loop (about 3 min on 2 idle cores: 2:16 of pytest measured,
-# about 3:00 with a fresh install; 3:01 to 3:09 of pytest on a slower machine): unit tests
-# of every floor and one end-to-end test per feature (the FAST table in tests/conftest.py);
-# one file per worker at a time, as in `test`, so a module fixture (a trainer run) is made
-# once, not once per worker.
+# The fast tier for the inner loop (about 2 min on 2 idle cores: 1:57 from a fresh clone's
+# venv, 1:53 of pytest): unit tests of every floor and one end-to-end test per feature
+# (the FAST table in tests/conftest.py); one file per worker at a time, as in `test`, so a
+# module fixture (a trainer run) is made once, not once per worker.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
