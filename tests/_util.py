@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import COMPILE_SPEED_FLAGS
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,10 +33,6 @@ _COMPILE_CACHE = os.environ.get("SP_JAX_TEST_JIT_CACHE", "")
 if not _COMPILE_CACHE:
     _COMPILE_CACHE = tempfile.mkdtemp(prefix="sp_jax_test_jit_cache_")
     atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
-
-
-# XLA:CPU's legacy fusion emitters: about twice as fast to compile (tests/conftest.py).
-COMPILE_SPEED_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def script_env() -> dict[str, str]:

@@ -20,14 +20,14 @@ from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags  # noqa: E402
 # re-all-gather separate from the forward one (XLA:GPU keeps it without this flag).
 # The suite's shapes are tiny and compiling dominates its time: LLVM's optimisation of
 # the CPU code is not worth it here (a quarter of the suite's time; HLO passes, and so
-# every collective, buffer and schedule the tests check, are unaffected). Subprocesses
-# the tests start inherit XLA_FLAGS.
+# every collective, buffer and schedule the tests check, are unaffected).
 #
 # XLA:CPU's legacy (non-MLIR) fusion emitters compile the suite's programs about twice
 # as fast (measured: a GPT training step 1.7 vs 3.4 s; the pipeline tests 114 vs ~450 s).
-# Subprocesses the tests start inherit XLA_FLAGS (tests/_util.py keeps the emitter flag).
-apply_xla_flags([*cpu_simulation_flags(8), "--xla_backend_optimization_level=0",
-                 "--xla_cpu_use_fusion_emitters=false"])
+# The scripts the tests start get the same compile-speed flags (tests/_util.py).
+COMPILE_SPEED_FLAGS = ("--xla_backend_optimization_level=0",
+                       "--xla_cpu_use_fusion_emitters=false")
+apply_xla_flags([*cpu_simulation_flags(8), *COMPILE_SPEED_FLAGS])
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

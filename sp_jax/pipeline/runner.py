@@ -166,7 +166,7 @@ def _always(anywhere: jax.Array, here: jax.Array, fn: Callable[[], Any], like: A
 
 
 def _ordered(cpu: bool, tree: Any) -> Any:
-    """``tree`` behind an optimization barrier on XLA:CPU (``cpu``), as is elsewhere.
+    """``tree`` behind an optimization barrier on XLA:CPU (``cpu``), unchanged elsewhere.
 
     XLA:CPU's runtime starts the collectives that do not depend on each other in any
     order, and each device may pick another: one device of a stage then waits in a
