@@ -42,9 +42,10 @@ gpu-check: $(STAMP)
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. Every
 # test process and the scripts it starts compile with XLA:CPU's legacy fusion emitters
 # (about twice as fast to compile) and no LLVM optimisation (tests/conftest.py). The whole
-# suite (CI's `.ci/run`) from a fresh clone, the install included: 14:53 on 2 cores
-# (14:16 of pytest, 28 min of CPU; before the pipeline ran with the legacy emitters too:
-# 24 to 26 min, 43 to 51 min of CPU). JAX's caches are cleared after each test file.
+# suite (CI's `.ci/run`) from a fresh clone, the install included: 14:53 and 15:18 on 2
+# cores (14:16 and 14:37 of pytest, 28-29 min of CPU; before the pipeline ran with the
+# legacy emitters too: 24 to 26 min, 43 to 51 min of CPU): at the 15 min bound, not
+# under it with a margin. JAX's caches are cleared after each test file.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
