@@ -139,8 +139,9 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
         comm=(LongRun("ring", 4, 2, 256), LongRun("ulysses", 4, 2, 256)),
         balance_s=1024, balance_contexts=(4,),
         timing_s=256, timing_heads=8, timing_head_dim=16, timing_rounds=2),
-    # M = 8 only (the targets' and tables' M), R = 1: one compile per schedule
-    pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,)),
+    # M = 8 only (the targets' and tables' M), R = 1: one compile per schedule; one block
+    # per stage (8 blocks: 34 s of compiles, 4: 25 s)
+    pipeline=dataclasses.replace(PIPELINE_QUICK, microbatches=(8,), repeats=(1,), layers=4),
     text=TEXT_QUICK,  # tiny model, 20 batches per pipeline, s=1024 attention
     generation=GENERATION_QUICK,  # llama-tiny, batch 8, 8 tokens, 2 rounds
     moe=MOE_QUICK,

@@ -35,6 +35,7 @@ Any object with these two methods is :class:`TrainData`, what
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import os
 import sysconfig
@@ -80,6 +81,21 @@ class TrainData(Protocol):
 def default_patterns() -> list[str]:
     """The running Python's standard library sources: ``<stdlib>/**/*.py``."""
     return [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
+
+
+def _default_files() -> set[str]:
+    """The files :func:`default_patterns` matches, those under site-packages or
+    dist-packages left out: the same paths ``glob.glob(pattern, recursive=True)`` gives
+    (hidden names skipped, directory links followed), without walking the installed
+    packages, which can be most of the tree (measured: 1.8 s of glob per process)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")
+                       and "site-packages" not in d and "dist-packages" not in d]
+        files.update(os.path.join(dirpath, f) for f in fnmatch.filter(filenames, "*.py")
+                     if not f.startswith("."))
+    return {f for f in files if "site-packages" not in f and "dist-packages" not in f}
 
 
 def _positive_int(where: str, name: str, value: object) -> int:
@@ -401,9 +417,8 @@ class ByteCorpus(TokenIds):
             patterns = [patterns]
         default = patterns is None
         patterns = default_patterns() if default else list(patterns)
-        files = {f for p in patterns for f in glob.glob(p, recursive=True)}
-        if default:
-            files = {f for f in files if "site-packages" not in f and "dist-packages" not in f}
+        files = (_default_files() if default
+                 else {f for p in patterns for f in glob.glob(p, recursive=True)})
         chunks, total = [], 0
         for path in sorted(f for f in files if os.path.isfile(f)):
             if total >= max_bytes:

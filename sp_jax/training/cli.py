@@ -27,11 +27,14 @@ may change with a warning).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sp_jax.attention import zigzag_order
@@ -393,9 +396,18 @@ def lr_schedule(step: int, run: Mapping[str, Any]) -> float:
     with the settings ``run`` (a checkpoint's ``"run"`` section: ``lr``,
     ``warmup_steps``, ``steps``, ``final_lr_fraction``), for
     :class:`~sp_jax.training.Trainer`'s ``lr_schedule``."""
-    schedule = warmup_cosine_schedule(run["lr"], run["warmup_steps"], run["steps"],
-                                      final_fraction=run["final_lr_fraction"])
-    return float(schedule(step - 1))
+    schedule = _compiled_schedule(run["lr"], run["warmup_steps"], run["steps"],
+                                  run["final_lr_fraction"])
+    return float(schedule(np.int32(step - 1)))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_schedule(lr: float, warmup_steps: int, steps: int, final_lr_fraction: float
+                       ) -> Callable[[Any], jax.Array]:
+    """:func:`optimizer`'s schedule as one compiled function (evaluated op by op, it
+    dispatches a dozen operations every step); the step computes it the same way."""
+    return jax.jit(warmup_cosine_schedule(lr, warmup_steps, steps,
+                                          final_fraction=final_lr_fraction))
 
 
 def shared_settings(args: argparse.Namespace) -> dict[str, Any]:
