@@ -42,18 +42,19 @@ gpu-check: $(STAMP)
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. Every
 # test process and the scripts it starts compile with XLA:CPU's legacy fusion emitters
 # (about twice as fast to compile) and no LLVM optimisation (tests/conftest.py). The whole
-# suite (CI's `.ci/run`) from a fresh clone, the install included: 14:53 and 15:18 on 2
-# cores (14:16 and 14:37 of pytest, 28-29 min of CPU; before the pipeline ran with the
-# legacy emitters too: 24 to 26 min, 43 to 51 min of CPU): at the 15 min bound, not
-# under it with a margin. JAX's caches are cleared after each test file. The sources are
-# byte-compiled first: the suite starts about a hundred Python processes, and where
+# suite (CI's `.ci/run`) from a fresh clone, the install included: 13:27 on 2 cores (12:47
+# of pytest, 25.6 min of CPU). It is CPU-bound, so its time follows the machine's speed:
+# the same machine, slower earlier the same day, took 20:14 (39 min of CPU) for the suite
+# before its last speed-ups (the default corpus, the logged schedule, byte-compiled
+# sources). JAX's caches are cleared after each test file. The sources are byte-compiled
+# first: the suite starts about a hundred Python processes, and where
 # PYTHONDONTWRITEBYTECODE is set each would compile sp_jax's sources again (0.5 s each).
 test: $(STAMP)
 	$(PY) -m compileall -q sp_jax examples benchmarks
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
-# The fast tier for the inner loop (about 2 min on 2 idle cores: 1:57 from a fresh clone's
-# venv, 1:53 of pytest): unit tests of every floor and one end-to-end test per feature
+# The fast tier for the inner loop (about 2 min on 2 idle cores: 1:34 from a fresh clone's
+# venv, 1:32 of pytest): unit tests of every floor and one end-to-end test per feature
 # (the FAST table in tests/conftest.py); one file per worker at a time, as in `test`, so a
 # module fixture (a trainer run) is made once, not once per worker.
 test-fast: $(STAMP)
