@@ -83,6 +83,11 @@ def default_patterns() -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")]
 
 
+def _installed(path: str) -> bool:
+    """Whether ``path`` is (under) a site-packages or dist-packages directory."""
+    return "site-packages" in path or "dist-packages" in path
+
+
 def _default_files(patterns: Sequence[str]) -> set[str]:
     """The files the default ``patterns`` (``<root>/**/<name glob>``) match, those under
     site-packages or dist-packages left out: the paths ``glob.glob(pattern,
@@ -96,11 +101,10 @@ def _default_files(patterns: Sequence[str]) -> set[str]:
             files.update(glob.glob(pattern, recursive=True))
             continue
         for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")
-                           and "site-packages" not in d and "dist-packages" not in d]
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and not _installed(d)]
             files.update(os.path.join(dirpath, f) for f in fnmatch.filter(filenames, name)
                          if not f.startswith("."))
-    return {f for f in files if "site-packages" not in f and "dist-packages" not in f}
+    return {f for f in files if not _installed(f)}
 
 
 def _positive_int(where: str, name: str, value: object) -> int:
