@@ -42,8 +42,8 @@ gpu-check: $(STAMP)
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. Every
 # test process and the scripts it starts compile with XLA:CPU's legacy fusion emitters
 # (about twice as fast to compile) and no LLVM optimisation (tests/conftest.py). The whole
-# suite (CI's `.ci/run`) from a fresh clone, the install included: 13:27 on 2 cores (12:47
-# of pytest, 25.6 min of CPU). It is CPU-bound, so its time follows the machine's speed:
+# suite (CI's `.ci/run`) from a fresh clone, the install included: 13:27 and 14:04 on 2
+# cores (12:47 and 13:30 of pytest, 25.6 and 26.8 min of CPU). It is CPU-bound, so its time follows the machine's speed:
 # the same machine, slower earlier the same day, took 20:14 (39 min of CPU) for the suite
 # before its last speed-ups (the default corpus, the logged schedule, byte-compiled
 # sources). JAX's caches are cleared after each test file. The sources are byte-compiled
