@@ -32,10 +32,10 @@ bench: $(STAMP)
 # with collective matmul, the GSPMD baseline, the unsharded GPT and sp_jax in FP8 (current
 # and delayed scaling; tokens/s vs bf16, cuBLASLt FP8 GEMM count); real vs predicted peak
 # memory, MFU, a profiler trace; writes runs/gpu-check/gpu_check.{md,json}
-# (benchmarks/gpu_check.py). Not CPU_ENV: it needs the GPUs. Without a GPU only `--quick`
+# (scripts/gpu_check.py). Not CPU_ENV: it needs the GPUs. Without a GPU only `--quick`
 # runs (tiny shapes on simulated CPU devices).
 gpu-check: $(STAMP)
-	$(PY) -m benchmarks.gpu_check --out runs/gpu-check
+	$(PY) -m scripts.gpu_check --out runs/gpu-check
 
 # Three pytest workers on 2 cores, one test file each at a time (module fixtures stay in
 # one process), the slowest files first (tests/conftest.py): XLA's compiles are mostly

@@ -920,7 +920,7 @@ def _real_gpu_section(gpu_check: Path) -> str:
             "counted), the GSPMD baseline GPT and the unsharded model: step time, "
             "tokens/s, MFU, the allocator's real peak next to "
             "the compiled program's predicted peak, and a profiler trace "
-            "(`benchmarks/gpu_check.py`). ")
+            "(`scripts/gpu_check.py`). ")
     if not gpu_check.exists():
         return head + ("It has not run on a GPU yet: every GPU number above comes from "
                        "deviceless compiles. After a run, copy "

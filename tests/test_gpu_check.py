@@ -1,4 +1,4 @@
-"""``make gpu-check``'s script (benchmarks/gpu_check.py) on simulated CPU devices: every
+"""``make gpu-check``'s script (scripts/gpu_check.py) on simulated CPU devices: every
 variant trains from the same weights and is timed, the predicted peak is reported, the
 GPU-only numbers are reported as not measured with their reason, the single-device caveat
 appears exactly when tensor = 1, the trace is written, and the FP8 variants are reported
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _util import script_env
 
-from benchmarks.gpu_check import (
+from scripts.gpu_check import (
     FP8_VARIANTS,
     VARIANTS,
     ModelShape,
@@ -38,7 +38,7 @@ def _run(out: Path, *extra: str) -> tuple[dict, str]:
     device count in XLA_FLAGS, so it must set its own simulated devices."""
     env = script_env()
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--platform", "cpu",
+        [sys.executable, "-m", "scripts.gpu_check", "--quick", "--platform", "cpu",
          "--out", str(out), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -228,7 +228,7 @@ def test_model_flops_formula():
 def test_bad_arguments_fail_clearly(tmp_path, args, message):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--platform", "cpu", *args,
+        [sys.executable, "-m", "scripts.gpu_check", "--platform", "cpu", *args,
          "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr

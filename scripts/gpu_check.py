@@ -1,6 +1,6 @@
 """``make gpu-check``: the GPT training step on 1 to 8 real GPUs, in one command.
 
-``python -m benchmarks.gpu_check --out DIR [--quick] [--platform auto|gpu|cpu]
+``python -m scripts.gpu_check --out DIR [--quick] [--platform auto|gpu|cpu]
 [--devices N]`` trains the sp_jax GPT (bf16 compute, fp32 parameters, AdamW, random
 tokens; ``ParallelConfig(wgrad_dtype=jnp.float32, recompute_allgather=True)``, mesh
 ``data=1 x tensor=N``) as six variants, all at tensor size ``N``, the number of GPUs
@@ -485,7 +485,7 @@ def _run_worker(spec: dict[str, Any], env: dict[str, str], log_dir: Path,
     variant = spec["variant"]
     result_path, log_path = log_dir / f"{variant}.json", log_dir / f"{variant}.log"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--worker", json.dumps(spec),
+    cmd = [sys.executable, "-m", "scripts.gpu_check", "--worker", json.dumps(spec),
            "--worker-result", str(result_path)]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -646,7 +646,7 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
                          if p.is_file() and p.stat().st_mtime >= started - 1
                          ) if trace_dir.exists() else []
     report = {
-        "tool": "python -m benchmarks.gpu_check",
+        "tool": "python -m scripts.gpu_check",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "quick": quick, "platform": platform, "device_kind": kind, "tensor": n,
         "jax_version": _jax_version(), "xla_flags": env.get("XLA_FLAGS", ""),
@@ -800,7 +800,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_check",
+        prog="python -m scripts.gpu_check",
         description="Times the sp_jax GPT training step (sp_jax, collective matmul, GSPMD, "
                     "unsharded, FP8 current and delayed scaling) on 1-8 GPUs; writes "
                     "OUT/gpu_check.{json,md} and a trace.")
