@@ -1,0 +1,385 @@
+"""What combines with what: one table, as data, of the features of sp_jax in each mode.
+
+A *feature* is one option of :class:`~sp_jax.ParallelConfig`, :class:`~sp_jax.models.GPTConfig`
+or of the call (:data:`FEATURES`); a *mode* is what the model is asked to do
+(:data:`MODES`: ``"train"``, ``"eval"``, ``"generate"``). For each mode and each pair of
+features (the diagonal: the feature alone in that mode) :data:`TABLE` holds a
+:class:`Cell`: ``supported`` (with the pytest node ids of the tests that run that
+combination), ``refused`` (with what to do instead), ``exclusive`` (two values of one
+option), ``n/a`` (the feature has no meaning in that mode) or ``untested`` (nothing
+refuses it, and no test runs it yet).
+
+Every refusal of a combination in sp_jax is raised here, by :func:`check`, as one
+:class:`CombinationError` (a ``ValueError``) that names both features, the mode and what
+to do. ``python -m sp_jax.compat`` prints the table; ``docs/api.md`` shows
+:func:`markdown`'s output.
+
+This module imports nothing from sp_jax (every floor may ask it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["ALIASES", "FEATURES", "MODES", "TABLE", "Cell", "CombinationError", "cell",
+           "check", "features_of", "markdown", "refusals", "render"]
+
+MODES: dict[str, str] = {
+    "train": "a training step: TrainStep, or jax.grad of GPT.loss",
+    "eval": "a forward pass without gradients: GPT logits, hidden_states, eval loss",
+    "generate": "sp_jax.models.generate: prefill and key/value-cache decoding",
+}
+"""The modes, each with what it covers."""
+
+FEATURES: dict[str, str] = {
+    "tensor_sequence": "tensor + sequence parallelism (ParallelConfig.tensor_axis)",
+    "collective_matmul": "ParallelConfig(collective_matmul=True): ring-overlapped GEMMs",
+    "recompute_allgather": "ParallelConfig(recompute_allgather=True)",
+    "fsdp": "ParallelConfig(fsdp=True): parameters sharded over the data axes",
+    "context_ring": "ParallelConfig(context_parallel='ring'): ring attention",
+    "context_ulysses": "ParallelConfig(context_parallel='ulysses'): all-to-all attention",
+    "pipeline_gpipe": "ParallelConfig(pipeline_axis=..., pipeline_schedule='gpipe')",
+    "pipeline_1f1b": "ParallelConfig(pipeline_axis=..., pipeline_schedule='1f1b')",
+    "experts": "GPTConfig(num_experts=E > 0): mixture-of-experts layers",
+    "expert_parallel": "ParallelConfig(expert_axis=...): experts sharded over a mesh axis",
+    "fp8_current": "GPTConfig(fp8=Fp8Recipe('current')): FP8 GEMMs, current scaling",
+    "fp8_delayed": "GPTConfig(fp8=Fp8Recipe('delayed')): FP8 GEMMs, amax history",
+    "packed_documents": "segment_ids / positions: several documents per row",
+    "sliding_window": "GPTConfig(sliding_window=w): attention to the last w tokens",
+    "cudnn_attention": "GPTConfig(attention_implementation='cudnn'): cuDNN's kernel",
+    "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
+    "custom_loss": "TrainStep(loss_fn=...) other than the default lm_loss",
+}
+"""Every feature the table knows, with a one-line description."""
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "pipeline": ("pipeline_gpipe", "pipeline_1f1b"),
+    "fp8": ("fp8_current", "fp8_delayed"),
+    "context": ("context_ring", "context_ulysses"),
+}
+"""Names for a whole option (either of its values): ``check`` accepts them, the table's
+entries are written with them."""
+
+_NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell the value)
+    "tensor_sequence": "tensor + sequence parallelism",
+    "collective_matmul": "collective_matmul=True",
+    "recompute_allgather": "recompute_allgather=True",
+    "fsdp": "fsdp=True",
+    "context_ring": "ring attention",
+    "context_ulysses": "Ulysses attention",
+    "pipeline_gpipe": "pipeline stages",
+    "pipeline_1f1b": "pipeline stages",
+    "pipeline": "pipeline stages",
+    "experts": "mixture-of-experts layers",
+    "expert_parallel": "expert_axis",
+    "fp8_current": "FP8 layers (fp8=Fp8Recipe(...))",
+    "fp8_delayed": "FP8 layers (fp8=Fp8Recipe(...))",
+    "fp8": "FP8 layers (fp8=Fp8Recipe(...))",
+    "context": "a context axis",
+    "packed_documents": "segment_ids / positions (packed documents)",
+    "sliding_window": "a sliding window",
+    "cudnn_attention": "attention_implementation='cudnn'",
+    "attention_dropout": "attention dropout",
+    "custom_loss": "a custom loss_fn",
+}
+
+STATUSES: dict[str, tuple[str, str]] = {
+    "supported": ("+", "supported: a test runs it (its node ids)"),
+    "refused": ("x", "refused: a ValueError says what to do instead"),
+    "exclusive": ("=", "exclusive: two values of one option"),
+    "n/a": ("·", "not applicable: the feature has no meaning in this mode"),
+    "untested": ("?", "not refused, but no test runs it yet"),
+}
+"""Each status of a cell: its symbol in :func:`render` and its meaning."""
+
+
+class CombinationError(ValueError):
+    """A combination of features (or a feature in a mode) that sp_jax refuses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One cell of :data:`TABLE`.
+
+    Attributes:
+      status: one of :data:`STATUSES`.
+      tests: with ``supported``: pytest node ids that run the combination.
+      fix: with ``refused``: what to do instead (the end of the error message).
+      first: with ``refused``: the feature the message names first (the subject).
+      alone: with ``refused``: the feature whose refusal in this mode (alone) refuses the
+        pair too, or ``""``.
+    """
+
+    status: str
+    tests: tuple[str, ...] = ()
+    fix: str = ""
+    first: str = ""
+    alone: str = ""
+
+
+def _expand(name: str) -> tuple[str, ...]:
+    if name in ALIASES:
+        return ALIASES[name]
+    if name not in FEATURES:
+        raise ValueError(f"sp_jax.compat: unknown feature {name!r}; use one of "
+                         f"{sorted(FEATURES)} or {sorted(ALIASES)}.")
+    return (name,)
+
+
+def _key(a: str, b: str) -> frozenset[str]:
+    return frozenset((a, b))
+
+
+# -- the table: each entry (modes, feature, feature or None for alone, cell) ----------------
+# Features may be aliases (every member gets the cell). What no entry names is "untested".
+
+_ALL = tuple(MODES)
+_TRAIN_EVAL = ("train", "eval")
+
+_GENERATE_CONTEXT = (
+    "the KV cache is not split over the sequence; generate on a mesh without a context "
+    "axis (data x tensor), or with a context axis of size 1.")
+_REFUSED: list[tuple[tuple[str, ...], str, str | None, str]] = [
+    # (modes, first feature, second feature or None, what to do)
+    (_ALL, "sliding_window", "context_ring",
+     "use context_parallel='ulysses' (exact with a window) or no context axis."),
+    (_ALL, "cudnn_attention", "context_ring",
+     "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
+     "by log-sum-exp, which cuDNN's kernel does not return); use "
+     "attention_implementation='xla' or context_parallel='ulysses'."),
+    (_TRAIN_EVAL, "packed_documents", "cudnn_attention",
+     "segment_ids (packed documents) need implementation='xla': "
+     "jax.nn.dot_product_attention's cuDNN kernel takes no document ids in this JAX (only "
+     "a dense [s, s] mask, which would undo the memory savings)."),
+    (_ALL, "attention_dropout", "cudnn_attention",
+     "attention_dropout needs attention_implementation='xla' (cuDNN's kernel draws masks "
+     "of its own, which would not be the same under every sharding)."),
+    (_ALL, "expert_parallel", "pipeline",
+     "train a mixture of experts without pipeline stages (expert_axis with pipeline_axis "
+     "is not supported yet)."),
+    (("train",), "experts", "pipeline",
+     "mixture-of-experts layers do not run in pipeline stages yet; train them without "
+     "pipeline_axis."),
+    (_TRAIN_EVAL, "fp8", "pipeline",
+     "FP8 layers do not run inside a pipeline yet; use fp8=None there (or a mesh without "
+     "a pipeline axis)."),
+    (("train",), "packed_documents", "pipeline",
+     "train packed rows without pipeline stages (packed documents are not supported with "
+     "pipeline_axis yet)."),
+    (("train",), "custom_loss", "pipeline",
+     "a pipelined model trains with the default loss_fn=lm_loss through its own schedule "
+     "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
+    (("eval",), "pipeline", None,
+     "a pipelined GPT runs as a pipeline: call model.loss(tokens[, labels]) (or train it "
+     "with TrainStep); for logits or hidden states, restore the parameters into a GPT "
+     "without pipeline_axis."),
+    (("generate",), "experts", None,
+     "generation with experts is not supported yet; evaluate the model with GPT.__call__ "
+     "(logits) instead."),
+    (("generate",), "pipeline", None,
+     "generation runs without pipeline stages: restore its parameters into a GPT built "
+     "without pipeline_axis."),
+    (("generate",), "context", None, _GENERATE_CONTEXT),
+]
+
+_EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_1f1b"),
+              ("fp8_current", "fp8_delayed")]
+
+_NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss")]
+
+# (modes, feature, feature or None, test node ids); filled in below.
+_SUPPORTED: list[tuple[tuple[str, ...], str, str | None, tuple[str, ...]]] = []
+
+
+def _build() -> dict[str, dict[frozenset[str], Cell]]:
+    table: dict[str, dict[frozenset[str], Cell]] = {m: {} for m in MODES}
+
+    def put(modes: Iterable[str], a: str, b: str | None, value: Cell) -> None:
+        for mode in modes:
+            for x in _expand(a):
+                for y in _expand(b) if b is not None else (x,):
+                    if x == y and b is not None:
+                        continue  # an alias against itself: its members are exclusive
+                    key = _key(x, y)
+                    old = table[mode].get(key)
+                    if old is not None and old != value and old.status != "exclusive":
+                        raise AssertionError(f"sp_jax.compat: two cells for {mode} {x} x {y}")
+                    if old is None:
+                        table[mode][key] = dataclasses.replace(
+                            value, first=x if value.status == "refused" else "")
+
+    for a, b in _EXCLUSIVE:
+        put(_ALL, a, b, Cell("exclusive"))
+    for modes, a, b, fix in _REFUSED:
+        put(modes, a, b, Cell("refused", fix=fix))
+    for modes, a in _NOT_APPLICABLE:
+        put(modes, a, None, Cell("n/a"))
+    for modes, a, b, tests in _SUPPORTED:
+        put(modes, a, b, Cell("supported", tests=tests))
+    for cells in table.values():
+        for x, y in itertools.combinations(FEATURES, 2):
+            key = _key(x, y)
+            if key in cells:
+                continue
+            for f in (x, y):  # a feature refused (or meaningless) alone decides the pair
+                alone = cells.get(_key(f, f))
+                if alone is not None and alone.status in ("refused", "n/a"):
+                    cells[key] = dataclasses.replace(alone, alone=f)
+                    break
+        for x, y in itertools.combinations_with_replacement(FEATURES, 2):
+            cells.setdefault(_key(x, y), Cell("untested"))
+    return table
+
+
+TABLE: dict[str, dict[frozenset[str], Cell]] = {}
+"""``TABLE[mode][frozenset({a, b})]``: the :class:`Cell` of features ``a`` and ``b``
+(``frozenset({a})``: ``a`` alone) in ``mode``."""
+
+
+def cell(mode: str, a: str, b: str | None = None) -> Cell:
+    """The cell of features ``a`` and ``b`` (``None``: ``a`` alone) in ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"sp_jax.compat: unknown mode {mode!r}; use one of {list(MODES)}.")
+    for name in (a, b):
+        if name is not None and name not in FEATURES:
+            raise ValueError(f"sp_jax.compat: unknown feature {name!r}; use one of "
+                             f"{sorted(FEATURES)}.")
+    return TABLE[mode][_key(a, a if b is None else b)]
+
+
+def _message(mode: str, found: Cell, a: str, b: str | None, where: str,
+             names: Mapping[str, str]) -> str:
+    def name(f: str) -> str:
+        return names.get(f, _NAMES[f])
+
+    if b is None:
+        return f"{where}: {name(a)}: {found.fix} (sp_jax.compat: {a} in {mode})"
+    return (f"{where}: {name(a)} is not supported with {name(b)}; {found.fix} "
+            f"(sp_jax.compat: {a} x {b} in {mode})")
+
+
+def check(mode: str, features: Iterable[str], *, where: str) -> None:
+    """Raises a :class:`CombinationError` for the first refused cell among ``features``
+    in ``mode``: each feature alone first, then each pair, in the order given (a set: in
+    :data:`FEATURES`' order). ``features`` are names of :data:`FEATURES` or
+    :data:`ALIASES` (``"pipeline"``, ``"fp8"``, ``"context"``); a mapping from names to
+    how the message spells each (e.g. ``{"sliding_window": "sliding_window=4"}``) works
+    too. The message starts with ``where`` (e.g. ``"GPT"``), names both features (or the
+    feature and the mode) and ends with what to do."""
+    if mode not in MODES:
+        raise ValueError(f"sp_jax.compat.check: unknown mode {mode!r}; use one of "
+                         f"{list(MODES)}.")
+    names: dict[str, str] = dict(features) if isinstance(features, Mapping) else {}
+    given = list(features)
+    if isinstance(features, (set, frozenset)):
+        order = {f: i for i, f in enumerate((*FEATURES, *ALIASES))}
+        given.sort(key=lambda f: order.get(f, len(order)))
+    active: list[tuple[str, str]] = []  # (feature, the name it was given as)
+    for f in given:
+        for x in _expand(f):
+            if x not in (a for a, _ in active):
+                active.append((x, f))
+    spell = {x: names.get(f, names.get(x, _NAMES.get(f, _NAMES[x]))) for x, f in active}
+    cells = TABLE[mode]
+    for x, _ in active:
+        found = cells[_key(x, x)]
+        if found.status == "refused":
+            raise CombinationError(_message(mode, found, x, None, where, spell))
+    for (x, fx), (y, fy) in itertools.combinations(active, 2):
+        if fx == fy and fx in ALIASES:
+            continue  # both values of one option were named by their alias
+        found = cells[_key(x, y)]
+        if found.status == "refused":
+            a, b = (x, y) if found.first in ("", x) else (y, x)
+            raise CombinationError(_message(mode, found, a, b, where, spell))
+
+
+def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> frozenset[str]:
+    """The features a model uses, from its ``GPTConfig`` and ``ParallelConfig`` (duck
+    typed: their field names), for :func:`check`. With ``mesh``, a context axis of size
+    1 is no context feature. Call-time features (``packed_documents``, ``custom_loss``)
+    are the caller's to add."""
+    found: set[str] = set()
+    if parallel is not None:
+        found.add("tensor_sequence")
+        for name in ("collective_matmul", "recompute_allgather", "fsdp"):
+            if getattr(parallel, name, False):
+                found.add(name)
+        context = getattr(parallel, "context_parallel", None)
+        if context is not None and (mesh is None or dict(mesh.shape).get(
+                parallel.context_axis, 1) > 1):
+            found.add(f"context_{context}")
+        if getattr(parallel, "pipeline_axis", None) is not None:
+            found.add(f"pipeline_{parallel.pipeline_schedule}")
+        if getattr(parallel, "expert_axis", None) is not None:
+            found.add("expert_parallel")
+    if config is not None:
+        if getattr(config, "num_experts", 0):
+            found.add("experts")
+        fp8 = getattr(config, "fp8", None)
+        if fp8 is not None:
+            found.add(f"fp8_{fp8.scaling}")
+        if getattr(config, "sliding_window", None) is not None:
+            found.add("sliding_window")
+        if getattr(config, "attention_implementation", "xla") == "cudnn":
+            found.add("cudnn_attention")
+        if getattr(config, "attention_dropout", 0.0):
+            found.add("attention_dropout")
+    return frozenset(found)
+
+
+def refusals(mode: str | None = None) -> list[tuple[str, str, str | None, Cell]]:
+    """``(mode, a, b or None, cell)`` of every refused cell (pairs refused because one
+    feature is refused alone are left out: the alone cell names them)."""
+    out = []
+    for m in MODES if mode is None else (mode,):
+        for x, y in itertools.combinations_with_replacement(FEATURES, 2):
+            c = TABLE[m][_key(x, y)]
+            if c.status == "refused" and not c.alone:
+                a, b = (x, y) if c.first in ("", x) else (y, x)
+                out.append((m, a, None if x == y else b, c))
+    return out
+
+
+_SHORT: dict[str, str] = {
+    "tensor_sequence": "ts", "collective_matmul": "cm", "recompute_allgather": "ra",
+    "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
+    "pipeline_1f1b": "p1", "experts": "ex", "expert_parallel": "ep", "fp8_current": "8c",
+    "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
+    "cudnn_attention": "cd", "attention_dropout": "ad", "custom_loss": "cl",
+}
+
+
+def render() -> str:
+    """The table as text: one matrix per mode (compact symbols, under 100 columns), the
+    legend, then every refused cell with its fix."""
+    width = max(map(len, FEATURES))
+    lines = ["Legend: " + "; ".join(f"{s} {text}" for s, text in STATUSES.values()),
+             "Features: " + ", ".join(f"{_SHORT[f]} {f}" for f in FEATURES), ""]
+    for mode, text in MODES.items():
+        lines.append(f"{mode}: {text}")
+        lines.append(" " * (width + 2) + " ".join(_SHORT[f] for f in FEATURES))
+        for f in FEATURES:
+            row = " ".join(f"{STATUSES[TABLE[mode][_key(f, g)].status][0]:>2}"
+                           for g in FEATURES)
+            lines.append(f"{f:<{width + 2}}{row}")
+        lines.append("")
+    lines.append("Refused (mode: features: what to do):")
+    for mode, a, b, c in refusals():
+        pair = a if b is None else f"{a} x {b}"
+        lines.append(f"- {mode}: {pair}: {c.fix}")
+    return "\n".join(lines)
+
+
+def markdown() -> str:
+    """The table for ``docs/api.md``: :func:`render` in a text block."""
+    return "```text\n" + render() + "\n```\n"
+
+
+TABLE.update(_build())
+
+if __name__ == "__main__":
+    print(render())
