@@ -33,15 +33,9 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from benchmarks.section import status, table, write_outputs  # noqa: E402
-from sp_jax import Layout, ParallelConfig  # noqa: E402
-from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives  # noqa: E402
-from sp_jax.models import GPT, GPTConfig  # noqa: E402
-from sp_jax.training import train_step_fn  # noqa: E402
+from sp_jax.analysis.checks import fsdp_step_report  # noqa: E402
 
 MiB = 2**20
 
@@ -64,31 +58,9 @@ QUICK = FsdpBench(layers=2, h=512, heads=8, s=256, vocab=1024, layouts=((8, 1, F
 
 def compile_step(bench: FsdpBench, data: int, tensor: int, scan: bool, fsdp: bool
                  ) -> dict[str, Any]:
-    """Temp / peak MiB of one training step and its backward weight gathers."""
-    parallel = ParallelConfig(recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=fsdp)
-    cfg = GPTConfig(vocab_size=bench.vocab, max_seq_len=bench.s, num_layers=bench.layers,
-                    num_heads=bench.heads, hidden=bench.h, positions="rotary",
-                    dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=scan)
-    tx = optax.adamw(1e-4)
-    shape, axes = (data, tensor), ("data", "tensor")
-    with jax.set_mesh(gpu_mesh(shape, axes)):
-        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
-        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
-        opt_state = jax.eval_shape(tx.init, params)
-    tokens = jax.ShapeDtypeStruct((1, data, bench.s), jnp.int32,
-                                  sharding=Layout.of(parallel).micro_batched_tokens)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-    rep = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
-                          {"tokens": tokens, "labels": tokens}, key, mesh_shape=shape,
-                          axis_names=axes, donate_argnums=(0, 2))
-    gathers = [c for c in parse_collectives(rep.hlo)
-               if c.kind == "all-gather" and "fsdp_gather" in c.op_name
-               and "transpose(" in c.op_name]
-    return {"temp_mib": rep.temp_bytes / MiB, "peak_mib": rep.peak_bytes / MiB,
-            "bwd_gathers": len(gathers),
-            "bwd_gathers_async": sum(c.is_async for c in gathers),
-            "bwd_gathers_overlapped": sum(c.is_async and c.overlapped_ops > 0 for c in gathers),
-            "bwd_gather_dtypes": sorted({a[0] for c in gathers for a in c.arrays})}
+    """Temp / peak MiB of one training step and its backward weight gathers
+    (:func:`sp_jax.analysis.checks.fsdp_step_report`)."""
+    return fsdp_step_report(bench, data, tensor, scan, fsdp)
 
 
 def run_fsdp(bench: FsdpBench) -> dict[str, Any]:

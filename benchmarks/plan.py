@@ -6,17 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-import sp_jax
-from sp_jax.analysis.plan import MODELS, ModelShape, PlanOption, format_table, plan
-from sp_jax.models import GPT, GPTConfig
-from sp_jax.training import TrainStep
+from sp_jax.analysis.checks import plan_cpu_check
+from sp_jax.analysis.plan import MODELS, ModelShape, format_table, plan
 
 __all__ = ["PLANS", "run_plans", "small_check"]
 
@@ -26,25 +17,9 @@ SMALL = ModelShape("small", hidden=256, layers=2, heads=8, vocab=512, seq=256)
 
 
 def small_check(model: ModelShape = SMALL) -> dict[str, Any]:
-    """The planner on a small model (data 2 x tensor 4, sharded over data) against the
-    analytic parameter and optimizer bytes and against the same training step compiled
-    for the 8 simulated CPU devices (XLA:CPU temp minus the gradients)."""
-    option = PlanOption(2, 1, 4, fsdp=True, remat=False)
-    (row,) = plan(model, 8, options=[option], progress=False)
-    mesh = jax.make_mesh((2, 1, 4), ("data", "context", "tensor"))
-    cfg = GPTConfig(vocab_size=model.vocab, max_seq_len=model.seq, num_layers=model.layers,
-                    num_heads=model.heads, hidden=model.hidden, positions="rotary",
-                    dtype=jax.numpy.bfloat16, scan_layers=True)
-    parallel = sp_jax.ParallelConfig(recompute_allgather=True, fsdp=True,
-                                     wgrad_dtype=jax.numpy.float32)
-    with jax.set_mesh(mesh):
-        step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)), optax.adamw(1e-4))
-        tokens = np.zeros((1, 2, model.seq), np.int32)
-        batch = jax.device_put({"tokens": tokens, "labels": tokens},
-                               NamedSharding(mesh, P(None, "data", None)))
-        temp = step.temp_bytes(batch, jax.random.key(0))
-    return {"row": row.as_dict(), "cpu_temp_bytes": temp,
-            "cpu_activation_bytes": temp - row.grad_bytes}
+    """The planner on a small model against a CPU compile of the same step
+    (:func:`sp_jax.analysis.checks.plan_cpu_check`)."""
+    return plan_cpu_check(model)
 
 
 def run_plans(log=print) -> dict[str, Any]:

@@ -268,3 +268,10 @@ def h100_block_stack(layers: int, *, h: int = 256, s: int = 512, heads: int = 8,
 
     return compile_for_gpu(grad, params, x, mesh_shape=(t,), axis_names=("tensor",),
                            live_buffers=live_buffers, compiler_options=compiler_options)
+
+
+# The FSDP check's GPT (tests/test_fsdp.py; the quick shape of benchmarks/fsdp.py):
+# sp_jax.analysis.checks.fsdp_step_report(FSDP_QUICK, data, tensor, scan, fsdp)
+from sp_jax.analysis.checks import StepShape  # noqa: E402
+
+FSDP_QUICK = StepShape(layers=2, h=512, heads=8, s=256, vocab=1024)

@@ -381,3 +381,25 @@ def test_generation_section_from_results(mismatch, combined):
     md = render_markdown(res)
     assert "transformers not measured: `no Python with torch`." in md
     assert md.rstrip().endswith("Not measured: `no CUDA PJRT plugin`.")
+
+
+def test_causal_attention_matches_autodiff_and_keeps_no_score_matrix():
+    from benchmarks.superseded import causal_attention
+    from sp_jax.analysis import saved_residuals
+
+    rng = np.random.default_rng(8)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32) for _ in range(3))
+    probe = jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32)
+
+    def plain(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    chex.assert_trees_all_close(causal_attention(q, k, v), plain(q, k, v), rtol=1e-5,
+                                atol=1e-5)
+    grads = jax.grad(lambda *a: jnp.sum(causal_attention(*a) * probe), argnums=(0, 1, 2))
+    plain_grads = jax.grad(lambda *a: jnp.sum(plain(*a) * probe), argnums=(0, 1, 2))
+    chex.assert_trees_all_close(grads(q, k, v), plain_grads(q, k, v), rtol=1e-5, atol=1e-5)
+    # residuals: q, k, v, out and the [b, heads, s] log-sum-exp; nothing of size s x s
+    shapes = [r.shape for r in saved_residuals(causal_attention, q, k, v)]
+    assert (2, 4, 16) in shapes
+    assert not any(s[-2:] == (16, 16) for s in shapes)

@@ -279,28 +279,6 @@ def test_heads_not_divisible_by_tensor_size(mesh_2x4):
         sp_jax.AttentionConfig(30, 4)
 
 
-def test_causal_attention_matches_autodiff_and_keeps_no_score_matrix():
-    from benchmarks.superseded import causal_attention
-    from sp_jax.analysis import saved_residuals
-
-    rng = np.random.default_rng(8)
-    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32) for _ in range(3))
-    probe = jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32)
-
-    def plain(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-    chex.assert_trees_all_close(causal_attention(q, k, v), plain(q, k, v), rtol=1e-5,
-                                atol=1e-5)
-    grads = jax.grad(lambda *a: jnp.sum(causal_attention(*a) * probe), argnums=(0, 1, 2))
-    plain_grads = jax.grad(lambda *a: jnp.sum(plain(*a) * probe), argnums=(0, 1, 2))
-    chex.assert_trees_all_close(grads(q, k, v), plain_grads(q, k, v), rtol=1e-5, atol=1e-5)
-    # residuals: q, k, v, out and the [b, heads, s] log-sum-exp; nothing of size s x s
-    shapes = [r.shape for r in saved_residuals(causal_attention, q, k, v)]
-    assert (2, 4, 16) in shapes
-    assert not any(s[-2:] == (16, 16) for s in shapes)
-
-
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_mlp_keeps_its_hidden_layer_once(mesh_2x4, activation):
     """The MLP's backward keeps one [b, s, width] hidden array: the up projection's output

@@ -163,7 +163,9 @@ def test_h100_backward_gathers_move_bf16_and_each_weight_gradient_is_freed_in_it
     and each full-size fp32 weight gradient is reduce-scattered in its own op's backward,
     so temp stays well below the replicated step's (before: the gradients waited for
     reduce-scatters XLA started at the end of the backward)."""
-    from benchmarks.fsdp import QUICK, compile_step
+    from _util import FSDP_QUICK as QUICK
+
+    from sp_jax.analysis.checks import fsdp_step_report as compile_step
 
     replicated = compile_step(QUICK, 8, 1, False, False)
     sharded = compile_step(QUICK, 8, 1, False, True)

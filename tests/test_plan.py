@@ -67,7 +67,7 @@ def test_candidates():
 def small():
     """``benchmarks.plan.small_check(TINY)``: the plan of data 2 x tensor 4 sharded over
     data, and the same step compiled for the 8 simulated CPU devices."""
-    from benchmarks.plan import small_check
+    from sp_jax.analysis.checks import plan_cpu_check as small_check
 
     return small_check(TINY)
 

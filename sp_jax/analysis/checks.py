@@ -1,0 +1,110 @@
+"""Deviceless compiles of the GPT training step that the tests and the benchmarks share:
+the FSDP step's temp memory and backward weight gathers on an 8 x H100 mesh
+(:func:`fsdp_step_report`), and the memory planner against a CPU compile of the same step
+for a small model (:func:`plan_cpu_check`).
+
+Both need the CUDA PJRT plugin for the H100 compiles (:func:`sp_jax.analysis.
+cuda_plugin_available`); :func:`plan_cpu_check` also needs 8 (simulated) devices."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sp_jax.analysis.plan import ModelShape, PlanOption, plan
+
+__all__ = ["StepShape", "fsdp_step_report", "plan_cpu_check"]
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """A GPT for :func:`fsdp_step_report`: ``layers`` blocks of hidden size ``h`` with
+    ``heads`` heads, sequence length ``s``, vocabulary ``vocab``."""
+
+    layers: int
+    h: int
+    heads: int
+    s: int
+    vocab: int
+
+
+def fsdp_step_report(shape: Any, data: int, tensor: int, scan: bool, fsdp: bool
+                     ) -> dict[str, Any]:
+    """Temp / peak MiB of one training step (forward, backward, AdamW; parameters and
+    optimizer state donated; rotary positions, bf16 compute, fp32 master weights,
+    ``recompute_allgather``, fp32 weight gradients) on a ``data x tensor`` mesh of H100s,
+    and its backward weight gathers (JAX scope ``fsdp_gather`` under ``transpose(...)``):
+    their count, how many are async and overlapped, their dtypes. ``shape``: a
+    :class:`StepShape` or any object with its fields."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
+    from sp_jax.analysis.hlo import parse_collectives
+    from sp_jax.config import ParallelConfig
+    from sp_jax.layout import Layout
+    from sp_jax.models import GPT, GPTConfig
+    from sp_jax.training.step import train_step_fn
+
+    parallel = ParallelConfig(recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=fsdp)
+    cfg = GPTConfig(vocab_size=shape.vocab, max_seq_len=shape.s, num_layers=shape.layers,
+                    num_heads=shape.heads, hidden=shape.h, positions="rotary",
+                    dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=scan)
+    tx = optax.adamw(1e-4)
+    mesh_shape, axes = (data, tensor), ("data", "tensor")
+    with jax.set_mesh(gpu_mesh(mesh_shape, axes)):
+        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+        opt_state = jax.eval_shape(tx.init, params)
+    tokens = jax.ShapeDtypeStruct((1, data, shape.s), jnp.int32,
+                                  sharding=Layout.of(parallel).micro_batched_tokens)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    rep = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
+                          {"tokens": tokens, "labels": tokens}, key, mesh_shape=mesh_shape,
+                          axis_names=axes, donate_argnums=(0, 2))
+    gathers = [c for c in parse_collectives(rep.hlo)
+               if c.kind == "all-gather" and "fsdp_gather" in c.op_name
+               and "transpose(" in c.op_name]
+    return {"temp_mib": rep.temp_bytes / MiB, "peak_mib": rep.peak_bytes / MiB,
+            "bwd_gathers": len(gathers),
+            "bwd_gathers_async": sum(c.is_async for c in gathers),
+            "bwd_gathers_overlapped": sum(c.is_async and c.overlapped_ops > 0 for c in gathers),
+            "bwd_gather_dtypes": sorted({a[0] for c in gathers for a in c.arrays})}
+
+
+def plan_cpu_check(model: ModelShape) -> dict[str, Any]:
+    """The planner on ``model`` (data 2 x tensor 4, sharded over data) against the
+    analytic parameter and optimizer bytes and against the same training step compiled
+    for the 8 simulated CPU devices (XLA:CPU temp minus the gradients): ``{"row": the
+    plan's row as a dict, "cpu_temp_bytes", "cpu_activation_bytes"}``."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sp_jax.config import ParallelConfig
+    from sp_jax.models import GPT, GPTConfig
+    from sp_jax.training import TrainStep
+
+    option = PlanOption(2, 1, 4, fsdp=True, remat=False)
+    (row,) = plan(model, 8, options=[option], progress=False)
+    mesh = jax.make_mesh((2, 1, 4), ("data", "context", "tensor"))
+    cfg = GPTConfig(vocab_size=model.vocab, max_seq_len=model.seq, num_layers=model.layers,
+                    num_heads=model.heads, hidden=model.hidden, positions="rotary",
+                    dtype=jax.numpy.bfloat16, scan_layers=True)
+    parallel = ParallelConfig(recompute_allgather=True, fsdp=True,
+                              wgrad_dtype=jax.numpy.float32)
+    with jax.set_mesh(mesh):
+        step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)), optax.adamw(1e-4))
+        tokens = np.zeros((1, 2, model.seq), np.int32)
+        batch = jax.device_put({"tokens": tokens, "labels": tokens},
+                               NamedSharding(mesh, P(None, "data", None)))
+        temp = step.temp_bytes(batch, jax.random.key(0))
+    return {"row": row.as_dict(), "cpu_temp_bytes": temp,
+            "cpu_activation_bytes": temp - row.grad_bytes}
