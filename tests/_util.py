@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import COMPILE_SPEED_FLAGS
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -193,6 +194,20 @@ def assert_bitwise(a, b) -> None:
     for path, x in a.items():
         assert x.dtype == b[path].dtype and x.shape == b[path].shape, path
         np.testing.assert_array_equal(x, b[path], err_msg=path)
+
+
+def slow_except(values, *fast) -> list:
+    """Parameters for ``pytest.mark.parametrize``: ``values`` (a tuple: one value per
+    argument name), each marked ``slow`` but those in ``fast`` (the fast tier's cases,
+    ``make test-fast``). Each of ``fast`` must be one of ``values``: a renamed or removed
+    case fails at collection instead of silently leaving the fast tier."""
+    values = list(values)
+    missing = [v for v in fast if v not in values]
+    if missing:
+        raise ValueError(f"fast cases {missing} are not among the parameters {values}")
+    return [v if v in fast
+            else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
 
 
 def train_gpt(cfg, parallel, mesh, batches, *, init=None, train_mode=False, tx=None):

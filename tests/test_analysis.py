@@ -77,6 +77,7 @@ def _layer_activation_bytes(recompute):
                if (r.device_shape, r.dtype) not in param_blocks)
 
 
+@pytest.mark.slow
 def test_layer_activations_within_the_papers_tp_sp_figure():
     formula = activation_bytes_formula(S, B, H, A, T, "tp_sp")
     save, recompute = _layer_activation_bytes(False), _layer_activation_bytes(True)
@@ -115,6 +116,7 @@ def _compiled_layer_grad(recompute):
     return compiled, shapes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True])
 def test_collectives_per_layer_equal_megatrons(recompute):
     stats = collective_stats(_compiled_layer_grad(recompute)[0])
@@ -127,6 +129,7 @@ def test_collectives_per_layer_equal_megatrons(recompute):
     assert stats.operands["all-to-all"] == 0
 
 
+@pytest.mark.slow
 def test_no_all_reduce_of_activations():
     """Every all-reduced array is one device's block of a parameter gradient (the
     data-parallel sum, and the norms' replicated scales/biases): no activation."""
@@ -165,6 +168,7 @@ HLO_TEXT = "\n".join([
 ])
 
 
+@pytest.mark.slow
 def test_parse_collectives_and_collective_stats_count_alike():
     ag, ags, ar, rs = parse_collectives(HLO_TEXT)
     assert (ag.kind, ag.phase, ag.arrays, ag.bytes, ag.is_async) == (
@@ -185,6 +189,7 @@ def test_parse_collectives_and_collective_stats_count_alike():
     assert stats == CollectiveStats.of(parse_collectives(HLO_TEXT))
 
 
+@pytest.mark.slow
 def test_parse_collectives_of_a_compiled_layer():
     """On XLA:CPU's HLO of one layer (Megatron's counts, see above), the per-instruction
     view sums to the per-kind counts, and every collective has its phase and issuer."""
@@ -292,6 +297,7 @@ def _starts(hlo, scope):
     return out
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_h100_backward_dx_reduce_scatter_and_regather_are_async(h100_reports):
     save, rec = h100_reports[False], h100_reports[True]
@@ -305,6 +311,7 @@ def test_h100_backward_dx_reduce_scatter_and_regather_are_async(h100_reports):
     assert rec.collectives.async_ops["all-gather"] > save.collectives.async_ops["all-gather"]
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_h100_peak_memory_recompute_below_save(h100_reports):
     save, rec = h100_reports[False], h100_reports[True]
@@ -382,6 +389,7 @@ def test_h100_tp_column_dx_all_reduce_is_async():
     assert len(dx) == 2 and all(dx), dx
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_compile_for_gpu_reports_what_is_live_at_the_peak(tmp_path):
     x = jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=P(None, "tensor"))
@@ -407,6 +415,7 @@ def test_compile_for_gpu_reports_what_is_live_at_the_peak(tmp_path):
     assert list(tmp_path.glob("*after_optimizations-live-range.txt"))
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 def test_h100_no_gathered_activation_outlives_its_layers_backward(recompute):

@@ -74,10 +74,10 @@ def blockwise_vjp(block_q, block_k):
 @pytest.mark.parametrize(
     "seq,block_q,block_k,blocks",
     [
-        (30, 6, 6, (5, 5)),  # an odd number of blocks
-        (30, 10, 6, (3, 5)),  # unequal blocks, odd counts
+        pytest.param(30, 6, 6, (5, 5), marks=pytest.mark.slow),  # an odd number of blocks
+        pytest.param(30, 10, 6, (3, 5), marks=pytest.mark.slow),  # unequal blocks, odd counts
         (30, 4, 7, (10, 5)),  # blocks: the largest divisors of 30 up to 4 and 7 -> 3, 6
-        (16, 512, 512, (1, 1)),  # one block
+        pytest.param(16, 512, 512, (1, 1), marks=pytest.mark.slow),  # one block
     ],
 )
 def test_blockwise_matches_naive_fp32(seq, block_q, block_k, blocks):
@@ -87,7 +87,7 @@ def test_blockwise_matches_naive_fp32(seq, block_q, block_k, blocks):
     assert_close(blockwise_vjp(block_q, block_k)(*args), naive_vjp(*args))
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("kv_heads", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_blockwise_grouped_query_matches_repeated_kv(kv_heads):
     """Grouped-query (6 query heads over 2 key/value heads) and multi-query attention:
     the kernel's k, v gradients sum over each group, like autodiff of repeat_kv."""
@@ -95,6 +95,7 @@ def test_blockwise_grouped_query_matches_repeated_kv(kv_heads):
     assert_close(blockwise_vjp(6, 10)(*args), naive_vjp(*args))
 
 
+@pytest.mark.slow
 def test_blockwise_bf16_within_bf16_rounding():
     """bf16 inputs against the fp32 reference on the same (bf16-rounded) inputs.
 
@@ -130,6 +131,7 @@ def naive_bf16(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+@pytest.mark.slow
 def test_blocks_above_the_diagonal_are_skipped():
     """The kernels' loop counters (carried by the compiled while loops, one per block
     product) count exactly the causal blocks: n (n + 1) / 2 of n^2 for n equal blocks,
@@ -171,11 +173,16 @@ def naive_window_attention(q, k, v, window, segment_ids=None):
 
 
 @pytest.mark.parametrize("seq,block_q,block_k,window,kv_heads,packed", [
-    (24, 4, 6, 5, None, False),    # the window inside a block, blocks skipped both ways
-    (30, 10, 6, 7, 2, False),      # unequal blocks, grouped-query
-    (30, 6, 10, 1, None, False),   # each query sees itself only
-    (24, 8, 4, 13, None, True),    # packed documents: both masks, both skips
-    (16, 4, 4, 64, 1, False),      # a window longer than the sequence: plain causal
+    # the window inside a block, blocks skipped both ways
+    pytest.param(24, 4, 6, 5, None, False, marks=pytest.mark.slow),
+    # unequal blocks, grouped-query
+    pytest.param(30, 10, 6, 7, 2, False, marks=pytest.mark.slow),
+    # each query sees itself only
+    pytest.param(30, 6, 10, 1, None, False, marks=pytest.mark.slow),
+    # packed documents: both masks, both skips
+    (24, 8, 4, 13, None, True),
+    # a window longer than the sequence: plain causal
+    pytest.param(16, 4, 4, 64, 1, False, marks=pytest.mark.slow),
 ])
 def test_sliding_window_matches_dense_reference(seq, block_q, block_k, window, kv_heads,
                                                 packed):
@@ -211,6 +218,7 @@ def test_sliding_window_matches_dense_reference(seq, block_q, block_k, window, k
         assert int(count) < band  # blocks of other documents skipped as well
 
 
+@pytest.mark.slow
 def test_sliding_window_errors_and_context_parallel():
     q = jnp.zeros((1, 8, 2, 4))
     for bad in (0, -2, 2.0, True):
@@ -359,7 +367,8 @@ def _lower(mesh, jitted, *args):
 # 2n = 12 rows per device, chunks of n = 6: ring blocks 2 x 3 rows (3 and 2 blocks per
 # chunk: odd numbers and unequal sizes); Ulysses over s = 12 c rows, blocks 4c and 3c
 # rows (3 and 4 blocks).
-@pytest.mark.parametrize("c", [2, 8])  # 4: the composed meshes below, tests/test_context
+@pytest.mark.parametrize("c", [  # 4: the composed meshes below, tests/test_context
+    2, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_context_parallel_matches_naive(mode, c):
     shape = (1, 12 * c, 8, 8)
@@ -369,6 +378,7 @@ def test_context_parallel_matches_naive(mode, c):
     assert_close(got, naive_vjp(*args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,kv_heads", [("ring", None), ("ulysses", None), ("ring", 2),
                                            ("ulysses", 4)])
 def test_context_parallel_composed_with_data_and_tensor(mode, kv_heads):
@@ -381,6 +391,7 @@ def test_context_parallel_composed_with_data_and_tensor(mode, kv_heads):
     assert_close(got, naive_vjp(*args))
 
 
+@pytest.mark.slow
 def test_ring_block_counts_per_device():
     """The products each device computes (its loop counters) are
     attention_block_counts(mode="ring"): the same on every device."""
@@ -426,6 +437,7 @@ def test_ulysses_needs_heads_divisible_by_context():
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hlo_collectives_cpu():
     """Ring: collective-permutes only (no all-gather of the k/v sequence); Ulysses:
     all-to-alls only. CPU compiles of the forward + backward programs at c = 4."""
@@ -466,6 +478,7 @@ def _no_s_by_s(buffers, s: int, heads: int) -> None:
         assert sum(d >= s for d in dims) < 2 and np.prod(dims) < heads * s * s // 2, b
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_gpu_no_s_by_s_buffer_and_ring_overlap():
     """Deviceless H100 compiles of forward + backward at s = 4096, blocks of 512 (bf16):
@@ -536,6 +549,7 @@ def _identity_inputs(b=2, s=16, h=4, kv=2, seed=0):
     return q, k, v
 
 
+@pytest.mark.slow
 def test_attention_dropout_is_independent_of_blocks_and_sharding():
     """The dropped probabilities (read off with v = I) are the same for every block size,
     for ring and Ulysses over (data=2, context=2, tensor=2) meshes, and about RATE of
@@ -584,6 +598,7 @@ def _sharded_dropout(mode):
     return mesh, f
 
 
+@pytest.mark.slow
 def test_attention_dropout_gradients_match_plain_dropout_attention():
     """Forward and gradients against plain attention with the kernel's dropout factors
     applied to the probabilities (autodiff of the plain formula), blockwise and ring."""
@@ -610,6 +625,7 @@ def test_attention_dropout_gradients_match_plain_dropout_attention():
     assert_close(ring, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_h100_accumulators_live_within_their_layer():
     """The kernels' fp32 ``[s, head_dim]`` accumulators and output buffers (forward output,

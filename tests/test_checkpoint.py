@@ -78,7 +78,8 @@ def saved(tmp_path_factory):
     return directory, src
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 1)])
+@pytest.mark.parametrize("shape", [pytest.param((2, 4), marks=pytest.mark.slow), (4, 2),
+                                   pytest.param((1, 1), marks=pytest.mark.slow)])
 def test_restore_onto_other_meshes_bitwise(saved, shape):
     directory, src = saved
     mesh = make_mesh(*shape)
@@ -107,6 +108,7 @@ def test_restore_onto_other_meshes_bitwise(saved, shape):
         assert np.isfinite(float(dst(batch, jax.random.key(0))["loss"]))
 
 
+@pytest.mark.slow
 def test_restore_into_unsharded_model(saved):
     """Plain single-device arrays: the target is the unsharded model's own state."""
     directory, src = saved
@@ -138,6 +140,7 @@ def test_other_model_shape_names_parameter_and_shapes(saved):
         restore_checkpoint(directory, params_like=abstract_like(wider.params))
 
 
+@pytest.mark.slow
 def test_other_model_structure_names_missing_parameters(saved):
     directory, _ = saved
     deeper = _trainer(make_mesh(2, 4), num_layers=2)
@@ -152,6 +155,7 @@ def test_other_model_structure_names_missing_parameters(saved):
                            opt_state_like=abstract_like(other_tx))
 
 
+@pytest.mark.slow
 def test_other_dtype_raises_unless_cast(saved):
     directory, src = saved
     target = jax.tree.map(
@@ -201,6 +205,7 @@ def _inject_write_failure(monkeypatch):
     monkeypatch.setattr(handler, "async_save", failing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, async_save):
     directory = tmp_path / "c"
@@ -264,6 +269,7 @@ ckpt.save(2, {"w": params["w"] + 1})
 """
 
 
+@pytest.mark.slow
 def test_killed_save_keeps_previous_checkpoint(tmp_path):
     """A process killed (SIGKILL) while writing step 2: step 1 still loads, step 2 is
     absent, and its temporary directory is removed when the directory is reopened."""
@@ -315,6 +321,7 @@ def with_metadata(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_check_metadata_same_run(with_metadata):
     with CheckpointManager(with_metadata) as ckpt:
         # Tuples compare as the lists JSON saved; keys outside the sections are ignored.
@@ -332,6 +339,7 @@ def test_check_metadata_returns_changed_run_settings(with_metadata):
     assert repr(ABSENT) == "<absent>"
 
 
+@pytest.mark.slow
 def test_check_metadata_refuses_another_model(with_metadata):
     with CheckpointManager(with_metadata) as ckpt:
         with pytest.raises(MetadataMismatchError) as err:
@@ -350,6 +358,7 @@ def test_check_metadata_refuses_another_model(with_metadata):
             ckpt.check_metadata({"run": {**_RUN, "lr": 1}}, must_match=("run",))
 
 
+@pytest.mark.slow
 def test_check_metadata_bad_input(with_metadata):
     with CheckpointManager(with_metadata) as ckpt:
         with pytest.raises(TypeError, match="section 'model' must be a mapping"):

@@ -38,12 +38,13 @@ _pair_grads = nnx.jit(nnx.value_and_grad(_pair_loss, argnums=(0, 1, 2)))
 
 
 @pytest.mark.parametrize("data, tensor, axis_type, recompute", [
-    (1, 2, AxisType.Explicit, False),
-    (1, 3, AxisType.Explicit, True),   # odd ring: one more hop forward than backward
+    pytest.param(1, 2, AxisType.Explicit, False, marks=pytest.mark.slow),
+    # odd ring: one more hop forward than backward
+    pytest.param(1, 3, AxisType.Explicit, True, marks=pytest.mark.slow),
     (2, 4, AxisType.Explicit, True),
-    (2, 4, AxisType.Auto, False),
-    (1, 8, AxisType.Explicit, False),
-    (4, 1, AxisType.Explicit, True),   # t = 1: no ring at all
+    pytest.param(2, 4, AxisType.Auto, False, marks=pytest.mark.slow),
+    pytest.param(1, 8, AxisType.Explicit, False, marks=pytest.mark.slow),
+    pytest.param(4, 1, AxisType.Explicit, True, marks=pytest.mark.slow),  # t = 1: no ring at all
 ], ids=["1x2", "1x3_rec", "2x4_rec", "2x4_auto", "1x8", "4x1_rec"])
 def test_column_row_pair_matches_unsharded(data, tensor, axis_type, recompute):
     """Output, input gradient and every weight and bias gradient of ColumnSP -> gelu ->
@@ -95,6 +96,7 @@ def _transfers(hlo, where):
                if c.kind == "collective-permute" and f"/{where}/" in c.op_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 def test_rings_replace_all_gathers_and_reduce_scatters(recompute):
     t = 4
@@ -110,6 +112,7 @@ def test_rings_replace_all_gathers_and_reduce_scatters(recompute):
     assert _transfers(hlo, "sp_cm_row_bwd") == t - 1
 
 
+@pytest.mark.slow
 def test_chunk_gemms_are_not_merged():
     """XLA's dot merger would fuse the independent chunk GEMMs of a ring back into one
     GEMM that waits for every chunk; the barriers between steps keep one GEMM per ring
@@ -136,6 +139,7 @@ def h100_stacks():
     return {cm: h100_block_stack(2, h=512, collective_matmul=cm) for cm in (False, True)}
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_h100_every_transfer_is_async_with_a_gemm_inside(h100_stacks):
     report = h100_stacks[True]
@@ -153,6 +157,7 @@ def test_h100_every_transfer_is_async_with_a_gemm_inside(h100_stacks):
     assert lazy == [], lazy
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_h100_collective_matmul_costs_little_memory(h100_stacks):
     """The rings add less than one full ``[b, s, h]`` activation to the plain path's peak:

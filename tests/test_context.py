@@ -69,6 +69,7 @@ def references():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpt_with_a_context_axis_trains_like_unsharded(case, references):
     mesh_shape, mode, model_kw, parallel_kw = CASES[case]
@@ -82,6 +83,7 @@ def test_gpt_with_a_context_axis_trains_like_unsharded(case, references):
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_logits_and_hidden_states_come_back_in_the_input_order():
     """Ring attention holds the sequence in zigzag order inside the model; what the user
     gets back is in the order of the tokens given."""
@@ -101,6 +103,7 @@ def test_logits_and_hidden_states_come_back_in_the_input_order():
     chex.assert_trees_all_close(to_host(hidden), to_host(ref_hidden), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_across_context_sizes(tmp_path):
     """Parameters do not depend on the context axis: saved on context=2, restored onto
     context=4 and onto no context axis, bitwise."""

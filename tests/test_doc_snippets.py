@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _util import script_env
+from _util import script_env, slow_except
 from conftest import HAS_CUDA_PLUGIN
 
 from sp_jax._quiet import NOISE
@@ -73,7 +73,8 @@ def _user_env() -> dict[str, str]:
 _PASSED: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("where, language, code", BLOCKS, ids=IDS)
+@pytest.mark.parametrize("where, language, code", slow_except(BLOCKS, BLOCKS[0]),
+                         ids=IDS)
 def test_block_runs_as_written(where, language, code, tmp_path):
     if code in _PASSED:
         pytest.skip(f"the same block as {_PASSED[code]}, which ran as written")

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -76,6 +77,7 @@ def test_import_sp_jax_exposes_the_subpackages():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_readme_hf_round_trip_runs(tmp_path, monkeypatch):
     """The Hugging Face snippet (ten lines): the fixture Llama loads on 2x4 devices, its
     loss is finite, and what it writes reads back to the same parameters."""
@@ -97,6 +99,7 @@ def test_readme_hf_round_trip_runs(tmp_path, monkeypatch):
     assert_bitwise(param_values(namespace["model"]), param_values(again))
 
 
+@pytest.mark.slow
 def test_every_test_the_fault_table_names_exists():
     """docs/errors.md "Faults": each row's tests (``file.py::name``; a bare name is in the
     file named before it in the same cell; ``*`` matches any name) are test functions of

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _util import script_env
 
+pytestmark = pytest.mark.slow  # the whole file: make test only, not make test-fast
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -195,6 +195,7 @@ def _status(runs, name: str, expected: int) -> str:
     return runs["out"][name]
 
 
+@pytest.mark.slow
 def test_mismatched_flags_fail_fast_naming_the_setting(runs):
     for name in ("mismatch0", "mismatch1"):
         out = _status(runs, name, faults.EXIT_PEER_FAILED)
@@ -202,6 +203,7 @@ def test_mismatched_flags_fail_fast_naming_the_setting(runs):
     assert runs["mismatch_s"] < 60  # seconds: no model was built, nothing waited
 
 
+@pytest.mark.slow
 def test_missing_peer_ends_the_run_within_the_bound(runs):
     out = _status(runs, "missing0", faults.EXIT_PEER_FAILED)
     assert ("error: process 0: starting: waiting for all 2 processes (each with its own "
@@ -226,6 +228,7 @@ def _line(out: str) -> str:
 WAITED_IN = r"(step \d+|agreeing whether to stop after step \d+)"
 
 
+@pytest.mark.slow
 def test_stalled_peer_ends_the_other_within_the_bound(runs):
     """Process 1 stopped (SIGSTOP) mid-run: process 0's step waits for it in a
     collective; the watchdog ends process 0 after --peer-timeout, naming the step and,
@@ -239,6 +242,7 @@ def test_stalled_peer_ends_the_other_within_the_bound(runs):
                         _line(out)), out[-3000:]
 
 
+@pytest.mark.slow
 def test_stalled_coordinator_ends_the_others_within_the_bound(runs):
     """Process 0, which hosts JAX's coordination service, stopped: process 1's watchdog
     ends it after --peer-timeout (JAX's own heartbeat timeout comes much later), naming
@@ -252,6 +256,7 @@ def test_stalled_coordinator_ends_the_others_within_the_bound(runs):
                         _line(out)), out[-3000:]
 
 
+@pytest.mark.slow
 def test_killed_peer_ends_the_other_within_the_bound(runs):
     assert "killed" in runs["bound_s"], runs["out"]["killed0"][-3000:]
     out = _status(runs, "killed0", faults.EXIT_PEER_FAILED)
@@ -265,6 +270,7 @@ def test_killed_peer_ends_the_other_within_the_bound(runs):
                         _line(out)), out[-3000:]
 
 
+@pytest.mark.slow
 def test_killed_coordinator_is_ended_by_jax(runs):
     """Process 0 killed: it hosted JAX's coordination service, and jaxlib ends every
     other process at once itself (SIGABRT from a C++ thread, with its own message and
@@ -279,6 +285,7 @@ def test_killed_coordinator_is_ended_by_jax(runs):
                "errors" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_an_error_of_one_process_ends_the_others_at_once(runs):
     """Process 0 cannot write its log (a full disk): it stops with one line naming the
     file (exit 1) and tells the others, which end within a heartbeat interval with one
@@ -303,6 +310,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_jax_heartbeat_abort_comes_near_its_timeout(tmp_path):
     """JAX's own backstop, measured: process 1 stopped (SIGSTOP), process 0 is aborted
     by JAX's coordination service between 10 s before its heartbeat timeout and a little

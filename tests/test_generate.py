@@ -20,7 +20,8 @@ from sp_jax.models import GPT, GPTConfig, filter_logits, generate, hf
 from sp_jax.models.decode import decode_step, prefill
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-MESHES = [(1, 1), (1, 4), (2, 4)]
+MESHES = [pytest.param((1, 1), marks=pytest.mark.slow),
+          pytest.param((1, 4), marks=pytest.mark.slow), (2, 4)]
 
 
 def _golden(family: str):
@@ -31,7 +32,7 @@ def _golden(family: str):
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_greedy_equals_transformers(family, shape):
     """32 new tokens of 3 ragged prompts in one batch, equal to transformers' greedy
     generation of each prompt alone."""
@@ -43,6 +44,7 @@ def test_greedy_equals_transformers(family, shape):
     np.testing.assert_array_equal(out.lengths, [32, 32, 32])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 def test_greedy_equals_transformers_new_families(family):
     """The same for Mistral (a sliding window of 4, below the 32 new tokens), Qwen2
@@ -53,6 +55,7 @@ def test_greedy_equals_transformers_new_families(family):
     np.testing.assert_array_equal(out.tokens, expected)
 
 
+@pytest.mark.slow
 def test_rows_stop_at_their_eos():
     """With ``eos_token_id`` each row ends at its first eos (kept), then pad tokens; rows
     without it run to max_new_tokens."""
@@ -70,6 +73,7 @@ def test_rows_stop_at_their_eos():
     assert out.lengths[0] <= 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gpt2", "llama", "mqa_fsdp"])
 def test_cache_gives_the_logits_of_a_full_forward(preset):
     """After the prefill and n decode steps, the next-token logits from the cache equal
@@ -133,6 +137,7 @@ def test_filters_equal_a_numpy_reference(temperature, top_k, top_p):
     np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_and_mesh_independent():
     """One key gives the same tokens twice and on another mesh; another key, other
     tokens; a tiny temperature gives the greedy tokens."""
@@ -156,6 +161,7 @@ def test_sampling_is_reproducible_and_mesh_independent():
     np.testing.assert_array_equal(outs[(1, 4)], outs[(2, 4)])
 
 
+@pytest.mark.slow
 def test_one_compile_and_the_collectives_per_token():
     """Generating 24 tokens compiles the prefill and the decode step once each (none per
     token; jax's compile log), and a second call of the same shapes compiles neither.

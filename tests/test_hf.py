@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from _util import assert_bitwise, param_values, to_host
+from _util import assert_bitwise, param_values, slow_except, to_host
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -101,7 +101,7 @@ def _generations(golden) -> tuple[np.ndarray, list[int]]:
     return batch, lengths
 
 
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", slow_except(DENSE, "llama"))
 def test_golden_logits_loss_and_gradients(family):
     """transformers' logits, loss and gradients; and along each of its greedy generations
     (teacher-forced: prompt + 32 tokens, 41 positions at most), the logits of the first
@@ -127,6 +127,7 @@ def test_golden_logits_loss_and_gradients(family):
         _assert_golden_grads(model, grads, golden, f"{family} {shape}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", MOE)
 def test_golden_moe_logits_losses_and_gradients(family):
     """A mixture of experts on a (data, expert, context, tensor) mesh with expert
@@ -153,7 +154,7 @@ def test_golden_moe_logits_losses_and_gradients(family):
         _assert_golden_grads(model, grads, golden, msg)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", slow_except(FAMILIES, "llama"))
 def test_round_trip_is_bitwise(family, tmp_path):
     """HF -> sp_jax (2x4) -> HF: the same tensors bit for bit, and the config (the same
     family, the special token ids in config.json and generation_config.json as
@@ -274,6 +275,7 @@ def test_config_translation_mistral_qwen2_qwen3():
                                if k != "num_hidden_layers"})
 
 
+@pytest.mark.slow
 def test_config_translation_mixtral_qwen3_moe():
     """The experts' fields (either key of the expert count), Mixtral's default rope base,
     Qwen3-MoE's decoder_sparse_step / norm_topk_prob / sliding window, what sp_jax refuses
@@ -333,6 +335,7 @@ def test_config_translation_mixtral_qwen3_moe():
         hf.config_to_hf(hf.config_from_hf(_config("mistral")), model_type="mixtral")
 
 
+@pytest.mark.slow
 def test_moe_fused_experts_and_dense_layers():
     """transformers 5.x's fused expert tensors (its state_dict(): mlp.experts.gate_up_proj /
     down_proj) read as the per-expert ones; a Qwen3-MoE with decoder_sparse_step=2 (a
@@ -369,6 +372,7 @@ def test_moe_fused_experts_and_dense_layers():
     assert not any(k.startswith("model.layers.1.mlp.gate_proj") for k in state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,count", [
     (GPTConfig.gpt2("small"), 124_439_808),  # Hugging Face gpt2
     (GPTConfig.gpt2("medium"), 354_823_168),  # gpt2-medium
@@ -423,6 +427,7 @@ def test_bad_checkpoints_are_named_before_anything_is_placed(monkeypatch):
         hf.from_hf(tensors)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_directory(tmp_path):
     """to_hf(max_shard_bytes=...) writes shards with an index; from_hf reads them."""
     with jax.set_mesh(make_mesh(2, 4)):
@@ -434,6 +439,7 @@ def test_sharded_checkpoint_directory(tmp_path):
     assert_bitwise(param_values(model), param_values(again))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_loads_to_hf_strictly(family, tmp_path):
     """Where torch and transformers are installed (not in CI: the fixtures script's

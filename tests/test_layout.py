@@ -72,6 +72,7 @@ def test_layer_parameters_carry_the_layout_specs(mesh_2x4):
     assert emb.embedding[...].sharding.spec == lay.vocab_table
 
 
+@pytest.mark.slow
 def test_gpt_over_two_data_axes_equals_unsharded():
     """Batch sharded over a tuple of data axes (replica x data x tensor = 2 x 2 x 2): loss
     and gradients equal the unsharded model's."""

@@ -39,6 +39,7 @@ from sp_jax.checkpoint import restore_checkpoint
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.training import faults
 
+pytestmark = pytest.mark.slow  # the whole file: make test only, not make test-fast
 DATA = os.path.join(sysconfig.get_paths()["stdlib"], "email", "*.py")  # 20 documents
 STEPS = 3
 FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "1",

@@ -19,6 +19,7 @@ from sp_jax.data import ByteTokenizer, PackedText
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.training import Trainer, TrainerConfig, TrainStep
 
+pytestmark = pytest.mark.slow  # the whole file: make test only, not make test-fast
 SEQ = 32
 CFG = GPTConfig(vocab_size=257, max_seq_len=SEQ, num_layers=1, num_heads=4, hidden=32,
                 positions="rotary", attention_block_q=8, attention_block_k=8)

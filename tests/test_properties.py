@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import sp_jax
 
+pytestmark = pytest.mark.slow  # the whole file: make test only, not make test-fast
 LAYERS = {
     "column": (sp_jax.ColumnParallelLinear, False, False),
     "row": (sp_jax.RowParallelLinear, True, False),

@@ -108,6 +108,7 @@ def _ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
 
+@pytest.mark.slow
 def test_run_logs_every_step(runs):
     tmp, results, _ = runs
     _ok(results["full"])
@@ -125,6 +126,7 @@ def test_run_logs_every_step(runs):
     assert "optimizer state" in out and "done: steps 1-6" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="plots need matplotlib (the examples extra)")
 def test_plot_written(runs):
     tmp, *_ = runs
@@ -133,6 +135,7 @@ def test_plot_written(runs):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_checkpoints_saved(runs):
     tmp, *_ = runs
     assert sorted(p.name for p in (tmp / "ckpt_full").iterdir() if p.name.isdigit()) == ["3", "6"]
@@ -152,6 +155,7 @@ def _assert_resumed_like_full(tmp, log, rel):
     return evals
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_step(runs):
     tmp, results, _ = runs
     nan = results["nan"]
@@ -163,6 +167,7 @@ def test_nan_loss_stops_with_step(runs):
     assert len(logged) < 6
 
 
+@pytest.mark.slow
 def test_resume_onto_another_mesh_falls_back_from_a_damaged_step(runs):
     """Steps 3 and 6 saved on data=2 x tensor=4, step 6 then damaged (an array file cut
     in half); resumed on data=4 x tensor=2: step 6 is named and skipped (moved aside),
@@ -182,6 +187,7 @@ def test_resume_onto_another_mesh_falls_back_from_a_damaged_step(runs):
         == ["3", "6"]
 
 
+@pytest.mark.slow
 def test_fresh_run_refuses_nonempty_checkpoint_dir(runs):
     tmp, results, _ = runs
     run = results["refused"]
@@ -191,6 +197,7 @@ def test_fresh_run_refuses_nonempty_checkpoint_dir(runs):
     assert "step 1" not in run.stdout  # nothing trained
 
 
+@pytest.mark.slow
 def test_resume_with_other_run_settings_warns_with_both_values(runs):
     """A finished 6-step run (warmup 20) resumed with --steps 8 --warmup-steps 2: one
     warning per changed setting, with both values and what it does; --steps names the
@@ -227,6 +234,7 @@ def _small_disk(size: str, mount: Path, script: str) -> list[str] | None:
     return command if probe.returncode == 0 else None
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_latest_step(tmp_path):
     """--ckpt-dir on a 1 MB file system, saving every step: a save runs out of space.
     The run ends with exit 1 and one line (the step, the directory, the cause, the latest
@@ -273,6 +281,7 @@ def _run_quick(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_bad_process_flags_are_usage_errors():
     run = _run_quick("--coordinator", "h:1")
     assert run.returncode == 2, run.stderr[-2000:]
@@ -283,6 +292,7 @@ def test_bad_process_flags_are_usage_errors():
     assert run.returncode == 2 and "does not divide over 3 processes" in run.stderr
 
 
+@pytest.mark.slow
 def test_bad_data_is_an_error_exit(tmp_path):
     missing = str(tmp_path / "none" / "*.txt")
     run = _run_quick("--data", missing, "--steps", "1", "--no-progress")
@@ -290,12 +300,14 @@ def test_bad_data_is_an_error_exit(tmp_path):
     assert f"error: no files match {missing}" in run.stderr
 
 
+@pytest.mark.slow
 def test_unreadable_data_file_is_an_error_exit():
     run = _run_quick("--data", "/proc/self/mem", "--steps", "1", "--no-progress")
     assert run.returncode == 1, run.stderr[-2000:]
     assert "error: cannot read data file /proc/self/mem: Input/output error" in run.stderr
 
 
+@pytest.mark.slow
 def test_second_trainer_on_one_checkpoint_dir_is_refused(tmp_path):
     """One writer per --ckpt-dir: held here, a trainer (or a --resume) is refused, naming
     the holder, before it builds anything."""
@@ -307,6 +319,7 @@ def test_second_trainer_on_one_checkpoint_dir_is_refused(tmp_path):
     assert f"is in use by pid {os.getpid()}" in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     """A mistyped --ckpt-dir with --resume must not start over (and truncate the log)."""
     log = tmp_path / "run.jsonl"
@@ -371,6 +384,7 @@ def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
 FINETUNE = ["--hf-dir", str(ROOT / "tests" / "fixtures" / "hf" / "llama")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "argv", "ending"), [
     ("train_gpt", [], "with sp_jax's training loop, on a simulated or real device mesh."),
     ("finetune_hf", FINETUNE, "and write it back as a Hugging Face checkpoint."),
@@ -420,6 +434,7 @@ def test_plot_without_matplotlib_is_a_usage_error(monkeypatch):
     assert exit_info.value.code == 2 and "--plot needs matplotlib" in err.getvalue()
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_trains_on_an_expert_mesh(tmp_path):
     """--preset mixtral-tiny on --mesh data=1,expert=4,tensor=2: the run ends, logs the
     router metrics per step (the (token, choice) pairs per expert summing to the micro-
@@ -442,6 +457,7 @@ def test_mixture_of_experts_trains_on_an_expert_mesh(tmp_path):
         assert [sum(layer) for layer in record["moe_expert_tokens"]] == [pairs, pairs]
 
 
+@pytest.mark.slow
 def test_fp8_delayed_scaling_trains_from_the_command_line(tmp_path):
     """--fp8 delayed on a 2 x 4 mesh with 2 micro-batches: the run ends, its loss falls,
     and the checkpoint holds the amax history of every projection of the block (the

@@ -90,6 +90,7 @@ def test_a_non_finite_step_changes_nothing(mesh_2x4):
         assert np.isfinite(a).all()
 
 
+@pytest.mark.slow
 def test_batches_not_on_the_mesh_are_placed(mesh_2x4):
     """Host arrays and arrays on one device are laid out on the step's mesh (token ids
     like the data pipeline's batches): the losses equal those of batches placed by hand;

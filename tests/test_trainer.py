@@ -325,6 +325,7 @@ def test_config_checks_paths(tmp_path):
     assert TrainerConfig(**BASE, ckpt_dir=tmp_path / "new").ckpt_dir == str(tmp_path / "new")
 
 
+@pytest.mark.slow
 def test_docs_example_runs_verbatim(tmp_path, monkeypatch):
     """docs/training.md's Trainer example trains and checkpoints; run again, it is refused
     (its directory holds checkpoints and it does not resume)."""
