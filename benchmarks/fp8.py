@@ -37,7 +37,7 @@ from sp_jax.analysis import array_bytes, compile_for_gpu, gpu_mesh, parse_collec
 from sp_jax.models import Block, GPTConfig
 from sp_jax.xla_flags import FP8_COMPILER_OPTIONS
 
-__all__ = ["FULL", "QUICK", "Fp8Bench", "compile_fp8_stack", "cpu_losses", "render_markdown",
+__all__ = ["FULL", "QUICK", "Fp8Bench", "compile_fp8_stack", "cpu_losses",
            "run_fp8"]
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
@@ -65,7 +65,7 @@ FULL = Fp8Bench()
 QUICK = Fp8Bench(layers=2, h=256, s=256, heads=8, cpu_steps=0)  # no CPU runs
 
 
-def _mib(b: float) -> str:
+def fmt_mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB"
 
 
@@ -127,8 +127,8 @@ def run_fp8(bench: Fp8Bench = FULL, log=print, out: Path | None = None) -> dict[
     gpu = {}
     for name, recipe in RECIPES.items():
         gpu[name] = compile_fp8_stack(recipe, bench)
-        log(f"  H100 {name}: peak {_mib(gpu[name]['peak_bytes'])}, temp "
-            f"{_mib(gpu[name]['temp_bytes'])}")
+        log(f"  H100 {name}: peak {fmt_mib(gpu[name]['peak_bytes'])}, temp "
+            f"{fmt_mib(gpu[name]['temp_bytes'])}")
     cpu = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, recipe in RECIPES.items() if bench.cpu_steps else ():
@@ -145,9 +145,9 @@ def run_fp8(bench: Fp8Bench = FULL, log=print, out: Path | None = None) -> dict[
             "id": f"fp8_h100_{name.split()[1]}",
             "target": f"8 x H100, {name}: the activation all-gathers' bytes per layer halved "
                       "vs bf16; peak and temp vs bf16; every linear GEMM a cuBLASLt FP8 GEMM",
-            "measured": f"all-gathers {_mib(gathers[name])} vs {_mib(gathers['bf16'])} per "
-                        f"layer; peak {_mib(r['peak_bytes'])} vs {_mib(base['peak_bytes'])}, "
-                        f"temp {_mib(r['temp_bytes'])} vs {_mib(base['temp_bytes'])}; "
+            "measured": f"all-gathers {fmt_mib(gathers[name])} vs {fmt_mib(gathers['bf16'])} per "
+                        f"layer; peak {fmt_mib(r['peak_bytes'])} vs {fmt_mib(base['peak_bytes'])}, "
+                        f"temp {fmt_mib(r['temp_bytes'])} vs {fmt_mib(base['temp_bytes'])}; "
                         f"{r['fp8_gemms_per_layer']:g} FP8 GEMMs per layer",
             "met": gathers[name] <= 0.5 * gathers["bf16"] + 1
             and r["temp_bytes"] < base["temp_bytes"] and r["fp8_gemms_per_layer"] == 12})
@@ -163,54 +163,8 @@ def run_fp8(bench: Fp8Bench = FULL, log=print, out: Path | None = None) -> dict[
             "meta": {"runtime_s": time.perf_counter() - started}}
 
 
-def render_markdown(res: dict[str, Any]) -> str:
-    """The ``## FP8`` section of ``BENCHMARKS.md``."""
-    from benchmarks.section import status, table
-
-    c, gpu, cpu = res["config"], res["gpu"], res["cpu"]
-    kinds = sorted({k for r in gpu.values() for k in r["bytes_per_layer"]})
-    lines = ["## FP8", "",
-             "`python -m benchmarks.fp8` (`benchmarks/fp8.py`; part of `make bench`). "
-             "`GPTConfig(fp8=Fp8Recipe(...))`: e4m3 inputs and weights, e5m2 output "
-             "gradients, per-tensor scales of whole-tensor amaxes, fp32 accumulation, the "
-             "sequence all-gathers in FP8; the LM head, attention, norms and the loss in "
-             "bf16.", "", "### Targets", "",
-             table(["target", "measured", "status"],
-                   [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]]),
-             "",
-             f"### {c['layers']} Blocks on 8 x H100 (h={c['h']}, s={c['s']}, t={c['t']}, "
-             "bf16 compute, fp32 parameters and weight gradients, recompute_allgather; "
-             "`xla_gpu_enable_triton_gemm=false`)", "",
-             table(["", "per-GPU peak", "temp", "cuBLASLt FP8 GEMMs / layer",
-                    "other cuBLAS GEMMs / layer", *(f"{k} / layer" for k in kinds)],
-                   [[name, _mib(r["peak_bytes"]), _mib(r["temp_bytes"]),
-                     f"{r['fp8_gemms_per_layer']:g}", f"{r['other_gemms_per_layer']:g}",
-                     *(_mib(r["bytes_per_layer"].get(k, 0)) for k in kinds)]
-                    for name, r in gpu.items()]), "",
-             "Bytes are the per-device results of the collectives on the tensor axis. The "
-             "other GEMMs are attention's (bf16).", "",
-             *_cpu_table(c, cpu)]
-    return "\n".join(lines)
-
-
-def _cpu_table(c: dict[str, Any], cpu: dict[str, Any]) -> list[str]:
-    from benchmarks.section import table
-
-    if not cpu:
-        return []
-    return [f"### CPU: the demo, {c['cpu_steps']} steps (`examples/train_gpt.py --steps "
-             f"{c['cpu_steps']} --precision bf16 [--fp8 ...]`: its default model, data and "
-             "simulated devices; the same initialisation and batches)", "",
-             table(["", "held-out loss", "vs bf16", "last training loss", "seconds"],
-                   [[name, f"{r['held_out_loss']:.5f}",
-                     f"{r['held_out_loss'] / cpu['bf16']['held_out_loss'] - 1:+.2%}",
-                     f"{r['train_losses'][-1]:.4f}", f"{r['seconds']:.0f}"]
-                    for name, r in cpu.items()]), "",
-            "The first training losses: " + ", ".join(
-                f"{name} {r['train_losses'][0]:.4f}" for name, r in cpu.items()) + ".", ""]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks.render.fp8 import render_markdown
     from benchmarks.section import section_main
 
     return section_main(argv, description=__doc__.splitlines()[0], run=run_fp8, full=FULL,

@@ -34,7 +34,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
-from benchmarks.section import status, table, write_outputs  # noqa: E402
+from benchmarks.section import write_outputs  # noqa: E402
 from sp_jax.analysis.checks import fsdp_step_report  # noqa: E402
 
 MiB = 2**20
@@ -96,30 +96,9 @@ def run_fsdp(bench: FsdpBench) -> dict[str, Any]:
     return {"bench": dataclasses.asdict(bench), "rows": rows, "targets": targets}
 
 
-def render_markdown(res: dict[str, Any]) -> str:
-    b = res["bench"]
-    lines = ["## FSDP on 8 x H100", "",
-             f"Deviceless compiles of the GPT training step (AdamW, donated state, "
-             f"{b['layers']} layers, h={b['h']}, s={b['s']}, vocabulary {b['vocab']}, bf16 "
-             "compute, fp32 master weights, recompute_allgather), parameters replicated "
-             "over data against sharded over data (`ParallelConfig(fsdp=True)`). "
-             "Reproduce: `python -m benchmarks.fsdp`.", ""]
-    lines.append(table(
-        ["layout", "replicated temp (MiB)", "fsdp temp (MiB)", "ratio", "fsdp peak (MiB)",
-         "backward weight gathers async", "with work inside", "their dtype"],
-        [[f"{r['data']} x {r['tensor']}{', scanned layers' if r['scan'] else ''}",
-          f"{r['replicated']['temp_mib']:.1f}", f"{r['fsdp']['temp_mib']:.1f}",
-          f"{r['temp_ratio']:.2f}x", f"{r['fsdp']['peak_mib']:.1f}",
-          f"{r['fsdp']['bwd_gathers_async']} of {r['fsdp']['bwd_gathers']}",
-          f"{r['fsdp']['bwd_gathers_overlapped']}",
-          ", ".join(r["fsdp"]["bwd_gather_dtypes"])] for r in res["rows"]]))
-    lines += ["", table(["target", "measured", "status"],
-                        [[t["target"], t["measured"], status(t["met"])]
-                         for t in res["targets"]]), ""]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks.render.fsdp import render_markdown
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (seconds)")
     parser.add_argument("--json", type=Path, help="write the results here")
