@@ -37,6 +37,7 @@ def _sp_block(mesh, recompute, seed=0):
                      rngs=nnx.Rngs(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 def test_gspmd_baseline_equals_sp_block(mesh_2x4, mesh_2x4_auto, recompute):
     rng = np.random.default_rng(0)
@@ -67,6 +68,7 @@ def test_gspmd_baseline_equals_sp_block(mesh_2x4, mesh_2x4_auto, recompute):
     assert jax.tree.structure(pure(base_grads)) == jax.tree.structure(pure(sp_grads))
 
 
+@pytest.mark.slow
 def test_gspmd_baseline_takes_every_parameter_spec_from_the_layout(mesh_2x4):
     """Same specs as sp_jax's block, and a layout with other axis names is followed."""
     cfg = GPTConfig(vocab_size=64, max_seq_len=S, num_layers=1, num_heads=A, hidden=H)
@@ -170,6 +172,7 @@ GENERATION_TARGETS = ["generation_cpu_ratio", "generation_h100_memory",
                       "generation_collectives"]
 
 
+@pytest.mark.slow
 def test_quick_run_writes_report(tmp_path):
     pytest.importorskip("matplotlib")  # the report's plots: the examples extra
     from benchmarks.run import main
@@ -338,6 +341,7 @@ def _generation_results(mismatch: bool, combined: bool) -> dict:
             "meta": {"date": "today", "jax": "0", "cpu_count": 2, "runtime_s": 1.0}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mismatch,combined", [(False, False), (True, True)])
 def test_generation_section_from_results(mismatch, combined):
     """The generation section's verdicts and tables (transformers measured, the H100
@@ -383,6 +387,7 @@ def test_generation_section_from_results(mismatch, combined):
     assert md.rstrip().endswith("Not measured: `no CUDA PJRT plugin`.")
 
 
+@pytest.mark.slow
 def test_causal_attention_matches_autodiff_and_keeps_no_score_matrix():
     from benchmarks.superseded import causal_attention
     from sp_jax.analysis import saved_residuals

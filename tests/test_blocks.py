@@ -23,8 +23,10 @@ B, S, H = 4, 8, 16
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab", [64, 50], ids=["divisible", "padded"])
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "allreduce"])
+@pytest.mark.parametrize("vocab", [pytest.param(64, marks=pytest.mark.slow), 50],
+                         ids=["divisible", "padded"])
+@pytest.mark.parametrize("sequence_parallel", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["sp", "allreduce"])
 def test_embedding_matches_nnx_embed(mesh_2x4, vocab, sequence_parallel):
     ids = np.random.default_rng(0).integers(0, vocab, size=(B, S))
     probe = np.random.default_rng(1).normal(size=(B, S, H)).astype(np.float32)
@@ -44,6 +46,7 @@ def test_embedding_matches_nnx_embed(mesh_2x4, vocab, sequence_parallel):
     assert emb.embedding[...].shape == (vocab, H)
 
 
+@pytest.mark.slow
 def test_embedding_padded_rows_never_selected(mesh_2x4):
     with jax.set_mesh(mesh_2x4):
         emb = sp_jax.VocabParallelEmbedding(50, H, rngs=nnx.Rngs(0))
@@ -69,6 +72,7 @@ def _reference_ce(logits, labels, ignore_index, smoothing, z_loss, vocab):
     return jnp.where(labels == ignore_index, 0.0, loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "vocab, smoothing, z_loss",
     [(64, 0.0, 0.0), (50, 0.0, 0.0), (64, 0.1, 1e-3), (50, 0.2, 0.0)],
@@ -108,6 +112,7 @@ def test_parallel_cross_entropy_ignores_padding_columns(mesh_2x4):
                                 np.asarray(_reference_ce(logits, labels, -100, 0, 0, 50)), **TOL)
 
 
+@pytest.mark.slow
 def test_parallel_cross_entropy_never_gathers_the_vocabulary(mesh_2x4):
     logits = jax.ShapeDtypeStruct((B, S, 64), jnp.float32)
     labels = jax.ShapeDtypeStruct((B, S), jnp.int32)
@@ -130,8 +135,9 @@ def test_parallel_cross_entropy_never_gathers_the_vocabulary(mesh_2x4):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("kind", [pytest.param("LayerNorm", marks=pytest.mark.slow), "RMSNorm"])
+@pytest.mark.parametrize("axis_type",
+                         [AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)])
 def test_norm_param_grads_equal_unsharded(kind, axis_type):
     mesh = make_mesh(2, 4, axis_type)
     x = np.random.default_rng(4).normal(size=(B, S, H)).astype(np.float32)
@@ -156,7 +162,8 @@ def test_norm_param_grads_equal_unsharded(kind, axis_type):
                                 **TOL)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("axis_type",
+                         [AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.slow)])
 def test_dropout_mask_is_sharding_invariant(axis_type):
     mesh = make_mesh(2, 4, axis_type)
     x = np.ones((B, S, H), np.float32)
@@ -171,6 +178,7 @@ def test_dropout_mask_is_sharding_invariant(axis_type):
         assert y.sharding.spec == P("data", "tensor", None)
 
 
+@pytest.mark.slow
 def test_dropout_deterministic_is_identity(mesh_2x4):
     x = np.ones((B, S, H), np.float32)
     with jax.set_mesh(mesh_2x4):
@@ -210,6 +218,7 @@ def test_attention_matches_independent_reference(mesh_2x4):
                                 atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rotary", [False, True])
 def test_blocks_equal_on_sharded_and_single_device_mesh(rotary):
     x = np.random.default_rng(7).normal(size=(B, S, H)).astype(np.float32)
@@ -234,7 +243,8 @@ def test_blocks_equal_on_sharded_and_single_device_mesh(rotary):
     chex.assert_trees_all_close(out[(2, 4)], out[(1, 1)], **TOL)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4])  # replicated over pairs of shards / split
+@pytest.mark.parametrize("kv_heads", [  # replicated over pairs of shards / split
+    2, pytest.param(4, marks=pytest.mark.slow)])
 def test_grouped_query_attention_matches_reference_with_one_all_gather(kv_heads, mesh_2x4):
     """8 query heads over ``kv_heads`` on tensor 4 against plain jnp from the block's
     ``q_kernel`` / ``kv_kernel`` (kv heads repeated), q/k/v biases included; the compiled
@@ -279,6 +289,7 @@ def test_heads_not_divisible_by_tensor_size(mesh_2x4):
         sp_jax.AttentionConfig(30, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_mlp_keeps_its_hidden_layer_once(mesh_2x4, activation):
     """The MLP's backward keeps one [b, s, width] hidden array: the up projection's output

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _util import assert_bitwise, restore_onto, train_gpt
+from _util import assert_bitwise, restore_onto, slow_except, train_gpt
 from conftest import make_mesh, requires_cuda_plugin
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -48,7 +48,7 @@ CASES = {  # id: ((data, tensor), model options, parallel options, micro-batches
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(CASES, "2x4_scan_untied_rotary"))
 def test_fsdp_trains_like_unsharded(case):
     (d, t), model_kw, parallel_kw, micro = CASES[case]
     cfg = GPTConfig(**{**BASE, **model_kw})
@@ -67,6 +67,7 @@ def test_fsdp_trains_like_unsharded(case):
     chex.assert_trees_all_close(params, want_params, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_with_a_context_axis_trains_like_unsharded():
     cfg = GPTConfig(**{**BASE, "max_seq_len": 32, "positions": "rotary"})
     rng = np.random.default_rng(1)
@@ -86,6 +87,7 @@ def _device_bytes(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 def test_state_bytes_and_gradient_collectives():
     """Per device: parameters + AdamW state of the kernels and tables = total / (d x t);
     the compiled step reduce-scatters weight gradients over data and all-reduces none."""
@@ -124,6 +126,7 @@ def test_state_bytes_and_gradient_collectives():
                 assert int(np.prod(dims)) < 64 * 64 // (d * t) * 4, (c.op_name, c.arrays)
 
 
+@pytest.mark.slow
 def test_checkpoint_between_sharded_and_replicated(tmp_path):
     cfg = GPTConfig(**BASE)
     batches = _batches(cfg.vocab_size, steps=2)
@@ -156,6 +159,7 @@ def test_fsdp_errors():
                                             rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_h100_backward_gathers_move_bf16_and_each_weight_gradient_is_freed_in_its_op():
     """Deviceless 8 x H100 training step (AdamW, 2 layers, h=512, data 8): with fsdp the

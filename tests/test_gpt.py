@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import param_values, to_host, train_gpt
+from _util import param_values, slow_except, to_host, train_gpt
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -74,7 +74,7 @@ def _config(model_kw) -> GPTConfig:
     return GPTConfig(**{**BASE, **model_kw})
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(CASES, "llama_gqa_kv2_t4_vocab50"))
 def test_sp_gpt_trains_like_unsharded(case):
     model_kw, runs = CASES[case]
     cfg = _config(model_kw)
@@ -95,6 +95,7 @@ def test_sp_gpt_trains_like_unsharded(case):
         chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rates", [dict(dropout=0.5), dict(attention_dropout=0.5)])
 def test_dropout_changes_the_loss_in_train_mode_only(rates):
     """Residual and attention dropout: a fresh model is in train mode (documented);
@@ -114,6 +115,7 @@ def test_dropout_changes_the_loss_in_train_mode_only(rates):
     assert a == b and c != a and c != d and e == c
 
 
+@pytest.mark.slow
 def test_logits_layout_and_padding(mesh_2x4):
     tokens = _batches(50, steps=1)[0]["tokens"][0]
     with jax.set_mesh(mesh_2x4):
@@ -128,6 +130,7 @@ def test_logits_layout_and_padding(mesh_2x4):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_micro_batches_equal_one_large_batch():
     """4 micro-batches of 8 == one batch of 32, even with unevenly ignored tokens.
 
@@ -156,6 +159,7 @@ def _global_norm(tree) -> float:
                              for x in jax.tree.leaves(tree))))
 
 
+@pytest.mark.slow
 def test_amp_sp_gpt_matches_unsharded_under_same_policy():
     """bf16 compute + fp32 master weights + fp32 wgrad, sharded vs unsharded.
 
@@ -183,6 +187,7 @@ def test_amp_sp_gpt_matches_unsharded_under_same_policy():
     assert dist(sp_params, full_params) <= 2 * dist(ref_params, full_params)
 
 
+@pytest.mark.slow
 def test_fp32_wgrad_is_closer_to_fp32_than_bf16_autodiff(mesh_2x4):
     """ColumnSequenceParallelLinear in bf16: dW with wgrad_dtype=float32 vs plain bf16
     autodiff, both against the fp32 layer (bf16-representable inputs, so the only
@@ -212,6 +217,7 @@ def _merged_loss(graphdef, rest, params, tokens):
     return nnx.merge(graphdef, params, rest).loss(tokens, tokens)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
     from sp_jax.analysis import saved_activation_bytes
 
@@ -260,6 +266,7 @@ def test_gpt_input_errors(mesh_2x4):
         GPTConfig.from_dict({**BASE, "n_layer": 2})
 
 
+@pytest.mark.slow
 def test_scan_layers_equals_unrolled_layers(mesh_2x4):
     """scan_layers stacks the same initial values and computes the same loss/gradients."""
     tokens = _batches(64, steps=1)[0]["tokens"][0]
@@ -283,6 +290,7 @@ def test_scan_layers_equals_unrolled_layers(mesh_2x4):
                                 rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_token_ids_and_labels_of_any_integer_dtype(mesh_2x4):
     """Byte data as uint8 ids with a vocabulary of 256 (the bound does not fit uint8) and
     other integer dtypes give the int32 loss; shifted and explicit labels alike."""

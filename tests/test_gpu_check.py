@@ -97,6 +97,7 @@ def _fp8_table(md: str) -> dict[str, list[str]]:
     return _rows(rows)
 
 
+@pytest.mark.slow
 def test_every_variant_timed_on_its_devices(four):
     _, report, _ = four
     assert report["ok"] and report["platform"] == "cpu" and report["tensor"] == 4
@@ -114,6 +115,7 @@ def test_every_variant_timed_on_its_devices(four):
         assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"]), name
 
 
+@pytest.mark.slow
 def test_variants_start_from_the_same_weights(four):
     _, report, _ = four
     runs = report["variants"].values()
@@ -131,6 +133,7 @@ def test_variants_start_from_the_same_weights(four):
         assert r["last_loss"] < r["first_loss"], r["variant"]
 
 
+@pytest.mark.slow
 def test_predicted_peak_is_memory_analysis_of_the_step(four):
     _, report, _ = four
     v = report["variants"]
@@ -146,6 +149,7 @@ def test_predicted_peak_is_memory_analysis_of_the_step(four):
         assert v[name]["predicted_peak_bytes"] < v["unsharded"]["predicted_peak_bytes"], name
 
 
+@pytest.mark.slow
 def test_gpu_only_numbers_not_measured_on_cpu(four):
     _, report, md = four
     rows = _table(md)
@@ -164,6 +168,7 @@ def test_gpu_only_numbers_not_measured_on_cpu(four):
     assert "memory_stats() is None on cpu" in md and "no peak bf16 FLOP/s for a CPU" in md
 
 
+@pytest.mark.slow
 def test_model_flops_agree_with_xla_count(four):
     _, report, _ = four
     for name, r in report["variants"].items():
@@ -172,6 +177,7 @@ def test_model_flops_agree_with_xla_count(four):
         assert 0.9 < xla / r["flops_per_step"] < 1.5, (name, xla, r["flops_per_step"])
 
 
+@pytest.mark.slow
 def test_trace_written_for_collective_matmul(four, one):
     for out, report, md in (four, one):
         trace = report["trace"]
@@ -183,6 +189,7 @@ def test_trace_written_for_collective_matmul(four, one):
         assert f"in `{out / 'trace'}`" in md
 
 
+@pytest.mark.slow
 def test_single_device_caveat_only_at_tensor_1(four, one):
     _, report4, md4 = four
     _, report1, md1 = one
@@ -221,6 +228,7 @@ def test_model_flops_formula():
     assert model_flops(shape, 1000) == 6 * 1000 * 20 + 12 * 3 * 8 * 4 * 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--quick", "--devices", "9"], r"--devices 9 must be in 1\.\.8"),
     ([], r"sized for GPUs; on CPU run with --quick"),  # the full shapes on CPU: refused
@@ -236,6 +244,7 @@ def test_bad_arguments_fail_clearly(tmp_path, args, message):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
+@pytest.mark.slow
 def test_fp8_rows_beside_bf16(four):
     _, report, md = four
     v = report["variants"]
@@ -262,6 +271,7 @@ def test_fp8_rows_beside_bf16(four):
     assert any("FP8 variants on CPU" in c for c in report["caveats"])
 
 
+@pytest.mark.slow
 def test_fp8_on_gpu_shows_mfu_and_gemm_count(four):
     """The FP8 rows as a GPU run fills them in (numbers set by hand on the CPU report)."""
     _, report, _ = four
@@ -278,6 +288,7 @@ def test_fp8_on_gpu_shows_mfu_and_gemm_count(four):
     assert "`--xla_gpu_enable_triton_gemm=false`" in markdown(report)
 
 
+@pytest.mark.slow
 def test_fp8_flags_only_on_gpu():
     assert _fp8_flags("cpu") == []
     assert _fp8_flags("gpu") == ["--xla_gpu_enable_triton_gemm=false"]

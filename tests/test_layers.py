@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import grads_dict, probe, reference_linear, to_host
+from _util import grads_dict, probe, reference_linear, slow_except, to_host
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -62,11 +62,14 @@ LAYER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("layer_name, mesh_name, recompute", LAYER_CASES)
+@pytest.mark.parametrize("layer_name, mesh_name, recompute", slow_except(
+    LAYER_CASES, ("column", "explicit_2x4", False), ("row", "explicit_2x4", False),
+    ("column_sp", "explicit_2x4", True), ("row_sp", "explicit_2x4", False)))
 def test_layer_matches_nnx_linear(layer_name, mesh_name, recompute):
     _check_layer(layer_name, mesh_name, sp_jax.ParallelConfig(recompute_allgather=recompute))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer_name", list(LAYERS))
 def test_fsdp_layer_matches_nnx_linear(layer_name):
     """Every layer with its kernel sharded over the data axis too (the column layer's
@@ -98,10 +101,12 @@ def _check_layer(layer_name, mesh_name, cfg):
 
 
 @pytest.mark.parametrize(
-    "sp, recompute", [(False, False), (True, False), (True, True)],
+    "sp, recompute",
+    [pytest.param(False, False, marks=pytest.mark.slow),
+     pytest.param(True, False, marks=pytest.mark.slow), (True, True)],
     ids=["tp", "sp_save", "sp_recompute"],
 )
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", slow_except(MESHES, "explicit_2x4"))
 def test_column_gelu_row_residual_matches_unsharded(sp, recompute, mesh_name):
     data, tensor, axis_type = MESHES[mesh_name]
     mesh = make_mesh(data, tensor, axis_type)
@@ -130,6 +135,7 @@ def test_column_gelu_row_residual_matches_unsharded(sp, recompute, mesh_name):
     chex.assert_trees_all_close(to_host(grads[2]), np.asarray(grads_r[2]), **TOL)
 
 
+@pytest.mark.slow
 def test_eager_call_and_grad_without_jit(mesh_2x4):
     x_host = np.random.default_rng(3).normal(size=(B, S, IN)).astype(np.float32)
     with jax.set_mesh(mesh_2x4):
@@ -168,6 +174,7 @@ def test_parameters_match_nnx_linear_and_are_sharded(mesh_2x4, cls, kernel_spec,
     assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == kernel_spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [sp_jax.ColumnSequenceParallelLinear, sp_jax.RowParallelLinear])
 def test_nnx_update_loads_unsharded_linear(mesh_2x4, cls):
     linear = nnx.Linear(IN, OUT, rngs=nnx.Rngs(5))
@@ -193,6 +200,7 @@ def test_input_with_other_sharding_is_resharded(mesh_2x4):
             assert y.sharding.spec == P("data", None, "tensor")
 
 
+@pytest.mark.slow
 def test_batch_replicated_with_data_axis_none():
     mesh = jax.make_mesh((4,), ("tensor",), devices=jax.devices()[:4])
     cfg = sp_jax.ParallelConfig(data_axis=None)
@@ -206,6 +214,7 @@ def test_batch_replicated_with_data_axis_none():
     chex.assert_trees_all_close(to_host(y), np.asarray(ref), **TOL)
 
 
+@pytest.mark.slow
 def test_bf16_compute_dtype(mesh_2x4):
     x_host = np.random.default_rng(9).normal(size=(B, S, IN)).astype(np.float32)
     with jax.set_mesh(mesh_2x4):

@@ -78,6 +78,7 @@ def _row(d: dict) -> PlanRow:
         "option": PlanOption(**d["option"])})
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_plan_bytes_match_analytic_and_sharding_over_data_shrinks_them(small):
     (replicated,) = plan(TINY, 8, options=[PlanOption(2, 1, 4, fsdp=False, remat=False)],
@@ -99,6 +100,7 @@ def test_plan_bytes_match_analytic_and_sharding_over_data_shrinks_them(small):
     assert "2x1x4 recompute_allgather+fsdp" in table and "| yes |" in table
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_activation_figure_is_the_compiled_temp_on_cpu_too(small):
     """The plan's activation figure (deviceless H100 compile) against the same training
@@ -113,6 +115,7 @@ def test_activation_figure_is_the_compiled_temp_on_cpu_too(small):
     assert math.isclose(acts, check["cpu_activation_bytes"], rel_tol=0.20), check
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_command_line_prints_the_table(capsys):
     from sp_jax.plan import main
@@ -153,6 +156,7 @@ def _grad_temp(layers: int, fsdp: bool) -> int:
                            axis_names=("data", "tensor")).temp_bytes
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_only_one_layers_gathered_weights_stay_alive_with_scan_and_remat():
     """Sharded over data with scanned, rematerialised layers, the gradient's temp grows
@@ -264,6 +268,7 @@ def test_pipelined_candidates_on_request_and_their_errors():
         plan(TINY, 8, options=[piped], batch=6, progress=False)
 
 
+@pytest.mark.slow
 def test_command_line_stage_count_errors_are_one_line(capsys):
     """``--stages`` the model cannot take: one error line naming the value and the stage
     counts that would work, exit status 1, before any compile."""
@@ -275,6 +280,7 @@ def test_command_line_stage_count_errors_are_one_line(capsys):
     assert "use one of [2, 4, 8]" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_formula_of_a_pipelined_layout():
     """The analytic columns of a pipelined row: the layers' parameters over the stages
     too (the vocabulary table on every stage); 1F1B's activations: 2P - 1 stage inputs
@@ -325,6 +331,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 """
 
 
+@pytest.mark.slow
 def test_collective_bytes_multiply_the_trip_counts_around_them():
     """Each collective counts as often as the loops around it iterate (a conditional's
     branch as if taken every time): the all-gather and reduce-scatter of a 5-trip loop in
@@ -339,6 +346,7 @@ def test_collective_bytes_multiply_the_trip_counts_around_them():
     assert collective_bytes(HLO) == 32 * (15 + 15 + 3 + 1)
 
 
+@pytest.mark.slow
 def test_table_of_pipelined_rows_and_of_rows_that_do_not_fit():
     """A pipelined row names its stages, schedule, M and bubble under a header with the
     stage axis; when nothing fits the table says by how much the best layout misses; XLA's
@@ -368,6 +376,7 @@ def test_table_of_pipelined_rows_and_of_rows_that_do_not_fit():
     assert "Pipelined rows" not in flat
 
 
+@pytest.mark.slow
 @requires_cuda_plugin
 def test_pipelined_layout_compiles_with_the_analytic_parameter_bytes():
     """One pipelined row compiled (data 2 x stages 2 x tensor 2, 1F1B of 4 micro-batches
