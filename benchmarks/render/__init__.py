@@ -12,6 +12,7 @@ from benchmarks.render.fsdp import render_markdown as render_fsdp
 from benchmarks.render.generation import render_markdown as render_generation
 from benchmarks.render.moe import render_markdown as render_moe
 from benchmarks.render.pipeline import render_markdown as render_pipeline
+from benchmarks.render.template import fill, table
 from benchmarks.render.text import render_markdown as render_text
 from benchmarks.targets import MiB
 from benchmarks.variants import LABELS, VARIANTS
@@ -21,29 +22,12 @@ PLOT_T = "bench_memory_vs_t.png"
 PLOT_S = "bench_memory_vs_s.png"
 PLOT_CONTEXT = "bench_context_memory.png"
 
-_WHY = {
-    "layernorm": "the 2 norms' residuals. The paper counts each norm's 2-byte input. All "
-                 "variants use sp_jax's norm VJP, which keeps the bf16 input plus 2 fp32 "
-                 "numbers per token (2 units per norm); plain autodiff of flax's "
-                 "`nnx.LayerNorm` would keep the fp32 input, `x - mean` and the normalised "
-                 "output (3 x 4 bytes per element, 12 units per norm).",
-    "column_inputs": "recompute and GSPMD: the local `[b, s/t, h]` shard (2 bytes per "
-                     "element); save: the gathered `[b, s, h]` (2t).",
-    "qkv_out": "q, k, v and the attention output, kept by the attention VJP (2 bytes each).",
-    "out_proj_copy": "the out-projection's input is a reshape of the attention output; JAX "
-                     "lists it as a second residual (after compilation the reshape is "
-                     "normally a bitcast of the same buffer).",
-    "attention_sxs": "paper: scores, softmax output and its dropout mask (5as/h). Ours: the "
-                     "fp32 log-sum-exp `[b, a/t, s]` only; probabilities are recomputed in "
-                     "backward (selective recomputation, flash-attention style).",
-    "mlp_hidden": "the GeLU input (kept by the recomputed activation) and the down-projection "
-                  "input, 2 bytes x 4h/t each.",
-    "dropout_masks": "the benchmarked block has dropout 0, so no masks (paper: 1 byte per "
-                     "element after attention and after the MLP).",
-    "other": "",
-}
 LABELS_CP = {"tp_sp": "TP+SP alone", "ring": "ring", "ulysses": "Ulysses"}
 GPU_CHECK_NAME = "gpu_check.md"
+
+
+def _fill(fragment: str, **values: Any) -> str:
+    return fill("benchmarks", fragment, **values)
 
 
 def _fmt_mib(x: float, digits: int = 1) -> str:
@@ -55,17 +39,15 @@ def _status(met) -> str:
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return table(header, rows)
 
 
 def _targets_section(res) -> str:
     rows = [[i + 1, t["target"], t["measured"], _status(t["met"])]
             for i, t in enumerate(res["targets"])]
-    met = sum(t["met"] is True for t in res["targets"])
-    return (f"## Targets\n\n{met} of {len(res['targets'])} met in this run.\n\n"
-            + _table(["#", "target", "measured", "status"], rows))
+    return _fill("targets", met=sum(t["met"] is True for t in res["targets"]),
+                 total=len(res["targets"]),
+                 table=_table(["#", "target", "measured", "status"], rows))
 
 
 def _memory_section(res) -> str:
@@ -74,24 +56,6 @@ def _memory_section(res) -> str:
     real = mem["realistic"]
     rec = real["sp_recompute"]
     unit = rec["unit_bytes"]
-    out = [
-        "## Activation memory per layer and device",
-        "",
-        f"One block (attention + MLP, pre-LN, bf16 compute, fp32 parameters, no dropout) at "
-        f"h={sh['h']}, a={sh['a']}, s={sh['s']}, b={sh['b']}, t={sh['t']}. *Activations* are "
-        "the residuals `jax.vjp` keeps for the backward pass (evaluated abstractly: no "
-        "compute), minus the weights it keeps (parameters and their bf16 copies: residuals "
-        "whose shape does not change when the batch is doubled and equals a parameter's). "
-        "sp_jax and unsharded: per-device bytes from the residuals' shardings "
-        "(`sp_jax.analysis.saved_residuals`, Explicit mesh). GSPMD baseline (Auto mesh, "
-        "shardings not in the types): the same residual list, per-device shapes from the "
-        "shardings XLA chose for them in the compiled forward pass (`jax.jit` of "
-        "`jax.vjp(f, ...)[1]`). The formula is Korthikanti et al. 2022 "
-        "(`sp_jax.analysis.activation_bytes_formula`); the unsharded block is compared "
-        "with its t = 1 (`none`) value. A unit is s\\*b\\*h/t bytes "
-        f"= {_fmt_mib(unit)} MiB here (s\\*b\\*h for the unsharded block).",
-        "",
-    ]
     rows = []
     for v in VARIANTS:
         m = real[v]
@@ -104,13 +68,9 @@ def _memory_section(res) -> str:
             f"{_fmt_mib(f_main)} ({m['activation_bytes'] / f_main:.2f}x)",
             _fmt_mib(f_sel), _fmt_mib(m["weight_residual_bytes"]),
         ])
-    out.append(_table(["variant", "activations MiB", "units", "formula 34+5as/h MiB "
-                       "(measured/formula)", "formula selective (34) MiB",
-                       "weights kept (not counted) MiB"], rows))
-    out += ["", "### Breakdown by the paper's terms", "",
-            "In units of s\\*b\\*h/t bytes (unsharded: s\\*b\\*h). The paper's column is its "
-            "TP+SP count; the attention s x s term is 5as/h = "
-            f"{5 * sh['a'] * sh['s'] / sh['h']:.0f} units at this shape.", ""]
+    main_table = _table(["variant", "activations MiB", "units", "formula 34+5as/h MiB "
+                         "(measured/formula)", "formula selective (34) MiB",
+                         "weights kept (not counted) MiB"], rows)
     rows = []
     paper_total = 0.0
     for key, name, paper in TERMS:
@@ -118,12 +78,12 @@ def _memory_section(res) -> str:
         paper_total += p
         vals = [f"{real[v]['terms'][key] / real[v]['unit_bytes']:.2f}"
                 for v in ("sp_recompute", "sp_save", "gspmd", "unsharded")]
-        rows.append([name, f"{p:g}", *vals, _WHY[key]])
+        rows.append([name, f"{p:g}", *vals, _fill(f"why.{key}")])
     rows.append(["**total**", f"{paper_total:g}",
                  *[f"**{real[v]['activation_bytes'] / real[v]['unit_bytes']:.2f}**"
                    for v in ("sp_recompute", "sp_save", "gspmd", "unsharded")], ""])
-    out.append(_table(["term", "paper", "sp_jax recompute", "sp_jax save", "GSPMD",
-                       "unsharded", "what we keep"], rows))
+    terms_table = _table(["term", "paper", "sp_jax recompute", "sp_jax save", "GSPMD",
+                          "unsharded", "what we keep"], rows)
     sxs = 5 * sh["a"] * sh["s"] / sh["h"]
     paper = {key: (sxs if p is None else p) for key, _, p in TERMS}
     names = {key: name for key, name, _ in TERMS}
@@ -131,54 +91,43 @@ def _memory_section(res) -> str:
     diffs = [f"{names[k]} {t[k] - paper[k]:+.2f}" for k in t
              if abs(t[k] - paper[k]) >= 0.005 and k != "attention_sxs"]
     measured = rec["activation_bytes"] / unit
-    out += ["", (
-        f"sp_jax recompute keeps {measured:.2f} units against the paper's 34 + 5as/h = "
-        f"{34 + sxs:g}: the s x s term is {t['attention_sxs']:.2f} instead of {sxs:g} "
-        "(no s x s array is kept). Against the paper's selective-recomputation figure (34 "
-        f"units) it is {measured - 34:+.2f}, term by term: " + "; ".join(diffs) + "."), ""]
     g = {k: real["gspmd"]["terms"][k] / real["gspmd"]["unit_bytes"] for k in t}
     differ = [f"{names[k]} ({g[k]:.2f} vs {t[k]:.2f})" for k in t if abs(g[k] - t[k]) >= 0.005]
-    out += [(
-        "The GSPMD baseline's forward residuals, per device, are "
-        + ("the same as sp_jax recompute's" if not differ else
-           "those of sp_jax recompute except " + "; ".join(differ))
-        + (". Like recompute, GSPMD keeps only the sequence-sharded column inputs and gathers "
-           "them again for the weight gradients (see the H100 collectives below)"
-           if abs(g["column_inputs"] - t["column_inputs"]) < 0.005 else "")
-        + ". Whether a fused forward+backward program keeps only what the VJP lists is up "
-        "to XLA; the compiled peak memory below is the check."), ""]
-
     vt, vs = mem["vs_t"], mem["vs_s"]
-    out += ["### Scaling", "", f"Over t at s={sh['s']} (MiB per device and layer):", ""]
     rows = []
     for i, tv in enumerate(vt["t"]):
         rows.append([tv] + [_fmt_mib(vt["measured"][v][i]) for v in ("sp_recompute", "sp_save",
                                                                       "gspmd")]
                     + [_fmt_mib(vt["formula"][k][i]) for k in ("tp_sp", "tp_sp_selective",
                                                                "tp")])
-    out.append(_table(["t", "sp_jax recompute", "sp_jax save", "GSPMD", "formula TP+SP",
-                       "formula TP+SP selective", "formula TP (no SP)"], rows))
-    out += ["", f"![activation memory vs t](docs/{PLOT_T})", "",
-            f"Over s at t={sh['t']} (MiB per device and layer; unsharded: one device holding "
-            "the whole layer):", ""]
+    vs_t = _table(["t", "sp_jax recompute", "sp_jax save", "GSPMD", "formula TP+SP",
+                   "formula TP+SP selective", "formula TP (no SP)"], rows)
     rows = []
     for i, sv in enumerate(vs["s"]):
         rows.append([sv] + [_fmt_mib(vs["measured"][v][i]) for v in ("sp_recompute", "sp_save",
                                                                       "gspmd", "unsharded")]
                     + [_fmt_mib(vs["formula"][k][i]) for k in ("tp_sp", "tp_sp_selective",
                                                                "none")])
-    out.append(_table(["s", "sp_jax recompute", "sp_jax save", "GSPMD", "unsharded",
-                       "formula TP+SP", "formula TP+SP selective", "formula none (t=1)"], rows))
-    out += ["", f"![activation memory vs s](docs/{PLOT_S})", ""]
+    vs_s = _table(["s", "sp_jax recompute", "sp_jax save", "GSPMD", "unsharded",
+                   "formula TP+SP", "formula TP+SP selective", "formula none (t=1)"], rows)
+    residuals = []
     for v in ("sp_recompute", "gspmd"):
         rows = [[str(tuple(r["device_shape"])), r["dtype"], f"{r['bytes'] / unit:.3f}",
                  r["kind"], r["term"], r["source"].split(" from ")[-1].split("/")[-1]]
                 for r in real[v]["residuals"]]
-        out += [f"<details><summary>Every residual of {LABELS[v]} at the realistic "
-                "shape</summary>", "",
-                _table(["per-device shape", "dtype", "units", "kind", "term", "source"], rows),
-                "", "</details>", ""]
-    return "\n".join(out)
+        residuals.append(_fill("residuals", label=LABELS[v], table=_table(
+            ["per-device shape", "dtype", "units", "kind", "term", "source"], rows)))
+    return _fill(
+        "memory", h=sh["h"], a=sh["a"], s=sh["s"], b=sh["b"], t=sh["t"],
+        unit_mib=_fmt_mib(unit), table=main_table, sxs=f"{sxs:.0f}", terms=terms_table,
+        measured=f"{measured:.2f}", paper_total=f"{34 + sxs:g}",
+        kept_sxs=f"{t['attention_sxs']:.2f}", sxs_g=f"{sxs:g}",
+        vs_selective=f"{measured - 34:+.2f}", diffs="; ".join(diffs),
+        gspmd_residuals=(_fill("gspmd_same") if not differ else
+                         _fill("gspmd_except", differ="; ".join(differ))),
+        gspmd_like_recompute=(_fill("gspmd_like_recompute")
+                              if abs(g["column_inputs"] - t["column_inputs"]) < 0.005 else ""),
+        vs_t=vs_t, plot_t=PLOT_T, vs_s=vs_s, plot_s=PLOT_S, residuals="\n".join(residuals))
 
 
 def _coll_rows(by_phase, megatron_bwd=None):
@@ -687,7 +636,7 @@ def _unmeasured(res, key: str, title: str) -> str | None:
     if not section:
         return ""
     if "error" in section:
-        return f"## {title}\n\nNot measured: `{section['error']}`\n"
+        return _fill("not_measured", title=title, error=section["error"])
     return None
 
 
@@ -765,37 +714,18 @@ def _plan_section(res) -> str:
 
 def render_markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
-    head = [
-        "# Benchmarks: sp_jax TP+SP vs a GSPMD baseline",
-        "",
-        "Generated by `make bench` (`python -m benchmarks --out .`"
-        + (" --quick" if meta["quick"] else "") + f") on {meta['date']}: jax {meta['jax']}, "
-        f"flax {meta['flax']}, Python {meta['python']}, {meta['devices']} "
-        f"({meta['cpu_count']} cores); {meta['runtime_s']:.0f} s. All numbers are in "
-        f"[`docs/{JSON_NAME}`](docs/{JSON_NAME}).",
-        "",
-        "Variants: **unsharded** (the block on one device: the baseline module with no mesh), "
-        "**GSPMD TP+SP baseline** (`benchmarks/baseline.py`: the same block from "
-        "`nnx.Linear`, `nnx.LayerNorm` and `jnp`, parameters annotated `P(None, tensor)` / "
-        "`P(tensor, None)`, activations pinned with `with_sharding_constraint` to "
-        "`P(data, tensor, None)` at the block boundaries and norms and `P(data, None, tensor)` "
-        "(heads) inside, every spec taken from `sp_jax.Layout` as in the library, on an Auto "
-        "mesh; XLA inserts the collectives; it uses sp_jax's "
-        "attention function, recomputes the MLP activation and uses the norm backward of "
-        "sp_jax's block, so only the parallelisation differs; tested equal to sp_jax's "
-        "block), **sp_jax save** and "
-        "**sp_jax recompute** (`sp_jax.models.Block` with `recompute_allgather` off / on, "
-        "`wgrad_dtype=float32`).",
-        "",
-    ]
+    head = _fill("head", quick_flag=_fill("quick_flag") if meta["quick"] else "",
+                 date=meta["date"], jax=meta["jax"], flax=meta["flax"],
+                 python=meta["python"], devices=meta["devices"], cpu_count=meta["cpu_count"],
+                 runtime=f"{meta['runtime_s']:.0f}", json=JSON_NAME)
     body = [_targets_section(res), _memory_section(res), _collectives_section(res),
             _gpu_section(res), _stacks_section(res), _time_section(res),
             _gpt_time_section(res), _context_section(res), _pipeline_section(res),
             _text_section(res), _generation_section(res), _fsdp_section(res),
             _moe_section(res), _fp8_section(res), _plan_section(res)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
-    tail = ["## Run", "", f"Section times: {secs}. XLA_FLAGS: `{meta['xla_flags']}`.", ""]
-    return "\n".join(head) + "\n" + "\n\n".join(body) + "\n\n" + "\n".join(tail)
+    tail = _fill("run", seconds=secs, xla_flags=meta["xla_flags"])
+    return head + "\n" + "\n\n".join(body) + "\n\n" + tail
 
 
 def real_gpu_section(gpu_check: Path) -> str:
