@@ -55,7 +55,8 @@ test: $(STAMP)
 
 # The fast tier for the inner loop (about 2 min on 2 idle cores: 1:34 from a fresh clone's
 # venv, 1:32 of pytest): unit tests of every floor and one end-to-end test per feature
-# (the FAST table in tests/conftest.py); one file per worker at a time, as in `test`, so a
+# (tests without `pytest.mark.slow`, marked in each test file; tests/test_tiers.py keeps
+# every file in it); one file per worker at a time, as in `test`, so a
 # module fixture (a trainer run) is made once, not once per worker.
 test-fast: $(STAMP)
 	$(PY) -m compileall -q sp_jax examples benchmarks
