@@ -14,9 +14,15 @@ meshes, with integrity checks); beside them ``xla_flags`` (XLA GPU overlap flags
 """
 
 import importlib
+import warnings
 from typing import Any
 
 from sp_jax._quiet import quiet_import_jax
+
+# `python -m sp_jax.compat` (the table of what combines) runs a module that `import sp_jax`
+# has loaded already (every refusal asks it); runpy's warning about that is noise here.
+warnings.filterwarnings("ignore", message="'sp_jax.compat' found in sys.modules",
+                        category=RuntimeWarning)
 
 quiet_import_jax()  # before JAX starts: no CUDA-plugin noise on machines without a GPU
 

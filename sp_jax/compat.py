@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ __all__ = ["ALIASES", "FEATURES", "MODES", "TABLE", "Cell", "CombinationError", 
 
 MODES: dict[str, str] = {
     "train": "a training step: TrainStep, or jax.grad of GPT.loss",
-    "eval": "a forward pass without gradients: GPT logits, hidden_states, eval loss",
+    "eval": "logits or hidden states without gradients (GPT.__call__, GPT.hidden_states)",
     "generate": "sp_jax.models.generate: prefill and key/value-cache decoding",
 }
 """The modes, each with what it covers."""
@@ -73,13 +74,13 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "pipeline_gpipe": "pipeline stages",
     "pipeline_1f1b": "pipeline stages",
     "pipeline": "pipeline stages",
-    "experts": "mixture-of-experts layers",
+    "experts": "a mixture of experts (num_experts > 0)",
     "expert_parallel": "expert_axis",
-    "fp8_current": "FP8 layers (fp8=Fp8Recipe(...))",
-    "fp8_delayed": "FP8 layers (fp8=Fp8Recipe(...))",
-    "fp8": "FP8 layers (fp8=Fp8Recipe(...))",
+    "fp8_current": "FP8 (fp8=Fp8Recipe('current'))",
+    "fp8_delayed": "FP8 (fp8=Fp8Recipe('delayed'))",
+    "fp8": "FP8 (fp8=Fp8Recipe(...))",
     "context": "a context axis",
-    "packed_documents": "segment_ids / positions (packed documents)",
+    "packed_documents": "packed documents (segment_ids / positions)",
     "sliding_window": "a sliding window",
     "cudnn_attention": "attention_implementation='cudnn'",
     "attention_dropout": "attention dropout",
@@ -190,8 +191,81 @@ _EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_
 
 _NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss")]
 
-# (modes, feature, feature or None, test node ids); filled in below.
-_SUPPORTED: list[tuple[tuple[str, ...], str, str | None, tuple[str, ...]]] = []
+# (modes, features, test node id): the test runs these features together in these modes,
+# so every pair of them (and each alone) is supported there.
+_GPT = "tests/test_gpt.py::test_sp_gpt_trains_like_unsharded"
+_CONTEXT = "tests/test_context.py::test_gpt_with_a_context_axis_trains_like_unsharded"
+_FSDP = "tests/test_fsdp.py::test_fsdp_trains_like_unsharded"
+_PIPE = "tests/test_pipeline.py::test_pipeline_trains_like_unsharded"
+_MOE = "tests/test_moe.py::test_dropless_experts_train_like_the_reference_loop"
+_MOE_CAPACITY = "tests/test_moe.py::test_capacity_drops_the_same_pairs_on_every_mesh"
+_FP8 = "tests/test_fp8.py::test_sharded_fp8_gpt_first_step_equals_unsharded"
+_FP8_LAYER = "tests/test_fp8.py::test_layer_equals_numpy_fp8_reference"
+_PACKED = "tests/test_packed.py::test_packed_batch_equals_its_documents_one_by_one"
+_HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
+_HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
+_GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
+_COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
+_TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
+_RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
+_EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
+_TRAIN, _EVAL, _GEN = ("train",), ("eval",), ("generate",)
+_COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
+    (_TRAIN, (_TS, _CM, _RA), f"{_GPT}[fp32]"),
+    (_TRAIN, (_TS, _RA, _DROP), f"{_GPT}[scan_remat_dropout]"),
+    (_TRAIN, (_TS, _CM, "fsdp"), f"{_GPT}[collective_matmul_scan_untied_50]"),
+    (_TRAIN, (_TS, "fsdp", _RA), f"{_FSDP}[4x2_micro_recompute_dropout]"),
+    (_TRAIN, (_TS, "fsdp", _RING),
+     "tests/test_fsdp.py::test_fsdp_with_a_context_axis_trains_like_unsharded"),
+    (_TRAIN, (_TS, _RING, _RA), f"{_CONTEXT}[ring_2x2x2_rotary_mqa_recompute]"),
+    (_TRAIN, (_TS, _ULYSSES), f"{_CONTEXT}[ulysses_2x2x2_gqa]"),
+    (_TRAIN, (_TS, _ULYSSES, _DROP), f"{_CONTEXT}[ulysses_1x4x2_dropout]"),
+    (_TRAIN, (_RING, _DROP), f"{_CONTEXT}[ring_1x8x1_dropout]"),
+    (_TRAIN, (_TS, "pipeline_1f1b"), f"{_PIPE}[2x1x1x4_1f1b_r1_m4]"),
+    (_TRAIN, (_TS, "pipeline_gpipe", _RA, _CM), f"{_PIPE}[2x1x1x4_gpipe_r2_m4_recompute_cm]"),
+    (_TRAIN, ("pipeline_1f1b", "fsdp"), f"{_PIPE}[4x2x1x1_1f1b_r1_m8_fsdp]"),
+    (_TRAIN, (_TS, "pipeline_1f1b", _DROP), f"{_PIPE}[2x2x1x2_1f1b_r2_m8_dropout]"),
+    (_TRAIN, (_TS, "pipeline_1f1b", _RING), f"{_PIPE}[2x1x2x2_ring_1f1b_r2_m4]"),
+    (_TRAIN, (_TS, "pipeline_gpipe", _RING), f"{_PIPE}[2x1x2x2_ring_gpipe_r1_m8]"),
+    (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
+    (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
+    (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),
+    (("train", "eval"), (_TS, *_EXPERTS), f"{_HF_MOE}[mixtral]"),
+    (_TRAIN, (_TS, "fp8_current"), f"{_FP8}[2x4-current]"),
+    (_TRAIN, (_TS, "fp8_current", "fsdp"), f"{_FP8}[2x4_fsdp-current]"),
+    (_TRAIN, (_TS, "fp8_current", _RING), f"{_FP8}[1x2x4_ring-current]"),
+    (_TRAIN, (_TS, "fp8_delayed"), f"{_FP8}[2x4-delayed]"),
+    (_TRAIN, (_TS, "fp8_current", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-current]"),
+    (_TRAIN, (_TS, "fp8_delayed", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-delayed]"),
+    (_TRAIN, (_TS, "fp8_delayed", "fsdp"), f"{_FP8_LAYER}[column_sp-2x4_fsdp-delayed]"),
+    (_TRAIN, (_TS, "fp8_delayed", _RING), f"{_FP8_LAYER}[column_sp-1x2x4_ring-delayed]"),
+    (_TRAIN, (_TS, _DOCS), f"{_PACKED}[2x4_learned]"),
+    (_TRAIN, (_TS, _DOCS, "fsdp"), f"{_PACKED}[2x4_rotary_gqa_fsdp]"),
+    (_TRAIN, (_TS, _DOCS, _RING), f"{_PACKED}[ring_zigzag_1x2x4_rotary]"),
+    (_TRAIN, (_TS, _DOCS, _ULYSSES), f"{_PACKED}[ulysses_1x4x2_scan_remat]"),
+    (_TRAIN, (_DOCS, _WINDOW),
+     "tests/test_attention.py::test_sliding_window_matches_dense_reference[24-8-4-13-None-True]"),
+    (("train", "eval"), (_TS, _WINDOW), f"{_HF}[mistral]"),
+    (_EVAL, (_TS,), "tests/test_gpt.py::test_logits_layout_and_padding"),
+    (_EVAL, (_TS, _RING),
+     "tests/test_context.py::test_logits_and_hidden_states_come_back_in_the_input_order"),
+    (_EVAL, (_WINDOW, _ULYSSES),
+     "tests/test_attention.py::test_sliding_window_errors_and_context_parallel"),
+    (_GEN, (_TS,), f"{_GENERATE}[gpt2-2x4]"),
+    (_GEN, (_TS, "fsdp"),
+     "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
+    (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
+    # tests/test_compat.py: one model with several features, train and eval, against the
+    # same model unsharded
+    (("train", "eval"), (_TS, _CM, _RA, "fsdp", _WINDOW, _DOCS), f"{_COMPAT}[2x4_cm_fsdp]"),
+    (("train", "eval"), (_TS, _ULYSSES, _CM, _RA, "fsdp", _WINDOW, _DOCS),
+     f"{_COMPAT}[2x2x2_ulysses_cm_fsdp]"),
+    (("train", "eval"), (_TS, _RING, _CM, _RA, _DOCS, "fp8_current"),
+     f"{_COMPAT}[1x2x4_ring_cm_fp8]"),
+    (("train", "eval"), (_TS, *_EXPERTS, "fsdp", _CM, _RA, _DOCS, _WINDOW, "fp8_delayed"),
+     f"{_COMPAT}[2x2x1x2_experts_fsdp_cm_fp8]"),
+    (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
+]
 
 
 def _build() -> dict[str, dict[frozenset[str], Cell]]:
@@ -217,16 +291,23 @@ def _build() -> dict[str, dict[frozenset[str], Cell]]:
         put(modes, a, b, Cell("refused", fix=fix))
     for modes, a in _NOT_APPLICABLE:
         put(modes, a, None, Cell("n/a"))
-    for modes, a, b, tests in _SUPPORTED:
-        put(modes, a, b, Cell("supported", tests=tests))
+    for modes, features, test in _COVERED:
+        for mode in modes:
+            for x, y in itertools.combinations_with_replacement(features, 2):
+                old = table[mode].get(_key(x, y))
+                if old is not None and old.status != "supported":
+                    raise AssertionError(f"sp_jax.compat: {test} runs {x} x {y} in {mode}, "
+                                         f"which the table says is {old.status}")
+                tests = () if old is None else old.tests
+                table[mode][_key(x, y)] = Cell("supported", tests=(*tests, test))
     for cells in table.values():
         for x, y in itertools.combinations(FEATURES, 2):
             key = _key(x, y)
             if key in cells:
                 continue
-            for f in (x, y):  # a feature refused (or meaningless) alone decides the pair
-                alone = cells.get(_key(f, f))
-                if alone is not None and alone.status in ("refused", "n/a"):
+            for status, f in itertools.product(("n/a", "refused"), (x, y)):
+                alone = cells.get(_key(f, f))  # refused (or meaningless) alone: the pair too
+                if alone is not None and alone.status == status:
                     cells[key] = dataclasses.replace(alone, alone=f)
                     break
         for x, y in itertools.combinations_with_replacement(FEATURES, 2):
@@ -357,8 +438,10 @@ def render() -> str:
     """The table as text: one matrix per mode (compact symbols, under 100 columns), the
     legend, then every refused cell with its fix."""
     width = max(map(len, FEATURES))
-    lines = ["Legend: " + "; ".join(f"{s} {text}" for s, text in STATUSES.values()),
-             "Features: " + ", ".join(f"{_SHORT[f]} {f}" for f in FEATURES), ""]
+    lines = ["Legend:", *(f"  {s}  {text}" for s, text in STATUSES.values()), "Features:"]
+    lines.extend(textwrap.wrap(", ".join(f"{_SHORT[f]} {f}" for f in FEATURES), 99,
+                               initial_indent="  ", subsequent_indent="  "))
+    lines.append("")
     for mode, text in MODES.items():
         lines.append(f"{mode}: {text}")
         lines.append(" " * (width + 2) + " ".join(_SHORT[f] for f in FEATURES))
@@ -367,10 +450,12 @@ def render() -> str:
                            for g in FEATURES)
             lines.append(f"{f:<{width + 2}}{row}")
         lines.append("")
-    lines.append("Refused (mode: features: what to do):")
-    for mode, a, b, c in refusals():
+    lines.append("Refused (modes: features: what to do; pipeline, fp8 and context stand for "
+                 "each of their values):")
+    for modes, a, b, fix in _REFUSED:
         pair = a if b is None else f"{a} x {b}"
-        lines.append(f"- {mode}: {pair}: {c.fix}")
+        lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {pair}: {fix}", 99,
+                                   subsequent_indent="  "))
     return "\n".join(lines)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sp_jax.compat import check
+
 __all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "PIPELINE_SCHEDULES", "Fp8Recipe",
            "ParallelConfig"]
 
@@ -233,9 +235,8 @@ class ParallelConfig:
                 "own, e.g. jax.make_mesh((data, expert, context, tensor), ('data', "
                 "'expert', 'context', 'tensor')).")
         if self.pipeline_axis is not None:
-            raise ValueError(
-                "ParallelConfig: expert_axis with pipeline_axis is not supported yet; train "
-                "a mixture of experts without pipeline stages.")
+            check("train", {"expert_parallel": "expert_axis", "pipeline": "pipeline_axis"},
+                  where="ParallelConfig")
 
     def _check_pipeline(self) -> None:
         """Validates the ``pipeline_*`` fields and ``manual_data_axes``."""

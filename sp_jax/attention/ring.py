@@ -25,6 +25,7 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 from sp_jax.attention.sequence_order import zigzag_positions
+from sp_jax.compat import check
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary
 
 __all__ = ["ring_attention"]
@@ -244,10 +245,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     """
     check_qkv("ring_attention", q, k, v)
     if sliding_window is not None:
-        raise ValueError(
-            f"ring_attention: sliding_window={sliding_window!r} is not supported with ring "
-            "attention; use context_parallel='ulysses' (exact with a window) or no "
-            "context axis.")
+        check("train", {"sliding_window": f"sliding_window={sliding_window!r}",
+                        "context_ring": "ring attention"}, where="ring_attention")
     bq, bk = _ring_blocks(q, block_q, block_k)
     q, k, v = same_vma(q, k, v)
     q, k, v = (vary(x, (axis_name,)) for x in (q, k, v))

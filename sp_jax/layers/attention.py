@@ -19,6 +19,7 @@ from sp_jax.attention import (
     sequence_order,
     ulysses_attention,
 )
+from sp_jax.compat import check, features_of
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_per_shard
 from sp_jax.layers.dropout import Dropout
@@ -87,16 +88,11 @@ class CausalSelfAttention(nnx.Module):
         if not isinstance(parallel, ParallelConfig):
             raise TypeError(f"CausalSelfAttention: parallel={parallel!r} must be a "
                             "sp_jax.ParallelConfig.")
-        if config.attention_implementation == "cudnn" and parallel.context_parallel == "ring":
-            raise ValueError(
-                "CausalSelfAttention: attention_implementation='cudnn' cannot run ring "
-                "attention (its steps are merged by log-sum-exp, which cuDNN's kernel does not "
-                "return); use attention_implementation='xla' or context_parallel='ulysses'.")
-        if config.sliding_window is not None and parallel.context_parallel == "ring":
-            raise ValueError(
-                f"CausalSelfAttention: sliding_window={config.sliding_window} is not "
-                "supported with ring attention; use context_parallel='ulysses' (exact with a "
-                "window) or no context axis.")
+        active = features_of(config, parallel)  # refused pairs: sp_jax.compat
+        check("train", {f: name for f, name in (
+            ("cudnn_attention", "attention_implementation='cudnn'"),
+            ("sliding_window", f"sliding_window={config.sliding_window}"),
+            ("context_ring", "ring attention")) if f in active}, where="CausalSelfAttention")
         self.config, self.parallel = config, parallel
         mesh = current_mesh(parallel, where="CausalSelfAttention", required=False)
         if mesh is not None:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sp_jax.compat import check
 from sp_jax.config import Fp8Recipe, ParallelConfig
 from sp_jax.ops.fp8 import Fp8Spec, roll_history
 
@@ -61,9 +62,9 @@ def fp8_spec(fp8: Fp8Recipe | None, parallel: ParallelConfig) -> Fp8Spec | None:
     if fp8 is None:
         return None
     if parallel.pipeline_axis is not None:
-        raise ValueError("FP8 layers (fp8=Fp8Recipe(...)) do not run inside a pipeline "
-                         f"(ParallelConfig(pipeline_axis={parallel.pipeline_axis!r})) yet; "
-                         "use fp8=None there.")
+        check("train", {"fp8": "FP8 layers (fp8=Fp8Recipe(...))", "pipeline": "a pipeline "
+                        f"(ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}))"},
+              where="fp8_spec")
     axes = (*parallel.data_axes, *parallel.manual_data_axes, *parallel.context_axes,
             parallel.tensor_axis)
     return Fp8Spec(fp8, tuple(dict.fromkeys(axes)))

@@ -34,6 +34,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import kv_heads_replicated
 from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
@@ -60,21 +61,18 @@ def check_decodable(model: Any) -> None:
     """A ValueError when ``model`` cannot decode: pipeline stages, or a context axis
     larger than 1 (the cache would be split over the sequence)."""
     par: ParallelConfig = model.parallel
+    features = {}
     if model.config.num_experts:
-        raise ValueError(
-            f"generate: the model has mixture-of-experts layers (num_experts="
-            f"{model.config.num_experts}); generation with experts is not supported yet.")
+        features["experts"] = ("the model has mixture-of-experts layers (num_experts="
+                               f"{model.config.num_experts})")
     if par.pipeline_axis is not None:
-        raise ValueError(
-            f"generate: the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r}); "
-            "generation runs without pipeline stages: restore its parameters into a GPT "
-            "built without pipeline_axis.")
+        features["pipeline"] = f"the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r})"
+    check("generate", features, where="generate")
     mesh = current_mesh(par, where="generate")
     if par.context_parallel and axis_size(mesh, par.context_axes) > 1:
-        raise ValueError(
-            f"generate: context_parallel={par.context_parallel!r} over a context axis of "
-            f"size {axis_size(mesh, par.context_axes)}: the KV cache is not split over the "
-            "sequence; generate on a mesh without a context axis (data x tensor).")
+        check("generate", {f"context_{par.context_parallel}": (
+            f"context_parallel={par.context_parallel!r} over a context axis of size "
+            f"{axis_size(mesh, par.context_axes)}")}, where="generate")
 
 
 # -- the decode layout of the parameters ---------------------------------------------------

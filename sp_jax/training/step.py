@@ -29,6 +29,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 
+from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
@@ -138,11 +139,14 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
                         loss_fn: LossFn) -> tuple[jax.Array, Any]:
     """Mean loss and fp32 gradients of a pipelined model's step: its schedule runs the
     batch's micro-batches (``model.pipeline_loss_and_grads``)."""
-    if loss_fn is not lm_loss or not hasattr(model, "pipeline_loss_and_grads"):
+    if loss_fn is not lm_loss:
+        check("train", {"custom_loss": "a custom loss_fn", "pipeline": "a pipelined model "
+                        "(ParallelConfig(pipeline_axis=...))"}, where="TrainStep")
+    if not hasattr(model, "pipeline_loss_and_grads"):
         raise ValueError(
-            "TrainStep: a pipelined model (ParallelConfig(pipeline_axis=...)) trains with "
-            "the default loss_fn=lm_loss through its own schedule "
-            "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it.")
+            "TrainStep: a pipelined model (ParallelConfig(pipeline_axis=...)) trains "
+            "through its own schedule, model.pipeline_loss_and_grads, which "
+            f"{type(model).__name__} lacks; use a sp_jax GPT.")
     if not isinstance(batch, dict) or set(batch) != {"tokens", "labels"}:
         raise ValueError("TrainStep: a pipelined model takes batches {'tokens', 'labels'} "
                          "[micro_batches, batch, seq].")
