@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.check_render",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.check_render", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "bench.json")
     parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs",
-                        help="where the report looks for gpu_check.md")
+    parser.add_argument(
+        "--docs", type=Path, default=ROOT / "docs", help="where the report looks for gpu_check.md"
+    )
     parser.add_argument("--write", type=Path, help="also write the rendered markdown here")
     args = parser.parse_args(argv)
     from benchmarks.render import render_document
@@ -34,15 +36,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         args.write.write_text(rendered)
     committed = args.markdown.read_text()
-    diff = list(difflib.unified_diff(committed.splitlines(keepends=True),
-                                     rendered.splitlines(keepends=True),
-                                     str(args.markdown), f"rendered from {args.json}"))
+    diff = list(
+        difflib.unified_diff(
+            committed.splitlines(keepends=True),
+            rendered.splitlines(keepends=True),
+            str(args.markdown),
+            f"rendered from {args.json}",
+        )
+    )
     sys.stdout.writelines(diff)
-    print(f"{args.markdown}: {'equal' if not diff else 'differs'} "
-          f"({sum(line.startswith('-') and not line.startswith('---') for line in diff)} "
-          f"lines only in the markdown, "
-          f"{sum(line.startswith('+') and not line.startswith('+++') for line in diff)} "
-          "only in the rendering)", file=sys.stderr)
+    print(
+        f"{args.markdown}: {'equal' if not diff else 'differs'} "
+        f"({sum(line.startswith('-') and not line.startswith('---') for line in diff)} "
+        f"lines only in the markdown, "
+        f"{sum(line.startswith('+') and not line.startswith('+++') for line in diff)} "
+        "only in the rendering)",
+        file=sys.stderr,
+    )
     return 0 if not diff else 1
 
 

@@ -7,14 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.render import (
-    JSON_NAME,
-    LABELS_CP,
-    PLOT_CONTEXT,
-    PLOT_S,
-    PLOT_T,
-    render_document,
-)
+from benchmarks.render import render_document
+from benchmarks.render.common import JSON_NAME, LABELS_CP, PLOT_CONTEXT, PLOT_S, PLOT_T
 from benchmarks.targets import MiB
 
 __all__ = ["write_outputs", "plot_context", "plot_memory"]

@@ -1,6 +1,7 @@
 """What the stand-alone benchmark sections (:mod:`benchmarks.pipeline`,
-:mod:`benchmarks.text`) share: their markdown tables and verdicts, and how their command
-lines write the results and print the targets."""
+:mod:`benchmarks.text`, ...) share: their targets' verdicts, and how their command lines
+write the results (JSON, and the section rendered by :mod:`benchmarks.render`) and print
+the targets."""
 
 from __future__ import annotations
 
@@ -10,14 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["section_main", "status", "table", "write_outputs"]
-
-
-def table(header: list[str], rows: list[list[Any]]) -> str:
-    """A markdown table of ``rows`` under ``header``."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+__all__ = ["section_main", "status", "write_outputs"]
 
 
 def status(met: bool | None) -> str:

@@ -31,7 +31,7 @@ def fragments(name: str) -> dict[str, string.Template]:
     return {k: string.Template("\n".join(v)) for k, v in out.items()}
 
 
-def fill(name: str, fragment: str, **values: Any) -> str:
+def fill(name: str, fragment: str, /, **values: Any) -> str:
     """Fragment ``fragment`` of template file ``name`` with ``values`` substituted (every
     placeholder must have a value)."""
     return fragments(name)[fragment].substitute(values)
