@@ -23,7 +23,8 @@ demo: $(STAMP)
 
 # Benchmarks sp_jax's TP+SP block against a GSPMD baseline and the unsharded block (a few
 # minutes on CPU, 8 simulated devices + deviceless 8 x H100 compiles; benchmarks/, not part
-# of the installed package); writes BENCHMARKS.md, docs/bench.json and
+# of the installed package); writes BENCHMARKS.md (rendered from the results by
+# benchmarks/render/ and the prose of benchmarks/templates/), docs/bench.json and
 # docs/bench_memory_vs_{t,s}.png here. `--quick` for a smoke run.
 bench: $(STAMP)
 	$(CPU_ENV) $(PY) -m benchmarks --out .
@@ -63,7 +64,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 lint: $(STAMP)
-	$(PY) -m ruff check sp_jax tests examples benchmarks
+	$(PY) -m ruff check sp_jax tests examples benchmarks scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -19,8 +19,12 @@ reported as not measured). In one run it measures:
 
 evaluates its targets (:mod:`benchmarks.targets`) and writes ``OUT/BENCHMARKS.md``,
 ``OUT/docs/bench.json`` and ``OUT/docs/bench_memory_vs_{t,s}.png``
-(:mod:`benchmarks.report`). The variants are built in :mod:`benchmarks.variants`; the
-GSPMD baseline is :mod:`benchmarks.baseline`. The benchmark uses only public ``sp_jax``
+(:mod:`benchmarks.report`). Each measurement returns JSON-serialisable data; the markdown
+is rendered from that data alone (:mod:`benchmarks.render`, one module per section) with
+the prose of ``benchmarks/templates/*.md``, so ``python -m benchmarks.check_render``
+renders ``docs/bench.json`` again and diffs it against ``BENCHMARKS.md``. The first run
+on real GPUs (``make gpu-check``) is a tool, ``scripts/gpu_check.py``. The variants are
+built in :mod:`benchmarks.variants`; the GSPMD baseline is :mod:`benchmarks.baseline`. The benchmark uses only public ``sp_jax``
 names; the measurement tools a user needs at run time are in :mod:`sp_jax.analysis`.
 
 This file imports nothing, so that ``python -m benchmarks`` can configure the simulated

@@ -185,6 +185,10 @@ def test_quick_run_writes_report(tmp_path):
     for name in ("bench_memory_vs_t.png", "bench_memory_vs_s.png", "bench_context_memory.png"):
         png = (tmp_path / "docs" / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000
+    # the report is a function of the JSON alone: rendered again from it, the same bytes
+    from benchmarks.render import render_document
+
+    assert render_document(data, tmp_path / "docs") == md
 
     # the target table: every target once, its verdict in the report
     assert [t["id"] for t in data["targets"]] == TARGET_IDS
@@ -349,7 +353,8 @@ def test_generation_section_from_results(mismatch, combined):
     results: the ratio reported, the memory within 5% of analytic, combined all-reduces
     accepted when they move the expected bytes; a run without transformers or the plugin
     reports them as not measured."""
-    from benchmarks.generation import evaluate_targets, render_markdown
+    from benchmarks.generation import evaluate_targets
+    from benchmarks.render.generation import render_markdown
 
     res = _generation_results(mismatch, combined)
     res["targets"] = targets = evaluate_targets(res)
