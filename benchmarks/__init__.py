@@ -25,7 +25,8 @@ the prose of ``benchmarks/templates/*.md``, so ``python -m benchmarks.check_rend
 renders ``docs/bench.json`` again and diffs it against ``BENCHMARKS.md``. The first run
 on real GPUs (``make gpu-check``) is a tool, ``scripts/gpu_check.py``. The variants are
 built in :mod:`benchmarks.variants`; the GSPMD baseline is :mod:`benchmarks.baseline`. The
-benchmark uses only public ``sp_jax`` names; the measurement tools a user needs at run time are in :mod:`sp_jax.analysis`.
+benchmark uses only public ``sp_jax`` names; the measurement tools a user needs at run
+time are in :mod:`sp_jax.analysis`.
 
 This file imports nothing, so that ``python -m benchmarks`` can configure the simulated
 devices (:mod:`benchmarks.__main__`) before JAX is imported.
