@@ -25,8 +25,8 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["ALIASES", "FEATURES", "MODES", "TABLE", "Cell", "CombinationError", "cell",
-           "check", "features_of", "markdown", "refusals", "render"]
+__all__ = ["ALIASES", "COVERED", "FEATURES", "MODES", "REFUSALS", "STATUSES", "TABLE", "Cell",
+           "CombinationError", "cell", "check", "features_of", "markdown", "refusals", "render"]
 
 MODES: dict[str, str] = {
     "train": "a training step: TrainStep, or jax.grad of GPT.loss",
@@ -143,8 +143,7 @@ _TRAIN_EVAL = ("train", "eval")
 _GENERATE_CONTEXT = (
     "the KV cache is not split over the sequence; generate on a mesh without a context "
     "axis (data x tensor), or with a context axis of size 1.")
-_REFUSED: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    # (modes, first feature, second feature or None, what to do)
+REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "sliding_window", "context_ring",
      "use context_parallel='ulysses' (exact with a window) or no context axis."),
     (_ALL, "cudnn_attention", "context_ring",
@@ -185,6 +184,8 @@ _REFUSED: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "without pipeline_axis."),
     (("generate",), "context", None, _GENERATE_CONTEXT),
 ]
+"""Each refusal: ``(modes, first feature, second feature or None: the first alone, what to
+do)``; a feature may be an alias (each of its values is refused)."""
 
 _EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_1f1b"),
               ("fp8_current", "fp8_delayed")]
@@ -210,7 +211,7 @@ _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
 _RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
 _EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
 _TRAIN, _EVAL, _GEN = ("train",), ("eval",), ("generate",)
-_COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
+COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, _CM, _RA), f"{_GPT}[fp32]"),
     (_TRAIN, (_TS, _RA, _DROP), f"{_GPT}[scan_remat_dropout]"),
     (_TRAIN, (_TS, _CM, "fsdp"), f"{_GPT}[collective_matmul_scan_untied_50]"),
@@ -266,6 +267,7 @@ _COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      f"{_COMPAT}[2x2x1x2_experts_fsdp_cm_fp8]"),
     (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
 ]
+"""``(modes, features, pytest node id)``: the test runs these features together."""
 
 
 def _build() -> dict[str, dict[frozenset[str], Cell]]:
@@ -287,11 +289,11 @@ def _build() -> dict[str, dict[frozenset[str], Cell]]:
 
     for a, b in _EXCLUSIVE:
         put(_ALL, a, b, Cell("exclusive"))
-    for modes, a, b, fix in _REFUSED:
+    for modes, a, b, fix in REFUSALS:
         put(modes, a, b, Cell("refused", fix=fix))
     for modes, a in _NOT_APPLICABLE:
         put(modes, a, None, Cell("n/a"))
-    for modes, features, test in _COVERED:
+    for modes, features, test in COVERED:
         for mode in modes:
             for x, y in itertools.combinations_with_replacement(features, 2):
                 old = table[mode].get(_key(x, y))
@@ -452,7 +454,7 @@ def render() -> str:
         lines.append("")
     lines.append("Refused (modes: features: what to do; pipeline, fp8 and context stand for "
                  "each of their values):")
-    for modes, a, b, fix in _REFUSED:
+    for modes, a, b, fix in REFUSALS:
         pair = a if b is None else f"{a} x {b}"
         lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {pair}: {fix}", 99,
                                    subsequent_indent="  "))
@@ -467,4 +469,6 @@ def markdown() -> str:
 TABLE.update(_build())
 
 if __name__ == "__main__":
-    print(render())
+    import sys
+
+    print(markdown() if sys.argv[1:] == ["--markdown"] else render())

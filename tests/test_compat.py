@@ -1,0 +1,342 @@
+"""The table of what combines (``sp_jax.compat``): complete and symmetric, each refused
+cell refused by ``check`` and by the entry point that meets it, each supported cell
+named by a test that exists, combinations no other test runs compared with the same
+model unsharded, and ``docs/api.md`` showing the table as ``render`` prints it."""
+
+import ast
+import functools
+import itertools
+import re
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _util import copy_weights, param_values, to_host
+from conftest import make_mesh
+from flax import nnx
+from jax.sharding import AxisType
+
+import sp_jax
+from sp_jax import compat
+from sp_jax.attention import blockwise_attention
+from sp_jax.models import GPT, GPTConfig, generate
+from sp_jax.training import TrainStep, lm_loss
+
+ROOT = Path(__file__).parent.parent
+B, S = 4, 16
+BASE = dict(vocab_size=64, max_seq_len=S, num_layers=1, num_heads=4, hidden=32,
+            attention_block_q=4, attention_block_k=4)
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape),
+                         devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _context_mesh(context=2, tensor=4):
+    return _mesh((1, context, tensor), ("data", "context", "tensor"))
+
+
+def _stage_mesh():
+    return _mesh((2, 1, 1, 4), ("stage", "data", "context", "tensor"))
+
+
+# -- the table as data --------------------------------------------------------------------
+
+
+def test_table_is_complete_and_symmetric():
+    assert set(compat.MODES) == {"train", "eval", "generate"}
+    for name, text in compat.FEATURES.items():
+        assert re.fullmatch(r"[a-z0-9_]+", name) and text.strip(), name
+    for mode in compat.MODES:
+        for a, b in itertools.product(compat.FEATURES, repeat=2):
+            cell = compat.cell(mode, a, b)
+            assert cell == compat.cell(mode, b, a)
+            assert cell.status in compat.STATUSES
+            assert bool(cell.tests) == (cell.status == "supported"), (mode, a, b)
+            assert bool(cell.fix) == (cell.status == "refused"), (mode, a, b)
+    for members in compat.ALIASES.values():  # two values of one option
+        for mode in compat.MODES:
+            assert compat.cell(mode, *members[:2]).status == "exclusive"
+
+
+def _test_names(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("test")}
+
+
+def test_every_supported_cell_names_a_test_that_exists():
+    """Each node id: its file, its test function, and each part of its parameter id
+    as written in that file (a dict key, a string, a number)."""
+    ids = {t for cells in compat.TABLE.values() for c in cells.values() for t in c.tests}
+    assert len(ids) > 30
+    for node in sorted(ids):
+        m = re.fullmatch(r"(tests/test_\w+\.py)::(test_\w+)(?:\[(.+)\])?", node)
+        assert m, node
+        path = ROOT / m[1]
+        assert path.is_file() and m[2] in _test_names(path), node
+        source = path.read_text()
+        for part in (m[3] or "").split("-") if m[3] else ():
+            assert re.search(rf"\b{re.escape(part)}\b", source) or re.fullmatch(
+                r"\d+x\d+", part), (node, part)
+
+
+@pytest.mark.parametrize("mode", list(compat.MODES))
+def test_check_refuses_each_refused_cell_and_passes_the_others(mode):
+    for m, a, b, cell in compat.refusals(mode):
+        names = [a] if b is None else [a, b]
+        alone = [f for f in names if compat.cell(mode, f).status == "refused"]
+        if alone:  # a feature refused alone in this mode is named first
+            tail, cell = f"(sp_jax.compat: {alone[0]} in {mode})", compat.cell(mode, alone[0])
+        else:
+            tail = f"(sp_jax.compat: {a} x {b} in {mode})"
+        with pytest.raises(compat.CombinationError, match=re.escape(tail)) as info:
+            compat.check(m, names, where="here")
+        assert str(info.value).startswith("here: ") and cell.fix in str(info.value)
+        assert isinstance(info.value, ValueError)
+    for a, b in itertools.combinations_with_replacement(compat.FEATURES, 2):
+        if compat.cell(mode, a, b).status in ("supported", "untested"):
+            compat.check(mode, {a, b}, where="here")
+
+
+def test_check_names_values_aliases_and_bad_input():
+    with pytest.raises(ValueError, match=r"^ring_attention: sliding_window=4 is not supported "
+                                         r"with ring attention; use context_parallel='ulysses'"):
+        compat.check("train", {"sliding_window": "sliding_window=4",
+                               "context_ring": "ring attention"}, where="ring_attention")
+    with pytest.raises(ValueError, match=r"FP8 \(fp8=Fp8Recipe\(\.\.\.\)\) is not supported with "
+                                         r"pipeline stages; .* fp8_current x pipeline_gpipe"):
+        compat.check("train", ["fp8", "pipeline"], where="x")
+    compat.check("train", ["pipeline", "context"], where="x")  # aliases: no self-refusal
+    with pytest.raises(ValueError, match="unknown feature 'fp16'"):
+        compat.check("train", ["fp16"], where="x")
+    with pytest.raises(ValueError, match="unknown mode 'infer'"):
+        compat.check("infer", [], where="x")
+
+
+def test_features_of_a_model_configuration():
+    cfg = GPTConfig(**BASE, sliding_window=4, num_experts=4, fp8=sp_jax.Fp8Recipe("delayed"))
+    par = sp_jax.ParallelConfig(context_parallel="ulysses", fsdp=True, collective_matmul=True,
+                                expert_axis="expert")
+    assert compat.features_of(cfg, par) == {
+        "tensor_sequence", "context_ulysses", "fsdp", "collective_matmul", "expert_parallel",
+        "sliding_window", "experts", "fp8_delayed"}
+    mesh = _context_mesh(context=1, tensor=8)  # a context axis of size 1: no context feature
+    assert "context_ulysses" not in compat.features_of(None, par, mesh)
+    pipe = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_schedule="1f1b")
+    assert "pipeline_1f1b" in compat.features_of(GPTConfig(**BASE), pipe)
+
+
+# -- each refused cell, by the entry point that meets it -----------------------------------
+
+
+@functools.cache
+def _pipelined_gpt():
+    cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True})
+    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
+    with jax.set_mesh(_stage_mesh()):
+        return GPT(cfg, parallel=par, rngs=nnx.Rngs(0))
+
+
+def _on_pipeline(call):
+    model = _pipelined_gpt()
+    with jax.set_mesh(_stage_mesh()):
+        call(model)
+
+
+TOKENS = np.arange(B * S, dtype=np.int32).reshape(B, S) % 64
+
+
+def _custom_loss_step(model):
+    step = TrainStep(model, optax.sgd(0.1), loss_fn=lambda m, b, k: (m.loss(b["tokens"]), 1))
+    step({"tokens": TOKENS.reshape(2, 2, S), "labels": TOKENS.reshape(2, 2, S)},
+         jax.random.key(0))
+
+
+def _generate_on_context(kind):
+    with jax.set_mesh(_context_mesh()):
+        model = GPT(GPTConfig(**{**BASE, "num_heads": 8}),
+                    parallel=sp_jax.ParallelConfig(context_parallel=kind), rngs=nnx.Rngs(0))
+        generate(model, [[1]], max_new_tokens=1)
+
+
+def _experts_on_pipeline():
+    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
+    with jax.set_mesh(_stage_mesh()):
+        GPT(GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True, "num_experts": 4}),
+            parallel=par, rngs=nnx.Rngs(0))
+
+
+def _generate_with_experts():
+    with jax.set_mesh(make_mesh(2, 4)):
+        generate(GPT(GPTConfig(**BASE, num_experts=4), rngs=nnx.Rngs(0)), [[1]],
+                 max_new_tokens=1)
+
+
+def _ring_gpt(**config):
+    with jax.set_mesh(_context_mesh()):
+        GPT(GPTConfig(**BASE, **config), parallel=sp_jax.ParallelConfig(context_parallel="ring"),
+            rngs=nnx.Rngs(0))
+
+
+def _fp8_layer_in_pipeline():
+    with jax.set_mesh(make_mesh(2, 4)):
+        sp_jax.ColumnSequenceParallelLinear(
+            8, 8, fp8=sp_jax.Fp8Recipe(), rngs=nnx.Rngs(0),
+            parallel=sp_jax.ParallelConfig(pipeline_axis="data", data_axis=None))
+
+
+def _cudnn_with_documents():
+    q = jnp.zeros((1, 8, 2, 4))
+    blockwise_attention(q, q, q, segment_ids=jnp.ones((1, 8), jnp.int32),
+                        implementation="cudnn")
+
+
+# (first feature, second or None) of each entry of compat.REFUSALS -> (what meets it, the
+# message it raises: its own words where the refusal is not raised by compat.check yet)
+ENTRY_POINTS = {
+    ("sliding_window", "context_ring"): (lambda: _ring_gpt(sliding_window=4),
+                                         r"sliding_window=4 is not supported with ring"),
+    ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn"),
+                                          "cannot run ring attention"),
+    ("packed_documents", "cudnn_attention"): (_cudnn_with_documents,
+                                              r"segment_ids \(packed documents\) need "
+                                              "implementation='xla'"),
+    ("attention_dropout", "cudnn_attention"): (
+        lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
+        "attention_dropout=0.1 needs attention_implementation='xla'"),
+    ("expert_parallel", "pipeline"): (
+        lambda: sp_jax.ParallelConfig(expert_axis="expert", pipeline_axis="stage"),
+        "expert_axis is not supported with pipeline_axis"),
+    ("experts", "pipeline"): (_experts_on_pipeline, "do not run in pipeline stages"),
+    ("fp8", "pipeline"): (_fp8_layer_in_pipeline, r"FP8 layers \(fp8=Fp8Recipe.*pipeline"),
+    ("packed_documents", "pipeline"): (
+        lambda: _on_pipeline(lambda m: m.loss(TOKENS, segment_ids=np.ones_like(TOKENS))),
+        "packed documents"),
+    ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
+                                  "a custom loss_fn cannot run on it"),
+    ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),
+                         r"runs as a pipeline: call model.loss"),
+    ("experts", None): (_generate_with_experts, "generation with experts is not supported"),
+    ("context", None): (lambda: (_generate_on_context("ring"), _generate_on_context("ulysses")),
+                        r"context_parallel='ring' over a context axis of size 2: the KV cache "
+                        "is not split over the sequence"),
+}
+GENERATE_ON_PIPELINE = (lambda: _on_pipeline(lambda m: generate(m, [[1]], max_new_tokens=1)),
+                        "generation runs without pipeline stages")
+
+
+def test_every_refusal_has_an_entry_point():
+    assert set(ENTRY_POINTS) == {(a, b) for _, a, b, _ in compat.REFUSALS}
+
+
+@pytest.mark.parametrize("modes, a, b, fix", compat.REFUSALS,
+                         ids=[f"{'_'.join(m)}-{a}-{b}" for m, a, b, _ in compat.REFUSALS])
+def test_each_refusal_is_raised_where_it_is_met(modes, a, b, fix):
+    meet, pattern = GENERATE_ON_PIPELINE if (modes, a, b) == (("generate",), "pipeline", None) \
+        else ENTRY_POINTS[a, b]
+    if (a, b) == ("context", None):  # Ulysses too (the first call raises for ring)
+        with pytest.raises(ValueError, match=r"context_parallel='ulysses' over a context"):
+            _generate_on_context("ulysses")
+    with pytest.raises(ValueError, match=pattern):
+        meet()
+
+
+# -- combinations no other test runs: the same model sharded and unsharded -----------------
+
+DOCS = np.where(np.arange(S) < 10, 1, 2)[None].repeat(B, 0).astype(np.int32)
+DOCS[1] = 1  # one row holds a single document
+POSITIONS = np.where(DOCS == 1, np.arange(S), np.arange(S) - 10).astype(np.int32)
+
+CASES = {  # id: (mesh shape, axis names, model options, parallel options)
+    "2x4_cm_fsdp": ((2, 4), ("data", "tensor"), dict(sliding_window=3),
+                    dict(collective_matmul=True, recompute_allgather=True, fsdp=True)),
+    "2x2x2_ulysses_cm_fsdp": ((2, 2, 2), ("data", "context", "tensor"), dict(sliding_window=3),
+                              dict(context_parallel="ulysses", collective_matmul=True,
+                                   recompute_allgather=True, fsdp=True)),
+    "1x2x4_ring_cm_fp8": ((1, 2, 4), ("data", "context", "tensor"),
+                          dict(fp8=sp_jax.Fp8Recipe("current")),
+                          dict(context_parallel="ring", collective_matmul=True,
+                               recompute_allgather=True)),
+    "2x2x1x2_experts_fsdp_cm_fp8": ((2, 2, 1, 2), ("data", "expert", "context", "tensor"),
+                                    dict(sliding_window=3, num_experts=4, moe_mlp_hidden=16,
+                                         fp8=sp_jax.Fp8Recipe("delayed", 4)),
+                                    dict(expert_axis="expert", fsdp=True,
+                                         collective_matmul=True, recompute_allgather=True)),
+}
+
+
+@nnx.jit
+def _logits_loss_grads(model, tokens, segment_ids, positions):
+    docs = dict(segment_ids=segment_ids, positions=positions)
+    logits = model(tokens, **docs)
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens, **docs))(model)
+    return logits, loss, grads
+
+
+def _run(cfg, parallel, mesh, init=None):
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        if init is not None:
+            copy_weights(model, init)
+        init = param_values(model)
+        logits, loss, grads = _logits_loss_grads(model, TOKENS, DOCS, POSITIONS)
+        return init, to_host(logits), float(loss), to_host(nnx.to_pure_dict(grads))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_combination_equals_unsharded(case):
+    """Logits (eval) and the loss with its gradients (train) of one model with the
+    case's features together, packed documents in every case, against the same model on
+    one device. FP8: the same whole-tensor scales sharded and unsharded, so only the
+    fp32 summation order differs (a rare one-quantum flip)."""
+    shape, names, model_kw, parallel_kw = CASES[case]
+    cfg = GPTConfig(**BASE, **model_kw)
+    parallel = sp_jax.ParallelConfig(**parallel_kw)
+    assert compat.features_of(cfg, parallel) | {"packed_documents"} >= set(
+        next(f for _, f, t in compat.COVERED if t.endswith(f"[{case}]")))
+    init, logits, loss, grads = _run(cfg, parallel, _mesh(shape, names))
+    _, ref_logits, ref_loss, ref_grads = _run(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
+                                              init)
+    tol = 2e-3 if cfg.fp8 else 1e-5
+    np.testing.assert_allclose(loss, ref_loss, rtol=tol)
+    np.testing.assert_allclose(logits, ref_logits, rtol=tol, atol=tol * 10)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=tol * 10, atol=tol)
+
+
+def test_custom_loss_fn_trains_like_lm_loss():
+    """A TrainStep with a loss_fn of its own (the cross entropy written out from the
+    logits) takes the steps the default lm_loss takes."""
+    def custom(model, batch, key):
+        logits = model(batch["tokens"]).astype(jnp.float32)
+        labels = jax.nn.one_hot(batch["labels"], logits.shape[-1])
+        nll = -jnp.sum(jax.nn.log_softmax(logits) * labels)
+        return nll, jnp.asarray(batch["labels"].size, jnp.int32)
+
+    batch = {"tokens": TOKENS[None], "labels": np.roll(TOKENS, -1, axis=1)[None]}
+    losses = []
+    for loss_fn in (lm_loss, custom):
+        with jax.set_mesh(make_mesh(2, 4)):
+            step = TrainStep(GPT(GPTConfig(**BASE), rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                             loss_fn=loss_fn)
+            losses.append([float(step(batch, jax.random.key(i))["loss"]) for i in range(2)])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    assert losses[0][1] < losses[0][0]
+
+
+# -- the printed table and docs/api.md -----------------------------------------------------
+
+
+def test_docs_api_shows_the_table_as_rendered():
+    """docs/api.md's section holds exactly ``compat.markdown()`` (regenerate it with
+    ``python -m sp_jax.compat --markdown``), after the command that prints it."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert ".venv/bin/python -m sp_jax.compat\n```\n\n" + compat.markdown() in text
+    rendered = compat.render()
+    assert all(len(line) <= 100 for line in rendered.splitlines())
+    for mode in compat.MODES:
+        assert f"\n{mode}: " in rendered
