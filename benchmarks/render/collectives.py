@@ -99,7 +99,7 @@ def collectives_section(res) -> str:
     ]
     gpu = res.get("gpu", {})
     if "error" in gpu:
-        out += ["### H100", "", f"Not measured: `{gpu['error']}`", ""]
+        out += ["### H100", "", _fill("h100_not_measured", error=gpu["error"]), ""]
         return "\n".join(out)
     blk = gpu["block"]
     bs = blk["shape"]
@@ -163,9 +163,7 @@ def collectives_section(res) -> str:
                 v=g_total["all-gather"] - g_fwd["all-gather"],
                 v2=g_total["reduce-scatter"] - g_fwd["reduce-scatter"],
                 join=", ".join(f"`{k}` x{n}" for k, n in sorted(by_op.items())),
-                v3=" On XLA:CPU the same program all-reduces activations "
-                f"({cpu_ar} in the CPU table) where XLA:GPU, with {gpu_ar}, emits "
-                "reduce-scatters (its reduce-scatter creator rewrites all-reduce + slice)."
+                v3=_fill("collectives.7.cpu_all_reduce", cpu_ar=cpu_ar, gpu_ar=gpu_ar)
                 if cpu_ar and not gpu_ar
                 else "",
             )

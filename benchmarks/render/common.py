@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from benchmarks.targets import MiB
 
-__all__ = ["GPU_CHECK_NAME", "JSON_NAME", "LABELS_CP", "PLOT_CONTEXT", "PLOT_S", "PLOT_T",
-           "fmt_mib"]
+__all__ = [
+    "GPU_CHECK_NAME",
+    "JSON_NAME",
+    "LABELS_CP",
+    "PLOT_CONTEXT",
+    "PLOT_S",
+    "PLOT_T",
+    "fmt_mib",
+]
 
 JSON_NAME = "bench.json"
 PLOT_T = "bench_memory_vs_t.png"

@@ -187,23 +187,23 @@ def context_section(res) -> str:
     return "\n".join(out)
 
 
+def _fits_run(r: dict[str, Any]) -> str:
+    return _fill("fits_summary.run", mode=LABELS_CP[r["mode"]], gpus=r["gpus"], mesh=mesh_label(r))
+
+
 def fits_summary(runs: list[dict[str, Any]]) -> str:
     """What the table shows, from its rows."""
     parts = []
     for s in sorted({r["s"] for r in runs}):
         rows = [r for r in runs if r["s"] == s]
-        fit = [
-            f"{LABELS_CP[r['mode']]} on {r['gpus']} GPUs ({mesh_label(r)})"
-            for r in rows
-            if r["fits_h100"]
-        ]
-        no = [
-            f"{LABELS_CP[r['mode']]} on {r['gpus']} GPUs ({mesh_label(r)})"
-            for r in rows
-            if not r["fits_h100"]
-        ]
+        fit = [_fits_run(r) for r in rows if r["fits_h100"]]
+        no = [_fits_run(r) for r in rows if not r["fits_h100"]]
         parts.append(
-            f"at {s:,} tokens {', '.join(fit) or 'nothing'} fit"
-            + (f"; {', '.join(no)} does not" if no else "")
+            _fill(
+                "fits_summary.at",
+                s=format(s, ","),
+                fit=", ".join(fit) or "nothing",
+                no=_fill("fits_summary.no", no=", ".join(no)) if no else "",
+            )
         )
     return _fill("fits_summary.1", join="; ".join(parts))

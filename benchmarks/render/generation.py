@@ -163,18 +163,24 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
             mlp_hidden=c["mlp_hidden"],
             vocab=c["vocab"],
             cpu_preset=bench.cpu_preset,
-            v=f" with {', '.join(f'{k}={v}' for k, v in bench.cpu_overrides)}"
+            v=_fill("with", values=", ".join(f"{k}={v}" for k, v in bench.cpu_overrides))
             if bench.cpu_overrides
             else "",
             v2=format(cpu["parameters"] / 1e6, ".2f"),
             dtype=c["dtype"],
             prompt_len=bench.prompt_len,
             new_tokens=bench.new_tokens,
-            v3=f", and for reference on {', '.join(fmt_mesh(m) for m in bench.reference_meshes)}"
+            v3=_fill(
+                "reference_meshes", meshes=", ".join(fmt_mesh(m) for m in bench.reference_meshes)
+            )
             if bench.reference_meshes
             else "",
-            v4=f" {versions['transformers']} (torch {versions['torch']}, CPU, "
-            f"{versions['threads']} threads)"
+            v4=_fill(
+                "versions",
+                transformers=versions["transformers"],
+                torch=versions["torch"],
+                threads=versions["threads"],
+            )
             if versions
             else "",
             threads=cpu["threads"],
@@ -220,7 +226,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
     out += [_cpu_prose(cpu, bench)]
     out += ["", _fill("section.6"), ""]
     if "error" in gpu:
-        out += [f"Not measured: `{gpu['error']}`."]
+        out += [_fill("gpu_not_measured", error=gpu["error"])]
         return "\n".join(out) + "\n"
     g, a = gpu["config"], gpu["analytic"]
     out += [

@@ -147,9 +147,7 @@ def memory_section(res) -> str:
             _fill(
                 "residuals",
                 label=LABELS[v],
-                table=table(
-                    ["per-device shape", "dtype", "units", "kind", "term", "source"], rows
-                ),
+                table=table(["per-device shape", "dtype", "units", "kind", "term", "source"], rows),
             )
         )
     return _fill(

@@ -61,9 +61,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
             v=bench.devices // bench.stages,
         ),
         "",
-        _fill(
-            "section.4", command=command, date=res["meta"]["date"], jax=res["meta"]["jax"]
-        ),
+        _fill("section.4", command=command, date=res["meta"]["date"], jax=res["meta"]["jax"]),
         "",
         "### Targets",
         "",
@@ -271,7 +269,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
         str(r) for r in sorted({r["repeats"] for r in recs if not r["traffic"]["other"]})
     )
     scope = (
-        f"In every compile (R = {clean})" if not other else _fill("section.12", clean=clean)
+        _fill("section.12.clean", clean=clean) if not other else _fill("section.12", clean=clean)
     )
     out += [
         "",

@@ -260,10 +260,7 @@ def _mask_prose(m: dict[str, Any], u: dict[str, Any]) -> str:
         count=count(mm),
         len2=len(um),
         count2=count(um),
-        v2=f", and the heap places {len(top)} of them past the unmasked program's temp "
-        f"size ({names})"
-        if top
-        else "",
+        v2=_fill("mask_prose.heap", n=len(top), names=names) if top else "",
     )
 
 
