@@ -288,6 +288,7 @@ def _run(cfg, parallel, mesh, init=None):
         return init, to_host(logits), float(loss), to_host(nnx.to_pure_dict(grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_combination_equals_unsharded(case):
     """Logits (eval) and the loss with its gradients (train) of one model with the
@@ -308,6 +309,7 @@ def test_combination_equals_unsharded(case):
     chex.assert_trees_all_close(grads, ref_grads, rtol=tol * 10, atol=tol)
 
 
+@pytest.mark.slow
 def test_custom_loss_fn_trains_like_lm_loss():
     """A TrainStep with a loss_fn of its own (the cross entropy written out from the
     logits) takes the steps the default lm_loss takes."""
