@@ -9,14 +9,17 @@ to top:
   factory of conjugate pairs.
 * :mod:`~sp_jax.ops.mappings`: the region mappings (Megatron's ``mappings.py``), named
   ``<forward>_with_<backward>_grad``.
-* :mod:`~sp_jax.ops.gemm`: local GEMMs with weight gradients in ``wgrad_dtype``.
-* :mod:`~sp_jax.ops.collective_matmul`: the sequence-parallel linear rules as rings of
-  collective-permutes overlapped with chunk GEMMs.
+* :mod:`~sp_jax.ops.gemm`: local GEMMs with weight gradients in ``wgrad_dtype``, and
+  the GEMM object of the linear rules in the compute dtype.
+* :mod:`~sp_jax.ops.fp8`: FP8 quantisation with whole-tensor scales, FP8 GEMMs, and the
+  GEMM object of the linear rules in FP8 (FP8 gathers and residuals).
+* :mod:`~sp_jax.ops.transport`: how the sequence-parallel rules move the sequence: whole
+  collectives, or rings of collective-permutes overlapped with chunk GEMMs (collective
+  matmul).
 * :mod:`~sp_jax.ops.fsdp`: parameters sharded over the data axes, gathered inside the op.
-* :mod:`~sp_jax.ops.fp8`: FP8 quantisation with whole-tensor scales, FP8 GEMMs;
-  :mod:`~sp_jax.ops.fp8_linear`: the linear rules in FP8 (FP8 gathers and residuals).
-* :mod:`~sp_jax.ops.linear`: the linear ops and the one dispatch to their plain,
-  collective-matmul and FSDP forms.
+* :mod:`~sp_jax.ops.rules`: one rule per linear op, forward and backward, over a GEMM and
+  a transport.
+* :mod:`~sp_jax.ops.linear`: the linear ops and the one dispatch to their forms.
 """
 
 from sp_jax.ops.fsdp import fsdp_gather

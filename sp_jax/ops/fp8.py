@@ -20,12 +20,26 @@ unsharded one does.
 
 Roles: every FP8 linear op quantises three tensors, in this order of the rows of its
 amax history: its input (e4m3), its kernel (e4m3) and the gradient of its output (e5m2).
+
+:class:`Fp8Gemm` is the GEMM object of the linear rules in FP8 (the methods of
+:class:`sp_jax.ops.gemm.ComputeGemm`): inputs and weights in e4m3, output gradients in
+e5m2, fp32 accumulation. The rules' transports then move FP8 where they gather: the
+column sequence-parallel op quantises its shard and all-gathers e4m3 bytes (the ring
+moves e4m3 chunks), and keeps the e4m3 shard (``recompute``, gathered again in e4m3) or
+the gathered e4m3 input; the row op keeps the e4m3 input (with an activation, its input,
+quantised again in the backward) and all-gathers ``dy`` as e5m2. Reductions (the
+reduce-scatter of ``y`` and of ``dx``, the all-reduce of ``dx``) stay in the compute
+dtype. The kernel is kept as given and quantised again in the backward pass with the
+forward's scale (the same bytes; no FP8 copy of every weight stays alive). The op's
+state is the amax history ``[3, n]`` of delayed scaling (``None`` with current
+scaling), whose cotangent is this step's amaxes (:func:`history_amax_cotangent`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +48,8 @@ from jax import lax
 from sp_jax.config import Fp8Recipe
 from sp_jax.ops.primitives import AxisName, vma
 
-__all__ = ["E4M3", "E5M2", "FORMATS", "GRAD", "INPUT", "KERNEL", "Fp8Spec", "dequantize",
+__all__ = ["E4M3", "E5M2", "FORMATS", "GRAD", "INPUT", "KERNEL", "Fp8Context", "Fp8Gemm",
+           "Fp8Spec", "dequantize",
            "fp8_max", "gemm", "history_amax_cotangent", "local_amax", "over_shards",
            "quantize", "roll_history", "scale_from_amax", "whole_amax"]
 
@@ -138,3 +153,109 @@ def history_amax_cotangent(history: jax.Array, amaxes: Sequence[jax.Array]) -> j
     amax of each role in column 0, zeros elsewhere (the training step combines those of
     its micro-batches by maximum and rolls them in with :func:`roll_history`)."""
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(amaxes).astype(history.dtype))
+
+
+class Fp8Context(NamedTuple):
+    """What an FP8 op keeps from its forward for its backward besides the operands: the
+    amax ``history`` (``None`` with current scaling), the dequantisation scales of its
+    input, kernel and (in the backward) output gradient, and the amaxes it recorded, one
+    per quantised role (delayed scaling; ``None`` each with current scaling)."""
+
+    history: Any
+    input_scale: Any
+    kernel_scale: Any
+    grad_scale: Any
+    amaxes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Gemm:
+    """The GEMM of the linear rules in FP8 (the methods of
+    :class:`sp_jax.ops.gemm.ComputeGemm`).
+
+    Attributes:
+      spec: the :class:`Fp8Spec`.
+      wgrad_dtype: the weight gradient is accumulated in fp32, or a wider
+        ``wgrad_dtype``.
+      param_dtype: the kernel's own dtype, that of its gradient.
+    """
+
+    spec: Fp8Spec
+    wgrad_dtype: Any
+    param_dtype: Any
+    tag = "fp8"
+    ties_local_release = True
+    """A local matmul's gradients leave together (with the recorded amaxes)."""
+    releases_input_grad = True
+    """A row op's release barrier holds the op's dx, after a fused activation's
+    backward."""
+
+    def quantized(self, x, role: int, history):
+        """``(q, scale, amax)`` of ``x`` in role ``role``. Current scaling (``history``
+        None): ``scale`` from the whole tensor's amax, ``amax`` None. Delayed: ``scale``
+        from the largest amax of ``history``'s row ``role``, and ``amax`` this device's
+        block's amax, to be recorded: the op ties it to its outputs (an optimization
+        barrier, so the reduction over ``x`` runs while ``x`` is alive instead of keeping
+        it until the end of the step, where the scalars' all-reduces are combined) and
+        reduces it over the shards after that (:meth:`state_cotangent`)."""
+        if history is None:
+            amax, recorded = whole_amax(x, self.spec.amax_axes), None
+        else:
+            amax, recorded = jnp.max(history[role]), local_amax(x)
+        scale = scale_from_amax(amax, FORMATS[role], self.spec.recipe.margin)
+        return quantize(x, FORMATS[role], scale), scale, recorded
+
+    def operands(self, x, kernel, history):
+        qx, sx, ax = self.quantized(x, INPUT, history)
+        qw, sw, aw = self.quantized(kernel, KERNEL, history)
+        return qx, qw, Fp8Context(history, sx, sw, None, (ax, aw))
+
+    def forward(self, a, w, ctx, dtype):
+        return gemm(a, ctx.input_scale, w, ctx.kernel_scale, ((a.ndim - 1,), (0,)), dtype)
+
+    def requantize(self, h, ctx):
+        return quantize(h, E4M3, ctx.input_scale)
+
+    def recorded(self, ctx):
+        return ctx.amaxes
+
+    def with_recorded(self, ctx, values):
+        return ctx._replace(amaxes=values)
+
+    def cotangent(self, a, kernel, ctx, g, tie_input: bool):
+        """``g`` quantised to e5m2, tied with the saved input ``a`` and the kernel (so the
+        kernel's quantisation, with the forward's scale, and any re-gather of ``a`` can be
+        neither hoisted into the forward pass nor merged with it), whatever
+        ``tie_input``."""
+        qg, sg, ag = self.quantized(g, GRAD, ctx.history)
+        a, kernel, qg = lax.optimization_barrier((a, kernel, qg))
+        return a, kernel, qg, ctx._replace(grad_scale=sg, amaxes=(*ctx.amaxes, ag))
+
+    def tie_input(self, a, g):
+        return a, g  # tied by cotangent's barrier
+
+    def kernel_for(self, kernel, g, ctx, tie: bool = True):
+        return quantize(kernel, E4M3, ctx.kernel_scale)
+
+    def backward(self, g, w, ctx, dtype):
+        return gemm(g, ctx.grad_scale, w, ctx.kernel_scale, ((g.ndim - 1,), (1,)), dtype)
+
+    def wgrad(self, a, g, ctx):
+        """``sum over leading dims of a^T g`` of two FP8 tensors, accumulated in fp32 (or
+        a wider ``wgrad_dtype``), in ``param_dtype``."""
+        lead = tuple(range(a.ndim - 1))
+        acc = jnp.promote_types(jnp.float32, self.wgrad_dtype or jnp.float32)
+        return gemm(a, ctx.input_scale, g, ctx.grad_scale, (lead, lead),
+                    acc).astype(self.param_dtype)
+
+    def bias_cotangent(self, gq, g):
+        return g  # gq is e5m2
+
+    def state_cotangent(self, ctx):
+        """The history's cotangent, this step's amaxes, reduced over the shards (after
+        the barrier that released them: it types its outputs as varying; the amaxes are
+        the same on every device once reduced)."""
+        if ctx.history is None:
+            return None
+        return history_amax_cotangent(
+            ctx.history, [over_shards(a, self.spec.amax_axes) for a in ctx.amaxes])

@@ -1,5 +1,6 @@
 """Parameters sharded over the data axes (ZeRO-3 / FSDP): the gather of a parameter paired
-with the reduce-scatter of its gradient, and the FSDP form of any linear rule.
+with the reduce-scatter of its gradient, and the FSDP form of any linear rule
+(:func:`fsdp_linear_op`).
 
 A weight sharded over the data axes is all-gathered inside the op that uses it, just
 before use, and gathered again in that op's backward pass instead of being kept: the
@@ -12,7 +13,7 @@ exists.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jax import lax
 
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
 
-__all__ = ["fsdp_gather", "fsdp_op", "full_kernel"]
+__all__ = ["fsdp_gather", "fsdp_linear_op", "full_kernel"]
 
 
 def _fsdp_all_gather(w: jax.Array, axes: tuple, dim: int) -> jax.Array:
@@ -63,48 +64,49 @@ def fsdp_gather(w: jax.Array, axes: tuple[AxisName, ...], dim: int) -> jax.Array
     return _fsdp_pair(w, axes, canonical_dim(dim, w.ndim, "dim"))
 
 
-def fsdp_op(op_fwd: Callable, op_bwd: Callable) -> Callable:
-    """The FSDP form ``op(x, kernel_shard, bias, axes, dim, static)`` of a linear op whose
-    rules are ``op_fwd(x, kernel, bias, *static) -> (y, (a, kernel, bias))`` and
-    ``op_bwd(*static, res, g) -> (dx, dkernel, dbias)``.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fsdp_linear_op(x: jax.Array, kernel: jax.Array, aux: Any, rule: Any,
+                   axes: tuple[AxisName, ...], dim: int) -> jax.Array:
+    """The FSDP form of the linear ``rule`` (:mod:`sp_jax.ops.rules`; any object with
+    ``fwd(x, kernel, aux) -> (y, (a, kernel, rest))`` and ``bwd(res, g) -> (dx,
+    dkernel, daux)``), ``kernel`` this device's shard over the data ``axes`` along
+    ``dim``.
 
     Forward: the kernel is all-gathered over ``axes`` (in the compute dtype) just before
     the op and dropped after it: the residual is the local shard. Backward: the shard is
     gathered again, in the compute dtype (behind a barrier with the incoming cotangent,
     so no CSE merges it with the forward gather and it is not issued before the backward
-    reaches this layer), the op's backward runs, and the weight gradient, in the
-    parameter's dtype (the rule's last static argument), is reduce-scattered over
+    reaches this layer), the rule's backward runs, and the weight gradient, in the
+    parameter's dtype (the rule's GEMM's ``param_dtype``), is reduce-scattered over
     ``axes``.
     """
+    return rule.fwd(x, _gather_in(kernel, x.dtype, axes, dim), aux)[0]
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-    def op(x, kernel, bias, axes, dim, static):
-        return op_fwd(x, _gather_in(kernel, x.dtype, axes, dim), bias, *static)[0]
 
-    def fwd(x, kernel, bias, axes, dim, static):
-        y, (a, _, b) = op_fwd(x, _gather_in(kernel, x.dtype, axes, dim), bias, *static)
-        return y, (a, kernel, b)
+def _fsdp_fwd(x, kernel, aux, rule, axes, dim):
+    y, (a, _, rest) = rule.fwd(x, _gather_in(kernel, x.dtype, axes, dim), aux)
+    return y, (a, kernel, rest)
 
-    def bwd(axes, dim, static, res, g):
-        a, kernel, b = res
-        kernel, g = lax.optimization_barrier((kernel, g))
-        dx, dkernel, dbias = op_bwd(*static, (a, _gather_in(kernel, g.dtype, axes, dim), b),
-                                    g)
-        # The weight gradient leaves this op reduce-scattered: dx is released with the
-        # shard, so each full-size gradient is freed in this op's backward instead of
-        # waiting for a reduce-scatter XLA would otherwise start at the end. A dx that
-        # varies over fewer axes (the column form's, all-reduced over the tensor axis)
-        # only holds the shard back: a barrier types its outputs as varying over the
-        # union of its operands' axes.
-        dkernel = _fsdp_reduce_scatter(dkernel, axes, dim)
-        if vma(dx) == vma(dkernel):
-            dx, dkernel = lax.optimization_barrier((dx, dkernel))
-        else:
-            dkernel, _ = lax.optimization_barrier((dkernel, dx))
-        return dx, dkernel, dbias
 
-    op.defvjp(fwd, bwd)
-    return op
+def _fsdp_bwd(rule, axes, dim, res, g):
+    a, kernel, rest = res
+    kernel, g = lax.optimization_barrier((kernel, g))
+    dx, dkernel, daux = rule.bwd((a, _gather_in(kernel, g.dtype, axes, dim), rest), g)
+    # The weight gradient leaves this op reduce-scattered: dx is released with the
+    # shard, so each full-size gradient is freed in this op's backward instead of
+    # waiting for a reduce-scatter XLA would otherwise start at the end. A dx that
+    # varies over fewer axes (the column form's, all-reduced over the tensor axis)
+    # only holds the shard back: a barrier types its outputs as varying over the
+    # union of its operands' axes.
+    dkernel = _fsdp_reduce_scatter(dkernel, axes, dim)
+    if vma(dx) == vma(dkernel):
+        dx, dkernel = lax.optimization_barrier((dx, dkernel))
+    else:
+        dkernel, _ = lax.optimization_barrier((dkernel, dx))
+    return dx, dkernel, daux
+
+
+fsdp_linear_op.defvjp(_fsdp_fwd, _fsdp_bwd)
 
 
 def full_kernel(kernel: jax.Array, axes: tuple, dim: int) -> jax.ShapeDtypeStruct:

@@ -1,18 +1,50 @@
 """The local GEMMs of the linear ops: compute-dtype products, weight and bias gradients
-accumulated in ``wgrad_dtype``, and the backward pass's barrier'd kernel cast.
+accumulated in ``wgrad_dtype``, the backward pass's barrier'd kernel cast, and
+:class:`ComputeGemm`, the GEMM object of the linear rules in the compute dtype.
 
 The weight gradient is computed straight from the low-precision operands into
 ``wgrad_dtype`` (``preferred_element_type``), the analog of Paddle's
 ``mp_fused_linear_param_grad_add`` / Megatron's ``gradient_accumulation_fusion``.
+
+A *GEMM object* is what a linear rule (:mod:`sp_jax.ops.rules`) multiplies with, the way
+``flax.nnx.Linear(dot_general=...)`` injects its product: :class:`ComputeGemm` here, and
+:class:`sp_jax.ops.fp8.Fp8Gemm` in FP8. Both are frozen dataclasses (static arguments of
+the ops) with the same methods:
+
+======================================  ==============================================
+method                                  meaning
+======================================  ==============================================
+``operands(x, kernel, state)``          the forward's operands ``(a, w, ctx)``: ``a`` the
+                                        input as the GEMM takes it (the compute-dtype
+                                        ``x``, or e4m3), ``w`` the kernel, ``ctx`` what
+                                        the backward needs besides (``None``, or the
+                                        scales and recorded amaxes)
+``forward(a, w, ctx, dtype)``           ``a @ w`` in ``dtype``
+``requantize(h, ctx)``                  a recomputed input (an activation) as ``a``
+``recorded(ctx)`` /                     the values the op's barriers must hold with its
+``with_recorded(ctx, values)``          outputs (delayed scaling's amaxes; ``None``)
+``cotangent(a, kernel, ctx, g, tie)``   the backward's entry: ``g`` as the GEMM takes it,
+                                        and the barrier that ties the residuals to it
+``tie_input(a, g)``                     ``a`` tied to ``g`` where ``cotangent`` does not
+``kernel_for(kernel, g, ctx, tie)``     the kernel for the backward GEMMs
+``backward(g, w, ctx, dtype)``          ``g @ w.T``
+``wgrad(a, g, ctx)``                    the weight gradient in the parameter's dtype
+``bias_cotangent(gq, g)``               the cotangent the bias gradient sums
+``state_cotangent(ctx)``                the cotangent of the op's state (amax history)
+======================================  ==============================================
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["bgrad", "bwd_cast", "check_linear_shapes", "dot", "dot_nt", "dot_t", "wgrad"]
+__all__ = ["ComputeGemm", "bgrad", "bwd_cast", "check_linear_shapes", "dot", "dot_nt",
+           "dot_t", "wgrad"]
 
 
 def wgrad(x: jax.Array, g: jax.Array, wgrad_dtype, param_dtype) -> jax.Array:
@@ -78,3 +110,81 @@ def check_linear_shapes(name: str, x: jax.Array, kernel, bias=None) -> None:
         raise ValueError(
             f"{name}: bias must have shape ({kernel.shape[1]},), got {bias.shape}."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeGemm:
+    """The GEMM of the linear rules in the compute dtype (the dtype of the input).
+
+    Attributes:
+      wgrad_dtype: accumulation dtype of the weight and bias gradients (``None``: as
+        plain autodiff).
+      param_dtype: the kernel's own dtype, that of its gradient (the FSDP form hands the
+        rule a kernel gathered in the compute dtype).
+    """
+
+    wgrad_dtype: Any
+    param_dtype: Any
+    tag = ""
+    """The tag of the ops' HLO scope names (``""``: the plain names)."""
+    ties_local_release = False
+    """A local matmul's gradients leave without a barrier (nothing to overlap)."""
+    releases_input_grad = False
+    """A row op's release barrier holds the GEMM's dx; a fused activation's backward
+    follows it."""
+
+    def operands(self, x, kernel, state):
+        return x, kernel.astype(x.dtype), None
+
+    def forward(self, a, w, ctx, dtype):
+        return lax.dot_general(a, w, (((a.ndim - 1,), (0,)), ((), ())))
+
+    def requantize(self, h, ctx):
+        return h
+
+    def recorded(self, ctx):
+        return None
+
+    def with_recorded(self, ctx, values):
+        return ctx
+
+    def cotangent(self, a, kernel, ctx, g, tie_input: bool):
+        """``(a, kernel, g, ctx)``; with ``tie_input``, ``a`` (and the kernel, cast after
+        it, when it is not in the compute dtype) tied to ``g`` by one barrier: a re-gather
+        of ``a`` then cannot be hoisted into the forward pass or merged (CSE) with the
+        forward gather, which would keep the full input alive and silently undo the
+        memory saving; the re-gather and the dx GEMM become ready together and the gather
+        runs during the GEMM. A kernel already in the compute dtype has no cast to tie
+        (bf16 parameters; the FSDP form's kernel, gathered anew in this backward): it is
+        not held back, so the weight gather of the FSDP form runs during the
+        weight-gradient GEMM."""
+        if not tie_input:
+            return a, kernel, g, ctx
+        if kernel.dtype == g.dtype:
+            a, g = lax.optimization_barrier((a, g))
+        else:
+            a, kernel, g = lax.optimization_barrier((a, kernel, g))
+        return a, kernel.astype(g.dtype), g, ctx
+
+    def tie_input(self, a, g):
+        """``(a, g)`` tied by a barrier: a recomputation from ``a`` (a re-gather, an
+        activation) can be neither hoisted into the forward pass nor merged (CSE) with the
+        forward one, which would keep its result alive until here."""
+        return lax.optimization_barrier((a, g))
+
+    def kernel_for(self, kernel, g, ctx, tie: bool = True):
+        """The kernel in the dtype of ``g``: cast behind a barrier with ``g``
+        (:func:`bwd_cast`), or, without ``tie``, cast where it is used."""
+        return bwd_cast(kernel, g) if tie else kernel.astype(g.dtype)
+
+    def backward(self, g, w, ctx, dtype):
+        return dot_nt(g, w)
+
+    def wgrad(self, a, g, ctx):
+        return wgrad(a, g, self.wgrad_dtype, self.param_dtype)
+
+    def bias_cotangent(self, gq, g):
+        return gq
+
+    def state_cotangent(self, ctx):
+        return None

@@ -1,5 +1,6 @@
 """Linear ops across the tensor axis: matmuls whose collectives and weight gradients are
-one custom VJP each, and the one dispatch to their plain, collective-matmul and FSDP forms.
+one custom VJP each, and the one dispatch to their plain, collective-matmul, FP8 and FSDP
+forms.
 
 =====================================  ==============================  ===========================
 op                                     forward                         backward
@@ -14,16 +15,15 @@ op                                     forward                         backward
                                        sequence                        feeding dx and dW
 =====================================  ==============================  ===========================
 
-Every op is built from a *rule*, a pair ``fwd(x, kernel, bias, *static) -> (y,
-residuals)`` / ``bwd(*static, residuals, g) -> (dx, dkernel, dbias)``; ``static`` ends with
-``wgrad_dtype, param_dtype`` (``dkernel``'s dtype: the parameter's, which the kernel
-handed to the rule need not have). :data:`_OPS`
-turns each rule into a custom-VJP op in each form: plain, as a ring of
-collective-permutes overlapped with chunk GEMMs (``collective_matmul``;
-:mod:`sp_jax.ops.collective_matmul`), and with the kernel sharded over the data axes
-(``fsdp_axes``; :mod:`sp_jax.ops.fsdp`). :func:`_apply` is the one place that chooses.
-Weight gradients are computed from the low-precision operands straight into
-``wgrad_dtype`` (:mod:`sp_jax.ops.gemm`).
+Every op is ONE rule (:mod:`sp_jax.ops.rules`: ``Matmul``, ``Column``,
+``ColumnSequence``, ``RowSequence``), a frozen dataclass holding what varies: the GEMM
+(:class:`~sp_jax.ops.gemm.ComputeGemm`, in the compute dtype with weight gradients in
+``wgrad_dtype``, or :class:`~sp_jax.ops.fp8.Fp8Gemm`, ``fp8=``), the transport of the
+sequence-parallel ops (:class:`~sp_jax.ops.transport.Collectives`, or
+:class:`~sp_jax.ops.transport.Ring`, ``collective_matmul=``) and the op's options. The
+rule becomes a custom-VJP op (:func:`~sp_jax.ops.rules.linear_op`), or, with the kernel
+sharded over the data axes (``fsdp_axes``), its FSDP form
+(:func:`~sp_jax.ops.fsdp.fsdp_linear_op`). :func:`_apply` is the one place that chooses.
 """
 
 from __future__ import annotations
@@ -35,208 +35,46 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sp_jax.ops.collective_matmul import (
-    column_ring_bwd,
-    column_ring_fwd,
-    row_ring_bwd,
-    row_ring_fwd,
-)
-from sp_jax.ops.fp8 import Fp8Spec
-from sp_jax.ops.fp8_linear import FP8_RULES
-from sp_jax.ops.fsdp import fsdp_op, full_kernel
-from sp_jax.ops.gemm import bgrad, bwd_cast, check_linear_shapes, dot, dot_nt, dot_t, wgrad
+from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
+from sp_jax.ops.fsdp import fsdp_linear_op, full_kernel
+from sp_jax.ops.gemm import ComputeGemm, bgrad, check_linear_shapes
 from sp_jax.ops.primitives import (
     AxisName,
-    all_gather,
     canonical_dim,
     check_divisible,
-    reduce_scatter,
     vary,
     vma,
 )
+from sp_jax.ops.rules import Column, ColumnSequence, Matmul, RowSequence, linear_op
+from sp_jax.ops.transport import Collectives, Ring
 
 __all__ = ["add_bias", "column_parallel_matmul", "column_sequence_parallel_matmul",
            "matmul", "row_sequence_parallel_matmul"]
 
 
-# --------------------------------------------------------------------------------------
-# The plain rules
-# --------------------------------------------------------------------------------------
-
-
-def _matmul_fwd(x, kernel, bias, wgrad_dtype, param_dtype):
-    return dot(x, kernel), (x, kernel, None)
-
-
-def _matmul_bwd(wgrad_dtype, param_dtype, res, g):
-    x, kernel, _ = res
-    dx = dot_nt(g, kernel.astype(g.dtype))
-    return dx, wgrad(x, g, wgrad_dtype, param_dtype), None
-
-
-def _cp_matmul_fwd(x, kernel, bias, axis_name, wgrad_dtype, param_dtype):
-    y = dot(vary(x, (axis_name,)), kernel)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    return y, (x, kernel, bias)
-
-
-def _cp_matmul_bwd(axis_name, wgrad_dtype, param_dtype, res, g):
-    x, kernel, bias = res
-    dx = dot_t(g, kernel)
-    # dW and db after dx (Megatron's order: dgrad, then wgrad while dx is all-reduced)
-    x, g_w, _ = lax.optimization_barrier((vary(x, (axis_name,)), g, dx))
-    with jax.named_scope("tp_dx_all_reduce"):  # names show in HLO and profiles
-        dx = lax.psum(dx, axis_name)
-    dkernel = wgrad(x, g_w, wgrad_dtype, param_dtype)
-    dbias = None if bias is None else bgrad(g_w, wgrad_dtype, bias.dtype)
-    return dx, dkernel, dbias
-
-
-def _csp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, recompute, wgrad_dtype,
-                    param_dtype):
-    x_full = all_gather(x, axis_name, seq_dim)
-    y = dot(x_full, kernel)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    # Residuals: the local shard (recompute) or the gathered input (save). kernel and
-    # bias are the caller's own arrays, so keeping them costs no extra memory.
-    return y, (x if recompute else x_full, kernel, bias)
-
-
-def _csp_matmul_bwd(axis_name, seq_dim, recompute, wgrad_dtype, param_dtype, res, dy):
-    x, kernel, bias = res
-    if recompute:
-        # Tie the shard to the incoming cotangent: the re-gather then cannot be hoisted
-        # into the forward pass or merged (CSE) with the forward gather, which would keep
-        # the full input alive and silently undo the memory saving. The kernel's cast is
-        # tied by the same barrier (see gemm.bwd_cast), so the re-gather and the dx GEMM
-        # become ready together and the gather runs during the GEMM. A kernel already in
-        # the compute dtype has no cast to tie (bf16 parameters; the FSDP form's kernel,
-        # gathered anew in this backward): it is not held back, so the weight gather
-        # of the FSDP form runs during the weight-gradient GEMM.
-        if kernel.dtype == dy.dtype:
-            x, dy = lax.optimization_barrier((x, dy))
-        else:
-            x, kernel, dy = lax.optimization_barrier((x, kernel, dy))
-        with jax.named_scope("sp_regather"):
-            x_full = all_gather(x, axis_name, seq_dim)
-        kernel_c = kernel.astype(dy.dtype)
-    else:
-        x_full, kernel_c = x, bwd_cast(kernel, dy)
-    # dx does not depend on the re-gather and the reduce-scatter does not depend on the
-    # dW matmul, so XLA may overlap gather || dx-matmul and reduce-scatter || dW-matmul.
-    dx = dot_nt(dy, kernel_c)
-    with jax.named_scope("sp_dx_reduce_scatter"):  # names show in HLO and profiles
-        dx = reduce_scatter(dx, axis_name, seq_dim)
-    dkernel = wgrad(x_full, dy, wgrad_dtype, param_dtype)
-    dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    # Release dx together with dW and db (Megatron's async dx collective, waited for after
-    # the dW GEMM): the scheduler then runs the reduce-scatter while dW is computed instead
-    # of serialising it on the critical path, and neither the gathered input nor dy waits
-    # for a weight-gradient GEMM or bias sum scheduled at the end of the backward pass.
-    return lax.optimization_barrier((dx, dkernel, dbias))
-
-
-def _rsp_matmul_fwd(x, kernel, bias, axis_name, seq_dim, wgrad_dtype, param_dtype):
-    y = reduce_scatter(dot(x, kernel), axis_name, seq_dim)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    return y, (x, kernel, bias)
-
-
-def _rsp_matmul_bwd(axis_name, seq_dim, wgrad_dtype, param_dtype, res, dy):
-    x, kernel, bias = res
-    with jax.named_scope("sp_dy_all_gather"):
-        dy_full = all_gather(dy, axis_name, seq_dim)
-    dx = dot_t(dy_full, kernel)
-    dkernel = wgrad(x, dy_full, wgrad_dtype, param_dtype)
-    dbias = None if bias is None else bgrad(dy, wgrad_dtype, bias.dtype)
-    # dW (and db) are computed together with dx: the gathered dy [b, s, out] then dies in
-    # this layer's backward instead of waiting for a dW GEMM XLA would otherwise put at the
-    # end of the backward pass (one gathered dy per row layer alive at once).
-    return lax.optimization_barrier((dx, dkernel, dbias))
-
-
-def _activated(fwd: Callable, bwd: Callable) -> tuple[Callable, Callable]:
-    """The rule ``(fwd, bwd)`` applied to ``activation(x)``, keeping ``x`` alone: its
-    static arguments gain ``activation`` first; the residual is the activation's input,
-    not its output, and the backward computes the output again (an elementwise op) for
-    the weight gradient and differentiates it. Without this, an MLP keeps its hidden
-    layer twice: the activation's input for the activation's backward and its output
-    for the down projection's weight gradient."""
-
-    def a_fwd(x, kernel, bias, activation, *static):
-        y, (_, kernel_res, bias_res) = fwd(activation(x), kernel, bias, *static)
-        return y, (x, kernel_res, bias_res)
-
-    def a_bwd(activation, *args):
-        *static, (x, kernel, bias), g = args
-        # Tied to the cotangent: the recomputed activation can be neither hoisted into
-        # the forward pass nor merged (CSE) with the forward one, which would keep the
-        # activation's output alive until here and undo the saving.
-        x, g = lax.optimization_barrier((x, g))
-        h, activation_vjp = jax.vjp(activation, x)
-        dh, dkernel, dbias = bwd(*static, (h, kernel, bias), g)
-        return activation_vjp(dh)[0], dkernel, dbias
-
-    return a_fwd, a_bwd
-
-
-# --------------------------------------------------------------------------------------
-# The one dispatch: rule x {plain, collective matmul} x {replicated kernel, fsdp}
-# --------------------------------------------------------------------------------------
-
-
-def _custom_vjp(fwd: Callable, bwd: Callable) -> Callable:
-    """The op ``op(x, kernel, bias, static)`` of the rule ``(fwd, bwd)`` (``static``: a
-    tuple of the rule's hashable static arguments)."""
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def op(x, kernel, bias, static):
-        return fwd(x, kernel, bias, *static)[0]
-
-    op.defvjp(lambda x, kernel, bias, static: fwd(x, kernel, bias, *static),
-              lambda static, res, g: bwd(*static, res, g))
-    return op
-
-
-_RULES: dict[tuple[str, bool], tuple[Callable, Callable]] = {
-    # (op, collective matmul): (forward rule, backward rule)
-    ("matmul", False): (_matmul_fwd, _matmul_bwd),
-    ("column", False): (_cp_matmul_fwd, _cp_matmul_bwd),
-    ("column_sequence", False): (_csp_matmul_fwd, _csp_matmul_bwd),
-    ("column_sequence", True): (column_ring_fwd, column_ring_bwd),
-    ("row_sequence", False): (_rsp_matmul_fwd, _rsp_matmul_bwd),
-    ("row_sequence", True): (row_ring_fwd, row_ring_bwd),
-    ("row_sequence_activated", False): _activated(_rsp_matmul_fwd, _rsp_matmul_bwd),
-    ("row_sequence_activated", True): _activated(row_ring_fwd, row_ring_bwd),
-    **FP8_RULES,  # the same ops in FP8 (sp_jax.ops.fp8_linear)
-}
-_OPS = {(*key, fsdp): (fsdp_op if fsdp else _custom_vjp)(*rule)
-        for key, rule in _RULES.items() for fsdp in (False, True)}
-
-
-def _apply(name: str, x, kernel, bias, static: tuple, *, ring: bool = False,
-           fsdp_axes: tuple = (), fsdp_dim: int = 0, fp8: Fp8Spec | None = None,
-           fp8_history: jax.Array | None = None) -> jax.Array:
-    """Runs rule ``name`` in the form the options ask for: as a ring of transfers
-    overlapped with chunk GEMMs (``ring``), with ``kernel`` this device's shard over
-    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op), and in FP8
-    (``fp8``: rule ``name + "_fp8"``, whose third operand is ``(bias, fp8_history)`` and
-    whose static arguments hold ``fp8`` before ``wgrad_dtype``; a row rule's always
-    start with its activation, ``None`` without one). The rule's static arguments end
-    with the kernel's own dtype, the dtype of its gradient (the FSDP form hands the rule
-    a kernel gathered in the compute dtype)."""
+def _gemm(kernel, wgrad_dtype, fp8: Fp8Spec | None):
+    """The GEMM object of an op: FP8 with ``fp8``, else the compute dtype; the weight
+    gradient in the kernel's own dtype."""
+    wgrad_dtype = None if wgrad_dtype is None else jnp.dtype(wgrad_dtype)
     if fp8 is not None:
-        if name == "row_sequence":
-            static = (None, *static)
-        name, bias = name.removesuffix("_activated") + "_fp8", (bias, fp8_history)
-        static = (*static[:-1], fp8, static[-1])
-    static = (*static, jnp.dtype(kernel.dtype))
+        return Fp8Gemm(fp8, wgrad_dtype, jnp.dtype(kernel.dtype))
+    return ComputeGemm(wgrad_dtype, jnp.dtype(kernel.dtype))
+
+
+def _transport(axis_name, seq_dim: int, collective_matmul: bool):
+    """The ring with ``collective_matmul`` (over more than one device), else whole
+    collectives."""
+    if collective_matmul and lax.axis_size(axis_name) > 1:
+        return Ring(axis_name, seq_dim)
+    return Collectives(axis_name, seq_dim)
+
+
+def _apply(rule, x, kernel, bias, history, fsdp_axes: tuple, fsdp_dim: int) -> jax.Array:
+    """Runs ``rule``: as one custom-VJP op, or with ``kernel`` this device's shard over
+    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op)."""
     if fsdp_axes:
-        return _OPS[name, ring, True](x, kernel, bias, fsdp_axes, fsdp_dim, static)
-    return _OPS[name, ring, False](x, kernel, bias, static)
+        return fsdp_linear_op(x, kernel, (bias, history), rule, fsdp_axes, fsdp_dim)
+    return linear_op(x, kernel, (bias, history), rule)
 
 
 def _vary_all(x, kernel, bias, axes) -> tuple:
@@ -270,10 +108,6 @@ def _check_fp8(name: str, fp8, fp8_history) -> None:
                          f"(input, kernel and output-gradient amaxes), got {got}.")
 
 
-def _static_dtype(wgrad_dtype):
-    return None if wgrad_dtype is None else jnp.dtype(wgrad_dtype)
-
-
 # --------------------------------------------------------------------------------------
 # The public ops
 # --------------------------------------------------------------------------------------
@@ -292,7 +126,7 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
         dimension ``fsdp_dim``): gathered just before the matmul, gathered again in the
         backward pass instead of kept, and the weight gradient reduce-scattered over them.
       fsdp_dim: the kernel dimension ``fsdp_axes`` shard (row layers: 1).
-      fp8: compute in FP8 (:mod:`sp_jax.ops.fp8_linear`): an
+      fp8: compute in FP8 (:class:`~sp_jax.ops.fp8.Fp8Gemm`): an
         :class:`~sp_jax.ops.fp8.Fp8Spec`, or ``None`` (the default: the compute dtype).
       fp8_history: with delayed scaling, the ``[3, amax_history_len]`` fp32 amax history
         (invariant over the mesh axes); its cotangent is this step's amaxes in column 0.
@@ -303,8 +137,8 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
     check_linear_shapes("matmul", x, full_kernel(kernel, fsdp_axes, fsdp_dim))
     _check_fp8("matmul", fp8, fp8_history)
     x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
-    return _apply("matmul", x, kernel, None, (wgrad_dtype,), fsdp_axes=fsdp_axes,
-                  fsdp_dim=fsdp_dim, fp8=fp8, fp8_history=fp8_history)
+    return _apply(Matmul(_gemm(kernel, wgrad_dtype, fp8)), x, kernel, None, fp8_history,
+                  fsdp_axes, fsdp_dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -374,9 +208,9 @@ def column_parallel_matmul(
     union = vma(x) | vma(kernel) | {axis_name} | set(fsdp_axes)
     if bias is not None:
         union |= vma(bias)
-    args = (vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union))
-    return _apply("column", *args, (axis_name, _static_dtype(wgrad_dtype)),
-                  fsdp_axes=fsdp_axes, fsdp_dim=0, fp8=fp8, fp8_history=fp8_history)
+    rule = Column(_gemm(kernel, wgrad_dtype, fp8), axis_name)
+    return _apply(rule, vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union),
+                  fp8_history, fsdp_axes, 0)
 
 
 def _sequence_checks(name: str, x, kernel, bias, seq_dim: int, fsdp_axes: tuple,
@@ -448,13 +282,10 @@ def row_sequence_parallel_matmul(
     if activation is not None and h.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"{name}: activation must keep every dimension of x {x.shape} but "
                          f"the last (features); it gave {h.shape}.")
-    args = _vary_all(x, kernel, bias, {axis_name, *fsdp_axes})
-    static = (axis_name, seq_dim, _static_dtype(wgrad_dtype))
-    rule = "row_sequence"
-    if activation is not None:
-        rule, static = "row_sequence_activated", (activation, *static)
-    return _apply(rule, *args, static, ring=collective_matmul and lax.axis_size(axis_name) > 1,
-                  fsdp_axes=fsdp_axes, fsdp_dim=1, fp8=fp8, fp8_history=fp8_history)
+    rule = RowSequence(_gemm(kernel, wgrad_dtype, fp8),
+                       _transport(axis_name, seq_dim, collective_matmul), activation)
+    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
+                  fsdp_axes, 1)
 
 
 def column_sequence_parallel_matmul(
@@ -506,8 +337,8 @@ def column_sequence_parallel_matmul(
     _check_fp8("column_sequence_parallel_matmul", fp8, fp8_history)
     seq_dim = _sequence_checks("column_sequence_parallel_matmul", x, kernel, bias, seq_dim,
                                fsdp_axes, 0)
-    args = _vary_all(x, kernel, bias, {axis_name, *fsdp_axes})
-    static = (axis_name, seq_dim, bool(recompute_allgather), _static_dtype(wgrad_dtype))
-    return _apply("column_sequence", *args, static,
-                  ring=collective_matmul and lax.axis_size(axis_name) > 1,
-                  fsdp_axes=fsdp_axes, fsdp_dim=0, fp8=fp8, fp8_history=fp8_history)
+    rule = ColumnSequence(_gemm(kernel, wgrad_dtype, fp8),
+                          _transport(axis_name, seq_dim, collective_matmul),
+                          bool(recompute_allgather))
+    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
+                  fsdp_axes, 0)

@@ -1,0 +1,205 @@
+"""The linear rules: one forward and one backward per linear op, with the GEMM and the
+transport passed in (the way ``flax.nnx.Linear(dot_general=...)`` injects its product).
+
+A rule is a frozen dataclass (hashable: the static argument of the op) holding its
+statics: a GEMM object (:class:`~sp_jax.ops.gemm.ComputeGemm`, or
+:class:`~sp_jax.ops.fp8.Fp8Gemm`), for the sequence-parallel rules a transport
+(:class:`~sp_jax.ops.transport.Collectives` or :class:`~sp_jax.ops.transport.Ring`),
+and its options. Its methods:
+
+* ``fwd(x, kernel, aux) -> (y, (a, kernel, (bias, ctx)))`` where ``aux = (bias,
+  state)``: ``state`` is the GEMM's (the FP8 amax history of delayed scaling, else
+  ``None``); the residuals hold the GEMM operand ``a`` (input or its gathered form, as
+  the GEMM takes it), the kernel as given, the bias and the GEMM's context;
+* ``bwd(res, g) -> (dx, dkernel, (dbias, dstate))``.
+
+:func:`linear_op` makes the custom-VJP op of a rule; the FSDP form is
+:func:`sp_jax.ops.fsdp.fsdp_linear_op`, over any rule.
+
+Optimization barriers, each placed where a measured XLA behaviour needs it: the GEMM's
+``cotangent`` / ``tie_input`` / ``kernel_for`` tie residuals and the kernel's cast to
+the incoming cotangent (no CSE with the forward pass); :func:`release` lets ``dx`` leave
+with the weight and bias gradients (and the recorded amaxes); a GEMM that records
+values in its forward ties them to the output (:func:`tied_output`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+
+from sp_jax.ops.gemm import bgrad
+from sp_jax.ops.primitives import AxisName, vary
+
+__all__ = ["Column", "ColumnSequence", "Matmul", "RowSequence", "linear_op", "release",
+           "tied_output"]
+
+
+def _add_bias(y, bias):
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def tied_output(gemm, y, ctx):
+    """``(y, ctx)``, the values ``gemm`` recorded in the forward (delayed scaling's
+    amaxes) computed with ``y`` (an optimization barrier; none when nothing was
+    recorded)."""
+    values = gemm.recorded(ctx)
+    if not jax.tree.leaves(values):
+        return y, ctx
+    y, values = lax.optimization_barrier((y, values))
+    return y, gemm.with_recorded(ctx, values)
+
+
+def release(gemm, dx, dkernel, dbias, ctx, tie: bool):
+    """``(dx, dkernel, (dbias, dstate))``. With ``tie``, dx is released together with dW
+    and db (and the recorded amaxes): Megatron's async dx collective, waited for after
+    the dW GEMM; the scheduler then runs dx's collective while dW is computed instead of
+    serialising it on the critical path, and neither the gathered input nor dy waits for
+    a weight-gradient GEMM or bias sum scheduled at the end of the backward pass."""
+    values = gemm.recorded(ctx)
+    if tie:
+        dx, dkernel, dbias, values = lax.optimization_barrier((dx, dkernel, dbias, values))
+    return dx, dkernel, (dbias, gemm.state_cotangent(gemm.with_recorded(ctx, values)))
+
+
+def _bias_grad(gemm, bias, gq, g):
+    return None if bias is None else bgrad(gemm.bias_cotangent(gq, g), gemm.wgrad_dtype,
+                                           bias.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """Local ``x @ kernel`` (no collective, no bias)."""
+
+    gemm: Any
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        a, w, ctx = self.gemm.operands(x, kernel, state)
+        y, ctx = tied_output(self.gemm, self.gemm.forward(a, w, ctx, x.dtype), ctx)
+        return y, (a, kernel, (bias, ctx))
+
+    def bwd(self, res, g):
+        gemm, (a, kernel, (_, ctx)) = self.gemm, res
+        a, kernel, gq, ctx = gemm.cotangent(a, kernel, ctx, g, False)
+        dx = gemm.backward(gq, gemm.kernel_for(kernel, gq, ctx, tie=False), ctx, g.dtype)
+        return release(gemm, dx, gemm.wgrad(a, gq, ctx), None, ctx,
+                       tie=gemm.ties_local_release)
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """``x @ kernel + bias`` entering the tensor region over ``axis_name``: the backward
+    all-reduces dx while dW is computed."""
+
+    gemm: Any
+    axis_name: AxisName
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        a, w, ctx = self.gemm.operands(vary(x, (self.axis_name,)), kernel, state)
+        y = _add_bias(self.gemm.forward(a, w, ctx, x.dtype), bias)
+        y, ctx = tied_output(self.gemm, y, ctx)
+        return y, (a, kernel, (bias, ctx))
+
+    def bwd(self, res, g):
+        gemm, (a, kernel, (bias, ctx)) = self.gemm, res
+        a, kernel, gq, ctx = gemm.cotangent(a, kernel, ctx, g, False)
+        dx = gemm.backward(gq, gemm.kernel_for(kernel, gq, ctx), ctx, g.dtype)
+        # dW and db after dx (Megatron's order: dgrad, then wgrad while dx is all-reduced)
+        a, gq, _, values = lax.optimization_barrier(
+            (vary(a, (self.axis_name,)), gq, dx, gemm.recorded(ctx)))
+        with jax.named_scope("tp_dx_all_reduce"):  # names show in HLO and profiles
+            dx = lax.psum(dx, self.axis_name)
+        dkernel = gemm.wgrad(a, gq, ctx)
+        dbias = _bias_grad(gemm, bias, gq, g)
+        return release(gemm, dx, dkernel, dbias, gemm.with_recorded(ctx, values), tie=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnSequence:
+    """``all_gather(x, seq) @ kernel + bias``; the backward reduce-scatters dx. The
+    residual is the GEMM operand's shard (``recompute``, gathered again in the
+    backward) or its gathered form."""
+
+    gemm: Any
+    transport: Any
+    recompute: bool
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        a, w, ctx = self.gemm.operands(x, kernel, state)
+        y, a_full = self.transport.column_forward(self.gemm, a, w, ctx, x, not self.recompute)
+        y, ctx = tied_output(self.gemm, _add_bias(y, bias), ctx)
+        # kernel and bias are the caller's own arrays: keeping them costs no extra memory
+        return y, (a if self.recompute else a_full, kernel, (bias, ctx))
+
+    def bwd(self, res, dy):
+        gemm, (a, kernel, (bias, ctx)) = self.gemm, res
+        dx, dkernel, gq, ctx = self.transport.column_backward(gemm, a, kernel, ctx, dy,
+                                                              self.recompute)
+        return release(gemm, dx, dkernel, _bias_grad(gemm, bias, gq, dy), ctx, tie=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSequence:
+    """``reduce_scatter(activation(x) @ kernel, seq) + bias``; the backward all-gathers
+    dy once for dx and dW. With an ``activation`` the residual is its input, not its
+    output, and the backward computes the output again (an elementwise op) for the
+    weight gradient and differentiates it: without this an MLP keeps its hidden layer
+    twice (the activation's input for the activation's backward and its output for the
+    down projection's weight gradient)."""
+
+    gemm: Any
+    transport: Any
+    activation: Callable | None = None
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        h = x if self.activation is None else self.activation(x)
+        a, w, ctx = self.gemm.operands(h, kernel, state)
+        y = self.transport.row_forward(self.gemm, a, w, ctx, x.dtype)
+        y, ctx = tied_output(self.gemm, _add_bias(y, bias), ctx)
+        return y, (a if self.activation is None else x, kernel, (bias, ctx))
+
+    def bwd(self, res, g):
+        gemm, (a, kernel, (bias, ctx)) = self.gemm, res
+        activation_vjp = None
+        if self.activation is not None:
+            # Tied to the cotangent: the recomputed activation can be neither hoisted into
+            # the forward pass nor merged (CSE) with the forward one, which would keep the
+            # activation's output alive until here and undo the saving.
+            a, g = gemm.tie_input(a, g)
+        a, kernel, gq, ctx = gemm.cotangent(a, kernel, ctx, g, False)
+        if self.activation is not None:
+            h, activation_vjp = jax.vjp(self.activation, a)
+            a = gemm.requantize(h, ctx)
+        # dW (and db) are computed together with dx: the gathered dy then dies in this
+        # layer's backward instead of waiting for a dW GEMM XLA would otherwise put at the
+        # end of the backward pass (one gathered dy per row layer alive at once).
+        dx, dkernel = self.transport.row_backward(gemm, a, kernel, ctx, gq, g)
+        dbias = _bias_grad(gemm, bias, gq, g)
+        # The activation's backward (elementwise) before or after the release, as the
+        # GEMM releases (gemm.releases_input_grad).
+        early = activation_vjp is not None and gemm.releases_input_grad
+        if early:
+            dx = activation_vjp(dx)[0]
+        dx, dkernel, daux = release(gemm, dx, dkernel, dbias, ctx, tie=True)
+        if activation_vjp is not None and not early:
+            dx = activation_vjp(dx)[0]
+        return dx, dkernel, daux
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def linear_op(x: jax.Array, kernel: jax.Array, aux: tuple, rule: Any) -> jax.Array:
+    """The custom-VJP op of ``rule`` (its ``fwd`` and ``bwd``): ``aux = (bias, state)``."""
+    return rule.fwd(x, kernel, aux)[0]
+
+
+linear_op.defvjp(lambda x, kernel, aux, rule: rule.fwd(x, kernel, aux),
+                 lambda rule, res, g: rule.bwd(res, g))
