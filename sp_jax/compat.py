@@ -108,7 +108,8 @@ class Cell:
     Attributes:
       status: one of :data:`STATUSES`.
       tests: with ``supported``: pytest node ids that run the combination.
-      fix: with ``refused``: what to do instead (the end of the error message).
+      fix: with ``refused``: what to do instead (the end of the error message; a
+        ``{feature}`` field in it is that feature as the message spells it).
       first: with ``refused``: the feature the message names first (the subject).
       alone: with ``refused``: the feature whose refusal in this mode (alone) refuses the
         pair too, or ``""``.
@@ -155,7 +156,7 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "jax.nn.dot_product_attention's cuDNN kernel takes no document ids in this JAX (only "
      "a dense [s, s] mask, which would undo the memory savings)."),
     (_ALL, "attention_dropout", "cudnn_attention",
-     "attention_dropout needs attention_implementation='xla' (cuDNN's kernel draws masks "
+     "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
      "of its own, which would not be the same under every sharding)."),
     (_ALL, "expert_parallel", "pipeline",
      "train a mixture of experts without pipeline stages (expert_axis with pipeline_axis "
@@ -164,8 +165,7 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "mixture-of-experts layers do not run in pipeline stages yet; train them without "
      "pipeline_axis."),
     (_TRAIN_EVAL, "fp8", "pipeline",
-     "FP8 layers do not run inside a pipeline yet; use fp8=None there (or a mesh without "
-     "a pipeline axis)."),
+     "FP8 layers do not run inside a pipeline yet; drop {fp8} or {pipeline}."),
     (("train",), "packed_documents", "pipeline",
      "train packed rows without pipeline stages (packed documents are not supported with "
      "pipeline_axis yet)."),
@@ -338,10 +338,19 @@ def _message(mode: str, found: Cell, a: str, b: str | None, where: str,
     def name(f: str) -> str:
         return names.get(f, _NAMES[f])
 
+    fix = found.fix.format_map(_Spelled(names))
     if b is None:
-        return f"{where}: {name(a)}: {found.fix} (sp_jax.compat: {a} in {mode})"
-    return (f"{where}: {name(a)} is not supported with {name(b)}; {found.fix} "
+        return f"{where}: {name(a)}: {fix} (sp_jax.compat: {a} in {mode})"
+    return (f"{where}: {name(a)} is not supported with {name(b)}; {fix} "
             f"(sp_jax.compat: {a} x {b} in {mode})")
+
+
+class _Spelled(dict):
+    """The spellings of a message's features for its fix text: ``{feature}`` in a fix
+    is the caller's spelling of that feature (a flag, a value) or the default one."""
+
+    def __missing__(self, feature: str) -> str:
+        return _NAMES[feature]
 
 
 def check(mode: str, features: Iterable[str], *, where: str) -> None:
@@ -366,6 +375,7 @@ def check(mode: str, features: Iterable[str], *, where: str) -> None:
             if x not in (a for a, _ in active):
                 active.append((x, f))
     spell = {x: names.get(f, names.get(x, _NAMES.get(f, _NAMES[x]))) for x, f in active}
+    spell |= {f: spell[x] for x, f in active if f not in spell}  # an alias: its value's
     cells = TABLE[mode]
     for x, _ in active:
         found = cells[_key(x, x)]
@@ -456,6 +466,7 @@ def render() -> str:
                  "each of their values):")
     for modes, a, b, fix in REFUSALS:
         pair = a if b is None else f"{a} x {b}"
+        fix = fix.format_map(_Spelled())
         lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {pair}: {fix}", 99,
                                    subsequent_indent="  "))
     return "\n".join(lines)

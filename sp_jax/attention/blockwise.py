@@ -24,6 +24,7 @@ from sp_jax.attention.kernels import (
     to_bhsd,
     to_bshd,
 )
+from sp_jax.compat import check
 from sp_jax.ops.primitives import fresh_zeros
 
 __all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments", "check_window"]
@@ -133,10 +134,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     drop = drop_arguments(dropout, positions, q.shape[1], implementation)
     seg = check_segments("blockwise_attention", segment_ids, q)
     if implementation == "cudnn" and seg is not None:
-        raise ValueError(
-            "blockwise_attention: segment_ids (packed documents) need implementation='xla': "
-            "jax.nn.dot_product_attention's cuDNN kernel takes no document ids in this JAX "
-            "(only a dense [s, s] mask, which would undo the memory savings).")
+        check("train", {"packed_documents": "segment_ids (packed documents)",
+                        "cudnn_attention": "implementation='cudnn'"}, where="blockwise_attention")
     if implementation == "cudnn":
         try:
             return jax.nn.dot_product_attention(

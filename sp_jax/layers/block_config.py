@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sp_jax.attention import IMPLEMENTATIONS
+from sp_jax.compat import check
 from sp_jax.config import Fp8Recipe
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
@@ -159,10 +160,8 @@ def check_block_fields(owner: str, config: Any) -> None:
                 f"{owner}.attention_implementation={config.attention_implementation!r} is "
                 "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
         if config.attention_implementation == "cudnn" and config.attention_dropout:
-            raise ValueError(
-                f"{owner}: attention_dropout={config.attention_dropout} needs "
-                "attention_implementation='xla' (cuDNN's kernel draws masks of its own, which "
-                "would not be the same under every sharding).")
+            check("train", {"attention_dropout": f"attention_dropout={config.attention_dropout}",
+                            "cudnn_attention": "attention_implementation='cudnn'"}, where=owner)
     _float_dtype(owner, "dtype", config.dtype, optional=True)
     _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
 

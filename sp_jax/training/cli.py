@@ -38,6 +38,7 @@ import numpy as np
 import optax
 
 from sp_jax.attention import zigzag_order
+from sp_jax.compat import check
 from sp_jax.config import PIPELINE_SCHEDULES, Fp8Recipe, ParallelConfig
 from sp_jax.layers import check_kv_heads, kv_heads_per_shard
 from sp_jax.models import GPTConfig
@@ -332,11 +333,12 @@ def check_model_args(args: argparse.Namespace) -> None:
         (args.fsdp and args.hidden % data, f"--fsdp shards the hidden dimension over the "
          f"data size {data}: --hidden {args.hidden} must be a multiple of it"),
         (args.layers % chunks, f"--layers {args.layers} must divide by STAGE x "
-         f"--pipeline-repeats = {chunks} (each stage holds the same number of layers)"),
-        (getattr(args, "fp8", None) and stages > 1, "--fp8 does not run on pipeline stages "
-         "yet: drop it or use a --mesh without STAGE")]:
+         f"--pipeline-repeats = {chunks} (each stage holds the same number of layers)")]:
         if bad:
             raise ValueError(message)
+    if getattr(args, "fp8", None) and stages > 1:
+        check("train", {"fp8": f"--fp8 {args.fp8}", "pipeline": "STAGE in --mesh"},
+              where="--fp8")
 
 
 def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfig:
