@@ -1,8 +1,10 @@
 """Models built from the sp_jax layers (and :mod:`sp_jax.models.hf`: Hugging Face
 checkpoints in and out)."""
 
+from sp_jax.models.blocks import Block
 from sp_jax.models.generation import Generation, filter_logits, generate, sample_tokens
-from sp_jax.models.gpt import GPT, Block, GPTConfig, RopeScaling
+from sp_jax.models.gpt import GPT
+from sp_jax.models.gpt_config import GPTConfig, RopeScaling
 
 __all__ = ["GPT", "GPTConfig", "Block", "Generation", "RopeScaling", "filter_logits",
            "generate", "sample_tokens"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,12 +13,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held, to_natural
+from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
-    MLP,
-    CausalSelfAttention,
     Dropout,
-    MoE,
     MoEStats,
     VocabParallelEmbedding,
     document_labels,
@@ -29,119 +28,15 @@ from sp_jax.layers.linear import column_sp_matmul
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     axis_size,
-    check_activations,
     current_mesh,
     reshard,
     to_sequence_parallel,
 )
+from sp_jax.models.blocks import Block, Documents, run_blocks, stack_blocks
 from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
 from sp_jax.models.pipelined import check_pipeline, pipeline_forward_loss, pipeline_loss_and_grads
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
-
-
-class Block(nnx.Module):
-    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP` (or, for a
-    mixture-of-experts layer of the config, :class:`~sp_jax.layers.MoE`).
-
-    Its dropouts hold no rng stream; they draw from ``nnx.Rngs(dropout=key)`` built
-    from the ``key`` passed to each call (so a block can be rematerialised).
-
-    Args:
-      config: the :class:`GPTConfig` (its ``attention_config()`` and ``mlp_config()`` /
-        ``moe_config()``).
-      parallel: the :class:`~sp_jax.ParallelConfig`.
-      rngs: ``params`` rng stream.
-      index: the layer's index (from 0), which says whether it is a mixture of experts
-        (``config.is_moe_layer(index)``).
-    """
-
-    def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
-                 rngs: nnx.Rngs, index: int = 0):
-        self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
-                                             rngs=rngs)
-        self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
-            if config.is_moe_layer(index) else \
-            MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
-
-    def __call__(self, x: jax.Array, key: jax.Array | None = None,
-                 documents: Documents = None) -> jax.Array:
-        """``x``: hidden states ``[batch, seq, hidden]`` in the SP layout -> same shape and
-        layout; ``key``: the dropout key of this block, or None; ``documents``: None or
-        ``(segment_ids, positions)`` ``[batch, seq]`` of packed rows (either None), in
-        the order ``x`` is held (see :meth:`GPT.loss`)."""
-        return self.apply(x, key, documents)[0]
-
-    def apply(self, x: jax.Array, key: jax.Array | None = None, documents: Documents = None
-              ) -> tuple[jax.Array, MoEStats | None]:
-        """As :meth:`__call__`, with the layer's router statistics (None for a dense
-        layer)."""
-        x = jnp.asarray(x)
-        check_activations("Block", x, self.attention.config.hidden, "hidden")
-        rngs = None if key is None else nnx.Rngs(dropout=key)
-        segment_ids, positions = documents if documents is not None else (None, None)
-        x = self.attention(x, rngs=rngs, segment_ids=segment_ids, positions=positions)
-        if isinstance(self.mlp, MoE):
-            return self.mlp(x, rngs=rngs)
-        return self.mlp(x, rngs=rngs), None
-
-
-# (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
-Documents = tuple[jax.Array | None, jax.Array | None] | None
-
-
-def _run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
-               documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
-    """Applies ``block`` (:meth:`Block.apply`); with ``remat`` its activations are
-    recomputed in backward."""
-    if not remat:
-        return block.apply(x, key, documents)
-    graphdef, state = nnx.split(block)
-    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s).apply(x, k, d))(
-        state, x, key, documents)
-
-
-def _stack_blocks(blocks: list[Block], layer_axis: str | None = None,
-                  repeats: int = 1) -> Block:
-    """One :class:`Block` whose variables hold ``blocks``' values stacked on axis 0
-    (sharded over ``layer_axis``, the pipeline axis, when given). With ``repeats > 1``
-    the stack is ``[repeats, L / repeats, ...]`` (still in layer order) sharded over
-    ``layer_axis`` on its second dimension: stage ``s`` of ``P`` then holds the layer
-    chunks ``r P + s`` (the circular assignment), each where the schedule runs it."""
-
-    def stack(*variables):
-        first = variables[0]
-        value = jnp.stack([v[...] for v in variables])
-        metadata = first.get_metadata()
-        inner = metadata.get("out_sharding")
-        if inner is not None or layer_axis is not None:
-            inner = inner if inner is not None else (None,) * (value.ndim - 1)
-            metadata["out_sharding"] = (layer_axis, *inner)
-        if repeats > 1:
-            value = value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:])
-            metadata["out_sharding"] = (None, *metadata["out_sharding"])
-        mesh = jax.sharding.get_abstract_mesh()
-        if layer_axis is not None and not mesh.empty:  # each stage holds its layers
-            value = reshard(value, P(*metadata["out_sharding"]), mesh)
-        return first.from_metadata(value, metadata)
-
-    states = [nnx.state(b) for b in blocks]
-    stacked = jax.tree.map(stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return nnx.merge(nnx.graphdef(blocks[0]), stacked)
-
-
-def _scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool,
-                 documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
-    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each);
-    returns the output and the layers' stacked router statistics (None: dense)."""
-    graphdef, state = nnx.split(stacked)
-
-    def layer(x, xs):
-        layer_state, key = xs
-        return nnx.merge(graphdef, layer_state).apply(x, key, documents)
-
-    body = jax.checkpoint(layer) if remat else layer
-    return jax.lax.scan(body, x, (state, keys))
 
 
 class GPT(nnx.Module):
@@ -187,7 +82,7 @@ class GPT(nnx.Module):
         if parallel.pipeline_axis is not None:
             check_pipeline(cfg, parallel, current_mesh(parallel, where="GPT", required=False))
         blocks = [Block(cfg, parallel, rngs=rngs, index=i) for i in range(cfg.num_layers)]
-        self.blocks = _stack_blocks(blocks, parallel.pipeline_axis,
+        self.blocks = stack_blocks(blocks, parallel.pipeline_axis,
                                     parallel.pipeline_repeats) if cfg.scan_layers \
             else nnx.List(blocks)
         self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
@@ -229,7 +124,7 @@ class GPT(nnx.Module):
         """Final-normed hidden states ``[batch, seq, hidden]``, SP layout, in the order of
         ``tokens``; ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
-        order = self._order(tokens)
+        order = self.sequence_order(tokens)
         held, _ = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None,
                                       order, self._documents(tokens, segment_ids, positions,
                                                              order))
@@ -242,9 +137,9 @@ class GPT(nnx.Module):
         if segment_ids is None and positions is None:
             return None
         if self.parallel.pipeline_axis is not None:
-            raise ValueError("GPT: segment_ids / positions (packed documents) are not "
-                             "supported with pipeline_axis yet; train packed rows without "
-                             "pipeline stages.")
+            check("train", {"packed_documents": "segment_ids / positions (packed documents)",
+                            "pipeline": f"pipeline_axis={self.parallel.pipeline_axis!r}"},
+                  where="GPT")
         held = []
         for name, a in (("segment_ids", segment_ids), ("positions", positions)):
             if a is not None:
@@ -269,9 +164,10 @@ class GPT(nnx.Module):
             raise ValueError(f"GPT: positions up to {top} are outside the learned position "
                              f"table of max_seq_len={self.config.max_seq_len} rows.")
 
-    def _order(self, tokens: jax.Array) -> np.ndarray | None:
-        """The order the model holds the sequence in (zigzag with ring context
-        parallelism, else None: the natural order)."""
+    def sequence_order(self, tokens: jax.Array) -> np.ndarray | None:
+        """The order the model holds the sequence of ``tokens`` (``[..., seq]``) in:
+        zigzag with ring context parallelism, else None (the natural order); see
+        :func:`sp_jax.attention.sequence_order`."""
         mesh = current_mesh(self.parallel, where="GPT")
         return sequence_order(self.parallel, mesh, tokens.shape[-1])
 
@@ -287,21 +183,25 @@ class GPT(nnx.Module):
         stream = None
         if training:  # keys are drawn here, outside any rematerialised block
             stream = rngs.dropout if rngs is not None else self.dropout.rngs
-        x = self._embed(tokens, table, order, stream() if training else None,
-                        None if documents is None else documents[1])
-        if self.config.scan_layers:
-            keys = jnp.stack([stream() for _ in range(self.config.num_layers)]) \
-                if training else None
-            x, stats = _scan_blocks(self.blocks, x, keys, self.config.remat, documents)
-        else:
-            layers = []
-            for block in self.blocks:
-                x, layer = _run_block(block, x, stream() if training else None,
-                                      self.config.remat, documents)
-                if layer is not None:  # a mixture-of-experts layer's router statistics
-                    layers.append(layer)
-            stats = jax.tree.map(lambda *v: jnp.stack(v), *layers) if layers else None
+        x = self.embed_tokens(tokens, table, order, stream() if training else None,
+                              None if documents is None else documents[1])
+        x, stats = self.run_blocks(x, stream=stream, documents=documents)
         return self.final_norm(x), stats
+
+    def run_blocks(self, x: jax.Array, *, stream: Callable[[], jax.Array] | None = None,
+                   documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
+        """The layers on embeddings ``x`` ``[batch, seq, hidden]`` (SP layout, held
+        order), scanned or unrolled as ``config.scan_layers`` says
+        (:func:`sp_jax.models.blocks.run_blocks`): the last layer's output (not
+        final-normed) and the mixture-of-experts layers' stacked router statistics
+        (None without any).
+
+        Args:
+          stream: draws one dropout key per layer, in layer order, or None (no dropout).
+          documents: packed rows' ``(segment_ids, positions)`` in the held order, or None.
+        """
+        return run_blocks(self.blocks, x, num_layers=self.config.num_layers,
+                          remat=self.config.remat, stream=stream, documents=documents)
 
     @property
     def training(self) -> bool:
@@ -309,11 +209,19 @@ class GPT(nnx.Module):
         return max(self.config.dropout, self.config.attention_dropout) > 0 and \
             not self.dropout.deterministic
 
-    def _embed(self, tokens: jax.Array, table: jax.Array | None, order: np.ndarray | None,
-               key: jax.Array | None, positions: jax.Array | None = None) -> jax.Array:
-        """Token (and learned position) embeddings of ``tokens`` in the held ``order``,
-        SP layout, with the embedding dropout of ``key`` (None: none); ``positions``:
-        ``[batch, seq]`` held-order positions of packed rows, or None (the row's own)."""
+    def embed_tokens(self, tokens: jax.Array, table: jax.Array | None = None,
+                     order: np.ndarray | None = None, key: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> jax.Array:
+        """Token (and learned position) embeddings ``[batch, seq, hidden]``, SP layout,
+        of ``tokens`` ``[batch, seq]`` already in the held ``order``
+        (:meth:`sequence_order`), with the embedding dropout of ``key`` (None: none).
+
+        Args:
+          table: the embedding's padded table (:meth:`vocab_table` of a tied model) if
+            already made, else None.
+          positions: ``[batch, seq]`` held-order positions of packed rows, or None (the
+            row's own).
+        """
         self._check_tokens(tokens)
         x = self.embed(tokens, table=table)
         if self.position is not None:
@@ -332,14 +240,22 @@ class GPT(nnx.Module):
             x = to_sequence_parallel(x, self.parallel, where="GPT")
         return self.dropout(x, rngs=key)
 
-    def _vocab_table(self) -> jax.Array:
-        """The LM head's padded ``[Vp, hidden]`` table (the embedding's when tied)."""
+    def vocab_table(self) -> jax.Array:
+        """The LM head's padded ``[Vp, hidden]`` table (the embedding's when tied),
+        vocabulary-parallel (``layout.vocab_table``)."""
         mesh = current_mesh(self.parallel, where="GPT")
         return (self.embed if self.head is None else self.head).padded_table(mesh)
 
-    def _lm_head(self, h: jax.Array, table: jax.Array) -> jax.Array:
-        """Vocabulary-parallel logits ``P(data, None, tensor)`` of final-normed hidden
-        states ``h`` (SP layout) with the padded ``table``."""
+    # The names sp_jax.models.decode calls until decoding uses the public methods.
+    _embed = embed_tokens
+    _vocab_table = vocab_table
+
+    def logits_from_hidden(self, h: jax.Array, table: jax.Array | None = None) -> jax.Array:
+        """The LM head: vocabulary-parallel logits ``[batch, seq, padded_vocab]``
+        ``P(data, None, tensor)`` of final-normed hidden states ``h`` (SP layout) with the
+        padded ``table`` (None: :meth:`vocab_table`)."""
+        if table is None:
+            table = self.vocab_table()
         mesh = current_mesh(self.parallel, where="GPT")
         layout = Layout.of(self.parallel)
         par = self.parallel
@@ -352,13 +268,11 @@ class GPT(nnx.Module):
 
     def _check_pipeline_call(self) -> None:
         """A pipelined GPT runs whole only as a training step's loss (the schedule of
-        :mod:`sp_jax.pipeline`)."""
+        :mod:`sp_jax.pipeline`): no logits or hidden states (refused by
+        :mod:`sp_jax.compat`)."""
         if self.parallel.pipeline_axis is not None:
-            raise ValueError(
-                f"GPT with ParallelConfig(pipeline_axis={self.parallel.pipeline_axis!r}) "
-                "runs as a pipeline: call model.loss(tokens[, labels]) (or train it with "
-                "TrainStep); for logits or hidden states, restore the parameters into a "
-                "GPT without pipeline_axis.")
+            check("eval", {"pipeline": f"ParallelConfig(pipeline_axis="
+                                       f"{self.parallel.pipeline_axis!r})"}, where="GPT")
 
     def padded_logits(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
@@ -366,7 +280,7 @@ class GPT(nnx.Module):
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding.
         ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
-        order = self._order(tokens)
+        order = self.sequence_order(tokens)
         held, _ = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
                                       self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel, "activation_vocab")
@@ -375,11 +289,11 @@ class GPT(nnx.Module):
                        documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
         """:meth:`padded_logits` of ``tokens`` already in the held ``order``, in that
         order, and the router statistics of :meth:`_hidden_states`."""
-        table = self._vocab_table()  # [Vp, hidden], layout.vocab_table
+        table = self.vocab_table()  # [Vp, hidden], layout.vocab_table
         # A tied head shares the padded table with the embedding: made once.
         h, stats = self._hidden_states(tokens, rngs, table if self.head is None else None,
                                        order, documents)
-        return self._lm_head(h, table), stats
+        return self.logits_from_hidden(h, table), stats
 
     # -- public API -----------------------------------------------------------------------
 
@@ -505,7 +419,7 @@ class GPT(nnx.Module):
                 label_smoothing=label_smoothing, z_loss=z_loss)
             mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
             return (mean, {"lm_loss": mean}) if return_metrics else mean
-        order = self._order(tokens)  # the loss is a mean: the held order will do
+        order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
         documents = self._documents(tokens, segment_ids, positions, order)
         logits, stats = self._padded_logits(to_held(tokens, order, self.parallel), rngs,

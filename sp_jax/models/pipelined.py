@@ -17,6 +17,7 @@ weight gradients of all micro-batches are reduced over the data axes once per st
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -27,10 +28,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import parallel_cross_entropy
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
+from sp_jax.models.blocks import scan_blocks
 from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
 
 __all__ = ["check_pipeline", "inner_parallel", "pipeline_forward_loss",
@@ -50,10 +53,9 @@ def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
     not scanned, or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when
     ``mesh`` is known)."""
     if config.num_experts:
-        raise ValueError(
-            f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) with "
-            f"num_experts={config.num_experts}: mixture-of-experts layers do not run in "
-            "pipeline stages yet; train them without pipeline_axis.")
+        check("train", {"experts": f"num_experts={config.num_experts}",
+                        "pipeline": f"ParallelConfig(pipeline_axis={parallel.pipeline_axis!r})"},
+              where="GPT")
     if not config.scan_layers:
         raise ValueError(
             f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "
@@ -74,42 +76,54 @@ def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
             f"multiple of {chunks} layers, or another stage count or pipeline_repeats.")
 
 
-def _swap_parallel(module: nnx.Module, parallel: ParallelConfig) -> nnx.Module:
-    """``module`` with every submodule's ``parallel`` set to ``parallel``."""
-    for _, node in nnx.iter_graph(module):
-        if isinstance(getattr(node, "parallel", None), ParallelConfig):
-            node.parallel = parallel
-    return module
+def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
+    """The graph definitions a stage merges its parameters into: the GPT's (for the
+    embedding and the head) and its stacked block's, of modules built with the stage's
+    ``parallel`` (:func:`inner_parallel`) in the mode of ``model`` (train or eval).
+
+    They are built abstractly (``nnx.eval_shape``) as a GPT of ``model``'s class and
+    config with one layer: the embedding, final norm and head do not depend on the
+    number of layers, and a stacked block's graph does not either (the stage's slice
+    of the layers is merged into it)."""
+    config = dataclasses.replace(model.config, num_layers=1)
+    training = model.training
+
+    def build():
+        shell = type(model)(config, parallel=parallel, rngs=nnx.Rngs(0))
+        if not training:  # dropout off, as in the model (with rates of 0 either will do)
+            shell.eval()
+        return shell
+
+    shell = nnx.eval_shape(build)
+    return nnx.graphdef(shell), nnx.graphdef(shell.blocks)
 
 
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
              label_smoothing: float, z_loss: float) -> StageProgram:
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts)."""
     inner = inner_parallel(model.parallel)
-    graphdef = nnx.graphdef(model)
-    block_graphdef = nnx.graphdef(model.blocks)
+    graphdef, block_graphdef = _stage_graphdefs(model, inner)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
     empty = jax.tree.map(lambda x: np.zeros((0,), x.dtype), blocks)
     remat, vocab = model.config.remat, model.config.vocab_size
 
     def shell(shared):
-        return _swap_parallel(nnx.merge(graphdef, {**shared, "blocks": empty}, rest), inner)
+        return nnx.merge(graphdef, {**shared, "blocks": empty}, rest)
 
     def key(data):
         return None if data is None else jax.random.wrap_key_data(data)
 
     def embed(shared, tokens, key_data):
-        return shell(shared)._embed(tokens, None, order, key(key_data))
+        return shell(shared).embed_tokens(tokens, None, order, key(key_data))
 
     def stage(chunk, x, keys):
-        from sp_jax.models.gpt import _scan_blocks
-        stacked = _swap_parallel(nnx.merge(block_graphdef, chunk), inner)
-        return _scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
+        stacked = nnx.merge(block_graphdef, chunk)
+        return scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
 
     def head(shared, x, labels):
         m = shell(shared)
-        logits = m._lm_head(m.final_norm(x), m._vocab_table())
+        logits = m.logits_from_hidden(m.final_norm(x), m.vocab_table())
         per_token = parallel_cross_entropy(
             logits, labels, parallel=inner, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
@@ -169,7 +183,7 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     # the caller placed), whole sequences (ring attention's zigzag order is taken here)
     whole = Layout.of(par).spec(None, "activation_batch", None)
     tokens, labels = (jax.reshard(x, whole) for x in (tokens, labels))
-    order = model._order(tokens[0])
+    order = model.sequence_order(tokens[0])
     if order is not None:
         tokens, labels = (jnp.take(x, jnp.asarray(order), axis=2) for x in (tokens, labels))
     if keys is not None:

@@ -1,0 +1,157 @@
+"""The GPT's transformer layers: :class:`Block` (attention then MLP or mixture of experts)
+and the ways a stack of them runs: unrolled (a list of blocks, each optionally
+rematerialised) or scanned (one :class:`Block` whose variables hold every layer's values
+stacked on axis 0, run by ``lax.scan``).
+
+:class:`~sp_jax.models.GPT` holds its layers in one of these two forms
+(``GPTConfig.scan_layers``) and runs them with :func:`run_blocks`; a pipeline stage
+(:mod:`sp_jax.models.pipelined`) runs its slice of the stacked layers with
+:func:`scan_blocks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.config import ParallelConfig
+from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
+from sp_jax.mesh import check_activations, reshard
+from sp_jax.models.gpt_config import GPTConfig
+
+__all__ = ["Block", "Documents", "run_block", "run_blocks", "scan_blocks", "stack_blocks"]
+
+# (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
+Documents = tuple[jax.Array | None, jax.Array | None] | None
+
+
+class Block(nnx.Module):
+    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP` (or, for a
+    mixture-of-experts layer of the config, :class:`~sp_jax.layers.MoE`).
+
+    Its dropouts hold no rng stream; they draw from ``nnx.Rngs(dropout=key)`` built
+    from the ``key`` passed to each call (so a block can be rematerialised).
+
+    Args:
+      config: the :class:`GPTConfig` (its ``attention_config()`` and ``mlp_config()`` /
+        ``moe_config()``).
+      parallel: the :class:`~sp_jax.ParallelConfig`.
+      rngs: ``params`` rng stream.
+      index: the layer's index (from 0), which says whether it is a mixture of experts
+        (``config.is_moe_layer(index)``).
+    """
+
+    def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
+                 rngs: nnx.Rngs, index: int = 0):
+        self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
+                                             rngs=rngs)
+        self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
+            if config.is_moe_layer(index) else \
+            MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
+
+    def __call__(self, x: jax.Array, key: jax.Array | None = None,
+                 documents: Documents = None) -> jax.Array:
+        """``x``: hidden states ``[batch, seq, hidden]`` in the SP layout -> same shape and
+        layout; ``key``: the dropout key of this block, or None; ``documents``: None or
+        ``(segment_ids, positions)`` ``[batch, seq]`` of packed rows (either None), in
+        the order ``x`` is held (see :meth:`GPT.loss`)."""
+        return self.apply(x, key, documents)[0]
+
+    def apply(self, x: jax.Array, key: jax.Array | None = None, documents: Documents = None
+              ) -> tuple[jax.Array, MoEStats | None]:
+        """As :meth:`__call__`, with the layer's router statistics (None for a dense
+        layer)."""
+        x = jnp.asarray(x)
+        check_activations("Block", x, self.attention.config.hidden, "hidden")
+        rngs = None if key is None else nnx.Rngs(dropout=key)
+        segment_ids, positions = documents if documents is not None else (None, None)
+        x = self.attention(x, rngs=rngs, segment_ids=segment_ids, positions=positions)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, rngs=rngs)
+        return self.mlp(x, rngs=rngs), None
+
+
+def run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
+              documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
+    """Applies ``block`` (:meth:`Block.apply`); with ``remat`` its activations are
+    recomputed in backward."""
+    if not remat:
+        return block.apply(x, key, documents)
+    graphdef, state = nnx.split(block)
+    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s).apply(x, k, d))(
+        state, x, key, documents)
+
+
+def stack_blocks(blocks: list[Block], layer_axis: str | None = None,
+                 repeats: int = 1) -> Block:
+    """One :class:`Block` whose variables hold ``blocks``' values stacked on axis 0
+    (sharded over ``layer_axis``, the pipeline axis, when given). With ``repeats > 1``
+    the stack is ``[repeats, L / repeats, ...]`` (still in layer order) sharded over
+    ``layer_axis`` on its second dimension: stage ``s`` of ``P`` then holds the layer
+    chunks ``r P + s`` (the circular assignment), each where the schedule runs it."""
+
+    def stack(*variables):
+        first = variables[0]
+        value = jnp.stack([v[...] for v in variables])
+        metadata = first.get_metadata()
+        inner = metadata.get("out_sharding")
+        if inner is not None or layer_axis is not None:
+            inner = inner if inner is not None else (None,) * (value.ndim - 1)
+            metadata["out_sharding"] = (layer_axis, *inner)
+        if repeats > 1:
+            value = value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:])
+            metadata["out_sharding"] = (None, *metadata["out_sharding"])
+        mesh = jax.sharding.get_abstract_mesh()
+        if layer_axis is not None and not mesh.empty:  # each stage holds its layers
+            value = reshard(value, P(*metadata["out_sharding"]), mesh)
+        return first.from_metadata(value, metadata)
+
+    states = [nnx.state(b) for b in blocks]
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.merge(nnx.graphdef(blocks[0]), stacked)
+
+
+def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool,
+                documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
+    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each);
+    returns the output and the layers' stacked router statistics (None: dense)."""
+    graphdef, state = nnx.split(stacked)
+
+    def layer(x, xs):
+        layer_state, key = xs
+        return nnx.merge(graphdef, layer_state).apply(x, key, documents)
+
+    body = jax.checkpoint(layer) if remat else layer
+    return jax.lax.scan(body, x, (state, keys))
+
+
+def run_blocks(blocks: Block | Sequence[Block], x: jax.Array, *, num_layers: int,
+               remat: bool, stream: Callable[[], jax.Array] | None = None,
+               documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
+    """Runs a GPT's ``num_layers`` layers on hidden states ``x`` (SP layout): ``blocks``
+    stacked (one :class:`Block` of stacked variables: :func:`scan_blocks`) or a list of
+    blocks (unrolled, :func:`run_block` each).
+
+    Args:
+      stream: draws one dropout key per layer, in layer order (all before the scan, or
+        before each unrolled layer), or None: no dropout.
+      remat: recompute each layer's activations in backward.
+      documents: packed rows' ``(segment_ids, positions)`` in the held order, or None.
+    Returns:
+      the last layer's output and the mixture-of-experts layers' stacked router
+      statistics (None without any).
+    """
+    if isinstance(blocks, Block):
+        keys = None if stream is None else jnp.stack([stream() for _ in range(num_layers)])
+        return scan_blocks(blocks, x, keys, remat, documents)
+    layers = []
+    for block in blocks:
+        x, layer = run_block(block, x, None if stream is None else stream(), remat,
+                             documents)
+        if layer is not None:  # a mixture-of-experts layer's router statistics
+            layers.append(layer)
+    return x, jax.tree.map(lambda *v: jnp.stack(v), *layers) if layers else None
