@@ -7,14 +7,13 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["IN_FLIGHT", "register_exit_hook"]
 
-if TYPE_CHECKING:
-    from .manager import CheckpointManager
-
-IN_FLIGHT: set[CheckpointManager] = set()  # async saves not waited for yet: kept alive
+# async saves not waited for yet: {manager (kept alive): what waits for its save at exit}
+IN_FLIGHT: dict[Any, Callable[[], None]] = {}
 _HOOK = threading.Lock()
 _hooked = False
 
@@ -44,9 +43,9 @@ def register_exit_hook() -> None:
 def _finish_at_exit() -> None:
     """At interpreter exit: waits for the saves still in flight of managers that were
     never closed (one line each to stderr)."""
-    for manager in list(IN_FLIGHT):
+    for manager, wait in list(IN_FLIGHT.items()):
         try:
-            manager._exit_hook()
+            wait()
         except Exception as e:  # noqa: BLE001 - never block the exit
             print(f"sp_jax.checkpoint: at exit, {manager.directory}: {type(e).__name__}: "
                   f"{e}", file=sys.stderr, flush=True)

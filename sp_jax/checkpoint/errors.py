@@ -5,13 +5,13 @@ current run's."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 __all__ = ["CheckpointCorruptError", "CheckpointLockedError", "CheckpointSaveError",
-           "MetadataMismatchError", "NonFiniteError"]
+           "Differences", "MetadataMismatchError", "NonFiniteError"]
 
-if TYPE_CHECKING:
-    from .metadata import Differences
+Differences = dict[str, dict[str, tuple[Any, Any]]]
+"""``{section: {key: (saved, now)}}``: the metadata keys that differ, per section."""
 
 
 class CheckpointSaveError(RuntimeError):

@@ -272,7 +272,7 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - re-raised with the step named
             raise self._failed(step, e) from e
         finally:
-            IN_FLIGHT.discard(self)
+            IN_FLIGHT.pop(self, None)
 
     def save(self, step: int, params: Any, opt_state: Any = None,
              metadata: Mapping[str, Any] | None = None, *, check_finite: bool = True) -> None:
@@ -339,7 +339,7 @@ class CheckpointManager:
             raise self._failed(step, e) from e
         self._pending = step
         if self._async:
-            IN_FLIGHT.add(self)  # finished at exit if never waited for
+            IN_FLIGHT[self] = self._exit_hook  # finished at exit if never waited for
         else:
             self._check_pending()
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .errors import MetadataMismatchError
+from .errors import Differences, MetadataMismatchError
 
 __all__ = ["ABSENT", "Differences", "check_compatible", "compare", "flatten", "json_sections",
            "listing", "path_name"]
@@ -30,9 +30,6 @@ class _Absent:
 ABSENT = _Absent()
 """Stands, in :meth:`CheckpointManager.check_metadata` differences, for a key that the
 saved or the current metadata lacks."""
-
-Differences = dict[str, dict[str, tuple[Any, Any]]]
-"""``{section: {key: (saved, now)}}``: the metadata keys that differ, per section."""
 
 
 def _key_name(key: Any) -> str:
