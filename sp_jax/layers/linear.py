@@ -23,7 +23,9 @@ RowSequenceParallelLinear         ``P(d, None, t)``  ``P(d, t, None)``  ``P(t, N
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -52,12 +54,60 @@ __all__ = [
     "ColumnSequenceParallelLinear",
     "RowSequenceParallelLinear",
     "column_sp_matmul",
+    "decode_layout",
+    "shard_linear",
 ]
 
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
 
 Initializer = Callable[..., jax.Array]
+
+
+def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_spec: P,
+                 params: Sequence[tuple[jax.Array | None, P]], *, parallel: ParallelConfig,
+                 fp8: Fp8Recipe | None = None, fp8_history: jax.Array | None = None,
+                 where: str = "shard_linear") -> jax.Array:
+    """The shard_map plumbing of a parallel linear layer: ``local(x, *params, **fp8)``
+    per device, in one :func:`jax.shard_map` over the current mesh of ``parallel``.
+
+    ``x`` is resharded to ``x_spec`` and each parameter (``None`` stays ``None``, e.g. a
+    missing bias) to its spec; the FP8 amax history (delayed scaling), replicated, and
+    the layer's :class:`~sp_jax.ops.fp8.Fp8Spec` reach ``local`` as the ops' keyword
+    arguments ``fp8`` and ``fp8_history`` (none without ``fp8``). Used by every parallel
+    linear layer, the grouped-query projection and the GPT's LM head.
+
+    Args:
+      local: the per-device computation, ``local(x, *params, **fp8) -> y``.
+      x: the global input; x_spec / out_spec: the activations' specs in and out.
+      params: ``(value, spec)`` of each global parameter, in ``local``'s order.
+      parallel: the :class:`~sp_jax.ParallelConfig` (its mesh is the current one).
+      fp8: the layer's :class:`~sp_jax.Fp8Recipe`, or ``None``.
+      fp8_history: the ``[3, amax_history_len]`` amax history with delayed scaling.
+      where: the caller's name, for errors.
+    Returns:
+      ``local``'s output, sharded ``out_spec``.
+    """
+    mesh = current_mesh(parallel, where=where)
+    args = [reshard(x, x_spec, mesh)]
+    in_specs = [x_spec]
+    for value, spec in (*params, (fp8_history, P())):
+        args.append(None if value is None else reshard(value, spec, mesh))
+        in_specs.append(None if value is None else spec)
+    spec = fp8_spec(fp8, parallel)
+
+    def body(x, *rest):
+        *values, history = rest
+        kwargs = {} if spec is None else {"fp8": spec, "fp8_history": history}
+        return local(x, *values, **kwargs)
+
+    return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec)(*args)
+
+
+def decode_layout(parallel: ParallelConfig) -> Layout:
+    """The layout of the single-token (decode) mode: training's tensor split, nothing
+    over the data axes (no fsdp)."""
+    return dataclasses.replace(Layout.of(parallel), fsdp_axes=())
 
 
 class _ParallelLinear(nnx.Module):
@@ -70,6 +120,8 @@ class _ParallelLinear(nnx.Module):
 
     _split_in: bool = False
     _sequence_parallel: bool = False
+    input_is_parallel: bool = True  # the options of RowParallelLinear and
+    gather_output: bool = False     # ColumnParallelLinear (fixed for the others)
 
     def __init__(
         self,
@@ -153,7 +205,7 @@ class _ParallelLinear(nnx.Module):
                 f"{name} (fsdp)", arg, size, mesh, self.parallel.fsdp_axes,
                 f"choose {arg} as a multiple of the data-parallel size, or fsdp=False")
 
-    def _check_input(self, x: jax.Array, mesh: Mesh) -> None:
+    def _check_input(self, x: jax.Array, mesh: Mesh, decode: bool = False) -> None:
         name = type(self).__name__
         check_activations(name, x, self.in_features, "in_features", fix=False)
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -161,6 +213,9 @@ class _ParallelLinear(nnx.Module):
                 f"{name}: input dtype {x.dtype} is not floating point; cast the input "
                 "(e.g. x.astype(jnp.float32))."
             )
+        if decode:  # one token per row: nothing splits the sequence
+            check_batch_and_sequence(name, mesh, self.parallel, x.shape[0])
+            return
         check_batch_and_sequence(name, mesh, self.parallel, x.shape[0],
                                  x.shape[1] if self._sequence_parallel else None,
                                  length=x.shape[1])
@@ -171,48 +226,82 @@ class _ParallelLinear(nnx.Module):
         """(input spec, output spec) of the activations."""
         raise NotImplementedError
 
+    def _decode_specs(self, layout: Layout) -> tuple[P, P]:
+        """(input spec, output spec) of the activations in the single-token mode: column
+        layers take whole rows and give their column block, row layers the reverse."""
+        if self._split_in:
+            return layout.tp, layout.tensor_replicated
+        return layout.tensor_replicated, layout.tp
+
     def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-               fp8: dict) -> jax.Array:
+               activation=None, **fp8: Any) -> jax.Array:
         """The per-device computation (inside ``shard_map``); ``fp8``: the FP8 keyword
-        arguments of the op (``fp8``, ``fp8_history``; empty without FP8)."""
+        arguments of the op (``fp8``, ``fp8_history``; none without FP8)."""
         raise NotImplementedError
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _decode(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                activation=None) -> jax.Array:
+        """Per device, the single-token mode: this device's block of the product, summed
+        over the tensor axis (one all-reduce) by row layers."""
+        t = self.parallel.tensor_axis
+        if activation is not None:
+            x = activation(x)
+        if not self.input_is_parallel:
+            x = ops.split_with_all_gather_grad(x, t, dim=-1)
+        y = ops.decode_matmul(x, kernel, bias, axis_name=t if self._split_in else None)
+        if self.gather_output:
+            y = ops.all_gather_with_split_grad(y, t, dim=-1)
+        return y
+
+    def local_decode(self, x: jax.Array, *, activation=None) -> jax.Array:
+        """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
+        this layer holds its blocks of the decode layout (:func:`decode_layout`; what
+        generation runs): ``x`` ``[b, 1, in]`` whole rows (column layers) or this
+        device's feature block (row layers) -> this device's column block (no
+        collective) or the whole row (one all-reduce over the tensor axis), in the
+        compute dtype (no FP8). Forward only."""
+        kernel = self.kernel[...]
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
+        return self._decode(x.astype(dtype), kernel,
+                            None if self.bias is None else self.bias[...], activation)
+
+    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         """Applies the layer to a global ``[batch, seq, in_features]`` array.
+
+        With ``decode``, the single-token mode (generation: ``seq = 1``, activations whole
+        over the tensor axis): column layers take ``P(data, None, None)`` and multiply
+        their own column block (no collective), row layers take ``P(data, None, tensor)``
+        and all-reduce their partial products (no reduce-scatter); parameters in
+        :func:`decode_layout`; compute dtype, forward only.
 
         Returns ``[batch, seq, out_features]`` in the compute dtype (``dtype``, or the
         promoted dtype of input and parameters) with the layer's output sharding.
         """
-        return self._apply(x)
+        return self._apply(x, decode=decode)
 
-    def _apply(self, x: jax.Array, activation=None) -> jax.Array:
+    def _apply(self, x: jax.Array, activation=None, decode: bool = False) -> jax.Array:
         """:meth:`__call__`, with ``activation`` (if given) handed to :meth:`_local`."""
         mesh = current_mesh(self.parallel, where=type(self).__name__)
         self._check_features(mesh)
         x = jnp.asarray(x)
-        self._check_input(x if activation is None else jax.eval_shape(activation, x), mesh)
+        self._check_input(x if activation is None else jax.eval_shape(activation, x), mesh,
+                          decode)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
-        x = x.astype(dtype)
-
-        layout = Layout.of(self.parallel)
-        x_spec, out_spec = self._specs(layout)
-        k_spec, b_spec = self._param_specs(layout)
-        args, in_specs = [reshard(x, x_spec, mesh), reshard(kernel, k_spec, mesh)], [x_spec, k_spec]
-        args.append(None if bias is None else reshard(bias, b_spec, mesh))
-        in_specs.append(None if bias is None else b_spec)
-        history = None if self.fp8_history is None else self.fp8_history[...]
-        args.append(None if history is None else reshard(history, P(), mesh))
-        in_specs.append(None if history is None else P())
-        extra = {} if activation is None else {"activation": activation}
-        spec = fp8_spec(self.fp8, self.parallel)
-
-        def local(x, k, b, h):
-            fp8 = {} if spec is None else {"fp8": spec, "fp8_history": h}
-            return self._local(x, k, b, fp8, **extra)
-
-        return jax.shard_map(local, in_specs=tuple(in_specs), out_specs=out_spec)(*args)
+        if decode:
+            layout, local, fp8, history = decode_layout(self.parallel), self._decode, None, None
+            x_spec, out_spec = self._decode_specs(layout)
+        else:
+            layout, local, fp8 = Layout.of(self.parallel), self._local, self.fp8
+            history = None if self.fp8_history is None else self.fp8_history[...]
+            x_spec, out_spec = self._specs(layout)
+        if activation is not None:
+            local = functools.partial(local, activation=activation)
+        return shard_linear(local, x.astype(dtype), x_spec, out_spec,
+                            tuple(zip((kernel, bias), self._param_specs(layout), strict=True)),
+                            parallel=self.parallel, fp8=fp8, fp8_history=history,
+                            where=type(self).__name__)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -251,7 +340,7 @@ class ColumnParallelLinear(_ParallelLinear):
         out = layout.tensor_replicated if self.gather_output else layout.tp
         return layout.tensor_replicated, out
 
-    def _local(self, x, kernel, bias, fp8):
+    def _local(self, x, kernel, bias, activation=None, **fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd,
                                        fsdp_axes=self.parallel.fsdp_axes, **fp8)
@@ -290,7 +379,7 @@ class RowParallelLinear(_ParallelLinear):
         x_spec = layout.tp if self.input_is_parallel else layout.tensor_replicated
         return x_spec, layout.tensor_replicated
 
-    def _local(self, x, kernel, bias, fp8):
+    def _local(self, x, kernel, bias, activation=None, **fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         if not self.input_is_parallel:
             x = ops.split_with_all_gather_grad(x, t, dim=-1)
@@ -339,11 +428,12 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
     def _specs(self, layout):
         return layout.sp, layout.tp
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        warn_if_recompute_may_be_merged(self.parallel)
-        return super().__call__(x)
+    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+        if not decode:
+            warn_if_recompute_may_be_merged(self.parallel)
+        return super().__call__(x, decode=decode)
 
-    def _local(self, x, kernel, bias, fp8):
+    def _local(self, x, kernel, bias, activation=None, **fp8):
         return column_sp_matmul(x, kernel, bias, self.parallel, **fp8)
 
 
@@ -363,9 +453,10 @@ class RowSequenceParallelLinear(_ParallelLinear):
     _split_in = True
     _sequence_parallel = True
 
-    def __call__(self, x: jax.Array, *, activation=None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, activation=None, decode: bool = False) -> jax.Array:
         """Applies the layer to a global ``[batch, seq, in_features]`` array, or, with
-        ``activation``, to ``activation(x)``.
+        ``activation``, to ``activation(x)``; ``decode``: the single-token mode
+        (:meth:`_ParallelLinear.__call__`), the activation applied per device first.
 
         Args:
           x: ``[batch, seq, width]`` ``P(data, None, tensor)``; ``width = in_features``
@@ -379,12 +470,12 @@ class RowSequenceParallelLinear(_ParallelLinear):
         Returns:
           ``[batch, seq, out_features]`` ``P(data, tensor, None)``, compute dtype.
         """
-        return self._apply(x, activation)
+        return self._apply(x, activation, decode)
 
     def _specs(self, layout):
         return layout.tp, layout.sp
 
-    def _local(self, x, kernel, bias, fp8, activation=None):
+    def _local(self, x, kernel, bias, activation=None, **fp8):
         cfg = self.parallel
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,

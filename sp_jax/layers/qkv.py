@@ -8,10 +8,11 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sp_jax import ops
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
 from sp_jax.layers.fp8 import fp8_history, fp8_spec
-from sp_jax.layers.linear import column_sp_matmul
+from sp_jax.layers.linear import column_sp_matmul, decode_layout, shard_linear
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -19,7 +20,6 @@ from sp_jax.mesh import (
     check_activations,
     check_divisible,
     current_mesh,
-    reshard,
     warn_if_recompute_may_be_merged,
 )
 
@@ -94,46 +94,67 @@ class GroupedQKVProjection(nnx.Module):
                                    axis_size(mesh, self.parallel.tensor_axis),
                                    "GroupedQKVProjection")
 
-    def _kv_specs(self, mesh: Mesh | None):
-        layout = Layout.of(self.parallel)
+    def _kv_specs(self, mesh: Mesh | None, layout: Layout | None = None):
+        layout = Layout.of(self.parallel) if layout is None else layout
         if self._replicated(mesh):
             return layout.spec("embed", None), P(None)
         return layout.column_kernel, layout.column_bias
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above."""
+    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+        """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above.
+
+        With ``decode``, the single-token mode (generation): ``x`` ``[batch, 1, hidden]``
+        whole over the tensor axis (``P(data, None, None)``), each shard multiplying its
+        own ``[hidden, width]`` block (no collective); parameters without the fsdp split
+        (:func:`~sp_jax.layers.linear.decode_layout`); compute dtype, forward only."""
         par, cfg = self.parallel, self.config
         mesh = current_mesh(par, where="GroupedQKVProjection")
         x = jnp.asarray(x)
         check_activations("GroupedQKVProjection", x, cfg.hidden, "hidden")
-        warn_if_recompute_may_be_merged(par)
+        if not decode:
+            warn_if_recompute_may_be_merged(par)
         check_divisible("GroupedQKVProjection", "num_heads", cfg.num_heads, mesh,
                         par.tensor_axis, "choose a head count that is a multiple of the "
                         "tensor-parallel size")
         replicated = self._replicated(mesh)
-        layout = Layout.of(par)
-        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh)
-        q_kernel, kv_kernel = self.q_kernel[...], self.kv_kernel[...]
+        layout = decode_layout(par) if decode else Layout.of(par)
+        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh, layout)
+        q_kernel = self.q_kernel[...]
         dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
                                                                          q_kernel.dtype)
-        args = [reshard(x.astype(dtype), layout.sp, mesh),
-                reshard(q_kernel, layout.column_kernel, mesh),
-                reshard(kv_kernel, kv_kernel_spec, mesh)]
-        specs = [layout.sp, layout.column_kernel, kv_kernel_spec]
-        has_bias, history = self.q_bias is not None, self.fp8_history
-        args += [reshard(self.q_bias[...], layout.column_bias, mesh) if has_bias else None,
-                 reshard(self.kv_bias[...], kv_bias_spec, mesh) if has_bias else None,
-                 None if history is None else reshard(history[...], P(), mesh)]
-        specs += [layout.column_bias if has_bias else None, kv_bias_spec if has_bias else None,
-                  None if history is None else P()]
-        spec = fp8_spec(cfg.fp8, par)
+        has_bias = self.q_bias is not None
+        params = ((q_kernel, layout.column_kernel), (self.kv_kernel[...], kv_kernel_spec),
+                  (self.q_bias[...] if has_bias else None, layout.column_bias),
+                  (self.kv_bias[...] if has_bias else None, kv_bias_spec))
 
-        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, h):
+        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, **fp8):
             kernel, bias = self.local_kernel(q_kernel, kv_kernel, q_bias, kv_bias, replicated)
-            fp8 = {} if spec is None else {"fp8": spec, "fp8_history": h}
+            if decode:
+                return ops.decode_matmul(x, kernel, bias)
             return column_sp_matmul(x, kernel, bias, par, **fp8)
 
-        return jax.shard_map(local, in_specs=tuple(specs), out_specs=layout.tp)(*args)
+        history = self.fp8_history
+        return shard_linear(local, x.astype(dtype),
+                            layout.tensor_replicated if decode else layout.sp, layout.tp,
+                            params, parallel=par, fp8=None if decode else cfg.fp8,
+                            fp8_history=None if history is None or decode else history[...],
+                            where="GroupedQKVProjection")
+
+    def local_decode(self, x: jax.Array) -> jax.Array:
+        """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
+        this projection holds its blocks of the decode layout: this shard's q/k/v columns
+        of whole rows ``x`` ``[b, 1, hidden]`` (no collective), compute dtype."""
+        kernel, bias = self.local_kernel(
+            self.q_kernel[...], self.kv_kernel[...],
+            None if self.q_bias is None else self.q_bias[...],
+            None if self.kv_bias is None else self.kv_bias[...],
+            kv_heads_replicated(self.config.num_kv_heads,
+                                lax.axis_size(self.parallel.tensor_axis),
+                                "GroupedQKVProjection"))
+        dtype = self.config.dtype
+        if dtype is None:
+            dtype = jnp.result_type(x.dtype, kernel.dtype)
+        return ops.decode_matmul(x.astype(dtype), kernel, bias)
 
     def local_kernel(self, q_kernel: jax.Array, kv_kernel: jax.Array,
                      q_bias: jax.Array | None, kv_bias: jax.Array | None, replicated: bool

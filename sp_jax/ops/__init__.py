@@ -27,6 +27,7 @@ from sp_jax.ops.linear import (
     add_bias,
     column_parallel_matmul,
     column_sequence_parallel_matmul,
+    decode_matmul,
     matmul,
     row_sequence_parallel_matmul,
 )
@@ -51,5 +52,6 @@ __all__ = [
     "column_parallel_matmul",
     "column_sequence_parallel_matmul",
     "row_sequence_parallel_matmul",
+    "decode_matmul",
     "fsdp_gather",
 ]

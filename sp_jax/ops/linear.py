@@ -49,7 +49,7 @@ from sp_jax.ops.rules import Column, ColumnSequence, Matmul, RowSequence, linear
 from sp_jax.ops.transport import Collectives, Ring
 
 __all__ = ["add_bias", "column_parallel_matmul", "column_sequence_parallel_matmul",
-           "matmul", "row_sequence_parallel_matmul"]
+           "decode_matmul", "matmul", "row_sequence_parallel_matmul"]
 
 
 def _gemm(kernel, wgrad_dtype, fp8: Fp8Spec | None):
@@ -211,6 +211,30 @@ def column_parallel_matmul(
     rule = Column(_gemm(kernel, wgrad_dtype, fp8), axis_name)
     return _apply(rule, vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union),
                   fp8_history, fsdp_axes, 0)
+
+
+def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                  axis_name: AxisName | None = None) -> jax.Array:
+    """The single-token (decode) mode of the linear ops, forward only: ``x @ kernel``
+    in the dtype of ``x`` (the kernel cast to it), summed over ``axis_name`` by one
+    all-reduce when given, then ``+ bias``.
+
+    Generation holds one token per sequence, whole on every tensor shard: a column layer
+    multiplies its own column block ``[in, out / t]`` (no collective; ``axis_name``
+    None; the output varies over the tensor axis), a row layer its row block ``[in / t,
+    out]`` of this device's features, and all-reduces the partial products (in place of
+    the training path's reduce-scatter).
+
+    Args:
+      x: ``[..., in]`` (column) or ``[..., in / t]`` (row), compute dtype.
+      kernel: this device's block; bias: ``[out]`` / ``[out / t]`` or ``None``.
+      axis_name: the tensor axis for a row layer, ``None`` for a column layer.
+    """
+    check_linear_shapes("decode_matmul", x, kernel, bias)
+    y = jnp.dot(x, kernel.astype(x.dtype))
+    if axis_name is not None:
+        y = lax.psum(y, axis_name)
+    return y if bias is None else y + bias.astype(y.dtype)
 
 
 def _sequence_checks(name: str, x, kernel, bias, seq_dim: int, fsdp_axes: tuple,

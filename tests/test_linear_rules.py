@@ -1,0 +1,115 @@
+"""The single-token (decode) mode of the linear layers and the grouped-query projection:
+one token per row, activations whole over the tensor axis; column layers multiply their
+own column block (no collective), row layers all-reduce their partial products (one
+all-reduce, no reduce-scatter). Equal to the unsharded ``flax.nnx.Linear``; and the
+linear rules are frozen dataclasses (hashable statics)."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import reference_linear
+from conftest import make_mesh
+from flax import nnx
+
+import sp_jax
+from sp_jax.layers import AttentionConfig, GroupedQKVProjection, MLPActivation
+from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
+from sp_jax.ops.gemm import ComputeGemm
+from sp_jax.ops.rules import ColumnSequence, RowSequence
+from sp_jax.ops.transport import Collectives, Ring
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+IN, OUT = 16, 48  # OUT divisible by 1, 2, 4, 8
+
+LAYERS = ["ColumnSequenceParallelLinear", "RowSequenceParallelLinear",
+          "ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _layer(name, fsdp=False):
+    cfg = sp_jax.ParallelConfig(fsdp=fsdp)
+    split_in = name.startswith("Row")
+    shape = (OUT, IN) if split_in else (IN, OUT)
+    layer = getattr(sp_jax, name)(*shape, parallel=cfg, rngs=nnx.Rngs(1))
+    layer.bias[...] = jax.random.normal(jax.random.key(3), layer.bias.shape)
+    return layer
+
+
+def _collectives(fn, *args):
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
+    return {k: sum(f" {k}(" in ln or f" {k}-start(" in ln for ln in hlo.splitlines())
+            for k in kinds}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_decode_mode_matches_nnx_linear(name, mesh_shape):
+    """``layer(x, decode=True)`` on ``[b, 1, in]`` equals nnx.Linear; column layers use no
+    collective, row layers one all-reduce."""
+    b = 2 * mesh_shape[0]
+    x = np.random.default_rng(0).normal(size=(b, 1, OUT if name.startswith("Row") else IN))
+    x = x.astype(np.float32)
+    with jax.set_mesh(make_mesh(*mesh_shape)):
+        layer = _layer(name)
+        ref = reference_linear(layer)
+        y = nnx.jit(lambda layer, x: layer(x, decode=True))(layer, jnp.asarray(x))
+        counts = _collectives(lambda x: layer(x, decode=True), jnp.asarray(x))
+    chex.assert_trees_all_close(np.asarray(y), np.asarray(ref(x)), **TOL)
+    expected = {"all-reduce": 1 if name.startswith("Row") else 0, "all-gather": 0,
+                "reduce-scatter": 0, "collective-permute": 0}
+    assert counts == expected, counts
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
+def test_decode_mode_row_with_activation_and_fsdp_parameters(mesh_shape):
+    """The row layer's decode mode applies the MLP activation first; an fsdp layer's
+    parameters are read whole over the data axes."""
+    b = 2 * mesh_shape[0]
+    x = np.random.default_rng(1).normal(size=(b, 1, 2 * OUT)).astype(np.float32)
+    act = MLPActivation("swiglu")
+    with jax.set_mesh(make_mesh(*mesh_shape)):
+        layer = _layer("RowSequenceParallelLinear", fsdp=mesh_shape[0] > 1)
+        ref = reference_linear(layer)
+        y = layer(jnp.asarray(x), activation=act, decode=True)
+    pairs = x.reshape(b, 1, OUT, 2)
+    h = np.asarray(jax.nn.silu(pairs[..., 0])) * pairs[..., 1]
+    chex.assert_trees_all_close(np.asarray(y), np.asarray(ref(h)), **TOL)
+
+
+@pytest.mark.parametrize("mesh_shape, kv_heads", [((2, 4), 4), ((1, 8), 2)],
+                         ids=["2x4_split", "1x8_replicated"])
+def test_grouped_qkv_decode_mode_matches_training_path(mesh_shape, kv_heads):
+    """The projection's decode mode gives the blocks its training path gives for the
+    same token (kv heads split over the tensor axis, or replicated)."""
+    cfg = AttentionConfig(hidden=32, num_heads=8, num_kv_heads=kv_heads, qkv_bias=True)
+    t, b = mesh_shape[1], 2 * mesh_shape[0]
+    x = np.random.default_rng(2).normal(size=(b, t, 32)).astype(np.float32)
+    with jax.set_mesh(make_mesh(*mesh_shape)):
+        qkv = GroupedQKVProjection(cfg, rngs=nnx.Rngs(0))
+        qkv.q_bias[...] = jax.random.normal(jax.random.key(5), qkv.q_bias.shape)
+        qkv.kv_bias[...] = jax.random.normal(jax.random.key(6), qkv.kv_bias.shape)
+        full = qkv(jnp.asarray(x))
+        one = qkv(jnp.asarray(x[:, :1]), decode=True)
+        counts = _collectives(lambda x: qkv(x, decode=True), jnp.asarray(x[:, :1]))
+    chex.assert_trees_all_close(np.asarray(one), np.asarray(full)[:, :1], **TOL)
+    assert sum(counts.values()) == 0, counts
+
+
+def test_rules_are_hashable_frozen_dataclasses():
+    """A rule's statics are a frozen dataclass: equal options give equal, hashable rules;
+    the GEMM and transport are fields, not names."""
+    spec = Fp8Spec(sp_jax.Fp8Recipe("delayed"), ("data", "tensor"))
+    gemm = Fp8Gemm(spec, jnp.dtype(jnp.float32), jnp.dtype(jnp.float32))
+    a = ColumnSequence(gemm, Ring("tensor", 1), True)
+    assert a == ColumnSequence(gemm, Ring("tensor", 1), True)
+    assert hash(a) == hash(ColumnSequence(gemm, Ring("tensor", 1), True))
+    assert a != ColumnSequence(gemm, Collectives("tensor", 1), True)
+    plain = RowSequence(ComputeGemm(None, jnp.dtype(jnp.bfloat16)), Collectives("tensor", 1))
+    assert {plain: 1}[RowSequence(ComputeGemm(None, jnp.dtype(jnp.bfloat16)),
+                                  Collectives("tensor", 1))] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.recompute = False  # type: ignore[misc]
