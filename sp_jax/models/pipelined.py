@@ -12,7 +12,10 @@ the same ``R``; the shape names a change of ``R``).
 Inside the pipeline the layers run with the stage and data axes manual (their
 ``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes and
 ``fsdp=False``: fsdp weights are gathered once per step by the pipeline), so the
-weight gradients of all micro-batches are reduced over the data axes once per step.
+weight gradients of all micro-batches are reduced over the data axes once per step. The
+stage's modules are built with that config (the GPT's public ``embed_tokens``,
+``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks` then run them) and
+receive the model's parameters.
 """
 
 from __future__ import annotations
