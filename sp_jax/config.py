@@ -17,7 +17,7 @@ import numpy as np
 from sp_jax.compat import check
 
 __all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "PIPELINE_SCHEDULES", "Fp8Recipe",
-           "ParallelConfig"]
+           "ParallelConfig", "check_layer_args"]
 
 CONTEXT_PARALLEL = (None, "ring", "ulysses")
 """The values of ``ParallelConfig.context_parallel``."""
@@ -370,3 +370,14 @@ class Fp8Recipe:
     def delayed(self) -> bool:
         """Whether the scales come from an amax history (``scaling="delayed"``)."""
         return self.scaling == "delayed"
+
+
+def check_layer_args(where: str, parallel: Any, **sizes: Any) -> None:
+    """A layer's constructor arguments: each of ``sizes`` a positive int (a ValueError
+    naming it) and ``parallel`` a :class:`ParallelConfig` (a TypeError)."""
+    for arg, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{where}: {arg}={value!r} must be a positive int.")
+    if not isinstance(parallel, ParallelConfig):
+        raise TypeError(f"{where}: parallel={parallel!r} must be a sp_jax.ParallelConfig "
+                        "(use ParallelConfig.from_dict for a plain dict).")

@@ -20,8 +20,8 @@ from sp_jax.attention import (
     ulysses_attention,
 )
 from sp_jax.compat import check, features_of
-from sp_jax.config import ParallelConfig
-from sp_jax.layers.block_config import AttentionConfig, kv_heads_per_shard
+from sp_jax.config import ParallelConfig, check_layer_args
+from sp_jax.layers.block_config import AttentionConfig, check_block_config, kv_heads_per_shard
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.norm import make_norm
@@ -81,13 +81,9 @@ class CausalSelfAttention(nnx.Module):
 
     def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
-        if not isinstance(config, AttentionConfig):
-            raise TypeError(f"CausalSelfAttention: config must be an AttentionConfig "
-                            f"(sp_jax.AttentionConfig), got {type(config).__name__}; a "
-                            "GPTConfig gives its blocks' with config.attention_config().")
-        if not isinstance(parallel, ParallelConfig):
-            raise TypeError(f"CausalSelfAttention: parallel={parallel!r} must be a "
-                            "sp_jax.ParallelConfig.")
+        check_block_config("CausalSelfAttention", config, AttentionConfig,
+                           "sp_jax.AttentionConfig", "attention_config")
+        check_layer_args("CausalSelfAttention", parallel)
         active = features_of(config, parallel)  # refused pairs: sp_jax.compat
         check("train", {f: name for f, name in (
             ("cudnn_attention", "attention_implementation='cudnn'"),

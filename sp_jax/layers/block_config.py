@@ -26,6 +26,7 @@ from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
 __all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "MoEConfig", "check_block_fields",
+           "check_block_config",
            "check_kv_heads", "kv_heads_per_shard", "kv_heads_replicated",
            "settle_block_fields"]
 
@@ -102,6 +103,14 @@ def _float_dtype(owner: str, name: str, value: Any, optional: bool) -> None:
     if not ok:
         raise TypeError(f"{owner}.{name}={value!r} is not a floating dtype; use e.g. "
                         f"jnp.float32 or jnp.bfloat16{' (or None)' if optional else ''}.")
+
+
+def check_block_config(owner: str, config: Any, cls: type, public: str, method: str) -> None:
+    """A TypeError naming ``owner`` unless ``config`` is a ``cls`` (``public``: its
+    public name), which a ``GPTConfig`` gives its blocks with ``config.<method>()``."""
+    if not isinstance(config, cls):
+        raise TypeError(f"{owner}: config must be a {public}, got {type(config).__name__}; "
+                        f"a GPTConfig gives its blocks' with config.{method}().")
 
 
 def check_block_fields(owner: str, config: Any) -> None:

@@ -11,7 +11,7 @@ from flax.nnx.nn import initializers
 from jax import lax
 
 from sp_jax import ops
-from sp_jax.config import ParallelConfig
+from sp_jax.config import ParallelConfig, check_layer_args
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -89,13 +89,8 @@ class VocabParallelEmbedding(nnx.Module):
         embedding_init: Any = default_embed_init,
         rngs: nnx.Rngs,
     ):
-        for arg, value in (("num_embeddings", num_embeddings), ("features", features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"VocabParallelEmbedding: {arg}={value!r} must be a positive int.")
-        if not isinstance(parallel, ParallelConfig):
-            raise TypeError(
-                f"VocabParallelEmbedding: parallel={parallel!r} must be a sp_jax.ParallelConfig."
-            )
+        check_layer_args("VocabParallelEmbedding", parallel, num_embeddings=num_embeddings,
+                         features=features)
         self.num_embeddings = num_embeddings
         self.features = features
         self.parallel = parallel

@@ -35,7 +35,7 @@ from flax.nnx.nn import initializers
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
-from sp_jax.config import Fp8Recipe, ParallelConfig
+from sp_jax.config import Fp8Recipe, ParallelConfig, check_layer_args
 from sp_jax.layers.fp8 import check_fp8_recipe, fp8_history, fp8_spec
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
@@ -138,14 +138,7 @@ class _ParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
-        for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {arg}={value!r} must be a positive int.")
-        if not isinstance(parallel, ParallelConfig):
-            raise TypeError(
-                f"{name}: parallel={parallel!r} must be a sp_jax.ParallelConfig "
-                "(use ParallelConfig.from_dict for a plain dict)."
-            )
+        check_layer_args(name, parallel, in_features=in_features, out_features=out_features)
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers.block_config import MLP_ACTIVATIONS, MLPConfig
+from sp_jax.layers.block_config import MLP_ACTIVATIONS, MLPConfig, check_block_config
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.norm import make_norm
@@ -59,10 +59,7 @@ class MLP(nnx.Module):
 
     def __init__(self, config: MLPConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
-        if not isinstance(config, MLPConfig):
-            raise TypeError(f"MLP: config must be an MLPConfig (sp_jax.MLPConfig), got "
-                            f"{type(config).__name__}; a GPTConfig gives its blocks' with "
-                            "config.mlp_config().")
+        check_block_config("MLP", config, MLPConfig, "sp_jax.MLPConfig", "mlp_config")
         self.config, self.parallel = config, parallel
         common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
                       rngs=rngs)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order
 from sp_jax.config import ParallelConfig
-from sp_jax.layers.block_config import MoEConfig
+from sp_jax.layers.block_config import MoEConfig, check_block_config
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.mlp import MLPActivation
@@ -91,10 +91,7 @@ class MoE(nnx.Module):
 
     def __init__(self, config: MoEConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
-        if not isinstance(config, MoEConfig):
-            raise TypeError(f"MoE: config must be a MoEConfig (sp_jax.layers.MoEConfig), got "
-                            f"{type(config).__name__}; a GPTConfig gives its blocks' with "
-                            "config.moe_config().")
+        check_block_config("MoE", config, MoEConfig, "sp_jax.layers.MoEConfig", "moe_config")
         self.config, self.parallel = config, parallel
         mesh = current_mesh(parallel, where="MoE", required=False)
         if mesh is not None:
