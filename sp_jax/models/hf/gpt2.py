@@ -35,8 +35,8 @@ def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> d
     for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                     ("add_cross_attention", False)):
         if bool(get(key, ok)) != ok:
-            raise ValueError(f"config.json: {key}={get(key)!r} is not supported (sp_jax "
-                             f"computes GPT-2 attention with {key}={ok}).")
+            raise ValueError(f"config.json: {key}={get(key)!r} has no sp_jax counterpart "
+                             f"(sp_jax computes GPT-2 attention with {key}={ok}).")
     act = get("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: activation_function={act!r} is not one of "

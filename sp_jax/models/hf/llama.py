@@ -50,8 +50,8 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     elif rope_type in (None, "default"):
         scaling = None
     else:
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported; sp_jax "
-                         "implements 'default' and 'llama3'.")
+        raise ValueError(f"config.json: rope type {rope_type!r} has no sp_jax counterpart; "
+                         "sp_jax implements 'default' and 'llama3'.")
     return theta, scaling
 
 
