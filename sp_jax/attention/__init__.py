@@ -41,11 +41,14 @@ Modules: :mod:`~sp_jax.attention.sequence_order` (the zigzag order and every pos
 that follows from it), :mod:`~sp_jax.attention.dropout` (sharding-invariant dropout of
 the probabilities), :mod:`~sp_jax.attention.kernels` (the block kernels),
 :mod:`~sp_jax.attention.blockwise`, :mod:`~sp_jax.attention.ring`,
-:mod:`~sp_jax.attention.ulysses` (the three attention functions) and
-:mod:`~sp_jax.attention.counts` (block products per device).
+:mod:`~sp_jax.attention.ulysses` (the three attention functions),
+:mod:`~sp_jax.attention.counts` (block products per device) and
+:mod:`~sp_jax.attention.cached` (decoding: one query token per row against its key/value
+cache, :func:`cached_attention`).
 """
 
 from sp_jax.attention.blockwise import IMPLEMENTATIONS, blockwise_attention
+from sp_jax.attention.cached import cached_attention
 from sp_jax.attention.counts import attention_block_counts
 from sp_jax.attention.dropout import AttentionDropout
 from sp_jax.attention.ring import ring_attention
@@ -65,6 +68,7 @@ __all__ = [
     "AttentionDropout",
     "attention_block_counts",
     "blockwise_attention",
+    "cached_attention",
     "local_positions",
     "ring_attention",
     "sequence_order",

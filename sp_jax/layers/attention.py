@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sp_jax.attention import (
     AttentionDropout,
     blockwise_attention,
+    cached_attention,
     local_positions,
     ring_attention,
     sequence_order,
@@ -215,6 +216,30 @@ class CausalSelfAttention(nnx.Module):
             q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
             k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
         return q, k, v
+
+    def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
+        this module holds its blocks of the decode layout
+        (:func:`~sp_jax.layers.linear.decode_layout`; :func:`sp_jax.models.decode.
+        decode_step`): one token of every row through the same layers as
+        :meth:`__call__`, attending to this shard's key/value cache (no dropout).
+
+        Args:
+          x: ``[b, 1, hidden]`` whole rows (alike on every tensor shard).
+          k_cache / v_cache: ``[b, length, kv_local, head_dim]``: this shard's key/value
+            heads of the earlier tokens (:func:`~sp_jax.attention.cached_attention`).
+          positions: int ``[b]``: each row's position of this token.
+        Returns:
+          ``(x + attention, k, v)``: ``[b, 1, hidden]`` whole rows (the output
+          projection's one all-reduce over the tensor axis) and this token's rotated keys
+          and values ``[b, 1, kv_local, head_dim]`` for the cache.
+        """
+        qkv = self.qkv.local_decode(self.norm.local(x))  # this shard's heads, no collective
+        q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales())
+        o = cached_attention(q, k, v, k_cache, v_cache, positions, self.config.sliding_window)
+        y = self.out.local_decode(o)
+        return x.astype(y.dtype) + y, k, v
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None, segment_ids: jax.Array | None = None,

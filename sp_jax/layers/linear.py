@@ -178,6 +178,13 @@ class _ParallelLinear(nnx.Module):
             return layout.row_kernel, layout.row_bias
         return layout.column_kernel, layout.column_bias
 
+    def param_specs(self, layout: Layout, mesh: Mesh | None = None) -> dict[str, P]:
+        """The spec of each parameter by name (``kernel``, ``bias``) in ``layout``:
+        training's (``Layout.of(parallel)``) or the single-token mode's
+        (:func:`decode_layout`). ``mesh`` is not needed here (the grouped-query
+        projection's spec depends on it)."""
+        return dict(zip(("kernel", "bias"), self._param_specs(layout), strict=True))
+
     # -- validation --------------------------------------------------------------------
 
     def _check_features(self, mesh: Mesh) -> None:

@@ -78,6 +78,17 @@ class MLP(nnx.Module):
         gated, its interleaved ``(gate, up)`` column pairs -> ``[..., width / 2]``."""
         return MLPActivation(self.config.mlp_activation)(y)
 
+    def decode_step(self, x: jax.Array) -> jax.Array:
+        """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
+        this module holds its blocks of the decode layout
+        (:func:`~sp_jax.layers.linear.decode_layout`): ``x`` ``[b, 1, hidden]`` whole
+        rows -> ``x + down(act(up(norm(x))))``, whole rows: ``up`` multiplies this
+        shard's column block (no collective), ``down`` all-reduces its partial products
+        over the tensor axis (no dropout)."""
+        y = self.down.local_decode(self.up.local_decode(self.norm.local(x)),
+                                   activation=MLPActivation(self.config.mlp_activation))
+        return x.astype(y.dtype) + y
+
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> same shape and layout."""

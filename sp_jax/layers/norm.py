@@ -138,7 +138,12 @@ class LayerNorm(nnx.LayerNorm):
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x = jnp.asarray(x)
         _check_input(self, x)
-        x = to_sequence_parallel(x, self.parallel, where="LayerNorm")
+        return self.local(to_sequence_parallel(x, self.parallel, where="LayerNorm"), mask=mask)
+
+    def local(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        """The norm of the rows this device holds, per device (inside a ``shard_map``;
+        parameters replicated): what :meth:`__call__` computes after placing ``x`` in the
+        SP layout, and what decoding runs on whole rows ``[b, 1, features]``."""
         if not _fast_path(self, mask):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
@@ -161,7 +166,10 @@ class RMSNorm(nnx.RMSNorm):
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         x = jnp.asarray(x)
         _check_input(self, x)
-        x = to_sequence_parallel(x, self.parallel, where="RMSNorm")
+        return self.local(to_sequence_parallel(x, self.parallel, where="RMSNorm"), mask=mask)
+
+    def local(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        """Per device, as :meth:`LayerNorm.local`."""
         if not _fast_path(self, mask):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None

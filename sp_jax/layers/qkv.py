@@ -100,6 +100,14 @@ class GroupedQKVProjection(nnx.Module):
             return layout.spec("embed", None), P(None)
         return layout.column_kernel, layout.column_bias
 
+    def param_specs(self, layout: Layout, mesh: Mesh | None = None) -> dict[str, P]:
+        """The spec of each parameter by name in ``layout`` (training's, or
+        :func:`~sp_jax.layers.linear.decode_layout`) on ``mesh`` (whose tensor size says
+        whether the key/value heads are split or replicated; None: split)."""
+        kv_kernel, kv_bias = self._kv_specs(mesh, layout)
+        return {"q_kernel": layout.column_kernel, "kv_kernel": kv_kernel,
+                "q_bias": layout.column_bias, "kv_bias": kv_bias}
+
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above.
 
@@ -118,14 +126,13 @@ class GroupedQKVProjection(nnx.Module):
                         "tensor-parallel size")
         replicated = self._replicated(mesh)
         layout = decode_layout(par) if decode else Layout.of(par)
-        kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh, layout)
+        specs = self.param_specs(layout, mesh)
         q_kernel = self.q_kernel[...]
         dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
                                                                          q_kernel.dtype)
-        has_bias = self.q_bias is not None
-        params = ((q_kernel, layout.column_kernel), (self.kv_kernel[...], kv_kernel_spec),
-                  (self.q_bias[...] if has_bias else None, layout.column_bias),
-                  (self.kv_bias[...] if has_bias else None, kv_bias_spec))
+        params = tuple((None if v is None else v[...], specs[name]) for name, v in (
+            ("q_kernel", self.q_kernel), ("kv_kernel", self.kv_kernel),
+            ("q_bias", self.q_bias), ("kv_bias", self.kv_bias)))
 
         def local(x, q_kernel, kv_kernel, q_bias, kv_bias, **fp8):
             kernel, bias = self.local_kernel(q_kernel, kv_kernel, q_bias, kv_bias, replicated)

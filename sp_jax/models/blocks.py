@@ -6,7 +6,8 @@ stacked on axis 0, run by ``lax.scan``).
 :class:`~sp_jax.models.GPT` holds its layers in one of these two forms
 (``GPTConfig.scan_layers``) and runs them with :func:`run_blocks`; a pipeline stage
 (:mod:`sp_jax.models.pipelined`) runs its slice of the stacked layers with
-:func:`scan_blocks`.
+:func:`scan_blocks`, and decoding (:mod:`sp_jax.models.decode`) one token through them,
+per device, with :func:`decode_blocks`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
 
-__all__ = ["Block", "Documents", "run_block", "run_blocks", "scan_blocks", "stack_blocks"]
+__all__ = ["Block", "Documents", "decode_blocks", "run_block", "run_blocks", "scan_blocks",
+           "stack_blocks"]
 
 # (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
 Documents = tuple[jax.Array | None, jax.Array | None] | None
@@ -73,6 +76,19 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):
             return self.mlp(x, rngs=rngs)
         return self.mlp(x, rngs=rngs), None
+
+    def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The single-token (decode) mode per device
+        (:meth:`CausalSelfAttention.decode_step`, then :meth:`MLP.decode_step`: two
+        all-reduces over the tensor axis): ``x`` ``[b, 1, hidden]`` whole rows, this
+        shard's cache ``[b, length, kv_local, head_dim]`` of this layer, ``positions``
+        ``[b]`` -> ``(x, k, v)``, the token's keys and values ``[b, 1, kv_local,
+        head_dim]``."""
+        if isinstance(self.mlp, MoE):
+            check("generate", {"experts": "a mixture-of-experts layer"}, where="Block")
+        x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions)
+        return self.mlp.decode_step(x), k, v
 
 
 def run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
@@ -127,6 +143,39 @@ def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: boo
 
     body = jax.checkpoint(layer) if remat else layer
     return jax.lax.scan(body, x, (state, keys))
+
+
+def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, k_cache: jax.Array,
+                  v_cache: jax.Array, positions: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per device (inside the decode ``shard_map``): one token of every row through a
+    GPT's layers (:meth:`Block.decode_step`), ``blocks`` stacked (``lax.scan`` over the
+    layers and the cache) or a list.
+
+    Args:
+      x: ``[b, 1, hidden]`` whole rows; positions: int ``[b]``.
+      k_cache / v_cache: ``[layers, b, length, kv_local, head_dim]``, this shard's.
+    Returns:
+      the last layer's output and every layer's keys and values of the token, ``[layers,
+      b, 1, kv_local, head_dim]`` each.
+    """
+    if isinstance(blocks, Block):
+        graphdef, state = nnx.split(blocks)
+
+        def layer(x, xs):
+            layer_state, k_layer, v_layer = xs
+            x, k, v = nnx.merge(graphdef, layer_state).decode_step(x, k_layer, v_layer,
+                                                                   positions)
+            return x, (k, v)
+
+        x, (k, v) = jax.lax.scan(layer, x, (state, k_cache, v_cache))
+        return x, k, v
+    ks, vs = [], []
+    for i, block in enumerate(blocks):
+        x, k, v = block.decode_step(x, k_cache[i], v_cache[i], positions)
+        ks.append(k)
+        vs.append(v)
+    return x, jnp.stack(ks), jnp.stack(vs)
 
 
 def run_blocks(blocks: Block | Sequence[Block], x: jax.Array, *, num_layers: int,

@@ -246,10 +246,6 @@ class GPT(nnx.Module):
         mesh = current_mesh(self.parallel, where="GPT")
         return (self.embed if self.head is None else self.head).padded_table(mesh)
 
-    # The names sp_jax.models.decode calls until decoding uses the public methods.
-    _embed = embed_tokens
-    _vocab_table = vocab_table
-
     def logits_from_hidden(self, h: jax.Array, table: jax.Array | None = None) -> jax.Array:
         """The LM head: vocabulary-parallel logits ``[batch, seq, padded_vocab]``
         ``P(data, None, tensor)`` of final-normed hidden states ``h`` (SP layout) with the

@@ -1,0 +1,48 @@
+"""The one-query-token attention of decoding: each row's new token against its key/value
+cache (:func:`cached_attention`), per device, in the layout of
+:meth:`sp_jax.layers.CausalSelfAttention.decode_step` (this shard's heads, whole rows)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["cached_attention"]
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
+                     v_cache: jax.Array, positions: jax.Array,
+                     sliding_window: int | None = None) -> jax.Array:
+    """Per device: one query token per row against its cache.
+
+    Args:
+      q: ``[b, 1, heads, d]`` (rotary applied); ``k`` / ``v``: ``[b, 1, kv_heads, d]`` of
+        the same token (``heads`` a multiple of ``kv_heads``: consecutive query heads
+        share a key/value head).
+      k_cache / v_cache: ``[b, length, kv_heads, d]``; entries ``< positions[b]`` are row
+        ``b``'s earlier tokens (later ones are ignored).
+      positions: int ``[b]``: each row's position of this token.
+      sliding_window: attend only to the last ``sliding_window`` tokens (this one
+        included), or None.
+    Returns:
+      ``[b, 1, heads * d]`` in ``q.dtype``; softmax in fp32.
+    """
+    b, _, heads, d = q.shape
+    kv_heads, length = k.shape[2], k_cache.shape[1]
+    qg = q.reshape(b, kv_heads, heads // kv_heads, d)
+    scale = d ** -0.5
+    f32 = jnp.float32
+    s_cache = jnp.einsum("bhgd,bshd->bhgs", qg, k_cache, preferred_element_type=f32) * scale
+    s_self = jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=f32) * scale
+    j = jnp.arange(length)[None, :]
+    visible = j < positions[:, None]
+    if sliding_window is not None:
+        visible &= j > positions[:, None] - sliding_window
+    s_cache = jnp.where(visible[:, None, None, :], s_cache, -jnp.inf)
+    top = jnp.maximum(jnp.max(s_cache, axis=-1), s_self)
+    p_cache, p_self = jnp.exp(s_cache - top[..., None]), jnp.exp(s_self - top)
+    total = jnp.sum(p_cache, axis=-1) + p_self
+    out = jnp.einsum("bhgs,bshd->bhgd", p_cache, v_cache.astype(f32)) + \
+        p_self[..., None] * v[:, 0][:, :, None, :].astype(f32)
+    out = out / total[..., None]
+    return out.reshape(b, 1, heads * d).astype(q.dtype)
