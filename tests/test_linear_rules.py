@@ -1,8 +1,9 @@
 """The single-token (decode) mode of the linear layers and the grouped-query projection:
 one token per row, activations whole over the tensor axis; column layers multiply their
 own column block (no collective), row layers all-reduce their partial products (one
-all-reduce, no reduce-scatter). Equal to the unsharded ``flax.nnx.Linear``; and the
-linear rules are frozen dataclasses (hashable statics)."""
+all-reduce, no reduce-scatter). Equal to the unsharded ``flax.nnx.Linear``; the MLP's
+single-token step per device equal to its training path; and the linear rules are frozen
+dataclasses (hashable statics).
 
 import dataclasses
 
@@ -113,3 +114,41 @@ def test_rules_are_hashable_frozen_dataclasses():
                                   Collectives("tensor", 1))] == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.recompute = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("activation, norm", [("gelu", "layernorm"), ("swiglu", "rmsnorm")])
+def test_mlp_decode_step_matches_the_training_path(activation, norm):
+    """``MLP.decode_step`` per device inside one shard_map (the norm's per-device call,
+    ``up`` on its own column block, ``down`` with the activation and one all-reduce), its
+    parameters in the decode layout its layers state (``param_specs`` of
+    ``decode_layout``; fsdp parameters whole over the data axes), equals the MLP's
+    training path on the same tokens."""
+    from jax.sharding import PartitionSpec as P
+
+    from sp_jax.layers import MLP, MLPConfig
+    from sp_jax.layers.linear import decode_layout
+
+    cfg = MLPConfig(hidden=16, mlp_hidden=32, mlp_activation=activation, norm=norm)
+    par = sp_jax.ParallelConfig(fsdp=True)
+    x = np.random.default_rng(3).normal(size=(4, 4, 16)).astype(np.float32)
+    with jax.set_mesh(make_mesh(2, 4)) as mesh:
+        mlp = MLP(cfg, parallel=par, rngs=nnx.Rngs(0))
+        mlp.up.bias[...] = jax.random.normal(jax.random.key(7), mlp.up.bias.shape)
+        full = mlp(jnp.asarray(x))
+        layout = decode_layout(par)
+        specs = {name: layer.param_specs(layout, mesh) for name, layer in
+                 (("up", mlp.up), ("down", mlp.down))}
+        graph, state = nnx.split(mlp)
+        spec_tree = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: specs.get(path[0].key, {}).get(path[1].key,
+                                                             P(*(None,) * leaf.ndim)), state)
+        step = jax.shard_map(lambda s, x: nnx.merge(graph, s).decode_step(x),
+                             in_specs=(spec_tree, layout.tensor_replicated),
+                             out_specs=layout.tensor_replicated)
+        state = jax.tree.map(jax.sharding.reshard, state, spec_tree)
+        rows = jax.sharding.reshard(jnp.asarray(x), layout.tensor_replicated)
+        one = step(state, rows)
+        counts = _collectives(step, state, rows)
+    chex.assert_trees_all_close(np.asarray(one), np.asarray(full), **TOL)
+    assert counts == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0,
+                      "collective-permute": 0}, counts

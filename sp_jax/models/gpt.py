@@ -24,7 +24,7 @@ from sp_jax.layers import (
     moe_losses,
     parallel_cross_entropy,
 )
-from sp_jax.layers.linear import column_sp_matmul
+from sp_jax.layers.linear import column_sp_matmul, shard_linear
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     axis_size,
@@ -252,15 +252,11 @@ class GPT(nnx.Module):
         padded ``table`` (None: :meth:`vocab_table`)."""
         if table is None:
             table = self.vocab_table()
-        mesh = current_mesh(self.parallel, where="GPT")
-        layout = Layout.of(self.parallel)
-        par = self.parallel
-
-        def lm_head(h, table):
-            return column_sp_matmul(h, table.T, None, par)
-
-        return jax.shard_map(lm_head, in_specs=(layout.sp, layout.vocab_table),
-                             out_specs=layout.logits)(reshard(h, layout.sp, mesh), table)
+        layout, par = Layout.of(self.parallel), self.parallel
+        # the column op of the parallel layers (the table's rows are the kernel's columns)
+        return shard_linear(lambda h, table: column_sp_matmul(h, table.T, None, par), h,
+                            layout.sp, layout.logits, ((table, layout.vocab_table),),
+                            parallel=par, where="GPT")
 
     def _check_pipeline_call(self) -> None:
         """A pipelined GPT runs whole only as a training step's loss (the schedule of
