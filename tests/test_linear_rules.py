@@ -3,7 +3,7 @@ one token per row, activations whole over the tensor axis; column layers multipl
 own column block (no collective), row layers all-reduce their partial products (one
 all-reduce, no reduce-scatter). Equal to the unsharded ``flax.nnx.Linear``; the MLP's
 single-token step per device equal to its training path; and the linear rules are frozen
-dataclasses (hashable statics).
+dataclasses (hashable statics)."""
 
 import dataclasses
 
