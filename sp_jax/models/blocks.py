@@ -6,13 +6,15 @@ stacked on axis 0, run by ``lax.scan``).
 :class:`~sp_jax.models.GPT` holds its layers in one of these two forms
 (``GPTConfig.scan_layers``) and runs them with :func:`run_blocks`; a pipeline stage
 (:mod:`sp_jax.models.pipelined`) runs its slice of the stacked layers with
-:func:`scan_blocks`, and decoding (:mod:`sp_jax.models.decode`) one token through them,
-per device, with :func:`decode_blocks`.
+:func:`scan_blocks`, and generation (:mod:`sp_jax.models.decode`) its prompts with
+:func:`prefill_blocks` and one token through them, per device, with :func:`decode_blocks`
+(both layer loops are :func:`over_layers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +27,8 @@ from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
 
-__all__ = ["Block", "Documents", "decode_blocks", "run_block", "run_blocks", "scan_blocks",
-           "stack_blocks"]
+__all__ = ["Block", "Documents", "decode_blocks", "over_layers", "prefill_blocks", "run_block",
+           "run_blocks", "scan_blocks", "stack_blocks"]
 
 # (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
 Documents = tuple[jax.Array | None, jax.Array | None] | None
@@ -76,6 +78,15 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):
             return self.mlp(x, rngs=rngs)
         return self.mlp(x, rngs=rngs), None
+
+    def prefill_step(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """The training path's forward without dropout or documents, keeping the keys and
+        values attention used (a prompt for decoding): ``x`` ``[batch, seq, hidden]`` (SP
+        layout) -> ``(x, (k, v))``."""
+        if isinstance(self.mlp, MoE):
+            check("generate", {"experts": "a mixture-of-experts layer"}, where="Block")
+        y, kv = self.attention(x, keep_kv=True)
+        return self.mlp(y), kv
 
     def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -145,6 +156,31 @@ def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: boo
     return jax.lax.scan(body, x, (state, keys))
 
 
+def over_layers(blocks: Block | Sequence[Block], step: Callable, x: jax.Array,
+                xs: Any = None) -> tuple[jax.Array, Any]:
+    """``x`` through every layer of a GPT without gradients: ``step(block, x,
+    layer_xs) -> (x, out)`` per layer, ``blocks`` stacked (``lax.scan`` over the layers
+    and ``xs``, whose leaves have a leading layer axis) or a list (unrolled). Returns the
+    last layer's ``x`` and the layers' ``out`` stacked on a leading layer axis."""
+    if isinstance(blocks, Block):
+        graphdef, state = nnx.split(blocks)
+        return jax.lax.scan(
+            lambda x, s_xs: step(nnx.merge(graphdef, s_xs[0]), x, s_xs[1]), x, (state, xs))
+    outs = []
+    for i, block in enumerate(blocks):
+        x, out = step(block, x, jax.tree.map(lambda a, i=i: a[i], xs))
+        outs.append(out)
+    return x, jax.tree.map(lambda *v: jnp.stack(v), *outs)
+
+
+def prefill_blocks(blocks: Block | Sequence[Block], x: jax.Array
+                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The prompts' hidden states ``x`` (SP layout) through a GPT's layers (their
+    training-path forward, :meth:`Block.prefill_step`): the last layer's output and every
+    layer's keys and values, ``[layers, ...]`` each."""
+    return over_layers(blocks, lambda block, x, _: block.prefill_step(x), x)
+
+
 def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, k_cache: jax.Array,
                   v_cache: jax.Array, positions: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -159,23 +195,13 @@ def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, k_cache: jax.Ar
       the last layer's output and every layer's keys and values of the token, ``[layers,
       b, 1, kv_local, head_dim]`` each.
     """
-    if isinstance(blocks, Block):
-        graphdef, state = nnx.split(blocks)
 
-        def layer(x, xs):
-            layer_state, k_layer, v_layer = xs
-            x, k, v = nnx.merge(graphdef, layer_state).decode_step(x, k_layer, v_layer,
-                                                                   positions)
-            return x, (k, v)
+    def step(block, x, cache):
+        x, k, v = block.decode_step(x, *cache, positions)
+        return x, (k, v)
 
-        x, (k, v) = jax.lax.scan(layer, x, (state, k_cache, v_cache))
-        return x, k, v
-    ks, vs = [], []
-    for i, block in enumerate(blocks):
-        x, k, v = block.decode_step(x, k_cache[i], v_cache[i], positions)
-        ks.append(k)
-        vs.append(v)
-    return x, jnp.stack(ks), jnp.stack(vs)
+    x, (k, v) = over_layers(blocks, step, x, (k_cache, v_cache))
+    return x, k, v
 
 
 def run_blocks(blocks: Block | Sequence[Block], x: jax.Array, *, num_layers: int,

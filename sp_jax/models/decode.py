@@ -48,7 +48,7 @@ from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
 from sp_jax.layers.linear import decode_layout
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
-from sp_jax.models.blocks import decode_blocks
+from sp_jax.models.blocks import decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
 __all__ = ["KVCache", "cached_attention", "check_decodable", "decode_step", "prefill",
@@ -180,23 +180,7 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
     layout = Layout.of(par)
     _, head = _tables(model, mesh)
     x = model.embed_tokens(tokens, model.vocab_table() if model.head is None else None)
-    if cfg.scan_layers:
-        graph, state = nnx.split(model.blocks)
-
-        def layer(x, layer_state):
-            blk = nnx.merge(graph, layer_state)
-            y, kv = blk.attention(x, keep_kv=True)
-            return blk.mlp(y), kv
-
-        x, (k, v) = lax.scan(layer, x, state)
-    else:
-        ks, vs = [], []
-        for blk in model.blocks:
-            y, (k1, v1) = blk.attention(x, keep_kv=True)
-            x = blk.mlp(y)
-            ks.append(k1)
-            vs.append(v1)
-        k, v = jnp.stack(ks), jnp.stack(vs)
+    x, (k, v) = prefill_blocks(model.blocks, x)
     h = model.final_norm(x)
     cache_spec = P(None, *layout.heads(4))
     pad = ((0, 0), (0, 0), (0, length - tokens.shape[1]), (0, 0), (0, 0))
