@@ -24,7 +24,8 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["VocabParallelEmbedding", "padded_vocab_size", "vocab_parallel_lookup"]
+__all__ = ["VocabParallelEmbedding", "check_token_ids", "padded_vocab_size",
+           "vocab_parallel_lookup"]
 
 default_embed_init = initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 
@@ -46,6 +47,17 @@ def vocab_parallel_lookup(ids: jax.Array, table: jax.Array, axis_name: str,
     emb = jnp.take(table, jnp.where(inside, local, 0), axis=0)
     emb = jnp.where(inside[..., None], emb, jnp.zeros((), emb.dtype))
     return emb + nan_where((ids < 0) | (ids >= vocab_size))[..., None].astype(emb.dtype)
+
+
+def check_token_ids(where: str, ids: jax.Array) -> None:
+    """A ValueError unless ``ids`` is ``[batch, seq]``, a TypeError unless it holds
+    integers; both name ``where``."""
+    if ids.ndim != 2:
+        raise ValueError(f"{where} expects token ids of shape [batch, seq], got rank "
+                         f"{ids.ndim} shape {ids.shape}.")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{where}: token ids must be integers, got dtype {ids.dtype}; cast "
+                        "them (e.g. ids.astype(jnp.int32)).")
 
 
 class VocabParallelEmbedding(nnx.Module):
@@ -134,15 +146,7 @@ class VocabParallelEmbedding(nnx.Module):
         """
         mesh = current_mesh(self.parallel, where="VocabParallelEmbedding")
         ids = jnp.asarray(ids)
-        if ids.ndim != 2:
-            raise ValueError(
-                f"VocabParallelEmbedding expects token ids of shape [batch, seq], got rank "
-                f"{ids.ndim} shape {ids.shape}."
-            )
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(
-                f"VocabParallelEmbedding: token ids must be integers, got dtype {ids.dtype}."
-            )
+        check_token_ids("VocabParallelEmbedding", ids)
         layout, t = Layout.of(self.parallel), self.parallel.tensor_axis
         check_batch_and_sequence("VocabParallelEmbedding", mesh, self.parallel, ids.shape[0],
                                  ids.shape[1] if self.sequence_parallel else None,

@@ -24,6 +24,7 @@ from sp_jax.layers import (
     moe_losses,
     parallel_cross_entropy,
 )
+from sp_jax.layers.embedding import check_token_ids
 from sp_jax.layers.linear import column_sp_matmul, shard_linear
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
@@ -103,16 +104,7 @@ class GPT(nnx.Module):
         return x.astype(jnp.int32) if jnp.issubdtype(x.dtype, jnp.integer) else x
 
     def _check_tokens(self, tokens: jax.Array) -> None:
-        if tokens.ndim != 2:
-            raise ValueError(
-                f"GPT expects token ids of shape [batch, seq], got rank {tokens.ndim} shape "
-                f"{tokens.shape}."
-            )
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise TypeError(
-                f"GPT: token ids must be integers, got dtype {tokens.dtype}; cast them "
-                "(e.g. tokens.astype(jnp.int32))."
-            )
+        check_token_ids("GPT", tokens)
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(
                 f"GPT: sequence length {tokens.shape[1]} exceeds max_seq_len="
