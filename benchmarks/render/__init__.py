@@ -4,6 +4,7 @@ the run's own sections and those of the stand-alone sections (:mod:`benchmarks.r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,13 @@ from benchmarks.render.memory import memory_section
 from benchmarks.render.moe import render_markdown as render_moe
 from benchmarks.render.pipeline import render_markdown as render_pipeline
 from benchmarks.render.steps import gpt_time_section, stacks_section, time_section
-from benchmarks.render.template import fill, table
+from benchmarks.render.template import fields, filler, table
 from benchmarks.render.text import render_markdown as render_text
 from benchmarks.targets import MiB as MiB
 from benchmarks.variants import LABELS as LABELS
 from benchmarks.variants import VARIANTS as VARIANTS
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("benchmarks", fragment, **values)
+_fill = filler("benchmarks")
 
 
 def _status(met) -> str:
@@ -44,60 +43,13 @@ def _targets_section(res) -> str:
     )
 
 
-def _unmeasured(res, key: str, title: str) -> str | None:
-    """``""`` when the run has no ``key`` section, the "Not measured" section when it
-    failed, else None (render it)."""
-    section = res.get(key)
-    if not section:
-        return ""
-    if "error" in section:
-        return _fill("not_measured", title=title, error=section["error"])
-    return None
-
-
-def _pipeline_section(res) -> str:
-    """``benchmarks.pipeline``'s section (its own targets, tables and prose)."""
-    skipped = _unmeasured(res, "pipeline", "Pipeline parallelism")
-    return render_pipeline(res["pipeline"]) if skipped is None else skipped
-
-
-def _text_section(res) -> str:
-    """``benchmarks.text``'s section (its own targets, tables and prose)."""
-    skipped = _unmeasured(res, "text", "Packed documents")
-    return render_text(res["text"]) if skipped is None else skipped
-
-
-def _generation_section(res) -> str:
-    """``benchmarks.generation``'s section (its own targets, tables and prose)."""
-    skipped = _unmeasured(res, "generation", "Generation")
-    return render_generation(res["generation"]) if skipped is None else skipped
-
-
-def _moe_section(res) -> str:
-    """``benchmarks.moe``'s section (its own targets, tables and prose)."""
-    skipped = _unmeasured(res, "moe", "Mixture of experts")
-    return render_moe(res["moe"]) if skipped is None else skipped
-
-
-def _fp8_section(res) -> str:
-    """``benchmarks.fp8``'s section (its own targets and tables)."""
+def _render_fp8(fp8: dict[str, Any]) -> str:
     from benchmarks.render.fp8 import render_markdown as render_fp8
 
-    skipped = _unmeasured(res, "fp8", "FP8")
-    return render_fp8(res["fp8"]) if skipped is None else skipped
+    return render_fp8(fp8)
 
 
-def _fsdp_section(res) -> str:
-    """``benchmarks.fsdp``'s section (its own targets and table)."""
-    skipped = _unmeasured(res, "fsdp", "FSDP on 8 x H100")
-    return render_fsdp(res["fsdp"]) if skipped is None else skipped
-
-
-def _plan_section(res) -> str:
-    skipped = _unmeasured(res, "plan", "Memory planner")
-    if skipped is not None:
-        return skipped
-    pl = res["plan"]
+def _plan_markdown(pl: dict[str, Any]) -> str:
     out = [_fill("plan.1"), "", _fill("plan.2"), ""]
     for p in pl["plans"]:
         out += [f"### {p['model']}, s={p['seq']:,}, {p['gpus']} GPUs", "", p["table"], ""]
@@ -113,17 +65,36 @@ def _plan_section(res) -> str:
     return "\n".join(out)
 
 
+# The sections with targets, tables and prose of their own: results key, title when not
+# measured, renderer.
+_OWN_SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
+    ("pipeline", "Pipeline parallelism", render_pipeline),
+    ("text", "Packed documents", render_text),
+    ("generation", "Generation", render_generation),
+    ("fsdp", "FSDP on 8 x H100", render_fsdp),
+    ("moe", "Mixture of experts", render_moe),
+    ("fp8", "FP8", _render_fp8),
+    ("plan", "Memory planner", _plan_markdown),
+)
+
+
+def _own_section(res, key: str, title: str, render: Callable[[dict[str, Any]], str]) -> str:
+    """``""`` when the run has no ``key`` section, the "Not measured" section when it
+    failed, else the section ``render`` makes of it."""
+    section = res.get(key)
+    if not section:
+        return ""
+    if "error" in section:
+        return _fill("not_measured", title=title, error=section["error"])
+    return render(section)
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     head = _fill(
         "head",
         quick_flag=_fill("quick_flag") if meta["quick"] else "",
-        date=meta["date"],
-        jax=meta["jax"],
-        flax=meta["flax"],
-        python=meta["python"],
-        devices=meta["devices"],
-        cpu_count=meta["cpu_count"],
+        **fields(meta, "date", "jax", "flax", "python", "devices", "cpu_count"),
         runtime=f"{meta['runtime_s']:.0f}",
         json=JSON_NAME,
     )
@@ -136,13 +107,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         time_section(res),
         gpt_time_section(res),
         context_section(res),
-        _pipeline_section(res),
-        _text_section(res),
-        _generation_section(res),
-        _fsdp_section(res),
-        _moe_section(res),
-        _fp8_section(res),
-        _plan_section(res),
+        *(_own_section(res, *own) for own in _OWN_SECTIONS),
     ]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = _fill("run", seconds=secs, xla_flags=meta["xla_flags"])

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.render.common import fmt_mib
-from benchmarks.render.template import fill, table
+from benchmarks.render.template import fields, filler, table
 from benchmarks.variants import LABELS, VARIANTS
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("benchmarks", fragment, **values)
+_fill = filler("benchmarks")
+_COLL_VARIANTS = ("gspmd", "sp_save", "sp_recompute")
 
 
 def coll_rows(by_phase, megatron_bwd=None):
@@ -48,6 +47,28 @@ def coll_rows(by_phase, megatron_bwd=None):
     return rows
 
 
+def _coll_lines(by_variant: dict[str, Any], fragment: str) -> list[str]:
+    """The per-phase collectives table of the variants' programs ``by_variant``, and
+    fragment ``fragment`` with what their forward-only compiles gather and scatter."""
+    rows = [[LABELS[v], *r] for v in _COLL_VARIANTS for r in coll_rows(by_variant[v]["by_phase"])]
+    header = [
+        "variant",
+        "phase",
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce (activations)",
+        "other kinds",
+        "param-grad arrays",
+    ]
+    fo = {v: by_variant[v].get("forward_only_compile", {}) for v in _COLL_VARIANTS}
+    join = "; ".join(
+        f"{LABELS[v]}: "
+        + ", ".join(f"{k} {r['activation']}" for k, r in fo[v].items() if r["activation"])
+        for v in fo
+    )
+    return [table(header, rows), "", _fill(fragment, join=join), ""]
+
+
 def collectives_section(res) -> str:
     cpu = res["collectives_cpu"]
     sh = cpu["shape"]
@@ -63,39 +84,9 @@ def collectives_section(res) -> str:
             all_gather2=meg["backward"]["all-gather"],
         ),
         "",
-        _fill("collectives.2", d=sh["d"], t=sh["t"], h=sh["h"], a=sh["a"], s=sh["s"], b=sh["b"]),
+        _fill("collectives.2", **fields(sh, "d", "t", "h", "a", "s", "b")),
         "",
-    ]
-    rows = []
-    for v in ("gspmd", "sp_save", "sp_recompute"):
-        for r in coll_rows(cpu[v]["by_phase"]):
-            rows.append([LABELS[v], *r])
-    out.append(
-        table(
-            [
-                "variant",
-                "phase",
-                "all-gather",
-                "reduce-scatter",
-                "all-reduce (activations)",
-                "other kinds",
-                "param-grad arrays",
-            ],
-            rows,
-        )
-    )
-    fo = {v: cpu[v]["forward_only_compile"] for v in ("gspmd", "sp_save", "sp_recompute")}
-    out += [
-        "",
-        _fill(
-            "collectives.3",
-            join="; ".join(
-                f"{LABELS[v]}: "
-                + ", ".join(f"{k} {r['activation']}" for k, r in fo[v].items() if r["activation"])
-                for v in fo
-            ),
-        ),
-        "",
+        *_coll_lines(cpu, "collectives.3"),
     ]
     gpu = res.get("gpu", {})
     if "error" in gpu:
@@ -104,42 +95,13 @@ def collectives_section(res) -> str:
     blk = gpu["block"]
     bs = blk["shape"]
     out += [
-        _fill("collectives.4", h=bs["h"], a=bs["a"], s=bs["s"], b=bs["b"]),
+        _fill("collectives.4", **fields(bs, "h", "a", "s", "b")),
         "",
         _fill("collectives.5"),
         "",
+        *_coll_lines(blk, "collectives.6"),
     ]
-    rows = []
-    for v in ("gspmd", "sp_save", "sp_recompute"):
-        for r in coll_rows(blk[v]["by_phase"]):
-            rows.append([LABELS[v], *r])
-    out.append(
-        table(
-            [
-                "variant",
-                "phase",
-                "all-gather",
-                "reduce-scatter",
-                "all-reduce (activations)",
-                "other kinds",
-                "param-grad arrays",
-            ],
-            rows,
-        )
-    )
-    fo = {v: blk[v].get("forward_only_compile", {}) for v in ("gspmd", "sp_save", "sp_recompute")}
-    out += [
-        "",
-        _fill(
-            "collectives.6",
-            join="; ".join(
-                f"{LABELS[v]}: "
-                + ", ".join(f"{k} {r['activation']}" for k, r in fo[v].items() if r["activation"])
-                for v in fo
-            ),
-        ),
-        "",
-    ]
+    fo = {v: blk[v].get("forward_only_compile", {}) for v in _COLL_VARIANTS}
     cpu_ar = sum(
         t.get("all-reduce", {}).get("activation", 0) for t in cpu["gspmd"]["by_phase"].values()
     )
@@ -171,7 +133,7 @@ def collectives_section(res) -> str:
         "",
     ]
     out += [_fill("collectives.8"), ""]
-    for v in ("gspmd", "sp_save", "sp_recompute"):
+    for v in _COLL_VARIANTS:
         rows = [
             [
                 o["phase"],
@@ -218,6 +180,13 @@ def peak_summary(peak) -> dict[str, Any]:
     }
 
 
+def _memory_cells(program: dict[str, Any], *kinds: str) -> list[str]:
+    """MiB of a compiled program's ``<kind>_bytes`` for ``kinds``, then its live bytes at
+    the peak and the forward attention scores' among them."""
+    m, pk = program["memory"], peak_summary(program.get("peak_live"))
+    return [*(fmt_mib(m[f"{k}_bytes"]) for k in kinds), pk["live"], pk["fwd_scores"]]
+
+
 def gpu_section(res) -> str:
     gpu = res.get("gpu", {})
     if "error" in gpu:
@@ -229,31 +198,13 @@ def gpu_section(res) -> str:
         "",
         _fill("gpu.3"),
         "",
-        _fill(
-            "gpu.4",
-            layers=gpt["layers"],
-            h=sh["h"],
-            a=sh["a"],
-            s=sh["s"],
-            b=sh["b"],
-            vocab=gpt["vocab"],
-        ),
+        _fill("gpu.4", **fields(gpt, "layers", "vocab"), **fields(sh, "h", "a", "s", "b")),
         "",
     ]
-    rows = []
-    for v in ("sp_save", "sp_recompute"):
-        m, pk = gpt[v]["memory"], peak_summary(gpt[v].get("peak_live"))
-        rows.append(
-            [
-                LABELS[v],
-                fmt_mib(m["peak_bytes"]),
-                fmt_mib(m["temp_bytes"]),
-                fmt_mib(m["argument_bytes"]),
-                fmt_mib(m["output_bytes"]),
-                pk["live"],
-                pk["fwd_scores"],
-            ]
-        )
+    rows = [
+        [LABELS[v], *_memory_cells(gpt[v], "peak", "temp", "argument", "output")]
+        for v in ("sp_save", "sp_recompute")
+    ]
     out.append(
         table(
             [
@@ -300,21 +251,11 @@ def gpu_section(res) -> str:
         for role, d in sorted(roles.items())
     ]
     out.append(table(["role", "sp_jax save", "sp_jax recompute"], rows))
-    out += ["", _fill("gpu.8", h=blk["shape"]["h"], s=blk["shape"]["s"], b=blk["shape"]["b"]), ""]
-    rows = []
-    for v in VARIANTS:
-        m, pk = blk[v]["memory"], peak_summary(blk[v].get("peak_live"))
-        rows.append(
-            [
-                LABELS[v],
-                blk[v]["devices"],
-                fmt_mib(m["peak_bytes"]),
-                fmt_mib(m["temp_bytes"]),
-                fmt_mib(m["argument_bytes"]),
-                pk["live"],
-                pk["fwd_scores"],
-            ]
-        )
+    out += ["", _fill("gpu.8", **fields(blk["shape"], "h", "s", "b")), ""]
+    rows = [
+        [LABELS[v], blk[v]["devices"], *_memory_cells(blk[v], "peak", "temp", "argument")]
+        for v in VARIANTS
+    ]
     out.append(
         table(
             [

@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.render.common import LABELS_CP, PLOT_CONTEXT, fmt_mib
-from benchmarks.render.template import fill, table
+from benchmarks.render.template import fields, filler, table
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("benchmarks", fragment, **values)
+_fill = filler("benchmarks")
 
 
 def mesh_label(r: dict[str, Any]) -> str:
@@ -29,9 +27,9 @@ def context_section(res) -> str:
     ]
     if "runs" in gpu:
         out += [
-            _fill("context.3", layers=b["layers"], h=b["h"], a=b["a"]),
+            _fill("context.3", **fields(b, "layers", "h", "a")),
             "",
-            _fill("context.4", layers=b["layers"], h=b["h"], a=b["a"], block=b["block"]),
+            _fill("context.4", **fields(b, "layers", "h", "a", "block")),
             "",
         ]
         rows = [
@@ -69,7 +67,7 @@ def context_section(res) -> str:
     scaling = cpu.get("scaling")
     if scaling:
         out += [
-            _fill("context.5", h=scaling["h"], a=scaling["a"]),
+            _fill("context.5", **fields(scaling, "h", "a")),
             "",
             _fill("context.6"),
             "",
@@ -168,12 +166,7 @@ def context_section(res) -> str:
             "",
             _fill(
                 "context.13",
-                s=st["s"],
-                heads=st["heads"],
-                head_dim=st["head_dim"],
-                devices=st["devices"],
-                rounds=st["rounds"],
-                block=st["block"],
+                **fields(st, "s", "heads", "head_dim", "devices", "rounds", "block"),
                 v=format(st["median_s"]["blockwise"] * 1e3, ".1f"),
                 v2=format(st["median_s"]["query_blocked"] * 1e3, ".1f"),
                 ratio_blockwise_to_query_blocked=format(

@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.fp8 import fmt_mib
-from benchmarks.render.template import fill, table
-from benchmarks.section import status
+from benchmarks.render.common import targets_lines
+from benchmarks.render.template import fields, filler, table
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("fp8", fragment, **values)
+_fill = filler("fp8")
 
 
 def render_markdown(res: dict[str, Any]) -> str:
@@ -23,14 +21,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         "",
         _fill("section.1"),
         "",
-        "### Targets",
-        "",
-        table(
-            ["target", "measured", "status"],
-            [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]],
-        ),
-        "",
-        _fill("section.2", layers=c["layers"], h=c["h"], s=c["s"], t=c["t"]),
+        *targets_lines(res["targets"]),
+        _fill("section.2", **fields(c, "layers", "h", "s", "t")),
         "",
         table(
             [

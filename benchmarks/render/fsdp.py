@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.render.template import fill, table
-from benchmarks.section import status
+from benchmarks.render.common import targets_table
+from benchmarks.render.template import fields, filler, table
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("fsdp", fragment, **values)
+_fill = filler("fsdp")
 
 
 def render_markdown(res: dict[str, Any]) -> str:
@@ -17,7 +15,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     lines = [
         "## FSDP on 8 x H100",
         "",
-        _fill("section.1", layers=b["layers"], h=b["h"], s=b["s"], vocab=b["vocab"]),
+        _fill("section.1", **fields(b, "layers", "h", "s", "vocab")),
         "",
     ]
     lines.append(
@@ -49,10 +47,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     )
     lines += [
         "",
-        table(
-            ["target", "measured", "status"],
-            [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]],
-        ),
+        targets_table(res["targets"]),
         "",
     ]
     return "\n".join(lines)

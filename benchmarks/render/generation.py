@@ -12,12 +12,12 @@ from benchmarks.generation import (
     fmt_mesh,
     fmt_size,
 )
-from benchmarks.render.template import fill, table
-from benchmarks.section import status
+from benchmarks.render.common import run_facts, targets_lines
+from benchmarks.render.template import fields, filler, table
 
+_fill = filler("generation")
 
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("generation", fragment, **values)
+_MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "mlp_hidden", "vocab")
 
 
 def _cpu_rows(cpu: dict[str, Any], bench: GenerationBench) -> list[list[Any]]:
@@ -156,12 +156,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
         "",
         _fill(
             "section.3",
-            layers=c["layers"],
-            hidden=c["hidden"],
-            heads=c["heads"],
-            kv_heads=c["kv_heads"],
-            mlp_hidden=c["mlp_hidden"],
-            vocab=c["vocab"],
+            **fields(c, *_MODEL_KEYS),
             cpu_preset=bench.cpu_preset,
             v=_fill("with", values=", ".join(f"{k}={v}" for k, v in bench.cpu_overrides))
             if bench.cpu_overrides
@@ -188,23 +183,9 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
             warmup=bench.warmup,
         ),
         "",
-        _fill(
-            "section.4",
-            command=command,
-            torch_env=TORCH_ENV,
-            date=res["meta"]["date"],
-            jax=res["meta"]["jax"],
-            cpu_count=res["meta"]["cpu_count"],
-            runtime_s=format(res["meta"]["runtime_s"], ".0f"),
-        ),
+        _fill("section.4", command=command, torch_env=TORCH_ENV, **run_facts(res["meta"])),
         "",
-        "### Targets",
-        "",
-        table(
-            ["target", "measured", "status"],
-            [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]],
-        ),
-        "",
+        *targets_lines(res["targets"]),
         _fill("section.5"),
         "",
         table(
@@ -236,12 +217,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
             v=f" with {', '.join(f'{k}={v}' for k, v in bench.gpu_overrides)}"
             if bench.gpu_overrides
             else "",
-            layers=g["layers"],
-            hidden=g["hidden"],
-            heads=g["heads"],
-            kv_heads=g["kv_heads"],
-            mlp_hidden=g["mlp_hidden"],
-            vocab=g["vocab"],
+            **fields(g, *_MODEL_KEYS),
             tensor=gpu["tensor"],
             batch=gpu["batch"],
             cache_tokens=format(gpu["cache_tokens"], ","),

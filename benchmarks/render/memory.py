@@ -6,12 +6,28 @@ from typing import Any
 
 from benchmarks.memory import TERMS
 from benchmarks.render.common import PLOT_S, PLOT_T, fmt_mib
-from benchmarks.render.template import fill, table
+from benchmarks.render.template import fields, filler, table
 from benchmarks.variants import LABELS, VARIANTS
 
+_fill = filler("benchmarks")
 
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("benchmarks", fragment, **values)
+
+def _sweep_table(
+    sweep: dict[str, Any],
+    axis: str,
+    variants: tuple[str, ...],
+    formulas: tuple[str, ...],
+    header: list[str],
+) -> str:
+    """One row per value of ``sweep[axis]``: the ``variants``' measured MiB, then the
+    ``formulas``' MiB, under ``axis`` and ``header``."""
+    rows = [
+        [x]
+        + [fmt_mib(sweep["measured"][v][i]) for v in variants]
+        + [fmt_mib(sweep["formula"][k][i]) for k in formulas]
+        for i, x in enumerate(sweep[axis])
+    ]
+    return table([axis, *header], rows)
 
 
 def memory_section(res) -> str:
@@ -88,16 +104,12 @@ def memory_section(res) -> str:
     g = {k: real["gspmd"]["terms"][k] / real["gspmd"]["unit_bytes"] for k in t}
     differ = [f"{names[k]} ({g[k]:.2f} vs {t[k]:.2f})" for k in t if abs(g[k] - t[k]) >= 0.005]
     vt, vs = mem["vs_t"], mem["vs_s"]
-    rows = []
-    for i, tv in enumerate(vt["t"]):
-        rows.append(
-            [tv]
-            + [fmt_mib(vt["measured"][v][i]) for v in ("sp_recompute", "sp_save", "gspmd")]
-            + [fmt_mib(vt["formula"][k][i]) for k in ("tp_sp", "tp_sp_selective", "tp")]
-        )
-    vs_t = table(
+    vs_t = _sweep_table(
+        vt,
+        "t",
+        ("sp_recompute", "sp_save", "gspmd"),
+        ("tp_sp", "tp_sp_selective", "tp"),
         [
-            "t",
             "sp_jax recompute",
             "sp_jax save",
             "GSPMD",
@@ -105,21 +117,13 @@ def memory_section(res) -> str:
             "formula TP+SP selective",
             "formula TP (no SP)",
         ],
-        rows,
     )
-    rows = []
-    for i, sv in enumerate(vs["s"]):
-        rows.append(
-            [sv]
-            + [
-                fmt_mib(vs["measured"][v][i])
-                for v in ("sp_recompute", "sp_save", "gspmd", "unsharded")
-            ]
-            + [fmt_mib(vs["formula"][k][i]) for k in ("tp_sp", "tp_sp_selective", "none")]
-        )
-    vs_s = table(
+    vs_s = _sweep_table(
+        vs,
+        "s",
+        ("sp_recompute", "sp_save", "gspmd", "unsharded"),
+        ("tp_sp", "tp_sp_selective", "none"),
         [
-            "s",
             "sp_jax recompute",
             "sp_jax save",
             "GSPMD",
@@ -128,7 +132,6 @@ def memory_section(res) -> str:
             "formula TP+SP selective",
             "formula none (t=1)",
         ],
-        rows,
     )
     residuals = []
     for v in ("sp_recompute", "gspmd"):
@@ -152,11 +155,7 @@ def memory_section(res) -> str:
         )
     return _fill(
         "memory",
-        h=sh["h"],
-        a=sh["a"],
-        s=sh["s"],
-        b=sh["b"],
-        t=sh["t"],
+        **fields(sh, "h", "a", "s", "b", "t"),
         unit_mib=fmt_mib(unit),
         table=main_table,
         sxs=f"{sxs:.0f}",

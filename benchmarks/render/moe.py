@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.moe import MIXTRAL, fmt_mib
-from benchmarks.render.template import fill, table
-from benchmarks.section import status
+from benchmarks.render.common import targets_lines
+from benchmarks.render.template import fields, filler, table
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("moe", fragment, **values)
+_fill = filler("moe")
 
 
 def render_markdown(res: dict[str, Any]) -> str:
@@ -23,23 +21,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         "",
         _fill("section.1"),
         "",
-        "### Targets",
-        "",
-        table(
-            ["target", "measured", "status"],
-            [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]],
-        ),
-        "",
-        _fill(
-            "section.2",
-            layers=m["layers"],
-            h=m["h"],
-            f=m["F"],
-            e=m["E"],
-            k=m["k"],
-            s=m["s"],
-            batch=m["batch"],
-        ),
+        *targets_lines(res["targets"]),
+        _fill("section.2", **fields(m, "layers", "h", "k", "s", "batch", f="F", e="E")),
         "",
         table(
             [
@@ -79,15 +62,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     s = cpu["seconds"]
     base = s["dense MLP (width k F)"]
     lines += [
-        _fill(
-            "section.5",
-            tokens=cpu["tokens"],
-            h=cpu["h"],
-            e=cpu["E"],
-            k=cpu["k"],
-            f=cpu["F"],
-            rounds=cpu["rounds"],
-        ),
+        _fill("section.5", **fields(cpu, "tokens", "h", "k", "rounds", f="F", e="E")),
         "",
         table(
             ["program", "seconds", "vs dense"],

@@ -13,12 +13,10 @@ from benchmarks.pipeline import (
     find_record,
     measured_ticks,
 )
-from benchmarks.render.template import fill, table
-from benchmarks.section import status
+from benchmarks.render.common import targets_lines
+from benchmarks.render.template import filler, table
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("pipeline", fragment, **values)
+_fill = filler("pipeline")
 
 
 def _loops(rec: dict[str, Any]) -> str:
@@ -63,13 +61,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
         "",
         _fill("section.4", command=command, date=res["meta"]["date"], jax=res["meta"]["jax"]),
         "",
-        "### Targets",
-        "",
-        table(
-            ["target", "measured", "status"],
-            [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]],
-        ),
-        "",
+        *targets_lines(res["targets"]),
         _fill("section.5"),
         "",
     ]

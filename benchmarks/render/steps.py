@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from benchmarks.render.template import fill, table
+from benchmarks.render.template import fields, filler, table
 from benchmarks.targets import MiB
 from benchmarks.variants import LABELS, VARIANTS
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("benchmarks", fragment, **values)
+_fill = filler("benchmarks")
 
 
 def time_section(res) -> str:
@@ -22,16 +18,8 @@ def time_section(res) -> str:
         "",
         _fill(
             "time.1",
-            d=sh["d"],
-            t=sh["t"],
-            h=sh["h"],
-            a=sh["a"],
-            s=sh["s"],
-            b=sh["b"],
-            dtype=sh["dtype"],
-            rounds=st["rounds"],
-            warmup=st["warmup"],
-            inner=st["inner"],
+            **fields(sh, "d", "t", "h", "a", "s", "b", "dtype"),
+            **fields(st, "rounds", "warmup", "inner"),
             cpu_count=res["meta"]["cpu_count"],
         ),
         "",
@@ -104,7 +92,7 @@ def stacks_section(res) -> str:
     out = [
         _fill("stacks.2"),
         "",
-        _fill("stacks.3", h=sh["h"], a=sh["a"], b=sh["b"], d=sh["d"], t=sh["t"]),
+        _fill("stacks.3", **fields(sh, "h", "a", "b", "d", "t")),
         "",
     ]
     variants = [v for v in STACK_VARIANTS if v in st["stacks"][0]]
@@ -163,13 +151,7 @@ def gpt_time_section(res) -> str:
     out = [
         _fill("gpt_time.1"),
         "",
-        _fill(
-            "gpt_time.2",
-            data=mesh["data"],
-            tensor=mesh["tensor"],
-            rounds=runs[0]["rounds"],
-            inner=runs[0]["inner"],
-        ),
+        _fill("gpt_time.2", **fields(mesh, "data", "tensor"), **fields(runs[0], "rounds", "inner")),
         "",
     ]
     rows = []
@@ -178,14 +160,7 @@ def gpt_time_section(res) -> str:
         q = r["ratio_quartiles"]["sp_jax"]
         rows.append(
             [
-                _fill(
-                    "gpt_time.3",
-                    name=m["name"],
-                    layers=m["layers"],
-                    hidden=m["hidden"],
-                    seq=m["seq"],
-                    batch=m["batch"],
-                ),
+                _fill("gpt_time.3", **fields(m, "name", "layers", "hidden", "seq", "batch")),
                 m["dtype"],
                 f"{r['median_s']['gspmd'] * 1e3:.1f}",
                 f"{r['median_s']['sp_jax'] * 1e3:.1f}",

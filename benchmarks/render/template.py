@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import string
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TEMPLATES", "fill", "fragments", "table"]
+__all__ = ["TEMPLATES", "fields", "fill", "filler", "fragments", "table"]
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -35,6 +36,18 @@ def fill(name: str, fragment: str, /, **values: Any) -> str:
     """Fragment ``fragment`` of template file ``name`` with ``values`` substituted (every
     placeholder must have a value)."""
     return fragments(name)[fragment].substitute(values)
+
+
+def filler(name: str) -> Callable[..., str]:
+    """:func:`fill` for the fragments of template file ``name``: ``filler(name)(fragment,
+    **values)``."""
+    return functools.partial(fill, name)
+
+
+def fields(d: Mapping[str, Any], *keys: str, **renamed: str) -> dict[str, Any]:
+    """Values of ``d`` for a fragment's placeholders: ``keys`` under their own names,
+    ``renamed`` as ``placeholder=key``."""
+    return {k: d[k] for k in keys} | {name: d[k] for name, k in renamed.items()}
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.render.template import fill, table
-from benchmarks.section import status
+from benchmarks.render.common import run_facts, targets_lines
+from benchmarks.render.template import fields, filler, table
 from benchmarks.text import MiB, TextBench, copies, fmt_signed
 
-
-def _fill(fragment: str, /, **values: Any) -> str:
-    return fill("text", fragment, **values)
+_fill = filler("text")
 
 
 def _stall(pl: dict[str, Any]) -> str:
@@ -43,50 +41,26 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
         "",
         _fill(
             "section.3",
-            documents=corpus["documents"],
-            files=corpus["files"],
+            **fields(corpus, "documents", "files"),
             v=format(corpus["bytes"] / 1e6, ".1f"),
             tokens=format(corpus["lengths"]["tokens"], ","),
-            vocab_size=bench.vocab_size,
             tokenizer_s=format(corpus["tokenizer_s"], ".1f"),
-            batch_size=bench.batch_size,
-            seq_len=bench.seq_len,
-            micro_batches=bench.micro_batches,
             mesh=mesh,
             spec=pl["spec"],
-            warmup_steps=bench.warmup_steps,
-            rounds=bench.rounds,
-            steps_per_round=bench.steps_per_round,
-            step_repeats=bench.step_repeats,
-            layers=cfg["layers"],
-            hidden=cfg["hidden"],
-            heads=cfg["heads"],
-            vocab=cfg["vocab"],
+            **fields(
+                vars(bench),
+                *("vocab_size", "batch_size", "seq_len", "micro_batches", "warmup_steps"),
+                *("rounds", "steps_per_round", "step_repeats", "efficiency_steps"),
+            ),
+            **fields(cfg, "layers", "hidden", "heads", "vocab", "dtype"),
             v2=format(cfg["parameters"] / 1e6, ".2f"),
-            dtype=cfg["dtype"],
-            efficiency_steps=bench.efficiency_steps,
-            s=att["s"],
-            docs=att["docs"],
+            **fields(att, "s", "docs", "block"),
             v3=att["s"] // att["docs"],
-            block=att["block"],
         ),
         "",
-        _fill(
-            "section.4",
-            command=command,
-            date=res["meta"]["date"],
-            jax=res["meta"]["jax"],
-            cpu_count=res["meta"]["cpu_count"],
-            runtime_s=format(res["meta"]["runtime_s"], ".0f"),
-        ),
+        _fill("section.4", command=command, **run_facts(res["meta"])),
         "",
-        "### Targets",
-        "",
-        table(
-            ["target", "measured", "status"],
-            [[t["target"], t["measured"], status(t["met"])] for t in res["targets"]],
-        ),
-        "",
+        *targets_lines(res["targets"]),
         _fill("section.5"),
         "",
     ]
