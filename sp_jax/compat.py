@@ -256,6 +256,8 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, "fsdp"),
      "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
     (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
+    (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
+     "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
     # tests/test_compat.py: one model with several features, train and eval, against the
     # same model unsharded
     (("train", "eval"), (_TS, _CM, _RA, "fsdp", _WINDOW, _DOCS), f"{_COMPAT}[2x4_cm_fsdp]"),

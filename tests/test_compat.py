@@ -24,6 +24,7 @@ import sp_jax
 from sp_jax import compat
 from sp_jax.attention import blockwise_attention
 from sp_jax.models import GPT, GPTConfig, generate
+from sp_jax.models.decode import decode_step, prefill
 from sp_jax.training import TrainStep, lm_loss
 
 ROOT = Path(__file__).parent.parent
@@ -330,6 +331,53 @@ def test_custom_loss_fn_trains_like_lm_loss():
             losses.append([float(step(batch, jax.random.key(i))["loss"]) for i in range(2)])
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     assert losses[0][1] < losses[0][0]
+
+
+@pytest.mark.slow
+def test_generation_with_features_reads_its_cache_like_a_full_forward():
+    """Generation of a model with collective matmul, recompute_allgather, fsdp, a
+    sliding window and attention dropout (off in eval) together: after the prefill and
+    decode steps, the next-token logits from the cache equal the logits of a forward
+    over each row's prompt and tokens (rows at different positions), and greedy
+    generation is the argmax of those forward logits."""
+    cfg = GPTConfig(**{**BASE, "max_seq_len": 32}, sliding_window=3, attention_dropout=0.1)
+    parallel = sp_jax.ParallelConfig(collective_matmul=True, recompute_allgather=True,
+                                     fsdp=True)
+    rng = np.random.default_rng(0)
+    lengths, steps = np.array([5, 3]), 4
+    full = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    with jax.set_mesh(make_mesh(2, 4)):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        assert compat.features_of(cfg, parallel) == {
+            "tensor_sequence", "collective_matmul", "recompute_allgather", "fsdp",
+            "sliding_window", "attention_dropout"}
+        out = generate(model, [list(full[b, :lengths[b]]) for b in range(2)],
+                       max_new_tokens=steps)
+        model.eval()
+        prompts = jnp.asarray(np.where(np.arange(8) < lengths[:, None], full[:, :8], 0))
+        logits, cache = nnx.jit(prefill, static_argnums=(3,))(
+            model, prompts, jnp.asarray(lengths - 1), 16)
+        step = nnx.jit(decode_step, donate_argnums=(1,))
+        for n in range(steps):
+            logits, cache = step(model, cache, jnp.asarray(full[[0, 1], lengths + n]),
+                                 jnp.asarray(lengths + n))
+        reference = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(full)))
+    logits = np.asarray(logits)
+    for b in range(2):
+        np.testing.assert_allclose(logits[b], reference[b, lengths[b] + steps - 1],
+                                   rtol=1e-5, atol=1e-5)
+    # greedy: each new token is the argmax of a forward over the prompt and the tokens
+    # chosen before it
+    tokens = np.asarray(out.tokens)
+    with jax.set_mesh(make_mesh(2, 4)):
+        for b in range(2):
+            row = list(full[b, :lengths[b]])
+            for n in range(steps):
+                padded = np.zeros((2, 8 * ((len(row) + 7) // 8)), np.int32)  # 2: data
+                padded[:, :len(row)] = row
+                ahead = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(padded)))
+                assert tokens[b, n] == int(np.argmax(ahead[0, len(row) - 1])), (b, n)
+                row.append(int(tokens[b, n]))
 
 
 # -- the printed table and docs/api.md -----------------------------------------------------
