@@ -85,7 +85,7 @@ def role(c: Collective) -> str:
                  "row_sequence_parallel_matmul", "_rsp_", "column_parallel_matmul", "_cp_")
     if any("VocabParallelEmbedding" in x for x in f):
         where = "embedding"
-    elif any("lm_head" in x for x in f):
+    elif any("lm_head" in x or "logits_from_hidden" in x for x in f):  # GPT's LM head
         where = "LM head"
     elif any("cross_entropy" in x for x in f):
         where = "cross-entropy"
