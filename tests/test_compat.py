@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import copy_weights, param_values, to_host
+from _util import cache_and_forward_logits, copy_weights, param_values, to_host
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -24,7 +24,6 @@ import sp_jax
 from sp_jax import compat
 from sp_jax.attention import blockwise_attention
 from sp_jax.models import GPT, GPTConfig, generate
-from sp_jax.models.decode import decode_step, prefill
 from sp_jax.training import TrainStep, lm_loss
 
 ROOT = Path(__file__).parent.parent
@@ -354,15 +353,7 @@ def test_generation_with_features_reads_its_cache_like_a_full_forward():
         out = generate(model, [list(full[b, :lengths[b]]) for b in range(2)],
                        max_new_tokens=steps)
         model.eval()
-        prompts = jnp.asarray(np.where(np.arange(8) < lengths[:, None], full[:, :8], 0))
-        logits, cache = nnx.jit(prefill, static_argnums=(3,))(
-            model, prompts, jnp.asarray(lengths - 1), 16)
-        step = nnx.jit(decode_step, donate_argnums=(1,))
-        for n in range(steps):
-            logits, cache = step(model, cache, jnp.asarray(full[[0, 1], lengths + n]),
-                                 jnp.asarray(lengths + n))
-        reference = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(full)))
-    logits = np.asarray(logits)
+        logits, reference = cache_and_forward_logits(model, full, lengths, steps)
     for b in range(2):
         np.testing.assert_allclose(logits[b], reference[b, lengths[b] + steps - 1],
                                    rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import cache_and_forward_logits
 from conftest import make_mesh
 from flax import nnx
 
@@ -95,15 +96,7 @@ def test_cache_gives_the_logits_of_a_full_forward(preset):
     with jax.set_mesh(make_mesh(2, 4)):
         model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
         model.eval()
-        prompts = jnp.asarray(np.where(np.arange(8) < lengths[:, None], full[:, :8], 0))
-        logits, cache = nnx.jit(prefill, static_argnums=(3,))(
-            model, prompts, jnp.asarray(lengths - 1), 16)
-        step = nnx.jit(decode_step, donate_argnums=(1,))
-        for n in range(steps):
-            logits, cache = step(model, cache, jnp.asarray(full[[0, 1], lengths + n]),
-                                 jnp.asarray(lengths + n))
-        reference = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(full[:, :12]))
-    logits, reference = np.asarray(logits), np.asarray(reference)
+        logits, reference = cache_and_forward_logits(model, full[:, :12], lengths, steps)
     for b in range(2):
         np.testing.assert_allclose(logits[b], reference[b, lengths[b] + steps - 1],
                                    rtol=1e-5, atol=1e-5)
