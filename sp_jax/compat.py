@@ -336,15 +336,17 @@ def cell(mode: str, a: str, b: str | None = None) -> Cell:
 
 
 def _message(mode: str, found: Cell, a: str, b: str | None, where: str,
-             names: Mapping[str, str]) -> str:
+             names: Mapping[str, str], given_as: Mapping[str, str]) -> str:
+    """The refusal's message; its tag names each feature as the caller gave it (an alias,
+    ``fp8``, stands for whichever of its values the caller has)."""
     def name(f: str) -> str:
         return names.get(f, _NAMES[f])
 
     fix = found.fix.format_map(_Spelled(names))
     if b is None:
-        return f"{where}: {name(a)}: {fix} (sp_jax.compat: {a} in {mode})"
+        return f"{where}: {name(a)}: {fix} (sp_jax.compat: {given_as[a]} in {mode})"
     return (f"{where}: {name(a)} is not supported with {name(b)}; {fix} "
-            f"(sp_jax.compat: {a} x {b} in {mode})")
+            f"(sp_jax.compat: {given_as[a]} x {given_as[b]} in {mode})")
 
 
 class _Spelled(dict):
@@ -378,18 +380,18 @@ def check(mode: str, features: Iterable[str], *, where: str) -> None:
                 active.append((x, f))
     spell = {x: names.get(f, names.get(x, _NAMES.get(f, _NAMES[x]))) for x, f in active}
     spell |= {f: spell[x] for x, f in active if f not in spell}  # an alias: its value's
-    cells = TABLE[mode]
+    cells, given_as = TABLE[mode], dict(active)
     for x, _ in active:
         found = cells[_key(x, x)]
         if found.status == "refused":
-            raise CombinationError(_message(mode, found, x, None, where, spell))
+            raise CombinationError(_message(mode, found, x, None, where, spell, given_as))
     for (x, fx), (y, fy) in itertools.combinations(active, 2):
         if fx == fy and fx in ALIASES:
             continue  # both values of one option were named by their alias
         found = cells[_key(x, y)]
         if found.status == "refused":
             a, b = (x, y) if found.first in ("", x) else (y, x)
-            raise CombinationError(_message(mode, found, a, b, where, spell))
+            raise CombinationError(_message(mode, found, a, b, where, spell, given_as))
 
 
 def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> frozenset[str]:

@@ -111,7 +111,8 @@ def test_check_names_values_aliases_and_bad_input():
         compat.check("train", {"sliding_window": "sliding_window=4",
                                "context_ring": "ring attention"}, where="ring_attention")
     with pytest.raises(ValueError, match=r"FP8 \(fp8=Fp8Recipe\(\.\.\.\)\) is not supported with "
-                                         r"pipeline stages; .* fp8_current x pipeline_gpipe"):
+                                         r"pipeline stages; .* \(sp_jax.compat: fp8 x pipeline in "
+                                         r"train\)"):
         compat.check("train", ["fp8", "pipeline"], where="x")
     compat.check("train", ["pipeline", "context"], where="x")  # aliases: no self-refusal
     with pytest.raises(ValueError, match="unknown feature 'fp16'"):

@@ -65,6 +65,26 @@ def test_decode_mode_matches_nnx_linear(name, mesh_shape):
     assert counts == expected, counts
 
 
+@pytest.mark.parametrize("name, option", [("ColumnParallelLinear", "gather_output"),
+                                          ("RowParallelLinear", "input_is_parallel")])
+def test_decode_mode_keeps_the_layers_options(name, option):
+    """``ColumnParallelLinear(gather_output=True)`` gives whole rows in decode mode and
+    ``RowParallelLinear(input_is_parallel=False)`` takes them, as in their training path
+    (and equal to nnx.Linear)."""
+    x = np.random.default_rng(0).normal(size=(4, 1, OUT if name.startswith("Row") else IN))
+    with jax.set_mesh(make_mesh(2, 4)):
+        layer = getattr(sp_jax, name)(*((OUT, IN) if name.startswith("Row") else (IN, OUT)),
+                                      **{option: option == "gather_output"},
+                                      rngs=nnx.Rngs(1))
+        x = jnp.asarray(x, jnp.float32)
+        y = nnx.jit(lambda layer, x: layer(x, decode=True))(layer, x)
+        train = nnx.jit(lambda layer, x: layer(x))(layer, x)
+        ref = reference_linear(layer)
+    assert y.shape == (4, 1, IN if name.startswith("Row") else OUT)
+    chex.assert_trees_all_close(np.asarray(y), np.asarray(ref(np.asarray(x))), **TOL)
+    chex.assert_trees_all_close(np.asarray(y), np.asarray(train), **TOL)
+
+
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
 def test_decode_mode_row_with_activation_and_fsdp_parameters(mesh_shape):
     """The row layer's decode mode applies the MLP activation first; an fsdp layer's

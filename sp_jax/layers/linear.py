@@ -228,10 +228,14 @@ class _ParallelLinear(nnx.Module):
 
     def _decode_specs(self, layout: Layout) -> tuple[P, P]:
         """(input spec, output spec) of the activations in the single-token mode: column
-        layers take whole rows and give their column block, row layers the reverse."""
+        layers take whole rows and give their column block (whole rows with
+        ``gather_output``), row layers the reverse (whole rows in without
+        ``input_is_parallel``)."""
         if self._split_in:
-            return layout.tp, layout.tensor_replicated
-        return layout.tensor_replicated, layout.tp
+            x_spec = layout.tp if self.input_is_parallel else layout.tensor_replicated
+            return x_spec, layout.tensor_replicated
+        return layout.tensor_replicated, (layout.tensor_replicated if self.gather_output
+                                          else layout.tp)
 
     def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
                activation=None, **fp8: Any) -> jax.Array:
@@ -337,8 +341,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def _specs(self, layout):
-        out = layout.tensor_replicated if self.gather_output else layout.tp
-        return layout.tensor_replicated, out
+        return self._decode_specs(layout)  # a sequence of one token or many: the same
 
     def _local(self, x, kernel, bias, activation=None, **fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
@@ -376,8 +379,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def _specs(self, layout):
-        x_spec = layout.tp if self.input_is_parallel else layout.tensor_replicated
-        return x_spec, layout.tensor_replicated
+        return self._decode_specs(layout)  # a sequence of one token or many: the same
 
     def _local(self, x, kernel, bias, activation=None, **fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype

@@ -1,5 +1,6 @@
 """Linear ops across the tensor axis: matmuls whose collectives and weight gradients are
-one custom VJP each, and the one dispatch to their plain, collective-matmul, FP8 and FSDP
+one custom VJP each (``decode_matmul``, decoding's single-token product, is forward
+only), and the one dispatch to their plain, collective-matmul, FP8 and FSDP
 forms.
 
 =====================================  ==============================  ===========================
@@ -13,6 +14,8 @@ op                                     forward                         backward
                                        matmul                          re-gather of x)
 ``row_sequence_parallel_matmul``       matmul, reduce-scatter of the   one all-gather of dy
                                        sequence                        feeding dx and dW
+``decode_matmul``                      local matmul of one token; a    (forward only: decoding)
+                                       row layer's all-reduce
 =====================================  ==============================  ===========================
 
 Every op is ONE rule (:mod:`sp_jax.ops.rules`: ``Matmul``, ``Column``,
@@ -300,6 +303,7 @@ def row_sequence_parallel_matmul(
     """
     fsdp_axes = tuple(fsdp_axes)
     name = "row_sequence_parallel_matmul"
+    _check_fp8(name, fp8, fp8_history)
     h = x if activation is None else jax.eval_shape(activation, x)
     seq_dim = _sequence_checks(name, h, kernel, bias, seq_dim, fsdp_axes, 1)
     check_divisible(x, seq_dim, axis_name, name)
