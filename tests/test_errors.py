@@ -19,7 +19,7 @@ from sp_jax.analysis import gpu_mesh
 from sp_jax.data import ByteTokenizer, Documents, check_vocab, load_tokenizer
 from sp_jax.layers import GroupedQKVProjection
 from sp_jax.models import GPT, GPTConfig, generate, hf
-from sp_jax.models.gpt import Block
+from sp_jax.models.blocks import Block
 from sp_jax.pipeline import pipeline_schedule
 
 LAYERS = [

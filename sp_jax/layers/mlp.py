@@ -73,10 +73,12 @@ class MLP(nnx.Module):
                                               **common)
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
 
-    def activate(self, y: jax.Array) -> jax.Array:
-        """Per device: the activation of this shard's ``up`` columns ``[..., width]``;
-        gated, its interleaved ``(gate, up)`` column pairs -> ``[..., width / 2]``."""
-        return MLPActivation(self.config.mlp_activation)(y)
+    @property
+    def activation(self) -> MLPActivation:
+        """The activation of this shard's ``up`` columns ``[..., width]`` (gated: its
+        interleaved ``(gate, up)`` column pairs -> ``[..., width / 2]``), applied inside
+        ``down``'s op (a hashable static of it)."""
+        return MLPActivation(self.config.mlp_activation)
 
     def decode_step(self, x: jax.Array) -> jax.Array:
         """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
@@ -86,7 +88,7 @@ class MLP(nnx.Module):
         shard's column block (no collective), ``down`` all-reduces its partial products
         over the tensor axis (no dropout)."""
         y = self.down.local_decode(self.up.local_decode(self.norm.local(x)),
-                                   activation=MLPActivation(self.config.mlp_activation))
+                                   activation=self.activation)
         return x.astype(y.dtype) + y
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
@@ -98,6 +100,6 @@ class MLP(nnx.Module):
         # again in its backward: the hidden layer is kept once (the activation's input),
         # not also as the activation's output for the weight gradient.
         y = self.down(self.up(self.norm(x)),
-                      activation=MLPActivation(self.config.mlp_activation))
+                      activation=self.activation)
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y

@@ -79,12 +79,16 @@ class Block(nnx.Module):
             return self.mlp(x, rngs=rngs)
         return self.mlp(x, rngs=rngs), None
 
+    def _check_generates(self) -> None:
+        """Generation's refusals of this layer (sp_jax.compat: experts)."""
+        if isinstance(self.mlp, MoE):
+            check("generate", {"experts": "a mixture-of-experts layer"}, where="Block")
+
     def prefill_step(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """The training path's forward without dropout or documents, keeping the keys and
         values attention used (a prompt for decoding): ``x`` ``[batch, seq, hidden]`` (SP
         layout) -> ``(x, (k, v))``."""
-        if isinstance(self.mlp, MoE):
-            check("generate", {"experts": "a mixture-of-experts layer"}, where="Block")
+        self._check_generates()
         y, kv = self.attention(x, keep_kv=True)
         return self.mlp(y), kv
 
@@ -96,8 +100,7 @@ class Block(nnx.Module):
         shard's cache ``[b, length, kv_local, head_dim]`` of this layer, ``positions``
         ``[b]`` -> ``(x, k, v)``, the token's keys and values ``[b, 1, kv_local,
         head_dim]``."""
-        if isinstance(self.mlp, MoE):
-            check("generate", {"experts": "a mixture-of-experts layer"}, where="Block")
+        self._check_generates()
         x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions)
         return self.mlp.decode_step(x), k, v
 

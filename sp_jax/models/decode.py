@@ -41,7 +41,6 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.attention import cached_attention
 from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
@@ -51,7 +50,7 @@ from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
 from sp_jax.models.blocks import decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
-__all__ = ["KVCache", "cached_attention", "check_decodable", "decode_step", "prefill",
+__all__ = ["KVCache", "check_decodable", "decode_step", "prefill",
            "to_decode_layout"]
 
 
@@ -197,7 +196,7 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
         return _logits(row, table, par.tensor_axis, cfg.vocab_size)
 
     batch = layout.spec("activation_batch")
-    logits = jax.shard_map(pick, in_specs=(layout.sp, batch, P(par.tensor_axis, None)),
+    logits = jax.shard_map(pick, in_specs=(layout.sp, batch, decode_layout(par).vocab_table),
                            out_specs=layout.spec("activation_batch", None))(
         reshard(h, layout.sp, mesh), reshard(last, batch, mesh), head)
     return logits, cache

@@ -1,5 +1,5 @@
 """Per-device collectives and linear ops for tensor and sequence parallelism, each paired
-with its VJP.
+with its VJP (but decoding's forward-only ``decode_matmul``).
 
 Every function works on the *local* (per-device) block of an array and is meant to be
 called inside :func:`jax.shard_map` over a mesh that has the named axes. Modules, bottom

@@ -43,8 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ComputeGemm", "bgrad", "bwd_cast", "check_linear_shapes", "dot", "dot_nt",
-           "dot_t", "wgrad"]
+__all__ = ["ComputeGemm", "bgrad", "bwd_cast", "check_linear_shapes", "dot_nt", "wgrad"]
 
 
 def wgrad(x: jax.Array, g: jax.Array, wgrad_dtype, param_dtype) -> jax.Array:
@@ -65,11 +64,6 @@ def bgrad(g: jax.Array, wgrad_dtype, param_dtype) -> jax.Array:
     return jnp.sum(g, axis=tuple(range(g.ndim - 1)), dtype=acc).astype(param_dtype)
 
 
-def dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``x [..., in] @ kernel [in, out]`` in the dtype of ``x`` (the compute dtype)."""
-    return lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())))
-
-
 def dot_nt(g: jax.Array, kernel: jax.Array) -> jax.Array:
     """``g [..., out] @ kernel.T`` -> ``[..., in]``, ``kernel`` already in the dtype
     wanted."""
@@ -88,12 +82,6 @@ def bwd_cast(kernel: jax.Array, g: jax.Array) -> jax.Array:
         return kernel
     kernel, _ = lax.optimization_barrier((kernel, g))
     return kernel.astype(g.dtype)
-
-
-def dot_t(g: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``g [..., out] @ kernel.T`` -> ``[..., in]`` in the dtype of ``g`` (backward only;
-    the kernel is cast by :func:`bwd_cast`)."""
-    return dot_nt(g, bwd_cast(kernel, g))
 
 
 def check_linear_shapes(name: str, x: jax.Array, kernel, bias=None) -> None:

@@ -40,7 +40,7 @@ __all__ = ["Column", "ColumnSequence", "Matmul", "RowSequence", "linear_op", "re
            "tied_output"]
 
 
-def _add_bias(y, bias):
+def _plus_bias(y, bias):
     return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -103,7 +103,7 @@ class Column:
     def fwd(self, x, kernel, aux):
         bias, state = aux
         a, w, ctx = self.gemm.operands(vary(x, (self.axis_name,)), kernel, state)
-        y = _add_bias(self.gemm.forward(a, w, ctx, x.dtype), bias)
+        y = _plus_bias(self.gemm.forward(a, w, ctx, x.dtype), bias)
         y, ctx = tied_output(self.gemm, y, ctx)
         return y, (a, kernel, (bias, ctx))
 
@@ -135,7 +135,7 @@ class ColumnSequence:
         bias, state = aux
         a, w, ctx = self.gemm.operands(x, kernel, state)
         y, a_full = self.transport.column_forward(self.gemm, a, w, ctx, x, not self.recompute)
-        y, ctx = tied_output(self.gemm, _add_bias(y, bias), ctx)
+        y, ctx = tied_output(self.gemm, _plus_bias(y, bias), ctx)
         # kernel and bias are the caller's own arrays: keeping them costs no extra memory
         return y, (a if self.recompute else a_full, kernel, (bias, ctx))
 
@@ -164,7 +164,7 @@ class RowSequence:
         h = x if self.activation is None else self.activation(x)
         a, w, ctx = self.gemm.operands(h, kernel, state)
         y = self.transport.row_forward(self.gemm, a, w, ctx, x.dtype)
-        y, ctx = tied_output(self.gemm, _add_bias(y, bias), ctx)
+        y, ctx = tied_output(self.gemm, _plus_bias(y, bias), ctx)
         return y, (a if self.activation is None else x, kernel, (bias, ctx))
 
     def bwd(self, res, g):
