@@ -237,7 +237,7 @@ def test_stalled_peer_ends_the_other_within_the_bound(runs):
     out = _status(runs, "stalled0", faults.EXIT_PEER_FAILED)
     assert runs["bound_s"]["stalled"] < BOUND_S, runs["bound_s"]
     assert re.fullmatch(rf"error: process 0: {WAITED_IN} made no progress for {PEER_TIMEOUT_S} s: "
-                        r"process 1 \(last seen in (after )?step \d+\) stopped answering: it "
+                        rf"process 1 \(last seen in (after )?{WAITED_IN}\) stopped answering: it "
                         r"is stalled or dead \(--peer-timeout\); exiting with status 4",
                         _line(out)), out[-3000:]
 
