@@ -117,18 +117,20 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     def key(data):
         return None if data is None else jax.random.wrap_key_data(data)
 
-    def embed(shared, tokens, key_data):
-        return shell(shared).embed_tokens(tokens, None, order, key(key_data))
+    def embed(shared, micro, key_data):
+        return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data))
 
-    def stage(chunk, x, keys):
+    def stage(chunk, x, keys, micro):
+        del micro
         stacked = nnx.merge(block_graphdef, chunk)
-        return scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
+        y = scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
+        return y, jnp.zeros((), jnp.float32)
 
-    def head(shared, x, labels):
+    def head(shared, x, micro):
         m = shell(shared)
         logits = m.logits_from_hidden(m.final_norm(x), m.vocab_table())
         per_token = parallel_cross_entropy(
-            logits, labels, parallel=inner, ignore_index=ignore_index,
+            logits, micro["labels"], parallel=inner, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
         return jnp.sum(per_token).astype(jnp.float32)
 
@@ -198,7 +200,8 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     blocks = _stage_major(params["blocks"], stages, repeats)
     program = _program(model, order, ignore_index, label_smoothing, z_loss)
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
-    loss, result = run(program, schedule, shared, blocks, tokens, labels, keys,
+    loss, result = run(program, schedule, shared, blocks,
+                       {"tokens": tokens, "labels": labels}, keys,
                        stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh)
     if not grads:
         return loss, None

@@ -52,19 +52,31 @@ class StageProgram:
     """What a model runs on the pipeline, as functions of one device's values inside the
     pipeline's ``shard_map`` (batch dimensions local to the data shard).
 
+    A micro-batch is a dict of ``[b, s]`` arrays (``"tokens"``, ``"labels"`` and what
+    else the model reads, e.g. packed rows' ``"segment_ids"`` / ``"positions"``): every
+    stage holds every micro-batch's dict (small integers), so what a stage needs of its
+    micro-batch travels with it by index, not through the stage transfers.
+
     Attributes:
-      embed: ``(shared, tokens [b, s], key) -> x [b, s, h]``: the input of the first
-        stage (sequence-parallel layout); ``key`` is the micro-batch's dropout key data
-        or None.
-      stage: ``(chunk, x, keys) -> x``: one layer chunk (``chunk``: the chunk's
-        parameters, leaves ``[layers_per_chunk, ...]``; ``keys``: its per-layer dropout
-        key data ``[layers_per_chunk, ...]`` or None).
-      head: ``(shared, x, labels [b, s]) -> loss sum`` (float32 scalar) of the last stage.
+      embed: ``(shared, micro, key) -> x [b, s, h]``: the input of the first stage
+        (sequence-parallel layout) from the micro-batch dict ``micro``; ``key`` is the
+        micro-batch's dropout key data or None.
+      stage: ``(chunk, x, keys, micro) -> (x, aux)``: one layer chunk (``chunk``: the
+        chunk's parameters, leaves ``[layers_per_chunk, ...]``; ``keys``: its per-layer
+        dropout key data ``[layers_per_chunk, ...]`` or None; ``micro``: the micro-batch
+        dict); ``aux``: a float32 scalar the step adds to its loss (e.g. auxiliary losses
+        of the chunk's layers; 0.0 for none), differentiated with it.
+      head: ``(shared, x, micro) -> loss sum`` (float32 scalar) of the last stage.
     """
 
-    embed: Callable[[Any, jax.Array, Any], jax.Array]
-    stage: Callable[[Any, jax.Array, Any], jax.Array]
-    head: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    embed: Callable[[Any, Any, Any], jax.Array]
+    stage: Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, jax.Array]]
+    head: Callable[[Any, jax.Array, Any], jax.Array]
+
+
+def _micro(batch: Any, m: jax.Array | int) -> Any:
+    """Micro-batch ``m`` of a dict of ``[M, b, s]`` arrays."""
+    return jax.tree.map(lambda a: a[m], batch)
 
 
 def _kept(entry: Any, axes: Any) -> tuple[str, ...]:
@@ -242,7 +254,7 @@ def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
 
 
 def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
-          tokens: jax.Array, labels: jax.Array, keys: tuple[Any, Any] | None, *,
+          batch: Any, keys: tuple[Any, Any] | None, *,
           stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True
           ) -> tuple[jax.Array, tuple[Any, Any] | None]:
     """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step.
@@ -253,15 +265,16 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
       shared: parameters every stage holds (replicated over the stage axis).
       stages: layer parameters, leaves ``[P, R, layers_per_chunk, ...]`` sharded over the
         stage axis on dimension 0: stage ``s`` holds the chunks ``r P + s`` it runs.
-      tokens / labels: ``[M, batch, seq]`` int32, batch over the data axes.
+      batch: the micro-batches, a dict of ``[M, batch, seq]`` arrays (``"tokens"``,
+        ``"labels"``, ...: see :class:`StageProgram`), batch over the data axes.
       keys: ``(embed [M, ...], layers [M, R, P, layers_per_chunk, ...])`` dropout key
         data, or None.
       stage_axis / data_axes: the mesh axes; mesh: the mesh.
       grads: False for the loss alone (the forward loop, no autodiff).
     Returns:
       ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
-      the step and its gradients, sharded like ``shared`` and ``stages`` (None without
-      ``grads``).
+      the step (with the stages' ``aux`` terms) and its gradients, sharded like
+      ``shared`` and ``stages`` (None without ``grads``).
     """
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
@@ -271,42 +284,45 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     p, r_last, m_count = schedule.stages, schedule.repeats - 1, schedule.microbatches
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def body(shared, stages, tokens, labels, keys):
+    def body(shared, stages, batch, keys):
         s = lax.axis_index(stage_axis)
         shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
         def local_loss(shared, stages):
-            x0 = program.embed(shared, tokens[0], None if ekeys is None else ekeys[0])
+            x0 = program.embed(shared, _micro(batch, 0), None if ekeys is None else ekeys[0])
 
             def tick(carry, t):
-                recv, outputs = carry
+                recv, outputs, aux_sum = carry
                 m, r = fwd_micro[t, s], fwd_repeat[t, s]
                 active = m >= 0
                 m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
                 first = active & (r == 0) & (s == 0)
                 # some stage forwards in every tick: no condition (see _when)
+                micro = _micro(batch, m)
                 x = jnp.where(first, program.embed(
-                    shared, tokens[m], None if ekeys is None else ekeys[m]), recv)
+                    shared, micro, None if ekeys is None else ekeys[m]), recv)
                 # the chunk is picked again in the backward loop, not kept per tick
                 # (the layers' custom VJPs still keep their kernel shards per tick:
                 # BENCHMARKS.md, "Pipeline parallelism")
                 chunk = jax.checkpoint(_chunk)(stages, r)
-                y = program.stage(chunk, x, _keys_at(lkeys, m, r, s))
+                y, aux = program.stage(chunk, x, _keys_at(lkeys, m, r, s), micro)
                 y = jnp.where(active, y, jnp.zeros_like(y))
+                aux_sum = aux_sum + jnp.where(active, aux.astype(_F32), 0.0)
                 last = active & (r == r_last) & (s == p - 1)
                 outputs = outputs.at[m].set(jnp.where(last, y, outputs[m]))
-                return (lax.ppermute(y, stage_axis, ring), outputs), None
+                return (lax.ppermute(y, stage_axis, ring), outputs, aux_sum), None
 
             outputs = _stacked_zeros(m_count, x0)
-            (_, outputs), _ = lax.scan(tick, (jnp.zeros_like(x0), outputs),
-                                       jnp.arange(schedule.num_ticks))
+            (_, outputs, aux_sum), _ = lax.scan(
+                tick, (jnp.zeros_like(x0), outputs, jnp.zeros((), _F32)),
+                jnp.arange(schedule.num_ticks))
 
             def one(total, i):  # on every stage (see _when); the last one's counts
-                return total + program.head(shared, outputs[i], labels[i]), None
+                return total + program.head(shared, outputs[i], _micro(batch, i)), None
 
             total = lax.scan(one, jnp.zeros((), _F32), jnp.arange(m_count))[0]
-            return jnp.where(s == p - 1, total, 0.0)
+            return jnp.where(s == p - 1, total, 0.0) + aux_sum
 
         if not grads:
             return lax.psum(local_loss(shared, stages), tuple(axes.manual))
@@ -316,13 +332,12 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
     if not grads:
-        return _run(body, (shared, stages, tokens, labels, keys), axes, mesh, False), None
-    return _run(body, (shared, stages, tokens, labels, keys), axes, mesh)
+        return _run(body, (shared, stages, batch, keys), axes, mesh, False), None
+    return _run(body, (shared, stages, batch, keys), axes, mesh)
 
 
 def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
-                stages: Any, tokens: jax.Array, labels: jax.Array,
-                keys: tuple[Any, Any] | None, *, stage_axis: str,
+                stages: Any, batch: Any, keys: tuple[Any, Any] | None, *, stage_axis: str,
                 data_axes: tuple[str, ...], mesh: Any) -> tuple[jax.Array, tuple[Any, Any]]:
     """Loss sum and gradients of a 1F1B pipeline step: arguments and results as
     :func:`gpipe` with ``grads`` (a loss alone is :func:`gpipe`'s forward), ``schedule``
@@ -342,13 +357,13 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
     backward_ring = [(i, (i - 1) % p) for i in range(p)]
     cpu = mesh_platform() == "cpu"
 
-    def body(shared, stages, tokens, labels, keys):
+    def body(shared, stages, batch, keys):
         s = lax.axis_index(stage_axis)
         shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
         def embed(shared, m):
-            return program.embed(shared, tokens[m], None if ekeys is None else ekeys[m])
+            return program.embed(shared, _micro(batch, m), None if ekeys is None else ekeys[m])
 
         x0 = embed(shared, 0)
         zeros32 = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=_F32), (shared, stages))
@@ -372,8 +387,10 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 x = jnp.where(first, embed(sh, m), recv_f)
                 slot = jnp.maximum(at["fwd_slot"], 0)
                 inputs = inputs.at[slot].set(jnp.where(active, x, inputs[slot]))
-                y = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s))
+                y, aux = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s),
+                                       _micro(batch, m))
                 y = jnp.where(active, y, jnp.zeros_like(y))
+                loss = loss + jnp.where(active, aux.astype(_F32), 0.0)
                 sent_f = lax.ppermute(y, stage_axis, forward_ring)  # during the backward
                 sent_f, y, inputs, sh = _ordered(cpu, (sent_f, y, inputs, sh))
                 # The last virtual stage: the loss and its gradient, which starts this
@@ -382,7 +399,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
 
                 def head():
                     value, (dh, dy) = jax.value_and_grad(program.head, argnums=(0, 1))(
-                        sh, y, labels[m])
+                        sh, y, _micro(batch, m))
                     return value.astype(_F32), dh, dy
 
                 like = (jnp.zeros((), _F32), sh, y)
@@ -398,9 +415,11 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 gy = jnp.where(active_b & (rb == r_last) & (s == p - 1), dy, recv_b)
                 gy = jnp.where(active_b, gy, jnp.zeros_like(gy))  # idle: zero gradients
                 _, pullback = jax.vjp(
-                    lambda chunk, x: program.stage(chunk, x, _keys_at(lkeys, mb, rb, s)),
+                    lambda chunk, x: program.stage(chunk, x, _keys_at(lkeys, mb, rb, s),
+                                                   _micro(batch, mb)),
                     _chunk(stages, rb), xb)
-                d_chunk, dx = pullback(gy)
+                # the aux term's cotangent: 1 where this stage back-propagates
+                d_chunk, dx = pullback((gy, active_b.astype(_F32)))
                 g_stages = jax.tree.map(
                     lambda g, d: g.at[rb].add(d.astype(_F32)), g_stages, d_chunk)
                 first_b = active_b & (rb == 0) & (s == 0)
@@ -427,4 +446,4 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
-    return _run(body, (shared, stages, tokens, labels, keys), axes, mesh)
+    return _run(body, (shared, stages, batch, keys), axes, mesh)
