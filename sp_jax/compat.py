@@ -176,9 +176,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "a pipelined GPT runs as a pipeline: call model.loss(tokens[, labels]) (or train it "
      "with TrainStep); for logits or hidden states, restore the parameters into a GPT "
      "without pipeline_axis."),
-    (("generate",), "experts", None,
-     "generation with experts is not supported yet; evaluate the model with GPT.__call__ "
-     "(logits) instead."),
     (("generate",), "pipeline", None,
      "generation runs without pipeline stages: restore its parameters into a GPT built "
      "without pipeline_axis."),
