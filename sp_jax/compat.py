@@ -253,6 +253,11 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, "fsdp"),
      "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
     (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
+    (_GEN, (_TS, *_EXPERTS), "tests/test_generate.py::test_greedy_with_experts_equals_"
+     "transformers[mixtral-2x2x1x2]"),
+    (_GEN, (_TS, *_EXPERTS),
+     "tests/test_generate.py::test_cache_with_experts_gives_the_logits_of_a_full_forward"
+     "[scan_2x2x1x2]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
      "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
     # tests/test_compat.py: one model with several features, train and eval, against the

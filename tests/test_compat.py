@@ -174,12 +174,6 @@ def _experts_on_pipeline():
             parallel=par, rngs=nnx.Rngs(0))
 
 
-def _generate_with_experts():
-    with jax.set_mesh(make_mesh(2, 4)):
-        generate(GPT(GPTConfig(**BASE, num_experts=4), rngs=nnx.Rngs(0)), [[1]],
-                 max_new_tokens=1)
-
-
 def _ring_gpt(**config):
     with jax.set_mesh(_context_mesh()):
         GPT(GPTConfig(**BASE, **config), parallel=sp_jax.ParallelConfig(context_parallel="ring"),
@@ -224,7 +218,6 @@ ENTRY_POINTS = {
                                   "a custom loss_fn cannot run on it"),
     ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),
                          r"runs as a pipeline: call model.loss"),
-    ("experts", None): (_generate_with_experts, "generation with experts is not supported"),
     ("context", None): (lambda: (_generate_on_context("ring"), _generate_on_context("ulysses")),
                         r"context_parallel='ring' over a context axis of size 2: the KV cache "
                         "is not split over the sequence"),
