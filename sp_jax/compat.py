@@ -145,8 +145,6 @@ _GENERATE_CONTEXT = (
     "the KV cache is not split over the sequence; generate on a mesh without a context "
     "axis (data x tensor), or with a context axis of size 1.")
 REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    (_ALL, "sliding_window", "context_ring",
-     "use context_parallel='ulysses' (exact with a window) or no context axis."),
     (_ALL, "cudnn_attention", "context_ring",
      "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
      "by log-sum-exp, which cuDNN's kernel does not return); use "

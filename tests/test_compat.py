@@ -196,8 +196,6 @@ def _cudnn_with_documents():
 # (first feature, second or None) of each entry of compat.REFUSALS -> (what meets it, the
 # message it raises: its own words where the refusal is not raised by compat.check yet)
 ENTRY_POINTS = {
-    ("sliding_window", "context_ring"): (lambda: _ring_gpt(sliding_window=4),
-                                         r"sliding_window=4 is not supported with ring"),
     ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn"),
                                           "cannot run ring attention"),
     ("packed_documents", "cudnn_attention"): (_cudnn_with_documents,
