@@ -106,10 +106,11 @@ def test_check_refuses_each_refused_cell_and_passes_the_others(mode):
 
 
 def test_check_names_values_aliases_and_bad_input():
-    with pytest.raises(ValueError, match=r"^ring_attention: sliding_window=4 is not supported "
-                                         r"with ring attention; use context_parallel='ulysses'"):
-        compat.check("train", {"sliding_window": "sliding_window=4",
-                               "context_ring": "ring attention"}, where="ring_attention")
+    with pytest.raises(ValueError, match=r"^ring_attention: implementation='cudnn' is not "
+                                         r"supported with the ring; attention_implementation="
+                                         r"'cudnn' cannot run ring attention"):
+        compat.check("train", {"cudnn_attention": "implementation='cudnn'",
+                               "context_ring": "the ring"}, where="ring_attention")
     with pytest.raises(ValueError, match=r"FP8 \(fp8=Fp8Recipe\(\.\.\.\)\) is not supported with "
                                          r"pipeline stages; .* \(sp_jax.compat: fp8 x pipeline in "
                                          r"train\)"):
