@@ -90,10 +90,10 @@ class Block(nnx.Module):
                     positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The single-token (decode) mode per device
         (:meth:`CausalSelfAttention.decode_step`, then :meth:`MLP.decode_step`: two
-        all-reduces over the tensor axis; or :meth:`~sp_jax.layers.MoE.decode_step`): ``x`` ``[b, 1, hidden]`` whole rows, this
-        shard's cache ``[b, length, kv_local, head_dim]`` of this layer, ``positions``
-        ``[b]`` -> ``(x, k, v)``, the token's keys and values ``[b, 1, kv_local,
-        head_dim]``."""
+        all-reduces over the tensor axis; or :meth:`~sp_jax.layers.MoE.decode_step`):
+        ``x`` ``[b, 1, hidden]`` whole rows, this shard's cache ``[b, length, kv_local,
+        head_dim]`` of this layer, ``positions`` ``[b]`` -> ``(x, k, v)``, the token's
+        keys and values ``[b, 1, kv_local, head_dim]``."""
         x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions)
         return self.mlp.decode_step(x), k, v
 
