@@ -1,4 +1,5 @@
-"""Generate text from a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3),
+"""Generate text from a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, and
+the mixtures of experts Mixtral and Qwen3-MoE),
 e.g. one written by examples/finetune_hf.py --out, with tensor parallelism and a KV cache.
 
     python examples/generate.py --hf-dir DIR --tokenizer DIR/tokenizer.json
@@ -11,12 +12,13 @@ Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any 
 transformers needed) or ``bytes`` (UTF-8 bytes, the byte-level models of
 examples/train_gpt.py). ``--temperature 0`` (the default) is greedy decoding. Rows end at
 the checkpoint's ``eos_token_id`` (config.json) unless ``--ignore-eos``. The mesh is
-DATA,TENSOR (``sp_jax.models.generate``); CPU-only machines simulate its devices.
+DATA,TENSOR (``sp_jax.models.generate``), or ``data=D,expert=E,tensor=T`` for a mixture
+of experts (its experts over the expert axis); CPU-only machines simulate its devices.
 """
 
 from __future__ import annotations
 
-import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts quietly
+import sp_jax  # first: on a machine without a GPU, JAX then starts quietly
 
 # isort: split
 import argparse
@@ -60,7 +62,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--top-p", type=float, default=None, help="sample within this probability mass")
     add("--seed", type=int, default=0, help="the sampling key")
     add("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    add("--mesh", default="1,4", help="DATA,TENSOR mesh shape")
+    add("--mesh", default="1,4", help="DATA,TENSOR mesh shape, or data=D,expert=E,tensor=T "
+        "(a mixture of experts' experts over the expert axis)")
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     a = p.parse_args(argv)
     if bool(a.prompt) == bool(a.prompt_ids):
@@ -74,8 +77,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.mesh_shape = training.parse_mesh(a.mesh)
     except ValueError as e:
         p.error(str(e))
-    if a.mesh_shape[0] * a.mesh_shape[2] * a.mesh_shape[3] != 1:
-        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR mesh")
+    if a.mesh_shape[0] * a.mesh_shape[3] != 1:
+        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR mesh (or "
+                "data=D,expert=E,tensor=T for a mixture of experts)")
     if not pathlib.Path(a.hf_dir, "config.json").is_file():
         p.error(f"--hf-dir {a.hf_dir}: no config.json there")
     return a
@@ -88,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
     overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
     with jax.set_mesh(mesh):
         try:
+            if args.mesh_shape[2] > 1:  # the experts split over the expert axis
+                overrides["parallel"] = sp_jax.ParallelConfig(expert_axis="expert")
             model = hf.from_hf(args.hf_dir, rngs=nnx.Rngs(0), **overrides)
             tok = None
             if args.tokenizer is not None:
@@ -118,6 +124,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    _, d, _, _, t = args.mesh_shape
-    simulate_cpu_devices(d * t)  # no GPU here: before JAX starts its backend
+    _, d, e, _, t = args.mesh_shape
+    simulate_cpu_devices(d * e * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -19,8 +19,10 @@ named) with transformers' own ``save_pretrained`` (``config.json``,
   next-token loss (``output_router_logits=False``), ``aux_loss`` transformers'
   load-balancing loss (``output_router_logits=True``), ``loss_with_aux`` its loss then
   (``loss + router_aux_loss_coef * aux_loss``) and the gradients are those of
-  ``loss_with_aux``; no generation data (sp_jax's generate has no experts yet);
-- greedy generation (dense models), for three prompts of 5, 9 and 3 tokens (``i`` = 0,
+  ``loss_with_aux``;
+- greedy generation (every model; a mixture of experts' prompts drawn after its ``[4,
+  16]`` inputs, and its routing on the prompt and new tokens checked free of near-ties
+  as above), for three prompts of 5, 9 and 3 tokens (``i`` = 0,
   1, 2), each run alone: ``gen_prompt_<i>`` int32 ``[len]``, ``gen_tokens_<i>`` int32
   ``[32]`` (the new tokens of ``generate(do_sample=False, max_new_tokens=32,
   min_new_tokens=32)`` with no end-of-sequence token, so all 32 are produced; checked
@@ -28,6 +30,13 @@ named) with transformers' own ``save_pretrained`` (``config.json``,
   ``[vocab]`` (the logits of the first new token).
 
 Nothing of sp_jax is imported: the fixtures are an independent reference.
+
+    python scripts/make_hf_fixtures.py --add-greedy NAME [NAME ...] [--out ...]
+
+adds the greedy generation keys to existing fixtures (loaded with transformers from
+``<out>/<NAME>/``) without touching their weights or any array already in their
+``golden.npz`` (written back bit-identical; the mixtures of experts' fixtures predate
+their generation keys).
 
     python scripts/make_hf_fixtures.py --check DIR
 
@@ -187,7 +196,18 @@ def golden_moe(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     for name in GRADS[model.config.model_type]:
         result["grad/" + name] = saved_grad(params, name).numpy().astype(np.float32)
     print(f"{model.config.model_type}: smallest top-{k} routing gap {gap:.2e}")
+    result.update(greedy(model, rng, vocab))
     return result
+
+
+def routing_gap(model, seq: torch.Tensor) -> float:
+    """The smallest gap between a token's k-th and next router probability over every
+    layer of a mixture of experts on ``seq`` [1, len]."""
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        logits = model(input_ids=seq, output_router_logits=True).router_logits
+    return min(float((p[:, k - 1] - p[:, k]).min()) for p in (
+        torch.softmax(layer.float(), -1).sort(-1, descending=True).values for layer in logits))
 
 
 def golden(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -233,6 +253,12 @@ def greedy(model, rng: np.random.Generator, vocab: int) -> dict[str, np.ndarray]
             if new.shape[0] != GEN_NEW or not torch.equal(new, seq[0, n:]):
                 raise SystemExit(f"{model.config.model_type}: generate() differs from the "
                                  f"argmax loop: {new.tolist()} vs {seq[0, n:].tolist()}")
+            if model.config.model_type in MOE:  # decisive routing of every token
+                gap = routing_gap(model, seq)
+                print(f"{model.config.model_type}: prompt {i}: smallest routing gap {gap:.2e}")
+                if gap < 1e-4:
+                    raise SystemExit(f"{model.config.model_type}: prompt {i}'s routing is "
+                                     f"within {gap:.1e} of a tie; draw it differently")
             out[f"gen_prompt_{i}"] = prompt.astype(np.int32)
             out[f"gen_tokens_{i}"] = new.numpy().astype(np.int32)
             out[f"gen_next_logits_{i}"] = first.numpy().astype(np.float32)
@@ -250,6 +276,31 @@ def generate(out: pathlib.Path, only: list[str] | None = None) -> None:
         model.save_pretrained(directory)  # safetensors: the default in 4.x and 5.x
         np.savez(directory / "golden.npz", **golden(model, model.config.vocab_size))
         print(f"wrote {directory}")
+
+
+def add_greedy(out: pathlib.Path, names: list[str]) -> None:
+    """Adds the greedy generation keys to existing fixtures (``--add-greedy``): the
+    prompts drawn from the same stream as a full regeneration would (after the inputs,
+    which are checked equal to the stored ones); every stored array kept bit-identical."""
+    for name in names:
+        directory = out / name
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32).eval()
+        with np.load(directory / "golden.npz") as stored:
+            kept = {key: stored[key] for key in stored.files}
+        rng = np.random.default_rng(0)
+        vocab = model.config.vocab_size
+        ids = rng.integers(0, vocab, kept["input_ids"].shape).astype(np.int32)
+        if not np.array_equal(ids, kept["input_ids"]):
+            raise SystemExit(f"{name}: the stored input_ids are not the seed-0 draw")
+        new = {key: v for key, v in greedy(model, rng, vocab).items() if key not in kept}
+        np.savez(directory / "golden.npz", **kept, **new)
+        with np.load(directory / "golden.npz") as written:
+            for key, value in kept.items():
+                if written[key].dtype != value.dtype or \
+                        written[key].tobytes() != value.tobytes():
+                    raise SystemExit(f"{name}: {key} changed on rewriting")
+        print(f"{directory}: added {sorted(new)}")
 
 
 def check(directory: pathlib.Path) -> None:
@@ -286,9 +337,13 @@ def main() -> None:
     p.add_argument("--check", default=None, help="a to_hf directory to load strictly")
     p.add_argument("--only", nargs="+", default=None, choices=sorted(GRADS),
                    help="write these fixtures only (default: all)")
+    p.add_argument("--add-greedy", nargs="+", default=None, choices=sorted(GRADS),
+                   help="add the greedy generation keys to these existing fixtures")
     a = p.parse_args()
     if a.check:
         check(pathlib.Path(a.check))
+    elif a.add_greedy:
+        add_greedy(pathlib.Path(a.out), a.add_greedy)
     else:
         generate(pathlib.Path(a.out), a.only)
 

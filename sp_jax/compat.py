@@ -145,8 +145,6 @@ _GENERATE_CONTEXT = (
     "the KV cache is not split over the sequence; generate on a mesh without a context "
     "axis (data x tensor), or with a context axis of size 1.")
 REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    (_ALL, "sliding_window", "context_ring",
-     "use context_parallel='ulysses' (exact with a window) or no context axis."),
     (_ALL, "cudnn_attention", "context_ring",
      "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
      "by log-sum-exp, which cuDNN's kernel does not return); use "
@@ -176,9 +174,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "a pipelined GPT runs as a pipeline: call model.loss(tokens[, labels]) (or train it "
      "with TrainStep); for logits or hidden states, restore the parameters into a GPT "
      "without pipeline_axis."),
-    (("generate",), "experts", None,
-     "generation with experts is not supported yet; evaluate the model with GPT.__call__ "
-     "(logits) instead."),
     (("generate",), "pipeline", None,
      "generation runs without pipeline stages: restore its parameters into a GPT built "
      "without pipeline_axis."),
@@ -247,6 +242,12 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_DOCS, _WINDOW),
      "tests/test_attention.py::test_sliding_window_matches_dense_reference[24-8-4-13-None-True]"),
     (("train", "eval"), (_TS, _WINDOW), f"{_HF}[mistral]"),
+    (_TRAIN, (_TS, _RING, _WINDOW), f"{_CONTEXT}[ring_2x2x2_window_rotary_gqa]"),
+    (_TRAIN, (_TS, _RING, _WINDOW, _DROP), f"{_CONTEXT}[ring_1x4x2_window_dropout]"),
+    (_TRAIN, (_RING, _WINDOW),
+     "tests/test_attention.py::test_ring_sliding_window_matches_dense_reference[5]"),
+    (("train", "eval"), (_TS, _RING, _WINDOW),
+     "tests/test_hf.py::test_mistral_on_a_ring_mesh_gives_golden_logits_and_gradients[1x2x4]"),
     (_EVAL, (_TS,), "tests/test_gpt.py::test_logits_layout_and_padding"),
     (_EVAL, (_TS, _RING),
      "tests/test_context.py::test_logits_and_hidden_states_come_back_in_the_input_order"),
@@ -256,6 +257,11 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, "fsdp"),
      "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
     (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
+    (_GEN, (_TS, *_EXPERTS), "tests/test_generate.py::test_greedy_with_experts_equals_"
+     "transformers[mixtral-2x2x1x2]"),
+    (_GEN, (_TS, *_EXPERTS),
+     "tests/test_generate.py::test_cache_with_experts_gives_the_logits_of_a_full_forward"
+     "[scan_2x2x1x2]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
      "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
     # tests/test_compat.py: one model with several features, train and eval, against the

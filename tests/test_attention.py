@@ -231,10 +231,10 @@ def test_sliding_window_errors_and_context_parallel():
                               mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
         return jax.jit(lambda *a: inner(*(jax.reshard(x, spec) for x in a)))
 
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="sliding_window=4 is not "
-                                           "supported with ring attention; use "
-                                           "context_parallel='ulysses'"):
-        sharded(A.ring_attention, sliding_window=4)(q, q, q)
+    for bad in (0, 2.0):
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match="sliding_window=.* must be "
+                                               "a positive int"):
+            sharded(A.ring_attention, sliding_window=bad)(q, q, q)
     # Ulysses: the head shards hold the whole sequence, the window is exact
     q, k, v, _ = inputs((1, 16, 4, 8), seed=11)
     with jax.set_mesh(mesh):
@@ -324,7 +324,7 @@ def context_mesh(shape, names):
 
 
 @functools.cache
-def sharded_vjp(shape, names, mode, block_q, block_k):
+def sharded_vjp(shape, names, mode, block_q, block_k, window=None):
     """A jitted ``(q, k, v, do) -> (out, (dq, dk, dv))`` on global, unpermuted arrays:
     ``mode`` ("ring" or "ulysses") inside shard_map over the mesh ``(shape, names)``,
     the sequence on "context", batch on "data", heads on "tensor" where present."""
@@ -333,7 +333,8 @@ def sharded_vjp(shape, names, mode, block_q, block_k):
     c = dict(zip(names, shape, strict=True))["context"]
     kernel = A.ring_attention if mode == "ring" else A.ulysses_attention
     inner = jax.shard_map(
-        functools.partial(kernel, axis_name="context", block_q=block_q, block_k=block_k),
+        functools.partial(kernel, axis_name="context", block_q=block_q, block_k=block_k,
+                          sliding_window=window),
         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
     def attention(q, k, v):
@@ -389,6 +390,74 @@ def test_context_parallel_composed_with_data_and_tensor(mode, kv_heads):
     args = inputs((2, 20, heads, 8), seed=5, kv_heads=kv_heads)  # ring blocks: 5 and 1
     got = sharded_vjp((2, 2, 2), ("data", "context", "tensor"), mode, 5, 1)(*args)
     assert_close(got, naive_vjp(*args))
+
+
+def _ring_window_counts(s, c, bq, bk, window):
+    """The block products device ``r`` computes with a sliding window, from the pairs of
+    zigzag chunks (``n = s / 2c`` rows each) it attends: per pair, the (query block, key
+    block) pairs with a key inside some query's window (global positions)."""
+    n = s // (2 * c)
+
+    def band(q0, k0):  # chunk at q0 attending the chunk at k0 (k0 <= q0)
+        return sum(k0 + j * bk <= q0 + i * bq + bq - 1
+                   and k0 + j * bk + bk - 1 > q0 + i * bq - window
+                   for i in range(n // bq) for j in range(n // bk))
+
+    counts = []
+    for r in range(c):
+        mine = (r, 2 * c - 1 - r)
+        total = band(mine[0] * n, mine[0] * n) + band(mine[1] * n, mine[1] * n) + band(
+            mine[1] * n, mine[0] * n)
+        for src in range(c):
+            if src < r:
+                total += band(mine[0] * n, src * n) + band(mine[1] * n, src * n)
+            elif src > r:
+                total += band(mine[1] * n, src * n) + band(mine[1] * n,
+                                                            (2 * c - 1 - src) * n)
+        counts.append(total)
+    return counts
+
+
+# zigzag over c = 4: 2n = 12 rows per device, chunks of n = 6 (blocks of 2 and 3 rows)
+@pytest.mark.parametrize("window", [
+    5,  # inside a chunk: every pair of chunks one apart masked, farther ones skipped
+    pytest.param(1, marks=pytest.mark.slow),  # each query sees itself only
+    pytest.param(9, marks=pytest.mark.slow),  # across a chunk boundary
+    pytest.param(13, marks=pytest.mark.slow),  # over two chunks
+    pytest.param(64, marks=pytest.mark.slow),  # longer than the sequence: plain causal
+])
+def test_ring_sliding_window_matches_dense_reference(window):
+    """Ring attention with a sliding window on the zigzag order (context 4): output and
+    gradients equal a dense masked softmax (fp32, 1e-5); the block products each device
+    computes (forward = backward) are exactly those of the chunk pairs it attends with a
+    key inside some query's window: the key blocks wholly before the window are not
+    visited (fewer than without the window, unless it spans the sequence)."""
+    c, s = 4, 48
+    args = inputs((1, s, 4, 8), seed=window, kv_heads=2)
+    got = sharded_vjp((c,), ("context",), "ring", 2, 3, window)(*args)
+    want = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, vjp(do)))(
+        *jax.vjp(functools.partial(naive_window_attention, window=window), q, k, v)))(*args)
+    assert_close(got, want)
+    mesh = context_mesh((c,), ("context",))
+    spec = P(None, "context")
+    bq, bk = ring._ring_blocks(jnp.zeros((1, s // c)), 2, 3)
+
+    def per_device(q, k, v, do):
+        out, lse, count = ring._ring_forward_bshd(q, k, v, None, "context", bq, bk,
+                                                  window=window)
+        _, count_bwd = ring._ring_backward_bshd((q, k, v, out, lse), do, None, "context", bq,
+                                                bk, window=window)
+        return jnp.stack([count, count_bwd])[None]
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 4,
+                              out_specs=P("context")))
+    with jax.set_mesh(mesh):
+        counts = np.asarray(f(*(jax.reshard(x, spec) for x in inputs((1, s, 2, 4)))))
+    want_counts = _ring_window_counts(s, c, bq, bk, window)
+    np.testing.assert_array_equal(counts[:, 0], want_counts)
+    np.testing.assert_array_equal(counts[:, 1], want_counts)
+    causal = A.attention_block_counts(s, c, mode="ring", block_q=2, block_k=3)
+    assert (counts[:, 0] < causal).all() if window < s else (counts[:, 0] >= causal).all()
 
 
 @pytest.mark.slow

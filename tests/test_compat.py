@@ -106,10 +106,11 @@ def test_check_refuses_each_refused_cell_and_passes_the_others(mode):
 
 
 def test_check_names_values_aliases_and_bad_input():
-    with pytest.raises(ValueError, match=r"^ring_attention: sliding_window=4 is not supported "
-                                         r"with ring attention; use context_parallel='ulysses'"):
-        compat.check("train", {"sliding_window": "sliding_window=4",
-                               "context_ring": "ring attention"}, where="ring_attention")
+    with pytest.raises(ValueError, match=r"^ring_attention: implementation='cudnn' is not "
+                                         r"supported with the ring; attention_implementation="
+                                         r"'cudnn' cannot run ring attention"):
+        compat.check("train", {"cudnn_attention": "implementation='cudnn'",
+                               "context_ring": "the ring"}, where="ring_attention")
     with pytest.raises(ValueError, match=r"FP8 \(fp8=Fp8Recipe\(\.\.\.\)\) is not supported with "
                                          r"pipeline stages; .* \(sp_jax.compat: fp8 x pipeline in "
                                          r"train\)"):
@@ -174,12 +175,6 @@ def _experts_on_pipeline():
             parallel=par, rngs=nnx.Rngs(0))
 
 
-def _generate_with_experts():
-    with jax.set_mesh(make_mesh(2, 4)):
-        generate(GPT(GPTConfig(**BASE, num_experts=4), rngs=nnx.Rngs(0)), [[1]],
-                 max_new_tokens=1)
-
-
 def _ring_gpt(**config):
     with jax.set_mesh(_context_mesh()):
         GPT(GPTConfig(**BASE, **config), parallel=sp_jax.ParallelConfig(context_parallel="ring"),
@@ -202,8 +197,6 @@ def _cudnn_with_documents():
 # (first feature, second or None) of each entry of compat.REFUSALS -> (what meets it, the
 # message it raises: its own words where the refusal is not raised by compat.check yet)
 ENTRY_POINTS = {
-    ("sliding_window", "context_ring"): (lambda: _ring_gpt(sliding_window=4),
-                                         r"sliding_window=4 is not supported with ring"),
     ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn"),
                                           "cannot run ring attention"),
     ("packed_documents", "cudnn_attention"): (_cudnn_with_documents,
@@ -224,7 +217,6 @@ ENTRY_POINTS = {
                                   "a custom loss_fn cannot run on it"),
     ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),
                          r"runs as a pipeline: call model.loss"),
-    ("experts", None): (_generate_with_experts, "generation with experts is not supported"),
     ("context", None): (lambda: (_generate_on_context("ring"), _generate_on_context("ulysses")),
                         r"context_parallel='ring' over a context axis of size 2: the KV cache "
                         "is not split over the sequence"),

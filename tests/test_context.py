@@ -49,6 +49,14 @@ CASES = {  # id: (mesh, context_parallel, model options, parallel options)
     "ulysses_1x4x2_dropout": ((1, 4, 2), "ulysses", {"dropout": 0.1, "attention_dropout": 0.1},
                               {}),
     "ring_1x8x1_dropout": ((1, 8, 1), "ring", {"dropout": 0.1, "attention_dropout": 0.1}, {}),
+    # sliding windows over the zigzag chunks (12 tokens at context 2, 6 at context 4): a
+    # window inside a chunk (the chunk before masked at its edge, farther ones skipped),
+    # a window across chunk boundaries
+    "ring_2x2x2_window_rotary_gqa": ((2, 2, 2), "ring", {"positions": "rotary",
+                                                         "num_kv_heads": 4,
+                                                         "sliding_window": 5}, {}),
+    "ring_1x4x2_window_dropout": ((1, 4, 2), "ring", {"sliding_window": 7, "dropout": 0.1,
+                                                      "attention_dropout": 0.1}, {}),
     # (Ulysses on a context of 8: tests/test_attention.py; rotary: the first case)
 }
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _util import script_env
 
@@ -80,3 +81,22 @@ def test_finetune_hf_continues_a_checkpoint_and_writes_it_back(tmp_path):
     assert lines[0].startswith("w5 w6 w7 ") and lines[1].startswith("w1 "), out.stdout
     assert [len(line.split()) for line in lines[:2]] == [3 + 5, 1 + 5], out.stdout
     assert "10 tokens in" in lines[2]
+
+
+@pytest.mark.slow
+def test_generate_decodes_a_mixture_of_experts_on_an_expert_mesh():
+    """examples/generate.py on the Mixtral fixture with its experts over an expert axis
+    (data=1,expert=2,tensor=2): transformers' greedy tokens (the fixture's goldens)."""
+    fixture = ROOT / "tests" / "fixtures" / "hf" / "mixtral"
+    golden = np.load(fixture / "golden.npz")
+    prompts = [golden[f"gen_prompt_{i}"].tolist() for i in (0, 2)]
+    out = subprocess.run(
+        [sys.executable, "examples/generate.py", "--hf-dir", str(fixture),
+         *[a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))],
+         "--max-new-tokens", "8", "--ignore-eos", "--mesh", "data=1,expert=2,tensor=2"],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for i, line in zip((0, 2), lines[:2], strict=True):
+        assert line.split(" -> ")[1] == ",".join(map(str, golden[f"gen_tokens_{i}"][:8]))
+    assert "expert=2" in lines[2], out.stdout

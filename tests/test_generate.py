@@ -188,3 +188,94 @@ def test_one_compile_and_the_collectives_per_token():
     layers = model.config.num_layers
     assert text.count("stablehlo.all_reduce") == 2 * layers + 1
     assert text.count("stablehlo.all_gather") == 1
+
+
+# -- mixtures of experts -------------------------------------------------------------------
+
+EXPERTS = sp_jax.ParallelConfig(expert_axis="expert")
+
+
+def _expert_mesh(*shape: int) -> jax.sharding.Mesh:
+    """A (data, expert, context, tensor) mesh over the first devices."""
+    return jax.make_mesh(shape, ("data", "expert", "context", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 4,
+                         devices=jax.devices()[:int(np.prod(shape))])
+
+
+@pytest.mark.parametrize("family, mesh", [
+    ("mixtral", "2x2x1x2"),
+    pytest.param("mixtral", "1x4x1x2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "1x2x1x2", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "1x1x1x4", marks=pytest.mark.slow),
+])
+def test_greedy_with_experts_equals_transformers(family, mesh):
+    """Mixtral and Qwen3-MoE (4 experts, 2 per token) on (data, expert, context, tensor)
+    meshes with the experts split over the expert axis and their width over the tensor
+    axis: 32 new tokens of 3 ragged prompts equal to transformers' greedy generation (the
+    fixtures' routing has no near-ties on any generated token), and the first token's
+    logits equal to transformers' (1e-5)."""
+    prompts, expected = _golden(family)
+    golden = np.load(FIXTURES / family / "golden.npz")
+    shape = tuple(int(n) for n in mesh.split("x"))  # (data, expert, context, tensor)
+    parallel = EXPERTS if shape[1] > 1 else sp_jax.ParallelConfig()
+    with jax.set_mesh(_expert_mesh(*shape) if shape[1] > 1 else make_mesh(1, shape[3])):
+        model = hf.from_hf(FIXTURES / family, parallel=parallel)
+        out = generate(model, prompts, max_new_tokens=32)
+        model.eval()
+        lengths = np.array([len(p) for p in prompts])
+        tokens = np.zeros((4, 12), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        first, _ = nnx.jit(prefill, static_argnums=(3,))(
+            model, jnp.asarray(tokens), jnp.asarray(np.append(lengths, 1) - 1), 16)
+    np.testing.assert_array_equal(out.tokens, expected)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(first)[i], golden[f"gen_next_logits_{i}"],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["scan_2x2x1x2", "shared_1x4x1x2"])
+def test_cache_with_experts_gives_the_logits_of_a_full_forward(preset):
+    """A mixture of experts' next-token logits from its cache after the prefill and 4
+    decode steps equal a forward over each row's prompt + tokens (fp32, 1e-5): experts
+    over the expert axis; scanned layers, or a shared expert (DeepSeek style) and a dense
+    layer between the expert layers."""
+    overrides = dict(scan_layers=True) if preset.startswith("scan") else dict(
+        num_shared_experts=1, moe_layer_freq=2, num_layers=3)
+    cfg = GPTConfig.mixtral("mixtral-tiny", vocab_size=97, num_experts=4, **overrides)
+    shape = tuple(int(n) for n in preset.split("_")[1].split("x"))
+    rng = np.random.default_rng(0)
+    lengths = np.array([5, 3, 7, 2])
+    full = rng.integers(0, 97, (4, 12)).astype(np.int32)
+    steps = 4
+    with jax.set_mesh(_expert_mesh(*shape)):
+        model = GPT(cfg, parallel=EXPERTS, rngs=nnx.Rngs(0))
+        model.eval()
+        logits, reference = cache_and_forward_logits(model, full, lengths, steps)
+    for b in range(4):
+        np.testing.assert_allclose(logits[b], reference[b, lengths[b] + steps - 1],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_collectives_per_token_with_experts():
+    """The decode step of a mixture of experts on a (1, 2, 1, 2) mesh, from its compiled
+    HLO: per expert layer 1 all-gather over the expert axis (the normed rows) and 1
+    all-reduce over the expert and tensor axes (the experts' and columns' sum), besides
+    the attention's 1 all-reduce per layer, the embedding's all-reduce and the logits'
+    all-gather; no all-to-all."""
+    from sp_jax.analysis.hlo import collective_stats
+    prompts, _ = _golden("mixtral")
+    with jax.set_mesh(_expert_mesh(1, 2, 1, 2)):
+        model = hf.from_hf(FIXTURES / "mixtral", parallel=EXPERTS)
+        model.eval()
+        _, cache = nnx.jit(prefill, static_argnums=(3,))(
+            model, jnp.zeros((2, 8), jnp.int32), jnp.array([3, 5]), 16)
+        hlo = nnx.jit(decode_step).lower(model, cache, jnp.zeros(2, jnp.int32),
+                                         jnp.array([4, 6])).compile().as_text()
+    layers = model.config.num_layers
+    counts = collective_stats(hlo).ops
+    assert counts["all-reduce"] == 2 * layers + 1, counts
+    assert counts["all-gather"] == layers + 1, counts
+    assert counts["all-to-all"] == counts["ragged-all-to-all"] == 0, counts

@@ -128,6 +128,35 @@ def test_golden_logits_loss_and_gradients(family):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["1x2x4", "2x4x1"])
+def test_mistral_on_a_ring_mesh_gives_golden_logits_and_gradients(mesh):
+    """The Mistral checkpoint (a sliding window of 4) onto (data, context, tensor) meshes
+    with ring attention (the sequence in zigzag order: chunks of 4 and of 2 tokens, so
+    the window spans chunk boundaries and whole chunks lie outside it): transformers'
+    logits (1e-5), loss and gradients; and its greedy generations teacher-forced (48
+    positions: chunks of 6)."""
+    golden = np.load(FIXTURES / "mistral" / "golden.npz")
+    shape = tuple(int(n) for n in mesh.split("x"))
+    gen_batch, lengths = _generations(golden)
+    with jax.set_mesh(jax.make_mesh(shape, ("data", "context", "tensor"),
+                                    axis_types=(AxisType.Explicit,) * 3,
+                                    devices=jax.devices()[:int(np.prod(shape))])):
+        model = hf.from_hf(FIXTURES / "mistral",
+                           parallel=ParallelConfig(context_parallel="ring"))
+        model.eval()
+        logits, loss, grads = _logits_loss_grads(model, golden["input_ids"])
+        gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
+    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
+    _assert_golden_grads(model, grads, golden, f"mistral ring {mesh}")
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
+                                      golden[f"gen_tokens_{i}"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", MOE)
 def test_golden_moe_logits_losses_and_gradients(family):
     """A mixture of experts on a (data, expert, context, tensor) mesh with expert

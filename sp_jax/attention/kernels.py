@@ -146,10 +146,13 @@ def _first_and_end(shared: jax.Array) -> tuple[jax.Array, jax.Array]:
     return first.astype(jnp.int32), end.astype(jnp.int32)
 
 
-def _check_window(window: int | None, causal: bool) -> None:
+def _check_window(window: int | None, causal: bool, offset: Any = 0) -> None:
     if window is not None and not causal:
         raise ValueError(f"attention kernels: a sliding window ({window}) needs the causal "
                          "kernel (queries and keys at the same positions).")
+    if window is None and not (isinstance(offset, int) and offset == 0):
+        raise ValueError("attention kernels: offset is for a sliding window's blocks; "
+                         "pass window= with it.")
 
 
 def _three_loops(step: Any, acc: Any, lo: Any, hi: Any, a: Any, b: Any) -> Any:
@@ -165,7 +168,7 @@ def _three_loops(step: Any, acc: Any, lo: Any, hi: Any, a: Any, b: Any) -> Any:
 def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq: int,
                    bk: int, drop: tuple | None = None,
                    segments: tuple[jax.Array, jax.Array] | None = None,
-                   window: int | None = None
+                   window: int | None = None, offset: Any = 0
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
     ``g`` query heads of group ``h`` share key/value head ``h``).
@@ -174,7 +177,10 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
     diagonal are not visited; those crossing it are masked); else every query sees every
     key. ``window`` (causal only): query ``i`` sees keys ``i - window < j <= i`` only
     (a sliding window; key blocks wholly before it are not visited, those crossing its
-    edge are masked). ``drop``: None or ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
+    edge are masked). ``offset`` (causal, with ``window``; int or traced): query ``i`` is at
+    position ``i + offset`` of the keys' (``sq`` may differ from ``sk``): ring attention's
+    blocks of two chunks apart, whose key blocks wholly outside the window are not
+    visited. ``drop``: None or ``(AttentionDropout, qpos, kpos)`` (:func:`drop_scale`).
     ``segments``: None or the document ids ``(q_seg [b, sq], k_seg [b, sk])``
     (:func:`kernel_segments`): a query sees only keys of its own document, and products
     of blocks that share no document are skipped. A row that sees no key here gets out 0
@@ -187,17 +193,18 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
     docs = _Documents(segments, bq, bk)
-    _check_window(window, causal)
+    _check_window(window, causal, offset)
 
     def q_block(i, carry):
         out, lse, count = carry
         q_start = i * bq
+        q_pos = q_start + offset  # the block's first query, in the keys' positions
         q_i = _slice(q, q_start, bq)
 
         def kv_step(j, acc, masked):
             o, m, norm, n = acc
             s = _scores(q_i, _slice(k, j * bk, bk), scale,
-                        (q_start, j * bk) if masked else None, docs.of(q_start, j * bk),
+                        (q_pos, j * bk) if masked else None, docs.of(q_start, j * bk),
                         window)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: each row's first key
             p = jnp.exp(s - m_new[..., None])
@@ -215,8 +222,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
         if causal:
             # key blocks wholly at or before the first query: unmasked; then the blocks
             # crossing the diagonal, up to the one holding the last query's position
-            n_full = (q_start + 1) // bk
-            n_end = (q_start + bq + bk - 1) // bk
+            n_full = (q_pos + 1) // bk
+            n_end = jnp.minimum((q_pos + bq + bk - 1) // bk, sk // bk)
             if window is None:
                 lo, hi = docs.key_blocks(i, 0, n_end)
                 acc = lax.fori_loop(lo, jnp.minimum(n_full, hi),
@@ -227,8 +234,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
                 # from the block holding the first query's first key (masked while the
                 # last query's window starts after the block's first key), unmasked
                 # blocks, then the ones crossing the diagonal
-                first = jnp.maximum(q_start - window + 1, 0) // bk
-                in_window = (jnp.maximum(q_start + bq - window, 0) + bk - 1) // bk
+                first = jnp.maximum(q_pos - window + 1, 0) // bk
+                in_window = (jnp.maximum(q_pos + bq - window, 0) + bk - 1) // bk
                 lo, hi = docs.key_blocks(i, first, n_end)
                 acc = _three_loops(kv_step, acc, lo, hi, in_window,
                                    jnp.maximum(in_window, n_full))
@@ -236,7 +243,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
             lo, hi = docs.key_blocks(i, 0, sk // bk)
             acc = lax.fori_loop(lo, hi, functools.partial(kv_step, masked=False), acc)
         o, m, norm, count = acc
-        if segments is not None:  # rows that saw no key (all their blocks skipped): out 0
+        if segments is not None or window is not None:
+            # rows that saw no key (all their blocks skipped): out 0
             o = o / jnp.where(norm == 0, 1.0, norm)[..., None]
         else:
             o = o / norm[..., None]
@@ -255,7 +263,7 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
                     delta: jax.Array, dq: jax.Array, *, causal: bool, bq: int, bk: int,
                     drop: tuple | None = None,
                     segments: tuple[jax.Array, jax.Array] | None = None,
-                    window: int | None = None
+                    window: int | None = None, offset: Any = 0
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients of :func:`forward_blocks`, recomputing each block's probabilities
     from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
@@ -266,8 +274,8 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
       lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
         ``rowsum(do * out)``.
       dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
-      segments, window: the document ids and the sliding window, as in
-        :func:`forward_blocks`.
+      segments, window, offset: the document ids, the sliding window and the queries'
+        offset, as in :func:`forward_blocks`.
     Returns:
       ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
       call, the number of block products.
@@ -275,7 +283,7 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5
     docs = _Documents(segments, bq, bk)
-    _check_window(window, causal)
+    _check_window(window, causal, offset)
 
     def k_block(j, carry):
         dq, dk, dv, count = carry
@@ -286,7 +294,7 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             dq, dk_j, dv_j, n = acc
             q_start = i * bq
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
-            s = _scores(q_i, k_j, scale, (q_start, k_start) if masked else None,
+            s = _scores(q_i, k_j, scale, (q_start + offset, k_start) if masked else None,
                         docs.of(q_start, k_start), window)
             p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
             z = 1.0 if drop is None else drop_scale(drop, q_start, k_start, p.shape)
@@ -307,8 +315,9 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
         if causal:
             # query blocks from the one holding position k_start; masked while their first
             # query precedes the block's last key
-            i_start = k_start // bq
-            i_full = jnp.minimum((k_start + bk - 1 + bq - 1) // bq, sq // bq)
+            k_pos = k_start - offset  # the block's first key, in the queries' positions
+            i_start = jnp.maximum(k_pos, 0) // bq
+            i_full = jnp.minimum((jnp.maximum(k_pos + bk - 1, 0) + bq - 1) // bq, sq // bq)
             if window is None:
                 lo, hi = docs.query_blocks(j, i_start, sq // bq)
                 acc = lax.fori_loop(lo, jnp.minimum(i_full, hi),
@@ -318,8 +327,8 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             else:
                 # up to the block holding the last key's last query (row k_start + bk - 2
                 # + window); unmasked while the block's last query sees the first key
-                i_end = jnp.minimum((k_start + bk + window - 2) // bq + 1, sq // bq)
-                in_window = jnp.minimum((k_start + window) // bq, i_end)
+                i_end = jnp.minimum((k_pos + bk + window - 2) // bq + 1, sq // bq)
+                in_window = jnp.minimum((k_pos + window) // bq, i_end)
                 lo, hi = docs.query_blocks(j, i_start, i_end)
                 acc = _three_loops(q_step, acc, lo, hi, i_full,
                                    jnp.maximum(i_full, in_window))

@@ -25,7 +25,6 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 from sp_jax.attention.sequence_order import zigzag_positions
-from sp_jax.compat import check
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary
 
 __all__ = ["ring_attention"]
@@ -59,7 +58,82 @@ def _segments(seg, k_seg):
     return None if seg is None else (seg, k_seg)
 
 
-def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None):
+class _Window:
+    """A sliding window's block products of ring attention: each local zigzag half
+    (chunk ``r``, chunk ``2c - 1 - r``) against each key chunk it can see, as one kernel
+    call whose queries sit ``offset = (q chunk - k chunk) n`` positions after the keys
+    (:func:`forward_blocks`' ``offset``): the kernel's loop bounds then visit no key block
+    wholly before the window (none of a chunk two or more window lengths back), and mask
+    the blocks crossing its edge. ``part(qi, kv, kj, src)``: local half ``qi`` x half
+    ``kj`` of the block of device ``src``."""
+
+    def __init__(self, q, seg, axis_name, bq, bk, window, dropout):
+        c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+        self.n, self.c, self.bq, self.bk, self.window = q.shape[-2] // 2, c, bq, bk, window
+        self.chunks, self.dropout, self.seg = (r, 2 * c - 1 - r), dropout, seg
+
+    def args(self, qi, kv, kj, src):
+        """(k, v, keyword arguments) of the kernel call of one pair of halves."""
+        n, c = self.n, self.c
+        k_t, v_t, seg_t = kv
+        q_chunk, k_chunk = self.chunks[qi], (src, 2 * c - 1 - src)[kj]
+        keys = slice(kj * n, (kj + 1) * n)
+        drop = None if self.dropout is None else (
+            self.dropout, q_chunk * n + jnp.arange(n), k_chunk * n + jnp.arange(n))
+        segments = _segments(None if self.seg is None else self.seg[:, qi * n:(qi + 1) * n],
+                             None if seg_t is None else seg_t[:, keys])
+        return k_t[..., keys, :], v_t[..., keys, :], dict(
+            causal=True, bq=self.bq, bk=self.bk, drop=drop, segments=segments,
+            window=self.window, offset=(q_chunk - k_chunk) * n)
+
+    def half(self, x, qi):
+        return x[..., qi * self.n:(qi + 1) * self.n, :]
+
+    def forward(self, q, kv, src, pairs, o, lse):
+        """``(o, lse)`` of the local rows merged with the pairs ``(qi, kj)``' products
+        (``o`` None: the first products), and their count."""
+        halves = [None if o is None else (self.half(o, i), lse[..., i * self.n:
+                                                                (i + 1) * self.n])
+                  for i in (0, 1)]
+        count = jnp.int32(0)
+        for qi, kj in pairs:
+            k_t, v_t, kw = self.args(qi, kv, kj, src)
+            o_p, lse_p, cnt = forward_blocks(self.half(q, qi), k_t, v_t, **kw)
+            halves[qi] = (o_p, lse_p) if halves[qi] is None else _merge(*halves[qi], o_p,
+                                                                        lse_p)
+            count = count + cnt
+        return (jnp.concatenate([h[0] for h in halves], axis=-2),
+                jnp.concatenate([h[1] for h in halves], axis=-1), count)
+
+    def backward(self, q, kv, src, pairs, d_out, lse, delta, dq):
+        """``dq`` accumulated with the pairs' products, and the block's ``dk, dv``."""
+        n = self.n
+        dqs = [self.half(dq, 0), self.half(dq, 1)]
+        dks = [None, None]
+        count = jnp.int32(0)
+        for qi, kj in pairs:
+            k_t, v_t, kw = self.args(qi, kv, kj, src)
+            rows = slice(qi * n, (qi + 1) * n)
+            dqs[qi], dk_p, dv_p, cnt = backward_blocks(
+                self.half(q, qi), k_t, v_t, self.half(d_out, qi), lse[..., rows],
+                delta[..., rows], dqs[qi], **kw)
+            dks[kj] = (dk_p, dv_p) if dks[kj] is None else (dks[kj][0] + dk_p,
+                                                            dks[kj][1] + dv_p)
+            count = count + cnt
+        zero = [jnp.zeros_like(d) for d in next(d for d in dks if d is not None)]
+        dks = [zero if d is None else d for d in dks]
+        return (jnp.concatenate(dqs, axis=-2), jnp.concatenate([dks[0][0], dks[1][0]], -2),
+                jnp.concatenate([dks[0][1], dks[1][1]], -2), count)
+
+
+# The pairs of local query halves and key halves each ring step computes with a window:
+# own keys (both halves causal, the second half after the first), a source before this
+# device (its first chunk, before both local halves), a source after it (both its chunks,
+# before the second local half only).
+_OWN, _BEFORE, _AFTER = ((0, 0), (1, 1), (1, 0)), ((0, 0), (1, 0)), ((1, 0), (1, 1))
+
+
+def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None):
     """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` and the
     kernel document ids ``seg [b, 2n]`` (or None) -> (out fp32, lse, count)."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -67,6 +141,12 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None):
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
     kv = (k, v, seg)  # the keys' document ids travel with them
     recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
+    if window is not None:
+        w = _Window(q, seg, axis_name, bq, bk, window, dropout)
+        o, lse, count = w.forward(q, kv, r, _OWN, None, None)
+        before = lambda kv, src, o, lse: w.forward(q, kv, src, _BEFORE, o, lse)  # noqa: E731
+        after = lambda kv, src, o, lse: w.forward(q, kv, src, _AFTER, o, lse)  # noqa: E731
+        return _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r)
     # step 0: own keys; the local zigzag rows are in increasing global order -> causal
     o, lse, count = forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own,
                                    segments=_segments(seg, seg))
@@ -91,6 +171,12 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None):
         return (jnp.concatenate([o[..., :n, :], o2], axis=-2),
                 jnp.concatenate([lse[..., :n], lse2], axis=-1), cnt)
 
+    return _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r)
+
+
+def _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r):
+    """The ring's steps ``1 .. c - 1`` of the forward pass: ``before(kv, src, o, lse)``
+    or ``after(...)`` on the block that arrived from ``src``."""
     for t in range(1, c):
         # The block that arrived, tied to the previous step's results: the next transfer
         # leaves when this step's compute starts and runs during it (without the tie XLA
@@ -104,7 +190,7 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None):
     return o, lse, count
 
 
-def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None):
+def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None):
     """Per device: the gradients of :func:`_ring_forward` (its layouts):
     ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
     at their owner. Returns (dq, dk, dv, count), fp32."""
@@ -116,6 +202,15 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None):
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
     kv = (k, v, seg)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
+    if window is not None:
+        w = _Window(q, seg, axis_name, bq, bk, window, dropout)
+        dq, dk, dv, count = w.backward(q, kv, r, _OWN, d_out, lse, delta,
+                                       fresh_zeros(q.shape, _F32, q))
+        return _ring_loop_backward(
+            recv_kv, (dk, dv), dq, count,
+            lambda kv, src, dq: w.backward(q, kv, src, _BEFORE, d_out, lse, delta, dq),
+            lambda kv, src, dq: w.backward(q, kv, src, _AFTER, d_out, lse, delta, dq),
+            axis_name, c, r)
     dq, dk, dv, count = backward_blocks(q, k, v, d_out, lse, delta,
                                          fresh_zeros(q.shape, _F32, q),
                                          causal=True, bq=bq, bk=bk, drop=own,
@@ -140,6 +235,12 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None):
             segments=_segments(None if seg is None else seg[:, n:], seg_t))
         return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
 
+    return _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r)
+
+
+def _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r):
+    """The ring's steps ``1 .. c - 1`` of the backward pass, the ``dk, dv`` accumulators
+    ``acc`` travelling with the blocks; returns (dq, dk, dv, count) at the owners."""
     for t in range(1, c):
         # The k/v block in flight has arrived before the accumulators leave: two
         # transfers XLA cannot combine into one that would wait for this step's compute.
@@ -156,37 +257,37 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None):
     return dq, acc[0], acc[1], count
 
 
-def _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout=None):
+def _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None):
     o, lse, count = _ring_forward(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v), seg,
-                                  axis_name, bq, bk, dropout)
+                                  axis_name, bq, bk, dropout, window)
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
-def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None):
+def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None):
     q, k, v, out, lse = res
     hk = k.shape[2]
     res = (q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(out, hk), lse)
     dq, dk, dv, count = _ring_backward(res, q_to_kernel(d_out, hk), seg, axis_name, bq, bk,
-                                       dropout)
+                                       dropout, window)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, dropout, seg, axis_name, bq, bk):
-    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, dropout, seg, axis_name, bq, bk, window):
+    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)[0]
 
 
-def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk):
-    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout)
+def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window):
+    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)
     return out, ((q, k, v, out, lse), dropout, seg)
 
 
-def _ring_bwd(axis_name, bq, bk, res, d_out):
+def _ring_bwd(axis_name, bq, bk, window, res, d_out):
     res, dropout, seg = res
-    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout)[0], None,
-            None)
+    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window)[0],
+            None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -244,9 +345,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
       the same zigzag layout as ``q``.
     """
     check_qkv("ring_attention", q, k, v)
-    if sliding_window is not None:
-        check("train", {"sliding_window": f"sliding_window={sliding_window!r}",
-                        "context_ring": "ring attention"}, where="ring_attention")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
+            sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"ring_attention: sliding_window={sliding_window!r} must be a "
+                         "positive int (keys per query, itself included) or None.")
     bq, bk = _ring_blocks(q, block_q, block_k)
     q, k, v = same_vma(q, k, v)
     q, k, v = (vary(x, (axis_name,)) for x in (q, k, v))
@@ -254,5 +356,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     seg = check_segments("ring_attention", segment_ids, q)
     if seg is not None:
         seg = vary(seg, (axis_name,))
-    return _ring(q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk)
+    return _ring(q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk,
+                 sliding_window)
 

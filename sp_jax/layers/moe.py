@@ -82,6 +82,9 @@ class MoE(nnx.Module):
     reduce-scattered back to the sequence shards (the dense MLP's scatter). Dropless
     unless ``moe_capacity_factor`` is set.
 
+    Generation runs :meth:`decode_step` (one token per row, inside the decode
+    ``shard_map``, the expert weights in their training layout).
+
     Args:
       config: the :class:`~sp_jax.layers.MoEConfig`.
       parallel: the :class:`~sp_jax.ParallelConfig` (``expert_axis``: the experts'
@@ -135,6 +138,45 @@ class MoE(nnx.Module):
             if width % t:
                 raise ValueError(f"MoE: the expert width {width} ({name}) must be divisible "
                                  f"by the tensor axis size {t}.")
+
+    def param_specs(self, layout: Layout, mesh: Any = None) -> dict[str, P]:
+        """The spec of each expert parameter by name in ``layout`` (training's or the
+        decode layout, :func:`~sp_jax.layers.linear.decode_layout`): the router whole,
+        the experts over the expert axis and their width over the tensor axis
+        (``Layout.expert_up`` / ``expert_down``)."""
+        return {"router": P(None, None), "experts_up": layout.expert_up,
+                "experts_down": layout.expert_down}
+
+    def decode_step(self, x: jax.Array) -> jax.Array:
+        """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
+        this module holds its blocks of the decode layout (:meth:`param_specs`: this
+        device's ``E / ep`` experts, ``F / t`` columns each): ``x`` ``[b, 1, hidden]``
+        whole rows (this device's rows of the batch) -> ``x + mixture(norm(x))``, whole
+        rows, no dropout.
+
+        The routing and the experts' grouped GEMMs are the training path's
+        (:func:`~sp_jax.ops.moe.route`, :func:`~sp_jax.ops.moe.expert_mixture`); per
+        layer and token, with an expert axis of size ``ep > 1``: one all-gather of the
+        normed rows over the expert axis (each expert shard sees every row of its expert
+        group), each device computes its own experts' columns for the pairs routed to
+        them (the other pairs count as dropped there), and one all-reduce over the
+        expert and tensor axes sums the experts and the column blocks, each device
+        keeping its own rows. Without an expert axis: the one all-reduce over the tensor
+        axis (the dense MLP's). Shared experts add the dense MLP's all-reduce.
+        Dropless (a single token never exceeds an expert's capacity)."""
+        cfg, par = self.config, self.parallel
+        normed = self.norm.local(x)
+        dtype = normed.dtype
+        b, s, h = normed.shape
+        y = _decode_device(normed.reshape(b * s, h), self.router[...],
+                           self.experts_up[...].astype(dtype),
+                           self.experts_down[...].astype(dtype), config=cfg, parallel=par)
+        y = y.reshape(b, s, h)
+        if self.shared_up is not None:
+            y = y + self.shared_down.local_decode(
+                self.shared_up.local_decode(normed),
+                activation=MLPActivation(cfg.mlp_activation)).astype(y.dtype)
+        return x.astype(y.dtype) + y
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None) -> tuple[jax.Array, MoEStats]:
@@ -202,3 +244,23 @@ def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: ja
                        expert_axis=parallel.expert_axis)
     y = lax.psum_scatter(y.reshape(b, s, h), tensor, scatter_dimension=1, tiled=True)
     return y, stats
+
+
+def _decode_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+                   config: MoEConfig, parallel: ParallelConfig) -> jax.Array:
+    """Per device, generation's tokens: ``x`` ``[rows, h]`` (this device's rows, whole)
+    -> the experts' weighted sum ``[rows, h]``, whole (see :meth:`MoE.decode_step`)."""
+    e, k = config.num_experts, config.experts_per_token
+    expert = parallel.expert_axis
+    ep = 1 if expert is None else lax.axis_size(expert)
+    local = e // ep
+    if ep > 1:  # the expert group's rows, on each of its devices
+        x = all_gather(x, expert, 0)
+    _, experts, weights = route(x, router, k, config.moe_norm_topk)
+    if ep > 1:  # this device's experts as 0..local-1; the others' pairs dropped here
+        experts = experts - lax.axis_index(expert) * local
+        experts = jnp.where((experts >= 0) & (experts < local), experts, local)
+    y = expert_mixture(x, experts, weights, w_up, w_down,
+                       MLPActivation(config.mlp_activation), num_experts=local)
+    y = lax.psum(y, (*parallel.expert_axes, parallel.tensor_axis))
+    return split(y, expert, 0) if ep > 1 else y

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
 from sp_jax.mesh import check_activations, reshard
@@ -79,28 +78,22 @@ class Block(nnx.Module):
             return self.mlp(x, rngs=rngs)
         return self.mlp(x, rngs=rngs), None
 
-    def _check_generates(self) -> None:
-        """Generation's refusals of this layer (sp_jax.compat: experts)."""
-        if isinstance(self.mlp, MoE):
-            check("generate", {"experts": "a mixture-of-experts layer"}, where="Block")
-
     def prefill_step(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """The training path's forward without dropout or documents, keeping the keys and
         values attention used (a prompt for decoding): ``x`` ``[batch, seq, hidden]`` (SP
         layout) -> ``(x, (k, v))``."""
-        self._check_generates()
         y, kv = self.attention(x, keep_kv=True)
-        return self.mlp(y), kv
+        y = self.mlp(y)
+        return (y[0] if isinstance(self.mlp, MoE) else y), kv
 
     def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The single-token (decode) mode per device
         (:meth:`CausalSelfAttention.decode_step`, then :meth:`MLP.decode_step`: two
-        all-reduces over the tensor axis): ``x`` ``[b, 1, hidden]`` whole rows, this
-        shard's cache ``[b, length, kv_local, head_dim]`` of this layer, ``positions``
-        ``[b]`` -> ``(x, k, v)``, the token's keys and values ``[b, 1, kv_local,
-        head_dim]``."""
-        self._check_generates()
+        all-reduces over the tensor axis; or :meth:`~sp_jax.layers.MoE.decode_step`):
+        ``x`` ``[b, 1, hidden]`` whole rows, this shard's cache ``[b, length, kv_local,
+        head_dim]`` of this layer, ``positions`` ``[b]`` -> ``(x, k, v)``, the token's
+        keys and values ``[b, 1, kv_local, head_dim]``."""
         x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions)
         return self.mlp.decode_step(x), k, v
 

@@ -15,7 +15,10 @@ Two programs, both jitted once per shape:
   :func:`~sp_jax.attention.cached_attention` against the cache). Per token and layer:
   2 all-reduces (attention output, MLP down-projection); per token besides: 1
   all-reduce (the vocabulary-parallel embedding) and 1 all-gather (the
-  vocabulary-parallel logits).
+  vocabulary-parallel logits). A mixture-of-experts layer in place of the MLP
+  (:meth:`~sp_jax.layers.MoE.decode_step`, its experts over the expert axis as in
+  training): 1 all-reduce over the expert and tensor axes, and with an expert axis 1
+  all-gather of the normed rows over it before.
 
 The parameters are read in the decode layout (training's tensor split, nothing over the
 data axes: :func:`~sp_jax.layers.linear.decode_layout`), as each layer states it
@@ -69,9 +72,6 @@ def check_decodable(model: Any) -> None:
     larger than 1 (the cache would be split over the sequence)."""
     par: ParallelConfig = model.parallel
     features = {}
-    if model.config.num_experts:
-        features["experts"] = ("the model has mixture-of-experts layers (num_experts="
-                               f"{model.config.num_experts})")
     if par.pipeline_axis is not None:
         features["pipeline"] = f"the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r})"
     check("generate", features, where="generate")
