@@ -179,9 +179,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("generate",), "experts", None,
      "generation with experts is not supported yet; evaluate the model with GPT.__call__ "
      "(logits) instead."),
-    (("generate",), "pipeline", None,
-     "generation runs without pipeline stages: restore its parameters into a GPT built "
-     "without pipeline_axis."),
     (("generate",), "context", None, _GENERATE_CONTEXT),
 ]
 """Each refusal: ``(modes, first feature, second feature or None: the first alone, what to
@@ -207,6 +204,7 @@ _HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
 _HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
 _GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
 _COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
+_GEN_PIPE = "tests/test_generate_sharded.py::test_pipelined_model_generates_the_unpipelined_tokens"
 _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
 _RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
 _EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
@@ -256,6 +254,8 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, "fsdp"),
      "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
     (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
+    (_GEN, (_TS, "pipeline_gpipe"), f"{_GEN_PIPE}[gpipe-r1]"),
+    (_GEN, (_TS, "pipeline_1f1b"), f"{_GEN_PIPE}[1f1b-r2]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
      "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
     # tests/test_compat.py: one model with several features, train and eval, against the

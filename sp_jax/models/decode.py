@@ -33,12 +33,15 @@ that index and attends to the cache entries before it (and, with
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.compat import check
@@ -51,7 +54,7 @@ from sp_jax.models.blocks import decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
 __all__ = ["KVCache", "check_decodable", "decode_step", "prefill",
-           "to_decode_layout"]
+           "to_decode_layout", "unpipelined"]
 
 
 @jax.tree_util.register_dataclass
@@ -65,15 +68,16 @@ class KVCache:
 
 
 def check_decodable(model: Any) -> None:
-    """A ValueError when ``model`` cannot decode: pipeline stages, or a context axis
-    larger than 1 (the cache would be split over the sequence)."""
+    """A ValueError when ``model`` cannot decode (:mod:`sp_jax.compat`'s refusals of
+    ``"generate"``; a pipelined model decodes as :func:`unpipelined` gives it)."""
     par: ParallelConfig = model.parallel
     features = {}
     if model.config.num_experts:
         features["experts"] = ("the model has mixture-of-experts layers (num_experts="
                                f"{model.config.num_experts})")
     if par.pipeline_axis is not None:
-        features["pipeline"] = f"the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r})"
+        raise ValueError("generate: a pipelined model decodes as decode.unpipelined(model) "
+                         "gives it (generate does so itself).")
     check("generate", features, where="generate")
     mesh = current_mesh(par, where="generate")
     if par.context_parallel and axis_size(mesh, par.context_axes) > 1:
@@ -153,10 +157,66 @@ def to_decode_layout(model: Any) -> None:
         nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
     for table in (model.embed, model.head):
         if table is not None:
-            table.embedding[...] = reshard(table.embedding[...], decode_layout(par).vocab_table
-                                           if table.embedding.shape[0] % t == 0 else P(), mesh)
+            # set_value, not [...] = (a scatter into the old array, whose sharding the
+            # new one need not have: parameters loaded unsharded)
+            table.embedding.set_value(reshard(
+                table.embedding[...], decode_layout(par).vocab_table
+                if table.embedding.shape[0] % t == 0 else P(), mesh))
     if model.position is not None:
-        model.position[...] = reshard(model.position[...], P(), mesh)
+        model.position.set_value(reshard(model.position[...], P(), mesh))
+
+
+def unpipelined(model: Any) -> Any:
+    """The GPT ``model`` without its pipeline stages: the same class, config and
+    parameters, built with ``pipeline_axis=None`` (the stage axis then unused by the
+    layers: everything replicated over it), so that it decodes (or computes logits) as
+    any GPT. ``model`` itself is not changed.
+
+    The stacked blocks ``[L, ...]`` sharded over the stage axis on their first dimension
+    (or ``[R, L / R, ...]`` on their second with ``pipeline_repeats = R > 1``; both in
+    layer order, :mod:`sp_jax.models.pipelined`) are all-gathered over the stage axis and
+    reshaped to ``[L, ...]``: each device receives ``(S - 1) / S`` of its tensor shard
+    of the blocks (``S`` stages; BENCHMARKS.md has the bytes and times). Every other
+    variable is shared as it is (not over the stage axis). The shell of the new model is
+    built abstractly (``nnx.eval_shape``: no parameter is initialised)."""
+    par = model.parallel
+    if par.pipeline_axis is None:
+        return model
+    mesh = current_mesh(par, where="generate")
+    flat = par.replace(pipeline_axis=None, pipeline_microbatches=1,
+                       pipeline_schedule="gpipe", pipeline_repeats=1)
+    training = not model.dropout.deterministic
+    config = model.config
+
+    def build():
+        shell = type(model)(config, parallel=flat, rngs=nnx.Rngs(0))
+        if not training:
+            shell.eval()
+        return shell
+
+    graph, abstract = nnx.split(nnx.eval_shape(build))
+    values = nnx.to_pure_dict(nnx.state(model))
+
+    def fill(path: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
+        names = [k.key for k in path]
+        try:
+            x = functools.reduce(operator.getitem, names, values)
+        except KeyError:  # an rng stream the model was built without (unused in eval)
+            return jax.random.key(0) if jax.dtypes.issubdtype(
+                like.dtype, jax.dtypes.prng_key) else jnp.zeros(like.shape, like.dtype)
+        spec = jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else ()
+        if names[0] != "blocks" or par.pipeline_axis not in spec:
+            return x
+        whole = (*(None if a == par.pipeline_axis else a for a in spec),
+                 *(None,) * (x.ndim - len(spec)))
+        x = reshard(x, P(*whole), mesh)  # the all-gather over the stage axis
+        if x.shape != like.shape:  # [R, L / R, ...] -> [L, ...]
+            x = jnp.reshape(x, like.shape, out_sharding=NamedSharding(mesh, P(*whole[1:])))
+        return x
+
+    nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_map_with_path(
+        fill, nnx.to_pure_dict(abstract)))
+    return nnx.merge(graph, abstract)
 
 
 def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
