@@ -141,9 +141,6 @@ def _key(a: str, b: str) -> frozenset[str]:
 _ALL = tuple(MODES)
 _TRAIN_EVAL = ("train", "eval")
 
-_GENERATE_CONTEXT = (
-    "the KV cache is not split over the sequence; generate on a mesh without a context "
-    "axis (data x tensor), or with a context axis of size 1.")
 REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "sliding_window", "context_ring",
      "use context_parallel='ulysses' (exact with a window) or no context axis."),
@@ -179,7 +176,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("generate",), "experts", None,
      "generation with experts is not supported yet; evaluate the model with GPT.__call__ "
      "(logits) instead."),
-    (("generate",), "context", None, _GENERATE_CONTEXT),
 ]
 """Each refusal: ``(modes, first feature, second feature or None: the first alone, what to
 do)``; a feature may be an alias (each of its values is refused)."""
@@ -204,6 +200,7 @@ _HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
 _HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
 _GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
 _COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
+_GEN_CONTEXT = "tests/test_generate_sharded.py::test_greedy_on_a_context_axis_equals_transformers"
 _GEN_PIPE = "tests/test_generate_sharded.py::test_pipelined_model_generates_the_unpipelined_tokens"
 _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
 _RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
@@ -254,6 +251,9 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, "fsdp"),
      "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
     (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
+    (_GEN, (_TS, _RING), f"{_GEN_CONTEXT}[llama-ring-1x2x2]"),
+    (_GEN, (_TS, _ULYSSES), f"{_GEN_CONTEXT}[llama-ulysses-2x2x1]"),
+    (_GEN, (_TS, _ULYSSES, _WINDOW), f"{_GEN_CONTEXT}[mistral-ulysses-1x2x1]"),
     (_GEN, (_TS, "pipeline_gpipe"), f"{_GEN_PIPE}[gpipe-r1]"),
     (_GEN, (_TS, "pipeline_1f1b"), f"{_GEN_PIPE}[1f1b-r2]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),

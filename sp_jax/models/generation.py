@@ -5,6 +5,7 @@ rules)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -204,6 +205,8 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     batch = tokens.shape[0]
     data = axis_size(mesh, par.data_axes)
     seq_shards = axis_size(mesh, (*par.context_axes, par.tensor_axis))
+    if par.context_parallel == "ring" and axis_size(mesh, par.context_axes) > 1:
+        seq_shards = math.lcm(seq_shards, 2 * axis_size(mesh, par.context_axes))  # zigzag
     rows = -(-batch // data) * data
     width = -(-tokens.shape[1] // seq_shards) * seq_shards
     length = max(width, int(lens.max()) + max_new_tokens)
