@@ -57,26 +57,28 @@ def llama(quick: bool, **overrides: Any) -> GPTConfig:
     """Llama-3-8B (or, ``quick``, a 2-layer model of its head layout and width 512)."""
     bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, scan_layers=True)
     if quick:
-        return GPTConfig.llama("llama-tiny", num_layers=2, hidden=512, num_heads=8,
-                               num_kv_heads=8, mlp_hidden=1024, vocab_size=1024,
-                               max_seq_len=1 << 20, **bf16, **overrides)
+        return GPTConfig.llama("llama-tiny", **{
+            **dict(num_layers=2, hidden=512, num_heads=8, num_kv_heads=8, mlp_hidden=1024,
+                   vocab_size=1024, max_seq_len=1 << 20), **bf16, **overrides})
     return GPTConfig.llama("llama-3-8b", max_seq_len=1 << 20, **bf16, **overrides)
 
 
 def cache_bytes(cfg: GPTConfig, batch: int, length: int) -> int:
     """Keys and values of every layer: ``2 x layers x batch x length x kv_heads x
     head_dim`` elements of the compute dtype."""
-    return 2 * cfg.num_layers * batch * length * cfg.num_kv_heads * cfg.head_dim * \
+    head_dim = cfg.hidden // cfg.num_heads
+    return 2 * cfg.num_layers * batch * length * cfg.num_kv_heads * head_dim * \
         jnp.dtype(cfg.dtype).itemsize
 
 
-def context_cache(quick: bool, context: int, prompt: int, new: int) -> dict[str, Any]:
-    """The prefill and a decode step compiled for ``context`` H100s (a context axis of
-    ``context``, tensor 1; ``context = 1``: one GPU, the cache unsplit)."""
+def context_cache(quick: bool, context: int, tensor: int, prompt: int, new: int
+                  ) -> dict[str, Any]:
+    """The prefill and a decode step compiled for ``context x tensor`` H100s (``1 x 1``:
+    one GPU, the cache unsplit; ``1 x 8``: the cache split over the key/value heads)."""
     cfg = llama(quick)
     par = sp_jax.ParallelConfig(context_axis="context", context_parallel="ring")
     layout = Layout.of(par)
-    shape = (1, context, 1)
+    shape = (1, context, tensor)
     mesh = gpu_mesh(shape, AXES)
     per = -(-new // context)  # each shard's slots of the new tokens
     length = prompt + per * context
@@ -89,7 +91,7 @@ def context_cache(quick: bool, context: int, prompt: int, new: int) -> dict[str,
         ids = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(
             mesh, layout.spec("activation_batch")))
         kv = jax.ShapeDtypeStruct(
-            (cfg.num_layers, 1, length, cfg.num_kv_heads, cfg.head_dim), cfg.dtype,
+            (cfg.num_layers, 1, length, cfg.num_kv_heads, (cfg.hidden // cfg.num_heads)), cfg.dtype,
             sharding=NamedSharding(mesh, P(None, *layout.heads(4))))
 
     def first(state, tokens, last):
@@ -98,12 +100,10 @@ def context_cache(quick: bool, context: int, prompt: int, new: int) -> dict[str,
     def step(state, cache, tokens, positions):
         return decode_step(nnx.merge(graph, state), cache, tokens, positions)
 
-    out: dict[str, Any] = {"context": context, "gpus": context, "prompt": prompt,
+    out: dict[str, Any] = {"context": context, "tensor": tensor, "prompt": prompt,
                            "cache_tokens": length, "cache_bytes": cache_bytes(cfg, 1, length),
-                           "cache_bytes_per_gpu": cache_bytes(cfg, 1, length) // context,
-                           "parameter_bytes": sum(
-                               x.size * x.dtype.itemsize
-                               for x in jax.tree.leaves(nnx.state(gpt, nnx.Param)))}
+                           "cache_bytes_per_gpu": cache_bytes(cfg, 1, length) // (
+                               context * tensor)}
     for name, fn, args, donate in (
             ("prefill", first, (state, tokens, ids), ()),
             ("decode_step", step, (state, KVCache(kv, kv, prompt), ids, ids), (1,))):
@@ -115,6 +115,7 @@ def context_cache(quick: bool, context: int, prompt: int, new: int) -> dict[str,
             out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             continue
         out[name] = {**report.as_dict(), "compile_s": time.perf_counter() - t0,
+                     "async": {k: v for k, v in report.collectives.async_ops.items() if v},
                      "collectives": {k: v for k, v in report.collectives.ops.items() if v}}
     return out
 
@@ -145,8 +146,8 @@ def relayout(quick: bool) -> dict[str, Any]:
     out = {"gpu": {"stages": stages, "tensor": tensor, "blocks_bytes": blocks,
                    "all_gather_output_bytes": gathered,
                    "received_bytes": gathered * (stages - 1) // stages,
-                   "collectives": {k: v for k, v in report.collectives.ops.items() if v},
-                   **report.as_dict(), "compile_s": compile_s}}
+                   **report.as_dict(), "compile_s": compile_s,
+                   "collectives": {k: v for k, v in report.collectives.ops.items() if v}}}
     # CPU: a smaller model on the 8 simulated devices, the re-layout timed
     small = GPTConfig.llama("llama-tiny", num_layers=8, hidden=512, num_heads=8,
                             num_kv_heads=8, mlp_hidden=1536, vocab_size=1024,
@@ -169,26 +170,23 @@ def relayout(quick: bool) -> dict[str, Any]:
 
 def markdown(r: dict[str, Any]) -> str:
     """The tables."""
-    lines = ["| | context 8 (8 GPUs) | unsplit (context 1, 1 GPU) |", "|---|---|---|"]
-    split, whole = r["context"][8], r["context"][1]
-    lines.append(f"| KV cache (analytic, all GPUs) | {split['cache_bytes'] / GIB:,.2f} GiB "
-                 f"| {whole['cache_bytes'] / GIB:,.2f} GiB |")
-    lines.append(f"| KV cache per GPU (analytic) | {split['cache_bytes_per_gpu'] / GIB:,.2f} "
-                 f"GiB | {whole['cache_bytes_per_gpu'] / GIB:,.2f} GiB |")
-    lines.append(f"| parameters per GPU | {split['parameter_bytes'] / GIB:,.2f} GiB | "
-                 f"{whole['parameter_bytes'] / GIB:,.2f} GiB |")
+    cols = [r["context"][k] for k in ("8x1", "1x1", "1x8")]
+    lines = ["| | context 8 (8 GPUs) | unsplit (1 GPU) | tensor 8, context 1 (8 GPUs) |",
+             "|---|---|---|---|"]
+
+    def row(name: str, cell) -> None:
+        lines.append(f"| {name} | " + " | ".join(cell(c) for c in cols) + " |")
+
+    row("KV cache (analytic, all GPUs)", lambda c: f"{c['cache_bytes'] / GIB:,.2f} GiB")
+    row("KV cache per GPU (analytic)", lambda c: f"{c['cache_bytes_per_gpu'] / GIB:,.2f} GiB")
     for prog in ("prefill", "decode_step"):
         for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
                     "peak_bytes"):
-            cells = []
-            for c in (split, whole):
-                p = c.get(prog, {})
-                cells.append(p["error"] if "error" in p else f"{p[key] / GIB:,.2f} GiB")
-            lines.append(f"| {prog}: {key.replace('_bytes', '')} (measured) | "
-                         f"{cells[0]} | {cells[1]} |")
-        cells = [c[prog].get("collectives", "-") if "error" not in c[prog] else "-"
-                 for c in (split, whole)]
-        lines.append(f"| {prog}: collectives in the HLO | {cells[0]} | {cells[1]} |")
+            row(f"{prog}: {key.replace('_bytes', '')} (measured)",
+                lambda c, p=prog, k=key: c[p]["error"] if "error" in c[p]
+                else f"{c[p][k] / GIB:,.2f} GiB")
+        row(f"{prog}: collectives in the HLO", lambda c, p=prog: ", ".join(
+            f"{k} {v}" for k, v in c[p].get("collectives", {}).items()) or "none")
     g, c = r["relayout"]["gpu"], r["relayout"]["cpu"]
     lines += ["", "| re-layout (`decode.unpipelined`) | value |", "|---|---|",
               f"| 8 x H100, stage {g['stages']} x tensor {g['tensor']}: blocks (all GPUs) | "
@@ -216,8 +214,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompt, new = (4096, 256) if args.quick else (131072, 1024)
     t0 = time.perf_counter()
     results: dict[str, Any] = {"context": {}}
-    for context in (8, 1):
-        results["context"][context] = context_cache(args.quick, context, prompt, new)
+    for context, tensor in ((8, 1), (1, 1), (1, 8)):
+        results["context"][f"{context}x{tensor}"] = context_cache(args.quick, context, tensor,
+                                                                  prompt, new)
     results["relayout"] = relayout(args.quick)
     results["seconds"] = time.perf_counter() - t0
     print(markdown(results))

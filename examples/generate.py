@@ -4,6 +4,8 @@ e.g. one written by examples/finetune_hf.py --out, with tensor parallelism and a
     python examples/generate.py --hf-dir DIR --tokenizer DIR/tokenizer.json
         --prompt "Once upon a time" [--prompt "..."] [--max-new-tokens 32]
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 0] [--mesh 1,4]
+    python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 --mesh 1,2,4
+        [--context-parallel ring|ulysses]
     python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 [--prompt-ids 4,5]
 
 Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any lengths.
@@ -11,7 +13,9 @@ Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any 
 transformers needed) or ``bytes`` (UTF-8 bytes, the byte-level models of
 examples/train_gpt.py). ``--temperature 0`` (the default) is greedy decoding. Rows end at
 the checkpoint's ``eos_token_id`` (config.json) unless ``--ignore-eos``. The mesh is
-DATA,TENSOR (``sp_jax.models.generate``); CPU-only machines simulate its devices.
+DATA,TENSOR or DATA,CONTEXT,TENSOR (``sp_jax.models.generate``: with a context axis the
+prompts are prefilled with ``--context-parallel`` attention, ring by default, and the KV
+cache is split over the context axis); CPU-only machines simulate its devices.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--top-p", type=float, default=None, help="sample within this probability mass")
     add("--seed", type=int, default=0, help="the sampling key")
     add("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    add("--mesh", default="1,4", help="DATA,TENSOR mesh shape")
+    add("--mesh", default="1,4", help="DATA,TENSOR or DATA,CONTEXT,TENSOR mesh shape")
+    add("--context-parallel", choices=("ring", "ulysses"), default="ring",
+        help="the prefill's attention across a context axis (the KV cache split over it)")
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     a = p.parse_args(argv)
     if bool(a.prompt) == bool(a.prompt_ids):
@@ -74,8 +80,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.mesh_shape = training.parse_mesh(a.mesh)
     except ValueError as e:
         p.error(str(e))
-    if a.mesh_shape[0] * a.mesh_shape[2] * a.mesh_shape[3] != 1:
-        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR mesh")
+    if a.mesh_shape[0] * a.mesh_shape[2] != 1:
+        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR or DATA,CONTEXT,TENSOR "
+                "mesh")
     if not pathlib.Path(a.hf_dir, "config.json").is_file():
         p.error(f"--hf-dir {a.hf_dir}: no config.json there")
     return a
@@ -88,7 +95,9 @@ def main(args: argparse.Namespace) -> int:
     overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
     with jax.set_mesh(mesh):
         try:
-            model = hf.from_hf(args.hf_dir, rngs=nnx.Rngs(0), **overrides)
+            parallel = sp_jax.ParallelConfig(context_parallel=args.context_parallel) \
+                if args.mesh_shape[3] > 1 else sp_jax.ParallelConfig()
+            model = hf.from_hf(args.hf_dir, parallel=parallel, rngs=nnx.Rngs(0), **overrides)
             tok = None
             if args.tokenizer is not None:
                 tok = ByteTokenizer() if args.tokenizer == "bytes" else \
@@ -118,6 +127,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    _, d, _, _, t = args.mesh_shape
-    simulate_cpu_devices(d * t)  # no GPU here: before JAX starts its backend
+    _, d, _, c, t = args.mesh_shape
+    simulate_cpu_devices(d * c * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

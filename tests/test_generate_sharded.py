@@ -5,11 +5,14 @@ by log-sum-exp): the greedy tokens of ragged prompts equal the same model's (sam
 parameters) generation on one device, and, for the golden fixtures, transformers'."""
 
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import ROOT, script_env
 from conftest import make_mesh
 from flax import nnx
 
@@ -145,3 +148,23 @@ def test_cache_slots_place_every_position_once():
     table, shard, slot = cache_slots(8, 14, 2, order)
     np.testing.assert_array_equal(table, [[0, 1, 6, 7, 8, 10, 12], [2, 3, 4, 5, 9, 11, 13]])
     np.testing.assert_array_equal(table[shard, slot], np.arange(14))
+
+
+@pytest.mark.slow
+def test_example_generates_on_a_context_mesh():
+    """``examples/generate.py --mesh 1,2,2 --context-parallel ring`` (data x context x
+    tensor) prints transformers' greedy tokens of the golden prompts."""
+    golden = np.load(FIXTURES / "llama" / "golden.npz")
+    prompts = [golden[f"gen_prompt_{i}"].tolist() for i in range(3)]
+    expected = np.stack([golden[f"gen_tokens_{i}"] for i in range(3)])[:, :8]
+    ids = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
+    out = subprocess.run(
+        [sys.executable, "examples/generate.py", "--hf-dir", str(FIXTURES / "llama"), *ids,
+         "--max-new-tokens", "8", "--ignore-eos", "--mesh", "1,2,2",
+         "--context-parallel", "ring"],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    got = [[int(t) for t in line.split(" -> ")[1].split(",")] for line in lines[:3]]
+    np.testing.assert_array_equal(got, expected)
+    assert "on mesh data=1 x context=2 x tensor=2" in lines[3]

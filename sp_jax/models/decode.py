@@ -285,12 +285,12 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
     grow = jax.shard_map(grow, in_specs=cache_spec, out_specs=cache_spec)
     cache = KVCache(grow(reshard(k, cache_spec, mesh)), grow(reshard(v, cache_spec, mesh)),
                     prompt=seq)
-    held_last = last if order is None else jnp.asarray(np.argsort(order))[last]
+    held = np.arange(seq) if order is None else np.argsort(order)  # position -> held index
     seq_axes = (*par.context_axes, par.tensor_axis)
 
     def pick(h, last, table):  # this device's sequence shard holds some rows' last token
         s = h.shape[1]
-        at = last - lax.axis_index(seq_axes) * s
+        at = jnp.asarray(held, jnp.int32)[last] - lax.axis_index(seq_axes) * s
         inside = (at >= 0) & (at < s)
         row = jnp.take_along_axis(h, jnp.clip(at, 0, s - 1)[:, None, None], axis=1)[:, 0]
         row = lax.psum(jnp.where(inside[:, None], row, jnp.zeros((), row.dtype)), seq_axes)
@@ -299,7 +299,7 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
     batch = layout.spec("activation_batch")
     logits = jax.shard_map(pick, in_specs=(layout.sp, batch, decode_layout(par).vocab_table),
                            out_specs=layout.spec("activation_batch", None))(
-        reshard(h, layout.sp, mesh), reshard(held_last, batch, mesh), head)
+        reshard(h, layout.sp, mesh), reshard(last, batch, mesh), head)
     return logits, cache
 
 
