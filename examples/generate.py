@@ -5,6 +5,8 @@ e.g. one written by examples/finetune_hf.py --out, with tensor parallelism and a
     python examples/generate.py --hf-dir DIR --tokenizer DIR/tokenizer.json
         --prompt "Once upon a time" [--prompt "..."] [--max-new-tokens 32]
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 0] [--mesh 1,4]
+    python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 --mesh 1,2,4
+        [--context-parallel ring|ulysses]
     python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 [--prompt-ids 4,5]
 
 Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any lengths.
@@ -12,8 +14,11 @@ Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any 
 transformers needed) or ``bytes`` (UTF-8 bytes, the byte-level models of
 examples/train_gpt.py). ``--temperature 0`` (the default) is greedy decoding. Rows end at
 the checkpoint's ``eos_token_id`` (config.json) unless ``--ignore-eos``. The mesh is
-DATA,TENSOR (``sp_jax.models.generate``), or ``data=D,expert=E,tensor=T`` for a mixture
-of experts (its experts over the expert axis); CPU-only machines simulate its devices.
+DATA,TENSOR or DATA,CONTEXT,TENSOR (``sp_jax.models.generate``: with a context axis the
+prompts are prefilled with ``--context-parallel`` attention, ring by default, and the KV
+cache is split over the context axis), or ``data=D,expert=E,tensor=T`` (also ``context=C``)
+for a mixture of experts (its experts over the expert axis); CPU-only machines simulate its
+devices.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--top-p", type=float, default=None, help="sample within this probability mass")
     add("--seed", type=int, default=0, help="the sampling key")
     add("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    add("--mesh", default="1,4", help="DATA,TENSOR mesh shape, or data=D,expert=E,tensor=T "
-        "(a mixture of experts' experts over the expert axis)")
+    add("--mesh", default="1,4", help="DATA,TENSOR or DATA,CONTEXT,TENSOR mesh shape, or "
+        "data=D,expert=E,tensor=T (a mixture of experts' experts over the expert axis)")
+    add("--context-parallel", choices=("ring", "ulysses"), default="ring",
+        help="the prefill's attention across a context axis (the KV cache split over it)")
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     a = p.parse_args(argv)
     if bool(a.prompt) == bool(a.prompt_ids):
@@ -77,9 +84,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.mesh_shape = training.parse_mesh(a.mesh)
     except ValueError as e:
         p.error(str(e))
-    if a.mesh_shape[0] * a.mesh_shape[3] != 1:
-        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR mesh (or "
-                "data=D,expert=E,tensor=T for a mixture of experts)")
+    if a.mesh_shape[0] != 1:
+        p.error(f"--mesh {a.mesh}: generation runs on a DATA,TENSOR or DATA,CONTEXT,TENSOR "
+                "mesh, or data=D,expert=E,context=C,tensor=T (no stage axis)")
     if not pathlib.Path(a.hf_dir, "config.json").is_file():
         p.error(f"--hf-dir {a.hf_dir}: no config.json there")
     return a
@@ -92,9 +99,10 @@ def main(args: argparse.Namespace) -> int:
     overrides = {"dtype": jnp.bfloat16} if args.precision == "bf16" else {}
     with jax.set_mesh(mesh):
         try:
-            if args.mesh_shape[2] > 1:  # the experts split over the expert axis
-                overrides["parallel"] = sp_jax.ParallelConfig(expert_axis="expert")
-            model = hf.from_hf(args.hf_dir, rngs=nnx.Rngs(0), **overrides)
+            parallel = sp_jax.ParallelConfig(
+                expert_axis="expert" if args.mesh_shape[2] > 1 else None,
+                context_parallel=args.context_parallel if args.mesh_shape[3] > 1 else None)
+            model = hf.from_hf(args.hf_dir, parallel=parallel, rngs=nnx.Rngs(0), **overrides)
             tok = None
             if args.tokenizer is not None:
                 tok = ByteTokenizer() if args.tokenizer == "bytes" else \
@@ -124,6 +132,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    _, d, e, _, t = args.mesh_shape
-    simulate_cpu_devices(d * e * t)  # no GPU here: before JAX starts its backend
+    _, d, e, c, t = args.mesh_shape
+    simulate_cpu_devices(d * e * c * t)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -141,9 +141,6 @@ def _key(a: str, b: str) -> frozenset[str]:
 _ALL = tuple(MODES)
 _TRAIN_EVAL = ("train", "eval")
 
-_GENERATE_CONTEXT = (
-    "the KV cache is not split over the sequence; generate on a mesh without a context "
-    "axis (data x tensor), or with a context axis of size 1.")
 REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "cudnn_attention", "context_ring",
      "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
@@ -174,10 +171,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "a pipelined GPT runs as a pipeline: call model.loss(tokens[, labels]) (or train it "
      "with TrainStep); for logits or hidden states, restore the parameters into a GPT "
      "without pipeline_axis."),
-    (("generate",), "pipeline", None,
-     "generation runs without pipeline stages: restore its parameters into a GPT built "
-     "without pipeline_axis."),
-    (("generate",), "context", None, _GENERATE_CONTEXT),
 ]
 """Each refusal: ``(modes, first feature, second feature or None: the first alone, what to
 do)``; a feature may be an alias (each of its values is refused)."""
@@ -202,6 +195,8 @@ _HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
 _HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
 _GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
 _COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
+_GEN_CONTEXT = "tests/test_generate_sharded.py::test_greedy_on_a_context_axis_equals_transformers"
+_GEN_PIPE = "tests/test_generate_sharded.py::test_pipelined_model_generates_the_unpipelined_tokens"
 _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
 _RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
 _EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
@@ -262,6 +257,11 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, *_EXPERTS),
      "tests/test_generate.py::test_cache_with_experts_gives_the_logits_of_a_full_forward"
      "[scan_2x2x1x2]"),
+    (_GEN, (_TS, _RING), f"{_GEN_CONTEXT}[llama-ring-1x2x2]"),
+    (_GEN, (_TS, _ULYSSES), f"{_GEN_CONTEXT}[llama-ulysses-2x2x1]"),
+    (_GEN, (_TS, _ULYSSES, _WINDOW), f"{_GEN_CONTEXT}[mistral-ulysses-1x2x1]"),
+    (_GEN, (_TS, "pipeline_gpipe"), f"{_GEN_PIPE}[gpipe-r1]"),
+    (_GEN, (_TS, "pipeline_1f1b"), f"{_GEN_PIPE}[1f1b-r2]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
      "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
     # tests/test_compat.py: one model with several features, train and eval, against the

@@ -161,13 +161,6 @@ def _custom_loss_step(model):
          jax.random.key(0))
 
 
-def _generate_on_context(kind):
-    with jax.set_mesh(_context_mesh()):
-        model = GPT(GPTConfig(**{**BASE, "num_heads": 8}),
-                    parallel=sp_jax.ParallelConfig(context_parallel=kind), rngs=nnx.Rngs(0))
-        generate(model, [[1]], max_new_tokens=1)
-
-
 def _experts_on_pipeline():
     par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
     with jax.set_mesh(_stage_mesh()):
@@ -217,12 +210,7 @@ ENTRY_POINTS = {
                                   "a custom loss_fn cannot run on it"),
     ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),
                          r"runs as a pipeline: call model.loss"),
-    ("context", None): (lambda: (_generate_on_context("ring"), _generate_on_context("ulysses")),
-                        r"context_parallel='ring' over a context axis of size 2: the KV cache "
-                        "is not split over the sequence"),
 }
-GENERATE_ON_PIPELINE = (lambda: _on_pipeline(lambda m: generate(m, [[1]], max_new_tokens=1)),
-                        "generation runs without pipeline stages")
 
 
 def test_every_refusal_has_an_entry_point():
@@ -232,11 +220,7 @@ def test_every_refusal_has_an_entry_point():
 @pytest.mark.parametrize("modes, a, b, fix", compat.REFUSALS,
                          ids=[f"{'_'.join(m)}-{a}-{b}" for m, a, b, _ in compat.REFUSALS])
 def test_each_refusal_is_raised_where_it_is_met(modes, a, b, fix):
-    meet, pattern = GENERATE_ON_PIPELINE if (modes, a, b) == (("generate",), "pipeline", None) \
-        else ENTRY_POINTS[a, b]
-    if (a, b) == ("context", None):  # Ulysses too (the first call raises for ring)
-        with pytest.raises(ValueError, match=r"context_parallel='ulysses' over a context"):
-            _generate_on_context("ulysses")
+    meet, pattern = ENTRY_POINTS[a, b]
     with pytest.raises(ValueError, match=pattern):
         meet()
 

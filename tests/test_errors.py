@@ -18,7 +18,7 @@ import sp_jax
 from sp_jax.analysis import gpu_mesh
 from sp_jax.data import ByteTokenizer, Documents, check_vocab, load_tokenizer
 from sp_jax.layers import GroupedQKVProjection
-from sp_jax.models import GPT, GPTConfig, generate, hf
+from sp_jax.models import GPT, GPTConfig, decode, generate, hf
 from sp_jax.models.blocks import Block
 from sp_jax.pipeline import pipeline_schedule
 
@@ -351,11 +351,13 @@ CASES = {
     "E73": (ValueError, r"GPTConfig.sliding_window=0 must be a positive int",
             lambda: GPTConfig(**{**GPT_BASE, "sliding_window": 0})),
     # generation
-    "E74": (ValueError, r"generate: context_parallel='ring' over a context axis of size 2: "
-                        r"the KV cache is not split over the sequence",
-            lambda: _on_context((1, 2, 4), lambda: generate(GPT(
-                GPTConfig(**GPT_BASE), parallel=sp_jax.ParallelConfig(
-                    context_parallel="ring"), rngs=nnx.Rngs(0)), [[1]], max_new_tokens=1))),
+    "E74": (ValueError, r"decode: the model has ParallelConfig\(pipeline_axis='stage'\); "
+                        r"prefill and decode_step run on its re-layout without stages, "
+                        r"decode.unpipelined\(model\)",
+            lambda: _on_stages(lambda: decode.prefill(GPT(
+                GPTConfig(**{**GPT_BASE, "num_layers": 2, "scan_layers": True}),
+                parallel=sp_jax.ParallelConfig(pipeline_axis="stage"), rngs=nnx.Rngs(0)),
+                jnp.zeros((2, 4), jnp.int32), jnp.array([1, 2]), 8))),
     "E75": (ValueError, r"generate: token ids must be in \[0, 64\) \(the model's vocab_size\)",
             lambda: _on((1, 4), lambda: generate(_gpt(), [[1, 64]], max_new_tokens=2))),
     "E76": (ValueError, r"generate: sampling \(temperature > 0\) needs rngs=",

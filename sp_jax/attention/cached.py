@@ -6,24 +6,36 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 __all__ = ["cached_attention"]
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
                      v_cache: jax.Array, positions: jax.Array,
-                     sliding_window: int | None = None) -> jax.Array:
+                     sliding_window: int | None = None, *,
+                     cache_positions: jax.Array | None = None,
+                     axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
     """Per device: one query token per row against its cache.
 
     Args:
       q: ``[b, 1, heads, d]`` (rotary applied); ``k`` / ``v``: ``[b, 1, kv_heads, d]`` of
         the same token (``heads`` a multiple of ``kv_heads``: consecutive query heads
         share a key/value head).
-      k_cache / v_cache: ``[b, length, kv_heads, d]``; entries ``< positions[b]`` are row
-        ``b``'s earlier tokens (later ones are ignored).
+      k_cache / v_cache: ``[b, length, kv_heads, d]``: the entries of positions
+        ``< positions[b]`` are row ``b``'s earlier tokens (later ones are ignored).
       positions: int ``[b]``: each row's position of this token.
       sliding_window: attend only to the last ``sliding_window`` tokens (this one
         included), or None.
+      cache_positions: int ``[length]``: the position each cache entry holds (None:
+        entry ``j`` holds position ``j``).
+      axis_name: the mesh axes (manual here) the cache is split over along the
+        sequence, each device holding its part (a context axis), or None: the whole
+        cache. Each device then weighs its own entries by the exponentials of their
+        scores less the maximum over all parts (one ``pmax``) and the sums and weighted
+        values of the parts are added (one ``psum``): the log-sum-exp merge of the
+        parts, equal to attention over the whole cache; this token's own key and value
+        are added once, after the merge.
     Returns:
       ``[b, 1, heads * d]`` in ``q.dtype``; softmax in fp32.
     """
@@ -34,15 +46,22 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     f32 = jnp.float32
     s_cache = jnp.einsum("bhgd,bshd->bhgs", qg, k_cache, preferred_element_type=f32) * scale
     s_self = jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=f32) * scale
-    j = jnp.arange(length)[None, :]
+    j = (jnp.arange(length) if cache_positions is None else cache_positions)[None, :]
     visible = j < positions[:, None]
     if sliding_window is not None:
         visible &= j > positions[:, None] - sliding_window
     s_cache = jnp.where(visible[:, None, None, :], s_cache, -jnp.inf)
-    top = jnp.maximum(jnp.max(s_cache, axis=-1), s_self)
+    top = jnp.max(s_cache, axis=-1)
+    if axis_name is not None:
+        top = lax.pmax(top, axis_name)
+    top = jnp.maximum(top, s_self)  # finite: this token's own score
     p_cache, p_self = jnp.exp(s_cache - top[..., None]), jnp.exp(s_self - top)
-    total = jnp.sum(p_cache, axis=-1) + p_self
-    out = jnp.einsum("bhgs,bshd->bhgd", p_cache, v_cache.astype(f32)) + \
-        p_self[..., None] * v[:, 0][:, :, None, :].astype(f32)
+    total = jnp.sum(p_cache, axis=-1)
+    out = jnp.einsum("bhgs,bshd->bhgd", p_cache, v_cache.astype(f32))
+    if axis_name is not None:  # one all-reduce: the values and their sum side by side
+        both = lax.psum(jnp.concatenate([out, total[..., None]], axis=-1), axis_name)
+        out, total = both[..., :-1], both[..., -1]
+    total = total + p_self
+    out = out + p_self[..., None] * v[:, 0][:, :, None, :].astype(f32)
     out = out / total[..., None]
     return out.reshape(b, 1, heads * d).astype(q.dtype)

@@ -218,7 +218,8 @@ class CausalSelfAttention(nnx.Module):
         return q, k, v
 
     def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    positions: jax.Array, cache_positions: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
         this module holds its blocks of the decode layout
         (:func:`~sp_jax.layers.linear.decode_layout`; :func:`sp_jax.models.decode.
@@ -230,6 +231,11 @@ class CausalSelfAttention(nnx.Module):
           k_cache / v_cache: ``[b, length, kv_local, head_dim]``: this shard's key/value
             heads of the earlier tokens (:func:`~sp_jax.attention.cached_attention`).
           positions: int ``[b]``: each row's position of this token.
+          cache_positions: int ``[length]``: the position each entry of this shard's
+            cache holds, or None (entry ``j``: position ``j``). With a context axis the
+            cache is split over it along the sequence and the parts of the attention
+            are merged across it (:func:`~sp_jax.attention.cached_attention`'s
+            ``axis_name``: one ``pmax`` and one ``psum`` over the context axis).
         Returns:
           ``(x + attention, k, v)``: ``[b, 1, hidden]`` whole rows (the output
           projection's one all-reduce over the tensor axis) and this token's rotated keys
@@ -237,7 +243,9 @@ class CausalSelfAttention(nnx.Module):
         """
         qkv = self.qkv.local_decode(self.norm.local(x))  # this shard's heads, no collective
         q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales())
-        o = cached_attention(q, k, v, k_cache, v_cache, positions, self.config.sliding_window)
+        o = cached_attention(q, k, v, k_cache, v_cache, positions, self.config.sliding_window,
+                             cache_positions=cache_positions,
+                             axis_name=self.parallel.context_axes or None)
         y = self.out.local_decode(o)
         return x.astype(y.dtype) + y, k, v
 

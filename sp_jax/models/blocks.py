@@ -87,14 +87,16 @@ class Block(nnx.Module):
         return (y[0] if isinstance(self.mlp, MoE) else y), kv
 
     def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    positions: jax.Array, cache_positions: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The single-token (decode) mode per device
         (:meth:`CausalSelfAttention.decode_step`, then :meth:`MLP.decode_step`: two
         all-reduces over the tensor axis; or :meth:`~sp_jax.layers.MoE.decode_step`):
         ``x`` ``[b, 1, hidden]`` whole rows, this shard's cache ``[b, length, kv_local,
-        head_dim]`` of this layer, ``positions`` ``[b]`` -> ``(x, k, v)``, the token's
-        keys and values ``[b, 1, kv_local, head_dim]``."""
-        x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions)
+        head_dim]`` of this layer, ``positions`` ``[b]`` (``cache_positions``: the
+        positions the cache's entries hold, None: their indices) -> ``(x, k, v)``, the
+        token's keys and values ``[b, 1, kv_local, head_dim]``."""
+        x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions, cache_positions)
         return self.mlp.decode_step(x), k, v
 
 
@@ -178,7 +180,8 @@ def prefill_blocks(blocks: Block | Sequence[Block], x: jax.Array
 
 
 def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, k_cache: jax.Array,
-                  v_cache: jax.Array, positions: jax.Array
+                  v_cache: jax.Array, positions: jax.Array,
+                  cache_positions: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per device (inside the decode ``shard_map``): one token of every row through a
     GPT's layers (:meth:`Block.decode_step`), ``blocks`` stacked (``lax.scan`` over the
@@ -187,13 +190,15 @@ def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, k_cache: jax.Ar
     Args:
       x: ``[b, 1, hidden]`` whole rows; positions: int ``[b]``.
       k_cache / v_cache: ``[layers, b, length, kv_local, head_dim]``, this shard's.
+      cache_positions: int ``[length]``: the positions the cache's entries hold (a part
+        of the sequence with a context axis), or None: entry ``j`` holds position ``j``.
     Returns:
       the last layer's output and every layer's keys and values of the token, ``[layers,
       b, 1, kv_local, head_dim]`` each.
     """
 
     def step(block, x, cache):
-        x, k, v = block.decode_step(x, *cache, positions)
+        x, k, v = block.decode_step(x, *cache, positions, cache_positions)
         return x, (k, v)
 
     x, (k, v) = over_layers(blocks, step, x, (k_cache, v_cache))

@@ -36,14 +36,19 @@ that index and attends to the cache entries before it (and, with
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.attention import sequence_order, to_held
 from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
@@ -53,33 +58,58 @@ from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
 from sp_jax.models.blocks import decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
-__all__ = ["KVCache", "check_decodable", "decode_step", "prefill",
-           "to_decode_layout"]
+__all__ = ["KVCache", "cache_slots", "check_decodable", "decode_step", "prefill",
+           "to_decode_layout", "unpipelined"]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Every layer's keys and values, ``[layers, batch, length, t * kv_local, head_dim]``
-    each, sharded ``P(None, data, None, tensor, None)`` (rotary angles applied)."""
+    each, sharded ``P(None, data, context, tensor, None)`` (rotary angles applied), and
+    ``prompt``, the padded prompt width of the prefill (static), which with the context
+    axis says where each position is held (:func:`cache_slots`)."""
 
     k: jax.Array
     v: jax.Array
+    prompt: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+
+def cache_slots(prompt: int, length: int, shards: int, order: np.ndarray | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where a cache of ``length`` positions split over ``shards`` context shards holds
+    each position: ``(positions [shards, length / shards], shard [length], slot
+    [length])``: the position at slot ``j`` of shard ``c``, and the shard and slot of
+    each position.
+
+    Each shard's first ``prompt / shards`` slots hold the prefill's keys and values as
+    its attention held them (``order``: the held order of the ``prompt`` positions, ring
+    attention's zigzag, or None: the natural order), so the prefill's cache is kept
+    where it was computed; the later positions go round robin (position ``prompt + q``
+    to shard ``q % shards``, slot ``prompt / shards + q // shards``), so that every
+    shard holds as many of the generated tokens."""
+    per = prompt // shards
+    held = np.arange(prompt) if order is None else np.asarray(order)
+    table = np.empty((shards, length // shards), np.int32)
+    table[:, :per] = held.reshape(shards, per)
+    table[:, per:] = np.arange(prompt, length).reshape(-1, shards).T
+    shard, slot = np.empty(length, np.int32), np.empty(length, np.int32)
+    shard[table] = np.arange(shards)[:, None]
+    slot[table] = np.arange(length // shards)[None, :]
+    return table, shard, slot
 
 
 def check_decodable(model: Any) -> None:
-    """A ValueError when ``model`` cannot decode: pipeline stages, or a context axis
-    larger than 1 (the cache would be split over the sequence)."""
+    """A ValueError when ``model`` cannot decode (:mod:`sp_jax.compat`'s refusals of
+    ``"generate"``; a pipelined model decodes as :func:`unpipelined` gives it)."""
     par: ParallelConfig = model.parallel
     features = {}
     if par.pipeline_axis is not None:
-        features["pipeline"] = f"the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r})"
+        raise ValueError(
+            f"decode: the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r}); "
+            "prefill and decode_step run on its re-layout without stages, "
+            "decode.unpipelined(model) (generate does so itself).")
     check("generate", features, where="generate")
-    mesh = current_mesh(par, where="generate")
-    if par.context_parallel and axis_size(mesh, par.context_axes) > 1:
-        check("generate", {f"context_{par.context_parallel}": (
-            f"context_parallel={par.context_parallel!r} over a context axis of size "
-            f"{axis_size(mesh, par.context_axes)}")}, where="generate")
 
 
 # -- the decode layout of the parameters ---------------------------------------------------
@@ -153,10 +183,66 @@ def to_decode_layout(model: Any) -> None:
         nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
     for table in (model.embed, model.head):
         if table is not None:
-            table.embedding[...] = reshard(table.embedding[...], decode_layout(par).vocab_table
-                                           if table.embedding.shape[0] % t == 0 else P(), mesh)
+            # set_value, not [...] = (a scatter into the old array, whose sharding the
+            # new one need not have: parameters loaded unsharded)
+            table.embedding.set_value(reshard(
+                table.embedding[...], decode_layout(par).vocab_table
+                if table.embedding.shape[0] % t == 0 else P(), mesh))
     if model.position is not None:
-        model.position[...] = reshard(model.position[...], P(), mesh)
+        model.position.set_value(reshard(model.position[...], P(), mesh))
+
+
+def unpipelined(model: Any) -> Any:
+    """The GPT ``model`` without its pipeline stages: the same class, config and
+    parameters, built with ``pipeline_axis=None`` (the stage axis then unused by the
+    layers: everything replicated over it), so that it decodes (or computes logits) as
+    any GPT. ``model`` itself is not changed.
+
+    The stacked blocks ``[L, ...]`` sharded over the stage axis on their first dimension
+    (or ``[R, L / R, ...]`` on their second with ``pipeline_repeats = R > 1``; both in
+    layer order, :mod:`sp_jax.models.pipelined`) are all-gathered over the stage axis and
+    reshaped to ``[L, ...]``: each device receives ``(S - 1) / S`` of its tensor shard
+    of the blocks (``S`` stages; BENCHMARKS.md has the bytes and times). Every other
+    variable is shared as it is (not over the stage axis). The shell of the new model is
+    built abstractly (``nnx.eval_shape``: no parameter is initialised)."""
+    par = model.parallel
+    if par.pipeline_axis is None:
+        return model
+    mesh = current_mesh(par, where="generate")
+    flat = par.replace(pipeline_axis=None, pipeline_microbatches=1,
+                       pipeline_schedule="gpipe", pipeline_repeats=1)
+    training = not model.dropout.deterministic
+    config = model.config
+
+    def build():
+        shell = type(model)(config, parallel=flat, rngs=nnx.Rngs(0))
+        if not training:
+            shell.eval()
+        return shell
+
+    graph, abstract = nnx.split(nnx.eval_shape(build))
+    values = nnx.to_pure_dict(nnx.state(model))
+
+    def fill(path: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
+        names = [k.key for k in path]
+        try:
+            x = functools.reduce(operator.getitem, names, values)
+        except KeyError:  # an rng stream the model was built without (unused in eval)
+            return jax.random.key(0) if jax.dtypes.issubdtype(
+                like.dtype, jax.dtypes.prng_key) else jnp.zeros(like.shape, like.dtype)
+        spec = jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else ()
+        if names[0] != "blocks" or par.pipeline_axis not in spec:
+            return x
+        whole = (*(None if a == par.pipeline_axis else a for a in spec),
+                 *(None,) * (x.ndim - len(spec)))
+        x = reshard(x, P(*whole), mesh)  # the all-gather over the stage axis
+        if x.shape != like.shape:  # [R, L / R, ...] -> [L, ...]
+            x = jnp.reshape(x, like.shape, out_sharding=NamedSharding(mesh, P(*whole[1:])))
+        return x
+
+    nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_map_with_path(
+        fill, nnx.to_pure_dict(abstract)))
+    return nnx.merge(graph, abstract)
 
 
 def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
@@ -165,34 +251,49 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
 
     Args:
       model: a :class:`~sp_jax.models.GPT` in eval mode.
-      tokens: ``[batch, seq]`` prompts, right-padded (``seq`` a multiple of the tensor
-        size); padding never reaches a prompt token (causal attention).
+      tokens: ``[batch, seq]`` prompts, right-padded (``seq`` a multiple of the
+        sequence shards ``context x tensor``, and of ``2 x context`` with ring
+        attention); padding never reaches a prompt token (causal attention).
       last: int ``[batch]``: each row's last prompt position.
-      length: the cache length (at least ``seq``).
+      length: the cache length (at least ``seq``; with a context axis of ``c`` shards
+        rounded up to ``seq`` + a multiple of ``c``).
     Returns:
       fp32 logits ``[batch, vocab_size]`` at ``last``, and the :class:`KVCache` of every
       position (entries at and after a row's padding are overwritten by decoding before
-      they are read).
+      they are read). With a context axis each shard keeps the keys and values its
+      attention computed (ring attention's zigzag parts, Ulysses' contiguous ones) and
+      the generated positions are spread over the shards (:func:`cache_slots`).
     """
+    check_decodable(model)
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="generate")
     layout = Layout.of(par)
     _, head = _tables(model, mesh)
-    x = model.embed_tokens(tokens, model.vocab_table() if model.head is None else None)
+    order = model.sequence_order(tokens)  # ring attention's zigzag, else None
+    x = model.embed_tokens(to_held(tokens, order, par),
+                           model.vocab_table() if model.head is None else None, order)
     x, (k, v) = prefill_blocks(model.blocks, x)
     h = model.final_norm(x)
     cache_spec = P(None, *layout.heads(4))
-    pad = ((0, 0), (0, 0), (0, length - tokens.shape[1]), (0, 0), (0, 0))
-    cache = KVCache(reshard(jnp.pad(k, pad), cache_spec, mesh),
-                    reshard(jnp.pad(v, pad), cache_spec, mesh))
+    shards = axis_size(mesh, par.context_axes)
+    seq = tokens.shape[1]
+    extra = -(-(max(length, seq) - seq) // shards)  # each shard's slots for new tokens
+
+    def grow(k):  # each context shard's own part, then its slots of the new tokens
+        return jnp.pad(k, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+
+    grow = jax.shard_map(grow, in_specs=cache_spec, out_specs=cache_spec)
+    cache = KVCache(grow(reshard(k, cache_spec, mesh)), grow(reshard(v, cache_spec, mesh)),
+                    prompt=seq)
+    held = np.arange(seq) if order is None else np.argsort(order)  # position -> held index
+    seq_axes = (*par.context_axes, par.tensor_axis)
 
     def pick(h, last, table):  # this device's sequence shard holds some rows' last token
         s = h.shape[1]
-        at = last - lax.axis_index(par.tensor_axis) * s
+        at = jnp.asarray(held, jnp.int32)[last] - lax.axis_index(seq_axes) * s
         inside = (at >= 0) & (at < s)
         row = jnp.take_along_axis(h, jnp.clip(at, 0, s - 1)[:, None, None], axis=1)[:, 0]
-        row = lax.psum(jnp.where(inside[:, None], row, jnp.zeros((), row.dtype)),
-                       par.tensor_axis)
+        row = lax.psum(jnp.where(inside[:, None], row, jnp.zeros((), row.dtype)), seq_axes)
         return _logits(row, table, par.tensor_axis, cfg.vocab_size)
 
     batch = layout.spec("activation_batch")
@@ -215,6 +316,7 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
     Returns:
       fp32 logits ``[batch, vocab_size]`` of the next token, and the updated cache.
     """
+    check_decodable(model)
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="generate")
     layout = Layout.of(par)
@@ -225,9 +327,18 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
     position = None if model.position is None else reshard(model.position[...], P(), mesh)
     batch = layout.spec("activation_batch")
     cache_spec = P(None, *layout.heads(4))
+    shards = axis_size(mesh, par.context_axes)
+    slots = cache_slots(cache.prompt, cache.k.shape[2], shards,
+                        sequence_order(par, mesh, cache.prompt)) if par.context_axes else None
 
     def local(block_leaves, final_leaves, embed, head, position, k_all, v_all, tokens,
               positions):
+        cache_positions, at = None, positions
+        if slots is not None:  # this shard's part of the cache, and the new entries in it
+            shard = lax.axis_index(par.context_axes)
+            cache_positions = jnp.asarray(slots[0])[shard]
+            at = jnp.where(jnp.asarray(slots[1])[positions] == shard,
+                           jnp.asarray(slots[2])[positions], k_all.shape[2])  # else dropped
         x = lax.psum(vocab_parallel_lookup(tokens[:, None], embed, tensor, cfg.vocab_size),
                      tensor)
         if model.embed.dtype is not None:
@@ -235,11 +346,11 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
         if position is not None:
             x = x + jnp.take(position, positions, axis=0)[:, None].astype(x.dtype)
         x, k_new, v_new = decode_blocks(_merge(blocks, block_leaves), x, k_all, v_all,
-                                        positions)
+                                        positions, cache_positions)
         h = _merge(final, final_leaves).local(x)[:, 0]
         rows = jnp.arange(tokens.shape[0])
-        k_all = k_all.at[:, rows, positions].set(k_new[:, :, 0].astype(k_all.dtype))
-        v_all = v_all.at[:, rows, positions].set(v_new[:, :, 0].astype(v_all.dtype))
+        k_all = k_all.at[:, rows, at].set(k_new[:, :, 0].astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[:, rows, at].set(v_new[:, :, 0].astype(v_all.dtype), mode="drop")
         return _logits(h, head, tensor, cfg.vocab_size), k_all, v_all
 
     table_spec = decode_layout(par).vocab_table
@@ -250,4 +361,4 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
         out_specs=(layout.spec("activation_batch", None), cache_spec, cache_spec))(
         block_leaves, final_leaves, embed, head, position, cache.k, cache.v,
         reshard(tokens, batch, mesh), reshard(positions, batch, mesh))
-    return logits, KVCache(k, v)
+    return logits, KVCache(k, v, cache.prompt)

@@ -5,6 +5,7 @@ rules)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -15,7 +16,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.mesh import axis_size, current_mesh, mesh_platform
-from sp_jax.models.decode import check_decodable, decode_step, prefill, to_decode_layout
+from sp_jax.models.decode import (
+    check_decodable,
+    decode_step,
+    prefill,
+    to_decode_layout,
+    unpipelined,
+)
 
 __all__ = ["Generation", "filter_logits", "generate", "sample_tokens"]
 
@@ -190,6 +197,7 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     if temperature > 0 and rngs is None:
         raise ValueError("generate: sampling (temperature > 0) needs rngs= (e.g. "
                          "nnx.Rngs(sample=0) or jax.random.key(0)); temperature=0 is greedy.")
+    model = unpipelined(model)  # a pipelined model's blocks gathered over the stage axis
     cfg, par = model.config, model.parallel
     check_decodable(model)
     tokens, lens = _prompt_rows(prompts, lengths, cfg.vocab_size)
@@ -197,6 +205,8 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     batch = tokens.shape[0]
     data = axis_size(mesh, par.data_axes)
     seq_shards = axis_size(mesh, (*par.context_axes, par.tensor_axis))
+    if par.context_parallel == "ring" and axis_size(mesh, par.context_axes) > 1:
+        seq_shards = math.lcm(seq_shards, 2 * axis_size(mesh, par.context_axes))  # zigzag
     rows = -(-batch // data) * data
     width = -(-tokens.shape[1] // seq_shards) * seq_shards
     length = max(width, int(lens.max()) + max_new_tokens)
