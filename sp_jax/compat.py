@@ -158,12 +158,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "attention_dropout", "cudnn_attention",
      "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
      "of its own, which would not be the same under every sharding)."),
-    (_ALL, "expert_parallel", "pipeline",
-     "train a mixture of experts without pipeline stages (expert_axis with pipeline_axis "
-     "is not supported yet)."),
-    (("train",), "experts", "pipeline",
-     "mixture-of-experts layers do not run in pipeline stages yet; train them without "
-     "pipeline_axis."),
     (_TRAIN_EVAL, "fp8", "pipeline",
      "FP8 layers do not run inside a pipeline yet; drop {fp8} or {pipeline}."),
     (("train",), "packed_documents", "pipeline",

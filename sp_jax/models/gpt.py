@@ -306,8 +306,8 @@ class GPT(nnx.Module):
         return logits[..., :vocab]
 
     def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
-                                key: jax.Array | None, *, ignore_index: int = -100
-                                ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+                                key: jax.Array | None, *, ignore_index: int = -100,
+                                return_metrics: bool = False) -> tuple:
         """A training step's loss and gradients through the pipeline of
         ``ParallelConfig(pipeline_axis=...)``, by its schedule (what
         :class:`~sp_jax.training.TrainStep` runs for a pipelined GPT).
@@ -318,10 +318,15 @@ class GPT(nnx.Module):
           key: dropout key; micro-batch ``i`` draws from ``fold_in(key, i)`` as
             :func:`~sp_jax.training.lm_loss` of the unpipelined model does.
           ignore_index: the target id that contributes no loss.
+          return_metrics: also return the router metrics of mixture-of-experts layers
+          (averaged over the micro-batches; empty without experts).
         Returns:
-          ``(loss_sum, count, grads)``: the float32 sum of per-token losses, the number
-          of target tokens and the gradients of ``loss_sum``, a pure dict shaped like
-          ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``.
+          ``(loss_sum, count, grads)``: the float32 sum of per-token losses (with the
+          routers' auxiliary losses, each micro-batch's times its target count, as
+          :func:`~sp_jax.training.lm_loss`), the number of target tokens and the
+          gradients of ``loss_sum``, a pure dict shaped like
+          ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; with ``return_metrics``
+          the metrics fourth.
         """
         if self.parallel.pipeline_axis is None:
             raise ValueError("GPT.pipeline_loss_and_grads needs ParallelConfig("
@@ -338,7 +343,8 @@ class GPT(nnx.Module):
                 f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
                 "--microbatches sets both).")
         self._check_tokens(tokens[0])
-        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index)
+        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index,
+                                       return_metrics=return_metrics)
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
