@@ -167,13 +167,6 @@ def _generate_on_context(kind):
         generate(model, [[1]], max_new_tokens=1)
 
 
-def _experts_on_pipeline():
-    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
-    with jax.set_mesh(_stage_mesh()):
-        GPT(GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True, "num_experts": 4}),
-            parallel=par, rngs=nnx.Rngs(0))
-
-
 def _generate_with_experts():
     with jax.set_mesh(make_mesh(2, 4)):
         generate(GPT(GPTConfig(**BASE, num_experts=4), rngs=nnx.Rngs(0)), [[1]],
@@ -212,10 +205,6 @@ ENTRY_POINTS = {
     ("attention_dropout", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
         "attention_dropout=0.1 needs attention_implementation='xla'"),
-    ("expert_parallel", "pipeline"): (
-        lambda: sp_jax.ParallelConfig(expert_axis="expert", pipeline_axis="stage"),
-        "expert_axis is not supported with pipeline_axis"),
-    ("experts", "pipeline"): (_experts_on_pipeline, "do not run in pipeline stages"),
     ("fp8", "pipeline"): (_fp8_layer_in_pipeline, r"FP8 layers \(fp8=Fp8Recipe.*pipeline"),
     ("packed_documents", "pipeline"): (
         lambda: _on_pipeline(lambda m: m.loss(TOKENS, segment_ids=np.ones_like(TOKENS))),

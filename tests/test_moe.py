@@ -374,6 +374,9 @@ def _train_with_metrics(cfg, par, mesh, batches, init):
         metrics = [to_host(step({k: jax.device_put(v, place) for k, v in b.items()},
                                 jax.random.key(i))) for i, b in enumerate(batches)]
         final = to_host(nnx.to_pure_dict(step.params))
+        # GPT.loss after training (eval mode): the whole batch, its router losses included
+        whole = {k: v.reshape(-1, S) for k, v in batches[0].items()}
+        metrics.append({"evaluate": step.evaluate([whole])})
     layers = cfg.num_layers
 
     def layer_order(values):
@@ -401,8 +404,9 @@ def test_experts_in_pipeline_stages_train_like_the_reference_loop(case):
     tensor) meshes (gpipe, circular, 1F1B; fsdp; ring attention): 5 AdamW steps (aux and
     z losses on, one shared expert, micro-batches of unequal target counts) equal the
     unsharded model with the plain expert loop (fp32, 1e-5): losses, parameters and the
-    router metrics of every step. The load-balancing loss couples the layers of all
-    stages (:func:`sp_jax.models.pipelined._router_terms`)."""
+    router metrics of every step, and the trained model's ``GPT.loss`` (evaluation). The
+    load-balancing loss couples the layers of all stages (the stages exchange their
+    router statistics: ``StageProgram.aux_loss``)."""
     shape, kind, repeats, options = PIPE_CASES[case]
     init, want, want_params = _pipe_reference()
     cfg = _config(num_layers=4, scan_layers=True, num_shared_experts=1)
@@ -413,6 +417,8 @@ def test_experts_in_pipeline_stages_train_like_the_reference_loop(case):
                          devices=jax.devices()[:int(np.prod(shape))])
     start, got, params = _train_with_metrics(cfg, par, mesh, _pipe_batches(), init)
     chex.assert_trees_all_equal(start, init)
+    np.testing.assert_allclose(got[-1]["evaluate"], want[-1]["evaluate"], rtol=1e-5)
+    got, want = got[:-1], want[:-1]
     losses = [m["loss"] for m in got]
     np.testing.assert_allclose(losses, [m["loss"] for m in want], rtol=1e-5, atol=1e-5)
     assert losses[-1] < losses[0]

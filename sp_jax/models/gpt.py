@@ -404,11 +404,16 @@ class GPT(nnx.Module):
             stream = None
             if self.training:
                 stream = rngs.dropout if rngs is not None else self.dropout.rngs
-            total = pipeline_forward_loss(
+            total, metrics = pipeline_forward_loss(
                 self, tokens, labels, stream, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, z_loss=z_loss)
             mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
-            return (mean, {"lm_loss": mean}) if return_metrics else mean
+            if not return_metrics:
+                return mean
+            lm = mean - sum((self.config.router_aux_loss_coef * metrics["moe_aux_loss"],
+                             self.config.router_z_loss_coef * metrics["moe_z_loss"])
+                            ) if metrics else mean  # the router losses of the experts
+            return mean, {"lm_loss": lm, **metrics}
         order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
         documents = self._documents(tokens, segment_ids, positions, order)

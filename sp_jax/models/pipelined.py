@@ -291,9 +291,12 @@ def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,
 
 def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
                           stream: Any, *, ignore_index: int,
-                          label_smoothing: float, z_loss: float) -> jax.Array:
+                          label_smoothing: float, z_loss: float
+                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sum of per-token losses of ``[batch, seq]`` ``tokens`` through the pipeline
-    (``GPT.loss`` of a pipelined model): the batch runs as
+    (``GPT.loss`` of a pipelined model; with experts their router losses times the
+    target count) and the router metrics (:func:`router_metrics`; empty without
+    experts): the batch runs as
     ``pipeline_microbatches`` micro-batches of a GPipe forward when it splits evenly
     over them and the data axes, no dropout is drawn and there are no experts, else as
     one (whose dropout is then the unpipelined model's: ``stream``, the dropout rng
@@ -318,5 +321,6 @@ def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
     tokens, labels = split(tokens), split(labels)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = _draws([stream], model.config.num_layers) if model.training else None
-    return _run(model, params, tokens, labels, keys, ignore_index, label_smoothing, z_loss,
-                False)[0]
+    loss, _, metrics = _run(model, params, tokens, labels, keys, ignore_index,
+                            label_smoothing, z_loss, False)
+    return loss, metrics

@@ -357,7 +357,7 @@ def scan_layers(args: argparse.Namespace) -> bool:
     """Whether the model scans its layers: when ``--mesh`` names a STAGE axis (the
     stages hold slices of the stacked blocks; ``1,D,C,T`` too, so that its checkpoints
     move to and from pipelined runs)."""
-    return args.mesh.count(",") == 3
+    return args.mesh.count(",") == 3 or "stage=" in args.mesh.replace(" ", "")
 
 
 def check_run_args(args: argparse.Namespace) -> TrainerConfig:
