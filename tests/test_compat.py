@@ -110,10 +110,10 @@ def test_check_names_values_aliases_and_bad_input():
                                          r"with ring attention; use context_parallel='ulysses'"):
         compat.check("train", {"sliding_window": "sliding_window=4",
                                "context_ring": "ring attention"}, where="ring_attention")
-    with pytest.raises(ValueError, match=r"FP8 \(fp8=Fp8Recipe\(\.\.\.\)\) is not supported with "
-                                         r"pipeline stages; .* \(sp_jax.compat: fp8 x pipeline in "
-                                         r"train\)"):
-        compat.check("train", ["fp8", "pipeline"], where="x")
+    with pytest.raises(ValueError, match=r"a custom loss_fn is not supported with pipeline "
+                                         r"stages; .* \(sp_jax.compat: custom_loss x pipeline "
+                                         r"in train\)"):
+        compat.check("train", ["custom_loss", "pipeline"], where="x")
     compat.check("train", ["pipeline", "context"], where="x")  # aliases: no self-refusal
     with pytest.raises(ValueError, match="unknown feature 'fp16'"):
         compat.check("train", ["fp16"], where="x")
@@ -179,13 +179,6 @@ def _ring_gpt(**config):
             rngs=nnx.Rngs(0))
 
 
-def _fp8_layer_in_pipeline():
-    with jax.set_mesh(make_mesh(2, 4)):
-        sp_jax.ColumnSequenceParallelLinear(
-            8, 8, fp8=sp_jax.Fp8Recipe(), rngs=nnx.Rngs(0),
-            parallel=sp_jax.ParallelConfig(pipeline_axis="data", data_axis=None))
-
-
 def _cudnn_with_documents():
     q = jnp.zeros((1, 8, 2, 4))
     blockwise_attention(q, q, q, segment_ids=jnp.ones((1, 8), jnp.int32),
@@ -205,7 +198,6 @@ ENTRY_POINTS = {
     ("attention_dropout", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
         "attention_dropout=0.1 needs attention_implementation='xla'"),
-    ("fp8", "pipeline"): (_fp8_layer_in_pipeline, r"FP8 layers \(fp8=Fp8Recipe.*pipeline"),
     ("packed_documents", "pipeline"): (
         lambda: _on_pipeline(lambda m: m.loss(TOKENS, segment_ids=np.ones_like(TOKENS))),
         "packed documents"),

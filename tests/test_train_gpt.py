@@ -485,3 +485,20 @@ def test_fp8_delayed_scaling_trains_from_the_command_line(tmp_path):
                                  f.read_text(errors="ignore"))}
     assert names == {f"blocks/0/{m}/fp8_history" for m in
                      ("attention/qkv", "attention/out", "mlp/up", "mlp/down")}, names
+
+
+@pytest.mark.slow
+def test_fp8_trains_in_pipeline_stages_from_the_command_line(tmp_path):
+    """--fp8 current with --mesh S,D,C,T = 2,2,1,2 (1F1B, 4 micro-batches): the run
+    ends and its loss falls (the values against the unpipelined FP8 model:
+    tests/test_fp8.py)."""
+    args = [*TINY, "--layers", "2", "--steps", "3", "--fp8", "current", "--eval-every", "0",
+            "--warmup-steps", "0", "--log-json", str(tmp_path / "fp8.jsonl")]
+    args[args.index("--mesh") + 1] = "2,2,1,2"
+    args[args.index("--micro-batches") + 1] = "4"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    _ok(proc)
+    assert "1f1b pipeline, 4 micro-batches" in proc.stdout
+    steps = [r for r in _read(tmp_path / "fp8.jsonl") if "loss" in r]
+    assert len(steps) == 3 and steps[-1]["loss"] < steps[0]["loss"]

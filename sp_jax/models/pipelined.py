@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import moe_losses, parallel_cross_entropy
+from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
 from sp_jax.models.blocks import scan_blocks
@@ -187,6 +188,16 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     return StageProgram(embed=embed, stage=stage, head=head, aux_loss=aux_loss)
 
 
+def _histories(model: Any) -> dict[str, Any]:
+    """A tree of bools like the pure dict of the blocks' parameters: True at the FP8
+    amax histories (:class:`~sp_jax.layers.fp8.Fp8History`), whose "gradients" are the
+    step's amaxes, combined by maximum (the runner's ``maximum``)."""
+    state = nnx.state(model.blocks, nnx.Param)
+    flags = jax.tree.map(lambda v: isinstance(v, Fp8History), state,
+                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(flags)
+
+
 def _stage_major(blocks: Any, stages: int, repeats: int) -> Any:
     """The stacked blocks as ``[P, R, L / (P R), ...]``, chunk ``r P + s`` at ``[s, r]``,
     from ``[L, ...]`` (``R = 1``) or ``[R, L / R, ...]`` sharded over the stage axis on
@@ -251,13 +262,15 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
                                                *layer_keys.shape[2:]))
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], stages, repeats)
+    amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
     program = _program(model, order, ignore_index, label_smoothing, z_loss)
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
     experts = program.aux_loss is not None
     loss, result, *totals = run(program, schedule, shared, blocks,
                                 {"tokens": tokens, "labels": labels}, keys,
                                 stage_axis=par.pipeline_axis,
-                                data_axes=manual_data_axes(par), mesh=mesh, totals=experts)
+                                data_axes=manual_data_axes(par), mesh=mesh, totals=experts,
+                                **({"maximum": amaxes} if grads else {}))
     metrics = router_metrics(model, totals[0]) if experts else {}
     if not grads:
         return loss, None, metrics

@@ -302,18 +302,32 @@ def _prepare(shared, stages, axes, shared_specs, stage_specs):
     return shared, stages
 
 
-def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
-    """Per-device gradients reduced once: see :func:`_reduce`."""
+def _finish(g_shared, g_stages, axes, shared_specs, stage_specs, maximum=None):
+    """Per-device gradients reduced once: see :func:`_reduce`; the stage leaves flagged
+    in ``maximum`` (amaxes) by their maximum over the data axes instead."""
     g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True), g_shared, shared_specs)
-    g_stages = jax.tree.map(lambda g, sp: _reduce(g[None], sp, axes, False), g_stages,
-                            stage_specs)
+
+    def one(g, sp, flag):
+        if not flag:
+            return _reduce(g[None], sp, axes, False)
+        return lax.pmax(g[None], axes.data) if axes.data else g[None]
+
+    g_stages = jax.tree.map(one, g_stages, stage_specs, _flags(maximum, g_stages))
     return g_shared, g_stages
+
+
+def _flags(maximum: Any, stages: Any) -> Any:
+    """``maximum`` (a tree of bools like ``stages``, or None: none) as a full tree."""
+    if maximum is None:
+        return jax.tree.map(lambda _: False, stages)
+    return jax.tree.map(bool, maximum)
 
 
 def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
           batch: Any, keys: tuple[Any, Any] | None, *,
           stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True,
-          totals: bool = False) -> tuple[jax.Array, tuple[Any, Any] | None]:
+          totals: bool = False, maximum: Any = None
+          ) -> tuple[jax.Array, tuple[Any, Any] | None]:
     """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step.
 
     Args:
@@ -330,6 +344,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
       grads: False for the loss alone (the forward loop, no autodiff).
       totals: also return the ``aux`` statistics of every micro-batch (a program with
         ``aux_loss``): leaves ``[M, R, P, ...]``, summed over the data axes.
+      maximum: None, or a tree of bools like ``stages``: the "gradients" of the leaves
+        marked True (an FP8 layer's amax history, whose cotangent is the step's amaxes)
+        are their maximum over the micro-batches a stage runs and over the data axes,
+        not a sum (each tick's taken apart: the forward loop gets them per tick).
     Returns:
       ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
       the step (with the stages' ``aux`` terms) and its gradients, sharded like
@@ -345,13 +363,19 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     repeats = schedule.repeats
     ring = [(i, (i + 1) % p) for i in range(p)]
     coupled = program.aux_loss is not None
+    flags = _flags(maximum, stages)
+    maxed = any(jax.tree.leaves(flags))
 
     def body(shared, stages, batch, keys):
         s = lax.axis_index(stage_axis)
         shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
+        # the flagged leaves of each tick's chunk, [ticks, ...]: their per-tick
+        # cotangents come apart (combined by maximum below), not summed by autodiff
+        ticked = jax.tree.map(lambda f, x: jnp.take(x, jnp.maximum(fwd_repeat[:, s], 0),
+                                                    axis=0) if f else None, flags, stages)
 
-        def local_loss(shared, stages):
+        def local_loss(shared, stages, ticked):
             x0 = program.embed(shared, _micro(batch, 0), None if ekeys is None else ekeys[0])
             # aux: a scalar sum, or (aux_loss) each (micro-batch, chunk)'s statistics
             aux0 = _aux_table(program, stages, x0, _keys_at(lkeys, 0, 0, s),
@@ -372,6 +396,9 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
                 # (the layers' custom VJPs still keep their kernel shards per tick:
                 # BENCHMARKS.md, "Pipeline parallelism")
                 chunk = jax.checkpoint(_chunk)(stages, r)
+                if maxed:
+                    chunk = jax.tree.map(lambda f, c, x: x[t] if f else c, flags, chunk,
+                                         ticked, is_leaf=lambda x: x is None)
                 y, aux = program.stage(chunk, x, _keys_at(lkeys, m, r, s), micro)
                 y = jnp.where(active, y, jnp.zeros_like(y))
                 aux = _masked(active, jax.tree.map(lambda a: a.astype(_F32), aux))
@@ -406,12 +433,24 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             return jnp.where(s == p - 1, total, 0.0) + extra, table
 
         if not grads:
-            loss, table = local_loss(shared, stages)
+            loss, table = local_loss(shared, stages, ticked)
             loss = lax.psum(loss, tuple(axes.manual))
             return (loss, table) if totals else loss
-        (loss, table), (g_shared, g_stages) = jax.value_and_grad(
-            local_loss, argnums=(0, 1), has_aux=True)(shared, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
+        (loss, table), (g_shared, g_stages, g_ticked) = jax.value_and_grad(
+            local_loss, argnums=(0, 1, 2), has_aux=True)(shared, stages, ticked)
+        if maxed:  # per chunk, the maximum over the ticks that ran it
+            active = fwd_micro[:, s] >= 0
+            chunks = jnp.maximum(fwd_repeat[:, s], 0)
+
+            def over_ticks(g):
+                here = active[:, None] & (chunks[:, None] == jnp.arange(repeats)[None])
+                shape = (*here.shape, *([1] * (g.ndim - 1)))
+                return jnp.max(jnp.where(here.reshape(shape), g[:, None], 0.0), axis=0)
+
+            g_stages = jax.tree.map(lambda f, g, gt: over_ticks(gt) if f else g, flags,
+                                    g_stages, g_ticked, is_leaf=lambda x: x is None)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs,
+                                     flags)
         out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
         return (*out, table) if totals else out
 
@@ -424,8 +463,8 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
 
 def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 stages: Any, batch: Any, keys: tuple[Any, Any] | None, *, stage_axis: str,
-                data_axes: tuple[str, ...], mesh: Any, totals: bool = False
-                ) -> tuple[jax.Array, tuple[Any, Any]]:
+                data_axes: tuple[str, ...], mesh: Any, totals: bool = False,
+                maximum: Any = None) -> tuple[jax.Array, tuple[Any, Any]]:
     """Loss sum and gradients of a 1F1B pipeline step: arguments and results as
     :func:`gpipe` with ``grads`` (a loss alone is :func:`gpipe`'s forward), ``schedule``
     a ``"1f1b"`` one. Gradients accumulate in float32 and come back in the parameters'
@@ -439,6 +478,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
     p, r_last = schedule.stages, schedule.repeats - 1
     coupled = program.aux_loss is not None
+    flags = _flags(maximum, stages)
     ticks = _busy_ticks(schedule)
     # With one chunk per stage the last stage ends a micro-batch (and the first starts
     # one) in every steady tick: no condition around the head or the embedding backward.
@@ -531,8 +571,9 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 else:  # the aux term's cotangent: 1 where this stage back-propagates
                     d_aux = active_b.astype(_F32)
                 d_chunk, dx = pullback((gy, d_aux))
-                g_stages = jax.tree.map(
-                    lambda g, d: g.at[rb].add(d.astype(_F32)), g_stages, d_chunk)
+                g_stages = jax.tree.map(  # amaxes (flags): the maximum where active
+                    lambda f, g, d: g.at[rb].max(jnp.where(active_b, d.astype(_F32), 0.0))
+                    if f else g.at[rb].add(d.astype(_F32)), flags, g_stages, d_chunk)
                 first_b = active_b & (rb == 0) & (s == 0)
 
                 def embed_backward():
@@ -554,7 +595,8 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         _, _, _, loss, (g_shared, g_stages), table = carry
         g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
         g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs,
+                                     flags)
         out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
         return (*out, table) if totals else out
 
