@@ -153,14 +153,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "attention_dropout", "cudnn_attention",
      "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
      "of its own, which would not be the same under every sharding)."),
-    (_ALL, "expert_parallel", "pipeline",
-     "train a mixture of experts without pipeline stages (expert_axis with pipeline_axis "
-     "is not supported yet)."),
-    (("train",), "experts", "pipeline",
-     "mixture-of-experts layers do not run in pipeline stages yet; train them without "
-     "pipeline_axis."),
-    (_TRAIN_EVAL, "fp8", "pipeline",
-     "FP8 layers do not run inside a pipeline yet; drop {fp8} or {pipeline}."),
     (("train",), "packed_documents", "pipeline",
      "train packed rows without pipeline stages (packed documents are not supported with "
      "pipeline_axis yet)."),
@@ -188,6 +180,8 @@ _FSDP = "tests/test_fsdp.py::test_fsdp_trains_like_unsharded"
 _PIPE = "tests/test_pipeline.py::test_pipeline_trains_like_unsharded"
 _MOE = "tests/test_moe.py::test_dropless_experts_train_like_the_reference_loop"
 _MOE_CAPACITY = "tests/test_moe.py::test_capacity_drops_the_same_pairs_on_every_mesh"
+_MOE_PIPE = "tests/test_moe.py::test_experts_in_pipeline_stages_train_like_the_reference_loop"
+_FP8_PIPE = "tests/test_fp8.py::test_pipelined_fp8_first_step_equals_unpipelined"
 _FP8 = "tests/test_fp8.py::test_sharded_fp8_gpt_first_step_equals_unsharded"
 _FP8_LAYER = "tests/test_fp8.py::test_layer_equals_numpy_fp8_reference"
 _PACKED = "tests/test_packed.py::test_packed_batch_equals_its_documents_one_by_one"
@@ -221,11 +215,24 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),
+    (_TRAIN, (_TS, *_EXPERTS, "pipeline_1f1b"), f"{_MOE_PIPE}[2x1x2x1x2_1f1b_r1]"),
+    (_TRAIN, (_TS, *_EXPERTS, "pipeline_gpipe"), f"{_MOE_PIPE}[2x1x2x1x2_gpipe_r1]"),
+    (_TRAIN, (_TS, *_EXPERTS, "pipeline_gpipe", "fsdp"),
+     f"{_MOE_PIPE}[2x2x2x1x1_gpipe_r2_fsdp]"),
+    (_TRAIN, (_TS, *_EXPERTS, "pipeline_1f1b", _RING), f"{_MOE_PIPE}[2x1x2x2x1_ring_1f1b_r1]"),
     (("train", "eval"), (_TS, *_EXPERTS), f"{_HF_MOE}[mixtral]"),
     (_TRAIN, (_TS, "fp8_current"), f"{_FP8}[2x4-current]"),
     (_TRAIN, (_TS, "fp8_current", "fsdp"), f"{_FP8}[2x4_fsdp-current]"),
     (_TRAIN, (_TS, "fp8_current", _RING), f"{_FP8}[1x2x4_ring-current]"),
     (_TRAIN, (_TS, "fp8_delayed"), f"{_FP8}[2x4-delayed]"),
+    (_TRAIN, (_TS, "fp8_current", "pipeline_1f1b"), f"{_FP8_PIPE}[2x2x1x2_1f1b_r1-current]"),
+    (_TRAIN, (_TS, "fp8_delayed", "pipeline_1f1b"), f"{_FP8_PIPE}[2x2x1x2_1f1b_r1-delayed]"),
+    (_TRAIN, (_TS, "fp8_current", "pipeline_gpipe"), f"{_FP8_PIPE}[2x2x1x2_gpipe_r2-current]"),
+    (_TRAIN, (_TS, "fp8_delayed", "pipeline_gpipe"), f"{_FP8_PIPE}[2x2x1x2_gpipe_r2-delayed]"),
+    (_TRAIN, (_TS, "fp8_current", "pipeline_1f1b", _RING),
+     f"{_FP8_PIPE}[2x1x2x2_ring_1f1b_r2-current]"),
+    (_TRAIN, (_TS, "fp8_delayed", "pipeline_1f1b", _RING),
+     f"{_FP8_PIPE}[2x1x2x2_ring_1f1b_r2-delayed]"),
     (_TRAIN, (_TS, "fp8_current", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-current]"),
     (_TRAIN, (_TS, "fp8_delayed", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-delayed]"),
     (_TRAIN, (_TS, "fp8_delayed", "fsdp"), f"{_FP8_LAYER}[column_sp-2x4_fsdp-delayed]"),

@@ -14,8 +14,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sp_jax.compat import check
-
 __all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "PIPELINE_SCHEDULES", "Fp8Recipe",
            "ParallelConfig", "check_layer_args"]
 
@@ -219,7 +217,7 @@ class ParallelConfig:
         self._check_expert_axis()
 
     def _check_expert_axis(self) -> None:
-        """Validates ``expert_axis``: a mesh axis of its own, not with pipeline stages."""
+        """Validates ``expert_axis``: a mesh axis of its own."""
         axis = self.expert_axis
         if axis is None:
             return
@@ -234,9 +232,6 @@ class ParallelConfig:
                 "context or the pipeline axis; expert parallelism needs a mesh axis of its "
                 "own, e.g. jax.make_mesh((data, expert, context, tensor), ('data', "
                 "'expert', 'context', 'tensor')).")
-        if self.pipeline_axis is not None:
-            check("train", {"expert_parallel": "expert_axis", "pipeline": "pipeline_axis"},
-                  where="ParallelConfig")
 
     def _check_pipeline(self) -> None:
         """Validates the ``pipeline_*`` fields and ``manual_data_axes``."""

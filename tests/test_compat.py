@@ -111,10 +111,10 @@ def test_check_names_values_aliases_and_bad_input():
                                          r"'cudnn' cannot run ring attention"):
         compat.check("train", {"cudnn_attention": "implementation='cudnn'",
                                "context_ring": "the ring"}, where="ring_attention")
-    with pytest.raises(ValueError, match=r"FP8 \(fp8=Fp8Recipe\(\.\.\.\)\) is not supported with "
-                                         r"pipeline stages; .* \(sp_jax.compat: fp8 x pipeline in "
-                                         r"train\)"):
-        compat.check("train", ["fp8", "pipeline"], where="x")
+    with pytest.raises(ValueError, match=r"a custom loss_fn is not supported with pipeline "
+                                         r"stages; .* \(sp_jax.compat: custom_loss x pipeline "
+                                         r"in train\)"):
+        compat.check("train", ["custom_loss", "pipeline"], where="x")
     compat.check("train", ["pipeline", "context"], where="x")  # aliases: no self-refusal
     with pytest.raises(ValueError, match="unknown feature 'fp16'"):
         compat.check("train", ["fp16"], where="x")
@@ -161,24 +161,10 @@ def _custom_loss_step(model):
          jax.random.key(0))
 
 
-def _experts_on_pipeline():
-    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
-    with jax.set_mesh(_stage_mesh()):
-        GPT(GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True, "num_experts": 4}),
-            parallel=par, rngs=nnx.Rngs(0))
-
-
 def _ring_gpt(**config):
     with jax.set_mesh(_context_mesh()):
         GPT(GPTConfig(**BASE, **config), parallel=sp_jax.ParallelConfig(context_parallel="ring"),
             rngs=nnx.Rngs(0))
-
-
-def _fp8_layer_in_pipeline():
-    with jax.set_mesh(make_mesh(2, 4)):
-        sp_jax.ColumnSequenceParallelLinear(
-            8, 8, fp8=sp_jax.Fp8Recipe(), rngs=nnx.Rngs(0),
-            parallel=sp_jax.ParallelConfig(pipeline_axis="data", data_axis=None))
 
 
 def _cudnn_with_documents():
@@ -198,11 +184,6 @@ ENTRY_POINTS = {
     ("attention_dropout", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
         "attention_dropout=0.1 needs attention_implementation='xla'"),
-    ("expert_parallel", "pipeline"): (
-        lambda: sp_jax.ParallelConfig(expert_axis="expert", pipeline_axis="stage"),
-        "expert_axis is not supported with pipeline_axis"),
-    ("experts", "pipeline"): (_experts_on_pipeline, "do not run in pipeline stages"),
-    ("fp8", "pipeline"): (_fp8_layer_in_pipeline, r"FP8 layers \(fp8=Fp8Recipe.*pipeline"),
     ("packed_documents", "pipeline"): (
         lambda: _on_pipeline(lambda m: m.loss(TOKENS, segment_ids=np.ones_like(TOKENS))),
         "packed documents"),

@@ -9,6 +9,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _util import (
     copy_weights,
@@ -20,7 +21,7 @@ from _util import (
 )
 from conftest import requires_cuda_plugin
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
@@ -322,3 +323,106 @@ def test_scan_layers_and_remat_equal_the_unrolled_expert_layers():
                                    unrolled[1]["moe_expert_tokens"])
         stacked_grads = jax.tree.map(lambda *v: np.stack(v), *unrolled[2]["blocks"].values())
         chex.assert_trees_all_close(out[2]["blocks"], stacked_grads, rtol=1e-5, atol=1e-7)
+
+
+# -- experts in pipeline stages ------------------------------------------------------------
+
+PIPE_AXES = ("stage", "data", "expert", "context", "tensor")
+PIPE_MICRO, PIPE_BATCH = 4, 16
+# id: ((stage, data, expert, context, tensor), schedule, repeats, ParallelConfig options)
+PIPE_CASES = {
+    "2x1x2x1x2_1f1b_r1": ((2, 1, 2, 1, 2), "1f1b", 1, {}),
+    "2x2x2x1x1_gpipe_r2_fsdp": ((2, 2, 2, 1, 1), "gpipe", 2, {"fsdp": True}),
+    "2x1x2x1x2_gpipe_r1": ((2, 1, 2, 1, 2), "gpipe", 1, {}),
+    "2x2x2x1x1_1f1b_r2": ((2, 2, 2, 1, 1), "1f1b", 2, {}),
+    "2x1x2x2x1_ring_1f1b_r1": ((2, 1, 2, 2, 1), "1f1b", 1, {"context_parallel": "ring"}),
+}
+ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_expert_tokens")
+
+
+def _pipe_batches(steps=5, seed=0):
+    """``[M, batch / M, seq]`` micro-batches whose target counts differ (a few targets
+    ignored): each micro-batch's router losses weigh by its count, as in ``lm_loss``.
+    Each step's batch twice in a row (the loss falls on it)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
+        if step % 2:
+            out.append(out[-1])
+            continue
+        tokens = rng.integers(0, 64, size=(PIPE_BATCH, S + 1)).astype(np.int32)
+        labels = tokens[:, 1:].copy()
+        labels[0, : S // 2] = -100
+        labels[PIPE_BATCH - 1, :3] = -100
+        shape = (PIPE_MICRO, PIPE_BATCH // PIPE_MICRO, S)
+        out.append({"tokens": tokens[:, :-1].reshape(shape), "labels": labels.reshape(shape)})
+    return out
+
+
+def _train_with_metrics(cfg, par, mesh, batches, init):
+    """(initial parameters, per-step losses and router metrics, final parameters) of 5
+    AdamW steps (as ``_util.train_gpt``), the blocks in layer order ``[L, ...]``."""
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=par, rngs=nnx.Rngs(0))
+        if init is not None:
+            copy_weights(model, {**init, "blocks": jax.tree.map(
+                lambda x, like: np.reshape(x, like.shape), init["blocks"],
+                param_values(model)["blocks"])})
+        start = param_values(model)
+        step = sp_jax.training.TrainStep(model, optax.adamw(3e-3, eps=1e-5))
+        place = NamedSharding(mesh, sp_jax.Layout.of(par).micro_batched_tokens)
+        metrics = [to_host(step({k: jax.device_put(v, place) for k, v in b.items()},
+                                jax.random.key(i))) for i, b in enumerate(batches)]
+        final = to_host(nnx.to_pure_dict(step.params))
+        # GPT.loss after training (eval mode): the whole batch, its router losses included
+        whole = {k: v.reshape(-1, S) for k, v in batches[0].items()}
+        metrics.append({"evaluate": step.evaluate([whole])})
+    layers = cfg.num_layers
+
+    def layer_order(values):
+        return {**values, "blocks": jax.tree.map(
+            lambda x: np.reshape(x, (layers, *x.shape[2:])) if x.shape[0] != layers else x,
+            values["blocks"])}
+
+    return layer_order(start), metrics, layer_order(final)
+
+
+@functools.cache
+def _pipe_reference():
+    """The unsharded scanned model's run (its expert layers the plain reference loop):
+    (initial parameters, per-step metrics, final parameters)."""
+    cfg = _config(num_layers=4, scan_layers=True, num_shared_experts=1)
+    with unittest.mock.patch.object(MoE, "mixture", reference_mixture):
+        mesh = jax.make_mesh((1,) * 5, PIPE_AXES, axis_types=(AxisType.Explicit,) * 5,
+                             devices=jax.devices()[:1])
+        return _train_with_metrics(cfg, sp_jax.ParallelConfig(), mesh, _pipe_batches(), None)
+
+
+@pytest.mark.parametrize("case", slow_except(PIPE_CASES, "2x1x2x1x2_1f1b_r1"))
+def test_experts_in_pipeline_stages_train_like_the_reference_loop(case):
+    """Mixture-of-experts layers inside pipeline stages on (stage, data, expert, context,
+    tensor) meshes (gpipe, circular, 1F1B; fsdp; ring attention): 5 AdamW steps (aux and
+    z losses on, one shared expert, micro-batches of unequal target counts) equal the
+    unsharded model with the plain expert loop (fp32, 1e-5): losses, parameters and the
+    router metrics of every step, and the trained model's ``GPT.loss`` (evaluation). The
+    load-balancing loss couples the layers of all stages (the stages exchange their
+    router statistics: ``StageProgram.aux_loss``)."""
+    shape, kind, repeats, options = PIPE_CASES[case]
+    init, want, want_params = _pipe_reference()
+    cfg = _config(num_layers=4, scan_layers=True, num_shared_experts=1)
+    par = sp_jax.ParallelConfig(pipeline_axis="stage", expert_axis="expert",
+                                pipeline_microbatches=PIPE_MICRO, pipeline_schedule=kind,
+                                pipeline_repeats=repeats, **options)
+    mesh = jax.make_mesh(shape, PIPE_AXES, axis_types=(AxisType.Explicit,) * 5,
+                         devices=jax.devices()[:int(np.prod(shape))])
+    start, got, params = _train_with_metrics(cfg, par, mesh, _pipe_batches(), init)
+    chex.assert_trees_all_equal(start, init)
+    np.testing.assert_allclose(got[-1]["evaluate"], want[-1]["evaluate"], rtol=1e-5)
+    got, want = got[:-1], want[:-1]
+    losses = [m["loss"] for m in got]
+    np.testing.assert_allclose(losses, [m["loss"] for m in want], rtol=1e-5, atol=1e-5)
+    assert losses[-1] < losses[0]
+    for name in ROUTER_METRICS:
+        np.testing.assert_allclose([m[name] for m in got], [m[name] for m in want],
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    chex.assert_trees_all_close(params, want_params, rtol=1e-5, atol=1e-5)

@@ -435,23 +435,29 @@ def test_plot_without_matplotlib_is_a_usage_error(monkeypatch):
 
 
 @pytest.mark.slow
-def test_mixture_of_experts_trains_on_an_expert_mesh(tmp_path):
-    """--preset mixtral-tiny on --mesh data=1,expert=4,tensor=2: the run ends, logs the
-    router metrics per step (the (token, choice) pairs per expert summing to the micro-
-    batch's, per layer) and its loss falls."""
+@pytest.mark.parametrize("mesh, micro, shown", [
+    ("data=1,expert=4,tensor=2", 2, "data=1 x expert=4 x tensor=2"),
+    ("stage=2,expert=2,tensor=2", 4, "stage=2 x data=1 x expert=2 x tensor=2")])
+def test_mixture_of_experts_trains_on_an_expert_mesh(tmp_path, mesh, micro, shown):
+    """--preset mixtral-tiny on --mesh data=1,expert=4,tensor=2 and in pipeline stages
+    (stage=2,expert=2,tensor=2, 4 micro-batches): the run ends, logs the router metrics
+    per step (the (token, choice) pairs per expert summing to the micro-batch's, per
+    layer) and its loss falls."""
     log = tmp_path / "moe.jsonl"
     args = [a if a != "llama-tiny" else "mixtral-tiny" for a in TINY]
-    args[args.index("--mesh") + 1] = "data=1,expert=4,tensor=2"
+    args[args.index("--mesh") + 1] = mesh
+    if mesh.startswith("stage"):
+        args[args.index("--micro-batches") + 1] = str(micro)
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--layers", "2", "--steps", "4",
                            "--warmup-steps", "0",
                            "--eval-every", "0", "--log-json", str(log)],
                           cwd=ROOT, env=script_env(), capture_output=True, text=True,
                           timeout=300)
     _ok(proc)
-    assert "mesh: data=1 x expert=4 x tensor=2" in proc.stdout
+    assert f"mesh: {shown}" in proc.stdout
     steps = [r for r in _read(log) if "loss" in r]
     assert len(steps) == 4 and steps[-1]["loss"] < steps[0]["loss"]
-    pairs = 8 // 2 * 32 * GPTConfig.mixtral("mixtral-tiny").experts_per_token  # a micro-batch
+    pairs = 8 // micro * 32 * GPTConfig.mixtral("mixtral-tiny").experts_per_token  # a micro-batch
     for record in steps:
         assert record["moe_aux_loss"] > 0 and record["moe_dropped_fraction"] == 0
         assert [sum(layer) for layer in record["moe_expert_tokens"]] == [pairs, pairs]
@@ -479,3 +485,20 @@ def test_fp8_delayed_scaling_trains_from_the_command_line(tmp_path):
                                  f.read_text(errors="ignore"))}
     assert names == {f"blocks/0/{m}/fp8_history" for m in
                      ("attention/qkv", "attention/out", "mlp/up", "mlp/down")}, names
+
+
+@pytest.mark.slow
+def test_fp8_trains_in_pipeline_stages_from_the_command_line(tmp_path):
+    """--fp8 current with --mesh S,D,C,T = 2,2,1,2 (1F1B, 4 micro-batches): the run
+    ends and its loss falls (the values against the unpipelined FP8 model:
+    tests/test_fp8.py)."""
+    args = [*TINY, "--layers", "2", "--steps", "3", "--fp8", "current", "--eval-every", "0",
+            "--warmup-steps", "0", "--log-json", str(tmp_path / "fp8.jsonl")]
+    args[args.index("--mesh") + 1] = "2,2,1,2"
+    args[args.index("--micro-batches") + 1] = "4"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    _ok(proc)
+    assert "1f1b pipeline, 4 micro-batches" in proc.stdout
+    steps = [r for r in _read(tmp_path / "fp8.jsonl") if "loss" in r]
+    assert len(steps) == 3 and steps[-1]["loss"] < steps[0]["loss"]

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sp_jax.compat import check
 from sp_jax.config import Fp8Recipe, ParallelConfig
 from sp_jax.ops.fp8 import Fp8Spec, roll_history
 
@@ -61,13 +60,9 @@ def fp8_spec(fp8: Fp8Recipe | None, parallel: ParallelConfig) -> Fp8Spec | None:
     over those it varies over)."""
     if fp8 is None:
         return None
-    if parallel.pipeline_axis is not None:
-        check("train", {"fp8": "FP8 layers (fp8=Fp8Recipe(...))", "pipeline": "a pipeline "
-                        f"(ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}))"},
-              where="fp8_spec")
     axes = (*parallel.data_axes, *parallel.manual_data_axes, *parallel.context_axes,
             parallel.tensor_axis)
-    return Fp8Spec(fp8, tuple(dict.fromkeys(axes)))
+    return Fp8Spec(fp8, tuple(dict.fromkeys(axes)), tuple(parallel.manual_data_axes))
 
 
 def split_fp8(params: nnx.State) -> tuple[nnx.State, nnx.State]:

@@ -306,8 +306,8 @@ class GPT(nnx.Module):
         return logits[..., :vocab]
 
     def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
-                                key: jax.Array | None, *, ignore_index: int = -100
-                                ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+                                key: jax.Array | None, *, ignore_index: int = -100,
+                                return_metrics: bool = False) -> tuple:
         """A training step's loss and gradients through the pipeline of
         ``ParallelConfig(pipeline_axis=...)``, by its schedule (what
         :class:`~sp_jax.training.TrainStep` runs for a pipelined GPT).
@@ -318,10 +318,15 @@ class GPT(nnx.Module):
           key: dropout key; micro-batch ``i`` draws from ``fold_in(key, i)`` as
             :func:`~sp_jax.training.lm_loss` of the unpipelined model does.
           ignore_index: the target id that contributes no loss.
+          return_metrics: also return the router metrics of mixture-of-experts layers
+          (averaged over the micro-batches; empty without experts).
         Returns:
-          ``(loss_sum, count, grads)``: the float32 sum of per-token losses, the number
-          of target tokens and the gradients of ``loss_sum``, a pure dict shaped like
-          ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``.
+          ``(loss_sum, count, grads)``: the float32 sum of per-token losses (with the
+          routers' auxiliary losses, each micro-batch's times its target count, as
+          :func:`~sp_jax.training.lm_loss`), the number of target tokens and the
+          gradients of ``loss_sum``, a pure dict shaped like
+          ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; with ``return_metrics``
+          the metrics fourth.
         """
         if self.parallel.pipeline_axis is None:
             raise ValueError("GPT.pipeline_loss_and_grads needs ParallelConfig("
@@ -338,7 +343,8 @@ class GPT(nnx.Module):
                 f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
                 "--microbatches sets both).")
         self._check_tokens(tokens[0])
-        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index)
+        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index,
+                                       return_metrics=return_metrics)
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
@@ -398,11 +404,16 @@ class GPT(nnx.Module):
             stream = None
             if self.training:
                 stream = rngs.dropout if rngs is not None else self.dropout.rngs
-            total = pipeline_forward_loss(
+            total, metrics = pipeline_forward_loss(
                 self, tokens, labels, stream, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, z_loss=z_loss)
             mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
-            return (mean, {"lm_loss": mean}) if return_metrics else mean
+            if not return_metrics:
+                return mean
+            lm = mean - sum((self.config.router_aux_loss_coef * metrics["moe_aux_loss"],
+                             self.config.router_z_loss_coef * metrics["moe_z_loss"])
+                            ) if metrics else mean  # the router losses of the experts
+            return mean, {"lm_loss": lm, **metrics}
         order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
         documents = self._documents(tokens, segment_ids, positions, order)

@@ -107,7 +107,8 @@ class GPTConfig:
         all-gathers move FP8); or None (the default: ``dtype``). Embeddings, norms,
         attention, the LM head (a documented choice: its logits feed the loss
         directly, and it is a small share of the FLOPs at scale) and the experts of a
-        mixture of experts stay in ``dtype``. Not with pipeline stages yet.
+        mixture of experts stay in ``dtype``. In pipeline stages too (each stage
+        holds its layers' amax histories).
     """
 
     vocab_size: int

@@ -31,34 +31,37 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
-from sp_jax.layers import parallel_cross_entropy
+from sp_jax.layers import moe_losses, parallel_cross_entropy
+from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
 from sp_jax.models.blocks import scan_blocks
 from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
 
-__all__ = ["check_pipeline", "inner_parallel", "pipeline_forward_loss",
-           "pipeline_loss_and_grads"]
+__all__ = ["check_pipeline", "inner_parallel", "manual_data_axes", "pipeline_forward_loss",
+           "pipeline_loss_and_grads", "router_metrics"]
+
+
+def manual_data_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The data axes the pipeline's ``shard_map`` makes manual: the batch axes but the
+    expert axis, which stays explicit for the mixture-of-experts layers (their
+    all-to-alls), as the tensor and context axes do."""
+    return tuple(a for a in parallel.data_axes if a not in parallel.expert_axes)
 
 
 def inner_parallel(parallel: ParallelConfig) -> ParallelConfig:
     """The config of the layers inside the pipeline's ``shard_map`` (stage and data
-    axes manual there)."""
+    axes manual there; the expert axis, carrying the batch too, explicit)."""
     return parallel.replace(data_axis=None, fsdp=False, pipeline_axis=None,
                             pipeline_microbatches=1, pipeline_schedule="gpipe",
-                            pipeline_repeats=1, manual_data_axes=parallel.data_axes)
+                            pipeline_repeats=1, manual_data_axes=manual_data_axes(parallel))
 
 
 def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
     """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline: blocks
     not scanned, or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when
     ``mesh`` is known)."""
-    if config.num_experts:
-        check("train", {"experts": f"num_experts={config.num_experts}",
-                        "pipeline": f"ParallelConfig(pipeline_axis={parallel.pipeline_axis!r})"},
-              where="GPT")
     if not config.scan_layers:
         raise ValueError(
             f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "
@@ -101,6 +104,50 @@ def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
     return nnx.graphdef(shell), nnx.graphdef(shell.blocks)
 
 
+def _router_terms(model: Any, ignore_index: int) -> Any:
+    """The ``aux_loss`` of a GPT with mixture-of-experts layers (a
+    :class:`~sp_jax.pipeline.StageProgram`'s): the routers' load-balancing and z losses
+    of one chunk's router statistics, exactly the unpipelined step's share (``lm_loss``
+    weighs a micro-batch's mean loss, these terms included, by its target count).
+
+    Over every layer of the micro-batch (:func:`~sp_jax.layers.moe_losses`), the
+    load-balancing loss is ``E / T^2 sum_e N_e P_e`` (``N_e``: pairs routed to expert
+    ``e``, not differentiable; ``P_e``: its router probabilities; ``T``: tokens, each
+    summed over the layers) and the z loss ``sum Z / T``: linear in a chunk's ``P`` and
+    ``Z`` once ``N`` and ``T`` come from the totals of all chunks."""
+    cfg = model.config
+
+    def aux_loss(aux, totals, micro):
+        del micro
+        count = jnp.maximum(totals["targets"][0, 0], 1.0)  # every chunk counts it
+        tokens = jnp.maximum(jnp.sum(totals["tokens"]), 1.0)
+        routed = jnp.sum(totals["expert_tokens"], axis=(0, 1, 2))  # [E], all layers
+        balance = cfg.num_experts * jnp.sum(routed * jnp.sum(aux["router_probs"], 0)) \
+            / (tokens * tokens)
+        z = jnp.sum(aux["router_z"]) / tokens
+        return count * (cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * z)
+
+    def counted(stats, micro):
+        """The chunk's statistics, and the micro-batch's targets (this data shard's)."""
+        targets = jnp.sum(micro["labels"] != ignore_index).astype(jnp.float32)
+        return {**stats, "targets": targets}
+
+    return aux_loss, counted
+
+
+def router_metrics(model: Any, totals: Any) -> dict[str, jax.Array]:
+    """The step's router metrics of a pipelined mixture of experts from the runner's
+    statistics (leaves ``[M, R, P, layers_per_chunk, ...]``): each micro-batch's
+    :func:`~sp_jax.layers.moe_losses` (its layers in order), averaged over the
+    micro-batches as :func:`~sp_jax.training.accumulate_gradients` averages them."""
+    cfg = model.config
+    stats = {k: v.reshape(v.shape[0], -1, *v.shape[4:]) for k, v in totals.items()
+             if k != "targets"}
+    per_micro = jax.vmap(lambda st: moe_losses(st, cfg.num_experts,
+                                               cfg.experts_per_token))(stats)
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro)
+
+
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
              label_smoothing: float, z_loss: float) -> StageProgram:
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts)."""
@@ -120,11 +167,15 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     def embed(shared, micro, key_data):
         return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data))
 
+    experts = bool(model.config.num_experts)
+    aux_loss, counted = _router_terms(model, ignore_index) if experts else (None, None)
+
     def stage(chunk, x, keys, micro):
-        del micro
         stacked = nnx.merge(block_graphdef, chunk)
-        y = scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
-        return y, jnp.zeros((), jnp.float32)
+        y, stats = scan_blocks(stacked, x, key(keys), remat)
+        if stats is None:
+            return y, jnp.zeros((), jnp.float32)
+        return y, counted(stats, micro)  # router statistics [layers_per_chunk, ...]
 
     def head(shared, x, micro):
         m = shell(shared)
@@ -134,7 +185,17 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
         return jnp.sum(per_token).astype(jnp.float32)
 
-    return StageProgram(embed=embed, stage=stage, head=head)
+    return StageProgram(embed=embed, stage=stage, head=head, aux_loss=aux_loss)
+
+
+def _histories(model: Any) -> dict[str, Any]:
+    """A tree of bools like the pure dict of the blocks' parameters: True at the FP8
+    amax histories (:class:`~sp_jax.layers.fp8.Fp8History`), whose "gradients" are the
+    step's amaxes, combined by maximum (the runner's ``maximum``)."""
+    state = nnx.state(model.blocks, nnx.Param)
+    flags = jax.tree.map(lambda v: isinstance(v, Fp8History), state,
+                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(flags)
 
 
 def _stage_major(blocks: Any, stages: int, repeats: int) -> Any:
@@ -171,7 +232,10 @@ def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
 
 def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
          keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
-         label_smoothing: float, z_loss: float, grads: bool) -> tuple[jax.Array, Any]:
+         label_smoothing: float, z_loss: float, grads: bool
+         ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Loss sum, gradients (None without ``grads``) and router metrics (a mixture of
+    experts'; else empty) of ``[M, batch, seq]`` micro-batches through the pipeline."""
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="GPT")
     check_pipeline(cfg, par, mesh)
@@ -198,48 +262,64 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
                                                *layer_keys.shape[2:]))
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], stages, repeats)
+    amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
     program = _program(model, order, ignore_index, label_smoothing, z_loss)
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
-    loss, result = run(program, schedule, shared, blocks,
-                       {"tokens": tokens, "labels": labels}, keys,
-                       stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh)
+    experts = program.aux_loss is not None
+    loss, result, *totals = run(program, schedule, shared, blocks,
+                                {"tokens": tokens, "labels": labels}, keys,
+                                stage_axis=par.pipeline_axis,
+                                data_axes=manual_data_axes(par), mesh=mesh, totals=experts,
+                                **({"maximum": amaxes} if grads else {}))
+    metrics = router_metrics(model, totals[0]) if experts else {}
     if not grads:
-        return loss, None
+        return loss, None, metrics
     g_shared, g_blocks = result
-    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}
+    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}, \
+        metrics
 
 
 def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,
-                            key: jax.Array | None, *, ignore_index: int = -100
-                            ) -> tuple[jax.Array, jax.Array, Any]:
+                            key: jax.Array | None, *, ignore_index: int = -100,
+                            return_metrics: bool = False) -> tuple:
     """One training step's ``(loss_sum, count, grads)`` of a pipelined GPT ``model``:
     ``tokens`` / ``labels`` ``[M, batch, seq]`` (``M`` micro-batches), micro-batch ``i``
     with the dropout of ``fold_in(key, i)`` (what ``lm_loss`` of the unpipelined model
     draws); ``grads`` of ``loss_sum`` as a pure dict shaped like the model's
-    parameters (``nnx.to_pure_dict``)."""
+    parameters (``nnx.to_pure_dict``). ``loss_sum`` holds, with mixture-of-experts
+    layers, each micro-batch's router losses times its target count (as ``lm_loss``);
+    with ``return_metrics`` a fourth element, their metrics (:func:`router_metrics`:
+    ``moe_aux_loss``, ``moe_z_loss``, ``moe_dropped_fraction``, ``moe_expert_tokens``;
+    empty without experts)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = None
     if model.training and key is not None:
         keys = _draws([nnx.Rngs(dropout=jax.random.fold_in(key, i)).dropout
                        for i in range(tokens.shape[0])], model.config.num_layers)
-    loss, grads = _run(model, params, tokens, labels, keys, ignore_index, 0.0, 0.0, True)
+    loss, grads, metrics = _run(model, params, tokens, labels, keys, ignore_index, 0.0,
+                                0.0, True)
     count = jnp.sum(labels != ignore_index)
-    return loss, count, grads
+    return (loss, count, grads, metrics) if return_metrics else (loss, count, grads)
 
 
 def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
                           stream: Any, *, ignore_index: int,
-                          label_smoothing: float, z_loss: float) -> jax.Array:
+                          label_smoothing: float, z_loss: float
+                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sum of per-token losses of ``[batch, seq]`` ``tokens`` through the pipeline
-    (``GPT.loss`` of a pipelined model): the batch runs as
+    (``GPT.loss`` of a pipelined model; with experts their router losses times the
+    target count) and the router metrics (:func:`router_metrics`; empty without
+    experts): the batch runs as
     ``pipeline_microbatches`` micro-batches of a GPipe forward when it splits evenly
-    over them and the data axes and no dropout is drawn, else as one (whose dropout is
-    then the unpipelined model's: ``stream``, the dropout rng stream, draws its keys)."""
+    over them and the data axes, no dropout is drawn and there are no experts, else as
+    one (whose dropout is then the unpipelined model's: ``stream``, the dropout rng
+    stream, draws its keys; whose router losses are the whole batch's, as the
+    unpipelined model's)."""
     par = model.parallel
     mesh = current_mesh(par, where="GPT")
     data = math.prod(mesh.shape[a] for a in par.data_axes)
     micro = par.pipeline_microbatches
-    if model.training or tokens.shape[0] % (micro * data):
+    if model.training or model.config.num_experts or tokens.shape[0] % (micro * data):
         micro = 1
     batch = tokens.shape[0] // micro
 
@@ -254,5 +334,6 @@ def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
     tokens, labels = split(tokens), split(labels)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = _draws([stream], model.config.num_layers) if model.training else None
-    return _run(model, params, tokens, labels, keys, ignore_index, label_smoothing, z_loss,
-                False)[0]
+    loss, _, metrics = _run(model, params, tokens, labels, keys, ignore_index,
+                            label_smoothing, z_loss, False)
+    return loss, metrics

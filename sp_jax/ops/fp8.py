@@ -73,10 +73,15 @@ class Fp8Spec:
       recipe: the :class:`~sp_jax.Fp8Recipe`.
       amax_axes: the mesh axes a tensor's shards may span (data, context and tensor
         axes): a tensor's amax is the maximum over those of them it varies over.
+      manual_axes: axes of ``amax_axes`` that an enclosing ``shard_map`` made manual
+        without tracking which values vary over them (the data axes inside a
+        pipeline, ``ParallelConfig.manual_data_axes``): the maximum is always taken
+        over them (a scalar ``pmax``, a no-op on the values that do not vary).
     """
 
     recipe: Fp8Recipe
     amax_axes: tuple[AxisName, ...]
+    manual_axes: tuple[AxisName, ...] = ()
 
 
 def fp8_max(dtype) -> float:
@@ -89,18 +94,20 @@ def local_amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def over_shards(amax: jax.Array, axes: Sequence[AxisName]) -> jax.Array:
+def over_shards(amax: jax.Array, axes: Sequence[AxisName],
+                manual: Sequence[AxisName] = ()) -> jax.Array:
     """The maximum of the per-device ``amax`` over those of ``axes`` it varies over (a
     tensor's shards; axes it is replicated over hold the same values and need no
-    collective)."""
-    over = tuple(a for a in axes if a in vma(amax))
+    collective), and over the ``manual`` axes always (:class:`Fp8Spec`)."""
+    over = tuple(dict.fromkeys((*(a for a in axes if a in vma(amax)), *manual)))
     return lax.pmax(amax, over) if over else amax
 
 
-def whole_amax(x: jax.Array, axes: Sequence[AxisName]) -> jax.Array:
+def whole_amax(x: jax.Array, axes: Sequence[AxisName],
+               manual: Sequence[AxisName] = ()) -> jax.Array:
     """``max |x|`` over the whole tensor, fp32: :func:`local_amax`, then
     :func:`over_shards`."""
-    return over_shards(local_amax(x), axes)
+    return over_shards(local_amax(x), axes, manual)
 
 
 def scale_from_amax(amax: jax.Array, dtype, margin: int = 0) -> jax.Array:
@@ -199,7 +206,7 @@ class Fp8Gemm:
         it until the end of the step, where the scalars' all-reduces are combined) and
         reduces it over the shards after that (:meth:`state_cotangent`)."""
         if history is None:
-            amax, recorded = whole_amax(x, self.spec.amax_axes), None
+            amax, recorded = whole_amax(x, self.spec.amax_axes, self.spec.manual_axes), None
         else:
             amax, recorded = jnp.max(history[role]), local_amax(x)
         scale = scale_from_amax(amax, FORMATS[role], self.spec.recipe.margin)
@@ -258,4 +265,5 @@ class Fp8Gemm:
         if ctx.history is None:
             return None
         return history_amax_cotangent(
-            ctx.history, [over_shards(a, self.spec.amax_axes) for a in ctx.amaxes])
+            ctx.history, [over_shards(a, self.spec.amax_axes, self.spec.manual_axes)
+                          for a in ctx.amaxes])

@@ -67,11 +67,23 @@ class StageProgram:
         dict); ``aux``: a float32 scalar the step adds to its loss (e.g. auxiliary losses
         of the chunk's layers; 0.0 for none), differentiated with it.
       head: ``(shared, x, micro) -> loss sum`` (float32 scalar) of the last stage.
+      aux_loss: None (``aux`` is the loss term itself), or ``(aux, totals, micro) ->``
+        the float32 loss term of one chunk's ``aux`` (then a pytree of float32 statistics
+        of the chunk, e.g. a mixture of experts' router sums): ``totals`` is every
+        chunk's ``aux`` of the micro-batch summed over the data axes, leaves ``[R, P,
+        ...]`` (chunk ``r P + s`` at ``[r, s]``: layer order), the same on every device
+        and not differentiated. It must be linear in ``aux``: the step's term is its
+        sum over the devices, as the head's loss. A term that couples the layers of
+        all stages (the load-balancing loss's expert counts times router probabilities
+        of every layer) is then exact: the backward of a chunk runs after every
+        chunk's forward of its micro-batch, whose statistics the stages exchange (a
+        small all-gather per tick).
     """
 
     embed: Callable[[Any, Any, Any], jax.Array]
-    stage: Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, jax.Array]]
+    stage: Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, Any]]
     head: Callable[[Any, jax.Array, Any], jax.Array]
+    aux_loss: Callable[[Any, Any, Any], jax.Array] | None = None
 
 
 def _micro(batch: Any, m: jax.Array | int) -> Any:
@@ -228,13 +240,58 @@ def _keys_at(keys: Any, m: jax.Array, r: jax.Array, s: jax.Array) -> Any:
     return keys[m, r, s]
 
 
-def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: bool = True
-         ) -> Any:
-    """``body`` under the pipeline's ``shard_map`` (manual over stage and data)."""
+def _masked(active: jax.Array, tree: Any) -> Any:
+    """``tree`` where ``active``, else zeros."""
+    return jax.tree.map(lambda a: jnp.where(active, a, jnp.zeros_like(a)), tree)
+
+
+def _aux_table(program: StageProgram, stages: Any, x: jax.Array, keys: Any, micro: Any,
+               shape: tuple[int, ...]) -> Any:
+    """Zeros ``[*shape, ...]`` for the ``aux`` statistics of a chunk (its shapes from
+    :meth:`StageProgram.stage`)."""
+    aux = jax.eval_shape(lambda c, x, k: program.stage(c, x, k, micro)[1],
+                         _chunk(stages, 0), x, keys)
+    return jax.tree.map(lambda a: jnp.zeros((*shape, *a.shape), _F32), aux)
+
+
+def _exchanged(aux: Any, axes: _Axes) -> Any:
+    """``aux`` summed over the data axes and gathered over the stage axis: ``[P, ...]``
+    on every device (not differentiated)."""
+    aux = jax.lax.stop_gradient(aux)
+    if axes.data:
+        aux = jax.tree.map(lambda a: lax.psum(a, axes.data), aux)
+    return jax.tree.map(lambda a: lax.all_gather(a, axes.stage), aux)
+
+
+def _loop_spec(x: jax.Array, axes: _Axes) -> P:
+    """``x``'s spec without the explicit axes of the dimensions it shares with data axes
+    (an fsdp parameter's hidden dimension over the data and the expert axes: the loop
+    gathers it whole over the data axes, so its expert part is gathered before, and the
+    gradient's reduce-scatter over the data axes sees no explicit axis on that
+    dimension)."""
+    spec = jax.typeof(x).sharding.spec
+    return P(*(entry if not _kept(entry, axes.data) else _kept(entry, axes.manual)
+               for entry in spec))
+
+
+def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: bool = True,
+         totals: bool = False) -> Any:
+    """``body`` under the pipeline's ``shard_map`` (manual over stage and data); the
+    parameters (the first two inputs) in their :func:`_loop_spec` layout there, their
+    gradients back in the parameters' layout."""
+    params = program_inputs[:2]
+    loop = jax.tree.map(lambda x: _loop_spec(x, axes), params)
+    program_inputs = (*jax.tree.map(jax.reshard, params, loop), *program_inputs[2:])
     specs = jax.tree.map(axes.restrict, program_inputs)
     out_specs = (P(), (specs[0], specs[1])) if grads else P()
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
-                         axis_names=set(axes.manual), check_vma=False)(*program_inputs)
+    if totals:
+        out_specs = (*out_specs, P()) if grads else (P(), P())
+    out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                        axis_names=set(axes.manual), check_vma=False)(*program_inputs)
+    if not grads:
+        return out
+    original = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, params)
+    return (out[0], jax.tree.map(jax.reshard, out[1], original), *out[2:])
 
 
 def _prepare(shared, stages, axes, shared_specs, stage_specs):
@@ -245,17 +302,31 @@ def _prepare(shared, stages, axes, shared_specs, stage_specs):
     return shared, stages
 
 
-def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
-    """Per-device gradients reduced once: see :func:`_reduce`."""
+def _finish(g_shared, g_stages, axes, shared_specs, stage_specs, maximum=None):
+    """Per-device gradients reduced once: see :func:`_reduce`; the stage leaves flagged
+    in ``maximum`` (amaxes) by their maximum over the data axes instead."""
     g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True), g_shared, shared_specs)
-    g_stages = jax.tree.map(lambda g, sp: _reduce(g[None], sp, axes, False), g_stages,
-                            stage_specs)
+
+    def one(g, sp, flag):
+        if not flag:
+            return _reduce(g[None], sp, axes, False)
+        return lax.pmax(g[None], axes.data) if axes.data else g[None]
+
+    g_stages = jax.tree.map(one, g_stages, stage_specs, _flags(maximum, g_stages))
     return g_shared, g_stages
+
+
+def _flags(maximum: Any, stages: Any) -> Any:
+    """``maximum`` (a tree of bools like ``stages``, or None: none) as a full tree."""
+    if maximum is None:
+        return jax.tree.map(lambda _: False, stages)
+    return jax.tree.map(bool, maximum)
 
 
 def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
           batch: Any, keys: tuple[Any, Any] | None, *,
-          stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True
+          stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True,
+          totals: bool = False, maximum: Any = None
           ) -> tuple[jax.Array, tuple[Any, Any] | None]:
     """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step.
 
@@ -271,10 +342,17 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         data, or None.
       stage_axis / data_axes: the mesh axes; mesh: the mesh.
       grads: False for the loss alone (the forward loop, no autodiff).
+      totals: also return the ``aux`` statistics of every micro-batch (a program with
+        ``aux_loss``): leaves ``[M, R, P, ...]``, summed over the data axes.
+      maximum: None, or a tree of bools like ``stages``: the "gradients" of the leaves
+        marked True (an FP8 layer's amax history, whose cotangent is the step's amaxes)
+        are their maximum over the micro-batches a stage runs and over the data axes,
+        not a sum (each tick's taken apart: the forward loop gets them per tick).
     Returns:
       ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
       the step (with the stages' ``aux`` terms) and its gradients, sharded like
-      ``shared`` and ``stages`` (None without ``grads``).
+      ``shared`` and ``stages`` (None without ``grads``); with ``totals`` a third
+      element, the statistics.
     """
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
@@ -282,15 +360,27 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
     fwd_micro = jnp.asarray(schedule.fwd_micro)
     fwd_repeat = jnp.asarray(schedule.fwd_repeat)
     p, r_last, m_count = schedule.stages, schedule.repeats - 1, schedule.microbatches
+    repeats = schedule.repeats
     ring = [(i, (i + 1) % p) for i in range(p)]
+    coupled = program.aux_loss is not None
+    flags = _flags(maximum, stages)
+    maxed = any(jax.tree.leaves(flags))
 
     def body(shared, stages, batch, keys):
         s = lax.axis_index(stage_axis)
         shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
+        # the flagged leaves of each tick's chunk, [ticks, ...]: their per-tick
+        # cotangents come apart (combined by maximum below), not summed by autodiff
+        ticked = jax.tree.map(lambda f, x: jnp.take(x, jnp.maximum(fwd_repeat[:, s], 0),
+                                                    axis=0) if f else None, flags, stages)
 
-        def local_loss(shared, stages):
+        def local_loss(shared, stages, ticked):
             x0 = program.embed(shared, _micro(batch, 0), None if ekeys is None else ekeys[0])
+            # aux: a scalar sum, or (aux_loss) each (micro-batch, chunk)'s statistics
+            aux0 = _aux_table(program, stages, x0, _keys_at(lkeys, 0, 0, s),
+                              _micro(batch, 0), (m_count, repeats)) if coupled else \
+                jnp.zeros((), _F32)
 
             def tick(carry, t):
                 recv, outputs, aux_sum = carry
@@ -306,49 +396,89 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
                 # (the layers' custom VJPs still keep their kernel shards per tick:
                 # BENCHMARKS.md, "Pipeline parallelism")
                 chunk = jax.checkpoint(_chunk)(stages, r)
+                if maxed:
+                    chunk = jax.tree.map(lambda f, c, x: x[t] if f else c, flags, chunk,
+                                         ticked, is_leaf=lambda x: x is None)
                 y, aux = program.stage(chunk, x, _keys_at(lkeys, m, r, s), micro)
                 y = jnp.where(active, y, jnp.zeros_like(y))
-                aux_sum = aux_sum + jnp.where(active, aux.astype(_F32), 0.0)
+                aux = _masked(active, jax.tree.map(lambda a: a.astype(_F32), aux))
+                if coupled:  # each (micro-batch, chunk) runs once on this stage
+                    aux_sum = jax.tree.map(lambda acc, a: acc.at[m, r].add(a), aux_sum, aux)
+                else:
+                    aux_sum = aux_sum + aux
                 last = active & (r == r_last) & (s == p - 1)
                 outputs = outputs.at[m].set(jnp.where(last, y, outputs[m]))
                 return (lax.ppermute(y, stage_axis, ring), outputs, aux_sum), None
 
             outputs = _stacked_zeros(m_count, x0)
             (_, outputs, aux_sum), _ = lax.scan(
-                tick, (jnp.zeros_like(x0), outputs, jnp.zeros((), _F32)),
-                jnp.arange(schedule.num_ticks))
+                tick, (jnp.zeros_like(x0), outputs, aux0), jnp.arange(schedule.num_ticks))
 
             def one(total, i):  # on every stage (see _when); the last one's counts
                 return total + program.head(shared, outputs[i], _micro(batch, i)), None
 
             total = lax.scan(one, jnp.zeros((), _F32), jnp.arange(m_count))[0]
-            return jnp.where(s == p - 1, total, 0.0) + aux_sum
+            if not coupled:
+                return jnp.where(s == p - 1, total, 0.0) + aux_sum, None
+            # [P, M, R, ...] -> [M, R, P, ...]: every chunk's statistics per micro-batch
+            table = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 2),
+                                 _exchanged(aux_sum, axes))
+
+            def coupled_terms(acc, i):
+                micro, sums = _micro(batch, i), _micro(table, i)
+                return acc + sum(program.aux_loss(_micro(_micro(aux_sum, i), r), sums, micro)
+                                 for r in range(repeats)), None
+
+            extra = lax.scan(coupled_terms, jnp.zeros((), _F32), jnp.arange(m_count))[0]
+            return jnp.where(s == p - 1, total, 0.0) + extra, table
 
         if not grads:
-            return lax.psum(local_loss(shared, stages), tuple(axes.manual))
-        loss, (g_shared, g_stages) = jax.value_and_grad(local_loss, argnums=(0, 1))(
-            shared, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
-        return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
+            loss, table = local_loss(shared, stages, ticked)
+            loss = lax.psum(loss, tuple(axes.manual))
+            return (loss, table) if totals else loss
+        (loss, table), (g_shared, g_stages, g_ticked) = jax.value_and_grad(
+            local_loss, argnums=(0, 1, 2), has_aux=True)(shared, stages, ticked)
+        if maxed:  # per chunk, the maximum over the ticks that ran it
+            active = fwd_micro[:, s] >= 0
+            chunks = jnp.maximum(fwd_repeat[:, s], 0)
 
+            def over_ticks(g):
+                here = active[:, None] & (chunks[:, None] == jnp.arange(repeats)[None])
+                shape = (*here.shape, *([1] * (g.ndim - 1)))
+                return jnp.max(jnp.where(here.reshape(shape), g[:, None], 0.0), axis=0)
+
+            g_stages = jax.tree.map(lambda f, g, gt: over_ticks(gt) if f else g, flags,
+                                    g_stages, g_ticked, is_leaf=lambda x: x is None)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs,
+                                     flags)
+        out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
+        return (*out, table) if totals else out
+
+    inputs = (shared, stages, batch, keys)
     if not grads:
-        return _run(body, (shared, stages, batch, keys), axes, mesh, False), None
-    return _run(body, (shared, stages, batch, keys), axes, mesh)
+        out = _run(body, inputs, axes, mesh, False, totals)
+        return (out[0], None, out[1]) if totals else (out, None)
+    return _run(body, inputs, axes, mesh, True, totals)
 
 
 def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 stages: Any, batch: Any, keys: tuple[Any, Any] | None, *, stage_axis: str,
-                data_axes: tuple[str, ...], mesh: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+                data_axes: tuple[str, ...], mesh: Any, totals: bool = False,
+                maximum: Any = None) -> tuple[jax.Array, tuple[Any, Any]]:
     """Loss sum and gradients of a 1F1B pipeline step: arguments and results as
     :func:`gpipe` with ``grads`` (a loss alone is :func:`gpipe`'s forward), ``schedule``
     a ``"1f1b"`` one. Gradients accumulate in float32 and come back in the parameters'
-    dtypes."""
+    dtypes. With a program's ``aux_loss``, each tick's forward statistics are exchanged
+    (:func:`_exchanged`) before its backward, which takes each chunk's term and its
+    cotangent from the micro-batch's totals."""
     axes = _Axes(stage_axis, tuple(data_axes))
     shared_specs = jax.tree.map(axes.restrict, shared)
     stage_specs = jax.tree.map(axes.restrict, stages)
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in (
         "fwd_micro", "fwd_repeat", "bwd_micro", "bwd_repeat", "fwd_slot", "bwd_slot")}
     p, r_last = schedule.stages, schedule.repeats - 1
+    coupled = program.aux_loss is not None
+    flags = _flags(maximum, stages)
     ticks = _busy_ticks(schedule)
     # With one chunk per stage the last stage ends a micro-batch (and the first starts
     # one) in every steady tick: no condition around the head or the embedding backward.
@@ -367,11 +497,15 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
 
         x0 = embed(shared, 0)
         zeros32 = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=_F32), (shared, stages))
+        # aux_loss: every (micro-batch, chunk)'s statistics [M, R, P, ...], filled as the
+        # forwards run (a micro-batch's are complete before its first backward)
+        table0 = _aux_table(program, stages, x0, _keys_at(lkeys, 0, 0, s), _micro(batch, 0),
+                            (schedule.microbatches, schedule.repeats, p)) if coupled else None
 
         def tick(carry, t, forward, backward):
             """One tick; ``forward`` / ``backward`` (static): whether any stage
             forwards / back-propagates in this phase of the schedule."""
-            recv_f, sent_b, inputs, loss, (g_shared, g_stages) = carry
+            recv_f, sent_b, inputs, loss, (g_shared, g_stages), table = carry
             # The gradient the previous tick sent back: it travels while this tick's
             # forward runs (needed only by the backward below), as this tick's forward
             # output travels during its backward.
@@ -390,7 +524,18 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 y, aux = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s),
                                        _micro(batch, m))
                 y = jnp.where(active, y, jnp.zeros_like(y))
-                loss = loss + jnp.where(active, aux.astype(_F32), 0.0)
+                if coupled:  # this tick's statistics of every stage, into the table
+                    gathered = _exchanged(
+                        _masked(active, jax.tree.map(lambda a: a.astype(_F32), aux)), axes)
+                    where_m = lax.all_gather(jnp.where(active, m, schedule.microbatches),
+                                             stage_axis)
+                    where_r = lax.all_gather(r, stage_axis)
+                    table = jax.tree.map(
+                        lambda tb, g: tb.at[where_m, where_r, jnp.arange(p)].add(
+                            g, mode="drop"), table, gathered)
+                    table, y = _ordered(cpu, (table, y))
+                else:
+                    loss = loss + jnp.where(active, aux.astype(_F32), 0.0)
                 sent_f = lax.ppermute(y, stage_axis, forward_ring)  # during the backward
                 sent_f, y, inputs, sh = _ordered(cpu, (sent_f, y, inputs, sh))
                 # The last virtual stage: the loss and its gradient, which starts this
@@ -414,14 +559,21 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 xb = inputs[jnp.maximum(at["bwd_slot"], 0)]
                 gy = jnp.where(active_b & (rb == r_last) & (s == p - 1), dy, recv_b)
                 gy = jnp.where(active_b, gy, jnp.zeros_like(gy))  # idle: zero gradients
-                _, pullback = jax.vjp(
+                (_, aux_b), pullback = jax.vjp(
                     lambda chunk, x: program.stage(chunk, x, _keys_at(lkeys, mb, rb, s),
                                                    _micro(batch, mb)),
                     _chunk(stages, rb), xb)
-                # the aux term's cotangent: 1 where this stage back-propagates
-                d_chunk, dx = pullback((gy, active_b.astype(_F32)))
-                g_stages = jax.tree.map(
-                    lambda g, d: g.at[rb].add(d.astype(_F32)), g_stages, d_chunk)
+                if coupled:  # the chunk's term and its cotangent, from the totals
+                    value, d_aux = jax.value_and_grad(program.aux_loss)(
+                        aux_b, _micro(table, mb), _micro(batch, mb))
+                    loss = loss + jnp.where(active_b, value.astype(_F32), 0.0)
+                    d_aux = _masked(active_b, d_aux)
+                else:  # the aux term's cotangent: 1 where this stage back-propagates
+                    d_aux = active_b.astype(_F32)
+                d_chunk, dx = pullback((gy, d_aux))
+                g_stages = jax.tree.map(  # amaxes (flags): the maximum where active
+                    lambda f, g, d: g.at[rb].max(jnp.where(active_b, d.astype(_F32), 0.0))
+                    if f else g.at[rb].add(d.astype(_F32)), flags, g_stages, d_chunk)
                 first_b = active_b & (rb == 0) & (s == 0)
 
                 def embed_backward():
@@ -432,18 +584,20 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
             if not forward:
                 y, dx, g_shared, g_stages = _ordered(cpu, (y, dx, g_shared, g_stages))
                 sent_f = lax.ppermute(y, stage_axis, forward_ring)
-            return (sent_f, dx, inputs, loss, (g_shared, g_stages)), None
+            return (sent_f, dx, inputs, loss, (g_shared, g_stages), table), None
 
         inputs = _stacked_zeros(schedule.num_slots, x0)
         carry = (jnp.zeros_like(x0), jnp.zeros_like(x0), inputs, jnp.zeros((), _F32),
-                 zeros32)
+                 zeros32, table0)
         for begin, end, forward, backward in _phases(schedule):
             carry, _ = lax.scan(functools.partial(tick, forward=forward, backward=backward),
                                 carry, jnp.arange(begin, end))
-        _, _, _, loss, (g_shared, g_stages) = carry
+        _, _, _, loss, (g_shared, g_stages), table = carry
         g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
         g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
-        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
-        return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
+        g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs,
+                                     flags)
+        out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
+        return (*out, table) if totals else out
 
-    return _run(body, (shared, stages, batch, keys), axes, mesh)
+    return _run(body, (shared, stages, batch, keys), axes, mesh, True, totals)

@@ -136,9 +136,13 @@ def _pipelined(model: nnx.Module) -> bool:
 
 
 def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Array,
-                        loss_fn: LossFn) -> tuple[jax.Array, Any]:
-    """Mean loss and fp32 gradients of a pipelined model's step: its schedule runs the
-    batch's micro-batches (``model.pipeline_loss_and_grads``)."""
+                        loss_fn: LossFn) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
+    """Mean loss, fp32 gradients, metrics (a mixture of experts' router metrics,
+    averaged over the micro-batches as :func:`accumulate_gradients` does) and the FP8
+    amax histories' "gradients" (the step's amaxes, the maximum over the micro-batches;
+    an empty state without them) of a pipelined model's step: its schedule runs the
+    batch's micro-batches (``model.pipeline_loss_and_grads``). ``params``: all the
+    model's ``nnx.Param`` state, histories included."""
     if loss_fn is not lm_loss:
         check("train", {"custom_loss": "a custom loss_fn", "pipeline": "a pipelined model "
                         "(ParallelConfig(pipeline_axis=...))"}, where="TrainStep")
@@ -150,12 +154,14 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
     if not isinstance(batch, dict) or set(batch) != {"tokens", "labels"}:
         raise ValueError("TrainStep: a pipelined model takes batches {'tokens', 'labels'} "
                          "[micro_batches, batch, seq].")
-    loss_sum, count, pure = model.pipeline_loss_and_grads(batch["tokens"], batch["labels"],
-                                                           key)
+    loss_sum, count, pure, metrics = model.pipeline_loss_and_grads(
+        batch["tokens"], batch["labels"], key, return_metrics=True)
     grads = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(grads, pure)
+    grads, amaxes = split_fp8(grads)
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
-    return loss_sum * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
+    return loss_sum * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), \
+        metrics, amaxes
 
 
 def _shardings(tree: Any) -> Any:
@@ -198,7 +204,8 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         model = nnx.merge(graphdef, all_params, rest)
         metrics = {}
         if _pipelined(model):
-            loss, grads = _pipeline_gradients(model, params, batch, key, loss_fn)
+            loss, grads, metrics, amaxes = _pipeline_gradients(model, all_params, batch, key,
+                                                               loss_fn)
         elif fp8:  # the amax histories' "gradients" are the step's amaxes
             loss, (grads, amaxes), metrics = accumulate_gradients(
                 pure_loss, (params, histories), batch, key, with_metrics=True,
