@@ -106,8 +106,9 @@ class GPTConfig:
         e5m2 output gradients, whole-tensor scales, fp32 accumulation; the sequence
         all-gathers move FP8); or None (the default: ``dtype``). Embeddings, norms,
         attention, the LM head (a documented choice: its logits feed the loss
-        directly, and it is a small share of the FLOPs at scale) and the experts of a
-        mixture of experts stay in ``dtype``. Not with pipeline stages yet.
+        directly, and it is a small share of the FLOPs at scale) and the router stay in
+        ``dtype``; a mixture of experts' grouped GEMMs (and shared experts) run in FP8
+        too (:class:`~sp_jax.layers.MoE`). Not with pipeline stages yet.
     """
 
     vocab_size: int
