@@ -14,7 +14,12 @@ sp_jax's FP8 dense GEMMs become cuBLASLt FP8 GEMMs):
 - ``ragged fp8 recipe``: the same dequantise-then-multiply pattern with ``ragged_dot``;
 - ``ragged fp8 direct``: ``ragged_dot`` of the e4m3 operands themselves
   (``preferred_element_type=float32``);
-- ``ragged bf16``: the compute-dtype grouped GEMM the experts run today.
+- ``ragged bf16``: the compute-dtype grouped GEMM;
+- ``experts fwd+bwd bf16`` / ``experts fwd+bwd fp8``: the gradients (rows, up and down
+  weights) of one Mixtral expert layer's grouped FFN, :func:`sp_jax.ops.moe.grouped_ffn`
+  (up ``[rows, h] x [E, h, 2F]``, SwiGLU, down ``[rows, F] x [E, F, h]``), in bf16 and
+  with ``fp8=`` (current scaling: :func:`sp_jax.ops.moe.fp8_grouped_gemm`, what
+  ``GPTConfig(fp8=...)`` runs for the experts).
 
 For each: the GEMM instructions of the optimized HLO (cuBLAS / cuBLASLt custom calls,
 their targets, and ``dot`` / fusion kinds) and the element types entering them (an
@@ -33,7 +38,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.analysis import compile_for_gpu
+from sp_jax.config import Fp8Recipe
+from sp_jax.layers.mlp import MLPActivation
 from sp_jax.ops import fp8
+from sp_jax.ops.moe import grouped_ffn
 from sp_jax.xla_flags import FP8_COMPILER_OPTIONS
 
 __all__ = ["PROGRAMS", "inspect", "main", "markdown"]
@@ -65,10 +73,23 @@ def _programs(rows: int, h: int, F: int, E: int) -> dict[str, tuple[Any, tuple]]
     def ragged_bf16(a, b, g):
         return lax.ragged_dot(a, b, g)
 
+    def experts(spec):
+        def grads(x, w_up, w_down, g):
+            def loss(x, w_up, w_down):
+                y = grouped_ffn(x, g, w_up, w_down, MLPActivation("swiglu"), fp8=spec)
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+            return jax.grad(loss, argnums=(0, 1, 2))(x, w_up, w_down)
+        return grads
+
+    up = jax.ShapeDtypeStruct((E, h, 2 * F), jnp.bfloat16)
+    down = jax.ShapeDtypeStruct((E, F, h), jnp.bfloat16)
     return {"dense fp8 (control)": (dense, (x8, scale, d8, scale)),
             "ragged fp8 recipe": (ragged_recipe, (x8, scale, w8, scale, sizes)),
             "ragged fp8 direct": (ragged_direct, (x8, w8, sizes)),
-            "ragged bf16": (ragged_bf16, (xb, wb, sizes))}
+            "ragged bf16": (ragged_bf16, (xb, wb, sizes)),
+            "experts fwd+bwd bf16": (experts(None), (xb, up, down, sizes)),
+            "experts fwd+bwd fp8": (experts(fp8.Fp8Spec(Fp8Recipe("current"), ())),
+                                    (xb, up, down, sizes))}
 
 
 PROGRAMS = tuple(_programs(**SHAPE))
@@ -93,6 +114,8 @@ def inspect(hlo: str) -> dict[str, Any]:
         "fusion_kinds": sorted(set(_FUSION_KIND.findall(hlo))),
         "gemm_operand_types": operands,
         "fp8_gemm": "__cublas$lt$matmul$f8" in hlo,
+        "fp8_gemms": hlo.count('custom_call_target="__cublas$lt$matmul$f8"'),
+        "gemms": len(re.findall(r'custom_call_target="__cublas', hlo)),
     }
 
 
@@ -114,10 +137,10 @@ def run(rows: int = SHAPE["rows"], h: int = SHAPE["h"], F: int = SHAPE["F"],
 
 def markdown(res: dict[str, dict[str, Any]]) -> str:
     """A table of :func:`run`'s result."""
-    lines = ["| program | cuBLAS(Lt) FP8 GEMM | GEMM custom calls | their operands | "
+    lines = ["| program | cuBLAS(Lt) FP8 GEMMs | GEMM custom calls | their operands | "
              "Triton / cuDNN fusions | temp (MiB) |", "|---|---|---|---|---|---|"]
     for name, r in res.items():
-        lines.append(f"| {name} | {'yes' if r['fp8_gemm'] else 'no'} | "
+        lines.append(f"| {name} | {r['fp8_gemms']} of {r['gemms']} | "
                      f"{', '.join(f'`{c}`' for c in r['custom_calls']) or 'none'} | "
                      f"{'; '.join(' x '.join(t) for t in r['gemm_operand_types'])} | "
                      f"{', '.join(f'`{c}`' for c in r['fusion_kinds']) or 'none'} | "

@@ -184,6 +184,7 @@ _MOE_PIPE = "tests/test_moe.py::test_experts_in_pipeline_stages_train_like_the_r
 _FP8_PIPE = "tests/test_fp8.py::test_pipelined_fp8_first_step_equals_unpipelined"
 _FP8 = "tests/test_fp8.py::test_sharded_fp8_gpt_first_step_equals_unsharded"
 _FP8_LAYER = "tests/test_fp8.py::test_layer_equals_numpy_fp8_reference"
+_FP8_EXPERTS = "tests/test_fp8_experts.py::test_sharded_fp8_experts_first_step_equals_unsharded"
 _PACKED = "tests/test_packed.py::test_packed_batch_equals_its_documents_one_by_one"
 _HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
 _HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
@@ -237,6 +238,12 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, "fp8_delayed", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-delayed]"),
     (_TRAIN, (_TS, "fp8_delayed", "fsdp"), f"{_FP8_LAYER}[column_sp-2x4_fsdp-delayed]"),
     (_TRAIN, (_TS, "fp8_delayed", _RING), f"{_FP8_LAYER}[column_sp-1x2x4_ring-delayed]"),
+    (_TRAIN, (_TS, *_EXPERTS, "fp8_current"), f"{_FP8_EXPERTS}[current-data2_expert2_tensor2]"),
+    (_TRAIN, (_TS, *_EXPERTS, "fp8_delayed"), f"{_FP8_EXPERTS}[delayed-data2_expert2_tensor2]"),
+    (_TRAIN, (_TS, *_EXPERTS, "fp8_current", "fsdp"),
+     f"{_FP8_EXPERTS}[current-data2_expert2_tensor2_scan_fsdp]"),
+    (_TRAIN, (_TS, *_EXPERTS, "fp8_delayed", "fsdp"),
+     f"{_FP8_EXPERTS}[delayed-data2_expert2_tensor2_scan_fsdp]"),
     (_TRAIN, (_TS, _DOCS), f"{_PACKED}[2x4_learned]"),
     (_TRAIN, (_TS, _DOCS, "fsdp"), f"{_PACKED}[2x4_rotary_gqa_fsdp]"),
     (_TRAIN, (_TS, _DOCS, _RING), f"{_PACKED}[ring_zigzag_1x2x4_rotary]"),

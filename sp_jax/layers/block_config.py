@@ -327,6 +327,10 @@ class MoEConfig:
       dropout: dropout rate on the block output.
       norm / norm_epsilon: the pre-norm.
       dtype / param_dtype: compute and parameter dtypes (the router runs in fp32).
+      fp8: an :class:`~sp_jax.Fp8Recipe`: the experts' grouped GEMMs (and the shared
+        experts' projections) compute in FP8 (:func:`sp_jax.ops.moe.fp8_grouped_gemm`;
+        the router, the activation and generation's decode steps in ``dtype``), or None
+        (the compute dtype).
     """
 
     hidden: int
@@ -342,8 +346,10 @@ class MoEConfig:
     norm_epsilon: float = 1e-5
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self) -> None:
+        settle_block_fields(self)
         check_block_fields("MoEConfig", self)
         check_moe_fields("MoEConfig", self)
 

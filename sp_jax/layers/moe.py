@@ -19,11 +19,13 @@ from sp_jax.attention import sequence_order
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import MoEConfig, check_block_config
 from sp_jax.layers.dropout import Dropout
+from sp_jax.layers.fp8 import fp8_history, fp8_spec
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.mlp import MLPActivation
 from sp_jax.layers.norm import make_norm
 from sp_jax.layout import Layout
 from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
+from sp_jax.ops.fp8 import Fp8Spec
 from sp_jax.ops.fsdp import fsdp_gather
 from sp_jax.ops.moe import capacity_keep, expert_mixture, route, router_stats
 from sp_jax.ops.primitives import all_gather, split
@@ -82,8 +84,17 @@ class MoE(nnx.Module):
     reduce-scattered back to the sequence shards (the dense MLP's scatter). Dropless
     unless ``moe_capacity_factor`` is set.
 
+    With ``config.fp8`` (an :class:`~sp_jax.Fp8Recipe`) the two grouped GEMMs run in FP8
+    (:func:`sp_jax.ops.moe.fp8_grouped_gemm`: the dense layers' recipe, one whole-tensor
+    scale per operand over every device's rows and every expert shard), and so do the
+    shared experts' projections; with delayed scaling the layer holds the up and down
+    GEMMs' amax histories as ``experts_up_fp8_history`` / ``experts_down_fp8_history``
+    (:class:`~sp_jax.layers.fp8.Fp8History`, rolled by the training step like the dense
+    layers').
+
     Generation runs :meth:`decode_step` (one token per row, inside the decode
-    ``shard_map``, the expert weights in their training layout).
+    ``shard_map``, the expert weights in their training layout; in the compute dtype,
+    as the dense layers decode).
 
     Args:
       config: the :class:`~sp_jax.layers.MoEConfig`.
@@ -113,12 +124,15 @@ class MoE(nnx.Module):
         self.experts_down = nnx.Param(stacked(rngs.params(), (e, f, h), config.param_dtype),
                                       out_sharding=tuple(layout.expert_down),
                                       eager_sharding=eager)
+        fp8_spec(config.fp8, parallel)  # FP8 options the layer cannot run fail here
+        self.experts_up_fp8_history = fp8_history(config.fp8, eager=eager)
+        self.experts_down_fp8_history = fp8_history(config.fp8, eager=eager)
         self.shared_up: ColumnSequenceParallelLinear | None = nnx.data(None)
         self.shared_down: RowSequenceParallelLinear | None = nnx.data(None)
         if config.num_shared_experts:
             shared = config.num_shared_experts * f
             common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
-                          use_bias=False, rngs=rngs)
+                          use_bias=False, fp8=config.fp8, rngs=rngs)
             self.shared_up = ColumnSequenceParallelLinear(
                 h, (2 if config.gated else 1) * shared, **common)
             self.shared_down = RowSequenceParallelLinear(shared, h, **common)
@@ -205,22 +219,29 @@ class MoE(nnx.Module):
             cfg.moe_capacity_factor * seq * cfg.experts_per_token / cfg.num_experts)
         device = functools.partial(
             _mixture_device, config=cfg, parallel=par, capacity=capacity,
-            positions=positions, fsdp_axes=layout.rules()["expert_embed"])
+            positions=positions, fsdp_axes=layout.rules()["expert_embed"],
+            fp8=fp8_spec(cfg.fp8, par))
         dtype = normed.dtype
+        histories = tuple(None if h is None else reshard(h[...], P(), mesh)
+                          for h in (self.experts_up_fp8_history, self.experts_down_fp8_history))
         return jax.shard_map(
-            device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down),
+            device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down,
+                              tuple(None if h is None else P() for h in histories)),
             out_specs=(layout.sp, P()))(
                 reshard(normed, layout.sp, mesh), reshard(self.router[...], P(), mesh),
                 reshard(self.experts_up[...].astype(dtype), layout.expert_up, mesh),
-                reshard(self.experts_down[...].astype(dtype), layout.expert_down, mesh))
+                reshard(self.experts_down[...].astype(dtype), layout.expert_down, mesh),
+                histories)
 
 
-def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-                    config: MoEConfig, parallel: ParallelConfig, capacity: int | None,
-                    positions: np.ndarray | None, fsdp_axes: tuple[str, ...]
-                    ) -> tuple[jax.Array, MoEStats]:
+def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                    fp8_histories: tuple[Any, Any], *, config: MoEConfig,
+                    parallel: ParallelConfig, capacity: int | None,
+                    positions: np.ndarray | None, fsdp_axes: tuple[str, ...],
+                    fp8: Fp8Spec | None) -> tuple[jax.Array, MoEStats]:
     """Per device: ``x`` ``[b, s_local, h]`` (this device's sequence shard) -> the
-    experts' output for it (same shape) and the global :data:`MoEStats`."""
+    experts' output for it (same shape) and the global :data:`MoEStats`; the grouped
+    GEMMs in FP8 with ``fp8`` (and the up / down amax histories of delayed scaling)."""
     e, k = config.num_experts, config.experts_per_token
     tensor = parallel.tensor_axis
     sequence_axes = (*parallel.context_axes, tensor)
@@ -241,7 +262,7 @@ def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: ja
     y = expert_mixture(x.reshape(b * s, h), experts.reshape(b * s, k),
                        weights.reshape(b * s, k), w_up, w_down,
                        MLPActivation(config.mlp_activation), num_experts=e,
-                       expert_axis=parallel.expert_axis)
+                       expert_axis=parallel.expert_axis, fp8=fp8, fp8_histories=fp8_histories)
     y = lax.psum_scatter(y.reshape(b, s, h), tensor, scatter_dimension=1, tiled=True)
     return y, stats
 

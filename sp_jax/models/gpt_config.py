@@ -106,9 +106,10 @@ class GPTConfig:
         e5m2 output gradients, whole-tensor scales, fp32 accumulation; the sequence
         all-gathers move FP8); or None (the default: ``dtype``). Embeddings, norms,
         attention, the LM head (a documented choice: its logits feed the loss
-        directly, and it is a small share of the FLOPs at scale) and the experts of a
-        mixture of experts stay in ``dtype``. In pipeline stages too (each stage
-        holds its layers' amax histories).
+        directly, and it is a small share of the FLOPs at scale) and the router stay in
+        ``dtype``; a mixture of experts' grouped GEMMs (and shared experts) run in FP8
+        too (:class:`~sp_jax.layers.MoE`). In pipeline stages too (each stage holds its
+        layers' amax histories).
     """
 
     vocab_size: int

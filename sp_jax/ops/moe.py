@@ -14,21 +14,33 @@ XLA:CPU has no ``ragged-all-to-all``; there :func:`ragged_all_to_all` runs the s
 exchange as an ``all_to_all`` of fixed-size chunks (each padded to the most rows one peer
 can be sent), chosen at lowering time (:func:`jax.lax.platform_dependent`), so the CPU
 tests run every other step of the GPU program.
+
+In FP8 (``fp8=`` an :class:`~sp_jax.ops.fp8.Fp8Spec`), each grouped GEMM is
+:func:`fp8_grouped_gemm`: the dense layers' recipe (:class:`~sp_jax.ops.fp8.Fp8Gemm`'s
+quantisation: e4m3 rows and expert weights, e5m2 output gradients, one whole-tensor scale
+each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general` forward, dgrad and
+wgrad (the grouped weight gradient, ragged contracting dimension), each of which XLA:GPU
+(jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense product
+(``benchmarks/fp8_ragged_dot.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sp_jax.ops.fp8 import INPUT, KERNEL, Fp8Context, Fp8Gemm, Fp8Spec, dequantize
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
+from sp_jax.ops.rules import tied_output
 
-__all__ = ["capacity_keep", "expert_mixture", "grouped_ffn", "ragged_all_to_all", "route",
-           "router_stats"]
+__all__ = ["capacity_keep", "expert_mixture", "fp8_grouped_gemm", "grouped_ffn",
+           "ragged_all_to_all", "route", "router_stats"]
 
 
 def route(x: jax.Array, router: jax.Array, k: int, normalize: bool
@@ -136,8 +148,95 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
                                   recv_sizes, cpu=emulated, default=native)
 
 
+# (lhs contracting, rhs contracting, lhs ragged, rhs group) of the three grouped GEMMs
+_FORWARD = ((1,), (1,), (0,), (0,))  # [rows, h] x [G, h, F] -> [rows, F]
+_DGRAD = ((1,), (2,), (0,), (0,))    # [rows, F] x [G, h, F] -> [rows, h]
+_WGRAD = ((0,), (0,), (0,), ())      # [rows, h] x [rows, F] -> [G, h, F]
+
+
+def _scaled_ragged(a, a_scale, b, b_scale, group_sizes, dims, out_dtype):
+    """The FP8 grouped GEMM of :func:`sp_jax.ops.fp8.gemm`'s form: dequantised operands,
+    fp32 accumulation, in ``out_dtype`` (XLA folds the scales into cuBLASLt's)."""
+    lhs_c, rhs_c, ragged, group = dims
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=((lhs_c, rhs_c), ((), ())), lhs_ragged_dimensions=ragged,
+        rhs_group_dimensions=group)
+    out = lax.ragged_dot_general(dequantize(a, a_scale), dequantize(b, b_scale), group_sizes,
+                                 numbers, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _grouped_rows(x, group_sizes):
+    """``x`` with its rows past ``sum(group_sizes)`` (in no group) zeroed: they enter
+    neither a product nor an amax."""
+    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_grouped(x, w, group_sizes, history, spec):
+    return _fp8_grouped_fwd(x, w, group_sizes, history, spec)[0]
+
+
+def _fp8_grouped_fwd(x, w, group_sizes, history, spec):
+    gemm = Fp8Gemm(spec, None, jnp.dtype(w.dtype))
+    qx, sx, ax = gemm.quantized(_grouped_rows(x, group_sizes), INPUT, history)
+    qw, sw, aw = gemm.quantized(w, KERNEL, history)
+    ctx = Fp8Context(history, sx, sw, None, (ax, aw))
+    y = _scaled_ragged(qx, sx, qw, sw, group_sizes, _FORWARD, x.dtype)
+    y, ctx = tied_output(gemm, y, ctx)
+    return y, (qx, w, group_sizes, ctx)
+
+
+def _fp8_grouped_bwd(spec, res, g):
+    qx, w, group_sizes, ctx = res
+    gemm = Fp8Gemm(spec, None, jnp.dtype(w.dtype))
+    # dy in e5m2, tied with the saved rows and the weights (their quantisation with the
+    # forward's scale is neither hoisted into the forward nor merged with it)
+    qx, w, qg, ctx = gemm.cotangent(qx, w, ctx, _grouped_rows(g, group_sizes), True)
+    qw = gemm.kernel_for(w, g, ctx)
+    dx = _scaled_ragged(qg, ctx.grad_scale, qw, ctx.kernel_scale, group_sizes, _DGRAD,
+                        g.dtype)
+    dw = _scaled_ragged(qx, ctx.input_scale, qg, ctx.grad_scale, group_sizes, _WGRAD,
+                        jnp.float32).astype(w.dtype)
+    return dx, dw, None, gemm.state_cotangent(ctx)
+
+
+_fp8_grouped.defvjp(_fp8_grouped_fwd, _fp8_grouped_bwd)
+
+
+def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: Fp8Spec,
+                     history: jax.Array | None = None) -> jax.Array:
+    """The grouped GEMM ``x_g @ w[g]`` of rows sorted by group (:func:`jax.lax.ragged_dot`)
+    in FP8, per device (inside ``shard_map``): the dense FP8 layers' recipe
+    (:class:`~sp_jax.ops.fp8.Fp8Gemm`).
+
+    Forward: the grouped rows (those past ``sum(group_sizes)`` count as zero) and ``w``
+    in e4m3, each with one scale from its whole tensor's amax (the maximum over the
+    mesh axes of ``spec`` it varies over: every device's rows and every expert shard),
+    or from ``history`` (delayed scaling); fp32 accumulation. Backward: ``dy`` in e5m2;
+    dgrad ``dy @ w[g]^T`` and the grouped weight gradient ``x_g^T dy_g`` (a ragged
+    contracting dimension) as FP8 GEMMs; ``w`` kept as given and quantised again with
+    the forward's scale.
+
+    Args:
+      x: ``[rows, k]`` in the compute dtype.
+      w: ``[groups, k, n]`` (its gradient comes back in its dtype).
+      group_sizes: int32 ``[groups]``.
+      spec: the :class:`~sp_jax.ops.fp8.Fp8Spec`.
+      history: the ``[3, amax_history_len]`` amax history with delayed scaling (its
+        cotangent: this step's amaxes of the rows, the weights and ``dy``), else None.
+    Returns:
+      ``[rows, n]`` in ``x.dtype``; rows past ``sum(group_sizes)`` are zero.
+    """
+    axes = vma(x) | vma(w) | vma(group_sizes)
+    return _fp8_grouped(vary(x, axes), vary(w, axes), group_sizes, history, spec)
+
+
 def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+                activation: Callable[[jax.Array], jax.Array], *,
+                fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None)
+                ) -> jax.Array:
     """Expert FFNs of rows sorted by expert: ``down_g(act(up_g(x)))`` for the
     ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs.
 
@@ -147,16 +246,25 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
       w_up: ``[groups, hidden, width]``; w_down: ``[groups, width', hidden]`` with
         ``width'`` the activation's output width.
       activation: of ``[rows, width]`` -> ``[rows, width']``.
+      fp8: None (the GEMMs in ``x``'s dtype) or an :class:`~sp_jax.ops.fp8.Fp8Spec`:
+        both GEMMs by :func:`fp8_grouped_gemm` (the activation in ``x``'s dtype).
+      fp8_histories: the up and down GEMMs' amax histories (delayed scaling).
     """
-    up = lax.ragged_dot(x, w_up.astype(x.dtype), group_sizes)
-    y = lax.ragged_dot(activation(up), w_down.astype(x.dtype), group_sizes)
+    if fp8 is None:
+        up = lax.ragged_dot(x, w_up.astype(x.dtype), group_sizes)
+        y = lax.ragged_dot(activation(up), w_down.astype(x.dtype), group_sizes)
+    else:
+        up = fp8_grouped_gemm(x, w_up, group_sizes, fp8, fp8_histories[0])
+        y = fp8_grouped_gemm(activation(up), w_down, group_sizes, fp8, fp8_histories[1])
     valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 
 
 def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, activation: Callable[[jax.Array], jax.Array], *,
-                   num_experts: int, expert_axis: AxisName | None = None) -> jax.Array:
+                   num_experts: int, expert_axis: AxisName | None = None,
+                   fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None)
+                   ) -> jax.Array:
     """``sum_j weights[:, j] * FFN_{experts[:, j]}(x)`` of one device's tokens, dropless.
 
     Args:
@@ -170,6 +278,7 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
       activation: as :func:`grouped_ffn`.
       num_experts: ``E``.
       expert_axis: the mesh axis the experts are split over, or None.
+      fp8 / fp8_histories: the grouped GEMMs in FP8 (:func:`grouped_ffn`).
     Returns:
       ``[tokens, hidden]`` in ``x``'s dtype (partial sums where the experts' width is
       split over a tensor axis).
@@ -180,21 +289,24 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
+    ffn = functools.partial(grouped_ffn, activation=activation, fp8=fp8,
+                            fp8_histories=fp8_histories)
     if ep == 1:
-        out = grouped_ffn(rows, sizes, w_up, w_down, activation)
+        out = ffn(rows, sizes, w_up, w_down)
     else:
         # a peer is sent at most min(k, E / ep) rows per token (distinct experts)
-        out = _across_devices(rows, sizes, w_up, w_down, activation, expert_axis, ep,
+        out = _across_devices(rows, sizes, w_up, w_down, ffn, expert_axis, ep,
                               chunk=tokens * min(k, num_experts // ep))
     out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
     out = out.reshape(tokens, k, -1)
     return jnp.einsum("tkh,tk->th", out, weights.astype(out.dtype))
 
 
-def _across_devices(rows, sizes, w_up, w_down, activation, axis, ep, chunk):
+def _across_devices(rows, sizes, w_up, w_down, ffn, axis, ep, chunk):
     """Rows sorted by expert -> their experts' outputs, the experts split over ``axis``
     (``ep`` devices, each sent at most ``chunk`` rows by a peer): ragged all-to-all there,
-    grouped GEMMs, ragged all-to-all back."""
+    the grouped GEMMs ``ffn(rows, group_sizes, w_up, w_down)``, ragged all-to-all
+    back."""
     pairs, local = rows.shape[0], sizes.shape[0] // ep
     me = lax.axis_index(axis)
     per_peer = sizes.reshape(ep, local)  # rows for each peer's experts
@@ -214,8 +326,7 @@ def _across_devices(rows, sizes, w_up, w_down, activation, axis, ep, chunk):
     segment = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
     local_expert = jnp.where(segment < ep * local, segment % local, local)
     regroup = jnp.argsort(local_expert, stable=True)
-    out = grouped_ffn(jnp.take(received, regroup, axis=0), jnp.sum(got, axis=0), w_up,
-                      w_down, activation)
+    out = ffn(jnp.take(received, regroup, axis=0), jnp.sum(got, axis=0), w_up, w_down)
     out = jnp.zeros_like(out).at[regroup].set(out)
     back_at = jnp.sum(jnp.where(lower[None, :], table, 0), axis=1)  # where I sent from
     return ragged_all_to_all(out, fresh_zeros((pairs, *out.shape[1:]), out.dtype, out),
