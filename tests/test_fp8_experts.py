@@ -129,12 +129,17 @@ def test_grouped_ffn_equals_numpy_fp8_reference(scaling):
 MOE_MODEL = dict(vocab_size=64, max_seq_len=16, num_layers=2, num_heads=4, num_kv_heads=2,
                  hidden=32, mlp_hidden=48, num_experts=4, experts_per_token=2,
                  moe_mlp_hidden=16, router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
-MOE_MESHES = {  # (data, expert, context, tensor), ParallelConfig options, model options
-    "data2_expert2_tensor2": ((2, 2, 1, 2), dict(expert_axis="expert"), {}),
+MOE_MESHES = {  # (stage, data, expert, context, tensor), ParallelConfig options, model options
+    "data2_expert2_tensor2": ((1, 2, 2, 1, 2), dict(expert_axis="expert"), {}),
     # the histories stacked [layers, 3, n] with the scanned layers; expert weights sharded
     # over the data axis too
-    "data2_expert2_tensor2_scan_fsdp": ((2, 2, 1, 2), dict(expert_axis="expert", fsdp=True),
+    "data2_expert2_tensor2_scan_fsdp": ((1, 2, 2, 1, 2), dict(expert_axis="expert", fsdp=True),
                                         dict(scan_layers=True)),
+    # the experts' histories held by their stage, rolled with the maximum over the
+    # micro-batches (2: the reference runs the same two)
+    "stage2_expert2_tensor2_1f1b": ((2, 1, 2, 1, 2), dict(
+        expert_axis="expert", pipeline_axis="stage", pipeline_microbatches=2,
+        pipeline_schedule="1f1b"), dict(scan_layers=True)),
 }
 _UNSHARDED: dict = {}
 
@@ -143,11 +148,11 @@ def _moe_run(scaling, mesh_name, unsharded=False, steps=3):
     shape, options, model = MOE_MESHES[mesh_name]
     cfg = GPTConfig.llama("llama-tiny", **MOE_MODEL, **model,
                           fp8=sp_jax.Fp8Recipe(scaling, 4))
-    batches = _batches(cfg.vocab_size, steps=steps)
+    batches = _batches(cfg.vocab_size, steps=steps, micro=options.get("pipeline_microbatches", 1))
     if unsharded:  # the reference: the same model on one device
         return train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1), batches)
-    mesh = jax.make_mesh(shape, ("data", "expert", "context", "tensor"),
-                         axis_types=(AxisType.Explicit,) * 4,
+    mesh = jax.make_mesh(shape, ("stage", "data", "expert", "context", "tensor"),
+                         axis_types=(AxisType.Explicit,) * 5,
                          devices=jax.devices()[: int(np.prod(shape))])
     return train_gpt(cfg, sp_jax.ParallelConfig(**options), mesh, batches)
 
@@ -169,11 +174,13 @@ def _histories(params):
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_sharded_fp8_experts_first_step_equals_unsharded(scaling, mesh_name):
     """An FP8 mixture-of-experts GPT (llama-tiny, 4 experts, top 2) on (data 2, expert 2,
-    tensor 2) against the same model on one device: the first step's loss within 4e-4
+    tensor 2), or in two 1F1B pipeline stages (expert 2, tensor 2), against the same model
+    on one device (the same micro-batches): the first step's loss within 4e-4
     relative (later steps reported: FP8 turns other reduction orders' fp32 rounding into
     whole-quantum flips); with delayed scaling the experts' amax histories, rolled once
     per step, equal the unsharded model's."""
-    reference = (scaling, bool(MOE_MESHES[mesh_name][2]))
+    reference = (scaling, bool(MOE_MESHES[mesh_name][2]),
+                 MOE_MESHES[mesh_name][1].get("pipeline_microbatches", 1))
     if reference not in _UNSHARDED:
         _UNSHARDED[reference] = _moe_run(scaling, mesh_name, unsharded=True)
     _, ref, ref_params, _ = _UNSHARDED[reference]
