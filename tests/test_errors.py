@@ -343,11 +343,9 @@ CASES = {
                 "llama-tiny", qkv_bias=True, out_bias=False)), "model_type": "qwen2",
                 "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
                 "layer_types": None})),
-    "E72": (ValueError, r"CausalSelfAttention: sliding_window=4 is not supported with ring "
-                        r"attention; use context_parallel='ulysses'",
-            lambda: _on_context((1, 2, 4), lambda: GPT(
-                GPTConfig(**{**GPT_BASE, "sliding_window": 4}),
-                parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0)))),
+    "E72": (ValueError, r"ring_attention: sliding_window=0 must be a positive int",
+            lambda: sp_jax.attention.ring_attention(
+                *(jnp.zeros((1, 4, 2, 8)),) * 3, axis_name="context", sliding_window=0)),
     "E73": (ValueError, r"GPTConfig.sliding_window=0 must be a positive int",
             lambda: GPTConfig(**{**GPT_BASE, "sliding_window": 0})),
     # generation

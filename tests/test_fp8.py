@@ -170,10 +170,6 @@ def test_fp8_errors(mesh_2x4):
     with jax.set_mesh(mesh_2x4):
         with pytest.raises(TypeError, match="fp8='current' must be a sp_jax.Fp8Recipe"):
             sp_jax.ColumnSequenceParallelLinear(8, 8, fp8="current", rngs=nnx.Rngs(0))
-        with pytest.raises(ValueError, match="pipeline"):
-            sp_jax.ColumnSequenceParallelLinear(
-                8, 8, fp8=sp_jax.Fp8Recipe(), rngs=nnx.Rngs(0),
-                parallel=sp_jax.ParallelConfig(pipeline_axis="data", data_axis=None))
     with pytest.raises(ValueError, match="scaling='late' must be one of"):
         sp_jax.Fp8Recipe("late")
     with pytest.raises(ValueError, match="amax_history_len=0 must be an int >= 1"):

@@ -338,8 +338,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         padding), or None. They travel the ring with the keys; a query attends only to
         keys of its own document, and block products that share no document are skipped
         (as in :func:`blockwise_attention`).
-      sliding_window: must be None: a sliding window is not implemented for the ring's
-        steps (a ValueError names the alternatives, Ulysses or no context axis).
+      sliding_window: the keys each query sees (itself included; Mistral's window), or
+        None (every earlier key): key chunks wholly before a query chunk's window are
+        not visited, those crossing its edge are masked.
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
