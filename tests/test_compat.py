@@ -217,9 +217,6 @@ ENTRY_POINTS = {
         "expert_axis is not supported with pipeline_axis"),
     ("experts", "pipeline"): (_experts_on_pipeline, "do not run in pipeline stages"),
     ("fp8", "pipeline"): (_fp8_layer_in_pipeline, r"FP8 layers \(fp8=Fp8Recipe.*pipeline"),
-    ("packed_documents", "pipeline"): (
-        lambda: _on_pipeline(lambda m: m.loss(TOKENS, segment_ids=np.ones_like(TOKENS))),
-        "packed documents"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
     ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),

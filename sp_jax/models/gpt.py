@@ -128,10 +128,6 @@ class GPT(nnx.Module):
         given), checked against ``tokens``."""
         if segment_ids is None and positions is None:
             return None
-        if self.parallel.pipeline_axis is not None:
-            check("train", {"packed_documents": "segment_ids / positions (packed documents)",
-                            "pipeline": f"pipeline_axis={self.parallel.pipeline_axis!r}"},
-                  where="GPT")
         held = []
         for name, a in (("segment_ids", segment_ids), ("positions", positions)):
             if a is not None:
@@ -306,7 +302,8 @@ class GPT(nnx.Module):
         return logits[..., :vocab]
 
     def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
-                                key: jax.Array | None, *, ignore_index: int = -100
+                                key: jax.Array | None, *, segment_ids: jax.Array | None = None,
+                                positions: jax.Array | None = None, ignore_index: int = -100
                                 ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
         """A training step's loss and gradients through the pipeline of
         ``ParallelConfig(pipeline_axis=...)``, by its schedule (what
@@ -317,6 +314,8 @@ class GPT(nnx.Module):
             aligned as in :meth:`loss`.
           key: dropout key; micro-batch ``i`` draws from ``fold_in(key, i)`` as
             :func:`~sp_jax.training.lm_loss` of the unpipelined model does.
+          segment_ids / positions: packed rows ``[M, batch, seq]`` (as in :meth:`loss`;
+            each micro-batch's travel with it through the stages), or None.
           ignore_index: the target id that contributes no loss.
         Returns:
           ``(loss_sum, count, grads)``: the float32 sum of per-token losses, the number
@@ -338,7 +337,22 @@ class GPT(nnx.Module):
                 f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
                 "--microbatches sets both).")
         self._check_tokens(tokens[0])
-        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index)
+        batch = {"tokens": tokens, "labels": labels}
+        for name, a in (("segment_ids", segment_ids), ("positions", positions)):
+            if a is not None:
+                a = jnp.asarray(a)
+                if not jnp.issubdtype(a.dtype, jnp.integer) or a.shape != tokens.shape:
+                    raise ValueError(
+                        f"GPT.pipeline_loss_and_grads: {name} must be integers of the tokens' "
+                        f"shape {tokens.shape} ([micro_batches, batch, seq]), got {a.dtype} "
+                        f"{a.shape}.")
+                batch[name] = a.astype(jnp.int32)
+        if positions is not None and self.position is not None:
+            self._check_positions(positions)
+        if segment_ids is not None:  # per micro-batch, as lm_loss drops them
+            batch["labels"] = jax.vmap(document_labels, in_axes=(0, 0, None))(
+                labels, batch["segment_ids"], ignore_index)
+        return pipeline_loss_and_grads(self, batch, key, ignore_index=ignore_index)
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
@@ -393,13 +407,17 @@ class GPT(nnx.Module):
                                      ignore_index)
         if self.parallel.pipeline_axis is not None:
             self._check_tokens(tokens)
-            self._documents(tokens, segment_ids, positions, None)  # refused
             labels = self._ids(labels)
+            batch = {"tokens": tokens, "labels": labels}
+            documents = self._documents(tokens, segment_ids, positions, None)
+            for name, a in zip(("segment_ids", "positions"), documents or (), strict=False):
+                if a is not None:
+                    batch[name] = a
             stream = None
             if self.training:
                 stream = rngs.dropout if rngs is not None else self.dropout.rngs
             total = pipeline_forward_loss(
-                self, tokens, labels, stream, ignore_index=ignore_index,
+                self, batch, stream, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, z_loss=z_loss)
             mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
             return (mean, {"lm_loss": mean}) if return_metrics else mean

@@ -101,6 +101,14 @@ def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
     return nnx.graphdef(shell), nnx.graphdef(shell.blocks)
 
 
+def _documents(micro: dict[str, jax.Array]) -> Any:
+    """A micro-batch's packed rows ``(segment_ids, positions)`` as the layers take them
+    (:data:`~sp_jax.models.blocks.Documents`, held order), or None."""
+    if "segment_ids" not in micro and "positions" not in micro:
+        return None
+    return micro.get("segment_ids"), micro.get("positions")
+
+
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
              label_smoothing: float, z_loss: float) -> StageProgram:
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts)."""
@@ -118,12 +126,12 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
         return None if data is None else jax.random.wrap_key_data(data)
 
     def embed(shared, micro, key_data):
-        return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data))
+        return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data),
+                                          micro.get("positions"))
 
     def stage(chunk, x, keys, micro):
-        del micro
         stacked = nnx.merge(block_graphdef, chunk)
-        y = scan_blocks(stacked, x, key(keys), remat)[0]  # no experts in a pipeline
+        y = scan_blocks(stacked, x, key(keys), remat, _documents(micro))[0]  # no experts
         return y, jnp.zeros((), jnp.float32)
 
     def head(shared, x, micro):
@@ -169,9 +177,11 @@ def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(embed), jnp.stack(layers)
 
 
-def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
+def _run(model: Any, params: Any, batch: dict[str, jax.Array],
          keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
          label_smoothing: float, z_loss: float, grads: bool) -> tuple[jax.Array, Any]:
+    """The pipeline's loss sum (and gradients) of ``batch``: ``tokens``, ``labels`` and
+    optionally packed rows' ``segment_ids`` / ``positions``, each ``[M, batch, seq]``."""
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="GPT")
     check_pipeline(cfg, par, mesh)
@@ -181,16 +191,17 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
             f"Explicit axes, got {mesh.axis_types}; build it with jax.make_mesh(shape, "
             "names) (Explicit by default) or axis_types=(AxisType.Explicit,) * len(names).")
     stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
-    micro = tokens.shape[0]
+    micro = batch["tokens"].shape[0]
     kind = par.pipeline_schedule if grads else "gpipe"
     schedule = pipeline_schedule(kind, stages, micro, repeats)
     # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
-    # the caller placed), whole sequences (ring attention's zigzag order is taken here)
+    # the caller placed), whole sequences (ring attention's zigzag order is taken here;
+    # packed rows' segment ids and positions travel in it with their tokens)
     whole = Layout.of(par).spec(None, "activation_batch", None)
-    tokens, labels = (jax.reshard(x, whole) for x in (tokens, labels))
-    order = model.sequence_order(tokens[0])
+    batch = {k: jax.reshard(x, whole) for k, x in batch.items()}
+    order = model.sequence_order(batch["tokens"][0])
     if order is not None:
-        tokens, labels = (jnp.take(x, jnp.asarray(order), axis=2) for x in (tokens, labels))
+        batch = {k: jnp.take(x, jnp.asarray(order), axis=2) for k, x in batch.items()}
     if keys is not None:
         embed_keys, layer_keys = keys
         per = cfg.num_layers // (stages * repeats)
@@ -200,8 +211,7 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     blocks = _stage_major(params["blocks"], stages, repeats)
     program = _program(model, order, ignore_index, label_smoothing, z_loss)
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
-    loss, result = run(program, schedule, shared, blocks,
-                       {"tokens": tokens, "labels": labels}, keys,
+    loss, result = run(program, schedule, shared, blocks, batch, keys,
                        stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh)
     if not grads:
         return loss, None
@@ -209,50 +219,59 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}
 
 
-def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,
-                            key: jax.Array | None, *, ignore_index: int = -100
-                            ) -> tuple[jax.Array, jax.Array, Any]:
+def pipeline_loss_and_grads(model: Any, batch: dict[str, jax.Array], key: jax.Array | None,
+                            *, ignore_index: int = -100) -> tuple[jax.Array, jax.Array, Any]:
     """One training step's ``(loss_sum, count, grads)`` of a pipelined GPT ``model``:
-    ``tokens`` / ``labels`` ``[M, batch, seq]`` (``M`` micro-batches), micro-batch ``i``
-    with the dropout of ``fold_in(key, i)`` (what ``lm_loss`` of the unpipelined model
-    draws); ``grads`` of ``loss_sum`` as a pure dict shaped like the model's
-    parameters (``nnx.to_pure_dict``)."""
+    ``batch`` holds ``tokens`` / ``labels`` (and packed rows' ``segment_ids`` /
+    ``positions``; labels across documents already dropped) ``[M, batch, seq]`` (``M``
+    micro-batches), micro-batch ``i`` with the dropout of ``fold_in(key, i)`` (what
+    ``lm_loss`` of the unpipelined model draws); ``grads`` of ``loss_sum`` as a pure dict
+    shaped like the model's parameters (``nnx.to_pure_dict``)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = None
+    micro = batch["tokens"].shape[0]
     if model.training and key is not None:
         keys = _draws([nnx.Rngs(dropout=jax.random.fold_in(key, i)).dropout
-                       for i in range(tokens.shape[0])], model.config.num_layers)
-    loss, grads = _run(model, params, tokens, labels, keys, ignore_index, 0.0, 0.0, True)
-    count = jnp.sum(labels != ignore_index)
+                       for i in range(micro)], model.config.num_layers)
+    loss, grads = _run(model, params, batch, keys, ignore_index, 0.0, 0.0, True)
+    count = jnp.sum(batch["labels"] != ignore_index)
     return loss, count, grads
 
 
-def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
-                          stream: Any, *, ignore_index: int,
-                          label_smoothing: float, z_loss: float) -> jax.Array:
-    """Sum of per-token losses of ``[batch, seq]`` ``tokens`` through the pipeline
-    (``GPT.loss`` of a pipelined model): the batch runs as
-    ``pipeline_microbatches`` micro-batches of a GPipe forward when it splits evenly
-    over them and the data axes and no dropout is drawn, else as one (whose dropout is
-    then the unpipelined model's: ``stream``, the dropout rng stream, draws its keys)."""
+def _micro_batches(model: Any, rows: int) -> int:
+    """How many micro-batches a ``[rows, ...]`` batch runs as outside a training step:
+    ``pipeline_microbatches`` when the rows split evenly over them and the data axes and
+    no dropout is drawn, else 1."""
     par = model.parallel
     mesh = current_mesh(par, where="GPT")
     data = math.prod(mesh.shape[a] for a in par.data_axes)
     micro = par.pipeline_microbatches
-    if model.training or tokens.shape[0] % (micro * data):
-        micro = 1
-    batch = tokens.shape[0] // micro
+    return 1 if model.training or rows % (micro * data) else micro
 
-    layout = Layout.of(par)
 
-    def split(x):  # micro-batch i: rows i, i + M, ... (no data moves between devices)
-        x = jnp.reshape(jax.reshard(x, layout.spec("activation_batch", None)),
-                        (batch, micro, x.shape[1]), out_sharding=NamedSharding(
-                            mesh, layout.spec("activation_batch", None, None)))
-        return jnp.swapaxes(x, 0, 1)
+def _split(model: Any, x: jax.Array, micro: int) -> jax.Array:
+    """``[batch, seq]`` as ``[micro, batch / micro, seq]``: micro-batch ``i`` the rows
+    ``i, i + micro, ...`` (no data moves between devices)."""
+    mesh = current_mesh(model.parallel, where="GPT")
+    layout = Layout.of(model.parallel)
+    x = jnp.reshape(jax.reshard(x, layout.spec("activation_batch", None)),
+                    (x.shape[0] // micro, micro, x.shape[1]), out_sharding=NamedSharding(
+                        mesh, layout.spec("activation_batch", None, None)))
+    return jnp.swapaxes(x, 0, 1)
 
-    tokens, labels = split(tokens), split(labels)
+
+def pipeline_forward_loss(model: Any, batch: dict[str, jax.Array], stream: Any, *,
+                          ignore_index: int, label_smoothing: float, z_loss: float
+                          ) -> jax.Array:
+    """Sum of per-token losses of ``batch`` (``tokens``, ``labels`` and optionally
+    ``segment_ids`` / ``positions``, each ``[batch, seq]``) through the pipeline
+    (``GPT.loss`` of a pipelined model): the batch runs as ``pipeline_microbatches``
+    micro-batches of a GPipe forward when it splits evenly over them and the data axes
+    and no dropout is drawn, else as one (whose dropout is then the unpipelined model's:
+    ``stream``, the dropout rng stream, draws its keys)."""
+    micro = _micro_batches(model, batch["tokens"].shape[0])
+    batch = {k: _split(model, x, micro) for k, x in batch.items()}
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = _draws([stream], model.config.num_layers) if model.training else None
-    return _run(model, params, tokens, labels, keys, ignore_index, label_smoothing, z_loss,
+    return _run(model, params, batch, keys, ignore_index, label_smoothing, z_loss,
                 False)[0]
