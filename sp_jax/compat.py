@@ -169,10 +169,6 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("train",), "custom_loss", "pipeline",
      "a pipelined model trains with the default loss_fn=lm_loss through its own schedule "
      "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
-    (("eval",), "pipeline", None,
-     "a pipelined GPT runs as a pipeline: call model.loss(tokens[, labels]) (or train it "
-     "with TrainStep); for logits or hidden states, restore the parameters into a GPT "
-     "without pipeline_axis."),
     (("generate",), "experts", None,
      "generation with experts is not supported yet; evaluate the model with GPT.__call__ "
      "(logits) instead."),
@@ -196,6 +192,8 @@ _CONTEXT = "tests/test_context.py::test_gpt_with_a_context_axis_trains_like_unsh
 _FSDP = "tests/test_fsdp.py::test_fsdp_trains_like_unsharded"
 _PIPE = "tests/test_pipeline.py::test_pipeline_trains_like_unsharded"
 _PIPE_DOCS = "tests/test_pipeline_packed.py::test_pipeline_trains_packed_rows_like_unsharded"
+_PIPE_EVAL = ("tests/test_pipeline_forward.py::"
+              "test_pipelined_logits_and_hidden_states_equal_unpipelined")
 _MOE = "tests/test_moe.py::test_dropless_experts_train_like_the_reference_loop"
 _MOE_CAPACITY = "tests/test_moe.py::test_capacity_drops_the_same_pairs_on_every_mesh"
 _FP8 = "tests/test_fp8.py::test_sharded_fp8_gpt_first_step_equals_unsharded"
@@ -235,6 +233,14 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      f"{_PIPE_DOCS}[2x1x2x2_ulysses_gpipe_r2_m4_rotary]"),
     (_TRAIN, ("pipeline_1f1b", _DOCS, _ULYSSES, "fsdp"),
      f"{_PIPE_DOCS}[2x2x2x1_ulysses_1f1b_r1_m2_learned_fsdp]"),
+    (_EVAL, (_TS, "pipeline_gpipe"), f"{_PIPE_EVAL}[2x2x1x2_gpipe_r1_m2]"),
+    (_EVAL, (_TS, "pipeline_1f1b", _DOCS), f"{_PIPE_EVAL}[2x2x1x2_1f1b_r2_m2_packed]"),
+    (_EVAL, (_TS, "pipeline_gpipe", _DROP),
+     f"{_PIPE_EVAL}[4x1x1x2_gpipe_r1_m4_dropout_untied]"),
+    (_EVAL, (_TS, "pipeline_1f1b", _DOCS, _RING),
+     f"{_PIPE_EVAL}[2x1x2x2_ring_1f1b_r2_m2_packed_rotary]"),
+    (_EVAL, ("pipeline_gpipe", _DOCS, _ULYSSES, "fsdp"),
+     f"{_PIPE_EVAL}[2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp]"),
     (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),

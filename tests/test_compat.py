@@ -219,8 +219,8 @@ ENTRY_POINTS = {
     ("fp8", "pipeline"): (_fp8_layer_in_pipeline, r"FP8 layers \(fp8=Fp8Recipe.*pipeline"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
-    ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),
-                         r"runs as a pipeline: call model.loss"),
+    ("pipeline", None): (lambda: _on_pipeline(lambda m: generate(m, [[1]], max_new_tokens=1)),
+                         "generation runs without pipeline stages"),
     ("experts", None): (_generate_with_experts, "generation with experts is not supported"),
     ("context", None): (lambda: (_generate_on_context("ring"), _generate_on_context("ulysses")),
                         r"context_parallel='ring' over a context axis of size 2: the KV cache "

@@ -13,7 +13,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held, to_natural
-from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     Dropout,
@@ -35,7 +34,12 @@ from sp_jax.mesh import (
 )
 from sp_jax.models.blocks import Block, Documents, run_blocks, stack_blocks
 from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
-from sp_jax.models.pipelined import check_pipeline, pipeline_forward_loss, pipeline_loss_and_grads
+from sp_jax.models.pipelined import (
+    check_pipeline,
+    pipeline_forward,
+    pipeline_forward_loss,
+    pipeline_loss_and_grads,
+)
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
@@ -117,6 +121,9 @@ class GPT(nnx.Module):
         ``tokens``; ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
+        if self.parallel.pipeline_axis is not None:
+            held = self._pipeline_forward(tokens, segment_ids, positions, rngs, "hidden")
+            return to_natural(held, order, self.parallel)
         held, _ = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None,
                                       order, self._documents(tokens, segment_ids, positions,
                                                              order))
@@ -142,6 +149,14 @@ class GPT(nnx.Module):
             self._check_positions(positions)
         return held[0], held[1]
 
+    def _document_arrays(self, tokens: jax.Array, segment_ids: jax.Array | None,
+                         positions: jax.Array | None) -> dict[str, jax.Array]:
+        """The given ``segment_ids`` / ``positions`` by name, checked, in the natural
+        order (a pipeline's micro-batch dict takes them so)."""
+        documents = self._documents(tokens, segment_ids, positions, None) or (None, None)
+        return {k: a for k, a in zip(("segment_ids", "positions"), documents, strict=True)
+                if a is not None}
+
     def _check_positions(self, positions: jax.Array) -> None:
         """Learned positions index a table of ``max_seq_len`` rows (checked on concrete
         values only)."""
@@ -166,7 +181,6 @@ class GPT(nnx.Module):
         mixture-of-experts layers' stacked router statistics (None without any); ``table``:
         the embedding's padded table if already made; ``documents``: from
         :meth:`_documents`."""
-        self._check_pipeline_call()
         training = self.training
         stream = None
         if training:  # keys are drawn here, outside any rematerialised block
@@ -246,13 +260,17 @@ class GPT(nnx.Module):
                             layout.sp, layout.logits, ((table, layout.vocab_table),),
                             parallel=par, where="GPT")
 
-    def _check_pipeline_call(self) -> None:
-        """A pipelined GPT runs whole only as a training step's loss (the schedule of
-        :mod:`sp_jax.pipeline`): no logits or hidden states (refused by
-        :mod:`sp_jax.compat`)."""
-        if self.parallel.pipeline_axis is not None:
-            check("eval", {"pipeline": f"ParallelConfig(pipeline_axis="
-                                       f"{self.parallel.pipeline_axis!r})"}, where="GPT")
+    def _pipeline_forward(self, tokens: jax.Array, segment_ids: jax.Array | None,
+                          positions: jax.Array | None, rngs: Any, result: str) -> jax.Array:
+        """Hidden states or padded logits (``result``) of a pipelined GPT, in the held
+        order: a GPipe forward through the stages
+        (:func:`~sp_jax.models.pipelined.pipeline_forward`)."""
+        self._check_tokens(tokens)
+        batch = {"tokens": tokens, **self._document_arrays(tokens, segment_ids, positions)}
+        stream = None
+        if self.training:
+            stream = rngs.dropout if rngs is not None else self.dropout.rngs
+        return pipeline_forward(self, batch, stream, result)
 
     def padded_logits(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
@@ -261,6 +279,9 @@ class GPT(nnx.Module):
         ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
+        if self.parallel.pipeline_axis is not None:
+            held = self._pipeline_forward(tokens, segment_ids, positions, rngs, "logits")
+            return to_natural(held, order, self.parallel, "activation_vocab")
         held, _ = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
                                       self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel, "activation_vocab")
@@ -408,11 +429,8 @@ class GPT(nnx.Module):
         if self.parallel.pipeline_axis is not None:
             self._check_tokens(tokens)
             labels = self._ids(labels)
-            batch = {"tokens": tokens, "labels": labels}
-            documents = self._documents(tokens, segment_ids, positions, None)
-            for name, a in zip(("segment_ids", "positions"), documents or (), strict=False):
-                if a is not None:
-                    batch[name] = a
+            batch = {"tokens": tokens, "labels": labels,
+                     **self._document_arrays(tokens, segment_ids, positions)}
             stream = None
             if self.training:
                 stream = rngs.dropout if rngs is not None else self.dropout.rngs

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
@@ -39,7 +40,7 @@ from sp_jax.mesh import current_mesh
 from sp_jax.models.blocks import scan_blocks
 from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
 
-__all__ = ["check_pipeline", "inner_parallel", "pipeline_forward_loss",
+__all__ = ["check_pipeline", "inner_parallel", "pipeline_forward", "pipeline_forward_loss",
            "pipeline_loss_and_grads"]
 
 
@@ -110,8 +111,10 @@ def _documents(micro: dict[str, jax.Array]) -> Any:
 
 
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
-             label_smoothing: float, z_loss: float) -> StageProgram:
-    """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts)."""
+             label_smoothing: float, z_loss: float, result: str = "loss") -> StageProgram:
+    """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts); its
+    head returns the loss sum, or (``result``) the final-normed ``"hidden"`` states or
+    the padded ``"logits"`` of a forward."""
     inner = inner_parallel(model.parallel)
     graphdef, block_graphdef = _stage_graphdefs(model, inner)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
@@ -136,7 +139,12 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
 
     def head(shared, x, micro):
         m = shell(shared)
-        logits = m.logits_from_hidden(m.final_norm(x), m.vocab_table())
+        h = m.final_norm(x)
+        if result == "hidden":
+            return h
+        logits = m.logits_from_hidden(h, m.vocab_table())
+        if result == "logits":
+            return logits
         per_token = parallel_cross_entropy(
             logits, micro["labels"], parallel=inner, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
@@ -179,9 +187,12 @@ def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
 
 def _run(model: Any, params: Any, batch: dict[str, jax.Array],
          keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
-         label_smoothing: float, z_loss: float, grads: bool) -> tuple[jax.Array, Any]:
+         label_smoothing: float, z_loss: float, grads: bool, result: str = "loss"
+         ) -> tuple[jax.Array, Any]:
     """The pipeline's loss sum (and gradients) of ``batch``: ``tokens``, ``labels`` and
-    optionally packed rows' ``segment_ids`` / ``positions``, each ``[M, batch, seq]``."""
+    optionally packed rows' ``segment_ids`` / ``positions``, each ``[M, batch, seq]``;
+    with ``result`` ``"hidden"`` / ``"logits"`` (a GPipe forward, no labels): those
+    outputs ``[M, batch, seq, ...]`` in the held order, and None."""
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="GPT")
     check_pipeline(cfg, par, mesh)
@@ -209,13 +220,14 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
                                                *layer_keys.shape[2:]))
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], stages, repeats)
-    program = _program(model, order, ignore_index, label_smoothing, z_loss)
-    run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
-    loss, result = run(program, schedule, shared, blocks, batch, keys,
+    program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
+    run = one_f_one_b if kind == "1f1b" else functools.partial(
+        gpipe, grads=grads, outputs=result != "loss")
+    loss, out = run(program, schedule, shared, blocks, batch, keys,
                        stage_axis=par.pipeline_axis, data_axes=par.data_axes, mesh=mesh)
     if not grads:
         return loss, None
-    g_shared, g_blocks = result
+    g_shared, g_blocks = out
     return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}
 
 
@@ -275,3 +287,27 @@ def pipeline_forward_loss(model: Any, batch: dict[str, jax.Array], stream: Any, 
     keys = _draws([stream], model.config.num_layers) if model.training else None
     return _run(model, params, batch, keys, ignore_index, label_smoothing, z_loss,
                 False)[0]
+
+
+def pipeline_forward(model: Any, batch: dict[str, jax.Array], stream: Any, result: str
+                     ) -> jax.Array:
+    """The final-normed hidden states (``result="hidden"``) or padded logits
+    (``"logits"``) ``[batch, seq, ...]`` of a pipelined GPT (``GPT.hidden_states`` /
+    ``padded_logits``), in the held order, by a GPipe forward through the stages: of
+    ``batch``'s ``tokens`` (and packed rows' ``segment_ids`` / ``positions``) ``[batch,
+    seq]`` in the natural order, micro-batched as in :func:`pipeline_forward_loss`.
+    Laid out as the unpipelined model's (``Layout.sp`` / ``Layout.logits``)."""
+    rows = batch["tokens"].shape[0]
+    micro = _micro_batches(model, rows)
+    batch = {k: _split(model, x, micro) for k, x in batch.items()}
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    keys = _draws([stream], model.config.num_layers) if model.training else None
+    y = _run(model, params, batch, keys, -100, 0.0, 0.0, False, result)[0]
+    # [M, b, s, ...] -> [b, M, s, ...] -> [batch, s, ...]: row i of micro-batch m is row
+    # i M + m (the inverse of _split; the batch stays on its data shards)
+    spec = tuple(jax.typeof(y).sharding.spec) + (None,) * (y.ndim - 1)
+    mesh = current_mesh(model.parallel, where="GPT")
+    y = jnp.reshape(jnp.swapaxes(y, 0, 1), (rows, *y.shape[2:]),
+                    out_sharding=NamedSharding(mesh, P(spec[1], *spec[2:y.ndim])))
+    layout = Layout.of(model.parallel)
+    return jax.reshard(y, layout.sp if result == "hidden" else layout.logits)

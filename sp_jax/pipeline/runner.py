@@ -228,11 +228,12 @@ def _keys_at(keys: Any, m: jax.Array, r: jax.Array, s: jax.Array) -> Any:
     return keys[m, r, s]
 
 
-def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: bool = True
-         ) -> Any:
-    """``body`` under the pipeline's ``shard_map`` (manual over stage and data)."""
+def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any,
+         out_spec: P | None = None) -> Any:
+    """``body`` under the pipeline's ``shard_map`` (manual over stage and data); its
+    result a loss and the gradients (sharded like the parameters), else ``out_spec``."""
     specs = jax.tree.map(axes.restrict, program_inputs)
-    out_specs = (P(), (specs[0], specs[1])) if grads else P()
+    out_specs = (P(), (specs[0], specs[1])) if out_spec is None else out_spec
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
                          axis_names=set(axes.manual), check_vma=False)(*program_inputs)
 
@@ -255,9 +256,10 @@ def _finish(g_shared, g_stages, axes, shared_specs, stage_specs):
 
 def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
           batch: Any, keys: tuple[Any, Any] | None, *,
-          stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True
-          ) -> tuple[jax.Array, tuple[Any, Any] | None]:
-    """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step.
+          stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True,
+          outputs: bool = False) -> tuple[jax.Array, tuple[Any, Any] | None]:
+    """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step (or, with
+    ``outputs``, the head's outputs of a forward).
 
     Args:
       program: the model's :class:`StageProgram`.
@@ -271,6 +273,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         data, or None.
       stage_axis / data_axes: the mesh axes; mesh: the mesh.
       grads: False for the loss alone (the forward loop, no autodiff).
+      outputs: True for a forward whose ``program.head`` returns an array per micro-batch
+        (e.g. hidden states or logits ``[b, s, ...]``) instead of a loss: the result is
+        then ``(outputs [M, batch, ...], None)``, the last stage's, on every stage (one
+        ``psum`` over the stage axis), batch over the data axes like ``batch``.
     Returns:
       ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
       the step (with the stages' ``aux`` terms) and its gradients, sharded like
@@ -289,7 +295,8 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         shared, stages = _prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
 
-        def local_loss(shared, stages):
+        def forward(shared, stages):
+            """The last virtual stage's outputs ``[M, b, s, h]`` and the aux sum."""
             x0 = program.embed(shared, _micro(batch, 0), None if ekeys is None else ekeys[0])
 
             def tick(carry, t):
@@ -317,6 +324,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             (_, outputs, aux_sum), _ = lax.scan(
                 tick, (jnp.zeros_like(x0), outputs, jnp.zeros((), _F32)),
                 jnp.arange(schedule.num_ticks))
+            return outputs, aux_sum
+
+        def local_loss(shared, stages):
+            outputs, aux_sum = forward(shared, stages)
 
             def one(total, i):  # on every stage (see _when); the last one's counts
                 return total + program.head(shared, outputs[i], _micro(batch, i)), None
@@ -324,6 +335,11 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             total = lax.scan(one, jnp.zeros((), _F32), jnp.arange(m_count))[0]
             return jnp.where(s == p - 1, total, 0.0) + aux_sum
 
+        if outputs:  # the last stage's head outputs, on every stage
+            last, _ = forward(shared, stages)
+            ys = lax.map(lambda i: program.head(shared, last[i], _micro(batch, i)),
+                         jnp.arange(m_count))
+            return lax.psum(jnp.where(s == p - 1, ys, jnp.zeros_like(ys)), stage_axis)
         if not grads:
             return lax.psum(local_loss(shared, stages), tuple(axes.manual))
         loss, (g_shared, g_stages) = jax.value_and_grad(local_loss, argnums=(0, 1))(
@@ -331,9 +347,13 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs)
         return lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages)
 
+    inputs = (shared, stages, batch, keys)
+    if outputs:  # [M, batch, ...]: the micro-batch and batch dimensions of the tokens'
+        spec = jax.tree.leaves(jax.tree.map(axes.restrict, batch))[0]
+        return _run(body, inputs, axes, mesh, P(*spec[:2])), None
     if not grads:
-        return _run(body, (shared, stages, batch, keys), axes, mesh, False), None
-    return _run(body, (shared, stages, batch, keys), axes, mesh)
+        return _run(body, inputs, axes, mesh, P()), None
+    return _run(body, inputs, axes, mesh)
 
 
 def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
