@@ -152,10 +152,12 @@ def _gpt_config(bench: PipelineBench, layers: int) -> GPTConfig:
                      dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=True)
 
 
-def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: int = 1
-                 ) -> tuple[Any, list[int], list[tuple[int, ...]]]:
+def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: int = 1,
+                 packed: bool = False) -> tuple[Any, list[int], list[tuple[int, ...]]]:
     """Deviceless H100 compile of one training step (``train_step_fn``: the pipeline's
-    loss and gradients, AdamW) of the pipelined GPT of ``bench`` with schedule ``kind``.
+    loss and gradients, AdamW) of the pipelined GPT of ``bench`` with schedule ``kind``;
+    ``packed``: on packed rows (the batch also holds ``segment_ids`` and ``positions``,
+    laid out like the tokens).
 
     Returns:
       ``(report, shared_elements, chunk_shapes)``: the
@@ -183,8 +185,10 @@ def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: in
     tokens = jax.ShapeDtypeStruct((microbatches, bench.b, bench.s), jnp.int32,
                                   sharding=Layout.of(par).micro_batched_tokens)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-    report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
-                             {"tokens": tokens, "labels": tokens}, key,
+    batch = {"tokens": tokens, "labels": tokens}
+    if packed:
+        batch.update(segment_ids=tokens, positions=tokens)
+    report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state, batch, key,
                              mesh_shape=bench.mesh_shape, axis_names=AXES,
                              donate_argnums=(0, 2))
     return report, shared, chunks

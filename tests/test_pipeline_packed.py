@@ -5,12 +5,16 @@ the same packed rows (3 AdamW steps, fp32, rtol = atol = 1e-5), with GPipe, circ
 1F1B schedules and ring or Ulysses attention inside the stages."""
 
 
+import os
+import sysconfig
+import time
+
 import chex
 import jax
 import numpy as np
 import optax
 import pytest
-from _util import slow_except, train_gpt
+from _util import launch, read_jsonl, slow_except, train_gpt, wait_all
 from conftest import make_mesh
 from flax import nnx
 
@@ -118,3 +122,32 @@ def test_pipelined_step_names_a_bad_batch():
                                              r"shape \(2, 4, 16\)"):
             step({**batch, "segment_ids": batch["segment_ids"][:, :, :8]},
                  jax.random.key(0))
+
+
+FLAGS = ["--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "2",
+         "--batch-size", "8", "--data", os.path.join(sysconfig.get_paths()["stdlib"], "json",
+                                                     "*.py"),
+         "--tokenizer", "bytes", "--steps", "3", "--eval-every", "3", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_example_trains_packed_rows_in_stages(tmp_path):
+    """``examples/train_gpt.py --data ... --tokenizer bytes --mesh 2,1,1,4`` (2 stages x
+    tensor 4, 1F1B, 4 micro-batches of packed rows) logs the losses of the same run on a
+    data 2 x tensor 4 mesh without stages."""
+    runs = {"stages": ["--mesh", "2,1,1,4", "--microbatches", "4"],
+            "flat": ["--mesh", "2,4", "--micro-batches", "4"]}
+    procs = {name: launch([*FLAGS, *flags, "--log-json", str(tmp_path / f"{name}.jsonl")],
+                          tmp_path / f"{name}.out") for name, flags in runs.items()}
+    codes = wait_all(procs, deadline=time.monotonic() + 400)
+    outputs = {name: (tmp_path / f"{name}.out").read_text(errors="replace") for name in runs}
+    assert set(codes.values()) == {0}, (codes, {k: v[-3000:] for k, v in outputs.items()})
+    assert "1f1b pipeline, 4 micro-batches" in outputs["stages"]
+    assert "first-fit packing" in outputs["stages"]
+    logs = {name: read_jsonl(tmp_path / f"{name}.jsonl") for name in runs}
+    got, want = ([(r["step"], k, r[k]) for r in logs[name]
+                  for k in ("loss", "grad_norm", "eval_loss") if k in r]
+                 for name in ("stages", "flat"))
+    assert len(want) == 3 * 2 + 2, logs["flat"]  # 3 steps' loss and norm, 2 evaluations
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    np.testing.assert_allclose([g[2] for g in got], [w[2] for w in want], rtol=1e-5)
