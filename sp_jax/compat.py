@@ -153,16 +153,9 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "attention_dropout", "cudnn_attention",
      "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
      "of its own, which would not be the same under every sharding)."),
-    (("train",), "packed_documents", "pipeline",
-     "train packed rows without pipeline stages (packed documents are not supported with "
-     "pipeline_axis yet)."),
     (("train",), "custom_loss", "pipeline",
      "a pipelined model trains with the default loss_fn=lm_loss through its own schedule "
      "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
-    (("eval",), "pipeline", None,
-     "a pipelined GPT runs as a pipeline: call model.loss(tokens[, labels]) (or train it "
-     "with TrainStep); for logits or hidden states, restore the parameters into a GPT "
-     "without pipeline_axis."),
 ]
 """Each refusal: ``(modes, first feature, second feature or None: the first alone, what to
 do)``; a feature may be an alias (each of its values is refused)."""
@@ -178,6 +171,9 @@ _GPT = "tests/test_gpt.py::test_sp_gpt_trains_like_unsharded"
 _CONTEXT = "tests/test_context.py::test_gpt_with_a_context_axis_trains_like_unsharded"
 _FSDP = "tests/test_fsdp.py::test_fsdp_trains_like_unsharded"
 _PIPE = "tests/test_pipeline.py::test_pipeline_trains_like_unsharded"
+_PIPE_DOCS = "tests/test_pipeline_packed.py::test_pipeline_trains_packed_rows_like_unsharded"
+_PIPE_EVAL = ("tests/test_pipeline_forward.py::"
+              "test_pipelined_logits_and_hidden_states_equal_unpipelined")
 _MOE = "tests/test_moe.py::test_dropless_experts_train_like_the_reference_loop"
 _MOE_CAPACITY = "tests/test_moe.py::test_capacity_drops_the_same_pairs_on_every_mesh"
 _MOE_PIPE = "tests/test_moe.py::test_experts_in_pipeline_stages_train_like_the_reference_loop"
@@ -213,6 +209,23 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, "pipeline_1f1b", _DROP), f"{_PIPE}[2x2x1x2_1f1b_r2_m8_dropout]"),
     (_TRAIN, (_TS, "pipeline_1f1b", _RING), f"{_PIPE}[2x1x2x2_ring_1f1b_r2_m4]"),
     (_TRAIN, (_TS, "pipeline_gpipe", _RING), f"{_PIPE}[2x1x2x2_ring_gpipe_r1_m8]"),
+    (_TRAIN, (_TS, "pipeline_1f1b", _DOCS), f"{_PIPE_DOCS}[2x2x1x2_1f1b_r1_m4_learned]"),
+    (_TRAIN, (_TS, "pipeline_1f1b", _DOCS, _RING),
+     f"{_PIPE_DOCS}[2x1x2x2_ring_1f1b_r2_m4_rotary]"),
+    (_TRAIN, (_TS, "pipeline_gpipe", _DOCS, _RING),
+     f"{_PIPE_DOCS}[2x1x2x2_ring_gpipe_r1_m4_learned]"),
+    (_TRAIN, (_TS, "pipeline_gpipe", _DOCS, _ULYSSES),
+     f"{_PIPE_DOCS}[2x1x2x2_ulysses_gpipe_r2_m4_rotary]"),
+    (_TRAIN, ("pipeline_1f1b", _DOCS, _ULYSSES, "fsdp"),
+     f"{_PIPE_DOCS}[2x2x2x1_ulysses_1f1b_r1_m2_learned_fsdp]"),
+    (_EVAL, (_TS, "pipeline_gpipe"), f"{_PIPE_EVAL}[2x2x1x2_gpipe_r1_m2]"),
+    (_EVAL, (_TS, "pipeline_1f1b", _DOCS), f"{_PIPE_EVAL}[2x2x1x2_1f1b_r2_m2_packed]"),
+    (_EVAL, (_TS, "pipeline_gpipe", _DROP),
+     f"{_PIPE_EVAL}[4x1x1x2_gpipe_r1_m4_dropout_untied]"),
+    (_EVAL, (_TS, "pipeline_1f1b", _DOCS, _RING),
+     f"{_PIPE_EVAL}[2x1x2x2_ring_1f1b_r2_m2_packed_rotary]"),
+    (_EVAL, ("pipeline_gpipe", _DOCS, _ULYSSES, "fsdp"),
+     f"{_PIPE_EVAL}[2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp]"),
     (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),

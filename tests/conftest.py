@@ -78,6 +78,7 @@ def mesh_8x1():
 # the end. Every other file follows in its usual order.
 TESTS = Path(__file__).resolve().parent
 SLOWEST_FIRST = ("test_doc_snippets.py", "test_benchmarks.py", "test_pipeline.py",
+                 "test_pipeline_packed.py", "test_pipeline_forward.py",
                  "test_gpt.py", "test_fp8.py", "test_plan.py", "test_train_gpt.py",
                  "test_fsdp.py", "test_moe.py", "test_faults.py", "test_gpu_check.py",
                  "test_context.py", "test_attention.py", "test_collective_matmul.py",

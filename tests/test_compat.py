@@ -184,13 +184,8 @@ ENTRY_POINTS = {
     ("attention_dropout", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
         "attention_dropout=0.1 needs attention_implementation='xla'"),
-    ("packed_documents", "pipeline"): (
-        lambda: _on_pipeline(lambda m: m.loss(TOKENS, segment_ids=np.ones_like(TOKENS))),
-        "packed documents"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
-    ("pipeline", None): (lambda: _on_pipeline(lambda m: m(TOKENS)),
-                         r"runs as a pipeline: call model.loss"),
 }
 
 

@@ -33,6 +33,23 @@ def _loops(rec: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _packed_lines(packed: list[dict[str, Any]], bench: PipelineBench) -> list[str]:
+    """The packed-rows subsection: 1F1B's temp on packed rows beside plain rows."""
+    if not packed:
+        return []
+    rows = [[r["microbatches"], f"{r['plain_temp_bytes'] / MiB:,.1f}",
+             f"{r['temp_bytes'] / MiB:,.1f}",
+             f"{(r['temp_bytes'] - r['plain_temp_bytes']) / MiB:+,.1f}",
+             f"{r['plain_peak_bytes'] / MiB:,.1f}", f"{r['peak_bytes'] / MiB:,.1f}"]
+            for r in packed]
+    diffs = {r["temp_bytes"] - r["plain_temp_bytes"] for r in packed}
+    return [_fill("section.15"), "",
+            table(["M", "1F1B temp MiB, plain rows", "1F1B temp MiB, packed rows",
+                   "difference MiB", "peak MiB, plain", "peak MiB, packed"], rows), "",
+            _fill("section.16", ids=format(bench.b * bench.s * 4 / 1024, ",.0f"),
+                  why="" if diffs == {0} else _fill("section.16.why")), ""]
+
+
 def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> str:
     """The ``## Pipeline parallelism`` section of ``BENCHMARKS.md`` for the results of
     :func:`run_pipeline`."""
@@ -167,6 +184,7 @@ def render_markdown(res: dict[str, Any], command: str = _fill("section.1")) -> s
             ),
         ]
     out.append("")
+    out += _packed_lines(res.get("packed") or [], bench)
 
     out += [_fill("section.9", tick_microbatches=bench.tick_microbatches), ""]
     rows = []

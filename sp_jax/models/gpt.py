@@ -13,7 +13,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held, to_natural
-from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     Dropout,
@@ -35,7 +34,12 @@ from sp_jax.mesh import (
 )
 from sp_jax.models.blocks import Block, Documents, run_blocks, stack_blocks
 from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
-from sp_jax.models.pipelined import check_pipeline, pipeline_forward_loss, pipeline_loss_and_grads
+from sp_jax.models.pipelined import (
+    check_pipeline,
+    pipeline_forward,
+    pipeline_forward_loss,
+    pipeline_loss_and_grads,
+)
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
@@ -117,6 +121,9 @@ class GPT(nnx.Module):
         ``tokens``; ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
+        if self.parallel.pipeline_axis is not None:
+            held = self._pipeline_forward(tokens, segment_ids, positions, rngs, "hidden")
+            return to_natural(held, order, self.parallel)
         held, _ = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None,
                                       order, self._documents(tokens, segment_ids, positions,
                                                              order))
@@ -128,10 +135,6 @@ class GPT(nnx.Module):
         given), checked against ``tokens``."""
         if segment_ids is None and positions is None:
             return None
-        if self.parallel.pipeline_axis is not None:
-            check("train", {"packed_documents": "segment_ids / positions (packed documents)",
-                            "pipeline": f"pipeline_axis={self.parallel.pipeline_axis!r}"},
-                  where="GPT")
         held = []
         for name, a in (("segment_ids", segment_ids), ("positions", positions)):
             if a is not None:
@@ -145,6 +148,14 @@ class GPT(nnx.Module):
         if positions is not None and self.position is not None:
             self._check_positions(positions)
         return held[0], held[1]
+
+    def _document_arrays(self, tokens: jax.Array, segment_ids: jax.Array | None,
+                         positions: jax.Array | None) -> dict[str, jax.Array]:
+        """The given ``segment_ids`` / ``positions`` by name, checked, in the natural
+        order (a pipeline's micro-batch dict takes them so)."""
+        documents = self._documents(tokens, segment_ids, positions, None) or (None, None)
+        return {k: a for k, a in zip(("segment_ids", "positions"), documents, strict=True)
+                if a is not None}
 
     def _check_positions(self, positions: jax.Array) -> None:
         """Learned positions index a table of ``max_seq_len`` rows (checked on concrete
@@ -170,7 +181,6 @@ class GPT(nnx.Module):
         mixture-of-experts layers' stacked router statistics (None without any); ``table``:
         the embedding's padded table if already made; ``documents``: from
         :meth:`_documents`."""
-        self._check_pipeline_call()
         training = self.training
         stream = None
         if training:  # keys are drawn here, outside any rematerialised block
@@ -250,13 +260,17 @@ class GPT(nnx.Module):
                             layout.sp, layout.logits, ((table, layout.vocab_table),),
                             parallel=par, where="GPT")
 
-    def _check_pipeline_call(self) -> None:
-        """A pipelined GPT runs whole only as a training step's loss (the schedule of
-        :mod:`sp_jax.pipeline`): no logits or hidden states (refused by
-        :mod:`sp_jax.compat`)."""
-        if self.parallel.pipeline_axis is not None:
-            check("eval", {"pipeline": f"ParallelConfig(pipeline_axis="
-                                       f"{self.parallel.pipeline_axis!r})"}, where="GPT")
+    def _pipeline_forward(self, tokens: jax.Array, segment_ids: jax.Array | None,
+                          positions: jax.Array | None, rngs: Any, result: str) -> jax.Array:
+        """Hidden states or padded logits (``result``) of a pipelined GPT, in the held
+        order: a GPipe forward through the stages
+        (:func:`~sp_jax.models.pipelined.pipeline_forward`)."""
+        self._check_tokens(tokens)
+        batch = {"tokens": tokens, **self._document_arrays(tokens, segment_ids, positions)}
+        stream = None
+        if self.training:
+            stream = rngs.dropout if rngs is not None else self.dropout.rngs
+        return pipeline_forward(self, batch, stream, result)
 
     def padded_logits(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
@@ -265,6 +279,9 @@ class GPT(nnx.Module):
         ``segment_ids`` / ``positions`` as in :meth:`loss`."""
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
+        if self.parallel.pipeline_axis is not None:
+            held = self._pipeline_forward(tokens, segment_ids, positions, rngs, "logits")
+            return to_natural(held, order, self.parallel, "activation_vocab")
         held, _ = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
                                       self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel, "activation_vocab")
@@ -306,7 +323,8 @@ class GPT(nnx.Module):
         return logits[..., :vocab]
 
     def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
-                                key: jax.Array | None, *, ignore_index: int = -100,
+                                key: jax.Array | None, *, segment_ids: jax.Array | None = None,
+                                positions: jax.Array | None = None, ignore_index: int = -100,
                                 return_metrics: bool = False) -> tuple:
         """A training step's loss and gradients through the pipeline of
         ``ParallelConfig(pipeline_axis=...)``, by its schedule (what
@@ -317,6 +335,8 @@ class GPT(nnx.Module):
             aligned as in :meth:`loss`.
           key: dropout key; micro-batch ``i`` draws from ``fold_in(key, i)`` as
             :func:`~sp_jax.training.lm_loss` of the unpipelined model does.
+          segment_ids / positions: packed rows ``[M, batch, seq]`` (as in :meth:`loss`;
+            each micro-batch's travel with it through the stages), or None.
           ignore_index: the target id that contributes no loss.
           return_metrics: also return the router metrics of mixture-of-experts layers
           (averaged over the micro-batches; empty without experts).
@@ -343,7 +363,22 @@ class GPT(nnx.Module):
                 f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
                 "--microbatches sets both).")
         self._check_tokens(tokens[0])
-        return pipeline_loss_and_grads(self, tokens, labels, key, ignore_index=ignore_index,
+        batch = {"tokens": tokens, "labels": labels}
+        for name, a in (("segment_ids", segment_ids), ("positions", positions)):
+            if a is not None:
+                a = jnp.asarray(a)
+                if not jnp.issubdtype(a.dtype, jnp.integer) or a.shape != tokens.shape:
+                    raise ValueError(
+                        f"GPT.pipeline_loss_and_grads: {name} must be integers of the tokens' "
+                        f"shape {tokens.shape} ([micro_batches, batch, seq]), got {a.dtype} "
+                        f"{a.shape}.")
+                batch[name] = a.astype(jnp.int32)
+        if positions is not None and self.position is not None:
+            self._check_positions(positions)
+        if segment_ids is not None:  # per micro-batch, as lm_loss drops them
+            batch["labels"] = jax.vmap(document_labels, in_axes=(0, 0, None))(
+                labels, batch["segment_ids"], ignore_index)
+        return pipeline_loss_and_grads(self, batch, key, ignore_index=ignore_index,
                                        return_metrics=return_metrics)
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
@@ -399,13 +434,14 @@ class GPT(nnx.Module):
                                      ignore_index)
         if self.parallel.pipeline_axis is not None:
             self._check_tokens(tokens)
-            self._documents(tokens, segment_ids, positions, None)  # refused
             labels = self._ids(labels)
+            batch = {"tokens": tokens, "labels": labels,
+                     **self._document_arrays(tokens, segment_ids, positions)}
             stream = None
             if self.training:
                 stream = rngs.dropout if rngs is not None else self.dropout.rngs
             total, metrics = pipeline_forward_loss(
-                self, tokens, labels, stream, ignore_index=ignore_index,
+                self, batch, stream, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, z_loss=z_loss)
             mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
             if not return_metrics:

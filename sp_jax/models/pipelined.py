@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import moe_losses, parallel_cross_entropy
@@ -39,8 +40,8 @@ from sp_jax.mesh import current_mesh
 from sp_jax.models.blocks import scan_blocks
 from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
 
-__all__ = ["check_pipeline", "inner_parallel", "manual_data_axes", "pipeline_forward_loss",
-           "pipeline_loss_and_grads", "router_metrics"]
+__all__ = ["check_pipeline", "inner_parallel", "manual_data_axes", "pipeline_forward",
+           "pipeline_forward_loss", "pipeline_loss_and_grads", "router_metrics"]
 
 
 def manual_data_axes(parallel: ParallelConfig) -> tuple[str, ...]:
@@ -148,9 +149,19 @@ def router_metrics(model: Any, totals: Any) -> dict[str, jax.Array]:
     return jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro)
 
 
+def _documents(micro: dict[str, jax.Array]) -> Any:
+    """A micro-batch's packed rows ``(segment_ids, positions)`` as the layers take them
+    (:data:`~sp_jax.models.blocks.Documents`, held order), or None."""
+    if "segment_ids" not in micro and "positions" not in micro:
+        return None
+    return micro.get("segment_ids"), micro.get("positions")
+
+
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
-             label_smoothing: float, z_loss: float) -> StageProgram:
-    """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts)."""
+             label_smoothing: float, z_loss: float, result: str = "loss") -> StageProgram:
+    """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts); its
+    head returns the loss sum, or (``result``) the final-normed ``"hidden"`` states or
+    the padded ``"logits"`` of a forward."""
     inner = inner_parallel(model.parallel)
     graphdef, block_graphdef = _stage_graphdefs(model, inner)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
@@ -165,21 +176,27 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
         return None if data is None else jax.random.wrap_key_data(data)
 
     def embed(shared, micro, key_data):
-        return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data))
+        return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data),
+                                          micro.get("positions"))
 
     experts = bool(model.config.num_experts)
     aux_loss, counted = _router_terms(model, ignore_index) if experts else (None, None)
 
     def stage(chunk, x, keys, micro):
         stacked = nnx.merge(block_graphdef, chunk)
-        y, stats = scan_blocks(stacked, x, key(keys), remat)
+        y, stats = scan_blocks(stacked, x, key(keys), remat, _documents(micro))
         if stats is None:
             return y, jnp.zeros((), jnp.float32)
         return y, counted(stats, micro)  # router statistics [layers_per_chunk, ...]
 
     def head(shared, x, micro):
         m = shell(shared)
-        logits = m.logits_from_hidden(m.final_norm(x), m.vocab_table())
+        h = m.final_norm(x)
+        if result == "hidden":
+            return h
+        logits = m.logits_from_hidden(h, m.vocab_table())
+        if result == "logits":
+            return logits
         per_token = parallel_cross_entropy(
             logits, micro["labels"], parallel=inner, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
@@ -230,12 +247,15 @@ def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(embed), jnp.stack(layers)
 
 
-def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
+def _run(model: Any, params: Any, batch: dict[str, jax.Array],
          keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
-         label_smoothing: float, z_loss: float, grads: bool
+         label_smoothing: float, z_loss: float, grads: bool, result: str = "loss"
          ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Loss sum, gradients (None without ``grads``) and router metrics (a mixture of
-    experts'; else empty) of ``[M, batch, seq]`` micro-batches through the pipeline."""
+    experts'; else empty) of ``batch`` through the pipeline: ``tokens``, ``labels`` and
+    optionally packed rows' ``segment_ids`` / ``positions``, each ``[M, batch, seq]``;
+    with ``result`` ``"hidden"`` / ``"logits"`` (a GPipe forward, no labels): those
+    outputs ``[M, batch, seq, ...]`` in the held order, None and no metrics."""
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="GPT")
     check_pipeline(cfg, par, mesh)
@@ -245,16 +265,17 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
             f"Explicit axes, got {mesh.axis_types}; build it with jax.make_mesh(shape, "
             "names) (Explicit by default) or axis_types=(AxisType.Explicit,) * len(names).")
     stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
-    micro = tokens.shape[0]
+    micro = batch["tokens"].shape[0]
     kind = par.pipeline_schedule if grads else "gpipe"
     schedule = pipeline_schedule(kind, stages, micro, repeats)
     # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
-    # the caller placed), whole sequences (ring attention's zigzag order is taken here)
+    # the caller placed), whole sequences (ring attention's zigzag order is taken here;
+    # packed rows' segment ids and positions travel in it with their tokens)
     whole = Layout.of(par).spec(None, "activation_batch", None)
-    tokens, labels = (jax.reshard(x, whole) for x in (tokens, labels))
-    order = model.sequence_order(tokens[0])
+    batch = {k: jax.reshard(x, whole) for k, x in batch.items()}
+    order = model.sequence_order(batch["tokens"][0])
     if order is not None:
-        tokens, labels = (jnp.take(x, jnp.asarray(order), axis=2) for x in (tokens, labels))
+        batch = {k: jnp.take(x, jnp.asarray(order), axis=2) for k, x in batch.items()}
     if keys is not None:
         embed_keys, layer_keys = keys
         per = cfg.num_layers // (stages * repeats)
@@ -263,31 +284,37 @@ def _run(model: Any, params: Any, tokens: jax.Array, labels: jax.Array,
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], stages, repeats)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
-    program = _program(model, order, ignore_index, label_smoothing, z_loss)
+    program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
+    if result != "loss":  # a forward's outputs
+        out, _ = gpipe(program, schedule, shared, blocks, batch, keys,
+                       stage_axis=par.pipeline_axis, data_axes=manual_data_axes(par),
+                       mesh=mesh, grads=False, outputs=True)
+        return out, None, {}
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
     experts = program.aux_loss is not None
-    loss, result, *totals = run(program, schedule, shared, blocks,
-                                {"tokens": tokens, "labels": labels}, keys,
-                                stage_axis=par.pipeline_axis,
-                                data_axes=manual_data_axes(par), mesh=mesh, totals=experts,
-                                **({"maximum": amaxes} if grads else {}))
+    loss, out, *totals = run(program, schedule, shared, blocks, batch, keys,
+                             stage_axis=par.pipeline_axis,
+                             data_axes=manual_data_axes(par), mesh=mesh, totals=experts,
+                             **({"maximum": amaxes} if grads else {}))
     metrics = router_metrics(model, totals[0]) if experts else {}
     if not grads:
         return loss, None, metrics
-    g_shared, g_blocks = result
+    g_shared, g_blocks = out
     return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}, \
         metrics
 
 
-def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,
-                            key: jax.Array | None, *, ignore_index: int = -100,
-                            return_metrics: bool = False) -> tuple:
+def pipeline_loss_and_grads(model: Any, batch: dict[str, jax.Array], key: jax.Array | None,
+                            *, ignore_index: int = -100, return_metrics: bool = False
+                            ) -> tuple:
     """One training step's ``(loss_sum, count, grads)`` of a pipelined GPT ``model``:
-    ``tokens`` / ``labels`` ``[M, batch, seq]`` (``M`` micro-batches), micro-batch ``i``
-    with the dropout of ``fold_in(key, i)`` (what ``lm_loss`` of the unpipelined model
-    draws); ``grads`` of ``loss_sum`` as a pure dict shaped like the model's
-    parameters (``nnx.to_pure_dict``). ``loss_sum`` holds, with mixture-of-experts
-    layers, each micro-batch's router losses times its target count (as ``lm_loss``);
+    ``batch`` holds ``tokens`` / ``labels`` (and packed rows' ``segment_ids`` /
+    ``positions``; labels across documents already dropped) ``[M, batch, seq]`` (``M``
+    micro-batches), micro-batch ``i`` with the dropout of ``fold_in(key, i)`` (what
+    ``lm_loss`` of the unpipelined model draws); ``grads`` of ``loss_sum`` as a pure dict
+    shaped like the model's parameters (``nnx.to_pure_dict``). ``loss_sum`` holds, with
+    mixture-of-experts layers, each micro-batch's router losses times its target count
+    (as ``lm_loss``);
     with ``return_metrics`` a fourth element, their metrics (:func:`router_metrics`:
     ``moe_aux_loss``, ``moe_z_loss``, ``moe_dropped_fraction``, ``moe_expert_tokens``;
     empty without experts)."""
@@ -295,45 +322,75 @@ def pipeline_loss_and_grads(model: Any, tokens: jax.Array, labels: jax.Array,
     keys = None
     if model.training and key is not None:
         keys = _draws([nnx.Rngs(dropout=jax.random.fold_in(key, i)).dropout
-                       for i in range(tokens.shape[0])], model.config.num_layers)
-    loss, grads, metrics = _run(model, params, tokens, labels, keys, ignore_index, 0.0,
-                                0.0, True)
-    count = jnp.sum(labels != ignore_index)
+                       for i in range(batch["tokens"].shape[0])], model.config.num_layers)
+    loss, grads, metrics = _run(model, params, batch, keys, ignore_index, 0.0, 0.0, True)
+    count = jnp.sum(batch["labels"] != ignore_index)
     return (loss, count, grads, metrics) if return_metrics else (loss, count, grads)
 
 
-def pipeline_forward_loss(model: Any, tokens: jax.Array, labels: jax.Array,
-                          stream: Any, *, ignore_index: int,
-                          label_smoothing: float, z_loss: float
-                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Sum of per-token losses of ``[batch, seq]`` ``tokens`` through the pipeline
-    (``GPT.loss`` of a pipelined model; with experts their router losses times the
-    target count) and the router metrics (:func:`router_metrics`; empty without
-    experts): the batch runs as
-    ``pipeline_microbatches`` micro-batches of a GPipe forward when it splits evenly
-    over them and the data axes, no dropout is drawn and there are no experts, else as
-    one (whose dropout is then the unpipelined model's: ``stream``, the dropout rng
-    stream, draws its keys; whose router losses are the whole batch's, as the
-    unpipelined model's)."""
+def _micro_batches(model: Any, rows: int) -> int:
+    """How many micro-batches a ``[rows, ...]`` batch runs as outside a training step:
+    ``pipeline_microbatches`` when the rows split evenly over them and the data axes, no
+    dropout is drawn and there are no experts (whose router losses are then the whole
+    batch's, as the unpipelined model's), else 1."""
     par = model.parallel
     mesh = current_mesh(par, where="GPT")
     data = math.prod(mesh.shape[a] for a in par.data_axes)
     micro = par.pipeline_microbatches
-    if model.training or model.config.num_experts or tokens.shape[0] % (micro * data):
-        micro = 1
-    batch = tokens.shape[0] // micro
+    if model.training or model.config.num_experts or rows % (micro * data):
+        return 1
+    return micro
 
-    layout = Layout.of(par)
 
-    def split(x):  # micro-batch i: rows i, i + M, ... (no data moves between devices)
-        x = jnp.reshape(jax.reshard(x, layout.spec("activation_batch", None)),
-                        (batch, micro, x.shape[1]), out_sharding=NamedSharding(
-                            mesh, layout.spec("activation_batch", None, None)))
-        return jnp.swapaxes(x, 0, 1)
+def _split(model: Any, x: jax.Array, micro: int) -> jax.Array:
+    """``[batch, seq]`` as ``[micro, batch / micro, seq]``: micro-batch ``i`` the rows
+    ``i, i + micro, ...`` (no data moves between devices)."""
+    mesh = current_mesh(model.parallel, where="GPT")
+    layout = Layout.of(model.parallel)
+    x = jnp.reshape(jax.reshard(x, layout.spec("activation_batch", None)),
+                    (x.shape[0] // micro, micro, x.shape[1]), out_sharding=NamedSharding(
+                        mesh, layout.spec("activation_batch", None, None)))
+    return jnp.swapaxes(x, 0, 1)
 
-    tokens, labels = split(tokens), split(labels)
+
+def pipeline_forward_loss(model: Any, batch: dict[str, jax.Array], stream: Any, *,
+                          ignore_index: int, label_smoothing: float, z_loss: float
+                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Sum of per-token losses of ``batch`` (``tokens``, ``labels`` and optionally
+    ``segment_ids`` / ``positions``, each ``[batch, seq]``) through the pipeline
+    (``GPT.loss`` of a pipelined model; with experts their router losses times the
+    target count) and the router metrics (:func:`router_metrics`; empty without
+    experts): the batch runs as micro-batches of a GPipe forward
+    (:func:`_micro_batches`; as one, its dropout is the unpipelined model's: ``stream``,
+    the dropout rng stream, draws its keys)."""
+    micro = _micro_batches(model, batch["tokens"].shape[0])
+    batch = {k: _split(model, x, micro) for k, x in batch.items()}
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = _draws([stream], model.config.num_layers) if model.training else None
-    loss, _, metrics = _run(model, params, tokens, labels, keys, ignore_index,
-                            label_smoothing, z_loss, False)
+    loss, _, metrics = _run(model, params, batch, keys, ignore_index, label_smoothing,
+                            z_loss, False)
     return loss, metrics
+
+
+def pipeline_forward(model: Any, batch: dict[str, jax.Array], stream: Any, result: str
+                     ) -> jax.Array:
+    """The final-normed hidden states (``result="hidden"``) or padded logits
+    (``"logits"``) ``[batch, seq, ...]`` of a pipelined GPT (``GPT.hidden_states`` /
+    ``padded_logits``), in the held order, by a GPipe forward through the stages: of
+    ``batch``'s ``tokens`` (and packed rows' ``segment_ids`` / ``positions``) ``[batch,
+    seq]`` in the natural order, micro-batched as in :func:`pipeline_forward_loss`.
+    Laid out as the unpipelined model's (``Layout.sp`` / ``Layout.logits``)."""
+    rows = batch["tokens"].shape[0]
+    micro = _micro_batches(model, rows)
+    batch = {k: _split(model, x, micro) for k, x in batch.items()}
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    keys = _draws([stream], model.config.num_layers) if model.training else None
+    y = _run(model, params, batch, keys, -100, 0.0, 0.0, False, result)[0]
+    # [M, b, s, ...] -> [b, M, s, ...] -> [batch, s, ...]: row i of micro-batch m is row
+    # i M + m (the inverse of _split; the batch stays on its data shards)
+    spec = tuple(jax.typeof(y).sharding.spec) + (None,) * (y.ndim - 1)
+    mesh = current_mesh(model.parallel, where="GPT")
+    y = jnp.reshape(jnp.swapaxes(y, 0, 1), (rows, *y.shape[2:]),
+                    out_sharding=NamedSharding(mesh, P(spec[1], *spec[2:y.ndim])))
+    layout = Layout.of(model.parallel)
+    return jax.reshard(y, layout.sp if result == "hidden" else layout.logits)

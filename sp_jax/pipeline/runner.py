@@ -275,10 +275,11 @@ def _loop_spec(x: jax.Array, axes: _Axes) -> P:
 
 
 def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: bool = True,
-         totals: bool = False) -> Any:
+         totals: bool = False, out_spec: P | None = None) -> Any:
     """``body`` under the pipeline's ``shard_map`` (manual over stage and data); the
     parameters (the first two inputs) in their :func:`_loop_spec` layout there, their
-    gradients back in the parameters' layout."""
+    gradients back in the parameters' layout; ``out_spec``: the result's spec instead
+    (a forward's outputs)."""
     params = program_inputs[:2]
     loop = jax.tree.map(lambda x: _loop_spec(x, axes), params)
     program_inputs = (*jax.tree.map(jax.reshard, params, loop), *program_inputs[2:])
@@ -286,9 +287,11 @@ def _run(body: Callable, program_inputs: tuple, axes: _Axes, mesh: Any, grads: b
     out_specs = (P(), (specs[0], specs[1])) if grads else P()
     if totals:
         out_specs = (*out_specs, P()) if grads else (P(), P())
+    if out_spec is not None:
+        out_specs = out_spec
     out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
                         axis_names=set(axes.manual), check_vma=False)(*program_inputs)
-    if not grads:
+    if not grads or out_spec is not None:
         return out
     original = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, params)
     return (out[0], jax.tree.map(jax.reshard, out[1], original), *out[2:])
@@ -326,9 +329,10 @@ def _flags(maximum: Any, stages: Any) -> Any:
 def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
           batch: Any, keys: tuple[Any, Any] | None, *,
           stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True,
-          totals: bool = False, maximum: Any = None
+          totals: bool = False, maximum: Any = None, outputs: bool = False
           ) -> tuple[jax.Array, tuple[Any, Any] | None]:
-    """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step.
+    """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step (or, with
+    ``outputs``, the head's outputs of a forward).
 
     Args:
       program: the model's :class:`StageProgram`.
@@ -348,6 +352,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         marked True (an FP8 layer's amax history, whose cotangent is the step's amaxes)
         are their maximum over the micro-batches a stage runs and over the data axes,
         not a sum (each tick's taken apart: the forward loop gets them per tick).
+      outputs: True for a forward whose ``program.head`` returns an array per micro-batch
+        (e.g. hidden states or logits ``[b, s, ...]``) instead of a loss: the result is
+        then ``(outputs [M, batch, ...], None)``, the last stage's, on every stage (one
+        ``psum`` over the stage axis), batch over the data axes like ``batch``.
     Returns:
       ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
       the step (with the stages' ``aux`` terms) and its gradients, sharded like
@@ -375,7 +383,8 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         ticked = jax.tree.map(lambda f, x: jnp.take(x, jnp.maximum(fwd_repeat[:, s], 0),
                                                     axis=0) if f else None, flags, stages)
 
-        def local_loss(shared, stages, ticked):
+        def forward(shared, stages, ticked):
+            """The last virtual stage's outputs ``[M, b, s, h]`` and the aux sums."""
             x0 = program.embed(shared, _micro(batch, 0), None if ekeys is None else ekeys[0])
             # aux: a scalar sum, or (aux_loss) each (micro-batch, chunk)'s statistics
             aux0 = _aux_table(program, stages, x0, _keys_at(lkeys, 0, 0, s),
@@ -413,6 +422,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             outputs = _stacked_zeros(m_count, x0)
             (_, outputs, aux_sum), _ = lax.scan(
                 tick, (jnp.zeros_like(x0), outputs, aux0), jnp.arange(schedule.num_ticks))
+            return outputs, aux_sum
+
+        def local_loss(shared, stages, ticked):
+            outputs, aux_sum = forward(shared, stages, ticked)
 
             def one(total, i):  # on every stage (see _when); the last one's counts
                 return total + program.head(shared, outputs[i], _micro(batch, i)), None
@@ -432,6 +445,11 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             extra = lax.scan(coupled_terms, jnp.zeros((), _F32), jnp.arange(m_count))[0]
             return jnp.where(s == p - 1, total, 0.0) + extra, table
 
+        if outputs:  # the last stage's head outputs, on every stage
+            last, _ = forward(shared, stages, ticked)
+            ys = lax.map(lambda i: program.head(shared, last[i], _micro(batch, i)),
+                         jnp.arange(m_count))
+            return lax.psum(jnp.where(s == p - 1, ys, jnp.zeros_like(ys)), stage_axis)
         if not grads:
             loss, table = local_loss(shared, stages, ticked)
             loss = lax.psum(loss, tuple(axes.manual))
@@ -455,6 +473,9 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         return (*out, table) if totals else out
 
     inputs = (shared, stages, batch, keys)
+    if outputs:  # [M, batch, ...]: the micro-batch and batch dimensions of the tokens'
+        spec = jax.tree.leaves(jax.tree.map(axes.restrict, batch))[0]
+        return _run(body, inputs, axes, mesh, False, out_spec=P(*spec[:2])), None
     if not grads:
         out = _run(body, inputs, axes, mesh, False, totals)
         return (out[0], None, out[1]) if totals else (out, None)

@@ -151,11 +151,17 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
             "TrainStep: a pipelined model (ParallelConfig(pipeline_axis=...)) trains "
             "through its own schedule, model.pipeline_loss_and_grads, which "
             f"{type(model).__name__} lacks; use a sp_jax GPT.")
-    if not isinstance(batch, dict) or set(batch) != {"tokens", "labels"}:
-        raise ValueError("TrainStep: a pipelined model takes batches {'tokens', 'labels'} "
-                         "[micro_batches, batch, seq].")
+    documents = {"segment_ids", "positions"}
+    if not isinstance(batch, dict) or not {"tokens", "labels"} <= set(batch) or \
+            set(batch) - {"tokens", "labels"} - documents:
+        got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(
+            "TrainStep: a pipelined model takes batches {'tokens', 'labels'} (and for "
+            "packed rows 'segment_ids', 'positions'), each [micro_batches, batch, seq]; "
+            f"got {got}.")
     loss_sum, count, pure, metrics = model.pipeline_loss_and_grads(
-        batch["tokens"], batch["labels"], key, return_metrics=True)
+        batch["tokens"], batch["labels"], key, return_metrics=True,
+        **{k: v for k, v in batch.items() if k in documents})
     grads = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(grads, pure)
     grads, amaxes = split_fp8(grads)

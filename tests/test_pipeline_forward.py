@@ -1,0 +1,70 @@
+"""Logits and hidden states of a pipelined GPT: ``model(tokens)``, ``hidden_states`` and
+``padded_logits`` on a stage mesh (a GPipe forward through the stages, micro-batched)
+equal the unpipelined model's with the same parameters, in the same layouts, with packed
+rows, ring or Ulysses attention, circular stages and dropout."""
+
+import jax
+import numpy as np
+import pytest
+from _util import param_values, slow_except
+from flax import nnx
+from test_pipeline_packed import packed_rows
+
+import sp_jax
+from sp_jax.models import GPT, GPTConfig
+
+B, S = 8, 16
+BASE = dict(vocab_size=61, max_seq_len=S, num_layers=4, num_heads=4, hidden=16,
+            mlp_hidden=32, scan_layers=True)
+AXES = ("stage", "data", "context", "tensor")
+
+CASES = {  # id: (mesh, schedule, repeats, micro-batches, packed, model / parallel options)
+    "2x2x1x2_gpipe_r1_m2": ((2, 2, 1, 2), "gpipe", 1, 2, False, {}, {}),
+    "2x2x1x2_1f1b_r2_m2_packed": ((2, 2, 1, 2), "1f1b", 2, 2, True, {}, {}),
+    "4x1x1x2_gpipe_r1_m4_dropout_untied": ((4, 1, 1, 2), "gpipe", 1, 4, False,
+                                           {"dropout": 0.1, "attention_dropout": 0.1,
+                                            "tie_embeddings": False}, {}),
+    "2x1x2x2_ring_1f1b_r2_m2_packed_rotary": ((2, 1, 2, 2), "1f1b", 2, 2, True,
+                                              {"positions": "rotary"},
+                                              {"context_parallel": "ring"}),
+    "2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp": ((2, 2, 2, 1), "gpipe", 1, 4, True, {},
+                                                {"context_parallel": "ulysses",
+                                                 "fsdp": True}),
+}
+
+
+@nnx.jit
+def _outputs(model, tokens, documents, key):
+    """``model(tokens)``, ``hidden_states`` and ``padded_logits``, each call drawing its
+    dropout from ``key``."""
+    return tuple(call(tokens, **documents, rngs=nnx.Rngs(dropout=key)) for call in (
+        model, model.hidden_states, model.padded_logits))
+
+
+@pytest.mark.parametrize("case", slow_except(CASES, "2x2x1x2_gpipe_r1_m2"))
+def test_pipelined_logits_and_hidden_states_equal_unpipelined(case):
+    shape, kind, repeats, micro, packed, model_kw, parallel_kw = CASES[case]
+    cfg = GPTConfig(**{**BASE, **model_kw})
+    rows = packed_rows(B, seed=7)
+    documents = {k: rows[k] for k in ("segment_ids", "positions")} if packed else {}
+    mesh = jax.make_mesh(shape, AXES, devices=jax.devices()[:int(np.prod(shape))])
+    flat = sp_jax.ParallelConfig(**parallel_kw)
+    parallel = flat.replace(pipeline_axis="stage", pipeline_microbatches=micro,
+                            pipeline_schedule=kind, pipeline_repeats=repeats)
+    got, want = {}, {}
+    with jax.set_mesh(mesh):
+        for par, out in ((parallel, got), (flat, want)):
+            model = GPT(cfg, parallel=par, rngs=nnx.Rngs(0))
+            out["params"] = jax.tree.map(  # the stacked blocks as [L, ...] either way
+                lambda x: x.reshape(cfg.num_layers, *x.shape[repeats:]) if repeats > 1
+                and x.shape[0] == repeats else x, param_values(model))
+            out["outputs"] = _outputs(model, rows["tokens"], documents, jax.random.key(3))
+        plain = _outputs(model, rows["tokens"], {}, jax.random.key(3))[1]
+    # GPT's initial values depend on the config and seed, not on the layout
+    jax.tree.map(np.testing.assert_array_equal, got["params"], want["params"])
+    for g, w in zip(got["outputs"], want["outputs"], strict=True):
+        assert g.shape == w.shape
+        assert g.sharding.spec == w.sharding.spec, (g.sharding.spec, w.sharding.spec)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    if packed:  # the documents matter
+        assert np.abs(np.asarray(plain) - np.asarray(want["outputs"][1])).max() > 1e-3
