@@ -1,6 +1,6 @@
 """Generate text from a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, and
-the mixtures of experts Mixtral and Qwen3-MoE),
-e.g. one written by examples/finetune_hf.py --out, with tensor parallelism and a KV cache.
+the mixtures of experts Mixtral and Qwen3-MoE), e.g. one written by
+examples/finetune_hf.py --out, with tensor parallelism and a KV cache.
 
     python examples/generate.py --hf-dir DIR --tokenizer DIR/tokenizer.json
         --prompt "Once upon a time" [--prompt "..."] [--max-new-tokens 32]

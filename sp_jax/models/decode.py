@@ -25,12 +25,19 @@ data axes: :func:`~sp_jax.layers.linear.decode_layout`), as each layer states it
 (``param_specs``); :func:`to_decode_layout` reshards a model into it once.
 
 The cache (:class:`KVCache`) is ``[layers, batch, length, t * kv_local, head_dim]``
-sharded ``P(None, data, None, tensor, None)``: batch over the data axes, the key/value
+sharded ``P(None, data, context, tensor, None)``: batch over the data axes, the key/value
 heads as training holds them (split over the tensor axis when its size divides them,
 else the one each shard's query heads read; :func:`~sp_jax.layers.kv_heads_per_shard`).
 Rows may be at different positions: row ``b``'s token at ``positions[b]`` is written at
 that index and attends to the cache entries before it (and, with
 ``sliding_window``, only the last ``sliding_window`` of them, itself included).
+
+With a context axis the prompts are prefilled by ring or Ulysses attention and the cache
+stays split over the context axis along the sequence: each shard keeps the prefill's
+keys and values its attention held, the generated positions go round robin
+(:func:`cache_slots`), and each decode step's attention merges the shards' parts by
+log-sum-exp (:func:`~sp_jax.attention.cached_attention`'s ``axis_name``). A pipelined
+model decodes after :func:`unpipelined` gathers its blocks off the stage axis.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held
-from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
 from sp_jax.layers.linear import decode_layout
@@ -100,16 +106,15 @@ def cache_slots(prompt: int, length: int, shards: int, order: np.ndarray | None
 
 
 def check_decodable(model: Any) -> None:
-    """A ValueError when ``model`` cannot decode (:mod:`sp_jax.compat`'s refusals of
-    ``"generate"``; a pipelined model decodes as :func:`unpipelined` gives it)."""
+    """A ValueError when ``model`` cannot decode as it is: pipeline stages (a pipelined
+    model decodes as :func:`unpipelined` gives it). :mod:`sp_jax.compat`'s other
+    refusals of ``"generate"`` are raised where the layers are built."""
     par: ParallelConfig = model.parallel
-    features = {}
     if par.pipeline_axis is not None:
         raise ValueError(
             f"decode: the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r}); "
             "prefill and decode_step run on its re-layout without stages, "
             "decode.unpipelined(model) (generate does so itself).")
-    check("generate", features, where="generate")
 
 
 # -- the decode layout of the parameters ---------------------------------------------------

@@ -132,7 +132,8 @@ class GPT(nnx.Module):
     def _documents(self, tokens: jax.Array, segment_ids: jax.Array | None,
                    positions: jax.Array | None, order: np.ndarray | None) -> Documents:
         """``(segment_ids, positions)`` int32 in the held ``order`` (None when neither is
-        given), checked against ``tokens``."""
+        given), checked against ``tokens`` (``[batch, seq]``, or a pipelined step's
+        ``[micro_batches, batch, seq]`` with ``order`` None)."""
         if segment_ids is None and positions is None:
             return None
         held = []
@@ -140,9 +141,11 @@ class GPT(nnx.Module):
             if a is not None:
                 a = jnp.asarray(a)
                 if not jnp.issubdtype(a.dtype, jnp.integer) or a.shape != tokens.shape:
+                    dims = "[micro_batches, batch, seq]" if tokens.ndim == 3 else \
+                        "[batch, seq]"
                     raise ValueError(
                         f"GPT: {name} must be integers of the tokens' shape {tokens.shape} "
-                        f"([batch, seq]), got {a.dtype} {a.shape}.")
+                        f"({dims}), got {a.dtype} {a.shape}.")
                 a = to_held(a.astype(jnp.int32), order, self.parallel)
             held.append(a)
         if positions is not None and self.position is not None:
@@ -363,18 +366,8 @@ class GPT(nnx.Module):
                 f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
                 "--microbatches sets both).")
         self._check_tokens(tokens[0])
-        batch = {"tokens": tokens, "labels": labels}
-        for name, a in (("segment_ids", segment_ids), ("positions", positions)):
-            if a is not None:
-                a = jnp.asarray(a)
-                if not jnp.issubdtype(a.dtype, jnp.integer) or a.shape != tokens.shape:
-                    raise ValueError(
-                        f"GPT.pipeline_loss_and_grads: {name} must be integers of the tokens' "
-                        f"shape {tokens.shape} ([micro_batches, batch, seq]), got {a.dtype} "
-                        f"{a.shape}.")
-                batch[name] = a.astype(jnp.int32)
-        if positions is not None and self.position is not None:
-            self._check_positions(positions)
+        batch = {"tokens": tokens, "labels": labels,
+                 **self._document_arrays(tokens, segment_ids, positions)}
         if segment_ids is not None:  # per micro-batch, as lm_loss drops them
             batch["labels"] = jax.vmap(document_labels, in_axes=(0, 0, None))(
                 labels, batch["segment_ids"], ignore_index)

@@ -1,5 +1,15 @@
 """The GPT on a pipeline (``ParallelConfig(pipeline_axis=...)``): its pieces as a
-:class:`~sp_jax.pipeline.StageProgram`, and a training step's loss and gradients.
+:class:`~sp_jax.pipeline.StageProgram`, a training step's loss and gradients
+(:func:`pipeline_loss_and_grads`), and forwards through the stages: the loss
+(:func:`pipeline_forward_loss`) and the hidden states or logits
+(:func:`pipeline_forward`).
+
+A micro-batch is a dict of ``tokens``, ``labels`` and, for packed rows,
+``segment_ids`` / ``positions``, which travel with it through the stages. With
+mixture-of-experts layers each chunk returns its router statistics, from which the
+runner's ``aux_loss`` adds the routers' losses as the unpipelined step does
+(:func:`router_metrics` averages their metrics over the micro-batches); with FP8
+delayed scaling the blocks' amax histories are flagged for the runner's ``maximum``.
 
 The parameters keep the GPT's own layout: the scanned blocks ``[num_layers, ...]`` in
 layer order, sharded over the stage axis on their first dimension, so checkpoints move
@@ -10,12 +20,13 @@ robin), where the circular schedule runs them (checkpoints move between stage co
 the same ``R``; the shape names a change of ``R``).
 
 Inside the pipeline the layers run with the stage and data axes manual (their
-``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes and
-``fsdp=False``: fsdp weights are gathered once per step by the pipeline), so the
-weight gradients of all micro-batches are reduced over the data axes once per step. The
-stage's modules are built with that config (the GPT's public ``embed_tokens``,
-``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks` then run them) and
-receive the model's parameters.
+``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes but
+the expert axis (:func:`manual_data_axes`: it stays explicit for the experts'
+all-to-alls) and ``fsdp=False``: fsdp weights are gathered once per step by the
+pipeline), so the weight gradients of all micro-batches are reduced over the data axes
+once per step. The stage's modules are built with that config (the GPT's public
+``embed_tokens``, ``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks`
+then run them) and receive the model's parameters.
 """
 
 from __future__ import annotations

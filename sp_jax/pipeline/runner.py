@@ -15,6 +15,16 @@ step: over the data axes (a ``psum``, or a ``psum_scatter`` for parameters shard
 them by fsdp, whose stage weights are all-gathered once before the loop) and, for the
 parameters every stage holds (embedding, head, final norm), over the stage axis.
 
+A micro-batch is a dict of ``[b, s]`` arrays (tokens, labels, packed rows' ids and
+positions) that every stage holds and indexes, so it travels with its micro-batch
+without a transfer. A stage may return statistics beside its output
+(:class:`StageProgram`'s ``aux``: a loss term, or with ``aux_loss`` statistics such as a
+mixture of experts' router sums, exchanged between the stages so that a term coupling
+every layer is exact); leaves flagged in ``maximum`` (FP8 amax histories) get the
+maximum of their per-tick "gradients" instead of the sum; and :func:`gpipe` with
+``outputs`` returns the head's per-micro-batch outputs of a forward (hidden states,
+logits) instead of a loss.
+
 * :func:`gpipe` differentiates the forward loop (GPipe: every micro-batch's activations
   stay alive until the backward; ``R > 1`` is the circular schedule).
 * :func:`one_f_one_b` drives forward and backward itself: each tick a stage forwards one
