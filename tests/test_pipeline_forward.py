@@ -1,7 +1,7 @@
 """Logits and hidden states of a pipelined GPT: ``model(tokens)``, ``hidden_states`` and
 ``padded_logits`` on a stage mesh (a GPipe forward through the stages, micro-batched)
 equal the unpipelined model's with the same parameters, in the same layouts, with packed
-rows, ring or Ulysses attention, circular stages and dropout."""
+rows, ring or Ulysses attention, circular stages, dropout and mixture-of-experts layers."""
 
 import jax
 import numpy as np
@@ -30,6 +30,9 @@ CASES = {  # id: (mesh, schedule, repeats, micro-batches, packed, model / parall
     "2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp": ((2, 2, 2, 1), "gpipe", 1, 4, True, {},
                                                 {"context_parallel": "ulysses",
                                                  "fsdp": True}),
+    "2x1x1x2_gpipe_r1_m2_experts": ((2, 1, 1, 2), "gpipe", 1, 2, False,
+                                    {"num_experts": 4, "experts_per_token": 2,
+                                     "moe_mlp_hidden": 16}, {}),
 }
 
 

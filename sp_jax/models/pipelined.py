@@ -190,13 +190,14 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
         return shell(shared).embed_tokens(micro["tokens"], None, order, key(key_data),
                                           micro.get("positions"))
 
-    experts = bool(model.config.num_experts)
+    # a forward's outputs (no labels) take no router losses
+    experts = bool(model.config.num_experts) and result == "loss"
     aux_loss, counted = _router_terms(model, ignore_index) if experts else (None, None)
 
     def stage(chunk, x, keys, micro):
         stacked = nnx.merge(block_graphdef, chunk)
         y, stats = scan_blocks(stacked, x, key(keys), remat, _documents(micro))
-        if stats is None:
+        if stats is None or not experts:
             return y, jnp.zeros((), jnp.float32)
         return y, counted(stats, micro)  # router statistics [layers_per_chunk, ...]
 
