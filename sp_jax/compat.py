@@ -186,6 +186,9 @@ _HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
 _HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
 _GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
 _COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
+_COMPAT_PIPE = "tests/test_compat.py::test_pipelined_combination_equals_unsharded"
+_COMPAT_GEN = ("tests/test_compat.py::"
+               "test_generation_with_features_reads_its_cache_like_a_full_forward")
 _GEN_CONTEXT = "tests/test_generate_sharded.py::test_greedy_on_a_context_axis_equals_transformers"
 _GEN_PIPE = "tests/test_generate_sharded.py::test_pipelined_model_generates_the_unpipelined_tokens"
 _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
@@ -294,7 +297,9 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, "pipeline_gpipe"), f"{_GEN_PIPE}[gpipe-r1]"),
     (_GEN, (_TS, "pipeline_1f1b"), f"{_GEN_PIPE}[1f1b-r2]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
-     "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
+     f"{_COMPAT_GEN}[2x4_cm_fsdp_window_dropout]"),
+    (_GEN, (_TS, *_EXPERTS, _RING), f"{_COMPAT_GEN}[1x2x2x2_experts_ring]"),
+    (_GEN, (_TS, _RING, _WINDOW), f"{_COMPAT_GEN}[1x2x4_ring_window]"),
     # tests/test_compat.py: one model with several features, train and eval, against the
     # same model unsharded
     (("train", "eval"), (_TS, _CM, _RA, "fsdp", _WINDOW, _DOCS), f"{_COMPAT}[2x4_cm_fsdp]"),
@@ -304,6 +309,14 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      f"{_COMPAT}[1x2x4_ring_cm_fp8]"),
     (("train", "eval"), (_TS, *_EXPERTS, "fsdp", _CM, _RA, _DOCS, _WINDOW, "fp8_delayed"),
      f"{_COMPAT}[2x2x1x2_experts_fsdp_cm_fp8]"),
+    (("train", "eval"), (_TS, _RING, _WINDOW, _DOCS), f"{_COMPAT}[1x2x4_ring_window]"),
+    # pipelined: logits through the stages (eval), AdamW steps (train), packed rows
+    (("train", "eval"), (_TS, "pipeline_1f1b", *_EXPERTS, _DOCS),
+     f"{_COMPAT_PIPE}[2x1x2x1x2_1f1b_experts]"),
+    (("train", "eval"), (_TS, "pipeline_gpipe", "fp8_delayed", _DOCS),
+     f"{_COMPAT_PIPE}[2x2x1x1x2_gpipe_fp8]"),
+    (("train", "eval"), (_TS, "pipeline_gpipe", *_EXPERTS, _RING, _DOCS),
+     f"{_COMPAT_PIPE}[2x1x2x2x1_ring_gpipe_experts]"),
     (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
 ]
 """``(modes, features, pytest node id)``: the test runs these features together."""

@@ -129,7 +129,10 @@ def _router_terms(model: Any, ignore_index: int) -> Any:
         return count * (cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * z)
 
     def counted(stats, micro):
-        """The chunk's statistics, and the micro-batch's targets (this data shard's)."""
+        """The chunk's statistics, and the micro-batch's targets (this data shard's; none
+        in a forward for logits or hidden states, whose micro-batches carry no labels)."""
+        if "labels" not in micro:
+            return {**stats, "targets": jnp.zeros((), jnp.float32)}
         targets = jnp.sum(micro["labels"] != ignore_index).astype(jnp.float32)
         return {**stats, "targets": targets}
 
