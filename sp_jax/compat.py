@@ -229,6 +229,8 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      f"{_PIPE_EVAL}[2x1x2x2_ring_1f1b_r2_m2_packed_rotary]"),
     (_EVAL, ("pipeline_gpipe", _DOCS, _ULYSSES, "fsdp"),
      f"{_PIPE_EVAL}[2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp]"),
+    (_EVAL, (_TS, "pipeline_1f1b", _DOCS, "experts"),
+     f"{_PIPE_EVAL}[2x2x1x2_1f1b_r1_m2_packed_experts]"),
     (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),

@@ -1,7 +1,7 @@
 """Logits and hidden states of a pipelined GPT: ``model(tokens)``, ``hidden_states`` and
 ``padded_logits`` on a stage mesh (a GPipe forward through the stages, micro-batched)
 equal the unpipelined model's with the same parameters, in the same layouts, with packed
-rows, ring or Ulysses attention, circular stages and dropout."""
+rows, ring or Ulysses attention, circular stages, dropout and mixture-of-experts layers."""
 
 import jax
 import numpy as np
@@ -30,6 +30,9 @@ CASES = {  # id: (mesh, schedule, repeats, micro-batches, packed, model / parall
     "2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp": ((2, 2, 2, 1), "gpipe", 1, 4, True, {},
                                                 {"context_parallel": "ulysses",
                                                  "fsdp": True}),
+    # mixture-of-experts layers: the stages' router statistics in a forward without labels
+    "2x2x1x2_1f1b_r1_m2_packed_experts": ((2, 2, 1, 2), "1f1b", 1, 2, True,
+                                          {"num_experts": 4, "moe_mlp_hidden": 16}, {}),
 }
 
 
@@ -41,7 +44,8 @@ def _outputs(model, tokens, documents, key):
         model, model.hidden_states, model.padded_logits))
 
 
-@pytest.mark.parametrize("case", slow_except(CASES, "2x2x1x2_gpipe_r1_m2"))
+@pytest.mark.parametrize("case", slow_except(CASES, "2x2x1x2_gpipe_r1_m2",
+                                             "2x2x1x2_1f1b_r1_m2_packed_experts"))
 def test_pipelined_logits_and_hidden_states_equal_unpipelined(case):
     shape, kind, repeats, micro, packed, model_kw, parallel_kw = CASES[case]
     cfg = GPTConfig(**{**BASE, **model_kw})
