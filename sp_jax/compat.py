@@ -186,6 +186,9 @@ _HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
 _HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
 _GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
 _COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
+_COMPAT_PIPE = "tests/test_compat.py::test_pipelined_combination_equals_unsharded"
+_COMPAT_GEN = ("tests/test_compat.py::"
+               "test_generation_with_features_reads_its_cache_like_a_full_forward")
 _GEN_CONTEXT = "tests/test_generate_sharded.py::test_greedy_on_a_context_axis_equals_transformers"
 _GEN_PIPE = "tests/test_generate_sharded.py::test_pipelined_model_generates_the_unpipelined_tokens"
 _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
@@ -227,6 +230,8 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_EVAL, ("pipeline_gpipe", _DOCS, _ULYSSES, "fsdp"),
      f"{_PIPE_EVAL}[2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp]"),
     (_EVAL, (_TS, "experts", "pipeline_gpipe"), f"{_PIPE_EVAL}[2x1x1x2_gpipe_r1_m2_experts]"),
+    (_EVAL, (_TS, "pipeline_1f1b", _DOCS, "experts"),
+     f"{_PIPE_EVAL}[2x2x1x2_1f1b_r1_m2_packed_experts]"),
     (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
     (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),
@@ -294,8 +299,11 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_GEN, (_TS, _ULYSSES, _WINDOW), f"{_GEN_CONTEXT}[mistral-ulysses-1x2x1]"),
     (_GEN, (_TS, "pipeline_gpipe"), f"{_GEN_PIPE}[gpipe-r1]"),
     (_GEN, (_TS, "pipeline_1f1b"), f"{_GEN_PIPE}[1f1b-r2]"),
+    (_GEN, (_TS, "pipeline_1f1b", *_EXPERTS), f"{_GEN_PIPE}[1f1b-r1-experts]"),
     (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
-     "tests/test_compat.py::test_generation_with_features_reads_its_cache_like_a_full_forward"),
+     f"{_COMPAT_GEN}[2x4_cm_fsdp_window_dropout]"),
+    (_GEN, (_TS, *_EXPERTS, _RING), f"{_COMPAT_GEN}[1x2x2x2_experts_ring]"),
+    (_GEN, (_TS, _RING, _WINDOW), f"{_COMPAT_GEN}[1x2x4_ring_window]"),
     # tests/test_compat.py: one model with several features, train and eval, against the
     # same model unsharded
     (("train", "eval"), (_TS, _CM, _RA, "fsdp", _WINDOW, _DOCS), f"{_COMPAT}[2x4_cm_fsdp]"),
@@ -305,6 +313,14 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      f"{_COMPAT}[1x2x4_ring_cm_fp8]"),
     (("train", "eval"), (_TS, *_EXPERTS, "fsdp", _CM, _RA, _DOCS, _WINDOW, "fp8_delayed"),
      f"{_COMPAT}[2x2x1x2_experts_fsdp_cm_fp8]"),
+    (("train", "eval"), (_TS, _RING, _WINDOW, _DOCS), f"{_COMPAT}[1x2x4_ring_window]"),
+    # pipelined: logits through the stages (eval), AdamW steps (train), packed rows
+    (("train", "eval"), (_TS, "pipeline_1f1b", *_EXPERTS, _DOCS, _WINDOW),
+     f"{_COMPAT_PIPE}[2x1x2x1x2_1f1b_experts_window]"),
+    (("train", "eval"), (_TS, "pipeline_gpipe", "fp8_delayed", _DOCS, _ULYSSES, _WINDOW),
+     f"{_COMPAT_PIPE}[2x1x1x2x2_ulysses_gpipe_fp8_window]"),
+    (("train", "eval"), (_TS, "pipeline_gpipe", *_EXPERTS, _RING, _DOCS),
+     f"{_COMPAT_PIPE}[2x1x2x2x1_ring_gpipe_experts]"),
     (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
 ]
 """``(modes, features, pytest node id)``: the test runs these features together."""

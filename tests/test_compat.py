@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import cache_and_forward_logits, copy_weights, param_values, to_host
+from _util import cache_and_forward_logits, copy_weights, param_values, to_host, train_gpt
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -222,6 +222,10 @@ CASES = {  # id: (mesh shape, axis names, model options, parallel options)
                                          fp8=sp_jax.Fp8Recipe("delayed", 4)),
                                     dict(expert_axis="expert", fsdp=True,
                                          collective_matmul=True, recompute_allgather=True)),
+    # ring attention with a sliding window on packed rows: key blocks wholly outside the
+    # window skipped by the ring loop, the segment ids travelling with the keys
+    "1x2x4_ring_window": ((1, 2, 4), ("data", "context", "tensor"), dict(sliding_window=3),
+                          dict(context_parallel="ring")),
 }
 
 
@@ -264,6 +268,87 @@ def test_combination_equals_unsharded(case):
     chex.assert_trees_all_close(grads, ref_grads, rtol=tol * 10, atol=tol)
 
 
+PIPE_AXES = ("stage", "data", "expert", "context", "tensor")
+PIPE_STEPS = 3
+PIPE_CASES = {  # id: ((stage, data, expert, context, tensor), schedule, model / parallel options)
+    "2x1x2x1x2_1f1b_experts_window": ((2, 1, 2, 1, 2), "1f1b",
+                                      dict(num_experts=4, moe_mlp_hidden=16, sliding_window=3),
+                                      dict(expert_axis="expert")),
+    "2x1x1x2x2_ulysses_gpipe_fp8_window": ((2, 1, 1, 2, 2), "gpipe",
+                                           dict(fp8=sp_jax.Fp8Recipe("delayed", 4),
+                                                sliding_window=3),
+                                           dict(context_parallel="ulysses")),
+    "2x1x2x2x1_ring_gpipe_experts": ((2, 1, 2, 2, 1), "gpipe",
+                                     dict(num_experts=4, moe_mlp_hidden=16),
+                                     dict(expert_axis="expert", context_parallel="ring")),
+}
+
+
+def _pipe_batches():
+    """``PIPE_STEPS`` batches of the packed rows ``DOCS`` / ``POSITIONS`` (random tokens),
+    2 micro-batches ``[2, B / 2, S]`` each."""
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(PIPE_STEPS):
+        tokens = rng.integers(0, BASE["vocab_size"], (B, S + 1)).astype(np.int32)
+        rows = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": DOCS,
+                "positions": POSITIONS}
+        out.append({k: v.reshape(2, B // 2, S) for k, v in rows.items()})
+    return out
+
+
+def _histories(params):
+    return {jax.tree_util.keystr(path): np.asarray(v) for path, v in
+            jax.tree_util.tree_flatten_with_path(params)[0] if "fp8_history" in str(path)}
+
+
+@pytest.mark.slow  # ~30 s a case on 2 CPU cores: two models' logits and 2 x 3 steps
+@pytest.mark.parametrize("case", list(PIPE_CASES))
+def test_pipelined_combination_equals_unsharded(case):
+    """A pipelined model (2 stages, 2 micro-batches) with the case's features together,
+    packed documents in every case, against the same parameters unpipelined on one
+    device: the logits of ``model(tokens)`` (eval: a forward through the stages) and
+    three AdamW steps of a ``TrainStep`` (train: losses and parameters, fp32, 1e-5).
+    FP8 (delayed): the first step's loss within 4e-4 and its amaxes equal (1e-6), as
+    tests/test_fp8.py's pipelined case; the later steps follow FP8 flips of fp32
+    rounding noise, so only their finiteness and fall are asserted."""
+    shape, schedule, model_kw, parallel_kw = PIPE_CASES[case]
+    cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True}, **model_kw)
+    parallel = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2,
+                                     pipeline_schedule=schedule, **parallel_kw)
+    assert compat.features_of(cfg, parallel) | {"packed_documents"} >= set(
+        next(f for _, f, t in compat.COVERED if t.endswith(f"[{case}]")))
+    mesh, flat = _mesh(shape, PIPE_AXES), make_mesh(1, 1)
+    batches, tokens = _pipe_batches(), _pipe_batches()[0]["tokens"].reshape(B, S)
+    forward = nnx.jit(lambda m, t: m(t, segment_ids=DOCS, positions=POSITIONS))
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        init = param_values(model)
+        model.eval()
+        logits = to_host(forward(model, tokens))
+    with jax.set_mesh(flat):
+        ref = copy_weights(GPT(cfg, rngs=nnx.Rngs(1)), init)
+        ref.eval()
+        ref_logits = to_host(forward(ref, tokens))
+    tol = 2e-3 if cfg.fp8 else 1e-5
+    np.testing.assert_allclose(logits, ref_logits, rtol=tol, atol=tol * 10)
+    start, losses, params, _ = train_gpt(cfg, parallel, mesh, batches, init=init)
+    _, ref_losses, ref_params, _ = train_gpt(cfg, sp_jax.ParallelConfig(), flat, batches,
+                                             init=init)
+    chex.assert_trees_all_equal(start, init)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    if cfg.fp8 is None:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
+        return
+    np.testing.assert_allclose(losses[0], ref_losses[0], rtol=4e-4)
+    got, want = _histories(params), _histories(ref_params)
+    assert got.keys() == want.keys() and got
+    for name, h in got.items():  # newest first: the first step's amaxes in column STEPS - 1
+        np.testing.assert_allclose(h[..., PIPE_STEPS - 1], want[name][..., PIPE_STEPS - 1],
+                                   rtol=1e-6, err_msg=name)
+
+
 @pytest.mark.slow
 def test_custom_loss_fn_trains_like_lm_loss():
     """A TrainStep with a loss_fn of its own (the cross entropy written out from the
@@ -285,24 +370,39 @@ def test_custom_loss_fn_trains_like_lm_loss():
     assert losses[0][1] < losses[0][0]
 
 
+GEN_CASES = {  # id: (mesh shape, axis names, model options, parallel options)
+    "2x4_cm_fsdp_window_dropout": ((2, 4), ("data", "tensor"),
+                                   dict(sliding_window=3, attention_dropout=0.1),
+                                   dict(collective_matmul=True, recompute_allgather=True,
+                                        fsdp=True)),
+    # the KV cache split over the context axis (ring prefill, log-sum-exp decode merge)
+    "1x2x2x2_experts_ring": ((1, 2, 2, 2), ("data", "expert", "context", "tensor"),
+                             dict(num_experts=4, moe_mlp_hidden=16),
+                             dict(expert_axis="expert", context_parallel="ring")),
+    "1x2x4_ring_window": ((1, 2, 4), ("data", "context", "tensor"), dict(sliding_window=3),
+                          dict(context_parallel="ring")),
+}
+
+
 @pytest.mark.slow
-def test_generation_with_features_reads_its_cache_like_a_full_forward():
-    """Generation of a model with collective matmul, recompute_allgather, fsdp, a
-    sliding window and attention dropout (off in eval) together: after the prefill and
-    decode steps, the next-token logits from the cache equal the logits of a forward
-    over each row's prompt and tokens (rows at different positions), and greedy
-    generation is the argmax of those forward logits."""
-    cfg = GPTConfig(**{**BASE, "max_seq_len": 32}, sliding_window=3, attention_dropout=0.1)
-    parallel = sp_jax.ParallelConfig(collective_matmul=True, recompute_allgather=True,
-                                     fsdp=True)
+@pytest.mark.parametrize("case", list(GEN_CASES))
+def test_generation_with_features_reads_its_cache_like_a_full_forward(case):
+    """Generation of a model with the case's features together (attention dropout is
+    off in eval): after the prefill and decode steps, the next-token logits from the
+    cache equal the logits of a forward over each row's prompt and tokens (rows at
+    different positions), and greedy generation is the argmax of those forward
+    logits."""
+    shape, names, model_kw, parallel_kw = GEN_CASES[case]
+    cfg = GPTConfig(**{**BASE, "max_seq_len": 32}, **model_kw)
+    parallel = sp_jax.ParallelConfig(**parallel_kw)
+    mesh = _mesh(shape, names)
+    assert compat.features_of(cfg, parallel, mesh) >= set(
+        next(f for _, f, t in compat.COVERED if t.endswith(f"[{case}]")))
     rng = np.random.default_rng(0)
     lengths, steps = np.array([5, 3]), 4
-    full = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
-    with jax.set_mesh(make_mesh(2, 4)):
+    full = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    with jax.set_mesh(mesh):
         model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
-        assert compat.features_of(cfg, parallel) == {
-            "tensor_sequence", "collective_matmul", "recompute_allgather", "fsdp",
-            "sliding_window", "attention_dropout"}
         out = generate(model, [list(full[b, :lengths[b]]) for b in range(2)],
                        max_new_tokens=steps)
         model.eval()
@@ -313,11 +413,11 @@ def test_generation_with_features_reads_its_cache_like_a_full_forward():
     # greedy: each new token is the argmax of a forward over the prompt and the tokens
     # chosen before it
     tokens = np.asarray(out.tokens)
-    with jax.set_mesh(make_mesh(2, 4)):
+    with jax.set_mesh(mesh):
         for b in range(2):
             row = list(full[b, :lengths[b]])
             for n in range(steps):
-                padded = np.zeros((2, 8 * ((len(row) + 7) // 8)), np.int32)  # 2: data
+                padded = np.zeros((2, 16 * ((len(row) + 15) // 16)), np.int32)
                 padded[:, :len(row)] = row
                 ahead = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(padded)))
                 assert tokens[b, n] == int(np.argmax(ahead[0, len(row) - 1])), (b, n)

@@ -49,27 +49,32 @@ def _one_device_tokens(cfg: GPTConfig, values: dict, max_new_tokens: int) -> np.
 # -- a pipelined model ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule, repeats", [
-    pytest.param("gpipe", 1, id="gpipe-r1"),
-    pytest.param("1f1b", 2, id="1f1b-r2", marks=pytest.mark.slow)])
-def test_pipelined_model_generates_the_unpipelined_tokens(schedule, repeats):
+@pytest.mark.parametrize("schedule, repeats, experts", [
+    pytest.param("gpipe", 1, 0, id="gpipe-r1"),
+    pytest.param("1f1b", 2, 0, id="1f1b-r2", marks=pytest.mark.slow),
+    pytest.param("1f1b", 1, 4, id="1f1b-r1-experts", marks=pytest.mark.slow)])
+def test_pipelined_model_generates_the_unpipelined_tokens(schedule, repeats, experts):
     """``generate`` on a model with ``pipeline_axis`` (2 stages x 2 data x 2 tensor, its
-    blocks ``[L, ...]`` or, with 2 repeats, ``[2, L / 2, ...]`` over the stages) gives
-    the tokens of the same parameters unpipelined on one device; the model keeps its
+    blocks ``[L, ...]`` or, with 2 repeats, ``[2, L / 2, ...]`` over the stages; with
+    ``experts``: mixture-of-experts layers, 2 stages x 2 expert x 2 tensor) gives the
+    tokens of the same parameters unpipelined on one device; the model keeps its
     pipeline layout."""
-    cfg = GPTConfig.llama("llama-tiny", vocab_size=97, num_layers=4, scan_layers=True)
+    cfg = GPTConfig.llama("llama-tiny", vocab_size=97, num_layers=4, scan_layers=True,
+                          **(dict(num_experts=experts, moe_mlp_hidden=32) if experts else {}))
     par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=4,
-                                pipeline_schedule=schedule, pipeline_repeats=repeats)
-    mesh = jax.make_mesh((2, 2, 1, 2), ("stage", "data", "context", "tensor"),
+                                pipeline_schedule=schedule, pipeline_repeats=repeats,
+                                expert_axis="expert" if experts else None)
+    shape = (2, 1, 2, 1, 2) if experts else (2, 2, 1, 1, 2)
+    mesh = jax.make_mesh(shape, ("stage", "data", "expert", "context", "tensor"),
                          devices=jax.devices()[:8])
     with jax.set_mesh(mesh):
         model = GPT(cfg, parallel=par, rngs=nnx.Rngs(0))
         got = generate(model, PROMPTS, max_new_tokens=8).tokens
         flat = unpipelined(model)
         assert flat.parallel.pipeline_axis is None
-        kernel = flat.blocks.mlp.up.kernel[...]
+        kernel = jax.tree.leaves(nnx.state(flat.blocks.mlp, nnx.Param))[0]
         assert kernel.shape[0] == 4 and "stage" not in str(jax.typeof(kernel).sharding.spec)
-        kept = model.blocks.mlp.up.kernel[...]
+        kept = jax.tree.leaves(nnx.state(model.blocks.mlp, nnx.Param))[0]
         assert "stage" in str(jax.typeof(kept).sharding.spec)
         values = _host(model)
     np.testing.assert_array_equal(got, _one_device_tokens(cfg, values, 8))

@@ -165,8 +165,11 @@ class GPT(nnx.Module):
         values only)."""
         if isinstance(positions, jax.core.Tracer):
             return
-        top = int(jnp.max(positions))
-        if top >= self.config.max_seq_len or int(jnp.min(positions)) < 0:
+        # eager even while a jit traces (NumPy positions closed over by a jitted call:
+        # jnp.max would otherwise stage a tracer out of the constant)
+        with jax.ensure_compile_time_eval():
+            top, low = int(jnp.max(positions)), int(jnp.min(positions))
+        if top >= self.config.max_seq_len or low < 0:
             raise ValueError(f"GPT: positions up to {top} are outside the learned position "
                              f"table of max_seq_len={self.config.max_seq_len} rows.")
 
