@@ -75,3 +75,21 @@ def test_pipelined_logits_and_hidden_states_equal_unpipelined(case):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     if packed:  # the documents matter
         assert np.abs(np.asarray(plain) - np.asarray(want["outputs"][1])).max() > 1e-3
+
+
+def test_a_pipelined_model_runs_outside_jit():
+    """``GPT.loss`` and ``model(tokens)`` of a pipelined model called eagerly (no jit
+    around them) equal the unpipelined model's: the pipeline runs its ``shard_map``
+    under a jit of its own (eagerly, one manual over only the stage and data axes
+    refused the outputs sharded over the tensor axis)."""
+    cfg = GPTConfig(**{**BASE, "num_layers": 2})
+    tokens = np.random.default_rng(0).integers(0, BASE["vocab_size"], (4, S)).astype(np.int32)
+    mesh = jax.make_mesh((2, 1, 1, 2), AXES, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        flat = GPT(cfg, rngs=nnx.Rngs(0))
+        piped = GPT(cfg, parallel=sp_jax.ParallelConfig(pipeline_axis="stage",
+                                                        pipeline_microbatches=2),
+                    rngs=nnx.Rngs(0))
+        assert param_values(piped).keys() == param_values(flat).keys()
+        np.testing.assert_allclose(piped.loss(tokens), flat.loss(tokens), rtol=1e-5)
+        np.testing.assert_allclose(piped(tokens), flat(tokens), atol=1e-5)

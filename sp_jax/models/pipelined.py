@@ -259,6 +259,16 @@ def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(embed), jnp.stack(layers)
 
 
+def _jitted(run: Any, program: StageProgram, schedule: Any, *arrays: Any, **options: Any
+            ) -> Any:
+    """``run(program, schedule, *arrays, **options)`` (a pipeline of
+    :mod:`sp_jax.pipeline`) under ``jax.jit``: called eagerly (``GPT.loss`` or
+    ``model(tokens)`` outside jit), a ``shard_map`` manual over the stage and data axes
+    only refuses outputs that the explicit (context, tensor) axes shard (measured); in a
+    caller's jit this one is inlined."""
+    return jax.jit(lambda *a: run(program, schedule, *a, **options))(*arrays)
+
+
 def _run(model: Any, params: Any, batch: dict[str, jax.Array],
          keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
          label_smoothing: float, z_loss: float, grads: bool, result: str = "loss"
@@ -297,17 +307,16 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     blocks = _stage_major(params["blocks"], stages, repeats)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
     program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
+    axes = {"stage_axis": par.pipeline_axis, "data_axes": manual_data_axes(par), "mesh": mesh}
     if result != "loss":  # a forward's outputs
-        out, _ = gpipe(program, schedule, shared, blocks, batch, keys,
-                       stage_axis=par.pipeline_axis, data_axes=manual_data_axes(par),
-                       mesh=mesh, grads=False, outputs=True)
+        out, _ = _jitted(gpipe, program, schedule, shared, blocks, batch, keys, **axes,
+                         grads=False, outputs=True)
         return out, None, {}
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
     experts = program.aux_loss is not None
-    loss, out, *totals = run(program, schedule, shared, blocks, batch, keys,
-                             stage_axis=par.pipeline_axis,
-                             data_axes=manual_data_axes(par), mesh=mesh, totals=experts,
-                             **({"maximum": amaxes} if grads else {}))
+    loss, out, *totals = _jitted(run, program, schedule, shared, blocks, batch, keys,
+                                 **axes, totals=experts,
+                                 **({"maximum": amaxes} if grads else {}))
     metrics = router_metrics(model, totals[0]) if experts else {}
     if not grads:
         return loss, None, metrics
