@@ -154,11 +154,14 @@ def _gpt_config(bench: PipelineBench, layers: int) -> GPTConfig:
 
 
 def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: int = 1,
-                 packed: bool = False) -> tuple[Any, list[int], list[tuple[int, ...]]]:
+                 packed: bool = False, compiler_options: dict[str, Any] | None = None
+                 ) -> tuple[Any, list[int], list[tuple[int, ...]]]:
     """Deviceless H100 compile of one training step (``train_step_fn``: the pipeline's
     loss and gradients, AdamW) of the pipelined GPT of ``bench`` with schedule ``kind``;
     ``packed``: on packed rows (the batch also holds ``segment_ids`` and ``positions``,
-    laid out like the tokens).
+    laid out like the tokens); ``compiler_options``: added to the default XLA GPU flags
+    (e.g. ``{"xla_gpu_enable_while_loop_double_buffering": False}``, which makes packed
+    rows' temp equal to plain rows'; see ``BENCHMARKS.md``).
 
     Returns:
       ``(report, shared_elements, chunk_shapes)``: the
@@ -191,7 +194,7 @@ def compile_step(bench: PipelineBench, kind: str, microbatches: int, repeats: in
         batch.update(segment_ids=tokens, positions=tokens)
     report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state, batch, key,
                              mesh_shape=bench.mesh_shape, axis_names=AXES,
-                             donate_argnums=(0, 2))
+                             donate_argnums=(0, 2), compiler_options=compiler_options)
     return report, shared, chunks
 
 
