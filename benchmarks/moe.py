@@ -165,7 +165,8 @@ def cpu_step_times(*, tokens: int = 2048, h: int = 256, F: int = 512, E: int = 8
         xs = jax.device_put(x, jax.NamedSharding(mesh, P(("data", "expert"), "tensor")))
         real = moe_ops.grouped_ffn
 
-        def stand_in(rows, sizes, w_up, w_down, activation):  # one dense GEMM pair
+        def stand_in(rows, sizes, w_up, w_down, activation, **fp8):  # one dense GEMM pair
+            del fp8  # (None here: the compute dtype)
             return activation(rows @ w_up[0].astype(rows.dtype)) @ w_down[0].astype(rows.dtype)
 
         programs = {"dense MLP (width k F)": (program(dense), dense),

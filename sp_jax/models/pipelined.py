@@ -130,8 +130,9 @@ def _router_terms(model: Any, ignore_index: int) -> Any:
     cfg = model.config
 
     def aux_loss(aux, totals, micro):
-        del micro
         count = jnp.maximum(totals["targets"][0, 0], 1.0)  # every chunk counts it
+        if "real" in micro:  # a forward's filling micro-batch (_filled): no router loss
+            count = count * jnp.max(micro["real"]).astype(jnp.float32)
         tokens = jnp.maximum(jnp.sum(totals["tokens"]), 1.0)
         routed = jnp.sum(totals["expert_tokens"], axis=(0, 1, 2))  # [E], all layers
         balance = cfg.num_experts * jnp.sum(routed * jnp.sum(aux["router_probs"], 0)) \
@@ -259,6 +260,25 @@ def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(embed), jnp.stack(layers)
 
 
+def _filled(batch: dict[str, jax.Array], keys: Any, stages: int, ignore_index: int
+            ) -> tuple[dict[str, jax.Array], Any]:
+    """A forward's ``[M, ...]`` micro-batches (and dropout keys) filled up to a multiple
+    of ``stages`` with empty ones, which the circular schedule needs (it runs micro-batches
+    in groups of ``P``): tokens and positions 0, one document, every label
+    ``ignore_index`` (no loss; no router loss either: ``"real"`` 0), the last micro-batch's
+    keys; ``"real"`` marks the micro-batches that are not filling. The caller keeps the
+    first ``M`` outputs."""
+    extra = -batch["tokens"].shape[0] % stages
+    fill = {"labels": ignore_index, "segment_ids": 1}
+    batch = {**batch, "real": jnp.ones_like(batch["tokens"])}
+
+    def pad(x, **how):
+        return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), **how)
+
+    batch = {k: pad(x, constant_values=fill.get(k, 0)) for k, x in batch.items()}
+    return batch, None if keys is None else tuple(pad(k, mode="edge") for k in keys)
+
+
 def _jitted(run: Any, program: StageProgram, schedule: Any, *arrays: Any, **options: Any
             ) -> Any:
     """``run(program, schedule, *arrays, **options)`` (a pipeline of
@@ -287,6 +307,9 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
             f"Explicit axes, got {mesh.axis_types}; build it with jax.make_mesh(shape, "
             "names) (Explicit by default) or axis_types=(AxisType.Explicit,) * len(names).")
     stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
+    real = batch["tokens"].shape[0]
+    if not grads and repeats > 1 and real % stages:
+        batch, keys = _filled(batch, keys, stages, ignore_index)
     micro = batch["tokens"].shape[0]
     kind = par.pipeline_schedule if grads else "gpipe"
     schedule = pipeline_schedule(kind, stages, micro, repeats)
@@ -311,13 +334,14 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     if result != "loss":  # a forward's outputs
         out, _ = _jitted(gpipe, program, schedule, shared, blocks, batch, keys, **axes,
                          grads=False, outputs=True)
-        return out, None, {}
+        return out[:real], None, {}
     run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
     experts = program.aux_loss is not None
     loss, out, *totals = _jitted(run, program, schedule, shared, blocks, batch, keys,
                                  **axes, totals=experts,
                                  **({"maximum": amaxes} if grads else {}))
-    metrics = router_metrics(model, totals[0]) if experts else {}
+    metrics = router_metrics(model, jax.tree.map(lambda t: t[:real], totals[0])) \
+        if experts else {}
     if not grads:
         return loss, None, metrics
     g_shared, g_blocks = out
