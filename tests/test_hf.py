@@ -223,6 +223,60 @@ def test_round_trip_is_bitwise(family, tmp_path):
     assert_bitwise(param_values(model), param_values(again))
 
 
+@pytest.mark.parametrize("family", slow_except([*FAMILIES, "mistral_no_window"],
+                                                "mistral_no_window"))
+def test_to_hf_writes_the_family_it_read(family, tmp_path):
+    """from_hf -> to_hf (no model_type=) writes the class the checkpoint was read as:
+    config.json's architectures and model_type as the source's, every tensor bit for bit;
+    a Mistral without a window (which a Llama also expresses) stays MistralForCausalLM."""
+    source_dir = FIXTURES / family.removesuffix("_no_window")
+    source = json.loads((source_dir / "config.json").read_text())
+    if family == "mistral_no_window":
+        source = {**source, "sliding_window": None}
+        source_dir = tmp_path / "source"
+        source_dir.mkdir()
+        (source_dir / "config.json").write_text(json.dumps(source))
+        (source_dir / "model.safetensors").symlink_to(
+            FIXTURES / "mistral" / "model.safetensors")
+    with jax.set_mesh(make_mesh(1, 1)):
+        model = hf.from_hf(source_dir)
+        assert model.config.hf_model_type == source["model_type"]
+        hf.to_hf(model, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == \
+        (source["model_type"], source["architectures"])
+    assert written.get("sliding_window") == source.get("sliding_window")
+    original, back = load_file(source_dir / "model.safetensors"), \
+        load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    for name in original:
+        assert back[name].dtype == original[name].dtype, name
+        np.testing.assert_array_equal(back[name], original[name], err_msg=name)
+
+
+def test_presets_remember_their_family():
+    """A preset writes its preset's family; model_type= still chooses; a family the config
+    no longer fits falls back to the first that expresses it; a bad remembered family is
+    named."""
+    llama = GPTConfig.llama("llama-tiny")
+    assert (GPTConfig.gpt2("tiny").hf_model_type, llama.hf_model_type,
+            GPTConfig.mixtral("mixtral-tiny").hf_model_type) == ("gpt2", "llama", "mixtral")
+    assert hf.config_to_hf(GPTConfig.gpt2("tiny"))["architectures"] == ["GPT2LMHeadModel"]
+    assert hf.config_to_hf(GPTConfig.mixtral("mixtral-tiny"))["model_type"] == "mixtral"
+    assert hf.config_to_hf(llama)["architectures"] == ["LlamaForCausalLM"]
+    assert hf.config_to_hf(llama, model_type="mistral")["architectures"] == \
+        ["MistralForCausalLM"]
+    assert hf.config_to_hf(dataclasses.replace(llama, hf_model_type="mistral"))[
+        "architectures"] == ["MistralForCausalLM"]
+    windowed = dataclasses.replace(llama, sliding_window=16)  # a Llama has no window
+    assert hf.config_to_hf(windowed)["model_type"] == "mistral"
+    assert GPTConfig.from_dict(dataclasses.asdict(llama)) == llama  # as checkpoints store it
+    with pytest.raises(ValueError, match="hf_model_type='gemma' is not one sp_jax writes"):
+        hf.config_to_hf(dataclasses.replace(llama, hf_model_type="gemma"))
+    with pytest.raises(ValueError, match="hf_model_type=3 must be a Hugging Face model_type"):
+        dataclasses.replace(llama, hf_model_type=3)
+
+
 def test_config_translation():
     v5 = json.loads((FIXTURES / "llama" / "config.json").read_text())
     cfg = hf.config_from_hf(v5)
@@ -266,8 +320,11 @@ def test_config_translation_mistral_qwen2_qwen3():
     assert (cfg.sliding_window, cfg.qkv_bias, cfg.out_bias, cfg.qk_norm, cfg.bos_token_id,
             cfg.eos_token_id, cfg.pad_token_id) == (4, False, False, False, 1, 2, None)
     full = hf.config_from_hf({**mistral, "sliding_window": None})
-    assert full.sliding_window is None
-    assert hf.config_to_hf(full)["model_type"] == "llama"  # the first family expressing it
+    assert (full.sliding_window, full.hf_model_type) == (None, "mistral")
+    assert hf.config_to_hf(full)["model_type"] == "mistral"  # the family it was read as
+    forgotten = dataclasses.replace(full, hf_model_type=None)
+    assert hf.config_to_hf(forgotten)["model_type"] == "llama"  # the first expressing it
+    assert hf.config_to_hf(full, model_type="llama")["model_type"] == "llama"  # asked for
     assert hf.config_to_hf(full, model_type="mistral")["model_type"] == "mistral"
     assert hf.config_from_hf(hf.config_to_hf(full, model_type="mistral")) == full
     with pytest.raises(ValueError, match="model_type='mistral' cannot express"):

@@ -110,6 +110,15 @@ class GPTConfig:
         ``dtype``; a mixture of experts' grouped GEMMs (and shared experts) run in FP8
         too (:class:`~sp_jax.layers.MoE`). In pipeline stages too (each stage holds its
         layers' amax histories).
+      hf_model_type: the Hugging Face family (``config.json``'s ``model_type``, one of
+        :data:`sp_jax.models.hf.FAMILIES`) this config was read as or stands for: set by
+        :func:`~sp_jax.models.hf.from_hf` / :func:`~sp_jax.models.hf.config_from_hf` to
+        the checkpoint's, by the presets to theirs (``"gpt2"``, ``"llama"``,
+        ``"mixtral"``); None: not remembered. :func:`~sp_jax.models.hf.to_hf` writes this
+        family while it still expresses the config (a Mistral without a window stays
+        ``MistralForCausalLM``), else the first that does; its ``model_type=`` argument
+        still chooses. Data only: the model's math does not read it; checkpoints record
+        it with the other fields.
     """
 
     vocab_size: int
@@ -153,6 +162,7 @@ class GPTConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     fp8: Fp8Recipe | None = None
+    hf_model_type: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -173,6 +183,10 @@ class GPTConfig:
         check_block_fields("GPTConfig", self)  # the fields the blocks' configs share
         self._check_experts()
         self._check_token_ids()
+        if self.hf_model_type is not None and (
+                not isinstance(self.hf_model_type, str) or not self.hf_model_type):
+            raise ValueError(f"GPTConfig.hf_model_type={self.hf_model_type!r} must be a "
+                             "Hugging Face model_type (e.g. 'llama', 'mistral') or None.")
 
     def _check_experts(self) -> None:
         """The mixture-of-experts fields (checked when ``num_experts > 0``)."""
@@ -245,7 +259,7 @@ class GPTConfig:
         base = dict(vocab_size=50257, max_seq_len=1024, num_layers=layers, num_heads=heads,
                     hidden=hidden, qkv_bias=True, out_bias=True, mlp_bias=True,
                     norm="layernorm", norm_epsilon=1e-5, mlp_activation="gelu",
-                    positions="learned", tie_embeddings=True)
+                    positions="learned", tie_embeddings=True, hf_model_type="gpt2")
         if size == "tiny":
             base.update(vocab_size=256, max_seq_len=128)
         return cls(**{**base, **overrides})
@@ -266,7 +280,7 @@ class GPTConfig:
         """
         common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
                       qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
-                      num_layers=32, num_heads=32, hidden=4096)
+                      num_layers=32, num_heads=32, hidden=4096, hf_model_type="llama")
         presets = {
             "llama-2-7b": dict(vocab_size=32000, max_seq_len=4096, mlp_hidden=11008,
                                num_kv_heads=32, rope_base=10000.0, norm_epsilon=1e-5),
@@ -302,7 +316,8 @@ class GPTConfig:
         common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
                       qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
                       norm_epsilon=1e-5, rope_base=1e6, sliding_window=None, num_experts=8,
-                      experts_per_token=2, moe_norm_topk=True, router_aux_loss_coef=0.02)
+                      experts_per_token=2, moe_norm_topk=True, router_aux_loss_coef=0.02,
+                      hf_model_type="mixtral")
         presets = {
             "mixtral-8x7b": dict(vocab_size=32000, max_seq_len=32768, num_layers=32,
                                  num_heads=32, num_kv_heads=8, hidden=4096, mlp_hidden=14336,

@@ -388,8 +388,11 @@ def to_hf(model: GPT, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30
     process gathers the parameters; process 0 writes.
 
     ``model_type``: the family to write (one of :data:`FAMILIES`, e.g. ``"mistral"``
-    for a Llama-shaped model without biases or window, which is otherwise written as
-    ``"llama"``), default the first that expresses the config. Raises a ValueError
+    for a Llama-shaped model without biases or window). By default the family the
+    config remembers (``GPTConfig.hf_model_type``: the one :func:`from_hf` read, or the
+    preset's), so a checkpoint goes back as the class it was read as (a Mistral without
+    a window stays ``MistralForCausalLM``); when it remembers none, or that one no longer
+    expresses the config, the first family that does. Raises a ValueError
     before writing anything when no family (or not ``model_type``'s) expresses the
     model's config."""
     from safetensors.numpy import save_file

@@ -31,7 +31,8 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 def expresses(cfg: GPTConfig) -> bool:
     """Dense (no experts); rotary positions, RMSNorm, SwiGLU, no biases, no q/k norm; any
     sliding window (without one, :mod:`.llama` comes first in the registry and writes it,
-    unless ``model_type="mistral"`` is asked for)."""
+    unless the config remembers ``hf_model_type="mistral"``, as one read from a Mistral
+    checkpoint does, or ``model_type="mistral"`` is asked for)."""
     return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", qkv_bias=False, out_bias=False, mlp_bias=False,
                       qk_norm=False)

@@ -19,7 +19,8 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3, mixtral.MIXTRAL,
     qwen3_moe.QWEN3_MOE)}
 """``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it
-(unless ``model_type=`` asks for another)."""
+when the config remembers no family that does (``GPTConfig.hf_model_type``) and
+``model_type=`` asks for none."""
 
 FAMILIES = tuple(REGISTRY)
 """The ``model_type`` s of ``config.json`` that :func:`from_hf` reads."""
@@ -30,8 +31,11 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def family_of(cfg: GPTConfig, model_type: str | None = None) -> Family:
-    """The Hugging Face family that expresses ``cfg`` exactly (``model_type``'s when
-    given), or a ValueError naming the fields that no family has."""
+    """The Hugging Face family that writes ``cfg``: ``model_type``'s when given (a
+    ValueError when it cannot express ``cfg`` exactly); else the family ``cfg``
+    remembers (``GPTConfig.hf_model_type``: the one it was read as, or its preset's)
+    while that one still expresses it; else the first of :data:`REGISTRY` that does, or
+    a ValueError naming the fields that no family has."""
     if model_type is not None:
         if model_type not in REGISTRY:
             raise ValueError(f"to_hf: model_type={model_type!r} is not one sp_jax writes; "
@@ -42,6 +46,14 @@ def family_of(cfg: GPTConfig, model_type: str | None = None) -> Family:
                 f"to_hf: model_type={model_type!r} cannot express this GPTConfig exactly: "
                 f"{family.description}; got {_shape_fields(cfg)}.")
         return family
+    remembered = cfg.hf_model_type
+    if remembered is not None:
+        if remembered not in REGISTRY:
+            raise ValueError(f"to_hf: GPTConfig.hf_model_type={remembered!r} is not one "
+                             f"sp_jax writes; supported: {list(FAMILIES)} (pass "
+                             "model_type= or set hf_model_type=None).")
+        if REGISTRY[remembered].expresses(cfg):
+            return REGISTRY[remembered]
     for family in REGISTRY.values():
         if family.expresses(cfg):
             return family
@@ -82,7 +94,8 @@ def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     ``router_jitter_noise``), and so does a missing shape key (``hidden_size``, ...).
     ``param_dtype`` is the config's ``dtype`` (``torch_dtype`` in 4.x), float32 when absent;
     ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` are kept as they are (None
-    when absent).
+    when absent), and ``model_type`` as ``hf_model_type`` (the family :func:`config_to_hf`
+    and :func:`~sp_jax.models.hf.to_hf` write back).
 
     GPT-2 has three dropout rates; sp_jax has one for embeddings and residuals
     (``dropout`` = ``resid_pdrop``, which must equal ``embd_pdrop`` unless ``dropout`` is
@@ -109,7 +122,7 @@ def translate(config: Mapping[str, Any], where: str, overrides: Mapping[str, Any
             raise ValueError(f"config.json: model_type={kind!r} is not one sp_jax converts; "
                              f"supported: {list(FAMILIES)}.")
         fields = REGISTRY[kind].config_from_hf(config, overrides)
-        fields.update({k: config.get(k) for k in TOKEN_IDS})
+        fields.update({k: config.get(k) for k in TOKEN_IDS}, hf_model_type=kind)
         return GPTConfig(**{**fields, "param_dtype": _dtype_of(config), **overrides})
     except ValueError as e:
         prefix = "config.json: "
@@ -120,8 +133,10 @@ def translate(config: Mapping[str, Any], where: str, overrides: Mapping[str, Any
 
 def config_to_hf(cfg: GPTConfig, model_type: str | None = None) -> dict[str, Any]:
     """The ``config.json`` dict of ``cfg`` for transformers (4.x and 5.x read it: rope
-    settings are written in both spellings), by the first family that expresses it, or
-    ``model_type``'s (e.g. ``"mistral"`` for a Llama-shaped config without biases).
+    settings are written in both spellings), by the family :func:`family_of` picks:
+    ``model_type``'s when given (e.g. ``"mistral"`` for a Llama-shaped config without
+    biases), else the one ``cfg.hf_model_type`` remembers while it expresses ``cfg``,
+    else the first that does.
     ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` are written when not None.
     Raises a ValueError when no family expresses ``cfg``."""
     family = family_of(cfg, model_type)
