@@ -124,3 +124,30 @@ def test_every_test_the_fault_table_names_exists():
             if not fnmatch.filter(defined, name):
                 missing.append(f"{test_file}::{name}")
     assert not missing, missing
+
+
+def test_flag_tables_are_the_parsers():
+    """docs/training.md's flag tables of examples/train_gpt.py and examples/finetune_hf.py
+    are what scripts/flag_tables.py renders from their parsers (every flag, its default
+    and its help), so a flag added to a parser shows up in the docs or fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "flag_tables", ROOT / "scripts" / "flag_tables.py")
+    flag_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flag_tables)
+    text = (ROOT / "docs" / "training.md").read_text()
+    shown = flag_tables.tables(text)
+    assert sorted(shown) == sorted(flag_tables.SCRIPTS)
+    rendered = flag_tables.tables(flag_tables.render(text))
+    for script in flag_tables.SCRIPTS:
+        assert shown[script] == rendered[script], (
+            f"{script}'s flags changed: run python scripts/flag_tables.py")
+        parser = flag_tables.parser_of(script)
+        for action in parser._actions:  # every flag is a row, named as --help names it
+            if action.option_strings and action.dest != "help":
+                assert f"`{', '.join(action.option_strings)}" in shown[script], action.dest
+    train = shown["examples/train_gpt.py"]
+    for flag in ("--tokenizer", "--text-field", "--packing", "--tensorboard", "--fp8",
+                 "mixtral-tiny"):
+        assert flag in train, flag

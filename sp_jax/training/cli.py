@@ -48,8 +48,8 @@ __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_fp8_argument", "add_model_arguments", "add_parallel_arguments",
            "add_trainer_arguments", "fp8_recipe",
            "check_model_args", "check_pipeline_args", "check_run_args", "description",
-           "lr_schedule", "model_config", "optimizer", "parallel_config", "run_metadata",
-           "scan_layers", "shared_settings"]
+           "lr_schedule", "markdown_flags", "model_config", "optimizer", "parallel_config",
+           "run_metadata", "scan_layers", "shared_settings"]
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "gpt": lambda **o: GPTConfig(**{"vocab_size": 256, "max_seq_len": 128, "num_layers": 2,
@@ -422,3 +422,43 @@ def run_metadata(args: argparse.Namespace, model: Any) -> dict[str, dict[str, An
               for k, v in vars(model).items()}
     return {"model": fields, "run": {k: getattr(args, k) for k in RUN_SETTINGS
                                      if hasattr(args, k)}}
+
+
+def _flag_invocation(action: argparse.Action) -> str:
+    """``--steps N`` / ``--preset {gpt,llama-tiny}`` / ``--data GLOB [GLOB ...]``: the
+    option strings and what follows them (nothing for a switch)."""
+    names = ", ".join(action.option_strings)
+    if action.nargs == 0:
+        return names
+    metavar = action.metavar or (
+        "{" + ",".join(map(str, action.choices)) + "}" if action.choices
+        else action.dest.upper())
+    value = f"{metavar} [{metavar} ...]" if action.nargs == "+" else \
+        f"[{metavar} ...]" if action.nargs == "*" else metavar
+    return f"{names} {value}"
+
+
+def _flag_default(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return "off" if action.default is False else "on" if action.default is True else ""
+    if action.default is None or action.required:
+        return "required" if action.required else ""
+    value = action.default
+    return "`" + (" ".join(map(str, value)) if isinstance(value, list | tuple)
+                  else str(value)) + "`"
+
+
+def markdown_flags(parser: argparse.ArgumentParser) -> str:
+    """The flags of ``parser`` as a markdown table (``flag | default | meaning``, one row
+    per flag in the order they were added, ``-h`` left out; the meaning is the
+    flag's help text): what docs/training.md shows of each example script, written by
+    ``scripts/flag_tables.py`` (``--check``: compare only)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        text = (action.help or "") % {"default": action.default, "prog": parser.prog} \
+            if "%(" in (action.help or "") else (action.help or "")
+        cells = [f"`{_flag_invocation(action)}`", _flag_default(action), " ".join(text.split())]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
