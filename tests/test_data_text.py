@@ -198,8 +198,43 @@ def test_tokenizer_errors(tmp_path, capsys):
     assert tokenizer_main(["--vocab-size", "300", "--out", str(tmp_path / "t.json"),
                            missing]) == 2
     assert f"error: no file matches {missing}" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="vocab_size=100 must be an int >= 257"):
-        sp_jax.data.train_tokenizer([missing], vocab_size=100, out=tmp_path / "t.json")
+    with pytest.raises(ValueError, match="vocab_size=2 must be an int >= 3"):
+        sp_jax.data.train_tokenizer([missing], vocab_size=2, out=tmp_path / "t.json")
+
+
+def test_tokenizer_command_makes_a_small_vocabulary(tmp_path, capsys):
+    """Below 257 ids (a small checkpoint's vocabulary, e.g. the fixtures' 96): a
+    character-level BPE of at most that many ids: <|endoftext|> 0, <unk> 1, the most
+    frequent characters, merges; text of those characters decodes to itself, a rarer
+    character is <unk>."""
+    rng = np.random.default_rng(0)
+    common = "abcdefgh ij"
+    texts = ["".join(rng.choice(list(common), 60)) for _ in range(40)] + ["zzz rare: Ω"]
+    corpus = _jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    counts = {}
+    for t in texts:
+        for c in t:
+            counts[c] = counts.get(c, 0) + 1
+    for size in (12, 40):
+        out = tmp_path / f"t{size}" / "tokenizer.json"
+        assert tokenizer_main(["--vocab-size", str(size), "--out", str(out), corpus]) == 0
+        printed = capsys.readouterr().out
+        assert "character-level BPE" in printed and str(out) in printed, printed
+        tok = load_tokenizer(out)
+        assert 3 <= tok.vocab_size <= size
+        assert (tok.eos_id, tok.tokenizer.token_to_id("<unk>")) == (0, 1)
+        chars = {t for t in tok.tokenizer.get_vocab(with_added_tokens=False) if len(t) == 1}
+        # the alphabet: the size - 2 most frequent characters (space kept as "▁")
+        frequent = sorted(counts, key=lambda c: -counts[c])[:size - 2]
+        assert chars == {c.replace(" ", "\u2581") for c in frequent}
+        text = "".join(frequent[::-1]) + "  " + "".join(frequent)  # the alphabet only
+        ids = tok.encode(text)
+        assert max(ids) < tok.vocab_size and tok.tokenizer.decode(ids) == text
+        rare = sorted(counts, key=lambda c: counts[c])[0]  # one of the rarest
+        assert (tok.encode(rare) == [1]) == (size - 2 < len(counts))  # not kept: <unk>
+    assert tok.vocab_size > 12  # 40 ids: 11 characters and merges
+    big = tok.encode("abcdefgh ij" * 3)
+    assert len(big) < len("abcdefgh ij" * 3)  # merges shorten the ids
 
 
 # -- packing ---------------------------------------------------------------------------------

@@ -12,8 +12,9 @@
           'corpus/**/*.txt'
 
   (byte-level BPE by the ``tokenizers`` library's trainer, end of document
-  ``<|endoftext|>``; the files as :class:`~sp_jax.data.Documents` reads them, with
-  ``--text-field`` for JSON lines and parquet).
+  ``<|endoftext|>``; below 257 ids, a small checkpoint's vocabulary, character-level BPE
+  over the most frequent characters, the others ``<unk>``; the files as
+  :class:`~sp_jax.data.Documents` reads them, with ``--text-field`` for JSON lines and parquet).
 
 :func:`check_vocab` is the one check that the model's vocabulary holds every id.
 """
@@ -28,8 +29,8 @@ from typing import Protocol, runtime_checkable
 
 from sp_jax.data.sources import Documents
 
-__all__ = ["EOS_CANDIDATES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "check_vocab",
-           "load_tokenizer", "main", "train_tokenizer"]
+__all__ = ["EOS_CANDIDATES", "SMALLEST_VOCAB", "UNKNOWN", "ByteTokenizer", "HFTokenizer",
+           "Tokenizer", "check_vocab", "load_tokenizer", "main", "train_tokenizer"]
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 """End-of-document tokens looked for, in this order, among a file's special tokens."""
@@ -192,39 +193,66 @@ def _texts(docs: Documents, batch: int = 256) -> Iterator[list[str]]:
         yield [docs[i] for i in range(start, min(start + batch, len(docs)))]
 
 
+SMALLEST_VOCAB = 3
+"""The fewest ids :func:`train_tokenizer` makes: ``<|endoftext|>``, ``<unk>`` and one
+character."""
+
+UNKNOWN = "<unk>"
+"""The character-level tokenizer's token for a character outside its alphabet."""
+
+
 def train_tokenizer(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
                     vocab_size: int, out: str | os.PathLike,
                     text_field: str = "text") -> HFTokenizer:
-    """Trains a byte-level BPE tokenizer on local files and saves it as ``out``.
+    """Trains a BPE tokenizer on local files and saves it as ``out``.
 
-    The ``tokenizers`` library's BPE trainer over a byte-level pre-tokenizer (GPT-2's
-    scheme: any text encodes, no unknown token), with one special token,
-    ``<|endoftext|>`` (id 0), the end of document.
+    ``vocab_size >= 257``: byte-level BPE, the ``tokenizers`` library's BPE trainer over
+    a byte-level pre-tokenizer (GPT-2's scheme: any text encodes, no unknown token), with
+    one special token, ``<|endoftext|>`` (id 0), the end of document.
+
+    ``vocab_size < 257`` (a small checkpoint's vocabulary, e.g. 96, too small for the 256
+    byte symbols): character-level BPE: its alphabet is the ``vocab_size - 2`` most
+    frequent characters of the files (the ``tokenizers`` trainer's ``limit_alphabet``),
+    any other character encodes as ``<unk>`` (id 1, after ``<|endoftext|>`` id 0), spaces
+    are kept as ``▁`` (SentencePiece's ``Metaspace``, so decoding gives the text back),
+    and the ids the alphabet leaves over are BPE merges. Text made only of the alphabet's
+    characters decodes to itself; the command line prints the alphabet's size.
 
     Args:
       paths: files or globs, as :meth:`~sp_jax.data.Documents.from_paths` reads them.
-      vocab_size: ids in all, at least 257 (256 bytes and the end-of-document token).
+      vocab_size: ids in all (at most: a small corpus may have fewer characters and
+        merges), at least :data:`SMALLEST_VOCAB`.
       out: the ``tokenizer.json`` to write.
       text_field: the JSON field or parquet column holding the text.
     Returns:
       The tokenizer, as :func:`load_tokenizer` reads ``out``.
     Raises:
-      ValueError: ``vocab_size`` below 257, or the files as
+      ValueError: ``vocab_size`` not an int >= 3, or the files as
         :meth:`~sp_jax.data.Documents.from_paths` raises.
     """
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
-        raise ValueError(f"train_tokenizer: vocab_size={vocab_size!r} must be an int >= 257 "
-                         "(the 256 byte tokens and <|endoftext|>).")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or \
+            vocab_size < SMALLEST_VOCAB:
+        raise ValueError(f"train_tokenizer: vocab_size={vocab_size!r} must be an int >= "
+                         f"{SMALLEST_VOCAB} (<|endoftext|>, {UNKNOWN} and a character; from "
+                         "257 on byte-level BPE).")
     docs = Documents.from_paths(paths, text_field=text_field)
-    tok = _HF(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    if vocab_size >= 257:
+        tok = _HF(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+    else:
+        tok = _HF(models.BPE(unk_token=UNKNOWN))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        tok.decoder = decoders.Metaspace(prepend_scheme="never")
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                      special_tokens=[TRAINED_EOS, UNKNOWN],
+                                      limit_alphabet=vocab_size - 2, show_progress=False)
     tok.train_from_iterator(_texts(docs), trainer=trainer, length=len(docs))
     out = os.fspath(out)
     if os.path.dirname(out):
@@ -235,18 +263,22 @@ def train_tokenizer(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m sp_jax.data.tokenizer --vocab-size N --out tokenizer.json FILES...``:
-    trains a byte-level BPE tokenizer (:func:`train_tokenizer`) and prints one line, its
-    size and path."""
+    trains a BPE tokenizer (:func:`train_tokenizer`: byte-level from 257 ids, below that
+    character-level) and prints one line, its size, kind and path."""
     parser = argparse.ArgumentParser(
         prog="python -m sp_jax.data.tokenizer",
-        description="Train a byte-level BPE tokenizer (tokenizer.json) on local text files, "
-                    "JSON lines or parquet; no download.")
+        description="Train a BPE tokenizer (tokenizer.json) on local text files, JSON lines "
+                    "or parquet; no download. Byte-level from --vocab-size 257 on; below "
+                    "that (a small checkpoint's vocabulary) character-level: the most "
+                    "frequent characters, the others <unk>.")
     parser.add_argument("files", nargs="+", metavar="FILES",
                         help="files or quoted globs (recursive **): .txt and other text files "
                              "(one document each), .jsonl (one per line), .parquet (one per "
                              "row)")
     parser.add_argument("--vocab-size", type=int, required=True,
-                        help="ids in all, >= 257 (256 bytes + <|endoftext|>)")
+                        help="ids in all (at most): >= 257 byte-level BPE (256 bytes + "
+                             "<|endoftext|>); 3 .. 256 character-level BPE (<|endoftext|>, "
+                             "<unk>, the VOCAB_SIZE - 2 most frequent characters, merges)")
     parser.add_argument("--out", required=True, help="the tokenizer.json to write")
     parser.add_argument("--text-field", default="text",
                         help="JSON field / parquet column holding the text (default: text)")
@@ -257,7 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {tok.name}: {tok.vocab_size} ids (byte-level BPE, end of document "
+    if args.vocab_size >= 257:
+        kind = "byte-level BPE"
+    else:
+        alphabet = sum(len(t) == 1 for t in tok.tokenizer.get_vocab(with_added_tokens=False))
+        kind = (f"character-level BPE: {alphabet} characters, the others "
+                f"{UNKNOWN!r} = {tok.tokenizer.token_to_id(UNKNOWN)}")
+    print(f"wrote {tok.name}: {tok.vocab_size} ids ({kind}, end of document "
           f"{tok.eos_token!r} = {tok.eos_id})")
     return 0
 
