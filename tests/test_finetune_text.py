@@ -96,7 +96,7 @@ def test_a_missing_field_names_the_file_line_and_flag(tmp_path):
 
 
 def test_a_small_held_out_set_is_reused_with_a_warning(tmp_path):
-    data = _pairs(tmp_path / "docs.jsonl", [("", "doc %d" % i) for i in range(30)])
+    data = _pairs(tmp_path / "docs.jsonl", [("", f"doc {i}") for i in range(30)])
     packed = PackedText.from_files(data, tokenizer=ByteTokenizer(), seq_len=16, text_field="a")
     with pytest.warns(UserWarning, match=r"the 1 held-out documents fill 1 rows .* fewer "
                                          r"than the 5 asked for .*--held-out-fraction"):
