@@ -1,18 +1,24 @@
-"""Continue training a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 checkpoint with
-tensor + sequence parallelism, and write it back as a Hugging Face checkpoint.
+"""Continue training a Hugging Face checkpoint with tensor + sequence parallelism, on text or
+token ids, and write it back as a Hugging Face checkpoint.
 
-    python examples/finetune_hf.py --hf-dir DIR [--mesh 2,4] [--steps 50] [--data ids.npy]
+    python examples/finetune_hf.py --hf-dir DIR [--mesh 2,4] [--steps 50]
+        [--data 'docs/*.jsonl' [--text-field text] | --data sft.jsonl --prompt-field P
+         --completion-field C | --data ids.npy] [--tokenizer tokenizer.json]
         [--out DIR_OUT] [--precision bf16] [--fp8 current|delayed] [--fsdp] [--recompute-allgather]
 
 ``DIR`` is a local checkpoint directory (``config.json`` + ``*.safetensors``, e.g. from
-``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``); neither torch nor
-transformers is needed. The training data are token ids of the checkpoint's tokenizer: a
-``.npy`` array or a raw ``.bin`` of uint16 ids (nanoGPT's format), the last 5% held out;
-without ``--data`` the run uses synthetic sequences (arithmetic progressions over the
-vocabulary) that any model can learn, to show the loop works (``sp_jax.data.TokenIds``).
-Every step's batch depends only on ``(--seed, step)``. ``--out`` writes the same family
-(``model_type``) with the checkpoint's special token ids (``config.json`` and
-``generation_config.json``). The loop is
+``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``) of a family
+``sp_jax.models.hf`` reads; neither torch nor transformers is needed. ``--data`` takes
+text, JSON lines and parquet files, tokenized with the checkpoint's own ``tokenizer.json``
+(or ``--tokenizer``; its end of document must be the checkpoint's ``eos_token_id``) and
+packed into rows with segment ids (``sp_jax.data.PackedText``); with ``--prompt-field`` and
+``--completion-field`` only the completions are trained (the prompts' labels ignored, as
+TRL's completion-only loss). ``--data`` also takes token ids: a ``.npy`` array or a raw
+``.bin`` of uint16 ids (nanoGPT's format). The last ``--held-out-fraction`` is held out:
+the held-out loss and perplexity are reported. Without ``--data`` the run uses synthetic
+sequences any model can learn, to show the loop works. ``--out`` writes the same family
+(``model_type``) with the checkpoint's special token ids and, for text, the tokenizer
+files: transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` both load it. The loop is
 ``sp_jax.training.Trainer``: ``--ckpt-dir``, ``--resume``, ``--log-json`` and the
 divergence checks work as in ``examples/train_gpt.py``. CPU-only machines simulate the
 mesh's devices.
@@ -25,6 +31,7 @@ import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts
 # isort: split
 import argparse
 import json
+import math
 import pathlib
 import sys
 import time
@@ -34,9 +41,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sp_jax.training as training
-from sp_jax.data import TokenIds
 from sp_jax.models import hf
-from sp_jax.training import cli
+from sp_jax.training import cli, finetune
 from sp_jax.xla_flags import simulate_cpu_devices
 
 
@@ -44,11 +50,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (a usage error, exit 2, names the bad one) before JAX starts."""
     p = argparse.ArgumentParser(description=cli.description(__doc__),
                                 formatter_class=cli.HelpFormatter)
-    add = p.add_argument_group("checkpoint and data").add_argument
-    add("--hf-dir", required=True, help="Hugging Face checkpoint directory")
-    add("--data", default=None,
-        help=".npy or uint16 .bin token ids (default: synthetic sequences)")
-    add("--seq-len", type=int, default=128, help="tokens per sequence")
+    finetune.add_data_arguments(p)
+    add = p.add_argument_group("model and output").add_argument
     add("--no-dropout", action="store_true", help="dropout rates of 0")
     add("--out", default=None, help="write the trained model here (Hugging Face format)")
     cli.add_fp8_argument(p)
@@ -60,6 +63,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         a.mesh_shape = training.parse_mesh(a.mesh)
         cli.check_pipeline_args(a)
+        finetune.check_data_args(a)
         a.trainer = cli.check_run_args(a)
     except ValueError as e:
         p.error(str(e))
@@ -89,13 +93,11 @@ def main(args: argparse.Namespace) -> int:
                   f"{cfg.num_heads} heads ({cfg.num_kv_heads} key/value), vocabulary "
                   f"{cfg.vocab_size}, {n_params / 1e6:.2f}M parameters; mesh "
                   f"{training.mesh_description(mesh)}")
-            if args.seq_len > cfg.max_seq_len:
-                raise ValueError(f"--seq-len {args.seq_len} exceeds the model's "
-                                 f"{cfg.max_seq_len} positions")
-            data = (TokenIds.from_file(args.data, seq_len=args.seq_len,
-                                       vocab_size=cfg.vocab_size) if args.data else
-                    TokenIds.synthetic(cfg.vocab_size, seq_len=args.seq_len, seed=args.seed))
-            print(f"data: {data.summary()}")
+            args.seq_len = finetune.seq_len_for(args, cfg.max_seq_len)
+            source = json.loads(pathlib.Path(args.hf_dir, "config.json").read_text())
+            data, tokenizer = finetune.load_data(args, source, seq_len=args.seq_len,
+                                                 vocab_size=cfg.vocab_size)
+            print(f"data: {data.summary()}; --seq-len {args.seq_len}")
             model.train()  # dropout as the checkpoint's config says (off with --no-dropout)
             step = training.TrainStep(model, cli.optimizer(args))
             result = training.Trainer(step, data, args.trainer,
@@ -107,12 +109,18 @@ def main(args: argparse.Namespace) -> int:
         before = result.eval_losses.get(0)
         if result.eval_loss is not None:
             print(f"held-out loss after {args.steps} steps: {result.eval_loss:.4f}"
-                  + (f" (before {before:.4f})" if before is not None else ""))
+                  + (f" (before {before:.4f})" if before is not None else "")
+                  + f"; perplexity {math.exp(min(result.eval_loss, 700)):.2f}"
+                  + (f" (before {math.exp(min(before, 700)):.2f})" if before is not None
+                     else ""))
         step.sync_model()
         if args.out:  # the family read, e.g. a Mistral without a window stays a Mistral
-            source = json.loads(pathlib.Path(args.hf_dir, "config.json").read_text())
             hf.to_hf(model, args.out, model_type=source["model_type"])
-            print(f"wrote {args.out} (transformers: AutoModelForCausalLM.from_pretrained)")
+            files = (finetune.save_tokenizer(tokenizer, args.out, max_seq_len=cfg.max_seq_len)
+                     if tokenizer is not None else [])
+            print(f"wrote {args.out} (transformers: AutoModelForCausalLM.from_pretrained"
+                  + (f"; {', '.join(files)}: AutoTokenizer.from_pretrained)" if files
+                     else ")"))
     print(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
 

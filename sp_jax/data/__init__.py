@@ -8,6 +8,9 @@ feed a sharded model.
   every data source builds global arrays from the rows a process holds.
 * :mod:`~sp_jax.data.sources`: :class:`Documents`, random access to the documents of
   plain text files, JSON lines and parquet files.
+* :mod:`~sp_jax.data.completions`: :class:`PromptCompletions`, prompt / completion pairs
+  for completion-only fine-tuning (:func:`completion_element`: the prompt's labels
+  ignored).
 * :mod:`~sp_jax.data.tokenizer`: the :class:`Tokenizer` protocol, :class:`ByteTokenizer`,
   :func:`load_tokenizer` (a Hugging Face ``tokenizer.json``), :func:`train_tokenizer`
   (``python -m sp_jax.data.tokenizer``), :func:`check_vocab`.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from sp_jax.data.completions import PromptCompletions, completion_element
 from sp_jax.data.corpus import (
     Batch,
     ByteCorpus,
@@ -56,9 +60,9 @@ _LAZY = {"PackedText": "packed", "packing_efficiency": "packed", "merge_states":
                                             "train_tokenizer")}}
 
 __all__ = ["Batch", "ByteCorpus", "ByteTokenizer", "Documents", "HFTokenizer", "PackedText",
-           "TokenIds", "Tokenizer", "TrainData", "assemble", "check_vocab", "default_patterns",
-           "load_tokenizer", "merge_states", "packing_efficiency", "rows_held",
-           "train_tokenizer"]
+           "PromptCompletions", "TokenIds", "Tokenizer", "TrainData", "assemble",
+           "check_vocab", "completion_element", "default_patterns", "load_tokenizer",
+           "merge_states", "packing_efficiency", "rows_held", "train_tokenizer"]
 
 
 def __getattr__(name: str) -> Any:

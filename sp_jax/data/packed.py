@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,14 +52,12 @@ from grain.experimental import (
     FlatMapTransform,
 )
 
+from sp_jax.data.completions import IGNORE, PromptCompletions, completion_element
 from sp_jax.data.corpus import Batch, assemble, rows_held
 from sp_jax.data.sources import Documents
 from sp_jax.data.tokenizer import Tokenizer
 
 __all__ = ["IGNORE", "KEYS", "PackedText", "merge_states", "packing_efficiency"]
-
-IGNORE = -100
-"""The label of a position with no next token of its document (and of padding)."""
 
 KEYS = ("tokens", "labels", "segment_ids", "positions")
 """A batch's arrays, all int32."""
@@ -171,8 +170,13 @@ class PackedText:
 
     Held-out data: the last ``held_out_fraction`` of the documents in path order (at
     least one), packed the same way without shuffling into a fixed sequence of rows;
-    :meth:`held_out_batches` takes its first ``count * batch_size`` rows and raises when
-    there are fewer (it does not repeat documents).
+    :meth:`held_out_batches` takes its first ``count * batch_size`` rows; when there are
+    fewer, it takes them again in the same order, with a warning.
+
+    Completions only: given :class:`~sp_jax.data.PromptCompletions` instead of
+    ``Documents``, each element is a pair cut to ``seq_len`` whose labels train the
+    completion and the end of document only; pairs whose prompt fills the row are
+    dropped (``documents.dropped``).
 
     Attributes:
       documents: all documents; the first ``train_documents`` are for training.
@@ -206,7 +210,7 @@ class PackedText:
             tokenizer's ``eos_id`` outside its vocabulary.
         """
         where = "PackedText"
-        if not isinstance(documents, Documents):
+        if not isinstance(documents, Documents | PromptCompletions):
             raise TypeError(f"{where}: documents must be sp_jax.data.Documents, got "
                             f"{type(documents).__name__}; use PackedText.from_files(paths, "
                             "...) or Documents.from_paths(paths).")
@@ -226,6 +230,8 @@ class PackedText:
         if not 0 <= tokenizer.eos_id < tokenizer.vocab_size:
             raise ValueError(f"{where}: tokenizer {tokenizer.name} has eos_id "
                              f"{tokenizer.eos_id}, outside its {tokenizer.vocab_size} ids.")
+        if isinstance(documents, PromptCompletions):  # pairs cut off by seq_len dropped
+            documents = documents.fit(tokenizer, self.seq_len)
         if len(documents) < 2:
             raise ValueError(f"{where}: {len(documents)} document in {documents.files}: "
                              "training and held-out data need at least 2; give more "
@@ -250,16 +256,25 @@ class PackedText:
     def from_files(cls, paths: str | Sequence[str], *, tokenizer: Tokenizer, seq_len: int,
                    text_field: str = "text", packing: str = "first_fit",
                    held_out_fraction: float = 0.05, num_packing_bins: int = 64,
-                   read_workers: int = 0) -> PackedText:
+                   read_workers: int = 0, prompt_field: str | None = None,
+                   completion_field: str | None = None) -> PackedText:
         """The documents of ``paths`` (files or globs: text, JSON lines, parquet; see
         :meth:`~sp_jax.data.Documents.from_paths`), ``text_field`` naming the JSON field
-        or parquet column; the other arguments as :class:`PackedText` takes them.
+        or parquet column; with ``prompt_field`` and ``completion_field`` (both), the
+        :class:`~sp_jax.data.PromptCompletions` of those fields instead, trained on the
+        completions only; the other arguments as :class:`PackedText` takes them.
 
         Raises:
           ValueError: as :meth:`~sp_jax.data.Documents.from_paths` and
             :class:`PackedText` raise.
         """
-        return cls(Documents.from_paths(paths, text_field=text_field), tokenizer=tokenizer,
+        if (prompt_field is None) != (completion_field is None):
+            raise ValueError("PackedText.from_files: prompt_field (--prompt-field) and "
+                             "completion_field (--completion-field) go together; give both")
+        docs = (Documents.from_paths(paths, text_field=text_field) if prompt_field is None
+                else PromptCompletions.from_paths(paths, prompt_field=prompt_field,
+                                                  completion_field=completion_field))
+        return cls(docs, tokenizer=tokenizer,
                    seq_len=seq_len, packing=packing, held_out_fraction=held_out_fraction,
                    num_packing_bins=num_packing_bins, read_workers=read_workers)
 
@@ -269,17 +284,25 @@ class PackedText:
         n, files = len(self.documents), len(self.documents.files)
         how = (f"first-fit packing ({self.num_packing_bins} bins)"
                if self.packing == "first_fit" else "concatenate-then-split packing")
+        pairs = (f"; {self.documents.summary()}"
+                 if isinstance(self.documents, PromptCompletions) else "")
         return (f"{n} documents in {files} files (train {self.train_documents}, held-out "
                 f"{n - self.train_documents}); tokenizer {self.tokenizer.name} "
-                f"({self.vocab_size} ids); {how} into rows of {self.seq_len}")
+                f"({self.vocab_size} ids); {how} into rows of {self.seq_len}{pairs}")
 
     def __repr__(self) -> str:
         return f"PackedText({self.summary()})"
 
     # -- pipelines ------------------------------------------------------------------------
 
-    def _element(self, text: str) -> dict[str, np.ndarray]:
-        """A document's inputs (ids + eos) and labels (the next id; -100 after eos)."""
+    def _element(self, text: str | tuple[str, str]) -> dict[str, np.ndarray]:
+        """A document's inputs (ids + eos) and labels (the next id; -100 after eos); a
+        ``(prompt, completion)`` pair's as :func:`~sp_jax.data.completions.
+        completion_element` makes them (labels of the completion and eos only)."""
+        if isinstance(text, tuple):
+            prompt, completion = self.tokenizer.encode_batch(list(text))
+            return completion_element(prompt, completion, eos_id=self.eos_id,
+                                      seq_len=self.seq_len)
         ids = self.tokenizer.encode(text)
         tokens = np.empty(len(ids) + 1, dtype=np.int32)
         tokens[:-1], tokens[-1] = ids, self.eos_id
@@ -531,9 +554,8 @@ class PackedText:
     def held_out_rows(self, count: int) -> dict[str, np.ndarray]:
         """The first ``count`` rows of the held-out documents packed in order (no
         shuffle), the same on every call and every process: int32 ``[count, seq_len]``.
-
-        Raises:
-          ValueError: the held-out documents fill fewer than ``count`` rows.
+        Where they fill fewer rows, they are taken again in the same order (a warning
+        says so).
         """
         have = self._held_out
         if have is not None and len(have["tokens"]) >= count:
@@ -545,12 +567,17 @@ class PackedText:
             try:
                 rows.append(self._row(iterator))
             except StopIteration:
-                held = len(self.documents) - self.train_documents
-                raise ValueError(
-                    f"PackedText: the {held} held-out documents fill {len(rows)} rows of "
-                    f"{self.seq_len} tokens, fewer than the {count} asked for (eval batches "
-                    "x batch size): evaluate fewer or smaller batches, or hold out more "
-                    f"(held_out_fraction={self.held_out_fraction} now)") from None
+                break
+        if len(rows) < count:  # a small held-out set: its rows again, in the same order
+            held = len(self.documents) - self.train_documents
+            warnings.warn(
+                f"PackedText: the {held} held-out documents fill {len(rows)} rows of "
+                f"{self.seq_len} tokens, fewer than the {count} asked for (eval batches x "
+                "batch size): evaluation reuses them (each counted more than once); hold "
+                "out more (--held-out-fraction / held_out_fraction, "
+                f"{self.held_out_fraction} now) for a held-out loss over distinct rows",
+                stacklevel=2)
+            rows = [rows[i % len(rows)] for i in range(count)]
         self._held_out = {k: np.stack([r[k] for r in rows]) for k in KEYS}
         return self._held_out
 
@@ -567,8 +594,6 @@ class PackedText:
         Returns:
           ``count`` dicts ``{"tokens", "labels", "segment_ids", "positions"}``: int32
           ``[batch_size, seq_len]`` global arrays with ``sharding``.
-        Raises:
-          ValueError: too few held-out rows (see :meth:`held_out_rows`).
         """
         where = "PackedText.held_out_batches"
         count = _int(where, "count", count, 1)

@@ -40,6 +40,7 @@ PARQUET = (".parquet", ".pq")
 _SCAN_BYTES = 1 << 26  # JSON-lines files are indexed in chunks of 64 MiB
 _CHECK_BYTES = 4096  # of each text file, checked as UTF-8 at construction
 _ROW_GROUPS_CACHED = 8  # parquet row groups kept decoded, across files
+_FLAG = "--text-field (text_field=)"  # what a missing field's message says to pass
 
 
 def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -126,8 +127,8 @@ class _DocumentsFile:
 class _JsonLinesFile(_DocumentsFile):
     """A JSON-lines file: one document per non-empty line; line offsets indexed once."""
 
-    def __init__(self, path: str, text_field: str) -> None:
-        self.path, self.text_field = path, text_field
+    def __init__(self, path: str, text_field: str, flag: str = _FLAG) -> None:
+        self.path, self.text_field, self.flag = path, text_field, flag
         ends, cr_before, last, size = [], [], -1, 0
         with open(path, "rb") as fh:  # in chunks: the file may be larger than memory
             while chunk := fh.read(_SCAN_BYTES):
@@ -173,23 +174,25 @@ class _JsonLinesFile(_DocumentsFile):
         if self.text_field not in record:
             fields = ", ".join(map(repr, list(record)[:12])) or "none"
             raise ValueError(f"{where}: no field '{self.text_field}' (fields: {fields}); pass "
-                             "--text-field (text_field=) naming the field that holds the text")
+                             f"{self.flag} naming the field that holds the text")
         text = record[self.text_field]
         if not isinstance(text, str):
             raise ValueError(f"{where}: field '{self.text_field}' is a JSON "
-                             f"{type(text).__name__}, not a string; pass --text-field "
-                             "(text_field=) naming the field that holds the text")
+                             f"{type(text).__name__}, not a string; pass {self.flag} "
+                             "naming the field that holds the text")
         return text
 
 
 class _ParquetFile(_DocumentsFile):
     """A parquet file: one document per row of the column ``text_field``."""
 
-    def __init__(self, path: str, text_field: str, cache: _RowGroupCache) -> None:
+    def __init__(self, path: str, text_field: str, cache: _RowGroupCache,
+                 flag: str = _FLAG) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.path, self.text_field, self._cache = path, text_field, cache
+        self.flag = flag
         try:
             self._file = pq.ParquetFile(path)
         except (OSError, pa.ArrowException) as e:
@@ -199,14 +202,12 @@ class _ParquetFile(_DocumentsFile):
         if text_field not in schema.names:
             fields = ", ".join(map(repr, schema.names[:12])) or "none"
             raise ValueError(f"{path}: no column '{text_field}' (columns: {fields}); pass "
-                             "--text-field (text_field=) naming the column that holds the "
-                             "text")
+                             f"{flag} naming the column that holds the text")
         kind = schema.field(text_field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
                 or pa.types.is_string_view(kind)):
             raise ValueError(f"{path}: column '{text_field}' holds {kind}, not strings; pass "
-                             "--text-field (text_field=) naming the column that holds the "
-                             "text")
+                             f"{flag} naming the column that holds the text")
         metadata = self._file.metadata
         sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
         self._group_starts = np.cumsum([0, *sizes]).tolist()
@@ -276,7 +277,8 @@ class Documents:
 
     @classmethod
     def from_paths(cls, paths: str | os.PathLike | Sequence[str | os.PathLike], *,
-                   text_field: str = "text", check_first: int = 4) -> Documents:
+                   text_field: str = "text", check_first: int = 4,
+                   flag: str = _FLAG) -> Documents:
         """Indexes the documents of ``paths``.
 
         Args:
@@ -287,6 +289,8 @@ class Documents:
           check_first: documents of each JSON-lines or parquet file read and checked now
             (every document is checked again when it is read); text files: their first
             4 KiB are checked to be UTF-8.
+          flag: what a message about a missing or wrong field says to pass (a command
+            line's flag).
         Raises:
           ValueError: a path matches no file; a file is unreadable, not UTF-8, not JSON
             lines; a missing field or column, or one that is not a string (each naming
@@ -300,8 +304,8 @@ class Documents:
         for path in expand_paths(paths):
             try:
                 kind = _kind(path)
-                file = (_JsonLinesFile(path, text_field) if kind == "jsonl"
-                        else _ParquetFile(path, text_field, cache) if kind == "parquet"
+                file = (_JsonLinesFile(path, text_field, flag) if kind == "jsonl"
+                        else _ParquetFile(path, text_field, cache, flag) if kind == "parquet"
                         else _TextFile(path))
                 file.check_head(check_first)
             except OSError as e:

@@ -12,6 +12,9 @@ Modules:
 * ``cli``: the command line of a training script: :func:`add_trainer_arguments` (and the
   parallelism and model flags, ``--preset``), the checks of the flags (``ValueError``
   naming them), :func:`~cli.shared_settings`, :func:`~cli.run_metadata`.
+* ``finetune``: fine-tuning a Hugging Face checkpoint on text (``examples/finetune_hf.py``):
+  the data flags, the checkpoint's own tokenizer checked against its vocabulary and
+  ``eos_token_id``, the tokenizer files written beside the checkpoint.
 * ``step``: :class:`TrainStep` (one jitted optimizer step with micro-batch gradient
   accumulation in fp32, explicit shardings, donated state), :func:`accumulate_gradients`,
   :func:`lm_loss`, :func:`device_bytes`.
@@ -33,7 +36,7 @@ The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 :mod:`sp_jax.checkpoint`.
 """
 
-from sp_jax.training import cli, faults, launch, log, schedule, step, trainer
+from sp_jax.training import cli, faults, finetune, launch, log, schedule, step, trainer
 from sp_jax.training.cli import add_trainer_arguments
 from sp_jax.training.faults import (
     DivergenceGuard,
@@ -84,6 +87,7 @@ __all__ = [
     "exit_on_peer_failure",
     "leave",
     "faults",
+    "finetune",
     "Launch",
     "MetricsLog",
     "MetricsLogError",
