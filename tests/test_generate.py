@@ -46,10 +46,11 @@ def test_greedy_equals_transformers(family, shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "qwen3_head_dim"])
 def test_greedy_equals_transformers_new_families(family):
     """The same for Mistral (a sliding window of 4, below the 32 new tokens), Qwen2
-    (q/k/v biases) and Qwen3 (per-head q/k norm) on 2 x 4 devices."""
+    (q/k/v biases), Qwen3 (per-head q/k norm) and a Qwen3 whose head_dim (8) is not
+    hidden / heads (4) on 2 x 4 devices."""
     prompts, expected = _golden(family)
     with jax.set_mesh(make_mesh(2, 4)):
         out = generate(hf.from_hf(FIXTURES / family), prompts, max_new_tokens=32)
