@@ -357,7 +357,8 @@ def test_config_translation_mixtral_qwen3_moe():
     """The experts' fields (either key of the expert count), Mixtral's default rope base,
     Qwen3-MoE's decoder_sparse_step / norm_topk_prob / sliding window, what sp_jax refuses
     (mlp_only_layers, router jitter, no experts), a head_dim that is not hidden / heads
-    (Qwen3-30B-A3B's), and dense and mixture-of-experts families each refusing the other's configs."""
+    (Qwen3-30B-A3B's), and dense and mixture-of-experts families each refusing the
+    other's configs."""
     mixtral, qwen3_moe = _config("mixtral"), _config("qwen3_moe")
     cfg = hf.config_from_hf(mixtral)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_hidden, cfg.moe_norm_topk,
