@@ -3,9 +3,10 @@
     pip install torch transformers safetensors numpy   # in an environment of its own
     python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--only NAME ...]
 
-For each of seven small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
+For each of eight small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
 rope scaling, a Mistral with a sliding window of 4 tokens, a tied Qwen2, a tied Qwen3
-with its q/k norms, and the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
+with its q/k norms, an untied Qwen3 whose head_dim (8) is not hidden / heads (4:
+``qwen3_head_dim``), and the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
 of width 16, 2 per token, in every layer) it writes ``<out>/<name>/`` (``--only``: those
 named) with transformers' own ``save_pretrained`` (``config.json``,
 ``generation_config.json`` and ``model.safetensors``) and ``golden.npz``:
@@ -68,6 +69,10 @@ GRADS = {  # the tensors whose gradients are recorded
               "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
     "qwen3": ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight",
               "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
+    # (named by model_type: qwen3_head_dim records qwen3's)
+    "qwen3_head_dim": ["model.layers.0.self_attn.q_norm.weight",
+                       "model.layers.1.self_attn.k_norm.weight",
+                       "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
     "mixtral": ["model.layers.0.block_sparse_moe.gate.weight",
                 "model.layers.1.block_sparse_moe.experts.2.w1.weight",
                 "model.layers.0.block_sparse_moe.experts.1.w2.weight",
@@ -114,6 +119,12 @@ def configs() -> dict[str, tuple[transformers.PretrainedConfig, type]]:
         "qwen3": (transformers.Qwen3Config(
             **LLAMA_SHAPED, head_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
             use_sliding_window=False, attention_bias=False, eos_token_id=[94, 95],
+            pad_token_id=93), transformers.Qwen3ForCausalLM),
+        # head_dim apart from hidden / heads (8, not 32 / 8 = 4: q 64 wide, o_proj 64 -> 32),
+        # as Qwen3-0.6B's 128 with 1024 / 16 heads; untied head
+        "qwen3_head_dim": (transformers.Qwen3Config(
+            **LLAMA_SHAPED, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            use_sliding_window=False, attention_bias=False, eos_token_id=95,
             pad_token_id=93), transformers.Qwen3ForCausalLM),
         "mixtral": (transformers.MixtralConfig(
             **{**LLAMA_SHAPED, "intermediate_size": 16}, num_local_experts=4,

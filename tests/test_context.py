@@ -57,6 +57,13 @@ CASES = {  # id: (mesh, context_parallel, model options, parallel options)
                                                          "sliding_window": 5}, {}),
     "ring_1x4x2_window_dropout": ((1, 4, 2), "ring", {"sliding_window": 7, "dropout": 0.1,
                                                       "attention_dropout": 0.1}, {}),
+    # head_dim 16 apart from hidden / heads (32 / 8 = 4): q, k, v 128 wide
+    "ring_2x2x2_head_dim16_rotary_gqa": ((2, 2, 2), "ring", {"positions": "rotary",
+                                                             "num_kv_heads": 2,
+                                                             "head_dim": 16}, {}),
+    "ulysses_2x2x2_head_dim16_gqa": ((2, 2, 2), "ulysses", {"positions": "rotary",
+                                                            "num_kv_heads": 4,
+                                                            "head_dim": 16}, {}),
     # (Ulysses on a context of 8: tests/test_attention.py; rotary: the first case)
 }
 

@@ -228,6 +228,21 @@ def test_sharded_fp8_gpt_first_step_equals_unsharded(mesh_name, scaling):
 
 
 @pytest.mark.slow
+def test_fp8_gpt_with_head_dim_apart_from_width_first_step_equals_unsharded():
+    """FP8 projections whose widths come from head_dim (16, not hidden / heads = 4: q/k/v
+    of 8 x 16 and 2 x 16 columns, the output projection 128 -> 32), grouped-query on 2 x 4
+    devices: the first step's loss within 4e-4 relative of the unsharded run (as above)."""
+    cfg = GPTConfig(**MODEL, head_dim=16, num_kv_heads=2, positions="rotary",
+                    fp8=sp_jax.Fp8Recipe("current", 4))
+    batches = _batches(MODEL["vocab_size"], steps=3)
+    init, losses, _, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(2, 4), batches)
+    _, ref, _, _ = train_gpt(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1), batches, init=init)
+    drift = np.abs(losses - ref) / ref
+    assert drift[0] <= 4e-4, drift
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
 def test_delayed_scaling_resumes_bitwise(tmp_path):
     """Two steps, a checkpoint, two more on a fresh model restored from it: the same
     parameters and amax histories, bit for bit, as four steps in one run."""

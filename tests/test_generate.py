@@ -46,10 +46,11 @@ def test_greedy_equals_transformers(family, shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "qwen3_head_dim"])
 def test_greedy_equals_transformers_new_families(family):
     """The same for Mistral (a sliding window of 4, below the 32 new tokens), Qwen2
-    (q/k/v biases) and Qwen3 (per-head q/k norm) on 2 x 4 devices."""
+    (q/k/v biases), Qwen3 (per-head q/k norm) and a Qwen3 whose head_dim (8) is not
+    hidden / heads (4) on 2 x 4 devices."""
     prompts, expected = _golden(family)
     with jax.set_mesh(make_mesh(2, 4)):
         out = generate(hf.from_hf(FIXTURES / family), prompts, max_new_tokens=32)
@@ -75,12 +76,13 @@ def test_rows_stop_at_their_eos():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["gpt2", "llama", "mqa_fsdp"])
+@pytest.mark.parametrize("preset", ["gpt2", "llama", "mqa_fsdp", "head_dim16_gqa_qk_norm"])
 def test_cache_gives_the_logits_of_a_full_forward(preset):
     """After the prefill and n decode steps, the next-token logits from the cache equal
     the logits of a forward over each row's prompt + n tokens (fp32, 1e-5); ragged rows
     at different positions (2 x 4 devices; learned positions; rotary with rope scaling
-    and GQA, scanned layers; multi-query attention with parameters sharded by fsdp)."""
+    and GQA, scanned layers; multi-query attention with parameters sharded by fsdp;
+    head_dim 16 apart from hidden / heads = 8, GQA with q/k norm)."""
     parallel = sp_jax.ParallelConfig(fsdp=preset == "mqa_fsdp")
     scaling = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8)
@@ -88,7 +90,9 @@ def test_cache_gives_the_logits_of_a_full_forward(preset):
            "llama": lambda: GPTConfig.llama("llama-tiny", vocab_size=97, scan_layers=True,
                                             rope_scaling=scaling),
            "mqa_fsdp": lambda: GPTConfig.llama("llama-tiny", vocab_size=97, num_kv_heads=1,
-                                               tie_embeddings=True)}[preset]()
+                                               tie_embeddings=True),
+           "head_dim16_gqa_qk_norm": lambda: GPTConfig.llama(
+               "llama-tiny", vocab_size=97, head_dim=16, num_kv_heads=2, qk_norm=True)}[preset]()
     rng = np.random.default_rng(0)
     lengths = np.array([5, 3])
     full = rng.integers(0, 97, (2, 12)).astype(np.int32)

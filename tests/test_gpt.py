@@ -59,6 +59,13 @@ CASES = {
                                  [((2, 4), {}), ((2, 4), dict(fsdp=True))]),
     "llama_gqa_kv4_t2_bias": (dict(preset="llama", num_kv_heads=4, qkv_bias=True),
                               [((4, 2), dict(fsdp=True))]),
+    # head_dim apart from hidden / heads (16 with hidden 32 and 4 heads: q, k, v 64 wide,
+    # the output projection 64 -> 32): multi-head with rotary on tensor size 4, and
+    # Qwen3-shaped grouped-query (2 kv heads replicated over pairs of shards, q/k norm)
+    "head_dim16_rotary": (dict(head_dim=16, positions="rotary"), [((2, 4), {})]),
+    "llama_head_dim16_gqa_kv2_qk_norm": (dict(preset="llama", num_heads=4, num_kv_heads=2,
+                                              head_dim=16, qk_norm=True),
+                                         [((2, 4), {}), ((4, 2), dict(fsdp=True))]),
     "collective_matmul_scan_untied_50": (dict(scan_layers=True, tie_embeddings=False,
                                               vocab_size=50),
                                          [((4, 2), dict(collective_matmul=True, fsdp=True))]),
@@ -74,7 +81,8 @@ def _config(model_kw) -> GPTConfig:
     return GPTConfig(**{**BASE, **model_kw})
 
 
-@pytest.mark.parametrize("case", slow_except(CASES, "llama_gqa_kv2_t4_vocab50"))
+@pytest.mark.parametrize("case", slow_except(CASES, "llama_gqa_kv2_t4_vocab50",
+                                             "llama_head_dim16_gqa_kv2_qk_norm"))
 def test_sp_gpt_trains_like_unsharded(case):
     model_kw, runs = CASES[case]
     cfg = _config(model_kw)
@@ -239,6 +247,9 @@ def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
     [
         (dict(hidden=30), "hidden=30 must be divisible by num_heads=4"),
         (dict(num_layers=0), "num_layers=0 must be a positive int"),
+        (dict(head_dim=0), r"head_dim=0 must be a positive int"),
+        (dict(head_dim=6.0), r"head_dim=6.0 must be a positive int"),
+        (dict(head_dim=7, positions="rotary"), "even head size, got head_dim=7"),
         (dict(positions="alibi"), "positions='alibi'"),
         (dict(dropout=1.0), "dropout=1.0"),
         (dict(mlp_activation="swish"), r"mlp_activation='swish' is not a known activation; "

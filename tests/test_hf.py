@@ -127,6 +127,46 @@ def test_golden_logits_loss_and_gradients(family):
         _assert_golden_grads(model, grads, golden, f"{family} {shape}")
 
 
+@pytest.mark.parametrize("shape", [(1, 1), pytest.param((2, 4), marks=pytest.mark.slow)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_qwen3_head_dim_apart_from_width_golden_and_round_trip(shape, tmp_path):
+    """A Qwen3 whose head_dim (8) is not hidden / heads (32 / 8 = 4; q 64 wide, o_proj
+    64 -> 32, 2 key/value heads, untied head): transformers' logits (fp32, 1e-5), loss
+    and gradients, the logits along its greedy generations; HF -> sp_jax -> HF bit for
+    bit with head_dim in config.json, and -> sp_jax again the same parameters."""
+    directory = FIXTURES / "qwen3_head_dim"
+    golden = np.load(directory / "golden.npz")
+    tokens = golden["input_ids"]
+    gen_batch, lengths = _generations(golden)
+    with jax.set_mesh(make_mesh(*shape)):
+        model = hf.from_hf(directory)
+        assert (model.config.head_dim, model.config.hidden, model.config.num_heads) == \
+            (8, 32, 8)
+        model.eval()
+        logits, loss, grads = _logits_loss_grads(model, tokens)
+        gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
+        hf.to_hf(model, tmp_path)
+    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
+                                   rtol=1e-5, atol=1e-5, err_msg=f"{i}")
+        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
+                                      golden[f"gen_tokens_{i}"], err_msg=f"generation {i}")
+    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
+    _assert_golden_grads(model, grads, golden, f"qwen3_head_dim {shape}")
+    original, written = (load_file(d / "model.safetensors") for d in (directory, tmp_path))
+    assert sorted(written) == sorted(original)
+    for name in original:
+        assert written[name].dtype == original[name].dtype
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["head_dim"]) == ("qwen3", 8)
+    assert hf.config_from_hf(config) == model.config
+    with jax.set_mesh(make_mesh(1, 8)):
+        again = hf.from_hf(tmp_path)
+    assert_bitwise(param_values(model), param_values(again))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["1x2x4", "2x4x1"])
 def test_mistral_on_a_ring_mesh_gives_golden_logits_and_gradients(mesh):
@@ -293,9 +333,16 @@ def test_config_translation():
     assert (gpt2.positions, gpt2.mlp_activation, gpt2.dropout, gpt2.attention_dropout) == \
         ("learned", "gelu", 0.1, 0.1)
     assert hf.config_from_hf(hf.config_to_hf(gpt2)) == gpt2
+    # head_dim: hidden / heads (32 / 8) stays the derived default; another is read
+    assert hf.config_from_hf({**v5, "head_dim": 4}) == cfg and cfg.head_dim is None
+    wide = hf.config_from_hf({**v5, "head_dim": 8})
+    assert wide.head_dim == 8 and hf.config_to_hf(wide)["head_dim"] == 8
+    assert hf.config_from_hf(hf.config_to_hf(wide)) == wide
+    with pytest.raises(ValueError, match="neither GPT-2-shaped"):  # GPT-2 has no head_dim
+        hf.config_to_hf(dataclasses.replace(gpt2, head_dim=8))
     for bad, match in [
         ({**v5, "model_type": "gemma"}, "model_type='gemma'"),  # (mistral: now supported)
-        ({**v5, "head_dim": 8}, "head_dim=8 differs"),
+        ({**v5, "head_dim": 5}, "even head size, got head_dim=5"),
         ({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "'yarn'"),
         ({**v5, "hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({**hf.config_to_hf(gpt2), "embd_pdrop": 0.0}, "embd_pdrop=0.0 differs"),
@@ -350,8 +397,9 @@ def test_config_translation_mistral_qwen2_qwen3():
     assert hf.config_to_hf(cfg)["eos_token_id"] == [94, 95]
     assert "bos_token_id" not in hf.config_to_hf(cfg)  # None: left to transformers' default
     assert hf.config_from_hf({**qwen3, "attention_bias": True}).out_bias is True
-    with pytest.raises(ValueError, match="head_dim=128 differs"):  # transformers' default
-        hf.config_from_hf({k: v for k, v in qwen3.items() if k != "head_dim"})
+    # transformers' default head_dim for Qwen3 is 128 whatever the width
+    assert hf.config_from_hf({k: v for k, v in qwen3.items() if k != "head_dim"}
+                             ).head_dim == 128
     assert GPTConfig.from_dict(dataclasses.asdict(cfg)) == cfg  # as checkpoints store it
     with pytest.raises(TypeError, match="GPTConfig.eos_token_id='2' must be a token id"):
         dataclasses.replace(cfg, eos_token_id="2")
@@ -365,8 +413,9 @@ def test_config_translation_mistral_qwen2_qwen3():
 def test_config_translation_mixtral_qwen3_moe():
     """The experts' fields (either key of the expert count), Mixtral's default rope base,
     Qwen3-MoE's decoder_sparse_step / norm_topk_prob / sliding window, what sp_jax refuses
-    (mlp_only_layers, router jitter, no experts, a head_dim that is not hidden / heads),
-    and dense and mixture-of-experts families each refusing the other's configs."""
+    (mlp_only_layers, router jitter, no experts), a head_dim that is not hidden / heads
+    (Qwen3-30B-A3B's), and dense and mixture-of-experts families each refusing the
+    other's configs."""
     mixtral, qwen3_moe = _config("mixtral"), _config("qwen3_moe")
     cfg = hf.config_from_hf(mixtral)
     assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_hidden, cfg.moe_norm_topk,
@@ -402,7 +451,6 @@ def test_config_translation_mixtral_qwen3_moe():
     for bad, match in [
         ({**qwen3_moe, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
         ({**qwen3_moe, "num_local_experts": 0}, "num_experts=0"),
-        ({**qwen3_moe, "head_dim": 128}, "head_dim=128 differs"),
         ({k: v for k, v in qwen3_moe.items() if k != "moe_intermediate_size"},
          "'moe_intermediate_size' is missing"),
         ({k: v for k, v in mixtral.items() if k != "num_local_experts"},
@@ -411,6 +459,8 @@ def test_config_translation_mixtral_qwen3_moe():
     ]:
         with pytest.raises(ValueError, match=match):
             hf.config_from_hf(bad)
+    wide = hf.config_from_hf({**qwen3_moe, "head_dim": 128})
+    assert wide.head_dim == 128 and hf.config_from_hf(hf.config_to_hf(wide)) == wide
     moe, dense = hf.config_from_hf(qwen3_moe), hf.config_from_hf(_config("qwen3"))
     for family, config in hf.registry.REGISTRY.items():
         assert config.expresses(moe) == (family == "qwen3_moe"), family

@@ -127,6 +127,29 @@ def test_dropless_experts_train_like_the_reference_loop(monkeypatch):
         chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_experts_with_head_dim_apart_from_width_train_like_the_reference_loop(monkeypatch):
+    """Expert layers beside attention whose head_dim (16) is not hidden / heads (32 / 4;
+    2 key/value heads, q/k norm): 5 AdamW steps on an (expert, tensor, fsdp) mesh and
+    an (expert, ring, tensor) mesh equal the unsharded model with the plain expert loop
+    (fp32, 1e-5)."""
+    cfg = _config(head_dim=16, qk_norm=True)
+    batches = _batches(cfg.vocab_size, 1) * 5  # one batch again: its loss falls
+    init, results = None, {}
+    for name in ("data2_expert2_tensor2_fsdp", "expert2_ring2_tensor2"):
+        shape, options = MESHES[name]
+        par = sp_jax.ParallelConfig(expert_axis="expert", **options)
+        got_init, losses, params, _ = train_gpt(cfg, par, _mesh(shape), batches, init=init)
+        init = init or got_init
+        results[name] = (losses, params)
+    _, ref_losses, ref_params, _ = _reference(
+        monkeypatch, cfg, lambda c, p, m: train_gpt(c, p, m, batches, init=init))
+    assert ref_losses[-1] < ref_losses[0]
+    for name, (losses, params) in results.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5, err_msg=name)
+        chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
+
+
 def _loss_and_grads(cfg, par, mesh, init, tokens):
     with jax.set_mesh(mesh):
         model = GPT(cfg, parallel=par, rngs=nnx.Rngs(0))

@@ -55,10 +55,11 @@ class CausalSelfAttention(nnx.Module):
     ``x + dropout(out(attention(qkv(norm(x)))))`` where
 
     - ``qkv`` is ONE :class:`~sp_jax.layers.ColumnSequenceParallelLinear` ``[hidden, 3 *
-      hidden]``, so the normed input is all-gathered once per block. Its output columns
-      are laid out per head, ``(head, {q, k, v}, head_dim)``, so the column block of
-      tensor shard ``i`` holds the q, k and v of heads ``i * heads / t ...`` and
-      attention needs no communication;
+      heads * head_dim]`` (``head_dim``: ``hidden / heads`` unless given), so the normed
+      input is all-gathered once per block. Its output columns are laid out per head,
+      ``(head, {q, k, v}, head_dim)``, so the column block of tensor shard ``i`` holds
+      the q, k and v of heads ``i * heads / t ...`` and attention needs no
+      communication;
     - with ``num_kv_heads < num_heads`` (grouped-query / multi-query attention) the
       projection is a :class:`~sp_jax.layers.GroupedQKVProjection` instead
       (``q_kernel`` and ``kv_kernel``, still one all-gather): kv heads are split over the
@@ -70,7 +71,8 @@ class CausalSelfAttention(nnx.Module):
       :func:`sp_jax.attention.ring_attention` on the zigzag-ordered sequence, or
       :func:`sp_jax.attention.ulysses_attention`; rotary positions follow each device's
       tokens;
-    - ``out`` is a :class:`~sp_jax.layers.RowSequenceParallelLinear` back to the SP layout.
+    - ``out`` is a :class:`~sp_jax.layers.RowSequenceParallelLinear` ``[heads * head_dim,
+      hidden]`` back to the SP layout.
 
     Args:
       config: the block's :class:`~sp_jax.layers.AttentionConfig`.
@@ -99,12 +101,12 @@ class CausalSelfAttention(nnx.Module):
         self.norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
                               **common)
         if config.num_kv_heads == config.num_heads:
-            self.qkv = ColumnSequenceParallelLinear(config.hidden, 3 * config.hidden,
+            self.qkv = ColumnSequenceParallelLinear(config.hidden, 3 * config.attention_width,
                                                     use_bias=config.qkv_bias, fp8=config.fp8,
                                                     **common)
         else:
             self.qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
-        self.out = RowSequenceParallelLinear(config.hidden, config.hidden,
+        self.out = RowSequenceParallelLinear(config.attention_width, config.hidden,
                                              use_bias=config.out_bias, fp8=config.fp8,
                                              **common)
         self.q_norm: nnx.Param | None
@@ -142,10 +144,10 @@ class CausalSelfAttention(nnx.Module):
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                 seed: jax.Array | None = None, rows: jax.Array | None = None, *,
                 keep_kv: bool = False, qk_scales: tuple[jax.Array, ...] = ()) -> Any:
-        """Per device: ``[b, s_local, 3 * hidden / t]`` (local heads, this device's part of
-        the sequence) -> ``[b, s_local, hidden / t]`` (with ``keep_kv``, also this
-        device's rotated ``k`` and ``v`` ``[b, s_local, kv_local, head_dim]``: a KV
-        cache's prefill); ``segment_ids`` / ``positions``:
+        """Per device: ``[b, s_local, 3 * heads * head_dim / t]`` (local heads, this
+        device's part of the sequence) -> ``[b, s_local, heads * head_dim / t]`` (with
+        ``keep_kv``, also this device's rotated ``k`` and ``v`` ``[b, s_local, kv_local,
+        head_dim]``: a KV cache's prefill); ``segment_ids`` / ``positions``:
         this device's ``[b, s_local]`` document ids and token positions (or None);
         ``seed``: the attention dropout's; ``rows``: the global index of this device's
         first batch row when the data axes are manual outside

@@ -128,14 +128,23 @@ def check_block_fields(owner: str, config: Any) -> None:
         if not isinstance(getattr(config, name), bool):
             raise TypeError(f"{owner}.{name}={getattr(config, name)!r} must be True or False.")
     if has("num_heads"):
-        if config.hidden % config.num_heads:
-            raise ValueError(f"{owner}: hidden={config.hidden} must be divisible by "
-                             f"num_heads={config.num_heads}.")
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None:
+            if config.hidden % config.num_heads:
+                raise ValueError(f"{owner}: hidden={config.hidden} must be divisible by "
+                                 f"num_heads={config.num_heads}, or give head_dim (the "
+                                 "features per head; q, k, v are num_heads x head_dim "
+                                 "wide).")
+            head_dim = config.hidden // config.num_heads
+        elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"{owner}.head_dim={head_dim!r} must be a positive int (the "
+                             "features per head) or None (hidden / num_heads).")
         check_kv_heads(owner, config.num_heads, config.num_kv_heads)
         rotary = getattr(config, "rotary", getattr(config, "positions", None) == "rotary")
-        if rotary and (config.hidden // config.num_heads) % 2:
+        if rotary and head_dim % 2:
             raise ValueError(f"{owner}: rotary embeddings need an even head size, got "
-                             f"{config.hidden // config.num_heads}.")
+                             f"head_dim={head_dim}; choose an even head_dim (or hidden / "
+                             "num_heads).")
     if has("fp8") and config.fp8 is not None and not isinstance(config.fp8, Fp8Recipe):
         raise TypeError(f"{owner}.fp8={config.fp8!r} must be a sp_jax.Fp8Recipe (e.g. "
                         "Fp8Recipe('current') or Fp8Recipe('delayed')) or None.")
@@ -180,8 +189,13 @@ class AttentionConfig:
     """Shape and numerics of a :class:`~sp_jax.layers.CausalSelfAttention` block.
 
     Attributes:
-      hidden: model width; divisible by ``num_heads``.
+      hidden: model width; divisible by ``num_heads`` unless ``head_dim`` is given.
       num_heads: attention heads; divisible by the tensor-axis size.
+      head_dim: features per head (None: ``hidden / num_heads``, filled in at
+        construction). q, k and v are ``num_heads x head_dim`` (k, v: ``num_kv_heads x
+        head_dim``) wide and the output projection maps ``num_heads x head_dim`` back to
+        ``hidden`` (Qwen3's, Mistral-Nemo's head size of 128 apart from the width). Even
+        with ``rotary``.
       num_kv_heads: key/value heads (default ``num_heads``); a divisor of ``num_heads``.
         Fewer than ``num_heads``: grouped-query attention (1: multi-query), each key/value
         head serving ``num_heads / num_kv_heads`` consecutive query heads (Hugging Face's
@@ -243,18 +257,28 @@ class AttentionConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     fp8: Fp8Recipe | None = None
+    head_dim: int | None = None  # an int once constructed
+    _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
+                                              compare=False)
 
     def __post_init__(self) -> None:
         settle_block_fields(self)
         check_block_fields("AttentionConfig", self)
+        object.__setattr__(self, "_head_dim_given", self.head_dim is not None)
+        if self.head_dim is None:  # today's head size, from the width
+            object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
 
     @property
-    def head_dim(self) -> int:
-        """Features per head, ``hidden / num_heads``."""
-        return self.hidden // self.num_heads
+    def attention_width(self) -> int:
+        """Width of the attention's output (and of q): ``num_heads x head_dim``, which
+        the output projection maps back to ``hidden``."""
+        return self.num_heads * self.head_dim
 
     def replace(self, **changes: Any) -> AttentionConfig:
-        """A copy with ``changes`` applied (validated like the constructor)."""
+        """A copy with ``changes`` applied (validated like the constructor); a
+        ``head_dim`` derived from ``hidden / num_heads`` is derived again."""
+        if not self._head_dim_given:
+            changes.setdefault("head_dim", None)
         return dataclasses.replace(self, **changes)
 
 

@@ -37,7 +37,12 @@ class GPTConfig:
       max_seq_len: longest sequence (size of the learned position table).
       num_layers: transformer blocks.
       num_heads: attention heads (a multiple of the tensor size).
-      hidden: model width.
+      hidden: model width (a multiple of ``num_heads`` unless ``head_dim`` is given).
+      head_dim: features per attention head, or None (the default: ``hidden /
+        num_heads``). Given, q, k and v are ``num_heads x head_dim`` (k, v:
+        ``num_kv_heads x head_dim``) wide and the output projection maps ``num_heads x
+        head_dim`` back to ``hidden``, as Qwen3 (head size 128 at any width) and
+        Mistral-Nemo; even with rotary positions.
       mlp_hidden: MLP inner width (default ``4 * hidden``).
       num_kv_heads: key/value heads (default ``num_heads``): fewer is grouped-query
         attention (1: multi-query); a divisor of ``num_heads``, and a divisor or a
@@ -163,6 +168,7 @@ class GPTConfig:
     pad_token_id: int | None = None
     fp8: Fp8Recipe | None = None
     hf_model_type: str | None = None
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -332,14 +338,15 @@ class GPTConfig:
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward and backward, recomputation not counted;
-        PaLM's accounting): ``6 N + 12 L h s`` with ``N`` the matmul parameters (every
+        PaLM's accounting): ``6 N + 12 L a s`` with ``N`` the matmul parameters (every
         block's projections and the LM head; of a mixture of experts, the router and the
         ``k`` routed and the shared experts a token goes through) and the attention scores
-        and values over ``seq_len`` (default ``max_seq_len``) keys, causal masking not
-        discounted."""
+        and values over ``seq_len`` (default ``max_seq_len``) keys, ``a = num_heads x
+        head_dim`` wide, causal masking not discounted."""
         s = self.max_seq_len if seq_len is None else int(seq_len)
         h, kv = self.hidden, (self.num_kv_heads or self.num_heads)
-        attention = 2 * h * h + 2 * h * kv * (h // self.num_heads)
+        d = self.attention_config().head_dim
+        attention = 2 * h * self.num_heads * d + 2 * h * kv * d
         mlp_hidden = self.mlp_hidden or 4 * h
         gated = self.mlp_activation in ("swiglu", "geglu")
         mlp = (3 if gated else 2) * h * mlp_hidden
@@ -348,7 +355,7 @@ class GPTConfig:
             self.experts_per_token + self.num_shared_experts) + h * self.num_experts
         matmul_params = self.num_layers * attention + (self.num_layers - moe) * mlp + \
             moe * active + self.vocab_size * h
-        return float(6 * matmul_params + 12 * self.num_layers * h * s)
+        return float(6 * matmul_params + 12 * self.num_layers * self.num_heads * d * s)
 
     def attention_config(self) -> AttentionConfig:
         """The :class:`~sp_jax.layers.AttentionConfig` of every block (the fields of the

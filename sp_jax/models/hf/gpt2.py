@@ -71,16 +71,18 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 
 def expresses(cfg: GPTConfig) -> bool:
     """Dense (no experts); learned positions, LayerNorm, a gelu/relu MLP, all biases, no
-    grouped-query attention, no sliding window, no q/k norm."""
+    grouped-query attention, no sliding window, no q/k norm, heads of ``hidden / heads``
+    (GPT-2 has no ``head_dim``)."""
     return has_fields(cfg, num_experts=0, positions="learned", norm="layernorm",
                       qkv_bias=True, out_bias=True, mlp_bias=True, num_kv_heads=cfg.num_heads,
                       rope_scaling=None, sliding_window=None, qk_norm=False) and \
-        cfg.mlp_activation in ACTIVATIONS.values()
+        cfg.mlp_activation in ACTIVATIONS.values() and \
+        cfg.num_heads * cfg.attention_config().head_dim == cfg.hidden
 
 
 def rules(cfg: GPTConfig) -> list[Rule]:
     """The conversion table of ``cfg``."""
-    h, d = cfg.num_heads, cfg.hidden // cfg.num_heads
+    h, d = cfg.num_heads, cfg.attention_config().head_dim
     a, m, p = ATTENTION, MLP, "transformer.h.{i}."
     table = [same("embed/embedding", "transformer.wte.weight"),
              same("position", "transformer.wpe.weight"),

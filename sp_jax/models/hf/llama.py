@@ -61,16 +61,15 @@ def llama_shaped_fields(config: Mapping[str, Any], model_type: str,
     (shapes, heads, rotary settings, RMSNorm, SwiGLU, tied head, attention dropout); the
     family adds its biases, window and q/k norm. ``default_head_dim``: the head size
     transformers assumes when ``head_dim`` is absent (Qwen3: 128; None: ``hidden /
-    heads``), which must be ``hidden / heads``: sp_jax derives the head size from the
-    width."""
+    heads``). A head size other than ``hidden / heads`` becomes ``GPTConfig.head_dim``
+    (equal to it: None, the derived default)."""
     require(config, model_type, *LLAMA_SHAPED_KEYS)
     get = config.get
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     head_dim = get("head_dim") or default_head_dim
-    if head_dim not in (None, hidden // heads):
-        raise ValueError(f"config.json: head_dim={head_dim} differs from hidden_size / "
-                         f"num_attention_heads = {hidden // heads}; sp_jax derives the head "
-                         "size from the width.")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
+            and hidden % heads == 0 and head_dim == hidden // heads:
+        head_dim = None  # today's derived head size: the config compares equal
     if get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={get('hidden_act')!r}: sp_jax's "
                          f"{model_type} MLP is SwiGLU ('silu').")
@@ -78,7 +77,7 @@ def llama_shaped_fields(config: Mapping[str, Any], model_type: str,
     return dict(
         vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings"),
         num_layers=get("num_hidden_layers"), num_heads=heads, hidden=hidden,
-        mlp_hidden=get("intermediate_size"),
+        head_dim=head_dim, mlp_hidden=get("intermediate_size"),
         num_kv_heads=get("num_key_value_heads") or heads,
         attention_dropout=float(get("attention_dropout", 0.0)),
         tie_embeddings=bool(get("tie_word_embeddings", False)), positions="rotary",
@@ -96,7 +95,7 @@ def llama_shaped_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
         architectures=[architecture], vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden, intermediate_size=cfg.mlp_hidden,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden // cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.attention_config().head_dim,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rope_base,
         rope_scaling=None if cfg.rope_scaling is None else rope,
@@ -131,7 +130,7 @@ def llama_shaped_rules(cfg: GPTConfig) -> list[Rule]:
     """The conversion table of a Llama-shaped ``cfg`` (``model.layers.{i}.self_attn`` /
     ``.mlp``; biases, untied head and Qwen3's ``q_norm`` / ``k_norm`` as ``cfg`` has
     them)."""
-    h, d = cfg.num_heads, cfg.hidden // cfg.num_heads
+    h, d = cfg.num_heads, cfg.attention_config().head_dim
     a, m, p = ATTENTION, MLP, "model.layers.{i}."
     q, k, v = (p + f"self_attn.{n}_proj." for n in "qkv")
     table = [same("embed/embedding", "model.embed_tokens.weight"),

@@ -8,8 +8,8 @@ experts. ``mlp_only_layers`` (dense layers listed by index) is refused unless em
 sp_jax places its expert layers by ``moe_layer_freq`` alone. ``sliding_window`` applies
 to every layer when ``use_sliding_window`` (as transformers 5.x's Qwen3-MoE applies it).
 transformers has no default ``head_dim`` here other than ``hidden / heads``; a
-``head_dim`` that differs (Qwen3-30B-A3B's 128 with 2048 / 32 heads) is refused: sp_jax
-derives the head size from the width.
+``head_dim`` that differs (Qwen3-30B-A3B's 128 with 2048 / 32 heads) is read as
+``GPTConfig.head_dim``.
 
 Tensors: as :mod:`.mixtral`, under ``mlp.``: the router ``mlp.gate.weight`` and expert
 ``e``'s ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (as

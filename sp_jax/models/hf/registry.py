@@ -88,11 +88,12 @@ def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     ``"qwen2"``, ``"qwen3"``, ``"mixtral"``, ``"qwen3_moe"``), as written by transformers
     4.x (``rope_theta`` and ``rope_scaling`` at the top level) or 5.x
     (``rope_parameters``). Options sp_jax cannot reproduce exactly raise a ValueError
-    naming the key (e.g. GPT-2's ``scale_attn_by_inverse_layer_idx``, a ``head_dim``
-    other than ``hidden / heads``, rope types other than default and ``llama3``, a Qwen
-    sliding window on some layers only, Qwen3-MoE's ``mlp_only_layers``, Mixtral's
-    ``router_jitter_noise``), and so does a missing shape key (``hidden_size``, ...).
-    ``param_dtype`` is the config's ``dtype`` (``torch_dtype`` in 4.x), float32 when absent;
+    naming the key (e.g. GPT-2's ``scale_attn_by_inverse_layer_idx``, rope types other
+    than default and ``llama3``, a Qwen sliding window on some layers only, Qwen3-MoE's
+    ``mlp_only_layers``, Mixtral's ``router_jitter_noise``), and so does a missing shape
+    key (``hidden_size``, ...). ``head_dim`` other than ``hidden / heads`` is read as
+    ``GPTConfig.head_dim``. ``param_dtype`` is the config's ``dtype`` (``torch_dtype`` in
+    4.x), float32 when absent;
     ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` are kept as they are (None
     when absent), and ``model_type`` as ``hf_model_type`` (the family :func:`config_to_hf`
     and :func:`~sp_jax.models.hf.to_hf` write back).
