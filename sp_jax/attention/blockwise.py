@@ -88,12 +88,31 @@ def _blockwise_bwd(bq, bk, window, res, d_out):
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise_traced(q, k, v, drop, seg, bq, bk, window):
+    """:func:`_blockwise` with the window an int32 array (data: e.g. a scanned layer's)."""
+    return _blockwise_forward(q, k, v, drop, seg, bq, bk, window)[0]
+
+
+def _blockwise_traced_fwd(q, k, v, drop, seg, bq, bk, window):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window)
+    return out, ((q, k, v, out, lse), drop, seg, window)
+
+
+def _blockwise_traced_bwd(bq, bk, res, d_out):
+    res, drop, seg, window = res
+    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window)[0], None, None, None)
+
+
+_blockwise_traced.defvjp(_blockwise_traced_fwd, _blockwise_traced_bwd)
+
+
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int = 512,
                         block_k: int = 512, implementation: str = "xla",
                         dropout: AttentionDropout | None = None,
                         positions: jax.Array | None = None,
                         segment_ids: jax.Array | None = None,
-                        sliding_window: int | None = None) -> jax.Array:
+                        sliding_window: int | jax.Array | None = None) -> jax.Array:
     """Causal softmax attention in blocks (flash attention), on one device's arrays.
 
     Online softmax over key blocks with fp32 running statistics; key blocks above the
@@ -125,7 +144,11 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         attends keys ``i - w < j <= i`` only (Mistral's, transformers' semantics); key
         blocks wholly before the window are skipped (loop bounds, forward and
         backward), those crossing its edge masked. Composes with ``segment_ids`` and
-        dropout; with ``"cudnn"``, cuDNN's ``local_window_size=(w - 1, 0)``.
+        dropout; with ``"cudnn"``, cuDNN's ``local_window_size=(w - 1, 0)``. Also an int
+        scalar array (traced: a scanned layer's window, ``GPTConfig.layer_windows``; a
+        window of the sequence length or more is full causal attention): the same loop
+        bounds, computed from the traced value (``fori_loop`` bounds are dynamic), so
+        the skipping holds too; ``"xla"`` only.
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     """
@@ -136,6 +159,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     if implementation == "cudnn" and seg is not None:
         check("train", {"packed_documents": "segment_ids (packed documents)",
                         "cudnn_attention": "implementation='cudnn'"}, where="blockwise_attention")
+    if implementation == "cudnn" and isinstance(window, jax.Array):
+        raise ValueError("blockwise_attention: implementation='cudnn' needs a static "
+                         "sliding_window (an int: cuDNN's local_window_size); a per-layer "
+                         "window array runs with implementation='xla'.")
     if implementation == "cudnn":
         try:
             return jax.nn.dot_product_attention(
@@ -150,14 +177,21 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         raise ValueError(f"implementation={implementation!r}: use 'xla' or 'cudnn'.")
     s = q.shape[1]
     bq, bk = block_size(s, block_q, "block_q"), block_size(s, block_k, "block_k")
+    if isinstance(window, jax.Array):
+        return _blockwise_traced(*same_vma(q, k, v), drop, seg, bq, bk, window)
     return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window)
 
 
-def check_window(name: str, sliding_window: int | None) -> int | None:
-    """``sliding_window`` as an int, or None; a ValueError naming ``name`` unless it is a
-    positive int (or None)."""
+def check_window(name: str, sliding_window: int | jax.Array | None) -> int | jax.Array | None:
+    """``sliding_window`` as an int, an int32 scalar array (kept: a traced per-layer
+    window), or None; a ValueError naming ``name`` unless it is a positive int (or None)."""
     if sliding_window is None:
         return None
+    if isinstance(sliding_window, jax.Array):
+        if sliding_window.ndim or not jnp.issubdtype(sliding_window.dtype, jnp.integer):
+            raise ValueError(f"{name}: a sliding_window array must be an int scalar, got "
+                             f"{sliding_window.dtype}{list(sliding_window.shape)}.")
+        return sliding_window.astype(jnp.int32)
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int | np.integer) \
             or sliding_window <= 0:
         raise ValueError(f"{name}: sliding_window={sliding_window!r} must be a positive int "

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sp_jax.attention.blockwise import check_segments
+from sp_jax.attention.blockwise import check_segments, check_window
 from sp_jax.attention.dropout import AttentionDropout, drop_arguments
 from sp_jax.attention.kernels import (
     backward_blocks,
@@ -293,6 +293,26 @@ def _ring_bwd(axis_name, bq, bk, window, res, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring_traced(q, k, v, dropout, seg, axis_name, bq, bk, window):
+    """:func:`_ring` with the window an int32 array (data: a scanned layer's)."""
+    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)[0]
+
+
+def _ring_traced_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window):
+    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)
+    return out, ((q, k, v, out, lse), dropout, seg, window)
+
+
+def _ring_traced_bwd(axis_name, bq, bk, res, d_out):
+    res, dropout, seg, window = res
+    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window)[0],
+            None, None, None)
+
+
+_ring_traced.defvjp(_ring_traced_fwd, _ring_traced_bwd)
+
+
 def _ring_blocks(q, block_q: int, block_k: int) -> tuple[int, int]:
     if q.shape[1] % 2:
         raise ValueError(
@@ -307,7 +327,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
                    block_q: int = 512, block_k: int = 512,
                    dropout: AttentionDropout | None = None,
                    segment_ids: jax.Array | None = None,
-                   sliding_window: int | None = None) -> jax.Array:
+                   sliding_window: int | jax.Array | None = None) -> jax.Array:
     """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
 
     Call inside :func:`jax.shard_map` with the sequence in zigzag order
@@ -340,13 +360,18 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         (as in :func:`blockwise_attention`).
       sliding_window: the keys each query sees (itself included; Mistral's window), or
         None (every earlier key): key chunks wholly before a query chunk's window are
-        not visited, those crossing its edge are masked.
+        not visited, those crossing its edge are masked. Also an int scalar array
+        (traced: a scanned layer's window, ``GPTConfig.layer_windows``): the same loop
+        bounds, computed from the traced value.
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
     """
     check_qkv("ring_attention", q, k, v)
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
+    traced = isinstance(sliding_window, jax.Array)
+    if traced:
+        sliding_window = check_window("ring_attention", sliding_window)
+    elif sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
             sliding_window, int) or sliding_window < 1):
         raise ValueError(f"ring_attention: sliding_window={sliding_window!r} must be a "
                          "positive int (keys per query, itself included) or None.")
@@ -357,6 +382,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     seg = check_segments("ring_attention", segment_ids, q)
     if seg is not None:
         seg = vary(seg, (axis_name,))
-    return _ring(q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk,
-                 sliding_window)
+    return (_ring_traced if traced else _ring)(
+        q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk, sliding_window)
 

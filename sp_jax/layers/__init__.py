@@ -9,7 +9,7 @@ q/k/v projection), ``attention`` (causal self-attention), ``mlp`` and ``moe`` (t
 mixture-of-experts MLP).
 """
 
-from sp_jax.layers.attention import CausalSelfAttention
+from sp_jax.layers.attention import FULL_WINDOW, CausalSelfAttention, LayerWindow
 from sp_jax.layers.block_config import (
     MLP_ACTIVATIONS,
     AttentionConfig,
@@ -38,6 +38,8 @@ from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
 
 __all__ = [
+    "FULL_WINDOW",
+    "LayerWindow",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ColumnSequenceParallelLinear",

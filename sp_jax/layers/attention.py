@@ -38,7 +38,16 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["CausalSelfAttention"]
+__all__ = ["FULL_WINDOW", "CausalSelfAttention", "LayerWindow"]
+
+FULL_WINDOW = 2 ** 30
+"""The window a full-attention layer holds under ``GPTConfig.layer_windows``: more keys
+than any sequence has (causal attention; the kernels' loop bounds stay in int32)."""
+
+
+class LayerWindow(nnx.Variable):
+    """A layer's sliding window as data (int32 scalar; :data:`FULL_WINDOW`: full causal
+    attention): stacked and scanned with the layer's parameters, never trained."""
 
 
 def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
@@ -77,13 +86,15 @@ class CausalSelfAttention(nnx.Module):
     Args:
       config: the block's :class:`~sp_jax.layers.AttentionConfig`.
       parallel: the :class:`~sp_jax.ParallelConfig`.
+      window: with ``config.window_per_layer``, this layer's sliding window (None: full
+        causal attention), held as a :class:`LayerWindow` (``self.window``).
       rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call
         (e.g. ``nnx.Rngs(dropout=key)``) in train mode; the attention dropout's key is
         drawn before the output dropout's.
     """
 
     def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, window: int | None = None):
         check_block_config("CausalSelfAttention", config, AttentionConfig,
                            "sp_jax.AttentionConfig", "attention_config")
         check_layer_args("CausalSelfAttention", parallel)
@@ -93,6 +104,12 @@ class CausalSelfAttention(nnx.Module):
             ("sliding_window", f"sliding_window={config.sliding_window}"),
             ("context_ring", "ring attention")) if f in active}, where="CausalSelfAttention")
         self.config, self.parallel = config, parallel
+        if config.window_per_layer and config.sliding_window is not None:
+            raise ValueError(f"CausalSelfAttention: window_per_layer with sliding_window="
+                             f"{config.sliding_window}; pass the layer's window= instead.")
+        # window_per_layer: this layer's window as data (GPTConfig.layer_windows)
+        self.window = LayerWindow(jnp.int32(FULL_WINDOW if window is None else window)) \
+            if config.window_per_layer else None
         mesh = current_mesh(parallel, where="CausalSelfAttention", required=False)
         if mesh is not None:
             self._check_heads(mesh)
@@ -143,7 +160,8 @@ class CausalSelfAttention(nnx.Module):
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                 seed: jax.Array | None = None, rows: jax.Array | None = None, *,
-                keep_kv: bool = False, qk_scales: tuple[jax.Array, ...] = ()) -> Any:
+                keep_kv: bool = False, qk_scales: tuple[jax.Array, ...] = (),
+                window: jax.Array | None = None) -> Any:
         """Per device: ``[b, s_local, 3 * heads * head_dim / t]`` (local heads, this
         device's part of the sequence) -> ``[b, s_local, heads * head_dim / t]`` (with
         ``keep_kv``, also this device's rotated ``k`` and ``v`` ``[b, s_local, kv_local,
@@ -151,7 +169,8 @@ class CausalSelfAttention(nnx.Module):
         this device's ``[b, s_local]`` document ids and token positions (or None);
         ``seed``: the attention dropout's; ``rows``: the global index of this device's
         first batch row when the data axes are manual outside
-        (``ParallelConfig.manual_data_axes``); ``qk_scales``: :meth:`qk_scales`' values."""
+        (``ParallelConfig.manual_data_axes``); ``qk_scales``: :meth:`qk_scales`' values;
+        ``window``: this layer's window (int32 scalar, ``window_per_layer``) or None."""
         cfg, par = self.config, self.parallel
         b, s, _ = qkv.shape
         if cfg.rotary and positions is None:  # this device's tokens in the held order
@@ -160,7 +179,8 @@ class CausalSelfAttention(nnx.Module):
         heads = q.shape[2]
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k, segment_ids=segment_ids,
-                                      sliding_window=cfg.sliding_window)
+                                      sliding_window=cfg.sliding_window if window is None
+                                      else window)
         if seed is not None:  # global coordinates of this device's first row and head
             if rows is None:
                 rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
@@ -245,7 +265,8 @@ class CausalSelfAttention(nnx.Module):
         """
         qkv = self.qkv.local_decode(self.norm.local(x))  # this shard's heads, no collective
         q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales())
-        o = cached_attention(q, k, v, k_cache, v_cache, positions, self.config.sliding_window,
+        window = self.config.sliding_window if self.window is None else self.window[...]
+        o = cached_attention(q, k, v, k_cache, v_cache, positions, window,
                              cache_positions=cache_positions,
                              axis_name=self.parallel.context_axes or None)
         y = self.out.local_decode(o)
@@ -293,12 +314,15 @@ class CausalSelfAttention(nnx.Module):
                      for a in (segment_ids, positions))
         heads = Layout.of(self.parallel).heads(4)
         scales = tuple(reshard(a, P(), mesh) for a in self.qk_scales())
+        window = () if self.window is None else (reshard(self.window[...], P(), mesh),)
         attended = jax.shard_map(
-            lambda qkv, docs, scales, *seed: self._attend(qkv, order, *docs, *seed,
-                                                          keep_kv=keep_kv, qk_scales=scales),
+            lambda qkv, docs, scales, window, *seed: self._attend(
+                qkv, order, *docs, *seed, keep_kv=keep_kv, qk_scales=scales,
+                window=window[0] if window else None),
             in_specs=(tp, tuple(None if a is None else doc_spec for a in docs),
-                      (P(),) * len(scales), *(P(),) * len(seeds)),
-            out_specs=(tp, heads, heads) if keep_kv else tp)(qkv, docs, scales, *seeds)
+                      (P(),) * len(scales), (P(),) * len(window), *(P(),) * len(seeds)),
+            out_specs=(tp, heads, heads) if keep_kv else tp)(qkv, docs, scales, window,
+                                                             *seeds)
         if keep_kv:
             attended, *kv = attended
         y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)

@@ -221,6 +221,10 @@ class AttentionConfig:
       sliding_window: None, or ``w``: query ``i`` attends keys ``i - w < j <= i`` only
         (Mistral's sliding window; key blocks wholly before the window are skipped).
         Not with ring attention.
+      window_per_layer: each layer's window is data, not this config: the
+        :class:`~sp_jax.layers.CausalSelfAttention` holds it as a :class:`LayerWindow`
+        variable (an int32 scalar; ``GPTConfig.layer_windows``), so the layers of a
+        scanned stack share one program. ``sliding_window`` must then be None.
       norm: ``"layernorm"`` or ``"rmsnorm"`` (the pre-norm).
       norm_epsilon: epsilon of the norm.
       attention_block_q / attention_block_k: query and key/value rows per block of the
@@ -258,6 +262,7 @@ class AttentionConfig:
     sliding_window: int | None = None
     fp8: Fp8Recipe | None = None
     head_dim: int | None = None  # an int once constructed
+    window_per_layer: bool = False
     _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
                                               compare=False)
 

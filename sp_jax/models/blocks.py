@@ -52,7 +52,7 @@ class Block(nnx.Module):
     def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
                  rngs: nnx.Rngs, index: int = 0):
         self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
-                                             rngs=rngs)
+                                             rngs=rngs, window=config.layer_window(index))
         self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
             if config.is_moe_layer(index) else \
             MLP(config.mlp_config(), parallel=parallel, rngs=rngs)

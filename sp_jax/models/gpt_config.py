@@ -84,6 +84,15 @@ class GPTConfig:
       sliding_window: None (causal attention over every earlier token) or ``w``: token
         ``i`` attends tokens ``i - w < j <= i`` only (Mistral's ``sliding_window``); key
         blocks wholly outside the window are skipped. Not with ring attention.
+      layer_windows: None (every layer as ``sliding_window`` says), or one entry per
+        layer: None (full causal attention) or ``w`` (that layer's sliding window), e.g.
+        transformers' ``layer_types`` ``("sliding_attention", "full_attention", ...)``
+        as ``(w, None, ...)``. Each layer's window is data (an int32 scalar variable of
+        its attention, :class:`~sp_jax.layers.LayerWindow`; a full layer holds
+        :data:`~sp_jax.layers.FULL_WINDOW`), so a scanned stack (``scan_layers``) and
+        pipeline stages keep one program; the kernels compute their loop bounds from the
+        traced window, so key blocks wholly before a layer's window are still skipped.
+        ``sliding_window`` must be None with it; ``attention_implementation="xla"``.
       num_experts: routed experts ``E`` of the mixture-of-experts layers; 0 (the default)
         keeps every MLP dense. Layer ``i`` is a mixture of experts
         (:class:`~sp_jax.layers.MoE`) when ``(i + 1) % moe_layer_freq == 0``.
@@ -169,6 +178,7 @@ class GPTConfig:
     fp8: Fp8Recipe | None = None
     hf_model_type: str | None = None
     head_dim: int | None = None
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -189,6 +199,7 @@ class GPTConfig:
         check_block_fields("GPTConfig", self)  # the fields the blocks' configs share
         self._check_experts()
         self._check_token_ids()
+        self._check_layer_windows()
         if self.hf_model_type is not None and (
                 not isinstance(self.hf_model_type, str) or not self.hf_model_type):
             raise ValueError(f"GPTConfig.hf_model_type={self.hf_model_type!r} must be a "
@@ -215,6 +226,37 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig: scan_layers stacks alike layers, but moe_layer_freq={freq} mixes "
                 "dense and expert layers; use moe_layer_freq=1 or scan_layers=False.")
+
+    def _check_layer_windows(self) -> None:
+        """``layer_windows``: None or one entry (None or a positive int) per layer."""
+        windows = self.layer_windows
+        if windows is None:
+            return
+        fix = ("give one entry per layer: None (full attention) or a positive int (that "
+               "layer's window)")
+        if not isinstance(windows, list | tuple) or len(windows) != self.num_layers:
+            raise ValueError(f"GPTConfig.layer_windows={windows!r} with num_layers="
+                             f"{self.num_layers}: {fix}.")
+        for i, w in enumerate(windows):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int | np.integer)
+                                  or w <= 0):
+                raise ValueError(f"GPTConfig.layer_windows[{i}]={w!r}: {fix}.")
+        object.__setattr__(self, "layer_windows",
+                           tuple(None if w is None else int(w) for w in windows))
+        if self.sliding_window is not None:
+            raise ValueError(f"GPTConfig: sliding_window={self.sliding_window} and "
+                             "layer_windows both set; give the window of every layer in "
+                             "layer_windows and sliding_window=None.")
+        if self.attention_implementation != "xla":
+            raise ValueError(f"GPTConfig: layer_windows needs attention_implementation='xla'"
+                             f" (cuDNN takes a static window), not "
+                             f"{self.attention_implementation!r}.")
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (None: full causal attention)."""
+        if self.layer_windows is not None:
+            return self.layer_windows[index]
+        return self.sliding_window
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (from 0) is a mixture of experts."""
@@ -361,6 +403,7 @@ class GPTConfig:
         """The :class:`~sp_jax.layers.AttentionConfig` of every block (the fields of the
         same names, and ``rotary`` for ``positions="rotary"``)."""
         return AttentionConfig(rotary=self.positions == "rotary",
+                               window_per_layer=self.layer_windows is not None,
                                **self._fields_of(AttentionConfig))
 
     def moe_config(self) -> MoEConfig:
