@@ -337,12 +337,12 @@ CASES = {
                                r"default in 4\.x and 5\.x\)",
             lambda: hf.from_hf(_checkpoint(model__safetensors=None,
                                            pytorch_model__bin=b"torch"))),
-    "E71": (ValueError, r"config\.json: use_sliding_window with sliding_window=8 on some "
-                        r"layers only \(max_window_layers=1, 2 layers\)",
+    "E71": (ValueError, r"config\.json: layer_types\[1\]='chunked_attention' is not a layer "
+                        r"type sp_jax reads",
             lambda: hf.config_from_hf({**hf.config_to_hf(GPTConfig.llama(
                 "llama-tiny", qkv_bias=True, out_bias=False)), "model_type": "qwen2",
-                "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
-                "layer_types": None})),
+                "use_sliding_window": True, "sliding_window": 8,
+                "layer_types": ["full_attention", "chunked_attention"]})),
     "E72": (ValueError, r"ring_attention: sliding_window=0 must be a positive int",
             lambda: sp_jax.attention.ring_attention(
                 *(jnp.zeros((1, 4, 2, 8)),) * 3, axis_name="context", sliding_window=0)),

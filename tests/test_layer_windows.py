@@ -80,6 +80,7 @@ def test_layer_windows_cache_logits_equal_forward(scan):
                                rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_layer_windows_bad_input():
     with pytest.raises(ValueError, match=r"layer_windows=\(3, None\) with num_layers=3"):
         _config(layer_windows=(3, None))
@@ -88,3 +89,20 @@ def test_layer_windows_bad_input():
     with pytest.raises(ValueError, match="sliding_window=4 and layer_windows both set"):
         _config(layer_windows=WINDOWS, sliding_window=4)
     assert _config(layer_windows=[3, None, 5]).layer_windows == WINDOWS
+
+
+def test_qwen_max_window_layers_read_and_written():
+    from sp_jax.models import hf
+
+    base = hf.config_to_hf(_config(qkv_bias=True, out_bias=False, mlp_bias=False,
+                                   mlp_activation="swiglu", num_kv_heads=4))
+    for extra in ({"max_window_layers": 1, "layer_types": None},
+                  {"layer_types": ["full_attention", "sliding_attention",
+                                   "sliding_attention"]}):
+        got = hf.config_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True,
+                                 "sliding_window": 4, **extra})
+        assert got.layer_windows == (None, 4, 4) and got.sliding_window is None
+        back = hf.config_to_hf(got)
+        assert back["layer_types"] == ["full_attention", "sliding_attention",
+                                       "sliding_attention"]
+        assert (back["sliding_window"], back["max_window_layers"]) == (4, 1)

@@ -24,7 +24,7 @@ def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> d
     bias = bool(config.get("attention_bias", False))
     return dict(llama_shaped_fields(config, "qwen3", default_head_dim=128), qkv_bias=bias,
                 out_bias=bias, mlp_bias=False, qk_norm=True,
-                sliding_window=qwen_window(config))
+                **qwen_window(config))
 
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
