@@ -75,7 +75,8 @@ def expresses(cfg: GPTConfig) -> bool:
     (GPT-2 has no ``head_dim``)."""
     return has_fields(cfg, num_experts=0, positions="learned", norm="layernorm",
                       qkv_bias=True, out_bias=True, mlp_bias=True, num_kv_heads=cfg.num_heads,
-                      rope_scaling=None, sliding_window=None, qk_norm=False) and \
+                      rope_scaling=None, sliding_window=None, layer_windows=None,
+                      qk_norm=False) and \
         cfg.mlp_activation in ACTIVATIONS.values() and \
         cfg.num_heads * cfg.attention_config().head_dim == cfg.hidden
 

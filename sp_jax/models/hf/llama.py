@@ -123,7 +123,7 @@ def expresses(cfg: GPTConfig) -> bool:
     sliding window, no q/k norm."""
     return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", out_bias=cfg.qkv_bias, sliding_window=None,
-                      qk_norm=False)
+                      layer_windows=None, qk_norm=False)
 
 
 def llama_shaped_rules(cfg: GPTConfig) -> list[Rule]:

@@ -35,7 +35,7 @@ def expresses(cfg: GPTConfig) -> bool:
     checkpoint does, or ``model_type="mistral"`` is asked for)."""
     return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", qkv_bias=False, out_bias=False, mlp_bias=False,
-                      qk_norm=False)
+                      layer_windows=None, qk_norm=False)
 
 
 MISTRAL = Family(
