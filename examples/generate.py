@@ -2,23 +2,24 @@
 the mixtures of experts Mixtral and Qwen3-MoE), e.g. one written by
 examples/finetune_hf.py --out, with tensor parallelism and a KV cache.
 
-    python examples/generate.py --hf-dir DIR --tokenizer DIR/tokenizer.json
-        --prompt "Once upon a time" [--prompt "..."] [--max-new-tokens 32]
+    python examples/generate.py --hf-dir DIR --prompt "Once upon a time" [--prompt "..."]
+        [--tokenizer tokenizer.json|bytes] [--max-new-tokens 32]
         [--temperature 0.8 --top-k 50 --top-p 0.95 --seed 0] [--mesh 1,4]
     python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 --mesh 1,2,4
         [--context-parallel ring|ulysses]
     python examples/generate.py --hf-dir DIR --prompt-ids 1,2,3 [--prompt-ids 4,5]
 
 Each ``--prompt`` (or ``--prompt-ids``, token ids) is one row of the batch, any lengths.
-``--tokenizer`` is the checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers``, no
-transformers needed) or ``bytes`` (UTF-8 bytes, the byte-level models of
-examples/train_gpt.py). ``--temperature 0`` (the default) is greedy decoding. Rows end at
-the checkpoint's ``eos_token_id`` (config.json) unless ``--ignore-eos``. The mesh is
-DATA,TENSOR or DATA,CONTEXT,TENSOR (``sp_jax.models.generate``: with a context axis the
-prompts are prefilled with ``--context-parallel`` attention, ring by default, and the KV
-cache is split over the context axis), or ``data=D,expert=E,tensor=T`` (also ``context=C``)
-for a mixture of experts (its experts over the expert axis); CPU-only machines simulate its
-devices.
+Text prompts are encoded and decoded with the ``tokenizer.json`` in ``DIR`` (as
+examples/finetune_hf.py --out writes it; Hugging Face ``tokenizers``, no transformers
+needed), or ``--tokenizer``: another ``tokenizer.json``, or ``bytes`` (UTF-8 bytes, the
+byte-level models of examples/train_gpt.py). ``--temperature 0`` (the default) is greedy
+decoding. Rows end at the checkpoint's ``eos_token_id`` (config.json) unless
+``--ignore-eos``. The mesh is DATA,TENSOR or DATA,CONTEXT,TENSOR
+(``sp_jax.models.generate``: with a context axis the prompts are prefilled with
+``--context-parallel`` attention, ring by default, and the KV cache is split over the
+context axis), or ``data=D,expert=E,tensor=T`` (also ``context=C``) for a mixture of
+experts (its experts over the expert axis); CPU-only machines simulate its devices.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=cli.HelpFormatter)
     add = p.add_argument
     add("--hf-dir", required=True, help="Hugging Face checkpoint directory")
-    add("--tokenizer", default=None, help="tokenizer.json, or 'bytes'")
+    add("--tokenizer", default=None,
+        help="tokenizer.json, or 'bytes' (default: the tokenizer.json in --hf-dir)")
     add("--prompt", action="append", default=[], help="a prompt (text; repeat for a batch)")
     add("--prompt-ids", action="append", default=[], type=_ids,
         help="a prompt as comma-separated token ids (repeatable)")
@@ -74,9 +76,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     a = p.parse_args(argv)
     if bool(a.prompt) == bool(a.prompt_ids):
-        p.error("give --prompt (with --tokenizer) or --prompt-ids, not both nor neither")
-    if a.prompt and a.tokenizer is None:
-        p.error("--prompt needs --tokenizer (the checkpoint's tokenizer.json, or bytes)")
+        p.error("give --prompt (text) or --prompt-ids (token ids), not both nor neither")
     if a.max_new_tokens < 1 or a.temperature < 0 or (a.top_k is not None and a.top_k < 1) \
             or (a.top_p is not None and not 0 < a.top_p <= 1):
         p.error("--max-new-tokens >= 1, --temperature >= 0, --top-k >= 1, 0 < --top-p <= 1")
@@ -89,6 +89,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 "mesh, or data=D,expert=E,context=C,tensor=T (no stage axis)")
     if not pathlib.Path(a.hf_dir, "config.json").is_file():
         p.error(f"--hf-dir {a.hf_dir}: no config.json there")
+    if a.prompt and a.tokenizer is None:  # the checkpoint's own, as finetune_hf.py --out writes
+        found = pathlib.Path(a.hf_dir, "tokenizer.json")
+        if not found.is_file():
+            p.error(f"--prompt: --hf-dir {a.hf_dir} has no tokenizer.json; pass --tokenizer "
+                    "(a tokenizer.json, or bytes) or --prompt-ids")
+        a.tokenizer = str(found)
     return a
 
 

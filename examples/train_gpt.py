@@ -4,6 +4,7 @@ sp_jax's training loop, on a simulated or real device mesh.
     python examples/train_gpt.py [--steps 600] [--mesh 2,4] [--precision bf16]
         [--plot docs/loss.png] [--log-json runs/gpt.jsonl] [--ckpt-dir runs/ckpt --save-every 50]
         [--data 'corpus/*.jsonl' --tokenizer tokenizer.json [--text-field text]]
+        [--held-out-fraction 0.05]
         [--tensorboard runs/tb]
 
 CPU-only machines simulate the mesh's devices. The text is by default the Python standard
@@ -43,7 +44,7 @@ import jax
 from flax import nnx
 
 import sp_jax.training as training
-from sp_jax.data import ByteCorpus, TrainData
+from sp_jax.data import TrainData
 from sp_jax.models import GPT
 from sp_jax.training import cli, faults, mesh_description
 from sp_jax.xla_flags import simulate_cpu_devices
@@ -67,6 +68,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--text-field", default="text", help="JSON lines field / parquet column of the text")
     add("--packing", default="first_fit", choices=("first_fit", "concat"),
         help="first-fit (pads, documents whole) or concatenate-then-split")
+    cli.add_held_out_argument(add)
     add("--plot", default=None, help="write the loss curve to this PNG")
     a = p.parse_args(argv)
     try:
@@ -86,19 +88,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     return a
-
-
-def load_data(args: argparse.Namespace) -> TrainData:
-    """``--data`` as bytes (:class:`ByteCorpus`) or, with ``--tokenizer``, as packed
-    documents (:class:`~sp_jax.data.PackedText`)."""
-    if not args.tokenizer:
-        return ByteCorpus.from_files(args.data, seq_len=args.seq_len,
-                                     max_bytes=args.max_data_bytes)
-    from sp_jax.data import ByteTokenizer, PackedText, load_tokenizer
-
-    tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else load_tokenizer(args.tokenizer)
-    return PackedText.from_files(args.data, tokenizer=tokenizer, seq_len=args.seq_len,
-                                 text_field=args.text_field, packing=args.packing)
 
 
 def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: TrainData,
@@ -153,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             manager = stack.enter_context(training.open_checkpoints(config))  # one writer
             try:
                 mesh = training.build_mesh(args.mesh_shape, training.MESH_AXES)
-                corpus = load_data(args)
+                corpus = cli.text_data(args)
             except (ValueError, OSError) as e:
                 raise training.TrainingStopped(str(e)) from e
             cfg = cli.model_config(args, vocab_size=corpus.vocab_size)

@@ -188,3 +188,42 @@ def test_finetune_hf_trains_completions_of_a_jsonl_and_writes_the_tokenizer(tmp_
         assert (out / name).is_file(), name
     assert (Tokenizer.from_file(str(out / "tokenizer.json")).encode(pairs[0][0]).ids
             == Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(pairs[0][0]).ids)
+
+    # then examples/generate.py decodes text with the tokenizer.json found in --out
+    gen = subprocess.run(
+        [sys.executable, "examples/generate.py", "--hf-dir", str(out), "--prompt",
+         pairs[0][0], "--max-new-tokens", "4", "--ignore-eos", "--mesh", "1,4"],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    words = gen.stdout.splitlines()[0].split()
+    assert words[:3] == pairs[0][0].split() and len(words) == 3 + 4, gen.stdout
+    assert all(re.fullmatch(r"w\d+|<\|endoftext\|>", w) for w in words), gen.stdout
+
+
+def _generate_example():
+    """examples/generate.py as a module, its flags parsed in-process (before JAX starts)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_flags",
+                                                  ROOT / "examples" / "generate.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+def test_generate_finds_the_checkpoint_tokenizer_for_text_prompts(tmp_path, capsys):
+    """``--prompt`` without ``--tokenizer`` takes the tokenizer.json beside config.json;
+    ``--tokenizer`` still wins; a directory without one is a usage error naming the fix."""
+    example = _generate_example()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(LLAMA, ckpt)
+    with pytest.raises(SystemExit) as e:
+        example.parse(["--hf-dir", str(ckpt), "--prompt", "w1 w2"])
+    assert e.value.code == 2
+    assert f"--hf-dir {ckpt} has no tokenizer.json; pass --tokenizer" in capsys.readouterr().err
+    _word_tokenizer(ckpt / "tokenizer.json")
+    args = example.parse(["--hf-dir", str(ckpt), "--prompt", "w1 w2"])
+    assert args.tokenizer == str(ckpt / "tokenizer.json")
+    assert example.parse(["--hf-dir", str(ckpt), "--prompt", "w1", "--tokenizer",
+                          "bytes"]).tokenizer == "bytes"
+    assert example.parse(["--hf-dir", str(ckpt), "--prompt-ids", "1,2"]).tokenizer is None

@@ -339,6 +339,24 @@ def _example(name: str):
     return example
 
 
+def test_held_out_fraction_sets_the_packed_and_byte_data_split(tmp_path):
+    """``--held-out-fraction`` reaches the data: the last 3 of 10 documents, the last
+    30% of the bytes."""
+    from sp_jax.training import cli
+
+    example = _example("train_gpt")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(10)))
+    base = ["--data", str(docs), "--seq-len", "16", "--held-out-fraction", "0.3"]
+    packed = cli.text_data(example.parse([*base, "--tokenizer", "bytes"]))
+    assert (packed.train_documents, packed.held_out_fraction) == (7, 0.3)
+    default = cli.text_data(example.parse(base[:4] + ["--tokenizer", "bytes"]))
+    assert default.train_documents == 9  # 5% of 10: at least one held out
+    corpus = cli.text_data(example.parse(base))
+    n = docs.stat().st_size
+    assert (len(corpus.train), len(corpus.held_out)) == (int(n * 0.7), n - int(n * 0.7))
+
+
 def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
     """Checked before JAX starts: in-process parse of the example's flags."""
     example = _example("train_gpt")
@@ -369,6 +387,7 @@ def test_bad_numbers_and_paths_are_usage_errors(tmp_path):
         (["--save-every", "3"], "--save-every / --resume need --ckpt-dir"),
         (["--eval-every", "-1"], "--warmup-steps, --save-every and --eval-every must be >= 0"),
         (["--steps", "0"], "--steps must be positive"),
+        (["--held-out-fraction", "1"], "--held-out-fraction 1.0 must be in (0, 1)"),
         (["--hidden", "0"], "--hidden must be positive"),
         (["--heads", "6"], "--heads 6 must be a multiple of 4 (tensor size) and divide "
                            "--hidden 128"),

@@ -356,6 +356,30 @@ def scan_layers(args: argparse.Namespace) -> bool:
     return args.mesh.count(",") == 3 or "stage=" in args.mesh.replace(" ", "")
 
 
+def add_held_out_argument(add: Callable[..., Any]) -> None:
+    """Adds ``--held-out-fraction`` with ``add`` (a parser's or group's ``add_argument``);
+    :func:`check_run_args` checks it."""
+    add("--held-out-fraction", type=float, default=0.05, metavar="F",
+        help="the share of the data (the last documents or bytes) held out for evaluation")
+
+
+def text_data(args: argparse.Namespace) -> Any:
+    """``--data`` (default: the standard library's sources) as bytes
+    (:class:`~sp_jax.data.ByteCorpus`, up to ``--max-data-bytes``) or, with
+    ``--tokenizer``, as packed documents (:class:`~sp_jax.data.PackedText`), the last
+    ``--held-out-fraction`` held out: examples/train_gpt.py's data."""
+    from sp_jax.data import ByteCorpus, ByteTokenizer, PackedText, load_tokenizer
+
+    held = args.held_out_fraction
+    if not args.tokenizer:
+        return ByteCorpus.from_files(args.data, seq_len=args.seq_len,
+                                     max_bytes=args.max_data_bytes, held_out_fraction=held)
+    tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else load_tokenizer(args.tokenizer)
+    return PackedText.from_files(args.data, tokenizer=tokenizer, seq_len=args.seq_len,
+                                 text_field=args.text_field, packing=args.packing,
+                                 held_out_fraction=held)
+
+
 def check_run_args(args: argparse.Namespace) -> TrainerConfig:
     """Checks the flags of :func:`add_trainer_arguments`; returns their
     :class:`~sp_jax.training.TrainerConfig`.
@@ -376,6 +400,9 @@ def check_run_args(args: argparse.Namespace) -> TrainerConfig:
         raise ValueError("--warmup-steps, --save-every and --eval-every must be >= 0")
     if not 0 <= args.final_lr_fraction <= 1:
         raise ValueError(f"--final-lr-fraction {args.final_lr_fraction} must be in [0, 1]")
+    held = getattr(args, "held_out_fraction", None)  # add_held_out_argument's flag
+    if held is not None and not 0 < held < 1:
+        raise ValueError(f"--held-out-fraction {held} must be in (0, 1)")
     return TrainerConfig.from_args(args)
 
 
