@@ -473,8 +473,9 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> f
         fp8 = getattr(config, "fp8", None)
         if fp8 is not None:
             found.add(f"fp8_{fp8.scaling}")
-        if getattr(config, "sliding_window", None) is not None:
-            found.add("sliding_window")
+        if getattr(config, "sliding_window", None) is not None or any(
+                w is not None for w in getattr(config, "layer_windows", None) or ()):
+            found.add("sliding_window")  # one window for every layer, or per layer
         if getattr(config, "attention_implementation", "xla") == "cudnn":
             found.add("cudnn_attention")
         if getattr(config, "attention_dropout", 0.0):

@@ -133,6 +133,11 @@ def test_features_of_a_model_configuration():
     assert "context_ulysses" not in compat.features_of(None, par, mesh)
     pipe = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_schedule="1f1b")
     assert "pipeline_1f1b" in compat.features_of(GPTConfig(**BASE), pipe)
+    layers = BASE["num_layers"]  # a window on some layers only is a sliding window too
+    per_layer = GPTConfig(**BASE, layer_windows=(4,) + (None,) * (layers - 1))
+    assert "sliding_window" in compat.features_of(per_layer, par)
+    assert "sliding_window" not in compat.features_of(
+        GPTConfig(**BASE, layer_windows=(None,) * layers), par)
 
 
 # -- each refused cell, by the entry point that meets it -----------------------------------
