@@ -111,12 +111,19 @@ def test_dropless_experts_train_like_the_reference_loop(monkeypatch):
     expert axis, one with fsdp and recompute_allgather, one with ring attention, equal
     to the unsharded model whose expert layers are the plain loop (fp32, 1e-5)."""
     cfg = _config(num_shared_experts=1)
-    batches = _batches(cfg.vocab_size, 5)
+    _train_like_the_reference_loop(monkeypatch, cfg, _batches(cfg.vocab_size, 5), MESHES)
+
+
+def _train_like_the_reference_loop(monkeypatch, cfg, batches, names):
+    """AdamW steps on ``batches`` on each of the ``names`` of :data:`MESHES` (an expert
+    axis) equal the unsharded model whose expert layers are the plain loop (fp32, 1e-5):
+    losses and parameters, from the same initial parameters."""
     init = None
     results = {}
-    for name, (shape, options) in MESHES.items():
+    for name in names:
+        shape, options = MESHES[name]
         par = sp_jax.ParallelConfig(expert_axis="expert", **options)
-        got_init, losses, params, step = train_gpt(cfg, par, _mesh(shape), batches, init=init)
+        got_init, losses, params, _ = train_gpt(cfg, par, _mesh(shape), batches, init=init)
         init = init or got_init
         results[name] = (losses, params)
     _, ref_losses, ref_params, _ = _reference(
@@ -135,19 +142,8 @@ def test_experts_with_head_dim_apart_from_width_train_like_the_reference_loop(mo
     (fp32, 1e-5)."""
     cfg = _config(head_dim=16, qk_norm=True)
     batches = _batches(cfg.vocab_size, 1) * 5  # one batch again: its loss falls
-    init, results = None, {}
-    for name in ("data2_expert2_tensor2_fsdp", "expert2_ring2_tensor2"):
-        shape, options = MESHES[name]
-        par = sp_jax.ParallelConfig(expert_axis="expert", **options)
-        got_init, losses, params, _ = train_gpt(cfg, par, _mesh(shape), batches, init=init)
-        init = init or got_init
-        results[name] = (losses, params)
-    _, ref_losses, ref_params, _ = _reference(
-        monkeypatch, cfg, lambda c, p, m: train_gpt(c, p, m, batches, init=init))
-    assert ref_losses[-1] < ref_losses[0]
-    for name, (losses, params) in results.items():
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5, err_msg=name)
-        chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-5)
+    _train_like_the_reference_loop(monkeypatch, cfg, batches,
+                                   ("data2_expert2_tensor2_fsdp", "expert2_ring2_tensor2"))
 
 
 def _loss_and_grads(cfg, par, mesh, init, tokens):
