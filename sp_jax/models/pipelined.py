@@ -408,13 +408,21 @@ def pipeline_forward_loss(model: Any, batch: dict[str, jax.Array], stream: Any, 
     experts): the batch runs as micro-batches of a GPipe forward
     (:func:`_micro_batches`; as one, its dropout is the unpipelined model's: ``stream``,
     the dropout rng stream, draws its keys)."""
+    loss, _, metrics = _forward(model, batch, stream, ignore_index, label_smoothing,
+                                z_loss, "loss")
+    return loss, metrics
+
+
+def _forward(model: Any, batch: dict[str, jax.Array], stream: Any, ignore_index: int,
+             label_smoothing: float, z_loss: float, result: str) -> tuple:
+    """:func:`_run` without gradients on ``[batch, seq]`` arrays split into the
+    micro-batches of :func:`_micro_batches`, the dropout keys drawn from ``stream``."""
     micro = _micro_batches(model, batch["tokens"].shape[0])
     batch = {k: _split(model, x, micro) for k, x in batch.items()}
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = _draws([stream], model.config.num_layers) if model.training else None
-    loss, _, metrics = _run(model, params, batch, keys, ignore_index, label_smoothing,
-                            z_loss, False)
-    return loss, metrics
+    return _run(model, params, batch, keys, ignore_index, label_smoothing, z_loss, False,
+                result)
 
 
 def pipeline_forward(model: Any, batch: dict[str, jax.Array], stream: Any, result: str
@@ -426,11 +434,7 @@ def pipeline_forward(model: Any, batch: dict[str, jax.Array], stream: Any, resul
     seq]`` in the natural order, micro-batched as in :func:`pipeline_forward_loss`.
     Laid out as the unpipelined model's (``Layout.sp`` / ``Layout.logits``)."""
     rows = batch["tokens"].shape[0]
-    micro = _micro_batches(model, rows)
-    batch = {k: _split(model, x, micro) for k, x in batch.items()}
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    keys = _draws([stream], model.config.num_layers) if model.training else None
-    y = _run(model, params, batch, keys, -100, 0.0, 0.0, False, result)[0]
+    y = _forward(model, batch, stream, -100, 0.0, 0.0, result)[0]
     # [M, b, s, ...] -> [b, M, s, ...] -> [batch, s, ...]: row i of micro-batch m is row
     # i M + m (the inverse of _split; the batch stays on its data shards)
     spec = tuple(jax.typeof(y).sharding.spec) + (None,) * (y.ndim - 1)
