@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from _util import param_values, slow_except
 from flax import nnx
+from test_pipeline import _mesh
 from test_pipeline_packed import packed_rows
 
 import sp_jax
@@ -16,7 +17,6 @@ from sp_jax.models import GPT, GPTConfig
 B, S = 8, 16
 BASE = dict(vocab_size=61, max_seq_len=S, num_layers=4, num_heads=4, hidden=16,
             mlp_hidden=32, scan_layers=True)
-AXES = ("stage", "data", "context", "tensor")
 
 CASES = {  # id: (mesh, schedule, repeats, micro-batches, packed, model / parallel options)
     "2x2x1x2_gpipe_r1_m2": ((2, 2, 1, 2), "gpipe", 1, 2, False, {}, {}),
@@ -54,7 +54,7 @@ def test_pipelined_logits_and_hidden_states_equal_unpipelined(case):
     cfg = GPTConfig(**{**BASE, **model_kw})
     rows = packed_rows(B, seed=7)
     documents = {k: rows[k] for k in ("segment_ids", "positions")} if packed else {}
-    mesh = jax.make_mesh(shape, AXES, devices=jax.devices()[:int(np.prod(shape))])
+    mesh = _mesh(shape)
     flat = sp_jax.ParallelConfig(**parallel_kw)
     parallel = flat.replace(pipeline_axis="stage", pipeline_microbatches=micro,
                             pipeline_schedule=kind, pipeline_repeats=repeats)
@@ -84,7 +84,7 @@ def test_a_pipelined_model_runs_outside_jit():
     refused the outputs sharded over the tensor axis)."""
     cfg = GPTConfig(**{**BASE, "num_layers": 2})
     tokens = np.random.default_rng(0).integers(0, BASE["vocab_size"], (4, S)).astype(np.int32)
-    mesh = jax.make_mesh((2, 1, 1, 2), AXES, devices=jax.devices()[:4])
+    mesh = _mesh((2, 1, 1, 2))
     with jax.set_mesh(mesh):
         flat = GPT(cfg, rngs=nnx.Rngs(0))
         piped = GPT(cfg, parallel=sp_jax.ParallelConfig(pipeline_axis="stage",
@@ -102,7 +102,7 @@ def test_circular_stages_take_a_batch_of_any_rows():
     multiple of the stages): ``GPT.loss`` and the logits still equal the unpipelined
     model's."""
     tokens = np.random.default_rng(1).integers(0, BASE["vocab_size"], (3, S)).astype(np.int32)
-    mesh = jax.make_mesh((2, 1, 1, 2), AXES, devices=jax.devices()[:4])
+    mesh = _mesh((2, 1, 1, 2))
     with jax.set_mesh(mesh):
         flat = GPT(GPTConfig(**BASE), rngs=nnx.Rngs(0))
         piped = GPT(GPTConfig(**BASE), parallel=sp_jax.ParallelConfig(

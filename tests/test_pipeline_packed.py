@@ -17,6 +17,7 @@ import pytest
 from _util import launch, read_jsonl, slow_except, train_gpt, wait_all
 from conftest import make_mesh
 from flax import nnx
+from test_pipeline import _mesh
 
 import sp_jax
 from sp_jax.models import GPT, GPTConfig
@@ -25,12 +26,6 @@ from sp_jax.training import TrainStep
 B, S, STEPS = 8, 16, 3
 BASE = dict(vocab_size=61, max_seq_len=S, num_layers=4, num_heads=4, hidden=16,
             mlp_hidden=32, scan_layers=True)
-AXES = ("stage", "data", "context", "tensor")
-
-
-def _mesh(shape):
-    n = int(np.prod(shape))
-    return jax.make_mesh(shape, AXES, devices=jax.devices()[:n])
 
 
 def packed_rows(rows, seed):
