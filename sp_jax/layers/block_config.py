@@ -36,6 +36,7 @@ MLP_ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
     "relu": (jax.nn.relu, False),
     "swiglu": (jax.nn.silu, True),  # Llama
     "geglu": (functools.partial(jax.nn.gelu, approximate=False), True),
+    "geglu_tanh": (jax.nn.gelu, True),  # Gemma's gelu_pytorch_tanh, gated
 }
 """MLP activation name -> (elementwise function, gated): a gated MLP computes
 ``act(gate(x)) * up(x)`` (SwiGLU, GeGLU)."""
@@ -77,7 +78,14 @@ def kv_heads_replicated(num_kv_heads: int, tensor_size: int, where: str) -> bool
 
 _POSITIVE_INTS = ("hidden", "num_heads", "mlp_hidden", "attention_block_q",
                   "attention_block_k")
-_BOOLS = ("rotary", "qkv_bias", "out_bias", "mlp_bias", "qk_norm")
+_BOOLS = ("rotary", "qkv_bias", "out_bias", "mlp_bias", "qk_norm", "post_norms",
+          "scale_embeddings")
+# None or a positive number: (field, what it is, the fix's example)
+_OPTIONAL_POSITIVE = (
+    ("attention_scale", "the factor of the attention scores", "e.g. 256 ** -0.5"),
+    ("attention_softcap", "the attention scores' soft cap", "e.g. 50.0"),
+    ("final_logit_softcap", "the logits' soft cap", "e.g. 30.0"),
+    ("rope_local_base", "the sliding-window layers' rotary base", "e.g. 10000.0"))
 _RATES = ("dropout", "attention_dropout")
 
 
@@ -152,6 +160,16 @@ def check_block_fields(owner: str, config: Any) -> None:
             and not isinstance(config.rope_scaling, RopeScaling):
         raise TypeError(f"{owner}.rope_scaling={config.rope_scaling!r} must be a "
                         "RopeScaling, a dict of its fields, or None.")
+    for name, what, example in filter(lambda f: has(f[0]), _OPTIONAL_POSITIVE):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not value > 0):
+            raise ValueError(f"{owner}.{name}={value!r} must be None or a positive number "
+                             f"({what}, {example}).")
+    if has("norm_offset") and (isinstance(config.norm_offset, bool)
+                               or not isinstance(config.norm_offset, int | float)):
+        raise TypeError(f"{owner}.norm_offset={config.norm_offset!r} must be a number (0.0: "
+                        "the norms scale by their weight; 1.0: by 1 + weight, as Gemma).")
     for name in ("rope_base", "norm_epsilon"):
         if has(name) and not (isinstance(getattr(config, name), int | float)
                               and getattr(config, name) > 0):
@@ -225,6 +243,18 @@ class AttentionConfig:
         :class:`~sp_jax.layers.CausalSelfAttention` holds it as a :class:`LayerWindow`
         variable (an int32 scalar; ``GPTConfig.layer_windows``), so the layers of a
         scanned stack share one program. ``sliding_window`` must then be None.
+      attention_scale: the factor of the scores ``q . k`` before the softmax (None:
+        ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+      attention_softcap: None, or ``c``: the scaled scores become ``c * tanh(s / c)``
+        before the mask and softmax (Gemma 2's ``attn_logit_softcapping``).
+      norm_offset: the norms scale by ``norm_offset + weight`` (0.0; Gemma: 1.0, its
+        RMSNorm's ``1 + weight`` with the weight initialised to 0), the q/k norms too.
+      post_norms: a second norm on the attention's output before the residual add
+        (Gemma 2 / 3's ``post_attention_layernorm``).
+      rope_local_base: None, or the rotary base of the layers with a sliding window
+        (Gemma 3's ``rope_local_base_freq``; ``rope_scaling`` then applies to the full
+        layers only), chosen by the layer's window, so it is data under
+        ``window_per_layer``.
       norm: ``"layernorm"`` or ``"rmsnorm"`` (the pre-norm).
       norm_epsilon: epsilon of the norm.
       attention_block_q / attention_block_k: query and key/value rows per block of the
@@ -263,6 +293,11 @@ class AttentionConfig:
     fp8: Fp8Recipe | None = None
     head_dim: int | None = None  # an int once constructed
     window_per_layer: bool = False
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    rope_local_base: float | None = None
     _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
                                               compare=False)
 
@@ -306,6 +341,11 @@ class MLPConfig:
       fp8: an :class:`~sp_jax.Fp8Recipe`: the block's linear layers compute in FP8
         (the up and down projections; the activation in the compute dtype), or None
         (the compute dtype).
+      norm_offset: the pre-norm (and post-norm) scales by ``norm_offset + weight``
+        (Gemma: 1.0).
+      post_norms: a second norm on the MLP's output before the residual add (Gemma 2 /
+        3's ``post_feedforward_layernorm``; the pre-norm is its
+        ``pre_feedforward_layernorm``).
     """
 
     hidden: int
@@ -318,6 +358,8 @@ class MLPConfig:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     fp8: Fp8Recipe | None = None
+    norm_offset: float = 0.0
+    post_norms: bool = False
 
     def __post_init__(self) -> None:
         check_block_fields("MLPConfig", self)
@@ -360,6 +402,7 @@ class MoEConfig:
         experts' projections) compute in FP8 (:func:`sp_jax.ops.moe.fp8_grouped_gemm`;
         the router, the activation and generation's decode steps in ``dtype``), or None
         (the compute dtype).
+      norm_offset / post_norms: as :class:`MLPConfig`.
     """
 
     hidden: int
@@ -376,6 +419,8 @@ class MoEConfig:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     fp8: Fp8Recipe | None = None
+    norm_offset: float = 0.0
+    post_norms: bool = False
 
     def __post_init__(self) -> None:
         settle_block_fields(self)

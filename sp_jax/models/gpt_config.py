@@ -70,8 +70,8 @@ class GPTConfig:
         blockwise attention (:func:`sp_jax.attention.blockwise_attention`; the largest
         divisors of the sequence length up to these).
       mlp_activation: ``"gelu"`` (tanh approximation), ``"gelu_exact"``, ``"relu"``,
-        ``"swiglu"`` or ``"geglu"`` (gated: gate and up fused in one column layer,
-        :class:`~sp_jax.layers.MLP`).
+        ``"swiglu"``, ``"geglu"`` or Gemma's ``"geglu_tanh"`` (gated: gate and up fused
+        in one column layer, :class:`~sp_jax.layers.MLP`).
       attention_implementation: ``"xla"`` (the blockwise kernel, every backend) or
         ``"cudnn"`` (cuDNN's fused attention on GPUs; not with ring attention).
       scan_layers: store the blocks' parameters stacked along a leading layer axis and
@@ -93,6 +93,22 @@ class GPTConfig:
         pipeline stages keep one program; the kernels compute their loop bounds from the
         traced window, so key blocks wholly before a layer's window are still skipped.
         ``sliding_window`` must be None with it; ``attention_implementation="xla"``.
+      attention_scale: the factor of the attention scores ``q . k`` (None: ``head_dim **
+        -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+      attention_softcap: None, or ``c``: attention scores ``c * tanh(s / c)`` before the
+        mask and softmax (Gemma 2's ``attn_logit_softcapping``).
+      final_logit_softcap: None, or ``c``: the LM head's logits become ``c * tanh(z /
+        c)``, in the loss and in generation (Gemma 2's ``final_logit_softcapping``).
+      norm_offset: every norm (and the q/k norms) scales by ``norm_offset + weight``:
+        0.0, or Gemma's 1.0 (its RMSNorm's ``1 + weight``, weights initialised to 0).
+      post_norms: each block also normalises its attention and MLP outputs before the
+        residual adds (Gemma 2 / 3's ``post_attention_layernorm`` and
+        ``post_feedforward_layernorm``).
+      scale_embeddings: the token embeddings are multiplied by ``sqrt(hidden)`` (in the
+        compute dtype) before the first block (Gemma).
+      rope_local_base: None, or the rotary base of the layers with a sliding window
+        (Gemma 3's ``rope_local_base_freq``; ``rope_scaling`` then applies to the full
+        layers only).
       num_experts: routed experts ``E`` of the mixture-of-experts layers; 0 (the default)
         keeps every MLP dense. Layer ``i`` is a mixture of experts
         (:class:`~sp_jax.layers.MoE`) when ``(i + 1) % moe_layer_freq == 0``.
@@ -179,6 +195,13 @@ class GPTConfig:
     hf_model_type: str | None = None
     head_dim: int | None = None
     layer_windows: tuple[int | None, ...] | None = None
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    scale_embeddings: bool = False
+    rope_local_base: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -390,7 +413,7 @@ class GPTConfig:
         d = self.attention_config().head_dim
         attention = 2 * h * self.num_heads * d + 2 * h * kv * d
         mlp_hidden = self.mlp_hidden or 4 * h
-        gated = self.mlp_activation in ("swiglu", "geglu")
+        gated = self.mlp_config().gated
         mlp = (3 if gated else 2) * h * mlp_hidden
         moe = self.num_moe_layers
         active = (3 if gated else 2) * h * (self.moe_mlp_hidden or mlp_hidden) * (
