@@ -253,7 +253,8 @@ def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
         (dict(positions="alibi"), "positions='alibi'"),
         (dict(dropout=1.0), "dropout=1.0"),
         (dict(mlp_activation="swish"), r"mlp_activation='swish' is not a known activation; "
-                                       r"use one of \['geglu', 'geglu_tanh', 'gelu', 'gelu_exact', 'relu'"),
+                                       r"use one of \['geglu', 'geglu_tanh', 'gelu', "
+                                       r"'gelu_exact', 'relu'"),
     ],
 )
 def test_gpt_config_errors(kwargs, match):
