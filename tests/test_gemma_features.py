@@ -270,3 +270,23 @@ def test_gemma_norm_and_rotary_pieces():
                                                      sliding_window=4),
                                  rngs=nnx.Rngs(0))
     np.testing.assert_allclose(np.asarray(static.rotary_frequencies()), local, rtol=1e-6)
+
+
+def test_moe_post_norm_normalises_the_mixture():
+    """A mixture-of-experts layer with ``post_norms`` adds the (offset) RMSNorm of the
+    mixture the same layer computes without it."""
+    from sp_jax.layers import MoE, MoEConfig
+
+    cfg = MoEConfig(hidden=16, num_experts=4, experts_per_token=2, moe_mlp_hidden=8,
+                    num_shared_experts=1, norm_offset=1.0)
+    x = jax.random.normal(jax.random.key(5), (2, 8, 16))
+    w = jnp.linspace(-0.4, 0.6, 16)
+    with jax.set_mesh(make_mesh(1, 1)):
+        plain = MoE(cfg, rngs=nnx.Rngs(0))
+        post = MoE(cfg.replace(post_norms=True), rngs=nnx.Rngs(0))
+        post.post_norm.scale[...] = w
+        delta = np.asarray(plain(x)[0] - x)
+        got = np.asarray(post(x)[0] - x)
+    want = delta / np.sqrt(np.mean(delta ** 2, -1, keepdims=True) + cfg.norm_epsilon) * (
+        1.0 + np.asarray(w))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
