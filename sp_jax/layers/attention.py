@@ -86,7 +86,10 @@ class CausalSelfAttention(nnx.Module):
       :func:`sp_jax.attention.ulysses_attention`; rotary positions follow each device's
       tokens;
     - ``out`` is a :class:`~sp_jax.layers.RowSequenceParallelLinear` ``[heads * head_dim,
-      hidden]`` back to the SP layout.
+      hidden]`` back to the SP layout;
+    - with ``post_norms``, ``post_norm`` (a second norm, Gemma's
+      ``post_attention_layernorm``) normalises ``out``'s output per token before the
+      dropout and the residual add. Every norm scales by ``norm_offset + weight``.
 
     Args:
       config: the block's :class:`~sp_jax.layers.AttentionConfig`.
