@@ -4,10 +4,10 @@
 experts Mixtral and Qwen3-MoE on (data, expert, context, tensor) meshes (1, 4, 1, 2) and
 (2, 2, 1, 2) with expert parallelism, with transformers' load-balancing loss; head_dim
 apart from hidden / heads in Qwen3, Mistral and Llama, and a Qwen2 with windows on some
-layers only, on 1 and 2x4), and the logits along transformers' greedy generations (41 positions, past Mistral's sliding
-window); sp_jax -> Hugging Face -> sp_jax bitwise with the special token ids and
-generation_config.json; config translation; every bad tensor named before anything is
-placed. No torch, no network."""
+layers only, on 1 and 2x4), and the logits along transformers' greedy generations (41
+positions, past Mistral's sliding window); sp_jax -> Hugging Face -> sp_jax bitwise with
+the special token ids and generation_config.json; config translation; every bad tensor
+named before anything is placed. No torch, no network."""
 
 import dataclasses
 import json
