@@ -3,10 +3,13 @@
     pip install torch transformers safetensors numpy   # in an environment of its own
     python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--only NAME ...]
 
-For each of eight small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
+For each of eleven small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
 rope scaling, a Mistral with a sliding window of 4 tokens, a tied Qwen2, a tied Qwen3
 with its q/k norms, an untied Qwen3 whose head_dim (8) is not hidden / heads (4:
-``qwen3_head_dim``), and the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
+``qwen3_head_dim``), a Mistral-Nemo-shaped Mistral (hidden 40, 4 heads of 16:
+``mistral_head_dim``), a Llama with an explicit head_dim (6, not 32 / 4:
+``llama_head_dim``), a Qwen2 with a window on some layers only (``max_window_layers``:
+``qwen2_layer_windows``), and the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
 of width 16, 2 per token, in every layer) it writes ``<out>/<name>/`` (``--only``: those
 named) with transformers' own ``save_pretrained`` (``config.json``,
 ``generation_config.json`` and ``model.safetensors``) and ``golden.npz``:
@@ -69,10 +72,16 @@ GRADS = {  # the tensors whose gradients are recorded
               "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
     "qwen3": ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight",
               "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
-    # (named by model_type: qwen3_head_dim records qwen3's)
     "qwen3_head_dim": ["model.layers.0.self_attn.q_norm.weight",
                        "model.layers.1.self_attn.k_norm.weight",
                        "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"],
+    "mistral_head_dim": ["model.layers.0.self_attn.q_proj.weight",
+                         "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"],
+    "llama_head_dim": ["model.layers.0.self_attn.k_proj.weight",
+                       "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"],
+    "qwen2_layer_windows": ["model.layers.0.self_attn.q_proj.bias",
+                            "model.layers.1.self_attn.k_proj.weight",
+                            "model.layers.2.self_attn.v_proj.weight", "model.embed_tokens.weight"],
     "mixtral": ["model.layers.0.block_sparse_moe.gate.weight",
                 "model.layers.1.block_sparse_moe.experts.2.w1.weight",
                 "model.layers.0.block_sparse_moe.experts.1.w2.weight",
@@ -126,6 +135,25 @@ def configs() -> dict[str, tuple[transformers.PretrainedConfig, type]]:
             **LLAMA_SHAPED, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
             use_sliding_window=False, attention_bias=False, eos_token_id=95,
             pad_token_id=93), transformers.Qwen3ForCausalLM),
+        # head_dim apart from hidden / heads, as Mistral-Nemo (5120 / 32 heads, head_dim
+        # 128): hidden 40, 4 heads of 16 (q 64 wide, o_proj 64 -> 40), with a window of 4
+        "mistral_head_dim": (transformers.MistralConfig(
+            **{**LLAMA_SHAPED, "hidden_size": 40, "num_attention_heads": 4}, head_dim=16,
+            rms_norm_eps=1e-5, sliding_window=4, tie_word_embeddings=False, bos_token_id=1,
+            eos_token_id=2), transformers.MistralForCausalLM),
+        # a Llama with an explicit head_dim (6, not 32 / 4 = 8: q 24 wide, narrower than
+        # hidden, o_proj 24 -> 32)
+        "llama_head_dim": (transformers.LlamaConfig(
+            **{**LLAMA_SHAPED, "num_attention_heads": 4}, head_dim=6, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+            transformers.LlamaForCausalLM),
+        # windows on some layers only (max_window_layers=1 of 3: layer 0 full, 1 and 2
+        # sliding, window 4), as Qwen2's config reads them (E71)
+        "qwen2_layer_windows": (transformers.Qwen2Config(
+            **{**LLAMA_SHAPED, "num_hidden_layers": 3}, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+            max_window_layers=1, bos_token_id=90, eos_token_id=91, pad_token_id=92),
+            transformers.Qwen2ForCausalLM),
         "mixtral": (transformers.MixtralConfig(
             **{**LLAMA_SHAPED, "intermediate_size": 16}, num_local_experts=4,
             num_experts_per_tok=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -221,7 +249,9 @@ def routing_gap(model, seq: torch.Tensor) -> float:
         torch.softmax(layer.float(), -1).sort(-1, descending=True).values for layer in logits))
 
 
-def golden(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+def golden(model, vocab: int, seed: int = 0, name: str | None = None) -> dict[str, np.ndarray]:
+    """A dense model's golden values; ``name``: the fixture's (its GRADS entry, else its
+    model_type's)."""
     if model.config.model_type in MOE:
         return golden_moe(model, vocab, seed)
     rng = np.random.default_rng(seed)
@@ -234,8 +264,8 @@ def golden(model, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     result = {"input_ids": ids.astype(np.int32),
               "logits": out.logits.detach().numpy().astype(np.float32),
               "loss": np.float32(out.loss.item())}
-    for name in GRADS[model.config.model_type]:
-        result["grad/" + name] = params[name].grad.numpy().astype(np.float32)
+    for tensor in GRADS.get(name, GRADS[model.config.model_type]):
+        result["grad/" + tensor] = params[tensor].grad.numpy().astype(np.float32)
     result.update(greedy(model, rng, vocab))
     return result
 
@@ -285,7 +315,7 @@ def generate(out: pathlib.Path, only: list[str] | None = None) -> None:
         for old in directory.glob("*"):
             old.unlink()
         model.save_pretrained(directory)  # safetensors: the default in 4.x and 5.x
-        np.savez(directory / "golden.npz", **golden(model, model.config.vocab_size))
+        np.savez(directory / "golden.npz", **golden(model, model.config.vocab_size, name=name))
         print(f"wrote {directory}")
 
 

@@ -7,6 +7,7 @@ Example::
     python -m sp_jax.plan --model gpt3-175b --gpus 128 --stages 8 16
     python -m sp_jax.plan --model 7b --gpus 64 --seq 131072
     python -m sp_jax.plan --hidden 2048 --layers 24 --heads 16 --vocab 50304 --seq 2048 --gpus 8
+    python -m sp_jax.plan --model 7b --head-dim 256 --gpus 8   # heads x head_dim != hidden
 
 See :func:`sp_jax.analysis.plan`.
 """
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(MODELS), help="a preset shape")
     for name in ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden"):
         p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
+    p.add_argument("--head-dim", type=int,
+                   help="model head size (overrides the preset; default: hidden / heads): "
+                        "q, k, v and the output projection heads x head-dim wide")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (H100)")
     p.add_argument("--batch", type=int, help="global sequences per step (default: one per "
                                              "data shard; pipelined layouts: one per data "
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     sizes = {k: getattr(args, k.replace("-", "_")) for k in
-             ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden")}
+             ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden", "head-dim")}
     if args.model:
         model = MODELS[args.model].replace(**{k.replace("-", "_"): v for k, v in sizes.items()
                                               if v is not None})
@@ -59,15 +63,17 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"give --model or all of --hidden --layers --heads --vocab --seq "
                     f"(missing: {', '.join('--' + m for m in missing)})")
         model = ModelShape("custom", sizes["hidden"], sizes["layers"], sizes["heads"],
-                           sizes["vocab"], sizes["seq"], sizes["mlp-hidden"])
+                           sizes["vocab"], sizes["seq"], sizes["mlp-hidden"],
+                           head_dim=sizes["head-dim"])
     for name, value in [("gpus", args.gpus), ("batch", args.batch),
                         ("microbatches", args.microbatches),
                         *(("stages", v) for v in args.stages or ()),
                         *((k, v) for k, v in sizes.items() if v is not None)]:
         if value is not None and value < 1:
             p.error(f"--{name} {value} must be positive")
-    if model.hidden % model.heads:
-        p.error(f"--heads {model.heads} must divide --hidden {model.hidden}")
+    if model.head_dim is None and model.hidden % model.heads:
+        p.error(f"--heads {model.heads} must divide --hidden {model.hidden} (or give "
+                "--head-dim)")
     try:
         rows = plan(model, args.gpus, batch=args.batch, stages=args.stages,
                     microbatches=args.microbatches, progress=not args.no_progress)

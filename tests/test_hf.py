@@ -2,11 +2,12 @@
 (tests/fixtures/hf, made by scripts/make_hf_fixtures.py) reproduced on 1, 8 (2x4) and 8
 (1x8) devices (GPT-2 and Llama; Mistral, Qwen2 and Qwen3 on 1 and 2x4; the mixtures of
 experts Mixtral and Qwen3-MoE on (data, expert, context, tensor) meshes (1, 4, 1, 2) and
-(2, 2, 1, 2) with expert parallelism, with transformers' load-balancing loss), and the
-logits along transformers' greedy generations (41 positions, past Mistral's sliding
-window); sp_jax -> Hugging Face -> sp_jax bitwise with the special token ids and
-generation_config.json; config translation; every bad tensor named before anything is
-placed. No torch, no network."""
+(2, 2, 1, 2) with expert parallelism, with transformers' load-balancing loss; head_dim
+apart from hidden / heads in Qwen3, Mistral and Llama, and a Qwen2 with windows on some
+layers only, on 1 and 2x4), and the logits along transformers' greedy generations (41
+positions, past Mistral's sliding window); sp_jax -> Hugging Face -> sp_jax bitwise with
+the special token ids and generation_config.json; config translation; every bad tensor
+named before anything is placed. No torch, no network."""
 
 import dataclasses
 import json
@@ -127,21 +128,18 @@ def test_golden_logits_loss_and_gradients(family):
         _assert_golden_grads(model, grads, golden, f"{family} {shape}")
 
 
-@pytest.mark.parametrize("shape", [(1, 1), pytest.param((2, 4), marks=pytest.mark.slow)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
-def test_qwen3_head_dim_apart_from_width_golden_and_round_trip(shape, tmp_path):
-    """A Qwen3 whose head_dim (8) is not hidden / heads (32 / 8 = 4; q 64 wide, o_proj
-    64 -> 32, 2 key/value heads, untied head): transformers' logits (fp32, 1e-5), loss
-    and gradients, the logits along its greedy generations; HF -> sp_jax -> HF bit for
-    bit with head_dim in config.json, and -> sp_jax again the same parameters."""
-    directory = FIXTURES / "qwen3_head_dim"
+def _golden_and_round_trip(name: str, shape, tmp_path, scan: bool = False,
+                           **expect) -> GPT:
+    """Fixture ``name`` on a ``shape`` mesh (``scan``: scanned layers): transformers'
+    logits (fp32, 1e-5), loss and gradients, the logits along its greedy generations; HF
+    -> sp_jax -> HF bit for bit with config.json's ``expect`` entries as transformers
+    wrote them, and -> sp_jax again (4x2) the same parameters."""
+    directory = FIXTURES / name
     golden = np.load(directory / "golden.npz")
     tokens = golden["input_ids"]
     gen_batch, lengths = _generations(golden)
     with jax.set_mesh(make_mesh(*shape)):
-        model = hf.from_hf(directory)
-        assert (model.config.head_dim, model.config.hidden, model.config.num_heads) == \
-            (8, 32, 8)
+        model = hf.from_hf(directory, scan_layers=scan)
         model.eval()
         logits, loss, grads = _logits_loss_grads(model, tokens)
         gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
@@ -153,18 +151,67 @@ def test_qwen3_head_dim_apart_from_width_golden_and_round_trip(shape, tmp_path):
         np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
                                       golden[f"gen_tokens_{i}"], err_msg=f"generation {i}")
     np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
-    _assert_golden_grads(model, grads, golden, f"qwen3_head_dim {shape}")
+    _assert_golden_grads(model, grads, golden, f"{name} {shape}")
     original, written = (load_file(d / "model.safetensors") for d in (directory, tmp_path))
     assert sorted(written) == sorted(original)
-    for name in original:
-        assert written[name].dtype == original[name].dtype
-        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    for key in original:
+        assert written[key].dtype == original[key].dtype
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["model_type"], config["head_dim"]) == ("qwen3", 8)
-    assert hf.config_from_hf(config) == model.config
-    with jax.set_mesh(make_mesh(1, 8)):
-        again = hf.from_hf(tmp_path)
+    source = json.loads((directory / "config.json").read_text())
+    for key, value in expect.items():
+        assert config[key] == source[key] == value, key
+    assert hf.config_from_hf(config) == dataclasses.replace(model.config, scan_layers=False)
+    with jax.set_mesh(make_mesh(4, 2)):  # a third layout (4 heads: not 1x8)
+        again = hf.from_hf(tmp_path, scan_layers=scan)
     assert_bitwise(param_values(model), param_values(again))
+    return model
+
+
+MESH_IDS = lambda s: f"{s[0]}x{s[1]}"  # noqa: E731
+
+
+@pytest.mark.parametrize("shape", [(1, 1), pytest.param((2, 4), marks=pytest.mark.slow)],
+                         ids=MESH_IDS)
+def test_qwen3_head_dim_apart_from_width_golden_and_round_trip(shape, tmp_path):
+    """A Qwen3 whose head_dim (8) is not hidden / heads (32 / 8 = 4; q 64 wide, o_proj
+    64 -> 32, 2 key/value heads, untied head): transformers' logits (fp32, 1e-5), loss
+    and gradients, the logits along its greedy generations; HF -> sp_jax -> HF bit for
+    bit with head_dim in config.json, and -> sp_jax again the same parameters."""
+    model = _golden_and_round_trip("qwen3_head_dim", shape, tmp_path, model_type="qwen3",
+                                   head_dim=8)
+    assert (model.config.head_dim, model.config.hidden, model.config.num_heads) == (8, 32, 8)
+
+
+# fixture -> (head_dim, hidden, heads, layer_windows) as read, config.json entries written
+SHAPES = {
+    "mistral_head_dim": ((16, 40, 4, None),
+                         dict(model_type="mistral", head_dim=16, sliding_window=4)),
+    "llama_head_dim": ((6, 32, 4, None), dict(model_type="llama", head_dim=6)),
+    "qwen2_layer_windows": ((None, 32, 8, (None, 4, 4)),
+                            dict(model_type="qwen2", use_sliding_window=True, sliding_window=4,
+                                 max_window_layers=1,
+                                 layer_types=["full_attention", "sliding_attention",
+                                              "sliding_attention"])),
+}
+
+
+@pytest.mark.parametrize("name,shape", slow_except(
+    [(n, s) for n in SHAPES for s in MESHES[:2]], ("mistral_head_dim", (1, 1))),
+    ids=lambda v: MESH_IDS(v) if isinstance(v, tuple) else v)
+def test_head_dim_and_layer_windows_golden_and_round_trip(name, shape, tmp_path):
+    """A Mistral-Nemo-shaped Mistral (hidden 40, 4 heads of 16, a window of 4), a Llama
+    with an explicit head_dim (6 with hidden 32 and 4 heads: q narrower than hidden) and a
+    Qwen2 with windows on some layers only (``max_window_layers=1`` of 3, window 4: full,
+    sliding, sliding): transformers' logits (fp32, 1e-5), loss, gradients and greedy
+    generations on 1 and 2x4 devices (2x4: scanned layers, the windows as scanned data);
+    HF -> sp_jax -> HF bit for bit, config.json's
+    head_dim / window entries as transformers wrote them."""
+    (head_dim, hidden, heads, windows), expect = SHAPES[name]
+    model = _golden_and_round_trip(name, shape, tmp_path, scan=shape != (1, 1), **expect)
+    cfg = model.config
+    assert (cfg.head_dim, cfg.hidden, cfg.num_heads, cfg.layer_windows) == \
+        (head_dim, hidden, heads, windows)
 
 
 @pytest.mark.slow

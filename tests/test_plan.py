@@ -391,3 +391,74 @@ def test_pipelined_layout_compiles_with_the_analytic_parameter_bytes():
     assert row.activation_bytes > 0 and row.collective_bytes > 0
     assert "| 2x2x1x2 recompute_allgather+remat+1f1b (2 stages, M=4, bubble 20%) | 8 |" in \
         format_table(TINY, [row])
+
+
+HEAD_DIM_SHAPES = {  # heads x head_dim apart from hidden: wider, narrower; experts
+    "gpt_wider": ModelShape("wide", hidden=64, layers=2, heads=4, vocab=256, seq=64,
+                            head_dim=32),
+    "gpt_narrower": ModelShape("narrow", hidden=64, layers=2, heads=8, vocab=256, seq=64,
+                               mlp_hidden=96, head_dim=4),
+    "moe": ModelShape("moe", hidden=64, layers=2, heads=8, vocab=256, seq=64, kv_heads=2,
+                      experts=4, moe_mlp_hidden=32, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_DIM_SHAPES))
+def test_head_dim_sizes_the_planners_parameters_as_the_model(name):
+    """``ModelShape(head_dim=...)``: the parameter count is the model's (its
+    ``gpt_config``, the one the planner compiles), and the analytic per-device parameter
+    bytes of data 2 x tensor 4 (experts: expert 4 x tensor 2) sharded over data are the
+    model's on 8 CPU devices (1%, as the compiled plan's check); the activation formula
+    grows with the q/k/v width, and a head_dim of hidden / heads changes nothing."""
+    from flax import nnx
+
+    from sp_jax import ParallelConfig
+    from sp_jax.analysis.plan import _device_bytes, _formula
+    from sp_jax.models import GPT
+
+    shape = HEAD_DIM_SHAPES[name]
+    cfg = shape.gpt_config()
+    assert cfg.attention_config().head_dim == shape.head_dim
+    # the planner's layouts: experts over an expert axis (data x expert x context x tensor)
+    option = PlanOption(1, 1, 2, fsdp=True, remat=False, expert=4) if shape.moe else \
+        PlanOption(2, 1, 4, fsdp=True, remat=False)
+    parallel = ParallelConfig(fsdp=True, recompute_allgather=True,
+                              expert_axis="expert" if shape.moe else None)
+    with jax.set_mesh(jax.make_mesh(option.mesh_shape, option.axis_names)):
+        model = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        params = nnx.state(model, nnx.Param)
+    assert shape.params == sum(x.size for x in jax.tree.leaves(params))
+    batch = 2 * option.batch_shards
+    formula_params, acts = _formula(shape, option, batch)
+    assert _device_bytes(params) == pytest.approx(formula_params, rel=0.01)
+    derived = shape.replace(head_dim=None)
+    same = shape.replace(head_dim=shape.hidden // shape.heads)
+    assert _formula(same, option, batch) == _formula(derived, option, batch)
+    assert same.params == derived.params
+    wider = shape.attention > shape.hidden
+    assert (acts > _formula(derived, option, batch)[1]) == wider
+    assert (shape.params > derived.params) == wider
+
+
+def test_command_line_head_dim(monkeypatch, capsys):
+    """``--head-dim`` reaches the planned ModelShape (a preset's overridden, or a custom
+    shape whose heads do not divide its hidden size) and the table's heading; without it
+    such heads are one usage error naming the flags."""
+    import importlib
+
+    from sp_jax.plan import main
+
+    planner = importlib.import_module("sp_jax.analysis.plan")  # (the package's plan: a function)
+
+    seen = []
+    monkeypatch.setattr(planner, "plan", lambda model, gpus, **kw: seen.append(model) or [])
+    assert main(["--model", "7b", "--head-dim", "256", "--gpus", "8", "--no-progress"]) == 0
+    assert seen[-1] == MODELS["7b"].replace(head_dim=256)
+    assert main(["--hidden", "40", "--layers", "1", "--heads", "3", "--vocab", "64",
+                 "--seq", "32", "--head-dim", "16", "--gpus", "1", "--no-progress"]) == 0
+    assert (seen[-1].head_dim, seen[-1].attention) == (16, 48)
+    assert "h=40, 1 layers, 3 heads of 16," in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--hidden", "40", "--layers", "1", "--heads", "3", "--vocab", "64", "--seq",
+              "32", "--gpus", "1"])
+    assert "--heads 3 must divide --hidden 40 (or give --head-dim)" in capsys.readouterr().err

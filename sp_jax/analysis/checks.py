@@ -89,15 +89,13 @@ def plan_cpu_check(model: ModelShape) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     from sp_jax.config import ParallelConfig
-    from sp_jax.models import GPT, GPTConfig
+    from sp_jax.models import GPT
     from sp_jax.training import TrainStep
 
     option = PlanOption(2, 1, 4, fsdp=True, remat=False)
     (row,) = plan(model, 8, options=[option], progress=False)
     mesh = jax.make_mesh((2, 1, 4), ("data", "context", "tensor"))
-    cfg = GPTConfig(vocab_size=model.vocab, max_seq_len=model.seq, num_layers=model.layers,
-                    num_heads=model.heads, hidden=model.hidden, positions="rotary",
-                    dtype=jax.numpy.bfloat16, scan_layers=True)
+    cfg = model.gpt_config()  # the plan's model (GPT blocks: remat off, as the option)
     parallel = ParallelConfig(recompute_allgather=True, fsdp=True,
                               wgrad_dtype=jax.numpy.float32)
     with jax.set_mesh(mesh):

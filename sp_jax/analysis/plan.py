@@ -55,7 +55,8 @@ a failure: :func:`plan_one` keeps these lines out of the output and says what th
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """A GPT shape (:class:`sp_jax.models.GPTConfig` with rotary positions, bf16 compute,
-    fp32 master weights, MLP width ``4 * hidden`` unless given)."""
+    fp32 master weights, MLP width ``4 * hidden`` and ``head_dim`` ``hidden / heads``
+    unless given)."""
 
     name: str
     hidden: int
@@ -68,10 +69,20 @@ class ModelShape:
     experts: int = 0
     experts_per_token: int = 2
     moe_mlp_hidden: int | None = None
+    head_dim: int | None = None
 
     @property
     def mlp(self) -> int:
         return self.mlp_hidden or 4 * self.hidden
+
+    @property  # the head size
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention(self) -> int:
+        """The queries' (and the output projection's input) width: heads x head_size."""
+        return self.heads * self.head_size
 
     @property
     def moe(self) -> bool:
@@ -81,20 +92,35 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """Parameter count. GPT blocks: per layer q/k/v/out kernels (4 h^2), MLP kernels
-        (2 h mlp), the out-projection, MLP-up and MLP-down biases (h + mlp + h) and 2
-        LayerNorms (4 h); plus the tied vocabulary table and the final norm. Mixture of
-        experts: per layer q/out (2 h^2) and k/v (2 h kv_heads head_dim) kernels, the
-        router (h E), E SwiGLU experts (3 h F each) and 2 RMSNorms (2 h); plus the
-        embedding, the untied head and the final norm."""
-        h = self.hidden
+        """Parameter count (``a``: heads x head_size). GPT blocks: per layer q/k/v/out
+        kernels (4 h a), MLP kernels (2 h mlp), out-projection, MLP-up and MLP-down biases
+        (h + mlp + h), 2 LayerNorms (4 h); the tied vocabulary table, the final norm.
+        Mixture of experts: per layer q/out (2 h a) and k/v (2 h kv_heads head_size)
+        kernels, the router (h E), E SwiGLU experts (3 h F each), 2 RMSNorms (2 h); the
+        embedding, the untied head, the final norm."""
+        h, a = self.hidden, self.attention
         if self.moe:
-            kv = (self.kv_heads or self.heads) * (h // self.heads)
+            kv = (self.kv_heads or self.heads) * self.head_size
             f = self.moe_mlp_hidden or self.mlp
-            layer = 2 * h * h + 2 * h * kv + h * self.experts + 3 * h * f * self.experts
+            layer = 2 * h * a + 2 * h * kv + h * self.experts + 3 * h * f * self.experts
             return self.layers * (layer + 2 * h) + 2 * self.vocab * h + h
-        return self.layers * (4 * h * h + 2 * h * self.mlp + self.mlp + 6 * h) \
+        return self.layers * (4 * h * a + 2 * h * self.mlp + self.mlp + 6 * h) \
             + self.vocab * h + 2 * h
+
+    def gpt_config(self, **kw: Any) -> Any:
+        """The :class:`sp_jax.models.GPTConfig` the planner compiles (Mixtral's blocks
+        for experts), with the fields ``kw`` (e.g. ``remat``)."""
+        from sp_jax.models import GPTConfig
+
+        moe = dict(num_kv_heads=self.kv_heads, norm="rmsnorm", mlp_activation="swiglu",
+                   qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                   num_experts=self.experts, experts_per_token=self.experts_per_token,
+                   moe_mlp_hidden=self.moe_mlp_hidden) if self.moe else {}
+        return GPTConfig(**{**dict(
+            vocab_size=self.vocab, max_seq_len=self.seq, num_layers=self.layers,
+            num_heads=self.heads, hidden=self.hidden, mlp_hidden=self.mlp,
+            head_dim=self.head_dim, positions="rotary", dtype=jnp.bfloat16,
+            param_dtype=jnp.float32, scan_layers=True, **moe), **kw})
 
     def replace(self, **kw: Any) -> ModelShape:
         return dataclasses.replace(self, **kw)
@@ -394,7 +420,9 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
 
     Activations of one micro-batch of ``b = batch / (data M)`` sequences: with remat each
     layer keeps its bf16 input ``[b, s, h] / (c t)`` plus one layer's TP+SP residuals
-    (34 s b h / (c t) bytes, Korthikanti et al. with selective recomputation), else
+    (34 s b h / (c t) bytes, Korthikanti et al. with selective recomputation; with a
+    head_dim, the 8 s b h of q, k, v and the output projection's input scaled by ``heads x
+    head_dim / h``), else
     every layer's. A pipeline's stage runs ``L / P`` of the layers; 1F1B keeps up to
     ``2 P - 1`` bf16 stage inputs (its ring of slots) and one micro-batch's activations
     of its layers (the backward's recomputed forward, the schedule of
@@ -410,11 +438,12 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
         table = model.vocab * h / shards
     else:  # the library splits the features of such a table over tensor, not over data
         table = model.vocab * h / (t if h % t == 0 else 1)
-    layers = (L * (4 * h * h + 2 * h * model.mlp) / shards + L * model.mlp / t + L * 6 * h)
+    layers = (L * (4 * h * model.attention + 2 * h * model.mlp) / shards + L * model.mlp / t
+              + L * 6 * h)
     params = 4 * (layers / p + table + 2 * h)
     b = batch // option.data // option.micro_batches
     sbh = model.seq * b * model.hidden / (option.context * option.tensor)
-    per_layer = 34 * sbh
+    per_layer = 26 * sbh + 8 * sbh * model.attention / h
     depth = L // p
     acts = depth * 2 * sbh + per_layer if option.remat else depth * per_layer
     if option.pipelined:
@@ -435,15 +464,15 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     h, t, ep = model.hidden, option.tensor, option.expert
     fsdp = option.batch_shards if option.fsdp else 1
     f = model.moe_mlp_hidden or model.mlp
-    kv = (model.kv_heads or model.heads) * (h // model.heads)
+    kv = (model.kv_heads or model.heads) * model.head_size
     experts = model.experts * 3 * h * f / (ep * t * (option.data if option.fsdp else 1))
-    dense = (2 * h * h + 2 * h * kv) / (t * fsdp) + h * model.experts + 2 * h
+    dense = (2 * h * model.attention + 2 * h * kv) / (t * fsdp) + h * model.experts + 2 * h
     params = 4 * (model.layers * (experts + dense) + 2 * model.vocab * h / (t * fsdp) + h)
     b = batch // option.batch_shards // option.micro_batches
     tokens = b * model.seq
     sbh = tokens * h / t
     rows = ep * tokens * min(model.experts_per_token, model.experts // ep)
-    per_layer = 34 * sbh + 2 * 2 * rows * (h + 3 * f / t)
+    per_layer = 26 * sbh + 8 * sbh * model.attention / h + 2 * 2 * rows * (h + 3 * f / t)
     acts = model.layers * 2 * sbh + per_layer if option.remat else model.layers * per_layer
     return params, acts
 
@@ -497,7 +526,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
     from sp_jax.config import ParallelConfig
     from sp_jax.layout import Layout
-    from sp_jax.models import GPT, GPTConfig
+    from sp_jax.models import GPT
     from sp_jax.training.step import train_step_fn
 
     batch = batch or option.batch_shards * option.micro_batches
@@ -509,14 +538,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
         recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=option.fsdp,
         context_parallel=option.context_parallel if option.context > 1 else None,
         **pipeline, **experts)
-    moe = dict(num_kv_heads=model.kv_heads, norm="rmsnorm", mlp_activation="swiglu",
-               qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
-               num_experts=model.experts, experts_per_token=model.experts_per_token,
-               moe_mlp_hidden=model.moe_mlp_hidden) if model.moe else {}
-    cfg = GPTConfig(vocab_size=model.vocab, max_seq_len=model.seq, num_layers=model.layers,
-                    num_heads=model.heads, hidden=model.hidden, mlp_hidden=model.mlp,
-                    positions="rotary", dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                    scan_layers=True, remat=option.remat, **moe)
+    cfg = model.gpt_config(remat=option.remat)
     tx = optax.adamw(1e-4)
     t0 = time.perf_counter()
     formula_params, formula_acts = _formula(model, option, batch)
@@ -616,7 +638,8 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
     def g(x: float) -> str:
         return f"{x / scale:.1f}"
 
-    head = (f"{model.name}: h={model.hidden}, {model.layers} layers, {model.heads} heads, "
+    heads = f"{model.heads} heads" + (f" of {model.head_dim}" if model.head_dim else "")
+    head = (f"{model.name}: h={model.hidden}, {model.layers} layers, {heads}, "
             f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters); "
             f"{unit} per GPU (H100: 80 GB = 74.5 GiB)\n\n")
     pipelined = [r for r in rows if r.option.pipelined]

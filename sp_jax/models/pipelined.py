@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers import moe_losses, parallel_cross_entropy
+from sp_jax.layers import LayerWindow, moe_losses, parallel_cross_entropy
 from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
@@ -102,8 +102,10 @@ def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
     They are built abstractly (``nnx.eval_shape``) as a GPT of ``model``'s class and
     config with one layer: the embedding, final norm and head do not depend on the
     number of layers, and a stacked block's graph does not either (the stage's slice
-    of the layers is merged into it)."""
-    config = dataclasses.replace(model.config, num_layers=1)
+    of the layers is merged into it; with ``layer_windows`` its windows too)."""
+    windows = model.config.layer_windows
+    config = dataclasses.replace(model.config, num_layers=1,
+                                 layer_windows=None if windows is None else windows[:1])
     training = model.training
 
     def build():
@@ -195,9 +197,13 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     experts = bool(model.config.num_experts) and result == "loss"
     aux_loss, counted = _router_terms(model, ignore_index) if experts else (None, None)
 
-    def stage(chunk, x, keys, micro):
-        stacked = nnx.merge(block_graphdef, chunk)
-        y, stats = scan_blocks(stacked, x, key(keys), remat, _documents(micro))
+    def stage(chunk, x, layer_data, micro):
+        # layer_data: the chunk's dropout keys and windows (_layer_data), or None
+        layer_data = layer_data or {}
+        windows = [layer_data["windows"]] if "windows" in layer_data else []
+        stacked = nnx.merge(block_graphdef, chunk, *windows)
+        y, stats = scan_blocks(stacked, x, key(layer_data.get("dropout")), remat,
+                               _documents(micro))
         if stats is None or not experts:
             return y, jnp.zeros((), jnp.float32)
         return y, counted(stats, micro)  # router statistics [layers_per_chunk, ...]
@@ -276,7 +282,29 @@ def _filled(batch: dict[str, jax.Array], keys: Any, stages: int, ignore_index: i
         return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), **how)
 
     batch = {k: pad(x, constant_values=fill.get(k, 0)) for k, x in batch.items()}
-    return batch, None if keys is None else tuple(pad(k, mode="edge") for k in keys)
+    return batch, jax.tree.map(lambda k: pad(k, mode="edge"), keys)
+
+
+def _layer_data(model: Any, keys: tuple[jax.Array, jax.Array] | None, micro: int,
+                stages: int, repeats: int) -> tuple[Any, dict[str, Any]] | None:
+    """What the runner hands each chunk per layer (``[M, R, P, layers_per_chunk, ...]``
+    leaves, chunk ``r P + s`` at ``[:, r, s]``): the layers' dropout key data
+    (``"dropout"``) and, with ``layer_windows``, the blocks'
+    :class:`~sp_jax.layers.LayerWindow` values (``"windows"``, the same for every
+    micro-batch: data, so a stage's program does not depend on its layers' windows);
+    with the embedding's keys: ``(embed keys or None, that dict)``, or None."""
+    per = model.config.num_layers // (stages * repeats)
+    embed_keys, data = None, {}
+    if keys is not None:
+        embed_keys, layer_keys = keys
+        data["dropout"] = layer_keys.reshape(micro, repeats, stages, per,
+                                             *layer_keys.shape[2:])
+    if model.config.layer_windows is not None:
+        windows = nnx.to_pure_dict(nnx.state(model.blocks, LayerWindow))
+        data["windows"] = jax.tree.map(lambda w: jnp.broadcast_to(
+            jax.reshard(w, P()).reshape(repeats, stages, per), (micro, repeats, stages, per)),
+            windows)
+    return (embed_keys, data) if data else None
 
 
 def _jitted(run: Any, program: StageProgram, schedule: Any, *arrays: Any, **options: Any
@@ -321,11 +349,7 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     order = model.sequence_order(batch["tokens"][0])
     if order is not None:
         batch = {k: jnp.take(x, jnp.asarray(order), axis=2) for k, x in batch.items()}
-    if keys is not None:
-        embed_keys, layer_keys = keys
-        per = cfg.num_layers // (stages * repeats)
-        keys = (embed_keys, layer_keys.reshape(micro, repeats, stages, per,
-                                               *layer_keys.shape[2:]))
+    keys = _layer_data(model, keys, micro, stages, repeats)
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], stages, repeats)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum

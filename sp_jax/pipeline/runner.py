@@ -73,7 +73,8 @@ class StageProgram:
         micro-batch's dropout key data or None.
       stage: ``(chunk, x, keys, micro) -> (x, aux)``: one layer chunk (``chunk``: the
         chunk's parameters, leaves ``[layers_per_chunk, ...]``; ``keys``: its per-layer
-        dropout key data ``[layers_per_chunk, ...]`` or None; ``micro``: the micro-batch
+        data, e.g. dropout key data, leaves ``[layers_per_chunk, ...]``, or None (as the
+        runner was given it); ``micro``: the micro-batch
         dict); ``aux``: a float32 scalar the step adds to its loss (e.g. auxiliary losses
         of the chunk's layers; 0.0 for none), differentiated with it.
       head: ``(shared, x, micro) -> loss sum`` (float32 scalar) of the last stage.
@@ -243,11 +244,9 @@ def _stacked_zeros(n: int, like: jax.Array) -> jax.Array:
 
 
 def _keys_at(keys: Any, m: jax.Array, r: jax.Array, s: jax.Array) -> Any:
-    """The per-layer dropout keys of micro-batch ``m``, chunk ``r`` on stage ``s`` from
-    ``[M, R, P, layers_per_chunk, ...]`` key data (None without dropout)."""
-    if keys is None:
-        return None
-    return keys[m, r, s]
+    """The per-layer data of micro-batch ``m``, chunk ``r`` on stage ``s`` from a pytree
+    of ``[M, R, P, layers_per_chunk, ...]`` leaves (dropout key data; None without)."""
+    return jax.tree.map(lambda k: k[m, r, s], keys)
 
 
 def _masked(active: jax.Array, tree: Any) -> Any:
@@ -352,8 +351,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         stage axis on dimension 0: stage ``s`` holds the chunks ``r P + s`` it runs.
       batch: the micro-batches, a dict of ``[M, batch, seq]`` arrays (``"tokens"``,
         ``"labels"``, ...: see :class:`StageProgram`), batch over the data axes.
-      keys: ``(embed [M, ...], layers [M, R, P, layers_per_chunk, ...])`` dropout key
-        data, or None.
+      keys: ``(embed [M, ...] or None, layers)``: the embedding's dropout key data and
+        the layers' per-layer data (dropout key data, or a pytree of such leaves: what
+        else a chunk takes per layer, e.g. its attention windows), leaves ``[M, R, P,
+        layers_per_chunk, ...]``, not differentiated; or None.
       stage_axis / data_axes: the mesh axes; mesh: the mesh.
       grads: False for the loss alone (the forward loop, no autodiff).
       totals: also return the ``aux`` statistics of every micro-batch (a program with
