@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers import LayerWindow, moe_losses, parallel_cross_entropy
+from sp_jax.layers import FULL_WINDOW, LayerWindow, moe_losses, parallel_cross_entropy
 from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
@@ -300,10 +300,16 @@ def _layer_data(model: Any, keys: tuple[jax.Array, jax.Array] | None, micro: int
         data["dropout"] = layer_keys.reshape(micro, repeats, stages, per,
                                              *layer_keys.shape[2:])
     if model.config.layer_windows is not None:
+        # From the config, as constants: the variables are sharded over the stage axis,
+        # and gathering them whole (an all-gather on no other value's path) let XLA:CPU's
+        # devices start it and the first layer collectives in different orders: the
+        # step deadlocked in about 1 run of 5 (measured).
+        values = np.array([FULL_WINDOW if w is None else w
+                           for w in model.config.layer_windows], np.int32)
+        values = np.broadcast_to(values.reshape(repeats, stages, per),
+                                 (micro, repeats, stages, per))
         windows = nnx.to_pure_dict(nnx.state(model.blocks, LayerWindow))
-        data["windows"] = jax.tree.map(lambda w: jnp.broadcast_to(
-            jax.reshard(w, P()).reshape(repeats, stages, per), (micro, repeats, stages, per)),
-            windows)
+        data["windows"] = jax.tree.map(lambda _: jnp.asarray(values), windows)
     return (embed_keys, data) if data else None
 
 
