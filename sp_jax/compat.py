@@ -201,6 +201,11 @@ _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
 _RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
 _EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
 _TRAIN, _EVAL, _GEN = ("train",), ("eval",), ("generate",)
+_CAP = "attention_softcap"
+_CAP_GPT = ("tests/test_attention_softcap.py::test_gpt_with_scale_and_softcap_sharded_equals_"
+            "one_device")
+_CAP_KERNELS = ("tests/test_attention_softcap.py::test_ring_and_ulysses_scale_and_softcap_match_"
+                "the_dense_reference")
 COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, _CM, _RA), f"{_GPT}[fp32]"),
     (_TRAIN, (_TS, _RA, _DROP), f"{_GPT}[scan_remat_dropout]"),
@@ -328,6 +333,18 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (("train", "eval"), (_TS, "pipeline_gpipe", *_EXPERTS, _RING, _DOCS),
      f"{_COMPAT_PIPE}[2x1x2x2x1_ring_gpipe_experts]"),
     (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
+    # the attention scores' soft cap: a GPT sharded against one device, generation, and
+    # the kernels against a dense reference
+    (("train", "eval"), (_TS, _CAP), f"{_CAP_GPT}[2x4]"),
+    (("train", "eval"), (_TS, _RING, _CAP), f"{_CAP_GPT}[1x2x4_ring]"),
+    (_GEN, (_TS, _CAP),
+     "tests/test_attention_softcap.py::test_greedy_generation_equals_an_argmax_loop_of_full_"
+     "forwards"),
+    (_TRAIN, (_RING, _CAP, _WINDOW, _DOCS), f"{_CAP_KERNELS}[ring_c2_traced_window5_documents]"),
+    (_TRAIN, (_ULYSSES, _CAP, _DOCS), f"{_CAP_KERNELS}[ulysses_c2_documents]"),
+    (_TRAIN, (_ULYSSES, _CAP, _WINDOW), f"{_CAP_KERNELS}[ulysses_c2_window3]"),
+    (_TRAIN, (_CAP, _WINDOW, _DOCS), "tests/test_attention_softcap.py::test_blockwise_scale_and_"
+     "softcap_match_the_dense_reference[blocks16_traced_window3_documents]"),
 ]
 """``(modes, features, pytest node id)``: the test runs these features together."""
 

@@ -218,7 +218,7 @@ def _gpt(cfg, parallel, mesh, init=None):
         if init is None:  # larger q / k weights: scores of order 1, where the cap bites
             state = nnx.state(model, nnx.Param)
             init = jax.tree_util.tree_map_with_path(
-                lambda p, x: 8.0 * x if "qkv" in jax.tree_util.keystr(p) else x,
+                lambda p, x: 3.0 * x if "qkv" in jax.tree_util.keystr(p) else x,
                 to_host(nnx.to_pure_dict(state)))
         copy_weights(model, init)
     return model, init
