@@ -337,6 +337,9 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     # the kernels against a dense reference
     (("train", "eval"), (_TS, _CAP), f"{_CAP_GPT}[2x4]"),
     (("train", "eval"), (_TS, _RING, _CAP), f"{_CAP_GPT}[1x2x4_ring]"),
+    (("train", "eval"), (_TS, "pipeline_gpipe", _CAP),
+     "tests/test_attention_softcap.py::test_pipelined_gpt_with_scale_and_softcap_equals_one_"
+     "device"),
     (_GEN, (_TS, _CAP),
      "tests/test_attention_softcap.py::test_greedy_generation_equals_an_argmax_loop_of_full_"
      "forwards"),
