@@ -52,6 +52,7 @@ FEATURES: dict[str, str] = {
     "sliding_window": "GPTConfig(sliding_window=w): attention to the last w tokens",
     "cudnn_attention": "GPTConfig(attention_implementation='cudnn'): cuDNN's kernel",
     "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
+    "attention_softcap": "GPTConfig(attention_softcap=c): scores c * tanh(s / c) (Gemma 2)",
     "custom_loss": "TrainStep(loss_fn=...) other than the default lm_loss",
 }
 """Every feature the table knows, with a one-line description."""
@@ -84,6 +85,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "sliding_window": "a sliding window",
     "cudnn_attention": "attention_implementation='cudnn'",
     "attention_dropout": "attention dropout",
+    "attention_softcap": "an attention soft cap (attention_softcap)",
     "custom_loss": "a custom loss_fn",
 }
 
@@ -153,6 +155,10 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "attention_dropout", "cudnn_attention",
      "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
      "of its own, which would not be the same under every sharding)."),
+    (_ALL, "attention_softcap", "cudnn_attention",
+     "{attention_softcap} needs attention_implementation='xla' (jax.nn.dot_product_attention's "
+     "cuDNN kernel takes a scale but no soft cap of the scores; a dense bias or mask cannot "
+     "express c * tanh(s / c))."),
     (("train",), "custom_loss", "pipeline",
      "a pipelined model trains with the default loss_fn=lm_loss through its own schedule "
      "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
@@ -195,6 +201,11 @@ _TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
 _RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
 _EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
 _TRAIN, _EVAL, _GEN = ("train",), ("eval",), ("generate",)
+_CAP = "attention_softcap"
+_CAP_GPT = ("tests/test_attention_softcap.py::test_gpt_with_scale_and_softcap_sharded_equals_"
+            "one_device")
+_CAP_KERNELS = ("tests/test_attention_softcap.py::test_ring_and_ulysses_scale_and_softcap_match_"
+                "the_dense_reference")
 COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, _CM, _RA), f"{_GPT}[fp32]"),
     (_TRAIN, (_TS, _RA, _DROP), f"{_GPT}[scan_remat_dropout]"),
@@ -322,6 +333,21 @@ COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (("train", "eval"), (_TS, "pipeline_gpipe", *_EXPERTS, _RING, _DOCS),
      f"{_COMPAT_PIPE}[2x1x2x2x1_ring_gpipe_experts]"),
     (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
+    # the attention scores' soft cap: a GPT sharded against one device, generation, and
+    # the kernels against a dense reference
+    (("train", "eval"), (_TS, _CAP), f"{_CAP_GPT}[2x4]"),
+    (("train", "eval"), (_TS, _RING, _CAP), f"{_CAP_GPT}[1x2x4_ring]"),
+    (("train", "eval"), (_TS, "pipeline_gpipe", _CAP),
+     "tests/test_attention_softcap.py::test_pipelined_gpt_with_scale_and_softcap_equals_one_"
+     "device"),
+    (_GEN, (_TS, _CAP),
+     "tests/test_attention_softcap.py::test_greedy_generation_equals_an_argmax_loop_of_full_"
+     "forwards"),
+    (_TRAIN, (_RING, _CAP, _WINDOW, _DOCS), f"{_CAP_KERNELS}[ring_c2_traced_window5_documents]"),
+    (_TRAIN, (_ULYSSES, _CAP, _DOCS), f"{_CAP_KERNELS}[ulysses_c2_documents]"),
+    (_TRAIN, (_ULYSSES, _CAP, _WINDOW), f"{_CAP_KERNELS}[ulysses_c2_window3]"),
+    (_TRAIN, (_CAP, _WINDOW, _DOCS), "tests/test_attention_softcap.py::test_blockwise_scale_and_"
+     "softcap_match_the_dense_reference[blocks16_traced_window3_documents]"),
 ]
 """``(modes, features, pytest node id)``: the test runs these features together."""
 
@@ -480,6 +506,8 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> f
             found.add("cudnn_attention")
         if getattr(config, "attention_dropout", 0.0):
             found.add("attention_dropout")
+        if getattr(config, "attention_softcap", None) is not None:
+            found.add("attention_softcap")
     return frozenset(found)
 
 
@@ -501,7 +529,8 @@ _SHORT: dict[str, str] = {
     "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
     "pipeline_1f1b": "p1", "experts": "ex", "expert_parallel": "ep", "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
-    "cudnn_attention": "cd", "attention_dropout": "ad", "custom_loss": "cl",
+    "cudnn_attention": "cd", "attention_dropout": "ad", "attention_softcap": "ac",
+    "custom_loss": "cl",
 }
 
 
