@@ -52,6 +52,7 @@ FEATURES: dict[str, str] = {
     "sliding_window": "GPTConfig(sliding_window=w): attention to the last w tokens",
     "cudnn_attention": "GPTConfig(attention_implementation='cudnn'): cuDNN's kernel",
     "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
+    "attention_softcap": "GPTConfig(attention_softcap=c): scores c * tanh(s / c) (Gemma 2)",
     "custom_loss": "TrainStep(loss_fn=...) other than the default lm_loss",
 }
 """Every feature the table knows, with a one-line description."""
@@ -84,6 +85,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "sliding_window": "a sliding window",
     "cudnn_attention": "attention_implementation='cudnn'",
     "attention_dropout": "attention dropout",
+    "attention_softcap": "an attention soft cap (attention_softcap)",
     "custom_loss": "a custom loss_fn",
 }
 
@@ -153,6 +155,10 @@ REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (_ALL, "attention_dropout", "cudnn_attention",
      "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
      "of its own, which would not be the same under every sharding)."),
+    (_ALL, "attention_softcap", "cudnn_attention",
+     "{attention_softcap} needs attention_implementation='xla' (jax.nn.dot_product_attention's "
+     "cuDNN kernel takes a scale but no soft cap of the scores; a dense bias or mask cannot "
+     "express c * tanh(s / c))."),
     (("train",), "custom_loss", "pipeline",
      "a pipelined model trains with the default loss_fn=lm_loss through its own schedule "
      "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
@@ -480,6 +486,8 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> f
             found.add("cudnn_attention")
         if getattr(config, "attention_dropout", 0.0):
             found.add("attention_dropout")
+        if getattr(config, "attention_softcap", None) is not None:
+            found.add("attention_softcap")
     return frozenset(found)
 
 
@@ -501,7 +509,8 @@ _SHORT: dict[str, str] = {
     "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
     "pipeline_1f1b": "p1", "experts": "ex", "expert_parallel": "ep", "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
-    "cudnn_attention": "cd", "attention_dropout": "ad", "custom_loss": "cl",
+    "cudnn_attention": "cd", "attention_dropout": "ad", "attention_softcap": "ac",
+    "custom_loss": "cl",
 }
 
 

@@ -189,6 +189,9 @@ ENTRY_POINTS = {
     ("attention_dropout", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
         "attention_dropout=0.1 needs attention_implementation='xla'"),
+    ("attention_softcap", "cudnn_attention"): (
+        lambda: GPTConfig(**BASE, attention_softcap=5.0, attention_implementation="cudnn"),
+        "attention_softcap=5.0 needs attention_implementation='xla'"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
 }

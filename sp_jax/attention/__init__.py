@@ -21,8 +21,9 @@ ulysses_attention   contiguous shard ``[b, s / c,..]``  all-to-all to ``[b, s, h
 Dtypes: scores, softmax statistics (running max, sum, log-sum-exp) and the accumulation
 of ``out``, ``dq``, ``dk`` and ``dv`` are fp32; the probabilities (and in backward the
 score gradients) are cast to the input dtype for their matmuls, as in flash attention;
-outputs and cotangents come back in the dtypes of ``q``, ``k`` and ``v``. The scale is
-``head_dim ** -0.5``.
+outputs and cotangents come back in the dtypes of ``q``, ``k`` and ``v``. The scores are
+``(q . k) * scale`` (``scale``: ``head_dim ** -0.5`` unless given), with ``softcap=c``
+then ``c * tanh(scores / c)`` (Gemma 2), before the mask and the softmax.
 
 Block sizes (``block_q``, ``block_k``): a kernel over ``L`` query (key) rows uses the
 largest divisor of ``L`` up to ``block_q`` (``block_k``), so any length works, including

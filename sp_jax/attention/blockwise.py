@@ -12,6 +12,7 @@ from jax import lax
 
 from sp_jax.attention.dropout import AttentionDropout, drop_arguments
 from sp_jax.attention.kernels import (
+    ScoreRule,
     backward_blocks,
     block_size,
     check_qkv,
@@ -21,6 +22,7 @@ from sp_jax.attention.kernels import (
     q_to_kernel,
     row_delta,
     same_vma,
+    score_rule,
     to_bhsd,
     to_bshd,
 )
@@ -39,13 +41,14 @@ def _pair(seg):
     return None if seg is None else (seg, seg)
 
 
-def _blockwise_forward(q, k, v, drop, seg, bq, bk, window=None):
+def _blockwise_forward(q, k, v, drop, seg, bq, bk, window=None, rule=ScoreRule()):
     """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
     lse, count); ``drop``: None or ``(AttentionDropout, positions)``; ``seg``: None or
-    the kernel document ids ``[b, s]``; ``window``: None or the sliding window."""
+    the kernel document ids ``[b, s]``; ``window``: None or the sliding window;
+    ``rule``: the scores' :class:`~sp_jax.attention.kernels.ScoreRule`."""
     o, lse, count = forward_blocks(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v),
                                     causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
-                                    segments=_pair(seg), window=window)
+                                    segments=_pair(seg), window=window, rule=rule)
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
@@ -54,7 +57,7 @@ def _kernel_drop(drop):
     return None if drop is None else (drop[0], drop[1], drop[1])
 
 
-def _blockwise_backward(res, d_out, drop, seg, bq, bk, window=None):
+def _blockwise_backward(res, d_out, drop, seg, bq, bk, window=None, rule=ScoreRule()):
     # Tie the residuals to the incoming cotangent: otherwise XLA's CSE may merge the
     # recomputed scores with the forward ones and keep those alive until backward.
     res, d_out = lax.optimization_barrier((res, d_out))
@@ -64,44 +67,45 @@ def _blockwise_backward(res, d_out, drop, seg, bq, bk, window=None):
     dq, dk, dv, count = backward_blocks(
         qh, kh, vh, doh, lse, row_delta(doh, q_to_kernel(out, hk)),
         fresh_zeros(qh.shape, _F32, qh), causal=True, bq=bq, bk=bk, drop=_kernel_drop(drop),
-        segments=_pair(seg), window=window)
+        segments=_pair(seg), window=window, rule=rule)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _blockwise(q, k, v, drop, seg, bq, bk, window):
-    return _blockwise_forward(q, k, v, drop, seg, bq, bk, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _blockwise(q, k, v, drop, seg, bq, bk, window, rule):
+    return _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)[0]
 
 
-def _blockwise_fwd(q, k, v, drop, seg, bq, bk, window):
-    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window)
+def _blockwise_fwd(q, k, v, drop, seg, bq, bk, window, rule):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)
     return out, ((q, k, v, out, lse), drop, seg)
 
 
-def _blockwise_bwd(bq, bk, window, res, d_out):
+def _blockwise_bwd(bq, bk, window, rule, res, d_out):
     res, drop, seg = res
-    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window)[0], None, None)
+    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window, rule)[0], None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise_traced(q, k, v, drop, seg, bq, bk, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 8))
+def _blockwise_traced(q, k, v, drop, seg, bq, bk, window, rule):
     """:func:`_blockwise` with the window an int32 array (data: e.g. a scanned layer's)."""
-    return _blockwise_forward(q, k, v, drop, seg, bq, bk, window)[0]
+    return _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)[0]
 
 
-def _blockwise_traced_fwd(q, k, v, drop, seg, bq, bk, window):
-    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window)
+def _blockwise_traced_fwd(q, k, v, drop, seg, bq, bk, window, rule):
+    out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)
     return out, ((q, k, v, out, lse), drop, seg, window)
 
 
-def _blockwise_traced_bwd(bq, bk, res, d_out):
+def _blockwise_traced_bwd(bq, bk, rule, res, d_out):
     res, drop, seg, window = res
-    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window)[0], None, None, None)
+    return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window, rule)[0], None, None,
+            None)
 
 
 _blockwise_traced.defvjp(_blockwise_traced_fwd, _blockwise_traced_bwd)
@@ -112,7 +116,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
                         dropout: AttentionDropout | None = None,
                         positions: jax.Array | None = None,
                         segment_ids: jax.Array | None = None,
-                        sliding_window: int | jax.Array | None = None) -> jax.Array:
+                        sliding_window: int | jax.Array | None = None,
+                        scale: float | None = None,
+                        softcap: float | None = None) -> jax.Array:
     """Causal softmax attention in blocks (flash attention), on one device's arrays.
 
     Online softmax over key blocks with fp32 running statistics; key blocks above the
@@ -149,6 +155,11 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         window of the sequence length or more is full causal attention): the same loop
         bounds, computed from the traced value (``fori_loop`` bounds are dynamic), so
         the skipping holds too; ``"xla"`` only.
+      scale: the factor of the scores ``q . k`` (None: ``head_dim ** -0.5``; Gemma's
+        ``query_pre_attn_scalar ** -0.5``); cuDNN's ``scale`` with ``"cudnn"``.
+      softcap: None, or ``c``: the scaled scores ``s`` become ``c * tanh(s / c)`` before
+        the mask and the softmax (Gemma 2's ``attn_logit_softcapping``; the backward
+        pass through it by ``1 - tanh(s / c) ** 2``). ``"xla"`` only.
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     """
@@ -156,6 +167,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     window = check_window("blockwise_attention", sliding_window)
     drop = drop_arguments(dropout, positions, q.shape[1], implementation)
     seg = check_segments("blockwise_attention", segment_ids, q)
+    rule = score_rule("blockwise_attention", scale, softcap)
+    if implementation == "cudnn" and rule.softcap is not None:
+        check("train", {"attention_softcap": f"softcap={rule.softcap}",
+                        "cudnn_attention": "implementation='cudnn'"}, where="blockwise_attention")
     if implementation == "cudnn" and seg is not None:
         check("train", {"packed_documents": "segment_ids (packed documents)",
                         "cudnn_attention": "implementation='cudnn'"}, where="blockwise_attention")
@@ -166,7 +181,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     if implementation == "cudnn":
         try:
             return jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation="cudnn",
+                q, k, v, is_causal=True, implementation="cudnn", scale=rule.scale,
                 local_window_size=None if window is None else (window - 1, 0))
         except RuntimeError as e:  # JAX: "cuDNN not found." without a GPU
             raise RuntimeError(
@@ -178,8 +193,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     s = q.shape[1]
     bq, bk = block_size(s, block_q, "block_q"), block_size(s, block_k, "block_k")
     if isinstance(window, jax.Array):
-        return _blockwise_traced(*same_vma(q, k, v), drop, seg, bq, bk, window)
-    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window)
+        return _blockwise_traced(*same_vma(q, k, v), drop, seg, bq, bk, window, rule)
+    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window, rule)
 
 
 def check_window(name: str, sliding_window: int | jax.Array | None) -> int | jax.Array | None:

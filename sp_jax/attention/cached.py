@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.attention.kernels import score_rule
+
 __all__ = ["cached_attention"]
 
 
@@ -15,7 +17,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
                      v_cache: jax.Array, positions: jax.Array,
                      sliding_window: int | None = None, *,
                      cache_positions: jax.Array | None = None,
-                     axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+                     axis_name: str | tuple[str, ...] | None = None,
+                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Per device: one query token per row against its cache.
 
     Args:
@@ -36,16 +39,22 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
         values of the parts are added (one ``psum``): the log-sum-exp merge of the
         parts, equal to attention over the whole cache; this token's own key and value
         are added once, after the merge.
+      scale / softcap: the scores' factor (None: ``d ** -0.5``) and soft cap (None, or
+        ``c``: ``c * tanh(s / c)`` before the mask), as the training kernels'
+        (:func:`~sp_jax.attention.blockwise_attention`).
     Returns:
       ``[b, 1, heads * d]`` in ``q.dtype``; softmax in fp32.
     """
     b, _, heads, d = q.shape
     kv_heads, length = k.shape[2], k_cache.shape[1]
     qg = q.reshape(b, kv_heads, heads // kv_heads, d)
-    scale = d ** -0.5
+    rule = score_rule("cached_attention", scale, softcap)
+    scale = rule.scale_for(d)
     f32 = jnp.float32
-    s_cache = jnp.einsum("bhgd,bshd->bhgs", qg, k_cache, preferred_element_type=f32) * scale
-    s_self = jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=f32) * scale
+    s_cache, _ = rule(jnp.einsum("bhgd,bshd->bhgs", qg, k_cache, preferred_element_type=f32)
+                      * scale)
+    s_self, _ = rule(jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=f32)
+                     * scale)
     j = (jnp.arange(length) if cache_positions is None else cache_positions)[None, :]
     visible = j < positions[:, None]
     if sliding_window is not None:

@@ -12,7 +12,9 @@ public ``[b, s, heads, d]``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -22,9 +24,9 @@ from jax import lax
 from sp_jax.attention.dropout import drop_scale
 from sp_jax.ops.primitives import fresh_zeros, vary, vma
 
-__all__ = ["backward_blocks", "block_size", "check_qkv", "forward_blocks",
+__all__ = ["ScoreRule", "backward_blocks", "block_size", "check_qkv", "forward_blocks",
            "kernel_segments", "q_from_kernel", "q_to_kernel", "row_delta", "same_vma",
-           "to_bhsd", "to_bshd"]
+           "score_rule", "to_bhsd", "to_bshd"]
 
 _F32 = jnp.float32
 # The score of a key in another document: finite, so that a row whose keys in a block are
@@ -43,23 +45,67 @@ def block_size(length: int, block: int, name: str = "block") -> int:
     return next(b for b in range(min(length, int(block)), 0, -1) if length % b == 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreRule:
+    """How the kernels make the scores of ``q . k`` (static: hashed into the programs).
+
+    Attributes:
+      scale: the factor of ``q . k`` (None: ``head_dim ** -0.5``).
+      softcap: None, or ``c``: the scaled scores ``s`` become ``c * tanh(s / c)`` before
+        the mask and the softmax (Gemma 2's ``attn_logit_softcapping``); the backward
+        pass multiplies the scores' gradients by ``1 - tanh(s / c) ** 2``, recomputing
+        ``tanh`` from the scaled scores.
+    """
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        """The factor of ``q . k`` for heads of ``head_dim`` features."""
+        return head_dim ** -0.5 if self.scale is None else self.scale
+
+    def __call__(self, s: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The scaled scores ``s`` (fp32) -> ``(scores, tanh(s / c) or None)``."""
+        if self.softcap is None:
+            return s, None
+        t = jnp.tanh(s / self.softcap)
+        return self.softcap * t, t
+
+
+def score_rule(name: str, scale: float | None = None,
+               softcap: float | None = None) -> ScoreRule:
+    """The :class:`ScoreRule` of an attention function's ``scale`` and ``softcap``
+    arguments; a ValueError naming ``name`` unless each is None or a positive finite
+    number."""
+    for field, value, example in (("scale", scale, "e.g. 256 ** -0.5"),
+                                  ("softcap", softcap, "e.g. 50.0")):
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, int | float) or not 0 < value < math.inf):
+            raise ValueError(f"{name}: {field}={value!r} must be None or a positive number "
+                             f"({example}).")
+    return ScoreRule(None if scale is None else float(scale),
+                     None if softcap is None else float(softcap))
+
+
 def kernel_segments(segment_ids: jax.Array) -> jax.Array:
     """Document ids ``[b, s]`` (0 = padding) as the kernels take them: int32."""
     return jnp.asarray(segment_ids).astype(jnp.int32)
 
 
-def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
+def _scores(q_i: jax.Array, k_j: jax.Array, rule: ScoreRule,
             mask_at: tuple[Any, Any] | None = None,
             segments: tuple[jax.Array, jax.Array] | None = None,
-            window: int | None = None) -> jax.Array:
+            window: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     """fp32 scaled scores ``[b, h, g, bq, bk]`` of ``q_i [b, h, g, bq, d]`` (``g`` query
-    heads per key/value head) and ``k_j [b, h, bk, d]``; with ``mask_at = (q_start,
+    heads per key/value head) and ``k_j [b, h, bk, d]``, soft-capped by ``rule``, with
+    the ``tanh`` of the cap (or None: the backward pass's factor); with ``mask_at = (q_start,
     k_start)`` the keys after each query (causal, positions from the block starts) are
     -inf; with ``segments = (q_seg [b, bq], k_seg [b, bk])`` the keys of other documents
     (and, with ``mask_at``, the later keys) are ``_OTHER_DOCUMENT``, by one mask; with
     ``window`` (and ``mask_at``) so are the keys ``window`` or more rows before each query
     (finite: a row may see no key of a block at the window's edge)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
+    s, t = rule(jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j, preferred_element_type=_F32)
+                * rule.scale_for(q_i.shape[-1]))
     causal = None
     if mask_at is not None:
         q_start, k_start = mask_at
@@ -70,13 +116,13 @@ def _scores(q_i: jax.Array, k_j: jax.Array, scale: float,
             causal = causal & (rows - cols < window)
     if segments is None:
         if causal is None:
-            return s
-        return jnp.where(causal, s, -jnp.inf if window is None else _OTHER_DOCUMENT)
+            return s, t
+        return jnp.where(causal, s, -jnp.inf if window is None else _OTHER_DOCUMENT), t
     # one mask per block (documents and causality together): a row's own key is always
     # visible, so the finite score of the others vanishes in the softmax
     q_seg, k_seg = segments
     keep = q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :]
-    return jnp.where(keep if causal is None else keep & causal, s, _OTHER_DOCUMENT)
+    return jnp.where(keep if causal is None else keep & causal, s, _OTHER_DOCUMENT), t
 
 
 def _block_ranges(seg: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -168,7 +214,8 @@ def _three_loops(step: Any, acc: Any, lo: Any, hi: Any, a: Any, b: Any) -> Any:
 def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq: int,
                    bk: int, drop: tuple | None = None,
                    segments: tuple[jax.Array, jax.Array] | None = None,
-                   window: int | None = None, offset: Any = 0
+                   window: int | None = None, offset: Any = 0,
+                   rule: ScoreRule = ScoreRule()
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
     ``g`` query heads of group ``h`` share key/value head ``h``).
@@ -185,13 +232,14 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
     (:func:`kernel_segments`): a query sees only keys of its own document, and products
     of blocks that share no document are skipped. A row that sees no key here gets out 0
     and lse -inf (a part of a merge; a whole attention row always sees its own key).
+    ``rule``: the scores' scale and soft cap (:class:`ScoreRule`; default ``head_dim **
+    -0.5``, no cap).
 
     Returns:
       ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d]``, the log-sum-exp
       fp32 ``[b, h, g, sq]`` and the number of block products computed (int32).
     """
-    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = d ** -0.5
+    sq, sk = q.shape[-2], k.shape[-2]
     docs = _Documents(segments, bq, bk)
     _check_window(window, causal, offset)
 
@@ -203,9 +251,9 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
 
         def kv_step(j, acc, masked):
             o, m, norm, n = acc
-            s = _scores(q_i, _slice(k, j * bk, bk), scale,
-                        (q_pos, j * bk) if masked else None, docs.of(q_start, j * bk),
-                        window)
+            s, _ = _scores(q_i, _slice(k, j * bk, bk), rule,
+                           (q_pos, j * bk) if masked else None, docs.of(q_start, j * bk),
+                           window)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: each row's first key
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -263,7 +311,8 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
                     delta: jax.Array, dq: jax.Array, *, causal: bool, bq: int, bk: int,
                     drop: tuple | None = None,
                     segments: tuple[jax.Array, jax.Array] | None = None,
-                    window: int | None = None, offset: Any = 0
+                    window: int | None = None, offset: Any = 0,
+                    rule: ScoreRule = ScoreRule()
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The gradients of :func:`forward_blocks`, recomputing each block's probabilities
     from the final ``lse`` (flash-attention-2: outer loop over key blocks, inner over the
@@ -274,14 +323,14 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
       lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
         ``rowsum(do * out)``.
       dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
-      segments, window, offset: the document ids, the sliding window and the queries'
-        offset, as in :func:`forward_blocks`.
+      segments, window, offset, rule: the document ids, the sliding window, the queries'
+        offset and the scores' rule, as in :func:`forward_blocks`.
     Returns:
       ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
       call, the number of block products.
     """
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = d ** -0.5
+    scale = rule.scale_for(d)
     docs = _Documents(segments, bq, bk)
     _check_window(window, causal, offset)
 
@@ -294,15 +343,18 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             dq, dk_j, dv_j, n = acc
             q_start = i * bq
             q_i, do_i = _slice(q, q_start, bq), _slice(do, q_start, bq)
-            s = _scores(q_i, k_j, scale, (q_start + offset, k_start) if masked else None,
-                        docs.of(q_start, k_start), window)
+            s, t = _scores(q_i, k_j, rule,
+                           (q_start + offset, k_start) if masked else None,
+                           docs.of(q_start, k_start), window)
             p = jnp.exp(s - _slice(lse, q_start, bq, -1)[..., None])  # recomputed
             z = 1.0 if drop is None else drop_scale(drop, q_start, k_start, p.shape)
             dv_j = dv_j + jnp.einsum("bhgqk,bhgqd->bhkd", (p * z).astype(do.dtype), do_i,
                                      preferred_element_type=_F32)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=_F32) * z
-            ds = (p * (dp - _slice(delta, q_start, bq, -1)[..., None]) * scale
-                  ).astype(q.dtype)
+            ds = p * (dp - _slice(delta, q_start, bq, -1)[..., None])
+            if t is not None:  # through the soft cap: d(c tanh(s / c)) / ds
+                ds = ds * (1.0 - t * t)
+            ds = (ds * scale).astype(q.dtype)
             dq_i = _slice(dq, q_start, bq) + jnp.einsum(
                 "bhgqk,bhkd->bhgqd", ds, k_j, preferred_element_type=_F32)
             dq = lax.dynamic_update_slice_in_dim(dq, dq_i, q_start, axis=dq.ndim - 2)

@@ -13,6 +13,7 @@ from jax import lax
 from sp_jax.attention.blockwise import check_segments, check_window
 from sp_jax.attention.dropout import AttentionDropout, drop_arguments
 from sp_jax.attention.kernels import (
+    ScoreRule,
     backward_blocks,
     block_size,
     check_qkv,
@@ -21,6 +22,7 @@ from sp_jax.attention.kernels import (
     q_to_kernel,
     row_delta,
     same_vma,
+    score_rule,
     to_bhsd,
     to_bshd,
 )
@@ -67,9 +69,10 @@ class _Window:
     the blocks crossing its edge. ``part(qi, kv, kj, src)``: local half ``qi`` x half
     ``kj`` of the block of device ``src``."""
 
-    def __init__(self, q, seg, axis_name, bq, bk, window, dropout):
+    def __init__(self, q, seg, axis_name, bq, bk, window, dropout, rule):
         c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
         self.n, self.c, self.bq, self.bk, self.window = q.shape[-2] // 2, c, bq, bk, window
+        self.rule = rule
         self.chunks, self.dropout, self.seg = (r, 2 * c - 1 - r), dropout, seg
 
     def args(self, qi, kv, kj, src):
@@ -84,7 +87,7 @@ class _Window:
                              None if seg_t is None else seg_t[:, keys])
         return k_t[..., keys, :], v_t[..., keys, :], dict(
             causal=True, bq=self.bq, bk=self.bk, drop=drop, segments=segments,
-            window=self.window, offset=(q_chunk - k_chunk) * n)
+            window=self.window, offset=(q_chunk - k_chunk) * n, rule=self.rule)
 
     def half(self, x, qi):
         return x[..., qi * self.n:(qi + 1) * self.n, :]
@@ -133,23 +136,25 @@ class _Window:
 _OWN, _BEFORE, _AFTER = ((0, 0), (1, 1), (1, 0)), ((0, 0), (1, 0)), ((1, 0), (1, 1))
 
 
-def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None):
+def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
+                  rule=ScoreRule()):
     """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` and the
-    kernel document ids ``seg [b, 2n]`` (or None) -> (out fp32, lse, count)."""
+    kernel document ids ``seg [b, 2n]`` (or None) -> (out fp32, lse, count); ``rule``:
+    the scores' :class:`~sp_jax.attention.kernels.ScoreRule`."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[-2] // 2
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
     kv = (k, v, seg)  # the keys' document ids travel with them
     recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
     if window is not None:
-        w = _Window(q, seg, axis_name, bq, bk, window, dropout)
+        w = _Window(q, seg, axis_name, bq, bk, window, dropout, rule)
         o, lse, count = w.forward(q, kv, r, _OWN, None, None)
         before = lambda kv, src, o, lse: w.forward(q, kv, src, _BEFORE, o, lse)  # noqa: E731
         after = lambda kv, src, o, lse: w.forward(q, kv, src, _AFTER, o, lse)  # noqa: E731
         return _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r)
     # step 0: own keys; the local zigzag rows are in increasing global order -> causal
     o, lse, count = forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own,
-                                   segments=_segments(seg, seg))
+                                   segments=_segments(seg, seg), rule=rule)
 
     def before(kv, src, o, lse):
         # source r - t < r: every local query sees the source's first chunk, none its
@@ -158,7 +163,7 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None):
         o_p, lse_p, cnt = forward_blocks(
             q, k_t[..., :n, :], v_t[..., :n, :], causal=False, bq=bq, bk=bk,
             drop=drop_before(src), segments=_segments(seg, None if seg is None
-                                                      else seg_t[:, :n]))
+                                                      else seg_t[:, :n]), rule=rule)
         return (*_merge(o, lse, o_p, lse_p), cnt)
 
     def after(kv, src, o, lse):
@@ -166,7 +171,7 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None):
         k_t, v_t, seg_t = kv
         o_p, lse_p, cnt = forward_blocks(
             q[..., n:, :], k_t, v_t, causal=False, bq=bq, bk=bk, drop=drop_after(src),
-            segments=_segments(None if seg is None else seg[:, n:], seg_t))
+            segments=_segments(None if seg is None else seg[:, n:], seg_t), rule=rule)
         o2, lse2 = _merge(o[..., n:, :], lse[..., n:], o_p, lse_p)
         return (jnp.concatenate([o[..., :n, :], o2], axis=-2),
                 jnp.concatenate([lse[..., :n], lse2], axis=-1), cnt)
@@ -190,7 +195,8 @@ def _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r):
     return o, lse, count
 
 
-def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None):
+def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None,
+                   rule=ScoreRule()):
     """Per device: the gradients of :func:`_ring_forward` (its layouts):
     ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
     at their owner. Returns (dq, dk, dv, count), fp32."""
@@ -203,7 +209,7 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None
     kv = (k, v, seg)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
     if window is not None:
-        w = _Window(q, seg, axis_name, bq, bk, window, dropout)
+        w = _Window(q, seg, axis_name, bq, bk, window, dropout, rule)
         dq, dk, dv, count = w.backward(q, kv, r, _OWN, d_out, lse, delta,
                                        fresh_zeros(q.shape, _F32, q))
         return _ring_loop_backward(
@@ -214,7 +220,7 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None
     dq, dk, dv, count = backward_blocks(q, k, v, d_out, lse, delta,
                                          fresh_zeros(q.shape, _F32, q),
                                          causal=True, bq=bq, bk=bk, drop=own,
-                                         segments=_segments(seg, seg))
+                                         segments=_segments(seg, seg), rule=rule)
     acc = (dk, dv)  # gradient of the block held, summed over the devices it has visited
 
     def before(kv, src, dq):
@@ -222,7 +228,7 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None
         dq, dk_p, dv_p, cnt = backward_blocks(
             q, k_t[..., :n, :], v_t[..., :n, :], d_out, lse, delta, dq, causal=False,
             bq=bq, bk=bk, drop=drop_before(src),
-            segments=_segments(seg, None if seg is None else seg_t[:, :n]))
+            segments=_segments(seg, None if seg is None else seg_t[:, :n]), rule=rule)
         pad = jnp.zeros_like(dk_p)
         return (dq, jnp.concatenate([dk_p, pad], axis=-2),
                 jnp.concatenate([dv_p, pad], axis=-2), cnt)
@@ -232,7 +238,7 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None
         dq2, dk_p, dv_p, cnt = backward_blocks(
             q[..., n:, :], k_t, v_t, d_out[..., n:, :], lse[..., n:], delta[..., n:],
             dq[..., n:, :], causal=False, bq=bq, bk=bk, drop=drop_after(src),
-            segments=_segments(None if seg is None else seg[:, n:], seg_t))
+            segments=_segments(None if seg is None else seg[:, n:], seg_t), rule=rule)
         return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
 
     return _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r)
@@ -257,57 +263,59 @@ def _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r)
     return dq, acc[0], acc[1], count
 
 
-def _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None):
+def _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
+                       rule=ScoreRule()):
     o, lse, count = _ring_forward(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v), seg,
-                                  axis_name, bq, bk, dropout, window)
+                                  axis_name, bq, bk, dropout, window, rule)
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
-def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None):
+def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None,
+                        rule=ScoreRule()):
     q, k, v, out, lse = res
     hk = k.shape[2]
     res = (q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(out, hk), lse)
     dq, dk, dv, count = _ring_backward(res, q_to_kernel(d_out, hk), seg, axis_name, bq, bk,
-                                       dropout, window)
+                                       dropout, window, rule)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _ring(q, k, v, dropout, seg, axis_name, bq, bk, window):
-    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)[0]
 
 
-def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window):
-    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)
+def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)
     return out, ((q, k, v, out, lse), dropout, seg)
 
 
-def _ring_bwd(axis_name, bq, bk, window, res, d_out):
+def _ring_bwd(axis_name, bq, bk, window, rule, res, d_out):
     res, dropout, seg = res
-    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window)[0],
-            None, None)
+    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window,
+                                 rule)[0], None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring_traced(q, k, v, dropout, seg, axis_name, bq, bk, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 9))
+def _ring_traced(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
     """:func:`_ring` with the window an int32 array (data: a scanned layer's)."""
-    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)[0]
+    return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)[0]
 
 
-def _ring_traced_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window):
-    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window)
+def _ring_traced_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+    out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)
     return out, ((q, k, v, out, lse), dropout, seg, window)
 
 
-def _ring_traced_bwd(axis_name, bq, bk, res, d_out):
+def _ring_traced_bwd(axis_name, bq, bk, rule, res, d_out):
     res, dropout, seg, window = res
-    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window)[0],
-            None, None, None)
+    return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window,
+                                 rule)[0], None, None, None)
 
 
 _ring_traced.defvjp(_ring_traced_fwd, _ring_traced_bwd)
@@ -327,7 +335,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
                    block_q: int = 512, block_k: int = 512,
                    dropout: AttentionDropout | None = None,
                    segment_ids: jax.Array | None = None,
-                   sliding_window: int | jax.Array | None = None) -> jax.Array:
+                   sliding_window: int | jax.Array | None = None,
+                   scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
 
     Call inside :func:`jax.shard_map` with the sequence in zigzag order
@@ -363,6 +372,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         not visited, those crossing its edge are masked. Also an int scalar array
         (traced: a scanned layer's window, ``GPTConfig.layer_windows``): the same loop
         bounds, computed from the traced value.
+      scale / softcap: the scores' factor (None: ``head_dim ** -0.5``) and soft cap
+        (None, or ``c``: ``c * tanh(s / c)`` before the mask), as in
+        :func:`blockwise_attention`; the log-sum-exp merge of the ring's steps holds for
+        the capped scores as for any.
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
@@ -376,6 +389,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         raise ValueError(f"ring_attention: sliding_window={sliding_window!r} must be a "
                          "positive int (keys per query, itself included) or None.")
     bq, bk = _ring_blocks(q, block_q, block_k)
+    rule = score_rule("ring_attention", scale, softcap)
     q, k, v = same_vma(q, k, v)
     q, k, v = (vary(x, (axis_name,)) for x in (q, k, v))
     drop = drop_arguments(dropout, None, q.shape[1], "xla")
@@ -383,5 +397,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     if seg is not None:
         seg = vary(seg, (axis_name,))
     return (_ring_traced if traced else _ring)(
-        q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk, sliding_window)
+        q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk, sliding_window,
+        rule)
 

@@ -21,7 +21,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
                       implementation: str = "xla",
                       dropout: AttentionDropout | None = None,
                       segment_ids: jax.Array | None = None,
-                      sliding_window: int | None = None) -> jax.Array:
+                      sliding_window: int | None = None, scale: float | None = None,
+                      softcap: float | None = None) -> jax.Array:
     """Causal attention by DeepSpeed-Ulysses sequence parallelism, per device.
 
     Call inside :func:`jax.shard_map` with the sequence sharded contiguously over
@@ -45,6 +46,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
         for the blockwise kernel on the head shards (see :func:`blockwise_attention`).
       sliding_window: None or the keys each query sees (:func:`blockwise_attention`;
         the head shards hold the whole sequence, so the window is exact).
+      scale / softcap: the scores' factor and soft cap (:func:`blockwise_attention`).
     Returns:
       ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
     """
@@ -83,5 +85,6 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
             axis_name, axis=1, tiled=True)
     out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
                               implementation=implementation, dropout=dropout,
-                              segment_ids=segment_ids, sliding_window=sliding_window)
+                              segment_ids=segment_ids, sliding_window=sliding_window,
+                              scale=scale, softcap=softcap)
     return to_sequence(out)

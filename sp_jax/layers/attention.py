@@ -180,7 +180,8 @@ class CausalSelfAttention(nnx.Module):
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k, segment_ids=segment_ids,
                                       sliding_window=cfg.sliding_window if window is None
-                                      else window)
+                                      else window, scale=cfg.attention_scale,
+                                      softcap=cfg.attention_softcap)
         if seed is not None:  # global coordinates of this device's first row and head
             if rows is None:
                 rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
@@ -268,7 +269,9 @@ class CausalSelfAttention(nnx.Module):
         window = self.config.sliding_window if self.window is None else self.window[...]
         o = cached_attention(q, k, v, k_cache, v_cache, positions, window,
                              cache_positions=cache_positions,
-                             axis_name=self.parallel.context_axes or None)
+                             axis_name=self.parallel.context_axes or None,
+                             scale=self.config.attention_scale,
+                             softcap=self.config.attention_softcap)
         y = self.out.local_decode(o)
         return x.astype(y.dtype) + y, k, v
 

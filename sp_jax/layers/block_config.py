@@ -198,6 +198,10 @@ def check_block_fields(owner: str, config: Any) -> None:
         if config.attention_implementation == "cudnn" and config.attention_dropout:
             check("train", {"attention_dropout": f"attention_dropout={config.attention_dropout}",
                             "cudnn_attention": "attention_implementation='cudnn'"}, where=owner)
+        if config.attention_implementation == "cudnn" and getattr(
+                config, "attention_softcap", None) is not None:
+            check("train", {"attention_softcap": f"attention_softcap={config.attention_softcap}",
+                            "cudnn_attention": "attention_implementation='cudnn'"}, where=owner)
     _float_dtype(owner, "dtype", config.dtype, optional=True)
     _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
 
