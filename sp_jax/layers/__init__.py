@@ -22,7 +22,7 @@ from sp_jax.layers.block_config import (
     kv_heads_replicated,
     settle_block_fields,
 )
-from sp_jax.layers.cross_entropy import document_labels, parallel_cross_entropy
+from sp_jax.layers.cross_entropy import document_labels, logit_softcap, parallel_cross_entropy
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.embedding import VocabParallelEmbedding, padded_vocab_size
 from sp_jax.layers.linear import (
@@ -47,6 +47,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "padded_vocab_size",
     "document_labels",
+    "logit_softcap",
     "parallel_cross_entropy",
     "NORMS",
     "LayerNorm",

@@ -27,7 +27,7 @@ from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.norm import make_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
-from sp_jax.layers.rotary import rotary_embedding
+from sp_jax.layers.rotary import rope_frequencies, rotary_embedding
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -50,12 +50,17 @@ class LayerWindow(nnx.Variable):
     attention): stacked and scanned with the layer's parameters, never trained."""
 
 
-def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float) -> jax.Array:
+def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float,
+                   offset: float = 0.0) -> jax.Array:
     """RMSNorm of each head ``x [..., head_dim]`` over ``head_dim`` in fp32, times
-    ``scale [head_dim]`` (Qwen3's q/k norm), in ``x``'s dtype."""
+    ``scale [head_dim]`` (Qwen3's q/k norm; with ``offset``, times ``offset + scale``:
+    Gemma 3's ``1 + weight``), in ``x``'s dtype."""
     xf = x.astype(jnp.float32)
     y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + epsilon)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    factor = scale.astype(jnp.float32)
+    if offset:
+        factor = jnp.float32(offset) + factor
+    return (y * factor).astype(x.dtype)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -116,7 +121,7 @@ class CausalSelfAttention(nnx.Module):
         common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
                       rngs=rngs)
         self.norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
-                              **common)
+                              norm_offset=config.norm_offset, **common)
         if config.num_kv_heads == config.num_heads:
             self.qkv = ColumnSequenceParallelLinear(config.hidden, 3 * config.attention_width,
                                                     use_bias=config.qkv_bias, fp8=config.fp8,
@@ -129,13 +134,18 @@ class CausalSelfAttention(nnx.Module):
         self.q_norm: nnx.Param | None
         self.k_norm: nnx.Param | None
         if config.qk_norm:  # Qwen3: one RMSNorm scale [head_dim] each for q and k, replicated
-            self.q_norm = nnx.Param(jnp.ones((config.head_dim,), config.param_dtype))
-            self.k_norm = nnx.Param(jnp.ones((config.head_dim,), config.param_dtype))
+            one = 1.0 - config.norm_offset  # a factor of 1 to start with
+            self.q_norm = nnx.Param(jnp.full((config.head_dim,), one, config.param_dtype))
+            self.k_norm = nnx.Param(jnp.full((config.head_dim,), one, config.param_dtype))
         else:
             self.q_norm = self.k_norm = None
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
         # holds the rate and the train/eval mode of the attention-probability dropout
         self.attention_dropout = Dropout(config.attention_dropout, parallel=parallel)
+        # Gemma's post_attention_layernorm: the output projection's output normed
+        self.post_norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
+                                   norm_offset=config.norm_offset, **common) \
+            if config.post_norms else None
 
     def _check_heads(self, mesh: Mesh) -> None:
         cfg, par = self.config, self.parallel
@@ -175,7 +185,7 @@ class CausalSelfAttention(nnx.Module):
         b, s, _ = qkv.shape
         if cfg.rotary and positions is None:  # this device's tokens in the held order
             positions = local_positions(par, order, s)
-        q, k, v = self.split_heads(qkv, positions, qk_scales)
+        q, k, v = self.split_heads(qkv, positions, qk_scales, window)
         heads = q.shape[2]
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k, segment_ids=segment_ids,
@@ -208,15 +218,33 @@ class CausalSelfAttention(nnx.Module):
             return ()
         return (self.q_norm[...], self.k_norm[...])
 
+    def rotary_frequencies(self, window: jax.Array | None = None) -> jax.Array:
+        """The rotary frequencies ``[head_dim / 2]`` (fp32) of this layer: of
+        ``rope_base`` and ``rope_scaling``, or, with ``rope_local_base``, of that base
+        (unscaled) when the layer has a sliding window: chosen statically for
+        ``sliding_window``, and by the traced ``window`` (:class:`LayerWindow`'s value,
+        ``window_per_layer``) with a ``where`` between the two, so the layers of a scan
+        share one program."""
+        cfg = self.config
+        full = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling))
+        if cfg.rope_local_base is None:
+            return full
+        local = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_local_base))
+        if window is None:
+            return full if cfg.sliding_window is None else local
+        return jnp.where(window < FULL_WINDOW, local, full)
+
     def split_heads(self, qkv: jax.Array, positions: jax.Array | None,
-                    qk_scales: tuple[jax.Array, ...] = ()
+                    qk_scales: tuple[jax.Array, ...] = (), window: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Per device: the projection's columns ``[b, s, width]`` (this shard's heads) ->
         ``q [b, s, heads / t, head_dim]`` and ``k``, ``v [b, s, kv_local, head_dim]``
         with, with ``qk_norm``, each head's q and k RMS-normalised by ``qk_scales``
         (:meth:`qk_scales`, ``[head_dim]`` each; epsilon ``norm_epsilon``), then the
         rotary angles of ``positions`` (``[s]`` or ``[b, s]``; unused without rotary)
-        applied to q and k: what attention needs, in training and in decoding."""
+        applied to q and k (:meth:`rotary_frequencies` of ``window``, the layer's
+        traced window under ``window_per_layer``): what attention needs, in training and
+        in decoding."""
         cfg, par = self.config, self.parallel
         b, s, width = qkv.shape
         head_dim = cfg.head_dim
@@ -233,11 +261,12 @@ class CausalSelfAttention(nnx.Module):
                 raise ValueError(
                     "CausalSelfAttention.split_heads: qk_norm=True needs qk_scales=(q_norm, "
                     "k_norm): pass self.qk_scales() into the shard_map (in_specs P()).")
-            q = _head_rms_norm(q, qk_scales[0], cfg.norm_epsilon)
-            k = _head_rms_norm(k, qk_scales[1], cfg.norm_epsilon)
+            q = _head_rms_norm(q, qk_scales[0], cfg.norm_epsilon, cfg.norm_offset)
+            k = _head_rms_norm(k, qk_scales[1], cfg.norm_epsilon, cfg.norm_offset)
         if cfg.rotary:
-            q = rotary_embedding(q, positions, cfg.rope_base, cfg.rope_scaling)
-            k = rotary_embedding(k, positions, cfg.rope_base, cfg.rope_scaling)
+            freqs = self.rotary_frequencies(window)
+            q = rotary_embedding(q, positions, frequencies=freqs)
+            k = rotary_embedding(k, positions, frequencies=freqs)
         return q, k, v
 
     def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -265,14 +294,17 @@ class CausalSelfAttention(nnx.Module):
           and values ``[b, 1, kv_local, head_dim]`` for the cache.
         """
         qkv = self.qkv.local_decode(self.norm.local(x))  # this shard's heads, no collective
-        q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales())
-        window = self.config.sliding_window if self.window is None else self.window[...]
+        layer_window = None if self.window is None else self.window[...]
+        q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales(), layer_window)
+        window = self.config.sliding_window if layer_window is None else layer_window
         o = cached_attention(q, k, v, k_cache, v_cache, positions, window,
                              cache_positions=cache_positions,
                              axis_name=self.parallel.context_axes or None,
                              scale=self.config.attention_scale,
                              softcap=self.config.attention_softcap)
         y = self.out.local_decode(o)
+        if self.post_norm is not None:
+            y = self.post_norm.local(y)
         return x.astype(y.dtype) + y, k, v
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
@@ -328,6 +360,9 @@ class CausalSelfAttention(nnx.Module):
                                                              *seeds)
         if keep_kv:
             attended, *kv = attended
-        y = self.dropout(self.out(attended), deterministic=deterministic, rngs=rngs)
+        y = self.out(attended)
+        if self.post_norm is not None:  # per token: the SP layout's rows
+            y = self.post_norm(y)
+        y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         out = x.astype(y.dtype) + y
         return (out, tuple(kv)) if keep_kv else out

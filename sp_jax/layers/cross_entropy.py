@@ -18,7 +18,19 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["document_labels", "parallel_cross_entropy"]
+__all__ = ["document_labels", "logit_softcap", "parallel_cross_entropy"]
+
+
+def logit_softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """Soft-capped logits ``cap * tanh(logits / cap)`` (Gemma 2's
+    ``final_logit_softcapping``, computed in fp32 and returned in the logits' dtype;
+    the gradient is the tanh's), or ``logits`` unchanged for ``cap`` None. Elementwise,
+    so any sharding and padded vocabulary entries (which stay out of the loss by
+    :func:`parallel_cross_entropy`'s ``vocab_size``) are fine."""
+    if cap is None:
+        return logits
+    capped = jnp.tanh(logits.astype(jnp.float32) / jnp.float32(cap)) * jnp.float32(cap)
+    return capped.astype(logits.dtype)
 
 
 def document_labels(labels: jax.Array, segment_ids: jax.Array | None,

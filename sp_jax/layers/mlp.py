@@ -36,7 +36,8 @@ class MLPActivation:
 
 
 class MLP(nnx.Module):
-    """Pre-LN MLP with a residual: ``x + dropout(down(act(up(norm(x)))))``.
+    """Pre-LN MLP with a residual: ``x + dropout(down(act(up(norm(x)))))`` (with
+    ``post_norms``: ``x + dropout(post_norm(down(...)))``, Gemma's).
 
     ``up`` is a :class:`~sp_jax.layers.ColumnSequenceParallelLinear` ``[hidden,
     mlp_hidden]`` and ``down`` a :class:`~sp_jax.layers.RowSequenceParallelLinear`
@@ -64,7 +65,7 @@ class MLP(nnx.Module):
         common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
                       rngs=rngs)
         self.norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
-                              **common)
+                              norm_offset=config.norm_offset, **common)
         self.up = ColumnSequenceParallelLinear(
             config.hidden, (2 if config.gated else 1) * config.mlp_hidden,
             use_bias=config.mlp_bias, fp8=config.fp8, **common)
@@ -72,6 +73,10 @@ class MLP(nnx.Module):
                                               use_bias=config.mlp_bias, fp8=config.fp8,
                                               **common)
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
+        # Gemma's post_feedforward_layernorm: the down projection's output normed
+        self.post_norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
+                                   norm_offset=config.norm_offset, **common) \
+            if config.post_norms else None
 
     @property
     def activation(self) -> MLPActivation:
@@ -89,6 +94,8 @@ class MLP(nnx.Module):
         over the tensor axis (no dropout)."""
         y = self.down.local_decode(self.up.local_decode(self.norm.local(x)),
                                    activation=self.activation)
+        if self.post_norm is not None:
+            y = self.post_norm.local(y)
         return x.astype(y.dtype) + y
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
@@ -101,5 +108,7 @@ class MLP(nnx.Module):
         # not also as the activation's output for the weight gradient.
         y = self.down(self.up(self.norm(x)),
                       activation=self.activation)
+        if self.post_norm is not None:  # per token: the SP layout's rows
+            y = self.post_norm(y)
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y

@@ -63,9 +63,9 @@ def moe_losses(stats: MoEStats, num_experts: int, experts_per_token: int
 
 class MoE(nnx.Module):
     """Pre-LN mixture of experts with a residual: ``x + dropout(sum_j w_j
-    FFN_{e_j}(norm(x)) + shared(norm(x)))``, the ``k`` experts ``e_j`` and weights
-    ``w_j`` chosen per token by a linear router (fp32 softmax, top-k, renormalised with
-    ``moe_norm_topk``).
+    FFN_{e_j}(norm(x)) + shared(norm(x)))`` (with ``post_norms`` the sum normed first),
+    the ``k`` experts ``e_j`` and weights ``w_j`` chosen per token by a linear router
+    (fp32 softmax, top-k, renormalised with ``moe_norm_topk``).
 
     Parameters: ``router`` ``[hidden, E]`` (replicated), ``experts_up`` ``[E, hidden,
     width]`` (``width = 2F`` gated, columns interleaved ``(j, {gate, up})`` as in
@@ -114,7 +114,8 @@ class MoE(nnx.Module):
         e, h, f = config.num_experts, config.hidden, config.moe_mlp_hidden
         width = (2 if config.gated else 1) * f
         self.norm = make_norm(config.norm, h, parallel=parallel, epsilon=config.norm_epsilon,
-                              dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+                              dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
+                              norm_offset=config.norm_offset)
         dense = nnx.initializers.lecun_normal()
         stacked = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
         self.router = nnx.Param(dense(rngs.params(), (h, e), config.param_dtype),
@@ -137,6 +138,12 @@ class MoE(nnx.Module):
                 h, (2 if config.gated else 1) * shared, **common)
             self.shared_down = RowSequenceParallelLinear(shared, h, **common)
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
+        # post_norms: the mixture's output normed before the residual add (as the MLP's)
+        self.post_norm = make_norm(config.norm, h, parallel=parallel,
+                                   epsilon=config.norm_epsilon, dtype=config.dtype,
+                                   param_dtype=config.param_dtype, rngs=rngs,
+                                   norm_offset=config.norm_offset) \
+            if config.post_norms else None
 
     def _check_mesh(self, mesh: Any) -> None:
         cfg, par = self.config, self.parallel
@@ -190,6 +197,8 @@ class MoE(nnx.Module):
             y = y + self.shared_down.local_decode(
                 self.shared_up.local_decode(normed),
                 activation=MLPActivation(cfg.mlp_activation)).astype(y.dtype)
+        if self.post_norm is not None:
+            y = self.post_norm.local(y)
         return x.astype(y.dtype) + y
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
@@ -203,6 +212,8 @@ class MoE(nnx.Module):
         if self.shared_up is not None:
             y = y + self.shared_down(self.shared_up(normed),
                                      activation=MLPActivation(self.config.mlp_activation))
+        if self.post_norm is not None:  # per token: the SP layout's rows
+            y = self.post_norm(y)
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         return x.astype(y.dtype) + y, stats
 

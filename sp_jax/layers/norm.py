@@ -29,9 +29,16 @@ from sp_jax.mesh import check_activations, to_sequence_parallel
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "layer_norm", "make_norm", "rms_norm"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _norm(x, scale, bias, epsilon: float, center: bool, out_dtype):
-    return _norm_fwd(x, scale, bias, epsilon, center, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _norm(x, scale, bias, epsilon: float, center: bool, out_dtype, offset: float = 0.0):
+    return _norm_fwd(x, scale, bias, epsilon, center, out_dtype, offset)[0]
+
+
+def _factor(scale, offset):
+    """The fp32 factor of the normalised values: ``offset + scale`` (Gemma's ``1.0 +
+    weight.float()``), the scale itself for offset 0 (bitwise as without an offset)."""
+    scale = scale.astype(jnp.float32)
+    return scale if offset == 0 else jnp.float32(offset) + scale
 
 
 def _norm_stats(x, epsilon, center):
@@ -41,11 +48,11 @@ def _norm_stats(x, epsilon, center):
     return (xf - mean) * rstd, mean, rstd
 
 
-def _norm_fwd(x, scale, bias, epsilon, center, out_dtype):
+def _norm_fwd(x, scale, bias, epsilon, center, out_dtype, offset=0.0):
     x_hat, mean, rstd = _norm_stats(x, epsilon, center)
     y = x_hat
     if scale is not None:
-        y = y * scale.astype(jnp.float32)
+        y = y * _factor(scale, offset)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     # Residuals: the input in its own dtype and two fp32 numbers per token; the
@@ -53,14 +60,14 @@ def _norm_fwd(x, scale, bias, epsilon, center, out_dtype):
     return y.astype(out_dtype), (x, mean, rstd, scale, bias)
 
 
-def _norm_bwd(epsilon, center, out_dtype, res, g):
+def _norm_bwd(epsilon, center, out_dtype, offset, res, g):
     x, mean, rstd, scale, bias = res
     x_hat = (x.astype(jnp.float32) - mean) * rstd
     g = g.astype(jnp.float32)
     lead = tuple(range(g.ndim - 1))
     d_scale = None if scale is None else jnp.sum(g * x_hat, axis=lead).astype(scale.dtype)
     d_bias = None if bias is None else jnp.sum(g, axis=lead).astype(bias.dtype)
-    d_xhat = g * scale.astype(jnp.float32) if scale is not None else g
+    d_xhat = g * _factor(scale, offset) if scale is not None else g
     proj = jnp.mean(d_xhat * x_hat, axis=-1, keepdims=True)
     d_x = d_xhat - x_hat * proj
     if center:
@@ -75,7 +82,7 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
-               epsilon: float = 1e-6, dtype=None) -> jax.Array:
+               epsilon: float = 1e-6, dtype=None, offset: float = 0.0) -> jax.Array:
     """LayerNorm over the last axis with a memory-lean backward (no mesh needed).
 
     Normalises in fp32; keeps for backward only ``x`` (in its own dtype) and two fp32
@@ -86,18 +93,22 @@ def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
       scale / bias: ``[features]`` parameters, or None for none.
       epsilon: added to the variance.
       dtype: output dtype (default: promoted dtype of ``x`` and the parameters).
+      offset: the normalised values are scaled by ``offset + scale`` (in fp32; Gemma's
+        ``1 + weight``: 1.0), by ``scale`` for 0.0.
     """
     if dtype is None:
         dtype = jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
-    return _norm(x, scale, bias, epsilon, True, dtype)
+    return _norm(x, scale, bias, epsilon, True, dtype, float(offset))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, *, epsilon: float = 1e-6,
-             dtype=None) -> jax.Array:
-    """RMSNorm over the last axis with the memory-lean backward of :func:`layer_norm`."""
+             dtype=None, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis with the memory-lean backward of :func:`layer_norm`
+    (``offset`` as there: Gemma's ``x * rsqrt(mean(x ** 2) + eps) * (1 + weight)`` in
+    fp32 with 1.0)."""
     if dtype is None:
         dtype = jnp.result_type(x, *(p for p in (scale,) if p is not None))
-    return _norm(x, scale, None, epsilon, False, dtype)
+    return _norm(x, scale, None, epsilon, False, dtype, float(offset))
 
 
 def _fast_path(module: nnx.Module, mask: jax.Array | None) -> bool:
@@ -122,18 +133,38 @@ def _out_dtype(module: nnx.Module, x: jax.Array):
     return jnp.result_type(x, *params)
 
 
+def _offset_init(norm_offset: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the scale starting at ``1 - norm_offset`` (a factor of 1) unless a
+    ``scale_init`` is given; a TypeError for a ``norm_offset`` that is not a number."""
+    if isinstance(norm_offset, bool) or not isinstance(norm_offset, int | float):
+        raise TypeError(f"norm_offset={norm_offset!r} must be a number (0.0: scale by the "
+                        "weight; 1.0: by 1 + weight, as Gemma).")
+    if norm_offset and "scale_init" not in kwargs:
+        kwargs = {**kwargs, "scale_init": nnx.initializers.constant(1.0 - norm_offset)}
+    return kwargs
+
+
+def _check_plain(module: nnx.Module) -> None:
+    """Flax's own norm (a mask, an axis name, other axes) has no offset."""
+    if module.norm_offset:
+        raise ValueError(f"{type(module).__name__}: norm_offset={module.norm_offset} is "
+                         "applied on the last axis without a mask only; use norm_offset=0.0 "
+                         "with a mask, axis_name or other reduction/feature axes.")
+
+
 class LayerNorm(nnx.LayerNorm):
     """:class:`flax.nnx.LayerNorm` over the last axis of SP-sharded activations.
 
     Same arguments as ``nnx.LayerNorm`` plus ``parallel`` (the
-    :class:`~sp_jax.ParallelConfig`); parameters ``scale`` / ``bias`` ``[num_features]``,
-    replicated.
+    :class:`~sp_jax.ParallelConfig`) and ``norm_offset`` (the normalised values are scaled
+    by ``norm_offset + scale``; the scale then starts at ``1 - norm_offset``);
+    parameters ``scale`` / ``bias`` ``[num_features]``, replicated.
     """
 
     def __init__(self, num_features: int, *, parallel: ParallelConfig = ParallelConfig(),
-                 **kwargs: Any):
-        super().__init__(num_features, **kwargs)
-        self.parallel = parallel
+                 norm_offset: float = 0.0, **kwargs: Any):
+        super().__init__(num_features, **_offset_init(norm_offset, kwargs))
+        self.parallel, self.norm_offset = parallel, float(norm_offset)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         x = jnp.asarray(x)
@@ -145,23 +176,27 @@ class LayerNorm(nnx.LayerNorm):
         parameters replicated): what :meth:`__call__` computes after placing ``x`` in the
         SP layout, and what decoding runs on whole rows ``[b, 1, features]``."""
         if not _fast_path(self, mask):
+            _check_plain(self)
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if self.bias is not None else None
-        return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+        return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x),
+                          offset=self.norm_offset)
 
 
 class RMSNorm(nnx.RMSNorm):
     """:class:`flax.nnx.RMSNorm` over the last axis of SP-sharded activations.
 
     Same arguments as ``nnx.RMSNorm`` plus ``parallel`` (the
-    :class:`~sp_jax.ParallelConfig`); parameter ``scale`` ``[num_features]``, replicated.
+    :class:`~sp_jax.ParallelConfig`) and ``norm_offset`` (as :class:`LayerNorm`; Gemma's
+    RMSNorm: 1.0, ``x * rsqrt(mean(x ** 2) + eps) * (1 + scale)`` in fp32, the scale
+    starting at 0); parameter ``scale`` ``[num_features]``, replicated.
     """
 
     def __init__(self, num_features: int, *, parallel: ParallelConfig = ParallelConfig(),
-                 **kwargs: Any):
-        super().__init__(num_features, **kwargs)
-        self.parallel = parallel
+                 norm_offset: float = 0.0, **kwargs: Any):
+        super().__init__(num_features, **_offset_init(norm_offset, kwargs))
+        self.parallel, self.norm_offset = parallel, float(norm_offset)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         x = jnp.asarray(x)
@@ -171,9 +206,11 @@ class RMSNorm(nnx.RMSNorm):
     def local(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         """Per device, as :meth:`LayerNorm.local`."""
         if not _fast_path(self, mask):
+            _check_plain(self)
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
-        return rms_norm(x, scale, epsilon=self.epsilon, dtype=_out_dtype(self, x))
+        return rms_norm(x, scale, epsilon=self.epsilon, dtype=_out_dtype(self, x),
+                        offset=self.norm_offset)
 
 
 NORMS: dict[str, type[nnx.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
@@ -181,11 +218,12 @@ NORMS: dict[str, type[nnx.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm
 
 
 def make_norm(kind: str, features: int, *, parallel: ParallelConfig, epsilon: float,
-              dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
-    """The :data:`NORMS` entry ``kind`` over ``features``; a ValueError names the valid
-    kinds for an unknown one."""
+              dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
+              norm_offset: float = 0.0) -> nnx.Module:
+    """The :data:`NORMS` entry ``kind`` over ``features`` (scaling by ``norm_offset +
+    scale``); a ValueError names the valid kinds for an unknown one."""
     if kind not in NORMS:
         raise ValueError(f"norm={kind!r} is not a known norm; use one of {sorted(NORMS)}.")
     return NORMS[kind](features, parallel=parallel, epsilon=epsilon, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
+                       param_dtype=param_dtype, rngs=rngs, norm_offset=norm_offset)
 

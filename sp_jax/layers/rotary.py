@@ -74,12 +74,15 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0,
-                     scaling: RopeScaling | None = None) -> jax.Array:
+                     scaling: RopeScaling | None = None, *,
+                     frequencies: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding (rotate-half form, as Hugging Face's Llama) of ``x``
     ``[b, s, heads, head_dim]`` at integer ``positions`` ``[s]`` (every batch row alike)
     or ``[b, s]`` (per row, e.g. positions restarting in each packed document), computed in
-    fp32; frequencies from :func:`rope_frequencies`."""
-    freqs = jnp.asarray(rope_frequencies(x.shape[-1], base, scaling))
+    fp32; frequencies from :func:`rope_frequencies`, or ``frequencies`` ``[head_dim / 2]``
+    fp32 when given (e.g. a layer's choice between two bases, traced)."""
+    freqs = jnp.asarray(rope_frequencies(x.shape[-1], base, scaling)) \
+        if frequencies is None else frequencies
     angles = positions[..., None].astype(jnp.float32) * freqs  # [(b,) s, half]
     if angles.ndim == 2:
         angles = angles[None]

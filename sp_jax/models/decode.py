@@ -148,11 +148,14 @@ def _merge(graph_treedef: tuple[Any, Any], leaves: list[jax.Array]) -> nnx.Modul
     return nnx.merge(graph, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
-def _logits(h: jax.Array, table: jax.Array, tensor: str, vocab_size: int) -> jax.Array:
+def _logits(model: Any, h: jax.Array, table: jax.Array) -> jax.Array:
     """Per device: fp32 logits ``[b, vocab_size]`` of final-normed ``h [b, hidden]``
-    with this shard's vocabulary block ``table [Vp / t, hidden]`` (one all-gather)."""
+    with this shard's vocabulary block ``table [Vp / t, hidden]`` (one all-gather),
+    soft-capped as the training head's (``GPT.cap_logits``)."""
     local = jnp.dot(h, table.T.astype(jnp.result_type(h.dtype, table.dtype)))
-    return all_gather_invariant(local, tensor, -1)[:, :vocab_size].astype(jnp.float32)
+    local = model.cap_logits(local)
+    return all_gather_invariant(local, model.parallel.tensor_axis, -1)[
+        :, :model.config.vocab_size].astype(jnp.float32)
 
 
 # -- the two programs -------------------------------------------------------------------
@@ -270,7 +273,7 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
       the generated positions are spread over the shards (:func:`cache_slots`).
     """
     check_decodable(model)
-    par, cfg = model.parallel, model.config
+    par = model.parallel
     mesh = current_mesh(par, where="generate")
     layout = Layout.of(par)
     _, head = _tables(model, mesh)
@@ -299,7 +302,7 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
         inside = (at >= 0) & (at < s)
         row = jnp.take_along_axis(h, jnp.clip(at, 0, s - 1)[:, None, None], axis=1)[:, 0]
         row = lax.psum(jnp.where(inside[:, None], row, jnp.zeros((), row.dtype)), seq_axes)
-        return _logits(row, table, par.tensor_axis, cfg.vocab_size)
+        return _logits(model, row, table)
 
     batch = layout.spec("activation_batch")
     logits = jax.shard_map(pick, in_specs=(layout.sp, batch, decode_layout(par).vocab_table),
@@ -348,6 +351,7 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
                      tensor)
         if model.embed.dtype is not None:
             x = x.astype(model.embed.dtype)
+        x = model.scale_embeddings(x)  # as GPT.embed_tokens
         if position is not None:
             x = x + jnp.take(position, positions, axis=0)[:, None].astype(x.dtype)
         x, k_new, v_new = decode_blocks(_merge(blocks, block_leaves), x, k_all, v_all,
@@ -356,7 +360,7 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
         rows = jnp.arange(tokens.shape[0])
         k_all = k_all.at[:, rows, at].set(k_new[:, :, 0].astype(k_all.dtype), mode="drop")
         v_all = v_all.at[:, rows, at].set(v_new[:, :, 0].astype(v_all.dtype), mode="drop")
-        return _logits(h, head, tensor, cfg.vocab_size), k_all, v_all
+        return _logits(model, h, head), k_all, v_all
 
     table_spec = decode_layout(par).vocab_table
     logits, k, v = jax.shard_map(

@@ -19,6 +19,7 @@ from sp_jax.layers import (
     MoEStats,
     VocabParallelEmbedding,
     document_labels,
+    logit_softcap,
     make_norm,
     moe_losses,
     parallel_cross_entropy,
@@ -92,7 +93,8 @@ class GPT(nnx.Module):
             else nnx.List(blocks)
         self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
                                     epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
-                                    param_dtype=cfg.param_dtype, rngs=rngs)
+                                    param_dtype=cfg.param_dtype, rngs=rngs,
+                                    norm_offset=cfg.norm_offset)
         # An untied head is a second vocabulary table [V, hidden] (the layout of Megatron's
         # output layer), vocabulary-parallel like the embedding.
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
@@ -231,7 +233,7 @@ class GPT(nnx.Module):
             row's own).
         """
         self._check_tokens(tokens)
-        x = self.embed(tokens, table=table)
+        x = self.scale_embeddings(self.embed(tokens, table=table))
         if self.position is not None:
             table_p = self.position[...]
             if positions is not None:  # per row: [b, s, hidden], laid out like x
@@ -248,6 +250,21 @@ class GPT(nnx.Module):
             x = to_sequence_parallel(x, self.parallel, where="GPT")
         return self.dropout(x, rngs=key)
 
+    def scale_embeddings(self, x: jax.Array) -> jax.Array:
+        """Token embeddings ``x`` times ``sqrt(hidden)`` rounded to ``x``'s dtype with
+        ``config.scale_embeddings`` (Gemma's normalizer), else ``x``: every mode's
+        embedding (:meth:`embed_tokens`, generation's decode step) goes through it."""
+        if not self.config.scale_embeddings:
+            return x
+        return x * jnp.asarray(self.config.hidden ** 0.5, x.dtype)
+
+    def cap_logits(self, logits: jax.Array) -> jax.Array:
+        """``final_logit_softcap`` ``c``: ``logits`` become ``c * tanh(logits / c)``
+        (computed in fp32, returned in their dtype; Gemma 2's final soft cap), else as
+        they are: the LM head of the loss, of :meth:`padded_logits` and of generation
+        (:func:`~sp_jax.layers.logit_softcap`)."""
+        return logit_softcap(logits, self.config.final_logit_softcap)
+
     def vocab_table(self) -> jax.Array:
         """The LM head's padded ``[Vp, hidden]`` table (the embedding's when tied),
         vocabulary-parallel (``layout.vocab_table``)."""
@@ -257,14 +274,15 @@ class GPT(nnx.Module):
     def logits_from_hidden(self, h: jax.Array, table: jax.Array | None = None) -> jax.Array:
         """The LM head: vocabulary-parallel logits ``[batch, seq, padded_vocab]``
         ``P(data, None, tensor)`` of final-normed hidden states ``h`` (SP layout) with the
-        padded ``table`` (None: :meth:`vocab_table`)."""
+        padded ``table`` (None: :meth:`vocab_table`), soft-capped (:meth:`cap_logits`;
+        the padded entries stay out of the loss by ``vocab_size``)."""
         if table is None:
             table = self.vocab_table()
         layout, par = Layout.of(self.parallel), self.parallel
         # the column op of the parallel layers (the table's rows are the kernel's columns)
-        return shard_linear(lambda h, table: column_sp_matmul(h, table.T, None, par), h,
-                            layout.sp, layout.logits, ((table, layout.vocab_table),),
-                            parallel=par, where="GPT")
+        return self.cap_logits(shard_linear(
+            lambda h, table: column_sp_matmul(h, table.T, None, par), h, layout.sp,
+            layout.logits, ((table, layout.vocab_table),), parallel=par, where="GPT"))
 
     def _pipeline_forward(self, tokens: jax.Array, segment_ids: jax.Array | None,
                           positions: jax.Array | None, rngs: Any, result: str) -> jax.Array:
