@@ -179,9 +179,9 @@ def gemma_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
 
 def gemma_expresses(cfg: GPTConfig) -> bool:
     """Dense; rotary, RMSNorm with ``1 + weight``, post-norms, scaled embeddings, gated
-    tanh-GELU, ``qkv_bias == out_bias``, no MLP bias, one window size at most."""
-    windows = {cfg.layer_window(i) for i in range(cfg.num_layers)} - {None}
-    return len(windows) <= 1 and has_fields(
+    tanh-GELU, ``qkv_bias == out_bias``, no MLP bias (windows of more than one size are
+    named by :func:`gemma_windows_to_hf`)."""
+    return has_fields(
         cfg, num_experts=0, positions="rotary", norm="rmsnorm", norm_offset=1.0,
         post_norms=True, scale_embeddings=True, mlp_activation="geglu_tanh",
         out_bias=cfg.qkv_bias, mlp_bias=False)
