@@ -102,7 +102,8 @@ def test_gemma_configs_sp_jax_cannot_reproduce_are_named(change, match):
 
 def test_gemma_to_hf_refuses_what_it_cannot_write():
     """Two window sizes (Gemma has one sliding_window) and Gemma 3's scaled local
-    layers are named; a Gemma config is no Llama."""
+    layers are named; a Gemma config is no Llama, and a Llama with one of Gemma's parts
+    is written by no family."""
     cfg = hf.config_from_hf(_config("gemma2"))
     with pytest.raises(ValueError, match="holds windows"):
         hf.config_to_hf(dataclasses.replace(cfg, layer_windows=(4, None, 8, None)))
@@ -112,7 +113,13 @@ def test_gemma_to_hf_refuses_what_it_cannot_write():
                         model_type="gemma3_text")
     with pytest.raises(ValueError, match="cannot express"):
         hf.config_to_hf(cfg, model_type="llama")
-    assert isinstance(cfg, GPTConfig)
+    llama = hf.config_from_hf(_config("llama"))
+    for field, value in (("attention_softcap", 50.0), ("final_logit_softcap", 30.0),
+                         ("norm_offset", 1.0), ("scale_embeddings", True),
+                         ("attention_scale", 0.5)):  # Gemma's parts: no Llama writes them
+        with pytest.raises(ValueError, match="neither"):
+            hf.config_to_hf(dataclasses.replace(llama, **{field: value}))
+    assert isinstance(llama, GPTConfig)
 
 
 @pytest.mark.parametrize("family,shape", [
