@@ -1,5 +1,5 @@
-"""Generate text from a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, and
-the mixtures of experts Mixtral and Qwen3-MoE), e.g. one written by
+"""Generate text from a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+Gemma 3 text, and the mixtures of experts Mixtral and Qwen3-MoE), e.g. one written by
 examples/finetune_hf.py --out, with tensor parallelism and a KV cache.
 
     python examples/generate.py --hf-dir DIR --prompt "Once upon a time" [--prompt "..."]

@@ -3,14 +3,19 @@
     pip install torch transformers safetensors numpy   # in an environment of its own
     python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--only NAME ...]
 
-For each of eleven small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
+For each of thirteen small random-init models (GPT-2, a grouped-query Llama with Llama-3.1
 rope scaling, a Mistral with a sliding window of 4 tokens, a tied Qwen2, a tied Qwen3
 with its q/k norms, an untied Qwen3 whose head_dim (8) is not hidden / heads (4:
 ``qwen3_head_dim``), a Mistral-Nemo-shaped Mistral (hidden 40, 4 heads of 16:
 ``mistral_head_dim``), a Llama with an explicit head_dim (6, not 32 / 4:
 ``llama_head_dim``), a Qwen2 with a window on some layers only (``max_window_layers``:
-``qwen2_layer_windows``), and the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
-of width 16, 2 per token, in every layer) it writes ``<out>/<name>/`` (``--only``: those
+``qwen2_layer_windows``), the mixtures of experts Mixtral and a tied Qwen3-MoE: 4 experts
+of width 16, 2 per token, in every layer, and Gemma 2 (4 layers, sliding / full
+alternating, soft caps 5 and 3 that change the logits, checked) and Gemma 3 text (6
+layers, 5 sliding : 1 full, local rotary base 1e4, global 1e6 with linear scaling 8):
+both with head_dim 8 apart from hidden / heads (16 / 4), query_pre_attn_scalar 24, a
+window of 4 tokens, their zero-initialised norm weights drawn around 0 so that ``1 +
+weight`` is tested) it writes ``<out>/<name>/`` (``--only``: those
 named) with transformers' own ``save_pretrained`` (``config.json``,
 ``generation_config.json`` and ``model.safetensors``) and ``golden.npz``:
 
@@ -88,6 +93,17 @@ GRADS = {  # the tensors whose gradients are recorded
                 "model.layers.1.block_sparse_moe.experts.3.w3.weight",
                 "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight",
                 "lm_head.weight"],
+    "gemma2": ["model.layers.0.self_attn.q_proj.weight",
+               "model.layers.1.post_attention_layernorm.weight",
+               "model.layers.2.pre_feedforward_layernorm.weight",
+               "model.layers.3.post_feedforward_layernorm.weight", "model.norm.weight",
+               "model.embed_tokens.weight"],
+    "gemma3": ["model.layers.0.self_attn.q_norm.weight",
+               "model.layers.5.self_attn.k_norm.weight",
+               "model.layers.5.self_attn.k_proj.weight",
+               "model.layers.1.post_attention_layernorm.weight",
+               "model.layers.4.post_feedforward_layernorm.weight",
+               "model.layers.2.mlp.gate_proj.weight", "model.embed_tokens.weight"],
     "qwen3_moe": ["model.layers.1.mlp.gate.weight", "model.layers.0.mlp.experts.0.gate_proj.weight",
                   "model.layers.1.mlp.experts.3.up_proj.weight",
                   "model.layers.1.mlp.experts.1.down_proj.weight",
@@ -104,6 +120,19 @@ PER_EXPERT = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down
 # the shapes every Llama-shaped fixture shares: 8 query heads over 2 key/value heads
 LLAMA_SHAPED = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+# the Gemma fixtures: narrower (16 wide, 4 query heads of 8 over 2 key/value heads: head_dim
+# apart from hidden / heads), queries scaled by 24 ** -0.5 (not head_dim ** -0.5), a
+# sliding window of 4 tokens
+GEMMA_SHAPED = dict(vocab_size=96, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=24,
+                    sliding_window=4, max_position_embeddings=64, rms_norm_eps=1e-6,
+                    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2)
+# weights drawn wider than transformers' init (std 0.02) in the Gemma fixtures, so that the
+# attention scores and the logits reach the soft caps (checked by softcap_effect)
+GEMMA_STD = {"embed_tokens": 0.5, "q_proj": 0.3, "k_proj": 0.3}
+GEMMA = ("gemma2", "gemma3")
+NAMES = {"gemma3_text": "gemma3"}  # GRADS' key of a model_type, where it differs
 
 
 def configs() -> dict[str, tuple[transformers.PretrainedConfig, type]]:
@@ -164,6 +193,20 @@ def configs() -> dict[str, tuple[transformers.PretrainedConfig, type]]:
             num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
             rms_norm_eps=1e-6, tie_word_embeddings=True, router_aux_loss_coef=0.01,
             eos_token_id=95, pad_token_id=93), transformers.Qwen3MoeForCausalLM),
+        # Gemma 2: 4 layers alternating sliding (even) / full (odd), as transformers'
+        # default layer_types; attention-logit and final-logit soft caps that bind
+        "gemma2": (transformers.Gemma2Config(
+            **GEMMA_SHAPED, num_hidden_layers=4, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0), transformers.Gemma2ForCausalLM),
+        # Gemma 3 (text): 6 layers, 5 sliding : 1 full (the default pattern); the local
+        # layers' rotary base 1e4, the full layer's 1e6 with linear scaling (factor 8, as
+        # Gemma 3 4B-27B), q/k norms
+        "gemma3": (transformers.Gemma3TextConfig(
+            **GEMMA_SHAPED, num_hidden_layers=6, rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                   "rope_theta": 1000000.0}}),
+            transformers.Gemma3ForCausalLM),
     }
 
 
@@ -182,6 +225,11 @@ def models(only: list[str] | None = None) -> dict[str, transformers.PreTrainedMo
             for pname, p in model.named_parameters():  # decisive routing (see the docstring)
                 if pname.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
                     p.copy_(0.5 * torch.randn(p.shape, generator=routers))
+            if name in GEMMA:  # attention scores and logits that reach the soft caps
+                for pname, p in model.named_parameters():
+                    std = next((v for k, v in GEMMA_STD.items() if f".{k}." in pname), None)
+                    if std is not None:
+                        p.copy_(std * torch.randn_like(p))
         out[name] = model
     return out
 
@@ -264,10 +312,35 @@ def golden(model, vocab: int, seed: int = 0, name: str | None = None) -> dict[st
     result = {"input_ids": ids.astype(np.int32),
               "logits": out.logits.detach().numpy().astype(np.float32),
               "loss": np.float32(out.loss.item())}
-    for tensor in GRADS.get(name, GRADS[model.config.model_type]):
+    mt = model.config.model_type
+    for tensor in GRADS.get(name, GRADS[NAMES.get(mt, mt)]):
         result["grad/" + tensor] = params[tensor].grad.numpy().astype(np.float32)
+    if mt == "gemma2":
+        softcap_effect(model, tokens, out.logits.detach())
     result.update(greedy(model, rng, vocab))
     return result
+
+
+def softcap_effect(model, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """Fails unless each of Gemma 2's soft caps (attention logits, final logits) changes
+    the logits by more than 1e-2 (the fixture's weights reach them)."""
+    config, attentions = model.config, [layer.self_attn for layer in model.model.layers]
+    for which in ("attn_logit_softcapping", "final_logit_softcapping"):
+        saved = getattr(config, which)
+        setattr(config, which, None)
+        for a in attentions:
+            a.attn_logit_softcapping = config.attn_logit_softcapping
+        try:
+            with torch.no_grad():
+                uncapped = model(input_ids=tokens).logits
+        finally:
+            setattr(config, which, saved)
+            for a in attentions:
+                a.attn_logit_softcapping = config.attn_logit_softcapping
+        effect = float((uncapped - logits).abs().max())
+        print(f"gemma2: without {which} the logits move by {effect:.3f}")
+        if effect < 1e-2:
+            raise SystemExit(f"gemma2: {which} does not change the logits; draw wider weights")
 
 
 def greedy(model, rng: np.random.Generator, vocab: int) -> dict[str, np.ndarray]:

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama, Mistral, Qwen2 and Qwen3 models, and
-the mixtures of experts Mixtral and Qwen3-MoE.
+"""Hugging Face checkpoints in and out: GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2 and
+Gemma 3 (text) models, and the mixtures of experts Mixtral and Qwen3-MoE.
 
     with jax.set_mesh(mesh):
         model = from_hf("path/to/llama", parallel=ParallelConfig())  # safetensors + config
@@ -15,7 +15,8 @@ back to ``config.json`` and ``generation_config.json``.
 
 The conversion is one table per family (``Family.rules``, in :mod:`.gpt2`, :mod:`.llama`;
 :mod:`.mistral`, :mod:`.qwen2` and :mod:`.qwen3` reuse Llama's, :mod:`.mixtral` and
-:mod:`.qwen3_moe` add their experts to it): each sp_jax parameter,
+:mod:`.qwen3_moe` add their experts to it; :mod:`.gemma2` and :mod:`.gemma3` its
+post-norms): each sp_jax parameter,
 the Hugging Face tensors it comes from and two inverse functions between them. It
 applies the layout changes sp_jax's fused projections need:
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from sp_jax.models.gpt_config import GPTConfig
 
-__all__ = ["ATTENTION", "MLP", "Family", "Rule", "expand", "has_fields", "interleave",
+__all__ = ["ATTENTION", "MLP", "PLAIN", "Family", "Rule", "expand", "has_fields", "interleave",
            "on_layers", "per_expert", "require", "same", "swap_qkv", "transposed"]
 
 # The sp_jax paths of one block's attention and MLP ("{i}": the layer).
@@ -73,6 +73,13 @@ class Family:
 def has_fields(cfg: GPTConfig, **want: Any) -> bool:
     """Whether every named field of ``cfg`` has the value given."""
     return all(getattr(cfg, k) == v for k, v in want.items())
+
+
+PLAIN = dict(norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None,
+             attention_softcap=None, final_logit_softcap=None, rope_local_base=None)
+"""The :class:`GPTConfig` fields of a block without Gemma's parts (``has_fields(cfg,
+**PLAIN, ...)``): the families other than :mod:`.gemma2` / :mod:`.gemma3` express only
+these values."""
 
 
 def require(config: Mapping[str, Any], model_type: str, *keys: str) -> None:

@@ -11,6 +11,7 @@ from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.models.hf.family import (
     ATTENTION,
     MLP,
+    PLAIN,
     Family,
     Rule,
     has_fields,
@@ -73,7 +74,7 @@ def expresses(cfg: GPTConfig) -> bool:
     """Dense (no experts); learned positions, LayerNorm, a gelu/relu MLP, all biases, no
     grouped-query attention, no sliding window, no q/k norm, heads of ``hidden / heads``
     (GPT-2 has no ``head_dim``)."""
-    return has_fields(cfg, num_experts=0, positions="learned", norm="layernorm",
+    return has_fields(cfg, **PLAIN, num_experts=0, positions="learned", norm="layernorm",
                       qkv_bias=True, out_bias=True, mlp_bias=True, num_kv_heads=cfg.num_heads,
                       rope_scaling=None, sliding_window=None, layer_windows=None,
                       qk_norm=False) and \

@@ -18,6 +18,7 @@ from sp_jax.models.gpt_config import GPTConfig, RopeScaling
 from sp_jax.models.hf.family import (
     ATTENTION,
     MLP,
+    PLAIN,
     Family,
     Rule,
     has_fields,
@@ -121,7 +122,7 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 def expresses(cfg: GPTConfig) -> bool:
     """Dense (no experts); rotary positions, RMSNorm, SwiGLU, ``qkv_bias == out_bias``, no
     sliding window, no q/k norm."""
-    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+    return has_fields(cfg, **PLAIN, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", out_bias=cfg.qkv_bias, sliding_window=None,
                       layer_windows=None, qk_norm=False)
 

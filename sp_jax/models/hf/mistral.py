@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.models.hf.family import Family, has_fields
+from sp_jax.models.hf.family import PLAIN, Family, has_fields
 from sp_jax.models.hf.llama import llama_shaped_fields, llama_shaped_rules, llama_shaped_to_hf
 
 __all__ = ["MISTRAL"]
@@ -33,7 +33,7 @@ def expresses(cfg: GPTConfig) -> bool:
     sliding window (without one, :mod:`.llama` comes first in the registry and writes it,
     unless the config remembers ``hf_model_type="mistral"``, as one read from a Mistral
     checkpoint does, or ``model_type="mistral"`` is asked for)."""
-    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+    return has_fields(cfg, **PLAIN, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", qkv_bias=False, out_bias=False, mlp_bias=False,
                       layer_windows=None, qk_norm=False)
 

@@ -31,6 +31,7 @@ import numpy as np
 from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.models.hf.family import (
     MLP,
+    PLAIN,
     Family,
     Rule,
     has_fields,
@@ -192,7 +193,7 @@ def expresses(cfg: GPTConfig) -> bool:
     training-only ``moe_capacity_factor`` / ``router_z_loss_coef`` are not written:
     transformers' Mixtral is dropless and has no z-loss."""
     return cfg.num_experts > 0 and has_fields(
-        cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu", qkv_bias=False,
+        cfg, **PLAIN, positions="rotary", norm="rmsnorm", mlp_activation="swiglu", qkv_bias=False,
         out_bias=False, qk_norm=False, moe_layer_freq=1, num_shared_experts=0,
         moe_norm_topk=True)
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.models.hf.family import Family, has_fields
+from sp_jax.models.hf.family import PLAIN, Family, has_fields
 from sp_jax.models.hf.llama import llama_shaped_fields, llama_shaped_rules, llama_shaped_to_hf
 
 __all__ = ["LAYER_TYPES", "QWEN2", "qwen_window", "qwen_window_to_hf"]
@@ -81,7 +81,7 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 def expresses(cfg: GPTConfig) -> bool:
     """Dense (no experts); rotary positions, RMSNorm, SwiGLU, q/k/v biases without an
     output or MLP bias, no q/k norm."""
-    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+    return has_fields(cfg, **PLAIN, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", qkv_bias=True, out_bias=False, mlp_bias=False,
                       qk_norm=False)
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.models.hf.family import Family, has_fields
+from sp_jax.models.hf.family import PLAIN, Family, has_fields
 from sp_jax.models.hf.llama import llama_shaped_fields, llama_shaped_rules, llama_shaped_to_hf
 from sp_jax.models.hf.qwen2 import qwen_window, qwen_window_to_hf
 
@@ -36,7 +36,7 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
 def expresses(cfg: GPTConfig) -> bool:
     """Dense (no experts); rotary positions, RMSNorm, SwiGLU, q/k norm, ``qkv_bias ==
     out_bias``, no MLP bias."""
-    return has_fields(cfg, num_experts=0, positions="rotary", norm="rmsnorm",
+    return has_fields(cfg, **PLAIN, num_experts=0, positions="rotary", norm="rmsnorm",
                       mlp_activation="swiglu", qk_norm=True, out_bias=cfg.qkv_bias,
                       mlp_bias=False)
 

@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.models.hf.family import Family, Rule, has_fields
+from sp_jax.models.hf.family import PLAIN, Family, Rule, has_fields
 from sp_jax.models.hf.llama import llama_shaped_fields, llama_shaped_to_hf
 from sp_jax.models.hf.mixtral import (
     expert_rules,
@@ -104,7 +104,7 @@ def expresses(cfg: GPTConfig) -> bool:
     any sliding window. The training-only ``moe_capacity_factor`` / ``router_z_loss_coef``
     are not written: transformers' Qwen3-MoE is dropless and has no z-loss."""
     return cfg.num_experts > 0 and has_fields(
-        cfg, positions="rotary", norm="rmsnorm", mlp_activation="swiglu", qk_norm=True,
+        cfg, **PLAIN, positions="rotary", norm="rmsnorm", mlp_activation="swiglu", qk_norm=True,
         out_bias=cfg.qkv_bias, mlp_bias=False, num_shared_experts=0)
 
 

@@ -9,7 +9,17 @@ from typing import Any
 import jax.numpy as jnp
 
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.models.hf import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from sp_jax.models.hf import (
+    gemma2,
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from sp_jax.models.hf.family import Family
 
 __all__ = ["FAMILIES", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf", "family_of",
@@ -17,7 +27,7 @@ __all__ = ["FAMILIES", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf"
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3, mixtral.MIXTRAL,
-    qwen3_moe.QWEN3_MOE)}
+    qwen3_moe.QWEN3_MOE, gemma2.GEMMA2, gemma3.GEMMA3)}
 """``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it
 when the config remembers no family that does (``GPTConfig.hf_model_type``) and
 ``model_type=`` asks for none."""
@@ -85,7 +95,8 @@ def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face ``config.json`` (a dict).
 
     ``model_type`` one of :data:`FAMILIES` (``"gpt2"``, ``"llama"``, ``"mistral"``,
-    ``"qwen2"``, ``"qwen3"``, ``"mixtral"``, ``"qwen3_moe"``), as written by transformers
+    ``"qwen2"``, ``"qwen3"``, ``"mixtral"``, ``"qwen3_moe"``, ``"gemma2"``,
+    ``"gemma3_text"``), as written by transformers
     4.x (``rope_theta`` and ``rope_scaling`` at the top level) or 5.x
     (``rope_parameters``). Options sp_jax cannot reproduce exactly raise a ValueError
     naming the key (e.g. GPT-2's ``scale_attn_by_inverse_layer_idx``, rope types other
