@@ -209,7 +209,8 @@ def test_gemma_sharded_equals_one_device(scan):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier's greedy check: test_attention_softcap.py's
+@pytest.mark.parametrize("scan", [False, True])
 def test_gemma_generation_equals_argmax_of_full_forwards(scan):
     """Greedy ``generate`` on 2 x 4 devices gives the tokens of an argmax loop over full
     forwards of one device, and the KV cache's next-token logits equal a forward's."""
@@ -272,6 +273,7 @@ def test_gemma_norm_and_rotary_pieces():
     np.testing.assert_allclose(np.asarray(static.rotary_frequencies()), local, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_post_norm_normalises_the_mixture():
     """A mixture-of-experts layer with ``post_norms`` adds the (offset) RMSNorm of the
     mixture the same layer computes without it."""

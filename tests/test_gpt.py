@@ -242,9 +242,7 @@ def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
     assert saved[True] < saved[False]
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
+CONFIG_ERRORS = [  # (fields, the error's words)
         (dict(hidden=30), "hidden=30 must be divisible by num_heads=4"),
         (dict(num_layers=0), "num_layers=0 must be a positive int"),
         (dict(head_dim=0), r"head_dim=0 must be a positive int"),
@@ -255,11 +253,17 @@ def test_remat_gives_the_same_gradients_with_less_saved_memory(mesh_2x4):
         (dict(mlp_activation="swish"), r"mlp_activation='swish' is not a known activation; "
                                        r"use one of \['geglu', 'geglu_tanh', 'gelu', "
                                        r"'gelu_exact', 'relu'"),
-    ],
-)
-def test_gpt_config_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        GPTConfig(**{**BASE, **kwargs})
+        (dict(attention_softcap=0.0), r"attention_softcap=0.0 must be None or a positive"),
+        (dict(rope_local_base=-1.0), r"rope_local_base=-1.0 must be None or a positive"),
+]
+
+
+def test_gpt_config_errors():
+    """Each of CONFIG_ERRORS (one test: they cost no compile) raises one ValueError naming
+    the field."""
+    for kwargs, match in CONFIG_ERRORS:
+        with pytest.raises(ValueError, match=match):
+            GPTConfig(**{**BASE, **kwargs})
 
 
 def test_gpt_input_errors(mesh_2x4):

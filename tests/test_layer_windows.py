@@ -121,7 +121,8 @@ def _axes_mesh(shape, axes):
                          devices=jax.devices()[:int(np.prod(shape))])
 
 
-@pytest.mark.parametrize("scan", slow_except([False, True], True))
+@pytest.mark.slow  # the traced-window ring kernel's fast case: test_attention_softcap.py
+@pytest.mark.parametrize("scan", [False, True])
 def test_layer_windows_with_ring_attention(scan):
     """Ring attention (the traced-window path of the ring kernel) on a (data, context,
     tensor) = (2, 2, 2) mesh: 16 tokens in zigzag chunks of 4, windows of 3 (inside a

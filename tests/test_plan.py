@@ -7,7 +7,7 @@ import math
 
 import jax
 import pytest
-from _util import without_jax_plugins
+from _util import slow_except, without_jax_plugins
 from conftest import requires_cuda_plugin
 
 from sp_jax.analysis.plan import (
@@ -403,7 +403,7 @@ HEAD_DIM_SHAPES = {  # heads x head_dim apart from hidden: wider, narrower; expe
 }
 
 
-@pytest.mark.parametrize("name", list(HEAD_DIM_SHAPES))
+@pytest.mark.parametrize("name", slow_except(list(HEAD_DIM_SHAPES), "moe"))
 def test_head_dim_sizes_the_planners_parameters_as_the_model(name):
     """``ModelShape(head_dim=...)``: the parameter count is the model's (its
     ``gpt_config``, the one the planner compiles), and the analytic per-device parameter
