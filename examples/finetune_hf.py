@@ -8,7 +8,8 @@ token ids, and write it back as a Hugging Face checkpoint.
 
 ``DIR`` is a local checkpoint directory (``config.json`` + ``*.safetensors``, e.g. from
 ``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``) of a family
-``sp_jax.models.hf`` reads; neither torch nor transformers is needed. ``--data`` takes
+``sp_jax.models.hf`` reads (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, and
+the mixtures of experts Mixtral and Qwen3-MoE); neither torch nor transformers is needed. ``--data`` takes
 text, JSON lines and parquet files, tokenized with the checkpoint's own ``tokenizer.json``
 (or ``--tokenizer``; its end of document must be the checkpoint's ``eos_token_id``) and
 packed into rows with segment ids (``sp_jax.data.PackedText``); with ``--prompt-field`` and
