@@ -162,6 +162,12 @@ PIPE_CASES = {  # id: (mesh, schedule, repeats, micro-batches, model options, pa
     "windows_2x1x2x2_ring_gpipe_r2_m4": ((2, 1, 2, 2), "gpipe", 2, 4,
                                          {"layer_windows": PIPE_WINDOWS, "num_kv_heads": 2},
                                          {"context_parallel": "ring"}),
+    # Gemma 3's block in stages: every Gemma field, the local rotary base by window
+    "gemma_2x1x1x4_1f1b_r1_m4": ((2, 1, 1, 4), "1f1b", 1, 4, {
+        "layer_windows": PIPE_WINDOWS, "head_dim": 8, "num_kv_heads": 2, "qk_norm": True,
+        "norm": "rmsnorm", "norm_offset": 1.0, "post_norms": True, "scale_embeddings": True,
+        "mlp_activation": "geglu_tanh", "attention_scale": 0.3, "attention_softcap": 5.0,
+        "final_logit_softcap": 3.0, "rope_local_base": 100.0, "rope_base": 10000.0}, {}),
     # head_dim 8 apart from hidden / heads (16 / 4 = 4): q 32 wide, o 32 -> 16
     "head_dim8_2x2x1x2_1f1b_r1_m4": ((2, 2, 1, 2), "1f1b", 1, 4,
                                      {"head_dim": 8, "num_kv_heads": 2}, {}),
@@ -188,7 +194,8 @@ def _in_layer_order(values):
 def test_pipeline_stages_with_layer_windows_and_head_dim(case):
     """A pipelined GPT (scanned blocks sliced over 2 stages) with per-layer windows (each
     stage's windows travel with its slice of the layers), with ring attention inside the
-    stages, and with head_dim apart from hidden / heads: 3 AdamW steps' losses and final
+    stages, with every Gemma field (Gemma 3's block), and with head_dim apart from hidden /
+    heads: 3 AdamW steps' losses and final
     parameters against the unpipelined, unsharded model's (fp32, 1e-5)."""
     shape, kind, repeats, micro, model_kw, parallel_kw = PIPE_CASES[case]
     cfg = GPTConfig(**{**PIPE_BASE, **model_kw})
