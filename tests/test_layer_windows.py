@@ -195,8 +195,8 @@ def test_pipeline_stages_with_layer_windows_and_head_dim(case):
     """A pipelined GPT (scanned blocks sliced over 2 stages) with per-layer windows (each
     stage's windows travel with its slice of the layers), with ring attention inside the
     stages, with every Gemma field (Gemma 3's block), and with head_dim apart from hidden /
-    heads: 3 AdamW steps' losses and final
-    parameters against the unpipelined, unsharded model's (fp32, 1e-5)."""
+    heads: 3 AdamW steps' losses and final parameters against the unpipelined, unsharded
+    model's (fp32, 1e-5)."""
     shape, kind, repeats, micro, model_kw, parallel_kw = PIPE_CASES[case]
     cfg = GPTConfig(**{**PIPE_BASE, **model_kw})
     parallel = ParallelConfig(pipeline_axis="stage", pipeline_microbatches=micro,
