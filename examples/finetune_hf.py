@@ -8,22 +8,22 @@ token ids, and write it back as a Hugging Face checkpoint.
 
 ``DIR`` is a local checkpoint directory (``config.json`` + ``*.safetensors``, e.g. from
 ``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``) of a family
-``sp_jax.models.hf`` reads (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, and
-the mixtures of experts Mixtral and Qwen3-MoE); neither torch nor transformers is needed. ``--data`` takes
-text, JSON lines and parquet files, tokenized with the checkpoint's own ``tokenizer.json``
-(or ``--tokenizer``; its end of document must be the checkpoint's ``eos_token_id``) and
-packed into rows with segment ids (``sp_jax.data.PackedText``); with ``--prompt-field`` and
-``--completion-field`` only the completions are trained (the prompts' labels ignored, as
-TRL's completion-only loss). ``--data`` also takes token ids: a ``.npy`` array or a raw
-``.bin`` of uint16 ids (nanoGPT's format). The last ``--held-out-fraction`` is held out:
-the held-out loss and perplexity are reported. Without ``--data`` the run uses synthetic
-sequences any model can learn, to show the loop works. ``--out`` writes the same family
-(``model_type``) with the checkpoint's special token ids and, for text, the tokenizer
-files: transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` both load it. The loop is
+``sp_jax.models.hf`` reads (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text,
+and the mixtures of experts Mixtral and Qwen3-MoE); neither torch nor transformers is
+needed. ``--data`` takes text, JSON lines and parquet files, tokenized with the
+checkpoint's own ``tokenizer.json`` (or ``--tokenizer``; its end of document must be the
+checkpoint's ``eos_token_id``) and packed into rows with segment ids
+(``sp_jax.data.PackedText``); with ``--prompt-field`` and ``--completion-field`` only the
+completions are trained (the prompts' labels ignored, as TRL's completion-only loss).
+``--data`` also takes token ids: a ``.npy`` array or a raw ``.bin`` of uint16 ids
+(nanoGPT's format). The last ``--held-out-fraction`` is held out: the held-out loss and
+perplexity are reported. Without ``--data`` the run uses synthetic sequences any model can
+learn, to show the loop works. ``--out`` writes the same family (``model_type``) with the
+checkpoint's special token ids and, for text, the tokenizer files: transformers'
+``AutoTokenizer`` and ``AutoModelForCausalLM`` both load it. The loop is
 ``sp_jax.training.Trainer``: ``--ckpt-dir``, ``--resume``, ``--log-json`` and the
 divergence checks work as in ``examples/train_gpt.py``. CPU-only machines simulate the
-mesh's devices.
-"""
+mesh's devices. """
 
 from __future__ import annotations
 

@@ -87,6 +87,21 @@ def _assert_golden_grads(model, grads, golden, msg: str) -> None:
                                        err_msg=f"{msg} {key}")
 
 
+def _assert_golden(model, golden, logits, loss, grads, gen_logits, lengths, msg: str) -> None:
+    """A model's logits, loss and gradients against transformers' (``golden``), and the
+    logits ``gen_logits`` of its greedy generations (``_generations``' rows of
+    ``lengths``): each first new token's logits and the 32 argmax tokens."""
+    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5,
+                               err_msg=msg)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
+                                   rtol=1e-5, atol=1e-5, err_msg=f"{msg} {i}")
+        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
+                                      golden[f"gen_tokens_{i}"], err_msg=f"{msg} generation {i}")
+    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6, err_msg=msg)
+    _assert_golden_grads(model, grads, golden, msg)
+
+
 def _generations(golden) -> tuple[np.ndarray, list[int]]:
     """transformers' greedy generations as one batch ``[4, 48]`` (each prompt and its 32
     new tokens, zeros after; a fourth row repeats the first, for the data axis) and the
@@ -144,14 +159,7 @@ def _golden_and_round_trip(name: str, shape, tmp_path, scan: bool = False,
         logits, loss, grads = _logits_loss_grads(model, tokens)
         gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
         hf.to_hf(model, tmp_path)
-    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5)
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
-                                   rtol=1e-5, atol=1e-5, err_msg=f"{i}")
-        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
-                                      golden[f"gen_tokens_{i}"], err_msg=f"generation {i}")
-    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
-    _assert_golden_grads(model, grads, golden, f"{name} {shape}")
+    _assert_golden(model, golden, logits, loss, grads, gen_logits, lengths, f"{name} {shape}")
     original, written = (load_file(d / "model.safetensors") for d in (directory, tmp_path))
     assert sorted(written) == sorted(original)
     for key in original:
@@ -233,14 +241,8 @@ def test_mistral_on_a_ring_mesh_gives_golden_logits_and_gradients(mesh):
         model.eval()
         logits, loss, grads = _logits_loss_grads(model, golden["input_ids"])
         gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
-    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
-    _assert_golden_grads(model, grads, golden, f"mistral ring {mesh}")
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
-                                   rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
-                                      golden[f"gen_tokens_{i}"])
+    _assert_golden(model, golden, logits, loss, grads, gen_logits, lengths,
+                   f"mistral ring {mesh}")
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from _util import assert_bitwise, param_values, to_host
 from conftest import make_mesh
 from flax import nnx
 from safetensors.numpy import load_file
-from test_hf import _assert_golden_grads, _generations, _logits_loss_grads
+from test_hf import _assert_golden, _generations, _logits_loss_grads
 
 from sp_jax.models import GPTConfig, generate, hf
 from sp_jax.models.hf.gemma2 import linear_rope_scaling
@@ -143,14 +143,7 @@ def test_gemma_golden_logits_loss_and_gradients(family, shape):
         model.eval()
         logits, loss, grads = _logits_loss_grads(model, tokens)
         gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch))
-    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=1e-5, atol=1e-5)
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
-                                   rtol=1e-5, atol=1e-5, err_msg=f"{family} {i}")
-        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
-                                      golden[f"gen_tokens_{i}"], err_msg=f"{family} {i}")
-    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6)
-    _assert_golden_grads(model, grads, golden, f"{family} {shape}")
+    _assert_golden(model, golden, logits, loss, grads, gen_logits, lengths, f"{family} {shape}")
 
 
 @pytest.mark.slow
