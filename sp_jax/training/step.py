@@ -27,7 +27,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
@@ -36,7 +37,8 @@ from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
-__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss", "train_step_fn"]
+__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
+           "optimizer_shardings", "train_step_fn"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple]
 """``(model, micro_batch, key) -> (loss_sum, count)`` or ``(loss_sum, count, metrics)``
@@ -174,6 +176,60 @@ def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
 
 
+def _spec_axes(spec: P) -> set[str]:
+    return {a for entry in spec if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def _zero1_sharding(x: Any, axes: tuple[str, ...]) -> Any:
+    """``x``'s sharding with its largest dimension that no mesh axis splits and that
+    divides by their size also split over those of ``axes`` it is not sharded over yet
+    (an expert weight, split over the expert axis, over the other data axes); ``x``'s
+    own sharding where no dimension qualifies (small leaves: stay replicated)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    free = tuple(a for a in axes if a not in _spec_axes(sharding.spec))
+    size = math.prod(sharding.mesh.shape[a] for a in free)
+    dims = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % size == 0]
+    if size == 1 or not dims:
+        return sharding
+    dim = max(dims, key=lambda d: x.shape[d])  # the first of equal sizes
+    entry = free[0] if len(free) == 1 else free
+    return NamedSharding(sharding.mesh, P(*spec[:dim], entry, *spec[dim + 1:]))
+
+
+def optimizer_shardings(params: Any, parallel: ParallelConfig | None) -> Any:
+    """The shardings of the parameters' optimizer state: each parameter's own, and with
+    ``ParallelConfig(fsdp="optimizer")`` (ZeRO-1) also split over the data axes
+    (:attr:`~sp_jax.ParallelConfig.zero1_axes`) on the largest dimension that nothing
+    splits yet and that divides by their size (a leaf with none, e.g. a small bias of
+    odd size, keeps its own). The update of :class:`TrainStep` runs in this layout.
+
+    Args:
+      params: pytree of placed parameters (``jax.Array`` with a ``NamedSharding``).
+      parallel: the model's config, or None (the parameters' own shardings).
+    """
+    axes = parallel.zero1_axes if isinstance(parallel, ParallelConfig) else ()
+    if not axes:
+        return _shardings(params)
+    return jax.tree.map(lambda x: _zero1_sharding(x, axes), params)
+
+
+def _constrain(tree: Any, shardings: Any) -> Any:
+    """``tree`` laid out as ``shardings`` inside a jitted function: ``jax.reshard`` over
+    Explicit mesh axes, a sharding constraint over Auto ones."""
+    def one(x, s):
+        if not isinstance(s, NamedSharding):
+            return x
+        if all(t == AxisType.Explicit for t in s.mesh.axis_types):
+            return jax.reshard(x, s)
+        return lax.with_sharding_constraint(x, s)
+
+    return jax.tree.map(one, tree, shardings)
+
+
 def device_bytes(tree: Any) -> int:
     """Bytes one device holds of the arrays in ``tree``: the size of each array's first
     addressable shard (a replicated array counts fully; leaves that are not
@@ -183,7 +239,8 @@ def device_bytes(tree: Any) -> int:
 
 
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
-                  loss_fn: LossFn = lm_loss) -> Callable:
+                  loss_fn: LossFn = lm_loss, *, update_shardings: Any = None,
+                  param_shardings: Any = None) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
     batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
     "finite", ...})`` (the loss function's own metrics too, e.g. a mixture of experts';
@@ -196,7 +253,12 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     blow-up never reaches the parameters (or a checkpoint of them). ``update_norm /
     param_norm`` (the global L2 norms of the update and of the parameters it was applied
     to) is the update-to-weight ratio a divergence check can bound
-    (:class:`sp_jax.training.faults.DivergenceGuard`)."""
+    (:class:`sp_jax.training.faults.DivergenceGuard`).
+
+    ``update_shardings`` (a tree like the parameters without FP8 histories, e.g. of
+    :func:`optimizer_shardings`; ZeRO-1): the gradients and parameters are resharded to
+    it before the optimizer's update, which runs there, and the new parameters back to
+    ``param_shardings`` (the same tree of their own shardings) after it."""
 
     def step(params, rest, opt_state, batch, key):
         all_params = params
@@ -220,9 +282,14 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
             loss, grads, metrics = accumulate_gradients(pure_loss, params, batch, key,
                                                         with_metrics=True)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        if update_shardings is not None:  # ZeRO-1: each device updates its shard
+            grads = _constrain(grads, update_shardings)
+            params = _constrain(params, update_shardings)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        if update_shardings is not None:  # the new parameters all-gathered
+            new_params = _constrain(new_params, param_shardings)
         if fp8:
             new_params = nnx.merge_state(new_params,
                                          update_fp8_histories(histories, amaxes))
@@ -274,7 +341,15 @@ class TrainStep:
             # Lay the parameters out as their sharding annotations say, whatever their
             # current placement (e.g. weights just loaded from an unsharded model).
             self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
-        self.opt_state = self.tx.init(split_fp8(self.params)[0])  # no FP8 histories
+        # no FP8 histories; with fsdp="optimizer" (ZeRO-1) the moments follow the
+        # parameters resharded over the data axes (zeros_like keeps the sharding)
+        plain = split_fp8(self.params)[0]
+        self._update_shardings = None
+        if not mesh.empty and isinstance(parallel := getattr(self.model, "parallel", None),
+                                         ParallelConfig) and parallel.zero1_axes:
+            self._update_shardings = optimizer_shardings(plain, parallel)
+            plain = jax.device_put(plain, self._update_shardings)
+        self.opt_state = self.tx.init(plain)
         self._step = None
         self._debug = False
         self._eval = None
@@ -325,7 +400,9 @@ class TrainStep:
         that made a NaN op by op on the same inputs): a change of those builds it again."""
         debug = bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
         if self._step is None or self._debug != debug:
-            step = train_step_fn(self.graphdef, self.tx, self.loss_fn)
+            step = train_step_fn(
+                self.graphdef, self.tx, self.loss_fn, update_shardings=self._update_shardings,
+                param_shardings=_shardings(split_fp8(self.params)[0]))
             # The rest (rng counters, buffers) is small and keeps whatever placement it has.
             param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
             self._step, self._debug = jax.jit(
