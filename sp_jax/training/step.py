@@ -80,7 +80,8 @@ def accumulate_gradients(
     *,
     with_metrics: bool = False,
     maximum: Any = False,
-) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict[str, jax.Array]]:
+    sums: bool = False,
+) -> tuple:
     """Mean loss and gradient over micro-batches, accumulated in fp32.
 
     Args:
@@ -94,6 +95,8 @@ def accumulate_gradients(
       maximum: a pytree prefix of ``params`` of bools: the "gradients" of the parts
         marked True are combined over micro-batches by maximum and not normalised (the
         amaxes an FP8 layer returns as the cotangent of its amax history).
+      sums: return ``(loss_sum, count, grads, metrics)`` instead: the sums over the
+        micro-batches, not normalised (``metrics`` stacked per micro-batch).
     Returns:
       ``(loss, grads)`` normalised by the total count; ``grads`` in fp32 (with
       ``with_metrics``: ``(loss, grads, metrics)``).
@@ -122,6 +125,8 @@ def accumulate_gradients(
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
     (loss_sum, count, grads), metrics = lax.scan(micro_step, init, (batch, jnp.arange(n)))
+    if sums:
+        return loss_sum, count, grads, metrics
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     loss = loss_sum * scale
     grads = jax.tree.map(lambda flag, g: g if flag else jax.tree.map(lambda x: x * scale, g),
@@ -170,6 +175,97 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     return loss_sum * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), \
         metrics, amaxes
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _restrict(spec: P, axes: tuple[str, ...], ndim: int) -> P:
+    """``spec`` with only the mesh ``axes`` kept (a ``shard_map`` manual over them)."""
+    entries = []
+    for entry in (*spec, *([None] * (ndim - len(spec)))):
+        kept = tuple(n for n in _names(entry) if n in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
+
+
+def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
+    """The per-device gradient ``g`` (inside a ``shard_map`` manual over ``axes``) summed
+    over ``axes``: reduce-scattered on the dimension ``spec`` (its update layout) splits
+    over them, all-reduced where it splits none (a small leaf). ``g`` may still be split
+    over other, explicit axes: the reduce-scatter then runs on each device's block, in a
+    ``shard_map`` over those."""
+    dims = [(d, tuple(n for n in _names(e) if n in axes)) for d, e in enumerate(spec)]
+    dims = [(d, names) for d, names in dims if names]
+    if not dims:
+        return lax.psum(g, axes)
+    (dim, names), = dims
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t != AxisType.Manual}
+    own = jax.typeof(g).sharding.spec
+    if not explicit or not _spec_axes(own):
+        return lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+    return jax.shard_map(lambda b: lax.psum_scatter(b, names, scatter_dimension=dim,
+                                                    tiled=True),
+                         in_specs=own, out_specs=own, axis_names=explicit)(g)
+
+
+def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: jax.Array,
+                      loss_fn: LossFn, shardings: Any, axes: tuple[str, ...]
+                      ) -> tuple[jax.Array, Any]:
+    """Mean loss and fp32 gradients of a ZeRO-1 step whose data ``axes`` are manual:
+    each device accumulates the unreduced gradient of its rows over the micro-batches
+    (``graphdef``: the model built with ``manual_data_axes``, as a pipeline stage's),
+    and one reduce-scatter per parameter per step sums it over the data axes into the
+    update layout ``shardings`` (Megatron's distributed optimizer: no all-reduce of a
+    full gradient)."""
+    def local_loss(p, micro_batch, k):
+        return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
+
+    def body(p, b):
+        loss_sum, count, grads, _ = accumulate_gradients(local_loss, p, b, key, sums=True)
+        loss_sum, count = lax.psum(loss_sum, axes), lax.psum(count, axes)
+        with jax.named_scope("zero1_grad_reduce_scatter"):
+            grads = jax.tree.map(lambda g, s: _reduce_scatter(g, s.spec, axes), grads,
+                                 shardings)
+        scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+        return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
+
+    def spec(x):
+        return _restrict(jax.typeof(x).sharding.spec, axes, x.ndim)
+
+    out = jax.tree.map(lambda x, s: _restrict(s.spec, axes, x.ndim), params, shardings)
+    return jax.shard_map(body, in_specs=(jax.tree.map(spec, params), jax.tree.map(spec, batch)),
+                         out_specs=(P(), out), axis_names=set(axes), check_vma=False
+                         )(params, batch)
+
+
+def _manual_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
+    """The graph of ``model`` built with its data axes manual (``manual_data_axes``, as a
+    pipeline stage's layers), for :func:`_manual_gradients`; None where ZeRO-1 keeps
+    the plain gradients (resharded before the update): a pipeline (its own schedule
+    reduces once per step), mixture-of-experts or FP8 layers, a model without a
+    ``config``, or a mesh with Auto axes."""
+    config = getattr(model, "config", None)
+    if (config is None or parallel.pipeline_axis is not None or parallel.expert_axis
+            or getattr(config, "num_experts", 0) or getattr(config, "fp8", None) is not None
+            or any(t != AxisType.Explicit for t in mesh.axis_types)):
+        return None
+    inner = parallel.replace(data_axis=None, fsdp=False, manual_data_axes=parallel.data_axes)
+    training = getattr(model, "training", True)
+
+    def build():
+        shell = type(model)(config, parallel=inner, rngs=nnx.Rngs(0))
+        if not training:
+            shell.eval()
+        return shell
+
+    try:
+        return nnx.graphdef(nnx.eval_shape(build))
+    except TypeError:  # a model class without the GPT's (config, *, parallel, rngs)
+        return None
 
 
 def _shardings(tree: Any) -> Any:
@@ -240,7 +336,8 @@ def device_bytes(tree: Any) -> int:
 
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
                   loss_fn: LossFn = lm_loss, *, update_shardings: Any = None,
-                  param_shardings: Any = None) -> Callable:
+                  param_shardings: Any = None, manual_graphdef: Any = None,
+                  manual_axes: tuple[str, ...] = ()) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
     batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
     "finite", ...})`` (the loss function's own metrics too, e.g. a mixture of experts';
@@ -258,7 +355,10 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     ``update_shardings`` (a tree like the parameters without FP8 histories, e.g. of
     :func:`optimizer_shardings`; ZeRO-1): the gradients and parameters are resharded to
     it before the optimizer's update, which runs there, and the new parameters back to
-    ``param_shardings`` (the same tree of their own shardings) after it."""
+    ``param_shardings`` (the same tree of their own shardings) after it. With
+    ``manual_graphdef`` (the model built with the data ``manual_axes`` manual) the
+    gradients are instead accumulated per device and reduce-scattered once per step
+    straight into that layout (:func:`_manual_gradients`)."""
 
     def step(params, rest, opt_state, batch, key):
         all_params = params
@@ -274,6 +374,9 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         if _pipelined(model):
             loss, grads, metrics, amaxes = _pipeline_gradients(model, all_params, batch, key,
                                                                loss_fn)
+        elif manual_graphdef is not None and not fp8:  # ZeRO-1, reduced once per step
+            loss, grads = _manual_gradients(manual_graphdef, params, rest, batch, key,
+                                            loss_fn, update_shardings, manual_axes)
         elif fp8:  # the amax histories' "gradients" are the step's amaxes
             loss, (grads, amaxes), metrics = accumulate_gradients(
                 pure_loss, (params, histories), batch, key, with_metrics=True,
@@ -344,11 +447,12 @@ class TrainStep:
         # no FP8 histories; with fsdp="optimizer" (ZeRO-1) the moments follow the
         # parameters resharded over the data axes (zeros_like keeps the sharding)
         plain = split_fp8(self.params)[0]
-        self._update_shardings = None
+        self._update_shardings, self._manual = None, (None, ())
         if not mesh.empty and isinstance(parallel := getattr(self.model, "parallel", None),
                                          ParallelConfig) and parallel.zero1_axes:
             self._update_shardings = optimizer_shardings(plain, parallel)
             plain = jax.device_put(plain, self._update_shardings)
+            self._manual = (_manual_graphdef(self.model, parallel, mesh), parallel.data_axes)
         self.opt_state = self.tx.init(plain)
         self._step = None
         self._debug = False
@@ -402,7 +506,8 @@ class TrainStep:
         if self._step is None or self._debug != debug:
             step = train_step_fn(
                 self.graphdef, self.tx, self.loss_fn, update_shardings=self._update_shardings,
-                param_shardings=_shardings(split_fp8(self.params)[0]))
+                param_shardings=_shardings(split_fp8(self.params)[0]),
+                manual_graphdef=self._manual[0], manual_axes=self._manual[1])
             # The rest (rng counters, buffers) is small and keeps whatever placement it has.
             param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
             self._step, self._debug = jax.jit(
