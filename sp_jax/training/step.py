@@ -422,6 +422,15 @@ class TrainStep:
     host arrays (or arrays on one device): :meth:`place` lays them out on the mesh, as
     the call and :meth:`evaluate` do with whatever is not placed there yet.
 
+    With ``ParallelConfig(fsdp="optimizer")`` (ZeRO-1) the parameters keep their layout
+    and the optimizer state is sharded over the data axes (:func:`optimizer_shardings`):
+    each device accumulates the gradient of its rows over the micro-batches, one
+    reduce-scatter per parameter per step sums it over the data axes into that layout
+    (for a GPT without experts or FP8 on an Explicit mesh: the model runs with the data
+    axes manual, as a pipeline stage does; otherwise, and on a pipeline, the reduced
+    gradients are resharded there), the update runs on each device's shard and the new
+    parameters are all-gathered.
+
     Args:
       model: the NNX model (e.g. :class:`sp_jax.models.GPT`) built under the mesh.
       tx: the optax transformation (clipping, schedule, ... included).
