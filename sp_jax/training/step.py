@@ -221,11 +221,11 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
     and one reduce-scatter per parameter per step sums it over the data axes into the
     update layout ``shardings`` (Megatron's distributed optimizer: no all-reduce of a
     full gradient)."""
-    def local_loss(p, micro_batch, k):
-        return loss_fn(nnx.merge(graphdef, p, rest), micro_batch, k)
+    def body(p, r, b, k):
+        def local_loss(p, micro_batch, k):
+            return loss_fn(nnx.merge(graphdef, p, r), micro_batch, k)
 
-    def body(p, b):
-        loss_sum, count, grads, _ = accumulate_gradients(local_loss, p, b, key, sums=True)
+        loss_sum, count, grads, _ = accumulate_gradients(local_loss, p, b, k, sums=True)
         loss_sum, count = lax.psum(loss_sum, axes), lax.psum(count, axes)
         with jax.named_scope("zero1_grad_reduce_scatter"):
             grads = jax.tree.map(lambda g, s: _reduce_scatter(g, s.spec, axes), grads,
@@ -237,9 +237,9 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
         return _restrict(jax.typeof(x).sharding.spec, axes, x.ndim)
 
     out = jax.tree.map(lambda x, s: _restrict(s.spec, axes, x.ndim), params, shardings)
-    return jax.shard_map(body, in_specs=(jax.tree.map(spec, params), jax.tree.map(spec, batch)),
-                         out_specs=(P(), out), axis_names=set(axes), check_vma=False
-                         )(params, batch)
+    specs = jax.tree.map(spec, (params, rest, batch))
+    return jax.shard_map(body, in_specs=(*specs, P()), out_specs=(P(), out),
+                         axis_names=set(axes), check_vma=False)(params, rest, batch, key)
 
 
 def _manual_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
