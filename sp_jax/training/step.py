@@ -221,6 +221,13 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
     and one reduce-scatter per parameter per step sums it over the data axes into the
     update layout ``shardings`` (Megatron's distributed optimizer: no all-reduce of a
     full gradient)."""
+    def own_dimension(s):  # a dimension split over the data axes with a tensor axis too
+        mixed = [e for e in s.spec if set(_names(e)) & set(axes) and
+                 not set(_names(e)) <= set(axes)]  # is all-reduced: resharded after
+        return NamedSharding(s.mesh, P()) if mixed else s
+
+    shardings = jax.tree.map(own_dimension, shardings)
+
     def body(p, r, b, k):
         def local_loss(p, micro_batch, k):
             return loss_fn(nnx.merge(graphdef, p, r), micro_batch, k)
@@ -280,19 +287,27 @@ def _spec_axes(spec: P) -> set[str]:
 def _zero1_sharding(x: Any, axes: tuple[str, ...]) -> Any:
     """``x``'s sharding with its largest dimension that no mesh axis splits and that
     divides by their size also split over those of ``axes`` it is not sharded over yet
-    (an expert weight, split over the expert axis, over the other data axes); ``x``'s
-    own sharding where no dimension qualifies (small leaves: stay replicated)."""
+    (an expert weight, split over the expert axis, over the other data axes); without
+    one, its largest dimension whose shards divide by it; ``x``'s own sharding where no
+    dimension qualifies (a small leaf of odd size)."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     free = tuple(a for a in axes if a not in _spec_axes(sharding.spec))
     size = math.prod(sharding.mesh.shape[a] for a in free)
-    dims = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % size == 0]
-    if size == 1 or not dims:
+    if size == 1:
         return sharding
-    dim = max(dims, key=lambda d: x.shape[d])  # the first of equal sizes
-    entry = free[0] if len(free) == 1 else free
+    # a dimension nothing splits, else one split already whose shards split further
+    # (a tensor-parallel bias [out / t]): the largest, the first of equal sizes
+    dims = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % size == 0] or [
+        d for d in range(x.ndim) if spec[d] is not None and x.shape[d] % (size * math.prod(
+            sharding.mesh.shape[a] for a in _names(spec[d]))) == 0]
+    if not dims:
+        return sharding
+    dim = max(dims, key=lambda d: x.shape[d])
+    entry = (*_names(spec[dim]), *free)
+    entry = entry[0] if len(entry) == 1 else entry
     return NamedSharding(sharding.mesh, P(*spec[:dim], entry, *spec[dim + 1:]))
 
 
@@ -300,8 +315,9 @@ def optimizer_shardings(params: Any, parallel: ParallelConfig | None) -> Any:
     """The shardings of the parameters' optimizer state: each parameter's own, and with
     ``ParallelConfig(fsdp="optimizer")`` (ZeRO-1) also split over the data axes
     (:attr:`~sp_jax.ParallelConfig.zero1_axes`) on the largest dimension that nothing
-    splits yet and that divides by their size (a leaf with none, e.g. a small bias of
-    odd size, keeps its own). The update of :class:`TrainStep` runs in this layout.
+    splits yet and that divides by their size, else on the largest one whose shards
+    divide by it (a tensor-parallel bias); a leaf with neither (a small one of odd size)
+    keeps its own. The update of :class:`TrainStep` runs in this layout.
 
     Args:
       params: pytree of placed parameters (``jax.Array`` with a ``NamedSharding``).
