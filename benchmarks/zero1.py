@@ -72,7 +72,7 @@ def compile_step(bench: Zero1Bench, fsdp: Any) -> dict[str, Any]:
     from sp_jax.config import ParallelConfig
     from sp_jax.layout import Layout
     from sp_jax.models import GPT, GPTConfig
-    from sp_jax.training.step import optimizer_shardings, train_step_fn
+    from sp_jax.training.step import manual_data_graphdef, optimizer_shardings, train_step_fn
 
     parallel = ParallelConfig(recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=fsdp)
     cfg = GPTConfig(vocab_size=bench.vocab, max_seq_len=bench.s, num_layers=bench.layers,
@@ -80,17 +80,20 @@ def compile_step(bench: Zero1Bench, fsdp: Any) -> dict[str, Any]:
                     dtype=jnp.bfloat16, param_dtype=jnp.float32, scan_layers=True)
     tx = optax.adamw(1e-4)
     mesh_shape, axes = (bench.data, 1), ("data", "tensor")
-    with jax.set_mesh(gpu_mesh(mesh_shape, axes)):
+    mesh = gpu_mesh(mesh_shape, axes)
+    with jax.set_mesh(mesh):
         gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        manual = manual_data_graphdef(gpt, parallel, mesh) if parallel.zero1_axes else None
         graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
         update = optimizer_shardings(params, parallel)
         moments = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                params, update)
+        # the moments laid out as TrainStep lays them out (tx.init of the resharded params:
+        # zeros_like keeps the sharding)
         opt_state = jax.eval_shape(tx.init, moments)
-        # the moments laid out as TrainStep lays them out (tx.init of the resharded params)
-        opt_state = optax.tree_map_params(tx, lambda _, m: m, opt_state, moments)
     step = train_step_fn(graphdef, tx, update_shardings=update if parallel.zero1_axes else None,
-                         param_shardings=jax.tree.map(lambda x: x.sharding, params))
+                         param_shardings=jax.tree.map(lambda x: x.sharding, params),
+                         manual_graphdef=manual, manual_axes=parallel.data_axes)
     tokens = jax.ShapeDtypeStruct((1, bench.data, bench.s), jnp.int32,
                                   sharding=Layout.of(parallel).micro_batched_tokens)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)

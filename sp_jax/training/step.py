@@ -38,7 +38,7 @@ from sp_jax.layout import Layout
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
-           "optimizer_shardings", "train_step_fn"]
+           "manual_data_graphdef", "optimizer_shardings", "train_step_fn"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple]
 """``(model, micro_batch, key) -> (loss_sum, count)`` or ``(loss_sum, count, metrics)``
@@ -249,9 +249,10 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
                          axis_names=set(axes), check_vma=False)(params, rest, batch, key)
 
 
-def _manual_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
+def manual_data_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
     """The graph of ``model`` built with its data axes manual (``manual_data_axes``, as a
-    pipeline stage's layers), for :func:`_manual_gradients`; None where ZeRO-1 keeps
+    pipeline stage's layers): ``train_step_fn``'s ``manual_graphdef`` for ZeRO-1, as
+    :class:`TrainStep` builds it (``mesh``: the step's); None where ZeRO-1 keeps
     the plain gradients (resharded before the update): a pipeline (its own schedule
     reduces once per step), mixture-of-experts or FP8 layers, a model without a
     ``config``, or a mesh with Auto axes."""
@@ -477,7 +478,7 @@ class TrainStep:
                                          ParallelConfig) and parallel.zero1_axes:
             self._update_shardings = optimizer_shardings(plain, parallel)
             plain = jax.device_put(plain, self._update_shardings)
-            self._manual = (_manual_graphdef(self.model, parallel, mesh), parallel.data_axes)
+            self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
         self.opt_state = self.tx.init(plain)
         self._step = None
         self._debug = False
