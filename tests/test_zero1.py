@@ -10,12 +10,13 @@ import chex
 import jax
 import numpy as np
 import pytest
-from _util import train_gpt
+from _util import assert_bitwise, restore_onto, train_gpt
 from conftest import make_mesh
 from jax.sharding import AxisType
 
 import sp_jax
 from sp_jax.analysis import parse_collectives
+from sp_jax.checkpoint import save_checkpoint
 from sp_jax.models import GPTConfig
 from sp_jax.training import optimizer_shardings
 
@@ -161,3 +162,18 @@ def test_zero1_step_reduce_scatters_gradients_and_all_gathers_parameters():
                 and "zero1" in c.op_name]
     assert {tuple(d) for c in replicated if c.kind == "all-reduce"
             for _, d in c.arrays} & (big | per_layer)
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_restores_onto_replicated_and_full_fsdp_bitwise(tmp_path):
+    """A ZeRO-1 run's parameters and AdamW state, saved, restore bitwise onto the
+    replicated and the fsdp="full" layouts (each array in the target's own sharding)."""
+    cfg = GPTConfig(**{**BASE, "scan_layers": True})
+    _, _, _, step = train_gpt(cfg, sp_jax.ParallelConfig(fsdp="optimizer"), make_mesh(2, 4),
+                              _batches(steps=2))
+    save_checkpoint(tmp_path / "a", 2, step.params, step.opt_state)
+    for parallel in (sp_jax.ParallelConfig(), sp_jax.ParallelConfig(fsdp="full"),
+                     sp_jax.ParallelConfig(fsdp="optimizer")):
+        restored = restore_onto(tmp_path / "a", cfg, parallel, make_mesh(4, 2))
+        assert_bitwise(restored.params, step.params)
+        assert_bitwise(restored.opt_state, step.opt_state)
