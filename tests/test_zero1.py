@@ -47,15 +47,16 @@ def _shard_bytes(x) -> int:
     return x.addressable_shards[0].data.nbytes
 
 
-def _zero1_like_replicated(cfg, mesh, batches, data: int, **parallel_kw):
+def _zero1_like_replicated(cfg, mesh, batches, data: int, train=False, **parallel_kw):
     """Trains ``cfg`` on ``mesh`` with fsdp="optimizer" and with fsdp=False from the same
     initial parameters; asserts equal losses and parameters (fp32, 1e-6), the same
     parameter layout, and each moment leaf at 1 / ``data`` of the parameter's bytes per
     device. Returns the ZeRO-1 :class:`~sp_jax.training.TrainStep`."""
     init, losses, params, step = train_gpt(
-        cfg, sp_jax.ParallelConfig(fsdp="optimizer", **parallel_kw), mesh, batches)
+        cfg, sp_jax.ParallelConfig(fsdp="optimizer", **parallel_kw), mesh, batches,
+        train_mode=train)
     _, want_losses, want_params, ref = train_gpt(
-        cfg, sp_jax.ParallelConfig(**parallel_kw), mesh, batches, init=init)
+        cfg, sp_jax.ParallelConfig(**parallel_kw), mesh, batches, init=init, train_mode=train)
     assert want_losses[-1] < want_losses[0]
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(params, want_params, rtol=1e-6, atol=1e-6)
@@ -87,10 +88,12 @@ def test_zero1_errors():
 
 
 @pytest.mark.slow
-def test_zero1_with_a_context_axis_trains_like_replicated():
-    cfg = GPTConfig(**{**BASE, "max_seq_len": 32, "positions": "rotary"})
+def test_zero1_with_a_context_axis_and_dropout_trains_like_replicated():
+    """Ring attention on (data 2, context 2, tensor 2), dropout on: the data-manual step
+    draws the whole batch's masks and keeps its rows, as the replicated step."""
+    cfg = GPTConfig(**{**BASE, "max_seq_len": 32, "positions": "rotary", "dropout": 0.1})
     _zero1_like_replicated(cfg, _mesh((2, 2, 2), ("data", "context", "tensor")),
-                           _batches(batch=4, seq=32), 2, context_parallel="ring")
+                           _batches(batch=4, seq=32), 2, train=True, context_parallel="ring")
 
 
 @pytest.mark.slow
