@@ -4,7 +4,8 @@ token ids, and write it back as a Hugging Face checkpoint.
     python examples/finetune_hf.py --hf-dir DIR [--mesh 2,4] [--steps 50]
         [--data 'docs/*.jsonl' [--text-field text] | --data sft.jsonl --prompt-field P
          --completion-field C | --data ids.npy] [--tokenizer tokenizer.json]
-        [--out DIR_OUT] [--precision bf16] [--fp8 current|delayed] [--fsdp] [--recompute-allgather]
+        [--out DIR_OUT] [--precision bf16] [--fp8 current|delayed] [--fsdp [optimizer|full]]
+        [--recompute-allgather]
 
 ``DIR`` is a local checkpoint directory (``config.json`` + ``*.safetensors``, e.g. from
 ``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``) of a family

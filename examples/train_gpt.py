@@ -109,7 +109,7 @@ def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: TrainDat
                f"{f', {chunks} chunks per stage' if chunks > 1 else ''}")
     say(f"mesh: {mesh_description(mesh)} on {mesh.size} of {jax.device_count()} "
         f"{jax.devices()[0].platform} devices{procs}; recompute_allgather="
-        f"{args.recompute_allgather}{cp}{'; fsdp' if args.fsdp else ''}")
+        f"{args.recompute_allgather}{cp}{f'; fsdp={args.fsdp}' if args.fsdp else ''}")
     say(f"data: {corpus.summary()}")
     say(f"batch: {args.batch_size} x {args.seq_len} = {args.batch_size * args.seq_len} "
         f"tokens/step in {args.micro_batches} micro-batch(es); {args.steps} steps, AdamW lr "

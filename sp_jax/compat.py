@@ -482,9 +482,11 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> f
     found: set[str] = set()
     if parallel is not None:
         found.add("tensor_sequence")
-        for name in ("collective_matmul", "recompute_allgather", "fsdp"):
+        for name in ("collective_matmul", "recompute_allgather"):
             if getattr(parallel, name, False):
                 found.add(name)
+        if getattr(parallel, "fsdp", False) in (True, "full"):  # not "optimizer" (ZeRO-1)
+            found.add("fsdp")
         context = getattr(parallel, "context_parallel", None)
         if context is not None and (mesh is None or dict(mesh.shape).get(
                 parallel.context_axis, 1) > 1):

@@ -14,13 +14,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "PIPELINE_SCHEDULES", "Fp8Recipe",
+__all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "FSDP_MODES", "PIPELINE_SCHEDULES", "Fp8Recipe",
            "ParallelConfig", "check_layer_args"]
 
 CONTEXT_PARALLEL = (None, "ring", "ulysses")
 """The values of ``ParallelConfig.context_parallel``."""
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+FSDP_MODES = (False, "optimizer", "full")
+"""What ``ParallelConfig.fsdp`` holds after construction (``True`` is read as ``"full"``):
+nothing sharded over the data axes, the optimizer state only (ZeRO-1), or the parameters
+and with them their gradients and optimizer state (ZeRO-3 / FSDP)."""
 """The values of ``ParallelConfig.pipeline_schedule``."""
 
 FP8_SCALINGS = ("current", "delayed")
@@ -85,8 +90,13 @@ class ParallelConfig:
         handled inside the model), ``"ulysses"`` (all-to-all from sequence-sharded to
         head-sharded and back; heads per tensor shard must divide by the context size),
         or ``None``: no context axis (the default).
-      fsdp: shard parameters (and so their gradients and optimizer state) over the data
-        axes too (ZeRO-3 / FSDP), on the dimension tensor parallelism does not split:
+      fsdp: what is sharded over the data axes besides the batch: ``False`` (the
+        default) nothing; ``"optimizer"`` the optimizer state only (ZeRO-1, Megatron's
+        distributed optimizer); ``"full"`` (or ``True``, the same) the parameters, and so
+        their gradients and optimizer state (ZeRO-3 / FSDP). The field holds ``False``,
+        ``"optimizer"`` or ``"full"`` after construction (:data:`FSDP_MODES`).
+
+        ``"full"`` shards parameters on the dimension tensor parallelism does not split:
         column kernels ``[in, out]`` over ``in``, row kernels over ``out``, vocabulary
         tables over the hidden dimension. Each layer all-gathers its weights over the data
         axes just before use, inside its computation, and re-gathers them in the backward
@@ -96,6 +106,14 @@ class ParallelConfig:
         the learned position table stay replicated over the data axes (small). Needs a
         ``data_axis``. Inside a pipeline the weights of a stage are gathered once per
         step and their gradients reduce-scattered once (:mod:`sp_jax.pipeline`).
+
+        ``"optimizer"`` lays parameters and gradients out as without fsdp (replicated
+        over the data axes) and shards each optimizer-state leaf over the data axes
+        (:attr:`zero1_axes`; an expert weight, already split over the expert axis, over
+        the others) on a dimension nothing else splits; :class:`~sp_jax.training.TrainStep`
+        reshards the gradients to that layout before the optimizer's update (the
+        reduction over the data axes becomes a reduce-scatter where XLA sees it whole),
+        computes the update on each device's shard and all-gathers the new parameters.
       pipeline_axis: mesh axis of pipeline parallelism (mesh ``(stage, data, context,
         tensor)``, stage outermost), or ``None`` (the default): no pipeline. The GPT's
         scanned blocks ``[num_layers, ...]`` are sharded over it, the embedding runs on
@@ -135,7 +153,7 @@ class ParallelConfig:
     collective_matmul: bool = False
     context_axis: str = "context"
     context_parallel: str | None = None
-    fsdp: bool = False
+    fsdp: bool | str = False
     pipeline_axis: str | None = None
     pipeline_microbatches: int = 1
     pipeline_schedule: str = "gpipe"
@@ -186,13 +204,20 @@ class ParallelConfig:
                 "or False."
             )
         object.__setattr__(self, "collective_matmul", bool(self.collective_matmul))
-        if not isinstance(self.fsdp, (bool, np.bool_)):
-            raise TypeError(f"ParallelConfig.fsdp={self.fsdp!r} must be True or False.")
-        object.__setattr__(self, "fsdp", bool(self.fsdp))
-        if self.fsdp and data_axis is None and self.expert_axis is None:
+        fsdp = self.fsdp
+        if isinstance(fsdp, (bool, np.bool_)):
+            fsdp = "full" if fsdp else False
+        if not isinstance(fsdp, (bool, str)) or fsdp not in FSDP_MODES:
             raise ValueError(
-                "ParallelConfig(fsdp=True) shards parameters over the data axes, but "
-                "data_axis=None; name the data axis (e.g. data_axis='data').")
+                f"ParallelConfig.fsdp={self.fsdp!r} is not a known fsdp mode; use False "
+                "(nothing sharded over the data axes), 'optimizer' (the optimizer state: "
+                "ZeRO-1) or 'full' (= True: parameters, gradients and optimizer state).")
+        if fsdp and data_axis is None and self.expert_axis is None:
+            raise ValueError(
+                f"ParallelConfig(fsdp={self.fsdp!r}) shards "
+                f"{'parameters' if fsdp == 'full' else 'the optimizer state'} over the data "
+                "axes, but data_axis=None; name the data axis (e.g. data_axis='data').")
+        object.__setattr__(self, "fsdp", fsdp)
         if self.context_parallel not in CONTEXT_PARALLEL:
             raise ValueError(
                 f"ParallelConfig.context_parallel={self.context_parallel!r} is not a known "
@@ -284,8 +309,14 @@ class ParallelConfig:
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
         """The axes parameters are sharded over besides tensor: the data axes with
-        ``fsdp``, else empty."""
-        return self.data_axes if self.fsdp else ()
+        ``fsdp="full"`` (or ``True``), else empty."""
+        return self.data_axes if self.fsdp == "full" else ()
+
+    @property
+    def zero1_axes(self) -> tuple[str, ...]:
+        """The axes only the optimizer state is sharded over (``fsdp="optimizer"``: the
+        data axes), else empty."""
+        return self.data_axes if self.fsdp == "optimizer" else ()
 
     @property
     def data_axes(self) -> tuple[str, ...]:

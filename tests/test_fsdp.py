@@ -152,7 +152,7 @@ def test_checkpoint_between_sharded_and_replicated(tmp_path):
 def test_fsdp_errors():
     with pytest.raises(ValueError, match="fsdp=True.*data_axis=None"):
         sp_jax.ParallelConfig(fsdp=True, data_axis=None)
-    with pytest.raises(TypeError, match="fsdp='yes' must be True or False"):
+    with pytest.raises(ValueError, match="fsdp='yes' is not a known fsdp mode.*'optimizer'"):
         sp_jax.ParallelConfig(fsdp="yes")
     with jax.set_mesh(make_mesh(4, 2)), pytest.raises(ValueError, match=r"\(fsdp\).*in_features=6"):
         sp_jax.ColumnSequenceParallelLinear(6, 8, parallel=sp_jax.ParallelConfig(fsdp=True),

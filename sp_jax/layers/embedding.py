@@ -111,7 +111,7 @@ class VocabParallelEmbedding(nnx.Module):
         self.param_dtype = param_dtype
         mesh = current_mesh(parallel, where="VocabParallelEmbedding", required=False)
         layout, t = Layout.of(parallel), parallel.tensor_axis
-        if mesh is not None and parallel.fsdp:
+        if mesh is not None and parallel.fsdp_axes:
             check_divisible("VocabParallelEmbedding (fsdp)", "features", features, mesh,
                             parallel.fsdp_axes, "choose features as a multiple of the "
                             "data-parallel size, or fsdp=False")

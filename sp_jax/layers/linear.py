@@ -198,7 +198,7 @@ class _ParallelLinear(nnx.Module):
             name, arg, size, mesh, t,
             f"choose {arg} as a multiple of the tensor-parallel size",
         )
-        if self.parallel.fsdp:  # the other kernel dimension is sharded over the data axes
+        if self.parallel.fsdp_axes:  # the other kernel dimension is sharded over the data axes
             arg, size = (("out_features", self.out_features) if self._split_in
                          else ("in_features", self.in_features))
             check_divisible(

@@ -17,7 +17,8 @@ Modules:
   ``eos_token_id``, the tokenizer files written beside the checkpoint.
 * ``step``: :class:`TrainStep` (one jitted optimizer step with micro-batch gradient
   accumulation in fp32, explicit shardings, donated state), :func:`accumulate_gradients`,
-  :func:`lm_loss`, :func:`device_bytes`.
+  :func:`lm_loss`, :func:`device_bytes`, :func:`optimizer_shardings` (ZeRO-1's layout of
+  the optimizer state).
 * ``schedule``: :func:`warmup_cosine_schedule` (optax's warmup-cosine in 1-based steps).
 * ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
@@ -65,6 +66,7 @@ from sp_jax.training.step import (
     accumulate_gradients,
     device_bytes,
     lm_loss,
+    optimizer_shardings,
     train_step_fn,
 )
 from sp_jax.training.trainer import (
@@ -109,6 +111,7 @@ __all__ = [
     "log",
     "mesh_description",
     "open_checkpoints",
+    "optimizer_shardings",
     "parse_mesh",
     "plot_losses",
     "schedule",

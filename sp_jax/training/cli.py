@@ -173,8 +173,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
     add("--precision", choices=("fp32", "bf16"), default="fp32",
         help="compute dtype (parameters stay in their own dtype, fp32 master weights)")
     add("--recompute-allgather", action="store_true", help="re-gather SP inputs in backward")
-    add("--fsdp", action="store_true",
-        help="shard parameters, gradients and optimizer state over DATA too (ZeRO-3)")
+    add("--fsdp", nargs="?", choices=("optimizer", "full"), const="full", default=False,
+        help="shard over DATA too: 'optimizer' the optimizer state (ZeRO-1), 'full' (the "
+             "default of a bare --fsdp) parameters, gradients and optimizer state (ZeRO-3)")
     _set_defaults(parser, defaults)
 
 
@@ -329,7 +330,7 @@ def check_model_args(args: argparse.Namespace) -> None:
          and kv_heads_per_shard(args.kv_heads, tensor, "") % c, f"ulysses needs the "
          f"key/value heads per tensor shard divisible by the context size {c}: use more "
          "--kv-heads or --context-parallel ring"),
-        (args.fsdp and args.hidden % data, f"--fsdp shards the hidden dimension over the "
+        (args.fsdp == "full" and args.hidden % data, f"--fsdp shards the hidden dimension over the "
          f"data size {data}: --hidden {args.hidden} must be a multiple of it"),
         (args.layers % chunks, f"--layers {args.layers} must divide by STAGE x "
          f"--pipeline-repeats = {chunks} (each stage holds the same number of layers)")]:

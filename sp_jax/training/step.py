@@ -27,7 +27,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
@@ -36,7 +37,8 @@ from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
-__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss", "train_step_fn"]
+__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
+           "manual_data_graphdef", "optimizer_shardings", "train_step_fn"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple]
 """``(model, micro_batch, key) -> (loss_sum, count)`` or ``(loss_sum, count, metrics)``
@@ -78,7 +80,8 @@ def accumulate_gradients(
     *,
     with_metrics: bool = False,
     maximum: Any = False,
-) -> tuple[jax.Array, Any] | tuple[jax.Array, Any, dict[str, jax.Array]]:
+    sums: bool = False,
+) -> tuple:
     """Mean loss and gradient over micro-batches, accumulated in fp32.
 
     Args:
@@ -92,6 +95,8 @@ def accumulate_gradients(
       maximum: a pytree prefix of ``params`` of bools: the "gradients" of the parts
         marked True are combined over micro-batches by maximum and not normalised (the
         amaxes an FP8 layer returns as the cotangent of its amax history).
+      sums: return ``(loss_sum, count, grads, metrics)`` instead: the sums over the
+        micro-batches, not normalised (``metrics`` stacked per micro-batch).
     Returns:
       ``(loss, grads)`` normalised by the total count; ``grads`` in fp32 (with
       ``with_metrics``: ``(loss, grads, metrics)``).
@@ -120,6 +125,8 @@ def accumulate_gradients(
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
     (loss_sum, count, grads), metrics = lax.scan(micro_step, init, (batch, jnp.arange(n)))
+    if sums:
+        return loss_sum, count, grads, metrics
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     loss = loss_sum * scale
     grads = jax.tree.map(lambda flag, g: g if flag else jax.tree.map(lambda x: x * scale, g),
@@ -170,8 +177,170 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
         metrics, amaxes
 
 
+def _names(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _restrict(spec: P, axes: tuple[str, ...], ndim: int) -> P:
+    """``spec`` with only the mesh ``axes`` kept (a ``shard_map`` manual over them)."""
+    entries = []
+    for entry in (*spec, *([None] * (ndim - len(spec)))):
+        kept = tuple(n for n in _names(entry) if n in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
+
+
+def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
+    """The per-device gradient ``g`` (inside a ``shard_map`` manual over ``axes``) summed
+    over ``axes``: reduce-scattered on the dimension ``spec`` (its update layout) splits
+    over them, all-reduced where it splits none (a small leaf). ``g`` may still be split
+    over other, explicit axes: the reduce-scatter then runs on each device's block, in a
+    ``shard_map`` over those."""
+    dims = [(d, tuple(n for n in _names(e) if n in axes)) for d, e in enumerate(spec)]
+    dims = [(d, names) for d, names in dims if names]
+    if not dims:
+        return lax.psum(g, axes)
+    (dim, names), = dims
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t != AxisType.Manual}
+    own = jax.typeof(g).sharding.spec
+    if not explicit or not _spec_axes(own):
+        return lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+    return jax.shard_map(lambda b: lax.psum_scatter(b, names, scatter_dimension=dim,
+                                                    tiled=True),
+                         in_specs=own, out_specs=own, axis_names=explicit)(g)
+
+
+def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: jax.Array,
+                      loss_fn: LossFn, shardings: Any, axes: tuple[str, ...]
+                      ) -> tuple[jax.Array, Any]:
+    """Mean loss and fp32 gradients of a ZeRO-1 step whose data ``axes`` are manual:
+    each device accumulates the unreduced gradient of its rows over the micro-batches
+    (``graphdef``: the model built with ``manual_data_axes``, as a pipeline stage's),
+    and one reduce-scatter per parameter per step sums it over the data axes into the
+    update layout ``shardings`` (Megatron's distributed optimizer: no all-reduce of a
+    full gradient)."""
+    def own_dimension(s):  # a dimension split over the data axes with a tensor axis too
+        mixed = [e for e in s.spec if set(_names(e)) & set(axes) and
+                 not set(_names(e)) <= set(axes)]  # is all-reduced: resharded after
+        return NamedSharding(s.mesh, P()) if mixed else s
+
+    shardings = jax.tree.map(own_dimension, shardings)
+
+    def body(p, r, b, k):
+        def local_loss(p, micro_batch, k):
+            return loss_fn(nnx.merge(graphdef, p, r), micro_batch, k)
+
+        loss_sum, count, grads, _ = accumulate_gradients(local_loss, p, b, k, sums=True)
+        loss_sum, count = lax.psum(loss_sum, axes), lax.psum(count, axes)
+        with jax.named_scope("zero1_grad_reduce_scatter"):
+            grads = jax.tree.map(lambda g, s: _reduce_scatter(g, s.spec, axes), grads,
+                                 shardings)
+        scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+        return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
+
+    def spec(x):
+        return _restrict(jax.typeof(x).sharding.spec, axes, x.ndim)
+
+    out = jax.tree.map(lambda x, s: _restrict(s.spec, axes, x.ndim), params, shardings)
+    specs = jax.tree.map(spec, (params, rest, batch))
+    return jax.shard_map(body, in_specs=(*specs, P()), out_specs=(P(), out),
+                         axis_names=set(axes), check_vma=False)(params, rest, batch, key)
+
+
+def manual_data_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
+    """The graph of ``model`` built with its data axes manual (``manual_data_axes``, as a
+    pipeline stage's layers): ``train_step_fn``'s ``manual_graphdef`` for ZeRO-1, as
+    :class:`TrainStep` builds it (``mesh``: the step's); None where ZeRO-1 keeps
+    the plain gradients (resharded before the update): a pipeline (its own schedule
+    reduces once per step), mixture-of-experts or FP8 layers, a model without a
+    ``config``, or a mesh with Auto axes."""
+    config = getattr(model, "config", None)
+    if (config is None or parallel.pipeline_axis is not None or parallel.expert_axis
+            or getattr(config, "num_experts", 0) or getattr(config, "fp8", None) is not None
+            or any(t != AxisType.Explicit for t in mesh.axis_types)):
+        return None
+    inner = parallel.replace(data_axis=None, fsdp=False, manual_data_axes=parallel.data_axes)
+    training = getattr(model, "training", True)
+
+    def build():
+        shell = type(model)(config, parallel=inner, rngs=nnx.Rngs(0))
+        if not training:
+            shell.eval()
+        return shell
+
+    try:
+        return nnx.graphdef(nnx.eval_shape(build))
+    except TypeError:  # a model class without the GPT's (config, *, parallel, rngs)
+        return None
+
+
 def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+
+
+def _spec_axes(spec: P) -> set[str]:
+    return {a for entry in spec if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def _zero1_sharding(x: Any, axes: tuple[str, ...]) -> Any:
+    """``x``'s sharding with its largest dimension that no mesh axis splits and that
+    divides by their size also split over those of ``axes`` it is not sharded over yet
+    (an expert weight, split over the expert axis, over the other data axes); without
+    one, its largest dimension whose shards divide by it; ``x``'s own sharding where no
+    dimension qualifies (a small leaf of odd size)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    free = tuple(a for a in axes if a not in _spec_axes(sharding.spec))
+    size = math.prod(sharding.mesh.shape[a] for a in free)
+    if size == 1:
+        return sharding
+    # a dimension nothing splits, else one split already whose shards split further
+    # (a tensor-parallel bias [out / t]): the largest, the first of equal sizes
+    dims = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % size == 0] or [
+        d for d in range(x.ndim) if spec[d] is not None and x.shape[d] % (size * math.prod(
+            sharding.mesh.shape[a] for a in _names(spec[d]))) == 0]
+    if not dims:
+        return sharding
+    dim = max(dims, key=lambda d: x.shape[d])
+    entry = (*_names(spec[dim]), *free)
+    entry = entry[0] if len(entry) == 1 else entry
+    return NamedSharding(sharding.mesh, P(*spec[:dim], entry, *spec[dim + 1:]))
+
+
+def optimizer_shardings(params: Any, parallel: ParallelConfig | None) -> Any:
+    """The shardings of the parameters' optimizer state: each parameter's own, and with
+    ``ParallelConfig(fsdp="optimizer")`` (ZeRO-1) also split over the data axes
+    (:attr:`~sp_jax.ParallelConfig.zero1_axes`) on the largest dimension that nothing
+    splits yet and that divides by their size, else on the largest one whose shards
+    divide by it (a tensor-parallel bias); a leaf with neither (a small one of odd size)
+    keeps its own. The update of :class:`TrainStep` runs in this layout.
+
+    Args:
+      params: pytree of placed parameters (``jax.Array`` with a ``NamedSharding``).
+      parallel: the model's config, or None (the parameters' own shardings).
+    """
+    axes = parallel.zero1_axes if isinstance(parallel, ParallelConfig) else ()
+    if not axes:
+        return _shardings(params)
+    return jax.tree.map(lambda x: _zero1_sharding(x, axes), params)
+
+
+def _constrain(tree: Any, shardings: Any) -> Any:
+    """``tree`` laid out as ``shardings`` inside a jitted function: ``jax.reshard`` over
+    Explicit mesh axes, a sharding constraint over Auto ones."""
+    def one(x, s):
+        if not isinstance(s, NamedSharding):
+            return x
+        if all(t == AxisType.Explicit for t in s.mesh.axis_types):
+            return jax.reshard(x, s)
+        return lax.with_sharding_constraint(x, s)
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def device_bytes(tree: Any) -> int:
@@ -183,7 +352,9 @@ def device_bytes(tree: Any) -> int:
 
 
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
-                  loss_fn: LossFn = lm_loss) -> Callable:
+                  loss_fn: LossFn = lm_loss, *, update_shardings: Any = None,
+                  param_shardings: Any = None, manual_graphdef: Any = None,
+                  manual_axes: tuple[str, ...] = ()) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
     batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
     "finite", ...})`` (the loss function's own metrics too, e.g. a mixture of experts';
@@ -196,7 +367,15 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     blow-up never reaches the parameters (or a checkpoint of them). ``update_norm /
     param_norm`` (the global L2 norms of the update and of the parameters it was applied
     to) is the update-to-weight ratio a divergence check can bound
-    (:class:`sp_jax.training.faults.DivergenceGuard`)."""
+    (:class:`sp_jax.training.faults.DivergenceGuard`).
+
+    ``update_shardings`` (a tree like the parameters without FP8 histories, e.g. of
+    :func:`optimizer_shardings`; ZeRO-1): the gradients and parameters are resharded to
+    it before the optimizer's update, which runs there, and the new parameters back to
+    ``param_shardings`` (the same tree of their own shardings) after it. With
+    ``manual_graphdef`` (the model built with the data ``manual_axes`` manual) the
+    gradients are instead accumulated per device and reduce-scattered once per step
+    straight into that layout (:func:`_manual_gradients`)."""
 
     def step(params, rest, opt_state, batch, key):
         all_params = params
@@ -212,6 +391,9 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         if _pipelined(model):
             loss, grads, metrics, amaxes = _pipeline_gradients(model, all_params, batch, key,
                                                                loss_fn)
+        elif manual_graphdef is not None and not fp8:  # ZeRO-1, reduced once per step
+            loss, grads = _manual_gradients(manual_graphdef, params, rest, batch, key,
+                                            loss_fn, update_shardings, manual_axes)
         elif fp8:  # the amax histories' "gradients" are the step's amaxes
             loss, (grads, amaxes), metrics = accumulate_gradients(
                 pure_loss, (params, histories), batch, key, with_metrics=True,
@@ -220,9 +402,14 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
             loss, grads, metrics = accumulate_gradients(pure_loss, params, batch, key,
                                                         with_metrics=True)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        if update_shardings is not None:  # ZeRO-1: each device updates its shard
+            grads = _constrain(grads, update_shardings)
+            params = _constrain(params, update_shardings)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        if update_shardings is not None:  # the new parameters all-gathered
+            new_params = _constrain(new_params, param_shardings)
         if fp8:
             new_params = nnx.merge_state(new_params,
                                          update_fp8_histories(histories, amaxes))
@@ -252,6 +439,15 @@ class TrainStep:
     host arrays (or arrays on one device): :meth:`place` lays them out on the mesh, as
     the call and :meth:`evaluate` do with whatever is not placed there yet.
 
+    With ``ParallelConfig(fsdp="optimizer")`` (ZeRO-1) the parameters keep their layout
+    and the optimizer state is sharded over the data axes (:func:`optimizer_shardings`):
+    each device accumulates the gradient of its rows over the micro-batches, one
+    reduce-scatter per parameter per step sums it over the data axes into that layout
+    (for a GPT without experts or FP8 on an Explicit mesh: the model runs with the data
+    axes manual, as a pipeline stage does; otherwise, and on a pipeline, the reduced
+    gradients are resharded there), the update runs on each device's shard and the new
+    parameters are all-gathered.
+
     Args:
       model: the NNX model (e.g. :class:`sp_jax.models.GPT`) built under the mesh.
       tx: the optax transformation (clipping, schedule, ... included).
@@ -274,7 +470,16 @@ class TrainStep:
             # Lay the parameters out as their sharding annotations say, whatever their
             # current placement (e.g. weights just loaded from an unsharded model).
             self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
-        self.opt_state = self.tx.init(split_fp8(self.params)[0])  # no FP8 histories
+        # no FP8 histories; with fsdp="optimizer" (ZeRO-1) the moments follow the
+        # parameters resharded over the data axes (zeros_like keeps the sharding)
+        plain = split_fp8(self.params)[0]
+        self._update_shardings, self._manual = None, (None, ())
+        if not mesh.empty and isinstance(parallel := getattr(self.model, "parallel", None),
+                                         ParallelConfig) and parallel.zero1_axes:
+            self._update_shardings = optimizer_shardings(plain, parallel)
+            plain = jax.device_put(plain, self._update_shardings)
+            self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
+        self.opt_state = self.tx.init(plain)
         self._step = None
         self._debug = False
         self._eval = None
@@ -325,7 +530,10 @@ class TrainStep:
         that made a NaN op by op on the same inputs): a change of those builds it again."""
         debug = bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
         if self._step is None or self._debug != debug:
-            step = train_step_fn(self.graphdef, self.tx, self.loss_fn)
+            step = train_step_fn(
+                self.graphdef, self.tx, self.loss_fn, update_shardings=self._update_shardings,
+                param_shardings=_shardings(split_fp8(self.params)[0]),
+                manual_graphdef=self._manual[0], manual_axes=self._manual[1])
             # The rest (rng counters, buffers) is small and keeps whatever placement it has.
             param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
             self._step, self._debug = jax.jit(
