@@ -87,6 +87,17 @@ def _assert_golden_grads(model, grads, golden, msg: str) -> None:
                                        err_msg=f"{msg} {key}")
 
 
+def _assert_written_bitwise(original: dict, directory) -> dict:
+    """``directory/model.safetensors`` (a ``to_hf`` output) holds exactly the tensors of
+    ``original`` (names, dtypes, bits); returns what it holds."""
+    written = load_file(directory / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    for name in original:
+        assert written[name].dtype == original[name].dtype
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    return written
+
+
 def _assert_golden(model, golden, logits, loss, grads, gen_logits, lengths, msg: str) -> None:
     """A model's logits, loss and gradients against transformers' (``golden``), and the
     logits ``gen_logits`` of its greedy generations (``_generations``' rows of
@@ -290,11 +301,7 @@ def test_round_trip_is_bitwise(family, tmp_path):
         hf.to_hf(model, tmp_path / "a")
         scanned = hf.from_hf(FIXTURES / family, parallel=parallel, scan_layers=True)
         hf.to_hf(scanned, tmp_path / "b")
-    written = load_file(tmp_path / "a" / "model.safetensors")
-    assert sorted(written) == sorted(original)
-    for name in original:
-        assert written[name].dtype == original[name].dtype
-        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    written = _assert_written_bitwise(original, tmp_path / "a")
     assert load_file(tmp_path / "b" / "model.safetensors").keys() == written.keys()
     source = json.loads((FIXTURES / family / "config.json").read_text())
     config = json.loads((tmp_path / "a" / "config.json").read_text())

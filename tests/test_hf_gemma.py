@@ -18,7 +18,7 @@ from _util import assert_bitwise, param_values, to_host
 from conftest import make_mesh
 from flax import nnx
 from safetensors.numpy import load_file
-from test_hf import _assert_golden, _generations, _logits_loss_grads
+from test_hf import _assert_golden, _assert_written_bitwise, _generations, _logits_loss_grads
 
 from sp_jax.models import GPTConfig, generate, hf
 from sp_jax.models.hf.gemma2 import linear_rope_scaling
@@ -173,14 +173,8 @@ def test_gemma_round_trip_is_bitwise(family, tmp_path):
         hf.to_hf(model, tmp_path / "a")
         scanned = hf.from_hf(FIXTURES / family, scan_layers=True)
         hf.to_hf(scanned, tmp_path / "b")
-    written = load_file(tmp_path / "a" / "model.safetensors")
-    assert sorted(written) == sorted(original)
-    for name in original:
-        assert written[name].dtype == original[name].dtype
-        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
-    scanned_written = load_file(tmp_path / "b" / "model.safetensors")
-    for name in original:
-        np.testing.assert_array_equal(scanned_written[name], original[name], err_msg=name)
+    for written in ("a", "b"):  # unrolled and scanned layers
+        _assert_written_bitwise(original, tmp_path / written)
     source, config = _config(family), json.loads((tmp_path / "a" / "config.json").read_text())
     for key in ("model_type", "architectures", "layer_types", "rope_parameters",
                 "sliding_window", "query_pre_attn_scalar"):
