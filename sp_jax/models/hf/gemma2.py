@@ -17,7 +17,7 @@ from typing import Any
 
 from sp_jax.models.gpt_config import GPTConfig, RopeScaling
 from sp_jax.models.hf.family import ATTENTION, MLP, Family, Rule, has_fields, require, same
-from sp_jax.models.hf.llama import LLAMA_SHAPED_KEYS, llama_shaped_rules
+from sp_jax.models.hf.llama import LLAMA_SHAPED_KEYS, llama_shaped_rules, shape_to_hf
 
 __all__ = ["ATTENTION_POST_NORM", "GEMMA2", "MLP_POST_NORM", "gemma_expresses",
            "gemma_fields", "gemma_rope", "gemma_rope_to_hf", "gemma_rules", "gemma_to_hf",
@@ -165,15 +165,10 @@ def query_pre_attn_scalar(cfg: GPTConfig) -> int | float:
 def gemma_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
     """The ``config.json`` entries every Gemma family writes the same way."""
     return dict(
-        architectures=[architecture], vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden, intermediate_size=cfg.mlp_hidden,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.attention_config().head_dim,
-        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_epsilon, query_pre_attn_scalar=query_pre_attn_scalar(cfg),
+        shape_to_hf(cfg, architecture), hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=query_pre_attn_scalar(cfg),
         attn_logit_softcapping=cfg.attention_softcap,
         final_logit_softcapping=cfg.final_logit_softcap, attention_bias=cfg.qkv_bias,
-        attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.tie_embeddings,
         use_bidirectional_attention=False, **gemma_windows_to_hf(cfg))
 
 

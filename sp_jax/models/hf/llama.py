@@ -29,7 +29,7 @@ from sp_jax.models.hf.family import (
 )
 
 __all__ = ["LLAMA", "LLAMA_SHAPED_KEYS", "llama_shaped_fields", "llama_shaped_rules",
-           "llama_shaped_to_hf"]
+           "llama_shaped_to_hf", "shape_to_hf"]
 
 LLAMA_SHAPED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings")
@@ -86,6 +86,19 @@ def llama_shaped_fields(config: Mapping[str, Any], model_type: str,
         norm_epsilon=float(get("rms_norm_eps", 1e-6)), mlp_activation="swiglu")
 
 
+def shape_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
+    """The ``config.json`` shape entries of a decoder with RMSNorm (the Llama-shaped and
+    Gemma families): class, vocabulary, widths, layers, heads, positions, epsilon, and
+    the attention dropout and tied head."""
+    return dict(
+        architectures=[architecture], vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden, intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.attention_config().head_dim,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_epsilon,
+        attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.tie_embeddings)
+
+
 def llama_shaped_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
     """The ``config.json`` entries every Llama-shaped family writes the same way, rope
     settings in both transformers 4.x's and 5.x's spelling."""
@@ -93,15 +106,9 @@ def llama_shaped_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
     if cfg.rope_scaling is not None:
         rope = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     return dict(
-        architectures=[architecture], vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden, intermediate_size=cfg.mlp_hidden,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.attention_config().head_dim,
-        hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rope_base,
+        shape_to_hf(cfg, architecture), hidden_act="silu", rope_theta=cfg.rope_base,
         rope_scaling=None if cfg.rope_scaling is None else rope,
-        rope_parameters={**rope, "rope_theta": cfg.rope_base},
-        attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.tie_embeddings)
+        rope_parameters={**rope, "rope_theta": cfg.rope_base})
 
 
 def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
