@@ -197,3 +197,33 @@ def test_trainer_resumes_an_offloaded_run(tmp_path, mesh_2x4):
     resumed = run(4, tmp_path / "offloaded", offload_optimizer=True, offload_params=True)
     assert resumed.start_step == 2
     assert [resumed.losses[s] for s in (3, 4)] == [full.losses[s] for s in (3, 4)]
+
+
+@pytest.mark.slow
+def test_train_gpt_offload_flags(tmp_path):
+    """examples/train_gpt.py --offload-optimizer --offload-params: the same losses as the
+    run without them (3 steps, data=2 x tensor=4)."""
+    import json
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from _util import script_env
+
+    root = Path(__file__).resolve().parents[1]
+    data = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+    base = [sys.executable, str(root / "examples" / "train_gpt.py"), "--preset", "gpt",
+            "--seq-len", "32", "--hidden", "32", "--heads", "4", "--layers", "2",
+            "--batch-size", "8", "--micro-batches", "2", "--mesh", "2,4", "--data", data,
+            "--steps", "3", "--eval-every", "3", "--no-progress"]
+    losses = []
+    for name, extra in (("plain", []), ("offload", ["--offload-optimizer",
+                                                   "--offload-params"])):
+        log = tmp_path / f"{name}.jsonl"
+        done = subprocess.run([*base, *extra, "--log-json", str(log)], cwd=root,
+                              env=script_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        losses.append({r["step"]: r["loss"] for r in records if "loss" in r})
+    assert sorted(losses[1]) == [1, 2, 3] and losses[1] == losses[0]
