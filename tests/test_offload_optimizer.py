@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+from sp_jax import ParallelConfig
 from sp_jax.checkpoint import abstract_like, restore_checkpoint, save_checkpoint
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.training import TrainStep, lm_loss, offload
@@ -227,3 +228,21 @@ def test_train_gpt_offload_flags(tmp_path):
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         losses.append({r["step"]: r["loss"] for r in records if "loss" in r})
     assert sorted(losses[1]) == [1, 2, 3] and losses[1] == losses[0]
+
+
+@pytest.mark.slow
+def test_offload_in_pipeline_stages_is_bitwise():
+    """A pipelined GPT (2 stages x data 2 x tensor 2, 1F1B over 2 micro-batches): the
+    offloaded step's state and metrics bitwise those of the step without offload."""
+    mesh = jax.make_mesh((2, 2, 1, 2), ("stage", "data", "context", "tensor"),
+                         devices=jax.devices()[:8])
+    parallel = ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
+    cfg = GPTConfig(**{**vars(CFG), "num_layers": 4})
+    out = []
+    for options in ({}, {"offload_optimizer": True, "offload_params": True}):
+        with jax.set_mesh(mesh):
+            step = TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)), _tx(), **options)
+            metrics = [step(b, jax.random.key(i)) for i, b in enumerate(_batches(3))]
+        out.append(jax.tree.map(np.asarray, (step.params, step.opt_state, metrics)))
+    assert _kinds(step.opt_state) == _kinds(step.params) == {"pinned_host"}
+    _assert_same(out[1], out[0])
