@@ -3,8 +3,9 @@ master weights in pinned_host memory between steps (8 simulated CPU devices, whi
 the pinned_host memory kind), against the same step without offload: bitwise (several
 AdamW steps with a schedule and weight decay, data=2 x tensor=4, scanned and unrolled
 blocks); with bf16 compute against the non-offloaded step on a bf16 copy of the weights;
-checkpoints saved and restored into pinned_host; a Trainer resumed from them; the refusal
-on a backend without host memory."""
+checkpoints saved and restored into pinned_host; a Trainer resumed from them; pipeline
+stages; examples/train_gpt.py's flags; the update layer by layer (equal up to rounding);
+the refusal on a backend without host memory."""
 
 from __future__ import annotations
 
@@ -108,8 +109,7 @@ def test_offload_is_bitwise_the_step_without(mesh_2x4, what, scan):
 def test_offload_params_bf16_compute_is_the_step_on_a_bf16_copy(mesh_2x4):
     """bf16 compute, fp32 master weights on the host: the forward and backward run on the
     weights rounded to bf16; equal (bitwise) to the step without offload whose loss
-    function rounds the weights to bf16 itself (the same dtype policy), and different from
-    the plain bf16-compute step (norm weights and biases are used in fp32 there)."""
+    function rounds the weights to bf16 itself (the same dtype policy)."""
     cfg = GPTConfig(**{**vars(CFG), "dtype": jnp.bfloat16})
 
     def rounded_loss(model, batch, key):
