@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
                                                  vocab_size=cfg.vocab_size)
             print(f"data: {data.summary()}; --seq-len {args.seq_len}")
             model.train()  # dropout as the checkpoint's config says (off with --no-dropout)
-            step = training.TrainStep(model, cli.optimizer(args))
+            step = training.TrainStep(model, cli.optimizer(args), **cli.offload_options(args))
             result = training.Trainer(step, data, args.trainer,
                                       metadata=cli.run_metadata(args, cfg),
                                       lr_schedule=cli.lr_schedule).run()

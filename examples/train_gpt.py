@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
             cfg = cli.model_config(args, vocab_size=corpus.vocab_size)
             stack.enter_context(jax.set_mesh(mesh))
             step = training.TrainStep(GPT(cfg, parallel=cli.parallel_config(args),
-                                          rngs=nnx.Rngs(args.seed)), cli.optimizer(args))
+                                          rngs=nnx.Rngs(args.seed)), cli.optimizer(args),
+                                      **cli.offload_options(args))
             n_params = sum(x.size for x in jax.tree.leaves(step.params))
             describe(args, mesh, corpus, n_params, say)
             result = training.Trainer(

@@ -114,17 +114,23 @@ def _leaf_sums(x: Any, xp: Any) -> list[Any]:
     return [first, second, finite]
 
 
-def _sums_on_device(leaves: tuple[jax.Array, ...]) -> jax.Array:
+def _sums_on_device(leaves: tuple[jax.Array, ...], on_host: tuple[bool, ...]) -> jax.Array:
     import jax.numpy as jnp
 
+    # arrays in host memory (an offloaded optimizer state: memory kind pinned_host) are
+    # summed on the device, one array brought there at a time
+    leaves = tuple(jax.device_put(x, jax.memory.Space.Device) if host else x
+                   for x, host in zip(leaves, on_host, strict=True))
     return jnp.stack([jnp.stack(_leaf_sums(x, jnp)) for x in leaves])
 
 
 @functools.lru_cache(maxsize=16)
-def _sums_jit(out_sharding: jax.sharding.Sharding | None) -> Any:
+def _sums_jit(out_sharding: jax.sharding.Sharding | None, on_host: tuple[bool, ...]) -> Any:
     """The jitted pass over a group of arrays, its (n, 3) result replicated on their
-    devices (so every process reads the same values)."""
-    return jax.jit(_sums_on_device, out_shardings=out_sharding)
+    devices (so every process reads the same values); ``on_host``: which of them are in
+    host memory."""
+    return jax.jit(functools.partial(_sums_on_device, on_host=on_host),
+                   out_shardings=out_sharding)
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
@@ -165,7 +171,9 @@ def checksums(leaves: Mapping[str, Any]) -> dict[str, tuple[int, int, bool] | No
             found[path] = None
     for paths in groups.values():
         arrays = tuple(leaves[p] for p in paths)
-        sums = np.asarray(_sums_jit(_replicated(arrays[0].sharding))(arrays))
+        on_host = tuple(getattr(x.sharding, "memory_kind", None) not in (None, "device")
+                        for x in arrays)
+        sums = np.asarray(_sums_jit(_replicated(arrays[0].sharding), on_host)(arrays))
         for path, (first, second, finite) in zip(paths, sums.tolist(), strict=True):
             found[path] = (first, second, bool(finite))
     return {path: found[path] for path in leaves}

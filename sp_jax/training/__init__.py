@@ -19,6 +19,9 @@ Modules:
   accumulation in fp32, explicit shardings, donated state), :func:`accumulate_gradients`,
   :func:`lm_loss`, :func:`device_bytes`, :func:`optimizer_shardings` (ZeRO-1's layout of
   the optimizer state).
+* ``offload``: the optimizer state and master weights in ``pinned_host`` memory between
+  steps (``TrainStep(offload_optimizer=True, offload_params=True)``): the transfers, the
+  refusal on a backend without host memory.
 * ``schedule``: :func:`warmup_cosine_schedule` (optax's warmup-cosine in 1-based steps).
 * ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
@@ -37,7 +40,7 @@ The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 :mod:`sp_jax.checkpoint`.
 """
 
-from sp_jax.training import cli, faults, finetune, launch, log, schedule, step, trainer
+from sp_jax.training import cli, faults, finetune, launch, log, offload, schedule, step, trainer
 from sp_jax.training.cli import add_trainer_arguments
 from sp_jax.training.faults import (
     DivergenceGuard,
@@ -110,6 +113,7 @@ __all__ = [
     "lm_loss",
     "log",
     "mesh_description",
+    "offload",
     "open_checkpoints",
     "optimizer_shardings",
     "parse_mesh",

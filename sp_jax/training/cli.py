@@ -48,7 +48,8 @@ __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_fp8_argument", "add_model_arguments", "add_parallel_arguments",
            "add_trainer_arguments", "fp8_recipe",
            "check_model_args", "check_pipeline_args", "check_run_args", "description",
-           "lr_schedule", "markdown_flags", "model_config", "optimizer", "parallel_config",
+           "lr_schedule", "markdown_flags", "model_config", "offload_options", "optimizer",
+           "parallel_config",
            "run_metadata", "scan_layers", "shared_settings"]
 
 PRESETS: dict[str, Callable[..., GPTConfig]] = {
@@ -93,8 +94,8 @@ def description(doc: str | None) -> str:
 def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """Adds the flags of a :class:`~sp_jax.training.TrainerConfig` and the optimizer:
     ``--steps --seed --debug-nans --loss-spike --max-update-ratio`` (group "run"),
-    ``--batch-size --micro-batches --lr --warmup-steps --final-lr-fraction --weight-decay``
-    ("optimization"),
+    ``--batch-size --micro-batches --lr --warmup-steps --final-lr-fraction --weight-decay
+    --offload-optimizer --offload-params`` ("optimization"; :func:`offload_options`),
     ``--eval-every --eval-batches`` ("evaluation"), ``--ckpt-dir --save-every --resume
     --log-json --no-progress`` ("output").
 
@@ -123,6 +124,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> N
     add("--final-lr-fraction", type=float, default=0.1, metavar="F",
         help="where the cosine decay ends at --steps, a fraction of --lr (1: constant)")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    add("--offload-optimizer", action="store_true",
+        help="keep the optimizer state in pinned host memory between steps "
+             "(TrainStep(offload_optimizer=True); the same arithmetic)")
+    add("--offload-params", action="store_true",
+        help="also keep the fp32 master weights in pinned host memory, the forward and "
+             "backward on a copy in the compute dtype (TrainStep(offload_params=True))")
     add = parser.add_argument_group("evaluation").add_argument
     add("--eval-every", type=int, default=100, help="evaluate at 0, every K steps and the end")
     add("--eval-batches", type=int, default=4, help="held-out micro-batches per eval")
@@ -415,6 +422,13 @@ def optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
         warmup_cosine_schedule(args.lr, args.warmup_steps, args.steps,
                                final_fraction=args.final_lr_fraction),
         weight_decay=args.weight_decay))
+
+
+def offload_options(args: argparse.Namespace) -> dict[str, bool]:
+    """:class:`~sp_jax.training.TrainStep`'s offload options from ``--offload-optimizer``
+    and ``--offload-params`` (False where a parser lacks them)."""
+    return {"offload_optimizer": bool(getattr(args, "offload_optimizer", False)),
+            "offload_params": bool(getattr(args, "offload_params", False))}
 
 
 def lr_schedule(step: int, run: Mapping[str, Any]) -> float:

@@ -35,6 +35,13 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
+from sp_jax.training.offload import (
+    compute_copy,
+    on_host,
+    require_host_memory,
+    to_device,
+    to_host,
+)
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
@@ -354,7 +361,8 @@ def device_bytes(tree: Any) -> int:
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
                   loss_fn: LossFn = lm_loss, *, update_shardings: Any = None,
                   param_shardings: Any = None, manual_graphdef: Any = None,
-                  manual_axes: tuple[str, ...] = ()) -> Callable:
+                  manual_axes: tuple[str, ...] = (), offload_optimizer: bool = False,
+                  offload_params: bool = False, compute_dtype: Any = None) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
     batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
     "finite", ...})`` (the loss function's own metrics too, e.g. a mixture of experts';
@@ -375,31 +383,45 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     ``param_shardings`` (the same tree of their own shardings) after it. With
     ``manual_graphdef`` (the model built with the data ``manual_axes`` manual) the
     gradients are instead accumulated per device and reduce-scattered once per step
-    straight into that layout (:func:`_manual_gradients`)."""
+    straight into that layout (:func:`_manual_gradients`).
+
+    ``offload_optimizer`` / ``offload_params``: the optimizer state / the parameters come
+    in (and go out) in host memory (:mod:`sp_jax.training.offload`); each leaf moves to
+    the device for the step and back. With ``offload_params`` the forward and backward
+    run on the parameters cast to ``compute_dtype`` (None: as they are), the gradients
+    (cast back to the parameters' dtype) updating the master weights."""
 
     def step(params, rest, opt_state, batch, key):
+        if offload_params:
+            params = to_device(params)
+        if offload_optimizer:
+            opt_state = to_device(opt_state)
         all_params = params
         params, histories = split_fp8(all_params)
         fp8 = bool(jax.tree.leaves(histories))
+        # the copy the forward and backward see (the master weights themselves without
+        # offload_params or with an fp32 compute dtype)
+        forward = compute_copy(params, compute_dtype) if offload_params else params
+        forward_all = nnx.merge_state(forward, histories) if fp8 else forward
 
         def pure_loss(p, micro_batch, k):
             state = nnx.merge_state(*p) if fp8 else p
             return loss_fn(nnx.merge(graphdef, state, rest), micro_batch, k)
 
-        model = nnx.merge(graphdef, all_params, rest)
+        model = nnx.merge(graphdef, forward_all, rest)
         metrics = {}
         if _pipelined(model):
-            loss, grads, metrics, amaxes = _pipeline_gradients(model, all_params, batch, key,
-                                                               loss_fn)
+            loss, grads, metrics, amaxes = _pipeline_gradients(model, forward_all, batch,
+                                                               key, loss_fn)
         elif manual_graphdef is not None and not fp8:  # ZeRO-1, reduced once per step
-            loss, grads = _manual_gradients(manual_graphdef, params, rest, batch, key,
+            loss, grads = _manual_gradients(manual_graphdef, forward, rest, batch, key,
                                             loss_fn, update_shardings, manual_axes)
         elif fp8:  # the amax histories' "gradients" are the step's amaxes
             loss, (grads, amaxes), metrics = accumulate_gradients(
-                pure_loss, (params, histories), batch, key, with_metrics=True,
+                pure_loss, (forward, histories), batch, key, with_metrics=True,
                 maximum=(False, True))
         else:
-            loss, grads, metrics = accumulate_gradients(pure_loss, params, batch, key,
+            loss, grads, metrics = accumulate_gradients(pure_loss, forward, batch, key,
                                                         with_metrics=True)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         if update_shardings is not None:  # ZeRO-1: each device updates its shard
@@ -416,7 +438,12 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         update_norm = optax.tree.norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-        return keep(new_params, all_params), keep(new_opt_state, opt_state), {
+        out_params, out_opt_state = keep(new_params, all_params), keep(new_opt_state, opt_state)
+        if offload_params:
+            out_params = to_host(out_params)
+        if offload_optimizer:
+            out_opt_state = to_host(out_opt_state)
+        return out_params, out_opt_state, {
             **metrics, "loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
             "param_norm": optax.tree.norm(params), "finite": finite}
 
@@ -453,6 +480,17 @@ class TrainStep:
       tx: the optax transformation (clipping, schedule, ... included).
       loss_fn: ``(model, micro_batch, key) -> (loss_sum, count)``; default
         :func:`lm_loss`.
+      offload_optimizer: keep the optimizer state in ``pinned_host`` memory between
+        steps (``opt_state``'s shardings ``with_memory_kind("pinned_host")``); the step
+        moves it to the device leaf by leaf for the update and writes it back. The same
+        arithmetic: bitwise equal to the step without it.
+      offload_params: also keep the parameters (the fp32 master weights) in
+        ``pinned_host`` memory; the step runs the forward and backward on a copy in the
+        model's compute dtype (``model.config.dtype``; with an fp32 compute dtype
+        bitwise the step without offload).
+
+    Raises:
+      ValueError: an offload option on a backend without ``pinned_host`` memory.
 
     On a GPU it warns once per process when ``XLA_FLAGS`` lacks sp_jax's recommended
     overlap flags (:func:`sp_jax.xla_flags.warn_if_gpu_flags_missing`).
@@ -461,8 +499,13 @@ class TrainStep:
     model: nnx.Module
     tx: optax.GradientTransformation
     loss_fn: LossFn = lm_loss
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
+        for option in ("offload_optimizer", "offload_params"):
+            if getattr(self, option):
+                require_host_memory(f"TrainStep({option}=True)")
         warn_if_gpu_flags_missing()  # once per process, on GPU only; no subprocess
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
         mesh = self.mesh = jax.sharding.get_mesh()
@@ -480,6 +523,10 @@ class TrainStep:
             plain = jax.device_put(plain, self._update_shardings)
             self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
         self.opt_state = self.tx.init(plain)
+        if self.offload_optimizer:
+            self.opt_state = on_host(self.opt_state)
+        if self.offload_params:
+            self.params = on_host(self.params)
         self._step = None
         self._debug = False
         self._eval = None
@@ -533,7 +580,9 @@ class TrainStep:
             step = train_step_fn(
                 self.graphdef, self.tx, self.loss_fn, update_shardings=self._update_shardings,
                 param_shardings=_shardings(split_fp8(self.params)[0]),
-                manual_graphdef=self._manual[0], manual_axes=self._manual[1])
+                manual_graphdef=self._manual[0], manual_axes=self._manual[1],
+                offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+                compute_dtype=getattr(getattr(self.model, "config", None), "dtype", None))
             # The rest (rng counters, buffers) is small and keeps whatever placement it has.
             param_s, opt_s = _shardings(self.params), _shardings(self.opt_state)
             self._step, self._debug = jax.jit(
@@ -571,11 +620,11 @@ class TrainStep:
           ``sum(loss_sum) / sum(count)`` over the batches (nan when there are none).
         """
         if self._eval is None:
-            graphdef, loss_fn = self.graphdef, self.loss_fn
+            graphdef, loss_fn, offloaded = self.graphdef, self.loss_fn, self.offload_params
 
             @jax.jit
             def eval_loss(params, rest, batch):
-                model = nnx.merge(graphdef, params, rest)
+                model = nnx.merge(graphdef, to_device(params) if offloaded else params, rest)
                 model.eval()
                 return loss_fn(model, batch, jax.random.key(0))  # no dropout: key unused
 
@@ -595,6 +644,11 @@ class TrainStep:
         return metrics
 
     def sync_model(self) -> nnx.Module:
-        """Writes the current parameters back into ``model`` and returns it."""
-        nnx.update(self.model, self.params)
+        """Writes the current parameters back into ``model`` (in device memory) and
+        returns it."""
+        params = self.params
+        if self.offload_params:
+            params = jax.tree.map(
+                lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), params)
+        nnx.update(self.model, params)
         return self.model

@@ -1,0 +1,83 @@
+"""Optimizer state and master weights in host memory between steps (ZeRO-Offload's
+placement, MaxText's ``optimizer_memory_host_offload`` / ``parameter_memory_host_offload``).
+
+:class:`~sp_jax.training.TrainStep` with ``offload_optimizer=True`` keeps the optimizer
+state's arrays in ``pinned_host`` memory (their shardings ``with_memory_kind
+("pinned_host")``); the jitted step moves each leaf to device memory where the update
+needs it (one ``jax.device_put`` per leaf, :func:`to_device`) and the new state back
+(:func:`to_host`), so XLA sees one transfer per array and may schedule each next to its
+use. ``offload_params=True`` does the same for the fp32 master weights, the forward and
+backward running on a copy in the model's compute dtype (:func:`compute_copy`).
+
+A backend without host memory (no ``pinned_host`` among the device's memory kinds) is
+refused with a ``ValueError`` naming it (:func:`require_host_memory`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["HOST", "compute_copy", "memory_kinds", "on_host", "require_host_memory",
+           "to_device", "to_host"]
+
+HOST = "pinned_host"
+"""The memory kind offloaded arrays live in between steps."""
+
+
+def memory_kinds(device: jax.Device | None = None) -> set[str]:
+    """The memory kinds ``device`` (default: the first device) can address, e.g.
+    ``{"device", "pinned_host", "unpinned_host"}`` on CPU and GPU backends."""
+    device = device if device is not None else jax.devices()[0]
+    return {memory.kind for memory in device.addressable_memories()}
+
+
+def require_host_memory(option: str) -> None:
+    """Raises a ``ValueError`` naming the backend and ``option`` when the first device
+    has no ``pinned_host`` memory kind (host offload impossible there).
+
+    Args:
+      option: the option that needs it, e.g. ``"TrainStep(offload_optimizer=True)"``.
+    """
+    kinds = memory_kinds()
+    if HOST not in kinds:
+        device = jax.devices()[0]
+        raise ValueError(
+            f"{option} keeps arrays in '{HOST}' host memory, but the {device.platform} "
+            f"backend ({device.device_kind}) has only the memory kinds {sorted(kinds)}; "
+            "train without the offload option on this backend (or run on a GPU or CPU "
+            "backend, which have pinned_host memory).")
+
+
+def _host_sharding(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return sharding.with_memory_kind(HOST)
+
+
+def on_host(tree: Any) -> Any:
+    """``tree``'s arrays moved to ``pinned_host`` memory, keeping their shardings."""
+    return jax.tree.map(lambda x: jax.device_put(x, _host_sharding(x)), tree)
+
+
+def to_device(tree: Any) -> Any:
+    """Inside a jitted function: each leaf of ``tree`` moved to device memory (one
+    transfer per leaf)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def to_host(tree: Any) -> Any:
+    """Inside a jitted function: each leaf of ``tree`` moved to host memory."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+
+def compute_copy(params: Any, dtype: Any) -> Any:
+    """The floating leaves of ``params`` cast to ``dtype`` (None: unchanged), the copy
+    the forward and backward of an ``offload_params`` step run on."""
+    if dtype is None:
+        return params
+    return jax.tree.map(
+        lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
