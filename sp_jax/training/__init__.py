@@ -18,6 +18,8 @@ Modules:
 * ``step``: :class:`TrainStep` (one jitted optimizer step with micro-batch gradient
   accumulation in fp32, explicit shardings, donated state), :func:`accumulate_gradients`,
   :func:`lm_loss`, :func:`device_bytes`.
+* ``optimizer``: :func:`adamw` (``optax.adamw`` with the first and second moments
+  stored in a chosen dtype, e.g. bf16; bitwise ``optax.adamw`` without one).
 * ``schedule``: :func:`warmup_cosine_schedule` (optax's warmup-cosine in 1-based steps).
 * ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
@@ -36,7 +38,17 @@ The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 :mod:`sp_jax.checkpoint`.
 """
 
-from sp_jax.training import cli, faults, finetune, launch, log, schedule, step, trainer
+from sp_jax.training import (
+    cli,
+    faults,
+    finetune,
+    launch,
+    log,
+    optimizer,
+    schedule,
+    step,
+    trainer,
+)
 from sp_jax.training.cli import add_trainer_arguments
 from sp_jax.training.faults import (
     DivergenceGuard,
@@ -59,6 +71,7 @@ from sp_jax.training.launch import (
     parse_mesh,
 )
 from sp_jax.training.log import MetricsLog, MetricsLogError, TensorBoardLog, plot_losses
+from sp_jax.training.optimizer import adamw
 from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.step import (
     TrainStep,
@@ -98,6 +111,7 @@ __all__ = [
     "TrainerConfig",
     "TrainingStopped",
     "accumulate_gradients",
+    "adamw",
     "add_launch_arguments",
     "add_trainer_arguments",
     "build_mesh",
@@ -109,6 +123,7 @@ __all__ = [
     "log",
     "mesh_description",
     "open_checkpoints",
+    "optimizer",
     "parse_mesh",
     "plot_losses",
     "schedule",

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sp_jax.compat import check
 from sp_jax.config import ParallelConfig
@@ -96,6 +97,20 @@ def accumulate_gradients(
       ``(loss, grads)`` normalised by the total count; ``grads`` in fp32 (with
       ``with_metrics``: ``(loss, grads, metrics)``).
     """
+    loss_sum, count, grads, metrics = _accumulate(loss_fn, params, batch, key, maximum)
+    scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+    loss = loss_sum * scale
+    grads = jax.tree.map(lambda flag, g: g if flag else jax.tree.map(lambda x: x * scale, g),
+                         maximum, grads)
+    if not with_metrics:
+        return loss, grads
+    return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+
+
+def _accumulate(loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+                maximum: Any = False) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """:func:`accumulate_gradients` before its normalisation: the fp32 loss sum, the
+    target count, the fp32 gradient sums and each micro-batch's metrics (stacked)."""
     def split_out(p, micro_batch, k):
         loss, count, *metrics = loss_fn(p, micro_batch, k)
         return loss, (count, metrics[0] if metrics else {})
@@ -120,13 +135,98 @@ def accumulate_gradients(
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), zeros)
     (loss_sum, count, grads), metrics = lax.scan(micro_step, init, (batch, jnp.arange(n)))
+    return loss_sum, count, grads, metrics
+
+
+def _reduce_dtype(model: nnx.Module) -> Any:
+    """``ParallelConfig.grad_reduce_dtype`` of an unpipelined ``model`` on a mesh with
+    data axes of more than one device (None otherwise: GSPMD reduces the gradients in
+    their own dtype); a ValueError where it does not apply yet."""
+    parallel = getattr(model, "parallel", None)
+    if not isinstance(parallel, ParallelConfig) or parallel.grad_reduce_dtype is None \
+            or parallel.pipeline_axis is not None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.get(a, 1) for a in parallel.data_axes) == 1:
+        return None
+    config = getattr(model, "config", None)
+    if parallel.fsdp or parallel.expert_axis is not None or \
+            getattr(config, "num_experts", 0) or getattr(config, "fp8", None) is not None \
+            or not hasattr(config, "scan_layers"):
+        raise ValueError(
+            "TrainStep: ParallelConfig(grad_reduce_dtype=...) without a pipeline reduces "
+            "the gradients of a dense sp_jax GPT (no fsdp, expert_axis, experts or fp8); "
+            f"got {type(model).__name__} with fsdp={parallel.fsdp}, expert_axis="
+            f"{parallel.expert_axis!r}. Leave grad_reduce_dtype=None, or use a pipeline "
+            "(pipeline_axis=...).")
+    return parallel.grad_reduce_dtype
+
+
+def _data_shard_model(model: nnx.Module, rest: Any) -> tuple[Any, Any]:
+    """The graph of ``model`` (a GPT) rebuilt with the data axes manual (``data_axis=None``,
+    ``manual_data_axes``: its layers then see one data shard's rows, as a pipeline
+    stage's do), built abstractly, and ``rest`` (its non-parameter state) in that graph's
+    form: the model's values where the paths agree, else zeros (e.g. an rng stream the
+    model was built without; the loss draws its dropout from its own key)."""
+    par = model.parallel
+    inner = par.replace(data_axis=None, manual_data_axes=par.data_axes)
+    training = not model.dropout.deterministic
+    config = model.config
+
+    def build():
+        shell = type(model)(config, parallel=inner, rngs=nnx.Rngs(0))
+        if not training:
+            shell.eval()
+        return shell
+
+    graph, _, abstract = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    values = nnx.to_pure_dict(rest)
+
+    def fill(path: tuple, like: Any) -> Any:
+        node = values
+        for k in path:
+            key = getattr(k, "key", k)
+            if not isinstance(node, dict) or key not in node:
+                return jax.random.key(0) if jax.dtypes.issubdtype(
+                    like.dtype, jax.dtypes.prng_key) else jnp.zeros(like.shape, like.dtype)
+            node = node[key]
+        return node
+
+    pure = jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(abstract))
+    nnx.replace_by_pure_dict(abstract, pure)
+    return graph, abstract
+
+
+def _data_reduced_gradients(model: nnx.Module, params: Any, rest: Any, batch: Any,
+                            key: jax.Array, loss_fn: LossFn, dtype: Any
+                            ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """Mean loss, fp32 gradients and metrics of an unpipelined step whose gradients are
+    reduced over the data axes in ``dtype`` (``ParallelConfig.grad_reduce_dtype``): in a
+    ``shard_map`` manual over the data axes each data shard accumulates its rows'
+    gradients over the micro-batches in fp32 (:func:`_accumulate`), then one ``psum``
+    over the data axes carries them cast to ``dtype``; the sum comes back in fp32 and is
+    normalised by the total target count, as :func:`accumulate_gradients` does."""
+    axes = model.parallel.data_axes
+    graph, inner_rest = _data_shard_model(model, rest)
+
+    def body(params, inner_rest, batch, key):
+        def pure_loss(p, micro_batch, k):
+            return loss_fn(nnx.merge(graph, p, inner_rest), micro_batch, k)
+
+        loss_sum, count, grads, metrics = _accumulate(pure_loss, params, batch, key)
+        grads = jax.tree.map(lambda g: lax.psum(g.astype(dtype), axes).astype(g.dtype),
+                             grads)
+        return lax.psum(loss_sum, axes), lax.psum(count, axes), grads, \
+            jax.tree.map(lambda m: lax.pmean(m, axes), metrics)
+
+    batch_spec = P(None, axes if len(axes) > 1 else axes[0])
+    loss_sum, count, grads, metrics = jax.shard_map(
+        body, mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(P(), P(), batch_spec, P()), out_specs=P(), axis_names=set(axes),
+        check_vma=False)(params, inner_rest, batch, key)
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
-    loss = loss_sum * scale
-    grads = jax.tree.map(lambda flag, g: g if flag else jax.tree.map(lambda x: x * scale, g),
-                         maximum, grads)
-    if not with_metrics:
-        return loss, grads
-    return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads), \
+        jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
 
 def _pipelined(model: nnx.Module) -> bool:
@@ -209,7 +309,11 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
 
         model = nnx.merge(graphdef, all_params, rest)
         metrics = {}
-        if _pipelined(model):
+        reduce_dtype = _reduce_dtype(model)
+        if reduce_dtype is not None:
+            loss, grads, metrics = _data_reduced_gradients(model, params, rest, batch, key,
+                                                           loss_fn, reduce_dtype)
+        elif _pipelined(model):
             loss, grads, metrics, amaxes = _pipeline_gradients(model, all_params, batch, key,
                                                                loss_fn)
         elif fp8:  # the amax histories' "gradients" are the step's amaxes
