@@ -50,6 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.mesh import mesh_platform
+from sp_jax.ops.primitives import reduce_in
 from sp_jax.pipeline.schedule import PipelineSchedule
 
 __all__ = ["StageProgram", "gpipe", "one_f_one_b"]
@@ -164,16 +165,17 @@ def _reduce(g: jax.Array, spec: P, axes: _Axes, over_stage: bool,
     summed over the other data axes, and over the stage axis when ``over_stage``;
     ``dtype`` (``ParallelConfig.grad_reduce_dtype``): the collectives carry ``g`` cast
     to it, the result cast back to ``g``'s dtype."""
-    if dtype is not None and (axes.data or over_stage):
-        return _reduce(g.astype(dtype), spec, axes, over_stage).astype(g.dtype)
     dims = _data_dims(spec, axes.data)
     scattered = {a for _, names in dims for a in names}
     for dim, names in dims:
-        g = _psum_scatter(g, names, dim)
+        g = _psum_scatter(g, names, dim) if dtype is None else \
+            reduce_in(g, names, dtype, scatter_dim=dim)
     rest = tuple(a for a in axes.data if a not in scattered)
     if over_stage:
         rest = (axes.stage, *rest)
-    return lax.psum(g, rest) if rest else g
+    if not rest:
+        return g
+    return lax.psum(g, rest) if dtype is None else reduce_in(g, rest, dtype)
 
 
 def _chunk(tree: Any, r: jax.Array) -> Any:

@@ -35,6 +35,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
+from sp_jax.ops.primitives import reduce_in
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss", "train_step_fn"]
@@ -214,8 +215,7 @@ def _data_reduced_gradients(model: nnx.Module, params: Any, rest: Any, batch: An
             return loss_fn(nnx.merge(graph, p, inner_rest), micro_batch, k)
 
         loss_sum, count, grads, metrics = _accumulate(pure_loss, params, batch, key)
-        grads = jax.tree.map(lambda g: lax.psum(g.astype(dtype), axes).astype(g.dtype),
-                             grads)
+        grads = jax.tree.map(lambda g: reduce_in(g, axes, dtype), grads)
         return lax.psum(loss_sum, axes), lax.psum(count, axes), grads, \
             jax.tree.map(lambda m: lax.pmean(m, axes), metrics)
 
