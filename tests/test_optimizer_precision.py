@@ -158,13 +158,14 @@ def _reference(model, batch, data: int):
 def _all_reduces(lowered: str, groups: str = "") -> tuple[int, int]:
     """(non-scalar all-reduces carrying bf16, non-scalar ones carrying another dtype) in
     a lowered (StableHLO) module, those over ``groups`` (e.g. ``"[[0, 2], [1, 3]]"``) or
-    all: the collectives the program asks for. (XLA:CPU's
+    all groups of more than one device: the collectives the program asks for. (XLA:CPU's
     compiled module sums a bf16 all-reduce in fp32 after rounding its input to bf16: the
     CPU has no bf16 all-reduce; GPUs keep it.)"""
     low = other = 0
     for op in lowered.split('"stablehlo.all_reduce"')[1:]:
-        if f"replica_groups = dense<{groups}" not in op.split("\n", 1)[0]:
-            continue
+        found = re.search(r"replica_groups = dense<([^>]*)>", op.split("\n", 1)[0]).group(1)
+        if not found.startswith(groups) or re.fullmatch(r"\[(\[\d+\](, )?)*\]", found):
+            continue  # another group, or one device per group (an axis of size 1)
         types = re.search(r"\}\) : \(([^)]*)\)", op).group(1)
         shapes = re.findall(r"tensor<([^>]*)>", types)
         shapes = [t for t in shapes if "x" in t]  # scalars: losses, counts
@@ -224,11 +225,12 @@ def test_grad_reduce_dtype_refuses_what_it_does_not_cover():
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_grad_reduce_bf16_in_a_pipeline(schedule):
-    """stage 2 x data 2: the pipeline's one reduction per step carries bf16 (the compiled
-    step's all-reduces) and gives the per-shard fp32 sums summed in bf16, within two bf16
-    roundings (the parameters every stage holds are summed over the stages in the same
-    bf16 reduction; a stage's layers exactly as the unpipelined reference for nearly all
-    elements)."""
+    """stage 2 x data 2: the pipeline's one reduction per step carries bf16 (its
+    all-reduces over more than one device) and gives the per-shard fp32 sums summed in
+    bf16: a stage's layers within one bf16 rounding of the reference and equal for
+    nearly all elements; the parameters every stage holds (embedding, final norm), whose
+    stage parts are summed in the same bf16 reduction, within a bf16 rounding of the
+    leaf's largest value."""
     batch = _batch(1)
     mesh = jax.make_mesh((2, 2, 1, 1), ("stage", "data", "context", "tensor"),
                          devices=jax.devices()[:4])
@@ -246,8 +248,11 @@ def test_grad_reduce_bf16_in_a_pipeline(schedule):
     exact = total = 0
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
                             jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=1e-8, err_msg=str(path))
-        if "blocks" in jax.tree_util.keystr(path):
+        if "blocks" in jax.tree_util.keystr(path):  # one stage's: as unpipelined
+            np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-8, err_msg=str(path))
             exact += int(np.sum(g == w))
             total += g.size
+        else:  # each stage's part rounded to bf16 (the reference rounds their sum)
+            np.testing.assert_allclose(g, w, rtol=0, atol=2 ** -7 * np.max(np.abs(w)),
+                                       err_msg=str(path))
     assert exact >= 0.9 * total, f"{exact} of {total} exactly equal"
