@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from _util import copy_weights
+from _util import copy_weights, slow_except
 from conftest import make_mesh
 from flax import nnx
 
@@ -46,7 +46,7 @@ def _run(tx, params, grads):
     return params, out
 
 
-@pytest.mark.parametrize("schedule", [False, True])
+@pytest.mark.parametrize("schedule", slow_except([False, True], False))
 def test_adamw_without_moment_dtypes_is_optax_adamw_bitwise(schedule):
     params, grads = _tree_and_grads(6)
     lr = optax.linear_schedule(LR, LR / 10, 6) if schedule else LR
@@ -86,6 +86,7 @@ def test_adamw_bf16_moments_follow_a_numpy_reference():
                               np.asarray(steps[-1][1][0].nu["w"]).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_adamw_names_a_bad_moment_dtype():
     with pytest.raises(TypeError, match="nu_dtype"):
         adamw(1e-3, nu_dtype=jnp.int32)
@@ -197,6 +198,7 @@ def test_grad_reduce_bf16_is_the_bf16_sum_of_per_shard_fp32_gradients():
                                                         jax.tree.leaves(fp32), strict=True))
 
 
+@pytest.mark.slow
 def test_grad_reduce_bf16_all_reduces_bf16():
     """data 2 x tensor 2: the step's all-reduces over the data axis carry bf16, one per
     parameter's gradient (in the lowered module: GSPMD's fp32 reductions of the default
@@ -214,6 +216,7 @@ def test_grad_reduce_bf16_all_reduces_bf16():
     assert (low, other) == (leaves, 0)
 
 
+@pytest.mark.slow
 def test_grad_reduce_dtype_refuses_what_it_does_not_cover():
     with jax.set_mesh(make_mesh(2, 2)):
         step = TrainStep(GPT(CFG, parallel=sp_jax.ParallelConfig(
