@@ -156,14 +156,15 @@ def _reference(model, batch, data: int):
     return jax.tree.map(lambda x: x.astype(np.float32) * scale, total)
 
 
-def _all_reduces(lowered: str, groups: str = "") -> tuple[int, int]:
-    """(non-scalar all-reduces carrying bf16, non-scalar ones carrying another dtype) in
-    a lowered (StableHLO) module, those over ``groups`` (e.g. ``"[[0, 2], [1, 3]]"``) or
-    all groups of more than one device: the collectives the program asks for. (XLA:CPU's
-    compiled module sums a bf16 all-reduce in fp32 after rounding its input to bf16: the
-    CPU has no bf16 all-reduce; GPUs keep it.)"""
+def _all_reduces(lowered: str, groups: str = "", op_name: str = "all_reduce"
+                 ) -> tuple[int, int]:
+    """(non-scalar all-reduces (or ``op_name`` ops) carrying bf16, non-scalar ones
+    carrying another dtype) in a lowered (StableHLO) module, those over ``groups`` (e.g.
+    ``"[[0, 2], [1, 3]]"``) or all groups of more than one device: the collectives the
+    program asks for. (XLA:CPU's compiled module sums a bf16 all-reduce in fp32 after
+    rounding its input to bf16: the CPU has no bf16 all-reduce; GPUs keep it.)"""
     low = other = 0
-    for op in lowered.split('"stablehlo.all_reduce"')[1:]:
+    for op in lowered.split(f'"stablehlo.{op_name}"')[1:]:
         found = re.search(r"replica_groups = dense<([^>]*)>", op.split("\n", 1)[0]).group(1)
         if not found.startswith(groups) or re.fullmatch(r"\[(\[\d+\](, )?)*\]", found):
             continue  # another group, or one device per group (an axis of size 1)
@@ -226,19 +227,21 @@ def test_grad_reduce_dtype_refuses_what_it_does_not_cover():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_grad_reduce_bf16_in_a_pipeline(schedule):
+@pytest.mark.parametrize("schedule, fsdp", [("gpipe", False), ("1f1b", False),
+                                            ("1f1b", True)])
+def test_grad_reduce_bf16_in_a_pipeline(schedule, fsdp):
     """stage 2 x data 2: the pipeline's one reduction per step carries bf16 (its
     all-reduces over more than one device) and gives the per-shard fp32 sums summed in
     bf16: a stage's layers within one bf16 rounding of the reference and equal for
     nearly all elements; the parameters every stage holds (embedding, final norm), whose
     stage parts are summed in the same bf16 reduction, within a bf16 rounding of the
-    leaf's largest value."""
+    leaf's largest value. With fsdp the stage weights' reduction is a bf16
+    reduce-scatter."""
     batch = _batch(1)
     mesh = jax.make_mesh((2, 2, 1, 1), ("stage", "data", "context", "tensor"),
                          devices=jax.devices()[:4])
     parallel = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=M,
-                                     pipeline_schedule=schedule,
+                                     pipeline_schedule=schedule, fsdp=fsdp,
                                      grad_reduce_dtype=jnp.bfloat16)
     got, step = _step_grads(mesh, parallel, batch)
     with jax.set_mesh(mesh):
@@ -247,6 +250,9 @@ def test_grad_reduce_bf16_in_a_pipeline(schedule):
                                           jax.random.key(0)).as_text()
     low, other = _all_reduces(text)
     assert low >= 1 and other == 0, (low, other)
+    if fsdp:  # the stage weights' gradients: reduce-scattered over data in bf16
+        low, other = _all_reduces(text, op_name="reduce_scatter")
+        assert low >= 1 and other == 0, (low, other)
     want = _reference(step.sync_model(), batch, data=2)
     exact = total = 0
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
