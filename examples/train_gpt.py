@@ -113,7 +113,8 @@ def describe(args: argparse.Namespace, mesh: jax.sharding.Mesh, corpus: TrainDat
     say(f"data: {corpus.summary()}")
     say(f"batch: {args.batch_size} x {args.seq_len} = {args.batch_size * args.seq_len} "
         f"tokens/step in {args.micro_batches} micro-batch(es); {args.steps} steps, AdamW lr "
-        f"{args.lr:g}, warmup {args.warmup_steps}")
+        f"{args.lr:g}, warmup {args.warmup_steps}"
+        f"{'' if args.moments_dtype == 'fp32' else f', {args.moments_dtype} moments'}")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -144,6 +144,14 @@ class ParallelConfig:
         pipeline for the layers it runs (with ``data_axis=None``); dropout then draws the
         masks of the whole batch and keeps this block's rows, so they still equal the
         unsharded model's. Leave it empty otherwise.
+      grad_reduce_dtype: the dtype gradients are reduced in across the data axes, or
+        ``None`` (the default): the gradients' own dtype. With ``jnp.bfloat16`` each
+        data shard sums its micro-batches' gradients in fp32 (Megatron's main grads),
+        then the all-reduce (reduce-scatter) over the data axes carries them in bf16,
+        half the bytes, and the result is cast back to fp32 (Megatron's
+        ``grad_reduce_in_fp32=False``). In :class:`~sp_jax.training.TrainStep` (the
+        per-shard gradients computed in a ``shard_map`` over the data axes, for a GPT
+        without fsdp, experts or FP8) and in the pipeline's one reduction per step.
     """
 
     tensor_axis: str = "tensor"
@@ -160,6 +168,7 @@ class ParallelConfig:
     pipeline_repeats: int = 1
     expert_axis: str | None = None
     manual_data_axes: tuple[str, ...] = ()
+    grad_reduce_dtype: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -238,6 +247,8 @@ class ParallelConfig:
         object.__setattr__(
             self, "wgrad_dtype", _canonical_dtype("wgrad_dtype", self.wgrad_dtype)
         )
+        object.__setattr__(self, "grad_reduce_dtype",
+                           _canonical_dtype("grad_reduce_dtype", self.grad_reduce_dtype))
         self._check_pipeline()
         self._check_expert_axis()
 
@@ -339,8 +350,8 @@ class ParallelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> ParallelConfig:
         """Builds a config from a plain mapping (e.g. parsed YAML or CLI arguments).
 
-        Unknown keys are rejected with the list of valid ones; ``wgrad_dtype`` may be a
-        dtype name such as ``"float32"``.
+        Unknown keys are rejected with the list of valid ones; ``wgrad_dtype`` and
+        ``grad_reduce_dtype`` may be dtype names such as ``"float32"``.
         """
         if not isinstance(d, Mapping):
             raise TypeError(

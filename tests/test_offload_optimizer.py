@@ -59,6 +59,9 @@ def test_offload_needs_host_memory(monkeypatch, mesh_2x4):
     """Item 6: on a backend whose devices have no pinned_host memory kind the offload
     options are refused, naming the backend and the fix; CPUs have it."""
     assert "pinned_host" in offload.memory_kinds()
+    with jax.set_mesh(mesh_2x4):
+        step = TrainStep(GPT(CFG, rngs=nnx.Rngs(0)), _tx(), offload_optimizer=True)
+    assert _kinds(step.opt_state) == {"pinned_host"} and _kinds(step.params) == {"device"}
     monkeypatch.setattr(offload, "memory_kinds", lambda device=None: {"device"})
     with jax.set_mesh(mesh_2x4):
         model = GPT(CFG, rngs=nnx.Rngs(0))
@@ -67,12 +70,6 @@ def test_offload_needs_host_memory(monkeypatch, mesh_2x4):
                                r"in 'pinned_host' host memory, but the cpu backend .*"
                                r"only the memory kinds \['device'\]; train without"):
                 TrainStep(model, _tx(), **{option: True})
-
-
-def test_offload_keeps_the_state_in_pinned_host(mesh_2x4):
-    with jax.set_mesh(mesh_2x4):
-        step = TrainStep(GPT(CFG, rngs=nnx.Rngs(0)), _tx(), offload_optimizer=True)
-    assert _kinds(step.opt_state) == {"pinned_host"} and _kinds(step.params) == {"device"}
 
 
 @pytest.mark.slow

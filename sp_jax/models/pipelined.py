@@ -360,7 +360,8 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     blocks = _stage_major(params["blocks"], stages, repeats)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
     program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
-    axes = {"stage_axis": par.pipeline_axis, "data_axes": manual_data_axes(par), "mesh": mesh}
+    axes = {"stage_axis": par.pipeline_axis, "data_axes": manual_data_axes(par), "mesh": mesh,
+            "reduce_dtype": par.grad_reduce_dtype}
     if result != "loss":  # a forward's outputs
         out, _ = _jitted(gpipe, program, schedule, shared, blocks, batch, keys, **axes,
                          grads=False, outputs=True)

@@ -24,8 +24,8 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
-           "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_scatter", "split",
-           "vary", "vary_then", "vma"]
+           "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_in", "reduce_scatter",
+           "split", "vary", "vary_then", "vma"]
 
 AxisName = Hashable
 
@@ -98,6 +98,40 @@ def all_gather_invariant(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Arr
 def reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
     """Tiled reduce-scatter (``psum_scatter``) along ``dim``."""
     return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
+
+
+def reduce_in(x: jax.Array, axes: tuple[str, ...], dtype, scatter_dim: int | None = None
+              ) -> jax.Array:
+    """The sum of ``x`` over the manual mesh ``axes`` (``psum``, or with ``scatter_dim`` a
+    tiled ``psum_scatter`` on that dimension), the collective carrying ``x`` cast to
+    ``dtype`` (None: ``x``'s), the result cast back to ``x``'s dtype (a low-precision gradient
+    reduction: ``ParallelConfig.grad_reduce_dtype``).
+
+    Called where other mesh axes are still explicit (a ``shard_map`` manual over some
+    axes), the collective runs on each device's block in a ``shard_map`` over those
+    axes: a bf16 ``psum`` lowered with them explicit keeps a sharding constraint in its
+    reduction computation, on which XLA:CPU's AllReducePromotion aborts ("Invalid binary
+    instruction opcode copy", measured with jax 0.10). XLA:CPU then still sums bf16 in
+    fp32 (it promotes bf16 all-reduces), each device's input rounded to bf16; GPUs reduce
+    bf16 as they are.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t != jax.sharding.AxisType.Manual}
+
+    def collective(b: jax.Array) -> jax.Array:
+        if scatter_dim is None:
+            return lax.psum(b, axes)
+        return lax.psum_scatter(b, axes, scatter_dimension=scatter_dim, tiled=True)
+
+    low = x if dtype is None else x.astype(dtype)
+    if explicit:
+        spec = jax.typeof(low).sharding.spec
+        low = jax.shard_map(collective, in_specs=spec, out_specs=spec,
+                            axis_names=explicit)(low)
+    else:
+        low = collective(low)
+    return low.astype(x.dtype)
 
 
 def conjugate_pair(forward: Callable, backward: Callable) -> Callable:

@@ -50,6 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.mesh import mesh_platform
+from sp_jax.ops.primitives import reduce_in
 from sp_jax.pipeline.schedule import PipelineSchedule
 
 __all__ = ["StageProgram", "gpipe", "one_f_one_b"]
@@ -157,18 +158,24 @@ def _psum_scatter(g: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
                          in_specs=spec, out_specs=spec, axis_names=explicit)(g)
 
 
-def _reduce(g: jax.Array, spec: P, axes: _Axes, over_stage: bool) -> jax.Array:
+def _reduce(g: jax.Array, spec: P, axes: _Axes, over_stage: bool,
+            dtype: Any = None) -> jax.Array:
     """The per-device gradient ``g`` of a whole (gathered) parameter, summed over the
     devices that shared it: reduce-scattered over the data axes it is sharded over,
-    summed over the other data axes, and over the stage axis when ``over_stage``."""
+    summed over the other data axes, and over the stage axis when ``over_stage``;
+    ``dtype`` (``ParallelConfig.grad_reduce_dtype``): the collectives carry ``g`` cast
+    to it, the result cast back to ``g``'s dtype."""
     dims = _data_dims(spec, axes.data)
     scattered = {a for _, names in dims for a in names}
     for dim, names in dims:
-        g = _psum_scatter(g, names, dim)
+        g = _psum_scatter(g, names, dim) if dtype is None else \
+            reduce_in(g, names, dtype, scatter_dim=dim)
     rest = tuple(a for a in axes.data if a not in scattered)
     if over_stage:
         rest = (axes.stage, *rest)
-    return lax.psum(g, rest) if rest else g
+    if not rest:
+        return g
+    return lax.psum(g, rest) if dtype is None else reduce_in(g, rest, dtype)
 
 
 def _chunk(tree: Any, r: jax.Array) -> Any:
@@ -317,14 +324,17 @@ def _prepare(shared, stages, axes, shared_specs, stage_specs):
     return _ordered(mesh_platform() == "cpu", (shared, stages))
 
 
-def _finish(g_shared, g_stages, axes, shared_specs, stage_specs, maximum=None):
-    """Per-device gradients reduced once: see :func:`_reduce`; the stage leaves flagged
-    in ``maximum`` (amaxes) by their maximum over the data axes instead."""
-    g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True), g_shared, shared_specs)
+def _finish(g_shared, g_stages, axes, shared_specs, stage_specs, maximum=None,
+            dtype=None):
+    """Per-device gradients reduced once: see :func:`_reduce` (``dtype``: the reduction's
+    dtype); the stage leaves flagged in ``maximum`` (amaxes) by their maximum over the
+    data axes instead."""
+    g_shared = jax.tree.map(lambda g, sp: _reduce(g, sp, axes, True, dtype), g_shared,
+                            shared_specs)
 
     def one(g, sp, flag):
         if not flag:
-            return _reduce(g[None], sp, axes, False)
+            return _reduce(g[None], sp, axes, False, dtype)
         return lax.pmax(g[None], axes.data) if axes.data else g[None]
 
     g_stages = jax.tree.map(one, g_stages, stage_specs, _flags(maximum, g_stages))
@@ -341,8 +351,8 @@ def _flags(maximum: Any, stages: Any) -> Any:
 def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages: Any,
           batch: Any, keys: tuple[Any, Any] | None, *,
           stage_axis: str, data_axes: tuple[str, ...], mesh: Any, grads: bool = True,
-          totals: bool = False, maximum: Any = None, outputs: bool = False
-          ) -> tuple[jax.Array, tuple[Any, Any] | None]:
+          totals: bool = False, maximum: Any = None, outputs: bool = False,
+          reduce_dtype: Any = None) -> tuple[jax.Array, tuple[Any, Any] | None]:
     """Loss sum and gradients of a GPipe (``R > 1``: circular) pipeline step (or, with
     ``outputs``, the head's outputs of a forward).
 
@@ -370,6 +380,10 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
         (e.g. hidden states or logits ``[b, s, ...]``) instead of a loss: the result is
         then ``(outputs [M, batch, ...], None)``, the last stage's, on every stage (one
         ``psum`` over the stage axis), batch over the data axes like ``batch``.
+      reduce_dtype: None, or the dtype the gradients are reduced in over the data (and
+        for the shared parameters the stage) axes (``ParallelConfig.grad_reduce_dtype``:
+        each device's gradient, summed over the micro-batches in its own dtype, cast to
+        it for the collectives and back after them).
     Returns:
       ``(loss_sum, (shared_grads, stage_grads))``: float32 sum of per-token losses over
       the step (with the stages' ``aux`` terms) and its gradients, sharded like
@@ -482,7 +496,7 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
             g_stages = jax.tree.map(lambda f, g, gt: over_ticks(gt) if f else g, flags,
                                     g_stages, g_ticked, is_leaf=lambda x: x is None)
         g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs,
-                                     flags)
+                                     flags, reduce_dtype)
         out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
         return (*out, table) if totals else out
 
@@ -499,7 +513,8 @@ def gpipe(program: StageProgram, schedule: PipelineSchedule, shared: Any, stages
 def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                 stages: Any, batch: Any, keys: tuple[Any, Any] | None, *, stage_axis: str,
                 data_axes: tuple[str, ...], mesh: Any, totals: bool = False,
-                maximum: Any = None) -> tuple[jax.Array, tuple[Any, Any]]:
+                maximum: Any = None, reduce_dtype: Any = None
+                ) -> tuple[jax.Array, tuple[Any, Any]]:
     """Loss sum and gradients of a 1F1B pipeline step: arguments and results as
     :func:`gpipe` with ``grads`` (a loss alone is :func:`gpipe`'s forward), ``schedule``
     a ``"1f1b"`` one. Gradients accumulate in float32 and come back in the parameters'
@@ -631,7 +646,7 @@ def one_f_one_b(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         g_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), g_shared, shared)
         g_stages = jax.tree.map(lambda g, x: g.astype(x.dtype), g_stages, stages)
         g_shared, g_stages = _finish(g_shared, g_stages, axes, shared_specs, stage_specs,
-                                     flags)
+                                     flags, reduce_dtype)
         out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
         return (*out, table) if totals else out
 

@@ -22,6 +22,8 @@ Modules:
 * ``offload``: the optimizer state and master weights in ``pinned_host`` memory between
   steps (``TrainStep(offload_optimizer=True, offload_params=True)``): the transfers, the
   refusal on a backend without host memory.
+* ``optimizer``: :func:`adamw` (``optax.adamw`` with the first and second moments
+  stored in a chosen dtype, e.g. bf16; bitwise ``optax.adamw`` without one).
 * ``schedule``: :func:`warmup_cosine_schedule` (optax's warmup-cosine in 1-based steps).
 * ``launch``: :class:`Launch` (``jax.distributed`` set-up, SLURM / Open MPI detection),
   :func:`build_mesh`, :func:`parse_mesh` / :func:`mesh_description` (``--mesh
@@ -40,7 +42,18 @@ The data these steps train on comes from :mod:`sp_jax.data`; checkpoints from
 :mod:`sp_jax.checkpoint`.
 """
 
-from sp_jax.training import cli, faults, finetune, launch, log, offload, schedule, step, trainer
+from sp_jax.training import (
+    cli,
+    faults,
+    finetune,
+    launch,
+    log,
+    offload,
+    optimizer,
+    schedule,
+    step,
+    trainer,
+)
 from sp_jax.training.cli import add_trainer_arguments
 from sp_jax.training.faults import (
     DivergenceGuard,
@@ -63,6 +76,7 @@ from sp_jax.training.launch import (
     parse_mesh,
 )
 from sp_jax.training.log import MetricsLog, MetricsLogError, TensorBoardLog, plot_losses
+from sp_jax.training.optimizer import adamw
 from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.step import (
     TrainStep,
@@ -103,6 +117,7 @@ __all__ = [
     "TrainerConfig",
     "TrainingStopped",
     "accumulate_gradients",
+    "adamw",
     "add_launch_arguments",
     "add_trainer_arguments",
     "build_mesh",
@@ -115,6 +130,7 @@ __all__ = [
     "mesh_description",
     "offload",
     "open_checkpoints",
+    "optimizer",
     "optimizer_shardings",
     "parse_mesh",
     "plot_losses",

@@ -35,6 +35,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
+from sp_jax.ops.primitives import reduce_in
 from sp_jax.training.offload import (
     compute_copy,
     on_host,
@@ -197,37 +198,32 @@ def _restrict(spec: P, axes: tuple[str, ...], ndim: int) -> P:
     return P(*entries)
 
 
-def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
+def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...], dtype: Any = None
+                    ) -> jax.Array:
     """The per-device gradient ``g`` (inside a ``shard_map`` manual over ``axes``) summed
     over ``axes``: reduce-scattered on the dimension ``spec`` (its update layout) splits
-    over them, all-reduced where it splits none (a small leaf). ``g`` may still be split
-    over other, explicit axes: the reduce-scatter then runs on each device's block, in a
-    ``shard_map`` over those."""
+    over them, all-reduced where it splits none (a small leaf or a replicated update),
+    the collective carrying ``dtype`` (``ParallelConfig.grad_reduce_dtype``; None:
+    ``g``'s). ``g`` may still be split over other, explicit axes: the collective then
+    runs on each device's block (:func:`~sp_jax.ops.primitives.reduce_in`)."""
     dims = [(d, tuple(n for n in _names(e) if n in axes)) for d, e in enumerate(spec)]
     dims = [(d, names) for d, names in dims if names]
     if not dims:
-        return lax.psum(g, axes)
+        return reduce_in(g, axes, dtype)
     (dim, names), = dims
-    mesh = jax.sharding.get_abstract_mesh()
-    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                if t != AxisType.Manual}
-    own = jax.typeof(g).sharding.spec
-    if not explicit or not _spec_axes(own):
-        return lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
-    return jax.shard_map(lambda b: lax.psum_scatter(b, names, scatter_dimension=dim,
-                                                    tiled=True),
-                         in_specs=own, out_specs=own, axis_names=explicit)(g)
+    return reduce_in(g, names, dtype, scatter_dim=dim)
 
 
 def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: jax.Array,
-                      loss_fn: LossFn, shardings: Any, axes: tuple[str, ...]
-                      ) -> tuple[jax.Array, Any]:
+                      loss_fn: LossFn, shardings: Any, axes: tuple[str, ...],
+                      dtype: Any = None) -> tuple[jax.Array, Any]:
     """Mean loss and fp32 gradients of a ZeRO-1 step whose data ``axes`` are manual:
     each device accumulates the unreduced gradient of its rows over the micro-batches
     (``graphdef``: the model built with ``manual_data_axes``, as a pipeline stage's),
     and one reduce-scatter per parameter per step sums it over the data axes into the
     update layout ``shardings`` (Megatron's distributed optimizer: no all-reduce of a
-    full gradient)."""
+    full gradient; the parameters' own shardings without ZeRO-1: one all-reduce), the
+    collectives carrying ``dtype`` (``grad_reduce_dtype``; None: fp32)."""
     def own_dimension(s):  # a dimension split over the data axes with a tensor axis too
         mixed = [e for e in s.spec if set(_names(e)) & set(axes) and
                  not set(_names(e)) <= set(axes)]  # is all-reduced: resharded after
@@ -242,7 +238,7 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
         loss_sum, count, grads, _ = accumulate_gradients(local_loss, p, b, k, sums=True)
         loss_sum, count = lax.psum(loss_sum, axes), lax.psum(count, axes)
         with jax.named_scope("zero1_grad_reduce_scatter"):
-            grads = jax.tree.map(lambda g, s: _reduce_scatter(g, s.spec, axes), grads,
+            grads = jax.tree.map(lambda g, s: _reduce_scatter(g, s.spec, axes, dtype), grads,
                                  shardings)
         scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
         return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
@@ -254,6 +250,31 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
     specs = jax.tree.map(spec, (params, rest, batch))
     return jax.shard_map(body, in_specs=(*specs, P()), out_specs=(P(), out),
                          axis_names=set(axes), check_vma=False)(params, rest, batch, key)
+
+
+def _reduce_dtype(model: nnx.Module, mesh: Any) -> Any:
+    """``ParallelConfig.grad_reduce_dtype`` of an unpipelined ``model`` on a ``mesh`` with
+    data axes of more than one device, whose gradients then reduce in a ``shard_map``
+    manual over the data axes (:func:`_manual_gradients`); None otherwise (a pipeline
+    reduces in its own schedule; GSPMD reduces in the gradients' dtype). A ValueError
+    where it does not apply yet."""
+    parallel = getattr(model, "parallel", None)
+    if not isinstance(parallel, ParallelConfig) or parallel.grad_reduce_dtype is None \
+            or parallel.pipeline_axis is not None or mesh.empty:
+        return None
+    if math.prod(mesh.shape.get(a, 1) for a in parallel.data_axes) == 1:
+        return None
+    if parallel.fsdp == "full" or manual_data_graphdef(model, parallel, mesh) is None:
+        config = getattr(model, "config", None)
+        raise ValueError(
+            "TrainStep: ParallelConfig(grad_reduce_dtype=...) without a pipeline reduces "
+            "the gradients of a dense sp_jax GPT on an Explicit mesh (no fsdp='full', "
+            "expert_axis, experts or fp8); got "
+            f"{type(model).__name__} with fsdp={parallel.fsdp!r}, expert_axis="
+            f"{parallel.expert_axis!r}, num_experts={getattr(config, 'num_experts', None)}"
+            f", fp8={getattr(config, 'fp8', None)}. Leave grad_reduce_dtype=None, or use a "
+            "pipeline (pipeline_axis=...).")
+    return parallel.grad_reduce_dtype
 
 
 def manual_data_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
@@ -361,8 +382,9 @@ def device_bytes(tree: Any) -> int:
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
                   loss_fn: LossFn = lm_loss, *, update_shardings: Any = None,
                   param_shardings: Any = None, manual_graphdef: Any = None,
-                  manual_axes: tuple[str, ...] = (), offload_optimizer: bool = False,
-                  offload_params: bool = False, compute_dtype: Any = None) -> Callable:
+                  manual_axes: tuple[str, ...] = (), reduce_dtype: Any = None,
+                  offload_optimizer: bool = False, offload_params: bool = False,
+                  compute_dtype: Any = None) -> Callable:
     """The pure training step :class:`TrainStep` jits: ``step(params, rest, opt_state,
     batch, key) -> (params, opt_state, {"loss", "grad_norm", "update_norm", "param_norm",
     "finite", ...})`` (the loss function's own metrics too, e.g. a mixture of experts';
@@ -383,7 +405,9 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     ``param_shardings`` (the same tree of their own shardings) after it. With
     ``manual_graphdef`` (the model built with the data ``manual_axes`` manual) the
     gradients are instead accumulated per device and reduce-scattered once per step
-    straight into that layout (:func:`_manual_gradients`).
+    straight into that layout (:func:`_manual_gradients`; without ``update_shardings``:
+    all-reduced once per step), the collectives carrying ``reduce_dtype``
+    (``ParallelConfig.grad_reduce_dtype``; None: fp32).
 
     ``offload_optimizer`` / ``offload_params``: the optimizer state / the parameters come
     in (and go out) in host memory (:mod:`sp_jax.training.offload`); each leaf moves to
@@ -414,8 +438,10 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
             loss, grads, metrics, amaxes = _pipeline_gradients(model, forward_all, batch,
                                                                key, loss_fn)
         elif manual_graphdef is not None and not fp8:  # ZeRO-1, reduced once per step
-            loss, grads = _manual_gradients(manual_graphdef, forward, rest, batch, key,
-                                            loss_fn, update_shardings, manual_axes)
+            loss, grads = _manual_gradients(
+                manual_graphdef, forward, rest, batch, key, loss_fn,
+                param_shardings if update_shardings is None else update_shardings,
+                manual_axes, reduce_dtype)
         elif fp8:  # the amax histories' "gradients" are the step's amaxes
             loss, (grads, amaxes), metrics = accumulate_gradients(
                 pure_loss, (forward, histories), batch, key, with_metrics=True,
@@ -522,6 +548,10 @@ class TrainStep:
             self._update_shardings = optimizer_shardings(plain, parallel)
             plain = jax.device_put(plain, self._update_shardings)
             self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
+        self._reduce_dtype = _reduce_dtype(self.model, mesh)
+        if self._reduce_dtype is not None and self._manual[0] is None:
+            self._manual = (manual_data_graphdef(self.model, self.model.parallel, mesh),
+                            self.model.parallel.data_axes)
         self.opt_state = self.tx.init(plain)
         if self.offload_optimizer:
             self.opt_state = on_host(self.opt_state)
@@ -581,6 +611,7 @@ class TrainStep:
                 self.graphdef, self.tx, self.loss_fn, update_shardings=self._update_shardings,
                 param_shardings=_shardings(split_fp8(self.params)[0]),
                 manual_graphdef=self._manual[0], manual_axes=self._manual[1],
+                reduce_dtype=self._reduce_dtype,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 compute_dtype=getattr(getattr(self.model, "config", None), "dtype", None))
             # The rest (rng counters, buffers) is small and keeps whatever placement it has.
