@@ -126,6 +126,17 @@ class ParallelConfig:
         pipeline for the layers it runs (with ``data_axis=None``); dropout then draws the
         masks of the whole batch and keeps this block's rows, so they still equal the
         unsharded model's. Leave it empty otherwise.
+      offload_activations: what each layer keeps for its backward pass goes to the
+        host's ``pinned_host`` memory in the forward pass and comes back to device memory
+        in the backward pass: the GEMM operand of the linear rules (the local sequence
+        shard with ``recompute_allgather``, else the gathered input; a row layer's input,
+        the MLP's hidden layer), attention's ``q, k, v``, output and log-sum-exp, the
+        norms' input and statistics, and with ``GPTConfig.remat`` the block's input (the
+        one thing a rematerialised block keeps). The custom-VJP rules move their own
+        residuals (``jax.device_put`` to ``jax.memory.Space.Host`` and back), so it works
+        inside scanned layers, ``remat`` and pipeline stages, where checkpoint-name
+        policies do not reach. Bitwise the same results; costs host bandwidth. Needs a
+        backend with host memory kinds (CPU, GPU, TPU: a ValueError otherwise).
     """
 
     tensor_axis: str = "tensor"
@@ -142,6 +153,7 @@ class ParallelConfig:
     pipeline_repeats: int = 1
     expert_axis: str | None = None
     manual_data_axes: tuple[str, ...] = ()
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -189,6 +201,10 @@ class ParallelConfig:
         if not isinstance(self.fsdp, (bool, np.bool_)):
             raise TypeError(f"ParallelConfig.fsdp={self.fsdp!r} must be True or False.")
         object.__setattr__(self, "fsdp", bool(self.fsdp))
+        if not isinstance(self.offload_activations, (bool, np.bool_)):
+            raise TypeError(f"ParallelConfig.offload_activations={self.offload_activations!r} "
+                            "must be True or False.")
+        object.__setattr__(self, "offload_activations", bool(self.offload_activations))
         if self.fsdp and data_axis is None and self.expert_axis is None:
             raise ValueError(
                 "ParallelConfig(fsdp=True) shards parameters over the data axes, but "

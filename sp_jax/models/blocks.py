@@ -25,6 +25,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
+from sp_jax.ops.primitives import park, unpark
 
 __all__ = ["Block", "Documents", "decode_blocks", "over_layers", "prefill_blocks", "run_block",
            "run_blocks", "scan_blocks", "stack_blocks"]
@@ -47,10 +48,18 @@ class Block(nnx.Module):
       rngs: ``params`` rng stream.
       index: the layer's index (from 0), which says whether it is a mixture of experts
         (``config.is_moe_layer(index)``).
+
+    With ``config.remat`` and ``parallel.offload_activations`` the block's one residual,
+    its input, is what goes to host memory (``offload_input``; :func:`run_block`), and
+    its layers keep theirs on the device: they live only within the block's backward
+    pass (moving them would cost transfers and save nothing).
     """
 
     def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
                  rngs: nnx.Rngs, index: int = 0):
+        self.offload_input = bool(config.remat and parallel.offload_activations)
+        if self.offload_input:
+            parallel = parallel.replace(offload_activations=False)
         self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
                                              rngs=rngs, window=config.layer_window(index))
         self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
@@ -107,8 +116,10 @@ def run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
     if not remat:
         return block.apply(x, key, documents)
     graphdef, state = nnx.split(block)
-    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s).apply(x, k, d))(
-        state, x, key, documents)
+    offload = block.offload_input
+    return jax.checkpoint(
+        lambda s, x, k, d: nnx.merge(graphdef, s).apply(unpark(x, offload), k, d))(
+        state, park(x, offload), key, documents)
 
 
 def stack_blocks(blocks: list[Block], layer_axis: str | None = None,
@@ -146,12 +157,17 @@ def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: boo
     returns the output and the layers' stacked router statistics (None: dense)."""
     graphdef, state = nnx.split(stacked)
 
+    offload = remat and stacked.offload_input
+
     def layer(x, xs):
         layer_state, key = xs
-        return nnx.merge(graphdef, layer_state).apply(x, key, documents)
+        return nnx.merge(graphdef, layer_state).apply(unpark(x, offload), key, documents)
 
-    body = jax.checkpoint(layer) if remat else layer
-    return jax.lax.scan(body, x, (state, keys))
+    if not remat:
+        return jax.lax.scan(layer, x, (state, keys))
+    # with offload the checkpoint's input, the scan's saved carry, waits on the host
+    body = jax.checkpoint(layer)
+    return jax.lax.scan(lambda x, xs: body(park(x, offload), xs), x, (state, keys))
 
 
 def over_layers(blocks: Block | Sequence[Block], step: Callable, x: jax.Array,
