@@ -13,7 +13,6 @@ placement.)"""
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import assert_bitwise, slow_except, train_gpt
@@ -122,12 +121,3 @@ def test_h100_residuals_live_in_host_memory_inside_the_layer_scan(remat):
     assert got[True]["host_temp_bytes"] > 0
     assert got[True]["temp_bytes"] < got[False]["temp_bytes"]
 
-
-def test_park_moves_the_value_and_keeps_the_gradient():
-    """``park`` / ``unpark`` (a rematerialised block's input): identity values, identity
-    cotangents, in a jitted gradient."""
-    from sp_jax.ops.primitives import park, unpark
-
-    x = jnp.arange(6.0).reshape(2, 3)
-    f = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(unpark(park(x))) * 2.0)))
-    np.testing.assert_array_equal(f(x), jax.grad(lambda x: jnp.sum(jnp.sin(x) * 2.0))(x))

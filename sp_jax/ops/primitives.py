@@ -25,7 +25,7 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
            "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_scatter", "split",
-           "park", "to_device", "to_host", "unpark", "vary", "vary_then", "vma"]
+           "to_device", "to_host", "vary", "vary_then", "vma"]
 
 AxisName = Hashable
 
@@ -139,36 +139,3 @@ def to_device(tree, enabled: bool = True):
         return tree
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
-
-@jax.custom_vjp
-def _park(x):
-    return jax.device_put(x, jax.memory.Space.Host)
-
-
-def _park_bwd(_, g):
-    return (g,)  # the cotangent stays in device memory (from _unpark's backward)
-
-
-_park.defvjp(lambda x: (_park(x), None), _park_bwd)
-
-
-@jax.custom_vjp
-def _unpark(x):
-    return jax.device_put(x, jax.memory.Space.Device)
-
-
-_unpark.defvjp(lambda x: (_unpark(x), None), lambda _, g: (g,))
-
-
-def park(x: jax.Array, enabled: bool = True) -> jax.Array:
-    """``x`` in host memory, differentiably, with its cotangent left in device memory:
-    the input of a ``jax.checkpoint`` that :func:`unpark` s it inside, so that the one
-    residual of a rematerialised block (its input) waits on the host. Unchanged without
-    ``enabled``."""
-    return _park(x) if enabled else x
-
-
-def unpark(x: jax.Array, enabled: bool = True) -> jax.Array:
-    """:func:`park`'s inverse: ``x`` back in device memory; the cotangent passes
-    unchanged."""
-    return _unpark(x) if enabled else x
