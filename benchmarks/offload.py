@@ -31,25 +31,44 @@ from sp_jax.analysis import compile_for_gpu, gpu_mesh
 from sp_jax.models import Block, GPTConfig
 from sp_jax.models.blocks import scan_blocks, stack_blocks
 
-__all__ = ["PCIE_GEN5_BYTES_PER_S", "compile_stack", "measure", "offloaded_bytes_per_layer"]
+__all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "compile_stack", "layer_flops", "measure",
+           "offloaded_bytes_per_layer"]
 
 PCIE_GEN5_BYTES_PER_S = 64e9
 """An H100 SXM's host link, PCIe Gen5 x16: about 64 GB/s each way (NVIDIA's figure; an
 estimate of the transfer time, not a measurement)."""
 
+H100_BF16_FLOPS = 989e12
+"""An H100 SXM's dense bf16 tensor-core peak (NVIDIA's figure): the compute time below is
+a lower bound."""
+
+
+def layer_flops(*, hidden: int, seq: int, tensor: int, batch: int = 1,
+                mlp_hidden: int | None = None) -> float:
+    """Forward + backward FLOPs of one block per device: ``6 x`` the GEMMs' (weights
+    ``4 h^2 + 2 h f`` over ``t``) per token, plus causal attention's ``q k`` and ``p v``
+    (``2 x 2 s^2 h / t`` forward, half of it masked away, times 3 with the backward)."""
+    f = mlp_hidden or 4 * hidden
+    gemm = 6 * (4 * hidden * hidden + 2 * hidden * f) / tensor * batch * seq
+    attention = 3 * 2 * seq * seq * hidden / tensor * batch
+    return gemm + attention
+
 
 def compile_stack(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,
                   remat: bool = False, offload: bool, batch: int = 1,
-                  recompute: bool = True, dtype: Any = jnp.bfloat16) -> dict[str, Any]:
+                  recompute: bool = True, dtype: Any = jnp.bfloat16,
+                  data_axis: str | None = None) -> dict[str, Any]:
     """Deviceless H100 compile of ``layers`` scanned blocks' forward and backward
     (gradients of a mean-square loss w.r.t. the parameters and the input) on a
     ``1 x tensor`` mesh; returns ``memory_analysis()``'s device and host bytes and the
-    HLO."""
+    HLO. ``data_axis``: the config's (None: the batch is not split; ``"data"``: over the
+    mesh's data axis of size 1, which types every kernel as varying over it: see
+    BENCHMARKS.md for what that costs a scanned stack)."""
     cfg = GPTConfig(vocab_size=256, max_seq_len=seq, num_layers=layers, num_heads=heads,
                     hidden=hidden, dtype=dtype, param_dtype=jnp.float32, remat=remat,
                     scan_layers=True)
-    parallel = sp_jax.ParallelConfig(recompute_allgather=recompute, wgrad_dtype=jnp.float32,
-                                     offload_activations=offload)
+    parallel = sp_jax.ParallelConfig(data_axis=data_axis, recompute_allgather=recompute,
+                                     wgrad_dtype=jnp.float32, offload_activations=offload)
     mesh = gpu_mesh((1, tensor), ("data", "tensor"))
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(lambda: stack_blocks(
@@ -59,7 +78,7 @@ def compile_stack(*, layers: int, hidden: int, seq: int, heads: int, tensor: int
             lambda v, spec: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                                  sharding=NamedSharding(mesh, spec)),
             params, param_specs(model))
-    x = jax.ShapeDtypeStruct((batch, seq, hidden), dtype, sharding=Layout().sp)
+    x = jax.ShapeDtypeStruct((batch, seq, hidden), dtype, sharding=Layout.of(parallel).sp)
 
     def loss(p, x):
         y, _ = scan_blocks(nnx.merge(graphdef, p), x, None, remat)
@@ -134,6 +153,8 @@ def measure(*, depths: tuple[int, int] = (4, 8), hidden: int = 4096, seq: int = 
     moved = 2 * out["offload"]["host_bytes_per_layer"]  # to the host and back
     out["bytes_moved_per_layer"] = moved
     out["pcie_seconds_per_layer_estimate"] = moved / PCIE_GEN5_BYTES_PER_S
+    out["compute_seconds_per_layer_at_peak"] = layer_flops(
+        hidden=hidden, seq=seq, tensor=tensor) / H100_BF16_FLOPS
     return out
 
 

@@ -112,7 +112,7 @@ def test_h100_residuals_live_in_host_memory_inside_the_layer_scan(remat):
     device's temporary bytes shrink; without it there is no host buffer."""
     from benchmarks.offload import compile_stack
 
-    got = {off: compile_stack(layers=4, hidden=256, seq=1024, heads=4, tensor=8,
+    got = {off: compile_stack(layers=4, hidden=256, seq=1024, heads=8, tensor=8,
                               remat=remat, offload=off) for off in (False, True)}
     assert "S(5)" not in got[False]["hlo"] and got[False]["host_temp_bytes"] == 0
     hlo = got[True]["hlo"]
