@@ -9,7 +9,7 @@ without the option, at two depths.
   analytic size of what the rules move (:func:`offloaded_bytes_per_layer`);
 * the HLO's host buffers (memory space ``S(5)``) in the scan's while bodies.
 
-Run: ``JAX_PLATFORMS=cpu python -m benchmarks.offload`` (about a minute per compile at
+Run: ``JAX_PLATFORMS=cpu python -m benchmarks.activation_offload`` (about a minute per compile at
 h=4096, s=8192).
 """
 
