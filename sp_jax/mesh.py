@@ -190,9 +190,23 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     On Auto meshes the layout is left to ``shard_map``, which reshards its arguments to
     its ``in_specs`` (GSPMD inside ``jit``).
     """
-    if all(t != AxisType.Auto for t in mesh.axis_types):  # Explicit, or Manual inside a
-        return jax.reshard(x, spec)                          # pipeline's shard_map
-    return x
+    if any(t == AxisType.Auto for t in mesh.axis_types):
+        return x
+    # Explicit, or Manual inside a pipeline's shard_map. An array already in ``spec`` is
+    # returned as it is: a no-op reshard is still a new value, and a scanned layer's
+    # parameter slice that became one was stacked again by the scan as a residual of
+    # the backward pass (measured: a copy of every layer's fp32 kernels, 96 MiB per
+    # layer and GPU at h=4096, t=8; BENCHMARKS.md "Activations on the host").
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    have = getattr(sharding, "spec", None)
+    if have is not None and _padded(have, x.ndim) == _padded(spec, x.ndim):
+        return x
+    return jax.reshard(x, spec)
+
+
+def _padded(spec: P, ndim: int) -> tuple:
+    entries = tuple(spec)
+    return entries + (None,) * (ndim - len(entries))
 
 
 def to_sequence_parallel(x: jax.Array, parallel: ParallelConfig, *, where: str) -> jax.Array:
