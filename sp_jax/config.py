@@ -152,6 +152,17 @@ class ParallelConfig:
         ``grad_reduce_in_fp32=False``). In :class:`~sp_jax.training.TrainStep` (the
         per-shard gradients computed in a ``shard_map`` over the data axes, for a GPT
         without fsdp, experts or FP8) and in the pipeline's one reduction per step.
+      offload_activations: what each layer keeps for its backward pass goes to the
+        host's ``pinned_host`` memory in the forward pass and comes back to device memory
+        in the backward pass: the GEMM operand of the linear rules (the local sequence
+        shard with ``recompute_allgather``, else the gathered input; a row layer's input,
+        the MLP's hidden layer), attention's ``q, k, v``, output and log-sum-exp, the
+        norms' input and statistics, and with ``GPTConfig.remat`` the block's input (the
+        one thing a rematerialised block keeps). The custom-VJP rules move their own
+        residuals (``jax.device_put`` to ``jax.memory.Space.Host`` and back), so it works
+        inside scanned layers, ``remat`` and pipeline stages, where checkpoint-name
+        policies do not reach. Bitwise the same results; costs host bandwidth. Needs a
+        backend with host memory kinds (CPU, GPU, TPU: a ValueError otherwise).
     """
 
     tensor_axis: str = "tensor"
@@ -169,6 +180,7 @@ class ParallelConfig:
     expert_axis: str | None = None
     manual_data_axes: tuple[str, ...] = ()
     grad_reduce_dtype: Any = None
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -227,6 +239,10 @@ class ParallelConfig:
                 f"{'parameters' if fsdp == 'full' else 'the optimizer state'} over the data "
                 "axes, but data_axis=None; name the data axis (e.g. data_axis='data').")
         object.__setattr__(self, "fsdp", fsdp)
+        if not isinstance(self.offload_activations, (bool, np.bool_)):
+            raise TypeError(f"ParallelConfig.offload_activations={self.offload_activations!r} "
+                            "must be True or False.")
+        object.__setattr__(self, "offload_activations", bool(self.offload_activations))
         if self.context_parallel not in CONTEXT_PARALLEL:
             raise ValueError(
                 f"ParallelConfig.context_parallel={self.context_parallel!r} is not a known "

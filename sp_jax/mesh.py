@@ -24,8 +24,9 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layout import Layout
 
 __all__ = ["Mesh", "axis_size", "check_activations", "check_batch_and_sequence",
-           "check_divisible", "check_int_range", "current_mesh", "mesh_platform", "nan_where",
-           "reshard", "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
+           "check_divisible", "check_int_range", "current_mesh", "host_memory_supported",
+           "mesh_platform", "nan_where", "require_host_memory", "reshard",
+           "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
@@ -50,6 +51,8 @@ def current_mesh(parallel: ParallelConfig, *, where: str, required: bool = True)
             "jax.make_mesh((data, tensor), ('data', 'tensor')) and call the layer inside "
             "`with jax.set_mesh(mesh):`."
         )
+    if parallel.offload_activations:
+        require_host_memory(f"{where} (ParallelConfig.offload_activations=True)")
     axes = tuple(mesh.axis_names)
     if parallel.tensor_axis not in axes:
         raise ValueError(
@@ -187,9 +190,23 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     On Auto meshes the layout is left to ``shard_map``, which reshards its arguments to
     its ``in_specs`` (GSPMD inside ``jit``).
     """
-    if all(t != AxisType.Auto for t in mesh.axis_types):  # Explicit, or Manual inside a
-        return jax.reshard(x, spec)                          # pipeline's shard_map
-    return x
+    if any(t == AxisType.Auto for t in mesh.axis_types):
+        return x
+    # Explicit, or Manual inside a pipeline's shard_map. An array already in ``spec`` is
+    # returned as it is: a no-op reshard is still a new value, and a scanned layer's
+    # parameter slice that became one was stacked again by the scan as a residual of
+    # the backward pass (measured: a copy of every layer's fp32 kernels, 96 MiB per
+    # layer and GPU at h=4096, t=8; BENCHMARKS.md "Activations on the host").
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    have = getattr(sharding, "spec", None)
+    if have is not None and _padded(have, x.ndim) == _padded(spec, x.ndim):
+        return x
+    return jax.reshard(x, spec)
+
+
+def _padded(spec: P, ndim: int) -> tuple:
+    entries = tuple(spec)
+    return entries + (None,) * (ndim - len(entries))
 
 
 def to_sequence_parallel(x: jax.Array, parallel: ParallelConfig, *, where: str) -> jax.Array:
@@ -237,3 +254,32 @@ def warn_if_recompute_may_be_merged(parallel: ParallelConfig) -> None:
         "are unaffected). Set the flag before JAX starts.",
         stacklevel=3,
     )
+
+
+HOST_MEMORY_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+"""Platforms whose devices have a ``pinned_host`` memory kind (assumed for a mesh of
+abstract devices: a deviceless compile)."""
+
+
+def host_memory_supported(platform: str) -> bool:
+    """Whether the devices of ``platform`` have a ``pinned_host`` memory kind: asked of
+    the first local device when there is one (``addressable_memories``), else
+    :data:`HOST_MEMORY_PLATFORMS` decides (deviceless compiles)."""
+    try:
+        devices = jax.local_devices(backend=platform)
+    except RuntimeError:  # no such backend here: a deviceless compile
+        return platform in HOST_MEMORY_PLATFORMS
+    kinds = {m.kind for m in devices[0].addressable_memories()} if devices else set()
+    return "pinned_host" in kinds
+
+
+def require_host_memory(where: str) -> str:
+    """The platform of the current mesh (:func:`mesh_platform`), or a ValueError naming
+    ``where`` and the platform when its devices have no ``pinned_host`` memory (the
+    host-offload options park arrays there)."""
+    platform = mesh_platform()
+    if not host_memory_supported(platform):
+        raise ValueError(
+            f"{where}: the {platform!r} backend has no 'pinned_host' memory kind to offload "
+            "to; run on CPU, GPU or TPU, or turn the offload option off.")
+    return platform

@@ -27,7 +27,7 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 from sp_jax.compat import check
-from sp_jax.ops.primitives import fresh_zeros
+from sp_jax.ops.primitives import fresh_zeros, to_device, to_host
 
 __all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments", "check_window"]
 
@@ -73,37 +73,39 @@ def _blockwise_backward(res, d_out, drop, seg, bq, bk, window=None, rule=ScoreRu
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _blockwise(q, k, v, drop, seg, bq, bk, window, rule):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _blockwise(q, k, v, drop, seg, bq, bk, window, rule, offload=False):
     return _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)[0]
 
 
-def _blockwise_fwd(q, k, v, drop, seg, bq, bk, window, rule):
+def _blockwise_fwd(q, k, v, drop, seg, bq, bk, window, rule, offload):
     out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)
-    return out, ((q, k, v, out, lse), drop, seg)
+    return out, (to_host((q, k, v, out, lse), offload), drop, seg)
 
 
-def _blockwise_bwd(bq, bk, window, rule, res, d_out):
+def _blockwise_bwd(bq, bk, window, rule, offload, res, d_out):
     res, drop, seg = res
+    res = to_device(res, offload)
     return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window, rule)[0], None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 8))
-def _blockwise_traced(q, k, v, drop, seg, bq, bk, window, rule):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 8, 9))
+def _blockwise_traced(q, k, v, drop, seg, bq, bk, window, rule, offload=False):
     """:func:`_blockwise` with the window an int32 array (data: e.g. a scanned layer's)."""
     return _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)[0]
 
 
-def _blockwise_traced_fwd(q, k, v, drop, seg, bq, bk, window, rule):
+def _blockwise_traced_fwd(q, k, v, drop, seg, bq, bk, window, rule, offload):
     out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)
-    return out, ((q, k, v, out, lse), drop, seg, window)
+    return out, (to_host((q, k, v, out, lse), offload), drop, seg, window)
 
 
-def _blockwise_traced_bwd(bq, bk, rule, res, d_out):
+def _blockwise_traced_bwd(bq, bk, rule, offload, res, d_out):
     res, drop, seg, window = res
+    res = to_device(res, offload)
     return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window, rule)[0], None, None,
             None)
 
@@ -118,7 +120,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
                         segment_ids: jax.Array | None = None,
                         sliding_window: int | jax.Array | None = None,
                         scale: float | None = None,
-                        softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None,
+                        offload_residuals: bool = False) -> jax.Array:
     """Causal softmax attention in blocks (flash attention), on one device's arrays.
 
     Online softmax over key blocks with fp32 running statistics; key blocks above the
@@ -160,6 +163,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
       softcap: None, or ``c``: the scaled scores ``s`` become ``c * tanh(s / c)`` before
         the mask and the softmax (Gemma 2's ``attn_logit_softcapping``; the backward
         pass through it by ``1 - tanh(s / c) ** 2``). ``"xla"`` only.
+      offload_residuals: keep the residuals (``q, k, v``, the output and the
+        log-sum-exp) in host memory between the passes
+        (``ParallelConfig.offload_activations``); ``"xla"`` only.
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     """
@@ -193,8 +199,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     s = q.shape[1]
     bq, bk = block_size(s, block_q, "block_q"), block_size(s, block_k, "block_k")
     if isinstance(window, jax.Array):
-        return _blockwise_traced(*same_vma(q, k, v), drop, seg, bq, bk, window, rule)
-    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window, rule)
+        return _blockwise_traced(*same_vma(q, k, v), drop, seg, bq, bk, window, rule,
+                                 bool(offload_residuals))
+    return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window, rule,
+                      bool(offload_residuals))
 
 
 def check_window(name: str, sliding_window: int | jax.Array | None) -> int | jax.Array | None:

@@ -27,7 +27,7 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 from sp_jax.attention.sequence_order import zigzag_positions
-from sp_jax.ops.primitives import AxisName, fresh_zeros, vary
+from sp_jax.ops.primitives import AxisName, fresh_zeros, to_device, to_host, vary
 
 __all__ = ["ring_attention"]
 
@@ -282,18 +282,19 @@ def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None, window
     return grads, count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _ring(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _ring(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload=False):
     return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)[0]
 
 
-def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload):
     out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)
-    return out, ((q, k, v, out, lse), dropout, seg)
+    return out, (to_host((q, k, v, out, lse), offload), dropout, seg)
 
 
-def _ring_bwd(axis_name, bq, bk, window, rule, res, d_out):
+def _ring_bwd(axis_name, bq, bk, window, rule, offload, res, d_out):
     res, dropout, seg = res
+    res = to_device(res, offload)
     return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window,
                                  rule)[0], None, None)
 
@@ -301,19 +302,20 @@ def _ring_bwd(axis_name, bq, bk, window, rule, res, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 9))
-def _ring_traced(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 9, 10))
+def _ring_traced(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload=False):
     """:func:`_ring` with the window an int32 array (data: a scanned layer's)."""
     return _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)[0]
 
 
-def _ring_traced_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule):
+def _ring_traced_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload):
     out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)
-    return out, ((q, k, v, out, lse), dropout, seg, window)
+    return out, (to_host((q, k, v, out, lse), offload), dropout, seg, window)
 
 
-def _ring_traced_bwd(axis_name, bq, bk, rule, res, d_out):
+def _ring_traced_bwd(axis_name, bq, bk, rule, offload, res, d_out):
     res, dropout, seg, window = res
+    res = to_device(res, offload)
     return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window,
                                  rule)[0], None, None, None)
 
@@ -336,7 +338,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
                    dropout: AttentionDropout | None = None,
                    segment_ids: jax.Array | None = None,
                    sliding_window: int | jax.Array | None = None,
-                   scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                   scale: float | None = None, softcap: float | None = None,
+                   offload_residuals: bool = False) -> jax.Array:
     """Causal ring attention over the context axis ``axis_name`` (size ``c``), per device.
 
     Call inside :func:`jax.shard_map` with the sequence in zigzag order
@@ -376,6 +379,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         (None, or ``c``: ``c * tanh(s / c)`` before the mask), as in
         :func:`blockwise_attention`; the log-sum-exp merge of the ring's steps holds for
         the capped scores as for any.
+      offload_residuals: keep the residuals (``q, k, v``, output, log-sum-exp) in host
+        memory between the passes (``ParallelConfig.offload_activations``).
     Returns:
       ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
@@ -398,5 +403,5 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         seg = vary(seg, (axis_name,))
     return (_ring_traced if traced else _ring)(
         q, k, v, None if drop is None else drop[0], seg, axis_name, bq, bk, sliding_window,
-        rule)
+        rule, bool(offload_residuals))
 

@@ -22,7 +22,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
                       dropout: AttentionDropout | None = None,
                       segment_ids: jax.Array | None = None,
                       sliding_window: int | None = None, scale: float | None = None,
-                      softcap: float | None = None) -> jax.Array:
+                      softcap: float | None = None,
+                      offload_residuals: bool = False) -> jax.Array:
     """Causal attention by DeepSpeed-Ulysses sequence parallelism, per device.
 
     Call inside :func:`jax.shard_map` with the sequence sharded contiguously over
@@ -47,6 +48,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
       sliding_window: None or the keys each query sees (:func:`blockwise_attention`;
         the head shards hold the whole sequence, so the window is exact).
       scale / softcap: the scores' factor and soft cap (:func:`blockwise_attention`).
+      offload_residuals: the local attention's residuals in host memory between the
+        passes (:func:`blockwise_attention`).
     Returns:
       ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
     """
@@ -86,5 +89,6 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
     out = blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
                               implementation=implementation, dropout=dropout,
                               segment_ids=segment_ids, sliding_window=sliding_window,
-                              scale=scale, softcap=softcap)
+                              scale=scale, softcap=softcap,
+                              offload_residuals=offload_residuals)
     return to_sequence(out)

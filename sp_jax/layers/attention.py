@@ -194,7 +194,8 @@ class CausalSelfAttention(nnx.Module):
                                       block_k=cfg.attention_block_k, segment_ids=segment_ids,
                                       sliding_window=cfg.sliding_window if window is None
                                       else window, scale=cfg.attention_scale,
-                                      softcap=cfg.attention_softcap)
+                                      softcap=cfg.attention_softcap,
+                                      offload_residuals=par.offload_activations)
         if seed is not None:  # global coordinates of this device's first row and head
             if rows is None:
                 rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0

@@ -345,8 +345,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _local(self, x, kernel, bias, activation=None, **fp8):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
-        y = ops.column_parallel_matmul(x, kernel, bias, axis_name=t, wgrad_dtype=wd,
-                                       fsdp_axes=self.parallel.fsdp_axes, **fp8)
+        y = ops.column_parallel_matmul(
+            x, kernel, bias, axis_name=t, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes,
+            offload_activations=self.parallel.offload_activations, **fp8)
         if self.gather_output:
             y = ops.all_gather_with_split_grad(y, t, dim=-1)
         return y
@@ -386,6 +387,7 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = ops.split_with_all_gather_grad(x, t, dim=-1)
         y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes, fsdp_dim=1,
+                       offload_activations=self.parallel.offload_activations,
                        **fp8)
         y = ops.all_reduce_with_identity_grad(y, t)
         return ops.add_bias(y, bias, wgrad_dtype=wd)
@@ -407,6 +409,7 @@ def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
         wgrad_dtype=parallel.wgrad_dtype,
         collective_matmul=parallel.collective_matmul,
         fsdp_axes=parallel.fsdp_axes,
+        offload_activations=parallel.offload_activations,
         **fp8,
     )
 
@@ -482,4 +485,4 @@ class RowSequenceParallelLinear(_ParallelLinear):
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
             collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes,
-            activation=activation, **fp8)
+            activation=activation, offload_activations=cfg.offload_activations, **fp8)

@@ -25,12 +25,14 @@ from jax import lax
 
 from sp_jax.config import ParallelConfig
 from sp_jax.mesh import check_activations, to_sequence_parallel
+from sp_jax.ops.primitives import to_device, to_host
 
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "layer_norm", "make_norm", "rms_norm"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _norm(x, scale, bias, epsilon: float, center: bool, out_dtype, offset: float = 0.0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _norm(x, scale, bias, epsilon: float, center: bool, out_dtype, offset: float = 0.0,
+          offload: bool = False):
     return _norm_fwd(x, scale, bias, epsilon, center, out_dtype, offset)[0]
 
 
@@ -78,11 +80,24 @@ def _norm_bwd(epsilon, center, out_dtype, offset, res, g):
     return lax.optimization_barrier(((d_x * rstd).astype(x.dtype), d_scale, d_bias))
 
 
-_norm.defvjp(_norm_fwd, _norm_bwd)
+def _norm_offload_fwd(x, scale, bias, epsilon, center, out_dtype, offset, offload):
+    y, (x, mean, rstd, scale, bias) = _norm_fwd(x, scale, bias, epsilon, center, out_dtype,
+                                                offset)
+    return y, (*to_host((x, mean, rstd), offload), scale, bias)
+
+
+def _norm_offload_bwd(epsilon, center, out_dtype, offset, offload, res, g):
+    x, mean, rstd, scale, bias = res
+    return _norm_bwd(epsilon, center, out_dtype, offset,
+                     (*to_device((x, mean, rstd), offload), scale, bias), g)
+
+
+_norm.defvjp(_norm_offload_fwd, _norm_offload_bwd)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
-               epsilon: float = 1e-6, dtype=None, offset: float = 0.0) -> jax.Array:
+               epsilon: float = 1e-6, dtype=None, offset: float = 0.0,
+               offload: bool = False) -> jax.Array:
     """LayerNorm over the last axis with a memory-lean backward (no mesh needed).
 
     Normalises in fp32; keeps for backward only ``x`` (in its own dtype) and two fp32
@@ -95,20 +110,22 @@ def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, *,
       dtype: output dtype (default: promoted dtype of ``x`` and the parameters).
       offset: the normalised values are scaled by ``offset + scale`` (in fp32; Gemma's
         ``1 + weight``: 1.0), by ``scale`` for 0.0.
+      offload: keep ``x`` and the statistics in host memory between the passes
+        (``ParallelConfig.offload_activations``).
     """
     if dtype is None:
         dtype = jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
-    return _norm(x, scale, bias, epsilon, True, dtype, float(offset))
+    return _norm(x, scale, bias, epsilon, True, dtype, float(offset), bool(offload))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, *, epsilon: float = 1e-6,
-             dtype=None, offset: float = 0.0) -> jax.Array:
+             dtype=None, offset: float = 0.0, offload: bool = False) -> jax.Array:
     """RMSNorm over the last axis with the memory-lean backward of :func:`layer_norm`
     (``offset`` as there: Gemma's ``x * rsqrt(mean(x ** 2) + eps) * (1 + weight)`` in
-    fp32 with 1.0)."""
+    fp32 with 1.0; ``offload`` as there)."""
     if dtype is None:
         dtype = jnp.result_type(x, *(p for p in (scale,) if p is not None))
-    return _norm(x, scale, None, epsilon, False, dtype, float(offset))
+    return _norm(x, scale, None, epsilon, False, dtype, float(offset), bool(offload))
 
 
 def _fast_path(module: nnx.Module, mask: jax.Array | None) -> bool:
@@ -181,7 +198,8 @@ class LayerNorm(nnx.LayerNorm):
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if self.bias is not None else None
         return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=_out_dtype(self, x),
-                          offset=self.norm_offset)
+                          offset=self.norm_offset,
+                          offload=self.parallel.offload_activations)
 
 
 class RMSNorm(nnx.RMSNorm):
@@ -210,7 +228,7 @@ class RMSNorm(nnx.RMSNorm):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale is not None else None
         return rms_norm(x, scale, epsilon=self.epsilon, dtype=_out_dtype(self, x),
-                        offset=self.norm_offset)
+                        offset=self.norm_offset, offload=self.parallel.offload_activations)
 
 
 NORMS: dict[str, type[nnx.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}

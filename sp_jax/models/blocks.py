@@ -13,6 +13,7 @@ stacked on axis 0, run by ``lax.scan``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
+from sp_jax.ops.primitives import to_device, to_host
 
 __all__ = ["Block", "Documents", "decode_blocks", "over_layers", "prefill_blocks", "run_block",
            "run_blocks", "scan_blocks", "stack_blocks"]
@@ -47,10 +49,18 @@ class Block(nnx.Module):
       rngs: ``params`` rng stream.
       index: the layer's index (from 0), which says whether it is a mixture of experts
         (``config.is_moe_layer(index)``).
+
+    With ``config.remat`` and ``parallel.offload_activations`` the block's one residual,
+    its input, is what goes to host memory (``offload_input``; :func:`run_block`), and
+    its layers keep theirs on the device: they live only within the block's backward
+    pass (moving them would cost transfers and save nothing).
     """
 
     def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
                  rngs: nnx.Rngs, index: int = 0):
+        self.offload_input = bool(config.remat and parallel.offload_activations)
+        if self.offload_input:
+            parallel = parallel.replace(offload_activations=False)
         self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
                                              rngs=rngs, window=config.layer_window(index))
         self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
@@ -107,8 +117,38 @@ def run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
     if not remat:
         return block.apply(x, key, documents)
     graphdef, state = nnx.split(block)
-    return jax.checkpoint(lambda s, x, k, d: nnx.merge(graphdef, s).apply(x, k, d))(
-        state, x, key, documents)
+    return _remat(lambda s, x, k, d: nnx.merge(graphdef, s).apply(x, k, d),
+                  block.offload_input)(state, x, key, documents)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _remat_offloaded(f, *args):
+    return f(*args)
+
+
+def _remat_offloaded_fwd(f, state, x, *rest):
+    return f(state, x, *rest), (state, to_host(x), *rest)
+
+
+def _remat_offloaded_bwd(f, res, g):
+    state, x, *rest = res
+    # tied to the cotangent: the recomputation is neither hoisted into the forward pass
+    # nor merged with it (CSE; XLA:CPU lowers the host moves to nothing)
+    x, g = jax.lax.optimization_barrier((to_device(x), g))
+    return jax.vjp(f, state, x, *rest)[1](g)
+
+
+_remat_offloaded.defvjp(_remat_offloaded_fwd, _remat_offloaded_bwd)
+
+
+def _remat(f: Callable, offload: bool) -> Callable:
+    """``f(state, x, *rest)`` recomputed in the backward pass: ``jax.checkpoint``, or
+    with ``offload`` a custom VJP whose one residual besides its arguments, the block's
+    input ``x``, waits in host memory (``jax.checkpoint``'s saved inputs cannot be
+    placed there: its differentiated arguments must stay in device memory)."""
+    if not offload:
+        return jax.checkpoint(f)
+    return functools.partial(_remat_offloaded, f)
 
 
 def stack_blocks(blocks: list[Block], layer_axis: str | None = None,
@@ -146,12 +186,12 @@ def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: boo
     returns the output and the layers' stacked router statistics (None: dense)."""
     graphdef, state = nnx.split(stacked)
 
-    def layer(x, xs):
-        layer_state, key = xs
+    def apply(layer_state, x, key, documents):
         return nnx.merge(graphdef, layer_state).apply(x, key, documents)
 
-    body = jax.checkpoint(layer) if remat else layer
-    return jax.lax.scan(body, x, (state, keys))
+    if remat:  # with offload_input each layer's input, the scan's saved carry, on the host
+        apply = _remat(apply, stacked.offload_input)
+    return jax.lax.scan(lambda x, xs: apply(xs[0], x, xs[1], documents), x, (state, keys))
 
 
 def over_layers(blocks: Block | Sequence[Block], step: Callable, x: jax.Array,

@@ -48,7 +48,7 @@ from sp_jax.ops.primitives import (
     vary,
     vma,
 )
-from sp_jax.ops.rules import Column, ColumnSequence, Matmul, RowSequence, linear_op
+from sp_jax.ops.rules import Column, ColumnSequence, Matmul, Offloaded, RowSequence, linear_op
 from sp_jax.ops.transport import Collectives, Ring
 
 __all__ = ["add_bias", "column_parallel_matmul", "column_sequence_parallel_matmul",
@@ -72,9 +72,13 @@ def _transport(axis_name, seq_dim: int, collective_matmul: bool):
     return Collectives(axis_name, seq_dim)
 
 
-def _apply(rule, x, kernel, bias, history, fsdp_axes: tuple, fsdp_dim: int) -> jax.Array:
+def _apply(rule, x, kernel, bias, history, fsdp_axes: tuple, fsdp_dim: int,
+           offload: bool = False) -> jax.Array:
     """Runs ``rule``: as one custom-VJP op, or with ``kernel`` this device's shard over
-    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op)."""
+    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op); with
+    ``offload`` its input residual lives in host memory (:class:`Offloaded`)."""
+    if offload:
+        rule = Offloaded(rule)
     if fsdp_axes:
         return fsdp_linear_op(x, kernel, (bias, history), rule, fsdp_axes, fsdp_dim)
     return linear_op(x, kernel, (bias, history), rule)
@@ -117,7 +121,8 @@ def _check_fp8(name: str, fp8, fp8_history) -> None:
 
 def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
            fsdp_axes: tuple[AxisName, ...] = (), fsdp_dim: int = 1,
-           fp8: Fp8Spec | None = None, fp8_history: jax.Array | None = None) -> jax.Array:
+           fp8: Fp8Spec | None = None, fp8_history: jax.Array | None = None,
+           offload_activations: bool = False) -> jax.Array:
     """Local ``x @ kernel`` in the dtype of ``x``, with the weight gradient in ``wgrad_dtype``.
 
     Args:
@@ -133,6 +138,9 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
         :class:`~sp_jax.ops.fp8.Fp8Spec`, or ``None`` (the default: the compute dtype).
       fp8_history: with delayed scaling, the ``[3, amax_history_len]`` fp32 amax history
         (invariant over the mesh axes); its cotangent is this step's amaxes in column 0.
+      offload_activations: keep the residual this op's backward needs (its GEMM
+        operand) in host memory between the passes (``ParallelConfig.offload_activations``,
+        :class:`~sp_jax.ops.rules.Offloaded`); the same results.
     Returns:
       ``[..., out]`` in ``x.dtype``.
     """
@@ -141,7 +149,7 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
     _check_fp8("matmul", fp8, fp8_history)
     x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
     return _apply(Matmul(_gemm(kernel, wgrad_dtype, fp8)), x, kernel, None, fp8_history,
-                  fsdp_axes, fsdp_dim)
+                  fsdp_axes, fsdp_dim, offload_activations)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -179,6 +187,7 @@ def column_parallel_matmul(
     fsdp_axes: tuple[AxisName, ...] = (),
     fp8: Fp8Spec | None = None,
     fp8_history: jax.Array | None = None,
+    offload_activations: bool = False,
 ) -> jax.Array:
     """``x @ kernel + bias`` entering a tensor-parallel region from replicated activations
     (``identity_with_all_reduce_grad`` and the matmul as one op, Megatron's
@@ -195,7 +204,7 @@ def column_parallel_matmul(
       axis_name: the tensor mesh axis.
       wgrad_dtype: accumulation dtype of the weight and bias gradients.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 0.
-      fp8, fp8_history: as :func:`matmul`.
+      fp8, fp8_history, offload_activations: as :func:`matmul`.
     Returns:
       ``[..., out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
@@ -213,7 +222,7 @@ def column_parallel_matmul(
         union |= vma(bias)
     rule = Column(_gemm(kernel, wgrad_dtype, fp8), axis_name)
     return _apply(rule, vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union),
-                  fp8_history, fsdp_axes, 0)
+                  fp8_history, fsdp_axes, 0, offload_activations)
 
 
 def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -265,6 +274,7 @@ def row_sequence_parallel_matmul(
     activation: Callable[[jax.Array], jax.Array] | None = None,
     fp8: Fp8Spec | None = None,
     fp8_history: jax.Array | None = None,
+    offload_activations: bool = False,
 ) -> jax.Array:
     """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
     into a sequence-parallel one, as one op.
@@ -298,6 +308,7 @@ def row_sequence_parallel_matmul(
         activation again (one elementwise op) for the weight gradient and
         differentiates it: the hidden layer is kept once, not as the activation's
         input and output both.
+      offload_activations: as :func:`matmul` (the residual ``x``).
     Returns:
       ``[b, s / t, out]`` in ``x.dtype``: the sum over ``axis_name``, this device's chunk.
     """
@@ -313,7 +324,7 @@ def row_sequence_parallel_matmul(
     rule = RowSequence(_gemm(kernel, wgrad_dtype, fp8),
                        _transport(axis_name, seq_dim, collective_matmul), activation)
     return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
-                  fsdp_axes, 1)
+                  fsdp_axes, 1, offload_activations)
 
 
 def column_sequence_parallel_matmul(
@@ -329,6 +340,7 @@ def column_sequence_parallel_matmul(
     fsdp_axes: tuple[AxisName, ...] = (),
     fp8: Fp8Spec | None = None,
     fp8_history: jax.Array | None = None,
+    offload_activations: bool = False,
 ) -> jax.Array:
     """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
 
@@ -358,6 +370,8 @@ def column_sequence_parallel_matmul(
       fp8, fp8_history: as :func:`matmul`; the shard is quantised before the all-gather
         (e4m3 bytes move, in the ring too) and the residual is the e4m3 shard
         (``recompute_allgather``) or the gathered e4m3 input.
+      offload_activations: as :func:`matmul`: the residual (the shard with
+        ``recompute_allgather``, else the gathered input) waits in host memory.
     Returns:
       ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
@@ -369,4 +383,4 @@ def column_sequence_parallel_matmul(
                           _transport(axis_name, seq_dim, collective_matmul),
                           bool(recompute_allgather))
     return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
-                  fsdp_axes, 0)
+                  fsdp_axes, 0, offload_activations)

@@ -25,7 +25,7 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
            "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_in", "reduce_scatter",
-           "split", "vary", "vary_then", "vma"]
+           "split", "to_device", "to_host", "vary", "vary_then", "vma"]
 
 AxisName = Hashable
 
@@ -152,3 +152,24 @@ def conjugate_pair(forward: Callable, backward: Callable) -> Callable:
 def vary_then(f: Callable) -> Callable:
     """``f(g, axis_name, dim)`` applied after casting ``g`` to vary over ``axis_name``."""
     return lambda g, axis_name, dim: f(vary(g, (axis_name,)), axis_name, dim)
+
+
+def to_host(tree, enabled: bool = True):
+    """The arrays of ``tree`` placed in the host's ``pinned_host`` memory
+    (``jax.memory.Space.Host``; unchanged without ``enabled``): a custom-VJP forward rule
+    parks its residuals there (``ParallelConfig.offload_activations``). Works on local
+    blocks inside ``shard_map``, ``lax.scan`` and ``jax.checkpoint``; on GPU the HLO
+    then holds them in host memory space ``S(5)``. (XLA:CPU lowers the move to a no-op:
+    the values are the same either way.)"""
+    if not enabled:
+        return tree
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+
+def to_device(tree, enabled: bool = True):
+    """The arrays of ``tree`` back in device memory (:func:`to_host`'s inverse, in the
+    backward rule)."""
+    if not enabled:
+        return tree
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+

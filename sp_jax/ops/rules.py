@@ -34,10 +34,10 @@ import jax
 from jax import lax
 
 from sp_jax.ops.gemm import bgrad
-from sp_jax.ops.primitives import AxisName, vary
+from sp_jax.ops.primitives import AxisName, to_device, to_host, vary
 
-__all__ = ["Column", "ColumnSequence", "Matmul", "RowSequence", "linear_op", "release",
-           "tied_output"]
+__all__ = ["Column", "ColumnSequence", "Matmul", "Offloaded", "RowSequence", "linear_op",
+           "release", "tied_output"]
 
 
 def _plus_bias(y, bias):
@@ -193,6 +193,30 @@ class RowSequence:
         if activation_vjp is not None and not early:
             dx = activation_vjp(dx)[0]
         return dx, dkernel, daux
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+    """``rule`` with its GEMM operand residual ``a`` (the local sequence shard of a
+    recomputing column rule, else the gathered input; a row rule's input) kept in host
+    memory between the forward and the backward pass
+    (``ParallelConfig.offload_activations``): moved there at the end of ``fwd`` and
+    back at the start of ``bwd``. The kernel and bias stay (they are the caller's
+    parameters); so does the GEMM's context (scales: scalars)."""
+
+    rule: Any
+
+    @property
+    def gemm(self):
+        return self.rule.gemm
+
+    def fwd(self, x, kernel, aux):
+        y, (a, kernel, rest) = self.rule.fwd(x, kernel, aux)
+        return y, (to_host(a), kernel, rest)
+
+    def bwd(self, res, g):
+        a, kernel, rest = res
+        return self.rule.bwd((to_device(a), kernel, rest), g)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

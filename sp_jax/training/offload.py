@@ -10,7 +10,7 @@ use. ``offload_params=True`` does the same for the fp32 master weights, the forw
 backward running on a copy in the model's compute dtype (:func:`compute_copy`).
 
 A backend without host memory (no ``pinned_host`` among the device's memory kinds) is
-refused with a ``ValueError`` naming it (:func:`require_host_memory`).
+refused with a ``ValueError`` naming it (:func:`sp_jax.mesh.require_host_memory`).
 """
 
 from __future__ import annotations
@@ -20,35 +20,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HOST", "compute_copy", "memory_kinds", "on_host", "require_host_memory",
-           "to_device", "to_host"]
+__all__ = ["HOST", "compute_copy", "on_host", "to_device", "to_host"]
 
 HOST = "pinned_host"
 """The memory kind offloaded arrays live in between steps."""
-
-
-def memory_kinds(device: jax.Device | None = None) -> set[str]:
-    """The memory kinds ``device`` (default: the first device) can address, e.g.
-    ``{"device", "pinned_host", "unpinned_host"}`` on CPU and GPU backends."""
-    device = device if device is not None else jax.devices()[0]
-    return {memory.kind for memory in device.addressable_memories()}
-
-
-def require_host_memory(option: str) -> None:
-    """Raises a ``ValueError`` naming the backend and ``option`` when the first device
-    has no ``pinned_host`` memory kind (host offload impossible there).
-
-    Args:
-      option: the option that needs it, e.g. ``"TrainStep(offload_optimizer=True)"``.
-    """
-    kinds = memory_kinds()
-    if HOST not in kinds:
-        device = jax.devices()[0]
-        raise ValueError(
-            f"{option} keeps arrays in '{HOST}' host memory, but the {device.platform} "
-            f"backend ({device.device_kind}) has only the memory kinds {sorted(kinds)}; "
-            "train without the offload option on this backend (or run on a GPU or CPU "
-            "backend, which have pinned_host memory).")
 
 
 def _host_sharding(x: Any) -> Any:

@@ -1,0 +1,163 @@
+"""Activations on the host (``ParallelConfig(offload_activations=True)``), measured by
+deviceless 8 x H100 compiles: a scanned stack of GPT blocks (``lax.scan`` over the
+layers, as ``GPTConfig(scan_layers=True)`` runs them), forward and backward, with and
+without the option, at two depths.
+
+* device temp growth per layer: ``(temp(L2) - temp(L1)) / (L2 - L1)`` from
+  ``memory_analysis()``;
+* host bytes per layer: the same difference of ``host_temp_size_in_bytes``, against the
+  analytic size of what the rules move (:func:`offloaded_bytes_per_layer`);
+* the HLO's host buffers (memory space ``S(5)``) in the scan's while bodies.
+
+Run: ``JAX_PLATFORMS=cpu python -m benchmarks.activation_offload`` (eight compiles, about
+8 minutes on 2 CPU cores; prints one JSON object per setting, without and with
+``remat``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import sp_jax
+from benchmarks.baseline import param_specs
+from sp_jax import Layout
+from sp_jax.analysis import compile_for_gpu, gpu_mesh
+from sp_jax.models import Block, GPTConfig
+from sp_jax.models.blocks import scan_blocks, stack_blocks
+
+__all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "compile_stack", "layer_flops", "measure",
+           "offloaded_bytes_per_layer"]
+
+PCIE_GEN5_BYTES_PER_S = 64e9
+"""An H100 SXM's host link, PCIe Gen5 x16: about 64 GB/s each way (NVIDIA's figure; an
+estimate of the transfer time, not a measurement)."""
+
+H100_BF16_FLOPS = 989e12
+"""An H100 SXM's dense bf16 tensor-core peak (NVIDIA's figure): the compute time below is
+a lower bound."""
+
+
+def layer_flops(*, hidden: int, seq: int, tensor: int, batch: int = 1,
+                mlp_hidden: int | None = None) -> float:
+    """Forward + backward FLOPs of one block per device: ``6 x`` the GEMMs' (weights
+    ``4 h^2 + 2 h f`` over ``t``) per token, plus causal attention's ``q k`` and ``p v``
+    (``2 x 2 s^2 h / t`` forward, half of it masked away, times 3 with the backward)."""
+    f = mlp_hidden or 4 * hidden
+    gemm = 6 * (4 * hidden * hidden + 2 * hidden * f) / tensor * batch * seq
+    attention = 3 * 2 * seq * seq * hidden / tensor * batch
+    return gemm + attention
+
+
+def compile_stack(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,
+                  remat: bool = False, offload: bool, batch: int = 1,
+                  recompute: bool = True, dtype: Any = jnp.bfloat16,
+                  data_axis: str | None = None) -> dict[str, Any]:
+    """Deviceless H100 compile of ``layers`` scanned blocks' forward and backward
+    (gradients of a mean-square loss w.r.t. the parameters and the input) on a
+    ``1 x tensor`` mesh; returns ``memory_analysis()``'s device and host bytes and the
+    HLO. ``data_axis``: the config's (None: the batch is not split; ``"data"``: over the
+    mesh's data axis, of size 1)."""
+    cfg = GPTConfig(vocab_size=256, max_seq_len=seq, num_layers=layers, num_heads=heads,
+                    hidden=hidden, dtype=dtype, param_dtype=jnp.float32, remat=remat,
+                    scan_layers=True)
+    parallel = sp_jax.ParallelConfig(data_axis=data_axis, recompute_allgather=recompute,
+                                     wgrad_dtype=jnp.float32, offload_activations=offload)
+    mesh = gpu_mesh((1, tensor), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(lambda: stack_blocks(
+            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
+        graphdef, params = nnx.split(model)
+        params = jax.tree.map(
+            lambda v, spec: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=NamedSharding(mesh, spec)),
+            params, param_specs(model))
+    x = jax.ShapeDtypeStruct((batch, seq, hidden), dtype, sharding=Layout.of(parallel).sp)
+
+    def loss(p, x):
+        y, _ = scan_blocks(nnx.merge(graphdef, p), x, None, remat)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    report = compile_for_gpu(jax.grad(loss, argnums=(0, 1)), params, x, mesh_shape=(1, tensor),
+                             axis_names=("data", "tensor"))
+    mem = report.compiled.memory_analysis()
+    return {"temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes,
+            "host_temp_bytes": int(mem.host_temp_size_in_bytes), "hlo": report.hlo}
+
+
+def offloaded_bytes_per_layer(*, hidden: int, seq: int, heads: int, tensor: int,
+                              batch: int = 1, mlp_hidden: int | None = None,
+                              remat: bool = False, itemsize: int = 2) -> dict[str, int]:
+    """What one block's rules send to the host per device (LayerNorm, no dropout,
+    ``recompute_allgather``), by residual; with ``remat`` only the block's input."""
+    f = mlp_hidden or 4 * hidden
+    shard = batch * seq // tensor * hidden * itemsize         # [b, s / t, h]
+    tp = batch * seq * hidden // tensor * itemsize            # [b, s, h / t]
+    stats = 2 * batch * seq // tensor * 4                     # mean, rstd fp32 [b, s / t, 1]
+    if remat:
+        return {"block input": shard}
+    return {
+        "norm inputs + statistics (2 norms)": 2 * (shard + stats),
+        "column inputs (qkv, MLP up: local shards)": 2 * shard,
+        "attention q, k, v, output": 4 * tp,
+        "attention log-sum-exp (fp32)": batch * heads // tensor * seq * 4,
+        "out-projection input": tp,
+        "MLP hidden (down projection's input)": batch * seq * f // tensor * itemsize,
+    }
+
+
+def _host_buffers_in_while_bodies(hlo: str) -> int:
+    names = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    count = 0
+    for block in re.split(r"\n(?=\S)", hlo):
+        m = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s", block)
+        if m and m.group(1) in names and "S(5)" in block:
+            count += 1
+    return count
+
+
+def measure(*, depths: tuple[int, int] = (4, 8), hidden: int = 4096, seq: int = 8192,
+            heads: int = 32, tensor: int = 8, remat: bool = False) -> dict[str, Any]:
+    """Per-layer device temp growth with and without offload, host bytes per layer and
+    the analytic size; ``ratio`` is the offload run's growth over the other's."""
+    l1, l2 = depths
+    out: dict[str, Any] = {"shape": {"layers": depths, "hidden": hidden, "seq": seq,
+                                     "heads": heads, "tensor": tensor, "dtype": "bfloat16",
+                                     "recompute_allgather": True, "remat": remat}}
+    for offload in (False, True):
+        runs = {n: compile_stack(layers=n, hidden=hidden, seq=seq, heads=heads,
+                                 tensor=tensor, remat=remat, offload=offload)
+                for n in depths}
+        key = "offload" if offload else "device"
+        out[key] = {
+            "temp_bytes": {n: r["temp_bytes"] for n, r in runs.items()},
+            "host_temp_bytes": {n: r["host_temp_bytes"] for n, r in runs.items()},
+            "temp_growth_per_layer": (runs[l2]["temp_bytes"] - runs[l1]["temp_bytes"])
+            / (l2 - l1),
+            "host_bytes_per_layer": (runs[l2]["host_temp_bytes"]
+                                     - runs[l1]["host_temp_bytes"]) / (l2 - l1),
+            "while_bodies_with_host_buffers": _host_buffers_in_while_bodies(runs[l2]["hlo"]),
+        }
+    analytic = offloaded_bytes_per_layer(hidden=hidden, seq=seq, heads=heads, tensor=tensor,
+                                         remat=remat)
+    out["analytic_bytes_per_layer"] = analytic
+    out["analytic_total_per_layer"] = sum(analytic.values())
+    out["ratio"] = out["offload"]["temp_growth_per_layer"] / \
+        out["device"]["temp_growth_per_layer"]
+    moved = 2 * out["offload"]["host_bytes_per_layer"]  # to the host and back
+    out["bytes_moved_per_layer"] = moved
+    out["pcie_seconds_per_layer_estimate"] = moved / PCIE_GEN5_BYTES_PER_S
+    out["compute_seconds_per_layer_at_peak"] = layer_flops(
+        hidden=hidden, seq=seq, tensor=tensor) / H100_BF16_FLOPS
+    return out
+
+
+if __name__ == "__main__":
+    for remat in (False, True):
+        print(json.dumps(measure(remat=remat), indent=1, default=str))

@@ -1,0 +1,123 @@
+"""Activations on the host (``ParallelConfig(offload_activations=True)``): what each layer
+keeps for its backward pass (the linear rules' GEMM operands, attention's q, k, v, output
+and log-sum-exp, the norms' inputs, a rematerialised block's input) waits in
+``pinned_host`` memory between the passes. Training is bitwise the same as without it
+(data x tensor, scanned layers, remat, a context axis, pipeline stages); a deviceless
+H100 compile places the residuals in host memory (``S(5)``), inside the layer scan too;
+a backend without host memory kinds is a ValueError naming it.
+
+(XLA:CPU lowers the moves to no-ops, so on CPU the bitwise tests check that the rules
+carry their residuals through the moves unchanged; the GPU compile checks the
+placement.)"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from _util import assert_bitwise, slow_except, train_gpt
+from conftest import make_mesh, requires_cuda_plugin
+from flax import nnx
+
+import sp_jax
+import sp_jax.mesh
+from sp_jax.models import GPT, GPTConfig
+
+B, S, STEPS = 8, 16, 3
+BASE = dict(vocab_size=64, max_seq_len=S, num_layers=2, num_heads=4, hidden=32)
+AXES4 = ("stage", "data", "context", "tensor")
+
+
+def _batches(micro=1, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, BASE["vocab_size"], size=(STEPS, B, S + 1)).astype(np.int32)
+    return [{"tokens": t[:, :-1].reshape(micro, B // micro, S),
+             "labels": t[:, 1:].reshape(micro, B // micro, S)} for t in tokens]
+
+
+def _mesh(shape, axes):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, axes, devices=jax.devices()[:n])
+
+
+CASES = {  # id: (mesh shape, axes, model options, parallel options, micro-batches)
+    "2x4_recompute": ((2, 4), ("data", "tensor"), {}, {"recompute_allgather": True}, 1),
+    "2x4_scan": ((2, 4), ("data", "tensor"), {"scan_layers": True, "positions": "rotary"},
+                 {}, 1),
+    "2x4_scan_remat_recompute": ((2, 4), ("data", "tensor"),
+                                 {"scan_layers": True, "remat": True},
+                                 {"recompute_allgather": True}, 2),
+    "2x4_remat_unrolled_dropout": ((2, 4), ("data", "tensor"),
+                                   {"remat": True, "dropout": 0.1}, {}, 1),
+    "2x2x2_ring": ((2, 2, 2), ("data", "context", "tensor"), {"positions": "rotary"},
+                   {"context_parallel": "ring"}, 1),
+    "2x2x1x2_gpipe_scan": ((2, 2, 1, 2), AXES4, {"scan_layers": True, "num_layers": 4},
+                           {"pipeline_axis": "stage", "pipeline_microbatches": 4}, 4),
+    "2x2x1x2_1f1b_remat": ((2, 2, 1, 2), AXES4,
+                           {"scan_layers": True, "num_layers": 4, "remat": True},
+                           {"pipeline_axis": "stage", "pipeline_microbatches": 4,
+                            "pipeline_schedule": "1f1b"}, 4),
+}
+
+
+@pytest.mark.parametrize("case", slow_except(CASES, "2x4_recompute"))
+def test_offload_trains_bitwise_like_no_offload(case):
+    shape, axes, model_kw, parallel_kw, micro = CASES[case]
+    cfg = GPTConfig(**{**BASE, **model_kw})
+    batches = _batches(micro)
+    train = cfg.dropout > 0
+    runs = [train_gpt(cfg, sp_jax.ParallelConfig(**parallel_kw, offload_activations=off),
+                      _mesh(shape, axes), batches, train_mode=train) for off in (False, True)]
+    (init0, losses0, params0, _), (init1, losses1, params1, _) = runs
+    assert_bitwise(init0, init1)
+    np.testing.assert_array_equal(losses1, losses0)
+    assert_bitwise(params1, params0)
+    assert losses0[-1] < losses0[0]
+
+
+def test_config_and_backend_errors(monkeypatch):
+    with pytest.raises(TypeError, match="offload_activations='yes' must be True or False"):
+        sp_jax.ParallelConfig(offload_activations="yes")
+    assert sp_jax.ParallelConfig(offload_activations=np.bool_(True)).offload_activations is True
+    assert sp_jax.ParallelConfig.from_dict({"offload_activations": True}).offload_activations
+    assert sp_jax.mesh.host_memory_supported("cpu")  # the tests run there
+    monkeypatch.setattr(sp_jax.mesh, "host_memory_supported", lambda platform: False)
+    parallel = sp_jax.ParallelConfig(offload_activations=True)
+    with jax.set_mesh(make_mesh(2, 4)):
+        with pytest.raises(ValueError, match=r"offload_activations=True\): the 'cpu' backend "
+                                             "has no 'pinned_host' memory kind"):
+            GPT(GPTConfig(**BASE), parallel=parallel, rngs=nnx.Rngs(0))
+        # without the option nothing asks
+        GPT(GPTConfig(**BASE), parallel=sp_jax.ParallelConfig(), rngs=nnx.Rngs(0))
+
+
+def _while_bodies(hlo: str) -> dict[str, str]:
+    """The text of every computation a ``while`` runs as its body, by name."""
+    names = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    comps = {}
+    for block in re.split(r"\n(?=\S)", hlo):
+        m = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s", block)
+        if m and m.group(1) in names:
+            comps[m.group(1)] = block
+    return comps
+
+
+@requires_cuda_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", [False, True])
+def test_h100_residuals_live_in_host_memory_inside_the_layer_scan(remat):
+    """A deviceless 8 x H100 compile of a scanned GPT's gradient: with the option the
+    scan's stacked residuals are host buffers (``S(5)``) written and read inside the
+    forward and backward while bodies, ``memory_analysis`` counts host bytes, and the
+    device's temporary bytes shrink; without it there is no host buffer."""
+    from benchmarks.activation_offload import compile_stack
+
+    got = {off: compile_stack(layers=4, hidden=256, seq=1024, heads=8, tensor=8,
+                              remat=remat, offload=off) for off in (False, True)}
+    assert "S(5)" not in got[False]["hlo"] and got[False]["host_temp_bytes"] == 0
+    hlo = got[True]["hlo"]
+    bodies = _while_bodies(hlo)
+    assert sum("S(5)" in text for text in bodies.values()) >= 2, sorted(bodies)
+    assert got[True]["host_temp_bytes"] > 0
+    assert got[True]["temp_bytes"] < got[False]["temp_bytes"]
+
