@@ -244,7 +244,8 @@ GPT_CASES = {  # id: (mesh shape, axis names, parallel options)
 }
 
 
-@pytest.mark.parametrize("case", ["2x4", pytest.param("1x2x4_ring", marks=pytest.mark.slow)])
+@pytest.mark.slow  # fast: the kernels' cases above, Gemma 2's golden test (test_hf_gemma.py)
+@pytest.mark.parametrize("case", ["2x4", "1x2x4_ring"])
 def test_gpt_with_scale_and_softcap_sharded_equals_one_device(case):
     shape, names, par_kw = GPT_CASES[case]
     cfg, parallel = _config(), sp_jax.ParallelConfig(**par_kw)
