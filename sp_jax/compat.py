@@ -54,6 +54,10 @@ FEATURES: dict[str, str] = {
     "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
     "attention_softcap": "GPTConfig(attention_softcap=c): scores c * tanh(s / c) (Gemma 2)",
     "custom_loss": "TrainStep(loss_fn=...) other than the default lm_loss",
+    "zero1": "ParallelConfig(fsdp='optimizer'): the optimizer state sharded over data (ZeRO-1)",
+    "grad_reduce_dtype": "ParallelConfig(grad_reduce_dtype=...): gradients reduced in bf16",
+    "offload_optimizer": "TrainStep(offload_optimizer / offload_params): state on the host",
+    "offload_activations": "ParallelConfig(offload_activations=True): saved values on the host",
 }
 """Every feature the table knows, with a one-line description."""
 
@@ -87,6 +91,10 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "attention_dropout": "attention dropout",
     "attention_softcap": "an attention soft cap (attention_softcap)",
     "custom_loss": "a custom loss_fn",
+    "zero1": "fsdp='optimizer' (ZeRO-1)",
+    "grad_reduce_dtype": "grad_reduce_dtype",
+    "offload_optimizer": "optimizer offload",
+    "offload_activations": "offload_activations=True",
 }
 
 STATUSES: dict[str, tuple[str, str]] = {
@@ -169,7 +177,10 @@ do)``; a feature may be an alias (each of its values is refused)."""
 _EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_1f1b"),
               ("fp8_current", "fp8_delayed")]
 
-_NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss")]
+_NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss"),
+                   *((("eval", "generate"), f) for f in (
+                       "zero1", "grad_reduce_dtype", "offload_optimizer",
+                       "offload_activations"))]  # training only: no gradients, no update
 
 # (modes, features, test node id): the test runs these features together in these modes,
 # so every pair of them (and each alone) is supported there.
@@ -204,9 +215,34 @@ _TRAIN, _EVAL, _GEN = ("train",), ("eval",), ("generate",)
 _CAP = "attention_softcap"
 _CAP_GPT = ("tests/test_attention_softcap.py::test_gpt_with_scale_and_softcap_sharded_equals_"
             "one_device")
+_ZERO1, _PRECISION = "tests/test_zero1.py::test_zero1_", "tests/test_optimizer_precision.py::"
+_OFFLOAD = "tests/test_offload_optimizer.py::test_offload_"
+_OFFLOAD_ACT = "tests/test_offload_activations.py::test_offload_trains_bitwise_like_no_offload"
 _CAP_KERNELS = ("tests/test_attention_softcap.py::test_ring_and_ulysses_scale_and_softcap_match_"
                 "the_dense_reference")
 COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
+    (_TRAIN, (_TS, "zero1"), f"{_ZERO1}trains_like_replicated_on_data_x_tensor"),
+    (_TRAIN, (_TS, "zero1", _RING),
+     f"{_ZERO1}with_a_context_axis_and_dropout_trains_like_replicated"),
+    (_TRAIN, (_TS, "zero1", "pipeline_1f1b"),
+     f"{_ZERO1}with_pipeline_stages_trains_like_replicated"),
+    (_TRAIN, (_TS, "zero1", *_EXPERTS), f"{_ZERO1}with_experts_trains_like_replicated"),
+    (_TRAIN, (_TS, "grad_reduce_dtype"),
+     f"{_PRECISION}test_grad_reduce_bf16_is_the_bf16_sum_of_per_shard_fp32_gradients"),
+    (_TRAIN, (_TS, "grad_reduce_dtype", "pipeline_gpipe"),
+     f"{_PRECISION}test_grad_reduce_bf16_in_a_pipeline[gpipe-False]"),
+    (_TRAIN, (_TS, "grad_reduce_dtype", "pipeline_1f1b", "fsdp"),
+     f"{_PRECISION}test_grad_reduce_bf16_in_a_pipeline[1f1b-True]"),
+    (_TRAIN, (_TS, "offload_optimizer"),
+     f"{_OFFLOAD}is_bitwise_the_step_without[optimizer-scan]"),
+    (_TRAIN, (_TS, "offload_optimizer", "pipeline_gpipe"),
+     f"{_OFFLOAD}in_pipeline_stages_is_bitwise"),
+    (_TRAIN, (_TS, _RA, "offload_activations"), f"{_OFFLOAD_ACT}[2x4_recompute]"),
+    (_TRAIN, (_TS, "offload_activations", _RING), f"{_OFFLOAD_ACT}[2x2x2_ring]"),
+    (_TRAIN, (_TS, "offload_activations", "pipeline_gpipe"),
+     f"{_OFFLOAD_ACT}[2x2x1x2_gpipe_scan]"),
+    (_TRAIN, (_TS, "offload_activations", "pipeline_1f1b"),
+     f"{_OFFLOAD_ACT}[2x2x1x2_1f1b_remat]"),
     (_TRAIN, (_TS, _CM, _RA), f"{_GPT}[fp32]"),
     (_TRAIN, (_TS, _RA, _DROP), f"{_GPT}[scan_remat_dropout]"),
     (_TRAIN, (_TS, _CM, "fsdp"), f"{_GPT}[collective_matmul_scan_untied_50]"),
@@ -477,8 +513,8 @@ def check(mode: str, features: Iterable[str], *, where: str) -> None:
 def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> frozenset[str]:
     """The features a model uses, from its ``GPTConfig`` and ``ParallelConfig`` (duck
     typed: their field names), for :func:`check`. With ``mesh``, a context axis of size
-    1 is no context feature. Call-time features (``packed_documents``, ``custom_loss``)
-    are the caller's to add."""
+    1 is no context feature. Call-time features (``packed_documents``, ``custom_loss``,
+    ``offload_optimizer``) are the caller's to add."""
     found: set[str] = set()
     if parallel is not None:
         found.add("tensor_sequence")
@@ -487,6 +523,12 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> f
                 found.add(name)
         if getattr(parallel, "fsdp", False) in (True, "full"):  # not "optimizer" (ZeRO-1)
             found.add("fsdp")
+        elif getattr(parallel, "fsdp", False) == "optimizer":
+            found.add("zero1")
+        if getattr(parallel, "grad_reduce_dtype", None) is not None:
+            found.add("grad_reduce_dtype")
+        if getattr(parallel, "offload_activations", False):
+            found.add("offload_activations")
         context = getattr(parallel, "context_parallel", None)
         if context is not None and (mesh is None or dict(mesh.shape).get(
                 parallel.context_axis, 1) > 1):
@@ -532,7 +574,8 @@ _SHORT: dict[str, str] = {
     "pipeline_1f1b": "p1", "experts": "ex", "expert_parallel": "ep", "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
     "cudnn_attention": "cd", "attention_dropout": "ad", "attention_softcap": "ac",
-    "custom_loss": "cl",
+    "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr", "offload_optimizer": "oo",
+    "offload_activations": "oa",
 }
 
 
