@@ -207,10 +207,13 @@ def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BY
 
 
 def best(rows: Sequence[FitRow]) -> FitRow | None:
-    """The cheapest row that fits (:attr:`MemoryOptions.cost`, then the lowest device
-    peak), or None."""
+    """The cheapest row that fits, or None: the least offloading
+    (:attr:`MemoryOptions.cost`), then the fewest host bytes (each crosses PCIe twice a
+    step: bf16 moments halve them), then the least sharding, fp32 moments, the lowest
+    device peak."""
     fitting = [r for r in rows if r.fits]
-    return min(fitting, key=lambda r: (r.options.cost, r.device_bytes), default=None)
+    return min(fitting, key=lambda r: (r.options.cost[:2], round(r.host_bytes / 2**20),
+                                       r.options.cost[2:], r.device_bytes), default=None)
 
 
 def format_fits(model: ModelShape, gpus: int, rows: Sequence[FitRow]) -> str:
