@@ -8,13 +8,16 @@ Example::
     python -m sp_jax.plan --model 7b --gpus 64 --seq 131072
     python -m sp_jax.plan --hidden 2048 --layers 24 --heads 16 --vocab 50304 --seq 2048 --gpus 8
     python -m sp_jax.plan --model 7b --head-dim 256 --gpus 8   # heads x head_dim != hidden
+    python -m sp_jax.plan --model mixtral-8x7b --gpus 8 --memory-options \
+        --host-memory-per-node 2TB --device-reserve 15GiB   # formulas, no compiles
 
-See :func:`sp_jax.analysis.plan`.
+See :func:`sp_jax.analysis.plan` and :mod:`sp_jax.analysis.memory_options`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -49,6 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, metavar="M",
                    help="micro-batches per step of the pipelined layouts (default: batch / "
                         "data with --batch, else 4 x stages)")
+    p.add_argument("--memory-options", action="store_true",
+                   help="search the memory options by formula instead of compiling: fsdp "
+                        "(off / optimizer = ZeRO-1 / full), AdamW moments (fp32 / bf16), "
+                        "optimizer offload (off / optimizer / optimizer+params), activation "
+                        "offload (off / on); prints device peak and host bytes per GPU")
+    p.add_argument("--host-memory-per-node", default="2TB", metavar="SIZE",
+                   help="host memory of one node the host bytes are checked against "
+                        "(--memory-options; default 2TB; e.g. 1.5TB, 2048GiB, or GiB)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs sharing one node's host memory (default 8)")
+    p.add_argument("--device-reserve", default="0", metavar="SIZE",
+                   help="device bytes a layout must leave free beyond the formulas' "
+                        "(--memory-options: XLA's temporaries; e.g. 15GiB; default 0)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -74,6 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     if model.head_dim is None and model.hidden % model.heads:
         p.error(f"--heads {model.heads} must divide --hidden {model.hidden} (or give "
                 "--head-dim)")
+    if args.memory_options:
+        from sp_jax.analysis.memory_options import format_fits, parse_bytes, search
+
+        try:
+            host, reserve = (parse_bytes(args.host_memory_per_node),
+                             parse_bytes(args.device_reserve))
+            fits = search(model, args.gpus, host_bytes_per_node=host, batch=args.batch,
+                          gpus_per_node=args.gpus_per_node, reserve=reserve)
+        except ValueError as e:
+            p.error(str(e))
+        print(format_fits(model, args.gpus, fits))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(r) | {"device_bytes": r.device_bytes,
+                                                    "fits": r.fits} for r in fits],
+                          f, indent=1, default=str)
+        return 0
     try:
         rows = plan(model, args.gpus, batch=args.batch, stages=args.stages,
                     microbatches=args.microbatches, progress=not args.no_progress)

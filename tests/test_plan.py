@@ -285,26 +285,26 @@ def test_formula_of_a_pipelined_layout():
     """The analytic columns of a pipelined row: the layers' parameters over the stages
     too (the vocabulary table on every stage); 1F1B's activations: 2P - 1 stage inputs
     and one micro-batch through the stage's layers."""
-    from sp_jax.analysis.plan import _formula
+    from sp_jax.analysis.plan import layout_formula
 
     model = MODELS["70b"]
     flat = PlanOption(1, 1, 8, fsdp=False, remat=True)
     piped = dataclasses.replace(flat, stages=8, micro_batches=32)
-    p_flat, a_flat = _formula(model, flat, 1)
-    p_piped, a_piped = _formula(model, piped, 32)
+    p_flat, a_flat = layout_formula(model, flat, 1)
+    p_piped, a_piped = layout_formula(model, piped, 32)
     table = 4 * -(-model.vocab // 8) * 8 * model.hidden / 8
     assert p_piped - table == pytest.approx((p_flat - table) / 8, rel=1e-3)
     sbh = model.seq * model.hidden / 8  # b = 32 / (1 x 32) = 1
     assert a_piped == pytest.approx((80 // 8) * 2 * sbh + 34 * sbh + (2 * 8 - 1) * 2 * sbh)
     assert a_flat == pytest.approx(80 * 2 * sbh + 34 * sbh)
     gpipe = dataclasses.replace(piped, pipeline_schedule="gpipe", remat=False)
-    assert _formula(model, gpipe, 32)[1] == pytest.approx(32 * 10 * 34 * sbh)
+    assert layout_formula(model, gpipe, 32)[1] == pytest.approx(32 * 10 * 34 * sbh)
     # GPT-3's vocabulary (50257) does not divide over tensor 8: the library splits that
     # table's features over tensor and not over data; the compiled bytes per device were
     # 5775366144 (16x1x8, fsdp) and 5748529152 (8 stages x data 2 x tensor 8, fsdp)
     gpt3 = MODELS["gpt3-175b"]
-    assert _formula(gpt3, PlanOption(16, 1, 8, fsdp=True, remat=True), 16)[0] == 5775366144
-    assert _formula(gpt3, PlanOption(2, 1, 8, fsdp=True, remat=True, micro_batches=32,
+    assert layout_formula(gpt3, PlanOption(16, 1, 8, fsdp=True, remat=True), 16)[0] == 5775366144
+    assert layout_formula(gpt3, PlanOption(2, 1, 8, fsdp=True, remat=True, micro_batches=32,
                                      stages=8), 64)[0] == 5748529152
 
 
@@ -413,7 +413,7 @@ def test_head_dim_sizes_the_planners_parameters_as_the_model(name):
     from flax import nnx
 
     from sp_jax import ParallelConfig
-    from sp_jax.analysis.plan import _device_bytes, _formula
+    from sp_jax.analysis.plan import _device_bytes, layout_formula
     from sp_jax.models import GPT
 
     shape = HEAD_DIM_SHAPES[name]
@@ -429,14 +429,14 @@ def test_head_dim_sizes_the_planners_parameters_as_the_model(name):
         params = nnx.state(model, nnx.Param)
     assert shape.params == sum(x.size for x in jax.tree.leaves(params))
     batch = 2 * option.batch_shards
-    formula_params, acts = _formula(shape, option, batch)
+    formula_params, acts = layout_formula(shape, option, batch)
     assert _device_bytes(params) == pytest.approx(formula_params, rel=0.01)
     derived = shape.replace(head_dim=None)
     same = shape.replace(head_dim=shape.hidden // shape.heads)
-    assert _formula(same, option, batch) == _formula(derived, option, batch)
+    assert layout_formula(same, option, batch) == layout_formula(derived, option, batch)
     assert same.params == derived.params
     wider = shape.attention > shape.hidden
-    assert (acts > _formula(derived, option, batch)[1]) == wider
+    assert (acts > layout_formula(derived, option, batch)[1]) == wider
     assert (shape.params > derived.params) == wider
 
 
@@ -462,3 +462,128 @@ def test_command_line_head_dim(monkeypatch, capsys):
         main(["--hidden", "40", "--layers", "1", "--heads", "3", "--vocab", "64", "--seq",
               "32", "--gpus", "1"])
     assert "--heads 3 must divide --hidden 40 (or give --head-dim)" in capsys.readouterr().err
+
+
+# --- the memory options (issue 41): formulas, no compiles ---------------------------------
+
+BYTES_PER_PARAM_BY_HAND = [
+    # (weights + gradients, optimizer on the device, host) bytes per parameter, data 8,
+    # by hand: fp32 master 4 + fp32 gradients 4, moments 8 (bf16: 4)
+    (False, "fp32", "off", (8, 8, 0)),
+    ("optimizer", "fp32", "off", (8, 1, 0)),          # ZeRO-1: moments / 8
+    ("full", "fp32", "off", (1, 1, 0)),               # everything / 8
+    (False, "bf16", "off", (8, 4, 0)),
+    ("optimizer", "bf16", "off", (8, 0.5, 0)),
+    ("full", "bf16", "off", (1, 0.5, 0)),
+    (False, "fp32", "optimizer", (8, 0, 8)),          # moments on the host
+    ("optimizer", "bf16", "optimizer", (8, 0, 0.5)),
+    (False, "fp32", "optimizer+params", (6, 0, 12)),  # bf16 copy 2 + grads 4; host 4 + 8
+    ("full", "fp32", "optimizer+params", (0.75, 0, 1.5)),
+    ("full", "bf16", "optimizer+params", (0.75, 0, 1)),
+]
+
+
+def test_bytes_per_param_of_the_memory_options():
+    from sp_jax.analysis.memory_options import MemoryOptions, bytes_per_param
+
+    for fsdp, moments, offload, expected in BYTES_PER_PARAM_BY_HAND:
+        for acts in (False, True):  # activation offload does not move parameter bytes
+            got = bytes_per_param(MemoryOptions(fsdp, moments, offload, acts), 8)
+            assert got == pytest.approx(expected), (fsdp, moments, offload)
+
+
+def test_bytes_per_param_every_combination_conserves_the_state():
+    from sp_jax.analysis.memory_options import (
+        FSDP_MODES,
+        MOMENTS,
+        OFFLOADS,
+        MemoryOptions,
+        bytes_per_param,
+    )
+
+    for f in FSDP_MODES:
+        for m in MOMENTS:
+            for o in OFFLOADS:
+                weights, opt, host = bytes_per_param(MemoryOptions(f, m, o), 4)
+                full, state = (4 if f == "full" else 1), (4 if f else 1)
+                copy = 2 / full if o == "optimizer+params" else 0  # the bf16 copy
+                assert weights + opt + host == pytest.approx(
+                    8 / full + (8 if m == "fp32" else 4) / state + copy)
+                assert (host > 0) == (o != "off") and (opt == 0) == (o != "off")
+    with pytest.raises(ValueError, match="fsdp='zero'"):
+        MemoryOptions(fsdp="zero")
+    with pytest.raises(ValueError, match="moments='fp8'"):
+        MemoryOptions(moments="fp8")
+
+
+def test_search_rows_add_up_and_activation_offload_moves_all_but_one_layer():
+    from sp_jax.analysis.memory_options import MemoryOptions, search
+    from sp_jax.analysis.plan import layout_formula
+
+    model = MODELS["7b"]
+    opts = [MemoryOptions(), MemoryOptions("full", "bf16", "optimizer", True)]
+    rows = search(model, 8, options=opts)
+    plain, packed = [r for r in rows if r.layout == PlanOption(8, 1, 1, False, True)]
+    n_rep = layout_formula(model, plain.layout, plain.batch)[0] / 4
+    n_full = layout_formula(model, dataclasses.replace(plain.layout, fsdp=True),
+                            plain.batch)[0] / 4
+    assert n_rep == pytest.approx(model.params, rel=1e-6)
+    assert plain.weights_bytes == pytest.approx(8 * n_rep)
+    assert plain.optimizer_bytes == pytest.approx(8 * n_rep) and plain.host_bytes == 0
+    assert packed.weights_bytes == pytest.approx(8 * n_full)
+    assert packed.optimizer_bytes == 0
+    one_layer = layout_formula(model.replace(layers=1), plain.layout, plain.batch)[1]
+    assert packed.activation_bytes == pytest.approx(one_layer)
+    assert packed.host_bytes == pytest.approx(4 * n_full + plain.activation_bytes - one_layer)
+    assert not plain.fits and packed.fits
+
+
+def test_parse_bytes_and_the_presets_of_the_three_questions():
+    from sp_jax.analysis.memory_options import parse_bytes
+
+    assert parse_bytes("2TB") == 2e12 and parse_bytes("2048GiB") == 2048 * 2**30
+    assert parse_bytes("2048") == 2048 * 2**30 and parse_bytes("1.5 tib") == 1.5 * 2**40
+    with pytest.raises(ValueError, match="'lots' is not a size"):
+        parse_bytes("lots")
+    # Llama-3-70B: 70.55B, Llama-3.1-405B: 405.85B (Meta's model cards: 70B, 405B)
+    assert 70.4e9 < MODELS["llama-3-70b"].params < 70.7e9
+    assert 405.7e9 < MODELS["405b"].params < 406e9
+
+
+def test_the_three_questions_by_formula():
+    from sp_jax.analysis.memory_options import MemoryOptions, best, search
+
+    for name, gpus in (("mixtral-8x7b", 8), ("llama-3-70b", 16), ("405b", 128)):
+        rows = search(MODELS[name], gpus, reserve=15 * 2**30)
+        top = best(rows)
+        assert top is not None and top.fits, name
+        assert top.host_bytes * min(gpus, 8) <= 2e12
+        if name == "mixtral-8x7b":  # without the options nothing fits (issue 41: 108.9 GiB)
+            assert not any(r.fits for r in rows if r.options == MemoryOptions())
+            assert top.options.offload != "off" or top.options.moments == "bf16"
+
+
+def test_command_line_memory_options_prints_host_bytes(capsys):
+    from sp_jax.plan import main
+
+    assert main(["--model", "mixtral-8x7b", "--gpus", "8", "--memory-options",
+                 "--host-memory-per-node", "2TB", "--device-reserve", "15GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "| layout | options | weights + grads | optimizer | activations | device peak | " \
+           "host | fits |" in out
+    assert "host: 233 GiB per GPU" in out and "\nFits: " in out
+    assert "offload opt" in out.split("\nFits: ")[1]
+    # 1 GB of host memory per node: no offload fits, and none of the rest either
+    assert main(["--model", "mixtral-8x7b", "--gpus", "8", "--memory-options",
+                 "--host-memory-per-node", "1GB", "--device-reserve", "15GiB"]) == 0
+    assert "\nNothing fits: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "7b", "--gpus", "8", "--memory-options",
+              "--host-memory-per-node", "plenty"])
+    assert "'plenty' is not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--memory-options", "--host-memory-per-node SIZE", "--gpus-per-node",
+                 "--device-reserve SIZE", "optimizer = ZeRO-1", "activation offload"):
+        assert flag in out

@@ -33,7 +33,7 @@ import numpy as np
 
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
            "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
-           "plan", "plan_one"]
+           "layout_formula", "plan", "plan_one"]
 
 GiB = 2**30
 H100_BYTES = 80 * 10**9
@@ -45,11 +45,9 @@ XLA_DOES_NOT_FIT = (
     re.compile(r"W\d{4} [\d:.]+ +\d+ hlo_rematerialization\.cc:\d+\] Can't reduce memory use "
                r"below .*by rematerialization.*"),
 )
-"""What XLA:GPU prints (to stderr, from C++) when the arguments of a layout exceed the
-memory limit its scheduler plans with (below the GPU's memory; it calls that an error in
-*its* calculation), and rematerialization cannot bring the program under that limit. Not
-a failure: :func:`plan_one` keeps these lines out of the output and says what they mean
-(:attr:`PlanRow.xla_notes`, the note under :func:`format_table`)."""
+"""What XLA:GPU prints (stderr) when a layout's arguments exceed its scheduler's memory
+limit (it calls that an error in *its* calculation) and remat cannot get under it. Not a
+failure: :func:`plan_one` keeps these lines out and explains them (:attr:`PlanRow.xla_notes`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +74,7 @@ class ModelShape:
         return self.mlp_hidden or 4 * self.hidden
 
     @property  # the head size
-    def head_size(self) -> int:
-        return self.head_dim or self.hidden // self.heads
+    def head_size(self) -> int: return self.head_dim or self.hidden // self.heads  # noqa: E704
 
     @property
     def attention(self) -> int:
@@ -122,8 +119,7 @@ class ModelShape:
             head_dim=self.head_dim, positions="rotary", dtype=jnp.bfloat16,
             param_dtype=jnp.float32, scan_layers=True, **moe), **kw})
 
-    def replace(self, **kw: Any) -> ModelShape:
-        return dataclasses.replace(self, **kw)
+    def replace(self, **kw: Any) -> ModelShape: return dataclasses.replace(self, **kw)  # noqa: E704
 
 
 MODELS = {
@@ -137,11 +133,15 @@ MODELS = {
     "mixtral-8x7b": ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, vocab=32000,
                                seq=4096, mlp_hidden=14336, kv_heads=8, experts=8,
                                experts_per_token=2, moe_mlp_hidden=14336),
+    "llama-3-70b": ModelShape("llama-3-70b", 8192, 80, 64, 128256, 8192, 28672, kv_heads=8,
+                              experts=1, experts_per_token=1),
+    "405b": ModelShape("405b", 16384, 126, 128, 128256, 8192, 53248, kv_heads=8, experts=1,
+                       experts_per_token=1),
 }
-"""Presets: GPT-2 small, a 1.3B, a 7B, a 70B and GPT-3 175B (GPT blocks: 4h MLP with
-GeLU, LayerNorm; the 7B and 70B have the Llama widths, depths and head counts, the 175B
-GPT-3's), and Mixtral-8x7B (46.7B parameters: 8 experts of 14336, 2 per token, 8
-key/value heads)."""
+"""Presets: GPT-2 small, a 1.3B, 7B, 70B (Llama widths, depths, heads) and GPT-3 175B as GPT
+blocks (4h GeLU MLP, LayerNorm), Mixtral-8x7B (46.7B: 8 experts of 14336, 2 per token, 8
+key/value heads), Llama-3-70B and a 405B shape as Llama blocks (a one-expert mixture:
+GQA, SwiGLU, RMSNorm, untied head, plus an h-wide router)."""
 
 PIPELINE_MICROBATCHES_PER_STAGE = 4
 """Micro-batches of a pipelined layout per stage (``M = 4 x stages`` unless given): the
@@ -409,7 +409,7 @@ def _moe_candidates(model: ModelShape, gpus: int, max_tensor: int) -> list[PlanO
     return out
 
 
-def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
+def layout_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
     """(parameter bytes, activation bytes) per device.
 
     fp32 parameters: kernels and the vocabulary table over tensor, and data with fsdp (a
@@ -455,8 +455,8 @@ def _formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, 
 
 
 def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[float, float]:
-    """:func:`_formula` of a mixture of experts: fp32 parameters, the experts over expert
-    x tensor (and data with fsdp), the rest over tensor (and data x expert with fsdp);
+    """:func:`layout_formula` of a mixture of experts: fp32 parameters, the experts over
+    expert x tensor (and data with fsdp), the rest over tensor (and data x expert with fsdp);
     the activations as GPT blocks of the active MLP width ``k F``, plus per layer the
     rows of the dispatch's static receive buffer (``ep T min(k, E / ep)``, the worst
     case) through the grouped GEMMs: bf16 ``h`` received, ``2F / t`` up-projected and
@@ -541,7 +541,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     cfg = model.gpt_config(remat=option.remat)
     tx = optax.adamw(1e-4)
     t0 = time.perf_counter()
-    formula_params, formula_acts = _formula(model, option, batch)
+    formula_params, formula_acts = layout_formula(model, option, batch)
     if batch % (option.batch_shards * option.micro_batches):
         return PlanRow(option, batch, 0, 0, 0, 0, 0, False, 0, formula_params,
                        formula_acts, 0.0, error=_batch_error(batch, option))

@@ -1,0 +1,266 @@
+"""What fits where: the memory planner's formula search over the memory options (issue 41).
+
+For every layout of a model on ``gpus`` GPUs (``[stages x] data x [expert x] tensor``,
+with and without remat) and every combination of
+
+* ``fsdp``: ``False`` (replicated over data), ``"optimizer"`` (ZeRO-1: the optimizer
+  state sharded over the batch axes, :class:`sp_jax.config.ParallelConfig`'s
+  ``fsdp="optimizer"``), ``"full"`` (parameters, gradients and state sharded);
+* ``moments``: AdamW's two moments in ``"fp32"`` or ``"bf16"``
+  (:func:`sp_jax.training.adamw`'s ``mu_dtype`` / ``nu_dtype``);
+* ``offload``: ``"off"``, ``"optimizer"`` (the moments in pinned host memory between
+  steps: ``TrainStep(offload_optimizer=True)``) or ``"optimizer+params"`` (also the fp32
+  master weights, a bf16 compute copy on the GPU: ``offload_params=True``);
+* ``offload_activations``: what each layer keeps for its backward in host memory
+  (``ParallelConfig(offload_activations=True)``),
+
+:func:`search` computes the per-GPU device peak and host bytes from formulas: bytes per
+parameter (:func:`bytes_per_param`: fp32 master 4, fp32 gradients 4, moments 8 or 4 in
+bf16; ZeRO-1 divides the moments by the batch shards, ``"full"`` everything; offloaded
+bytes count as host) times the parameters one GPU holds
+(:func:`sp_jax.analysis.plan.layout_formula`), plus the activations of that formula
+(with activation offload: one layer's on the device, the other layers' saved
+activations on the host). Temporaries beyond the activations (gathered weights, the
+logits, XLA's buffers) are not counted: the compiled step's peak is higher (Mixtral-8x7B
+on 8 GPUs: 14.6 GiB more, BENCHMARKS.md "What fits where").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+from sp_jax.analysis.plan import (
+    H100_BYTES,
+    GiB,
+    ModelShape,
+    PlanOption,
+    layout_formula,
+    pipeline_stage_counts,
+)
+
+__all__ = ["FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions", "best",
+           "bytes_per_param", "format_fits", "layouts", "parse_bytes", "search"]
+
+FSDP_MODES = (False, "optimizer", "full")
+MOMENTS = ("fp32", "bf16")
+OFFLOADS = ("off", "optimizer", "optimizer+params")
+HOST_BYTES_PER_NODE = 2 * 10**12
+"""Host memory of one 8-GPU node the search checks against by default (2 TB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """One combination of the memory options (see the module's docstring)."""
+
+    fsdp: bool | str = False
+    moments: str = "fp32"
+    offload: str = "off"
+    offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("fsdp", FSDP_MODES), ("moments", MOMENTS),
+                              ("offload", OFFLOADS), ("offload_activations", (False, True))):
+            value = getattr(self, name)
+            if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+                raise ValueError(f"MemoryOptions: {name}={value!r} is not one of {allowed}.")
+
+    @property
+    def label(self) -> str:
+        parts = {False: [], "optimizer": ["zero1"], "full": ["fsdp"]}[self.fsdp]
+        parts = parts + (["bf16 moments"] if self.moments == "bf16" else [])
+        parts += {"off": [], "optimizer": ["offload opt"],
+                  "optimizer+params": ["offload opt+params"]}[self.offload]
+        return "+".join(parts + (["offload acts"] if self.offload_activations else [])) or \
+            "none"
+
+    @property
+    def cost(self) -> tuple[int, ...]:
+        """Preference order (lower first): no host transfers, then no activation
+        transfers, then the least sharding, then fp32 moments."""
+        return (OFFLOADS.index(self.offload), int(self.offload_activations),
+                FSDP_MODES.index(self.fsdp), MOMENTS.index(self.moments))
+
+
+def bytes_per_param(options: MemoryOptions, shards: int) -> tuple[float, float, float]:
+    """``(weights and gradients on the device, optimizer state on the device, host)``
+    bytes per parameter with ``shards`` batch shards (data x expert): fp32 master 4 and
+    fp32 gradients 4 (``/ shards`` with ``fsdp="full"``), moments 8 (bf16: 4; ``/ shards``
+    with ``fsdp`` ``"optimizer"`` or ``"full"``); offloaded moments and master weights
+    count as host bytes, with the master weights a bf16 copy (2 bytes) on the device."""
+    full = shards if options.fsdp == "full" else 1
+    state = shards if options.fsdp in ("optimizer", "full") else 1
+    moments = (8 if options.moments == "fp32" else 4) / state
+    master, grads = 4 / full, 4 / full
+    host = 0.0
+    if options.offload == "off":
+        device_opt = moments
+    else:
+        device_opt, host = 0.0, moments
+    if options.offload == "optimizer+params":
+        host += master
+        master = 2 / full
+    return master + grads, device_opt, host
+
+
+@dataclasses.dataclass(frozen=True)
+class FitRow:
+    """Per-GPU bytes of one layout and option set (formulas)."""
+
+    layout: PlanOption
+    options: MemoryOptions
+    batch: int
+    weights_bytes: float      # master weights (or their bf16 copy) and gradients
+    optimizer_bytes: float    # the moments on the device
+    activation_bytes: float
+    host_bytes: float
+    host_limit: float         # host bytes per GPU: per node / GPUs per node
+    reserve: float = 0.0      # device bytes beyond the formula's (XLA's temporaries)
+
+    @property
+    def device_bytes(self) -> float:
+        return self.weights_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return (self.device_bytes + self.reserve <= H100_BYTES
+                and self.host_bytes <= self.host_limit)
+
+
+def layouts(model: ModelShape, gpus: int, *, max_tensor: int = 8) -> list[PlanOption]:
+    """The layouts :func:`search` tries: every tensor size within a host dividing the
+    GPUs and the (key/value) heads (1 or 2 with experts); a mixture of experts' experts
+    over the largest expert axis dividing them and the GPUs left (no pipeline); GPT
+    blocks also pipelined over the stage counts of
+    :func:`sp_jax.analysis.plan.pipeline_stage_counts` (1F1B, ``4 x stages``
+    micro-batches); the rest over data; each with and without remat."""
+    out = []
+    kv = model.kv_heads or model.heads
+    # experts: tensor 1 or 2, as the compiled planner (XLA:GPU's masked ragged_dot expands
+    # its rows once per local expert: BENCHMARKS.md "Mixture of experts")
+    for t in (d for d in range(1, (2 if model.experts > 1 else max_tensor) + 1)
+              if gpus % d == 0):
+        if model.heads % t or (kv % t and t % kv):
+            continue
+        rest = gpus // t
+        ep = math.gcd(model.experts, rest) if model.experts > 1 else 1
+        stage_counts = [1] if model.moe else [1] + [
+            p for p in pipeline_stage_counts(model, gpus, max_tensor=max_tensor)
+            if (rest % p == 0)]
+        for p in stage_counts:
+            d = rest // (ep * p)
+            for remat in (True, False):
+                out.append(PlanOption(d, 1, t, fsdp=False, remat=remat, expert=ep, stages=p,
+                                      micro_batches=4 * p if p > 1 else 1))
+    return out
+
+
+def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: int,
+         host_limit: float, reserve: float) -> FitRow:
+    full = dataclasses.replace(layout, fsdp=True)
+    rep_params = layout_formula(model, layout, batch)[0] / 4
+    sharded_params = layout_formula(model, full, batch)[0] / 4
+    held = sharded_params if options.fsdp == "full" else rep_params
+    state = sharded_params if options.fsdp in ("optimizer", "full") else rep_params
+    moments = (8 if options.moments == "fp32" else 4) * state
+    params_host = options.offload == "optimizer+params"
+    weights = 4 * held + (2 if params_host else 4) * held  # gradients + master (or bf16 copy)
+    opt_bytes = moments if options.offload == "off" else 0.0
+    host_bytes = (moments if options.offload != "off" else 0.0) + (4 * held if params_host
+                                                                   else 0.0)
+    acts = layout_formula(model, layout, batch)[1]
+    if options.offload_activations:
+        one = layout_formula(model.replace(layers=layout.stages), layout, batch)[1]
+        host_bytes += acts - one
+        acts = one
+    return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,
+                  reserve)
+
+
+def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BYTES_PER_NODE,
+           gpus_per_node: int = 8, batch: int | None = None, reserve: float = 0.0,
+           options: Sequence[MemoryOptions] | None = None) -> list[FitRow]:
+    """Every layout of :func:`layouts` with every option set (default: all 36), each a
+    :class:`FitRow`; ``batch``: global sequences per step (default: one per batch shard
+    and micro-batch). Host bytes are checked against ``host_bytes_per_node /
+    min(gpus, gpus_per_node)`` per GPU; a row fits when its device bytes plus ``reserve``
+    (what the formulas leave out: XLA's temporaries) are within an H100's 80 GB."""
+    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"search: {name}={value!r} must be a positive int.")
+    if not host_bytes_per_node > 0:
+        raise ValueError(f"search: host_bytes_per_node={host_bytes_per_node!r} must be "
+                         "positive (e.g. 2e12 for 2 TB).")
+    if options is None:
+        options = [MemoryOptions(f, m, o, a) for f in FSDP_MODES for m in MOMENTS
+                   for o in OFFLOADS for a in (False, True)]
+    limit = host_bytes_per_node / min(gpus, gpus_per_node)
+    rows = []
+    for layout in layouts(model, gpus):
+        b = batch or layout.batch_shards * layout.micro_batches
+        if b % (layout.batch_shards * layout.micro_batches):
+            continue
+        rows += [_row(model, layout, o, b, limit, reserve) for o in options]
+    return rows
+
+
+def best(rows: Sequence[FitRow]) -> FitRow | None:
+    """The cheapest row that fits, or None: the least offloading
+    (:attr:`MemoryOptions.cost`), then the fewest host bytes (each crosses PCIe twice a
+    step: bf16 moments halve them), then the least sharding, fp32 moments, the lowest
+    device peak."""
+    fitting = [r for r in rows if r.fits]
+    return min(fitting, key=lambda r: (r.options.cost[:2], round(r.host_bytes / 2**20),
+                                       r.options.cost[2:], r.device_bytes), default=None)
+
+
+def format_fits(model: ModelShape, gpus: int, rows: Sequence[FitRow]) -> str:
+    """A markdown table: per layout the cheapest option set that fits (else the one with
+    the lowest device peak) and the layout without options; then the answer."""
+    def g(x: float) -> str:
+        return f"{x / GiB:.1f}"
+
+    limit = rows[0].host_limit if rows else 0
+    reserve = rows[0].reserve if rows else 0
+    lines = [f"{model.name} ({model.params / 1e9:.2f}B parameters, s={model.seq}) on {gpus} "
+             f"GPUs, formulas: GiB per GPU (device: 80 GB = 74.5 GiB"
+             + (f", {g(reserve)} GiB of it reserved for temporaries" if reserve else "")
+             + f"; host: {limit / GiB:.0f} GiB per GPU)\n",
+             "| layout | options | weights + grads | optimizer | activations | device peak | "
+             "host | fits |", "|" + "---|" * 8]
+    by_layout: dict[PlanOption, list[FitRow]] = {}
+    for r in rows:
+        by_layout.setdefault(r.layout, []).append(r)
+    for layout, group in by_layout.items():
+        plain = next(r for r in group if r.options == MemoryOptions())
+        chosen = best(group) or min(group, key=lambda r: r.device_bytes)
+        for r in dict.fromkeys([plain, chosen]):
+            lines.append(f"| {layout.label.replace('recompute_allgather', 'rag')} | "
+                         f"{r.options.label} | {g(r.weights_bytes)} | {g(r.optimizer_bytes)}"
+                         f" | {g(r.activation_bytes)} | {g(r.device_bytes)} | "
+                         f"{g(r.host_bytes)} | {'yes' if r.fits else '**no**'} |")
+    top = best(rows)
+    if top is None:
+        low = min(rows, key=lambda r: r.device_bytes)
+        lines.append(f"\nNothing fits: the lowest device peak, {low.layout.label} with "
+                     f"{low.options.label}, is {g(low.device_bytes)} GiB (host "
+                     f"{g(low.host_bytes)} GiB).")
+    else:
+        lines.append(f"\nFits: {top.layout.label} with {top.options.label}: device "
+                     f"{g(top.device_bytes)} GiB, host {g(top.host_bytes)} GiB per GPU "
+                     f"({g(top.host_bytes * min(gpus, 8))} GiB per node).")
+    return "\n".join(lines)
+
+
+def parse_bytes(text: str) -> float:
+    """``"2TB"`` (10**12), ``"2TiB"``, ``"512GB"``, ``"2048GiB"``, or a plain number of
+    GiB, to bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{text!r} is not a size; write e.g. 2TB, 2048GiB or 2048 (GiB).")
+    unit = (m.group(2) or "GiB").upper()
+    power = "KMGT".index(unit[0]) + 1
+    base = 1024 if "I" in unit else 1000
+    return float(m.group(1)) * base**power
