@@ -18,28 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import sp_jax
-from sp_jax.analysis.gpu import default_compiler_options, gpu_mesh
+from benchmarks.offload import abstract_on, compile_step, memory_bytes
+from sp_jax.analysis.gpu import gpu_mesh
 from sp_jax.analysis.plan import MODELS
 from sp_jax.layout import Layout
 from sp_jax.models import GPT
 from sp_jax.training import adamw
 from sp_jax.training.step import optimizer_shardings, train_step_fn
-
-
-def _abstract(tree, mesh, host):
-    def leaf(x):
-        spec = getattr(getattr(x, "sharding", None), "spec", PartitionSpec())
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-            mesh, spec).with_memory_kind("pinned_host" if host else "device"))
-    return jax.tree.map(leaf, tree)
 
 
 def measure(layers: int, *, offload_optimizer: bool, moments: str, name: str = "mixtral-8x7b",
@@ -67,26 +59,15 @@ def measure(layers: int, *, offload_optimizer: bool, moments: str, name: str = "
             opt_state = jax.eval_shape(tx.init, params_upd)
         else:
             opt_state = jax.eval_shape(tx.init, params)
-        p_in = _abstract(params, mesh, False)
-        o_in = _abstract(opt_state, mesh, offload_optimizer)
+        p_in = abstract_on(params, mesh, False)
+        o_in = abstract_on(opt_state, mesh, offload_optimizer)
         tokens = jax.ShapeDtypeStruct((1, batch, model.seq), jnp.int32, sharding=NamedSharding(
             mesh, Layout.of(parallel).micro_batched_tokens))
         step = train_step_fn(graphdef, tx, offload_optimizer=offload_optimizer,
                              compute_dtype=cfg.dtype, update_shardings=upd,
                              param_shardings=jax.tree.map(lambda x: x.sharding, params))
-        shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-        t0 = time.perf_counter()
-        compiled = jax.jit(
-            step, in_shardings=(shard(p_in), None, shard(o_in), None, None),
-            out_shardings=(shard(p_in), shard(o_in), None), donate_argnums=(0, 2),
-        ).lower(p_in, rest, o_in, {"tokens": tokens, "labels": tokens}, key).compile(
-            compiler_options=default_compiler_options())
-        seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    dev = {k: int(getattr(mem, f"{k}_size_in_bytes"))
-           for k in ("argument", "output", "alias", "temp")}
-    host = {k: int(getattr(mem, f"host_{k}_size_in_bytes"))
-            for k in ("argument", "output", "alias", "temp")}
+        compiled, seconds = compile_step(step, p_in, rest, o_in, tokens, key)
+    dev, host = memory_bytes(compiled)
     return {"model": name, "mesh": mesh_shape, "fsdp": fsdp, "layers": layers,
             "moments": moments, "offload_optimizer": offload_optimizer,
             "compile_s": round(seconds, 1), "device": dev, "host": host,

@@ -41,7 +41,9 @@ MFU = 0.4
 AXES = ("data", "tensor")
 
 
-def _abstract(tree: Any, mesh: Any, host: bool) -> Any:
+def abstract_on(tree: Any, mesh: Any, host: bool) -> Any:
+    """``tree``'s leaves as abstract arrays on ``mesh`` in their specs, in ``pinned_host``
+    memory (``host``) or device memory."""
     def leaf(x):
         spec = getattr(getattr(x, "sharding", None), "spec", PartitionSpec())
         sharding = NamedSharding(mesh, spec)
@@ -64,21 +66,14 @@ def measure(layers: int, hidden: int, seq: int, heads: int, tensor: int, *,
         gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
         graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
         opt_state = jax.eval_shape(tx.init, params)
-        p_in = _abstract(params, mesh, offload_params)
-        o_in = _abstract(opt_state, mesh, offload_optimizer)
+        p_in = abstract_on(params, mesh, offload_params)
+        o_in = abstract_on(opt_state, mesh, offload_optimizer)
         tokens = jax.ShapeDtypeStruct((1, 1, seq), jnp.int32, sharding=NamedSharding(
             mesh, Layout.of(parallel).micro_batched_tokens))
         step = train_step_fn(graphdef, tx, offload_optimizer=offload_optimizer,
                              offload_params=offload_params, compute_dtype=cfg.dtype)
-        shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-        t0 = time.perf_counter()
-        compiled = jax.jit(
-            step, in_shardings=(shard(p_in), None, shard(o_in), None, None),
-            out_shardings=(shard(p_in), shard(o_in), None), donate_argnums=(0, 2),
-        ).lower(p_in, rest, o_in, {"tokens": tokens, "labels": tokens}, key).compile(
-            compiler_options=default_compiler_options())
-        seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
+        compiled, seconds = compile_step(step, p_in, rest, o_in, tokens, key)
+    device, host = memory_bytes(compiled)
     per_gpu = lambda t: sum(  # noqa: E731
         x.dtype.itemsize * _size(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(t))
     opt_b, param_b = per_gpu(o_in), per_gpu(p_in)
@@ -86,10 +81,6 @@ def measure(layers: int, hidden: int, seq: int, heads: int, tensor: int, *,
     n = sum(_size(x.shape) for x in jax.tree.leaves(params))
     flops = 6 * n * seq + 12 * layers * hidden * seq * seq  # + causal attention (x1/2 x2)
     compute_s = flops / tensor / (H100_BF16_FLOPS * MFU)
-    device = {k: int(getattr(mem, f"{k}_size_in_bytes"))
-              for k in ("argument", "output", "alias", "temp")}
-    host = {k: int(getattr(mem, f"host_{k}_size_in_bytes"))
-            for k in ("argument", "output", "alias", "temp")}
     return {
         "layers": layers, "hidden": hidden, "seq": seq, "tensor": tensor,
         "offload_optimizer": offload_optimizer, "offload_params": offload_params,
@@ -102,6 +93,30 @@ def measure(layers: int, hidden: int, seq: int, heads: int, tensor: int, *,
         "pcie_s_estimate": moved / 2 / PCIE_BYTES_PER_S,
         "compute_s_estimate": compute_s,
     }
+
+
+def compile_step(step: Any, params: Any, rest: Any, opt_state: Any, tokens: Any, key: Any
+                 ) -> tuple[Any, float]:
+    """``train_step_fn``'s ``step`` compiled for the GPU target on abstract ``params`` and
+    ``opt_state`` (their shardings and memory kinds; both donated) and a batch of
+    ``tokens`` as tokens and labels; returns it and the seconds the compile took."""
+    shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
+    t0 = time.perf_counter()
+    compiled = jax.jit(
+        step, in_shardings=(shard(params), None, shard(opt_state), None, None),
+        out_shardings=(shard(params), shard(opt_state), None), donate_argnums=(0, 2),
+    ).lower(params, rest, opt_state, {"tokens": tokens, "labels": tokens}, key).compile(
+        compiler_options=default_compiler_options())
+    return compiled, time.perf_counter() - t0
+
+
+def memory_bytes(compiled: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """``(device, host)``: ``memory_analysis()``'s argument, output, alias and temp bytes
+    in device memory and in host memory."""
+    mem = compiled.memory_analysis()
+    kinds = ("argument", "output", "alias", "temp")
+    return ({k: int(getattr(mem, f"{k}_size_in_bytes")) for k in kinds},
+            {k: int(getattr(mem, f"host_{k}_size_in_bytes")) for k in kinds})
 
 
 def _size(shape: tuple) -> int:
