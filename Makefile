@@ -43,9 +43,9 @@ gpu-check: $(STAMP)
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. Every
 # test process and the scripts it starts compile with XLA:CPU's legacy fusion emitters
 # (about twice as fast to compile) and no LLVM optimisation (tests/conftest.py). The whole
-# suite (CI's `.ci/run`) from a fresh clone, the install included: 17:23 on 2 cores
-# (16:52 of pytest, 31 min of CPU; 896 tests; 12:42 before issue 39 added ~75 mostly slow
-# multi-feature tests). It is CPU-bound, so its time follows the machine's speed:
+# suite (CI's `.ci/run`) from a fresh clone, the install included: 21:46 on 2 idle cores
+# (21:15 of pytest, 42 min of CPU; 976 tests; 17:23 with 896 before issues 40 and 41 added
+# the Gemma, soft-cap, memory-option and offload tests). It is CPU-bound, so its time follows the machine's speed:
 # the same machine, slower earlier the same day, took 20:14 (39 min of CPU) for the suite
 # before its last speed-ups (the default corpus, the logged schedule, byte-compiled
 # sources). JAX's caches are cleared after each test file. The sources are byte-compiled
@@ -55,8 +55,8 @@ test: $(STAMP)
 	$(PY) -m compileall -q sp_jax examples benchmarks
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
-# The fast tier for the inner loop (about 2 min on 2 idle cores: 2:29 from a fresh clone's
-# venv, 2:33 of pytest in a second run, 482 tests): unit tests of every floor and one end-to-end test per feature
+# The fast tier for the inner loop (under 3 min on 2 idle cores: 2:50 from a fresh clone's
+# venv, 2:48 of pytest, 489 tests): unit tests of every floor and one end-to-end test per feature
 # (tests without `pytest.mark.slow`, marked in each test file; tests/test_tiers.py keeps
 # every file in it); one file per worker at a time, as in `test`, so a
 # module fixture (a trainer run) is made once, not once per worker.
