@@ -36,13 +36,8 @@ from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
 from sp_jax.mesh import require_host_memory
-from sp_jax.ops.primitives import reduce_in
-from sp_jax.training.offload import (
-    compute_copy,
-    on_host,
-    to_device,
-    to_host,
-)
+from sp_jax.ops.primitives import reduce_in, to_device, to_host
+from sp_jax.training.offload import compute_copy, on_host
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
