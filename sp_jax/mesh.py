@@ -25,7 +25,8 @@ from sp_jax.layout import Layout
 
 __all__ = ["Mesh", "axis_size", "check_activations", "check_batch_and_sequence",
            "check_divisible", "check_int_range", "current_mesh", "host_memory_supported",
-           "mesh_platform", "nan_where", "require_host_memory", "reshard",
+           "mesh_platform", "nan_where", "require_host_memory", "reshard", "restrict_spec",
+           "spec_axes",
            "to_sequence_parallel", "warn_if_recompute_may_be_merged"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
@@ -207,6 +208,23 @@ def reshard(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
 def _padded(spec: P, ndim: int) -> tuple:
     entries = tuple(spec)
     return entries + (None,) * (ndim - len(entries))
+
+
+def spec_axes(entry: Any, among: Any = None) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (None: none; a name; a tuple), those
+    in ``among`` only when given."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return names if among is None else tuple(n for n in names if n in among)
+
+
+def restrict_spec(spec: P, axes: Any, ndim: int) -> P:
+    """``spec`` (of an ``ndim``-dimensional array) with only the mesh ``axes`` kept: the
+    spec a ``shard_map`` manual over ``axes`` takes."""
+    entries = []
+    for entry in (*spec, *([None] * (ndim - len(spec)))):
+        kept = spec_axes(entry, axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
 
 
 def to_sequence_parallel(x: jax.Array, parallel: ParallelConfig, *, where: str) -> jax.Array:

@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.mesh import mesh_platform
+from sp_jax.mesh import mesh_platform, restrict_spec, spec_axes
 from sp_jax.ops.primitives import reduce_in
 from sp_jax.pipeline.schedule import PipelineSchedule
 
@@ -103,12 +103,6 @@ def _micro(batch: Any, m: jax.Array | int) -> Any:
     return jax.tree.map(lambda a: a[m], batch)
 
 
-def _kept(entry: Any, axes: Any) -> tuple[str, ...]:
-    """The mesh axes of one ``PartitionSpec`` entry that are among ``axes``."""
-    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    return tuple(n for n in names if n in axes)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Axes:
     """The manual axes of the pipeline's ``shard_map``: the stage and the data axes."""
@@ -122,18 +116,13 @@ class _Axes:
 
     def restrict(self, x: jax.Array) -> P:
         """``x``'s spec with only the manual axes kept."""
-        spec = jax.typeof(x).sharding.spec
-        entries = []
-        for entry in (*spec, *([None] * (x.ndim - len(spec)))):
-            kept = _kept(entry, self.manual)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        return P(*entries)
+        return restrict_spec(jax.typeof(x).sharding.spec, self.manual, x.ndim)
 
 
 def _data_dims(spec: P, data: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
     """(dimension, data axes) of each dimension of ``spec`` sharded over data axes."""
-    return [(dim, _kept(entry, data)) for dim, entry in enumerate(spec)
-            if _kept(entry, data)]
+    return [(dim, spec_axes(entry, data)) for dim, entry in enumerate(spec)
+            if spec_axes(entry, data)]
 
 
 def _gather(x: jax.Array, spec: P, data: tuple[str, ...]) -> jax.Array:
@@ -286,7 +275,7 @@ def _loop_spec(x: jax.Array, axes: _Axes) -> P:
     gradient's reduce-scatter over the data axes sees no explicit axis on that
     dimension)."""
     spec = jax.typeof(x).sharding.spec
-    return P(*(entry if not _kept(entry, axes.data) else _kept(entry, axes.manual)
+    return P(*(entry if not spec_axes(entry, axes.data) else spec_axes(entry, axes.manual)
                for entry in spec))
 
 

@@ -35,7 +35,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
 from sp_jax.layout import Layout
-from sp_jax.mesh import require_host_memory
+from sp_jax.mesh import require_host_memory, restrict_spec, spec_axes
 from sp_jax.ops.primitives import reduce_in, to_device, to_host
 from sp_jax.training.offload import compute_copy, on_host
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
@@ -180,19 +180,6 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
         metrics, amaxes
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _restrict(spec: P, axes: tuple[str, ...], ndim: int) -> P:
-    """``spec`` with only the mesh ``axes`` kept (a ``shard_map`` manual over them)."""
-    entries = []
-    for entry in (*spec, *([None] * (ndim - len(spec)))):
-        kept = tuple(n for n in _names(entry) if n in axes)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*entries)
-
-
 def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...], dtype: Any = None
                     ) -> jax.Array:
     """The per-device gradient ``g`` (inside a ``shard_map`` manual over ``axes``) summed
@@ -201,7 +188,7 @@ def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...], dtype: Any = N
     the collective carrying ``dtype`` (``ParallelConfig.grad_reduce_dtype``; None:
     ``g``'s). ``g`` may still be split over other, explicit axes: the collective then
     runs on each device's block (:func:`~sp_jax.ops.primitives.reduce_in`)."""
-    dims = [(d, tuple(n for n in _names(e) if n in axes)) for d, e in enumerate(spec)]
+    dims = [(d, spec_axes(e, axes)) for d, e in enumerate(spec)]
     dims = [(d, names) for d, names in dims if names]
     if not dims:
         return reduce_in(g, axes, dtype)
@@ -220,8 +207,8 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
     full gradient; the parameters' own shardings without ZeRO-1: one all-reduce), the
     collectives carrying ``dtype`` (``grad_reduce_dtype``; None: fp32)."""
     def own_dimension(s):  # a dimension split over the data axes with a tensor axis too
-        mixed = [e for e in s.spec if set(_names(e)) & set(axes) and
-                 not set(_names(e)) <= set(axes)]  # is all-reduced: resharded after
+        mixed = [e for e in s.spec if set(spec_axes(e)) & set(axes) and
+                 not set(spec_axes(e)) <= set(axes)]  # is all-reduced: resharded after
         return NamedSharding(s.mesh, P()) if mixed else s
 
     shardings = jax.tree.map(own_dimension, shardings)
@@ -239,9 +226,9 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
         return loss_sum * scale, jax.tree.map(lambda g: g * scale, grads)
 
     def spec(x):
-        return _restrict(jax.typeof(x).sharding.spec, axes, x.ndim)
+        return restrict_spec(jax.typeof(x).sharding.spec, axes, x.ndim)
 
-    out = jax.tree.map(lambda x, s: _restrict(s.spec, axes, x.ndim), params, shardings)
+    out = jax.tree.map(lambda x, s: restrict_spec(s.spec, axes, x.ndim), params, shardings)
     specs = jax.tree.map(spec, (params, rest, batch))
     return jax.shard_map(body, in_specs=(*specs, P()), out_specs=(P(), out),
                          axis_names=set(axes), check_vma=False)(params, rest, batch, key)
@@ -303,11 +290,6 @@ def _shardings(tree: Any) -> Any:
     return jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
 
 
-def _spec_axes(spec: P) -> set[str]:
-    return {a for entry in spec if entry is not None
-            for a in ((entry,) if isinstance(entry, str) else entry)}
-
-
 def _zero1_sharding(x: Any, axes: tuple[str, ...]) -> Any:
     """``x``'s sharding with its largest dimension that no mesh axis splits and that
     divides by their size also split over those of ``axes`` it is not sharded over yet
@@ -318,7 +300,7 @@ def _zero1_sharding(x: Any, axes: tuple[str, ...]) -> Any:
     if not isinstance(sharding, NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    free = tuple(a for a in axes if a not in _spec_axes(sharding.spec))
+    free = tuple(a for a in axes if a not in {n for e in sharding.spec for n in spec_axes(e)})
     size = math.prod(sharding.mesh.shape[a] for a in free)
     if size == 1:
         return sharding
@@ -326,11 +308,11 @@ def _zero1_sharding(x: Any, axes: tuple[str, ...]) -> Any:
     # (a tensor-parallel bias [out / t]): the largest, the first of equal sizes
     dims = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % size == 0] or [
         d for d in range(x.ndim) if spec[d] is not None and x.shape[d] % (size * math.prod(
-            sharding.mesh.shape[a] for a in _names(spec[d]))) == 0]
+            sharding.mesh.shape[a] for a in spec_axes(spec[d]))) == 0]
     if not dims:
         return sharding
     dim = max(dims, key=lambda d: x.shape[d])
-    entry = (*_names(spec[dim]), *free)
+    entry = (*spec_axes(spec[dim]), *free)
     entry = entry[0] if len(entry) == 1 else entry
     return NamedSharding(sharding.mesh, P(*spec[:dim], entry, *spec[dim + 1:]))
 
