@@ -54,7 +54,10 @@ def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float,
                    offset: float = 0.0) -> jax.Array:
     """RMSNorm of each head ``x [..., head_dim]`` over ``head_dim`` in fp32, times
     ``scale [head_dim]`` (Qwen3's q/k norm; with ``offset``, times ``offset + scale``:
-    Gemma 3's ``1 + weight``), in ``x``'s dtype."""
+    Gemma 3's ``1 + weight``), in ``x``'s dtype. The same forward as
+    :func:`~sp_jax.layers.rms_norm` (bitwise), differentiated by JAX: inside the attention's
+    ``shard_map`` the scale is replicated, and ``rms_norm``'s custom VJP returns its
+    gradient varying over the manual axes, which JAX refuses (measured)."""
     xf = x.astype(jnp.float32)
     y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + epsilon)
     factor = scale.astype(jnp.float32)
