@@ -234,19 +234,23 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
                          axis_names=set(axes), check_vma=False)(params, rest, batch, key)
 
 
-def _reduce_dtype(model: nnx.Module, mesh: Any) -> Any:
-    """``ParallelConfig.grad_reduce_dtype`` of an unpipelined ``model`` on a ``mesh`` with
-    data axes of more than one device, whose gradients then reduce in a ``shard_map``
-    manual over the data axes (:func:`_manual_gradients`); None otherwise (a pipeline
-    reduces in its own schedule; GSPMD reduces in the gradients' dtype). A ValueError
-    where it does not apply yet."""
-    parallel = getattr(model, "parallel", None)
+def _reduce_dtype(parallel: Any, mesh: Any) -> Any:
+    """``ParallelConfig.grad_reduce_dtype`` where the step reduces the gradients itself in
+    a ``shard_map`` manual over the data axes (:func:`_manual_gradients`): an unpipelined
+    model on a ``mesh`` whose data axes hold more than one device; None otherwise (a
+    pipeline reduces in its own schedule; GSPMD reduces in the gradients' dtype)."""
     if not isinstance(parallel, ParallelConfig) or parallel.grad_reduce_dtype is None \
             or parallel.pipeline_axis is not None or mesh.empty:
         return None
     if math.prod(mesh.shape.get(a, 1) for a in parallel.data_axes) == 1:
         return None
-    if parallel.fsdp == "full" or manual_data_graphdef(model, parallel, mesh) is None:
+    return parallel.grad_reduce_dtype
+
+
+def _check_reduce_dtype(model: nnx.Module, parallel: ParallelConfig, manual: Any) -> None:
+    """A ValueError where :func:`_reduce_dtype` applies but the data-manual step does not
+    (``manual``: :func:`manual_data_graphdef`'s graph, None there)."""
+    if parallel.fsdp == "full" or manual is None:
         config = getattr(model, "config", None)
         raise ValueError(
             "TrainStep: ParallelConfig(grad_reduce_dtype=...) without a pipeline reduces "
@@ -256,7 +260,6 @@ def _reduce_dtype(model: nnx.Module, mesh: Any) -> Any:
             f"{parallel.expert_axis!r}, num_experts={getattr(config, 'num_experts', None)}"
             f", fp8={getattr(config, 'fp8', None)}. Leave grad_reduce_dtype=None, or use a "
             "pipeline (pipeline_axis=...).")
-    return parallel.grad_reduce_dtype
 
 
 def manual_data_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
@@ -519,16 +522,17 @@ class TrainStep:
         # no FP8 histories; with fsdp="optimizer" (ZeRO-1) the moments follow the
         # parameters resharded over the data axes (zeros_like keeps the sharding)
         plain = split_fp8(self.params)[0]
+        parallel = getattr(self.model, "parallel", None)
+        zero1 = not mesh.empty and isinstance(parallel, ParallelConfig) and parallel.zero1_axes
+        self._reduce_dtype = _reduce_dtype(parallel, mesh)
         self._update_shardings, self._manual = None, (None, ())
-        if not mesh.empty and isinstance(parallel := getattr(self.model, "parallel", None),
-                                         ParallelConfig) and parallel.zero1_axes:
+        if zero1 or self._reduce_dtype is not None:  # the data-manual graph, built once
+            self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
+        if self._reduce_dtype is not None:
+            _check_reduce_dtype(self.model, parallel, self._manual[0])
+        if zero1:
             self._update_shardings = optimizer_shardings(plain, parallel)
             plain = jax.device_put(plain, self._update_shardings)
-            self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
-        self._reduce_dtype = _reduce_dtype(self.model, mesh)
-        if self._reduce_dtype is not None and self._manual[0] is None:
-            self._manual = (manual_data_graphdef(self.model, self.model.parallel, mesh),
-                            self.model.parallel.data_axes)
         self.opt_state = self.tx.init(plain)
         if self.offload_optimizer:
             self.opt_state = on_host(self.opt_state)
