@@ -117,6 +117,33 @@ def test_first_signal_requests_a_stop_second_exits_at_once():
     assert f"SIGINT again: exiting now (status {128 + signal.SIGINT})" in err
 
 
+def test_a_repeated_sigterm_within_the_window_is_the_same_request():
+    # SLURM delivers one stop twice (to the step, and to every process with --full; a batch
+    # script passing its own TERM on adds one): within repeat_window_s it is one request.
+    proc = _python("""
+        import os, signal, time
+        from sp_jax.training.faults import StopSignals
+        with StopSignals(repeat_window_s=2.0) as signals:
+            t0 = time.monotonic()
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+            time.sleep(0.5)
+            print("still here", signals.received, flush=True)
+            time.sleep(max(0.0, t0 + 2.5 - time.monotonic()))
+            print("window over", flush=True)
+            time.sleep(60)  # a TERM after the window is a second request: it exits
+        print("not reached", flush=True)
+    """)
+    assert proc.stdout.readline().strip() == "still here SIGTERM", proc.stderr.read()
+    assert proc.stdout.readline().strip() == "window over"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+    assert err.count("SIGTERM received: stopping after the current step") == 1, err
+    assert err.count("SIGTERM again: exiting now") == 1, err
+
+
 def test_watchdog_ends_a_stalled_call():
     proc = _python("""
         import time

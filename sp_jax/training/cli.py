@@ -141,7 +141,9 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> N
     add = parser.add_argument_group("output").add_argument
     add("--ckpt-dir", default=None, help="checkpoint directory (shared by all processes)")
     add("--save-every", type=int, default=0, help="checkpoint every K steps and at the end")
-    add("--resume", action="store_true", help="continue from the latest in --ckpt-dir")
+    add("--resume", nargs="?", const=True, default=False, type=_resume_mode, metavar="auto",
+        help="continue from the latest in --ckpt-dir (an error when it holds none); "
+             "--resume auto: continue when there is one, else start (a requeued job)")
     add("--log-json", default=None, help="JSON lines: one record per step, plus evals")
     add("--tensorboard", default=None, metavar="DIR",
         help="TensorBoard event files of the same metrics (process 0)")
@@ -150,6 +152,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> N
     if parser.get_default("warmup_steps") is None:  # check_run_args takes a tenth of --steps
         next(a for a in parser._actions if a.dest == "warmup_steps").help += \
             " (default: a tenth of --steps)"
+
+
+def _resume_mode(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
+    return value
 
 
 def _set_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:

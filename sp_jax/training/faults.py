@@ -322,15 +322,23 @@ class StopSignals:
     helper thread watches the signals, so this works even while the main thread is
     blocked in a device call or a collective, where Python signal handlers do not run).
 
+    A SIGTERM repeated within ``repeat_window_s`` of the first is the same request, not
+    the second one: a scheduler may deliver one stop twice (SLURM signals a job's steps
+    and, with ``--full``, every process of the job, and a batch script that passes its
+    own TERM on adds one more); a SIGINT repeated (Ctrl-C twice) always exits.
+
     Args:
       signals: the signals to catch (default SIGTERM and SIGINT).
       stream: where the lines go (default ``sys.stderr``).
+      repeat_window_s: seconds after a first SIGTERM in which another is ignored.
     """
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
-                 stream: Any = None):
+                 stream: Any = None, repeat_window_s: float = 10.0):
         self.signals = tuple(signals)
         self.stream = stream
+        self.repeat_window_s = float(repeat_window_s)
+        self._first_term: float | None = None
         self.received: str | None = None
         self._old: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
@@ -352,10 +360,16 @@ class StopSignals:
             if signum not in self.signals:
                 continue
             name = signal.Signals(signum).name
+            now = time.monotonic()
             if self.received is not None:
+                if (signum == signal.SIGTERM and self._first_term is not None
+                        and now - self._first_term < self.repeat_window_s):
+                    continue  # the same request, delivered twice (see the class doc)
                 self._say(f"{name} again: exiting now (status {128 + signum}), no checkpoint")
                 os._exit(128 + signum)
             self.received = name
+            if signum == signal.SIGTERM:
+                self._first_term = now
             self._say(f"{name} received: stopping after the current step (with a "
                       "checkpoint when --ckpt-dir is set); send it again to exit at once")
 

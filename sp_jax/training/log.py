@@ -176,7 +176,8 @@ class TensorBoardLog:
     ``eval/loss``, another ``eval_<name>`` -> ``eval/<name>``, any other key ->
     ``train/<key>`` (``train/tokens_per_s``, ``train/grad_norm``, ``train/update_ratio``,
     ``train/time_s``, ``train/mfu``). Non-numeric fields (strings, None, bools, arrays of
-    more than one value) are skipped. View with ``tensorboard --logdir DIRECTORY``.
+    more than one value) are skipped; ``unix_time`` (when a step ended) is the event's
+    wall time. View with ``tensorboard --logdir DIRECTORY``.
 
     Each record is one write of whole TFRecord frames, made in the calling thread and
     visible to TensorBoard at once (not fsynced, like :class:`MetricsLog`). The events
@@ -308,11 +309,12 @@ class TensorBoardLog:
         if self._file.closed:
             raise ValueError(f"TensorBoardLog: {self.directory} is closed.")
         values = [self._Summary.Value(tag=self.tag(str(key)), simple_value=value)
-                  for key, value in ((k, _scalar(v)) for k, v in record.items() if k != "step")
+                  for key, value in ((k, _scalar(v)) for k, v in record.items()
+                                     if k not in ("step", "unix_time"))
                   if value is not None]
         if not values:
             return
-        event = self._Event(wall_time=time.time(), step=int(step),
+        event = self._Event(wall_time=record.get("unix_time") or time.time(), step=int(step),
                             summary=self._Summary(value=values))
         try:
             self._append([event])

@@ -424,15 +424,16 @@ class Trainer:
     def _resume(self, manager: CheckpointManager | None) -> tuple[int, list[float]]:
         """Restores the newest intact checkpoint into ``step`` (resharded onto the mesh);
         returns its step and the training losses before it ((0, []) when there is none).
-        Refuses a fresh run into a used directory, and ``resume`` without a checkpoint."""
-        cfg, where = self.config, self._ckpt_dir
+        Refuses a fresh run into a used directory, and ``resume=True`` without a
+        checkpoint (``resume="auto"`` then starts)."""
+        cfg, where, t0 = self.config, self._ckpt_dir, time.perf_counter()
         latest = manager.latest_step() if manager is not None else None
         if latest is not None and not cfg.resume:
             raise TrainingStopped(f"--ckpt-dir {where} already holds checkpoints (steps "
                                   f"{manager.all_steps()}); pass --resume to continue from "
                                   f"step {latest}, or use another directory")
         if latest is None:
-            if cfg.resume:  # a mistyped --ckpt-dir must not start over (and truncate the log)
+            if cfg.resume is True:  # a mistyped --ckpt-dir must not start over
                 raise TrainingStopped(f"--resume: no checkpoint in --ckpt-dir {where}; check "
                                       "the path, or drop --resume to start a new run")
             return 0, []
@@ -465,7 +466,8 @@ class Trainer:
         saved_on = restored.metadata.get("mesh")
         now_on = mesh_description(self.mesh)
         self._print(f"resume: restored step {restored.step} from {where} onto mesh {now_on}"
-                    + (f" (saved on {saved_on})" if saved_on and saved_on != now_on else ""))
+                    + (f" (saved on {saved_on})" if saved_on and saved_on != now_on else "")
+                    + f" in {time.perf_counter() - t0:.2f} s")
         return restored.step, list(restored.metadata.get("recent_losses", []))
 
     # -- the run --------------------------------------------------------------------------
@@ -583,7 +585,7 @@ class Trainer:
             record = {"step": i, "loss": loss, "tokens_per_s": tokens / dt,
                       "grad_norm": metrics["grad_norm"],
                       "update_ratio": metrics["update_norm"] / metrics["param_norm"],
-                      "time_s": dt,
+                      "time_s": dt, "unix_time": time.time(),  # when the step ended
                       # a mixture of experts': the losses, dropped fraction, tokens per expert
                       **{k: v for k, v in metrics.items() if k.startswith("moe_")}}
             if self.lr_schedule is not None:

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from sp_jax.training import faults
 
@@ -67,9 +67,11 @@ def _problems(v: Mapping[str, Any], flags: bool) -> Iterator[str]:
     for f in ("peer_timeout_s", "compile_allowance_s"):
         if not isinstance(v[f], int | float) or not 0 < v[f] < math.inf:
             yield f"{name(f)} must be positive (seconds)"
-    for f in ("resume", "debug_nans", "progress"):
+    for f in ("debug_nans", "progress"):
         if not isinstance(v[f], bool):
             yield f"{name(f)} must be True or False"
+    if not (isinstance(v["resume"], bool) or v["resume"] == "auto"):
+        yield f"{name('resume')} must be True, False or 'auto'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +90,8 @@ class TrainerConfig:
         when stopped by a signal.
       ckpt_dir: the checkpoint directory (shared by all processes); None: no checkpoints.
       resume: continue from the newest intact checkpoint in ``ckpt_dir`` (required when it
-        holds any; an error when it holds none).
+        holds any; an error when it holds none); ``"auto"``: continue from it when there
+        is one, else start (a job that a scheduler requeues runs the same command again).
       max_to_keep: checkpoints kept (the oldest are deleted); None keeps all.
       log_json: the JSON-lines metrics file process 0 writes; None: in memory only.
       tensorboard: a TensorBoard directory process 0 writes the same metrics to
@@ -112,7 +115,7 @@ class TrainerConfig:
     eval_batches: int = 4
     save_every: int = 0
     ckpt_dir: str | None = None
-    resume: bool = False
+    resume: bool | Literal["auto"] = False
     max_to_keep: int | None = 3
     log_json: str | None = None
     tensorboard: str | None = None
