@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU runs: the scripts simulate their devices themselves (sp_jax.xla_flags.cpu_simulation_flags)
 CPU_ENV := JAX_PLATFORMS=cpu
 
-.PHONY: demo test test-fast lint bench gpu-check clean
+.PHONY: demo test test-fast slurm-test lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m compileall -q sp_jax examples benchmarks
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" tests
+
+# examples/slurm/train.sbatch on a real SLURM cluster: a one-host cluster (munged,
+# slurmctld, slurmd; scripts/slurm_cluster.sh) in a temporary directory, tests/test_slurm.py
+# against it (SLURM_CONF), and the daemons stopped after, whatever the outcome. As root
+# with apt-get it installs slurm-wlm and munge when they are missing; elsewhere without
+# them it says what is missing and skips.
+slurm-test: $(STAMP)
+	@if ! scripts/slurm_cluster.sh check; then \
+		echo "make slurm-test: skipped: no SLURM on this machine"; exit 0; fi; \
+	dir=$$(mktemp -d /tmp/sp_jax_slurm.XXXXXX); \
+	trap 'scripts/slurm_cluster.sh stop "$$dir"; rm -rf "$$dir"' EXIT; \
+	scripts/slurm_cluster.sh start "$$dir" && \
+	SLURM_CONF="$$dir/slurm.conf" $(PY) -m pytest -q -p no:xdist tests/test_slurm.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check sp_jax tests examples benchmarks scripts

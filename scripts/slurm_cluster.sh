@@ -54,6 +54,7 @@ start() {
     slurmd_port=$(free_port)
     cat > "$dir/slurm.conf" <<CONF
 ClusterName=spjax
+MailProg=/bin/true
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
@@ -61,7 +62,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.socket
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=${SLURM_CRED_EXPIRE:-10}
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -75,6 +76,7 @@ TaskPlugin=task/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides

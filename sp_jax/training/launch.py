@@ -346,12 +346,14 @@ def build_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tenso
     for size in shape:
         n_dev *= size
     devices = jax.devices()
-    mesh = ",".join(str(s) for s in shape)
+    mesh = (f"({mesh_description(shape)})" if len(shape) == len(MESH_AXES)
+            else ",".join(str(s) for s in shape))
     if jax.process_count() > 1 and len(devices) != n_dev:
         raise ValueError(f"--mesh {mesh} needs {n_dev} devices; the {jax.process_count()} "
                          f"processes have {len(devices)} ({jax.local_device_count()} each, "
-                         f"{devices[0].platform}). Use a mesh of all of them (or "
-                         "--local-devices on CPU).")
+                         f"{devices[0].platform}). Use a mesh of all of them, start as many "
+                         "processes as the mesh needs (SLURM: sbatch / srun --ntasks; "
+                         "mpirun -np), or set --local-devices on CPU.")
     if len(devices) < n_dev:
         raise ValueError(f"--mesh {mesh} needs {n_dev} devices, found {len(devices)} "
                          f"({devices[0].platform})")
