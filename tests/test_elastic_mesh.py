@@ -233,7 +233,7 @@ def test_the_same_command_on_half_the_devices_trains_the_same_losses(tmp_path):
     for out in (fresh_out, resumed_out):
         assert "mesh: data=1 x tensor=4 on 4 of 4" in out
         assert "8 x 32 = 256 tokens/step in 4 micro-batch(es)" in out
-    assert "micro_batches" in resumed_out  # the resume names the changed setting
+    assert "resuming with --micro-batches 4 (saved: 2)" in resumed_out  # warned, not refused
     reference = _losses(tmp_path / "ref.jsonl")
     fresh_losses, resumed_losses = _losses(tmp_path / "fresh.jsonl"), \
         _losses(tmp_path / "resumed.jsonl")
