@@ -23,7 +23,7 @@ import pytest
 from _util import script_env
 
 import sp_jax.training.launch as launch_module
-from sp_jax.training import Launch, parse_mesh
+from sp_jax.training import Launch, cli, parse_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -41,9 +41,9 @@ def cpu(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("train_gpt_elastic", SCRIPT)
+def _module(path: Path):
+    """An example's module, loaded without running it (its flags parse in-process)."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_elastic", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,49 +57,47 @@ def _usage_error(parse, argv: list[str]) -> str:
     return err.getvalue()
 
 
-@pytest.mark.parametrize("text, shape", [
-    ("-1,4", (1, -1, 1, 1, 4)),
-    ("2,-1,4", (1, 2, 1, -1, 4)),
-    ("2,-1,1,4", (2, -1, 1, 1, 4)),
-    ("data=-1,tensor=4", (1, -1, 1, 1, 4)),
-    ("data=2,expert=-1", (1, 2, -1, 1, 1)),
-    ("2,4", (1, 2, 1, 1, 4)),
-])
-def test_parse_mesh_keeps_one_minus_one(text, shape):
-    assert parse_mesh(text, fill=True) == shape
+PARSED = [("-1,4", (1, -1, 1, 1, 4)), ("2,-1,4", (1, 2, 1, -1, 4)),
+          ("2,-1,1,4", (2, -1, 1, 1, 4)), ("data=-1,tensor=4", (1, -1, 1, 1, 4)),
+          ("data=2,expert=-1", (1, 2, -1, 1, 1)), ("2,4", (1, 2, 1, 1, 4))]
+REFUSED = [("-1,-1", "only one axis size may be -1"),
+           ("data=-1,tensor=-1", "only one axis size may be -1"),
+           ("0,4", "positive integers, or -1 for one axis"),
+           ("-2,4", "positive integers, or -1 for one axis"),
+           ("data=-2,tensor=4", "'data=-2' is not AXIS=SIZE")]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("-1,-1", "only one axis size may be -1"),
-    ("data=-1,tensor=-1", "only one axis size may be -1"),
-    ("0,4", "positive integers, or -1 for one axis"),
-    ("-2,4", "positive integers, or -1 for one axis"),
-    ("data=-2,tensor=4", "'data=-2' is not AXIS=SIZE"),
-])
-def test_parse_mesh_refuses_other_sizes(text, message):
-    with pytest.raises(ValueError, match=f"--mesh '{text}'.*{message}"):
-        parse_mesh(text, fill=True)
-    with pytest.raises(ValueError, match="--mesh"):  # without fill, -1 is refused too
-        parse_mesh(text.replace("-2", "-1"))
+def test_parse_mesh_keeps_one_minus_one():
+    """Every form takes one -1 (kept for resolve_mesh); two, 0 or -2 are refused, and
+    without ``fill`` a -1 too."""
+    for text, shape in PARSED:
+        assert parse_mesh(text, fill=True) == shape, text
+    for text, message in REFUSED:
+        with pytest.raises(ValueError, match=f"--mesh '{text}'.*{message}"):
+            parse_mesh(text, fill=True)
+    for text in ("-1,4", "data=-1,tensor=4"):
+        with pytest.raises(ValueError, match=f"--mesh '{text}'"):
+            parse_mesh(text)
 
 
-@pytest.mark.parametrize("environ, local, shape, resolved", [
-    ({}, 4, (1, -1, 1, 1, 4), (1, 1, 1, 1, 4)),
-    ({}, 8, (1, -1, 1, 1, 4), (1, 2, 1, 1, 4)),
-    (SLURM_2, 4, (1, -1, 1, 1, 4), (1, 2, 1, 1, 4)),
-    (SLURM_2, 4, (1, 2, 1, 1, -1), (1, 2, 1, 1, 4)),
-    (SLURM_2, 4, (2, -1, 1, 1, 2), (2, 2, 1, 1, 2)),
-    (SLURM_2, 4, (1, 2, 1, 1, 4), (1, 2, 1, 1, 4)),  # no -1: as it is
-])
-def test_resolve_mesh_counts_processes_times_local_devices(cpu, environ, local, shape,
-                                                           resolved):
-    launch = Launch.plan(environ=environ)
-    assert launch.resolve_mesh(shape, local, environ=environ) == resolved
-    # the simulated devices of this process stay --local-devices
-    assert launch.local_device_count(resolved, local) == local
+# (environment, --local-devices, shape, resolved)
+RESOLVED = [({}, 4, (1, -1, 1, 1, 4), (1, 1, 1, 1, 4)),
+            ({}, 8, (1, -1, 1, 1, 4), (1, 2, 1, 1, 4)),
+            (SLURM_2, 4, (1, -1, 1, 1, 4), (1, 2, 1, 1, 4)),
+            (SLURM_2, 4, (1, 2, 1, 1, -1), (1, 2, 1, 1, 4)),
+            (SLURM_2, 4, (2, -1, 1, 1, 2), (2, 2, 1, 1, 2)),
+            (SLURM_2, 4, (1, 2, 1, 1, 4), (1, 2, 1, 1, 4))]  # no -1: as it is
 
 
-def test_resolve_mesh_errors_name_the_flags(cpu):
+def test_resolve_mesh_counts_processes_times_local_devices(cpu, monkeypatch):
+    """CPU: processes x --local-devices (required); GPUs: --local-device-ids, else one
+    GPU per SLURM task, else (one process) the devices JAX sees; several processes
+    without a launcher must say. The errors name --mesh and how the devices were
+    counted."""
+    for environ, local, shape, resolved in RESOLVED:
+        launch = Launch.plan(environ=environ)
+        assert launch.resolve_mesh(shape, local, environ=environ) == resolved, shape
+        assert launch.local_device_count(resolved, local) == local  # still the flag's
     launch = Launch.plan(environ=SLURM_2)
     with pytest.raises(ValueError, match=r"--mesh with data=-1: the other axes \(tensor=3, 3 "
                                          r"devices\) do not divide the run's 8 devices \(2 "
@@ -110,10 +108,6 @@ def test_resolve_mesh_errors_name_the_flags(cpu):
     with pytest.raises(ValueError, match="--local-devices must be positive"):
         launch.resolve_mesh((1, -1, 1, 1, 4), 0, environ=SLURM_2)
 
-
-def test_resolve_mesh_on_gpus(monkeypatch):
-    """With an accelerator: --local-device-ids, else one GPU per SLURM task, else (one
-    process) the devices JAX sees; several processes without a launcher must say."""
     monkeypatch.setattr(launch_module, "accelerator_present", lambda: True)
     shape = (1, -1, 1, 1, 4)
     ids = Launch.plan(environ=SLURM_2, local_device_ids="0,1,2,3")
@@ -130,56 +124,47 @@ def test_resolve_mesh_on_gpus(monkeypatch):
         explicit.resolve_mesh(shape, environ={})
 
 
-@pytest.mark.parametrize("environ, data, micro", [({}, 1, 4), (SLURM_2, 2, 2)])
-def test_the_same_flags_fit_one_or_two_processes(cpu, monkeypatch, example, environ, data,
-                                                 micro):
-    """The issue's example: --mesh -1,4 --batch-size 8 --micro-batch-size 2 with 4
-    devices per process: 2 processes -> data 2 in 2 micro-batches, 1 -> data 1 in 4; the
-    checkpoint's run settings record the micro-batches."""
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
-    args = example.parse(["--mesh", "-1,4", "--local-devices", "4", "--batch-size", "8",
-                          "--micro-batch-size", "2", *MODEL])
-    assert args.mesh_shape == (1, data, 1, 1, 4) and args.local_devices == 4
-    assert args.micro_batches == micro and args.trainer.micro_batches == micro
-    assert args.launch.processes == data  # 4 devices each, tensor=4 fills one
-    from sp_jax.training import cli
-
-    assert cli.run_metadata(args, argparse.Namespace())["run"]["micro_batches"] == micro
+BAD_FLAGS = [(["--mesh", "-1,4"], "--mesh with data=-1 on CPU needs --local-devices N"),
+             (["--mesh", "-1,-1", "--local-devices", "4"], "only one axis size may be -1"),
+             (["--mesh", "-1,3", "--local-devices", "4"], "do not divide the run's 4 devices"),
+             (["--micro-batches", "2", "--micro-batch-size", "2"],
+              "--micro-batches and --micro-batch-size are two ways to set the same thing"),
+             (["--batch-size", "8", "--micro-batch-size", "3"],
+              "--batch-size 8 is not divisible by --micro-batch-size 3 x 2 data shards"),
+             (["--micro-batch-size", "0"], "--micro-batch-size 0 must be positive"),
+             (["--mesh", "2,1,1,4", "--micro-batch-size", "1"],
+              "--micro-batch-size with a pipeline (STAGE > 1 in --mesh)")]
 
 
-def test_expert_axis_carries_the_batch_too(cpu, example):
+def test_the_same_flags_fit_one_or_two_processes(cpu, monkeypatch):
+    """The issue's example in examples/train_gpt.py's parse(): --mesh -1,4 --batch-size 8
+    --micro-batch-size 2 with 4 devices per process: 2 SLURM tasks -> data 2 in 2
+    micro-batches, 1 -> data 1 in 4 (the checkpoint's run settings record them); the
+    expert axis carries the batch too; bad combinations are usage errors; and
+    examples/finetune_hf.py resolves the same way."""
+    example = _module(SCRIPT)
+    for environ, data, micro in [({}, 1, 4), (SLURM_2, 2, 2)]:
+        with monkeypatch.context() as m:
+            for name, value in environ.items():
+                m.setenv(name, value)
+            args = example.parse(["--mesh", "-1,4", "--local-devices", "4", "--batch-size",
+                                  "8", "--micro-batch-size", "2", *MODEL])
+        assert args.mesh_shape == (1, data, 1, 1, 4) and args.local_devices == 4
+        assert args.micro_batches == micro and args.trainer.micro_batches == micro
+        assert args.launch.processes == data  # 4 devices each, tensor=4 fills one
+        assert cli.run_metadata(args, argparse.Namespace())["run"]["micro_batches"] == micro
     args = example.parse(["--mesh", "data=-1,expert=2,tensor=2", "--local-devices", "8",
                           "--batch-size", "16", "--micro-batch-size", "2", *MODEL])
     assert args.mesh_shape == (1, 2, 2, 1, 2) and args.micro_batches == 2
+    for argv, message in BAD_FLAGS:
+        assert message in _usage_error(example.parse, [*MODEL, *argv]), argv
 
-
-@pytest.mark.parametrize("argv, message", [
-    (["--mesh", "-1,4"], "--mesh with data=-1 on CPU needs --local-devices N"),
-    (["--mesh", "-1,-1", "--local-devices", "4"], "only one axis size may be -1"),
-    (["--mesh", "-1,3", "--local-devices", "4"], "do not divide the run's 4 devices"),
-    (["--micro-batches", "2", "--micro-batch-size", "2"],
-     "--micro-batches and --micro-batch-size are two ways to set the same thing"),
-    (["--batch-size", "8", "--micro-batch-size", "3"],
-     "--batch-size 8 is not divisible by --micro-batch-size 3 x 2 data shards"),
-    (["--micro-batch-size", "0"], "--micro-batch-size 0 must be positive"),
-    (["--mesh", "2,1,1,4", "--micro-batch-size", "1"],
-     "--micro-batch-size with a pipeline (STAGE > 1 in --mesh)"),
-])
-def test_bad_flags_are_usage_errors(cpu, example, argv, message):
-    assert message in _usage_error(example.parse, [*MODEL, *argv])
-
-
-def test_finetune_resolves_the_mesh_too(cpu):
-    spec = importlib.util.spec_from_file_location("finetune_elastic",
-                                                  ROOT / "examples" / "finetune_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    finetune = _module(ROOT / "examples" / "finetune_hf.py")
     hf = ["--hf-dir", str(ROOT / "tests" / "fixtures" / "hf" / "llama")]
-    args = module.parse([*hf, "--mesh", "-1,2", "--local-devices", "4", "--batch-size", "8",
-                         "--micro-batch-size", "1"])
+    args = finetune.parse([*hf, "--mesh", "-1,2", "--local-devices", "4", "--batch-size",
+                           "8", "--micro-batch-size", "1"])
     assert args.mesh_shape == (1, 2, 1, 1, 2) and args.micro_batches == 4
-    assert "needs --local-devices N" in _usage_error(module.parse, [*hf, "--mesh", "-1,2"])
+    assert "needs --local-devices N" in _usage_error(finetune.parse, [*hf, "--mesh", "-1,2"])
 
 
 # -- end to end: the same command on 8 and on 4 devices --------------------------------
