@@ -61,9 +61,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                               warmup_steps=None, final_lr_fraction=1.0, weight_decay=0.0,
                               eval_every=10, eval_batches=2)
     cli.add_parallel_arguments(p)
+    p.add_argument("--local-devices", type=int, default=None,
+                   help="simulated CPU devices (default: the mesh's; needed for a --mesh "
+                        "with a -1 size); no effect on GPUs but the count a -1 size is "
+                        "resolved with")
     a = p.parse_args(argv)
     try:
-        a.mesh_shape = training.parse_mesh(a.mesh)
+        a.mesh_shape = training.parse_mesh(a.mesh, fill=True)  # one size may be -1
+        launch = training.Launch.plan(distributed="off")  # one process
+        a.mesh_shape = launch.resolve_mesh(a.mesh_shape, a.local_devices)  # the -1's size
+        a.local_devices = launch.local_device_count(a.mesh_shape, a.local_devices)
         cli.check_pipeline_args(a)
         finetune.check_data_args(a)
         a.trainer = cli.check_run_args(a)
@@ -129,6 +136,5 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     args = parse()
-    _, d, e, c, t = args.mesh_shape
-    simulate_cpu_devices(d * e * c * t)  # no GPU here: before JAX starts its backend
+    simulate_cpu_devices(args.local_devices)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

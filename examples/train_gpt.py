@@ -72,8 +72,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--plot", default=None, help="write the loss curve to this PNG")
     a = p.parse_args(argv)
     try:
-        a.mesh_shape = training.parse_mesh(a.mesh)
+        a.mesh_shape = training.parse_mesh(a.mesh, fill=True)  # one size may be -1
         a.launch = training.Launch.from_args(a)
+        a.mesh_shape = a.launch.resolve_mesh(a.mesh_shape, a.local_devices)  # the -1's size
         a.local_devices = a.launch.local_device_count(a.mesh_shape, a.local_devices)
         cli.check_pipeline_args(a)
         a.trainer = cli.check_run_args(a)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -95,8 +96,8 @@ def description(doc: str | None) -> str:
 def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """Adds the flags of a :class:`~sp_jax.training.TrainerConfig` and the optimizer:
     ``--steps --seed --debug-nans --loss-spike --max-update-ratio`` (group "run"),
-    ``--batch-size --micro-batches --lr --warmup-steps --final-lr-fraction --weight-decay
-    --offload-optimizer --offload-params --moments-dtype`` ("optimization";
+    ``--batch-size --micro-batches --micro-batch-size --lr --warmup-steps --final-lr-fraction
+    --weight-decay --offload-optimizer --offload-params --moments-dtype`` ("optimization";
     :func:`offload_options`),
     ``--eval-every --eval-batches`` ("evaluation"), ``--ckpt-dir --save-every --resume
     --log-json --no-progress`` ("output").
@@ -119,7 +120,13 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> N
              "(healthy: ~1e-3); 0: no limit")
     add = parser.add_argument_group("optimization").add_argument
     add("--batch-size", type=int, default=16, help="global batch (sequences) per step")
-    add("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches")
+    add("--micro-batches", type=int, default=2, action=_NoteGiven,
+        help="gradient-accumulation micro-batches")
+    add("--micro-batch-size", type=int, default=None, metavar="ROWS",
+        help="instead of --micro-batches: sequences per data-parallel shard (DATA x EXPERT "
+             "of --mesh) in one micro-batch; the micro-batches are --batch-size / (ROWS x "
+             "shards), so the global batch stays the same on a mesh of another size "
+             "(--mesh -1,TENSOR); not with a pipeline (STAGE > 1)")
     add("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     add("--warmup-steps", type=int, default=20,
         help="linear warmup, then cosine decay to --final-lr-fraction x lr")
@@ -154,6 +161,16 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> N
             " (default: a tenth of --steps)"
 
 
+class _NoteGiven(argparse.Action):
+    """Stores the value and sets ``<dest>_given`` (for a flag whose default may be
+    replaced by another flag's: given both is a usage error)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def _resume_mode(value: str) -> str:
     if value != "auto":
         raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', not {value!r}")
@@ -173,12 +190,18 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
     --pipeline-repeats --precision --recompute-allgather --fsdp`` (group "parallelism"),
     read by :func:`parallel_config` (after :func:`check_pipeline_args`); ``defaults`` as for
     :func:`add_trainer_arguments`."""
+    # "--mesh -1,4": Python < 3.13's argparse takes an argument starting with "-" for an
+    # option unless it is a plain negative number; 3.13's rule (any "-" + digit is a
+    # value) lets the -1 of a mesh through
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
     add = parser.add_argument_group("parallelism").add_argument
     add("--mesh", default="2,4",
         help="DATA,TENSOR, DATA,CONTEXT,TENSOR or STAGE,DATA,CONTEXT,TENSOR mesh shape "
              "(with STAGE the layers are scanned; STAGE > 1 runs a pipeline), or named "
              "sizes such as data=2,expert=2,tensor=2 (EXPERT > 1: the experts of "
-             "--preset mixtral-tiny are split over it)")
+             "--preset mixtral-tiny are split over it). One size may be -1: that axis "
+             "takes the devices the others leave (-1,4: DATA = the run's devices / 4), so "
+             "the same command fits an allocation of another size")
     add("--context-parallel", choices=("ring", "ulysses"), default="ring",
         help="attention across the CONTEXT axis of the --mesh")
     add("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
@@ -406,6 +429,9 @@ def check_run_args(args: argparse.Namespace) -> TrainerConfig:
     :class:`~sp_jax.training.TrainerConfig`.
 
     ``--warmup-steps`` None (a script's default) becomes a tenth of ``--steps`` (at least 1).
+    ``--micro-batch-size ROWS`` sets ``args.micro_batches`` to ``--batch-size`` / (ROWS x
+    DATA x EXPERT of ``args.mesh_shape``, :func:`~sp_jax.training.Launch.resolve_mesh`'s
+    resolved shape); call it after :func:`check_pipeline_args`.
 
     Raises:
       ValueError: a bad value, naming the flag, e.g. ``--lr inf must be positive and
@@ -413,6 +439,7 @@ def check_run_args(args: argparse.Namespace) -> TrainerConfig:
     """
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 10)
+    _resolve_micro_batch_size(args)
     if not 0 < args.lr < math.inf:
         raise ValueError(f"--lr {args.lr} must be positive and finite")
     if not 0 <= args.weight_decay < math.inf:
@@ -425,6 +452,30 @@ def check_run_args(args: argparse.Namespace) -> TrainerConfig:
     if held is not None and not 0 < held < 1:
         raise ValueError(f"--held-out-fraction {held} must be in (0, 1)")
     return TrainerConfig.from_args(args)
+
+
+def _resolve_micro_batch_size(args: argparse.Namespace) -> None:
+    """``--micro-batch-size ROWS`` -> ``args.micro_batches``: ``--batch-size`` / (ROWS x
+    the batch's shards, DATA x EXPERT of ``args.mesh_shape``, as :func:`check_model_args`
+    splits a micro-batch)."""
+    rows = getattr(args, "micro_batch_size", None)
+    if rows is None:
+        return
+    if getattr(args, "micro_batches_given", False):
+        raise ValueError("--micro-batches and --micro-batch-size are two ways to set the "
+                         "same thing: give one of them")
+    if rows <= 0:
+        raise ValueError(f"--micro-batch-size {rows} must be positive")
+    stages, data, experts, _, _ = getattr(args, "mesh_shape", None) or (1,) * 5
+    if stages > 1:
+        raise ValueError("--micro-batch-size with a pipeline (STAGE > 1 in --mesh): the "
+                         "step's micro-batches are the pipeline's --microbatches; give that")
+    shards = data * experts
+    if args.batch_size % (rows * shards):
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by "
+                         f"--micro-batch-size {rows} x {shards} data shards (DATA x EXPERT "
+                         f"of --mesh) = {rows * shards} sequences per micro-batch")
+    args.micro_batches = args.batch_size // (rows * shards)
 
 
 def optimizer(args: argparse.Namespace) -> optax.GradientTransformation:

@@ -16,12 +16,13 @@ flags :func:`add_launch_arguments` defines, so a script reports them with
     args = parser.parse_args()
     try:
         launch = Launch.from_args(args)
-        n_local = launch.local_device_count((2, 4), args.local_devices)
+        shape = launch.resolve_mesh(parse_mesh("-1,4", fill=True), args.local_devices)
+        n_local = launch.local_device_count(shape, args.local_devices)
     except ValueError as e:
         parser.error(str(e))
     apply_xla_flags(cpu_simulation_flags(n_local))   # before JAX starts its backend
     launch.initialize()                               # before any JAX computation
-    mesh = build_mesh((2, 4))
+    mesh = build_mesh(shape, MESH_AXES)
 
 Under SLURM / Open MPI JAX gives each process the one GPU of its local rank;
 ``local_device_ids`` overrides it (e.g. all GPUs of a node for one process per node).
@@ -36,6 +37,8 @@ import os
 from collections.abc import Mapping, Sequence
 
 import jax
+
+from sp_jax.xla_flags import accelerator_present
 
 __all__ = ["JAX_MARGIN_S", "MESH_AXES", "Launch", "add_launch_arguments", "build_mesh",
            "cluster_tasks", "mesh_description", "parse_local_device_ids", "parse_mesh"]
@@ -194,6 +197,59 @@ class Launch:
                              f"{self.processes} processes; set --local-devices")
         return n_dev // self.processes
 
+    def resolve_mesh(self, shape: Sequence[int], local_devices: int | None = None, *,
+                     environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+        """``shape`` (:func:`parse_mesh` with ``fill=True``) with its ``-1`` axis, if any,
+        replaced by the devices of the run the other axes leave: the same ``--mesh``
+        then fits an allocation of any size, e.g. ``-1,4`` is data=2 x tensor=4 in 2
+        processes of 4 devices and data=1 x tensor=4 in one. Call it before JAX starts
+        its backend (a single process on GPUs reads ``jax.local_device_count()``).
+
+        The run's devices are :attr:`processes` x the devices of one process:
+        ``local_devices`` (``--local-devices``) if given; on a machine without an
+        accelerator nothing else (the simulated count must be given); on GPUs the
+        length of ``--local-device-ids``, else one per process when a SLURM / Open MPI
+        launcher started several tasks (JAX's default there: the GPU of the local
+        rank), else, in a single process, ``jax.local_device_count()``.
+
+        Args:
+          shape: ``(stage, data, expert, context, tensor)`` sizes, at most one of them -1.
+          local_devices: ``--local-devices``.
+          environ: the environment to detect a cluster launch in (default ``os.environ``).
+        Raises:
+          ValueError: the devices per process are unknown, or the other axes' product does
+            not divide the run's devices, naming ``--mesh`` and how they were counted.
+        """
+        shape = tuple(int(s) for s in shape)
+        if -1 not in shape:
+            return shape
+        axis = MESH_AXES[shape.index(-1)] if len(shape) == len(MESH_AXES) else "one"
+        if local_devices is not None:
+            if local_devices <= 0:
+                raise ValueError("--local-devices must be positive")
+            per, source = local_devices, "--local-devices"
+        elif not accelerator_present():
+            raise ValueError(f"--mesh with {axis}=-1 on CPU needs --local-devices N: the "
+                             "simulated devices per process")
+        elif self.local_device_ids:
+            per, source = len(self.local_device_ids), "--local-device-ids"
+        elif self.multiprocess and cluster_tasks(environ) is not None:
+            per, source = 1, "one GPU per SLURM / Open MPI task"
+        elif self.multiprocess:
+            raise ValueError(f"--mesh with {axis}=-1 in a multi-process run needs "
+                             "--local-device-ids (or --local-devices N): the devices of "
+                             "each process")
+        else:
+            per, source = jax.local_device_count(), "jax.local_device_count()"
+        total, others = self.processes * per, -math.prod(shape)
+        if total % others:
+            named = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, shape, strict=True)
+                               if s > 1) or "1"
+            raise ValueError(f"--mesh with {axis}=-1: the other axes ({named}, {others} "
+                             f"devices) do not divide the run's {total} devices "
+                             f"({self.processes} processes x {per} devices, {source})")
+        return tuple(total // others if s == -1 else s for s in shape)
+
     def jax_timeouts(self) -> dict[str, int]:
         """The timeouts of JAX's coordination service (``jax.distributed.initialize``'s
         keyword arguments), set so that sp_jax's watchdogs always speak first.
@@ -286,40 +342,60 @@ pipeline stages outermost, across hosts; the tensor axis within one. The expert 
 carries the batch like data outside the mixture-of-experts layers."""
 
 
-def parse_mesh(text: str) -> tuple[int, int, int, int, int]:
+def parse_mesh(text: str, *, fill: bool = False) -> tuple[int, int, int, int, int]:
     """``"DATA,TENSOR"``, ``"DATA,CONTEXT,TENSOR"``, ``"STAGE,DATA,CONTEXT,TENSOR"`` or named
     sizes such as ``"data=2,expert=2,tensor=2"`` (any of :data:`MESH_AXES`, the others 1)
     -> ``(stage, data, expert, context, tensor)`` sizes of a :data:`MESH_AXES` mesh.
 
+    Args:
+      text: the ``--mesh`` value.
+      fill: allow ``-1`` as the size of one axis (MaxText's ``ici_*_parallelism: -1``):
+        that axis takes the devices the others leave, resolved by
+        :meth:`Launch.resolve_mesh` once the run's device count is known; the shape
+        returned keeps the ``-1``.
+
     Raises:
       ValueError: not two, three or four positive integers separated by commas, nor
-        ``axis=size`` pairs of known axes with positive sizes.
+        ``axis=size`` pairs of known axes with positive sizes (with ``fill``: or ``-1``,
+        for one axis at most).
     """
+    fill_note = ", or -1 for one axis: it takes the devices the others leave" if fill else ""
+
+    def size_of(value: str) -> int | None:
+        value = value.strip()
+        digits = value[1:] if value.startswith("-") else value
+        if not digits.isdigit():
+            return None
+        size = int(value)
+        return size if size > 0 or (fill and size == -1) else None
+
     if "=" in text:
         sizes = dict.fromkeys(MESH_AXES, 1)
         for part in text.split(","):
             name, _, value = part.partition("=")
-            if name.strip() not in sizes or not value.strip().isdigit() \
-                    or int(value) <= 0:
+            if name.strip() not in sizes or size_of(value) is None:
                 raise ValueError(f"--mesh {text!r}: {part!r} is not AXIS=SIZE with AXIS one "
-                                 f"of {', '.join(MESH_AXES)} and a positive SIZE, e.g. "
-                                 "data=2,expert=2,tensor=2")
-            sizes[name.strip()] = int(value)
-        return tuple(sizes.values())
-    try:
-        sizes = [int(v) for v in text.split(",")]
-    except ValueError:
-        sizes = []
-    if len(sizes) not in (2, 3, 4) or min(sizes) <= 0:
-        raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR or "
-                         "STAGE,DATA,CONTEXT,TENSOR (positive integers), e.g. 2,4, 1,2,4 or "
-                         "2,1,1,4, or AXIS=SIZE pairs, e.g. data=2,expert=2,tensor=2")
-    if len(sizes) == 2:
-        sizes = [1, sizes[0], 1, sizes[1]]
-    elif len(sizes) == 3:
-        sizes = [1, *sizes]
-    stage, data, context, tensor = sizes
-    return (stage, data, 1, context, tensor)
+                                 f"of {', '.join(MESH_AXES)} and a positive SIZE{fill_note}, "
+                                 "e.g. data=2,expert=2,tensor=2")
+            sizes[name.strip()] = size_of(value)
+        shape = tuple(sizes.values())
+    else:
+        sizes = [size_of(v) for v in text.split(",")]
+        if len(sizes) not in (2, 3, 4) or None in sizes:
+            raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, DATA,CONTEXT,TENSOR or "
+                             "STAGE,DATA,CONTEXT,TENSOR (positive integers"
+                             f"{fill_note}), e.g. 2,4, 1,2,4 or 2,1,1,4, or AXIS=SIZE pairs, "
+                             "e.g. data=2,expert=2,tensor=2")
+        if len(sizes) == 2:
+            sizes = [1, sizes[0], 1, sizes[1]]
+        elif len(sizes) == 3:
+            sizes = [1, *sizes]
+        stage, data, context, tensor = sizes
+        shape = (stage, data, 1, context, tensor)
+    if shape.count(-1) > 1:
+        raise ValueError(f"--mesh {text!r}: only one axis size may be -1 (the axis that takes "
+                         "the devices the others leave)")
+    return shape
 
 
 def mesh_description(shape: Sequence[int] | jax.sharding.Mesh) -> str:
@@ -384,7 +460,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--local-devices", "--cpu-devices", dest="local_devices", type=int,
                    default=None,
                    help="simulated CPU devices per process (default: the mesh's devices "
-                        "divided by the number of processes); no effect on GPUs")
+                        "divided by the number of processes; needed for a --mesh with a -1 "
+                        "size); no effect on GPUs but the count a -1 size is resolved with")
     g.add_argument("--peer-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="multi-process: how long to wait for a process that did not start, "
                         "died or stalled before every process ends with an error")
