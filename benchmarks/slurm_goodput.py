@@ -167,10 +167,14 @@ def breakdown(out: Path, log: Path, fault_t: float, done_at_fault: int) -> dict[
     ended = next(t for t, _, text in lines if t >= fault_t and "the step ended" in text)
     restart = next(r for t, r, text in lines if t > ended and text.startswith("starting"))
     started = next(t for t, r, text in lines if r == restart and text.startswith("starting"))
-    text = out.read_text(errors="replace").splitlines()
-    restores = [m for line in text if (m := _RESTORE.match(line.strip()))]
-    restored, restore_s = (int(restores[-1]["step"]), float(restores[-1]["s"])) if restores \
-        else (0, 0.0)
+    restored, restore_s, seen = 0, 0.0, False  # the resume line after that start
+    for line in out.read_text(errors="replace").splitlines():
+        m = _LINE.match(line.strip())
+        if m and float(m["t"]) == started:
+            seen = True
+        elif seen and (m := _RESTORE.match(line.strip())):
+            restored, restore_s = int(m["step"]), float(m["s"])
+            break
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "loss" in r and r.get("unix_time", 0) > started]
     first = steps[0]

@@ -107,6 +107,13 @@ def test_resolve_mesh_counts_processes_times_local_devices(cpu, monkeypatch):
         launch.resolve_mesh((1, -1, 1, 1, 4), environ=SLURM_2)
     with pytest.raises(ValueError, match="--local-devices must be positive"):
         launch.resolve_mesh((1, -1, 1, 1, 4), 0, environ=SLURM_2)
+    # a concrete mesh that does not use every process's devices: an error before JAX starts
+    three = {**SLURM_2, "SLURM_NTASKS": "3"}
+    with pytest.raises(ValueError, match=r"--mesh \(data=2 x tensor=4\) needs 8 devices; the "
+                                         r"3 processes have 12 \(4 each, --local-devices\): "
+                                         r"start 2 processes \(SLURM: sbatch / srun --ntasks"):
+        Launch.plan(environ=three).resolve_mesh((1, 2, 1, 1, 4), 4, environ=three)
+    assert launch.resolve_mesh((1, 2, 1, 1, 4), 4, environ=SLURM_2) == (1, 2, 1, 1, 4)
 
     monkeypatch.setattr(launch_module, "accelerator_present", lambda: True)
     shape = (1, -1, 1, 1, 4)

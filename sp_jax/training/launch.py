@@ -221,26 +221,21 @@ class Launch:
             not divide the run's devices, naming ``--mesh`` and how they were counted.
         """
         shape = tuple(int(s) for s in shape)
+        axis = (MESH_AXES[shape.index(-1)] if -1 in shape and len(shape) == len(MESH_AXES)
+                else "one")
+        counted = self._devices_per_process(local_devices, environ)
         if -1 not in shape:
+            if counted is not None and self.multiprocess:
+                self._check_fits(shape, *counted)
             return shape
-        axis = MESH_AXES[shape.index(-1)] if len(shape) == len(MESH_AXES) else "one"
-        if local_devices is not None:
-            if local_devices <= 0:
-                raise ValueError("--local-devices must be positive")
-            per, source = local_devices, "--local-devices"
-        elif not accelerator_present():
+        if counted is None and not accelerator_present():
             raise ValueError(f"--mesh with {axis}=-1 on CPU needs --local-devices N: the "
                              "simulated devices per process")
-        elif self.local_device_ids:
-            per, source = len(self.local_device_ids), "--local-device-ids"
-        elif self.multiprocess and cluster_tasks(environ) is not None:
-            per, source = 1, "one GPU per SLURM / Open MPI task"
-        elif self.multiprocess:
+        if counted is None:
             raise ValueError(f"--mesh with {axis}=-1 in a multi-process run needs "
                              "--local-device-ids (or --local-devices N): the devices of "
                              "each process")
-        else:
-            per, source = jax.local_device_count(), "jax.local_device_count()"
+        per, source = counted
         total, others = self.processes * per, -math.prod(shape)
         if total % others:
             named = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, shape, strict=True)
@@ -249,6 +244,37 @@ class Launch:
                              f"devices) do not divide the run's {total} devices "
                              f"({self.processes} processes x {per} devices, {source})")
         return tuple(total // others if s == -1 else s for s in shape)
+
+    def _devices_per_process(self, local_devices: int | None,
+                             environ: Mapping[str, str] | None) -> tuple[int, str] | None:
+        """(devices of one process, how they were counted), or None where only JAX's
+        start-up would tell (CPU without --local-devices, several processes started by
+        flags on GPUs)."""
+        if local_devices is not None:
+            if local_devices <= 0:
+                raise ValueError("--local-devices must be positive")
+            return local_devices, "--local-devices"
+        if not accelerator_present():
+            return None
+        if self.local_device_ids:
+            return len(self.local_device_ids), "--local-device-ids"
+        if self.multiprocess and cluster_tasks(environ) is not None:
+            return 1, "one GPU per SLURM / Open MPI task"
+        if self.multiprocess:
+            return None
+        return jax.local_device_count(), "jax.local_device_count()"
+
+    def _check_fits(self, shape: tuple[int, ...], per: int, source: str) -> None:
+        """Several processes: the mesh must use every device of every process."""
+        need, total = math.prod(shape), self.processes * per
+        if need != total:
+            named = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, shape, strict=True)
+                               if s > 1) or "1"
+            fit = f"start {need // per} processes" if need % per == 0 else "change --mesh"
+            raise ValueError(f"--mesh ({named}) needs {need} devices; the {self.processes} "
+                             f"processes have {total} ({per} each, {source}): {fit} "
+                             "(SLURM: sbatch / srun --ntasks; mpirun -np), or give the data "
+                             "axis as -1 to fill the devices")
 
     def jax_timeouts(self) -> dict[str, int]:
         """The timeouts of JAX's coordination service (``jax.distributed.initialize``'s
