@@ -71,12 +71,15 @@ def not_ready() -> str | None:
 
 
 def submit(ntasks: int, argv: list[str], out: Path, env: dict[str, str] | None = None,
-           sbatch_args: tuple[str, ...] = ()) -> int:
-    """``sbatch -n NTASKS examples/slurm/train.sbatch ARGV`` from the checkout, output to
-    ``out``; the job's id. The tasks' Python is this one (``PYTHON``)."""
+           sbatch_args: tuple[str, ...] = (), script: Path = SBATCH) -> int:
+    """``sbatch -n NTASKS SCRIPT ARGV`` (by default examples/slurm/train.sbatch) from the
+    checkout, output to ``out``; the job's id. The tasks' Python is this one
+    (``PYTHON``)."""
     env = dict(env if env is not None else os.environ, PYTHON=sys.executable)
-    res = subprocess.run(["sbatch", "--parsable", "-n", str(ntasks), "-o", str(out),
-                          *sbatch_args, str(SBATCH), *argv], cwd=ROOT, env=env,
+    count = [] if any(a.startswith(("-N", "--nodes")) for a in sbatch_args) \
+        else ["-n", str(ntasks)]
+    res = subprocess.run(["sbatch", "--parsable", *count, "-o", str(out),
+                          *sbatch_args, str(script), *argv], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     if res.returncode:
         raise RuntimeError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")

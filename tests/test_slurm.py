@@ -35,6 +35,7 @@ from _util import ROOT, TRAIN_GPT, process_env
 
 from benchmarks.slurm_goodput import (
     FLAGS,
+    SBATCH,
     batch_lines,
     breakdown,
     losses,
@@ -101,6 +102,27 @@ def test_two_tasks_log_the_one_process_losses(tmp_path, reference):
     assert [s for _, _, s in batch_lines(out)][-2:] == [
         "the step ended with status 0 (tasks' exit codes: none)", "done"]
     _assert_same_losses(log, reference, out)
+
+
+def test_multinode_script_runs_one_task_per_node_with_its_devices(tmp_path, reference):
+    # examples/slurm/train_multinode.sbatch on the one node here: 2 tasks on it stand for
+    # 2 nodes of 4 devices (LOCAL_DEVICE_IDS for the node's 8 GPUs it passes by default)
+    out, log = tmp_path / "multi.out", tmp_path / "multi.jsonl"
+    steps = 6  # within the warmup: the losses of the first 6 steps do not depend on --steps
+    job = submit(2, [*FLAGS, "--steps", str(steps), "--mesh", "-1,4", "--local-devices", "4",
+                     "--micro-batch-size", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
+                     "--log-json", str(log)], out,
+                 env=dict(process_env(), LOCAL_DEVICE_IDS="0,1,2,3"),
+                 sbatch_args=("-N", "1", "--ntasks-per-node", "2"),
+                 script=SBATCH.parent / "train_multinode.sbatch")
+    info = wait_job(job, time.monotonic() + JOB_TIMEOUT_S)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED", text
+    assert "train_gpt.py --local-device-ids 0,1,2,3 " in text
+    assert "mesh: data=2 x tensor=4 on 8 of 8 cpu devices in 2 processes (4 each)" in text
+    got = losses(log)
+    np.testing.assert_allclose([got[s] for s in range(1, steps + 1)],
+                               [reference[s] for s in range(1, steps + 1)], rtol=RTOL)
 
 
 def test_preemption_checkpoints_requeues_and_resumes(tmp_path, reference):
