@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--dir", type=Path, default=Path("runs/slurm_goodput"),
                    help="checkpoints, logs and job output (shared by the tasks)")
+    p.add_argument("--kinds", nargs="+", default=["preempt", "kill"],
+                   choices=["preempt", "kill"], help="the faults to measure")
     args = p.parse_args(argv)
     if reason := not_ready():
         print(reason, file=sys.stderr)
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True)
     cache = args.dir / "jax_cache"
     results = []
-    for kind in ("preempt", "kill"):
+    for kind in args.kinds:
         for cached in (False, True):  # the persistent compilation cache of the resumed run
             env = dict(os.environ)
             env.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -6,7 +6,9 @@
 #   scripts/slurm_cluster.sh check       # exit 0 when the cluster can be started here
 #
 # After start, `export SLURM_CONF=DIR/slurm.conf` points sbatch, srun, scontrol and
-# scancel at it. Nothing outside DIR is written: munge gets its own key, socket and
+# scancel at it. A requeued job starts again after AuthInfo's cred_expire + 1 s and a
+# scheduler pass: SLURM_CRED_EXPIRE (default 10 here, 120 in SLURM) and
+# SLURM_SCHED_INTERVAL (default 2 here, 60 in SLURM) set them. Nothing outside DIR is written: munge gets its own key, socket and
 # seed; slurmctld and slurmd their own ports, state and logs. The daemons run as root
 # (SlurmUser=root), as on a test machine; proctrack/linuxproc and task/none need no
 # cgroups. Missing packages are installed from Debian's (slurm-wlm, munge) when this
@@ -76,7 +78,7 @@ TaskPlugin=task/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=2
+SchedulerParameters=sched_interval=${SLURM_SCHED_INTERVAL:-2}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
