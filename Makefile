@@ -43,9 +43,10 @@ gpu-check: $(STAMP)
 # single-threaded, and the end-to-end tests wait on their subprocesses and peers. Every
 # test process and the scripts it starts compile with XLA:CPU's legacy fusion emitters
 # (about twice as fast to compile) and no LLVM optimisation (tests/conftest.py). The whole
-# suite (CI's `.ci/run`) from a fresh clone, the install included: 21:46 on 2 idle cores
-# (21:15 of pytest, 42 min of CPU; 976 tests; 17:23 with 896 before issues 40 and 41 added
-# the Gemma, soft-cap, memory-option and offload tests). It is CPU-bound, so its time follows the machine's speed:
+# suite from a fresh clone, the install included: about 23 min on 2 idle cores (21:52 of
+# pytest, 987 tests of which the 6 SLURM ones skip here; 17:23 with 896 before issues 40
+# and 41 added the Gemma, soft-cap, memory-option and offload tests). CI's `.ci/run` then
+# runs `make slurm-test` (2:31): 25:07 in all, 41 min of CPU. It is CPU-bound, so its time follows the machine's speed:
 # the same machine, slower earlier the same day, took 20:14 (39 min of CPU) for the suite
 # before its last speed-ups (the default corpus, the logged schedule, byte-compiled
 # sources). JAX's caches are cleared after each test file. The sources are byte-compiled
