@@ -400,6 +400,11 @@ HEAD_DIM_SHAPES = {  # heads x head_dim apart from hidden: wider, narrower; expe
                                mlp_hidden=96, head_dim=4),
     "moe": ModelShape("moe", hidden=64, layers=2, heads=8, vocab=256, seq=64, kv_heads=2,
                       experts=4, moe_mlp_hidden=32, head_dim=16),
+    # Qwen3-MoE's q/k norms, DeepSeek's shared expert, several experts per device
+    "moe_qk_norm_shared": ModelShape("moe2", hidden=64, layers=2, heads=8, vocab=256, seq=64,
+                                     kv_heads=2, experts=16, experts_per_token=4,
+                                     moe_mlp_hidden=16, head_dim=16, qk_norm=True,
+                                     shared_experts=1),
 }
 
 
