@@ -88,8 +88,8 @@ def test_presets_count_their_parameters_and_read_as_their_family():
     assert hf.config_from_hf(written) == dataclasses.replace(
         qwen, param_dtype=hf.config_from_hf(written).param_dtype)
     fixture = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
-    assert hf.config_from_hf(fixture) == GPTConfig.qwen3_moe(
-        "qwen3-moe-tiny", vocab_size=96, max_seq_len=64, hidden=32, head_dim=4,
+    assert hf.config_from_hf(fixture) == GPTConfig.qwen3_moe(  # its head_dim: 32 / 8
+        "qwen3-moe-tiny", vocab_size=96, max_seq_len=64, hidden=32, head_dim=None,
         mlp_hidden=48, num_experts=4, experts_per_token=2, moe_mlp_hidden=16,
         rope_base=1e4, tie_embeddings=True, router_aux_loss_coef=0.01, eos_token_id=95,
         pad_token_id=93, param_dtype=jnp.float32)
