@@ -10,6 +10,7 @@ Example::
     python -m sp_jax.plan --model 7b --head-dim 256 --gpus 8   # heads x head_dim != hidden
     python -m sp_jax.plan --model mixtral-8x7b --gpus 8 --memory-options \
         --host-memory-per-node 2TB --device-reserve 15GiB   # formulas, no compiles
+    python -m sp_jax.plan --model qwen3-30b-a3b --gpus 8   # 128 experts of 768, top 8
 
 See :func:`sp_jax.analysis.plan` and :mod:`sp_jax.analysis.memory_options`.
 """

@@ -89,7 +89,7 @@ SLOWEST_FIRST = ("test_doc_snippets.py", "test_benchmarks.py", "test_pipeline.py
                  "test_gemma_features.py", "test_attention_softcap.py",
                  "test_hf_gemma.py", "test_zero1.py",
                  "test_offload_optimizer.py", "test_optimizer_precision.py",
-                 "test_offload_activations.py", "test_elastic_mesh.py")
+                 "test_offload_activations.py", "test_elastic_mesh.py", "test_presets.py")
 # a renamed or removed file stops the run here instead of silently losing its place
 if missing := [name for name in SLOWEST_FIRST if not (TESTS / name).is_file()]:
     raise pytest.UsageError(f"tests/conftest.py: SLOWEST_FIRST names no test file: {missing}")

@@ -400,6 +400,11 @@ HEAD_DIM_SHAPES = {  # heads x head_dim apart from hidden: wider, narrower; expe
                                mlp_hidden=96, head_dim=4),
     "moe": ModelShape("moe", hidden=64, layers=2, heads=8, vocab=256, seq=64, kv_heads=2,
                       experts=4, moe_mlp_hidden=32, head_dim=16),
+    # Qwen3-MoE's q/k norms, DeepSeek's shared expert, several experts per device
+    "moe_qk_norm_shared": ModelShape("moe2", hidden=64, layers=2, heads=8, vocab=256, seq=64,
+                                     kv_heads=2, experts=16, experts_per_token=4,
+                                     moe_mlp_hidden=16, head_dim=16, qk_norm=True,
+                                     shared_experts=1),
 }
 
 
@@ -553,14 +558,19 @@ def test_parse_bytes_and_the_presets_of_the_three_questions():
 def test_the_three_questions_by_formula():
     from sp_jax.analysis.memory_options import MemoryOptions, best, search
 
-    for name, gpus in (("mixtral-8x7b", 8), ("llama-3-70b", 16), ("405b", 128)):
+    for name, gpus in (("mixtral-8x7b", 8), ("llama-3-70b", 16), ("405b", 128),
+                       ("qwen3-30b-a3b", 8)):
         rows = search(MODELS[name], gpus, reserve=15 * 2**30)
         top = best(rows)
         assert top is not None and top.fits, name
         assert top.host_bytes * min(gpus, 8) <= 2e12
-        if name == "mixtral-8x7b":  # without the options nothing fits (issue 41: 108.9 GiB)
+        if name in ("mixtral-8x7b", "qwen3-30b-a3b"):  # the options are needed (issue 41)
             assert not any(r.fits for r in rows if r.options == MemoryOptions())
             assert top.options.offload != "off" or top.options.moments == "bf16"
+    # Qwen3-30B-A3B (issue 43): by formula, experts over 4 x tensor 2 with bf16 moments and
+    # no offload (the formula counts the routed rows, not XLA's masked ragged_dot)
+    assert (top.layout.expert, top.layout.tensor, top.options.moments, top.options.offload) \
+        == (4, 2, "bf16", "off")
 
 
 def test_command_line_memory_options_prints_host_bytes(capsys):

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sp_jax.analysis.shapes import MODELS, ModelShape
+
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
            "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
            "layout_formula", "plan", "plan_one"]
@@ -49,99 +51,6 @@ XLA_DOES_NOT_FIT = (
 limit (it calls that an error in *its* calculation) and remat cannot get under it. Not a
 failure: :func:`plan_one` keeps these lines out and explains them (:attr:`PlanRow.xla_notes`)."""
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """A GPT shape (:class:`sp_jax.models.GPTConfig` with rotary positions, bf16 compute,
-    fp32 master weights, MLP width ``4 * hidden`` and ``head_dim`` ``hidden / heads``
-    unless given)."""
-
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    seq: int
-    mlp_hidden: int | None = None
-    kv_heads: int | None = None
-    experts: int = 0
-    experts_per_token: int = 2
-    moe_mlp_hidden: int | None = None
-    head_dim: int | None = None
-
-    @property
-    def mlp(self) -> int:
-        return self.mlp_hidden or 4 * self.hidden
-
-    @property  # the head size
-    def head_size(self) -> int: return self.head_dim or self.hidden // self.heads  # noqa: E704
-
-    @property
-    def attention(self) -> int:
-        """The queries' (and the output projection's input) width: heads x head_size."""
-        return self.heads * self.head_size
-
-    @property
-    def moe(self) -> bool:
-        """A mixture of experts in every layer (Mixtral's blocks: grouped-query attention,
-        RMSNorm, SwiGLU experts, no biases, an untied head); else GPT blocks."""
-        return self.experts > 0
-
-    @property
-    def params(self) -> int:
-        """Parameter count (``a``: heads x head_size). GPT blocks: per layer q/k/v/out
-        kernels (4 h a), MLP kernels (2 h mlp), out-projection, MLP-up and MLP-down biases
-        (h + mlp + h), 2 LayerNorms (4 h); the tied vocabulary table, the final norm.
-        Mixture of experts: per layer q/out (2 h a) and k/v (2 h kv_heads head_size)
-        kernels, the router (h E), E SwiGLU experts (3 h F each), 2 RMSNorms (2 h); the
-        embedding, the untied head, the final norm."""
-        h, a = self.hidden, self.attention
-        if self.moe:
-            kv = (self.kv_heads or self.heads) * self.head_size
-            f = self.moe_mlp_hidden or self.mlp
-            layer = 2 * h * a + 2 * h * kv + h * self.experts + 3 * h * f * self.experts
-            return self.layers * (layer + 2 * h) + 2 * self.vocab * h + h
-        return self.layers * (4 * h * a + 2 * h * self.mlp + self.mlp + 6 * h) \
-            + self.vocab * h + 2 * h
-
-    def gpt_config(self, **kw: Any) -> Any:
-        """The :class:`sp_jax.models.GPTConfig` the planner compiles (Mixtral's blocks
-        for experts), with the fields ``kw`` (e.g. ``remat``)."""
-        from sp_jax.models import GPTConfig
-
-        moe = dict(num_kv_heads=self.kv_heads, norm="rmsnorm", mlp_activation="swiglu",
-                   qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
-                   num_experts=self.experts, experts_per_token=self.experts_per_token,
-                   moe_mlp_hidden=self.moe_mlp_hidden) if self.moe else {}
-        return GPTConfig(**{**dict(
-            vocab_size=self.vocab, max_seq_len=self.seq, num_layers=self.layers,
-            num_heads=self.heads, hidden=self.hidden, mlp_hidden=self.mlp,
-            head_dim=self.head_dim, positions="rotary", dtype=jnp.bfloat16,
-            param_dtype=jnp.float32, scan_layers=True, **moe), **kw})
-
-    def replace(self, **kw: Any) -> ModelShape: return dataclasses.replace(self, **kw)  # noqa: E704
-
-
-MODELS = {
-    "gpt2-small": ModelShape("gpt2-small", hidden=768, layers=12, heads=12, vocab=50304,
-                             seq=1024),
-    "1.3b": ModelShape("1.3b", hidden=2048, layers=24, heads=16, vocab=50304, seq=2048),
-    "7b": ModelShape("7b", hidden=4096, layers=32, heads=32, vocab=32000, seq=4096),
-    "70b": ModelShape("70b", hidden=8192, layers=80, heads=64, vocab=32000, seq=4096),
-    "gpt3-175b": ModelShape("gpt3-175b", hidden=12288, layers=96, heads=96, vocab=50257,
-                            seq=2048),
-    "mixtral-8x7b": ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, vocab=32000,
-                               seq=4096, mlp_hidden=14336, kv_heads=8, experts=8,
-                               experts_per_token=2, moe_mlp_hidden=14336),
-    "llama-3-70b": ModelShape("llama-3-70b", 8192, 80, 64, 128256, 8192, 28672, kv_heads=8,
-                              experts=1, experts_per_token=1),
-    "405b": ModelShape("405b", 16384, 126, 128, 128256, 8192, 53248, kv_heads=8, experts=1,
-                       experts_per_token=1),
-}
-"""Presets: GPT-2 small, a 1.3B, 7B, 70B (Llama widths, depths, heads) and GPT-3 175B as GPT
-blocks (4h GeLU MLP, LayerNorm), Mixtral-8x7B (46.7B: 8 experts of 14336, 2 per token, 8
-key/value heads), Llama-3-70B and a 405B shape as Llama blocks (a one-expert mixture:
-GQA, SwiGLU, RMSNorm, untied head, plus an h-wide router)."""
 
 PIPELINE_MICROBATCHES_PER_STAGE = 4
 """Micro-batches of a pipelined layout per stage (``M = 4 x stages`` unless given): the
@@ -460,19 +369,25 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     the activations as GPT blocks of the active MLP width ``k F``, plus per layer the
     rows of the dispatch's static receive buffer (``ep T min(k, E / ep)``, the worst
     case) through the grouped GEMMs: bf16 ``h`` received, ``2F / t`` up-projected and
-    ``F / t`` activated, kept for the backward and as many again in it."""
+    ``F / t`` activated, kept for the backward and as many again in it; the shared
+    experts (dense over tensor, with the attention) likewise for the ``T`` tokens. The
+    grouped GEMMs are counted by their routed rows: XLA's masked ``ragged_dot`` lowering's
+    ``[E / ep, rows, F]`` buffers (BENCHMARKS.md "Mixture of experts") are not, the
+    compiled plan measures them."""
     h, t, ep = model.hidden, option.tensor, option.expert
     fsdp = option.batch_shards if option.fsdp else 1
     f = model.moe_mlp_hidden or model.mlp
     kv = (model.kv_heads or model.heads) * model.head_size
     experts = model.experts * 3 * h * f / (ep * t * (option.data if option.fsdp else 1))
-    dense = (2 * h * model.attention + 2 * h * kv) / (t * fsdp) + h * model.experts + 2 * h
+    dense = (2 * h * model.attention + 2 * h * kv + 3 * h * f * model.shared_experts) / (
+        t * fsdp) + h * model.experts + 2 * h + 2 * model.head_size * model.qk_norm
     params = 4 * (model.layers * (experts + dense) + 2 * model.vocab * h / (t * fsdp) + h)
     b = batch // option.batch_shards // option.micro_batches
     tokens = b * model.seq
     sbh = tokens * h / t
     rows = ep * tokens * min(model.experts_per_token, model.experts // ep)
-    per_layer = 26 * sbh + 8 * sbh * model.attention / h + 2 * 2 * rows * (h + 3 * f / t)
+    per_layer = 26 * sbh + 8 * sbh * model.attention / h + 2 * 2 * rows * (h + 3 * f / t) \
+        + 2 * 2 * tokens * 3 * f * model.shared_experts / t
     acts = model.layers * 2 * sbh + per_layer if option.remat else model.layers * per_layer
     return params, acts
 

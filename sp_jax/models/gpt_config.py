@@ -1,5 +1,6 @@
 """The configuration of a :class:`~sp_jax.models.GPT`: :class:`GPTConfig` (shape, numerics,
-the GPT-2, Llama and Mixtral presets, the checkpoint's special token ids) and
+the GPT-2, Llama, Mixtral, Qwen3-MoE and DeepSeek-V3-shaped presets, the checkpoint's
+special token ids) and
 :data:`POSITIONS`."""
 
 from __future__ import annotations
@@ -144,11 +145,11 @@ class GPTConfig:
         :data:`sp_jax.models.hf.FAMILIES`) this config was read as or stands for: set by
         :func:`~sp_jax.models.hf.from_hf` / :func:`~sp_jax.models.hf.config_from_hf` to
         the checkpoint's, by the presets to theirs (``"gpt2"``, ``"llama"``,
-        ``"mixtral"``); None: not remembered. :func:`~sp_jax.models.hf.to_hf` writes this
-        family while it still expresses the config (a Mistral without a window stays
-        ``MistralForCausalLM``), else the first that does; its ``model_type=`` argument
-        still chooses. Data only: the model's math does not read it; checkpoints record
-        it with the other fields.
+        ``"mixtral"``, ``"qwen3_moe"``; the DeepSeek-V3-shaped presets: None); None: not
+        remembered. :func:`~sp_jax.models.hf.to_hf` writes this family while it still
+        expresses the config (a Mistral without a window stays ``MistralForCausalLM``),
+        else the first that does; its ``model_type=`` argument still chooses. Data only:
+        the model's math does not read it; checkpoints record it with the other fields.
     """
 
     vocab_size: int
@@ -398,6 +399,104 @@ class GPTConfig:
         }
         if name not in presets:
             raise ValueError(f"GPTConfig.mixtral: name={name!r} is not one of "
+                             f"{list(presets)}.")
+        return cls(**{**common, **presets[name], **overrides})
+
+    @classmethod
+    def qwen3_moe(cls, name: str = "qwen3-30b-a3b", **overrides: Any) -> GPTConfig:
+        """Qwen3-MoE shapes (Qwen team 2025; Hugging Face ``Qwen/Qwen3-30B-A3B``'s
+        ``config.json``): Qwen3's attention (rotary, RMSNorm eps 1e-6, per-head q/k RMSNorm,
+        grouped-query, ``head_dim`` 128 whatever the width, no biases) with a fine-grained
+        mixture of experts in every layer (``decoder_sparse_step`` 1, ``mlp_only_layers``
+        empty: SwiGLU experts, renormalised top-k (``norm_topk_prob``), no shared experts,
+        ``router_aux_loss_coef`` 0.001), untied head; the family
+        :func:`~sp_jax.models.hf.to_hf` writes is ``qwen3_moe``. Only shapes: nothing is
+        downloaded (see :func:`sp_jax.models.hf.from_hf` for weights).
+
+        Args:
+          name: ``"qwen3-30b-a3b"`` (30.5B parameters, 3.3B active per token: 48 layers,
+            hidden 2048, 32 heads over 4 key/value heads of 128, 128 experts of 768, 8 per
+            token, vocabulary 151936, 40960 positions, rope_base 1e6; ``mlp_hidden`` 6144
+            is ``config.json``'s ``intermediate_size``, which no layer uses) or
+            ``"qwen3-moe-tiny"`` (the same structure at test size: 2 layers, hidden 64, 8
+            heads over 2 key/value heads of 16 (heads x head_dim twice the width, as the
+            30B's), 16 experts of 16, 4 per token, vocabulary 256, 128 positions).
+          overrides: any other :class:`GPTConfig` field (e.g. ``moe_capacity_factor``).
+        """
+        common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
+                      qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                      qk_norm=True, norm_epsilon=1e-6, rope_base=1e6, moe_norm_topk=True,
+                      moe_layer_freq=1, num_shared_experts=0, router_aux_loss_coef=0.001,
+                      hf_model_type="qwen3_moe")
+        presets = {
+            "qwen3-30b-a3b": dict(vocab_size=151936, max_seq_len=40960, num_layers=48,
+                                  num_heads=32, num_kv_heads=4, head_dim=128, hidden=2048,
+                                  mlp_hidden=6144, num_experts=128, experts_per_token=8,
+                                  moe_mlp_hidden=768),
+            "qwen3-moe-tiny": dict(vocab_size=256, max_seq_len=128, num_layers=2, num_heads=8,
+                                   num_kv_heads=2, head_dim=16, hidden=64, mlp_hidden=192,
+                                   num_experts=16, experts_per_token=4, moe_mlp_hidden=16),
+        }
+        if name not in presets:
+            raise ValueError(f"GPTConfig.qwen3_moe: name={name!r} is not one of "
+                             f"{list(presets)}.")
+        return cls(**{**common, **presets[name], **overrides})
+
+    @classmethod
+    def deepseek_v3_moe(cls, name: str = "deepseek-v3", **overrides: Any) -> GPTConfig:
+        """DeepSeek-V3-MoE-shaped presets (DeepSeek-AI 2024; Hugging Face
+        ``deepseek-ai/DeepSeek-V3``'s ``config.json``): its mixture of experts (256 routed
+        SwiGLU experts of 2048, 8 per token, renormalised, plus 1 shared expert every token
+        goes through; ``aux_loss_alpha`` 0.001 as ``router_aux_loss_coef``), width,
+        depth, vocabulary and norms (RMSNorm eps 1e-6), rotary positions (base 1e4),
+        untied head, no biases; the rest in the nearest form sp_jax has, so the shape is
+        DeepSeek-V3's for the experts and not a DeepSeek-V3 checkpoint:
+
+        * **attention is not MLA**: DeepSeek-V3's multi-head latent attention (queries
+          through a rank-1536 and keys/values through a rank-512 latent, 128 heads with
+          128 + 64 rotary query/key features and 128 value features) is plain multi-head
+          attention here, 128 heads of 128 (q, k, v, out: 470M parameters a layer
+          against MLA's 187M);
+        * **routing is softmax top-k**: DeepSeek-V3 scores experts with a sigmoid, picks
+          them by group-limited top-k (4 of 8 groups) on scores plus a learned bias
+          (auxiliary-loss-free balancing) and scales the weights by 2.5; sp_jax routes by
+          softmax top-k with a load-balancing loss (over the batch's tokens, not per
+          sequence);
+        * **every layer is a mixture of experts**: DeepSeek-V3's first 3 layers are dense
+          (MLP 18432, ``first_k_dense_replace``); :class:`GPTConfig` chooses the expert
+          layers by ``moe_layer_freq`` alone (layer ``i`` when ``(i + 1) %
+          moe_layer_freq == 0``), which cannot make the first layers dense, so all 61 are
+          (``mlp_hidden`` 18432 is kept for a dense override);
+        * no multi-token-prediction module, and no YaRN: 4096 positions (the
+          pretraining length, ``original_max_position_embeddings``) rather than the
+          163840 of its YaRN scaling.
+
+        No Hugging Face family (``hf_model_type`` None): sp_jax reads and writes no
+        DeepSeek checkpoints.
+
+        Args:
+          name: ``"deepseek-v3"`` (61 layers, hidden 7168, 128 heads of 128, 256 routed
+            experts of 2048, 8 per token, 1 shared, vocabulary 129280: 721B parameters
+            with the attention and the first 3 layers above, against DeepSeek-V3's 671B)
+            or ``"deepseek-v3-tiny"`` (the same structure at test size: 2 layers, hidden
+            64, 8 heads of 16, 32 routed experts of 16, 8 per token, 1 shared, vocabulary
+            256, 128 positions).
+          overrides: any other :class:`GPTConfig` field.
+        """
+        common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
+                      qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                      norm_epsilon=1e-6, rope_base=1e4, moe_norm_topk=True, moe_layer_freq=1,
+                      experts_per_token=8, num_shared_experts=1, router_aux_loss_coef=0.001)
+        presets = {
+            "deepseek-v3": dict(vocab_size=129280, max_seq_len=4096, num_layers=61,
+                                num_heads=128, num_kv_heads=128, head_dim=128, hidden=7168,
+                                mlp_hidden=18432, num_experts=256, moe_mlp_hidden=2048),
+            "deepseek-v3-tiny": dict(vocab_size=256, max_seq_len=128, num_layers=2,
+                                     num_heads=8, num_kv_heads=8, head_dim=16, hidden=64,
+                                     mlp_hidden=160, num_experts=32, moe_mlp_hidden=16),
+        }
+        if name not in presets:
+            raise ValueError(f"GPTConfig.deepseek_v3_moe: name={name!r} is not one of "
                              f"{list(presets)}.")
         return cls(**{**common, **presets[name], **overrides})
 

@@ -59,6 +59,8 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
                                     "num_heads": 4, "hidden": 128, **o}),
     "llama-tiny": lambda **o: GPTConfig.llama("llama-tiny", **o),
     "mixtral-tiny": lambda **o: GPTConfig.mixtral("mixtral-tiny", **o),
+    "qwen3-moe-tiny": lambda **o: GPTConfig.qwen3_moe("qwen3-moe-tiny", **o),
+    "deepseek-v3-tiny": lambda **o: GPTConfig.deepseek_v3_moe("deepseek-v3-tiny", **o),
 }
 """``--preset``: the model a name stands for, with :class:`GPTConfig` fields overridden."""
 
@@ -267,7 +269,12 @@ def _describe_preset(name: str) -> str:
     kv = f" ({c.num_kv_heads} key/value)" if c.num_kv_heads != c.num_heads else ""
     mlp = f"{c.mlp_activation} MLP of {c.mlp_hidden}" if not c.num_experts else (
         f"{c.num_experts} {c.mlp_activation} experts of {c.moe_mlp_hidden} "
-        f"({c.experts_per_token} per token)")
+        f"({c.experts_per_token} per token"
+        f"{f', {c.num_shared_experts} shared' if c.num_shared_experts else ''})")
+    if c.head_dim is not None:
+        kv += f" of {c.head_dim}"
+    if c.qk_norm:
+        kv += " with q/k norms"
     return (f"{name}: {c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads{kv}, "
             f"{mlp}, {c.positions} positions, {c.norm}, "
             f"{'tied' if c.tie_embeddings else 'untied'} head"
@@ -283,7 +290,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add("--preset", choices=tuple(PRESETS), default="gpt",
         help="the model: " + "; ".join(_describe_preset(n) for n in PRESETS) + ". The flags "
              "below override a preset's values (llama-tiny is GPTConfig.llama('llama-tiny'), "
-             "mixtral-tiny is GPTConfig.mixtral('mixtral-tiny'))")
+             "mixtral-tiny GPTConfig.mixtral('mixtral-tiny'), qwen3-moe-tiny "
+             "GPTConfig.qwen3_moe('qwen3-moe-tiny'), deepseek-v3-tiny "
+             "GPTConfig.deepseek_v3_moe('deepseek-v3-tiny'): its attention is not MLA)")
     add("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
     add("--hidden", type=int, default=None, help="model width (default: the preset's)")
     add("--heads", type=int, default=None,

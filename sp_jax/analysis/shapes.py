@@ -1,0 +1,123 @@
+"""The model shapes the memory planner sizes and compiles (:class:`ModelShape`) and its
+presets (:data:`MODELS`, ``python -m sp_jax.plan --model NAME``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+__all__ = ["MODELS", "ModelShape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A GPT shape (:class:`sp_jax.models.GPTConfig` with rotary positions, bf16 compute,
+    fp32 master weights, MLP width ``4 * hidden`` and ``head_dim`` ``hidden / heads``
+    unless given). ``qk_norm``: per-head q/k RMSNorm (Qwen3's); ``shared_experts``: experts
+    every token also goes through (DeepSeek's, one dense SwiGLU MLP of width
+    ``shared_experts x moe_mlp_hidden``)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    mlp_hidden: int | None = None
+    kv_heads: int | None = None
+    experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_hidden: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
+    shared_experts: int = 0
+
+    @property
+    def mlp(self) -> int:
+        return self.mlp_hidden or 4 * self.hidden
+
+    @property  # the head size
+    def head_size(self) -> int: return self.head_dim or self.hidden // self.heads  # noqa: E704
+
+    @property
+    def attention(self) -> int:
+        """The queries' (and the output projection's input) width: heads x head_size."""
+        return self.heads * self.head_size
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts in every layer (Mixtral's blocks: grouped-query attention,
+        RMSNorm, SwiGLU experts, no biases, an untied head); else GPT blocks."""
+        return self.experts > 0
+
+    @property
+    def params(self) -> int:
+        """Parameter count (``a``: heads x head_size). GPT blocks: per layer q/k/v/out
+        kernels (4 h a), MLP kernels (2 h mlp), out-projection, MLP-up and MLP-down biases
+        (h + mlp + h), 2 LayerNorms (4 h); the tied vocabulary table, the final norm.
+        Mixture of experts: per layer q/out (2 h a) and k/v (2 h kv_heads head_size)
+        kernels, the router (h E), E SwiGLU experts (3 h F each) and the shared experts
+        (3 h F each), 2 RMSNorms (2 h) and the q/k norms (2 head_size); the embedding,
+        the untied head, the final norm."""
+        h, a = self.hidden, self.attention
+        if self.moe:
+            kv = (self.kv_heads or self.heads) * self.head_size
+            f = self.moe_mlp_hidden or self.mlp
+            layer = 2 * h * a + 2 * h * kv + h * self.experts + 3 * h * f * (
+                self.experts + self.shared_experts) + 2 * self.head_size * self.qk_norm
+            return self.layers * (layer + 2 * h) + 2 * self.vocab * h + h
+        return self.layers * (4 * h * a + 2 * h * self.mlp + self.mlp + 6 * h) \
+            + self.vocab * h + 2 * h
+
+    def gpt_config(self, **kw: Any) -> Any:
+        """The :class:`sp_jax.models.GPTConfig` the planner compiles (Mixtral's blocks
+        for experts, with q/k norms and shared experts if given), with the fields ``kw``
+        (e.g. ``remat``)."""
+        from sp_jax.models import GPTConfig
+
+        moe = dict(num_kv_heads=self.kv_heads, norm="rmsnorm", mlp_activation="swiglu",
+                   qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                   num_experts=self.experts, experts_per_token=self.experts_per_token,
+                   moe_mlp_hidden=self.moe_mlp_hidden, qk_norm=self.qk_norm,
+                   num_shared_experts=self.shared_experts) if self.moe else {}
+        return GPTConfig(**{**dict(
+            vocab_size=self.vocab, max_seq_len=self.seq, num_layers=self.layers,
+            num_heads=self.heads, hidden=self.hidden, mlp_hidden=self.mlp,
+            head_dim=self.head_dim, positions="rotary", dtype=jnp.bfloat16,
+            param_dtype=jnp.float32, scan_layers=True, **moe), **kw})
+
+    def replace(self, **kw: Any) -> ModelShape: return dataclasses.replace(self, **kw)  # noqa: E704
+
+
+MODELS = {
+    "gpt2-small": ModelShape("gpt2-small", hidden=768, layers=12, heads=12, vocab=50304,
+                             seq=1024),
+    "1.3b": ModelShape("1.3b", hidden=2048, layers=24, heads=16, vocab=50304, seq=2048),
+    "7b": ModelShape("7b", hidden=4096, layers=32, heads=32, vocab=32000, seq=4096),
+    "70b": ModelShape("70b", hidden=8192, layers=80, heads=64, vocab=32000, seq=4096),
+    "gpt3-175b": ModelShape("gpt3-175b", hidden=12288, layers=96, heads=96, vocab=50257,
+                            seq=2048),
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, vocab=32000,
+                               seq=4096, mlp_hidden=14336, kv_heads=8, experts=8,
+                               experts_per_token=2, moe_mlp_hidden=14336),
+    "llama-3-70b": ModelShape("llama-3-70b", 8192, 80, 64, 128256, 8192, 28672, kv_heads=8,
+                              experts=1, experts_per_token=1),
+    "405b": ModelShape("405b", 16384, 126, 128, 128256, 8192, 53248, kv_heads=8, experts=1,
+                       experts_per_token=1),
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 48, 32, 151936, 4096, 6144,
+                                kv_heads=4, experts=128, experts_per_token=8,
+                                moe_mlp_hidden=768, head_dim=128, qk_norm=True),
+    "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 129280, 4096, 18432,
+                              kv_heads=128, experts=256, experts_per_token=8,
+                              moe_mlp_hidden=2048, head_dim=128, shared_experts=1),
+}
+"""Presets: GPT-2 small, a 1.3B, 7B, 70B (Llama widths, depths, heads) and GPT-3 175B as GPT
+blocks (4h GeLU MLP, LayerNorm), Mixtral-8x7B (46.7B: 8 experts of 14336, 2 per token, 8
+key/value heads), Llama-3-70B and a 405B shape as Llama blocks (a one-expert mixture:
+GQA, SwiGLU, RMSNorm, untied head, plus an h-wide router); Qwen3-30B-A3B
+(``GPTConfig.qwen3_moe("qwen3-30b-a3b")`` at s=4096: 128 experts of 768, 8 per token,
+q/k norms, 4 key/value heads of 128) and DeepSeek-V3's MoE shape
+(``GPTConfig.deepseek_v3_moe("deepseek-v3")`` at s=4096: 256 experts of 2048, 8 per
+token, one shared; multi-head attention in place of MLA, every layer a mixture)."""
