@@ -167,6 +167,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     Returns:
       ``[rows, n]``; rows past ``sum(group_sizes)`` are zero.
     """
+    group_sizes = jnp.asarray(group_sizes)
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"grouped_matmul: x {x.shape} must be [rows, k], w {w.shape} "
                          f"[groups, k, n] and group_sizes {group_sizes.shape} [groups].")
