@@ -10,7 +10,9 @@ forward+backward (gradients of a sum of squares w.r.t. the parameters and the in
 under ``jit``; the same layer with its grouped GEMMs replaced by ``lax.ragged_dot`` (the
 path before ``grouped_matmul``: XLA:CPU computes it as a dense product over every local
 expert of the whole static receive buffer, ``ep T min(k, E / ep)`` rows); and a dense
-SwiGLU MLP of width ``k F`` on the same tokens and mesh (the same active FLOPs). Median of
+SwiGLU MLP of width ``k F`` on the same tokens and mesh (the same active FLOPs); and the
+layer with no expert GEMM at all (each grouped GEMM replaced by a row scaling of the same
+shape: the routing, sorting, all-to-alls, gathers and scatters alone). Median of
 interleaved rounds. Then the tile sweep that chose ``sp_jax.ops.grouped.CPU_TILE``:
 ``grouped_matmul`` forward+backward on one device, rows of 8 groups.
 """
@@ -80,14 +82,20 @@ def fine_grained_step_times(*, tokens: int = 128, h: int = 256, F: int = 128, E:
         for name, (fn, module) in programs.items():
             compile_s[name] = _timed(fn, (module, xs))
         real = moe_ops.grouped_matmul
-        moe_ops.grouped_matmul = lambda x, w, sizes, **_: lax.ragged_dot(x, w, sizes)
-        try:  # traced (and compiled) with ragged_dot
-            masked = program(sp_jax.layers.MoE(cfg.moe_config(), parallel=par,
+        replacements = {
+            "MoE, lax.ragged_dot": lambda x, w, sizes, **_: lax.ragged_dot(x, w, sizes),
+            # the rest of the layer: no expert GEMM (each row scaled, the shapes kept)
+            "MoE, no expert GEMMs": lambda x, w, sizes, **_: jnp.broadcast_to(
+                x[:, :1] * w[0, 0, :1], (x.shape[0], w.shape[2]))}
+        for name, replacement in replacements.items():
+            moe_ops.grouped_matmul = replacement
+            try:  # traced (and compiled) with the replacement
+                fn = program(sp_jax.layers.MoE(cfg.moe_config(), parallel=par,
                                                rngs=nnx.Rngs(0)))
-            compile_s["MoE, lax.ragged_dot"] = _timed(masked, (moe, xs))
-        finally:
-            moe_ops.grouped_matmul = real
-        programs["MoE, lax.ragged_dot"] = (masked, moe)
+                compile_s[name] = _timed(fn, (moe, xs))
+            finally:
+                moe_ops.grouped_matmul = real
+            programs[name] = (fn, moe)
         # the same values both ways (one gradient checked)
         a, b = (programs[n][0](moe, xs)[1] for n in ("MoE, grouped_matmul",
                                                       "MoE, lax.ragged_dot"))
