@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.ops.grouped import grouped_matmul_tiles
@@ -87,7 +88,8 @@ def test_grouped_matmul_bf16_and_per_device_in_shard_map():
         assert low.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.float32(low), ref[0], rtol=1e-2, atol=1e-2)
 
-    mesh = jax.make_mesh((8,), ("expert",), devices=jax.devices()[:8])
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:8])
     ep, m, g = 8, 20, 3
     x, w, dy = _operands(rng, ep * m, k, n, ep * g)
     sizes = jnp.asarray(np.concatenate([rng.multinomial(m - d, np.ones(g) / g)
@@ -142,7 +144,7 @@ def test_grouped_matmul_work_follows_the_routed_rows():
     for inside, shapes in dots:
         assert inside, shapes
         assert all(m not in s and len(sizes) not in s[:1] for s in shapes), shapes
-        assert all(tile in s for s in shapes), shapes
+        assert any(tile in s for s in shapes), shapes  # the tile's rows
     y, (dx, dw) = jax.jit(f)(x, w)
     want = _value_and_grads(lax.ragged_dot, x, w, sizes, dy)
     for a, b in zip((y, dx, dw), want, strict=True):
