@@ -25,9 +25,10 @@ from sp_jax.ops.primitives import fresh_zeros, vary, vma
 
 __all__ = ["CPU_TILE", "GPU_TILE", "grouped_matmul", "grouped_matmul_tiles"]
 
-CPU_TILE = 64
+CPU_TILE = 128
 """The default tile (rows per GEMM) on XLA:CPU (``benchmarks/grouped_gemm.py``, BENCHMARKS.md:
-16, 32, 64 and 128 measured; 64 and 128 equal in the 64-expert layer, 32 slower)."""
+of 16, 32, 64 and 128, 128 the fastest alone and in the 8-expert layer, 64 and 128 equal in
+the 64-expert one)."""
 GPU_TILE = 128
 """The default tile on GPUs and TPUs (a multiple of the tensor cores' 64-row tiles)."""
 
