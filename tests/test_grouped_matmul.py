@@ -123,16 +123,17 @@ def _dots(jaxpr, inside=False):
 
 def test_grouped_matmul_work_follows_the_routed_rows():
     """A 4096-row buffer holding 40 routed rows in 6 groups (the expert axis's receive
-    buffer): the loop runs ``sum(ceil(size / tile))`` tiles (7 at tile 8, against the 512
-    + 6 of the static bound), every dot of the forward and the backward is one tile's GEMM
-    inside the loop (none over the 4096 rows or over the groups), and the values equal
-    ragged_dot's."""
+    buffer): the loop runs ``sum(ceil(size / tile))`` tiles (6 at tile 8, against the
+    512 + 6 of the static bound; counted by running the loop), every dot of the forward
+    and the backward is one tile's GEMM inside the loop (none over the 4096 rows or over
+    the groups), and the values equal ragged_dot's."""
     rng = np.random.default_rng(3)
     m, k, n, tile = 4096, 4, 3, 8
     sizes = jnp.asarray([0, 9, 0, 16, 15, 0], jnp.int32)
-    assert int(grouped_matmul_tiles(sizes, tile)) == 2 + 2 + 2
-    assert int(grouped_matmul_tiles(sizes, 1)) == 40
-    assert int(grouped_matmul_tiles(jnp.asarray([4096, 0]), 128)) == 32
+    assert int(grouped_matmul_tiles(sizes, tile, m)) == 2 + 2 + 2  # the loop's trips
+    assert int(grouped_matmul_tiles(sizes, 1, m)) == 40
+    assert int(jax.jit(grouped_matmul_tiles, static_argnums=(1, 2))(
+        jnp.asarray([4096, 0]), 128, m)) == 32
     x, w, dy = _operands(rng, m, k, n, len(sizes))
 
     def f(x, w):

@@ -33,11 +33,16 @@ GPU_TILE = 128
 """The default tile on GPUs and TPUs (a multiple of the tensor cores' 64-row tiles)."""
 
 
-def grouped_matmul_tiles(group_sizes: jax.Array, tile: int) -> jax.Array:
-    """The number of ``tile``-row GEMMs (loop trips) :func:`grouped_matmul` runs for
-    ``group_sizes``: ``sum(ceil(group_sizes / tile))``, an int32 scalar."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    return jnp.sum((sizes + tile - 1) // tile)
+def grouped_matmul_tiles(group_sizes: jax.Array, tile: int, rows: int | None = None
+                         ) -> jax.Array:
+    """The number of ``tile``-row GEMMs :func:`grouped_matmul` runs for ``group_sizes``
+    (``sum(ceil(group_sizes / tile))``), counted by running its loop over the tiles with a
+    counter for a body: an int32 scalar. ``rows``: the static row count of ``x`` (None:
+    ``tile * groups``; it sizes the tile table, not the count)."""
+    group_sizes = jnp.asarray(group_sizes)
+    rows = tile * group_sizes.shape[0] if rows is None else rows
+    return _tiles(lambda n, *_: n + 1, group_sizes, rows, tile,
+                  vary(jnp.zeros((), jnp.int32), vma(group_sizes)))
 
 
 def _tile_table(group_sizes, rows, tile):
