@@ -2,7 +2,7 @@
 ``sp_jax.ops.moe.grouped_matmul`` against XLA's ``lax.ragged_dot``, and a dense MLP of the
 same active FLOPs.
 
-    python -m benchmarks.grouped_gemm [--tokens T] [--rounds R] [--json PATH]
+    python -m benchmarks.grouped_gemm [--tokens T] [--rounds R] [--h100] [--json PATH]
 
 Layer: 64 experts, top 8, on 8 simulated CPU devices with an expert axis of 8 (8 experts
 per device), h=256, expert width F=128 (SwiGLU), ``T`` tokens per device, fp32,
@@ -14,7 +14,8 @@ SwiGLU MLP of width ``k F`` on the same tokens and mesh (the same active FLOPs);
 layer with no expert GEMM at all (each grouped GEMM replaced by a row scaling of the same
 shape: the routing, sorting, all-to-alls, gathers and scatters alone). Median of
 interleaved rounds. Then the tile sweep that chose ``sp_jax.ops.grouped.CPU_TILE``:
-``grouped_matmul`` forward+backward on one device, rows of 8 groups.
+``grouped_matmul`` forward+backward on one device, rows of 8 groups. With ``--h100``:
+deviceless 8 x H100 compiles of one Qwen3-30B-A3B-shaped block (expert 8) both ways.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fine_grained_step_times", "main", "tile_sweep"]
+__all__ = ["QWEN3_30B_A3B_LAYER", "fine_grained_step_times", "h100_layer_memory", "main",
+           "tile_sweep"]
 
 AXES = ("data", "expert", "context", "tensor")
 
@@ -147,6 +149,34 @@ def tile_sweep(*, rows: int = 4096, k: int = 256, n: int = 256, groups: int = 8,
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+QWEN3_30B_A3B_LAYER = dict(layers=1, h=2048, F=768, E=128, k=8, s=4096, batch=8, heads=32,
+                          kv_heads=4)
+"""One Qwen3-30B-A3B-shaped block (``benchmarks.moe.compile_moe_stack``'s shapes)."""
+
+
+def h100_layer_memory(mesh_shape: tuple[int, ...] = (1, 8, 1, 1)) -> dict[str, Any]:
+    """Deviceless 8 x H100 compiles of one Qwen3-30B-A3B-shaped block (bf16 compute,
+    forward+backward, ``benchmarks.moe.compile_moe_stack``) with ``grouped_matmul`` and with
+    ``lax.ragged_dot``: per-GPU peak, temp and the largest buffers live at the peak."""
+    from jax import lax
+
+    from benchmarks.moe import compile_moe_stack
+    from sp_jax.ops import moe as moe_ops
+
+    out = {}
+    real = moe_ops.grouped_matmul
+    for name, gemm in (("grouped_matmul", real),
+                       ("lax.ragged_dot", lambda x, w, sizes, **_: lax.ragged_dot(x, w, sizes))):
+        moe_ops.grouped_matmul = gemm
+        try:
+            r = compile_moe_stack(mesh_shape, **QWEN3_30B_A3B_LAYER)
+        finally:
+            moe_ops.grouped_matmul = real
+        out[name] = {key: r[key] for key in ("peak_bytes", "temp_bytes", "receive_rows",
+                                             "send_rows", "largest_at_peak", "compile_s")}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from sp_jax.xla_flags import apply_xla_flags, cpu_simulation_flags
 
@@ -158,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cpu-tile", type=int, help="sp_jax.ops.grouped.CPU_TILE for the run")
     parser.add_argument("--no-reference", action="store_true",
                         help="only the dense MLP and the layer with grouped_matmul")
+    parser.add_argument("--h100", action="store_true",
+                        help="also the deviceless 8 x H100 memory of a Qwen3-30B-A3B block "
+                             "(needs the CUDA PJRT plugin)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -176,6 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["tile_sweep"] = tile_sweep(rounds=args.rounds)
         for name, s in res["tile_sweep"].items():
             print(f"{name}: {s:.4f} s")
+    if args.h100:
+        res["h100"] = h100_layer_memory()
+        for name, r in res["h100"].items():
+            print(f"H100 {name}: peak {r['peak_bytes'] / 2**20:,.0f} MiB, temp "
+                  f"{r['temp_bytes'] / 2**20:,.0f} MiB; largest at the peak "
+                  + "; ".join(f"{shape} {b / 2**20:,.0f} MiB"
+                              for b, shape, _ in r["largest_at_peak"][:3]))
     res["runtime_s"] = time.perf_counter() - started
     print(f"total {res['runtime_s']:.0f} s")
     if args.json:
