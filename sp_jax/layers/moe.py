@@ -80,9 +80,9 @@ class MoE(nnx.Module):
     device's (token, choice) pairs are sorted by expert and sent to the devices holding
     their experts and back by ragged all-to-all over the expert axis
     (:func:`sp_jax.ops.moe.expert_mixture`), each computing its experts' ``F / t``
-    columns with grouped GEMMs (:func:`jax.lax.ragged_dot`), and the weighted sum is
-    reduce-scattered back to the sequence shards (the dense MLP's scatter). Dropless
-    unless ``moe_capacity_factor`` is set.
+    columns with grouped GEMMs (:func:`sp_jax.ops.moe.grouped_matmul`: the work of the
+    routed rows), and the weighted sum is reduce-scattered back to the sequence shards
+    (the dense MLP's scatter). Dropless unless ``moe_capacity_factor`` is set.
 
     With ``config.fp8`` (an :class:`~sp_jax.Fp8Recipe`) the two grouped GEMMs run in FP8
     (:func:`sp_jax.ops.moe.fp8_grouped_gemm`: the dense layers' recipe, one whole-tensor

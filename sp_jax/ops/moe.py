@@ -1,6 +1,7 @@
 """Per-device ops of a mixture-of-experts layer (inside ``shard_map``): top-k routing, the
 capacity rule, dispatch to the experts' devices and back by ragged all-to-all, and the
-experts' grouped GEMMs (:func:`jax.lax.ragged_dot`).
+experts' grouped GEMMs (:func:`~sp_jax.ops.grouped.grouped_matmul`: one GEMM per tile of
+the routed rows, never XLA's masked dense ``ragged_dot`` over every expert).
 
 Dropless: every (token, choice) pair is computed. A device sorts its pairs by expert, so
 each expert's rows are contiguous, sends each peer on the expert axis the rows of the
@@ -8,7 +9,8 @@ experts it holds (one ``ragged_all_to_all``: only the rows routed there move), g
 it receives by its local experts, runs the grouped GEMMs, and sends the results back the
 same way. The receive buffer is static: the most rows a device can receive,
 ``ep * tokens * min(k, experts / ep)`` (every token of every peer routed to its experts),
-never a dense ``[tokens, experts, ...]`` one-hot dispatch.
+never a dense ``[tokens, experts, ...]`` one-hot dispatch; the grouped GEMMs loop over the
+tiles of the rows actually received (a dynamic count), so it costs memory, not FLOPs.
 
 XLA:CPU has no ``ragged-all-to-all``; there :func:`ragged_all_to_all` runs the same
 exchange as an ``all_to_all`` of fixed-size chunks (each padded to the most rows one peer
@@ -21,7 +23,8 @@ quantisation: e4m3 rows and expert weights, e5m2 output gradients, one whole-ten
 each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general` forward, dgrad and
 wgrad (the grouped weight gradient, ragged contracting dimension), each of which XLA:GPU
 (jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense product
-(``benchmarks/fp8_ragged_dot.py``).
+(``benchmarks/fp8_ragged_dot.py``): the FP8 path keeps ``ragged_dot_general`` (whole
+tensor scales over the masked product; not yet a per-tile FP8 GEMM).
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import numpy as np
 from jax import lax
 
 from sp_jax.ops.fp8 import INPUT, KERNEL, Fp8Context, Fp8Gemm, Fp8Spec, dequantize
+from sp_jax.ops.grouped import grouped_matmul
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
 from sp_jax.ops.rules import tied_output
 
 __all__ = ["capacity_keep", "expert_mixture", "fp8_grouped_gemm", "grouped_ffn",
-           "ragged_all_to_all", "route", "router_stats"]
+           "grouped_matmul", "ragged_all_to_all", "route", "router_stats"]
 
 
 def route(x: jax.Array, router: jax.Array, k: int, normalize: bool
@@ -217,7 +221,9 @@ def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: F
     or from ``history`` (delayed scaling); fp32 accumulation. Backward: ``dy`` in e5m2;
     dgrad ``dy @ w[g]^T`` and the grouped weight gradient ``x_g^T dy_g`` (a ragged
     contracting dimension) as FP8 GEMMs; ``w`` kept as given and quantised again with
-    the forward's scale.
+    the forward's scale. Each is :func:`jax.lax.ragged_dot_general`, which XLA lowers as
+    the masked dense product over every group (``groups`` times the routed FLOPs), unlike
+    the compute-dtype path's :func:`~sp_jax.ops.grouped.grouped_matmul`.
 
     Args:
       x: ``[rows, k]`` in the compute dtype.
@@ -238,7 +244,8 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
                 fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None)
                 ) -> jax.Array:
     """Expert FFNs of rows sorted by expert: ``down_g(act(up_g(x)))`` for the
-    ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs.
+    ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs
+    (:func:`~sp_jax.ops.grouped.grouped_matmul`: the work of the routed rows).
 
     Args:
       x: ``[rows, hidden]``; rows past ``sum(group_sizes)`` give zeros.
@@ -246,13 +253,14 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
       w_up: ``[groups, hidden, width]``; w_down: ``[groups, width', hidden]`` with
         ``width'`` the activation's output width.
       activation: of ``[rows, width]`` -> ``[rows, width']``.
-      fp8: None (the GEMMs in ``x``'s dtype) or an :class:`~sp_jax.ops.fp8.Fp8Spec`:
-        both GEMMs by :func:`fp8_grouped_gemm` (the activation in ``x``'s dtype).
+      fp8: None (the GEMMs in ``x``'s dtype, fp32 accumulation) or an
+        :class:`~sp_jax.ops.fp8.Fp8Spec`: both GEMMs by :func:`fp8_grouped_gemm` (the
+        activation in ``x``'s dtype).
       fp8_histories: the up and down GEMMs' amax histories (delayed scaling).
     """
     if fp8 is None:
-        up = lax.ragged_dot(x, w_up.astype(x.dtype), group_sizes)
-        y = lax.ragged_dot(activation(up), w_down.astype(x.dtype), group_sizes)
+        up = grouped_matmul(x, w_up.astype(x.dtype), group_sizes)
+        y = grouped_matmul(activation(up), w_down.astype(x.dtype), group_sizes)
     else:
         up = fp8_grouped_gemm(x, w_up, group_sizes, fp8, fp8_histories[0])
         y = fp8_grouped_gemm(activation(up), w_down, group_sizes, fp8, fp8_histories[1])
