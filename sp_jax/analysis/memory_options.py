@@ -138,8 +138,10 @@ def layouts(model: ModelShape, gpus: int, *, max_tensor: int = 8) -> list[PlanOp
     micro-batches); the rest over data; each with and without remat."""
     out = []
     kv = model.kv_heads or model.heads
-    # experts: tensor 1 or 2, as the compiled planner (XLA:GPU's masked ragged_dot expands
-    # its rows once per local expert: BENCHMARKS.md "Mixture of experts")
+    # experts: tensor 1 or 2, as the compiled planner (chosen while the experts' GEMMs were
+    # XLA's masked ragged_dot, which expanded the rows once per local expert; with
+    # grouped_matmul wider tensor axes are not yet searched: BENCHMARKS.md "Mixture of
+    # experts")
     for t in (d for d in range(1, (2 if model.experts > 1 else max_tensor) + 1)
               if gpus % d == 0):
         if model.heads % t or (kv % t and t % kv):
