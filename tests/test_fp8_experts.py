@@ -210,14 +210,20 @@ def _fp8_gemms(hlo: str) -> dict[str, int]:
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_h100_fp8_experts_are_cublaslt_fp8_gemms(scaling):
     """Deviceless 8 x H100 compile (tensor 8, bf16) of the gradients through 2 FP8
-    mixture-of-experts Blocks: each layer's 2 grouped GEMMs run forward, dgrad and wgrad
-    as cuBLASLt FP8 GEMMs (6 per layer, beside the attention projections' 6), given
-    xla_gpu_enable_triton_gemm=false; without FP8 the experts run none."""
+    mixture-of-experts Blocks. One expert per device: each layer's 2 grouped GEMMs run
+    forward, dgrad and wgrad as cuBLASLt FP8 GEMMs (6 per layer, beside the attention
+    projections' 6), given xla_gpu_enable_triton_gemm=false. Several (4): the experts'
+    GEMMs are the routed rows' tile loops (no masked product over every expert), none an
+    FP8 GEMM; without FP8 the experts run none."""
     from sp_jax.xla_flags import FP8_COMPILER_OPTIONS
 
+    fp8 = dict(fp8=sp_jax.Fp8Recipe(scaling, 4), compiler_options=FP8_COMPILER_OPTIONS)
+    one = dict(num_experts=1, experts_per_token=1, moe_mlp_hidden=128)
+    assert _fp8_gemms(h100_block_stack(2, **fp8, **one).hlo) == {"experts": 2 * 6,
+                                                                  "other": 2 * 6}
     moe = dict(num_experts=4, experts_per_token=2, moe_mlp_hidden=128)
-    rep = h100_block_stack(2, fp8=sp_jax.Fp8Recipe(scaling, 4),
-                           compiler_options=FP8_COMPILER_OPTIONS, **moe)
-    assert _fp8_gemms(rep.hlo) == {"experts": 2 * 6, "other": 2 * 6}
+    rep = h100_block_stack(2, **fp8, **moe)
+    assert _fp8_gemms(rep.hlo) == {"experts": 0, "other": 2 * 6}
+    assert "ragged_dot" not in rep.hlo and " while(" in rep.hlo
     plain = h100_block_stack(1, compiler_options=FP8_COMPILER_OPTIONS, **moe)
     assert _fp8_gemms(plain.hlo) == {"experts": 0, "other": 0}

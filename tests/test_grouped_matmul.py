@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.ops.grouped import grouped_matmul_tiles
+from sp_jax.ops.grouped import grouped_matmul_tiles, grouped_wgrad
 from sp_jax.ops.moe import grouped_matmul
 
 
@@ -39,7 +39,8 @@ CASES = {  # name: (rows, group sizes)
 
 
 def test_grouped_matmul_equals_ragged_dot_values_and_gradients():
-    """fp32: the result, dx and dW equal ragged_dot's (1e-5) for every case, at tiles
+    """fp32: the result, dx and dW (and ``grouped_wgrad``'s weight gradient) equal
+    ragged_dot's (1e-5) for every case, at tiles
     smaller than and larger than the groups (and the platform's default, larger than every
     buffer here), under jit and eagerly."""
     rng = np.random.default_rng(0)
@@ -56,6 +57,14 @@ def test_grouped_matmul_equals_ragged_dot_values_and_gradients():
                 assert a.dtype == b.dtype and a.shape == b.shape, (name, tile, what)
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5,
                                            err_msg=f"{name}, tile {tile}: {what}")
+        # the weight gradient alone (the FP8 experts' wgrad): ragged_dot_general's with a
+        # ragged contracting dimension
+        wgrad = lax.ragged_dot_general(x, dy, sizes, lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,),
+            rhs_group_dimensions=()), preferred_element_type=jnp.float32)
+        for tile in (3, None):
+            np.testing.assert_allclose(jax.jit(grouped_wgrad, static_argnames="tile")(
+                x, dy, sizes, tile=tile), wgrad, rtol=1e-5, atol=1e-5, err_msg=name)
     y = grouped_matmul(x, w, sizes, tile=3)  # eager
     np.testing.assert_allclose(y, lax.ragged_dot(x, w, sizes), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="tile=0"):

@@ -23,7 +23,7 @@ from jax import lax
 
 from sp_jax.ops.primitives import fresh_zeros, vary, vma
 
-__all__ = ["CPU_TILE", "GPU_TILE", "grouped_matmul", "grouped_matmul_tiles"]
+__all__ = ["CPU_TILE", "GPU_TILE", "grouped_matmul", "grouped_matmul_tiles", "grouped_wgrad"]
 
 CPU_TILE = 128
 """The default tile (rows per GEMM) on XLA:CPU (``benchmarks/grouped_gemm.py``, BENCHMARKS.md:
@@ -122,6 +122,22 @@ def _backward(x, w, group_sizes, dy, tile):
     return dx, dw.astype(w.dtype)
 
 
+def _wgrad(x, dy, group_sizes, tile, groups):
+    rows = x.shape[0]
+    acc = _accumulator(jnp.result_type(x, dy))
+
+    def step(dw, g, at, mask):
+        keep = mask[:, None]
+        xt = jnp.where(keep, lax.dynamic_slice_in_dim(x, at, tile), jnp.zeros((), x.dtype))
+        dyt = jnp.where(keep, lax.dynamic_slice_in_dim(dy, at, tile), jnp.zeros((), dy.dtype))
+        dwg = lax.dynamic_index_in_dim(dw, g, keepdims=True)
+        dwg = dwg + jnp.matmul(xt.T, dyt, preferred_element_type=acc)[None]
+        return lax.dynamic_update_slice_in_dim(dw, dwg, g, 0)
+
+    init = fresh_zeros((groups, x.shape[1], dy.shape[1]), acc, x)
+    return _tiles(step, group_sizes, rows, tile, init)
+
+
 def _per_platform(fn, tile, *args):
     """``fn(*args, tile=...)`` with ``tile``, or None: :data:`CPU_TILE` on XLA:CPU and
     :data:`GPU_TILE` elsewhere (chosen at lowering time)."""
@@ -189,3 +205,31 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     axes = vma(x) | vma(w) | vma(group_sizes)
     return _grouped(vary(x, axes), vary(w, axes), group_sizes.astype(jnp.int32), tile,
                     out_dtype)
+
+
+def grouped_wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
+                  tile: int | None = None) -> jax.Array:
+    """``sum_r x_r^T dy_r`` over the rows ``r`` of each group (the weight gradient of
+    :func:`grouped_matmul`, :func:`jax.lax.ragged_dot_general` with a ragged contracting
+    dimension), one GEMM per tile of the routed rows, in fp32 (or wider); not itself
+    differentiated.
+
+    Args:
+      x: ``[rows, k]``; dy: ``[rows, n]``, rows sorted by group (rows past
+        ``sum(group_sizes)`` belong to no group).
+      group_sizes: int ``[groups]``.
+      tile: as :func:`grouped_matmul`.
+    Returns:
+      ``[groups, k, n]``.
+    """
+    group_sizes = jnp.asarray(group_sizes)
+    if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0] or group_sizes.ndim != 1:
+        raise ValueError(f"grouped_wgrad: x {x.shape} and dy {dy.shape} must be [rows, k] "
+                         f"and [rows, n], group_sizes {group_sizes.shape} [groups].")
+    groups = group_sizes.shape[0]
+    acc = _accumulator(jnp.result_type(x, dy))
+    if x.shape[0] == 0 or groups == 0:
+        return jnp.zeros((groups, x.shape[1], dy.shape[1]), acc)
+    axes = vma(x) | vma(dy) | vma(group_sizes)
+    return _per_platform(functools.partial(_wgrad, groups=groups), tile, vary(x, axes),
+                         vary(dy, axes), group_sizes.astype(jnp.int32))

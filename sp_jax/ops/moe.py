@@ -23,8 +23,10 @@ quantisation: e4m3 rows and expert weights, e5m2 output gradients, one whole-ten
 each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general` forward, dgrad and
 wgrad (the grouped weight gradient, ragged contracting dimension), each of which XLA:GPU
 (jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense product
-(``benchmarks/fp8_ragged_dot.py``): the FP8 path keeps ``ragged_dot_general`` (whole
-tensor scales over the masked product; not yet a per-tile FP8 GEMM).
+(``benchmarks/fp8_ragged_dot.py``) where a device holds one expert; with several experts
+per device the masked product would cost ``groups`` times the routed FLOPs, so there the
+three run as the routed rows' tile loops on the dequantised FP8 values (not yet a
+per-tile FP8 GEMM).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from sp_jax.ops.fp8 import INPUT, KERNEL, Fp8Context, Fp8Gemm, Fp8Spec, dequantize
-from sp_jax.ops.grouped import grouped_matmul
+from sp_jax.ops.grouped import grouped_matmul, grouped_wgrad
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
 from sp_jax.ops.rules import tied_output
 
@@ -160,13 +162,28 @@ _WGRAD = ((0,), (0,), (0,), ())      # [rows, h] x [rows, F] -> [G, h, F]
 
 def _scaled_ragged(a, a_scale, b, b_scale, group_sizes, dims, out_dtype):
     """The FP8 grouped GEMM of :func:`sp_jax.ops.fp8.gemm`'s form: dequantised operands,
-    fp32 accumulation, in ``out_dtype`` (XLA folds the scales into cuBLASLt's)."""
+    fp32 accumulation, in ``out_dtype``. One group (an expert per device): one
+    :func:`jax.lax.ragged_dot_general`, which XLA:GPU runs as one cuBLASLt FP8 GEMM (the
+    scales folded into cuBLASLt's). Several groups: the masked lowering would compute
+    ``groups`` times the routed FLOPs, so the routed rows' tile loops
+    (:func:`~sp_jax.ops.grouped.grouped_matmul`, :func:`~sp_jax.ops.grouped.grouped_wgrad`)
+    on the FP8 values in bf16 (e4m3 and e5m2 values are exact in bf16; bf16 tensor-core
+    GEMMs of exact products, fp32 accumulation) times the two whole-tensor scales."""
+    if group_sizes.shape[0] > 1:
+        a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        if dims == _WGRAD:
+            out = grouped_wgrad(a16, b16, group_sizes)
+        else:
+            out = grouped_matmul(a16, b16 if dims == _FORWARD else jnp.swapaxes(b16, 1, 2),
+                                 group_sizes, preferred_element_type=jnp.float32)
+        return (out * (a_scale * b_scale)).astype(out_dtype)
+    a, b = dequantize(a, a_scale), dequantize(b, b_scale)
     lhs_c, rhs_c, ragged, group = dims
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=((lhs_c, rhs_c), ((), ())), lhs_ragged_dimensions=ragged,
         rhs_group_dimensions=group)
-    out = lax.ragged_dot_general(dequantize(a, a_scale), dequantize(b, b_scale), group_sizes,
-                                 numbers, preferred_element_type=jnp.float32)
+    out = lax.ragged_dot_general(a, b, group_sizes, numbers,
+                                 preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
 
@@ -221,9 +238,11 @@ def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: F
     or from ``history`` (delayed scaling); fp32 accumulation. Backward: ``dy`` in e5m2;
     dgrad ``dy @ w[g]^T`` and the grouped weight gradient ``x_g^T dy_g`` (a ragged
     contracting dimension) as FP8 GEMMs; ``w`` kept as given and quantised again with
-    the forward's scale. Each is :func:`jax.lax.ragged_dot_general`, which XLA lowers as
-    the masked dense product over every group (``groups`` times the routed FLOPs), unlike
-    the compute-dtype path's :func:`~sp_jax.ops.grouped.grouped_matmul`.
+    the forward's scale. With one group each is :func:`jax.lax.ragged_dot_general` (one
+    cuBLASLt FP8 GEMM on GPUs); with several, whose masked lowering would cost ``groups``
+    times the routed FLOPs, each is a tile loop over the routed rows
+    (:func:`~sp_jax.ops.grouped.grouped_matmul`, :func:`~sp_jax.ops.grouped.grouped_wgrad`)
+    of the FP8 values in bf16 (exact) with fp32 accumulation, times the scales.
 
     Args:
       x: ``[rows, k]`` in the compute dtype.
