@@ -50,36 +50,17 @@ def fine_grained_step_times(*, tokens: int = 128, h: int = 256, F: int = 128, E:
     interleaved rounds)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
     from jax import lax
-    from jax.sharding import PartitionSpec as P
 
     import sp_jax
-    from sp_jax.models import GPTConfig
+    from benchmarks.moe import LayerBench
     from sp_jax.ops import moe as moe_ops
 
-    mesh = jax.make_mesh((1, ep, 1, 1), AXES,
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 4,
-                         devices=jax.devices()[:ep])
-    cfg = GPTConfig(vocab_size=256, max_seq_len=tokens, num_layers=1, num_heads=4, hidden=h,
-                    mlp_hidden=k * F, norm="rmsnorm", mlp_activation="swiglu",
-                    mlp_bias=False, num_experts=E, experts_per_token=k, moe_mlp_hidden=F)
-    par = sp_jax.ParallelConfig(expert_axis="expert")
-    x = np.random.default_rng(0).normal(size=(ep, tokens, h)).astype(np.float32)
-
-    def program(module):
-        def loss(m, x):
-            out = m(x)
-            out = out[0] if isinstance(out, tuple) else out
-            return jnp.sum(out ** 2)
-
-        return nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-
-    with jax.set_mesh(mesh):
-        moe = sp_jax.layers.MoE(cfg.moe_config(), parallel=par, rngs=nnx.Rngs(0))
-        dense = sp_jax.layers.MLP(cfg.mlp_config(), parallel=par, rngs=nnx.Rngs(0))
-        xs = jax.device_put(x, jax.NamedSharding(mesh, P(("data", "expert"), "tensor")))
+    bench = LayerBench.make(tokens=tokens, h=h, F=F, E=E, k=k, ep=ep)
+    cfg, par, moe, dense, xs, program = (bench.cfg, bench.parallel, bench.moe, bench.dense,
+                                         bench.x, bench.program)
+    with jax.set_mesh(bench.mesh):
         programs = {"dense MLP (width k F)": (program(dense), dense),
                     "MoE, grouped_matmul": (program(moe), moe)}
         compile_s = {}

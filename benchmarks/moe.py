@@ -126,6 +126,49 @@ def compile_moe_stack(mesh_shape: tuple[int, ...], *, recompute: bool = True,
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerBench:
+    """The CPU comparisons' programs: the dropless layer (``E`` experts, top ``k``,
+    width ``F``) and a dense MLP of width ``k F`` (the same active FLOPs) on ``ep`` CPU
+    devices (an expert axis of ``ep``), their input (``tokens`` per device, fp32) and
+    :meth:`program` (the jitted forward+backward of a module)."""
+
+    mesh: Any
+    cfg: GPTConfig
+    parallel: Any
+    moe: Any
+    dense: Any
+    x: Any
+
+    @classmethod
+    def make(cls, *, tokens: int, h: int, F: int, E: int, k: int, ep: int) -> LayerBench:
+        mesh = jax.make_mesh((1, ep, 1, 1), AXES,
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 4,
+                             devices=jax.devices()[:ep])
+        cfg = GPTConfig(vocab_size=256, max_seq_len=tokens, num_layers=1, num_heads=4,
+                        hidden=h, mlp_hidden=k * F, norm="rmsnorm", mlp_activation="swiglu",
+                        mlp_bias=False, num_experts=E, experts_per_token=k, moe_mlp_hidden=F)
+        par = sp_jax.ParallelConfig(expert_axis="expert")
+        x = np.random.default_rng(0).normal(size=(ep, tokens, h)).astype(np.float32)
+        with jax.set_mesh(mesh):
+            moe = sp_jax.layers.MoE(cfg.moe_config(), parallel=par, rngs=nnx.Rngs(0))
+            dense = sp_jax.layers.MLP(cfg.mlp_config(), parallel=par, rngs=nnx.Rngs(0))
+            xs = jax.device_put(x, jax.NamedSharding(mesh, P(("data", "expert"), "tensor")))
+        return cls(mesh, cfg, par, moe, dense, xs)
+
+    @staticmethod
+    def program(module):
+        """The jitted gradient of ``sum(module(x) ** 2)`` w.r.t. the module and ``x``."""
+        del module  # the program takes the module as its argument
+
+        def loss(m, x):
+            out = m(x)
+            out = out[0] if isinstance(out, tuple) else out
+            return jnp.sum(out ** 2)
+
+        return nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+
+
 def _timed(fn, args, rounds: int) -> float:
     jax.block_until_ready(fn(*args))
     times = []
@@ -143,26 +186,10 @@ def cpu_step_times(*, tokens: int = 2048, h: int = 256, F: int = 512, E: int = 8
     grouped GEMMs (interleaved rounds)."""
     from sp_jax.ops import moe as moe_ops
 
-    mesh = jax.make_mesh((1, 1, 1, 1), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 4,
-                         devices=jax.devices()[:1])
-    cfg = GPTConfig(vocab_size=256, max_seq_len=tokens, num_layers=1, num_heads=4, hidden=h,
-                    mlp_hidden=k * F, norm="rmsnorm", mlp_activation="swiglu",
-                    mlp_bias=False, num_experts=E, experts_per_token=k, moe_mlp_hidden=F)
-    par = sp_jax.ParallelConfig(expert_axis="expert")
-    x = np.random.default_rng(0).normal(size=(1, tokens, h)).astype(np.float32)
-
-    def program(module):
-        def loss(m, x):
-            out = m(x)
-            out = out[0] if isinstance(out, tuple) else out
-            return jnp.sum(out ** 2)
-
-        return nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-
-    with jax.set_mesh(mesh):
-        moe = sp_jax.layers.MoE(cfg.moe_config(), parallel=par, rngs=nnx.Rngs(0))
-        dense = sp_jax.layers.MLP(cfg.mlp_config(), parallel=par, rngs=nnx.Rngs(0))
-        xs = jax.device_put(x, jax.NamedSharding(mesh, P(("data", "expert"), "tensor")))
+    bench = LayerBench.make(tokens=tokens, h=h, F=F, E=E, k=k, ep=1)
+    cfg, par, moe, dense, xs, program = (bench.cfg, bench.parallel, bench.moe, bench.dense,
+                                         bench.x, bench.program)
+    with jax.set_mesh(bench.mesh):
         real = moe_ops.grouped_ffn
 
         def stand_in(rows, sizes, w_up, w_down, activation, **fp8):  # one dense GEMM pair

@@ -337,6 +337,16 @@ class GPTConfig:
         return cls(**{**base, **overrides})
 
     @classmethod
+    def _preset(cls, family: str, name: str, presets: dict[str, dict[str, Any]],
+                common: dict[str, Any], overrides: dict[str, Any]) -> GPTConfig:
+        """The config of preset ``name`` of a ``family`` classmethod: its ``common``
+        fields, the preset's, then ``overrides``."""
+        if name not in presets:
+            raise ValueError(f"GPTConfig.{family}: name={name!r} is not one of "
+                             f"{list(presets)}.")
+        return cls(**{**common, **presets[name], **overrides})
+
+    @classmethod
     def llama(cls, name: str = "llama-2-7b", **overrides: Any) -> GPTConfig:
         """Llama-family shapes (Touvron et al. 2023; Meta's Llama 3): rotary positions,
         RMSNorm, SwiGLU MLP, no biases, untied head. Only shapes: nothing is downloaded.
@@ -365,9 +375,7 @@ class GPTConfig:
                                num_kv_heads=2, hidden=64, mlp_hidden=160,
                                rope_base=500000.0, norm_epsilon=1e-5),
         }
-        if name not in presets:
-            raise ValueError(f"GPTConfig.llama: name={name!r} is not one of {list(presets)}.")
-        return cls(**{**common, **presets[name], **overrides})
+        return cls._preset("llama", name, presets, common, overrides)
 
     @classmethod
     def mixtral(cls, name: str = "mixtral-8x7b", **overrides: Any) -> GPTConfig:
@@ -397,10 +405,7 @@ class GPTConfig:
             "mixtral-tiny": dict(vocab_size=256, max_seq_len=128, num_layers=2, num_heads=8,
                                  num_kv_heads=2, hidden=64, mlp_hidden=32, moe_mlp_hidden=32),
         }
-        if name not in presets:
-            raise ValueError(f"GPTConfig.mixtral: name={name!r} is not one of "
-                             f"{list(presets)}.")
-        return cls(**{**common, **presets[name], **overrides})
+        return cls._preset("mixtral", name, presets, common, overrides)
 
     @classmethod
     def qwen3_moe(cls, name: str = "qwen3-30b-a3b", **overrides: Any) -> GPTConfig:
@@ -437,10 +442,7 @@ class GPTConfig:
                                    num_kv_heads=2, head_dim=16, hidden=64, mlp_hidden=192,
                                    num_experts=16, experts_per_token=4, moe_mlp_hidden=16),
         }
-        if name not in presets:
-            raise ValueError(f"GPTConfig.qwen3_moe: name={name!r} is not one of "
-                             f"{list(presets)}.")
-        return cls(**{**common, **presets[name], **overrides})
+        return cls._preset("qwen3_moe", name, presets, common, overrides)
 
     @classmethod
     def deepseek_v3_moe(cls, name: str = "deepseek-v3", **overrides: Any) -> GPTConfig:
@@ -495,10 +497,7 @@ class GPTConfig:
                                      num_heads=8, num_kv_heads=8, head_dim=16, hidden=64,
                                      mlp_hidden=160, num_experts=32, moe_mlp_hidden=16),
         }
-        if name not in presets:
-            raise ValueError(f"GPTConfig.deepseek_v3_moe: name={name!r} is not one of "
-                             f"{list(presets)}.")
-        return cls(**{**common, **presets[name], **overrides})
+        return cls._preset("deepseek_v3_moe", name, presets, common, overrides)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward and backward, recomputation not counted;
