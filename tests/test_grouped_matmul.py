@@ -38,6 +38,7 @@ CASES = {  # name: (rows, group sizes)
 }
 
 
+@pytest.mark.slow  # make test-fast's budget: the work test below stays fast
 def test_grouped_matmul_equals_ragged_dot_values_and_gradients():
     """fp32: the result, dx and dW (and ``grouped_wgrad``'s weight gradient) equal
     ragged_dot's (1e-5) for every case, at tiles
@@ -73,6 +74,7 @@ def test_grouped_matmul_equals_ragged_dot_values_and_gradients():
         grouped_matmul(x, w[:, :-1], sizes)
 
 
+@pytest.mark.slow  # make test-fast's budget: the other tests of the file stay fast
 def test_grouped_matmul_bf16_and_per_device_in_shard_map():
     """bf16 inputs with fp32 accumulation equal ragged_dot with
     ``preferred_element_type=fp32`` (values and gradients, rounded to bf16 once); and per

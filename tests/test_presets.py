@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _util import copy_weights, param_values
 from flax import nnx
 from jax.sharding import AxisType
@@ -94,6 +95,7 @@ def test_presets_count_their_parameters_and_read_as_their_family():
         pad_token_id=93, param_dtype=jnp.float32)
 
 
+@pytest.mark.slow  # make test-fast's budget: the other tests of the file stay fast
 def test_tiny_presets_run_forward_sharded_as_unsharded():
     """``qwen3-moe-tiny`` (16 experts, 4 per token) and ``deepseek-v3-tiny`` (32 experts,
     8 per token, one shared) on 8 CPU devices, experts over 4 (4 and 8 local experts
