@@ -417,7 +417,9 @@ def _pipe_reference():
         return _train_with_metrics(cfg, sp_jax.ParallelConfig(), mesh, _pipe_batches(), None)
 
 
-@pytest.mark.parametrize("case", slow_except(PIPE_CASES, "2x1x2x1x2_1f1b_r1"))
+# slow: the fast tier covers experts in pipeline stages in test_pipeline_forward.py
+# (packed_experts), within make test-fast's budget
+@pytest.mark.parametrize("case", slow_except(PIPE_CASES))
 def test_experts_in_pipeline_stages_train_like_the_reference_loop(case):
     """Mixture-of-experts layers inside pipeline stages on (stage, data, expert, context,
     tensor) meshes (gpipe, circular, 1F1B; fsdp; ring attention): 5 AdamW steps (aux and
