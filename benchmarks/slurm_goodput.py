@@ -108,12 +108,16 @@ def wait_job(job: int, deadline: float) -> dict[str, str]:
         time.sleep(0.5)
 
 
+def _records(log: Path) -> list[dict[str, Any]]:
+    """The records of a ``--log-json`` file (none when it does not exist yet)."""
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
 def losses(log: Path) -> dict[int, float]:
     """step -> training loss of a ``--log-json`` file."""
-    if not log.exists():
-        return {}
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return {r["step"]: r["loss"] for r in _records(log) if "loss" in r}
 
 
 def wait_for_step(log: Path, step: int, job: int, deadline: float,
@@ -122,10 +126,8 @@ def wait_for_step(log: Path, step: int, job: int, deadline: float,
     (unix time); returns when (unix time). Raises TimeoutError at ``deadline``, or when
     the job ended first."""
     while time.monotonic() < deadline:
-        records = ([json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-                   if log.exists() else [])
         if any("loss" in r and r["step"] >= step and r.get("unix_time", 0) > after
-               for r in records):
+               for r in _records(log)):
             return time.time()
         if job_info(job)["JobState"] in TERMINAL:
             raise TimeoutError(f"job {job} ended before step {step}")
@@ -178,8 +180,7 @@ def breakdown(out: Path, log: Path, fault_t: float, done_at_fault: int) -> dict[
         elif seen and (m := _RESTORE.match(line.strip())):
             restored, restore_s = int(m["step"]), float(m["s"])
             break
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "loss" in r and r.get("unix_time", 0) > started]
+    steps = [r for r in _records(log) if "loss" in r and r.get("unix_time", 0) > started]
     first = steps[0]
     step_s = statistics.median(r["time_s"] for r in steps[1:]) if len(steps) > 1 else 0.0
     first_began = first["unix_time"] - first["time_s"]

@@ -98,6 +98,18 @@ def _forward(x, w, group_sizes, tile, out_dtype):
     return _tiles(step, group_sizes, rows, tile, fresh_zeros((rows, n), out_dtype, x))
 
 
+def _tile_rows(a, at, tile, keep):
+    """The ``tile`` rows of ``a`` from ``at``, those not of the tile's group zeroed."""
+    return jnp.where(keep, lax.dynamic_slice_in_dim(a, at, tile), jnp.zeros((), a.dtype))
+
+
+def _add_wgrad(dw, xt, dyt, g, acc):
+    """``dw[g] += xt^T dyt`` (in ``acc``)."""
+    dwg = lax.dynamic_index_in_dim(dw, g, keepdims=True)
+    dwg = dwg + jnp.matmul(xt.T, dyt, preferred_element_type=acc)[None]
+    return lax.dynamic_update_slice_in_dim(dw, dwg, g, 0)
+
+
 def _backward(x, w, group_sizes, dy, tile):
     rows = x.shape[0]
     acc = _accumulator(jnp.result_type(x, w, dy))
@@ -105,17 +117,12 @@ def _backward(x, w, group_sizes, dy, tile):
     def step(carry, g, at, mask):
         dx, dw = carry
         keep = mask[:, None]
-        xt = lax.dynamic_slice_in_dim(x, at, tile)
-        dyt = lax.dynamic_slice_in_dim(dy, at, tile)
-        xt = jnp.where(keep, xt, jnp.zeros((), xt.dtype))
-        dyt = jnp.where(keep, dyt, jnp.zeros((), dyt.dtype))
+        xt, dyt = _tile_rows(x, at, tile, keep), _tile_rows(dy, at, tile, keep)
         wg = lax.dynamic_index_in_dim(w, g, keepdims=False)  # [k, n]
         dxt = jnp.matmul(dyt, wg.T, preferred_element_type=acc).astype(dx.dtype)
         old = lax.dynamic_slice_in_dim(dx, at, tile)
         dx = lax.dynamic_update_slice_in_dim(dx, jnp.where(keep, dxt, old), at, 0)
-        dwg = lax.dynamic_index_in_dim(dw, g, keepdims=True)
-        dwg = dwg + jnp.matmul(xt.T, dyt, preferred_element_type=acc)[None]
-        return dx, lax.dynamic_update_slice_in_dim(dw, dwg, g, 0)
+        return dx, _add_wgrad(dw, xt, dyt, g, acc)
 
     init = (fresh_zeros(x.shape, x.dtype, x), fresh_zeros(w.shape, acc, w))
     dx, dw = _tiles(step, group_sizes, rows, tile, init)
@@ -128,11 +135,8 @@ def _wgrad(x, dy, group_sizes, tile, groups):
 
     def step(dw, g, at, mask):
         keep = mask[:, None]
-        xt = jnp.where(keep, lax.dynamic_slice_in_dim(x, at, tile), jnp.zeros((), x.dtype))
-        dyt = jnp.where(keep, lax.dynamic_slice_in_dim(dy, at, tile), jnp.zeros((), dy.dtype))
-        dwg = lax.dynamic_index_in_dim(dw, g, keepdims=True)
-        dwg = dwg + jnp.matmul(xt.T, dyt, preferred_element_type=acc)[None]
-        return lax.dynamic_update_slice_in_dim(dw, dwg, g, 0)
+        return _add_wgrad(dw, _tile_rows(x, at, tile, keep), _tile_rows(dy, at, tile, keep),
+                          g, acc)
 
     init = fresh_zeros((groups, x.shape[1], dy.shape[1]), acc, x)
     return _tiles(step, group_sizes, rows, tile, init)

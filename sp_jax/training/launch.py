@@ -268,13 +268,11 @@ class Launch:
         """Several processes: the mesh must use every device of every process."""
         need, total = math.prod(shape), self.processes * per
         if need != total:
-            named = " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, shape, strict=True)
-                               if s > 1) or "1"
             fit = f"start {need // per} processes" if need % per == 0 else "change --mesh"
-            raise ValueError(f"--mesh ({named}) needs {need} devices; the {self.processes} "
-                             f"processes have {total} ({per} each, {source}): {fit} "
-                             "(SLURM: sbatch / srun --ntasks; mpirun -np), or give the data "
-                             "axis as -1 to fill the devices")
+            raise ValueError(f"--mesh ({mesh_description(shape)}) needs {need} devices; the "
+                             f"{self.processes} processes have {total} ({per} each, "
+                             f"{source}): {fit} (SLURM: sbatch / srun --ntasks; mpirun -np), "
+                             "or give the data axis as -1 to fill the devices")
 
     def jax_timeouts(self) -> dict[str, int]:
         """The timeouts of JAX's coordination service (``jax.distributed.initialize``'s
