@@ -1,9 +1,11 @@
 """Causal attention kernels for long context: blockwise (flash-style), ring (context
 parallelism over a zigzag-sharded sequence) and Ulysses (all-to-all to head sharding).
 
-All three work on per-device arrays ``[batch, seq, heads, head_dim]``; the two
-context-parallel ones run inside :func:`jax.shard_map` over a mesh with the context axis
-``axis_name`` (of size ``c``), like the ops of :mod:`sp_jax.ops`. Each is a small
+All three work on per-device arrays ``[batch, seq, heads, head_dim]`` (the values may
+have a head size of their own, ``[batch, seq, kv_heads, v_head_dim]``, and so has the
+output: multi-head latent attention's); the two context-parallel ones run inside
+:func:`jax.shard_map` over a mesh with the context axis ``axis_name`` (of size ``c``),
+like the ops of :mod:`sp_jax.ops`. Each is a small
 :func:`jax.custom_vjp` whose residuals are ``q, k, v``, the output and the fp32
 log-sum-exp of every query row (flash-attention-2): no ``s x s`` array exists, forward
 or backward.

@@ -42,7 +42,8 @@ def _pair(seg):
 
 
 def _blockwise_forward(q, k, v, drop, seg, bq, bk, window=None, rule=ScoreRule()):
-    """``q [b, s, h, d]``, ``k, v [b, s, hk, d]`` -> (out ``[b, s, h, d]`` in q's dtype,
+    """``q [b, s, h, d]``, ``k [b, s, hk, d]``, ``v [b, s, hk, d_v]`` -> (out ``[b, s, h,
+    d_v]`` in q's dtype,
     lse, count); ``drop``: None or ``(AttentionDropout, positions)``; ``seg``: None or
     the kernel document ids ``[b, s]``; ``window``: None or the sliding window;
     ``rule``: the scores' :class:`~sp_jax.attention.kernels.ScoreRule`."""
@@ -132,10 +133,12 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     and accumulates ``dq, dk, dv`` in fp32.
 
     Args:
-      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``
-        (any float dtype), ``heads`` a multiple of ``kv_heads``: grouped-query attention
-        (query head ``j * heads / kv_heads + i`` uses key/value head ``j``, as in Hugging
-        Face's ``repeat_kv``), computed without repeating k and v.
+      q: ``[batch, seq, heads, head_dim]``; k: ``[batch, seq, kv_heads, head_dim]``; v:
+        ``[batch, seq, kv_heads, v_head_dim]`` (any float dtypes; the value head size may
+        differ from the query/key one, ``"xla"`` only), ``heads`` a multiple of
+        ``kv_heads``: grouped-query attention (query head ``j * heads / kv_heads + i``
+        uses key/value head ``j``, as in Hugging Face's ``repeat_kv``), computed without
+        repeating k and v.
       block_q / block_k: query / key rows per block: the largest divisors of ``seq`` up to
         these.
       implementation: ``"xla"`` (this kernel, every backend) or ``"cudnn"``
@@ -167,7 +170,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         log-sum-exp) in host memory between the passes
         (``ParallelConfig.offload_activations``); ``"xla"`` only.
     Returns:
-      ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
+      ``[batch, seq, heads, v_head_dim]`` in ``q.dtype``.
     """
     check_qkv("blockwise_attention", q, k, v)
     window = check_window("blockwise_attention", sliding_window)
@@ -184,6 +187,11 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
         raise ValueError("blockwise_attention: implementation='cudnn' needs a static "
                          "sliding_window (an int: cuDNN's local_window_size); a per-layer "
                          "window array runs with implementation='xla'.")
+    if implementation == "cudnn" and v.shape[3] != k.shape[3]:
+        raise ValueError(f"blockwise_attention: implementation='cudnn' needs values of the "
+                         f"keys' head size (jax.nn.dot_product_attention); got k {k.shape}, "
+                         f"v {v.shape}: use implementation='xla' for a value head size of "
+                         "its own.")
     if implementation == "cudnn":
         try:
             return jax.nn.dot_product_attention(

@@ -22,11 +22,13 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     """Per device: one query token per row against its cache.
 
     Args:
-      q: ``[b, 1, heads, d]`` (rotary applied); ``k`` / ``v``: ``[b, 1, kv_heads, d]`` of
-        the same token (``heads`` a multiple of ``kv_heads``: consecutive query heads
-        share a key/value head).
-      k_cache / v_cache: ``[b, length, kv_heads, d]``: the entries of positions
-        ``< positions[b]`` are row ``b``'s earlier tokens (later ones are ignored).
+      q: ``[b, 1, heads, d]`` (rotary applied); ``k`` / ``v``: ``[b, 1, kv_heads, d]`` /
+        ``[b, 1, kv_heads, d_v]`` of the same token (``heads`` a multiple of
+        ``kv_heads``: consecutive query heads share a key/value head; ``d_v``, the value
+        head size, may differ from ``d``).
+      k_cache / v_cache: ``[b, length, kv_heads, d]`` / ``[b, length, kv_heads, d_v]``:
+        the entries of positions ``< positions[b]`` are row ``b``'s earlier tokens
+        (later ones are ignored).
       positions: int ``[b]``: each row's position of this token.
       sliding_window: attend only to the last ``sliding_window`` tokens (this one
         included), or None.
@@ -43,7 +45,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
         ``c``: ``c * tanh(s / c)`` before the mask), as the training kernels'
         (:func:`~sp_jax.attention.blockwise_attention`).
     Returns:
-      ``[b, 1, heads * d]`` in ``q.dtype``; softmax in fp32.
+      ``[b, 1, heads * d_v]`` in ``q.dtype``; softmax in fp32.
     """
     b, _, heads, d = q.shape
     kv_heads, length = k.shape[2], k_cache.shape[1]
@@ -73,4 +75,4 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     total = total + p_self
     out = out + p_self[..., None] * v[:, 0][:, :, None, :].astype(f32)
     out = out / total[..., None]
-    return out.reshape(b, 1, heads * d).astype(q.dtype)
+    return out.reshape(b, 1, heads * v.shape[-1]).astype(q.dtype)

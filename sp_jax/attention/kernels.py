@@ -5,9 +5,10 @@ sliding window, the key blocks wholly before it skipped too and those crossing i
 masked.
 
 Layout inside the kernels: queries ``[b, kv_heads, g, s, d]`` (``g`` query heads per
-key/value head), keys and values ``[b, kv_heads, s, d]``; :func:`q_to_kernel` /
-:func:`q_from_kernel` and :func:`to_bhsd` / :func:`to_bshd` convert from and to the
-public ``[b, s, heads, d]``.
+key/value head), keys ``[b, kv_heads, s, d]`` and values ``[b, kv_heads, s, d_v]`` (the
+value head size ``d_v`` may differ from the query/key one ``d``: the output and the value
+gradients are ``d_v`` wide); :func:`q_to_kernel` / :func:`q_from_kernel` and
+:func:`to_bhsd` / :func:`to_bshd` convert from and to the public ``[b, s, heads, d]``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,7 +28,7 @@ from sp_jax.ops.primitives import fresh_zeros, vary, vma
 
 __all__ = ["ScoreRule", "backward_blocks", "block_size", "check_qkv", "forward_blocks",
            "kernel_segments", "q_from_kernel", "q_to_kernel", "row_delta", "same_vma",
-           "score_rule", "to_bhsd", "to_bshd"]
+           "score_rule", "to_bhsd", "to_bshd", "zeros_of_shape"]
 
 _F32 = jnp.float32
 # The score of a key in another document: finite, so that a row whose keys in a block are
@@ -36,6 +38,14 @@ _OTHER_DOCUMENT = -1e30
 # The padding segment (0) as the largest id: packed rows keep their ids non-decreasing, and
 # each block's [min, max] range then tells whether two blocks can share a document.
 _PADDING = jnp.iinfo(jnp.int32).max
+
+
+def zeros_of_shape(zero: jax.Array, shape: tuple[int, ...], make: Callable[[], jax.Array]
+                   ) -> jax.Array:
+    """``zero`` itself when it has ``shape``, else ``make()``: the value-sized accumulators
+    (``d_v`` wide) start from the key-sized zeros when the head sizes agree, so those
+    programs keep one buffer, as before the value head size could differ."""
+    return zero if tuple(zero.shape) == tuple(shape) else make()
 
 
 def block_size(length: int, block: int, name: str = "block") -> int:
@@ -217,8 +227,9 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
                    window: int | None = None, offset: Any = 0,
                    rule: ScoreRule = ScoreRule()
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention of ``q [b, h, g, sq, d]`` over ``k, v [b, h, sk, d]`` in blocks (the
-    ``g`` query heads of group ``h`` share key/value head ``h``).
+    """Attention of ``q [b, h, g, sq, d]`` over ``k [b, h, sk, d]`` and ``v [b, h, sk,
+    d_v]`` in blocks (the ``g`` query heads of group ``h`` share key/value head ``h``;
+    ``d_v``, the value head size, may differ from ``d``).
 
     ``causal``: ``sq == sk`` and query ``i`` sees keys ``0 .. i`` (key blocks above the
     diagonal are not visited; those crossing it are masked); else every query sees every
@@ -236,10 +247,10 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
     -0.5``, no cap).
 
     Returns:
-      ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d]``, the log-sum-exp
+      ``(out, lse, count)``: normalised ``out`` fp32 ``[b, h, g, sq, d_v]``, the log-sum-exp
       fp32 ``[b, h, g, sq]`` and the number of block products computed (int32).
     """
-    sq, sk = q.shape[-2], k.shape[-2]
+    sq, sk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     docs = _Documents(segments, bq, bk)
     _check_window(window, causal, offset)
 
@@ -266,7 +277,9 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
             return o, m_new, norm, n + 1
 
         zero = jnp.zeros_like(q_i, dtype=_F32)  # varies like q inside shard_map
-        acc = (zero, zero[..., 0] - jnp.inf, zero[..., 0], count)
+        o_zero = zeros_of_shape(zero, (*q_i.shape[:-1], dv), lambda: jnp.zeros_like(
+            q_i, dtype=_F32, shape=(*q_i.shape[:-1], dv)))
+        acc = (o_zero, zero[..., 0] - jnp.inf, zero[..., 0], count)
         if causal:
             # key blocks wholly at or before the first query: unmasked; then the blocks
             # crossing the diagonal, up to the one holding the last query's position
@@ -302,7 +315,8 @@ def forward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, bq
                                               axis=lse.ndim - 1)
         return out, lse, count
 
-    out = fresh_zeros(q.shape, _F32, q)  # not a constant that every layer would share
+    # not a constant that every layer would share; d_v wide
+    out = fresh_zeros((*q.shape[:-1], dv), _F32, q)
     init = (out, out[..., 0], jnp.int32(0))
     return lax.fori_loop(0, sq // bq, q_block, init)
 
@@ -319,15 +333,16 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
     query blocks that see them; the same blocks skipped and masked as forward).
 
     Args:
-      q, do: ``[b, h, g, sq, d]``; k, v: ``[b, h, sk, d]``.
+      q: ``[b, h, g, sq, d]``; k: ``[b, h, sk, d]``; v: ``[b, h, sk, d_v]``; do:
+        ``[b, h, g, sq, d_v]``.
       lse, delta: fp32 ``[b, h, g, sq]``: the log-sum-exp of the whole attention row and
         ``rowsum(do * out)``.
       dq: fp32 ``[b, h, g, sq, d]`` accumulator the query gradients are added to.
       segments, window, offset, rule: the document ids, the sliding window, the queries'
         offset and the scores' rule, as in :func:`forward_blocks`.
     Returns:
-      ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk, dv [b, h, sk, d]`` of this
-      call, the number of block products.
+      ``(dq, dk, dv, count)``: ``dq`` accumulated, fp32 ``dk [b, h, sk, d]`` and ``dv
+      [b, h, sk, d_v]`` of this call, the number of block products.
     """
     sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = rule.scale_for(d)
@@ -363,7 +378,8 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
             return dq, dk_j, dv_j, n + 1
 
         zero = jnp.zeros_like(k_j, dtype=_F32)
-        acc = (dq, zero, zero, count)
+        acc = (dq, zero, zeros_of_shape(zero, v_j.shape,
+                                        lambda: jnp.zeros_like(v_j, dtype=_F32)), count)
         if causal:
             # query blocks from the one holding position k_start; masked while their first
             # query precedes the block's last key
@@ -395,7 +411,8 @@ def backward_blocks(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse
     # dk / dv made from k, not a constant that every layer would share (one buffer alive
     # across the whole backward pass)
     zero = fresh_zeros(k.shape, _F32, k)
-    return lax.fori_loop(0, sk // bk, k_block, (dq, zero, zero, jnp.int32(0)))
+    dv = zeros_of_shape(zero, v.shape, lambda: fresh_zeros(v.shape, _F32, v))
+    return lax.fori_loop(0, sk // bk, k_block, (dq, zero, dv, jnp.int32(0)))
 
 
 def row_delta(do: jax.Array, out: jax.Array) -> jax.Array:
@@ -425,12 +442,17 @@ def q_from_kernel(x: jax.Array) -> jax.Array:
 
 
 def check_qkv(name: str, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-    if (q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[:2] != k.shape[:2]
-            or q.shape[3] != k.shape[3] or k.shape[2] == 0 or q.shape[2] % k.shape[2]):
+    """A ValueError naming ``name`` unless ``q [batch, seq, heads, head_dim]``, ``k
+    [batch, seq, kv_heads, head_dim]`` and ``v [batch, seq, kv_heads, v_head_dim]``
+    agree (``heads`` a multiple of ``kv_heads``; the value head size is free)."""
+    if (q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]
+            or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or k.shape[2] == 0
+            or q.shape[2] % k.shape[2] or v.shape[3] == 0):
         raise ValueError(
-            f"{name}: q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
-            f"head_dim] must agree, with heads a multiple of kv_heads (grouped-query "
-            f"attention); got q {q.shape}, k {k.shape}, v {v.shape}."
+            f"{name}: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim] "
+            f"and v [batch, seq, kv_heads, v_head_dim] must agree, with heads a multiple "
+            f"of kv_heads (grouped-query attention); got q {q.shape}, k {k.shape}, "
+            f"v {v.shape}."
         )
 
 

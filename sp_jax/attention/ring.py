@@ -25,6 +25,7 @@ from sp_jax.attention.kernels import (
     score_rule,
     to_bhsd,
     to_bshd,
+    zeros_of_shape,
 )
 from sp_jax.attention.sequence_order import zigzag_positions
 from sp_jax.ops.primitives import AxisName, fresh_zeros, to_device, to_host, vary
@@ -138,7 +139,8 @@ _OWN, _BEFORE, _AFTER = ((0, 0), (1, 1), (1, 0)), ((0, 0), (1, 0)), ((1, 0), (1,
 
 def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
                   rule=ScoreRule()):
-    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k, v [b, h, 2n, d]`` and the
+    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k [b, h, 2n, d]``, ``v [b, h,
+    2n, d_v]`` and the
     kernel document ids ``seg [b, 2n]`` (or None) -> (out fp32, lse, count); ``rule``:
     the scores' :class:`~sp_jax.attention.kernels.ScoreRule`."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -230,8 +232,9 @@ def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None
             bq=bq, bk=bk, drop=drop_before(src),
             segments=_segments(seg, None if seg is None else seg_t[:, :n]), rule=rule)
         pad = jnp.zeros_like(dk_p)
+        pad_v = zeros_of_shape(pad, dv_p.shape, lambda: jnp.zeros_like(dv_p))
         return (dq, jnp.concatenate([dk_p, pad], axis=-2),
-                jnp.concatenate([dv_p, pad], axis=-2), cnt)
+                jnp.concatenate([dv_p, pad_v], axis=-2), cnt)
 
     def after(kv, src, dq):
         k_t, v_t, seg_t = kv
@@ -360,7 +363,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     Args:
       q, k, v: the local zigzag shards ``[batch, 2n, heads, head_dim]`` (k, v:
         ``kv_heads``, as in :func:`blockwise_attention`; only the key/value heads travel
-        the ring).
+        the ring); ``v``'s head size may differ from q's and k's (``[batch, 2n,
+        kv_heads, v_head_dim]``: the values, their gradients' accumulators and the output
+        are that wide).
       axis_name: the context mesh axis.
       block_q / block_k: query / key rows per block: the largest divisors of ``n`` up to
         these.
@@ -382,7 +387,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
       offload_residuals: keep the residuals (``q, k, v``, output, log-sum-exp) in host
         memory between the passes (``ParallelConfig.offload_activations``).
     Returns:
-      ``[batch, 2n, heads, head_dim]`` in ``q.dtype``, causal over global positions, in
+      ``[batch, 2n, heads, v_head_dim]`` in ``q.dtype``, causal over global positions, in
       the same zigzag layout as ``q``.
     """
     check_qkv("ring_attention", q, k, v)

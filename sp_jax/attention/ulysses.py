@@ -33,9 +33,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
     The backward pass is the same all-to-alls around the blockwise kernel's backward.
 
     Args:
-      q, k, v: local ``[batch, s / c, heads, head_dim]`` (k, v: ``kv_heads``, as in
-        :func:`blockwise_attention`); ``heads`` and ``kv_heads`` (the heads on this device)
-        divisible by ``c``, so each context device gets whole query groups.
+      q, k, v: local ``[batch, s / c, heads, head_dim]`` (k, v: ``kv_heads``, v's head
+        size free, as in :func:`blockwise_attention`); ``heads`` and ``kv_heads`` (the
+        heads on this device) divisible by ``c``, so each context device gets whole
+        query groups.
       axis_name: the context mesh axis.
       block_q / block_k: rows per block: the largest divisors of ``s`` up to these.
       implementation: the kernel on the head shards, as in :func:`blockwise_attention`
@@ -51,7 +52,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
       offload_residuals: the local attention's residuals in host memory between the
         passes (:func:`blockwise_attention`).
     Returns:
-      ``[batch, s / c, heads, head_dim]`` in ``q.dtype``.
+      ``[batch, s / c, heads, v_head_dim]`` in ``q.dtype``.
     """
     check_qkv("ulysses_attention", q, k, v)
     if implementation not in IMPLEMENTATIONS:

@@ -5,11 +5,20 @@ Modules, bottom to top: ``linear`` (the four TP / SP linear layers), ``embedding
 logits), ``norm`` (LayerNorm / RMSNorm on sequence shards), ``dropout`` (sharding-invariant
 dropout), ``rotary`` (rotary position embeddings), ``block_config`` (the configurations of
 a block's attention and MLP, and the grouped-query rules), ``qkv`` (the grouped-query
-q/k/v projection), ``attention`` (causal self-attention), ``mlp`` and ``moe`` (the
-mixture-of-experts MLP).
+q/k/v projection), ``attention_registry`` (the attention seam: the registry of attention
+classes, ``GPTConfig.attention``, and the base of their cache types), ``attention``
+(causal self-attention, the ``"mha"`` entry, and its :class:`KVCache`), ``mlp`` and
+``moe`` (the mixture-of-experts MLP).
 """
 
-from sp_jax.layers.attention import FULL_WINDOW, CausalSelfAttention, LayerWindow
+from sp_jax.layers.attention import FULL_WINDOW, CausalSelfAttention, KVCache, LayerWindow
+from sp_jax.layers.attention_registry import (
+    Attention,
+    AttentionCache,
+    attention_class,
+    attention_names,
+    register_attention,
+)
 from sp_jax.layers.block_config import (
     MLP_ACTIVATIONS,
     AttentionConfig,
@@ -69,6 +78,12 @@ __all__ = [
     "kv_heads_replicated",
     "GroupedQKVProjection",
     "CausalSelfAttention",
+    "KVCache",
+    "Attention",
+    "AttentionCache",
+    "attention_class",
+    "attention_names",
+    "register_attention",
     "MLP",
     "MLPActivation",
     "MoE",

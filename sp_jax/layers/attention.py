@@ -1,7 +1,10 @@
-"""Pre-LN causal self-attention in the TP+SP layout (Flax NNX) on global arrays."""
+"""Pre-LN causal self-attention in the TP+SP layout (Flax NNX) on global arrays: the
+``"mha"`` attention of the registry (:mod:`sp_jax.layers.attention_registry`) and its
+cache type, :class:`KVCache`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -22,6 +25,7 @@ from sp_jax.attention import (
 )
 from sp_jax.compat import check, features_of
 from sp_jax.config import ParallelConfig, check_layer_args
+from sp_jax.layers.attention_registry import AttentionCache, register_attention
 from sp_jax.layers.block_config import AttentionConfig, check_block_config, kv_heads_per_shard
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
@@ -38,7 +42,7 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["FULL_WINDOW", "CausalSelfAttention", "LayerWindow"]
+__all__ = ["FULL_WINDOW", "CausalSelfAttention", "KVCache", "LayerWindow"]
 
 FULL_WINDOW = 2 ** 30
 """The window a full-attention layer holds under ``GPTConfig.layer_windows``: more keys
@@ -48,6 +52,31 @@ than any sequence has (causal attention; the kernels' loop bounds stay in int32)
 class LayerWindow(nnx.Variable):
     """A layer's sliding window as data (int32 scalar; :data:`FULL_WINDOW`: full causal
     attention): stacked and scanned with the layer's parameters, never trained."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache(AttentionCache):
+    """The cache of :class:`CausalSelfAttention`: every layer's keys and values (rotary
+    angles applied), ``k [layers, batch, length, t * kv_local, head_dim]`` and ``v
+    [layers, batch, length, t * kv_local, v_head_dim]`` (``v_head_dim``: ``head_dim``
+    here; a variant may make the values wider or narrower), each sharded ``P(None, data,
+    context, tensor, None)``: the batch over the data axes, the length over the context
+    axes (:meth:`~sp_jax.layers.AttentionCache.slots`), the key/value heads as training
+    holds them (split over the tensor axis when its size divides them, else the one each
+    shard's query heads read; :func:`~sp_jax.layers.kv_heads_per_shard`). ``prompt``:
+    the padded prompt width of the prefill (static)."""
+
+    k: jax.Array
+    v: jax.Array
+    prompt: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @classmethod
+    def entry_specs(cls, layout: Layout) -> dict[str, P]:
+        """``k`` and ``v`` of one layer, ``[batch, length, heads, head_dim]``:
+        ``layout.heads(4)``, ``P(data, context, tensor, None)``."""
+        heads = layout.heads(4)
+        return {"k": heads, "v": heads}
 
 
 def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float,
@@ -102,7 +131,15 @@ class CausalSelfAttention(nnx.Module):
       rngs: ``params`` rng stream. Dropout draws from the ``rngs`` passed to each call
         (e.g. ``nnx.Rngs(dropout=key)``) in train mode; the attention dropout's key is
         drawn before the output dropout's.
+
+    The ``"mha"`` attention of :func:`~sp_jax.layers.register_attention`
+    (:class:`~sp_jax.layers.Attention`): :meth:`__call__` trains, :meth:`prefill` and
+    :meth:`decode_step` generate, with its cache type :class:`KVCache`. A variant that
+    only changes the projections' widths and column layout (e.g. another value head
+    size) subclasses it and overrides :meth:`projections` and :meth:`heads_of`.
     """
+
+    cache_type = KVCache
 
     def __init__(self, config: AttentionConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs, window: int | None = None):
@@ -128,15 +165,7 @@ class CausalSelfAttention(nnx.Module):
                       rngs=rngs)
         self.norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
                               norm_offset=config.norm_offset, **common)
-        if config.num_kv_heads == config.num_heads:
-            self.qkv = ColumnSequenceParallelLinear(config.hidden, 3 * config.attention_width,
-                                                    use_bias=config.qkv_bias, fp8=config.fp8,
-                                                    **common)
-        else:
-            self.qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
-        self.out = RowSequenceParallelLinear(config.attention_width, config.hidden,
-                                             use_bias=config.out_bias, fp8=config.fp8,
-                                             **common)
+        self.qkv, self.out = self.projections(rngs)
         self.q_norm: nnx.Param | None
         self.k_norm: nnx.Param | None
         if config.qk_norm:  # Qwen3: one RMSNorm scale [head_dim] each for q and k, replicated
@@ -152,6 +181,26 @@ class CausalSelfAttention(nnx.Module):
         self.post_norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
                                    norm_offset=config.norm_offset, **common) \
             if config.post_norms else None
+
+    def projections(self, rngs: nnx.Rngs) -> tuple[nnx.Module, nnx.Module]:
+        """The q/k/v projection (``qkv``: a column layer, SP layout in, ``P(data, None,
+        tensor)`` out, each tensor shard's columns those of its heads) and the output
+        projection (``out``: a row layer back to the SP layout), built from
+        ``self.config`` and ``self.parallel`` with ``rngs``' ``params`` draws. A variant
+        with other widths (e.g. another value head size) overrides this and
+        :meth:`heads_of`."""
+        config, parallel = self.config, self.parallel
+        common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
+                      rngs=rngs)
+        if config.num_kv_heads == config.num_heads:
+            qkv: nnx.Module = ColumnSequenceParallelLinear(
+                config.hidden, 3 * config.attention_width, use_bias=config.qkv_bias,
+                fp8=config.fp8, **common)
+        else:
+            qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
+        out = RowSequenceParallelLinear(config.attention_width, config.hidden,
+                                        use_bias=config.out_bias, fp8=config.fp8, **common)
+        return qkv, out
 
     def _check_heads(self, mesh: Mesh) -> None:
         cfg, par = self.config, self.parallel
@@ -179,7 +228,7 @@ class CausalSelfAttention(nnx.Module):
                 keep_kv: bool = False, qk_scales: tuple[jax.Array, ...] = (),
                 window: jax.Array | None = None) -> Any:
         """Per device: ``[b, s_local, 3 * heads * head_dim / t]`` (local heads, this
-        device's part of the sequence) -> ``[b, s_local, heads * head_dim / t]`` (with
+        device's part of the sequence) -> ``[b, s_local, heads * v_head_dim / t]`` (with
         ``keep_kv``, also this device's rotated ``k`` and ``v`` ``[b, s_local, kv_local,
         head_dim]``: a KV cache's prefill); ``segment_ids`` / ``positions``:
         this device's ``[b, s_local]`` document ids and token positions (or None);
@@ -213,7 +262,7 @@ class CausalSelfAttention(nnx.Module):
         else:
             out = blockwise_attention(q, k, v, implementation=cfg.attention_implementation,
                                       **blocks)
-        out = out.reshape(b, s, heads * cfg.head_dim)
+        out = out.reshape(b, s, heads * out.shape[-1])  # the values' head size
         return (out, k, v) if keep_kv else out
 
     def qk_scales(self) -> tuple[jax.Array, ...]:
@@ -241,17 +290,11 @@ class CausalSelfAttention(nnx.Module):
             return full if cfg.sliding_window is None else local
         return jnp.where(window < FULL_WINDOW, local, full)
 
-    def split_heads(self, qkv: jax.Array, positions: jax.Array | None,
-                    qk_scales: tuple[jax.Array, ...] = (), window: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def heads_of(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Per device: the projection's columns ``[b, s, width]`` (this shard's heads) ->
-        ``q [b, s, heads / t, head_dim]`` and ``k``, ``v [b, s, kv_local, head_dim]``
-        with, with ``qk_norm``, each head's q and k RMS-normalised by ``qk_scales``
-        (:meth:`qk_scales`, ``[head_dim]`` each; epsilon ``norm_epsilon``), then the
-        rotary angles of ``positions`` (``[s]`` or ``[b, s]``; unused without rotary)
-        applied to q and k (:meth:`rotary_frequencies` of ``window``, the layer's
-        traced window under ``window_per_layer``): what attention needs, in training and
-        in decoding."""
+        ``q [b, s, heads / t, head_dim]`` and ``k``, ``v [b, s, kv_local, head_dim]`` as
+        :meth:`projections` lays them out (before the q/k norms and the rotary angles;
+        a variant with other widths overrides this)."""
         cfg, par = self.config, self.parallel
         b, s, width = qkv.shape
         head_dim = cfg.head_dim
@@ -263,6 +306,21 @@ class CausalSelfAttention(nnx.Module):
             q = qkv[..., :heads * head_dim].reshape(b, s, heads, head_dim)
             k, v = jnp.unstack(qkv[..., heads * head_dim:].reshape(b, s, -1, 2, head_dim),
                                axis=3)
+        return q, k, v
+
+    def split_heads(self, qkv: jax.Array, positions: jax.Array | None,
+                    qk_scales: tuple[jax.Array, ...] = (), window: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per device: the projection's columns ``[b, s, width]`` (this shard's heads) ->
+        ``q [b, s, heads / t, head_dim]``, ``k [b, s, kv_local, head_dim]`` and ``v [b,
+        s, kv_local, v_head_dim]`` (:meth:`heads_of`) with, with ``qk_norm``, each head's
+        q and k RMS-normalised by ``qk_scales`` (:meth:`qk_scales`, ``[head_dim]`` each;
+        epsilon ``norm_epsilon``), then the rotary angles of ``positions`` (``[s]`` or
+        ``[b, s]``; unused without rotary) applied to q and k (:meth:`rotary_frequencies`
+        of ``window``, the layer's traced window under ``window_per_layer``): what
+        attention needs, in training and in decoding."""
+        cfg = self.config
+        q, k, v = self.heads_of(qkv)
         if cfg.qk_norm:
             if len(qk_scales) != 2:
                 raise ValueError(
@@ -276,9 +334,16 @@ class CausalSelfAttention(nnx.Module):
             k = rotary_embedding(k, positions, frequencies=freqs)
         return q, k, v
 
-    def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    positions: jax.Array, cache_positions: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def prefill(self, x: jax.Array) -> tuple[jax.Array, KVCache]:
+        """The training forward without dropout or documents, keeping the keys and values
+        attention used (a prompt for decoding): ``x [batch, seq, hidden]`` (SP layout) ->
+        ``(x + attention, KVCache(k, v))`` with ``k``, ``v`` ``[batch, seq, t * kv_local,
+        head_dim]`` in :meth:`KVCache.entry_specs` (``keep_kv``)."""
+        y, (k, v) = self(x, keep_kv=True)
+        return y, KVCache(k, v)
+
+    def decode_step(self, x: jax.Array, cache: KVCache, positions: jax.Array,
+                    cache_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
         this module holds its blocks of the decode layout
         (:func:`~sp_jax.layers.linear.decode_layout`; :func:`sp_jax.models.decode.
@@ -287,8 +352,9 @@ class CausalSelfAttention(nnx.Module):
 
         Args:
           x: ``[b, 1, hidden]`` whole rows (alike on every tensor shard).
-          k_cache / v_cache: ``[b, length, kv_local, head_dim]``: this shard's key/value
-            heads of the earlier tokens (:func:`~sp_jax.attention.cached_attention`).
+          cache: this layer's :class:`KVCache`, this shard's part: ``k`` / ``v`` ``[b,
+            length, kv_local, head_dim]``, its key/value heads of the earlier tokens
+            (:func:`~sp_jax.attention.cached_attention`).
           positions: int ``[b]``: each row's position of this token.
           cache_positions: int ``[length]``: the position each entry of this shard's
             cache holds, or None (entry ``j``: position ``j``). With a context axis the
@@ -296,7 +362,7 @@ class CausalSelfAttention(nnx.Module):
             are merged across it (:func:`~sp_jax.attention.cached_attention`'s
             ``axis_name``: one ``pmax`` and one ``psum`` over the context axis).
         Returns:
-          ``(x + attention, k, v)``: ``[b, 1, hidden]`` whole rows (the output
+          ``(x + attention, KVCache(k, v))``: ``[b, 1, hidden]`` whole rows (the output
           projection's one all-reduce over the tensor axis) and this token's rotated keys
           and values ``[b, 1, kv_local, head_dim]`` for the cache.
         """
@@ -304,7 +370,7 @@ class CausalSelfAttention(nnx.Module):
         layer_window = None if self.window is None else self.window[...]
         q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales(), layer_window)
         window = self.config.sliding_window if layer_window is None else layer_window
-        o = cached_attention(q, k, v, k_cache, v_cache, positions, window,
+        o = cached_attention(q, k, v, cache.k, cache.v, positions, window,
                              cache_positions=cache_positions,
                              axis_name=self.parallel.context_axes or None,
                              scale=self.config.attention_scale,
@@ -312,7 +378,7 @@ class CausalSelfAttention(nnx.Module):
         y = self.out.local_decode(o)
         if self.post_norm is not None:
             y = self.post_norm.local(y)
-        return x.astype(y.dtype) + y, k, v
+        return x.astype(y.dtype) + y, KVCache(k, v)
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: Any = None, segment_ids: jax.Array | None = None,
@@ -328,9 +394,10 @@ class CausalSelfAttention(nnx.Module):
 
         ``keep_kv``: also return the keys and values attention used (rotary angles
         applied), ``(out, (k, v))`` with ``k``, ``v`` ``[batch, seq, t * kv_local,
-        head_dim]`` ``P(data, None, tensor, None)`` (each tensor shard's ``kv_local``
-        key/value heads: the split or replicated ones of training), in the held order:
-        what :func:`sp_jax.models.generate` keeps as its KV cache after the prefill."""
+        head_dim]`` in :meth:`KVCache.entry_specs` (``P(data, context, tensor, None)``:
+        each tensor shard's ``kv_local`` key/value heads, the split or replicated ones
+        of training), in the held order: what :func:`sp_jax.models.generate` keeps as
+        its KV cache after the prefill (:meth:`prefill`)."""
         mesh = current_mesh(self.parallel, where="CausalSelfAttention")
         x = jnp.asarray(x)
         check_activations("CausalSelfAttention", x, self.config.hidden, "hidden")
@@ -354,7 +421,7 @@ class CausalSelfAttention(nnx.Module):
         docs = tuple(None if a is None else reshard(jnp.asarray(a).astype(jnp.int32),
                                                     doc_spec, mesh)
                      for a in (segment_ids, positions))
-        heads = Layout.of(self.parallel).heads(4)
+        kept = KVCache.entry_specs(Layout.of(self.parallel))
         scales = tuple(reshard(a, P(), mesh) for a in self.qk_scales())
         window = () if self.window is None else (reshard(self.window[...], P(), mesh),)
         attended = jax.shard_map(
@@ -363,8 +430,8 @@ class CausalSelfAttention(nnx.Module):
                 window=window[0] if window else None),
             in_specs=(tp, tuple(None if a is None else doc_spec for a in docs),
                       (P(),) * len(scales), (P(),) * len(window), *(P(),) * len(seeds)),
-            out_specs=(tp, heads, heads) if keep_kv else tp)(qkv, docs, scales, window,
-                                                             *seeds)
+            out_specs=(tp, kept["k"], kept["v"]) if keep_kv else tp)(
+                qkv, docs, scales, window, *seeds)
         if keep_kv:
             attended, *kv = attended
         y = self.out(attended)
@@ -373,3 +440,6 @@ class CausalSelfAttention(nnx.Module):
         y = self.dropout(y, deterministic=deterministic, rngs=rngs)
         out = x.astype(y.dtype) + y
         return (out, tuple(kv)) if keep_kv else out
+
+
+register_attention("mha", CausalSelfAttention)

@@ -1,7 +1,7 @@
 """The configurations of a transformer block's two halves, each handed whole to its module
-(:class:`AttentionConfig` to :class:`~sp_jax.layers.CausalSelfAttention`,
-:class:`MLPConfig` to :class:`~sp_jax.layers.MLP`), and the grouped-query rules of how
-key/value heads relate to query heads and to the tensor axis.
+(:class:`AttentionConfig` to :class:`~sp_jax.layers.CausalSelfAttention` or the attention
+class its ``attention`` names, :class:`MLPConfig` to :class:`~sp_jax.layers.MLP`), and the
+grouped-query rules of how key/value heads relate to query heads and to the tensor axis.
 
 Both configs are frozen dataclasses of plain values (names, numbers, dtypes), validated at
 construction, so a block's shape can be written down, compared and saved. Their fields
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from sp_jax.attention import IMPLEMENTATIONS
 from sp_jax.compat import check
 from sp_jax.config import Fp8Recipe
+from sp_jax.layers.attention_registry import check_attention_name
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
@@ -190,6 +191,8 @@ def check_block_fields(owner: str, config: Any) -> None:
     for name in filter(has, _RATES):
         if not 0.0 <= getattr(config, name) < 1.0:
             raise ValueError(f"{owner}.{name}={getattr(config, name)} must be in [0, 1).")
+    if has("attention"):
+        check_attention_name(owner, config.attention)
     if has("attention_implementation"):
         if config.attention_implementation not in IMPLEMENTATIONS:
             raise ValueError(
@@ -208,7 +211,8 @@ def check_block_fields(owner: str, config: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Shape and numerics of a :class:`~sp_jax.layers.CausalSelfAttention` block.
+    """Shape and numerics of a block's attention (:class:`~sp_jax.layers.CausalSelfAttention`
+    or the attention class registered as ``attention``).
 
     Attributes:
       hidden: model width; divisible by ``num_heads`` unless ``head_dim`` is given.
@@ -273,6 +277,10 @@ class AttentionConfig:
       fp8: an :class:`~sp_jax.Fp8Recipe`: the block's linear layers compute in FP8
         (the q/k/v and output projections; attention itself does not), or None (the
         compute dtype).
+      attention: the registered name of the attention class the block runs
+        (:func:`~sp_jax.layers.register_attention`; ``"mha"``:
+        :class:`~sp_jax.layers.CausalSelfAttention`, multi-head, grouped-query and
+        multi-query attention). A variant reads the fields of this config it needs.
     """
 
     hidden: int
@@ -302,6 +310,7 @@ class AttentionConfig:
     norm_offset: float = 0.0
     post_norms: bool = False
     rope_local_base: float | None = None
+    attention: str = "mha"
     _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
                                               compare=False)
 

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers import MLP, CausalSelfAttention, MoE, MoEStats
+from sp_jax.layers import MLP, AttentionCache, MoE, MoEStats, attention_class
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.ops.primitives import to_device, to_host
@@ -36,7 +36,9 @@ Documents = tuple[jax.Array | None, jax.Array | None] | None
 
 
 class Block(nnx.Module):
-    """One transformer layer: :class:`CausalSelfAttention` then :class:`MLP` (or, for a
+    """One transformer layer: its attention, the class registered as ``config.attention``
+    (:func:`~sp_jax.layers.register_attention`; ``"mha"``:
+    :class:`~sp_jax.layers.CausalSelfAttention`), then :class:`MLP` (or, for a
     mixture-of-experts layer of the config, :class:`~sp_jax.layers.MoE`).
 
     Its dropouts hold no rng stream; they draw from ``nnx.Rngs(dropout=key)`` built
@@ -61,8 +63,9 @@ class Block(nnx.Module):
         self.offload_input = bool(config.remat and parallel.offload_activations)
         if self.offload_input:
             parallel = parallel.replace(offload_activations=False)
-        self.attention = CausalSelfAttention(config.attention_config(), parallel=parallel,
-                                             rngs=rngs, window=config.layer_window(index))
+        self.attention = attention_class(config.attention, "GPTConfig")(
+            config.attention_config(), parallel=parallel, rngs=rngs,
+            window=config.layer_window(index))
         self.mlp = MoE(config.moe_config(), parallel=parallel, rngs=rngs) \
             if config.is_moe_layer(index) else \
             MLP(config.mlp_config(), parallel=parallel, rngs=rngs)
@@ -88,26 +91,29 @@ class Block(nnx.Module):
             return self.mlp(x, rngs=rngs)
         return self.mlp(x, rngs=rngs), None
 
-    def prefill_step(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """The training path's forward without dropout or documents, keeping the keys and
-        values attention used (a prompt for decoding): ``x`` ``[batch, seq, hidden]`` (SP
-        layout) -> ``(x, (k, v))``."""
-        y, kv = self.attention(x, keep_kv=True)
+    def prefill_step(self, x: jax.Array) -> tuple[jax.Array, AttentionCache]:
+        """The training path's forward without dropout or documents, keeping the cache
+        entries attention made of the prompt (the attention's ``prefill``): ``x``
+        ``[batch, seq, hidden]`` (SP layout) -> ``(x, entries)``, ``entries`` of the
+        attention's cache type with ``[batch, seq, ...]`` arrays (for ``"mha"``, a
+        :class:`~sp_jax.layers.KVCache` of the keys and values)."""
+        y, entries = self.attention.prefill(x)
         y = self.mlp(y)
-        return (y[0] if isinstance(self.mlp, MoE) else y), kv
+        return (y[0] if isinstance(self.mlp, MoE) else y), entries
 
-    def decode_step(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    positions: jax.Array, cache_positions: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The single-token (decode) mode per device
-        (:meth:`CausalSelfAttention.decode_step`, then :meth:`MLP.decode_step`: two
-        all-reduces over the tensor axis; or :meth:`~sp_jax.layers.MoE.decode_step`):
-        ``x`` ``[b, 1, hidden]`` whole rows, this shard's cache ``[b, length, kv_local,
-        head_dim]`` of this layer, ``positions`` ``[b]`` (``cache_positions``: the
-        positions the cache's entries hold, None: their indices) -> ``(x, k, v)``, the
-        token's keys and values ``[b, 1, kv_local, head_dim]``."""
-        x, k, v = self.attention.decode_step(x, k_cache, v_cache, positions, cache_positions)
-        return self.mlp.decode_step(x), k, v
+    def decode_step(self, x: jax.Array, cache: AttentionCache, positions: jax.Array,
+                    cache_positions: jax.Array | None = None
+                    ) -> tuple[jax.Array, AttentionCache]:
+        """The single-token (decode) mode per device (the attention's ``decode_step``,
+        e.g. :meth:`~sp_jax.layers.CausalSelfAttention.decode_step`, then
+        :meth:`MLP.decode_step`: two all-reduces over the tensor axis; or
+        :meth:`~sp_jax.layers.MoE.decode_step`): ``x`` ``[b, 1, hidden]`` whole rows,
+        this shard's part of this layer's cache (the attention's cache type, ``[b,
+        length, ...]`` arrays), ``positions`` ``[b]`` (``cache_positions``: the positions
+        the cache's entries hold, None: their indices) -> ``(x, entries)``, the token's
+        cache entries (``[b, 1, ...]`` arrays)."""
+        x, entries = self.attention.decode_step(x, cache, positions, cache_positions)
+        return self.mlp.decode_step(x), entries
 
 
 def run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
@@ -212,37 +218,34 @@ def over_layers(blocks: Block | Sequence[Block], step: Callable, x: jax.Array,
 
 
 def prefill_blocks(blocks: Block | Sequence[Block], x: jax.Array
-                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                   ) -> tuple[jax.Array, AttentionCache]:
     """The prompts' hidden states ``x`` (SP layout) through a GPT's layers (their
     training-path forward, :meth:`Block.prefill_step`): the last layer's output and every
-    layer's keys and values, ``[layers, ...]`` each."""
+    layer's cache entries, the attention's cache type with ``[layers, batch, seq, ...]``
+    arrays."""
     return over_layers(blocks, lambda block, x, _: block.prefill_step(x), x)
 
 
-def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, k_cache: jax.Array,
-                  v_cache: jax.Array, positions: jax.Array,
-                  cache_positions: jax.Array | None = None
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, cache: AttentionCache,
+                  positions: jax.Array, cache_positions: jax.Array | None = None
+                  ) -> tuple[jax.Array, AttentionCache]:
     """Per device (inside the decode ``shard_map``): one token of every row through a
     GPT's layers (:meth:`Block.decode_step`), ``blocks`` stacked (``lax.scan`` over the
     layers and the cache) or a list.
 
     Args:
       x: ``[b, 1, hidden]`` whole rows; positions: int ``[b]``.
-      k_cache / v_cache: ``[layers, b, length, kv_local, head_dim]``, this shard's.
+      cache: this shard's part of the cache (the attention's cache type, e.g.
+        :class:`~sp_jax.layers.KVCache`), ``[layers, b, length, ...]`` arrays.
       cache_positions: int ``[length]``: the positions the cache's entries hold (a part
         of the sequence with a context axis), or None: entry ``j`` holds position ``j``.
     Returns:
-      the last layer's output and every layer's keys and values of the token, ``[layers,
-      b, 1, kv_local, head_dim]`` each.
+      the last layer's output and every layer's entries of the token (the cache type,
+      ``[layers, b, 1, ...]`` arrays).
     """
-
-    def step(block, x, cache):
-        x, k, v = block.decode_step(x, *cache, positions, cache_positions)
-        return x, (k, v)
-
-    x, (k, v) = over_layers(blocks, step, x, (k_cache, v_cache))
-    return x, k, v
+    return over_layers(
+        blocks, lambda block, x, layer: block.decode_step(x, layer, positions,
+                                                          cache_positions), x, cache)
 
 
 def run_blocks(blocks: Block | Sequence[Block], x: jax.Array, *, num_layers: int,

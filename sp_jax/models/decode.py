@@ -1,48 +1,51 @@
-"""Decoding a :class:`~sp_jax.models.GPT` with a key/value cache, in the model's tensor
-layout.
+"""Decoding a :class:`~sp_jax.models.GPT` with its attention's cache, in the model's
+tensor layout.
 
 Two programs, both jitted once per shape:
 
 - :func:`prefill`: the prompts through the training path (sequence-parallel layers,
-  blockwise attention), keeping every layer's rotated keys and values, and the logits
-  at each row's last prompt token;
+  blockwise attention), keeping every layer's cache entries (the attention's
+  ``prefill``; ``"mha"``: the rotated keys and values), and the logits at each row's
+  last prompt token;
 - :func:`decode_step`: one token per row through ONE ``shard_map`` over the whole model
   (Megatron's inference layout): a sequence of one token has nothing to scatter, so the
   activations are whole on every tensor shard. Inside it the layers run their own
   single-token mode (:meth:`~sp_jax.models.blocks.Block.decode_step`: the norms per
   device, the column layers multiplying their own column block with no collective, the
   row layers summing their partial products with one all-reduce over the tensor axis,
-  :func:`~sp_jax.attention.cached_attention` against the cache). Per token and layer:
-  2 all-reduces (attention output, MLP down-projection); per token besides: 1
-  all-reduce (the vocabulary-parallel embedding) and 1 all-gather (the
-  vocabulary-parallel logits). A mixture-of-experts layer in place of the MLP
-  (:meth:`~sp_jax.layers.MoE.decode_step`, its experts over the expert axis as in
-  training): 1 all-reduce over the expert and tensor axes, and with an expert axis 1
-  all-gather of the normed rows over it before.
+  the attention's ``decode_step`` against the cache, e.g.
+  :func:`~sp_jax.attention.cached_attention`). Per token and layer: 2 all-reduces
+  (attention output, MLP down-projection); per token besides: 1 all-reduce (the
+  vocabulary-parallel embedding) and 1 all-gather (the vocabulary-parallel logits). A
+  mixture-of-experts layer in place of the MLP (:meth:`~sp_jax.layers.MoE.decode_step`,
+  its experts over the expert axis as in training): 1 all-reduce over the expert and
+  tensor axes, and with an expert axis 1 all-gather of the normed rows over it before.
 
 The parameters are read in the decode layout (training's tensor split, nothing over the
 data axes: :func:`~sp_jax.layers.linear.decode_layout`), as each layer states it
 (``param_specs``); :func:`to_decode_layout` reshards a model into it once.
 
-The cache (:class:`KVCache`) is ``[layers, batch, length, t * kv_local, head_dim]``
-sharded ``P(None, data, context, tensor, None)``: batch over the data axes, the key/value
-heads as training holds them (split over the tensor axis when its size divides them,
-else the one each shard's query heads read; :func:`~sp_jax.layers.kv_heads_per_shard`).
-Rows may be at different positions: row ``b``'s token at ``positions[b]`` is written at
-that index and attends to the cache entries before it (and, with
-``sliding_window``, only the last ``sliding_window`` of them, itself included).
+The cache is of the type the blocks' attention states (its ``cache_type``, a
+:class:`~sp_jax.layers.AttentionCache`: arrays ``[layers, batch, length, ...]`` with the
+batch over the data axes and the length over the context axes, the rest as the cache type
+says; ``"mha"``'s :class:`~sp_jax.layers.KVCache` holds the keys and values ``[layers,
+batch, length, t * kv_local, head_dim]``, the heads over the tensor axis). This module
+only asks the cache for its specs, its slots and its writes. Rows may be at different
+positions: row ``b``'s token at ``positions[b]`` is written at that index and attends to
+the cache entries before it (and, with ``sliding_window``, only the last
+``sliding_window`` of them, itself included).
 
 With a context axis the prompts are prefilled by ring or Ulysses attention and the cache
 stays split over the context axis along the sequence: each shard keeps the prefill's
-keys and values its attention held, the generated positions go round robin
-(:func:`cache_slots`), and each decode step's attention merges the shards' parts by
-log-sum-exp (:func:`~sp_jax.attention.cached_attention`'s ``axis_name``). A pipelined
-model decodes after :func:`unpipelined` gathers its blocks off the stage axis.
+entries its attention held, the generated positions go round robin
+(:func:`~sp_jax.layers.attention_registry.cache_slots`), and each decode step's
+attention merges the shards' parts (``"mha"``: by log-sum-exp,
+:func:`~sp_jax.attention.cached_attention`'s ``axis_name``). A pipelined model decodes
+after :func:`unpipelined` gathers its blocks off the stage axis.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from typing import Any
@@ -57,6 +60,8 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held
 from sp_jax.config import ParallelConfig
+from sp_jax.layers import AttentionCache, KVCache
+from sp_jax.layers.attention_registry import cache_slots
 from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
 from sp_jax.layers.linear import decode_layout
 from sp_jax.layout import Layout
@@ -64,45 +69,9 @@ from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
 from sp_jax.models.blocks import decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
+# KVCache and cache_slots: "mha"'s cache type and the context split, kept importable here
 __all__ = ["KVCache", "cache_slots", "check_decodable", "decode_step", "prefill",
            "to_decode_layout", "unpipelined"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Every layer's keys and values, ``[layers, batch, length, t * kv_local, head_dim]``
-    each, sharded ``P(None, data, context, tensor, None)`` (rotary angles applied), and
-    ``prompt``, the padded prompt width of the prefill (static), which with the context
-    axis says where each position is held (:func:`cache_slots`)."""
-
-    k: jax.Array
-    v: jax.Array
-    prompt: int = dataclasses.field(default=0, metadata=dict(static=True))
-
-
-def cache_slots(prompt: int, length: int, shards: int, order: np.ndarray | None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where a cache of ``length`` positions split over ``shards`` context shards holds
-    each position: ``(positions [shards, length / shards], shard [length], slot
-    [length])``: the position at slot ``j`` of shard ``c``, and the shard and slot of
-    each position.
-
-    Each shard's first ``prompt / shards`` slots hold the prefill's keys and values as
-    its attention held them (``order``: the held order of the ``prompt`` positions, ring
-    attention's zigzag, or None: the natural order), so the prefill's cache is kept
-    where it was computed; the later positions go round robin (position ``prompt + q``
-    to shard ``q % shards``, slot ``prompt / shards + q // shards``), so that every
-    shard holds as many of the generated tokens."""
-    per = prompt // shards
-    held = np.arange(prompt) if order is None else np.asarray(order)
-    table = np.empty((shards, length // shards), np.int32)
-    table[:, :per] = held.reshape(shards, per)
-    table[:, per:] = np.arange(prompt, length).reshape(-1, shards).T
-    shard, slot = np.empty(length, np.int32), np.empty(length, np.int32)
-    shard[table] = np.arange(shards)[:, None]
-    slot[table] = np.arange(length // shards)[None, :]
-    return table, shard, slot
 
 
 def check_decodable(model: Any) -> None:
@@ -254,7 +223,7 @@ def unpipelined(model: Any) -> Any:
 
 
 def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
-            ) -> tuple[jax.Array, KVCache]:
+            ) -> tuple[jax.Array, AttentionCache]:
     """The prompts through the training path.
 
     Args:
@@ -266,11 +235,12 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
       length: the cache length (at least ``seq``; with a context axis of ``c`` shards
         rounded up to ``seq`` + a multiple of ``c``).
     Returns:
-      fp32 logits ``[batch, vocab_size]`` at ``last``, and the :class:`KVCache` of every
-      position (entries at and after a row's padding are overwritten by decoding before
-      they are read). With a context axis each shard keeps the keys and values its
-      attention computed (ring attention's zigzag parts, Ulysses' contiguous ones) and
-      the generated positions are spread over the shards (:func:`cache_slots`).
+      fp32 logits ``[batch, vocab_size]`` at ``last``, and the cache of every position,
+      of the attention's cache type (:class:`~sp_jax.layers.KVCache` for ``"mha"``;
+      entries at and after a row's padding are overwritten by decoding before they are
+      read). With a context axis each shard keeps the entries its attention computed
+      (ring attention's zigzag parts, Ulysses' contiguous ones) and the generated
+      positions are spread over the shards (:meth:`~sp_jax.layers.AttentionCache.slots`).
     """
     check_decodable(model)
     par = model.parallel
@@ -280,19 +250,12 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
     order = model.sequence_order(tokens)  # ring attention's zigzag, else None
     x = model.embed_tokens(to_held(tokens, order, par),
                            model.vocab_table() if model.head is None else None, order)
-    x, (k, v) = prefill_blocks(model.blocks, x)
+    x, entries = prefill_blocks(model.blocks, x)
     h = model.final_norm(x)
-    cache_spec = P(None, *layout.heads(4))
     shards = axis_size(mesh, par.context_axes)
     seq = tokens.shape[1]
     extra = -(-(max(length, seq) - seq) // shards)  # each shard's slots for new tokens
-
-    def grow(k):  # each context shard's own part, then its slots of the new tokens
-        return jnp.pad(k, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
-
-    grow = jax.shard_map(grow, in_specs=cache_spec, out_specs=cache_spec)
-    cache = KVCache(grow(reshard(k, cache_spec, mesh)), grow(reshard(v, cache_spec, mesh)),
-                    prompt=seq)
+    cache = entries.grown(seq, extra, layout, mesh)
     held = np.arange(seq) if order is None else np.argsort(order)  # position -> held index
     seq_axes = (*par.context_axes, par.tensor_axis)
 
@@ -311,16 +274,17 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
     return logits, cache
 
 
-def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array
-                ) -> tuple[jax.Array, KVCache]:
+def decode_step(model: Any, cache: AttentionCache, tokens: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, AttentionCache]:
     """One token of every row.
 
     Args:
       model: a :class:`~sp_jax.models.GPT` in eval mode.
-      cache: the :class:`KVCache` (donate it: it is updated in place).
+      cache: the cache :func:`prefill` made (the attention's cache type, e.g.
+        :class:`~sp_jax.layers.KVCache`; donate it: it is updated in place).
       tokens: int ``[batch]``: each row's token.
-      positions: int ``[batch]``: each row's position of that token (its keys and values
-        are written there).
+      positions: int ``[batch]``: each row's position of that token (its cache entries
+        are written there: :meth:`~sp_jax.layers.AttentionCache.write`).
     Returns:
       fp32 logits ``[batch, vocab_size]`` of the next token, and the updated cache.
     """
@@ -334,19 +298,18 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
     final, final_leaves, final_specs = _parts(model.final_norm, mesh, par, False)
     position = None if model.position is None else reshard(model.position[...], P(), mesh)
     batch = layout.spec("activation_batch")
-    cache_spec = P(None, *layout.heads(4))
+    cache_specs = cache.specs(layout)
     shards = axis_size(mesh, par.context_axes)
-    slots = cache_slots(cache.prompt, cache.k.shape[2], shards,
-                        sequence_order(par, mesh, cache.prompt)) if par.context_axes else None
+    slots = cache.slots(shards, sequence_order(par, mesh, cache.prompt)) \
+        if par.context_axes else None
 
-    def local(block_leaves, final_leaves, embed, head, position, k_all, v_all, tokens,
-              positions):
+    def local(block_leaves, final_leaves, embed, head, position, cache, tokens, positions):
         cache_positions, at = None, positions
         if slots is not None:  # this shard's part of the cache, and the new entries in it
             shard = lax.axis_index(par.context_axes)
             cache_positions = jnp.asarray(slots[0])[shard]
             at = jnp.where(jnp.asarray(slots[1])[positions] == shard,
-                           jnp.asarray(slots[2])[positions], k_all.shape[2])  # else dropped
+                           jnp.asarray(slots[2])[positions], cache.length)  # else dropped
         x = lax.psum(vocab_parallel_lookup(tokens[:, None], embed, tensor, cfg.vocab_size),
                      tensor)
         if model.embed.dtype is not None:
@@ -354,20 +317,17 @@ def decode_step(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Ar
         x = model.scale_embeddings(x)  # as GPT.embed_tokens
         if position is not None:
             x = x + jnp.take(position, positions, axis=0)[:, None].astype(x.dtype)
-        x, k_new, v_new = decode_blocks(_merge(blocks, block_leaves), x, k_all, v_all,
-                                        positions, cache_positions)
+        x, new = decode_blocks(_merge(blocks, block_leaves), x, cache, positions,
+                               cache_positions)
         h = _merge(final, final_leaves).local(x)[:, 0]
-        rows = jnp.arange(tokens.shape[0])
-        k_all = k_all.at[:, rows, at].set(k_new[:, :, 0].astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[:, rows, at].set(v_new[:, :, 0].astype(v_all.dtype), mode="drop")
-        return _logits(model, h, head), k_all, v_all
+        cache = cache.write(new, jnp.arange(tokens.shape[0]), at)
+        return _logits(model, h, head), cache
 
     table_spec = decode_layout(par).vocab_table
-    logits, k, v = jax.shard_map(
+    return jax.shard_map(
         local,
         in_specs=(block_specs, final_specs, table_spec, table_spec,
-                  None if position is None else P(), cache_spec, cache_spec, batch, batch),
-        out_specs=(layout.spec("activation_batch", None), cache_spec, cache_spec))(
-        block_leaves, final_leaves, embed, head, position, cache.k, cache.v,
+                  None if position is None else P(), cache_specs, batch, batch),
+        out_specs=(layout.spec("activation_batch", None), cache_specs))(
+        block_leaves, final_leaves, embed, head, position, cache,
         reshard(tokens, batch, mesh), reshard(positions, batch, mesh))
-    return logits, KVCache(k, v, cache.prompt)

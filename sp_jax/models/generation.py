@@ -1,6 +1,6 @@
-"""Text out: :func:`generate` (greedy or sampled, ragged prompts, a sharded KV cache) and
-the logit filters it samples through (:func:`filter_logits`, transformers' order and
-rules)."""
+"""Text out: :func:`generate` (greedy or sampled, ragged prompts, a sharded cache of the
+attention's type) and the logit filters it samples through (:func:`filter_logits`,
+transformers' order and rules)."""
 
 from __future__ import annotations
 
@@ -150,11 +150,12 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     """New tokens after each prompt, from a :class:`~sp_jax.models.GPT` on its mesh.
 
     The prompts run through the training path once (the prefill: sequence-parallel
-    layers, blockwise attention), keeping every layer's keys and values in a cache
-    preallocated to the longest prompt + ``max_new_tokens`` (:class:`~sp_jax.models.
-    decode.KVCache`: batch over the data axes, key/value heads over the tensor axis as in
-    training). Then one jitted step per token for all rows (compiled once; rows at their
-    own positions), in which the row layers reduce with an all-reduce
+    layers, blockwise attention), keeping every layer's cache entries in a cache
+    preallocated to the longest prompt + ``max_new_tokens`` (the attention's cache type,
+    :class:`~sp_jax.layers.AttentionCache`; for ``"mha"`` the keys and values,
+    :class:`~sp_jax.layers.KVCache`: batch over the data axes, key/value heads over the
+    tensor axis as in training). Then one jitted step per token for all rows (compiled
+    once; rows at their own positions), in which the row layers reduce with an all-reduce
     (:mod:`sp_jax.models.decode`). Prompt lengths need not divide by anything: the
     prompts are right-padded to a multiple of the tensor size, and the batch to a
     multiple of the data size, inside. Dropout is off (the model is used in eval mode;

@@ -150,6 +150,12 @@ class GPTConfig:
         expresses the config (a Mistral without a window stays ``MistralForCausalLM``),
         else the first that does; its ``model_type=`` argument still chooses. Data only:
         the model's math does not read it; checkpoints record it with the other fields.
+      attention: the registered name of every block's attention class (``"mha"``, the
+        default: :class:`~sp_jax.layers.CausalSelfAttention`, multi-head, grouped-query
+        and multi-query attention as ``num_kv_heads`` says); another name registered
+        with :func:`~sp_jax.layers.register_attention` (checked here, the error naming
+        the registered ones) builds that class, which owns its parameters, forward,
+        prefill, decode step and cache type (docs/api.md, "Seams: attention variants").
     """
 
     vocab_size: int
@@ -203,6 +209,7 @@ class GPTConfig:
     post_norms: bool = False
     scale_embeddings: bool = False
     rope_local_base: float | None = None
+    attention: str = "mha"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
