@@ -1,0 +1,219 @@
+"""The attention kernels with a value head size apart from the query/key one (multi-head
+latent attention's ``v_head_dim``): blockwise, ring and Ulysses (forward and gradients)
+and the cached decode attention, with grouped-query heads, packed documents, windows
+(static and traced), soft caps, scales and dropout, against a plain dense attention."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import slow_except
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from sp_jax import attention as A
+from sp_jax.attention.dropout import drop_scale
+
+DQK = 8
+RATE = 0.25
+
+
+def dense(q, k, v, *, window=None, segment_ids=None, softcap=None, scale=None, z=None):
+    """Plain fp32 causal attention with the whole ``s x s`` scores: ``q [b, s, h, d]``,
+    ``k [b, s, hk, d]``, ``v [b, s, hk, d_v]`` (repeated to the query heads) ->
+    ``[b, s, h, d_v]``; ``z [b, h, s, s]``: factors on the probabilities (dropout)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    s = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (
+        q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    mask = jnp.asarray((j <= i) & (j > i - (s if window is None else window)))[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
+    if z is not None:
+        probs = probs * z
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def inputs(b, s, h, hk, dv, seed=0):
+    """``q [b, s, h, DQK]``, ``k [b, s, hk, DQK]``, ``v [b, s, hk, dv]`` and an output
+    cotangent ``[b, s, h, dv]``."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return tuple(jax.random.normal(key, shape) for key, shape in zip(
+        keys, ((b, s, h, DQK), (b, s, hk, DQK), (b, s, hk, dv), (b, s, h, dv)), strict=True))
+
+
+def packed_ids(b, s):
+    """Document ids of packed rows: three documents, the last cut short by padding (0)."""
+    row = np.concatenate([np.full(s // 4, 1), np.full(s // 2, 2), np.full(s // 8, 3),
+                          np.zeros(s - s // 4 - s // 2 - s // 8)])
+    return jnp.asarray(np.tile(row, (b, 1)), jnp.int32)
+
+
+def dropout_factors(dropout, b, h, hk, s):
+    """The dropout factors ``[b, h, s, s]`` the kernels apply (their mask's definition,
+    :func:`~sp_jax.attention.dropout.drop_scale`, over the whole square at once)."""
+    pos = jnp.arange(s, dtype=jnp.int32)
+    z = drop_scale((dropout, pos, pos), 0, 0, (b, hk, h // hk, s, s))
+    return z.reshape(b, h, s, s)
+
+
+def vjp_of(f, q, k, v, do):
+    out, back = jax.vjp(f, q, k, v)
+    return out, back(do)
+
+
+def assert_close(got, want, tol=2e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape, (g.shape, w.shape)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+
+
+def _dropout(seed=7, **offsets):
+    return A.AttentionDropout(jnp.array([seed, 2 * seed + 1], jnp.uint32), RATE, **offsets)
+
+
+# Each case: (d_v, the kernels' keyword arguments, the reference's); "plain" is the fast one.
+CASES = {
+    "plain": (2 * DQK, {}, {}),
+    "narrow": (DQK // 2, {}, {}),
+    "documents-window-softcap": (2 * DQK, dict(sliding_window=5, softcap=4.0, scale=0.3),
+                                 dict(window=5, softcap=4.0, scale=0.3)),
+    "traced-window": (2 * DQK, dict(sliding_window=jnp.int32(5)), dict(window=5)),
+    "dropout": (2 * DQK, dict(dropout=_dropout()), {}),
+}
+
+
+@pytest.mark.parametrize("case", slow_except(tuple(CASES), "plain"))
+def test_blockwise_value_head_size_matches_dense(case):
+    """blockwise_attention with ``d_v != d``: output ``[b, s, h, d_v]`` and the gradients
+    of q, k and v against the dense reference, grouped-query heads, blocks of 4 x 8
+    (masked, skipped and unmasked blocks)."""
+    dv, kw, ref_kw = CASES[case]
+    b, s, h, hk = 2, 32, 4, 2
+    q, k, v, do = inputs(b, s, h, hk, dv)
+    if case == "documents-window-softcap":
+        kw = dict(kw, segment_ids=packed_ids(b, s))
+        ref_kw = dict(ref_kw, segment_ids=packed_ids(b, s))
+    if case == "dropout":
+        ref_kw = dict(z=dropout_factors(kw["dropout"], b, h, hk, s))
+    got = vjp_of(functools.partial(A.blockwise_attention, block_q=4, block_k=8, **kw),
+                 q, k, v, do)
+    assert got[0].shape == (b, s, h, dv)
+    assert_close(got, vjp_of(functools.partial(dense, **ref_kw), q, k, v, do))
+
+
+def test_cudnn_refuses_a_value_head_size_of_its_own():
+    """cuDNN's fused kernel (jax.nn.dot_product_attention) takes values of the keys' head
+    size: a clear refusal that names the fix, before any GPU is asked."""
+    q, k, v, _ = inputs(1, 8, 2, 2, 2 * DQK)
+    with pytest.raises(ValueError, match="implementation='xla' for a value head size"):
+        A.blockwise_attention(q, k, v, implementation="cudnn")
+
+
+def _mesh():
+    return jax.make_mesh((2, 2, 2), ("data", "context", "tensor"),
+                         axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:8])
+
+
+@functools.cache
+def _context_vjp(mode, window, softcap, packed, dropout):
+    """``(q, k, v, do, seg) -> (out, grads)`` on global unpermuted arrays: ``mode``
+    attention inside a shard_map over (data=2, context=2, tensor=2), the sequence over
+    "context" (zigzag for the ring), batch over "data", heads over "tensor"."""
+    mesh = _mesh()
+    spec, tokens = P("data", "context", "tensor", None), P("data", "context")
+    kernel = A.ring_attention if mode == "ring" else A.ulysses_attention
+
+    def local(q, k, v, seg):
+        drop = _dropout(batch_offset=jax.lax.axis_index("data") * q.shape[0],
+                        head_offset=jax.lax.axis_index("tensor") * q.shape[2]) \
+            if dropout else None
+        return kernel(q, k, v, axis_name="context", block_q=2, block_k=4, dropout=drop,
+                      segment_ids=seg if packed else None, sliding_window=window,
+                      softcap=softcap)
+
+    inner = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, tokens),
+                          out_specs=spec)
+
+    def attention(q, k, v, seg):
+        s = q.shape[1]
+        if mode == "ring":  # zigzag in, zigzag out
+            perm, inv = A.zigzag_order(s, 2), A.zigzag_inverse(s, 2)
+            q, k, v, seg = (x[:, perm] for x in (q, k, v, seg))
+        out = inner(*(jax.reshard(x, spec) for x in (q, k, v)), jax.reshard(seg, tokens))
+        out = jax.reshard(out, P())
+        return out[:, inv] if mode == "ring" else out
+
+    @jax.jit
+    def f(q, k, v, do, seg):
+        return vjp_of(lambda q, k, v: attention(q, k, v, seg), q, k, v, do)
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return f(*args)
+
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("features", ["plain", "documents-window-softcap", "dropout"])
+def test_context_parallel_value_head_size_matches_dense(mode, features):
+    """Ring (its k/v transfers and dk/dv accumulators ``d_v`` wide) and Ulysses with
+    ``d_v = 2 d`` on a (data, context, tensor) mesh: outputs and gradients equal the
+    dense reference, with packed documents, a window and a soft cap, or dropout
+    (the masks of global rows and heads)."""
+    b, s, h, hk, dv = 4, 32, 8, 4, 2 * DQK
+    q, k, v, do = inputs(b, s, h, hk, dv, seed=1)
+    seg = packed_ids(b, s)
+    window, softcap = (6, 3.0) if features == "documents-window-softcap" else (None, None)
+    ref_kw = dict(window=window, softcap=softcap)
+    if features == "documents-window-softcap":
+        ref_kw["segment_ids"] = seg
+    if features == "dropout":
+        ref_kw["z"] = dropout_factors(_dropout(), b, h, hk, s)
+    got = _context_vjp(mode, window, softcap, features == "documents-window-softcap",
+                       features == "dropout")(q, k, v, do, seg)
+    assert got[0].shape == (b, s, h, dv)
+    assert_close(got, vjp_of(functools.partial(dense, **ref_kw), q, k, v, do))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [False, True])
+def test_cached_attention_value_head_size_matches_dense(split):
+    """One query token per row against a cache of ``d_v``-wide values (rows at different
+    positions; a window of 5 and a soft cap), whole or split over a context axis of 2
+    (the log-sum-exp merge), equals the dense attention's row at that position."""
+    b, s, h, hk, dv = 2, 16, 4, 2, 2 * DQK
+    q, k, v, _ = inputs(b, s, h, hk, dv, seed=2)
+    positions = jnp.array([9, 14])
+    rows = jnp.arange(b)
+    want = dense(q, k, v, window=5, softcap=3.0)[rows, positions]  # [b, h, dv]
+    args = (q[rows, positions][:, None], k[rows, positions][:, None],
+            v[rows, positions][:, None])
+    kw = dict(sliding_window=5, softcap=3.0)
+    if not split:
+        got = A.cached_attention(*args, k, v, positions, **kw)
+    else:
+        mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Explicit,),
+                             devices=jax.devices()[:2])
+        seq = P(None, "context")
+
+        def local(q, k_new, v_new, k_cache, v_cache, positions):
+            held = jax.lax.axis_index("context") * (s // 2) + jnp.arange(s // 2)
+            return A.cached_attention(q, k_new, v_new, k_cache, v_cache, positions,
+                                      cache_positions=held, axis_name="context", **kw)
+
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.shard_map(local, in_specs=(P(),) * 3 + (seq, seq, P()),
+                                        out_specs=P()))(*args, jax.reshard(k, seq),
+                                                        jax.reshard(v, seq), positions)
+    assert got.shape == (b, 1, h * dv)
+    assert_close(got.reshape(b, h, dv), want)
