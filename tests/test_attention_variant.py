@@ -2,8 +2,12 @@
 here (one class, one ``register_attention`` call, nothing in ``sp_jax.models``), with a
 value head size twice the query/key one, trains, evaluates and generates on a (data,
 context, tensor) mesh with ring and Ulysses attention exactly as the same parameters do
-on one device; its attention layer matches a plain dense formula; the registry names
-what it holds."""
+on one device; its attention layer matches a plain dense formula; a second variant with a
+cache type of its own (a latent whole over the tensor axis, as multi-head latent
+attention's) generates through the same generic decoding; the registry names what it
+holds."""
+
+import dataclasses
 
 import chex
 import jax
@@ -17,7 +21,9 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import sp_jax
+from sp_jax.attention import cached_attention
 from sp_jax.layers import (
+    AttentionCache,
     AttentionConfig,
     CausalSelfAttention,
     ColumnSequenceParallelLinear,
@@ -26,6 +32,7 @@ from sp_jax.layers import (
     register_attention,
     rotary_embedding,
 )
+from sp_jax.layout import Layout
 from sp_jax.models import GPT, GPTConfig, generate
 from sp_jax.models.decode import prefill
 
@@ -56,6 +63,55 @@ class WideValueAttention(CausalSelfAttention):
 
 
 register_attention("wide_value", WideValueAttention)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NormedInputCache(AttentionCache):
+    """Each layer's normed input ``h [layers, batch, length, hidden]``, whole over the
+    tensor axis (``P(None, data, context, None)``): a latent every tensor shard projects
+    its own heads' keys and values from, as multi-head latent attention's cache."""
+
+    h: jax.Array
+    prompt: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @classmethod
+    def entry_specs(cls, layout):
+        return {"h": layout.spec("activation_batch", "activation_length", None)}
+
+
+class NormedInputCacheAttention(CausalSelfAttention):
+    """Multi-head attention (training as ``"mha"``) whose decoding caches the normed input
+    instead of keys and values: each step projects this shard's keys and values of every
+    cached token again (rotary angles of the positions they hold)."""
+
+    cache_type = NormedInputCache
+
+    def prefill(self, x):
+        spec = NormedInputCache.entry_specs(Layout.of(self.parallel))["h"]
+        return self(x), NormedInputCache(jax.reshard(self.norm(x), spec))
+
+    def decode_step(self, x, cache, positions, cache_positions=None):
+        b, length = x.shape[0], cache.h.shape[1]
+        held = jnp.arange(length) if cache_positions is None else cache_positions
+        scales = self.qk_scales()
+        layer_window = None if self.window is None else self.window[...]
+        h = self.norm.local(x)
+        q, k, v = self.split_heads(self.qkv.local_decode(h), positions[:, None], scales,
+                                   layer_window)
+        _, k_cache, v_cache = self.split_heads(self.qkv.local_decode(cache.h),
+                                               jnp.broadcast_to(held, (b, length)), scales,
+                                               layer_window)
+        o = cached_attention(q, k, v, k_cache, v_cache, positions,
+                             self.config.sliding_window if layer_window is None
+                             else layer_window, cache_positions=cache_positions,
+                             axis_name=self.parallel.context_axes or None,
+                             scale=self.config.attention_scale,
+                             softcap=self.config.attention_softcap)
+        return x + self.out.local_decode(o), NormedInputCache(h)
+
+
+register_attention("normed_input_cache", NormedInputCacheAttention)
 
 B, S, V = 4, 16, 64
 CONFIG = dict(vocab_size=V, max_seq_len=32, num_layers=2, num_heads=4, hidden=32,
@@ -209,4 +265,27 @@ def test_wide_value_variant_evaluates_and_generates_like_one_device(mode):
                                    rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(hidden, nnx.jit(lambda m, t: m.hidden_states(t))(
             ref, tokens), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got, _argmax_loop(ref, PROMPTS, 8))
+
+
+@pytest.mark.slow
+def test_a_cache_type_of_its_own_generates_like_one_device():
+    """A variant with its own cache type (the normed input, whole over the tensor axis,
+    split over the context axis along the length) generates on (data=2, context=2,
+    tensor=2) with ring attention the tokens of an argmax loop on one device; the
+    prefill's cache is laid out as the type states."""
+    cfg = GPTConfig(**{**CONFIG, "attention": "normed_input_cache", "scan_layers": True})
+    parallel = sp_jax.ParallelConfig(context_axis="context", context_parallel="ring")
+    tokens = jnp.asarray(_batches(1, seed=5)[0]["tokens"][0])
+    with jax.set_mesh(_mesh(2, 2, 2)):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        model.eval()
+        _, cache = nnx.jit(prefill, static_argnums=(3,))(model, tokens, jnp.full((B,), 3), 20)
+        assert isinstance(cache, NormedInputCache) and cache.h.shape == (2, B, 20, 32)
+        assert jax.typeof(cache.h).sharding.spec == jax.P(None, "data", "context", None)
+        got = generate(model, PROMPTS, max_new_tokens=8).tokens
+        values = param_values(model)
+    with jax.set_mesh(_mesh(1, 1, 1)):
+        ref = copy_weights(GPT(cfg, rngs=nnx.Rngs(1)), values)
+        ref.eval()
         np.testing.assert_array_equal(got, _argmax_loop(ref, PROMPTS, 8))
