@@ -33,7 +33,7 @@ from sp_jax.layers import (
     rotary_embedding,
 )
 from sp_jax.layout import Layout
-from sp_jax.models import GPT, GPTConfig, generate
+from sp_jax.models import GPT, GPTConfig, generate, hf
 from sp_jax.models.decode import prefill
 
 
@@ -140,7 +140,7 @@ def _batches(steps=4, seed=0):
 def test_registry_names_and_refusals():
     """``GPTConfig(attention=...)`` is checked at construction against the registered
     names; a class without the protocol, or a second class under a taken name, is
-    refused."""
+    refused; no Hugging Face family writes a variant."""
     assert attention_names()[:1] == ("mha",) and "wide_value" in attention_names()
     assert GPTConfig(**CONFIG).attention_config().attention == "wide_value"
     with pytest.raises(ValueError, match=r"attention='latent' is not a registered attention;"
@@ -153,6 +153,8 @@ def test_registry_names_and_refusals():
     with pytest.raises(ValueError, match="'mha' is already .*CausalSelfAttention"):
         register_attention("mha", WideValueAttention)
     register_attention("wide_value", WideValueAttention)  # the same class again: no-op
+    with pytest.raises(ValueError, match="attention='wide_value'"):  # no family writes it
+        hf.config_to_hf(GPTConfig(**CONFIG), "llama")
 
 
 def _out_and_grad(f, x):

@@ -76,10 +76,12 @@ def has_fields(cfg: GPTConfig, **want: Any) -> bool:
 
 
 PLAIN = dict(norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None,
-             attention_softcap=None, final_logit_softcap=None, rope_local_base=None)
+             attention_softcap=None, final_logit_softcap=None, rope_local_base=None,
+             attention="mha")
 """The :class:`GPTConfig` fields of a block without Gemma's parts (``has_fields(cfg,
 **PLAIN, ...)``): the families other than :mod:`.gemma2` / :mod:`.gemma3` express only
-these values."""
+these values (multi-head attention, ``attention="mha"``, among them: a registered
+attention variant has no family until one writes it)."""
 
 
 def require(config: Mapping[str, Any], model_type: str, *keys: str) -> None:

@@ -179,7 +179,7 @@ def gemma_expresses(cfg: GPTConfig) -> bool:
     return has_fields(
         cfg, num_experts=0, positions="rotary", norm="rmsnorm", norm_offset=1.0,
         post_norms=True, scale_embeddings=True, mlp_activation="geglu_tanh",
-        out_bias=cfg.qkv_bias, mlp_bias=False)
+        out_bias=cfg.qkv_bias, mlp_bias=False, attention="mha")
 
 
 def gemma_rules(cfg: GPTConfig) -> list[Rule]:

@@ -80,7 +80,8 @@ def _shape_fields(cfg: GPTConfig) -> str:
             f"num_kv_heads={cfg.num_kv_heads}, qk_norm={cfg.qk_norm}, "
             f"sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}"
             + (f", moe_layer_freq={cfg.moe_layer_freq}, moe_norm_topk={cfg.moe_norm_topk}, "
-               f"num_shared_experts={cfg.num_shared_experts}" if cfg.num_experts else ""))
+               f"num_shared_experts={cfg.num_shared_experts}" if cfg.num_experts else "")
+            + (f", attention={cfg.attention!r}" if cfg.attention != "mha" else ""))
 
 
 def _dtype_of(config: Mapping[str, Any]):
