@@ -196,6 +196,32 @@ def assert_bitwise(a, b) -> None:
         np.testing.assert_array_equal(x, b[path], err_msg=path)
 
 
+def dense_attention(q, k, v, *, scale=None, softcap=None, window=None, segments=None,
+                    z=None):
+    """Dense causal attention in fp32 with the whole ``s x s`` score matrix, as
+    transformers' Gemma 2 (eager): ``(q . k) * scale``, ``c * tanh(s / c)``, the mask
+    (causal, window, documents), softmax; grouped-query k, v repeated first; ``q [b, s,
+    h, d]``, ``k [b, s, hk, d]``, ``v [b, s, hk, d_v]`` -> ``[b, s, h, d_v]``. ``z [b,
+    h, s, s]``: factors on the probabilities (a dropout mask), or None."""
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    s = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (
+        q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    mask = (j <= i) if window is None else (j <= i) & (i - j < window)
+    mask = jnp.asarray(mask)[None, None]
+    if segments is not None:
+        seg = jnp.asarray(segments)
+        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    if z is not None:
+        probs = probs * z
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
 def slow_except(values, *fast) -> list:
     """Parameters for ``pytest.mark.parametrize``: ``values`` (a tuple: one value per
     argument name), each marked ``slow`` but those in ``fast`` (the fast tier's cases,

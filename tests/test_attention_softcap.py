@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import copy_weights, param_values, to_host, train_gpt
+from _util import copy_weights, dense_attention, param_values, to_host, train_gpt
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -26,28 +26,8 @@ from sp_jax import attention as A
 from sp_jax import compat
 from sp_jax.models import GPT, GPTConfig, generate
 
+reference = dense_attention
 SCALE, CAP = 0.3, 2.0  # scores of std ~2.5 (d = 8, inputs of std 1.5): the cap bites
-
-
-def reference(q, k, v, *, scale=None, softcap=None, window=None, segments=None):
-    """Dense causal attention in fp32 with the whole ``s x s`` score matrix, as
-    transformers' Gemma 2 (eager): ``(q . k) * scale``, ``c * tanh(s / c)``, the mask
-    (causal, window, documents), softmax; grouped-query k, v repeated first."""
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
-    s = q.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (
-        q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
-    mask = (j <= i) if window is None else (j <= i) & (i - j < window)
-    mask = jnp.asarray(mask)[None, None]
-    if segments is not None:
-        seg = jnp.asarray(segments)
-        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def _vjp(f, q, k, v, do):

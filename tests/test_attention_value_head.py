@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import slow_except
+from _util import dense_attention, slow_except
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -18,27 +18,6 @@ from sp_jax.attention.dropout import drop_scale
 
 DQK = 8
 RATE = 0.25
-
-
-def dense(q, k, v, *, window=None, segment_ids=None, softcap=None, scale=None, z=None):
-    """Plain fp32 causal attention with the whole ``s x s`` scores: ``q [b, s, h, d]``,
-    ``k [b, s, hk, d]``, ``v [b, s, hk, d_v]`` (repeated to the query heads) ->
-    ``[b, s, h, d_v]``; ``z [b, h, s, s]``: factors on the probabilities (dropout)."""
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
-    s = q.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (
-        q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
-    mask = jnp.asarray((j <= i) & (j > i - (s if window is None else window)))[None]
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
-    if z is not None:
-        probs = probs * z
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def inputs(b, s, h, hk, dv, seed=0):
@@ -100,13 +79,13 @@ def test_blockwise_value_head_size_matches_dense(case):
     q, k, v, do = inputs(b, s, h, hk, dv)
     if case == "documents-window-softcap":
         kw = dict(kw, segment_ids=packed_ids(b, s))
-        ref_kw = dict(ref_kw, segment_ids=packed_ids(b, s))
+        ref_kw = dict(ref_kw, segments=packed_ids(b, s))
     if case == "dropout":
         ref_kw = dict(z=dropout_factors(kw["dropout"], b, h, hk, s))
     got = vjp_of(functools.partial(A.blockwise_attention, block_q=4, block_k=8, **kw),
                  q, k, v, do)
     assert got[0].shape == (b, s, h, dv)
-    assert_close(got, vjp_of(functools.partial(dense, **ref_kw), q, k, v, do))
+    assert_close(got, vjp_of(functools.partial(dense_attention, **ref_kw), q, k, v, do))
 
 
 def test_cudnn_refuses_a_value_head_size_of_its_own():
@@ -176,13 +155,13 @@ def test_context_parallel_value_head_size_matches_dense(mode, features):
     window, softcap = (6, 3.0) if features == "documents-window-softcap" else (None, None)
     ref_kw = dict(window=window, softcap=softcap)
     if features == "documents-window-softcap":
-        ref_kw["segment_ids"] = seg
+        ref_kw["segments"] = seg
     if features == "dropout":
         ref_kw["z"] = dropout_factors(_dropout(), b, h, hk, s)
     got = _context_vjp(mode, window, softcap, features == "documents-window-softcap",
                        features == "dropout")(q, k, v, do, seg)
     assert got[0].shape == (b, s, h, dv)
-    assert_close(got, vjp_of(functools.partial(dense, **ref_kw), q, k, v, do))
+    assert_close(got, vjp_of(functools.partial(dense_attention, **ref_kw), q, k, v, do))
 
 
 @pytest.mark.slow
@@ -195,7 +174,7 @@ def test_cached_attention_value_head_size_matches_dense(split):
     q, k, v, _ = inputs(b, s, h, hk, dv, seed=2)
     positions = jnp.array([9, 14])
     rows = jnp.arange(b)
-    want = dense(q, k, v, window=5, softcap=3.0)[rows, positions]  # [b, h, dv]
+    want = dense_attention(q, k, v, window=5, softcap=3.0)[rows, positions]  # [b, h, dv]
     args = (q[rows, positions][:, None], k[rows, positions][:, None],
             v[rows, positions][:, None])
     kw = dict(sliding_window=5, softcap=3.0)
