@@ -148,7 +148,8 @@ def test_registry_names_and_refusals():
         GPTConfig(**{**CONFIG, "attention": "latent"})
     with pytest.raises(ValueError, match="register_attention"):
         AttentionConfig(32, 4, attention="latent")
-    with pytest.raises(TypeError, match=r"must define \['__call__', 'prefill', 'decode_step'\]"):
+    with pytest.raises(TypeError, match=r"must define \['__call__', 'prefill', 'decode_step'\] "
+                                        r"\(missing \['__call__', 'prefill', 'decode_step'\]"):
         register_attention("broken", type("Broken", (), {}))
     with pytest.raises(ValueError, match="'mha' is already .*CausalSelfAttention"):
         register_attention("mha", WideValueAttention)

@@ -192,7 +192,8 @@ def register_attention(name: str, cls: type) -> type:
         raise ValueError(f"register_attention: name={name!r} must be a non-empty string.")
     if not isinstance(cls, type):
         raise TypeError(f"register_attention({name!r}): cls={cls!r} must be a class.")
-    missing = [m for m in _METHODS if not callable(getattr(cls, m, None))]
+    missing = [m for m in _METHODS  # defined by the class or a base (not by type: __call__)
+               if not any(callable(vars(base).get(m)) for base in cls.__mro__)]
     cache = getattr(cls, "cache_type", None)
     if missing or not (isinstance(cache, type) and issubclass(cache, AttentionCache)
                        and dataclasses.is_dataclass(cache)):
