@@ -365,6 +365,14 @@ CASES = {
                         r"max_new_tokens=20 reach position 21, outside the learned position "
                         r"table of max_seq_len=16",
             lambda: _on((1, 4), lambda: generate(_gpt(), [[1, 2, 3]], max_new_tokens=20))),
+    "E78": (ValueError, r"GPTConfig.attention='latent' is not a registered attention; use "
+                        r"one of \['mha'.*register_attention\(name, cls\)",
+            lambda: GPTConfig(**GPT_BASE, attention="latent")),
+    "E79": (ValueError, r"implementation='cudnn' needs values of the keys' head size .* use "
+                        r"implementation='xla' for a value head size of its own",
+            lambda: sp_jax.attention.blockwise_attention(
+                jnp.ones((1, 8, 2, 8)), jnp.ones((1, 8, 2, 8)), jnp.ones((1, 8, 2, 16)),
+                implementation="cudnn")),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),
