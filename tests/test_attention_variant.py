@@ -164,6 +164,7 @@ def _out_and_grad(f, x):
     return out, back(jnp.ones_like(out))[0]
 
 
+@pytest.mark.slow
 def test_wide_value_layer_matches_a_dense_formula():
     """The variant's layer on one device: ``x + out(attention(q, k, v))`` with q, k
     ``head_dim`` wide (rotary applied), v ``2 * head_dim`` wide, from its own kernels'
