@@ -230,7 +230,8 @@ REFUSALS: list[Refusal] = [
 refused)."""
 
 _EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_1f1b"),
-              ("fp8_current", "fp8_delayed"), ("scan_layers", "unrolled_layers")]
+              ("fp8_current", "fp8_delayed"), ("scan_layers", "unrolled_layers"),
+              ("fsdp", "zero1")]  # fsdp=True (full) and fsdp="optimizer"
 
 _NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss"),
                    *((("eval", "generate"), f) for f in (

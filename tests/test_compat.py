@@ -368,8 +368,8 @@ def _refused_cells() -> list[str]:
     return [f"{m}-{a}-{b}" for m, a, b, _ in compat.refusals()]
 
 
-@pytest.mark.parametrize("case", slow_except(_refused_cells(),
-                                             "eval-packed_documents-cudnn_attention"))
+@pytest.mark.slow  # ~1 s a cell (the fast tier: test_each_refusal_is_raised_where_it_is_met)
+@pytest.mark.parametrize("case", _refused_cells())
 def test_each_refused_cell_raises_at_its_entry_point(case):
     """The smallest model with the cell's two features (tests/compat_features.py; the
     features they imply too), run at the mode's entry point: a CombinationError naming a

@@ -8,6 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.records import LABELS as LABELS
+from benchmarks.records import VARIANTS as VARIANTS
+from benchmarks.records import MiB as MiB
 from benchmarks.render.collectives import collectives_section, gpu_section
 from benchmarks.render.common import GPU_CHECK_NAME, JSON_NAME
 from benchmarks.render.common import fmt_mib as fmt_mib
@@ -20,9 +23,6 @@ from benchmarks.render.pipeline import render_markdown as render_pipeline
 from benchmarks.render.steps import gpt_time_section, stacks_section, time_section
 from benchmarks.render.template import fields, filler, table
 from benchmarks.render.text import render_markdown as render_text
-from benchmarks.targets import MiB as MiB
-from benchmarks.variants import LABELS as LABELS
-from benchmarks.variants import VARIANTS as VARIANTS
 
 _fill = filler("benchmarks")
 
