@@ -9,6 +9,8 @@ import circle). It imports nothing but the standard library.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "STACK_LABELS", "STACK_VARIANTS", "TERMS", "TORCH_ENV", "TextBench", "VARIANTS",
     "analytic_bytes", "collectives_per_token", "copies", "expected_ticks", "find_record",
     "fmt_mesh", "fmt_mib", "fmt_signed", "fmt_size", "measured_ticks", "status",
+    "RECORDED_FIELDS", "load_recorded",
 ]
 
 
@@ -316,3 +319,28 @@ def collectives_per_token(gpu: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def copies(live: list[dict[str, Any]]) -> int:
     """Bytes of the buffers at a peak that XLA's copy insertion made (``copy.N``)."""
     return sum(b["bytes"] for b in live if b["name"].startswith("copy"))
+
+
+# -- the sections make bench does not measure ------------------------------------------------
+
+RECORDED_FIELDS = ("key", "after", "heading", "date", "command", "machine", "why", "markdown")
+"""The fields of each entry of ``docs/bench_recorded.json`` (:func:`load_recorded`)."""
+
+
+def load_recorded(path: Any) -> list[dict[str, Any]]:
+    """The recorded sections of ``BENCHMARKS.md`` (``docs/bench_recorded.json``): what
+    ``make bench`` does not measure (too long for its budget, or needing a cluster or a
+    GPU), each entry with :data:`RECORDED_FIELDS`: ``key``, ``after`` (the section it
+    follows: a key of the run's results or another entry's), ``heading`` (``"## ..."``,
+    ``"### ..."`` or None for a note), when (``date``), how (``command``) and where
+    (``machine``) it was measured, ``why`` it is not in the run, and its ``markdown``.
+    Empty for a path that does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    entries = json.loads(path.read_text())["sections"]
+    for e in entries:
+        missing = [f for f in RECORDED_FIELDS if f not in e]
+        if missing:
+            raise ValueError(f"{path}: recorded section {e.get('key')!r} lacks {missing}")
+    return entries
