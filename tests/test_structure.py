@@ -80,9 +80,10 @@ PENDING_PRIVATE: dict[tuple[str, str], str] = {}
 # -- reading the package ------------------------------------------------------------------
 
 
-def _modules() -> dict[str, Path]:
+def _modules(folder: Path = PACKAGE) -> dict[str, Path]:
+    """``{dotted module name: path}`` of every module under ``folder``."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -153,8 +154,9 @@ def test_the_floors_name_every_module():
     assert not [m for m in MODULES if m not in measurement and _floor(m) < 0]
 
 
-def test_no_import_circle():
-    graph = _graph()
+def _circles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The import circles of ``graph`` (``{module: {imported module: line}}``), each as
+    ``a:line -> b:line -> ... -> a``."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
     circles = []
@@ -175,6 +177,11 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+    return circles
+
+
+def test_no_import_circle():
+    circles = _circles(_graph())
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
@@ -331,13 +338,7 @@ def _imported_modules(path: Path) -> list[tuple[str, int]]:
 
 @functools.cache
 def _benchmark_modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(BENCHMARKS.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
+    return _modules(BENCHMARKS)
 
 
 def _benchmark_module(name: str) -> bool:
@@ -362,22 +363,7 @@ def test_benchmarks_have_no_import_circle():
     modules = _benchmark_modules()
     graph = {m: {t: line for t, line in _imported_modules(p) if t in modules and t != m}
              for m, p in modules.items()}
-    circles, state, path = [], {}, []
-
-    def visit(module: str) -> None:
-        state[module] = 1
-        path.append(module)
-        for target in sorted(graph[module]):
-            if state.get(target) == 1:
-                circles.append(" -> ".join(path[path.index(target):] + [target]))
-            elif target not in state:
-                visit(target)
-        path.pop()
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
+    circles = _circles(graph)
     assert not circles, "import circles:\n" + "\n".join(circles)
     wrong = [f"{m}:{line} imports {t}" for m, targets in graph.items()
              if _under(m, "benchmarks.render") for t, line in targets.items()
