@@ -21,11 +21,14 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(CPU_ENV) $(PY) examples/train_gpt.py --plot runs/loss.png --log-json runs/demo.jsonl
 
-# Benchmarks sp_jax's TP+SP block against a GSPMD baseline and the unsharded block (a few
-# minutes on CPU, 8 simulated devices + deviceless 8 x H100 compiles; benchmarks/, not part
-# of the installed package); writes BENCHMARKS.md (rendered from the results by
-# benchmarks/render/ and the prose of benchmarks/templates/), docs/bench.json and
-# docs/bench_memory_vs_{t,s}.png here. `--quick` for a smoke run.
+# Benchmarks sp_jax's TP+SP block against a GSPMD baseline and the unsharded block, and every
+# section of BENCHMARKS.md (about an hour on 2 idle CPU cores, half of it the planner's four
+# models; 8 simulated devices + deviceless 8 x H100 compiles; benchmarks/, not part of the
+# installed package); writes BENCHMARKS.md whole (rendered from the results by
+# benchmarks/render/ and the prose of benchmarks/templates/; what the run does not measure
+# from docs/bench_recorded.json, each section saying when and how it was measured),
+# docs/bench.json and docs/bench_*.png here. `--quick` for a smoke run (16 min on 2 busy
+# cores), without the recorded sections.
 bench: $(STAMP)
 	$(CPU_ENV) $(PY) -m benchmarks --out .
 

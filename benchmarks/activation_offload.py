@@ -9,6 +9,8 @@ without the option, at two depths.
   analytic size of what the rules move (:func:`offloaded_bytes_per_layer`);
 * the HLO's host buffers (memory space ``S(5)``) in the scan's while bodies.
 
+The compile: :func:`sp_jax.analysis.checks.scanned_stack_report`.
+
 Run: ``JAX_PLATFORMS=cpu python -m benchmarks.activation_offload`` (eight compiles, about
 8 minutes on 2 CPU cores; prints one JSON object per setting, without and with
 ``remat``).
@@ -20,19 +22,9 @@ import json
 import re
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding
+from sp_jax.analysis.checks import scanned_stack_report
 
-import sp_jax
-from benchmarks.baseline import param_specs
-from sp_jax import Layout
-from sp_jax.analysis import compile_for_gpu, gpu_mesh
-from sp_jax.models import Block, GPTConfig
-from sp_jax.models.blocks import scan_blocks, stack_blocks
-
-__all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "compile_stack", "layer_flops", "measure",
+__all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "layer_flops", "measure",
            "offloaded_bytes_per_layer"]
 
 PCIE_GEN5_BYTES_PER_S = 64e9
@@ -53,42 +45,6 @@ def layer_flops(*, hidden: int, seq: int, tensor: int, batch: int = 1,
     gemm = 6 * (4 * hidden * hidden + 2 * hidden * f) / tensor * batch * seq
     attention = 3 * 2 * seq * seq * hidden / tensor * batch
     return gemm + attention
-
-
-def compile_stack(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,
-                  remat: bool = False, offload: bool, batch: int = 1,
-                  recompute: bool = True, dtype: Any = jnp.bfloat16,
-                  data_axis: str | None = None) -> dict[str, Any]:
-    """Deviceless H100 compile of ``layers`` scanned blocks' forward and backward
-    (gradients of a mean-square loss w.r.t. the parameters and the input) on a
-    ``1 x tensor`` mesh; returns ``memory_analysis()``'s device and host bytes and the
-    HLO. ``data_axis``: the config's (None: the batch is not split; ``"data"``: over the
-    mesh's data axis, of size 1)."""
-    cfg = GPTConfig(vocab_size=256, max_seq_len=seq, num_layers=layers, num_heads=heads,
-                    hidden=hidden, dtype=dtype, param_dtype=jnp.float32, remat=remat,
-                    scan_layers=True)
-    parallel = sp_jax.ParallelConfig(data_axis=data_axis, recompute_allgather=recompute,
-                                     wgrad_dtype=jnp.float32, offload_activations=offload)
-    mesh = gpu_mesh((1, tensor), ("data", "tensor"))
-    with jax.set_mesh(mesh):
-        model = nnx.eval_shape(lambda: stack_blocks(
-            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
-        graphdef, params = nnx.split(model)
-        params = jax.tree.map(
-            lambda v, spec: jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=NamedSharding(mesh, spec)),
-            params, param_specs(model))
-    x = jax.ShapeDtypeStruct((batch, seq, hidden), dtype, sharding=Layout.of(parallel).sp)
-
-    def loss(p, x):
-        y, _ = scan_blocks(nnx.merge(graphdef, p), x, None, remat)
-        return jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-    report = compile_for_gpu(jax.grad(loss, argnums=(0, 1)), params, x, mesh_shape=(1, tensor),
-                             axis_names=("data", "tensor"))
-    mem = report.compiled.memory_analysis()
-    return {"temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes,
-            "host_temp_bytes": int(mem.host_temp_size_in_bytes), "hlo": report.hlo}
 
 
 def offloaded_bytes_per_layer(*, hidden: int, seq: int, heads: int, tensor: int,
@@ -131,8 +87,8 @@ def measure(*, depths: tuple[int, int] = (4, 8), hidden: int = 4096, seq: int = 
                                      "heads": heads, "tensor": tensor, "dtype": "bfloat16",
                                      "recompute_allgather": True, "remat": remat}}
     for offload in (False, True):
-        runs = {n: compile_stack(layers=n, hidden=hidden, seq=seq, heads=heads,
-                                 tensor=tensor, remat=remat, offload=offload)
+        runs = {n: scanned_stack_report(layers=n, hidden=hidden, seq=seq, heads=heads,
+                                        tensor=tensor, remat=remat, offload=offload)
                 for n in depths}
         key = "offload" if offload else "device"
         out[key] = {

@@ -3,10 +3,10 @@
 ``python -m benchmarks.check_render [--json docs/bench.json] [--markdown BENCHMARKS.md]
 [--docs docs]`` feeds the results (``docs/bench.json``: the last full ``make bench``)
 to the renderer (:func:`benchmarks.render.render_document`) and prints a unified diff
-against the markdown; exit status 0 when they are equal, 1 otherwise. Sections measured
-by their own command lines (``python -m benchmarks.pipeline --markdown ...``) and
-spliced into ``BENCHMARKS.md`` are not in ``docs/bench.json``; their lines show in the
-diff."""
+against the markdown; exit status 0 when they are equal, 1 otherwise. A run's results hold
+every section: those it measures, and the recorded ones (``docs/bench_recorded.json``: what
+``make bench`` does not measure, each with when, how and where it was measured), so after
+``make bench`` the two are equal."""
 
 from __future__ import annotations
 

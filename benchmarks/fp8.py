@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
+from benchmarks.records import fmt_mib
 from sp_jax.analysis import array_bytes, compile_for_gpu, gpu_mesh, parse_collectives
 from sp_jax.models import Block, GPTConfig
 from sp_jax.xla_flags import FP8_COMPILER_OPTIONS
@@ -63,10 +64,6 @@ class Fp8Bench:
 
 FULL = Fp8Bench()
 QUICK = Fp8Bench(layers=2, h=256, s=256, heads=8, cpu_steps=0)  # no CPU runs
-
-
-def fmt_mib(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB"
 
 
 def compile_fp8_stack(recipe: sp_jax.Fp8Recipe | None, bench: Fp8Bench) -> dict[str, Any]:

@@ -36,7 +36,6 @@ if __name__ == "__main__":  # before JAX starts: 8 simulated CPU devices, the CU
     apply_xla_flags(cpu_simulation_flags(8))
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -54,6 +53,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sp_jax  # noqa: E402
+from benchmarks.records import TORCH_ENV, GenerationBench, collectives_per_token, fmt_mesh, fmt_size  # noqa: E402
 from benchmarks.section import write_outputs  # noqa: E402
 from sp_jax import Layout  # noqa: E402
 from sp_jax.analysis import (  # noqa: E402
@@ -71,52 +71,8 @@ __all__ = ["FULL", "QUICK", "GenerationBench", "cpu_decode", "decode_memory",
            "evaluate_targets", "main", "run_generation"]
 
 MiB = 2**20
-TORCH_ENV = "SP_JAX_TORCH_PYTHON"
 AXES = ("data", "tensor")
 ANALYTIC_TOLERANCE = 0.05  # from the issue: parameters + cache within 5% of analytic
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationBench:
-    """Settings of the generation benchmark.
-
-    CPU: ``GPTConfig.llama(cpu_preset)`` with ``cpu_overrides`` (fp32), random weights of
-    seed 0 written by ``to_hf`` and read back by ``from_hf`` on every mesh; for each
-    ``(batch, mesh)`` of ``runs`` (mesh ``"data,tensor"``), ``batch`` random prompts of
-    ``prompt_len`` tokens (seed 0) continued by ``new_tokens`` greedy tokens, and each
-    batch again on every mesh of ``reference_meshes`` (``"1,1"``: one device, no
-    collectives: what the simulated devices cost); every program run ``warmup`` times
-    first (the compiles), then ``rounds`` interleaved rounds (the order rotated per
-    round). H100: ``GPTConfig.llama(
-    gpu_preset, dtype=bf16, param_dtype=bf16, scan_layers=True)`` with ``gpu_overrides``
-    on ``data 1 x tensor gpu_tensor``, ``gpu_batch`` rows, a ``gpu_cache``-token cache
-    (``gpu`` False skips the compile)."""
-
-    cpu_preset: str = "llama-tiny"
-    cpu_overrides: tuple[tuple[str, Any], ...] = (
-        ("num_layers", 4), ("hidden", 256), ("mlp_hidden", 768), ("vocab_size", 4096))
-    runs: tuple[tuple[int, str], ...] = ((1, "1,8"), (8, "2,4"))
-    reference_meshes: tuple[str, ...] = ("1,1",)
-    prompt_len: int = 16
-    new_tokens: int = 64
-    warmup: int = 1
-    rounds: int = 15
-    gpu_preset: str = "llama-3-8b"
-    gpu_overrides: tuple[tuple[str, Any], ...] = ()
-    gpu_tensor: int = 8
-    gpu_batch: int = 8
-    gpu_cache: int = 4096
-    gpu: bool = True
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerationBench:
-        def tuples(v: Any) -> Any:
-            return tuple(tuples(x) for x in v) if isinstance(v, list | tuple) else v
-
-        return cls(**{k: tuples(v) for k, v in d.items()})
 
 
 FULL = GenerationBench()
@@ -476,28 +432,6 @@ def decode_memory(bench: GenerationBench) -> dict[str, Any]:
         "expected": expected}
 
 
-def collectives_per_token(gpu: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per collective kind of the decode step: instructions in the HLO, how many run per
-    decoded token and their bytes per GPU (each instruction's bytes x its runs), and how
-    many instructions sit in a loop body (with the loop's trip count)."""
-    out: dict[str, dict[str, Any]] = {}
-    for c in gpu["collectives"]:
-        k = out.setdefault(c["kind"], {"in_hlo": 0, "runs": 0, "bytes": 0, "in_loop": 0,
-                                       "trips": set(), "async": 0, "overlapped": 0})
-        runs = c["runs"] if c["runs"] is not None else 1
-        k["in_hlo"] += 1
-        k["runs"] += runs
-        k["bytes"] += c["bytes"] * runs
-        k["async"] += int(c["async"])
-        k["overlapped"] += int(c.get("overlapped_ops", 0) > 0)
-        if runs > 1:
-            k["in_loop"] += 1
-            k["trips"].add(runs)
-    for k in out.values():
-        k["trips"] = sorted(k["trips"])
-    return out
-
-
 # -- the run --------------------------------------------------------------------------
 
 
@@ -531,15 +465,6 @@ def run_generation(bench: GenerationBench = FULL, log: Callable[[str], None] = _
                    "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
                    "cpu_count": os.cpu_count(), "runtime_s": time.perf_counter() - start}
     return res
-
-
-def fmt_size(n: float) -> str:
-    """Bytes as MiB, or KiB below one MiB."""
-    return f"{n / MiB:,.1f} MiB" if n >= MiB else f"{n / 1024:,.1f} KiB"
-
-
-def fmt_mesh(mesh: str) -> str:
-    return mesh.replace(",", " x ")
 
 
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:

@@ -24,24 +24,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from benchmarks.records import TERMS
 from benchmarks.variants import Setup, Shape, make_setup
 from sp_jax.analysis import Residual, activation_bytes_formula, saved_residuals
 
 __all__ = ["TERMS", "ResidualRow", "activation_memory", "paper_terms"]
-
-# Korthikanti et al. 2022 (Sec. 4.1), bytes per layer in units of s*b*h / t (TP+SP);
-# the s x s term is 5*a*s/h in these units.
-TERMS = (
-    ("layernorm", "LayerNorm inputs (2 norms)", 4),
-    ("column_inputs", "column-layer inputs (qkv, MLP up)", 4),
-    ("qkv_out", "q, k, v and attention output (= out-projection input)", 8),
-    ("out_proj_copy", "out-projection input as its own residual (reshape of the above)", 0),
-    ("attention_sxs", "s x s attention arrays (scores, softmax, dropout) / ours: log-sum-exp",
-     None),
-    ("mlp_hidden", "MLP hidden [s, 4h] (GeLU input, down-projection input)", 16),
-    ("dropout_masks", "dropout masks (attention and MLP outputs)", 2),
-    ("other", "other", 0),
-)
 
 
 @dataclasses.dataclass

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
+from benchmarks.records import MIXTRAL, fmt_mib
 from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
 from sp_jax.models import Block, GPTConfig
 
@@ -43,8 +44,6 @@ __all__ = ["FULL", "MESHES", "MIXTRAL", "QUICK", "MoEBench", "compile_moe_stack"
            "cpu_step_times", "mixtral_config", "run_moe"]
 
 AXES = ("data", "expert", "context", "tensor")
-MIXTRAL = dict(h=4096, F=14336, E=8, k=2, s=4096, batch=8, heads=32, kv_heads=8, layers=2)
-"""The Mixtral-8x7B-shaped stack of the targets."""
 MESHES = {"expert 8": (1, 8, 1, 1), "data 2 x expert 2 x tensor 2": (2, 2, 1, 2)}
 """(data, expert, context, tensor) meshes of the targets."""
 
@@ -213,10 +212,6 @@ def cpu_step_times(*, tokens: int = 2048, h: int = 256, F: int = 512, E: int = 8
     out = {name: statistics.median(v) for name, v in times.items()}
     return {"tokens": tokens, "h": h, "F": F, "E": E, "k": k, "rounds": rounds,
             "seconds": out}
-
-
-def fmt_mib(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,6 @@ if __name__ == "__main__":  # before JAX starts: the CUDA plugin registers for A
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -51,6 +50,14 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import sp_jax  # noqa: E402
+from benchmarks.records import (  # noqa: E402
+    SCHEDULES,
+    PipelineBench,
+    analytic_bytes,
+    expected_ticks,
+    find_record,
+    measured_ticks,
+)
 from benchmarks.section import write_outputs  # noqa: E402
 from sp_jax import Layout  # noqa: E402
 from sp_jax.analysis import (  # noqa: E402
@@ -90,44 +97,7 @@ __all__ = [
 
 AXES = ("stage", "data", "context", "tensor")
 MiB = 2**20
-SCHEDULES = ("gpipe", "1f1b")
 TARGETS = {"flat_ratio": 1.15, "vs_gpipe": 0.5}  # from the issue
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineBench:
-    """Shapes of the pipeline benchmark: ``layers`` blocks of ``h`` / ``a`` on a
-    ``stages x 1 x 1 x tensor`` mesh of H100s, ``b`` sequences of ``s`` tokens per
-    micro-batch, a ``vocab`` vocabulary (tied embedding), bf16 compute with fp32
-    parameters, ``recompute_allgather``, fp32 weight gradients, AdamW."""
-
-    stages: int = 4
-    tensor: int = 2
-    layers: int = 8
-    h: int = 4096
-    a: int = 32
-    s: int = 2048
-    b: int = 1
-    vocab: int = 32768  # as the GPT compiles of benchmarks.run (FULL.gpt_vocab)
-    microbatches: tuple[int, ...] = (4, 8, 16, 32)  # memory sweep (R = 1)
-    tick_microbatches: int = 8  # tick counts and traffic, R = 1 and 2
-    repeats: tuple[int, ...] = (1, 2)
-
-    @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        return (self.stages, 1, 1, self.tensor)
-
-    @property
-    def devices(self) -> int:
-        return self.stages * self.tensor
-
-    @property
-    def shard_bytes(self) -> int:
-        """Bytes of one activation shard ``[b, s / (c t), h]`` in bf16 (c = 1)."""
-        return self.b * self.s // self.tensor * self.h * 2
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 FULL = PipelineBench()
@@ -364,47 +334,6 @@ def stacked_residuals(hlo: str, traffic: dict[str, Any], ticks: int,
     return out
 
 
-def measured_ticks(traffic: dict[str, Any]) -> dict[str, int]:
-    """Ticks of the compiled loops, from their activation sends (:func:`stage_traffic`):
-    ``forward_ring`` / ``backward_ring``, the sends per step to the next / previous stage
-    (one per tick that forwards / back-propagates), ``both``, the ticks holding one of
-    each (iterations of the loops whose body sends both ways, times the copies of a
-    send per iteration: XLA's unrolling), and ``iterations = forward_ring +
-    backward_ring - both``, the ticks the loops run in all."""
-    out = {"forward_ring": 0, "backward_ring": 0, "both": 0}
-    copies: dict[str, dict[int, int]] = {}
-    trips: dict[str, int] = {}
-    for e in traffic["activations"]:
-        out["forward_ring" if e["direction"] == 1 else "backward_ring"] += e["executions"]
-        for name, trip, n in e["loops"]:
-            copies.setdefault(name, {})[e["direction"]] = n
-            trips[name] = trip or 0
-    for name, by_direction in copies.items():
-        if len(by_direction) == 2:
-            out["both"] += trips[name] * min(by_direction.values())
-    out["iterations"] = out["forward_ring"] + out["backward_ring"] - out["both"]
-    return out
-
-
-def expected_ticks(rec: dict[str, Any]) -> dict[str, int]:
-    """:func:`measured_ticks` as the schedule's tables say: a send to the next stage
-    per tick in which some stage forwards, one to the previous stage per tick in which
-    some stage back-propagates; GPipe's two loops (forward, then its autodiff) each run
-    ``num_ticks``, 1F1B's ``num_ticks`` together."""
-    sch = rec["schedule"]
-    f, b, n = sch["forward_ticks"], sch["backward_ticks"], sch["num_ticks"]
-    if rec["kind"] == "gpipe":
-        return {"forward_ring": n, "backward_ring": n, "both": 0, "iterations": 2 * n}
-    return {"forward_ring": f, "backward_ring": b, "both": f + b - n, "iterations": n}
-
-
-def analytic_bytes(rec: dict[str, Any], shard_bytes: int) -> int:
-    """Activation bytes per step and device: one ``[b, s/(c t), h]`` shard per send of
-    :func:`expected_ticks`."""
-    ticks = expected_ticks(rec)
-    return (ticks["forward_ring"] + ticks["backward_ring"]) * shard_bytes
-
-
 # -- schedules --------------------------------------------------------------------------
 
 
@@ -507,13 +436,6 @@ def memory_sweep(bench: PipelineBench, log: Callable[[str], None] = print
     runs += [(kind, bench.tick_microbatches, r) for kind in SCHEDULES for r in bench.repeats
              if (kind, bench.tick_microbatches, r) not in runs]
     return [_measure(bench, kind, m, r, log) for kind, m, r in runs]
-
-
-def find_record(records: list[dict[str, Any]], kind: str, m: int, r: int = 1) -> dict[str, Any]:
-    for rec in records:
-        if (rec["kind"], rec["microbatches"], rec["repeats"]) == (kind, m, r):
-            return rec
-    raise KeyError((kind, m, r))
 
 
 def evaluate_targets(bench: PipelineBench, records: list[dict[str, Any]],

@@ -35,15 +35,23 @@ from benchmarks.moe import MoEBench, run_moe
 from benchmarks.pipeline import FULL as PIPELINE_FULL
 from benchmarks.pipeline import QUICK as PIPELINE_QUICK
 from benchmarks.pipeline import PipelineBench, run_pipeline
+from benchmarks.records import load_recorded
 from benchmarks.stacks import STACK_VARIANTS, Stack
 from benchmarks.targets import evaluate_targets
 from benchmarks.text import FULL as TEXT_FULL
 from benchmarks.text import QUICK as TEXT_QUICK
 from benchmarks.text import TextBench, run_text
 from benchmarks.variants import SP_VARIANTS, VARIANTS, Shape, make_setup
+from benchmarks.zero1 import FULL as ZERO1_FULL
+from benchmarks.zero1 import QUICK as ZERO1_QUICK
+from benchmarks.zero1 import Zero1Bench, run_zero1
 from sp_jax.analysis import activation_bytes_formula
 
-__all__ = ["Config", "FULL", "QUICK", "main", "run"]
+__all__ = ["Config", "FULL", "QUICK", "RECORDED", "main", "run"]
+
+RECORDED = Path(__file__).resolve().parents[1] / "docs" / "bench_recorded.json"
+"""The sections of ``BENCHMARKS.md`` that ``make bench`` does not measure
+(:func:`benchmarks.records.load_recorded`), copied into the run's results."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,7 @@ class Config:
     text: TextBench  # packed documents: input pipeline vs step, packing, masked attention
     generation: GenerationBench  # decode tokens/s vs transformers, the H100 decode step
     fsdp: FsdpBench = FSDP_FULL  # the training step sharded over data (deviceless H100)
+    zero1: Zero1Bench = ZERO1_FULL  # ZeRO-1 against the replicated step (deviceless H100)
     moe: MoEBench = MOE_FULL  # mixture of experts: Mixtral-shaped H100 stack, CPU, planner
     fp8: bool = True  # FP8: 8 H100 blocks vs bf16, the demo's loss (benchmarks.fp8; minutes)
     timing_fp32: bool = True  # also time the variants with fp32 compute (secondary)
@@ -146,6 +155,7 @@ QUICK = Config(  # 5as/h = 80 as in FULL, so the memory terms compare alike
     generation=GENERATION_QUICK,  # llama-tiny, batch 8, 8 tokens, 2 rounds
     moe=MOE_QUICK,
     fsdp=FSDP_QUICK,  # 2 layers, h=512, data 8
+    zero1=ZERO1_QUICK,  # 2 layers, h=512, data 8
     fp8=False,  # its own quick run: python -m benchmarks.fp8 --quick
 )
 
@@ -258,7 +268,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 - recorded in the report, the rest still runs
             if name not in ("gpu", "stacks", "context", "pipeline", "generation", "fsdp",
-                            "plan", "moe", "fp8"):
+                            "zero1", "plan", "moe", "fp8"):
                 raise
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"{name} failed: {results[name]['error']}")
@@ -283,6 +293,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
     # transformers from $SP_JAX_TORCH_PYTHON (else its ratio is not measured); H100: plugin
     section("generation", lambda: run_generation(cfg.generation, log=_log))
     section("fsdp", lambda: _fsdp(cfg))  # CUDA plugin
+    section("zero1", lambda: run_zero1(cfg.zero1))  # CUDA plugin
     section("moe", lambda: run_moe(cfg.moe, log=_log))  # CUDA plugin
     if cfg.fp8:
         from benchmarks.fp8 import run_fp8
@@ -293,6 +304,9 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
 
         section("plan", lambda: run_plans(log=_log))
     results["megatron"] = MEGATRON
+    # the sections measured outside the run (each says when, how and where); a quick run
+    # renders what it measured only
+    results["recorded"] = [] if quick else load_recorded(RECORDED)
     results["meta"] = {
         "quick": quick,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -309,7 +323,7 @@ def run(cfg: Config = FULL, *, quick: bool = False) -> dict[str, Any]:
             k: getattr(cfg, k).as_dict()
             for k in ("realistic", "cpu_collectives", "timing", "stack_shape", "context",
                       "pipeline", "text", "generation")} | {
-            "fsdp": dataclasses.asdict(cfg.fsdp)} | {
+            "fsdp": dataclasses.asdict(cfg.fsdp), "zero1": dataclasses.asdict(cfg.zero1)} | {
             "stacks": [s.as_dict() for s in cfg.stacks],
             "gpt_models": [m.as_dict() for m in cfg.gpt_models]},
     }

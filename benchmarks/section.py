@@ -11,12 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.records import status
+
 __all__ = ["section_main", "status", "write_outputs"]
-
-
-def status(met: bool | None) -> str:
-    """A target's verdict in a section's table."""
-    return {True: "PASS", False: "**MISS**", None: "not measured"}[met]
 
 
 def write_outputs(res: dict[str, Any], *, json_path: Path | None, markdown_path: Path | None,

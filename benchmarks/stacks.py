@@ -22,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 
 import sp_jax
 from benchmarks.baseline import GspmdBlock, param_specs
+from benchmarks.records import STACK_VARIANTS
 from benchmarks.variants import Shape
 from sp_jax import Layout
 from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
@@ -29,14 +30,6 @@ from sp_jax.models import Block, GPTConfig
 
 __all__ = ["RINGS", "STACK_VARIANTS", "Stack", "compile_stack", "ring_report"]
 
-STACK_VARIANTS = ("gspmd", "sp_save", "sp_recompute", "sp_save_cm", "sp_recompute_cm")
-LABELS = {
-    "gspmd": "GSPMD",
-    "sp_save": "sp_jax save",
-    "sp_recompute": "sp_jax recompute",
-    "sp_save_cm": "sp_jax save + collective matmul",
-    "sp_recompute_cm": "sp_jax recompute + collective matmul",
-}
 
 # Collective matmul's rings per layer (HLO scope -> rings): the column layers (qkv, MLP
 # up) gather forward and reduce-scatter dx backward (plus re-gather x with recompute);

@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["evaluate_targets", "MiB"]
+from benchmarks.records import MiB
 
-MiB = 2**20
+__all__ = ["evaluate_targets", "MiB"]
 
 
 def _mib(x: float) -> str:

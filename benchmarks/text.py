@@ -36,7 +36,6 @@ if __name__ == "__main__":  # before JAX starts: 8 simulated CPU devices, the CU
     apply_xla_flags(cpu_simulation_flags(8))
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -56,6 +55,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import sp_jax.training as training  # noqa: E402
+from benchmarks.records import TextBench, copies, fmt_signed  # noqa: E402
 from benchmarks.section import write_outputs  # noqa: E402
 from sp_jax import Layout  # noqa: E402
 from sp_jax.analysis import compile_for_gpu, cuda_plugin_available  # noqa: E402
@@ -79,66 +79,6 @@ __all__ = ["FULL", "QUICK", "TextBench", "attention_block_products", "attention_
 MiB = 2**20
 TARGETS = {"pipeline_over_step": 10.0, "first_fit_efficiency": 0.95,
            "masked_time_ratio": 0.5, "masked_temp_ratio": 1.0}  # from the issue
-
-
-@dataclasses.dataclass(frozen=True)
-class TextBench:
-    """Settings of the packed-documents benchmark.
-
-    Corpus: up to ``corpus_bytes`` of JSON lines, one standard library ``.py`` file per
-    line (files in a shuffle by seed 0), and a ``vocab_size`` BPE tokenizer trained on it.
-    Pipeline and step: ``batch_size`` rows of ``seq_len`` in ``micro_batches``, the demo
-    model of ``examples/train_gpt.py`` on its ``--mesh 2,4`` (``layers`` / ``hidden`` /
-    ``heads`` override the preset's when set), fp32; ``warmup_steps`` batches per
-    pipeline first, then ``rounds`` rounds each reading ``steps_per_round`` batches from
-    every pipeline and running ``step_repeats`` training steps. Efficiency: the rows of
-    ``efficiency_steps`` steps; the synthetic corpus has ``lognormal_docs`` documents of
-    byte lengths log-normal around ``lognormal_median`` (``lognormal_sigma``), read by
-    :class:`~sp_jax.data.ByteTokenizer`. Attention: ``attention_s`` rows holding
-    ``attention_docs`` documents of equal length, blocks of ``attention_block``; CPU
-    (fp32, batch 1, ``cpu_heads`` x ``cpu_head_dim``, ``attention_rounds`` interleaved
-    rounds) and H100 (bf16, batch 1, ``gpu_heads`` x ``gpu_head_dim``; ``gpu`` False
-    skips the compiles)."""
-
-    corpus_bytes: int = 5_000_000
-    vocab_size: int = 4096
-    seq_len: int = 128
-    batch_size: int = 16
-    micro_batches: int = 2
-    mesh: str = "2,4"
-    packings: tuple[str, ...] = ("first_fit", "concat")
-    read_workers: tuple[int, ...] = (0, 2)
-    warmup_steps: int = 10
-    rounds: int = 8
-    steps_per_round: int = 25
-    step_repeats: int = 2
-    layers: int | None = None
-    hidden: int | None = None
-    heads: int | None = None
-    efficiency_steps: int = 100
-    lognormal_docs: int = 4000
-    lognormal_median: int = 64
-    lognormal_sigma: float = 1.0
-    attention_s: int = 8192
-    attention_docs: int = 8
-    attention_block: int = 512
-    cpu_heads: int = 8
-    cpu_head_dim: int = 64
-    attention_rounds: int = 5
-    gpu_heads: int = 32
-    gpu_head_dim: int = 128
-    gpu: bool = True
-
-    @property
-    def pipeline_steps(self) -> int:
-        return self.rounds * self.steps_per_round
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TextBench:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 FULL = TextBench()
@@ -561,16 +501,6 @@ def run_text(bench: TextBench = FULL, log: Callable[[str], None] = _log) -> dict
                    "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
                    "cpu_count": os.cpu_count(), "runtime_s": time.perf_counter() - start}
     return res
-
-
-def fmt_signed(n: int) -> str:
-    """A byte difference: ``+47.66 MiB``, ``+260 KiB``."""
-    return f"{n / MiB:+.2f} MiB" if abs(n) >= MiB else f"{n / 1024:+.0f} KiB"
-
-
-def copies(live: list[dict[str, Any]]) -> int:
-    """Bytes of the buffers at a peak that XLA's copy insertion made (``copy.N``)."""
-    return sum(b["bytes"] for b in live if b["name"].startswith("copy"))
 
 
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:

@@ -29,20 +29,13 @@ from jax.sharding import AxisType, NamedSharding
 
 import sp_jax
 from benchmarks.baseline import GspmdBlock, copy_weights, param_specs
+from benchmarks.records import SP_VARIANTS, VARIANTS
 from sp_jax import Layout
 from sp_jax.models import Block, GPTConfig
 
 __all__ = ["VARIANTS", "SP_VARIANTS", "Shape", "Setup", "make_setup", "make_mesh"]
 
-VARIANTS = ("unsharded", "gspmd", "sp_save", "sp_recompute")
 SEED = 0  # parameter seed of every variant; the input is drawn with SEED + 1
-SP_VARIANTS = ("sp_save", "sp_recompute")
-LABELS = {
-    "unsharded": "unsharded (1 device)",
-    "gspmd": "GSPMD TP+SP baseline",
-    "sp_save": "sp_jax save",
-    "sp_recompute": "sp_jax recompute",
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,9 @@ of the training step with ``ParallelConfig(fsdp="optimizer")`` against the repli
 step (``fsdp=False``), and the collectives the step moves the gradients and parameters
 with.
 
-Run ``python -m benchmarks.zero1 [--quick] [--json PATH]`` (about a minute on 2 CPU
-cores; needs the CUDA PJRT plugin). For each layout it compiles the GPT training step
+Run ``python -m benchmarks.zero1 [--quick] [--json PATH] [--markdown PATH]`` (about a
+minute on 2 CPU cores; needs the CUDA PJRT plugin; ``make bench`` runs it as its ZeRO-1
+section). For each layout it compiles the GPT training step
 (:func:`sp_jax.training.train_step_fn` as :class:`~sp_jax.training.TrainStep` builds it:
 forward, backward, AdamW; parameters and optimizer state donated; rotary positions, bf16
 compute, fp32 master weights, ``recompute_allgather``, fp32 weight gradients) of
@@ -29,7 +30,6 @@ if __name__ == "__main__":  # before JAX starts
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -139,15 +139,19 @@ def run_zero1(bench: Zero1Bench) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks.render.zero1 import render_markdown
+    from benchmarks.section import write_outputs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (seconds)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--markdown", type=Path, help="write the BENCHMARKS.md section here")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     res = run_zero1(QUICK if args.quick else FULL)
     res["meta"] = {"runtime_s": time.perf_counter() - t0, "jax": jax.__version__}
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1, default=str))
+    write_outputs(res, json_path=args.json, markdown_path=args.markdown,
+                  render=render_markdown, log=lambda m: print(f"[zero1] {m}", flush=True))
     return res
 
 

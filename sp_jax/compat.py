@@ -3,15 +3,23 @@
 A *feature* is one option of :class:`~sp_jax.ParallelConfig`, :class:`~sp_jax.models.GPTConfig`
 or of the call (:data:`FEATURES`); a *mode* is what the model is asked to do
 (:data:`MODES`: ``"train"``, ``"eval"``, ``"generate"``). For each mode and each pair of
-features (the diagonal: the feature alone in that mode) :data:`TABLE` holds a
-:class:`Cell`: ``supported`` (with the pytest node ids of the tests that run that
-combination), ``refused`` (with what to do instead), ``exclusive`` (two values of one
-option), ``n/a`` (the feature has no meaning in that mode) or ``untested`` (nothing
-refuses it, and no test runs it yet).
+features (the diagonal: the feature alone) :data:`TABLE` holds a :class:`Cell`:
+``supported`` (with the pytest node ids of the tests that run that combination),
+``refused`` (with what to do instead), ``exclusive`` (two values of one option), ``n/a``
+(the feature has no meaning in that mode) or ``untested`` (nothing refuses it, and no
+test runs it yet).
 
 Every refusal of a combination in sp_jax is raised here, by :func:`check`, as one
 :class:`CombinationError` (a ``ValueError``) that names both features, the mode and what
-to do. ``python -m sp_jax.compat`` prints the table; ``docs/api.md`` shows
+to do. Each entry point checks its mode once (:func:`check_mode`): a training step
+(``TrainStep``, ``GPT.loss``) ``"train"``, ``GPT.__call__`` / ``hidden_states`` /
+``padded_logits`` ``"eval"``, ``generate`` ``"generate"``; constructors (``GPTConfig``,
+``GPT``, the layers) and kernels check what is refused in every mode.
+
+Which tests run which cell is the test suite's to say (``tests/compat_coverage.py``):
+the library's table holds the refusals, and :func:`load_coverage` (or :func:`cover`) adds
+the supported cells. ``python -m sp_jax.compat [--coverage PATH]`` prints the table (with
+the coverage found beside the package in a checkout); ``docs/api.md`` shows
 :func:`markdown`'s output.
 
 This module imports nothing from sp_jax (every floor may ask it).
@@ -20,13 +28,18 @@ This module imports nothing from sp_jax (every floor may ask it).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
+import math
 import textwrap
 from collections.abc import Iterable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 __all__ = ["ALIASES", "COVERED", "FEATURES", "MODES", "REFUSALS", "STATUSES", "TABLE", "Cell",
-           "CombinationError", "cell", "check", "features_of", "markdown", "refusals", "render"]
+           "CombinationError", "Refusal", "build", "cell", "check", "check_mode", "cover",
+           "coverage_source", "features_of", "load_coverage", "markdown", "refusals",
+           "render", "spelled"]
 
 MODES: dict[str, str] = {
     "train": "a training step: TrainStep, or jax.grad of GPT.loss",
@@ -44,12 +57,16 @@ FEATURES: dict[str, str] = {
     "context_ulysses": "ParallelConfig(context_parallel='ulysses'): all-to-all attention",
     "pipeline_gpipe": "ParallelConfig(pipeline_axis=..., pipeline_schedule='gpipe')",
     "pipeline_1f1b": "ParallelConfig(pipeline_axis=..., pipeline_schedule='1f1b')",
+    "scan_layers": "GPTConfig(scan_layers=True): the layers stacked, run by one lax.scan",
+    "unrolled_layers": "GPTConfig(scan_layers=False), the default: one module per layer",
     "experts": "GPTConfig(num_experts=E > 0): mixture-of-experts layers",
     "expert_parallel": "ParallelConfig(expert_axis=...): experts sharded over a mesh axis",
+    "interleaved_experts": "GPTConfig(moe_layer_freq > 1): dense layers between expert ones",
     "fp8_current": "GPTConfig(fp8=Fp8Recipe('current')): FP8 GEMMs, current scaling",
     "fp8_delayed": "GPTConfig(fp8=Fp8Recipe('delayed')): FP8 GEMMs, amax history",
     "packed_documents": "segment_ids / positions: several documents per row",
     "sliding_window": "GPTConfig(sliding_window=w): attention to the last w tokens",
+    "layer_windows": "GPTConfig(layer_windows=...): each layer's window as data",
     "cudnn_attention": "GPTConfig(attention_implementation='cudnn'): cuDNN's kernel",
     "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
     "attention_softcap": "GPTConfig(attention_softcap=c): scores c * tanh(s / c) (Gemma 2)",
@@ -59,7 +76,9 @@ FEATURES: dict[str, str] = {
     "offload_optimizer": "TrainStep(offload_optimizer / offload_params): state on the host",
     "offload_activations": "ParallelConfig(offload_activations=True): saved values on the host",
 }
-"""Every feature the table knows, with a one-line description."""
+"""Every feature the table knows, with a one-line description. ``unrolled_layers`` is an
+option's default value: :func:`features_of` reports it only with ``defaults=True`` (what
+:func:`check_mode` asks), since the refusals name it."""
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "pipeline": ("pipeline_gpipe", "pipeline_1f1b"),
@@ -79,14 +98,18 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "pipeline_gpipe": "pipeline stages",
     "pipeline_1f1b": "pipeline stages",
     "pipeline": "pipeline stages",
+    "scan_layers": "scan_layers=True",
+    "unrolled_layers": "scan_layers=False",
     "experts": "a mixture of experts (num_experts > 0)",
     "expert_parallel": "expert_axis",
+    "interleaved_experts": "moe_layer_freq > 1",
     "fp8_current": "FP8 (fp8=Fp8Recipe('current'))",
     "fp8_delayed": "FP8 (fp8=Fp8Recipe('delayed'))",
     "fp8": "FP8 (fp8=Fp8Recipe(...))",
     "context": "a context axis",
     "packed_documents": "packed documents (segment_ids / positions)",
     "sliding_window": "a sliding window",
+    "layer_windows": "layer_windows (a window per layer)",
     "cudnn_attention": "attention_implementation='cudnn'",
     "attention_dropout": "attention dropout",
     "attention_softcap": "an attention soft cap (attention_softcap)",
@@ -123,6 +146,8 @@ class Cell:
       first: with ``refused``: the feature the message names first (the subject).
       alone: with ``refused``: the feature whose refusal in this mode (alone) refuses the
         pair too, or ``""``.
+      unless: with ``refused``: features any of which lifts the refusal (e.g. a pipeline,
+        which reduces the gradients in its own schedule), or ``()``.
     """
 
     status: str
@@ -130,6 +155,19 @@ class Cell:
     fix: str = ""
     first: str = ""
     alone: str = ""
+    unless: tuple[str, ...] = ()
+
+
+class Refusal(NamedTuple):
+    """One entry of :data:`REFUSALS`: in ``modes``, ``first`` with ``second`` (None:
+    ``first`` alone) is refused, ``fix`` saying what to do, unless one of the features of
+    ``unless`` is there too. Features may be aliases (each of their values)."""
+
+    modes: tuple[str, ...]
+    first: str
+    second: str | None
+    fix: str
+    unless: tuple[str, ...] = ()
 
 
 def _expand(name: str) -> tuple[str, ...]:
@@ -145,250 +183,76 @@ def _key(a: str, b: str) -> frozenset[str]:
     return frozenset((a, b))
 
 
-# -- the table: each entry (modes, feature, feature or None for alone, cell) ----------------
-# Features may be aliases (every member gets the cell). What no entry names is "untested".
+# -- the table: refusals, exclusive values, features without meaning in a mode -------------
+# Features may be aliases (every member gets the cell). What no entry names, and no
+# coverage row runs, is "untested".
 
 _ALL = tuple(MODES)
 _TRAIN_EVAL = ("train", "eval")
+_LIFTED_BY_A_PIPELINE = ("pipeline",)
+_REDUCE_FIX = ("{grad_reduce_dtype} without a pipeline reduces the gradients of a dense "
+               "sp_jax GPT on an Explicit mesh (no fsdp='full', expert_axis, experts or fp8), "
+               "in the step's data-manual gradient function; leave grad_reduce_dtype=None, or "
+               "use a pipeline (pipeline_axis=...), which reduces in its own schedule.")
 
-REFUSALS: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    (_ALL, "cudnn_attention", "context_ring",
-     "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
-     "by log-sum-exp, which cuDNN's kernel does not return); use "
-     "attention_implementation='xla' or context_parallel='ulysses'."),
-    (_TRAIN_EVAL, "packed_documents", "cudnn_attention",
-     "segment_ids (packed documents) need implementation='xla': "
-     "jax.nn.dot_product_attention's cuDNN kernel takes no document ids in this JAX (only "
-     "a dense [s, s] mask, which would undo the memory savings)."),
-    (_ALL, "attention_dropout", "cudnn_attention",
-     "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws masks "
-     "of its own, which would not be the same under every sharding)."),
-    (_ALL, "attention_softcap", "cudnn_attention",
-     "{attention_softcap} needs attention_implementation='xla' (jax.nn.dot_product_attention's "
-     "cuDNN kernel takes a scale but no soft cap of the scores; a dense bias or mask cannot "
-     "express c * tanh(s / c))."),
-    (("train",), "custom_loss", "pipeline",
-     "a pipelined model trains with the default loss_fn=lm_loss through its own schedule "
-     "(model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
+REFUSALS: list[Refusal] = [
+    Refusal(_ALL, "cudnn_attention", "context_ring",
+            "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
+            "by log-sum-exp, which cuDNN's kernel does not return); use "
+            "attention_implementation='xla' or context_parallel='ulysses'."),
+    Refusal(_TRAIN_EVAL, "packed_documents", "cudnn_attention",
+            "segment_ids (packed documents) need implementation='xla': "
+            "jax.nn.dot_product_attention's cuDNN kernel takes no document ids in this JAX "
+            "(only a dense [s, s] mask, which would undo the memory savings)."),
+    Refusal(_ALL, "attention_dropout", "cudnn_attention",
+            "{attention_dropout} needs attention_implementation='xla' (cuDNN's kernel draws "
+            "masks of its own, which would not be the same under every sharding)."),
+    Refusal(_ALL, "attention_softcap", "cudnn_attention",
+            "{attention_softcap} needs attention_implementation='xla' "
+            "(jax.nn.dot_product_attention's cuDNN kernel takes a scale but no soft cap of the "
+            "scores; a dense bias or mask cannot express c * tanh(s / c))."),
+    Refusal(_ALL, "layer_windows", "cudnn_attention",
+            "{layer_windows} needs attention_implementation='xla': cuDNN's kernel takes a "
+            "static window (an int: its local_window_size), not each layer's as data."),
+    Refusal(_ALL, "pipeline", "unrolled_layers",
+            "{pipeline} needs GPTConfig(scan_layers=True): the stages hold slices of the "
+            "stacked blocks."),
+    Refusal(_ALL, "interleaved_experts", "scan_layers",
+            "scan_layers stacks alike layers, but {interleaved_experts} mixes dense and "
+            "expert layers; use moe_layer_freq=1 or scan_layers=False."),
+    Refusal(("train",), "custom_loss", "pipeline",
+            "a pipelined model trains with the default loss_fn=lm_loss through its own "
+            "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
+    *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
+      for other in ("fsdp", "experts", "expert_parallel", "fp8")),
 ]
-"""Each refusal: ``(modes, first feature, second feature or None: the first alone, what to
-do)``; a feature may be an alias (each of its values is refused)."""
+"""Each refusal (:class:`Refusal`); a feature may be an alias (each of its values is
+refused)."""
 
 _EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_1f1b"),
-              ("fp8_current", "fp8_delayed")]
+              ("fp8_current", "fp8_delayed"), ("scan_layers", "unrolled_layers"),
+              ("fsdp", "zero1")]  # fsdp=True (full) and fsdp="optimizer"
 
 _NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss"),
                    *((("eval", "generate"), f) for f in (
                        "zero1", "grad_reduce_dtype", "offload_optimizer",
                        "offload_activations"))]  # training only: no gradients, no update
 
-# (modes, features, test node id): the test runs these features together in these modes,
-# so every pair of them (and each alone) is supported there.
-_GPT = "tests/test_gpt.py::test_sp_gpt_trains_like_unsharded"
-_CONTEXT = "tests/test_context.py::test_gpt_with_a_context_axis_trains_like_unsharded"
-_FSDP = "tests/test_fsdp.py::test_fsdp_trains_like_unsharded"
-_PIPE = "tests/test_pipeline.py::test_pipeline_trains_like_unsharded"
-_PIPE_DOCS = "tests/test_pipeline_packed.py::test_pipeline_trains_packed_rows_like_unsharded"
-_PIPE_EVAL = ("tests/test_pipeline_forward.py::"
-              "test_pipelined_logits_and_hidden_states_equal_unpipelined")
-_MOE = "tests/test_moe.py::test_dropless_experts_train_like_the_reference_loop"
-_MOE_CAPACITY = "tests/test_moe.py::test_capacity_drops_the_same_pairs_on_every_mesh"
-_MOE_PIPE = "tests/test_moe.py::test_experts_in_pipeline_stages_train_like_the_reference_loop"
-_FP8_PIPE = "tests/test_fp8.py::test_pipelined_fp8_first_step_equals_unpipelined"
-_FP8 = "tests/test_fp8.py::test_sharded_fp8_gpt_first_step_equals_unsharded"
-_FP8_LAYER = "tests/test_fp8.py::test_layer_equals_numpy_fp8_reference"
-_FP8_EXPERTS = "tests/test_fp8_experts.py::test_sharded_fp8_experts_first_step_equals_unsharded"
-_PACKED = "tests/test_packed.py::test_packed_batch_equals_its_documents_one_by_one"
-_HF = "tests/test_hf.py::test_golden_logits_loss_and_gradients"
-_HF_MOE = "tests/test_hf.py::test_golden_moe_logits_losses_and_gradients"
-_GENERATE = "tests/test_generate.py::test_greedy_equals_transformers"
-_COMPAT = "tests/test_compat.py::test_combination_equals_unsharded"
-_COMPAT_PIPE = "tests/test_compat.py::test_pipelined_combination_equals_unsharded"
-_COMPAT_GEN = ("tests/test_compat.py::"
-               "test_generation_with_features_reads_its_cache_like_a_full_forward")
-_GEN_CONTEXT = "tests/test_generate_sharded.py::test_greedy_on_a_context_axis_equals_transformers"
-_GEN_PIPE = "tests/test_generate_sharded.py::test_pipelined_model_generates_the_unpipelined_tokens"
-_TS, _CM, _RA = "tensor_sequence", "collective_matmul", "recompute_allgather"
-_RING, _ULYSSES, _DOCS = "context_ring", "context_ulysses", "packed_documents"
-_EXPERTS, _WINDOW, _DROP = ("experts", "expert_parallel"), "sliding_window", "attention_dropout"
-_TRAIN, _EVAL, _GEN = ("train",), ("eval",), ("generate",)
-_CAP = "attention_softcap"
-_CAP_GPT = ("tests/test_attention_softcap.py::test_gpt_with_scale_and_softcap_sharded_equals_"
-            "one_device")
-_ZERO1, _PRECISION = "tests/test_zero1.py::test_zero1_", "tests/test_optimizer_precision.py::"
-_OFFLOAD = "tests/test_offload_optimizer.py::test_offload_"
-_OFFLOAD_ACT = "tests/test_offload_activations.py::test_offload_trains_bitwise_like_no_offload"
-_CAP_KERNELS = ("tests/test_attention_softcap.py::test_ring_and_ulysses_scale_and_softcap_match_"
-                "the_dense_reference")
-COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
-    (_TRAIN, (_TS, "zero1"), f"{_ZERO1}trains_like_replicated_on_data_x_tensor"),
-    (_TRAIN, (_TS, "zero1", _RING),
-     f"{_ZERO1}with_a_context_axis_and_dropout_trains_like_replicated"),
-    (_TRAIN, (_TS, "zero1", "pipeline_1f1b"),
-     f"{_ZERO1}with_pipeline_stages_trains_like_replicated"),
-    (_TRAIN, (_TS, "zero1", *_EXPERTS), f"{_ZERO1}with_experts_trains_like_replicated"),
-    (_TRAIN, (_TS, "grad_reduce_dtype"),
-     f"{_PRECISION}test_grad_reduce_bf16_is_the_bf16_sum_of_per_shard_fp32_gradients"),
-    (_TRAIN, (_TS, "grad_reduce_dtype", "pipeline_gpipe"),
-     f"{_PRECISION}test_grad_reduce_bf16_in_a_pipeline[gpipe-False]"),
-    (_TRAIN, (_TS, "grad_reduce_dtype", "pipeline_1f1b", "fsdp"),
-     f"{_PRECISION}test_grad_reduce_bf16_in_a_pipeline[1f1b-True]"),
-    (_TRAIN, (_TS, "offload_optimizer"),
-     f"{_OFFLOAD}is_bitwise_the_step_without[optimizer-scan]"),
-    (_TRAIN, (_TS, "offload_optimizer", "pipeline_gpipe"),
-     f"{_OFFLOAD}in_pipeline_stages_is_bitwise"),
-    (_TRAIN, (_TS, _RA, "offload_activations"), f"{_OFFLOAD_ACT}[2x4_recompute]"),
-    (_TRAIN, (_TS, "offload_activations", _RING), f"{_OFFLOAD_ACT}[2x2x2_ring]"),
-    (_TRAIN, (_TS, "offload_activations", "pipeline_gpipe"),
-     f"{_OFFLOAD_ACT}[2x2x1x2_gpipe_scan]"),
-    (_TRAIN, (_TS, "offload_activations", "pipeline_1f1b"),
-     f"{_OFFLOAD_ACT}[2x2x1x2_1f1b_remat]"),
-    (_TRAIN, (_TS, _CM, _RA), f"{_GPT}[fp32]"),
-    (_TRAIN, (_TS, _RA, _DROP), f"{_GPT}[scan_remat_dropout]"),
-    (_TRAIN, (_TS, _CM, "fsdp"), f"{_GPT}[collective_matmul_scan_untied_50]"),
-    (_TRAIN, (_TS, "fsdp", _RA), f"{_FSDP}[4x2_micro_recompute_dropout]"),
-    (_TRAIN, (_TS, "fsdp", _RING),
-     "tests/test_fsdp.py::test_fsdp_with_a_context_axis_trains_like_unsharded"),
-    (_TRAIN, (_TS, _RING, _RA), f"{_CONTEXT}[ring_2x2x2_rotary_mqa_recompute]"),
-    (_TRAIN, (_TS, _ULYSSES), f"{_CONTEXT}[ulysses_2x2x2_gqa]"),
-    (_TRAIN, (_TS, _ULYSSES, _DROP), f"{_CONTEXT}[ulysses_1x4x2_dropout]"),
-    (_TRAIN, (_RING, _DROP), f"{_CONTEXT}[ring_1x8x1_dropout]"),
-    (_TRAIN, (_TS, "pipeline_1f1b"), f"{_PIPE}[2x1x1x4_1f1b_r1_m4]"),
-    (_TRAIN, (_TS, "pipeline_gpipe", _RA, _CM), f"{_PIPE}[2x1x1x4_gpipe_r2_m4_recompute_cm]"),
-    (_TRAIN, ("pipeline_1f1b", "fsdp"), f"{_PIPE}[4x2x1x1_1f1b_r1_m8_fsdp]"),
-    (_TRAIN, (_TS, "pipeline_1f1b", _DROP), f"{_PIPE}[2x2x1x2_1f1b_r2_m8_dropout]"),
-    (_TRAIN, (_TS, "pipeline_1f1b", _RING), f"{_PIPE}[2x1x2x2_ring_1f1b_r2_m4]"),
-    (_TRAIN, (_TS, "pipeline_gpipe", _RING), f"{_PIPE}[2x1x2x2_ring_gpipe_r1_m8]"),
-    (_TRAIN, (_TS, "pipeline_1f1b", _DOCS), f"{_PIPE_DOCS}[2x2x1x2_1f1b_r1_m4_learned]"),
-    (_TRAIN, (_TS, "pipeline_1f1b", _DOCS, _RING),
-     f"{_PIPE_DOCS}[2x1x2x2_ring_1f1b_r2_m4_rotary]"),
-    (_TRAIN, (_TS, "pipeline_gpipe", _DOCS, _RING),
-     f"{_PIPE_DOCS}[2x1x2x2_ring_gpipe_r1_m4_learned]"),
-    (_TRAIN, (_TS, "pipeline_gpipe", _DOCS, _ULYSSES),
-     f"{_PIPE_DOCS}[2x1x2x2_ulysses_gpipe_r2_m4_rotary]"),
-    (_TRAIN, ("pipeline_1f1b", _DOCS, _ULYSSES, "fsdp"),
-     f"{_PIPE_DOCS}[2x2x2x1_ulysses_1f1b_r1_m2_learned_fsdp]"),
-    (_EVAL, (_TS, "pipeline_gpipe"), f"{_PIPE_EVAL}[2x2x1x2_gpipe_r1_m2]"),
-    (_EVAL, (_TS, "pipeline_1f1b", _DOCS), f"{_PIPE_EVAL}[2x2x1x2_1f1b_r2_m2_packed]"),
-    (_EVAL, (_TS, "pipeline_gpipe", _DROP),
-     f"{_PIPE_EVAL}[4x1x1x2_gpipe_r1_m4_dropout_untied]"),
-    (_EVAL, (_TS, "pipeline_1f1b", _DOCS, _RING),
-     f"{_PIPE_EVAL}[2x1x2x2_ring_1f1b_r2_m2_packed_rotary]"),
-    (_EVAL, ("pipeline_gpipe", _DOCS, _ULYSSES, "fsdp"),
-     f"{_PIPE_EVAL}[2x2x2x1_ulysses_gpipe_r1_m4_packed_fsdp]"),
-    (_EVAL, (_TS, "experts", "pipeline_gpipe"), f"{_PIPE_EVAL}[2x1x1x2_gpipe_r1_m2_experts]"),
-    (_EVAL, (_TS, "pipeline_1f1b", _DOCS, "experts"),
-     f"{_PIPE_EVAL}[2x2x1x2_1f1b_r1_m2_packed_experts]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fsdp", _RA), _MOE),
-    (_TRAIN, (_TS, *_EXPERTS, _RING), _MOE),
-    (_TRAIN, (_TS, *_EXPERTS, _ULYSSES), f"{_MOE_CAPACITY}[expert2_ulysses2_tensor2]"),
-    (_TRAIN, (_TS, *_EXPERTS, "pipeline_1f1b"), f"{_MOE_PIPE}[2x1x2x1x2_1f1b_r1]"),
-    (_TRAIN, (_TS, *_EXPERTS, "pipeline_gpipe"), f"{_MOE_PIPE}[2x1x2x1x2_gpipe_r1]"),
-    (_TRAIN, (_TS, *_EXPERTS, "pipeline_gpipe", "fsdp"),
-     f"{_MOE_PIPE}[2x2x2x1x1_gpipe_r2_fsdp]"),
-    (_TRAIN, (_TS, *_EXPERTS, "pipeline_1f1b", _RING), f"{_MOE_PIPE}[2x1x2x2x1_ring_1f1b_r1]"),
-    (("train", "eval"), (_TS, *_EXPERTS), f"{_HF_MOE}[mixtral]"),
-    (_TRAIN, (_TS, "fp8_current"), f"{_FP8}[2x4-current]"),
-    (_TRAIN, (_TS, "fp8_current", "fsdp"), f"{_FP8}[2x4_fsdp-current]"),
-    (_TRAIN, (_TS, "fp8_current", _RING), f"{_FP8}[1x2x4_ring-current]"),
-    (_TRAIN, (_TS, "fp8_delayed"), f"{_FP8}[2x4-delayed]"),
-    (_TRAIN, (_TS, "fp8_current", "pipeline_1f1b"), f"{_FP8_PIPE}[2x2x1x2_1f1b_r1-current]"),
-    (_TRAIN, (_TS, "fp8_delayed", "pipeline_1f1b"), f"{_FP8_PIPE}[2x2x1x2_1f1b_r1-delayed]"),
-    (_TRAIN, (_TS, "fp8_current", "pipeline_gpipe"), f"{_FP8_PIPE}[2x2x1x2_gpipe_r2-current]"),
-    (_TRAIN, (_TS, "fp8_delayed", "pipeline_gpipe"), f"{_FP8_PIPE}[2x2x1x2_gpipe_r2-delayed]"),
-    (_TRAIN, (_TS, "fp8_current", "pipeline_1f1b", _RING),
-     f"{_FP8_PIPE}[2x1x2x2_ring_1f1b_r2-current]"),
-    (_TRAIN, (_TS, "fp8_delayed", "pipeline_1f1b", _RING),
-     f"{_FP8_PIPE}[2x1x2x2_ring_1f1b_r2-delayed]"),
-    (_TRAIN, (_TS, "fp8_current", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-current]"),
-    (_TRAIN, (_TS, "fp8_delayed", _CM, _RA), f"{_FP8_LAYER}[column_sp-2x4_cm_recompute-delayed]"),
-    (_TRAIN, (_TS, "fp8_delayed", "fsdp"), f"{_FP8_LAYER}[column_sp-2x4_fsdp-delayed]"),
-    (_TRAIN, (_TS, "fp8_delayed", _RING), f"{_FP8_LAYER}[column_sp-1x2x4_ring-delayed]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fp8_current"), f"{_FP8_EXPERTS}[current-data2_expert2_tensor2]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fp8_delayed"), f"{_FP8_EXPERTS}[delayed-data2_expert2_tensor2]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fp8_current", "fsdp"),
-     f"{_FP8_EXPERTS}[current-data2_expert2_tensor2_scan_fsdp]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fp8_delayed", "fsdp"),
-     f"{_FP8_EXPERTS}[delayed-data2_expert2_tensor2_scan_fsdp]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fp8_current", "pipeline_1f1b"),
-     f"{_FP8_EXPERTS}[current-stage2_expert2_tensor2_1f1b]"),
-    (_TRAIN, (_TS, *_EXPERTS, "fp8_delayed", "pipeline_1f1b"),
-     f"{_FP8_EXPERTS}[delayed-stage2_expert2_tensor2_1f1b]"),
-    (_TRAIN, (_TS, _DOCS), f"{_PACKED}[2x4_learned]"),
-    (_TRAIN, (_TS, _DOCS, "fsdp"), f"{_PACKED}[2x4_rotary_gqa_fsdp]"),
-    (_TRAIN, (_TS, _DOCS, _RING), f"{_PACKED}[ring_zigzag_1x2x4_rotary]"),
-    (_TRAIN, (_TS, _DOCS, _ULYSSES), f"{_PACKED}[ulysses_1x4x2_scan_remat]"),
-    (_TRAIN, (_DOCS, _WINDOW),
-     "tests/test_attention.py::test_sliding_window_matches_dense_reference[24-8-4-13-None-True]"),
-    (("train", "eval"), (_TS, _WINDOW), f"{_HF}[mistral]"),
-    (_TRAIN, (_TS, _RING, _WINDOW), f"{_CONTEXT}[ring_2x2x2_window_rotary_gqa]"),
-    (_TRAIN, (_TS, _RING, _WINDOW, _DROP), f"{_CONTEXT}[ring_1x4x2_window_dropout]"),
-    (_TRAIN, (_RING, _WINDOW),
-     "tests/test_attention.py::test_ring_sliding_window_matches_dense_reference[5]"),
-    (("train", "eval"), (_TS, _RING, _WINDOW),
-     "tests/test_hf.py::test_mistral_on_a_ring_mesh_gives_golden_logits_and_gradients[1x2x4]"),
-    (_EVAL, (_TS,), "tests/test_gpt.py::test_logits_layout_and_padding"),
-    (_EVAL, (_TS, _RING),
-     "tests/test_context.py::test_logits_and_hidden_states_come_back_in_the_input_order"),
-    (_EVAL, (_WINDOW, _ULYSSES),
-     "tests/test_attention.py::test_sliding_window_errors_and_context_parallel"),
-    (_GEN, (_TS,), f"{_GENERATE}[gpt2-2x4]"),
-    (_GEN, (_TS, "fsdp"),
-     "tests/test_generate.py::test_cache_gives_the_logits_of_a_full_forward[mqa_fsdp]"),
-    (_GEN, (_TS, _WINDOW), f"{_GENERATE}_new_families[mistral]"),
-    (_GEN, (_TS, *_EXPERTS), "tests/test_generate.py::test_greedy_with_experts_equals_"
-     "transformers[mixtral-2x2x1x2]"),
-    (_GEN, (_TS, *_EXPERTS),
-     "tests/test_generate.py::test_cache_with_experts_gives_the_logits_of_a_full_forward"
-     "[scan_2x2x1x2]"),
-    (_GEN, (_TS, _RING), f"{_GEN_CONTEXT}[llama-ring-1x2x2]"),
-    (_GEN, (_TS, _ULYSSES), f"{_GEN_CONTEXT}[llama-ulysses-2x2x1]"),
-    (_GEN, (_TS, _ULYSSES, _WINDOW), f"{_GEN_CONTEXT}[mistral-ulysses-1x2x1]"),
-    (_GEN, (_TS, "pipeline_gpipe"), f"{_GEN_PIPE}[gpipe-r1]"),
-    (_GEN, (_TS, "pipeline_1f1b"), f"{_GEN_PIPE}[1f1b-r2]"),
-    (_GEN, (_TS, "pipeline_1f1b", *_EXPERTS), f"{_GEN_PIPE}[1f1b-r1-experts]"),
-    (_GEN, (_TS, _CM, _RA, "fsdp", _WINDOW, _DROP),
-     f"{_COMPAT_GEN}[2x4_cm_fsdp_window_dropout]"),
-    (_GEN, (_TS, *_EXPERTS, _RING), f"{_COMPAT_GEN}[1x2x2x2_experts_ring]"),
-    (_GEN, (_TS, _RING, _WINDOW), f"{_COMPAT_GEN}[1x2x4_ring_window]"),
-    # tests/test_compat.py: one model with several features, train and eval, against the
-    # same model unsharded
-    (("train", "eval"), (_TS, _CM, _RA, "fsdp", _WINDOW, _DOCS), f"{_COMPAT}[2x4_cm_fsdp]"),
-    (("train", "eval"), (_TS, _ULYSSES, _CM, _RA, "fsdp", _WINDOW, _DOCS),
-     f"{_COMPAT}[2x2x2_ulysses_cm_fsdp]"),
-    (("train", "eval"), (_TS, _RING, _CM, _RA, _DOCS, "fp8_current"),
-     f"{_COMPAT}[1x2x4_ring_cm_fp8]"),
-    (("train", "eval"), (_TS, *_EXPERTS, "fsdp", _CM, _RA, _DOCS, _WINDOW, "fp8_delayed"),
-     f"{_COMPAT}[2x2x1x2_experts_fsdp_cm_fp8]"),
-    (("train", "eval"), (_TS, _RING, _WINDOW, _DOCS), f"{_COMPAT}[1x2x4_ring_window]"),
-    # pipelined: logits through the stages (eval), AdamW steps (train), packed rows
-    (("train", "eval"), (_TS, "pipeline_1f1b", *_EXPERTS, _DOCS, _WINDOW),
-     f"{_COMPAT_PIPE}[2x1x2x1x2_1f1b_experts_window]"),
-    (("train", "eval"), (_TS, "pipeline_gpipe", "fp8_delayed", _DOCS, _ULYSSES, _WINDOW),
-     f"{_COMPAT_PIPE}[2x1x1x2x2_ulysses_gpipe_fp8_window]"),
-    (("train", "eval"), (_TS, "pipeline_gpipe", *_EXPERTS, _RING, _DOCS),
-     f"{_COMPAT_PIPE}[2x1x2x2x1_ring_gpipe_experts]"),
-    (_TRAIN, (_TS, "custom_loss"), "tests/test_compat.py::test_custom_loss_fn_trains_like_lm_loss"),
-    # the attention scores' soft cap: a GPT sharded against one device, generation, and
-    # the kernels against a dense reference
-    (("train", "eval"), (_TS, _CAP), f"{_CAP_GPT}[2x4]"),
-    (("train", "eval"), (_TS, _RING, _CAP), f"{_CAP_GPT}[1x2x4_ring]"),
-    (("train", "eval"), (_TS, "pipeline_gpipe", _CAP),
-     "tests/test_attention_softcap.py::test_pipelined_gpt_with_scale_and_softcap_equals_one_"
-     "device"),
-    (_GEN, (_TS, _CAP),
-     "tests/test_attention_softcap.py::test_greedy_generation_equals_an_argmax_loop_of_full_"
-     "forwards"),
-    (_TRAIN, (_RING, _CAP, _WINDOW, _DOCS), f"{_CAP_KERNELS}[ring_c2_traced_window5_documents]"),
-    (_TRAIN, (_ULYSSES, _CAP, _DOCS), f"{_CAP_KERNELS}[ulysses_c2_documents]"),
-    (_TRAIN, (_ULYSSES, _CAP, _WINDOW), f"{_CAP_KERNELS}[ulysses_c2_window3]"),
-    (_TRAIN, (_CAP, _WINDOW, _DOCS), "tests/test_attention_softcap.py::test_blockwise_scale_and_"
-     "softcap_match_the_dense_reference[blocks16_traced_window3_documents]"),
-]
-"""``(modes, features, pytest node id)``: the test runs these features together."""
+COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = []
+"""The coverage rows in :data:`TABLE`: ``(modes, features, pytest node id)``, the test
+runs these features together in these modes (so every pair of them, and each alone, is
+supported there). Empty until :func:`load_coverage` or :func:`cover` (the rows live in
+the test suite, ``tests/compat_coverage.py``)."""
+
+_SOURCE: list[str] = []  # where the coverage rows came from (one entry, or none)
 
 
-def _build() -> dict[str, dict[frozenset[str], Cell]]:
+def build(coverage: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]] = ()
+          ) -> dict[str, dict[frozenset[str], Cell]]:
+    """A table (``{mode: {frozenset({a, b}): Cell}}``) of :data:`REFUSALS`, the exclusive
+    values, the features without meaning in a mode and the ``coverage`` rows
+    ``(modes, features, pytest node id)``; an AssertionError where a row runs a refused,
+    exclusive or meaningless cell (a refusal lifted by a feature of the row excepted)."""
     table: dict[str, dict[frozenset[str], Cell]] = {m: {} for m in MODES}
 
     def put(modes: Iterable[str], a: str, b: str | None, value: Cell) -> None:
@@ -407,14 +271,18 @@ def _build() -> dict[str, dict[frozenset[str], Cell]]:
 
     for a, b in _EXCLUSIVE:
         put(_ALL, a, b, Cell("exclusive"))
-    for modes, a, b, fix in REFUSALS:
-        put(modes, a, b, Cell("refused", fix=fix))
+    for modes, a, b, fix, unless in REFUSALS:
+        lifted = tuple(x for u in unless for x in _expand(u))
+        put(modes, a, b, Cell("refused", fix=fix, unless=lifted))
     for modes, a in _NOT_APPLICABLE:
         put(modes, a, None, Cell("n/a"))
-    for modes, features, test in COVERED:
+    for modes, features, test in coverage:
         for mode in modes:
             for x, y in itertools.combinations_with_replacement(features, 2):
                 old = table[mode].get(_key(x, y))
+                if old is not None and old.status == "refused" and \
+                        set(old.unless) & set(features):
+                    continue  # run with the feature that lifts the refusal
                 if old is not None and old.status != "supported":
                     raise AssertionError(f"sp_jax.compat: {test} runs {x} x {y} in {mode}, "
                                          f"which the table says is {old.status}")
@@ -437,7 +305,51 @@ def _build() -> dict[str, dict[frozenset[str], Cell]]:
 
 TABLE: dict[str, dict[frozenset[str], Cell]] = {}
 """``TABLE[mode][frozenset({a, b})]``: the :class:`Cell` of features ``a`` and ``b``
-(``frozenset({a})``: ``a`` alone) in ``mode``."""
+(``frozenset({a})``: ``a`` alone) in ``mode``; its supported cells are those of the
+coverage loaded (:data:`COVERED`)."""
+
+
+def cover(rows: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]], *,
+          source: str = "") -> None:
+    """Makes ``rows`` (``(modes, features, pytest node id)``) the coverage of
+    :data:`TABLE` (rebuilt in place, replacing earlier rows); ``source`` says where they
+    came from (:func:`render` names it)."""
+    rows = [(tuple(m), tuple(f), str(t)) for m, f, t in rows]
+    table = build(rows)
+    COVERED[:] = rows
+    _SOURCE[:] = [source or "rows given to sp_jax.compat.cover"]
+    TABLE.clear()
+    TABLE.update(table)
+
+
+def _default_coverage() -> Path:
+    """``tests/compat_coverage.py`` of the checkout this package lies in."""
+    return Path(__file__).resolve().parent.parent / "tests" / "compat_coverage.py"
+
+
+def load_coverage(path: str | Path | None = None) -> str:
+    """Reads the coverage rows (the module-level ``COVERED`` list) of the Python file
+    ``path`` (None: ``tests/compat_coverage.py`` beside the package, in a checkout) into
+    :data:`TABLE` (:func:`cover`); returns how :func:`render` names the source (the path
+    relative to the checkout when inside it). A FileNotFoundError when there is none."""
+    path = Path(path) if path is not None else _default_coverage()
+    if not path.is_file():
+        raise FileNotFoundError(f"sp_jax.compat: no coverage file {path} (a checkout's "
+                                "tests/compat_coverage.py, or pass --coverage PATH).")
+    spec = importlib.util.spec_from_file_location("_sp_jax_compat_coverage", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        label = path.resolve().relative_to(Path(__file__).resolve().parent.parent).as_posix()
+    except ValueError:
+        label = str(path)
+    cover(module.COVERED, source=label)
+    return label
+
+
+def coverage_source() -> str:
+    """Where :data:`COVERED` came from (``""``: no coverage loaded)."""
+    return _SOURCE[0] if _SOURCE else ""
 
 
 def cell(mode: str, a: str, b: str | None = None) -> Cell:
@@ -451,14 +363,21 @@ def cell(mode: str, a: str, b: str | None = None) -> Cell:
     return TABLE[mode][_key(a, a if b is None else b)]
 
 
-def _message(mode: str, found: Cell, a: str, b: str | None, where: str,
+def _modes_text(modes: tuple[str, ...]) -> str:
+    if len(modes) == 1:
+        return modes[0]
+    return "every mode" if set(modes) == set(MODES) else " and ".join(modes)
+
+
+def _message(modes: tuple[str, ...], found: Cell, a: str, b: str | None, where: str,
              names: Mapping[str, str], given_as: Mapping[str, str]) -> str:
     """The refusal's message; its tag names each feature as the caller gave it (an alias,
-    ``fp8``, stands for whichever of its values the caller has)."""
+    ``fp8``, stands for whichever of its values the caller has) and the mode (or the
+    modes in which the cell is refused)."""
     def name(f: str) -> str:
         return names.get(f, _NAMES[f])
 
-    fix = found.fix.format_map(_Spelled(names))
+    fix, mode = found.fix.format_map(_Spelled(names)), _modes_text(modes)
     if b is None:
         return f"{where}: {name(a)}: {fix} (sp_jax.compat: {given_as[a]} in {mode})"
     return (f"{where}: {name(a)} is not supported with {name(b)}; {fix} "
@@ -473,17 +392,34 @@ class _Spelled(dict):
         return _NAMES[feature]
 
 
-def check(mode: str, features: Iterable[str], *, where: str) -> None:
+def _refused(modes: tuple[str, ...], key: frozenset[str], active: set[str]) -> Cell | None:
+    """The cell of ``key`` if it is refused in each of ``modes`` (and no feature of
+    ``active`` lifts it), else None."""
+    cells = [TABLE[m][key] for m in modes]
+    if all(c.status == "refused" and not set(c.unless) & active for c in cells):
+        return cells[0]
+    return None
+
+
+def check(mode: str | tuple[str, ...] | None, features: Iterable[str], *,
+          where: str) -> None:
     """Raises a :class:`CombinationError` for the first refused cell among ``features``
     in ``mode``: each feature alone first, then each pair, in the order given (a set: in
     :data:`FEATURES`' order). ``features`` are names of :data:`FEATURES` or
     :data:`ALIASES` (``"pipeline"``, ``"fp8"``, ``"context"``); a mapping from names to
     how the message spells each (e.g. ``{"sliding_window": "sliding_window=4"}``) works
     too. The message starts with ``where`` (e.g. ``"GPT"``), names both features (or the
-    feature and the mode) and ends with what to do."""
-    if mode not in MODES:
-        raise ValueError(f"sp_jax.compat.check: unknown mode {mode!r}; use one of "
-                         f"{list(MODES)}.")
+    feature and the mode) and ends with what to do.
+
+    ``mode``: one of :data:`MODES`; or, where the mode is not known yet (a constructor,
+    a kernel every mode runs), a tuple of modes (what is refused in each of them) or None
+    (what is refused in every mode); their message names the modes of the refused cell.
+    """
+    modes = tuple(MODES) if mode is None else (mode,) if isinstance(mode, str) else tuple(mode)
+    bad = [m for m in modes if m not in MODES] or ([] if modes else [mode])
+    if bad:
+        raise ValueError(f"sp_jax.compat.check: unknown mode {bad[0]!r}; use one of "
+                         f"{list(MODES)}, a tuple of them or None (every mode).")
     names: dict[str, str] = dict(features) if isinstance(features, Mapping) else {}
     given = list(features)
     if isinstance(features, (set, frozenset)):
@@ -496,25 +432,39 @@ def check(mode: str, features: Iterable[str], *, where: str) -> None:
                 active.append((x, f))
     spell = {x: names.get(f, names.get(x, _NAMES.get(f, _NAMES[x]))) for x, f in active}
     spell |= {f: spell[x] for x, f in active if f not in spell}  # an alias: its value's
-    cells, given_as = TABLE[mode], dict(active)
+    spell |= {alias: spell[x] for alias, members in ALIASES.items() for x in members
+              if x in spell and alias not in spell}
+    given_as, present = dict(active), {x for x, _ in active}
+
+    def tag(key: frozenset[str]) -> tuple[str, ...]:  # the modes the message names
+        if isinstance(mode, str):
+            return modes
+        return tuple(m for m in MODES if TABLE[m][key].status == "refused")
+
     for x, _ in active:
-        found = cells[_key(x, x)]
-        if found.status == "refused":
-            raise CombinationError(_message(mode, found, x, None, where, spell, given_as))
+        found = _refused(modes, _key(x, x), present)
+        if found is not None:
+            raise CombinationError(_message(tag(_key(x, x)), found, x, None, where, spell,
+                                            given_as))
     for (x, fx), (y, fy) in itertools.combinations(active, 2):
         if fx == fy and fx in ALIASES:
             continue  # both values of one option were named by their alias
-        found = cells[_key(x, y)]
-        if found.status == "refused":
+        found = _refused(modes, _key(x, y), present)
+        if found is not None:
             a, b = (x, y) if found.first in ("", x) else (y, x)
-            raise CombinationError(_message(mode, found, a, b, where, spell, given_as))
+            raise CombinationError(_message(tag(_key(x, y)), found, a, b, where, spell,
+                                            given_as))
 
 
-def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> frozenset[str]:
+def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
+                defaults: bool = False) -> frozenset[str]:
     """The features a model uses, from its ``GPTConfig`` and ``ParallelConfig`` (duck
-    typed: their field names), for :func:`check`. With ``mesh``, a context axis of size
-    1 is no context feature. Call-time features (``packed_documents``, ``custom_loss``,
-    ``offload_optimizer``) are the caller's to add."""
+    typed: their field names; a layer's ``AttentionConfig`` too), for :func:`check`.
+    With ``mesh``, a context axis of size 1 is no context feature and
+    ``grad_reduce_dtype`` over data axes of one device none either (no reduction). With
+    ``defaults``, also the options' default values the table names (``unrolled_layers``:
+    ``scan_layers=False``). Call-time features (``packed_documents``, ``custom_loss``,
+    ``offload_optimizer``) are the caller's to add (:func:`check_mode` does)."""
     found: set[str] = set()
     if parallel is not None:
         found.add("tensor_sequence")
@@ -525,34 +475,103 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None) -> f
             found.add("fsdp")
         elif getattr(parallel, "fsdp", False) == "optimizer":
             found.add("zero1")
-        if getattr(parallel, "grad_reduce_dtype", None) is not None:
+        if getattr(parallel, "grad_reduce_dtype", None) is not None and (
+                mesh is None or _size(mesh, getattr(parallel, "data_axes", ())) > 1):
             found.add("grad_reduce_dtype")
         if getattr(parallel, "offload_activations", False):
             found.add("offload_activations")
         context = getattr(parallel, "context_parallel", None)
-        if context is not None and (mesh is None or dict(mesh.shape).get(
-                parallel.context_axis, 1) > 1):
+        if context is not None and (mesh is None or _size(
+                mesh, (getattr(parallel, "context_axis", None),)) > 1):
             found.add(f"context_{context}")
         if getattr(parallel, "pipeline_axis", None) is not None:
-            found.add(f"pipeline_{parallel.pipeline_schedule}")
+            found.add(f"pipeline_{getattr(parallel, 'pipeline_schedule', 'gpipe')}")
         if getattr(parallel, "expert_axis", None) is not None:
             found.add("expert_parallel")
     if config is not None:
         if getattr(config, "num_experts", 0):
             found.add("experts")
+            freq = getattr(config, "moe_layer_freq", 1)
+            if isinstance(freq, int) and not isinstance(freq, bool) and freq > 1:
+                found.add("interleaved_experts")
         fp8 = getattr(config, "fp8", None)
         if fp8 is not None:
-            found.add(f"fp8_{fp8.scaling}")
+            found.add(f"fp8_{getattr(fp8, 'scaling', 'current')}")
+        windows = getattr(config, "layer_windows", None)
         if getattr(config, "sliding_window", None) is not None or any(
-                w is not None for w in getattr(config, "layer_windows", None) or ()):
+                w is not None for w in windows or ()):
             found.add("sliding_window")  # one window for every layer, or per layer
+        if windows is not None or getattr(config, "window_per_layer", False):
+            found.add("layer_windows")  # the window as data (a layer's, or per layer)
         if getattr(config, "attention_implementation", "xla") == "cudnn":
             found.add("cudnn_attention")
         if getattr(config, "attention_dropout", 0.0):
             found.add("attention_dropout")
         if getattr(config, "attention_softcap", None) is not None:
             found.add("attention_softcap")
+        if getattr(config, "scan_layers", False):
+            found.add("scan_layers")
+        elif defaults and hasattr(config, "scan_layers"):
+            found.add("unrolled_layers")
     return frozenset(found)
+
+
+def _size(mesh: Any, axes: Iterable[Any]) -> int:
+    shape = dict(getattr(mesh, "shape", {}))
+    return math.prod(shape.get(a, 1) for a in axes)
+
+
+def spelled(config: Any = None, parallel: Any = None, features: Iterable[str] = ()
+            ) -> dict[str, str]:
+    """``features`` (in :data:`FEATURES`' order) each with how a message spells it from
+    the configuration: the value set (``attention_dropout=0.1``,
+    ``ParallelConfig(pipeline_axis='stage')``), or the default spelling."""
+    def value(obj: Any, name: str) -> Any:
+        return getattr(obj, name, None)
+
+    by_value = {
+        "fsdp": lambda: f"fsdp={value(parallel, 'fsdp')!r}",
+        "context_ring": lambda: "ring attention (context_parallel='ring')",
+        "context_ulysses": lambda: "Ulysses attention (context_parallel='ulysses')",
+        **dict.fromkeys(("pipeline_gpipe", "pipeline_1f1b"), lambda: (
+            f"ParallelConfig(pipeline_axis={value(parallel, 'pipeline_axis')!r})")),
+        "experts": lambda: f"num_experts={value(config, 'num_experts')}",
+        "expert_parallel": lambda: f"expert_axis={value(parallel, 'expert_axis')!r}",
+        "interleaved_experts": lambda: f"moe_layer_freq={value(config, 'moe_layer_freq')}",
+        "sliding_window": lambda: f"sliding_window={value(config, 'sliding_window')}",
+        "attention_dropout": lambda: f"attention_dropout={value(config, 'attention_dropout')}",
+        "attention_softcap": lambda: f"attention_softcap={value(config, 'attention_softcap')}",
+        "grad_reduce_dtype": lambda: f"ParallelConfig(grad_reduce_dtype="
+                                     f"{value(parallel, 'grad_reduce_dtype')})",
+    }
+    wanted = set(features)
+    out = {}
+    for f in (f for f in FEATURES if f in wanted):
+        source = parallel if f in _PARALLEL_SPELLED else config
+        out[f] = by_value[f]() if f in by_value and source is not None else _NAMES[f]
+    return out
+
+
+_PARALLEL_SPELLED = {"fsdp", "context_ring", "context_ulysses", "pipeline_gpipe",
+                     "pipeline_1f1b", "expert_parallel", "grad_reduce_dtype"}
+
+
+def check_mode(mode: str | tuple[str, ...] | None, model: Any = None, *, where: str,
+               config: Any = None, parallel: Any = None, mesh: Any = None,
+               documents: bool = False, custom_loss: bool = False,
+               offload: bool = False) -> None:
+    """:func:`check` of an entry point: the features of ``model`` (its ``config`` and
+    ``parallel``; or those given; :func:`features_of` with ``defaults``) on ``mesh``
+    (None: not known) and of the call: ``documents`` (segment_ids given:
+    ``packed_documents``), ``custom_loss`` (a loss_fn other than lm_loss), ``offload``
+    (``offload_optimizer`` / ``offload_params``), each spelled from its value
+    (:func:`spelled`). ``mode`` as in :func:`check` (a constructor: None)."""
+    config = getattr(model, "config", None) if config is None else config
+    parallel = getattr(model, "parallel", None) if parallel is None else parallel
+    found = set(features_of(config, parallel, mesh, defaults=True))
+    found |= {f for flag, f in ((documents, "packed_documents"), (custom_loss, "custom_loss"),
+                                (offload, "offload_optimizer")) if flag}
+    check(mode, spelled(config, parallel, found), where=where)
 
 
 def refusals(mode: str | None = None) -> list[tuple[str, str, str | None, Cell]]:
@@ -571,19 +590,24 @@ def refusals(mode: str | None = None) -> list[tuple[str, str, str | None, Cell]]
 _SHORT: dict[str, str] = {
     "tensor_sequence": "ts", "collective_matmul": "cm", "recompute_allgather": "ra",
     "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
-    "pipeline_1f1b": "p1", "experts": "ex", "expert_parallel": "ep", "fp8_current": "8c",
+    "pipeline_1f1b": "p1", "scan_layers": "sl", "unrolled_layers": "ul", "experts": "ex",
+    "expert_parallel": "ep", "interleaved_experts": "ie", "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
-    "cudnn_attention": "cd", "attention_dropout": "ad", "attention_softcap": "ac",
-    "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr", "offload_optimizer": "oo",
-    "offload_activations": "oa",
+    "layer_windows": "lw", "cudnn_attention": "cd", "attention_dropout": "ad",
+    "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
+    "offload_optimizer": "oo", "offload_activations": "oa",
 }
 
 
 def render() -> str:
-    """The table as text: one matrix per mode (compact symbols, under 100 columns), the
-    legend, then every refused cell with its fix."""
+    """The table as text: where its coverage came from, one matrix per mode (compact
+    symbols, under 100 columns), the legend, then every refused cell with its fix."""
     width = max(map(len, FEATURES))
-    lines = ["Legend:", *(f"  {s}  {text}" for s, text in STATUSES.values()), "Features:"]
+    source = coverage_source()
+    lines = [f"Coverage: {source} ({len(COVERED)} rows)." if source else
+             "Coverage: none loaded (a checkout's tests/compat_coverage.py, or --coverage "
+             "PATH): no cell is supported.",
+             "Legend:", *(f"  {s}  {text}" for s, text in STATUSES.values()), "Features:"]
     lines.extend(textwrap.wrap(", ".join(f"{_SHORT[f]} {f}" for f in FEATURES), 99,
                                initial_indent="  ", subsequent_indent="  "))
     lines.append("")
@@ -597,8 +621,9 @@ def render() -> str:
         lines.append("")
     lines.append("Refused (modes: features: what to do; pipeline, fp8 and context stand for "
                  "each of their values):")
-    for modes, a, b, fix in REFUSALS:
+    for modes, a, b, fix, unless in REFUSALS:
         pair = a if b is None else f"{a} x {b}"
+        pair += f" (unless {' or '.join(unless)})" if unless else ""
         fix = fix.format_map(_Spelled())
         lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {pair}: {fix}", 99,
                                    subsequent_indent="  "))
@@ -610,9 +635,26 @@ def markdown() -> str:
     return "```text\n" + render() + "\n```\n"
 
 
-TABLE.update(_build())
+TABLE.update(build())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sp_jax.compat [--markdown] [--coverage PATH]``: prints the table, with
+    the coverage of ``PATH`` (default: ``tests/compat_coverage.py`` beside the package,
+    when there is one)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sp_jax.compat",
+                                     description="The table of what combines in sp_jax.")
+    parser.add_argument("--markdown", action="store_true", help="print it as docs/api.md "
+                        "shows it (a text block)")
+    parser.add_argument("--coverage", type=Path, help="the coverage rows (a Python file "
+                        "with COVERED); default: tests/compat_coverage.py of the checkout")
+    args = parser.parse_args(argv)
+    if args.coverage is not None or _default_coverage().is_file():
+        load_coverage(args.coverage)
+    print(markdown() if args.markdown else render())
+
 
 if __name__ == "__main__":
-    import sys
-
-    print(markdown() if sys.argv[1:] == ["--markdown"] else render())
+    main()

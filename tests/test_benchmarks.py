@@ -3,6 +3,7 @@ with the library's layout, collectives get their roles, and a quick run writes t
 the JSON and the plots."""
 
 import json
+import re
 from pathlib import Path
 
 import chex
@@ -169,6 +170,7 @@ TARGET_IDS = ["memory_recompute", "memory_save", "collective_count",
               "cpu_gpt_tiny_float32", "context_long_compile", "context_activation_scaling",
               "context_communication", "context_ring_balance", "context_cpu_attention_time"]
 STATUS = {True: "met", False: "**not met**", None: "not measured"}
+ZERO1_TITLE = '## ZeRO-1 on 8 x H100 (`ParallelConfig(fsdp="optimizer")`)'
 GENERATION_TARGETS = ["generation_cpu_ratio", "generation_h100_memory",
                       "generation_collectives"]
 
@@ -216,14 +218,16 @@ def test_quick_run_writes_report(tmp_path):
         gpt_run["ratio_to_reference"]["sp_jax"] <= 1.0)
     assert "## CPU: the whole GPT training step" in md
     assert "## Long context: a context mesh axis" in md
-    # the pipeline, packed-documents, generation, FSDP and mixture-of-experts sections sit
-    # after the long-context one and before the planner's (none in a quick run)
+    # the pipeline, packed-documents, generation, FSDP, ZeRO-1 and mixture-of-experts
+    # sections sit after the long-context one and before the planner's (none in a quick
+    # run, nor the recorded sections)
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     pipe = heads.index("## Pipeline parallelism")
-    assert heads[pipe - 1:pipe + 6] == ["## Long context: a context mesh axis",
+    assert heads[pipe - 1:pipe + 7] == ["## Long context: a context mesh axis",
                                         "## Pipeline parallelism", "## Packed documents",
                                         "## Generation", "## FSDP on 8 x H100",
-                                        "## Mixture of experts", "## Run"]
+                                        ZERO1_TITLE, "## Mixture of experts", "## Run"]
+    assert data["recorded"] == [] and "*Recorded, not measured" not in md
     # mixture of experts (benchmarks/moe.py): the ragged all-to-alls carry the analytic bytes
     moe = {t["id"]: t for t in data["moe"]["targets"]}
     assert moe["moe_a2a_2_2_1_2"]["met"] is True
@@ -439,3 +443,40 @@ def test_committed_results_render_as_committed():
     committed, ours = sections((root / "BENCHMARKS.md").read_text()), sections(rendered)
     for title in RENDERED_AS_COMMITTED:
         assert ours[title] == committed[title], title
+
+
+def test_recorded_sections_say_when_and_how_and_nothing_is_left_out():
+    """What ``make bench`` does not measure is recorded in docs/bench_recorded.json, each
+    entry with when, how, where and why, placed after a section of the document; the
+    report renders each (its provenance line, then its text) after that section, and
+    every section of the committed BENCHMARKS.md is either the run's or recorded."""
+    from benchmarks.records import RECORDED_FIELDS, load_recorded
+    from benchmarks.render import SECTIONS, render_document
+    from benchmarks.run import RECORDED
+
+    root = Path(__file__).resolve().parents[1]
+    entries = load_recorded(RECORDED)
+    keys = [e["key"] for e in entries]
+    assert len(set(keys)) == len(keys) > 10
+    for i, e in enumerate(entries):
+        assert set(e) == set(RECORDED_FIELDS), e["key"]
+        assert e["after"] in {k for k, _ in SECTIONS} | set(keys[:i]), e["key"]
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", e["date"]) and e["command"] and e["why"]
+        assert e["heading"] is None or re.fullmatch(r"#{2,3} \S.*", e["heading"])
+    res = json.loads((root / "docs" / "bench.json").read_text()) | {"recorded": entries}
+    md = render_document(res, root / "docs")
+    at = [md.index(f"measured on {e['date']} with `{e['command']}`") for e in entries]
+    for e, i in zip(entries, at, strict=True):
+        assert md.index(e["markdown"]) > i
+    with pytest.raises(ValueError, match="follow no section"):
+        render_document(res | {"recorded": [{**entries[0], "after": "nowhere"}]},
+                        root / "docs")
+    # each "## " section of the committed document: rendered from a run's results (those
+    # not in the committed docs/bench.json: the run's own sections) or recorded
+    own = {"## Pipeline parallelism", "## Packed documents", "## Generation",
+           "## FSDP on 8 x H100", ZERO1_TITLE,
+           "## Mixture of experts", "## FP8"}
+    heads = {line for line in md.splitlines() if line.startswith("## ")}
+    committed = {line for line in (root / "BENCHMARKS.md").read_text().splitlines()
+                 if line.startswith("## ")}
+    assert committed - heads <= own, committed - heads - own

@@ -1,21 +1,33 @@
 """The table of what combines (``sp_jax.compat``): complete and symmetric, each refused
-cell refused by ``check`` and by the entry point that meets it, each supported cell
-named by a test that exists, combinations no other test runs compared with the same
-model unsharded, and ``docs/api.md`` showing the table as ``render`` prints it."""
+cell refused by ``check`` and by the entry point that meets it (every mode's, built from
+the features' declarations in tests/compat_features.py), each supported cell named by a
+test that exists (the coverage rows of tests/compat_coverage.py, which the library does
+not hold), combinations no other test runs compared with the same model unsharded, and
+``docs/api.md`` showing the table as ``python -m sp_jax.compat`` prints it."""
 
 import ast
 import functools
 import itertools
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import chex
+import compat_features
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import cache_and_forward_logits, copy_weights, param_values, to_host, train_gpt
+from _util import (
+    cache_and_forward_logits,
+    copy_weights,
+    param_values,
+    slow_except,
+    to_host,
+    train_gpt,
+)
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -27,6 +39,7 @@ from sp_jax.models import GPT, GPTConfig, generate
 from sp_jax.training import TrainStep, lm_loss
 
 ROOT = Path(__file__).parent.parent
+COVERAGE = compat.load_coverage()  # tests/compat_coverage.py: the supported cells
 B, S = 4, 16
 BASE = dict(vocab_size=64, max_seq_len=S, num_layers=1, num_heads=4, hidden=32,
             attention_block_q=4, attention_block_k=4)
@@ -140,6 +153,74 @@ def test_features_of_a_model_configuration():
         GPTConfig(**BASE, layer_windows=(None,) * layers), par)
 
 
+def test_features_of_defaults_and_spellings():
+    """``defaults``: the default value the refusals name (``scan_layers=False``); a
+    layer's window as data is ``layer_windows``; ``grad_reduce_dtype`` over one data
+    device reduces nothing; ``spelled`` names each feature by its configured value."""
+    cfg, par = GPTConfig(**BASE), sp_jax.ParallelConfig(grad_reduce_dtype=jnp.bfloat16)
+    assert compat.features_of(cfg, par, defaults=True) - compat.features_of(cfg, par) == {
+        "unrolled_layers"}
+    assert "unrolled_layers" not in compat.features_of(
+        GPTConfig(**BASE, scan_layers=True), defaults=True)
+    assert {"layer_windows", "sliding_window"} <= compat.features_of(
+        GPTConfig(**BASE, layer_windows=(4,)))
+    assert "grad_reduce_dtype" in compat.features_of(None, par)
+    assert "grad_reduce_dtype" not in compat.features_of(None, par, make_mesh(1, 8))
+    assert "grad_reduce_dtype" in compat.features_of(None, par, make_mesh(2, 4))
+    experts = GPTConfig(**BASE, num_experts=4, moe_layer_freq=1, attention_dropout=0.1)
+    assert compat.spelled(experts, par, {"experts", "attention_dropout", "grad_reduce_dtype",
+                                         "custom_loss"}) == {
+        "experts": "num_experts=4", "attention_dropout": "attention_dropout=0.1",
+        "custom_loss": "a custom loss_fn",
+        "grad_reduce_dtype": "ParallelConfig(grad_reduce_dtype=bfloat16)"}
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_the_library_holds_no_coverage(tmp_path):
+    """Which tests run which cell lives under tests/: the library's table has no
+    supported cell (built alone), and no node id is in sp_jax/; this module's coverage
+    came from tests/compat_coverage.py, and so does ``python -m sp_jax.compat``'s in a
+    checkout, or from ``--coverage PATH``, each saying what it read."""
+    assert COVERAGE == "tests/compat_coverage.py" == compat.coverage_source()
+    run = [sys.executable, "-m", "sp_jax.compat"]
+    out = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.startswith(f"Coverage: tests/compat_coverage.py ({len(compat.COVERED)} rows).")
+    rows = tmp_path / "rows.py"
+    rows.write_text('COVERED = [(("eval",), ("tensor_sequence",), "tests/test_x.py::test_y")]\n')
+    out = subprocess.run([*run, "--coverage", str(rows)], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.startswith(f"Coverage: {rows} (1 rows).")
+    bare = compat.build()
+    assert all(c.status != "supported" for cells in bare.values() for c in cells.values())
+    assert not [p for p in (ROOT / "sp_jax").rglob("*.py") if re.search(
+        r"tests/test_\w+\.py::test_", p.read_text())]  # no pytest node id
+    for mode in compat.MODES:  # the coverage only adds supported cells
+        for key, c in bare[mode].items():
+            assert compat.TABLE[mode][key] == c or (
+                c.status == "untested" and compat.TABLE[mode][key].status == "supported")
+
+
+def test_check_before_the_mode_is_known_and_refusals_lifted():
+    """A constructor (mode None) refuses what is refused in every mode, a kernel of
+    train and eval (a tuple) what is refused in both; the message names the modes of
+    the refused cell. grad_reduce_dtype with fsdp='full' (or experts, FP8) is refused
+    without a pipeline, whose schedule reduces the gradients itself."""
+    with pytest.raises(compat.CombinationError, match=r"grad_reduce_dtype x fsdp in train"):
+        compat.check("train", ["grad_reduce_dtype", "fsdp"], where="x")
+    compat.check("train", ["grad_reduce_dtype", "fsdp", "pipeline_1f1b"], where="x")
+    assert compat.cell("train", "grad_reduce_dtype", "fsdp").unless == (
+        "pipeline_gpipe", "pipeline_1f1b")
+    compat.check("eval", ["grad_reduce_dtype", "fsdp"], where="x")  # no reduction in eval
+    with pytest.raises(compat.CombinationError, match=r"in every mode\)$"):
+        compat.check(None, ["attention_softcap", "cudnn_attention"], where="x")
+    compat.check(None, ["packed_documents", "cudnn_attention"], where="x")  # train, eval
+    compat.check(None, ["custom_loss", "pipeline"], where="x")  # train only
+    with pytest.raises(compat.CombinationError, match=r"in train and eval\)$"):
+        compat.check(("train", "eval"), ["packed_documents", "cudnn_attention"], where="x")
+    with pytest.raises(ValueError, match="unknown mode 'infer'"):
+        compat.check(("train", "infer"), [], where="x")
+
+
 # -- each refused cell, by the entry point that meets it -----------------------------------
 
 
@@ -178,8 +259,24 @@ def _cudnn_with_documents():
                         implementation="cudnn")
 
 
+def _reduce_step(parallel, shape=(2, 2), **config):
+    with jax.set_mesh(make_mesh(*shape) if len(shape) == 2 else _mesh(
+            shape, ("data", "expert", "tensor"))):
+        model = GPT(GPTConfig(**BASE, **config), parallel=sp_jax.ParallelConfig(
+            grad_reduce_dtype=jnp.bfloat16, **parallel), rngs=nnx.Rngs(0))
+        TrainStep(model, optax.sgd(0.1))
+
+
+def _stages_unrolled():
+    with jax.set_mesh(_stage_mesh()):
+        GPT(GPTConfig(**{**BASE, "num_layers": 2}), parallel=sp_jax.ParallelConfig(
+            pipeline_axis="stage", pipeline_microbatches=2), rngs=nnx.Rngs(0))
+
+
+_REDUCE = "ParallelConfig\\(grad_reduce_dtype=bfloat16\\) without a pipeline reduces the gradients"
+
 # (first feature, second or None) of each entry of compat.REFUSALS -> (what meets it, the
-# message it raises: its own words where the refusal is not raised by compat.check yet)
+# message it raises)
 ENTRY_POINTS = {
     ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn"),
                                           "cannot run ring attention"),
@@ -194,19 +291,106 @@ ENTRY_POINTS = {
         "attention_softcap=5.0 needs attention_implementation='xla'"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
+    ("layer_windows", "cudnn_attention"): (
+        lambda: GPTConfig(**BASE, layer_windows=(4,), attention_implementation="cudnn"),
+        "layer_windows \\(a window per layer\\) needs attention_implementation='xla': cuDNN's "
+        "kernel takes a static window"),
+    ("pipeline", "unrolled_layers"): (_stages_unrolled, r"GPT: ParallelConfig\(pipeline_axis="
+                                      r"'stage'\) is not supported with scan_layers=False; "
+                                      r".* needs GPTConfig\(scan_layers=True\)"),
+    ("interleaved_experts", "scan_layers"): (
+        lambda: GPTConfig(**{**BASE, "num_layers": 2}, num_experts=4, moe_layer_freq=2,
+                          scan_layers=True),
+        "moe_layer_freq=2 mixes dense and expert layers; use moe_layer_freq=1 or "
+        "scan_layers=False"),
+    ("grad_reduce_dtype", "fsdp"): (lambda: _reduce_step(dict(fsdp=True)),
+                                    f"{_REDUCE}.*fsdp='full'"),
+    ("grad_reduce_dtype", "experts"): (
+        lambda: _reduce_step({}, num_experts=2, moe_mlp_hidden=16), f"{_REDUCE}"),
+    ("grad_reduce_dtype", "expert_parallel"): (
+        lambda: _reduce_step(dict(expert_axis="expert"), (2, 2, 2), num_experts=2,
+                             moe_mlp_hidden=16), f"{_REDUCE}"),
+    ("grad_reduce_dtype", "fp8"): (
+        lambda: _reduce_step({}, fp8=sp_jax.Fp8Recipe("current")), f"{_REDUCE}"),
 }
+_FIRST_ENTRY_POINTS = ["train_eval_generate-cudnn_attention-context_ring",
+                       "train_eval-packed_documents-cudnn_attention",
+                       "train_eval_generate-attention_dropout-cudnn_attention",
+                       "train_eval_generate-attention_softcap-cudnn_attention",
+                       "train-custom_loss-pipeline"]  # the fast tier's
 
 
 def test_every_refusal_has_an_entry_point():
-    assert set(ENTRY_POINTS) == {(a, b) for _, a, b, _ in compat.REFUSALS}
+    assert set(ENTRY_POINTS) == {(r.first, r.second) for r in compat.REFUSALS}
 
 
-@pytest.mark.parametrize("modes, a, b, fix", compat.REFUSALS,
-                         ids=[f"{'_'.join(m)}-{a}-{b}" for m, a, b, _ in compat.REFUSALS])
-def test_each_refusal_is_raised_where_it_is_met(modes, a, b, fix):
-    meet, pattern = ENTRY_POINTS[a, b]
+@pytest.mark.parametrize("name", slow_except(
+    [f"{'_'.join(r.modes)}-{r.first}-{r.second}" for r in compat.REFUSALS],
+    *_FIRST_ENTRY_POINTS))
+def test_each_refusal_is_raised_where_it_is_met(name):
+    _, a, b = name.split("-")
+    meet, pattern = ENTRY_POINTS[a, None if b == "None" else b]
     with pytest.raises(ValueError, match=pattern):
         meet()
+
+
+# -- each refused cell of each mode, at that mode's entry point ------------------------------
+
+
+def _custom_loss(model, batch, key):
+    return model.loss(batch["tokens"], batch["labels"]), jnp.asarray(1, jnp.int32)
+
+
+def _train(model, call):
+    """A TrainStep of ``model`` and one step (its trace checks the batch's features)."""
+    step = TrainStep(model, optax.sgd(0.1), loss_fn=_custom_loss if call.get(
+        "custom_loss") else lm_loss, offload_optimizer=call.get("offload", False))
+    micro = model.parallel.pipeline_microbatches
+    rows = {"tokens": TOKENS, "labels": TOKENS} | (
+        {"segment_ids": DOCS, "positions": POSITIONS} if call.get("documents") else {})
+    step({k: v.reshape(micro, B // micro, S) for k, v in rows.items()}, jax.random.key(0))
+
+
+def _eval(model, call):
+    docs = dict(segment_ids=DOCS, positions=POSITIONS) if call.get("documents") else {}
+    model(TOKENS, **docs)
+
+
+def _generate(model, call):
+    generate(model, [[1, 2, 3]], max_new_tokens=1)
+
+
+MODE_ENTRY_POINTS = {"train": _train, "eval": _eval, "generate": _generate}
+"""Each mode's entry point: ``(model, call options) -> None``."""
+
+
+def _refused_cells() -> list[str]:
+    return [f"{m}-{a}-{b}" for m, a, b, _ in compat.refusals()]
+
+
+@pytest.mark.slow  # ~1 s a cell (the fast tier: test_each_refusal_is_raised_where_it_is_met)
+@pytest.mark.parametrize("case", _refused_cells())
+def test_each_refused_cell_raises_at_its_entry_point(case):
+    """The smallest model with the cell's two features (tests/compat_features.py; the
+    features they imply too), run at the mode's entry point: a CombinationError naming a
+    refused pair of its features (the cell's, unless an implied feature's is met
+    first). A pair refused in every mode is refused when the model is built (its
+    configuration, its layers), naming every mode; any other at the mode's entry point,
+    naming the mode, the model built."""
+    mode, a, b = case.split("-")
+    made = compat_features.setup([a] if b == "None" else [a, b])
+    every = all(compat.cell(m, a, None if b == "None" else b).status == "refused"
+                for m in compat.MODES)
+    with jax.set_mesh(made.mesh()), pytest.raises(compat.CombinationError) as info:
+        model = GPT(made.gpt_config(), parallel=made.parallel, rngs=nnx.Rngs(0))
+        assert not every, f"{case}: refused in every mode, but the model was built"
+        MODE_ENTRY_POINTS[mode](model, made.call)
+    tag = re.search(r"\(sp_jax\.compat: (\w+)(?: x (\w+))? in ([\w ]+)\)$", str(info.value))
+    assert tag, str(info.value)
+    named = {f for f in tag.groups()[:2] if f}
+    assert named == {a, b} - {"None"} or (named <= set(made.names) and compat.cell(
+        mode, *named).status == "refused"), str(info.value)
+    assert tag[3] == ("every mode" if every else mode), str(info.value)
 
 
 # -- combinations no other test runs: the same model sharded and unsharded -----------------
@@ -265,7 +449,7 @@ def test_combination_equals_unsharded(case):
     shape, names, model_kw, parallel_kw = CASES[case]
     cfg = GPTConfig(**BASE, **model_kw)
     parallel = sp_jax.ParallelConfig(**parallel_kw)
-    assert compat.features_of(cfg, parallel) | {"packed_documents"} >= set(
+    assert compat.features_of(cfg, parallel, defaults=True) | {"packed_documents"} >= set(
         next(f for _, f, t in compat.COVERED if t.endswith(f"[{case}]")))
     init, logits, loss, grads = _run(cfg, parallel, _mesh(shape, names))
     _, ref_logits, ref_loss, ref_grads = _run(cfg, sp_jax.ParallelConfig(), make_mesh(1, 1),
@@ -324,7 +508,7 @@ def test_pipelined_combination_equals_unsharded(case):
     cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True}, **model_kw)
     parallel = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2,
                                      pipeline_schedule=schedule, **parallel_kw)
-    assert compat.features_of(cfg, parallel) | {"packed_documents"} >= set(
+    assert compat.features_of(cfg, parallel, defaults=True) | {"packed_documents"} >= set(
         next(f for _, f, t in compat.COVERED if t.endswith(f"[{case}]")))
     mesh, flat = _mesh(shape, PIPE_AXES), make_mesh(1, 1)
     batches, tokens = _pipe_batches(), _pipe_batches()[0]["tokens"].reshape(B, S)
@@ -404,7 +588,7 @@ def test_generation_with_features_reads_its_cache_like_a_full_forward(case):
     cfg = GPTConfig(**{**BASE, "max_seq_len": 32}, **model_kw)
     parallel = sp_jax.ParallelConfig(**parallel_kw)
     mesh = _mesh(shape, names)
-    assert compat.features_of(cfg, parallel, mesh) >= set(
+    assert compat.features_of(cfg, parallel, mesh, defaults=True) >= set(
         next(f for _, f, t in compat.COVERED if t.endswith(f"[{case}]")))
     rng = np.random.default_rng(0)
     lengths, steps = np.array([5, 3]), 4

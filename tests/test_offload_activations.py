@@ -110,10 +110,10 @@ def test_h100_residuals_live_in_host_memory_inside_the_layer_scan(remat):
     scan's stacked residuals are host buffers (``S(5)``) written and read inside the
     forward and backward while bodies, ``memory_analysis`` counts host bytes, and the
     device's temporary bytes shrink; without it there is no host buffer."""
-    from benchmarks.activation_offload import compile_stack
+    from sp_jax.analysis.checks import scanned_stack_report
 
-    got = {off: compile_stack(layers=4, hidden=256, seq=1024, heads=8, tensor=8,
-                              remat=remat, offload=off) for off in (False, True)}
+    got = {off: scanned_stack_report(layers=4, hidden=256, seq=1024, heads=8, tensor=8,
+                                     remat=remat, offload=off) for off in (False, True)}
     assert "S(5)" not in got[False]["hlo"] and got[False]["host_temp_bytes"] == 0
     hlo = got[True]["hlo"]
     bodies = _while_bodies(hlo)

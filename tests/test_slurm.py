@@ -2,7 +2,7 @@
 host: `make slurm-test` starts one in a temporary directory and points SLURM_CONF at it;
 without it every test here is skipped).
 
-Each job runs the tiny GPT of benchmarks.slurm_goodput.FLAGS as tasks of 4 simulated CPU
+Each job runs the tiny GPT of sp_jax.analysis.slurm.FLAGS as tasks of 4 simulated CPU
 devices that find each other through JAX's SLURM detection (no --coordinator flags), and
 is checked against one process of 8 devices running the same command:
 
@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from _util import ROOT, TRAIN_GPT, process_env
 
-from benchmarks.slurm_goodput import (
+from sp_jax.analysis.slurm import (
     FLAGS,
     SBATCH,
     batch_lines,

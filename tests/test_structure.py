@@ -12,6 +12,7 @@ code at run time is checked in a fresh interpreter by
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
@@ -79,9 +80,10 @@ PENDING_PRIVATE: dict[tuple[str, str], str] = {}
 # -- reading the package ------------------------------------------------------------------
 
 
-def _modules() -> dict[str, Path]:
+def _modules(folder: Path = PACKAGE) -> dict[str, Path]:
+    """``{dotted module name: path}`` of every module under ``folder``."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -152,8 +154,9 @@ def test_the_floors_name_every_module():
     assert not [m for m in MODULES if m not in measurement and _floor(m) < 0]
 
 
-def test_no_import_circle():
-    graph = _graph()
+def _circles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The import circles of ``graph`` (``{module: {imported module: line}}``), each as
+    ``a:line -> b:line -> ... -> a``."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
     circles = []
@@ -174,6 +177,11 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+    return circles
+
+
+def test_no_import_circle():
+    circles = _circles(_graph())
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
@@ -304,3 +312,62 @@ class A:
     assert found == {"from sp_jax.models.gpt import _hidden", "jax._src.core",
                      "sp_jax.mesh._private",
                      "other._embed", "other._vocab_table"}
+
+
+# -- outside the package: the tests and the benchmarks --------------------------------------
+
+BENCHMARKS = ROOT / "benchmarks"
+TESTS = ROOT / "tests"
+RENDERING = ("benchmarks.render", "benchmarks.records")
+"""What benchmarks/render/ may import of benchmarks/: itself and the shared records."""
+
+
+def _imported_modules(path: Path) -> list[tuple[str, int]]:
+    """``(module, line)`` of every import in ``path`` (function-local ones too), with
+    ``from X import y`` read as ``X.y`` when that is a module of benchmarks/."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.extend((a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.append((sub if _benchmark_module(sub) else node.module, node.lineno))
+    return out
+
+
+@functools.cache
+def _benchmark_modules() -> dict[str, Path]:
+    return _modules(BENCHMARKS)
+
+
+def _benchmark_module(name: str) -> bool:
+    return name in _benchmark_modules()
+
+
+def test_no_library_test_imports_benchmarks():
+    """Library tests import no ``benchmarks`` module (what they share with the benchmarks
+    lives in tests/_util.py or sp_jax.analysis); tests/test_benchmarks.py, the benchmarks'
+    own tests, may."""
+    wrong = [f"{path.name}:{line} imports {module}"
+             for path in sorted(TESTS.glob("*.py")) if path.name != "test_benchmarks.py"
+             for module, line in _imported_modules(path)
+             if module == "benchmarks" or module.startswith("benchmarks.")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_benchmarks_have_no_import_circle():
+    """benchmarks/ has no import circle, and its rendering (benchmarks/render/) imports
+    no measuring module: the records and formatters both share live in
+    benchmarks/records.py."""
+    modules = _benchmark_modules()
+    graph = {m: {t: line for t, line in _imported_modules(p) if t in modules and t != m}
+             for m, p in modules.items()}
+    circles = _circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+    wrong = [f"{m}:{line} imports {t}" for m, targets in graph.items()
+             if _under(m, "benchmarks.render") for t, line in targets.items()
+             if not any(_under(t, r) for r in RENDERING)]
+    assert not wrong, "rendering imports measuring modules:\n" + "\n".join(wrong)
+    assert not [t for t, _ in _imported_modules(BENCHMARKS / "records.py")
+                if t.startswith(("benchmarks", "sp_jax", "jax"))]

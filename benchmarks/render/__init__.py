@@ -4,10 +4,14 @@ the run's own sections and those of the stand-alone sections (:mod:`benchmarks.r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.records import LABELS as LABELS
+from benchmarks.records import VARIANTS as VARIANTS
+from benchmarks.records import MiB as MiB
 from benchmarks.render.collectives import collectives_section, gpu_section
 from benchmarks.render.common import GPU_CHECK_NAME, JSON_NAME
 from benchmarks.render.common import fmt_mib as fmt_mib
@@ -20,9 +24,7 @@ from benchmarks.render.pipeline import render_markdown as render_pipeline
 from benchmarks.render.steps import gpt_time_section, stacks_section, time_section
 from benchmarks.render.template import fields, filler, table
 from benchmarks.render.text import render_markdown as render_text
-from benchmarks.targets import MiB as MiB
-from benchmarks.variants import LABELS as LABELS
-from benchmarks.variants import VARIANTS as VARIANTS
+from benchmarks.render.zero1 import render_markdown as render_zero1
 
 _fill = filler("benchmarks")
 
@@ -72,6 +74,7 @@ _OWN_SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("text", "Packed documents", render_text),
     ("generation", "Generation", render_generation),
     ("fsdp", "FSDP on 8 x H100", render_fsdp),
+    ("zero1", "ZeRO-1 on 8 x H100", render_zero1),
     ("moe", "Mixture of experts", render_moe),
     ("fp8", "FP8", _render_fp8),
     ("plan", "Memory planner", _plan_markdown),
@@ -89,6 +92,40 @@ def _own_section(res, key: str, title: str, render: Callable[[dict[str, Any]], s
     return render(section)
 
 
+SECTIONS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("targets", _targets_section),
+    ("memory", memory_section),
+    ("collectives", collectives_section),
+    ("gpu", gpu_section),
+    ("stacks", stacks_section),
+    ("step_time", time_section),
+    ("gpt_step_time", gpt_time_section),
+    ("context", context_section),
+    *((key, functools.partial(_own_section, key=key, title=title, render=render))
+      for key, title, render in _OWN_SECTIONS),
+)
+"""The document's sections in order: the key a recorded section names as ``after``, and
+the renderer of the run's results."""
+
+
+def recorded_section(entry: dict[str, Any]) -> str:
+    """A recorded section (:func:`benchmarks.records.load_recorded`): its heading, when,
+    how and where it was measured and why ``make bench`` does not, and its text."""
+    head = [entry["heading"], ""] if entry["heading"] else []
+    return "\n".join([*head, _fill("recorded", **fields(entry, "why", "date", "command",
+                                                         "machine")), "", entry["markdown"]])
+
+
+def _with_recorded(key: str, text: str, recorded: list[dict[str, Any]]) -> list[str]:
+    """``text`` (section ``key``) followed by the recorded sections placed after it, each
+    followed by those placed after it."""
+    out = [text]
+    for entry in recorded:
+        if entry["after"] == key:
+            out += _with_recorded(entry["key"], recorded_section(entry), recorded)
+    return out
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     head = _fill(
@@ -98,17 +135,13 @@ def render_markdown(res: dict[str, Any]) -> str:
         runtime=f"{meta['runtime_s']:.0f}",
         json=JSON_NAME,
     )
-    body = [
-        _targets_section(res),
-        memory_section(res),
-        collectives_section(res),
-        gpu_section(res),
-        stacks_section(res),
-        time_section(res),
-        gpt_time_section(res),
-        context_section(res),
-        *(_own_section(res, *own) for own in _OWN_SECTIONS),
-    ]
+    recorded = res.get("recorded", [])
+    known = {key for key, _ in SECTIONS} | {e["key"] for e in recorded}
+    stray = [e["key"] for e in recorded if e["after"] not in known]
+    if stray:
+        raise ValueError(f"recorded sections {stray} follow no section of the document")
+    body = [part for key, render in SECTIONS
+            for part in _with_recorded(key, render(res), recorded)]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in meta["section_seconds"].items())
     tail = _fill("run", seconds=secs, xla_flags=meta["xla_flags"])
     return head + "\n" + "\n\n".join(body) + "\n\n" + tail

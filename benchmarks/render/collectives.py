@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.records import LABELS, VARIANTS
 from benchmarks.render.common import fmt_mib
 from benchmarks.render.template import fields, filler, table
-from benchmarks.variants import LABELS, VARIANTS
 
 _fill = filler("benchmarks")
 _COLL_VARIANTS = ("gspmd", "sp_save", "sp_recompute")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.records import MiB, status
 from benchmarks.render.template import table
-from benchmarks.section import status
-from benchmarks.targets import MiB
 
 __all__ = [
     "GPU_CHECK_NAME",

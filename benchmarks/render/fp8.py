@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.fp8 import fmt_mib
+from benchmarks.records import fmt_mib
 from benchmarks.render.common import targets_lines
 from benchmarks.render.template import fields, filler, table
 

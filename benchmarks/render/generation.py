@@ -5,13 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.generation import (
-    TORCH_ENV,
-    GenerationBench,
-    collectives_per_token,
-    fmt_mesh,
-    fmt_size,
-)
+from benchmarks.records import TORCH_ENV, GenerationBench, collectives_per_token, fmt_mesh, fmt_size
 from benchmarks.render.common import run_facts, targets_lines
 from benchmarks.render.template import fields, filler, table
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.memory import TERMS
+from benchmarks.records import LABELS, TERMS, VARIANTS
 from benchmarks.render.common import PLOT_S, PLOT_T, fmt_mib
 from benchmarks.render.template import fields, filler, table
-from benchmarks.variants import LABELS, VARIANTS
 
 _fill = filler("benchmarks")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.pipeline import (
+from benchmarks.records import (
     SCHEDULES,
     MiB,
     PipelineBench,

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
+from benchmarks.records import LABELS, STACK_LABELS, STACK_VARIANTS, VARIANTS, MiB
 from benchmarks.render.template import fields, filler, table
-from benchmarks.targets import MiB
-from benchmarks.variants import LABELS, VARIANTS
 
 _fill = filler("benchmarks")
 
@@ -82,9 +81,6 @@ def time_section(res) -> str:
 
 
 def stacks_section(res) -> str:
-    from benchmarks.stacks import LABELS as STACK_LABELS
-    from benchmarks.stacks import STACK_VARIANTS
-
     st = res.get("stacks", {})
     if "error" in st or not st:
         return _fill("stacks.1", get=st.get("error"))

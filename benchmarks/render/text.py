@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.records import MiB, TextBench, copies, fmt_signed
 from benchmarks.render.common import run_facts, targets_lines
 from benchmarks.render.template import fields, filler, table
-from benchmarks.text import MiB, TextBench, copies, fmt_signed
 
 _fill = filler("text")
 

@@ -1,9 +1,10 @@
-"""Deviceless compiles of the GPT training step that the tests and the benchmarks share:
-the FSDP step's temp memory and backward weight gathers on an 8 x H100 mesh
-(:func:`fsdp_step_report`), and the memory planner against a CPU compile of the same step
-for a small model (:func:`plan_cpu_check`).
+"""Deviceless compiles that the tests and the benchmarks share: the FSDP step's temp
+memory and backward weight gathers on an 8 x H100 mesh (:func:`fsdp_step_report`), a
+scanned stack of blocks with or without activation offload (:func:`scanned_stack_report`),
+and the memory planner against a CPU compile of the same step for a small model
+(:func:`plan_cpu_check`).
 
-Both need the CUDA PJRT plugin for the H100 compiles (:func:`sp_jax.analysis.
+They need the CUDA PJRT plugin for the H100 compiles (:func:`sp_jax.analysis.
 cuda_plugin_available`); :func:`plan_cpu_check` also needs 8 (simulated) devices."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from sp_jax.analysis.plan import ModelShape, PlanOption, plan
 
-__all__ = ["StepShape", "fsdp_step_report", "plan_cpu_check"]
+__all__ = ["StepShape", "fsdp_step_report", "plan_cpu_check", "scanned_stack_report"]
 
 MiB = 2**20
 
@@ -106,3 +107,53 @@ def plan_cpu_check(model: ModelShape) -> dict[str, Any]:
         temp = step.temp_bytes(batch, jax.random.key(0))
     return {"row": row.as_dict(), "cpu_temp_bytes": temp,
             "cpu_activation_bytes": temp - row.grad_bytes}
+
+
+def scanned_stack_report(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,
+                         offload: bool, remat: bool = False, batch: int = 1,
+                         recompute: bool = True, dtype: Any = None,
+                         data_axis: str | None = None) -> dict[str, Any]:
+    """Deviceless H100 compile of ``layers`` scanned blocks' forward and backward
+    (gradients of a mean-square loss w.r.t. the parameters and the input; ``lax.scan``
+    over the layers as ``GPTConfig(scan_layers=True)`` runs them) on a ``1 x tensor``
+    mesh, with ``ParallelConfig(offload_activations=offload)``: ``memory_analysis()``'s
+    device temp and peak bytes, its host temp bytes and the HLO. ``dtype``: the compute
+    dtype (None: bf16); ``data_axis``: the config's (None: the batch is not split;
+    ``"data"``: over the mesh's data axis, of size 1)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
+    from sp_jax.config import ParallelConfig
+    from sp_jax.layout import Layout
+    from sp_jax.models import Block, GPTConfig
+    from sp_jax.models.blocks import scan_blocks, stack_blocks
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    cfg = GPTConfig(vocab_size=256, max_seq_len=seq, num_layers=layers, num_heads=heads,
+                    hidden=hidden, dtype=dtype, param_dtype=jnp.float32, remat=remat,
+                    scan_layers=True)
+    parallel = ParallelConfig(data_axis=data_axis, recompute_allgather=recompute,
+                              wgrad_dtype=jnp.float32, offload_activations=offload)
+    mesh = gpu_mesh((1, tensor), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(lambda: stack_blocks(
+            [Block(cfg, parallel, rngs=nnx.Rngs(i)) for i in range(layers)]))
+        graphdef, params = nnx.split(model)
+        params = jax.tree.map(
+            lambda v, spec: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=NamedSharding(mesh, spec)),
+            params, nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+    x = jax.ShapeDtypeStruct((batch, seq, hidden), dtype, sharding=Layout.of(parallel).sp)
+
+    def loss(p, x):
+        y, _ = scan_blocks(nnx.merge(graphdef, p), x, None, remat)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    report = compile_for_gpu(jax.grad(loss, argnums=(0, 1)), params, x, mesh_shape=(1, tensor),
+                             axis_names=("data", "tensor"))
+    mem = report.compiled.memory_analysis()
+    return {"temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes,
+            "host_temp_bytes": int(mem.host_temp_size_in_bytes), "hlo": report.hlo}

@@ -177,22 +177,19 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     drop = drop_arguments(dropout, positions, q.shape[1], implementation)
     seg = check_segments("blockwise_attention", segment_ids, q)
     rule = score_rule("blockwise_attention", scale, softcap)
-    if implementation == "cudnn" and rule.softcap is not None:
-        check("train", {"attention_softcap": f"softcap={rule.softcap}",
-                        "cudnn_attention": "implementation='cudnn'"}, where="blockwise_attention")
-    if implementation == "cudnn" and seg is not None:
-        check("train", {"packed_documents": "segment_ids (packed documents)",
-                        "cudnn_attention": "implementation='cudnn'"}, where="blockwise_attention")
-    if implementation == "cudnn" and isinstance(window, jax.Array):
-        raise ValueError("blockwise_attention: implementation='cudnn' needs a static "
-                         "sliding_window (an int: cuDNN's local_window_size); a per-layer "
-                         "window array runs with implementation='xla'.")
     if implementation == "cudnn" and v.shape[3] != k.shape[3]:
         raise ValueError(f"blockwise_attention: implementation='cudnn' needs values of the "
                          f"keys' head size (jax.nn.dot_product_attention); got k {k.shape}, "
                          f"v {v.shape}: use implementation='xla' for a value head size of "
                          "its own.")
-    if implementation == "cudnn":
+    if implementation == "cudnn":  # what cuDNN's kernel cannot run: sp_jax.compat
+        check(("train", "eval"), {f: name for f, name, used in (
+            ("attention_softcap", f"softcap={rule.softcap}", rule.softcap is not None),
+            ("packed_documents", "segment_ids (packed documents)", seg is not None),
+            ("layer_windows", "a sliding_window array (a layer's window as data)",
+             isinstance(window, jax.Array)),
+            ("cudnn_attention", "implementation='cudnn'", True)) if used},
+            where="blockwise_attention")
         try:
             return jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="cudnn", scale=rule.scale,

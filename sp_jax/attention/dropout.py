@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.compat import check
+
 __all__ = ["AttentionDropout", "drop_arguments", "drop_scale"]
 
 _F32 = jnp.float32
@@ -89,9 +91,9 @@ def drop_arguments(dropout: AttentionDropout | None, positions: jax.Array | None
         return None
     if not isinstance(dropout, AttentionDropout):
         raise TypeError(f"dropout={dropout!r} must be an AttentionDropout or None.")
-    if implementation != "xla":
-        raise ValueError(f"attention dropout needs implementation='xla' (got "
-                         f"{implementation!r}: cuDNN's kernel draws its own masks).")
+    if implementation == "cudnn":  # refused in every mode: sp_jax.compat
+        check(None, {"attention_dropout": "attention dropout",
+                     "cudnn_attention": "implementation='cudnn'"}, where="attention kernels")
     positions = jnp.arange(s, dtype=jnp.int32) if positions is None else positions
     return dropout, positions.astype(jnp.int32)
 

@@ -23,7 +23,7 @@ from sp_jax.attention import (
     sequence_order,
     ulysses_attention,
 )
-from sp_jax.compat import check, features_of
+from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig, check_layer_args
 from sp_jax.layers.attention_registry import AttentionCache, register_attention
 from sp_jax.layers.block_config import AttentionConfig, check_block_config, kv_heads_per_shard
@@ -146,11 +146,7 @@ class CausalSelfAttention(nnx.Module):
         check_block_config("CausalSelfAttention", config, AttentionConfig,
                            "sp_jax.AttentionConfig", "attention_config")
         check_layer_args("CausalSelfAttention", parallel)
-        active = features_of(config, parallel)  # refused pairs: sp_jax.compat
-        check("train", {f: name for f, name in (
-            ("cudnn_attention", "attention_implementation='cudnn'"),
-            ("sliding_window", f"sliding_window={config.sliding_window}"),
-            ("context_ring", "ring attention")) if f in active}, where="CausalSelfAttention")
+        check_mode(None, config=config, parallel=parallel, where="CausalSelfAttention")
         self.config, self.parallel = config, parallel
         if config.window_per_layer and config.sliding_window is not None:
             raise ValueError(f"CausalSelfAttention: window_per_layer with sliding_window="

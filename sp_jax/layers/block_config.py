@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sp_jax.attention import IMPLEMENTATIONS
-from sp_jax.compat import check
+from sp_jax.compat import check_mode
 from sp_jax.config import Fp8Recipe
 from sp_jax.layers.attention_registry import check_attention_name
 from sp_jax.layers.norm import NORMS
@@ -198,13 +198,7 @@ def check_block_fields(owner: str, config: Any) -> None:
             raise ValueError(
                 f"{owner}.attention_implementation={config.attention_implementation!r} is "
                 "not a known kernel; use 'xla' (every backend) or 'cudnn' (GPUs).")
-        if config.attention_implementation == "cudnn" and config.attention_dropout:
-            check("train", {"attention_dropout": f"attention_dropout={config.attention_dropout}",
-                            "cudnn_attention": "attention_implementation='cudnn'"}, where=owner)
-        if config.attention_implementation == "cudnn" and getattr(
-                config, "attention_softcap", None) is not None:
-            check("train", {"attention_softcap": f"attention_softcap={config.attention_softcap}",
-                            "cudnn_attention": "attention_implementation='cudnn'"}, where=owner)
+    check_mode(None, config=config, where=owner)  # refused in every mode: sp_jax.compat
     _float_dtype(owner, "dtype", config.dtype, optional=True)
     _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
 

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from sp_jax.compat import check_mode
 from sp_jax.mesh import axis_size, current_mesh, mesh_platform
 from sp_jax.models.decode import (
     check_decodable,
@@ -198,6 +199,7 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     if temperature > 0 and rngs is None:
         raise ValueError("generate: sampling (temperature > 0) needs rngs= (e.g. "
                          "nnx.Rngs(sample=0) or jax.random.key(0)); temperature=0 is greedy.")
+    check_mode("generate", model, where="generate")  # sp_jax.compat's generate column
     model = unpipelined(model)  # a pipelined model's blocks gathered over the stage axis
     cfg, par = model.config, model.parallel
     check_decodable(model)

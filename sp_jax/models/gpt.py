@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held, to_natural
+from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig
 from sp_jax.layers import (
     Dropout,
@@ -85,6 +86,7 @@ class GPT(nnx.Module):
         else:
             self.position = None
         self.dropout = Dropout(cfg.dropout, parallel=parallel, rngs=rngs)
+        check_mode(None, config=cfg, parallel=parallel, where="GPT")  # every mode: compat
         if parallel.pipeline_axis is not None:
             check_pipeline(cfg, parallel, current_mesh(parallel, where="GPT", required=False))
         blocks = [Block(cfg, parallel, rngs=rngs, index=i) for i in range(cfg.num_layers)]
@@ -121,6 +123,7 @@ class GPT(nnx.Module):
                       positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
         """Final-normed hidden states ``[batch, seq, hidden]``, SP layout, in the order of
         ``tokens``; ``segment_ids`` / ``positions`` as in :meth:`loss`."""
+        check_mode("eval", self, documents=segment_ids is not None, where="GPT.hidden_states")
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
         if self.parallel.pipeline_axis is not None:
@@ -301,6 +304,7 @@ class GPT(nnx.Module):
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
         ``P(data, None, tensor)``; entries ``>= vocab_size`` are padding.
         ``segment_ids`` / ``positions`` as in :meth:`loss`."""
+        check_mode("eval", self, documents=segment_ids is not None, where="GPT")
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
         if self.parallel.pipeline_axis is not None:
@@ -434,6 +438,8 @@ class GPT(nnx.Module):
         Returns:
           scalar float32 (with ``return_metrics``: ``(loss, metrics)``).
         """
+        check_mode("train", self, mesh=jax.sharding.get_abstract_mesh(),
+                   documents=segment_ids is not None, where="GPT.loss")
         tokens = self._ids(tokens)
         if labels is None:
             self._check_tokens(tokens)

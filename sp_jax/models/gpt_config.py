@@ -253,10 +253,6 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a number >= 0.")
-        if self.scan_layers and freq != 1:
-            raise ValueError(
-                f"GPTConfig: scan_layers stacks alike layers, but moe_layer_freq={freq} mixes "
-                "dense and expert layers; use moe_layer_freq=1 or scan_layers=False.")
 
     def _check_layer_windows(self) -> None:
         """``layer_windows``: None or one entry (None or a positive int) per layer."""
@@ -278,10 +274,6 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: sliding_window={self.sliding_window} and "
                              "layer_windows both set; give the window of every layer in "
                              "layer_windows and sliding_window=None.")
-        if self.attention_implementation != "xla":
-            raise ValueError(f"GPTConfig: layer_windows needs attention_implementation='xla'"
-                             f" (cuDNN takes a static window), not "
-                             f"{self.attention_implementation!r}.")
 
     def layer_window(self, index: int) -> int | None:
         """Layer ``index``'s sliding window (None: full causal attention)."""

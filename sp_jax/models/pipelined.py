@@ -71,13 +71,9 @@ def inner_parallel(parallel: ParallelConfig) -> ParallelConfig:
 
 
 def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
-    """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline: blocks
-    not scanned, or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when
-    ``mesh`` is known)."""
-    if not config.scan_layers:
-        raise ValueError(
-            f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "
-            "GPTConfig(scan_layers=True): the stages hold slices of the stacked blocks.")
+    """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline:
+    ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when ``mesh`` is
+    known; blocks not scanned: :mod:`sp_jax.compat`, checked by the GPT)."""
     if config.num_layers % parallel.pipeline_repeats:
         raise ValueError(
             f"GPT: num_layers={config.num_layers} is not divisible by pipeline_repeats="

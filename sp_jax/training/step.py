@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.compat import check
+from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
@@ -153,9 +153,6 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
     an empty state without them) of a pipelined model's step: its schedule runs the
     batch's micro-batches (``model.pipeline_loss_and_grads``). ``params``: all the
     model's ``nnx.Param`` state, histories included."""
-    if loss_fn is not lm_loss:
-        check("train", {"custom_loss": "a custom loss_fn", "pipeline": "a pipelined model "
-                        "(ParallelConfig(pipeline_axis=...))"}, where="TrainStep")
     if not hasattr(model, "pipeline_loss_and_grads"):
         raise ValueError(
             "TrainStep: a pipelined model (ParallelConfig(pipeline_axis=...)) trains "
@@ -247,19 +244,17 @@ def _reduce_dtype(parallel: Any, mesh: Any) -> Any:
     return parallel.grad_reduce_dtype
 
 
-def _check_reduce_dtype(model: nnx.Module, parallel: ParallelConfig, manual: Any) -> None:
+def _check_reduce_dtype(model: nnx.Module, manual: Any) -> None:
     """A ValueError where :func:`_reduce_dtype` applies but the data-manual step does not
-    (``manual``: :func:`manual_data_graphdef`'s graph, None there)."""
-    if parallel.fsdp == "full" or manual is None:
-        config = getattr(model, "config", None)
+    (``manual``: :func:`manual_data_graphdef`'s graph, None there) for a reason other than
+    the model's features (those :mod:`sp_jax.compat` refuses: fsdp='full', experts, FP8):
+    a model without a ``config``, or a mesh with Auto axes."""
+    if manual is None:
         raise ValueError(
             "TrainStep: ParallelConfig(grad_reduce_dtype=...) without a pipeline reduces "
-            "the gradients of a dense sp_jax GPT on an Explicit mesh (no fsdp='full', "
-            "expert_axis, experts or fp8); got "
-            f"{type(model).__name__} with fsdp={parallel.fsdp!r}, expert_axis="
-            f"{parallel.expert_axis!r}, num_experts={getattr(config, 'num_experts', None)}"
-            f", fp8={getattr(config, 'fp8', None)}. Leave grad_reduce_dtype=None, or use a "
-            "pipeline (pipeline_axis=...).")
+            "the gradients of a sp_jax GPT on an Explicit mesh; got "
+            f"{type(model).__name__} on a mesh with Auto axes or without a GPTConfig. Leave "
+            "grad_reduce_dtype=None, or build the mesh with Explicit axes.")
 
 
 def manual_data_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any) -> Any:
@@ -413,6 +408,9 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
             return loss_fn(nnx.merge(graphdef, state, rest), micro_batch, k)
 
         model = nnx.merge(graphdef, forward_all, rest)
+        check_mode("train", model, mesh=jax.sharding.get_abstract_mesh(), where="TrainStep",
+                   documents=isinstance(batch, dict) and "segment_ids" in batch,
+                   custom_loss=loss_fn is not lm_loss, offload=offload_optimizer or offload_params)
         metrics = {}
         if _pipelined(model):
             loss, grads, metrics, amaxes = _pipeline_gradients(model, forward_all, batch,
@@ -509,6 +507,8 @@ class TrainStep:
     offload_params: bool = False
 
     def __post_init__(self) -> None:
+        check_mode("train", self.model, mesh=jax.sharding.get_mesh(), where="TrainStep",
+                   offload=self.offload_optimizer or self.offload_params)  # the model's
         for option in ("offload_optimizer", "offload_params"):
             if getattr(self, option):
                 require_host_memory(f"TrainStep({option}=True)")
@@ -529,7 +529,7 @@ class TrainStep:
         if zero1 or self._reduce_dtype is not None:  # the data-manual graph, built once
             self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)
         if self._reduce_dtype is not None:
-            _check_reduce_dtype(self.model, parallel, self._manual[0])
+            _check_reduce_dtype(self.model, self._manual[0])
         if zero1:
             self._update_shardings = optimizer_shardings(plain, parallel)
             plain = jax.device_put(plain, self._update_shardings)
