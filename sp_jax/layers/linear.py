@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from sp_jax import ops
 from sp_jax.config import Fp8Recipe, ParallelConfig, check_layer_args
 from sp_jax.layers.fp8 import check_fp8_recipe, fp8_history, fp8_spec
+from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -47,6 +48,7 @@ from sp_jax.mesh import (
     reshard,
     warn_if_recompute_may_be_merged,
 )
+from sp_jax.ops.deferred import local_taps, tap_specs
 
 __all__ = [
     "ColumnParallelLinear",
@@ -67,7 +69,7 @@ Initializer = Callable[..., jax.Array]
 def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_spec: P,
                  params: Sequence[tuple[jax.Array | None, P]], *, parallel: ParallelConfig,
                  fp8: Fp8Recipe | None = None, fp8_history: jax.Array | None = None,
-                 where: str = "shard_linear") -> jax.Array:
+                 taps: Any = None, where: str = "shard_linear") -> jax.Array:
     """The shard_map plumbing of a parallel linear layer: ``local(x, *params, **fp8)``
     per device, in one :func:`jax.shard_map` over the current mesh of ``parallel``.
 
@@ -84,6 +86,8 @@ def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_s
       parallel: the :class:`~sp_jax.ParallelConfig` (its mesh is the current one).
       fp8: the layer's :class:`~sp_jax.Fp8Recipe`, or ``None``.
       fp8_history: the ``[3, amax_history_len]`` amax history with delayed scaling.
+      taps: the layer's weight-gradient taps (:func:`~sp_jax.layers.taps.layer_taps`),
+        or None; ``local`` gets the first op's as the ops' keyword argument ``tap``.
       where: the caller's name, for errors.
     Returns:
       ``local``'s output, sharded ``out_spec``.
@@ -96,12 +100,15 @@ def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_s
         in_specs.append(None if value is None else spec)
     spec = fp8_spec(fp8, parallel)
 
-    def body(x, *rest):
+    def body(x, taps, *rest):
         *values, history = rest
         kwargs = {} if spec is None else {"fp8": spec, "fp8_history": history}
+        if taps is not None:
+            kwargs["tap"] = local_taps(taps)
         return local(x, *values, **kwargs)
 
-    return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec)(*args)
+    return jax.shard_map(body, in_specs=(in_specs[0], tap_specs(taps), *in_specs[1:]),
+                         out_specs=out_spec)(args[0], taps, *args[1:])
 
 
 def decode_layout(parallel: ParallelConfig) -> Layout:
@@ -122,6 +129,7 @@ class _ParallelLinear(nnx.Module):
     _sequence_parallel: bool = False
     input_is_parallel: bool = True  # the options of RowParallelLinear and
     gather_output: bool = False     # ColumnParallelLinear (fixed for the others)
+    _op_adds_bias: bool = True      # the bias is the op's (RowParallelLinear: after it)
 
     def __init__(
         self,
@@ -177,6 +185,17 @@ class _ParallelLinear(nnx.Module):
         if self._split_in:
             return layout.row_kernel, layout.row_bias
         return layout.column_kernel, layout.column_bias
+
+    def weight_grad_covers(self) -> tuple[str, ...]:
+        """The parameters whose gradients this layer's op can defer (a weight-gradient
+        tap, :mod:`sp_jax.layers.taps`): the kernel, the bias of the ops that add it,
+        the amax history."""
+        names = ["kernel"]
+        if self.bias is not None and self._op_adds_bias:
+            names.append("bias")
+        if self.fp8_history is not None:
+            names.append("fp8_history")
+        return tuple(names)
 
     def param_specs(self, layout: Layout, mesh: Mesh | None = None) -> dict[str, P]:
         """The spec of each parameter by name (``kernel``, ``bias``) in ``layout``:
@@ -296,16 +315,18 @@ class _ParallelLinear(nnx.Module):
         if decode:
             layout, local, fp8, history = decode_layout(self.parallel), self._decode, None, None
             x_spec, out_spec = self._decode_specs(layout)
+            taps = None
         else:
             layout, local, fp8 = Layout.of(self.parallel), self._local, self.fp8
             history = None if self.fp8_history is None else self.fp8_history[...]
             x_spec, out_spec = self._specs(layout)
+            taps = layer_taps(self)
         if activation is not None:
             local = functools.partial(local, activation=activation)
         return shard_linear(local, x.astype(dtype), x_spec, out_spec,
                             tuple(zip((kernel, bias), self._param_specs(layout), strict=True)),
                             parallel=self.parallel, fp8=fp8, fp8_history=history,
-                            where=type(self).__name__)
+                            taps=taps, where=type(self).__name__)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -373,6 +394,7 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     _split_in = True
+    _op_adds_bias = False
 
     def __init__(self, in_features: int, out_features: int, *, input_is_parallel: bool = True,
                  **kwargs: Any):

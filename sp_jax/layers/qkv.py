@@ -13,6 +13,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
 from sp_jax.layers.fp8 import fp8_history, fp8_spec
 from sp_jax.layers.linear import column_sp_matmul, decode_layout, shard_linear
+from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -145,7 +146,15 @@ class GroupedQKVProjection(nnx.Module):
                             layout.tensor_replicated if decode else layout.sp, layout.tp,
                             params, parallel=par, fp8=None if decode else cfg.fp8,
                             fp8_history=None if history is None or decode else history[...],
+                            taps=None if decode else layer_taps(self),
                             where="GroupedQKVProjection")
+
+    def weight_grad_covers(self) -> tuple[str, ...]:
+        """The parameters whose gradients the projection's op can defer (a
+        weight-gradient tap, :mod:`sp_jax.layers.taps`)."""
+        names = ("q_kernel", "kv_kernel") + (("q_bias", "kv_bias") if self.q_bias is not None
+                                             else ())
+        return names + (("fp8_history",) if self.fp8_history is not None else ())
 
     def local_decode(self, x: jax.Array) -> jax.Array:
         """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.config import Fp8Recipe
+from sp_jax.ops.grouped import grouped_matmul, grouped_wgrad
 from sp_jax.ops.primitives import AxisName, vma
 
 __all__ = ["E4M3", "E5M2", "FORMATS", "GRAD", "INPUT", "KERNEL", "Fp8Context", "Fp8Gemm",
@@ -162,6 +163,46 @@ def history_amax_cotangent(history: jax.Array, amaxes: Sequence[jax.Array]) -> j
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(amaxes).astype(history.dtype))
 
 
+# (lhs contracting, rhs contracting, lhs ragged, rhs group) of the three grouped GEMMs
+_FORWARD = ((1,), (1,), (0,), (0,))  # [rows, h] x [G, h, F] -> [rows, F]
+_DGRAD = ((1,), (2,), (0,), (0,))    # [rows, F] x [G, h, F] -> [rows, h]
+_WGRAD = ((0,), (0,), (0,), ())      # [rows, h] x [rows, F] -> [G, h, F]
+
+
+def _scaled_ragged(a, a_scale, b, b_scale, group_sizes, dims, out_dtype):
+    """The FP8 grouped GEMM of :func:`gemm`'s form: dequantised operands, fp32
+    accumulation, in ``out_dtype``. One group (an expert per device): one
+    :func:`jax.lax.ragged_dot_general`, which XLA:GPU runs as one cuBLASLt FP8 GEMM (the
+    scales folded into cuBLASLt's). Several groups: the masked lowering would compute
+    ``groups`` times the routed FLOPs, so the routed rows' tile loops
+    (:func:`~sp_jax.ops.grouped.grouped_matmul`, :func:`~sp_jax.ops.grouped.grouped_wgrad`)
+    on the FP8 values in bf16 (e4m3 and e5m2 values are exact in bf16; bf16 tensor-core
+    GEMMs of exact products, fp32 accumulation) times the two whole-tensor scales."""
+    if group_sizes.shape[0] > 1:
+        a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        if dims == _WGRAD:
+            out = grouped_wgrad(a16, b16, group_sizes)
+        else:
+            out = grouped_matmul(a16, b16 if dims == _FORWARD else jnp.swapaxes(b16, 1, 2),
+                                 group_sizes, preferred_element_type=jnp.float32)
+        return (out * (a_scale * b_scale)).astype(out_dtype)
+    a, b = dequantize(a, a_scale), dequantize(b, b_scale)
+    lhs_c, rhs_c, ragged, group = dims
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=((lhs_c, rhs_c), ((), ())), lhs_ragged_dimensions=ragged,
+        rhs_group_dimensions=group)
+    out = lax.ragged_dot_general(a, b, group_sizes, numbers,
+                                 preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _grouped_rows(x, group_sizes):
+    """``x`` with its rows past ``sum(group_sizes)`` (in no group) zeroed: they enter
+    neither a product nor an amax."""
+    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
+
+
 class Fp8Context(NamedTuple):
     """What an FP8 op keeps from its forward for its backward besides the operands: the
     amax ``history`` (``None`` with current scaling), the dequantisation scales of its
@@ -267,3 +308,41 @@ class Fp8Gemm:
         return history_amax_cotangent(
             ctx.history, [over_shards(a, self.spec.amax_axes, self.spec.manual_axes)
                           for a in ctx.amaxes])
+
+    def wgrad_values(self, ctx):
+        """The scales of the input and the output gradient, and the recorded amaxes."""
+        return ctx.input_scale, ctx.grad_scale, ctx.amaxes
+
+    def wgrad_context(self, history, values):
+        input_scale, grad_scale, amaxes = values
+        return Fp8Context(history, input_scale, None, grad_scale, amaxes)
+
+    # The grouped GEMMs (the experts'): the rows past the groups count as zero; one
+    # cuBLASLt FP8 GEMM each with one group, the routed rows' tile loops with several
+    # (_scaled_ragged).
+
+    def grouped_operands(self, x, w, sizes, history):
+        qx, sx, ax = self.quantized(_grouped_rows(x, sizes), INPUT, history)
+        qw, sw, aw = self.quantized(w, KERNEL, history)
+        return qx, qw, Fp8Context(history, sx, sw, None, (ax, aw))
+
+    def grouped_forward(self, a, w, sizes, ctx, dtype, tile):
+        return _scaled_ragged(a, ctx.input_scale, w, ctx.kernel_scale, sizes, _FORWARD,
+                              dtype)
+
+    def grouped_cotangent(self, a, w, sizes, ctx, g):
+        # dy in e5m2, tied with the saved rows and the weights (their quantisation with
+        # the forward's scale is neither hoisted into the forward nor merged with it)
+        return self.cotangent(a, w, ctx, _grouped_rows(g, sizes), True)
+
+    def grouped_dgrad(self, a, g, w, sizes, ctx, dtype, tile):
+        return _scaled_ragged(g, ctx.grad_scale, self.kernel_for(w, g, ctx),
+                              ctx.kernel_scale, sizes, _DGRAD, dtype)
+
+    def grouped_wgrad(self, a, g, sizes, ctx, tile):
+        return _scaled_ragged(a, ctx.input_scale, g, ctx.grad_scale, sizes, _WGRAD,
+                              jnp.float32).astype(self.param_dtype)
+
+    def grouped_backward(self, a, g, w, sizes, ctx, dtype, tile):
+        return (self.grouped_dgrad(a, g, w, sizes, ctx, dtype, tile),
+                self.grouped_wgrad(a, g, sizes, ctx, tile))

@@ -109,6 +109,15 @@ class Fsdp:
         dkernel, daux = self.rule.bwd_weight(w)
         return self._scatter(dkernel), daux
 
+    def pack(self, w):
+        return self.rule.pack(w)
+
+    def weight_aux(self, aux):
+        return self.rule.weight_aux(aux)
+
+    def unpack(self, arrays, aux):
+        return self.rule.unpack(arrays, aux)
+
     def bwd(self, res, g):
         dx, dkernel, daux = self.rule.bwd(*self._gathered(res, g))
         # The weight gradient leaves this op reduce-scattered: dx is released with the

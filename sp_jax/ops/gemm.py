@@ -31,6 +31,18 @@ method                                  meaning
 ``wgrad(a, g, ctx)``                    the weight gradient in the parameter's dtype
 ``bias_cotangent(gq, g)``               the cotangent the bias gradient sums
 ``state_cotangent(ctx)``                the cotangent of the op's state (amax history)
+``grouped_operands(x, w, sizes,``       the grouped GEMM's (the experts'; ``sizes`` the
+``state)``, ``grouped_forward(a, w,``   rows of each group): operands, forward, the
+``sizes, ctx, dtype, tile)``,           backward's entry, dgrad, weight gradient and both
+``grouped_cotangent(a, w, sizes, ctx,`` at once (:class:`~sp_jax.ops.rules.Grouped`;
+``g)``, ``grouped_dgrad(a, g, w,``      ``tile``: rows per GEMM of the tile loops)
+``sizes, ctx, dtype, tile)``,
+``grouped_wgrad(a, g, sizes, ctx,``
+``tile)``, ``grouped_backward(...)``
+``wgrad_values(ctx)`` /                 the context's arrays the weight-gradient part
+``wgrad_context(state, values)``        needs, and the context again from them and the
+                                        op's state (a deferred weight gradient,
+                                        :mod:`sp_jax.ops.deferred`)
 ======================================  ==============================================
 """
 
@@ -42,6 +54,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from sp_jax.ops import grouped
 
 __all__ = ["ComputeGemm", "bgrad", "bwd_cast", "check_linear_shapes", "dot_nt", "wgrad"]
 
@@ -175,4 +189,32 @@ class ComputeGemm:
         return gq
 
     def state_cotangent(self, ctx):
+        return None
+
+    def wgrad_values(self, ctx):
+        return None
+
+    # The grouped GEMMs (the experts'): the tile loops of sp_jax.ops.grouped, in the
+    # compute dtype with fp32 accumulation (the kernel comes cast to it).
+
+    def grouped_operands(self, x, w, sizes, state):
+        return x, w, None
+
+    def grouped_forward(self, a, w, sizes, ctx, dtype, tile):
+        return grouped.grouped_forward(a, w, sizes, tile=tile, out_dtype=dtype)
+
+    def grouped_cotangent(self, a, w, sizes, ctx, g):
+        return a, w, g, ctx
+
+    def grouped_dgrad(self, a, g, w, sizes, ctx, dtype, tile):
+        return grouped.grouped_backward(a, w, sizes, g, tile=tile, weight=False)
+
+    def grouped_wgrad(self, a, g, sizes, ctx, tile):
+        return grouped.grouped_wgrad(a, g, sizes, tile=tile).astype(self.param_dtype)
+
+    def grouped_backward(self, a, g, w, sizes, ctx, dtype, tile):
+        """``(dx, dW)`` in one loop over the tiles."""
+        return grouped.grouped_backward(a, w, sizes, g, tile=tile)
+
+    def wgrad_context(self, state, values):
         return None

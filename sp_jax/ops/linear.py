@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.ops.deferred import apply_deferred
 from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
-from sp_jax.ops.fsdp import fsdp_linear_op, full_kernel
+from sp_jax.ops.fsdp import Fsdp, fsdp_linear_op, full_kernel
 from sp_jax.ops.gemm import ComputeGemm, bgrad, check_linear_shapes
 from sp_jax.ops.primitives import (
     AxisName,
@@ -73,15 +74,23 @@ def _transport(axis_name, seq_dim: int, collective_matmul: bool):
 
 
 def _apply(rule, x, kernel, bias, history, fsdp_axes: tuple, fsdp_dim: int,
-           offload: bool = False) -> jax.Array:
+           offload: bool = False, tap=None) -> jax.Array:
     """Runs ``rule``: as one custom-VJP op, or with ``kernel`` this device's shard over
     the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op); with
-    ``offload`` its input residual lives in host memory (:class:`Offloaded`)."""
+    ``offload`` its input residual lives in host memory (:class:`Offloaded`); with a
+    weight-gradient ``tap``, in the tap's mode (:func:`~sp_jax.ops.deferred.apply_deferred`:
+    the weight gradient deferred, or computed alone)."""
     if offload:
         rule = Offloaded(rule)
-    if fsdp_axes:
-        return fsdp_linear_op(x, kernel, (bias, history), rule, fsdp_axes, fsdp_dim)
-    return linear_op(x, kernel, (bias, history), rule)
+    aux = (bias, history)
+
+    def fused():
+        if fsdp_axes:
+            return fsdp_linear_op(x, kernel, aux, rule, fsdp_axes, fsdp_dim)
+        return linear_op(x, kernel, aux, rule)
+
+    outer = Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule
+    return apply_deferred(outer, x, kernel, aux, tap, fused)
 
 
 def _vary_all(x, kernel, bias, axes) -> tuple:
@@ -122,7 +131,7 @@ def _check_fp8(name: str, fp8, fp8_history) -> None:
 def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
            fsdp_axes: tuple[AxisName, ...] = (), fsdp_dim: int = 1,
            fp8: Fp8Spec | None = None, fp8_history: jax.Array | None = None,
-           offload_activations: bool = False) -> jax.Array:
+           offload_activations: bool = False, tap=None) -> jax.Array:
     """Local ``x @ kernel`` in the dtype of ``x``, with the weight gradient in ``wgrad_dtype``.
 
     Args:
@@ -141,6 +150,9 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
       offload_activations: keep the residual this op's backward needs (its GEMM
         operand) in host memory between the passes (``ParallelConfig.offload_activations``,
         :class:`~sp_jax.ops.rules.Offloaded`); the same results.
+      tap: a weight-gradient tap (:mod:`sp_jax.ops.deferred`: ``Taps.site(i)`` of a
+        layer's taps, inside its ``shard_map``), or None: the weight gradient computed
+        with the input gradient.
     Returns:
       ``[..., out]`` in ``x.dtype``.
     """
@@ -149,7 +161,7 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
     _check_fp8("matmul", fp8, fp8_history)
     x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
     return _apply(Matmul(_gemm(kernel, wgrad_dtype, fp8)), x, kernel, None, fp8_history,
-                  fsdp_axes, fsdp_dim, offload_activations)
+                  fsdp_axes, fsdp_dim, offload_activations, tap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -188,6 +200,7 @@ def column_parallel_matmul(
     fp8: Fp8Spec | None = None,
     fp8_history: jax.Array | None = None,
     offload_activations: bool = False,
+    tap=None,
 ) -> jax.Array:
     """``x @ kernel + bias`` entering a tensor-parallel region from replicated activations
     (``identity_with_all_reduce_grad`` and the matmul as one op, Megatron's
@@ -204,7 +217,7 @@ def column_parallel_matmul(
       axis_name: the tensor mesh axis.
       wgrad_dtype: accumulation dtype of the weight and bias gradients.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 0.
-      fp8, fp8_history, offload_activations: as :func:`matmul`.
+      fp8, fp8_history, offload_activations, tap: as :func:`matmul`.
     Returns:
       ``[..., out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
@@ -222,7 +235,7 @@ def column_parallel_matmul(
         union |= vma(bias)
     rule = Column(_gemm(kernel, wgrad_dtype, fp8), axis_name)
     return _apply(rule, vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union),
-                  fp8_history, fsdp_axes, 0, offload_activations)
+                  fp8_history, fsdp_axes, 0, offload_activations, tap)
 
 
 def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -275,6 +288,7 @@ def row_sequence_parallel_matmul(
     fp8: Fp8Spec | None = None,
     fp8_history: jax.Array | None = None,
     offload_activations: bool = False,
+    tap=None,
 ) -> jax.Array:
     """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
     into a sequence-parallel one, as one op.
@@ -308,7 +322,7 @@ def row_sequence_parallel_matmul(
         activation again (one elementwise op) for the weight gradient and
         differentiates it: the hidden layer is kept once, not as the activation's
         input and output both.
-      offload_activations: as :func:`matmul` (the residual ``x``).
+      offload_activations, tap: as :func:`matmul` (the residual ``x``).
     Returns:
       ``[b, s / t, out]`` in ``x.dtype``: the sum over ``axis_name``, this device's chunk.
     """
@@ -324,7 +338,7 @@ def row_sequence_parallel_matmul(
     rule = RowSequence(_gemm(kernel, wgrad_dtype, fp8),
                        _transport(axis_name, seq_dim, collective_matmul), activation)
     return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
-                  fsdp_axes, 1, offload_activations)
+                  fsdp_axes, 1, offload_activations, tap)
 
 
 def column_sequence_parallel_matmul(
@@ -341,6 +355,7 @@ def column_sequence_parallel_matmul(
     fp8: Fp8Spec | None = None,
     fp8_history: jax.Array | None = None,
     offload_activations: bool = False,
+    tap=None,
 ) -> jax.Array:
     """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
 
@@ -372,6 +387,7 @@ def column_sequence_parallel_matmul(
         (``recompute_allgather``) or the gathered e4m3 input.
       offload_activations: as :func:`matmul`: the residual (the shard with
         ``recompute_allgather``, else the gathered input) waits in host memory.
+      tap: as :func:`matmul`.
     Returns:
       ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
@@ -383,4 +399,4 @@ def column_sequence_parallel_matmul(
                           _transport(axis_name, seq_dim, collective_matmul),
                           bool(recompute_allgather))
     return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
-                  fsdp_axes, 0, offload_activations)
+                  fsdp_axes, 0, offload_activations, tap)

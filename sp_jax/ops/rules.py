@@ -43,7 +43,7 @@ from jax import lax
 from sp_jax.ops.gemm import bgrad
 from sp_jax.ops.primitives import AxisName, to_device, to_host, vary
 
-__all__ = ["Column", "ColumnSequence", "Matmul", "Offloaded", "RowSequence",
+__all__ = ["Column", "ColumnSequence", "Grouped", "Matmul", "Offloaded", "RowSequence",
            "WeightGradInputs", "linear_op", "release", "tied_output"]
 
 
@@ -64,6 +64,7 @@ class WeightGradInputs(NamedTuple):
       bias_g: the cotangent the bias gradient sums (None without a bias).
       bias: the bias (its dtype is the gradient's), or None.
       ctx: the GEMM's context (FP8: scales and the recorded amaxes).
+      sizes: the rows of each group of a grouped GEMM (:class:`Grouped`), else None.
     """
 
     a: Any
@@ -71,6 +72,7 @@ class WeightGradInputs(NamedTuple):
     bias_g: Any
     bias: Any
     ctx: Any
+    sizes: Any = None
 
 
 def _bias_cotangent(gemm, bias, gq, g):
@@ -92,6 +94,28 @@ class _Rule:
     def bwd_weight(self, w: WeightGradInputs):
         """``(dkernel, (dbias, dstate))`` from ``bwd_input``'s :class:`WeightGradInputs`."""
         return self._wgrad(w), (_bias_grad(self.gemm, w), self.gemm.state_cotangent(w.ctx))
+
+    def pack(self, w: WeightGradInputs):
+        """``w`` as the arrays a deferred op keeps (:mod:`sp_jax.ops.deferred`): ``(a, g,
+        bias_g, values)``, ``bias_g`` None where it is ``g`` itself (or there is no
+        bias), ``values`` the GEMM context's (scales, recorded amaxes); the bias and the
+        GEMM's state are the op's own inputs again (:meth:`unpack`)."""
+        bias_g = None if w.bias is None or w.bias_g is w.g else w.bias_g
+        return w.a, w.g, bias_g, self.gemm.wgrad_values(w.ctx)
+
+    def weight_aux(self, aux):
+        """What of the op's ``aux`` a deferred weight-gradient part reads again
+        (:meth:`unpack`): all of it (the bias and the GEMM's state, inputs of the op)."""
+        return aux
+
+    def unpack(self, arrays, aux) -> WeightGradInputs:
+        """The :class:`WeightGradInputs` of :meth:`pack`'s ``arrays`` and the op's ``aux
+        = (bias, state)``."""
+        a, g, bias_g, values = arrays
+        bias, state = aux
+        if bias is not None and bias_g is None:
+            bias_g = g
+        return WeightGradInputs(a, g, bias_g, bias, self.gemm.wgrad_context(state, values))
 
     def _tie(self) -> bool:
         return True
@@ -271,6 +295,56 @@ class RowSequence(_Rule):
 
 
 @dataclasses.dataclass(frozen=True)
+class Grouped(_Rule):
+    """The grouped GEMM ``x_g @ w[g]`` of rows sorted by group, ``aux = (sizes,
+    state)`` with ``sizes`` the rows of each group (int32 ``[groups]``; rows past their
+    sum in no group): the experts' GEMMs, local (no collective). The arithmetic is the
+    GEMM's ``grouped_*`` methods (the compute dtype's tile loops, or FP8); ``tile``
+    rows per GEMM of the loops (None: the platform's), ``out_dtype`` the output's."""
+
+    gemm: Any
+    tile: int | None
+    out_dtype: Any
+
+    def fwd(self, x, w, aux):
+        sizes, state = aux
+        a, wq, ctx = self.gemm.grouped_operands(x, w, sizes, state)
+        y = self.gemm.grouped_forward(a, wq, sizes, ctx, self.out_dtype, self.tile)
+        y, ctx = tied_output(self.gemm, y, ctx)
+        return y, (a, w, (sizes, ctx))
+
+    def _entry(self, res, g):
+        a, w, (sizes, ctx) = res
+        a, w, gq, ctx = self.gemm.grouped_cotangent(a, w, sizes, ctx, g)
+        return a, w, gq, sizes, ctx
+
+    def bwd_input(self, res, g):
+        a, w, gq, sizes, ctx = self._entry(res, g)
+        dx = self.gemm.grouped_dgrad(a, gq, w, sizes, ctx, g.dtype, self.tile)
+        return dx, WeightGradInputs(a, gq, None, None, ctx, sizes)
+
+    def bwd_weight(self, w: WeightGradInputs):
+        return (self.gemm.grouped_wgrad(w.a, w.g, w.sizes, w.ctx, self.tile),
+                (None, self.gemm.state_cotangent(w.ctx)))
+
+    def bwd(self, res, g):
+        a, w, gq, sizes, ctx = self._entry(res, g)
+        dx, dw = self.gemm.grouped_backward(a, gq, w, sizes, ctx, g.dtype, self.tile)
+        return dx, dw, (None, self.gemm.state_cotangent(ctx))
+
+    def pack(self, w: WeightGradInputs):
+        return w.a, w.g, w.sizes, self.gemm.wgrad_values(w.ctx)
+
+    def weight_aux(self, aux):
+        return None, aux[1]  # the group sizes are the B pass's, kept with wres
+
+    def unpack(self, arrays, aux) -> WeightGradInputs:
+        a, g, sizes, values = arrays
+        return WeightGradInputs(a, g, None, None, self.gemm.wgrad_context(aux[1], values),
+                                sizes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Offloaded:
     """``rule`` with its GEMM operand residual ``a`` (the local sequence shard of a
     recomputing column rule, else the gathered input; a row rule's input) kept in host
@@ -301,6 +375,15 @@ class Offloaded:
 
     def bwd_weight(self, w):
         return self.rule.bwd_weight(w)
+
+    def pack(self, w):
+        return self.rule.pack(w)
+
+    def weight_aux(self, aux):
+        return self.rule.weight_aux(aux)
+
+    def unpack(self, arrays, aux):
+        return self.rule.unpack(arrays, aux)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
