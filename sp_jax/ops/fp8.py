@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.config import Fp8Recipe
+from sp_jax.ops.gemm import Gemm
 from sp_jax.ops.grouped import grouped_matmul, grouped_wgrad
 from sp_jax.ops.primitives import AxisName, vma
 
@@ -217,26 +218,55 @@ class Fp8Context(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Gemm:
+class Fp8Gemm(Gemm):
     """The GEMM of the linear rules in FP8 (the methods of
-    :class:`sp_jax.ops.gemm.ComputeGemm`).
+    :class:`sp_jax.ops.gemm.ComputeGemm`). Its state (``gemm_state``) is the amax history
+    ``[3, amax_history_len]`` with delayed scaling, None with current scaling.
 
     Attributes:
       spec: the :class:`Fp8Spec`.
       wgrad_dtype: the weight gradient is accumulated in fp32, or a wider
         ``wgrad_dtype``.
-      param_dtype: the kernel's own dtype, that of its gradient.
+      param_dtype: the kernel's own dtype, that of its gradient (None until an op binds
+        it).
     """
 
     spec: Fp8Spec
-    wgrad_dtype: Any
-    param_dtype: Any
+    wgrad_dtype: Any = None
+    param_dtype: Any = None
     tag = "fp8"
     ties_local_release = True
     """A local matmul's gradients leave together (with the recorded amaxes)."""
     releases_input_grad = True
     """A row op's release barrier holds the op's dx, after a fused activation's
     backward."""
+
+    def init_state(self):
+        """A zero amax history with delayed scaling (the first step then scales by 1: no
+        amax is known yet), None with current scaling."""
+        if not self.spec.recipe.delayed:
+            return None
+        return jnp.zeros((3, self.spec.recipe.amax_history_len), jnp.float32)
+
+    def check_state(self, where: str, fp8_history) -> None:
+        """ValueErrors naming ``where`` unless ``fp8_history`` (the state) is an amax
+        history of the recipe's length exactly when it scales with delayed scaling."""
+        if not self.spec.recipe.delayed:
+            if fp8_history is not None:
+                raise ValueError(f"{where}: fp8_history (gemm_state) is only for delayed "
+                                 "scaling; current scaling (Fp8Recipe('current')) takes "
+                                 "none.")
+            return
+        expected = (3, self.spec.recipe.amax_history_len)
+        if fp8_history is None or fp8_history.shape != expected:
+            got = None if fp8_history is None else fp8_history.shape
+            raise ValueError(f"{where}: delayed scaling needs fp8_history of shape "
+                             f"{expected} as gemm_state (input, kernel and output-gradient "
+                             f"amaxes), got {got}.")
+
+    def grouped_kernel(self, w, dtype):
+        """The experts' kernel as given (quantised inside the op)."""
+        return w
 
     def quantized(self, x, role: int, history):
         """``(q, scale, amax)`` of ``x`` in role ``role``. Current scaling (``history``

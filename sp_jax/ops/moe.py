@@ -17,16 +17,17 @@ exchange as an ``all_to_all`` of fixed-size chunks (each padded to the most rows
 can be sent), chosen at lowering time (:func:`jax.lax.platform_dependent`), so the CPU
 tests run every other step of the GPU program.
 
-In FP8 (``fp8=`` an :class:`~sp_jax.ops.fp8.Fp8Spec`), each grouped GEMM is
-:func:`fp8_grouped_gemm`: the dense layers' recipe (:class:`~sp_jax.ops.fp8.Fp8Gemm`'s
-quantisation: e4m3 rows and expert weights, e5m2 output gradients, one whole-tensor scale
-each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general` forward, dgrad and
-wgrad (the grouped weight gradient, ragged contracting dimension), each of which XLA:GPU
-(jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense product
-(``benchmarks/fp8_ragged_dot.py``) where a device holds one expert; with several experts
-per device the masked product would cost ``groups`` times the routed FLOPs, so there the
-three run as the routed rows' tile loops on the dequantised FP8 values (not yet a
-per-tile FP8 GEMM).
+The grouped GEMMs are the linear rule :class:`~sp_jax.ops.rules.Grouped` over the GEMM
+object given (``gemm=``, with the up and down GEMMs' states). In FP8 (an
+:class:`~sp_jax.ops.fp8.Fp8Gemm`), each grouped GEMM is :func:`fp8_grouped_gemm`: the
+dense layers' recipe (e4m3 rows and expert weights, e5m2 output gradients, one
+whole-tensor scale each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general`
+forward, dgrad and wgrad (the grouped weight gradient, ragged contracting dimension),
+each of which XLA:GPU (jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense
+product (``benchmarks/fp8_ragged_dot.py``) where a device holds one expert; with several
+experts per device the masked product would cost ``groups`` times the routed FLOPs, so
+there the three run as the routed rows' tile loops on the dequantised FP8 values (not
+yet a per-tile FP8 GEMM).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from jax import lax
 
 from sp_jax.ops.deferred import apply_deferred
 from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
-from sp_jax.ops.gemm import ComputeGemm
+from sp_jax.ops.gemm import ComputeGemm, Gemm
 from sp_jax.ops.grouped import grouped_matmul
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
 from sp_jax.ops.rules import Grouped, linear_op
@@ -184,7 +185,7 @@ def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: F
     Returns:
       ``[rows, n]`` in ``x.dtype``; rows past ``sum(group_sizes)`` are zero.
     """
-    return _grouped_gemm(x, w, group_sizes, Fp8Gemm(spec, None, jnp.dtype(w.dtype)), history)
+    return _grouped_gemm(x, w, group_sizes, Fp8Gemm(spec).bound(None, w.dtype), history)
 
 
 def _grouped_gemm(x, w, group_sizes, gemm, state, tap=None):
@@ -198,8 +199,8 @@ def _grouped_gemm(x, w, group_sizes, gemm, state, tap=None):
 
 
 def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                activation: Callable[[jax.Array], jax.Array], *,
-                fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None),
+                activation: Callable[[jax.Array], jax.Array], *, gemm: Gemm | None = None,
+                gemm_states: tuple[Any, Any] = (None, None),
                 taps: tuple[Any, Any] = (None, None)) -> jax.Array:
     """Expert FFNs of rows sorted by expert: ``down_g(act(up_g(x)))`` for the
     ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs
@@ -211,23 +212,23 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
       w_up: ``[groups, hidden, width]``; w_down: ``[groups, width', hidden]`` with
         ``width'`` the activation's output width.
       activation: of ``[rows, width]`` -> ``[rows, width']``.
-      fp8: None (the GEMMs in ``x``'s dtype, fp32 accumulation) or an
-        :class:`~sp_jax.ops.fp8.Fp8Spec`: both GEMMs by :func:`fp8_grouped_gemm` (the
+      gemm: the GEMM object of both GEMMs (:mod:`sp_jax.ops.gemm`): None or
+        :class:`~sp_jax.ops.gemm.ComputeGemm` (``x``'s dtype, fp32 accumulation), or
+        :class:`~sp_jax.ops.fp8.Fp8Gemm` (:func:`fp8_grouped_gemm`'s recipe; the
         activation in ``x``'s dtype).
-      fp8_histories: the up and down GEMMs' amax histories (delayed scaling).
+      gemm_states: the up and down GEMMs' states (FP8 delayed scaling: their amax
+        histories).
       taps: the up and down GEMMs' weight-gradient taps (:mod:`sp_jax.ops.deferred`).
     """
-    if fp8 is None:
-        up = _grouped_gemm(x, w_up.astype(x.dtype), group_sizes,
-                           ComputeGemm(None, jnp.dtype(x.dtype)), None, taps[0])
-        y = _grouped_gemm(activation(up), w_down.astype(x.dtype), group_sizes,
-                          ComputeGemm(None, jnp.dtype(x.dtype)), None, taps[1])
-    else:
-        up = _grouped_gemm(x, w_up, group_sizes, Fp8Gemm(fp8, None, jnp.dtype(w_up.dtype)),
-                           fp8_histories[0], taps[0])
-        y = _grouped_gemm(activation(up), w_down, group_sizes,
-                          Fp8Gemm(fp8, None, jnp.dtype(w_down.dtype)), fp8_histories[1],
-                          taps[1])
+    gemm = ComputeGemm() if gemm is None else gemm
+
+    def product(h, w, state, tap):
+        gemm.check_state("grouped_ffn", state)
+        w = gemm.grouped_kernel(w, x.dtype)
+        return _grouped_gemm(h, w, group_sizes, gemm.bound(None, w.dtype), state, tap)
+
+    up = product(x, w_up, gemm_states[0], taps[0])
+    y = product(activation(up), w_down, gemm_states[1], taps[1])
     valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 
@@ -235,7 +236,7 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
 def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, activation: Callable[[jax.Array], jax.Array], *,
                    num_experts: int, expert_axis: AxisName | None = None,
-                   fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None),
+                   gemm: Gemm | None = None, gemm_states: tuple[Any, Any] = (None, None),
                    taps: tuple[Any, Any] = (None, None)) -> jax.Array:
     """``sum_j weights[:, j] * FFN_{experts[:, j]}(x)`` of one device's tokens, dropless.
 
@@ -250,8 +251,8 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
       activation: as :func:`grouped_ffn`.
       num_experts: ``E``.
       expert_axis: the mesh axis the experts are split over, or None.
-      fp8 / fp8_histories: the grouped GEMMs in FP8 (:func:`grouped_ffn`).
-      taps: the grouped GEMMs' weight-gradient taps (:func:`grouped_ffn`).
+      gemm / gemm_states / taps: the grouped GEMMs' GEMM object, states and
+        weight-gradient taps (:func:`grouped_ffn`).
     Returns:
       ``[tokens, hidden]`` in ``x``'s dtype (partial sums where the experts' width is
       split over a tensor axis).
@@ -262,8 +263,8 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
-    ffn = functools.partial(grouped_ffn, activation=activation, fp8=fp8,
-                            fp8_histories=fp8_histories, taps=taps)
+    ffn = functools.partial(grouped_ffn, activation=activation, gemm=gemm,
+                            gemm_states=gemm_states, taps=taps)
     if ep == 1:
         out = ffn(rows, sizes, w_up, w_down)
     else:

@@ -41,10 +41,10 @@ import jax
 from jax import lax
 
 from sp_jax.ops.gemm import bgrad
-from sp_jax.ops.primitives import AxisName, to_device, to_host, vary
+from sp_jax.ops.primitives import AxisName, to_device, to_host, vary, vma
 
-__all__ = ["Column", "ColumnSequence", "Grouped", "Matmul", "Offloaded", "RowSequence",
-           "WeightGradInputs", "linear_op", "release", "tied_output"]
+__all__ = ["Column", "ColumnSequence", "Decode", "Grouped", "Matmul", "Offloaded", "Row",
+           "RowSequence", "WeightGradInputs", "linear_op", "release", "tied_output"]
 
 
 def _plus_bias(y, bias):
@@ -200,6 +200,72 @@ class Column(_Rule):
 
     def _tie(self) -> bool:
         return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Row(_Rule):
+    """``psum(x @ kernel, axis_name) + bias``: a row-parallel layer's product (its row
+    block of the kernel, its block of the features), summed over the tensor axis by one
+    all-reduce, the bias added once after the sum. The backward takes the sum's
+    cotangent as it is (identity: Megatron's ``reduce_from``), sums the bias gradient
+    from it, and is then :class:`Matmul`'s."""
+
+    gemm: Any
+    axis_name: AxisName
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        y, (a, kernel, (_, ctx)) = Matmul(self.gemm).fwd(x, kernel, (None, state))
+        y = lax.psum(vary(y, (self.axis_name,)), self.axis_name)
+        if bias is not None:  # once, after the sum, varying as the sum does
+            y = y + vary(bias, vma(y)).astype(y.dtype)
+        return y, (a, kernel, (bias, ctx))
+
+    def _matmul_res(self, res, g):
+        a, kernel, (_, ctx) = res
+        return (a, kernel, (None, ctx)), vary(g, (self.axis_name,))
+
+    def bwd_input(self, res, g):
+        dx, w = Matmul(self.gemm).bwd_input(*self._matmul_res(res, g))
+        bias = res[2][0]
+        return dx, w._replace(bias_g=None if bias is None else g, bias=bias)
+
+    def _bias_grad(self, w):
+        """The bias gradient, summed over the mesh axes the sum's cotangent varies over
+        and the bias does not (the transpose of its cast to vary)."""
+        db = _bias_grad(self.gemm, w)
+        extra = tuple(a for a in sorted(vma(w.bias_g)) if a not in vma(w.bias)) \
+            if db is not None else ()
+        return lax.psum(db, extra) if extra else db
+
+    def bwd_weight(self, w):
+        dkernel, (_, dstate) = Matmul(self.gemm).bwd_weight(w)
+        return dkernel, (self._bias_grad(w), dstate)
+
+    def bwd(self, res, g):
+        bias = res[2][0]
+        db = None if bias is None else self._bias_grad(WeightGradInputs(
+            None, None, g, bias, None))
+        dx, dkernel, (_, dstate) = Matmul(self.gemm).bwd(*self._matmul_res(res, g))
+        return dx, dkernel, (db, dstate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """The single-token (decode) product, forward only: ``x @ kernel`` (the GEMM's
+    forward), summed over ``axis_name`` by one all-reduce when given, then ``+ bias``.
+    ``fwd`` as the other rules' (no residuals: decoding has no backward)."""
+
+    gemm: Any
+    axis_name: AxisName | None = None
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        a, w, ctx = self.gemm.operands(x, kernel, state)
+        y = self.gemm.forward(a, w, ctx, x.dtype)
+        if self.axis_name is not None:
+            y = lax.psum(y, self.axis_name)
+        return (y if bias is None else y + bias.astype(y.dtype)), None
 
 
 @dataclasses.dataclass(frozen=True)
