@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
+from sp_jax.ops.rules import RuleWrapper
 
 __all__ = ["Fsdp", "fsdp_gather", "fsdp_linear_op", "full_kernel"]
 
@@ -68,7 +69,7 @@ def fsdp_gather(w: jax.Array, axes: tuple[AxisName, ...], dim: int) -> jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class Fsdp:
+class Fsdp(RuleWrapper):
     """The FSDP form of a linear ``rule`` (:mod:`sp_jax.ops.rules`), its kernel this
     device's shard over the data ``axes`` along ``dim``: itself a rule (``fwd``,
     ``bwd``, ``bwd_input``, ``bwd_weight``), run by :func:`fsdp_linear_op`.
@@ -84,10 +85,6 @@ class Fsdp:
     rule: Any
     axes: tuple[AxisName, ...]
     dim: int
-
-    @property
-    def gemm(self):
-        return self.rule.gemm
 
     def fwd(self, x, kernel, aux):
         y, (a, _, rest) = self.rule.fwd(x, _gather_in(kernel, x.dtype, self.axes, self.dim),
@@ -108,15 +105,6 @@ class Fsdp:
     def bwd_weight(self, w):
         dkernel, daux = self.rule.bwd_weight(w)
         return self._scatter(dkernel), daux
-
-    def pack(self, w):
-        return self.rule.pack(w)
-
-    def weight_aux(self, aux):
-        return self.rule.weight_aux(aux)
-
-    def unpack(self, arrays, aux):
-        return self.rule.unpack(arrays, aux)
 
     def bwd(self, res, g):
         dx, dkernel, daux = self.rule.bwd(*self._gathered(res, g))

@@ -44,7 +44,8 @@ from sp_jax.ops.gemm import bgrad
 from sp_jax.ops.primitives import AxisName, to_device, to_host, vary, vma
 
 __all__ = ["Column", "ColumnSequence", "Decode", "Grouped", "Matmul", "Offloaded", "Row",
-           "RowSequence", "WeightGradInputs", "linear_op", "release", "tied_output"]
+           "RowSequence", "RuleWrapper", "WeightGradInputs", "linear_op", "release",
+           "tied_output"]
 
 
 def _plus_bias(y, bias):
@@ -410,8 +411,32 @@ class Grouped(_Rule):
                                 sizes)
 
 
+class RuleWrapper:
+    """A rule around another (``self.rule``, e.g. :class:`Offloaded`, FSDP's
+    :class:`~sp_jax.ops.fsdp.Fsdp`): its GEMM, weight-gradient part and the packing of
+    its deferred weight gradient are the inner rule's unless it says otherwise."""
+
+    rule: Any
+
+    @property
+    def gemm(self):
+        return self.rule.gemm
+
+    def bwd_weight(self, w):
+        return self.rule.bwd_weight(w)
+
+    def pack(self, w):
+        return self.rule.pack(w)
+
+    def weight_aux(self, aux):
+        return self.rule.weight_aux(aux)
+
+    def unpack(self, arrays, aux):
+        return self.rule.unpack(arrays, aux)
+
+
 @dataclasses.dataclass(frozen=True)
-class Offloaded:
+class Offloaded(RuleWrapper):
     """``rule`` with its GEMM operand residual ``a`` (the local sequence shard of a
     recomputing column rule, else the gathered input; a row rule's input) kept in host
     memory between the forward and the backward pass
@@ -420,10 +445,6 @@ class Offloaded:
     parameters); so does the GEMM's context (scales: scalars)."""
 
     rule: Any
-
-    @property
-    def gemm(self):
-        return self.rule.gemm
 
     def fwd(self, x, kernel, aux):
         y, (a, kernel, rest) = self.rule.fwd(x, kernel, aux)
@@ -438,18 +459,6 @@ class Offloaded:
 
     def bwd_input(self, res, g):
         return self.rule.bwd_input(self._back(res), g)
-
-    def bwd_weight(self, w):
-        return self.rule.bwd_weight(w)
-
-    def pack(self, w):
-        return self.rule.pack(w)
-
-    def weight_aux(self, aux):
-        return self.rule.weight_aux(aux)
-
-    def unpack(self, arrays, aux):
-        return self.rule.unpack(arrays, aux)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
