@@ -25,7 +25,16 @@ from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
 from sp_jax.ops.fsdp import Fsdp
 from sp_jax.ops.gemm import ComputeGemm
 from sp_jax.ops.primitives import vary
-from sp_jax.ops.rules import Column, ColumnSequence, Matmul, Offloaded, RowSequence, linear_op
+from sp_jax.ops.rules import (
+    Column,
+    ColumnSequence,
+    Grouped,
+    Matmul,
+    Offloaded,
+    Row,
+    RowSequence,
+    linear_op,
+)
 from sp_jax.ops.transport import Collectives, Ring
 
 B, S, IN, OUT = 4, 16, 32, 64
@@ -63,12 +72,15 @@ KINDS = {
                    P("tensor"), P("data", None, "tensor")),
     "row_seq": ((B, S, 2 * OUT), P("data", None, "tensor"), (OUT, IN), ("tensor", None), 1,
                 P(), P("data", "tensor")),
+    "row": ((B, S, OUT), P("data", None, "tensor"), (OUT, IN), ("tensor", None), 1, P(),
+            P("data")),
 }
 
 
 def _rule(kind, gemm, ring, recompute):
     transport = (Ring if ring else Collectives)("tensor", 1)
-    return {"matmul": lambda: Matmul(gemm), "column": lambda: Column(gemm, "tensor"),
+    return {"matmul": lambda: Matmul(gemm), "row": lambda: Matmul(gemm),
+            "column": lambda: Column(gemm, "tensor"),
             "column_seq": lambda: ColumnSequence(gemm, transport, recompute),
             "row_seq": lambda: RowSequence(gemm, transport, MLPActivation("swiglu"))}[kind]()
 
@@ -82,7 +94,9 @@ CASES = [("matmul", "bf16", False, False, False, False),
          ("column_seq", "delayed", True, False, True, False),
          ("row_seq", "bf16", True, False, True, True),
          ("row_seq", "delayed", False, False, False, True),
-         ("row_seq", "current", True, False, True, False)]
+         ("row_seq", "current", True, False, True, False),
+         ("row", "bf16", False, False, False, True),
+         ("row", "delayed", False, False, True, False)]
 
 
 @pytest.mark.parametrize("kind, gemm, ring, recompute, offload, fsdp", slow_except(
@@ -100,6 +114,8 @@ def test_input_then_weight_parts_equal_the_fused_backward(kind, gemm, ring, reco
         rule = Offloaded(rule)
     if fsdp:
         rule = Fsdp(rule, ("data",), fsdp_dim)
+    if kind == "row":  # the sum and the bias around the local product
+        rule = Row(rule, "tensor")
     mesh = make_mesh(2, 4)
     rng = np.random.default_rng(0)
     x = rng.normal(size=x_shape).astype(np.float32)
@@ -111,7 +127,8 @@ def test_input_then_weight_parts_equal_the_fused_backward(kind, gemm, ring, reco
         def local(x, kernel, bias, history):  # typed as the ops type them
             axes = {"data", "tensor"}
             x = vary(x, axes - {"tensor"} if kind == "column" else axes)
-            return op(x, vary(kernel, axes), (vary(bias, axes), history), rule)
+            return op(x, vary(kernel, axes), (bias if kind == "row" else vary(bias, axes),
+                                              history), rule)
 
         def loss(x, kernel, bias, history):
             y = jax.shard_map(local, in_specs=(x_spec, P(*k_axes), b_spec,
@@ -131,6 +148,30 @@ def test_input_then_weight_parts_equal_the_fused_backward(kind, gemm, ring, reco
         assert (a is None) == (b is None), name
         if a is not None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("gemm, groups", slow_except(
+    [("bf16", 4), ("current", 1), ("delayed", 4)], ("delayed", 4)))
+def test_grouped_input_then_weight_parts_equal_the_fused_backward(gemm, groups):
+    """The experts' grouped GEMM (the tile loops, or FP8 with one or several groups):
+    ``bwd_input`` then ``bwd_weight`` give the fused backward's dx, dW and amax
+    cotangent (the dx-only loop's arithmetic is the fused loop's)."""
+    rng = np.random.default_rng(1)
+    sizes = jnp.asarray([5, 0, 9, 6][:groups] if groups > 1 else [17], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(24, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(groups, 8, 16)) / 4, jnp.float32)
+    history = jnp.ones((3, 4), jnp.float32) if gemm == "delayed" else None
+    rule = Grouped(_gemm(gemm).bound(None, jnp.float32), 8, jnp.dtype(jnp.float32))
+
+    def grads(op):
+        loss = lambda x, w, h: jnp.sum(jnp.sin(op(x, w, (sizes, h), rule)))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, history)
+
+    for name, a, b in zip(("dx", "dw", "dhistory"), grads(linear_op), grads(_split_op),
+                          strict=True):
+        if a is not None:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6,
+                                       err_msg=name)
 
 
 # --- a stage's backward: input-gradient pass, weight-gradient pass ------------------------

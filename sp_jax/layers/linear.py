@@ -48,7 +48,7 @@ from sp_jax.mesh import (
     reshard,
     warn_if_recompute_may_be_merged,
 )
-from sp_jax.ops.deferred import local_taps, tap_specs
+from sp_jax.ops.deferred import local_taps, placed_taps
 from sp_jax.ops.gemm import Gemm
 
 __all__ = [
@@ -107,7 +107,8 @@ def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_s
             kwargs["tap"] = local_taps(taps)
         return local(x, *values, **kwargs)
 
-    return jax.shard_map(body, in_specs=(in_specs[0], tap_specs(taps), *in_specs[1:]),
+    taps, tap_in_specs = placed_taps(taps, mesh)
+    return jax.shard_map(body, in_specs=(in_specs[0], tap_in_specs, *in_specs[1:]),
                          out_specs=out_spec)(args[0], taps, *args[1:])
 
 

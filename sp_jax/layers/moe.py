@@ -26,7 +26,7 @@ from sp_jax.layers.norm import make_norm
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
-from sp_jax.ops.deferred import local_taps, tap_specs
+from sp_jax.ops.deferred import local_taps, placed_taps
 from sp_jax.ops.fsdp import fsdp_gather
 from sp_jax.ops.gemm import Gemm
 from sp_jax.ops.moe import capacity_keep, expert_mixture, route, router_stats
@@ -239,11 +239,11 @@ class MoE(nnx.Module):
         dtype = normed.dtype
         histories = tuple(None if s is None else reshard(s, P(), mesh) for s in (
             self.experts_up_gemm.state_value(), self.experts_down_gemm.state_value()))
-        taps = layer_taps(self)
+        taps, tap_in_specs = placed_taps(layer_taps(self), mesh)
         return jax.shard_map(
             device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down,
                               tuple(None if h is None else P() for h in histories),
-                              tap_specs(taps)),
+                              tap_in_specs),
             out_specs=(layout.sp, P()))(
                 reshard(normed, layout.sp, mesh), reshard(self.router[...], P(), mesh),
                 reshard(self.experts_up[...].astype(dtype), layout.expert_up, mesh),

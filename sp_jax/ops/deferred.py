@@ -52,9 +52,7 @@ from sp_jax.mesh import reshard
 from sp_jax.ops.primitives import vary, vma
 
 __all__ = ["TapSlot", "Taps", "WeightGradResiduals", "apply_deferred", "backward_input",
-           "backward_weight", "local_taps", "tap_specs"]
-
-MODES = ("record", "input", "weight")
+           "backward_weight", "local_taps", "placed_taps", "tap_specs"]
 
 
 @jax.tree_util.register_static
@@ -92,8 +90,8 @@ class Taps:
     """A layer's taps in one pass (see the module docstring): ``mode`` one of
     ``"record"``, ``"input"``, ``"weight"``; ``sites`` one tree of arrays per op (its
     packed ``wres``, or zeros shaped like it; empty when recording); ``layout``, per
-    site, the inner mesh axes each leaf's leading dimension spans, in leaf order
-    (static); ``slot`` the
+    site and leaf (in leaf order, static), the inner mesh axes its leading dimension
+    spans and its own dtype where it travels as float32 (else None); ``slot`` the
     layer's :class:`TapSlot`; ``record`` ``(recorder, index)`` when recording."""
 
     def __init__(self, mode: str, sites: tuple, layout: tuple, slot: TapSlot,
@@ -131,7 +129,6 @@ def tap_specs(taps: Any) -> Any:
     :class:`Taps`): each leaf's leading dimension over the mesh axes its layout names
     (the axes the ``shard_map`` makes manual that the value varies over). Recording, it
     records those axes (the mesh axes not manual yet)."""
-    # (the taps of a pass are made in these specs: no reshard is needed)
     if not isinstance(taps, Taps):
         return None if taps is None else P()
     if taps.mode == "record":
@@ -145,6 +142,15 @@ def tap_specs(taps: Any) -> Any:
                            [P(axes or None) for axes, _ in layout])
         for site, layout in zip(taps.sites, taps.layout, strict=True))
     return Taps(taps.mode, sites, taps.layout, taps.slot, taps.record)
+
+
+def placed_taps(taps: Any, mesh: Any) -> tuple[Any, Any]:
+    """``(taps, specs)`` for a layer's ``shard_map``: the taps' leaves moved to their
+    in-specs (:func:`tap_specs`; a no-op where they are in them already)."""
+    specs = tap_specs(taps)
+    if isinstance(taps, Taps) and taps.sites:
+        taps = jax.tree.map(lambda v, spec: reshard(v, spec, mesh), taps, specs)
+    return taps, specs
 
 
 def local_taps(taps: Any, i: int = 0) -> Any:

@@ -90,23 +90,29 @@ def _transport(axis_name, seq_dim: int, collective_matmul: bool):
 
 
 def _apply(rule, x, kernel, bias, state, fsdp_axes: tuple, fsdp_dim: int,
-           offload: bool = False, tap=None) -> jax.Array:
+           offload: bool = False, tap=None, outer=None) -> jax.Array:
     """Runs ``rule``: as one custom-VJP op, or with ``kernel`` this device's shard over
     the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op); with
-    ``offload`` its input residual lives in host memory (:class:`Offloaded`); with a
-    weight-gradient ``tap``, in the tap's mode (:func:`~sp_jax.ops.deferred.apply_deferred`:
-    the weight gradient deferred, or computed alone)."""
+    ``offload`` its input residual lives in host memory (:class:`Offloaded`); with
+    ``outer`` (a rule around the local product: the row op's sum and bias,
+    :class:`~sp_jax.ops.rules.Row`) inside it; with a weight-gradient ``tap``, in the
+    tap's mode (:func:`~sp_jax.ops.deferred.apply_deferred`: the weight gradient
+    deferred, or computed alone)."""
     if offload:
         rule = Offloaded(rule)
     aux = (bias, state)
+    if outer is not None:
+        rule = outer(Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule)
+        return apply_deferred(rule, x, kernel, aux, tap,
+                              lambda: linear_op(x, kernel, aux, rule))
 
     def fused():
         if fsdp_axes:
             return fsdp_linear_op(x, kernel, aux, rule, fsdp_axes, fsdp_dim)
         return linear_op(x, kernel, aux, rule)
 
-    outer = Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule
-    return apply_deferred(outer, x, kernel, aux, tap, fused)
+    outer_rule = Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule
+    return apply_deferred(outer_rule, x, kernel, aux, tap, fused)
 
 
 def _vary_all(x, kernel, bias, axes) -> tuple:
@@ -256,8 +262,8 @@ def row_parallel_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None 
     check_linear_shapes(name, x, full_kernel(kernel, fsdp_axes, 1), bias)
     gemm = _gemm(name, kernel, wgrad_dtype, gemm, gemm_state)
     x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
-    return _apply(Row(gemm, axis_name), x, kernel, bias, gemm_state, fsdp_axes, 1,
-                  offload_activations, tap)
+    return _apply(Matmul(gemm), x, kernel, bias, gemm_state, fsdp_axes, 1,
+                  offload_activations, tap, functools.partial(Row, axis_name=axis_name))
 
 
 def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,

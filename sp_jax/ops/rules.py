@@ -18,10 +18,17 @@ and its options. Its methods:
   GEMM); ``wres`` a :class:`WeightGradInputs`, what the weight gradient needs;
 * ``bwd_weight(wres) -> (dkernel, (dbias, dstate))``: the weight-gradient part, which
   a pipeline may run at a later tick than ``bwd_input`` (zero-bubble schedules;
-  :mod:`sp_jax.ops.deferred`).
+  :mod:`sp_jax.ops.deferred`, which also uses ``pack`` / ``unpack``: ``wres`` as the
+  arrays a deferred op keeps).
 
+The rules: :class:`Matmul` (local), :class:`Row` (a local product summed over the tensor
+axis, then the bias: the row layer), :class:`Column`, :class:`ColumnSequence`,
+:class:`RowSequence`, :class:`Grouped` (the experts' grouped GEMMs, ``aux = (sizes,
+state)``), :class:`Decode` (the single-token product, forward only); wrappers
+(:class:`RuleWrapper`): :class:`Offloaded`, FSDP's :class:`~sp_jax.ops.fsdp.Fsdp`.
 :func:`linear_op` makes the custom-VJP op of a rule; the FSDP form is
-:func:`sp_jax.ops.fsdp.fsdp_linear_op`, over any rule.
+:func:`sp_jax.ops.fsdp.fsdp_linear_op`, over any rule. A new precision is one GEMM
+class, never a fork of a rule.
 
 Optimization barriers, each placed where a measured XLA behaviour needs it: the GEMM's
 ``cotangent`` / ``tie_input`` / ``kernel_for`` tie residuals and the kernel's cast to
@@ -205,29 +212,34 @@ class Column(_Rule):
 
 @dataclasses.dataclass(frozen=True)
 class Row(_Rule):
-    """``psum(x @ kernel, axis_name) + bias``: a row-parallel layer's product (its row
-    block of the kernel, its block of the features), summed over the tensor axis by one
-    all-reduce, the bias added once after the sum. The backward takes the sum's
+    """``psum(rule(x, kernel), axis_name) + bias``: a row-parallel layer's local product
+    (``rule``: :class:`Matmul`, or its offloaded or FSDP form) summed over the tensor axis
+    by one all-reduce, the bias added once after the sum. The backward takes the sum's
     cotangent as it is (identity: Megatron's ``reduce_from``), sums the bias gradient
-    from it, and is then :class:`Matmul`'s."""
+    from it, and is then ``rule``'s."""
 
-    gemm: Any
+    rule: Any
     axis_name: AxisName
+
+    @property
+    def gemm(self):
+        return self.rule.gemm
 
     def fwd(self, x, kernel, aux):
         bias, state = aux
-        y, (a, kernel, (_, ctx)) = Matmul(self.gemm).fwd(x, kernel, (None, state))
+        y, (a, kernel, (_, ctx)) = self.rule.fwd(x, kernel, (None, state))
         y = lax.psum(vary(y, (self.axis_name,)), self.axis_name)
         if bias is not None:  # once, after the sum, varying as the sum does
             y = y + vary(bias, vma(y)).astype(y.dtype)
         return y, (a, kernel, (bias, ctx))
 
-    def _matmul_res(self, res, g):
+    def _inner(self, res, g):
+        """The local product's residuals and cotangent (varying over the tensor axis)."""
         a, kernel, (_, ctx) = res
         return (a, kernel, (None, ctx)), vary(g, (self.axis_name,))
 
     def bwd_input(self, res, g):
-        dx, w = Matmul(self.gemm).bwd_input(*self._matmul_res(res, g))
+        dx, w = self.rule.bwd_input(*self._inner(res, g))
         bias = res[2][0]
         return dx, w._replace(bias_g=None if bias is None else g, bias=bias)
 
@@ -235,19 +247,19 @@ class Row(_Rule):
         """The bias gradient, summed over the mesh axes the sum's cotangent varies over
         and the bias does not (the transpose of its cast to vary)."""
         db = _bias_grad(self.gemm, w)
-        extra = tuple(a for a in sorted(vma(w.bias_g)) if a not in vma(w.bias)) \
-            if db is not None else ()
+        extra = () if db is None else tuple(
+            a for a in sorted(vma(w.bias_g)) if a not in vma(w.bias))
         return lax.psum(db, extra) if extra else db
 
     def bwd_weight(self, w):
-        dkernel, (_, dstate) = Matmul(self.gemm).bwd_weight(w)
+        dkernel, (_, dstate) = self.rule.bwd_weight(w)
         return dkernel, (self._bias_grad(w), dstate)
 
     def bwd(self, res, g):
         bias = res[2][0]
         db = None if bias is None else self._bias_grad(WeightGradInputs(
             None, None, g, bias, None))
-        dx, dkernel, (_, dstate) = Matmul(self.gemm).bwd(*self._matmul_res(res, g))
+        dx, dkernel, (_, dstate) = self.rule.bwd(*self._inner(res, g))
         return dx, dkernel, (db, dstate)
 
 
