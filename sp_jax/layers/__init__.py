@@ -8,7 +8,8 @@ a block's attention and MLP, and the grouped-query rules), ``qkv`` (the grouped-
 q/k/v projection), ``attention_registry`` (the attention seam: the registry of attention
 classes, ``GPTConfig.attention``, and the base of their cache types), ``attention``
 (causal self-attention, the ``"mha"`` entry, and its :class:`KVCache`), ``mlp`` and
-``moe`` (the mixture-of-experts MLP).
+``moe`` (the mixture-of-experts MLP); ``taps`` (the weight-gradient taps through which a stage's
+backward defers its weight gradients: :func:`backward_input`, :func:`backward_weight`).
 """
 
 from sp_jax.layers.attention import FULL_WINDOW, CausalSelfAttention, KVCache, LayerWindow
@@ -45,6 +46,12 @@ from sp_jax.layers.moe import MoE, MoEStats, moe_losses
 from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
+from sp_jax.layers.taps import (
+    WeightGradTap,
+    backward_input,
+    backward_weight,
+    enable_weight_grad_taps,
+)
 
 __all__ = [
     "FULL_WINDOW",
@@ -91,4 +98,8 @@ __all__ = [
     "MoEStats",
     "check_moe_fields",
     "moe_losses",
+    "WeightGradTap",
+    "enable_weight_grad_taps",
+    "backward_input",
+    "backward_weight",
 ]
