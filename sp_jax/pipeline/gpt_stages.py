@@ -1,5 +1,5 @@
-"""The GPT on a pipeline (``ParallelConfig(pipeline_axis=...)``): its pieces as a
-:class:`~sp_jax.pipeline.StageProgram`, a training step's loss and gradients
+"""The GPT's stages (what :class:`~sp_jax.pipeline.gpt.PipelinedGPT` runs): its public
+pieces as a :class:`~sp_jax.pipeline.StageProgram`, a training step's loss and gradients
 (:func:`pipeline_loss_and_grads`), and forwards through the stages: the loss
 (:func:`pipeline_forward_loss`) and the hidden states or logits
 (:func:`pipeline_forward`).
@@ -20,13 +20,14 @@ robin), where the circular schedule runs them (checkpoints move between stage co
 the same ``R``; the shape names a change of ``R``).
 
 Inside the pipeline the layers run with the stage and data axes manual (their
-``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes but
-the expert axis (:func:`manual_data_axes`: it stays explicit for the experts'
-all-to-alls) and ``fsdp=False``: fsdp weights are gathered once per step by the
-pipeline), so the weight gradients of all micro-batches are reduced over the data axes
-once per step. The stage's modules are built with that config (the GPT's public
-``embed_tokens``, ``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks`
-then run them) and receive the model's parameters.
+``ParallelConfig``, the layers' own without pipeline fields, with ``data_axis=None``,
+``manual_data_axes`` = the data axes but the expert axis (:func:`manual_data_axes`: it
+stays explicit for the experts' all-to-alls) and ``fsdp=False``: fsdp weights are
+gathered once per step by the pipeline; :func:`stage_parallel`), so the weight
+gradients of all micro-batches are reduced over the data axes once per step. The
+stage's modules are a plain GPT built with that config (its public ``embed_tokens``,
+``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks` then run them) and
+receive the model's parameters.
 """
 
 from __future__ import annotations
@@ -43,16 +44,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.config import ParallelConfig
+from sp_jax.config import ParallelConfig, PipelineConfig
 from sp_jax.layers import FULL_WINDOW, LayerWindow, moe_losses, parallel_cross_entropy
 from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
 from sp_jax.models.blocks import scan_blocks
-from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
+from sp_jax.pipeline.runner import StageProgram, gpipe, one_f_one_b
+from sp_jax.pipeline.schedule import pipeline_schedule
 
-__all__ = ["check_pipeline", "inner_parallel", "manual_data_axes", "pipeline_forward",
-           "pipeline_forward_loss", "pipeline_loss_and_grads", "router_metrics"]
+__all__ = ["check_pipeline", "manual_data_axes", "pipeline_forward", "pipeline_forward_loss",
+           "pipeline_loss_and_grads", "router_metrics", "stage_parallel"]
 
 
 def manual_data_axes(parallel: ParallelConfig) -> tuple[str, ...]:
@@ -62,54 +64,55 @@ def manual_data_axes(parallel: ParallelConfig) -> tuple[str, ...]:
     return tuple(a for a in parallel.data_axes if a not in parallel.expert_axes)
 
 
-def inner_parallel(parallel: ParallelConfig) -> ParallelConfig:
+def stage_parallel(layers: ParallelConfig) -> ParallelConfig:
     """The config of the layers inside the pipeline's ``shard_map`` (stage and data
-    axes manual there; the expert axis, carrying the batch too, explicit)."""
-    return parallel.replace(data_axis=None, fsdp=False, pipeline_axis=None,
-                            pipeline_microbatches=1, pipeline_schedule="gpipe",
-                            pipeline_repeats=1, manual_data_axes=manual_data_axes(parallel))
+    axes manual there; the expert axis, carrying the batch too, explicit), from the
+    layers' own (``ParallelConfig.split_pipeline``)."""
+    return layers.replace(data_axis=None, fsdp=False,
+                          manual_data_axes=manual_data_axes(layers))
 
 
-def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
-    """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline: blocks
-    not scanned, or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when
-    ``mesh`` is known)."""
+def check_pipeline(config: Any, pipeline: PipelineConfig, mesh: Any) -> None:
+    """Raises a ValueError for a GPT that cannot run on ``pipeline``: blocks not scanned,
+    or ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when ``mesh`` is
+    known)."""
     if not config.scan_layers:
         raise ValueError(
-            f"GPT: ParallelConfig(pipeline_axis={parallel.pipeline_axis!r}) needs "
+            f"GPT: ParallelConfig(pipeline_axis={pipeline.axis!r}) needs "
             "GPTConfig(scan_layers=True): the stages hold slices of the stacked blocks.")
-    if config.num_layers % parallel.pipeline_repeats:
+    if config.num_layers % pipeline.repeats:
         raise ValueError(
             f"GPT: num_layers={config.num_layers} is not divisible by pipeline_repeats="
-            f"{parallel.pipeline_repeats}; use a multiple of stages x pipeline_repeats "
+            f"{pipeline.repeats}; use a multiple of stages x pipeline_repeats "
             "layers.")
     if mesh is None:
         return
-    stages = mesh.shape[parallel.pipeline_axis]
-    chunks = stages * parallel.pipeline_repeats
+    stages = mesh.shape[pipeline.axis]
+    chunks = stages * pipeline.repeats
     if config.num_layers % chunks:
         raise ValueError(
             f"GPT: num_layers={config.num_layers} is not divisible by stages x "
-            f"pipeline_repeats = {stages} x {parallel.pipeline_repeats} = {chunks}; use a "
+            f"pipeline_repeats = {stages} x {pipeline.repeats} = {chunks}; use a "
             f"multiple of {chunks} layers, or another stage count or pipeline_repeats.")
 
 
 def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
     """The graph definitions a stage merges its parameters into: the GPT's (for the
     embedding and the head) and its stacked block's, of modules built with the stage's
-    ``parallel`` (:func:`inner_parallel`) in the mode of ``model`` (train or eval).
+    ``parallel`` (:func:`stage_parallel`) in the mode of ``model`` (train or eval).
 
-    They are built abstractly (``nnx.eval_shape``) as a GPT of ``model``'s class and
-    config with one layer: the embedding, final norm and head do not depend on the
-    number of layers, and a stacked block's graph does not either (the stage's slice
-    of the layers is merged into it; with ``layer_windows`` its windows too)."""
+    They are built abstractly (``nnx.eval_shape``) as a plain GPT (``model.wrapped``,
+    the class the pipeline wraps) of ``model``'s config with one layer: the embedding,
+    final norm and head do not depend on the number of layers, and a stacked block's
+    graph does not either (the stage's slice of the layers is merged into it; with
+    ``layer_windows`` its windows too)."""
     windows = model.config.layer_windows
     config = dataclasses.replace(model.config, num_layers=1,
                                  layer_windows=None if windows is None else windows[:1])
     training = model.training
 
     def build():
-        shell = type(model)(config, parallel=parallel, rngs=nnx.Rngs(0))
+        shell = model.wrapped(config, parallel=parallel, rngs=nnx.Rngs(0))
         if not training:  # dropout off, as in the model (with rates of 0 either will do)
             shell.eval()
         return shell
@@ -176,7 +179,7 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts); its
     head returns the loss sum, or (``result``) the final-normed ``"hidden"`` states or
     the padded ``"logits"`` of a forward."""
-    inner = inner_parallel(model.parallel)
+    inner = stage_parallel(model.parallel.split_pipeline()[0])
     graphdef, block_graphdef = _stage_graphdefs(model, inner)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
@@ -332,20 +335,20 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     optionally packed rows' ``segment_ids`` / ``positions``, each ``[M, batch, seq]``;
     with ``result`` ``"hidden"`` / ``"logits"`` (a GPipe forward, no labels): those
     outputs ``[M, batch, seq, ...]`` in the held order, None and no metrics."""
-    par, cfg = model.parallel, model.config
+    par, cfg, pipe = model.parallel, model.config, model.pipeline
     mesh = current_mesh(par, where="GPT")
-    check_pipeline(cfg, par, mesh)
+    check_pipeline(cfg, pipe, mesh)
     if any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         raise ValueError(
-            f"GPT: a pipeline (pipeline_axis={par.pipeline_axis!r}) needs a mesh with "
+            f"GPT: a pipeline (pipeline_axis={pipe.axis!r}) needs a mesh with "
             f"Explicit axes, got {mesh.axis_types}; build it with jax.make_mesh(shape, "
             "names) (Explicit by default) or axis_types=(AxisType.Explicit,) * len(names).")
-    stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
+    stages, repeats = mesh.shape[pipe.axis], pipe.repeats
     real = batch["tokens"].shape[0]
     if not grads and repeats > 1 and real % stages:
         batch, keys = _filled(batch, keys, stages, ignore_index)
     micro = batch["tokens"].shape[0]
-    kind = par.pipeline_schedule if grads else "gpipe"
+    kind = pipe.schedule if grads else "gpipe"
     schedule = pipeline_schedule(kind, stages, micro, repeats)
     # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
     # the caller placed), whole sequences (ring attention's zigzag order is taken here;
@@ -360,7 +363,7 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     blocks = _stage_major(params["blocks"], stages, repeats)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
     program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
-    axes = {"stage_axis": par.pipeline_axis, "data_axes": manual_data_axes(par), "mesh": mesh,
+    axes = {"stage_axis": pipe.axis, "data_axes": manual_data_axes(par), "mesh": mesh,
             "reduce_dtype": par.grad_reduce_dtype}
     if result != "loss":  # a forward's outputs
         out, _ = _jitted(gpipe, program, schedule, shared, blocks, batch, keys, **axes,
@@ -412,7 +415,7 @@ def _micro_batches(model: Any, rows: int) -> int:
     par = model.parallel
     mesh = current_mesh(par, where="GPT")
     data = math.prod(mesh.shape[a] for a in par.data_axes)
-    micro = par.pipeline_microbatches
+    micro = model.pipeline.microbatches
     if model.training or model.config.num_experts or rows % (micro * data):
         return 1
     return micro
