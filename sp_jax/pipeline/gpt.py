@@ -40,6 +40,7 @@ from sp_jax.pipeline.gpt_stages import (
     pipeline_forward_loss,
     pipeline_loss_and_grads,
 )
+from sp_jax.pipeline.schedule import PipelineSchedule
 
 __all__ = ["PipelinedGPT", "pipelined_class"]
 
@@ -82,8 +83,15 @@ class PipelinedGPT(GPT):
 
     def stack_layers(self, blocks: list[Block]) -> Block:
         """The stacked layers sharded over the stage axis (``[R, L / R, ...]`` with
-        ``R = pipeline_repeats > 1``)."""
-        return stack_blocks(blocks, self.pipeline.axis, self.pipeline.repeats)
+        ``R = pipeline_repeats > 1``); with ``pipeline_layers_per_stage`` ``[L, ...]``,
+        sharded over the stage axis when its size divides ``L`` (each step gathers each
+        stage's layers from there)."""
+        pipe = self.pipeline
+        if pipe.layers_per_stage is None:
+            return stack_blocks(blocks, pipe.axis, pipe.repeats)
+        mesh = current_mesh(self.parallel, where="GPT", required=False)
+        even = mesh is not None and len(blocks) % mesh.shape[pipe.axis] == 0
+        return stack_blocks(blocks, pipe.axis if even else None)
 
     # -- forwards through the stages ------------------------------------------------------
 
@@ -147,7 +155,8 @@ class PipelinedGPT(GPT):
     def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
                                 key: jax.Array | None, *, segment_ids: jax.Array | None = None,
                                 positions: jax.Array | None = None, ignore_index: int = -100,
-                                return_metrics: bool = False) -> tuple:
+                                return_metrics: bool = False,
+                                schedule: PipelineSchedule | None = None) -> tuple:
         """A training step's loss and gradients through the pipeline, by its schedule
         (what :class:`~sp_jax.training.TrainStep` runs for a pipelined GPT).
 
@@ -160,7 +169,11 @@ class PipelinedGPT(GPT):
             each micro-batch's travel with it through the stages), or None.
           ignore_index: the target id that contributes no loss.
           return_metrics: also return the router metrics of mixture-of-experts layers
-          (averaged over the micro-batches; empty without experts).
+            (averaged over the micro-batches; empty without experts).
+          schedule: an action table to run instead of the config's schedule (any
+            :class:`~sp_jax.pipeline.PipelineSchedule` of as many stages, micro-batches
+            and chunks per stage, e.g. :func:`~sp_jax.pipeline.defer_weights` of one),
+            or None.
         Returns:
           ``(loss_sum, count, grads)``: the float32 sum of per-token losses (with the
           routers' auxiliary losses, each micro-batch's times its target count, as
@@ -185,7 +198,7 @@ class PipelinedGPT(GPT):
             batch["labels"] = jax.vmap(document_labels, in_axes=(0, 0, None))(
                 labels, batch["segment_ids"], ignore_index)
         return pipeline_loss_and_grads(self, batch, key, ignore_index=ignore_index,
-                                       return_metrics=return_metrics)
+                                       return_metrics=return_metrics, schedule=schedule)
 
     # -- decoding ------------------------------------------------------------------------------
 
