@@ -32,8 +32,14 @@ class StageAxes:
     data: tuple[str, ...]
 
     @property
-    def manual(self) -> frozenset[str]:
-        return frozenset((self.stage, *self.data))
+    def manual(self) -> tuple[str, ...]:
+        """The stage axis, then the data axes: a tuple, in this order in every process.
+        A set's order follows the strings' hashes, which differ between processes: the
+        loss's ``psum`` over these axes then listed its devices in another order from
+        one run of a step to the next, and XLA's all-reduce combiner merged it into the
+        shared gradients' all-reduce in one run and not in the other (measured, 2 x 2 x
+        1 x 2 mesh): two processes of one step could compile different collectives."""
+        return (self.stage, *self.data)
 
     def restrict(self, x: jax.Array) -> P:
         """``x``'s spec with only the manual axes kept."""
