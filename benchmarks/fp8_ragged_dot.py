@@ -18,7 +18,7 @@ sp_jax's FP8 dense GEMMs become cuBLASLt FP8 GEMMs):
 - ``experts fwd+bwd bf16`` / ``experts fwd+bwd fp8``: the gradients (rows, up and down
   weights) of one Mixtral expert layer's grouped FFN, :func:`sp_jax.ops.moe.grouped_ffn`
   (up ``[rows, h] x [E, h, 2F]``, SwiGLU, down ``[rows, F] x [E, F, h]``), in bf16 and
-  with ``fp8=`` (current scaling: :func:`sp_jax.ops.moe.fp8_grouped_gemm`, what
+  with ``gemm=`` an FP8 GEMM (current scaling: :func:`sp_jax.ops.moe.fp8_grouped_gemm`, what
   ``GPTConfig(fp8=...)`` runs for the experts).
 
 For each: the GEMM instructions of the optimized HLO (cuBLAS / cuBLASLt custom calls,
@@ -73,10 +73,10 @@ def _programs(rows: int, h: int, F: int, E: int) -> dict[str, tuple[Any, tuple]]
     def ragged_bf16(a, b, g):
         return lax.ragged_dot(a, b, g)
 
-    def experts(spec):
+    def experts(gemm):
         def grads(x, w_up, w_down, g):
             def loss(x, w_up, w_down):
-                y = grouped_ffn(x, g, w_up, w_down, MLPActivation("swiglu"), fp8=spec)
+                y = grouped_ffn(x, g, w_up, w_down, MLPActivation("swiglu"), gemm=gemm)
                 return jnp.sum(y.astype(jnp.float32) ** 2)
             return jax.grad(loss, argnums=(0, 1, 2))(x, w_up, w_down)
         return grads
@@ -88,7 +88,8 @@ def _programs(rows: int, h: int, F: int, E: int) -> dict[str, tuple[Any, tuple]]
             "ragged fp8 direct": (ragged_direct, (x8, w8, sizes)),
             "ragged bf16": (ragged_bf16, (xb, wb, sizes)),
             "experts fwd+bwd bf16": (experts(None), (xb, up, down, sizes)),
-            "experts fwd+bwd fp8": (experts(fp8.Fp8Spec(Fp8Recipe("current"), ())),
+            "experts fwd+bwd fp8": (experts(fp8.Fp8Gemm(fp8.Fp8Spec(Fp8Recipe("current"),
+                                                                    ()))),
                                     (xb, up, down, sizes))}
 
 

@@ -177,7 +177,7 @@ def test_fp8_errors(mesh_2x4):
     spec = f8.Fp8Spec(sp_jax.Fp8Recipe("delayed", 4), ("tensor",))
 
     def local(x, k):
-        return sp_jax.ops.matmul(x, k, fp8=spec, fp8_history=jnp.zeros((3, 2)))
+        return sp_jax.ops.matmul(x, k, gemm=f8.Fp8Gemm(spec), gemm_state=jnp.zeros((3, 2)))
 
     with pytest.raises(ValueError, match=r"fp8_history of shape \(3, 4\)"):
         jax.shard_map(local, mesh=mesh_2x4, in_specs=(jax.P(), jax.P()),

@@ -17,7 +17,7 @@ from test_gpt import _batches
 
 import sp_jax
 from sp_jax.models import GPTConfig
-from sp_jax.ops.fp8 import Fp8Spec
+from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
 from sp_jax.ops.moe import grouped_ffn
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -105,8 +105,8 @@ def test_grouped_ffn_equals_numpy_fp8_reference(scaling):
                               [[900, 0, 0, 0], [2, 14, 1, 0], [14, 0, 3, 0]]], np.float32)
 
     def loss(x, w_up, w_down, hist):
-        y = grouped_ffn(x, jnp.asarray(sizes), w_up, w_down, jax.nn.relu, fp8=spec,
-                        fp8_histories=(None, None) if hist is None else (hist[0], hist[1]))
+        y = grouped_ffn(x, jnp.asarray(sizes), w_up, w_down, jax.nn.relu, gemm=Fp8Gemm(spec),
+                        gemm_states=(None, None) if hist is None else (hist[0], hist[1]))
         return jnp.sum(y * dy), y
 
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(

@@ -6,7 +6,8 @@ logits), ``norm`` (LayerNorm / RMSNorm on sequence shards), ``dropout`` (shardin
 dropout), ``rotary`` (rotary position embeddings), ``block_config`` (the configurations of
 a block's attention and MLP, and the grouped-query rules), ``qkv`` (the grouped-query
 q/k/v projection), ``attention`` (causal self-attention), ``mlp`` and ``moe`` (the
-mixture-of-experts MLP).
+mixture-of-experts MLP); ``taps`` (the weight-gradient taps through which a stage's
+backward defers its weight gradients: :func:`backward_input`, :func:`backward_weight`).
 """
 
 from sp_jax.layers.attention import FULL_WINDOW, CausalSelfAttention, LayerWindow
@@ -36,6 +37,12 @@ from sp_jax.layers.moe import MoE, MoEStats, moe_losses
 from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
+from sp_jax.layers.taps import (
+    WeightGradTap,
+    backward_input,
+    backward_weight,
+    enable_weight_grad_taps,
+)
 
 __all__ = [
     "FULL_WINDOW",
@@ -76,4 +83,8 @@ __all__ = [
     "MoEStats",
     "check_moe_fields",
     "moe_losses",
+    "WeightGradTap",
+    "enable_weight_grad_taps",
+    "backward_input",
+    "backward_weight",
 ]

@@ -1,5 +1,6 @@
 """The state and options of the FP8 linear layers: the amax history of delayed scaling as
-NNX state, and the per-device FP8 spec a layer hands its op.
+NNX state (the state of a layer's FP8 GEMM, :class:`~sp_jax.layers.gemm.LayerGemm`), and
+the per-device FP8 spec of a layer's GEMM object (:class:`~sp_jax.ops.fp8.Fp8Gemm`).
 
 The history is an :class:`Fp8History`, a subclass of ``nnx.Param``: it travels with the
 parameters (shardings, checkpoints, the training step's donated state), but it is not
@@ -15,13 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from sp_jax.config import Fp8Recipe, ParallelConfig
 from sp_jax.ops.fp8 import Fp8Spec, roll_history
 
-__all__ = ["WEIGHTS", "Fp8History", "check_fp8_recipe", "fp8_history", "fp8_spec", "split_fp8",
+__all__ = ["WEIGHTS", "Fp8History", "check_fp8_recipe", "fp8_spec", "split_fp8",
            "update_fp8_histories"]
 
 
@@ -43,15 +43,6 @@ def check_fp8_recipe(where: str, fp8: Any) -> Fp8Recipe | None:
         raise TypeError(f"{where}: fp8={fp8!r} must be a sp_jax.Fp8Recipe (e.g. "
                         "Fp8Recipe('current') or Fp8Recipe('delayed')) or None.")
     return fp8
-
-
-def fp8_history(fp8: Fp8Recipe | None, *, eager: bool) -> Fp8History | None:
-    """A zero amax history for a layer with delayed scaling, else ``None`` (its first
-    step then scales by 1: no amax is known yet)."""
-    if fp8 is None or not fp8.delayed:
-        return None
-    return Fp8History(jnp.zeros((3, fp8.amax_history_len), jnp.float32),
-                      out_sharding=(None, None), eager_sharding=eager)
 
 
 def fp8_spec(fp8: Fp8Recipe | None, parallel: ParallelConfig) -> Fp8Spec | None:

@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
 from sp_jax.config import Fp8Recipe, ParallelConfig, check_layer_args
-from sp_jax.layers.fp8 import check_fp8_recipe, fp8_history, fp8_spec
+from sp_jax.layers.gemm import LayerGemm, layer_gemm
+from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -47,6 +48,8 @@ from sp_jax.mesh import (
     reshard,
     warn_if_recompute_may_be_merged,
 )
+from sp_jax.ops.deferred import local_taps, tap_specs
+from sp_jax.ops.gemm import Gemm
 
 __all__ = [
     "ColumnParallelLinear",
@@ -66,24 +69,26 @@ Initializer = Callable[..., jax.Array]
 
 def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_spec: P,
                  params: Sequence[tuple[jax.Array | None, P]], *, parallel: ParallelConfig,
-                 fp8: Fp8Recipe | None = None, fp8_history: jax.Array | None = None,
+                 gemm: LayerGemm | None = None, taps: Any = None,
                  where: str = "shard_linear") -> jax.Array:
-    """The shard_map plumbing of a parallel linear layer: ``local(x, *params, **fp8)``
+    """The shard_map plumbing of a parallel linear layer: ``local(x, *params, **kwargs)``
     per device, in one :func:`jax.shard_map` over the current mesh of ``parallel``.
 
     ``x`` is resharded to ``x_spec`` and each parameter (``None`` stays ``None``, e.g. a
-    missing bias) to its spec; the FP8 amax history (delayed scaling), replicated, and
-    the layer's :class:`~sp_jax.ops.fp8.Fp8Spec` reach ``local`` as the ops' keyword
-    arguments ``fp8`` and ``fp8_history`` (none without ``fp8``). Used by every parallel
+    missing bias) to its spec; the layer's GEMM (:class:`~sp_jax.layers.gemm.LayerGemm`)
+    reaches ``local`` as the ops' keyword arguments ``gemm`` (its op face) and
+    ``gemm_state`` (its state, replicated; none without ``gemm``). Used by every parallel
     linear layer, the grouped-query projection and the GPT's LM head.
 
     Args:
-      local: the per-device computation, ``local(x, *params, **fp8) -> y``.
+      local: the per-device computation, ``local(x, *params, **kwargs) -> y``.
       x: the global input; x_spec / out_spec: the activations' specs in and out.
       params: ``(value, spec)`` of each global parameter, in ``local``'s order.
       parallel: the :class:`~sp_jax.ParallelConfig` (its mesh is the current one).
-      fp8: the layer's :class:`~sp_jax.Fp8Recipe`, or ``None``.
-      fp8_history: the ``[3, amax_history_len]`` amax history with delayed scaling.
+      gemm: the layer's :class:`~sp_jax.layers.gemm.LayerGemm`, or None (the ops'
+        default GEMM, in the compute dtype).
+      taps: the layer's weight-gradient taps (:func:`~sp_jax.layers.taps.layer_taps`),
+        or None; ``local`` gets the first op's as the ops' keyword argument ``tap``.
       where: the caller's name, for errors.
     Returns:
       ``local``'s output, sharded ``out_spec``.
@@ -91,17 +96,19 @@ def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_s
     mesh = current_mesh(parallel, where=where)
     args = [reshard(x, x_spec, mesh)]
     in_specs = [x_spec]
-    for value, spec in (*params, (fp8_history, P())):
+    for value, spec in (*params, (None if gemm is None else gemm.state_value(), P())):
         args.append(None if value is None else reshard(value, spec, mesh))
         in_specs.append(None if value is None else spec)
-    spec = fp8_spec(fp8, parallel)
 
-    def body(x, *rest):
-        *values, history = rest
-        kwargs = {} if spec is None else {"fp8": spec, "fp8_history": history}
+    def body(x, taps, *rest):
+        *values, state = rest
+        kwargs = {} if gemm is None else {"gemm": gemm.op, "gemm_state": state}
+        if taps is not None:
+            kwargs["tap"] = local_taps(taps)
         return local(x, *values, **kwargs)
 
-    return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec)(*args)
+    return jax.shard_map(body, in_specs=(in_specs[0], tap_specs(taps), *in_specs[1:]),
+                         out_specs=out_spec)(args[0], taps, *args[1:])
 
 
 def decode_layout(parallel: ParallelConfig) -> Layout:
@@ -135,6 +142,7 @@ class _ParallelLinear(nnx.Module):
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         fp8: Fp8Recipe | None = None,
+        gemm: Gemm | None = None,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
@@ -145,10 +153,10 @@ class _ParallelLinear(nnx.Module):
         self.parallel = parallel
         self.dtype = dtype
         self.param_dtype = param_dtype
-        self.fp8 = check_fp8_recipe(name, fp8)
-        fp8_spec(self.fp8, parallel)  # FP8 options the layer cannot run fail here
-
         mesh = current_mesh(parallel, where=name, required=False)
+        self.gemm = layer_gemm(name, fp8, gemm, parallel, eager=mesh is not None)
+        self.fp8_history = self.gemm.state  # the GEMM's state at the layer's path
+
         if mesh is not None:
             self._check_features(mesh)
         kernel_axes, bias_axes = (tuple(spec) for spec in self._param_specs(Layout.of(parallel)))
@@ -169,7 +177,6 @@ class _ParallelLinear(nnx.Module):
             )
         else:
             self.bias = None
-        self.fp8_history = fp8_history(self.fp8, eager=mesh is not None)
 
     def _param_specs(self, layout: Layout) -> tuple[P, P]:
         """(kernel spec, bias spec): row layers split the input features, column layers
@@ -177,6 +184,16 @@ class _ParallelLinear(nnx.Module):
         if self._split_in:
             return layout.row_kernel, layout.row_bias
         return layout.column_kernel, layout.column_bias
+
+    def weight_grad_covers(self) -> tuple[str, ...]:
+        """The parameters whose gradients this layer's op can defer (a weight-gradient
+        tap, :mod:`sp_jax.layers.taps`): the kernel, the bias, the amax history."""
+        names = ["kernel"]
+        if self.bias is not None:
+            names.append("bias")
+        if self.fp8_history is not None:
+            names.append("fp8_history")
+        return tuple(names)
 
     def param_specs(self, layout: Layout, mesh: Mesh | None = None) -> dict[str, P]:
         """The spec of each parameter by name (``kernel``, ``bias``) in ``layout``:
@@ -238,9 +255,9 @@ class _ParallelLinear(nnx.Module):
                                           else layout.tp)
 
     def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-               activation=None, **fp8: Any) -> jax.Array:
-        """The per-device computation (inside ``shard_map``); ``fp8``: the FP8 keyword
-        arguments of the op (``fp8``, ``fp8_history``; none without FP8)."""
+               activation=None, **gemm: Any) -> jax.Array:
+        """The per-device computation (inside ``shard_map``); ``gemm``: the ops' keyword
+        arguments from :func:`shard_linear` (``gemm``, ``gemm_state``, ``tap``)."""
         raise NotImplementedError
 
     def _decode(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
@@ -294,17 +311,17 @@ class _ParallelLinear(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
         if decode:
-            layout, local, fp8, history = decode_layout(self.parallel), self._decode, None, None
+            layout, local, gemm, taps = decode_layout(self.parallel), self._decode, None, None
             x_spec, out_spec = self._decode_specs(layout)
         else:
-            layout, local, fp8 = Layout.of(self.parallel), self._local, self.fp8
-            history = None if self.fp8_history is None else self.fp8_history[...]
+            layout, local, gemm = Layout.of(self.parallel), self._local, self.gemm
             x_spec, out_spec = self._specs(layout)
+            taps = layer_taps(self)
         if activation is not None:
             local = functools.partial(local, activation=activation)
         return shard_linear(local, x.astype(dtype), x_spec, out_spec,
                             tuple(zip((kernel, bias), self._param_specs(layout), strict=True)),
-                            parallel=self.parallel, fp8=fp8, fp8_history=history,
+                            parallel=self.parallel, gemm=gemm, taps=taps,
                             where=type(self).__name__)
 
 
@@ -332,6 +349,10 @@ class ColumnParallelLinear(_ParallelLinear):
         output gradient, whole-tensor scales, fp32 accumulation; with delayed scaling the
         layer holds its amax history as ``fp8_history``, an
         :class:`~sp_jax.layers.fp8.Fp8History`), or ``None`` (the compute dtype).
+      gemm: instead of ``fp8``, the GEMM object the layer multiplies with
+        (:class:`~sp_jax.ops.gemm.ComputeGemm`, :class:`~sp_jax.ops.fp8.Fp8Gemm`); the
+        layer holds it and its state as ``gemm``, a
+        :class:`~sp_jax.layers.gemm.LayerGemm`.
       rngs: rng streams; one ``params`` draw for the kernel and one for the bias.
     """
 
@@ -343,11 +364,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def _specs(self, layout):
         return self._decode_specs(layout)  # a sequence of one token or many: the same
 
-    def _local(self, x, kernel, bias, activation=None, **fp8):
+    def _local(self, x, kernel, bias, activation=None, **gemm):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         y = ops.column_parallel_matmul(
             x, kernel, bias, axis_name=t, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes,
-            offload_activations=self.parallel.offload_activations, **fp8)
+            offload_activations=self.parallel.offload_activations, **gemm)
         if self.gather_output:
             y = ops.all_gather_with_split_grad(y, t, dim=-1)
         return y
@@ -382,24 +403,22 @@ class RowParallelLinear(_ParallelLinear):
     def _specs(self, layout):
         return self._decode_specs(layout)  # a sequence of one token or many: the same
 
-    def _local(self, x, kernel, bias, activation=None, **fp8):
+    def _local(self, x, kernel, bias, activation=None, **gemm):
         t, wd = self.parallel.tensor_axis, self.parallel.wgrad_dtype
         if not self.input_is_parallel:
             x = ops.split_with_all_gather_grad(x, t, dim=-1)
-        y = ops.matmul(x, kernel, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes, fsdp_dim=1,
-                       offload_activations=self.parallel.offload_activations,
-                       **fp8)
-        y = ops.all_reduce_with_identity_grad(y, t)
-        return ops.add_bias(y, bias, wgrad_dtype=wd)
+        return ops.row_parallel_matmul(
+            x, kernel, bias, axis_name=t, wgrad_dtype=wd, fsdp_axes=self.parallel.fsdp_axes,
+            offload_activations=self.parallel.offload_activations, **gemm)
 
 
 def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                     parallel: ParallelConfig, **fp8: Any) -> jax.Array:
+                     parallel: ParallelConfig, **gemm: Any) -> jax.Array:
     """Per device (inside ``shard_map``): :func:`sp_jax.ops.column_sequence_parallel_matmul`
     of the sequence shard ``x [b, s / t, in]`` with this device's column block ``kernel``
     (and ``bias``), with every option of ``parallel`` (recompute, wgrad dtype, collective
-    matmul, fsdp), and in FP8 with ``fp8`` (the op's ``fp8`` and ``fp8_history``
-    arguments). Shared by :class:`ColumnSequenceParallelLinear`, the grouped-query
+    matmul, fsdp) and the ops' keyword arguments ``gemm`` (its ``gemm``, ``gemm_state``
+    and ``tap``). Shared by :class:`ColumnSequenceParallelLinear`, the grouped-query
     projection and the GPT's LM head."""
     return ops.column_sequence_parallel_matmul(
         x, kernel, bias,
@@ -410,7 +429,7 @@ def column_sp_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
         collective_matmul=parallel.collective_matmul,
         fsdp_axes=parallel.fsdp_axes,
         offload_activations=parallel.offload_activations,
-        **fp8,
+        **gemm,
     )
 
 
@@ -438,8 +457,8 @@ class ColumnSequenceParallelLinear(_ParallelLinear):
             warn_if_recompute_may_be_merged(self.parallel)
         return super().__call__(x, decode=decode)
 
-    def _local(self, x, kernel, bias, activation=None, **fp8):
-        return column_sp_matmul(x, kernel, bias, self.parallel, **fp8)
+    def _local(self, x, kernel, bias, activation=None, **gemm):
+        return column_sp_matmul(x, kernel, bias, self.parallel, **gemm)
 
 
 class RowSequenceParallelLinear(_ParallelLinear):
@@ -480,9 +499,9 @@ class RowSequenceParallelLinear(_ParallelLinear):
     def _specs(self, layout):
         return layout.tp, layout.sp
 
-    def _local(self, x, kernel, bias, activation=None, **fp8):
+    def _local(self, x, kernel, bias, activation=None, **gemm):
         cfg = self.parallel
         return ops.row_sequence_parallel_matmul(
             x, kernel, bias, axis_name=cfg.tensor_axis, seq_dim=1, wgrad_dtype=cfg.wgrad_dtype,
             collective_matmul=cfg.collective_matmul, fsdp_axes=cfg.fsdp_axes,
-            activation=activation, offload_activations=cfg.offload_activations, **fp8)
+            activation=activation, offload_activations=cfg.offload_activations, **gemm)

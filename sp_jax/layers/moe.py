@@ -19,14 +19,16 @@ from sp_jax.attention import sequence_order
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import MoEConfig, check_block_config
 from sp_jax.layers.dropout import Dropout
-from sp_jax.layers.fp8 import fp8_history, fp8_spec
+from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.mlp import MLPActivation
 from sp_jax.layers.norm import make_norm
+from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
-from sp_jax.ops.fp8 import Fp8Spec
+from sp_jax.ops.deferred import local_taps, tap_specs
 from sp_jax.ops.fsdp import fsdp_gather
+from sp_jax.ops.gemm import Gemm
 from sp_jax.ops.moe import capacity_keep, expert_mixture, route, router_stats
 from sp_jax.ops.primitives import all_gather, split
 
@@ -125,9 +127,11 @@ class MoE(nnx.Module):
         self.experts_down = nnx.Param(stacked(rngs.params(), (e, f, h), config.param_dtype),
                                       out_sharding=tuple(layout.expert_down),
                                       eager_sharding=eager)
-        fp8_spec(config.fp8, parallel)  # FP8 options the layer cannot run fail here
-        self.experts_up_fp8_history = fp8_history(config.fp8, eager=eager)
-        self.experts_down_fp8_history = fp8_history(config.fp8, eager=eager)
+        # the up and down GEMMs, their states at the layer's paths
+        self.experts_up_gemm = layer_gemm("MoE", config.fp8, None, parallel, eager=eager)
+        self.experts_down_gemm = layer_gemm("MoE", config.fp8, None, parallel, eager=eager)
+        self.experts_up_fp8_history = self.experts_up_gemm.state
+        self.experts_down_fp8_history = self.experts_down_gemm.state
         self.shared_up: ColumnSequenceParallelLinear | None = nnx.data(None)
         self.shared_down: RowSequenceParallelLinear | None = nnx.data(None)
         if config.num_shared_experts:
@@ -231,28 +235,41 @@ class MoE(nnx.Module):
         device = functools.partial(
             _mixture_device, config=cfg, parallel=par, capacity=capacity,
             positions=positions, fsdp_axes=layout.rules()["expert_embed"],
-            fp8=fp8_spec(cfg.fp8, par))
+            gemm=self.experts_up_gemm.op)
         dtype = normed.dtype
-        histories = tuple(None if h is None else reshard(h[...], P(), mesh)
-                          for h in (self.experts_up_fp8_history, self.experts_down_fp8_history))
+        histories = tuple(None if s is None else reshard(s, P(), mesh) for s in (
+            self.experts_up_gemm.state_value(), self.experts_down_gemm.state_value()))
+        taps = layer_taps(self)
         return jax.shard_map(
             device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down,
-                              tuple(None if h is None else P() for h in histories)),
+                              tuple(None if h is None else P() for h in histories),
+                              tap_specs(taps)),
             out_specs=(layout.sp, P()))(
                 reshard(normed, layout.sp, mesh), reshard(self.router[...], P(), mesh),
                 reshard(self.experts_up[...].astype(dtype), layout.expert_up, mesh),
                 reshard(self.experts_down[...].astype(dtype), layout.expert_down, mesh),
-                histories)
+                histories, taps)
+
+    def weight_grad_covers(self) -> tuple[str, ...]:
+        """The parameters whose gradients the experts' grouped GEMMs can defer (a
+        weight-gradient tap, :mod:`sp_jax.layers.taps`; the router's and the norm's are
+        computed with the input gradient)."""
+        names = ("experts_up", "experts_down")
+        if self.experts_up_fp8_history is not None:
+            names += ("experts_up_fp8_history", "experts_down_fp8_history")
+        return names
 
 
 def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                    fp8_histories: tuple[Any, Any], *, config: MoEConfig,
+                    gemm_states: tuple[Any, Any], taps: Any, *, config: MoEConfig,
                     parallel: ParallelConfig, capacity: int | None,
                     positions: np.ndarray | None, fsdp_axes: tuple[str, ...],
-                    fp8: Fp8Spec | None) -> tuple[jax.Array, MoEStats]:
+                    gemm: Gemm) -> tuple[jax.Array, MoEStats]:
     """Per device: ``x`` ``[b, s_local, h]`` (this device's sequence shard) -> the
     experts' output for it (same shape) and the global :data:`MoEStats`; the grouped
-    GEMMs in FP8 with ``fp8`` (and the up / down amax histories of delayed scaling)."""
+    GEMMs with ``gemm`` (the layer's GEMM object) and the up / down GEMMs' states (the
+    amax histories of FP8 delayed scaling), with the layer's weight-gradient ``taps``
+    (or None)."""
     e, k = config.num_experts, config.experts_per_token
     tensor = parallel.tensor_axis
     sequence_axes = (*parallel.context_axes, tensor)
@@ -273,7 +290,8 @@ def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: ja
     y = expert_mixture(x.reshape(b * s, h), experts.reshape(b * s, k),
                        weights.reshape(b * s, k), w_up, w_down,
                        MLPActivation(config.mlp_activation), num_experts=e,
-                       expert_axis=parallel.expert_axis, fp8=fp8, fp8_histories=fp8_histories)
+                       expert_axis=parallel.expert_axis, gemm=gemm, gemm_states=gemm_states,
+                       taps=(local_taps(taps, 0), local_taps(taps, 1)))
     y = lax.psum_scatter(y.reshape(b, s, h), tensor, scatter_dimension=1, tiled=True)
     return y, stats
 

@@ -11,8 +11,9 @@ from jax.sharding import PartitionSpec as P
 from sp_jax import ops
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
-from sp_jax.layers.fp8 import fp8_history, fp8_spec
+from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import column_sp_matmul, decode_layout, shard_linear
+from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -83,8 +84,10 @@ class GroupedQKVProjection(nnx.Module):
                                      out_sharding=tuple(kv_bias_spec), eager_sharding=eager)
         else:
             self.q_bias = self.kv_bias = None
-        fp8_spec(config.fp8, parallel)  # FP8 options the layer cannot run fail here
-        self.fp8_history = fp8_history(config.fp8, eager=eager)  # one for q, k and v
+        # one GEMM (and amax history) for q, k and v; its state at the layer's path
+        self.gemm = layer_gemm("GroupedQKVProjection", config.fp8, None, parallel,
+                               eager=eager)
+        self.fp8_history = self.gemm.state
 
     def _replicated(self, mesh: Mesh | None) -> bool:
         """Whether the key/value heads are replicated over the tensor axis."""
@@ -134,18 +137,24 @@ class GroupedQKVProjection(nnx.Module):
             ("q_kernel", self.q_kernel), ("kv_kernel", self.kv_kernel),
             ("q_bias", self.q_bias), ("kv_bias", self.kv_bias)))
 
-        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, **fp8):
+        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, **gemm):
             kernel, bias = self.local_kernel(q_kernel, kv_kernel, q_bias, kv_bias, replicated)
             if decode:
                 return ops.decode_matmul(x, kernel, bias)
-            return column_sp_matmul(x, kernel, bias, par, **fp8)
+            return column_sp_matmul(x, kernel, bias, par, **gemm)
 
-        history = self.fp8_history
         return shard_linear(local, x.astype(dtype),
                             layout.tensor_replicated if decode else layout.sp, layout.tp,
-                            params, parallel=par, fp8=None if decode else cfg.fp8,
-                            fp8_history=None if history is None or decode else history[...],
+                            params, parallel=par, gemm=None if decode else self.gemm,
+                            taps=None if decode else layer_taps(self),
                             where="GroupedQKVProjection")
+
+    def weight_grad_covers(self) -> tuple[str, ...]:
+        """The parameters whose gradients the projection's op can defer (a
+        weight-gradient tap, :mod:`sp_jax.layers.taps`)."""
+        names = ("q_kernel", "kv_kernel") + (("q_bias", "kv_bias") if self.q_bias is not None
+                                             else ())
+        return names + (("fp8_history",) if self.fp8_history is not None else ())
 
     def local_decode(self, x: jax.Array) -> jax.Array:
         """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of

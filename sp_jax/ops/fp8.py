@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.config import Fp8Recipe
+from sp_jax.ops.gemm import Gemm
+from sp_jax.ops.grouped import grouped_matmul, grouped_wgrad
 from sp_jax.ops.primitives import AxisName, vma
 
 __all__ = ["E4M3", "E5M2", "FORMATS", "GRAD", "INPUT", "KERNEL", "Fp8Context", "Fp8Gemm",
@@ -162,6 +164,46 @@ def history_amax_cotangent(history: jax.Array, amaxes: Sequence[jax.Array]) -> j
     return jnp.zeros_like(history).at[:, 0].set(jnp.stack(amaxes).astype(history.dtype))
 
 
+# (lhs contracting, rhs contracting, lhs ragged, rhs group) of the three grouped GEMMs
+_FORWARD = ((1,), (1,), (0,), (0,))  # [rows, h] x [G, h, F] -> [rows, F]
+_DGRAD = ((1,), (2,), (0,), (0,))    # [rows, F] x [G, h, F] -> [rows, h]
+_WGRAD = ((0,), (0,), (0,), ())      # [rows, h] x [rows, F] -> [G, h, F]
+
+
+def _scaled_ragged(a, a_scale, b, b_scale, group_sizes, dims, out_dtype):
+    """The FP8 grouped GEMM of :func:`gemm`'s form: dequantised operands, fp32
+    accumulation, in ``out_dtype``. One group (an expert per device): one
+    :func:`jax.lax.ragged_dot_general`, which XLA:GPU runs as one cuBLASLt FP8 GEMM (the
+    scales folded into cuBLASLt's). Several groups: the masked lowering would compute
+    ``groups`` times the routed FLOPs, so the routed rows' tile loops
+    (:func:`~sp_jax.ops.grouped.grouped_matmul`, :func:`~sp_jax.ops.grouped.grouped_wgrad`)
+    on the FP8 values in bf16 (e4m3 and e5m2 values are exact in bf16; bf16 tensor-core
+    GEMMs of exact products, fp32 accumulation) times the two whole-tensor scales."""
+    if group_sizes.shape[0] > 1:
+        a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        if dims == _WGRAD:
+            out = grouped_wgrad(a16, b16, group_sizes)
+        else:
+            out = grouped_matmul(a16, b16 if dims == _FORWARD else jnp.swapaxes(b16, 1, 2),
+                                 group_sizes, preferred_element_type=jnp.float32)
+        return (out * (a_scale * b_scale)).astype(out_dtype)
+    a, b = dequantize(a, a_scale), dequantize(b, b_scale)
+    lhs_c, rhs_c, ragged, group = dims
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=((lhs_c, rhs_c), ((), ())), lhs_ragged_dimensions=ragged,
+        rhs_group_dimensions=group)
+    out = lax.ragged_dot_general(a, b, group_sizes, numbers,
+                                 preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _grouped_rows(x, group_sizes):
+    """``x`` with its rows past ``sum(group_sizes)`` (in no group) zeroed: they enter
+    neither a product nor an amax."""
+    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
+
+
 class Fp8Context(NamedTuple):
     """What an FP8 op keeps from its forward for its backward besides the operands: the
     amax ``history`` (``None`` with current scaling), the dequantisation scales of its
@@ -176,26 +218,55 @@ class Fp8Context(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Gemm:
+class Fp8Gemm(Gemm):
     """The GEMM of the linear rules in FP8 (the methods of
-    :class:`sp_jax.ops.gemm.ComputeGemm`).
+    :class:`sp_jax.ops.gemm.ComputeGemm`). Its state (``gemm_state``) is the amax history
+    ``[3, amax_history_len]`` with delayed scaling, None with current scaling.
 
     Attributes:
       spec: the :class:`Fp8Spec`.
       wgrad_dtype: the weight gradient is accumulated in fp32, or a wider
         ``wgrad_dtype``.
-      param_dtype: the kernel's own dtype, that of its gradient.
+      param_dtype: the kernel's own dtype, that of its gradient (None until an op binds
+        it).
     """
 
     spec: Fp8Spec
-    wgrad_dtype: Any
-    param_dtype: Any
+    wgrad_dtype: Any = None
+    param_dtype: Any = None
     tag = "fp8"
     ties_local_release = True
     """A local matmul's gradients leave together (with the recorded amaxes)."""
     releases_input_grad = True
     """A row op's release barrier holds the op's dx, after a fused activation's
     backward."""
+
+    def init_state(self):
+        """A zero amax history with delayed scaling (the first step then scales by 1: no
+        amax is known yet), None with current scaling."""
+        if not self.spec.recipe.delayed:
+            return None
+        return jnp.zeros((3, self.spec.recipe.amax_history_len), jnp.float32)
+
+    def check_state(self, where: str, fp8_history) -> None:
+        """ValueErrors naming ``where`` unless ``fp8_history`` (the state) is an amax
+        history of the recipe's length exactly when it scales with delayed scaling."""
+        if not self.spec.recipe.delayed:
+            if fp8_history is not None:
+                raise ValueError(f"{where}: fp8_history (gemm_state) is only for delayed "
+                                 "scaling; current scaling (Fp8Recipe('current')) takes "
+                                 "none.")
+            return
+        expected = (3, self.spec.recipe.amax_history_len)
+        if fp8_history is None or fp8_history.shape != expected:
+            got = None if fp8_history is None else fp8_history.shape
+            raise ValueError(f"{where}: delayed scaling needs fp8_history of shape "
+                             f"{expected} as gemm_state (input, kernel and output-gradient "
+                             f"amaxes), got {got}.")
+
+    def grouped_kernel(self, w, dtype):
+        """The experts' kernel as given (quantised inside the op)."""
+        return w
 
     def quantized(self, x, role: int, history):
         """``(q, scale, amax)`` of ``x`` in role ``role``. Current scaling (``history``
@@ -267,3 +338,41 @@ class Fp8Gemm:
         return history_amax_cotangent(
             ctx.history, [over_shards(a, self.spec.amax_axes, self.spec.manual_axes)
                           for a in ctx.amaxes])
+
+    def wgrad_values(self, ctx):
+        """The scales of the input and the output gradient, and the recorded amaxes."""
+        return ctx.input_scale, ctx.grad_scale, ctx.amaxes
+
+    def wgrad_context(self, history, values):
+        input_scale, grad_scale, amaxes = values
+        return Fp8Context(history, input_scale, None, grad_scale, amaxes)
+
+    # The grouped GEMMs (the experts'): the rows past the groups count as zero; one
+    # cuBLASLt FP8 GEMM each with one group, the routed rows' tile loops with several
+    # (_scaled_ragged).
+
+    def grouped_operands(self, x, w, sizes, history):
+        qx, sx, ax = self.quantized(_grouped_rows(x, sizes), INPUT, history)
+        qw, sw, aw = self.quantized(w, KERNEL, history)
+        return qx, qw, Fp8Context(history, sx, sw, None, (ax, aw))
+
+    def grouped_forward(self, a, w, sizes, ctx, dtype, tile):
+        return _scaled_ragged(a, ctx.input_scale, w, ctx.kernel_scale, sizes, _FORWARD,
+                              dtype)
+
+    def grouped_cotangent(self, a, w, sizes, ctx, g):
+        # dy in e5m2, tied with the saved rows and the weights (their quantisation with
+        # the forward's scale is neither hoisted into the forward nor merged with it)
+        return self.cotangent(a, w, ctx, _grouped_rows(g, sizes), True)
+
+    def grouped_dgrad(self, a, g, w, sizes, ctx, dtype, tile):
+        return _scaled_ragged(g, ctx.grad_scale, self.kernel_for(w, g, ctx),
+                              ctx.kernel_scale, sizes, _DGRAD, dtype)
+
+    def grouped_wgrad(self, a, g, sizes, ctx, tile):
+        return _scaled_ragged(a, ctx.input_scale, g, ctx.grad_scale, sizes, _WGRAD,
+                              jnp.float32).astype(self.param_dtype)
+
+    def grouped_backward(self, a, g, w, sizes, ctx, dtype, tile):
+        return (self.grouped_dgrad(a, g, w, sizes, ctx, dtype, tile),
+                self.grouped_wgrad(a, g, sizes, ctx, tile))

@@ -7,11 +7,14 @@ before use, and gathered again in that op's backward pass instead of being kept:
 residual is the local shard. (A ``jax.checkpoint`` policy cannot do this: its names are
 invisible through a custom VJP's residuals.) The weight gradient is reduce-scattered over
 the data axes, so it comes out sharded like the parameter and no full-size all-reduce
-exists.
+exists. :class:`Fsdp` is that form as a rule, its backward in an input-gradient and a
+weight-gradient part like every rule's; the weight-gradient part ends with the
+reduce-scatter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -21,7 +24,7 @@ from jax import lax
 
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
 
-__all__ = ["fsdp_gather", "fsdp_linear_op", "full_kernel"]
+__all__ = ["Fsdp", "fsdp_gather", "fsdp_linear_op", "full_kernel"]
 
 
 def _fsdp_all_gather(w: jax.Array, axes: tuple, dim: int) -> jax.Array:
@@ -64,49 +67,86 @@ def fsdp_gather(w: jax.Array, axes: tuple[AxisName, ...], dim: int) -> jax.Array
     return _fsdp_pair(w, axes, canonical_dim(dim, w.ndim, "dim"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Fsdp:
+    """The FSDP form of a linear ``rule`` (:mod:`sp_jax.ops.rules`), its kernel this
+    device's shard over the data ``axes`` along ``dim``: itself a rule (``fwd``,
+    ``bwd``, ``bwd_input``, ``bwd_weight``), run by :func:`fsdp_linear_op`.
+
+    Forward: the kernel is all-gathered over ``axes`` (in the compute dtype) just
+    before the op and dropped after it: the residual is the local shard. Input-gradient
+    part: the shard is gathered again, in the compute dtype (behind a barrier with the
+    incoming cotangent, so no CSE merges it with the forward gather and it is not issued
+    before the backward reaches this layer), and the rule's input-gradient part runs.
+    Weight-gradient part: the rule's, then the weight gradient, in the parameter's dtype
+    (the rule's GEMM's ``param_dtype``), is reduce-scattered over ``axes``."""
+
+    rule: Any
+    axes: tuple[AxisName, ...]
+    dim: int
+
+    @property
+    def gemm(self):
+        return self.rule.gemm
+
+    def fwd(self, x, kernel, aux):
+        y, (a, _, rest) = self.rule.fwd(x, _gather_in(kernel, x.dtype, self.axes, self.dim),
+                                        aux)
+        return y, (a, kernel, rest)
+
+    def _gathered(self, res, g):
+        a, kernel, rest = res
+        kernel, g = lax.optimization_barrier((kernel, g))
+        return (a, _gather_in(kernel, g.dtype, self.axes, self.dim), rest), g
+
+    def _scatter(self, dkernel):
+        return _fsdp_reduce_scatter(dkernel, self.axes, self.dim)
+
+    def bwd_input(self, res, g):
+        return self.rule.bwd_input(*self._gathered(res, g))
+
+    def bwd_weight(self, w):
+        dkernel, daux = self.rule.bwd_weight(w)
+        return self._scatter(dkernel), daux
+
+    def pack(self, w):
+        return self.rule.pack(w)
+
+    def weight_aux(self, aux):
+        return self.rule.weight_aux(aux)
+
+    def unpack(self, arrays, aux):
+        return self.rule.unpack(arrays, aux)
+
+    def bwd(self, res, g):
+        dx, dkernel, daux = self.rule.bwd(*self._gathered(res, g))
+        # The weight gradient leaves this op reduce-scattered: dx is released with the
+        # shard, so each full-size gradient is freed in this op's backward instead of
+        # waiting for a reduce-scatter XLA would otherwise start at the end. A dx that
+        # varies over fewer axes (the column form's, all-reduced over the tensor axis)
+        # only holds the shard back: a barrier types its outputs as varying over the
+        # union of its operands' axes.
+        dkernel = self._scatter(dkernel)
+        if vma(dx) == vma(dkernel):
+            dx, dkernel = lax.optimization_barrier((dx, dkernel))
+        else:
+            dkernel, _ = lax.optimization_barrier((dkernel, dx))
+        return dx, dkernel, daux
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def fsdp_linear_op(x: jax.Array, kernel: jax.Array, aux: Any, rule: Any,
                    axes: tuple[AxisName, ...], dim: int) -> jax.Array:
     """The FSDP form of the linear ``rule`` (:mod:`sp_jax.ops.rules`; any object with
     ``fwd(x, kernel, aux) -> (y, (a, kernel, rest))`` and ``bwd(res, g) -> (dx,
     dkernel, daux)``), ``kernel`` this device's shard over the data ``axes`` along
-    ``dim``.
-
-    Forward: the kernel is all-gathered over ``axes`` (in the compute dtype) just before
-    the op and dropped after it: the residual is the local shard. Backward: the shard is
-    gathered again, in the compute dtype (behind a barrier with the incoming cotangent,
-    so no CSE merges it with the forward gather and it is not issued before the backward
-    reaches this layer), the rule's backward runs, and the weight gradient, in the
-    parameter's dtype (the rule's GEMM's ``param_dtype``), is reduce-scattered over
-    ``axes``.
-    """
-    return rule.fwd(x, _gather_in(kernel, x.dtype, axes, dim), aux)[0]
+    ``dim``: :class:`Fsdp`'s forward and fused backward as one custom-VJP op."""
+    return Fsdp(rule, axes, dim).fwd(x, kernel, aux)[0]
 
 
-def _fsdp_fwd(x, kernel, aux, rule, axes, dim):
-    y, (a, _, rest) = rule.fwd(x, _gather_in(kernel, x.dtype, axes, dim), aux)
-    return y, (a, kernel, rest)
-
-
-def _fsdp_bwd(rule, axes, dim, res, g):
-    a, kernel, rest = res
-    kernel, g = lax.optimization_barrier((kernel, g))
-    dx, dkernel, daux = rule.bwd((a, _gather_in(kernel, g.dtype, axes, dim), rest), g)
-    # The weight gradient leaves this op reduce-scattered: dx is released with the
-    # shard, so each full-size gradient is freed in this op's backward instead of
-    # waiting for a reduce-scatter XLA would otherwise start at the end. A dx that
-    # varies over fewer axes (the column form's, all-reduced over the tensor axis)
-    # only holds the shard back: a barrier types its outputs as varying over the
-    # union of its operands' axes.
-    dkernel = _fsdp_reduce_scatter(dkernel, axes, dim)
-    if vma(dx) == vma(dkernel):
-        dx, dkernel = lax.optimization_barrier((dx, dkernel))
-    else:
-        dkernel, _ = lax.optimization_barrier((dkernel, dx))
-    return dx, dkernel, daux
-
-
-fsdp_linear_op.defvjp(_fsdp_fwd, _fsdp_bwd)
+fsdp_linear_op.defvjp(lambda x, kernel, aux, rule, axes, dim: Fsdp(rule, axes, dim).fwd(
+                          x, kernel, aux),
+                      lambda rule, axes, dim, res, g: Fsdp(rule, axes, dim).bwd(res, g))
 
 
 def full_kernel(kernel: jax.Array, axes: tuple, dim: int) -> jax.ShapeDtypeStruct:

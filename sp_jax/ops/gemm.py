@@ -8,12 +8,19 @@ The weight gradient is computed straight from the low-precision operands into
 
 A *GEMM object* is what a linear rule (:mod:`sp_jax.ops.rules`) multiplies with, the way
 ``flax.nnx.Linear(dot_general=...)`` injects its product: :class:`ComputeGemm` here, and
-:class:`sp_jax.ops.fp8.Fp8Gemm` in FP8. Both are frozen dataclasses (static arguments of
-the ops) with the same methods:
+:class:`sp_jax.ops.fp8.Fp8Gemm` in FP8, both a :class:`Gemm`. It is the op face of a
+layer's precision: the ops take it as ``gemm=`` with its state (``gemm_state=``: the FP8
+amax history of delayed scaling, else None) and bind the op's dtypes to it
+(:meth:`Gemm.bound`); the layer face, the nnx module that holds the state, is
+:class:`sp_jax.layers.gemm.LayerGemm`. GEMM objects are frozen dataclasses (static
+arguments of the ops) with the same methods:
 
 ======================================  ==============================================
 method                                  meaning
 ======================================  ==============================================
+``bound(wgrad_dtype, param_dtype)``     the object with an op's dtypes
+``init_state()`` /                      the state's initial value (None: stateless) /
+``check_state(where, state)``           errors for a state the GEMM cannot take
 ``operands(x, kernel, state)``          the forward's operands ``(a, w, ctx)``: ``a`` the
                                         input as the GEMM takes it (the compute-dtype
                                         ``x``, or e4m3), ``w`` the kernel, ``ctx`` what
@@ -31,6 +38,18 @@ method                                  meaning
 ``wgrad(a, g, ctx)``                    the weight gradient in the parameter's dtype
 ``bias_cotangent(gq, g)``               the cotangent the bias gradient sums
 ``state_cotangent(ctx)``                the cotangent of the op's state (amax history)
+``grouped_operands(x, w, sizes,``       the grouped GEMM's (the experts'; ``sizes`` the
+``state)``, ``grouped_forward(a, w,``   rows of each group): operands, forward, the
+``sizes, ctx, dtype, tile)``,           backward's entry, dgrad, weight gradient and both
+``grouped_cotangent(a, w, sizes, ctx,`` at once (:class:`~sp_jax.ops.rules.Grouped`;
+``g)``, ``grouped_dgrad(a, g, w,``      ``tile``: rows per GEMM of the tile loops)
+``sizes, ctx, dtype, tile)``,
+``grouped_wgrad(a, g, sizes, ctx,``
+``tile)``, ``grouped_backward(...)``
+``wgrad_values(ctx)`` /                 the context's arrays the weight-gradient part
+``wgrad_context(state, values)``        needs, and the context again from them and the
+                                        op's state (a deferred weight gradient,
+                                        :mod:`sp_jax.ops.deferred`)
 ======================================  ==============================================
 """
 
@@ -43,7 +62,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ComputeGemm", "bgrad", "bwd_cast", "check_linear_shapes", "dot_nt", "wgrad"]
+from sp_jax.ops import grouped
+
+__all__ = ["ComputeGemm", "Gemm", "bgrad", "bwd_cast", "check_linear_shapes", "dot_nt",
+           "wgrad"]
 
 
 def wgrad(x: jax.Array, g: jax.Array, wgrad_dtype, param_dtype) -> jax.Array:
@@ -100,19 +122,44 @@ def check_linear_shapes(name: str, x: jax.Array, kernel, bias=None) -> None:
         )
 
 
+class Gemm:
+    """What every GEMM object shares: the op's dtypes bound to it, and a state check."""
+
+    wgrad_dtype: Any
+    param_dtype: Any
+
+    def bound(self, wgrad_dtype, param_dtype) -> Gemm:
+        """This GEMM with an op's weight-gradient accumulation dtype (None: as plain
+        autodiff) and its kernel's own dtype (that of the kernel's gradient)."""
+        return dataclasses.replace(
+            self, wgrad_dtype=None if wgrad_dtype is None else jnp.dtype(wgrad_dtype),
+            param_dtype=jnp.dtype(param_dtype))
+
+    def init_state(self):
+        """The initial value of the op's state (None: the GEMM has none)."""
+        return None
+
+    def check_state(self, where: str, state) -> None:
+        """A ValueError naming ``where`` for a state this GEMM does not take."""
+        if state is not None:
+            raise ValueError(f"{where}: gemm_state is given, but {type(self).__name__} "
+                             "takes none; pass gemm_state=None.")
+
+
 @dataclasses.dataclass(frozen=True)
-class ComputeGemm:
+class ComputeGemm(Gemm):
     """The GEMM of the linear rules in the compute dtype (the dtype of the input).
 
     Attributes:
       wgrad_dtype: accumulation dtype of the weight and bias gradients (``None``: as
         plain autodiff).
       param_dtype: the kernel's own dtype, that of its gradient (the FSDP form hands the
-        rule a kernel gathered in the compute dtype).
+        rule a kernel gathered in the compute dtype); None until an op binds it
+        (:meth:`Gemm.bound`).
     """
 
-    wgrad_dtype: Any
-    param_dtype: Any
+    wgrad_dtype: Any = None
+    param_dtype: Any = None
     tag = ""
     """The tag of the ops' HLO scope names (``""``: the plain names)."""
     ties_local_release = False
@@ -175,4 +222,37 @@ class ComputeGemm:
         return gq
 
     def state_cotangent(self, ctx):
+        return None
+
+    def wgrad_values(self, ctx):
+        return None
+
+    # The grouped GEMMs (the experts'): the tile loops of sp_jax.ops.grouped, in the
+    # compute dtype with fp32 accumulation (the kernel comes cast to it).
+
+    def grouped_kernel(self, w, dtype):
+        """The experts' kernel as the grouped op takes it: cast to the compute dtype
+        before the op (its gradient is cast back by the cast's own VJP)."""
+        return w.astype(dtype)
+
+    def grouped_operands(self, x, w, sizes, state):
+        return x, w, None
+
+    def grouped_forward(self, a, w, sizes, ctx, dtype, tile):
+        return grouped.grouped_forward(a, w, sizes, tile=tile, out_dtype=dtype)
+
+    def grouped_cotangent(self, a, w, sizes, ctx, g):
+        return a, w, g, ctx
+
+    def grouped_dgrad(self, a, g, w, sizes, ctx, dtype, tile):
+        return grouped.grouped_backward(a, w, sizes, g, tile=tile, weight=False)
+
+    def grouped_wgrad(self, a, g, sizes, ctx, tile):
+        return grouped.grouped_wgrad(a, g, sizes, tile=tile).astype(self.param_dtype)
+
+    def grouped_backward(self, a, g, w, sizes, ctx, dtype, tile):
+        """``(dx, dW)`` in one loop over the tiles."""
+        return grouped.grouped_backward(a, w, sizes, g, tile=tile)
+
+    def wgrad_context(self, state, values):
         return None

@@ -10,12 +10,16 @@ group's weights in a ``lax.while_loop`` over the *dynamic* number of tiles
 partial tile per group), never that of the static row count (the expert axis's receive
 buffer holds ``ep`` times more rows than are routed) nor ``groups x rows``. Its backward
 (a custom VJP: a ``while_loop`` is not reverse-differentiable) is one more loop over the
-same tiles computing both ``dx = dy_t @ w[g]^T`` and ``dW[g] += x_t^T @ dy_t``.
+same tiles computing both ``dx = dy_t @ w[g]^T`` and ``dW[g] += x_t^T @ dy_t``
+(:func:`grouped_backward`; with ``weight=False`` ``dx`` alone, the weight gradient then a
+loop of its own, :func:`grouped_wgrad`: the experts' GEMMs as a linear rule,
+:class:`sp_jax.ops.rules.Grouped`).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +27,8 @@ from jax import lax
 
 from sp_jax.ops.primitives import fresh_zeros, vary, vma
 
-__all__ = ["CPU_TILE", "GPU_TILE", "grouped_matmul", "grouped_matmul_tiles", "grouped_wgrad"]
+__all__ = ["CPU_TILE", "GPU_TILE", "grouped_backward", "grouped_forward", "grouped_matmul",
+           "grouped_matmul_tiles", "grouped_wgrad"]
 
 CPU_TILE = 128
 """The default tile (rows per GEMM) on XLA:CPU (``benchmarks/grouped_gemm.py``, BENCHMARKS.md:
@@ -110,23 +115,26 @@ def _add_wgrad(dw, xt, dyt, g, acc):
     return lax.dynamic_update_slice_in_dim(dw, dwg, g, 0)
 
 
-def _backward(x, w, group_sizes, dy, tile):
+def _backward(x, w, group_sizes, dy, tile, weight=True):
+    """``(dx, dW)`` in one loop over the tiles, or with ``weight`` False ``dx`` alone
+    (``x`` then gives only its shape and dtype)."""
     rows = x.shape[0]
     acc = _accumulator(jnp.result_type(x, w, dy))
 
     def step(carry, g, at, mask):
         dx, dw = carry
         keep = mask[:, None]
-        xt, dyt = _tile_rows(x, at, tile, keep), _tile_rows(dy, at, tile, keep)
+        xt = None if dw is None else _tile_rows(x, at, tile, keep)
+        dyt = _tile_rows(dy, at, tile, keep)
         wg = lax.dynamic_index_in_dim(w, g, keepdims=False)  # [k, n]
         dxt = jnp.matmul(dyt, wg.T, preferred_element_type=acc).astype(dx.dtype)
         old = lax.dynamic_slice_in_dim(dx, at, tile)
         dx = lax.dynamic_update_slice_in_dim(dx, jnp.where(keep, dxt, old), at, 0)
-        return dx, _add_wgrad(dw, xt, dyt, g, acc)
+        return dx, None if dw is None else _add_wgrad(dw, xt, dyt, g, acc)
 
-    init = (fresh_zeros(x.shape, x.dtype, x), fresh_zeros(w.shape, acc, w))
+    init = (fresh_zeros(x.shape, x.dtype, x), fresh_zeros(w.shape, acc, w) if weight else None)
     dx, dw = _tiles(step, group_sizes, rows, tile, init)
-    return dx, dw.astype(w.dtype)
+    return (dx, dw.astype(w.dtype)) if weight else dx
 
 
 def _wgrad(x, dy, group_sizes, tile, groups):
@@ -153,10 +161,26 @@ def _per_platform(fn, tile, *args):
         default=functools.partial(fn, tile=min(GPU_TILE, rows)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, group_sizes, tile, out_dtype):
+def grouped_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                    tile: int | None, out_dtype) -> jax.Array:
+    """:func:`grouped_matmul`'s product, not differentiated (its loop over the tiles;
+    ``x`` and ``w`` typed alike, ``group_sizes`` int32)."""
     return _per_platform(functools.partial(_forward, out_dtype=out_dtype), tile, x, w,
                          group_sizes)
+
+
+def grouped_backward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array, *,
+                     tile: int | None, weight: bool = True) -> Any:
+    """:func:`grouped_matmul`'s backward, one loop over the tiles: ``(dx, dW)`` (``dW`` in
+    ``w``'s dtype), or with ``weight`` False ``dx`` alone (the weight gradient then comes
+    from :func:`grouped_wgrad`)."""
+    return _per_platform(functools.partial(_backward, weight=weight), tile, x, w,
+                         group_sizes, dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, group_sizes, tile, out_dtype):
+    return grouped_forward(x, w, group_sizes, tile=tile, out_dtype=out_dtype)
 
 
 def _grouped_fwd(x, w, group_sizes, tile, out_dtype):
@@ -165,7 +189,7 @@ def _grouped_fwd(x, w, group_sizes, tile, out_dtype):
 
 def _grouped_bwd(tile, out_dtype, res, dy):
     x, w, group_sizes = res
-    dx, dw = _per_platform(_backward, tile, x, w, group_sizes, dy)
+    dx, dw = grouped_backward(x, w, group_sizes, dy, tile=tile)
     return dx, dw, None
 
 

@@ -1,6 +1,6 @@
 """Linear ops across the tensor axis: matmuls whose collectives and weight gradients are
 one custom VJP each (``decode_matmul``, decoding's single-token product, is forward
-only), and the one dispatch to their plain, collective-matmul, FP8 and FSDP
+only), and the one dispatch to their plain, collective-matmul, FP8, FSDP and deferred
 forms.
 
 =====================================  ==============================  ===========================
@@ -10,6 +10,7 @@ op                                     forward                         backward
 ``add_bias``                           ``y + bias``                    db in ``wgrad_dtype``
 ``column_parallel_matmul``             identity into the TP region,    all-reduce of dx while dW
                                        matmul                          is computed
+``row_parallel_matmul``                matmul, all-reduce, ``+ bias``  identity, db, dx and dW
 ``column_sequence_parallel_matmul``    all-gather of the sequence,     reduce-scatter of dx (and
                                        matmul                          re-gather of x)
 ``row_sequence_parallel_matmul``       matmul, reduce-scatter of the   one all-gather of dy
@@ -18,29 +19,32 @@ op                                     forward                         backward
                                        row layer's all-reduce
 =====================================  ==============================  ===========================
 
-Every op is ONE rule (:mod:`sp_jax.ops.rules`: ``Matmul``, ``Column``,
-``ColumnSequence``, ``RowSequence``), a frozen dataclass holding what varies: the GEMM
-(:class:`~sp_jax.ops.gemm.ComputeGemm`, in the compute dtype with weight gradients in
-``wgrad_dtype``, or :class:`~sp_jax.ops.fp8.Fp8Gemm`, ``fp8=``), the transport of the
-sequence-parallel ops (:class:`~sp_jax.ops.transport.Collectives`, or
-:class:`~sp_jax.ops.transport.Ring`, ``collective_matmul=``) and the op's options. The
-rule becomes a custom-VJP op (:func:`~sp_jax.ops.rules.linear_op`), or, with the kernel
-sharded over the data axes (``fsdp_axes``), its FSDP form
-(:func:`~sp_jax.ops.fsdp.fsdp_linear_op`). :func:`_apply` is the one place that chooses.
+Every op is ONE rule (:mod:`sp_jax.ops.rules`: ``Matmul``, ``Row``, ``Column``,
+``ColumnSequence``, ``RowSequence``, ``Decode``), a frozen dataclass holding what
+varies: the GEMM object given as ``gemm=`` with its state as ``gemm_state=``
+(:class:`~sp_jax.ops.gemm.ComputeGemm`, the default, in the compute dtype with weight
+gradients in ``wgrad_dtype``, or :class:`~sp_jax.ops.fp8.Fp8Gemm` with its amax
+history; the op binds its dtypes to it), the transport of the sequence-parallel ops
+(:class:`~sp_jax.ops.transport.Collectives`, or :class:`~sp_jax.ops.transport.Ring`,
+``collective_matmul=``) and the op's options. The rule becomes a custom-VJP op
+(:func:`~sp_jax.ops.rules.linear_op`), or, with the kernel sharded over the data axes
+(``fsdp_axes``), its FSDP form (:func:`~sp_jax.ops.fsdp.fsdp_linear_op`); with a
+weight-gradient ``tap``, the op in the tap's mode (:mod:`sp_jax.ops.deferred`).
+:func:`_apply` is the one place that chooses.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
-from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
-from sp_jax.ops.fsdp import fsdp_linear_op, full_kernel
-from sp_jax.ops.gemm import ComputeGemm, bgrad, check_linear_shapes
+from sp_jax.ops.deferred import apply_deferred
+from sp_jax.ops.fsdp import Fsdp, fsdp_linear_op, full_kernel
+from sp_jax.ops.gemm import ComputeGemm, Gemm, bgrad, check_linear_shapes
 from sp_jax.ops.primitives import (
     AxisName,
     canonical_dim,
@@ -48,20 +52,33 @@ from sp_jax.ops.primitives import (
     vary,
     vma,
 )
-from sp_jax.ops.rules import Column, ColumnSequence, Matmul, Offloaded, RowSequence, linear_op
+from sp_jax.ops.rules import (
+    Column,
+    ColumnSequence,
+    Decode,
+    Matmul,
+    Offloaded,
+    Row,
+    RowSequence,
+    linear_op,
+)
 from sp_jax.ops.transport import Collectives, Ring
 
 __all__ = ["add_bias", "column_parallel_matmul", "column_sequence_parallel_matmul",
-           "decode_matmul", "matmul", "row_sequence_parallel_matmul"]
+           "decode_matmul", "matmul", "row_parallel_matmul", "row_sequence_parallel_matmul"]
 
 
-def _gemm(kernel, wgrad_dtype, fp8: Fp8Spec | None):
-    """The GEMM object of an op: FP8 with ``fp8``, else the compute dtype; the weight
-    gradient in the kernel's own dtype."""
-    wgrad_dtype = None if wgrad_dtype is None else jnp.dtype(wgrad_dtype)
-    if fp8 is not None:
-        return Fp8Gemm(fp8, wgrad_dtype, jnp.dtype(kernel.dtype))
-    return ComputeGemm(wgrad_dtype, jnp.dtype(kernel.dtype))
+def _gemm(name: str, kernel, wgrad_dtype, gemm: Gemm | None, state) -> Gemm:
+    """The GEMM object of an op (``gemm``, None: the compute dtype's) with the op's
+    dtypes bound (the weight gradient in the kernel's own dtype), its state checked."""
+    if gemm is None:
+        gemm = ComputeGemm()
+    if not isinstance(gemm, Gemm):
+        raise TypeError(f"{name}: gemm={gemm!r} must be a GEMM object "
+                        "(sp_jax.ops.gemm.ComputeGemm(), sp_jax.ops.fp8.Fp8Gemm(spec)) or "
+                        "None.")
+    gemm.check_state(name, state)
+    return gemm.bound(wgrad_dtype, kernel.dtype)
 
 
 def _transport(axis_name, seq_dim: int, collective_matmul: bool):
@@ -72,16 +89,24 @@ def _transport(axis_name, seq_dim: int, collective_matmul: bool):
     return Collectives(axis_name, seq_dim)
 
 
-def _apply(rule, x, kernel, bias, history, fsdp_axes: tuple, fsdp_dim: int,
-           offload: bool = False) -> jax.Array:
+def _apply(rule, x, kernel, bias, state, fsdp_axes: tuple, fsdp_dim: int,
+           offload: bool = False, tap=None) -> jax.Array:
     """Runs ``rule``: as one custom-VJP op, or with ``kernel`` this device's shard over
     the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op); with
-    ``offload`` its input residual lives in host memory (:class:`Offloaded`)."""
+    ``offload`` its input residual lives in host memory (:class:`Offloaded`); with a
+    weight-gradient ``tap``, in the tap's mode (:func:`~sp_jax.ops.deferred.apply_deferred`:
+    the weight gradient deferred, or computed alone)."""
     if offload:
         rule = Offloaded(rule)
-    if fsdp_axes:
-        return fsdp_linear_op(x, kernel, (bias, history), rule, fsdp_axes, fsdp_dim)
-    return linear_op(x, kernel, (bias, history), rule)
+    aux = (bias, state)
+
+    def fused():
+        if fsdp_axes:
+            return fsdp_linear_op(x, kernel, aux, rule, fsdp_axes, fsdp_dim)
+        return linear_op(x, kernel, aux, rule)
+
+    outer = Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule
+    return apply_deferred(outer, x, kernel, aux, tap, fused)
 
 
 def _vary_all(x, kernel, bias, axes) -> tuple:
@@ -91,38 +116,14 @@ def _vary_all(x, kernel, bias, axes) -> tuple:
     return vary(x, union), vary(kernel, union), vary(bias, union)
 
 
-def _check_fp8(name: str, fp8, fp8_history) -> None:
-    """TypeErrors / ValueErrors naming ``name`` unless ``fp8`` is None or an
-    :class:`~sp_jax.ops.fp8.Fp8Spec` with an amax history exactly when it scales with
-    delayed scaling."""
-    if fp8 is None:
-        if fp8_history is not None:
-            raise ValueError(f"{name}: fp8_history is given without fp8; pass "
-                             "fp8=Fp8Spec(Fp8Recipe('delayed'), amax_axes) as well.")
-        return
-    if not isinstance(fp8, Fp8Spec):
-        raise TypeError(f"{name}: fp8={fp8!r} must be a sp_jax.ops.fp8.Fp8Spec (an "
-                        "Fp8Recipe and the mesh axes a tensor's amax spans) or None.")
-    if not fp8.recipe.delayed:
-        if fp8_history is not None:
-            raise ValueError(f"{name}: fp8_history is only for delayed scaling; current "
-                             "scaling (Fp8Recipe('current')) takes none.")
-        return
-    expected = (3, fp8.recipe.amax_history_len)
-    if fp8_history is None or fp8_history.shape != expected:
-        got = None if fp8_history is None else fp8_history.shape
-        raise ValueError(f"{name}: delayed scaling needs fp8_history of shape {expected} "
-                         f"(input, kernel and output-gradient amaxes), got {got}.")
-
-
 # --------------------------------------------------------------------------------------
 # The public ops
 # --------------------------------------------------------------------------------------
 
 def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
            fsdp_axes: tuple[AxisName, ...] = (), fsdp_dim: int = 1,
-           fp8: Fp8Spec | None = None, fp8_history: jax.Array | None = None,
-           offload_activations: bool = False) -> jax.Array:
+           gemm: Gemm | None = None, gemm_state: Any = None,
+           offload_activations: bool = False, tap=None) -> jax.Array:
     """Local ``x @ kernel`` in the dtype of ``x``, with the weight gradient in ``wgrad_dtype``.
 
     Args:
@@ -134,22 +135,27 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
         dimension ``fsdp_dim``): gathered just before the matmul, gathered again in the
         backward pass instead of kept, and the weight gradient reduce-scattered over them.
       fsdp_dim: the kernel dimension ``fsdp_axes`` shard (row layers: 1).
-      fp8: compute in FP8 (:class:`~sp_jax.ops.fp8.Fp8Gemm`): an
-        :class:`~sp_jax.ops.fp8.Fp8Spec`, or ``None`` (the default: the compute dtype).
-      fp8_history: with delayed scaling, the ``[3, amax_history_len]`` fp32 amax history
-        (invariant over the mesh axes); its cotangent is this step's amaxes in column 0.
+      gemm: the GEMM object the op multiplies with (:mod:`sp_jax.ops.gemm`):
+        ``None`` (the default) or :class:`~sp_jax.ops.gemm.ComputeGemm` (the compute
+        dtype), :class:`~sp_jax.ops.fp8.Fp8Gemm` (FP8); the op binds its dtypes.
+      gemm_state: the GEMM's state: FP8 delayed scaling's ``[3, amax_history_len]`` fp32
+        amax history (invariant over the mesh axes; its cotangent is this step's amaxes
+        in column 0), else None.
       offload_activations: keep the residual this op's backward needs (its GEMM
         operand) in host memory between the passes (``ParallelConfig.offload_activations``,
         :class:`~sp_jax.ops.rules.Offloaded`); the same results.
+      tap: a weight-gradient tap (:mod:`sp_jax.ops.deferred`: ``Taps.site(i)`` of a
+        layer's taps, inside its ``shard_map``), or None: the weight gradient computed
+        with the input gradient.
     Returns:
       ``[..., out]`` in ``x.dtype``.
     """
     fsdp_axes = tuple(fsdp_axes)
     check_linear_shapes("matmul", x, full_kernel(kernel, fsdp_axes, fsdp_dim))
-    _check_fp8("matmul", fp8, fp8_history)
+    gemm = _gemm("matmul", kernel, wgrad_dtype, gemm, gemm_state)
     x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
-    return _apply(Matmul(_gemm(kernel, wgrad_dtype, fp8)), x, kernel, None, fp8_history,
-                  fsdp_axes, fsdp_dim, offload_activations)
+    return _apply(Matmul(gemm), x, kernel, None, gemm_state, fsdp_axes, fsdp_dim,
+                  offload_activations, tap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -185,9 +191,10 @@ def column_parallel_matmul(
     axis_name: AxisName,
     wgrad_dtype=None,
     fsdp_axes: tuple[AxisName, ...] = (),
-    fp8: Fp8Spec | None = None,
-    fp8_history: jax.Array | None = None,
+    gemm: Gemm | None = None,
+    gemm_state: Any = None,
     offload_activations: bool = False,
+    tap=None,
 ) -> jax.Array:
     """``x @ kernel + bias`` entering a tensor-parallel region from replicated activations
     (``identity_with_all_reduce_grad`` and the matmul as one op, Megatron's
@@ -204,12 +211,12 @@ def column_parallel_matmul(
       axis_name: the tensor mesh axis.
       wgrad_dtype: accumulation dtype of the weight and bias gradients.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 0.
-      fp8, fp8_history, offload_activations: as :func:`matmul`.
+      gemm, gemm_state, offload_activations, tap: as :func:`matmul`.
     Returns:
       ``[..., out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
     fsdp_axes = tuple(fsdp_axes)
-    _check_fp8("column_parallel_matmul", fp8, fp8_history)
+    gemm = _gemm("column_parallel_matmul", kernel, wgrad_dtype, gemm, gemm_state)
     check_linear_shapes("column_parallel_matmul", x, full_kernel(kernel, fsdp_axes, 0), bias)
     if axis_name in vma(x):
         raise TypeError(
@@ -220,9 +227,37 @@ def column_parallel_matmul(
     union = vma(x) | vma(kernel) | {axis_name} | set(fsdp_axes)
     if bias is not None:
         union |= vma(bias)
-    rule = Column(_gemm(kernel, wgrad_dtype, fp8), axis_name)
-    return _apply(rule, vary(x, union - {axis_name}), vary(kernel, union), vary(bias, union),
-                  fp8_history, fsdp_axes, 0, offload_activations)
+    return _apply(Column(gemm, axis_name), vary(x, union - {axis_name}), vary(kernel, union),
+                  vary(bias, union), gemm_state, fsdp_axes, 0, offload_activations, tap)
+
+
+def row_parallel_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                        axis_name: AxisName, wgrad_dtype=None,
+                        fsdp_axes: tuple[AxisName, ...] = (), gemm: Gemm | None = None,
+                        gemm_state: Any = None, offload_activations: bool = False,
+                        tap=None) -> jax.Array:
+    """``psum(x @ kernel, axis_name) + bias``: the exit from a tensor-parallel region into
+    replicated activations (the matmul, ``all_reduce_with_identity_grad`` and the bias as
+    one op, :class:`~sp_jax.ops.rules.Row`).
+
+    Args:
+      x: ``[..., in / t]`` this device's features, compute dtype.
+      kernel: local row block ``[in / t, out]``; bias: ``[out]`` (replicated over
+        ``axis_name``) or None, added once after the sum.
+      axis_name: the tensor mesh axis.
+      wgrad_dtype: accumulation dtype of the weight and bias gradients.
+      fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 1.
+      gemm, gemm_state, offload_activations, tap: as :func:`matmul`.
+    Returns:
+      ``[..., out]`` in ``x.dtype``, invariant over ``axis_name``.
+    """
+    fsdp_axes = tuple(fsdp_axes)
+    name = "row_parallel_matmul"
+    check_linear_shapes(name, x, full_kernel(kernel, fsdp_axes, 1), bias)
+    gemm = _gemm(name, kernel, wgrad_dtype, gemm, gemm_state)
+    x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
+    return _apply(Row(gemm, axis_name), x, kernel, bias, gemm_state, fsdp_axes, 1,
+                  offload_activations, tap)
 
 
 def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -243,10 +278,7 @@ def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
       axis_name: the tensor axis for a row layer, ``None`` for a column layer.
     """
     check_linear_shapes("decode_matmul", x, kernel, bias)
-    y = jnp.dot(x, kernel.astype(x.dtype))
-    if axis_name is not None:
-        y = lax.psum(y, axis_name)
-    return y if bias is None else y + bias.astype(y.dtype)
+    return Decode(ComputeGemm(), axis_name).fwd(x, kernel, (bias, None))[0]
 
 
 def _sequence_checks(name: str, x, kernel, bias, seq_dim: int, fsdp_axes: tuple,
@@ -272,9 +304,10 @@ def row_sequence_parallel_matmul(
     collective_matmul: bool = False,
     fsdp_axes: tuple[AxisName, ...] = (),
     activation: Callable[[jax.Array], jax.Array] | None = None,
-    fp8: Fp8Spec | None = None,
-    fp8_history: jax.Array | None = None,
+    gemm: Gemm | None = None,
+    gemm_state: Any = None,
     offload_activations: bool = False,
+    tap=None,
 ) -> jax.Array:
     """``reduce_scatter(x @ kernel, seq_dim) + bias``: the exit from a tensor-parallel region
     into a sequence-parallel one, as one op.
@@ -308,23 +341,23 @@ def row_sequence_parallel_matmul(
         activation again (one elementwise op) for the weight gradient and
         differentiates it: the hidden layer is kept once, not as the activation's
         input and output both.
-      offload_activations: as :func:`matmul` (the residual ``x``).
+      gemm, gemm_state, offload_activations, tap: as :func:`matmul` (the residual
+        ``x``).
     Returns:
       ``[b, s / t, out]`` in ``x.dtype``: the sum over ``axis_name``, this device's chunk.
     """
     fsdp_axes = tuple(fsdp_axes)
     name = "row_sequence_parallel_matmul"
-    _check_fp8(name, fp8, fp8_history)
+    gemm = _gemm(name, kernel, wgrad_dtype, gemm, gemm_state)
     h = x if activation is None else jax.eval_shape(activation, x)
     seq_dim = _sequence_checks(name, h, kernel, bias, seq_dim, fsdp_axes, 1)
     check_divisible(x, seq_dim, axis_name, name)
     if activation is not None and h.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"{name}: activation must keep every dimension of x {x.shape} but "
                          f"the last (features); it gave {h.shape}.")
-    rule = RowSequence(_gemm(kernel, wgrad_dtype, fp8),
-                       _transport(axis_name, seq_dim, collective_matmul), activation)
-    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
-                  fsdp_axes, 1, offload_activations)
+    rule = RowSequence(gemm, _transport(axis_name, seq_dim, collective_matmul), activation)
+    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), gemm_state,
+                  fsdp_axes, 1, offload_activations, tap)
 
 
 def column_sequence_parallel_matmul(
@@ -338,9 +371,10 @@ def column_sequence_parallel_matmul(
     wgrad_dtype=None,
     collective_matmul: bool = False,
     fsdp_axes: tuple[AxisName, ...] = (),
-    fp8: Fp8Spec | None = None,
-    fp8_history: jax.Array | None = None,
+    gemm: Gemm | None = None,
+    gemm_state: Any = None,
     offload_activations: bool = False,
+    tap=None,
 ) -> jax.Array:
     """``all_gather(x, seq_dim) @ kernel + bias`` with a choice of what backward keeps.
 
@@ -367,20 +401,20 @@ def column_sequence_parallel_matmul(
         with ``recompute_allgather``, its re-gather of ``x`` are decomposed likewise. No-op
         when ``t = 1``.
       fsdp_axes: as :func:`matmul`, the kernel sharded along dimension 0.
-      fp8, fp8_history: as :func:`matmul`; the shard is quantised before the all-gather
-        (e4m3 bytes move, in the ring too) and the residual is the e4m3 shard
+      gemm, gemm_state: as :func:`matmul`; in FP8 the shard is quantised before the
+        all-gather (e4m3 bytes move, in the ring too) and the residual is the e4m3 shard
         (``recompute_allgather``) or the gathered e4m3 input.
       offload_activations: as :func:`matmul`: the residual (the shard with
         ``recompute_allgather``, else the gathered input) waits in host memory.
+      tap: as :func:`matmul`.
     Returns:
       ``[b, s, out / t]`` in ``x.dtype``, varying over ``axis_name``.
     """
     fsdp_axes = tuple(fsdp_axes)
-    _check_fp8("column_sequence_parallel_matmul", fp8, fp8_history)
+    gemm = _gemm("column_sequence_parallel_matmul", kernel, wgrad_dtype, gemm, gemm_state)
     seq_dim = _sequence_checks("column_sequence_parallel_matmul", x, kernel, bias, seq_dim,
                                fsdp_axes, 0)
-    rule = ColumnSequence(_gemm(kernel, wgrad_dtype, fp8),
-                          _transport(axis_name, seq_dim, collective_matmul),
+    rule = ColumnSequence(gemm, _transport(axis_name, seq_dim, collective_matmul),
                           bool(recompute_allgather))
-    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), fp8_history,
-                  fsdp_axes, 0, offload_activations)
+    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), gemm_state,
+                  fsdp_axes, 0, offload_activations, tap)

@@ -17,16 +17,17 @@ exchange as an ``all_to_all`` of fixed-size chunks (each padded to the most rows
 can be sent), chosen at lowering time (:func:`jax.lax.platform_dependent`), so the CPU
 tests run every other step of the GPU program.
 
-In FP8 (``fp8=`` an :class:`~sp_jax.ops.fp8.Fp8Spec`), each grouped GEMM is
-:func:`fp8_grouped_gemm`: the dense layers' recipe (:class:`~sp_jax.ops.fp8.Fp8Gemm`'s
-quantisation: e4m3 rows and expert weights, e5m2 output gradients, one whole-tensor scale
-each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general` forward, dgrad and
-wgrad (the grouped weight gradient, ragged contracting dimension), each of which XLA:GPU
-(jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense product
-(``benchmarks/fp8_ragged_dot.py``) where a device holds one expert; with several experts
-per device the masked product would cost ``groups`` times the routed FLOPs, so there the
-three run as the routed rows' tile loops on the dequantised FP8 values (not yet a
-per-tile FP8 GEMM).
+The grouped GEMMs are the linear rule :class:`~sp_jax.ops.rules.Grouped` over the GEMM
+object given (``gemm=``, with the up and down GEMMs' states). In FP8 (an
+:class:`~sp_jax.ops.fp8.Fp8Gemm`), each grouped GEMM is :func:`fp8_grouped_gemm`: the
+dense layers' recipe (e4m3 rows and expert weights, e5m2 output gradients, one
+whole-tensor scale each, fp32 accumulation) around :func:`jax.lax.ragged_dot_general`
+forward, dgrad and wgrad (the grouped weight gradient, ragged contracting dimension),
+each of which XLA:GPU (jax 0.10.2) runs as one cuBLASLt FP8 GEMM of the masked dense
+product (``benchmarks/fp8_ragged_dot.py``) where a device holds one expert; with several
+experts per device the masked product would cost ``groups`` times the routed FLOPs, so
+there the three run as the routed rows' tile loops on the dequantised FP8 values (not
+yet a per-tile FP8 GEMM).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sp_jax.ops.fp8 import INPUT, KERNEL, Fp8Context, Fp8Gemm, Fp8Spec, dequantize
-from sp_jax.ops.grouped import grouped_matmul, grouped_wgrad
+from sp_jax.ops.deferred import apply_deferred
+from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
+from sp_jax.ops.gemm import ComputeGemm, Gemm
+from sp_jax.ops.grouped import grouped_matmul
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
-from sp_jax.ops.rules import tied_output
+from sp_jax.ops.rules import Grouped, linear_op
 
 __all__ = ["capacity_keep", "expert_mixture", "fp8_grouped_gemm", "grouped_ffn",
            "grouped_matmul", "ragged_all_to_all", "route", "router_stats"]
@@ -154,78 +157,6 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
                                   recv_sizes, cpu=emulated, default=native)
 
 
-# (lhs contracting, rhs contracting, lhs ragged, rhs group) of the three grouped GEMMs
-_FORWARD = ((1,), (1,), (0,), (0,))  # [rows, h] x [G, h, F] -> [rows, F]
-_DGRAD = ((1,), (2,), (0,), (0,))    # [rows, F] x [G, h, F] -> [rows, h]
-_WGRAD = ((0,), (0,), (0,), ())      # [rows, h] x [rows, F] -> [G, h, F]
-
-
-def _scaled_ragged(a, a_scale, b, b_scale, group_sizes, dims, out_dtype):
-    """The FP8 grouped GEMM of :func:`sp_jax.ops.fp8.gemm`'s form: dequantised operands,
-    fp32 accumulation, in ``out_dtype``. One group (an expert per device): one
-    :func:`jax.lax.ragged_dot_general`, which XLA:GPU runs as one cuBLASLt FP8 GEMM (the
-    scales folded into cuBLASLt's). Several groups: the masked lowering would compute
-    ``groups`` times the routed FLOPs, so the routed rows' tile loops
-    (:func:`~sp_jax.ops.grouped.grouped_matmul`, :func:`~sp_jax.ops.grouped.grouped_wgrad`)
-    on the FP8 values in bf16 (e4m3 and e5m2 values are exact in bf16; bf16 tensor-core
-    GEMMs of exact products, fp32 accumulation) times the two whole-tensor scales."""
-    if group_sizes.shape[0] > 1:
-        a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-        if dims == _WGRAD:
-            out = grouped_wgrad(a16, b16, group_sizes)
-        else:
-            out = grouped_matmul(a16, b16 if dims == _FORWARD else jnp.swapaxes(b16, 1, 2),
-                                 group_sizes, preferred_element_type=jnp.float32)
-        return (out * (a_scale * b_scale)).astype(out_dtype)
-    a, b = dequantize(a, a_scale), dequantize(b, b_scale)
-    lhs_c, rhs_c, ragged, group = dims
-    numbers = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=((lhs_c, rhs_c), ((), ())), lhs_ragged_dimensions=ragged,
-        rhs_group_dimensions=group)
-    out = lax.ragged_dot_general(a, b, group_sizes, numbers,
-                                 preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
-
-
-def _grouped_rows(x, group_sizes):
-    """``x`` with its rows past ``sum(group_sizes)`` (in no group) zeroed: they enter
-    neither a product nor an amax."""
-    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_grouped(x, w, group_sizes, history, spec):
-    return _fp8_grouped_fwd(x, w, group_sizes, history, spec)[0]
-
-
-def _fp8_grouped_fwd(x, w, group_sizes, history, spec):
-    gemm = Fp8Gemm(spec, None, jnp.dtype(w.dtype))
-    qx, sx, ax = gemm.quantized(_grouped_rows(x, group_sizes), INPUT, history)
-    qw, sw, aw = gemm.quantized(w, KERNEL, history)
-    ctx = Fp8Context(history, sx, sw, None, (ax, aw))
-    y = _scaled_ragged(qx, sx, qw, sw, group_sizes, _FORWARD, x.dtype)
-    y, ctx = tied_output(gemm, y, ctx)
-    return y, (qx, w, group_sizes, ctx)
-
-
-def _fp8_grouped_bwd(spec, res, g):
-    qx, w, group_sizes, ctx = res
-    gemm = Fp8Gemm(spec, None, jnp.dtype(w.dtype))
-    # dy in e5m2, tied with the saved rows and the weights (their quantisation with the
-    # forward's scale is neither hoisted into the forward nor merged with it)
-    qx, w, qg, ctx = gemm.cotangent(qx, w, ctx, _grouped_rows(g, group_sizes), True)
-    qw = gemm.kernel_for(w, g, ctx)
-    dx = _scaled_ragged(qg, ctx.grad_scale, qw, ctx.kernel_scale, group_sizes, _DGRAD,
-                        g.dtype)
-    dw = _scaled_ragged(qx, ctx.input_scale, qg, ctx.grad_scale, group_sizes, _WGRAD,
-                        jnp.float32).astype(w.dtype)
-    return dx, dw, None, gemm.state_cotangent(ctx)
-
-
-_fp8_grouped.defvjp(_fp8_grouped_fwd, _fp8_grouped_bwd)
-
-
 def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: Fp8Spec,
                      history: jax.Array | None = None) -> jax.Array:
     """The grouped GEMM ``x_g @ w[g]`` of rows sorted by group (:func:`jax.lax.ragged_dot`)
@@ -254,14 +185,23 @@ def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: F
     Returns:
       ``[rows, n]`` in ``x.dtype``; rows past ``sum(group_sizes)`` are zero.
     """
+    return _grouped_gemm(x, w, group_sizes, Fp8Gemm(spec).bound(None, w.dtype), history)
+
+
+def _grouped_gemm(x, w, group_sizes, gemm, state, tap=None):
+    """The grouped GEMM of ``gemm`` as the linear rule :class:`~sp_jax.ops.rules.Grouped`
+    (one custom-VJP op; with a weight-gradient ``tap``, in its mode,
+    :mod:`sp_jax.ops.deferred`)."""
     axes = vma(x) | vma(w) | vma(group_sizes)
-    return _fp8_grouped(vary(x, axes), vary(w, axes), group_sizes, history, spec)
+    x, w = vary(x, axes), vary(w, axes)
+    rule, aux = Grouped(gemm, None, jnp.dtype(x.dtype)), (group_sizes, state)
+    return apply_deferred(rule, x, w, aux, tap, lambda: linear_op(x, w, aux, rule))
 
 
 def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                activation: Callable[[jax.Array], jax.Array], *,
-                fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None)
-                ) -> jax.Array:
+                activation: Callable[[jax.Array], jax.Array], *, gemm: Gemm | None = None,
+                gemm_states: tuple[Any, Any] = (None, None),
+                taps: tuple[Any, Any] = (None, None)) -> jax.Array:
     """Expert FFNs of rows sorted by expert: ``down_g(act(up_g(x)))`` for the
     ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs
     (:func:`~sp_jax.ops.grouped.grouped_matmul`: the work of the routed rows).
@@ -272,17 +212,23 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
       w_up: ``[groups, hidden, width]``; w_down: ``[groups, width', hidden]`` with
         ``width'`` the activation's output width.
       activation: of ``[rows, width]`` -> ``[rows, width']``.
-      fp8: None (the GEMMs in ``x``'s dtype, fp32 accumulation) or an
-        :class:`~sp_jax.ops.fp8.Fp8Spec`: both GEMMs by :func:`fp8_grouped_gemm` (the
+      gemm: the GEMM object of both GEMMs (:mod:`sp_jax.ops.gemm`): None or
+        :class:`~sp_jax.ops.gemm.ComputeGemm` (``x``'s dtype, fp32 accumulation), or
+        :class:`~sp_jax.ops.fp8.Fp8Gemm` (:func:`fp8_grouped_gemm`'s recipe; the
         activation in ``x``'s dtype).
-      fp8_histories: the up and down GEMMs' amax histories (delayed scaling).
+      gemm_states: the up and down GEMMs' states (FP8 delayed scaling: their amax
+        histories).
+      taps: the up and down GEMMs' weight-gradient taps (:mod:`sp_jax.ops.deferred`).
     """
-    if fp8 is None:
-        up = grouped_matmul(x, w_up.astype(x.dtype), group_sizes)
-        y = grouped_matmul(activation(up), w_down.astype(x.dtype), group_sizes)
-    else:
-        up = fp8_grouped_gemm(x, w_up, group_sizes, fp8, fp8_histories[0])
-        y = fp8_grouped_gemm(activation(up), w_down, group_sizes, fp8, fp8_histories[1])
+    gemm = ComputeGemm() if gemm is None else gemm
+
+    def product(h, w, state, tap):
+        gemm.check_state("grouped_ffn", state)
+        w = gemm.grouped_kernel(w, x.dtype)
+        return _grouped_gemm(h, w, group_sizes, gemm.bound(None, w.dtype), state, tap)
+
+    up = product(x, w_up, gemm_states[0], taps[0])
+    y = product(activation(up), w_down, gemm_states[1], taps[1])
     valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 
@@ -290,8 +236,8 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
 def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, activation: Callable[[jax.Array], jax.Array], *,
                    num_experts: int, expert_axis: AxisName | None = None,
-                   fp8: Fp8Spec | None = None, fp8_histories: tuple[Any, Any] = (None, None)
-                   ) -> jax.Array:
+                   gemm: Gemm | None = None, gemm_states: tuple[Any, Any] = (None, None),
+                   taps: tuple[Any, Any] = (None, None)) -> jax.Array:
     """``sum_j weights[:, j] * FFN_{experts[:, j]}(x)`` of one device's tokens, dropless.
 
     Args:
@@ -305,7 +251,8 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
       activation: as :func:`grouped_ffn`.
       num_experts: ``E``.
       expert_axis: the mesh axis the experts are split over, or None.
-      fp8 / fp8_histories: the grouped GEMMs in FP8 (:func:`grouped_ffn`).
+      gemm / gemm_states / taps: the grouped GEMMs' GEMM object, states and
+        weight-gradient taps (:func:`grouped_ffn`).
     Returns:
       ``[tokens, hidden]`` in ``x``'s dtype (partial sums where the experts' width is
       split over a tensor axis).
@@ -316,8 +263,8 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
-    ffn = functools.partial(grouped_ffn, activation=activation, fp8=fp8,
-                            fp8_histories=fp8_histories)
+    ffn = functools.partial(grouped_ffn, activation=activation, gemm=gemm,
+                            gemm_states=gemm_states, taps=taps)
     if ep == 1:
         out = ffn(rows, sizes, w_up, w_down)
     else:

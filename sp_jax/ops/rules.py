@@ -11,7 +11,14 @@ and its options. Its methods:
   state)``: ``state`` is the GEMM's (the FP8 amax history of delayed scaling, else
   ``None``); the residuals hold the GEMM operand ``a`` (input or its gathered form, as
   the GEMM takes it), the kernel as given, the bias and the GEMM's context;
-* ``bwd(res, g) -> (dx, dkernel, (dbias, dstate))``.
+* ``bwd(res, g) -> (dx, dkernel, (dbias, dstate))``, the fused backward: the
+  composition of its two parts below with the barriers that tie them
+  (:func:`release`);
+* ``bwd_input(res, g) -> (dx, wres)``: the input gradient alone (no weight-gradient
+  GEMM); ``wres`` a :class:`WeightGradInputs`, what the weight gradient needs;
+* ``bwd_weight(wres) -> (dkernel, (dbias, dstate))``: the weight-gradient part, which
+  a pipeline may run at a later tick than ``bwd_input`` (zero-bubble schedules;
+  :mod:`sp_jax.ops.deferred`).
 
 :func:`linear_op` makes the custom-VJP op of a rule; the FSDP form is
 :func:`sp_jax.ops.fsdp.fsdp_linear_op`, over any rule.
@@ -28,20 +35,95 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 
 from sp_jax.ops.gemm import bgrad
-from sp_jax.ops.primitives import AxisName, to_device, to_host, vary
+from sp_jax.ops.primitives import AxisName, to_device, to_host, vary, vma
 
-__all__ = ["Column", "ColumnSequence", "Matmul", "Offloaded", "RowSequence", "linear_op",
-           "release", "tied_output"]
+__all__ = ["Column", "ColumnSequence", "Decode", "Grouped", "Matmul", "Offloaded", "Row",
+           "RowSequence", "WeightGradInputs", "linear_op", "release", "tied_output"]
 
 
 def _plus_bias(y, bias):
     return y if bias is None else y + bias.astype(y.dtype)
+
+
+class WeightGradInputs(NamedTuple):
+    """What a rule's weight-gradient part (``bwd_weight``) needs, handed out by its
+    input-gradient part (``bwd_input``): per device, inside ``shard_map``.
+
+    Attributes:
+      a: the GEMM operand as the weight-gradient GEMM takes it (the gathered input of a
+        column sequence-parallel op, e4m3 in FP8; the input of a row op, the
+        activation's output recomputed).
+      g: the output gradient as the GEMM takes it (all-gathered for a row op; e5m2 in
+        FP8).
+      bias_g: the cotangent the bias gradient sums (None without a bias).
+      bias: the bias (its dtype is the gradient's), or None.
+      ctx: the GEMM's context (FP8: scales and the recorded amaxes).
+      sizes: the rows of each group of a grouped GEMM (:class:`Grouped`), else None.
+    """
+
+    a: Any
+    g: Any
+    bias_g: Any
+    bias: Any
+    ctx: Any
+    sizes: Any = None
+
+
+def _bias_cotangent(gemm, bias, gq, g):
+    return None if bias is None else gemm.bias_cotangent(gq, g)
+
+
+def _bias_grad(gemm, w: WeightGradInputs):
+    return None if w.bias is None else bgrad(w.bias_g, gemm.wgrad_dtype, w.bias.dtype)
+
+
+class _Rule:
+    """The parts shared by the rules: the weight-gradient part from the GEMM (or the
+    transport's ``*_wgrad``) and the fused backward, ``bwd_input`` then the weight
+    gradients, released with dx (:func:`release`, tied when ``_tie``)."""
+
+    def _wgrad(self, w: WeightGradInputs):
+        return self.gemm.wgrad(w.a, w.g, w.ctx)
+
+    def bwd_weight(self, w: WeightGradInputs):
+        """``(dkernel, (dbias, dstate))`` from ``bwd_input``'s :class:`WeightGradInputs`."""
+        return self._wgrad(w), (_bias_grad(self.gemm, w), self.gemm.state_cotangent(w.ctx))
+
+    def pack(self, w: WeightGradInputs):
+        """``w`` as the arrays a deferred op keeps (:mod:`sp_jax.ops.deferred`): ``(a, g,
+        bias_g, values)``, ``bias_g`` None where it is ``g`` itself (or there is no
+        bias), ``values`` the GEMM context's (scales, recorded amaxes); the bias and the
+        GEMM's state are the op's own inputs again (:meth:`unpack`)."""
+        bias_g = None if w.bias is None or w.bias_g is w.g else w.bias_g
+        return w.a, w.g, bias_g, self.gemm.wgrad_values(w.ctx)
+
+    def weight_aux(self, aux):
+        """What of the op's ``aux`` a deferred weight-gradient part reads again
+        (:meth:`unpack`): all of it (the bias and the GEMM's state, inputs of the op)."""
+        return aux
+
+    def unpack(self, arrays, aux) -> WeightGradInputs:
+        """The :class:`WeightGradInputs` of :meth:`pack`'s ``arrays`` and the op's ``aux
+        = (bias, state)``."""
+        a, g, bias_g, values = arrays
+        bias, state = aux
+        if bias is not None and bias_g is None:
+            bias_g = g
+        return WeightGradInputs(a, g, bias_g, bias, self.gemm.wgrad_context(state, values))
+
+    def _tie(self) -> bool:
+        return True
+
+    def bwd(self, res, g):
+        dx, w = self.bwd_input(res, g)
+        return release(self.gemm, dx, self._wgrad(w), _bias_grad(self.gemm, w), w.ctx,
+                       tie=self._tie())
 
 
 def tied_output(gemm, y, ctx):
@@ -67,13 +149,8 @@ def release(gemm, dx, dkernel, dbias, ctx, tie: bool):
     return dx, dkernel, (dbias, gemm.state_cotangent(gemm.with_recorded(ctx, values)))
 
 
-def _bias_grad(gemm, bias, gq, g):
-    return None if bias is None else bgrad(gemm.bias_cotangent(gq, g), gemm.wgrad_dtype,
-                                           bias.dtype)
-
-
 @dataclasses.dataclass(frozen=True)
-class Matmul:
+class Matmul(_Rule):
     """Local ``x @ kernel`` (no collective, no bias)."""
 
     gemm: Any
@@ -84,16 +161,18 @@ class Matmul:
         y, ctx = tied_output(self.gemm, self.gemm.forward(a, w, ctx, x.dtype), ctx)
         return y, (a, kernel, (bias, ctx))
 
-    def bwd(self, res, g):
+    def bwd_input(self, res, g):
         gemm, (a, kernel, (_, ctx)) = self.gemm, res
         a, kernel, gq, ctx = gemm.cotangent(a, kernel, ctx, g, False)
         dx = gemm.backward(gq, gemm.kernel_for(kernel, gq, ctx, tie=False), ctx, g.dtype)
-        return release(gemm, dx, gemm.wgrad(a, gq, ctx), None, ctx,
-                       tie=gemm.ties_local_release)
+        return dx, WeightGradInputs(a, gq, None, None, ctx)
+
+    def _tie(self) -> bool:
+        return self.gemm.ties_local_release
 
 
 @dataclasses.dataclass(frozen=True)
-class Column:
+class Column(_Rule):
     """``x @ kernel + bias`` entering the tensor region over ``axis_name``: the backward
     all-reduces dx while dW is computed."""
 
@@ -107,7 +186,7 @@ class Column:
         y, ctx = tied_output(self.gemm, y, ctx)
         return y, (a, kernel, (bias, ctx))
 
-    def bwd(self, res, g):
+    def bwd_input(self, res, g):
         gemm, (a, kernel, (bias, ctx)) = self.gemm, res
         a, kernel, gq, ctx = gemm.cotangent(a, kernel, ctx, g, False)
         dx = gemm.backward(gq, gemm.kernel_for(kernel, gq, ctx), ctx, g.dtype)
@@ -116,13 +195,81 @@ class Column:
             (vary(a, (self.axis_name,)), gq, dx, gemm.recorded(ctx)))
         with jax.named_scope("tp_dx_all_reduce"):  # names show in HLO and profiles
             dx = lax.psum(dx, self.axis_name)
-        dkernel = gemm.wgrad(a, gq, ctx)
-        dbias = _bias_grad(gemm, bias, gq, g)
-        return release(gemm, dx, dkernel, dbias, gemm.with_recorded(ctx, values), tie=False)
+        return dx, WeightGradInputs(a, gq, _bias_cotangent(gemm, bias, gq, g), bias,
+                                    gemm.with_recorded(ctx, values))
+
+    def _tie(self) -> bool:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
-class ColumnSequence:
+class Row(_Rule):
+    """``psum(x @ kernel, axis_name) + bias``: a row-parallel layer's product (its row
+    block of the kernel, its block of the features), summed over the tensor axis by one
+    all-reduce, the bias added once after the sum. The backward takes the sum's
+    cotangent as it is (identity: Megatron's ``reduce_from``), sums the bias gradient
+    from it, and is then :class:`Matmul`'s."""
+
+    gemm: Any
+    axis_name: AxisName
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        y, (a, kernel, (_, ctx)) = Matmul(self.gemm).fwd(x, kernel, (None, state))
+        y = lax.psum(vary(y, (self.axis_name,)), self.axis_name)
+        if bias is not None:  # once, after the sum, varying as the sum does
+            y = y + vary(bias, vma(y)).astype(y.dtype)
+        return y, (a, kernel, (bias, ctx))
+
+    def _matmul_res(self, res, g):
+        a, kernel, (_, ctx) = res
+        return (a, kernel, (None, ctx)), vary(g, (self.axis_name,))
+
+    def bwd_input(self, res, g):
+        dx, w = Matmul(self.gemm).bwd_input(*self._matmul_res(res, g))
+        bias = res[2][0]
+        return dx, w._replace(bias_g=None if bias is None else g, bias=bias)
+
+    def _bias_grad(self, w):
+        """The bias gradient, summed over the mesh axes the sum's cotangent varies over
+        and the bias does not (the transpose of its cast to vary)."""
+        db = _bias_grad(self.gemm, w)
+        extra = tuple(a for a in sorted(vma(w.bias_g)) if a not in vma(w.bias)) \
+            if db is not None else ()
+        return lax.psum(db, extra) if extra else db
+
+    def bwd_weight(self, w):
+        dkernel, (_, dstate) = Matmul(self.gemm).bwd_weight(w)
+        return dkernel, (self._bias_grad(w), dstate)
+
+    def bwd(self, res, g):
+        bias = res[2][0]
+        db = None if bias is None else self._bias_grad(WeightGradInputs(
+            None, None, g, bias, None))
+        dx, dkernel, (_, dstate) = Matmul(self.gemm).bwd(*self._matmul_res(res, g))
+        return dx, dkernel, (db, dstate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """The single-token (decode) product, forward only: ``x @ kernel`` (the GEMM's
+    forward), summed over ``axis_name`` by one all-reduce when given, then ``+ bias``.
+    ``fwd`` as the other rules' (no residuals: decoding has no backward)."""
+
+    gemm: Any
+    axis_name: AxisName | None = None
+
+    def fwd(self, x, kernel, aux):
+        bias, state = aux
+        a, w, ctx = self.gemm.operands(x, kernel, state)
+        y = self.gemm.forward(a, w, ctx, x.dtype)
+        if self.axis_name is not None:
+            y = lax.psum(y, self.axis_name)
+        return (y if bias is None else y + bias.astype(y.dtype)), None
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnSequence(_Rule):
     """``all_gather(x, seq) @ kernel + bias``; the backward reduce-scatters dx. The
     residual is the GEMM operand's shard (``recompute``, gathered again in the
     backward) or its gathered form."""
@@ -139,15 +286,18 @@ class ColumnSequence:
         # kernel and bias are the caller's own arrays: keeping them costs no extra memory
         return y, (a if self.recompute else a_full, kernel, (bias, ctx))
 
-    def bwd(self, res, dy):
+    def bwd_input(self, res, dy):
         gemm, (a, kernel, (bias, ctx)) = self.gemm, res
-        dx, dkernel, gq, ctx = self.transport.column_backward(gemm, a, kernel, ctx, dy,
-                                                              self.recompute)
-        return release(gemm, dx, dkernel, _bias_grad(gemm, bias, gq, dy), ctx, tie=True)
+        dx, a, gq, ctx = self.transport.column_backward(gemm, a, kernel, ctx, dy,
+                                                        self.recompute)
+        return dx, WeightGradInputs(a, gq, _bias_cotangent(gemm, bias, gq, dy), bias, ctx)
+
+    def _wgrad(self, w):
+        return self.transport.column_wgrad(self.gemm, w.a, w.g, w.ctx)
 
 
 @dataclasses.dataclass(frozen=True)
-class RowSequence:
+class RowSequence(_Rule):
     """``reduce_scatter(activation(x) @ kernel, seq) + bias``; the backward all-gathers
     dy once for dx and dW. With an ``activation`` the residual is its input, not its
     output, and the backward computes the output again (an elementwise op) for the
@@ -167,7 +317,9 @@ class RowSequence:
         y, ctx = tied_output(self.gemm, _plus_bias(y, bias), ctx)
         return y, (a if self.activation is None else x, kernel, (bias, ctx))
 
-    def bwd(self, res, g):
+    def _input(self, res, g):
+        """``(dh, activation_vjp, wres)``: the GEMM's input gradient ``dh`` (before the
+        activation's backward, ``activation_vjp``, None without an activation)."""
         gemm, (a, kernel, (bias, ctx)) = self.gemm, res
         activation_vjp = None
         if self.activation is not None:
@@ -179,20 +331,83 @@ class RowSequence:
         if self.activation is not None:
             h, activation_vjp = jax.vjp(self.activation, a)
             a = gemm.requantize(h, ctx)
+        dh, gq_full = self.transport.row_backward(gemm, a, kernel, ctx, gq, g)
+        return dh, activation_vjp, WeightGradInputs(
+            a, gq_full, _bias_cotangent(gemm, bias, gq, g), bias, ctx)
+
+    def bwd_input(self, res, g):
+        dh, activation_vjp, w = self._input(res, g)
+        return dh if activation_vjp is None else activation_vjp(dh)[0], w
+
+    def _wgrad(self, w):
+        return self.transport.row_wgrad(self.gemm, w.a, w.g, w.ctx)
+
+    def bwd(self, res, g):
+        gemm = self.gemm
+        dx, activation_vjp, w = self._input(res, g)
         # dW (and db) are computed together with dx: the gathered dy then dies in this
         # layer's backward instead of waiting for a dW GEMM XLA would otherwise put at the
         # end of the backward pass (one gathered dy per row layer alive at once).
-        dx, dkernel = self.transport.row_backward(gemm, a, kernel, ctx, gq, g)
-        dbias = _bias_grad(gemm, bias, gq, g)
+        dkernel, dbias = self._wgrad(w), _bias_grad(gemm, w)
         # The activation's backward (elementwise) before or after the release, as the
         # GEMM releases (gemm.releases_input_grad).
         early = activation_vjp is not None and gemm.releases_input_grad
         if early:
             dx = activation_vjp(dx)[0]
-        dx, dkernel, daux = release(gemm, dx, dkernel, dbias, ctx, tie=True)
+        dx, dkernel, daux = release(gemm, dx, dkernel, dbias, w.ctx, tie=True)
         if activation_vjp is not None and not early:
             dx = activation_vjp(dx)[0]
         return dx, dkernel, daux
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped(_Rule):
+    """The grouped GEMM ``x_g @ w[g]`` of rows sorted by group, ``aux = (sizes,
+    state)`` with ``sizes`` the rows of each group (int32 ``[groups]``; rows past their
+    sum in no group): the experts' GEMMs, local (no collective). The arithmetic is the
+    GEMM's ``grouped_*`` methods (the compute dtype's tile loops, or FP8); ``tile``
+    rows per GEMM of the loops (None: the platform's), ``out_dtype`` the output's."""
+
+    gemm: Any
+    tile: int | None
+    out_dtype: Any
+
+    def fwd(self, x, w, aux):
+        sizes, state = aux
+        a, wq, ctx = self.gemm.grouped_operands(x, w, sizes, state)
+        y = self.gemm.grouped_forward(a, wq, sizes, ctx, self.out_dtype, self.tile)
+        y, ctx = tied_output(self.gemm, y, ctx)
+        return y, (a, w, (sizes, ctx))
+
+    def _entry(self, res, g):
+        a, w, (sizes, ctx) = res
+        a, w, gq, ctx = self.gemm.grouped_cotangent(a, w, sizes, ctx, g)
+        return a, w, gq, sizes, ctx
+
+    def bwd_input(self, res, g):
+        a, w, gq, sizes, ctx = self._entry(res, g)
+        dx = self.gemm.grouped_dgrad(a, gq, w, sizes, ctx, g.dtype, self.tile)
+        return dx, WeightGradInputs(a, gq, None, None, ctx, sizes)
+
+    def bwd_weight(self, w: WeightGradInputs):
+        return (self.gemm.grouped_wgrad(w.a, w.g, w.sizes, w.ctx, self.tile),
+                (None, self.gemm.state_cotangent(w.ctx)))
+
+    def bwd(self, res, g):
+        a, w, gq, sizes, ctx = self._entry(res, g)
+        dx, dw = self.gemm.grouped_backward(a, gq, w, sizes, ctx, g.dtype, self.tile)
+        return dx, dw, (None, self.gemm.state_cotangent(ctx))
+
+    def pack(self, w: WeightGradInputs):
+        return w.a, w.g, w.sizes, self.gemm.wgrad_values(w.ctx)
+
+    def weight_aux(self, aux):
+        return None, aux[1]  # the group sizes are the B pass's, kept with wres
+
+    def unpack(self, arrays, aux) -> WeightGradInputs:
+        a, g, sizes, values = arrays
+        return WeightGradInputs(a, g, None, None, self.gemm.wgrad_context(aux[1], values),
+                                sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +429,27 @@ class Offloaded:
         y, (a, kernel, rest) = self.rule.fwd(x, kernel, aux)
         return y, (to_host(a), kernel, rest)
 
-    def bwd(self, res, g):
+    def _back(self, res):
         a, kernel, rest = res
-        return self.rule.bwd((to_device(a), kernel, rest), g)
+        return to_device(a), kernel, rest
+
+    def bwd(self, res, g):
+        return self.rule.bwd(self._back(res), g)
+
+    def bwd_input(self, res, g):
+        return self.rule.bwd_input(self._back(res), g)
+
+    def bwd_weight(self, w):
+        return self.rule.bwd_weight(w)
+
+    def pack(self, w):
+        return self.rule.pack(w)
+
+    def weight_aux(self, aux):
+        return self.rule.weight_aux(aux)
+
+    def unpack(self, arrays, aux):
+        return self.rule.unpack(arrays, aux)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -5,9 +5,11 @@ each overlapped with the GEMM of one sequence chunk, forward and backward (colle
 matmul: Megatron's ``tp_comm_overlap``; Wang et al. 2023; the schedules are
 :mod:`sp_jax.ring`'s).
 
-A transport is a frozen dataclass (a static argument of the ops) with four methods, each
+A transport is a frozen dataclass (a static argument of the ops) with six methods, each
 given the rule's GEMM object (:mod:`sp_jax.ops.gemm`), whose operands it moves as they
-are (compute dtype, or FP8 bytes):
+are (compute dtype, or FP8 bytes); the backward methods compute the input gradient, and
+the ``*_wgrad`` ones the weight gradient from what those hand out (the rules' input- and
+weight-gradient parts, :mod:`sp_jax.ops.rules`):
 
 ==========================================  ==========================================
 method                                      what it does
@@ -15,12 +17,14 @@ method                                      what it does
 ``column_forward(gemm, a, w, ctx, x, keep)``  ``gemm(all_gather(a), w)``, and the gathered
                                             ``a`` when ``keep``
 ``column_backward(gemm, a, kernel, ctx,``   the column rule's ``dx`` (reduce-scattered),
-``dy, recompute)``                          weight gradient, GEMM cotangent and context;
-                                            ``recompute``: ``a`` is the shard, gathered
-                                            again
+``dy, recompute)``                          the gathered ``a``, the GEMM cotangent and
+                                            context; ``recompute``: ``a`` is the shard,
+                                            gathered again
+``column_wgrad(gemm, a, gq, ctx)``          the column rule's weight gradient
 ``row_forward(gemm, a, w, ctx, dtype)``     ``reduce_scatter(gemm(a, w))``
-``row_backward(gemm, a, kernel, ctx, gq,``  the row rule's ``dh`` and weight gradient from
-``g)``                                      the all-gathered GEMM cotangent ``gq``
+``row_backward(gemm, a, kernel, ctx, gq,``  the row rule's ``dh`` and the all-gathered
+``g)``                                      GEMM cotangent ``gq``
+``row_wgrad(gemm, a, gq_full, ctx)``        the row rule's weight gradient
 ==========================================  ==========================================
 
 HLO scope names (``sp_regather``, ``sp_cm_column_bwd``, ...) carry the GEMM's tag
@@ -84,7 +88,10 @@ class Collectives:
         dx = gemm.backward(gq, gemm.kernel_for(kernel, gq, ctx), ctx, dy.dtype)
         with jax.named_scope("sp_dx_reduce_scatter"):  # names show in HLO and profiles
             dx = reduce_scatter(dx, self.axis_name, self.seq_dim)
-        return dx, gemm.wgrad(a, gq, ctx), gq, ctx
+        return dx, a, gq, ctx
+
+    def column_wgrad(self, gemm, a, gq, ctx):
+        return gemm.wgrad(a, gq, ctx)
 
     def row_forward(self, gemm, a, w, ctx, dtype):
         return reduce_scatter(gemm.forward(a, w, ctx, dtype), self.axis_name, self.seq_dim)
@@ -93,7 +100,9 @@ class Collectives:
         with jax.named_scope(_sp(gemm, "dy_all_gather")):
             gq_full = all_gather(gq, self.axis_name, self.seq_dim)
         dh = gemm.backward(gq_full, gemm.kernel_for(kernel, gq_full, ctx), ctx, g.dtype)
-        return dh, gemm.wgrad(a, gq_full, ctx)
+        return dh, gq_full
+
+    row_wgrad = column_wgrad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +167,16 @@ class Ring:
                             fresh_zeros(full, a.dtype, seed)))
             else:
                 dx = ring_reduce_scatter(gq, self.axis_name, partial_dx)
-            return dx, gemm.wgrad(a, gq, ctx), gq, ctx
+            return dx, a, gq, ctx
+
+    def _wgrad(self, gemm, rule: str, a, gq, ctx):
+        """The weight gradient, under the ring's backward scope (one GEMM: ``a`` and
+        ``gq`` have arrived whole)."""
+        with jax.named_scope(self._ring_scope(gemm, rule, backward=True)):
+            return gemm.wgrad(a, gq, ctx)
+
+    def column_wgrad(self, gemm, a, gq, ctx):
+        return self._wgrad(gemm, "column", a, gq, ctx)
 
     def row_forward(self, gemm, a, w, ctx, dtype):
         dim = self.seq_dim
@@ -179,11 +197,14 @@ class Ring:
 
         with jax.named_scope(self._ring_scope(gemm, "row", backward=True)):
             # dy's chunks arrive one by one, each feeding its dx GEMM; they are also kept
-            # in one buffer for the weight gradient, a single GEMM once all have arrived.
+            # in one buffer for the weight gradient, a single GEMM once all have arrived
+            # (row_wgrad).
             full = list(gq.shape)
             full[dim] = a.shape[dim]
-            dh, gq_full = ring_gather(
+            return ring_gather(
                 gq, self.axis_name, fn,
                 (fresh_zeros((*a.shape[:-1], kernel.shape[0]), g.dtype, g),
                  fresh_zeros(full, gq.dtype, g)))
-            return dh, gemm.wgrad(a, gq_full, ctx)
+
+    def row_wgrad(self, gemm, a, gq_full, ctx):
+        return self._wgrad(gemm, "row", a, gq_full, ctx)
