@@ -45,7 +45,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig, PipelineConfig
-from sp_jax.layers import FULL_WINDOW, LayerWindow, moe_losses, parallel_cross_entropy
+from sp_jax.layers import (
+    FULL_WINDOW,
+    LayerWindow,
+    WeightGradTap,
+    enable_weight_grad_taps,
+    moe_losses,
+    parallel_cross_entropy,
+)
 from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
@@ -110,10 +117,14 @@ def check_pipeline(config: Any, pipeline: PipelineConfig, mesh: Any) -> None:
             f"multiple of {chunks} layers, or another stage count or pipeline_repeats.")
 
 
-def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
+def _stage_graphdefs(model: Any, parallel: ParallelConfig, taps: bool = False
+                     ) -> tuple[Any, Any, Any]:
     """The graph definitions a stage merges its parameters into: the GPT's (for the
     embedding and the head) and its stacked block's, of modules built with the stage's
-    ``parallel`` (:func:`stage_parallel`) in the mode of ``model`` (train or eval).
+    ``parallel`` (:func:`stage_parallel`) in the mode of ``model`` (train or eval); and
+    with ``taps`` (a table with W actions) the block's weight-gradient taps
+    (:func:`~sp_jax.layers.enable_weight_grad_taps`: its graph then takes them beside
+    the parameters; their pure dict third, else None).
 
     They are built abstractly (``nnx.eval_shape``) as a plain GPT (``model.wrapped``,
     the class the pipeline wraps) of ``model``'s config with one layer: the embedding,
@@ -132,7 +143,11 @@ def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
         return shell
 
     shell = nnx.eval_shape(build)
-    return nnx.graphdef(shell), nnx.graphdef(shell.blocks)
+    graphdef = nnx.graphdef(shell)
+    if not taps:
+        return graphdef, nnx.graphdef(shell.blocks), None
+    blocks = enable_weight_grad_taps(shell.blocks)  # tap slots hold no arrays
+    return graphdef, nnx.graphdef(blocks), nnx.to_pure_dict(nnx.state(blocks, WeightGradTap))
 
 
 def _router_terms(model: Any, ignore_index: int) -> Any:
@@ -209,12 +224,14 @@ def _documents(micro: dict[str, jax.Array]) -> Any:
 
 
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
-             label_smoothing: float, z_loss: float, result: str = "loss") -> StageProgram:
+             label_smoothing: float, z_loss: float, result: str = "loss",
+             taps: bool = False) -> StageProgram:
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts); its
     head returns the loss sum, or (``result``) the final-normed ``"hidden"`` states or
-    the padded ``"logits"`` of a forward."""
+    the padded ``"logits"`` of a forward; with ``taps`` (a table with W actions) its
+    chunks take the layers' weight-gradient taps (``StageProgram.weight_taps``)."""
     inner = stage_parallel(model.parallel.split_pipeline()[0])
-    graphdef, block_graphdef = _stage_graphdefs(model, inner)
+    graphdef, block_graphdef, weight_taps = _stage_graphdefs(model, inner, taps)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
     empty = jax.tree.map(lambda x: np.zeros((0,), x.dtype), blocks)
@@ -262,7 +279,8 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
         return jnp.sum(per_token).astype(jnp.float32)
 
-    return StageProgram(embed=embed, stage=stage, head=head, aux_loss=aux_loss)
+    return StageProgram(embed=embed, stage=stage, head=head, aux_loss=aux_loss,
+                        weight_taps=weight_taps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,7 +518,8 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     shared = {k: v for k, v in params.items() if k != "blocks"}
     blocks = _stage_major(params["blocks"], place)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
-    program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
+    program = _program(model, order, ignore_index, label_smoothing, z_loss, result,
+                       taps=schedule.deferred)
     axes = {"stage_axis": pipe.axis, "data_axes": manual_data_axes(par), "mesh": mesh,
             "reduce_dtype": par.grad_reduce_dtype}
     if result != "loss":  # a forward's outputs

@@ -24,10 +24,14 @@ Two modes, chosen by the table:
 * a table with B actions is driven: the B of a chunk is ``jax.vjp`` of the stage,
   recomputing its forward from the kept stage input (1F1B keeps at most ``2 V - 1`` of
   them, ``V = stages * repeats``, whatever the number of micro-batches); with W actions
-  the B computes the input gradient alone and keeps the layer input and the output
-  gradient for its W (:func:`backward_input`, :func:`backward_weight`), which may run
-  ticks later. A tick's activation transfer travels during its backward and its
-  gradient transfer during the next tick's forward.
+  the B computes the input gradient alone and keeps what the weight gradients need for
+  its W, which may run ticks later: with the program's ``weight_taps``, the layers' own
+  split (:func:`sp_jax.layers.backward_input` / :func:`~sp_jax.layers.backward_weight`:
+  each deferring GEMM keeps its operand and output gradient, the W runs only the weight
+  GEMMs and FSDP's reduce-scatters), else the chunk's input and output gradient, from
+  which the W differentiates the chunk again for its parameters. A tick's activation
+  transfer travels during its backward and its gradient transfer during the next tick's
+  forward.
 
 Gradients are computed per device, inside the loop's ``shard_map``, and reduced once per
 step (:mod:`sp_jax.pipeline.spmd`): over the data axes (a ``psum``, or a
@@ -58,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sp_jax.layers import backward_input, backward_weight
 from sp_jax.mesh import mesh_platform
 from sp_jax.pipeline.schedule import PipelineSchedule
 from sp_jax.pipeline.spmd import (
@@ -74,8 +79,7 @@ from sp_jax.pipeline.spmd import (
     when_busy,
 )
 
-__all__ = ["StageProgram", "backward_input", "backward_weight", "gpipe", "one_f_one_b",
-           "run_schedule"]
+__all__ = ["StageProgram", "gpipe", "one_f_one_b", "run_schedule"]
 
 _F32 = jnp.float32
 
@@ -112,35 +116,59 @@ class StageProgram:
         of every layer) is then exact: the backward of a chunk runs after every
         chunk's forward of its micro-batch, whose statistics the stages exchange (a
         small all-gather per tick).
+      weight_taps: None, or the weight-gradient taps of a chunk's layers (a pure dict of
+        :class:`~sp_jax.layers.WeightGradTap` values, no arrays), which the interpreter
+        puts beside a chunk's parameters for a table with W actions: ``stage`` then
+        takes them (its layers built with :func:`~sp_jax.layers.enable_weight_grad_taps`)
+        and the B and W actions are the layers' own split
+        (:func:`~sp_jax.layers.backward_input`); without them a W differentiates the
+        chunk again for its parameters.
     """
 
     embed: Callable[[Any, Any, Any], jax.Array]
     stage: Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, Any]]
     head: Callable[[Any, jax.Array, Any], jax.Array]
     aux_loss: Callable[[Any, Any, Any], jax.Array] | None = None
+    weight_taps: Any = None
 
 
 # -- the input- and weight-gradient halves of a stage's backward ---------------------------
 
 
-def backward_input(fn: Callable, params: Any, x: jax.Array,
-                   cotangent: Callable[[Any], Any]) -> tuple[Any, jax.Array, Any]:
-    """The B half of ``fn(params, x)``'s backward: ``(outputs, dx, wres)``, the
-    cotangent of the outputs given by ``cotangent(outputs)`` (a loss term of them may
-    depend on their values); ``wres``: what :func:`backward_weight` needs, the input and
-    that cotangent (the weight gradients are computed again from them)."""
-    outputs, pullback = jax.vjp(lambda x: fn(params, x), x)
-    cot = cotangent(outputs)
-    (dx,) = pullback(cot)
-    return outputs, dx, (x, cot)
+def _recomputed_input(fn: Callable, params: Any, x: jax.Array, gy: Any
+                      ) -> tuple[jax.Array, None, Any]:
+    """The B half of ``fn(params, x)``'s backward without the layers' split (a program
+    without ``weight_taps``): ``(dx, None, wres)``, ``wres`` the input and the
+    cotangent ``gy``, from which :func:`_recomputed_weight` differentiates ``fn`` again
+    (the signature of :func:`sp_jax.layers.backward_input`)."""
+    _, pullback = jax.vjp(lambda x: fn(params, x), x)
+    return pullback(gy)[0], None, (x, gy)
 
 
-def backward_weight(fn: Callable, params: Any, wres: Any) -> Any:
-    """The W half: the gradients of ``params`` from :func:`backward_input`'s ``wres``
-    (their sum with the B half's, none here, is the fused ``jax.vjp``'s)."""
-    x, cot = wres
-    _, pullback = jax.vjp(lambda p: fn(p, x), params)
-    return pullback(cot)[0]
+def _recomputed_weight(fn: Callable, params: Any, wres: Any) -> Any:
+    """The W half: all the gradients of ``params`` from :func:`_recomputed_input`'s
+    ``wres`` (the fused ``jax.vjp``'s)."""
+    x, gy = wres
+    return jax.vjp(lambda p: fn(p, x), params)[1](gy)[0]
+
+
+def _with_taps(chunk: Any, taps: Any) -> Any:
+    """A chunk's parameter dict with the layers' weight-gradient taps beside the
+    parameters they cover (``taps``: a pure dict of tap values; None: none)."""
+    if taps is None:
+        return chunk
+    if not isinstance(taps, dict):
+        return taps
+    out = dict(chunk)
+    for key, value in taps.items():
+        out[key] = _with_taps(chunk.get(key, {}), value)
+    return out
+
+
+def _without_taps(grads: Any, like: Any) -> Any:
+    """Gradients of a chunk with taps as the chunk ``like`` without them (the taps hold
+    no arrays: the leaves are the same, in the same order)."""
+    return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(grads))
 
 
 # -- the tables --------------------------------------------------------------------------
@@ -162,12 +190,11 @@ def _keys_at(keys: Any, m: jax.Array, r: jax.Array, s: jax.Array) -> Any:
     return jax.tree.map(lambda k: k[m, r, s], keys)
 
 
-def _aux_table(program: StageProgram, stages: Any, x: jax.Array, keys: Any, micro: Any,
+def _aux_table(program: StageProgram, chunk: Any, x: jax.Array, keys: Any, micro: Any,
                shape: tuple[int, ...]) -> Any:
     """Zeros ``[*shape, ...]`` for the ``aux`` statistics of a chunk (its shapes from
-    :meth:`StageProgram.stage`)."""
-    aux = jax.eval_shape(lambda c, x, k: program.stage(c, x, k, micro)[1],
-                         _chunk(stages, 0), x, keys)
+    :meth:`StageProgram.stage` of ``chunk``)."""
+    aux = jax.eval_shape(lambda c, x, k: program.stage(c, x, k, micro)[1], chunk, x, keys)
     return jax.tree.map(lambda a: jnp.zeros((*shape, *a.shape), _F32), aux)
 
 
@@ -294,7 +321,7 @@ def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, gra
             """The last virtual stage's outputs ``[M, b, s, h]`` and the aux sums."""
             x0 = program.embed(shared, _micro(batch, 0), None if ekeys is None else ekeys[0])
             # aux: a scalar sum, or (aux_loss) each (micro-batch, chunk)'s statistics
-            aux0 = _aux_table(program, stages, x0, _keys_at(lkeys, 0, 0, s),
+            aux0 = _aux_table(program, _chunk(stages, 0), x0, _keys_at(lkeys, 0, 0, s),
                               _micro(batch, 0), (m_count, repeats)) if coupled else \
                 jnp.zeros((), _F32)
 
@@ -413,6 +440,9 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
     coupled = program.aux_loss is not None
     flags = leaf_flags(maximum, stages)
     ticks = _busy_ticks(schedule)
+    taps = program.weight_taps if deferred else None
+    split_input, split_weight = (backward_input, backward_weight) if taps is not None \
+        else (_recomputed_input, _recomputed_weight)
     # Where the last stage only ever forwards a micro-batch's last chunk (one chunk per
     # stage), it ends a micro-batch (and the first starts one) in every tick it works:
     # no condition around the head or the embedding backward.
@@ -438,23 +468,21 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
             return lambda chunk, x: program.stage(chunk, x, _keys_at(lkeys, m, r, s),
                                                   _micro(batch, m))
 
-        def cotangent(active, m, gy, table, loss):
-            """The stage outputs' cotangent ``(gy, d_aux)`` of a backward (``active``
-            where this stage back-propagates micro-batch ``m``), and the loss with the
-            chunk's coupled term: a function of the recomputed ``(y, aux)``."""
-            def of(outputs):
-                nonlocal loss
-                aux_b = outputs[1]
-                if coupled:  # the chunk's term and its cotangent, from the totals
-                    value, d_aux = jax.value_and_grad(program.aux_loss)(
-                        aux_b, _micro(table, m), _micro(batch, m))
-                    loss = loss + jnp.where(active, value.astype(_F32), 0.0)
-                    d_aux = masked(active, d_aux)
-                else:  # the aux term's cotangent: 1 where this stage back-propagates
-                    d_aux = active.astype(_F32)
-                return gy, d_aux
+        def aux_cotangent(active, m, aux_b, table, loss):
+            """The cotangent of a chunk's ``aux`` in a backward (``active`` where this
+            stage back-propagates micro-batch ``m``), and the loss with the chunk's
+            coupled term (``aux_b``: the chunk's statistics)."""
+            if coupled:  # the chunk's term and its cotangent, from the totals
+                value, d_aux = jax.value_and_grad(program.aux_loss)(
+                    aux_b, _micro(table, m), _micro(batch, m))
+                loss = loss + jnp.where(active, value.astype(_F32), 0.0)
+                return masked(active, d_aux), loss
+            # the aux term's cotangent: 1 where this stage back-propagates
+            return active.astype(_F32), loss
 
-            return of, lambda: loss
+        def pick(r):
+            """Chunk ``r``'s parameters (with W actions, the layers' taps beside them)."""
+            return _with_taps(_chunk(stages, r), taps)
 
         def add_grads(g_stages, r, d_chunk, active):
             """The chunk's parameter gradients added at chunk ``r`` (amaxes, flagged: the
@@ -467,14 +495,19 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
         zeros32 = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=_F32), (shared, stages))
         # aux_loss: every (micro-batch, chunk)'s statistics [M, R, P, ...], filled as the
         # forwards run (a micro-batch's are complete before its first backward)
-        table0 = _aux_table(program, stages, x0, _keys_at(lkeys, 0, 0, s), _micro(batch, 0),
+        table0 = _aux_table(program, pick(0), x0, _keys_at(lkeys, 0, 0, s), _micro(batch, 0),
                             (schedule.microbatches, schedule.repeats, p)) if coupled else None
-        # with W actions: each backward's (input, output cotangent) until its W
-        wres0 = None
+        # with W actions: what each backward keeps for its W, and (aux_loss) each
+        # forward's statistics for its backward's term
+        wres0 = auxes0 = None
         if deferred:  # laid out as a backward's (traced for its layouts: dead code)
-            like = backward_input(chunk_fn(0, 0), _chunk(stages, 0), x0, lambda out: (
-                out[0], jax.tree.map(lambda a: a.astype(_F32), out[1])))[2]
+            aux_like = jax.tree.map(lambda a: jnp.zeros(a.shape, _F32), jax.eval_shape(
+                lambda c: chunk_fn(0, 0)(c, x0)[1], pick(0)))
+            like = split_input(chunk_fn(0, 0), pick(0), x0, (x0, aux_like))[2]
             wres0 = jax.tree.map(lambda a: stacked_zeros(schedule.num_wslots, a), like)
+            if coupled:
+                auxes0 = jax.tree.map(lambda a: jnp.zeros((schedule.num_slots, *a.shape),
+                                                          _F32), aux_like)
         kept0 = {kind: stacked_zeros(slots, x0) for kind, slots in receive.items() if slots}
 
         def tick(carry, t, forward, backward, weight):
@@ -482,7 +515,7 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
             stage forwards / back-propagates / computes deferred weight gradients in
             this phase of the table."""
             recv_f, sent_b, inputs, loss, (g_shared, g_stages), table, extra = carry
-            wres, kept = extra
+            wres, auxes, kept = extra
             # The gradient the previous tick sent back: it travels while this tick's
             # forward runs (needed only by the backward below), as this tick's forward
             # output travels during its backward.
@@ -506,9 +539,12 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
                 x = jnp.where(first, embed(sh, m), arrived["fwd"])
                 slot = jnp.maximum(at["fwd_slot"], 0)
                 inputs = inputs.at[slot].set(jnp.where(active, x, inputs[slot]))
-                y, aux = program.stage(_chunk(stages, r), x, _keys_at(lkeys, m, r, s),
+                y, aux = program.stage(pick(r), x, _keys_at(lkeys, m, r, s),
                                        _micro(batch, m))
                 y = jnp.where(active, y, jnp.zeros_like(y))
+                if auxes is not None:  # for the deferred backward's coupled term
+                    auxes = jax.tree.map(lambda b, a: b.at[slot].set(
+                        jnp.where(active, a.astype(_F32), b[slot])), auxes, aux)
                 if coupled:  # this tick's statistics of every stage, into the table
                     gathered = exchanged(
                         masked(active, jax.tree.map(lambda a: a.astype(_F32), aux)), axes)
@@ -544,17 +580,22 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
                 xb = inputs[jnp.maximum(at["bwd_slot"], 0)]
                 gy = jnp.where(active_b & (rb == r_last) & (s == p - 1), dy, arrived["bwd"])
                 gy = jnp.where(active_b, gy, jnp.zeros_like(gy))  # idle: zero gradients
-                of, loss_now = cotangent(active_b, mb, gy, table, loss)
                 if deferred:  # the input gradient now, the weights' at the W action
-                    _, dx, res = backward_input(chunk_fn(mb, rb), _chunk(stages, rb), xb, of)
+                    aux_b = None if auxes is None else jax.tree.map(
+                        lambda b: b[jnp.maximum(at["bwd_slot"], 0)], auxes)
+                    d_aux, loss = aux_cotangent(active_b, mb, aux_b, table, loss)
+                    dx, now, res = split_input(chunk_fn(mb, rb), pick(rb), xb, (gy, d_aux))
+                    if now is not None:  # the gradients of what does not defer
+                        g_stages = add_grads(g_stages, rb, _without_taps(
+                            now, _chunk(stages, rb)), active_b)
                     slot = jnp.maximum(at["bwd_wslot"], 0)
                     wres = jax.tree.map(lambda b, v: b.at[slot].set(
                         jnp.where(active_b, v, b[slot])), wres, res)
                 else:
                     outs, pullback = jax.vjp(chunk_fn(mb, rb), _chunk(stages, rb), xb)
-                    d_chunk, dx = pullback(of(outs))
+                    d_aux, loss = aux_cotangent(active_b, mb, outs[1], table, loss)
+                    d_chunk, dx = pullback((gy, d_aux))
                     g_stages = add_grads(g_stages, rb, d_chunk, active_b)
-                loss = loss_now()
                 first_b = active_b & (rb == 0) & (s == 0)
 
                 def embed_backward():
@@ -567,19 +608,18 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
                 active_w = mw >= 0
                 mw, rw = jnp.maximum(mw, 0), jnp.maximum(rw, 0)
                 res = jax.tree.map(lambda b: b[jnp.maximum(at["wgt_slot"], 0)], wres)
-                x_w, cot = res
-                d_chunk = backward_weight(chunk_fn(mw, rw), _chunk(stages, rw),
-                                          (x_w, masked(active_w, cot)))
-                g_stages = add_grads(g_stages, rw, d_chunk, active_w)
+                later = split_weight(chunk_fn(mw, rw), pick(rw), res)
+                g_stages = add_grads(g_stages, rw, masked(  # idle: a stale slot's
+                    active_w, _without_taps(later, _chunk(stages, rw))), active_w)
             if not forward:
                 y, dx, g_shared, g_stages = ordered(cpu, (y, dx, g_shared, g_stages))
                 sent_f = lax.ppermute(y, stage_axis, forward_ring)
             return (sent_f, dx, inputs, loss, (g_shared, g_stages), table,
-                    (wres, kept)), None
+                    (wres, auxes, kept)), None
 
         inputs = stacked_zeros(schedule.num_slots, x0)
         carry = (jnp.zeros_like(x0), jnp.zeros_like(x0), inputs, jnp.zeros((), _F32),
-                 zeros32, table0, (wres0, kept0))
+                 zeros32, table0, (wres0, auxes0, kept0))
         for begin, end, forward, backward, weight in _phases(schedule):
             carry, _ = lax.scan(functools.partial(tick, forward=forward, backward=backward,
                                                   weight=weight),
