@@ -15,18 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "FSDP_MODES", "PIPELINE_SCHEDULES", "Fp8Recipe",
-           "ParallelConfig", "check_layer_args"]
+           "ParallelConfig", "PipelineConfig", "check_layer_args"]
 
 CONTEXT_PARALLEL = (None, "ring", "ulysses")
 """The values of ``ParallelConfig.context_parallel``."""
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+"""The values of ``ParallelConfig.pipeline_schedule``."""
 
 FSDP_MODES = (False, "optimizer", "full")
 """What ``ParallelConfig.fsdp`` holds after construction (``True`` is read as ``"full"``):
 nothing sharded over the data axes, the optimizer state only (ZeRO-1), or the parameters
 and with them their gradients and optimizer state (ZeRO-3 / FSDP)."""
-"""The values of ``ParallelConfig.pipeline_schedule``."""
 
 FP8_SCALINGS = ("current", "delayed")
 """The values of ``Fp8Recipe.scaling``."""
@@ -131,6 +131,13 @@ class ParallelConfig:
         interleaved assignment, chunk ``c`` of ``stages * R`` on stage ``c % stages``;
         fewer idle ticks, ``(P - 1) / (R M + P - 1)``); ``num_layers`` must divide by
         ``stages * R`` and ``M`` by ``stages``.
+      pipeline_layers_per_stage: None (the default: every stage holds ``num_layers /
+        (stages * R)`` layers per chunk), or the number of layers of each virtual stage
+        ``v = r * stages + s`` (chunk ``r`` of stage ``s``; ``stages * R`` positive ints
+        summing to ``num_layers``), e.g. ``(3, 5)``: fewer layers on the stage that also
+        runs the embedding (Megatron's first / last stage layer counts). Each stage runs
+        the most layers of any, the padding ones as identities (one SPMD program); the
+        parameters keep their ``[num_layers, ...]`` layout (:mod:`sp_jax.pipeline`).
       expert_axis: mesh axis of expert parallelism (mesh ``(data, expert, context,
         tensor)``), or ``None`` (the default): the experts of a mixture-of-experts layer
         (``GPTConfig(num_experts=...)``) are sharded over it, and the tokens of a layer go
@@ -181,6 +188,7 @@ class ParallelConfig:
     manual_data_axes: tuple[str, ...] = ()
     grad_reduce_dtype: Any = None
     offload_activations: bool = False
+    pipeline_layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_axis, str) or not self.tensor_axis:
@@ -309,12 +317,26 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is not a known "
                 f"schedule; use one of {PIPELINE_SCHEDULES}.")
+        counts = self.pipeline_layers_per_stage
+        if counts is not None:
+            if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__") or \
+                    not tuple(counts) or not all(
+                        isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c > 0
+                        for c in counts):
+                raise ValueError(
+                    f"ParallelConfig.pipeline_layers_per_stage={counts!r} must be None or a "
+                    "tuple of positive ints (the layers of each virtual stage), e.g. (3, 5).")
+            object.__setattr__(self, "pipeline_layers_per_stage", tuple(int(c) for c in counts))
         if axis is None and (self.pipeline_microbatches > 1 or self.pipeline_repeats > 1
                              or self.pipeline_schedule != "gpipe"):
             raise ValueError(
                 "ParallelConfig: pipeline_microbatches, pipeline_repeats and "
                 "pipeline_schedule need a pipeline; set pipeline_axis (e.g. "
                 "pipeline_axis='stage') or leave them at their defaults.")
+        if axis is None and counts is not None:
+            raise ValueError(
+                f"ParallelConfig: pipeline_layers_per_stage={counts!r} needs a pipeline; set "
+                "pipeline_axis (e.g. pipeline_axis='stage') or leave it None.")
         manual = self.manual_data_axes
         manual = (manual,) if isinstance(manual, str) else tuple(manual)
         if not all(isinstance(n, str) and n for n in manual):
@@ -327,6 +349,20 @@ class ParallelConfig:
     def pipeline_axes(self) -> tuple[str, ...]:
         """The pipeline axis as a tuple (empty without a pipeline)."""
         return (self.pipeline_axis,) if self.pipeline_axis is not None else ()
+
+    def split_pipeline(self) -> tuple[ParallelConfig, PipelineConfig | None]:
+        """The request split once, at a model's construction: the config of its layers
+        (every ``pipeline_*`` field at its default: the layers know nothing of stages)
+        and the pipeline's own :class:`PipelineConfig` (None without ``pipeline_axis``)."""
+        if self.pipeline_axis is None:
+            return self, None
+        layers = self.replace(pipeline_axis=None, pipeline_microbatches=1,
+                              pipeline_schedule="gpipe", pipeline_repeats=1,
+                              pipeline_layers_per_stage=None)
+        return layers, PipelineConfig(
+            axis=self.pipeline_axis, microbatches=self.pipeline_microbatches,
+            schedule=self.pipeline_schedule, repeats=self.pipeline_repeats,
+            layers_per_stage=self.pipeline_layers_per_stage)
 
     @property
     def context_axes(self) -> tuple[str, ...]:
@@ -380,6 +416,25 @@ class ParallelConfig:
                 f"Unknown ParallelConfig key(s) {unknown}; valid keys are {valid}."
             )
         return cls(**dict(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline part of a :class:`ParallelConfig` (its ``pipeline_*`` fields, checked
+    there), which :meth:`ParallelConfig.split_pipeline` hands to the pipeline
+    (:mod:`sp_jax.pipeline`) while the layers get the rest.
+
+    Attributes:
+      axis: the stage mesh axis.
+      microbatches / schedule / repeats / layers_per_stage: ``pipeline_microbatches``,
+        ``pipeline_schedule``, ``pipeline_repeats``, ``pipeline_layers_per_stage``.
+    """
+
+    axis: str
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    repeats: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("sp_jax.ops",),
     ("sp_jax.attention",),
     ("sp_jax.layers",),
-    ("sp_jax.pipeline",),
     ("sp_jax.models",),
+    ("sp_jax.pipeline",),  # outside the model: it wraps the GPT (sp_jax.pipeline.gpt)
     ("sp_jax.training", "sp_jax.data", "sp_jax.checkpoint"),
     ("sp_jax",),  # the package itself: imports every floor
 ]
@@ -371,3 +371,40 @@ def test_benchmarks_have_no_import_circle():
     assert not wrong, "rendering imports measuring modules:\n" + "\n".join(wrong)
     assert not [t for t, _ in _imported_modules(BENCHMARKS / "records.py")
                 if t.startswith(("benchmarks", "sp_jax", "jax"))]
+
+
+# -- the pipeline outside the model -------------------------------------------------------
+
+# The GPT's forwards: the pipeline calls them (sp_jax.pipeline.gpt wraps the model), so
+# none of them refers to it.
+GPT_FORWARDS = ("__call__", "loss", "hidden_states", "padded_logits", "embed_tokens",
+                "run_blocks", "logits_from_hidden")
+
+
+def _identifiers(node: ast.AST) -> set[str]:
+    """Every name, attribute, argument and keyword a piece of code uses (not its
+    docstrings or other strings)."""
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.keyword) and n.arg:
+            out.add(n.arg)
+    return out
+
+
+def test_no_forward_method_of_the_gpt_refers_to_the_pipeline():
+    (gpt,) = [n for n in TREES["sp_jax.models.gpt"].body
+              if isinstance(n, ast.ClassDef) and n.name == "GPT"]
+    methods = {n.name: n for n in gpt.body if isinstance(n, ast.FunctionDef)}
+    assert set(GPT_FORWARDS) <= set(methods)
+    wrong = {name: sorted(i for i in _identifiers(methods[name])
+                          if "pipeline" in i.lower() or "stage" in i.lower())
+             for name in GPT_FORWARDS}
+    assert not any(wrong.values()), wrong
+    # and the model's floor never imports the pipeline (test_lower_floors_...)
+    assert _floor("sp_jax.pipeline.gpt") > _floor("sp_jax.models.gpt")

@@ -5,7 +5,7 @@ stacked on axis 0, run by ``lax.scan``).
 
 :class:`~sp_jax.models.GPT` holds its layers in one of these two forms
 (``GPTConfig.scan_layers``) and runs them with :func:`run_blocks`; a pipeline stage
-(:mod:`sp_jax.models.pipelined`) runs its slice of the stacked layers with
+(:mod:`sp_jax.pipeline.gpt_stages`) runs its slice of the stacked layers with
 :func:`scan_blocks`, and generation (:mod:`sp_jax.models.decode`) its prompts with
 :func:`prefill_blocks` and one token through them, per device, with :func:`decode_blocks`
 (both layer loops are :func:`over_layers`).

@@ -41,13 +41,12 @@ entries its attention held, the generated positions go round robin
 (:func:`~sp_jax.layers.attention_registry.cache_slots`), and each decode step's
 attention merges the shards' parts (``"mha"``: by log-sum-exp,
 :func:`~sp_jax.attention.cached_attention`'s ``axis_name``). A pipelined model decodes
-after :func:`unpipelined` gathers its blocks off the stage axis.
+after :func:`unpipelined` (``model.for_decoding()``) gathers its blocks off the stage
+axis.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 from typing import Any
 
 import jax
@@ -55,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held
@@ -75,15 +73,11 @@ __all__ = ["KVCache", "cache_slots", "check_decodable", "decode_step", "prefill"
 
 
 def check_decodable(model: Any) -> None:
-    """A ValueError when ``model`` cannot decode as it is: pipeline stages (a pipelined
-    model decodes as :func:`unpipelined` gives it). :mod:`sp_jax.compat`'s other
-    refusals of ``"generate"`` are raised where the layers are built."""
-    par: ParallelConfig = model.parallel
-    if par.pipeline_axis is not None:
-        raise ValueError(
-            f"decode: the model has ParallelConfig(pipeline_axis={par.pipeline_axis!r}); "
-            "prefill and decode_step run on its re-layout without stages, "
-            "decode.unpipelined(model) (generate does so itself).")
+    """A ValueError when ``model`` cannot decode as it is (``model.check_decodable()``:
+    a wrapper laid out otherwise, e.g. on pipeline stages, decodes as
+    ``model.for_decoding()`` gives it). :mod:`sp_jax.compat`'s other refusals of
+    ``"generate"`` are raised where the layers are built."""
+    model.check_decodable()
 
 
 # -- the decode layout of the parameters ---------------------------------------------------
@@ -170,56 +164,12 @@ def to_decode_layout(model: Any) -> None:
 
 
 def unpipelined(model: Any) -> Any:
-    """The GPT ``model`` without its pipeline stages: the same class, config and
-    parameters, built with ``pipeline_axis=None`` (the stage axis then unused by the
-    layers: everything replicated over it), so that it decodes (or computes logits) as
-    any GPT. ``model`` itself is not changed.
-
-    The stacked blocks ``[L, ...]`` sharded over the stage axis on their first dimension
-    (or ``[R, L / R, ...]`` on their second with ``pipeline_repeats = R > 1``; both in
-    layer order, :mod:`sp_jax.models.pipelined`) are all-gathered over the stage axis and
-    reshaped to ``[L, ...]``: each device receives ``(S - 1) / S`` of its tensor shard
-    of the blocks (``S`` stages; BENCHMARKS.md has the bytes and times). Every other
-    variable is shared as it is (not over the stage axis). The shell of the new model is
-    built abstractly (``nnx.eval_shape``: no parameter is initialised)."""
-    par = model.parallel
-    if par.pipeline_axis is None:
-        return model
-    mesh = current_mesh(par, where="generate")
-    flat = par.replace(pipeline_axis=None, pipeline_microbatches=1,
-                       pipeline_schedule="gpipe", pipeline_repeats=1)
-    training = not model.dropout.deterministic
-    config = model.config
-
-    def build():
-        shell = type(model)(config, parallel=flat, rngs=nnx.Rngs(0))
-        if not training:
-            shell.eval()
-        return shell
-
-    graph, abstract = nnx.split(nnx.eval_shape(build))
-    values = nnx.to_pure_dict(nnx.state(model))
-
-    def fill(path: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
-        names = [k.key for k in path]
-        try:
-            x = functools.reduce(operator.getitem, names, values)
-        except KeyError:  # an rng stream the model was built without (unused in eval)
-            return jax.random.key(0) if jax.dtypes.issubdtype(
-                like.dtype, jax.dtypes.prng_key) else jnp.zeros(like.shape, like.dtype)
-        spec = jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else ()
-        if names[0] != "blocks" or par.pipeline_axis not in spec:
-            return x
-        whole = (*(None if a == par.pipeline_axis else a for a in spec),
-                 *(None,) * (x.ndim - len(spec)))
-        x = reshard(x, P(*whole), mesh)  # the all-gather over the stage axis
-        if x.shape != like.shape:  # [R, L / R, ...] -> [L, ...]
-            x = jnp.reshape(x, like.shape, out_sharding=NamedSharding(mesh, P(*whole[1:])))
-        return x
-
-    nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_map_with_path(
-        fill, nnx.to_pure_dict(abstract)))
-    return nnx.merge(graph, abstract)
+    """The model that prefill and decode steps run: ``model.for_decoding()`` (a GPT
+    itself; a GPT on pipeline stages, its re-layout without them: the same config and
+    parameters, the blocks all-gathered off the stage axis,
+    :meth:`sp_jax.pipeline.PipelinedGPT.for_decoding`). ``model`` itself is not
+    changed."""
+    return model.for_decoding()
 
 
 def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int

@@ -22,7 +22,6 @@ from sp_jax.models.decode import (
     decode_step,
     prefill,
     to_decode_layout,
-    unpipelined,
 )
 
 __all__ = ["Generation", "filter_logits", "generate", "sample_tokens"]
@@ -200,7 +199,7 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
         raise ValueError("generate: sampling (temperature > 0) needs rngs= (e.g. "
                          "nnx.Rngs(sample=0) or jax.random.key(0)); temperature=0 is greedy.")
     check_mode("generate", model, where="generate")  # sp_jax.compat's generate column
-    model = unpipelined(model)  # a pipelined model's blocks gathered over the stage axis
+    model = model.for_decoding()  # e.g. a pipelined model's blocks off the stage axis
     cfg, par = model.config, model.parallel
     check_decodable(model)
     tokens, lens = _prompt_rows(prompts, lengths, cfg.vocab_size)

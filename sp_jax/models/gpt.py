@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +36,6 @@ from sp_jax.mesh import (
 )
 from sp_jax.models.blocks import Block, Documents, run_blocks, stack_blocks
 from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
-from sp_jax.models.pipelined import (
-    check_pipeline,
-    pipeline_forward,
-    pipeline_forward_loss,
-    pipeline_loss_and_grads,
-)
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
@@ -61,11 +55,36 @@ class GPT(nnx.Module):
     evaluating or generating and ``model.train()`` to switch back; with the default
     rates of 0 both modes compute the same function.
 
+    Pipeline stages: ``GPT(config, parallel=ParallelConfig(pipeline_axis=...), ...)``
+    builds the class that the pipeline registered (:meth:`register_pipeline`; the
+    pipeline wraps the plain model, :class:`sp_jax.pipeline.PipelinedGPT`): the GPT
+    itself knows nothing of stages, and its layers get the request without its pipeline
+    fields (:meth:`~sp_jax.ParallelConfig.split_pipeline`).
+
     Args:
       config: the :class:`GPTConfig`.
       parallel: the :class:`~sp_jax.ParallelConfig`.
       rngs: rng streams (``params``; ``dropout`` when ``config.dropout > 0``).
     """
+
+    # The class a pipeline request builds instead of ``cls`` (``wrap(cls)``), registered by
+    # the pipeline, a floor above this one (:meth:`register_pipeline`).
+    _pipelined: ClassVar[Callable[[type], type] | None] = None
+
+    def __new__(cls, *args: Any, parallel: Any = None, **kwargs: Any) -> GPT:
+        del args, kwargs
+        if isinstance(parallel, ParallelConfig) and parallel.split_pipeline()[1] is not None:
+            if GPT._pipelined is None:
+                raise ValueError("GPT: ParallelConfig(pipeline_axis=...) needs the pipeline "
+                                 "loaded; import sp_jax (or sp_jax.pipeline) first.")
+            cls = GPT._pipelined(cls)
+        return super().__new__(cls)
+
+    @staticmethod
+    def register_pipeline(wrap: Callable[[type], type]) -> None:
+        """Registers what a request with a pipeline builds: ``wrap(cls)``, the class that
+        runs GPT class ``cls`` on pipeline stages (``cls`` itself when it already does)."""
+        GPT._pipelined = wrap
 
     def __init__(self, config: GPTConfig, *, parallel: ParallelConfig = ParallelConfig(),
                  rngs: nnx.Rngs):
@@ -87,12 +106,8 @@ class GPT(nnx.Module):
             self.position = None
         self.dropout = Dropout(cfg.dropout, parallel=parallel, rngs=rngs)
         check_mode(None, config=cfg, parallel=parallel, where="GPT")  # every mode: compat
-        if parallel.pipeline_axis is not None:
-            check_pipeline(cfg, parallel, current_mesh(parallel, where="GPT", required=False))
         blocks = [Block(cfg, parallel, rngs=rngs, index=i) for i in range(cfg.num_layers)]
-        self.blocks = stack_blocks(blocks, parallel.pipeline_axis,
-                                    parallel.pipeline_repeats) if cfg.scan_layers \
-            else nnx.List(blocks)
+        self.blocks = self.stack_layers(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
                                     epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
                                     param_dtype=cfg.param_dtype, rngs=rngs,
@@ -101,6 +116,21 @@ class GPT(nnx.Module):
         # output layer), vocabulary-parallel like the embedding.
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden, parallel=parallel, param_dtype=cfg.param_dtype, rngs=rngs)
+
+    def stack_layers(self, blocks: list[Block]) -> Block:
+        """The layers of a scanned model (``config.scan_layers``) as one stacked
+        :class:`Block` (:func:`~sp_jax.models.blocks.stack_blocks`); a wrapper that
+        places them otherwise (over pipeline stages) overrides it."""
+        return stack_blocks(blocks)
+
+    def for_decoding(self) -> GPT:
+        """The model that generation runs (prefill and decode steps): this one; a
+        wrapper laid out otherwise (pipeline stages) returns its re-layout."""
+        return self
+
+    def check_decodable(self) -> None:
+        """Raises a ValueError where this model cannot run prefill and decode steps as
+        it is (a wrapper's: use :meth:`for_decoding`); nothing for a GPT."""
 
     # -- pieces -------------------------------------------------------------------------
 
@@ -126,9 +156,6 @@ class GPT(nnx.Module):
         check_mode("eval", self, documents=segment_ids is not None, where="GPT.hidden_states")
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
-        if self.parallel.pipeline_axis is not None:
-            held = self._pipeline_forward(tokens, segment_ids, positions, rngs, "hidden")
-            return to_natural(held, order, self.parallel)
         held, _ = self._hidden_states(to_held(tokens, order, self.parallel), rngs, None,
                                       order, self._documents(tokens, segment_ids, positions,
                                                              order))
@@ -156,14 +183,6 @@ class GPT(nnx.Module):
         if positions is not None and self.position is not None:
             self._check_positions(positions)
         return held[0], held[1]
-
-    def _document_arrays(self, tokens: jax.Array, segment_ids: jax.Array | None,
-                         positions: jax.Array | None) -> dict[str, jax.Array]:
-        """The given ``segment_ids`` / ``positions`` by name, checked, in the natural
-        order (a pipeline's micro-batch dict takes them so)."""
-        documents = self._documents(tokens, segment_ids, positions, None) or (None, None)
-        return {k: a for k, a in zip(("segment_ids", "positions"), documents, strict=True)
-                if a is not None}
 
     def _check_positions(self, positions: jax.Array) -> None:
         """Learned positions index a table of ``max_seq_len`` rows (checked on concrete
@@ -287,18 +306,6 @@ class GPT(nnx.Module):
             lambda h, table: column_sp_matmul(h, table.T, None, par), h, layout.sp,
             layout.logits, ((table, layout.vocab_table),), parallel=par, where="GPT"))
 
-    def _pipeline_forward(self, tokens: jax.Array, segment_ids: jax.Array | None,
-                          positions: jax.Array | None, rngs: Any, result: str) -> jax.Array:
-        """Hidden states or padded logits (``result``) of a pipelined GPT, in the held
-        order: a GPipe forward through the stages
-        (:func:`~sp_jax.models.pipelined.pipeline_forward`)."""
-        self._check_tokens(tokens)
-        batch = {"tokens": tokens, **self._document_arrays(tokens, segment_ids, positions)}
-        stream = None
-        if self.training:
-            stream = rngs.dropout if rngs is not None else self.dropout.rngs
-        return pipeline_forward(self, batch, stream, result)
-
     def padded_logits(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, rngs: Any = None) -> jax.Array:
         """Logits over the padded vocabulary ``[batch, seq, padded_vocab]``,
@@ -307,9 +314,6 @@ class GPT(nnx.Module):
         check_mode("eval", self, documents=segment_ids is not None, where="GPT")
         tokens = self._ids(tokens)
         order = self.sequence_order(tokens)
-        if self.parallel.pipeline_axis is not None:
-            held = self._pipeline_forward(tokens, segment_ids, positions, rngs, "logits")
-            return to_natural(held, order, self.parallel, "activation_vocab")
         held, _ = self._padded_logits(to_held(tokens, order, self.parallel), rngs, order,
                                       self._documents(tokens, segment_ids, positions, order))
         return to_natural(held, order, self.parallel, "activation_vocab")
@@ -350,54 +354,23 @@ class GPT(nnx.Module):
             logits = reshard(logits, layout.spec("activation_batch", None, None), mesh)
         return logits[..., :vocab]
 
-    def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,
-                                key: jax.Array | None, *, segment_ids: jax.Array | None = None,
-                                positions: jax.Array | None = None, ignore_index: int = -100,
-                                return_metrics: bool = False) -> tuple:
-        """A training step's loss and gradients through the pipeline of
-        ``ParallelConfig(pipeline_axis=...)``, by its schedule (what
-        :class:`~sp_jax.training.TrainStep` runs for a pipelined GPT).
-
-        Args:
-          tokens / labels: ``[M, batch, seq]``, ``M = pipeline_microbatches``, labels
-            aligned as in :meth:`loss`.
-          key: dropout key; micro-batch ``i`` draws from ``fold_in(key, i)`` as
-            :func:`~sp_jax.training.lm_loss` of the unpipelined model does.
-          segment_ids / positions: packed rows ``[M, batch, seq]`` (as in :meth:`loss`;
-            each micro-batch's travel with it through the stages), or None.
-          ignore_index: the target id that contributes no loss.
-          return_metrics: also return the router metrics of mixture-of-experts layers
-          (averaged over the micro-batches; empty without experts).
-        Returns:
-          ``(loss_sum, count, grads)``: the float32 sum of per-token losses (with the
-          routers' auxiliary losses, each micro-batch's times its target count, as
-          :func:`~sp_jax.training.lm_loss`), the number of target tokens and the
-          gradients of ``loss_sum``, a pure dict shaped like
-          ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; with ``return_metrics``
-          the metrics fourth.
-        """
-        if self.parallel.pipeline_axis is None:
-            raise ValueError("GPT.pipeline_loss_and_grads needs ParallelConfig("
-                             "pipeline_axis=...); use jax.grad of GPT.loss otherwise.")
-        tokens, labels = self._ids(tokens), self._ids(labels)
-        if tokens.ndim != 3 or labels.shape != tokens.shape:
-            raise ValueError(
-                f"GPT.pipeline_loss_and_grads expects tokens and labels [micro_batches, "
-                f"batch, seq] of one shape, got {tokens.shape} and {labels.shape}.")
-        if tokens.shape[0] != self.parallel.pipeline_microbatches:
-            raise ValueError(
-                f"GPT: the batch has {tokens.shape[0]} micro-batches (its leading "
-                f"dimension) but ParallelConfig.pipeline_microbatches="
-                f"{self.parallel.pipeline_microbatches}; make them equal (the example's "
-                "--microbatches sets both).")
-        self._check_tokens(tokens[0])
-        batch = {"tokens": tokens, "labels": labels,
-                 **self._document_arrays(tokens, segment_ids, positions)}
-        if segment_ids is not None:  # per micro-batch, as lm_loss drops them
-            batch["labels"] = jax.vmap(document_labels, in_axes=(0, 0, None))(
-                labels, batch["segment_ids"], ignore_index)
-        return pipeline_loss_and_grads(self, batch, key, ignore_index=ignore_index,
-                                       return_metrics=return_metrics)
+    def _loss_targets(self, tokens: jax.Array, labels: jax.Array | None,
+                      segment_ids: jax.Array | None, ignore_index: int) -> jax.Array:
+        """:meth:`loss`'s targets ``[batch, seq]`` in the natural order: ``labels``, or the
+        shifted ``tokens`` when None; with ``segment_ids`` none across documents
+        (:func:`~sp_jax.layers.document_labels`)."""
+        if labels is None:
+            self._check_tokens(tokens)
+            pad = jnp.full_like(tokens[:, :1], ignore_index)
+            labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
+        if segment_ids is not None:
+            self._documents(tokens, segment_ids, None, None)  # checked first
+            mesh = current_mesh(self.parallel, where="GPT")
+            whole = Layout.of(self.parallel).spec("activation_batch", None)
+            labels = document_labels(reshard(self._ids(labels), whole, mesh),
+                                     reshard(self._ids(segment_ids), whole, mesh),
+                                     ignore_index)
+        return labels
 
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
@@ -441,35 +414,7 @@ class GPT(nnx.Module):
         check_mode("train", self, mesh=jax.sharding.get_abstract_mesh(),
                    documents=segment_ids is not None, where="GPT.loss")
         tokens = self._ids(tokens)
-        if labels is None:
-            self._check_tokens(tokens)
-            pad = jnp.full_like(tokens[:, :1], ignore_index)
-            labels = jnp.concatenate([tokens[:, 1:], pad], axis=1)
-        if segment_ids is not None:
-            self._documents(tokens, segment_ids, None, None)  # checked first
-            mesh = current_mesh(self.parallel, where="GPT")
-            whole = Layout.of(self.parallel).spec("activation_batch", None)
-            labels = document_labels(reshard(self._ids(labels), whole, mesh),
-                                     reshard(self._ids(segment_ids), whole, mesh),
-                                     ignore_index)
-        if self.parallel.pipeline_axis is not None:
-            self._check_tokens(tokens)
-            labels = self._ids(labels)
-            batch = {"tokens": tokens, "labels": labels,
-                     **self._document_arrays(tokens, segment_ids, positions)}
-            stream = None
-            if self.training:
-                stream = rngs.dropout if rngs is not None else self.dropout.rngs
-            total, metrics = pipeline_forward_loss(
-                self, batch, stream, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, z_loss=z_loss)
-            mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
-            if not return_metrics:
-                return mean
-            lm = mean - sum((self.config.router_aux_loss_coef * metrics["moe_aux_loss"],
-                             self.config.router_z_loss_coef * metrics["moe_z_loss"])
-                            ) if metrics else mean  # the router losses of the experts
-            return mean, {"lm_loss": lm, **metrics}
+        labels = self._loss_targets(tokens, labels, segment_ids, ignore_index)
         order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
         labels = to_held(self._ids(labels), order, self.parallel)
         documents = self._documents(tokens, segment_ids, positions, order)

@@ -140,9 +140,9 @@ def accumulate_gradients(
 
 
 def _pipelined(model: nnx.Module) -> bool:
-    """Whether ``model`` runs on a pipeline (``ParallelConfig(pipeline_axis=...)``)."""
-    parallel = getattr(model, "parallel", None)
-    return isinstance(parallel, ParallelConfig) and parallel.pipeline_axis is not None
+    """Whether ``model`` trains through its own schedule (a GPT on pipeline stages,
+    :class:`sp_jax.pipeline.PipelinedGPT`: it has ``pipeline_loss_and_grads``)."""
+    return callable(getattr(model, "pipeline_loss_and_grads", None))
 
 
 def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Array,
@@ -153,11 +153,6 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
     an empty state without them) of a pipelined model's step: its schedule runs the
     batch's micro-batches (``model.pipeline_loss_and_grads``). ``params``: all the
     model's ``nnx.Param`` state, histories included."""
-    if not hasattr(model, "pipeline_loss_and_grads"):
-        raise ValueError(
-            "TrainStep: a pipelined model (ParallelConfig(pipeline_axis=...)) trains "
-            "through its own schedule, model.pipeline_loss_and_grads, which "
-            f"{type(model).__name__} lacks; use a sp_jax GPT.")
     documents = {"segment_ids", "positions"}
     if not isinstance(batch, dict) or not {"tokens", "labels"} <= set(batch) or \
             set(batch) - {"tokens", "labels"} - documents:
@@ -231,13 +226,13 @@ def _manual_gradients(graphdef: Any, params: Any, rest: Any, batch: Any, key: ja
                          axis_names=set(axes), check_vma=False)(params, rest, batch, key)
 
 
-def _reduce_dtype(parallel: Any, mesh: Any) -> Any:
+def _reduce_dtype(model: nnx.Module, parallel: Any, mesh: Any) -> Any:
     """``ParallelConfig.grad_reduce_dtype`` where the step reduces the gradients itself in
     a ``shard_map`` manual over the data axes (:func:`_manual_gradients`): an unpipelined
     model on a ``mesh`` whose data axes hold more than one device; None otherwise (a
     pipeline reduces in its own schedule; GSPMD reduces in the gradients' dtype)."""
     if not isinstance(parallel, ParallelConfig) or parallel.grad_reduce_dtype is None \
-            or parallel.pipeline_axis is not None or mesh.empty:
+            or _pipelined(model) or mesh.empty:
         return None
     if math.prod(mesh.shape.get(a, 1) for a in parallel.data_axes) == 1:
         return None
@@ -265,7 +260,7 @@ def manual_data_graphdef(model: nnx.Module, parallel: ParallelConfig, mesh: Any)
     reduces once per step), mixture-of-experts or FP8 layers, a model without a
     ``config``, or a mesh with Auto axes."""
     config = getattr(model, "config", None)
-    if (config is None or parallel.pipeline_axis is not None or parallel.expert_axis
+    if (config is None or _pipelined(model) or parallel.expert_axis
             or getattr(config, "num_experts", 0) or getattr(config, "fp8", None) is not None
             or any(t != AxisType.Explicit for t in mesh.axis_types)):
         return None
@@ -524,7 +519,7 @@ class TrainStep:
         plain = split_fp8(self.params)[0]
         parallel = getattr(self.model, "parallel", None)
         zero1 = not mesh.empty and isinstance(parallel, ParallelConfig) and parallel.zero1_axes
-        self._reduce_dtype = _reduce_dtype(parallel, mesh)
+        self._reduce_dtype = _reduce_dtype(self.model, parallel, mesh)
         self._update_shardings, self._manual = None, (None, ())
         if zero1 or self._reduce_dtype is not None:  # the data-manual graph, built once
             self._manual = (manual_data_graphdef(self.model, parallel, mesh), parallel.data_axes)

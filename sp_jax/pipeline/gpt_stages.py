@@ -1,5 +1,5 @@
-"""The GPT on a pipeline (``ParallelConfig(pipeline_axis=...)``): its pieces as a
-:class:`~sp_jax.pipeline.StageProgram`, a training step's loss and gradients
+"""The GPT's stages (what :class:`~sp_jax.pipeline.gpt.PipelinedGPT` runs): its public
+pieces as a :class:`~sp_jax.pipeline.StageProgram`, a training step's loss and gradients
 (:func:`pipeline_loss_and_grads`), and forwards through the stages: the loss
 (:func:`pipeline_forward_loss`) and the hidden states or logits
 (:func:`pipeline_forward`).
@@ -7,9 +7,9 @@
 A micro-batch is a dict of ``tokens``, ``labels`` and, for packed rows,
 ``segment_ids`` / ``positions``, which travel with it through the stages. With
 mixture-of-experts layers each chunk returns its router statistics, from which the
-runner's ``aux_loss`` adds the routers' losses as the unpipelined step does
+interpreter's ``aux_loss`` adds the routers' losses as the unpipelined step does
 (:func:`router_metrics` averages their metrics over the micro-batches); with FP8
-delayed scaling the blocks' amax histories are flagged for the runner's ``maximum``.
+delayed scaling the blocks' amax histories are flagged for the interpreter's ``maximum``.
 
 The parameters keep the GPT's own layout: the scanned blocks ``[num_layers, ...]`` in
 layer order, sharded over the stage axis on their first dimension, so checkpoints move
@@ -20,13 +20,14 @@ robin), where the circular schedule runs them (checkpoints move between stage co
 the same ``R``; the shape names a change of ``R``).
 
 Inside the pipeline the layers run with the stage and data axes manual (their
-``ParallelConfig`` has ``data_axis=None``, ``manual_data_axes`` = the data axes but
-the expert axis (:func:`manual_data_axes`: it stays explicit for the experts'
-all-to-alls) and ``fsdp=False``: fsdp weights are gathered once per step by the
-pipeline), so the weight gradients of all micro-batches are reduced over the data axes
-once per step. The stage's modules are built with that config (the GPT's public
-``embed_tokens``, ``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks`
-then run them) and receive the model's parameters.
+``ParallelConfig``, the layers' own without pipeline fields, with ``data_axis=None``,
+``manual_data_axes`` = the data axes but the expert axis (:func:`manual_data_axes`: it
+stays explicit for the experts' all-to-alls) and ``fsdp=False``: fsdp weights are
+gathered once per step by the pipeline; :func:`stage_parallel`), so the weight
+gradients of all micro-batches are reduced over the data axes once per step. The
+stage's modules are a plain GPT built with that config (its public ``embed_tokens``,
+``logits_from_hidden`` and :func:`~sp_jax.models.blocks.scan_blocks` then run them) and
+receive the model's parameters.
 """
 
 from __future__ import annotations
@@ -43,16 +44,25 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sp_jax.config import ParallelConfig
-from sp_jax.layers import FULL_WINDOW, LayerWindow, moe_losses, parallel_cross_entropy
+from sp_jax.config import ParallelConfig, PipelineConfig
+from sp_jax.layers import (
+    FULL_WINDOW,
+    LayerWindow,
+    WeightGradTap,
+    enable_weight_grad_taps,
+    moe_losses,
+    parallel_cross_entropy,
+)
 from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
-from sp_jax.models.blocks import scan_blocks
-from sp_jax.pipeline import StageProgram, gpipe, one_f_one_b, pipeline_schedule
+from sp_jax.models.blocks import run_block, scan_blocks
+from sp_jax.pipeline.interpreter import StageProgram, run_schedule
+from sp_jax.pipeline.schedule import PipelineSchedule, pipeline_schedule
+from sp_jax.pipeline.spmd import masked
 
-__all__ = ["check_pipeline", "inner_parallel", "manual_data_axes", "pipeline_forward",
-           "pipeline_forward_loss", "pipeline_loss_and_grads", "router_metrics"]
+__all__ = ["check_pipeline", "manual_data_axes", "pipeline_forward", "pipeline_forward_loss",
+           "pipeline_loss_and_grads", "router_metrics", "stage_parallel"]
 
 
 def manual_data_axes(parallel: ParallelConfig) -> tuple[str, ...]:
@@ -62,56 +72,79 @@ def manual_data_axes(parallel: ParallelConfig) -> tuple[str, ...]:
     return tuple(a for a in parallel.data_axes if a not in parallel.expert_axes)
 
 
-def inner_parallel(parallel: ParallelConfig) -> ParallelConfig:
+def stage_parallel(layers: ParallelConfig) -> ParallelConfig:
     """The config of the layers inside the pipeline's ``shard_map`` (stage and data
-    axes manual there; the expert axis, carrying the batch too, explicit)."""
-    return parallel.replace(data_axis=None, fsdp=False, pipeline_axis=None,
-                            pipeline_microbatches=1, pipeline_schedule="gpipe",
-                            pipeline_repeats=1, manual_data_axes=manual_data_axes(parallel))
+    axes manual there; the expert axis, carrying the batch too, explicit), from the
+    layers' own (``ParallelConfig.split_pipeline``)."""
+    return layers.replace(data_axis=None, fsdp=False,
+                          manual_data_axes=manual_data_axes(layers))
 
 
-def check_pipeline(config: Any, parallel: ParallelConfig, mesh: Any) -> None:
-    """Raises a ValueError for a GPT that cannot run on ``parallel``'s pipeline:
-    ``num_layers`` not divisible by ``stages * pipeline_repeats`` (when ``mesh`` is
-    known; blocks not scanned: :mod:`sp_jax.compat`, checked by the GPT)."""
-    if config.num_layers % parallel.pipeline_repeats:
+def check_pipeline(config: Any, pipeline: PipelineConfig, mesh: Any) -> None:
+    """Raises a ValueError for a GPT that cannot run on ``pipeline``: ``num_layers`` not
+    divisible by ``stages * pipeline_repeats`` (when ``mesh`` is known), or
+    ``pipeline_layers_per_stage`` that do not fit (blocks not scanned:
+    :mod:`sp_jax.compat`, checked by the wrapper)."""
+    counts = pipeline.layers_per_stage
+    if counts is not None:
+        if sum(counts) != config.num_layers or len(counts) % pipeline.repeats:
+            raise ValueError(
+                f"GPT: pipeline_layers_per_stage={counts} must hold stages x "
+                f"pipeline_repeats counts summing to num_layers={config.num_layers} (got "
+                f"{len(counts)} summing to {sum(counts)}).")
+        if mesh is not None and len(counts) != mesh.shape[pipeline.axis] * pipeline.repeats:
+            raise ValueError(
+                f"GPT: pipeline_layers_per_stage={counts} has {len(counts)} counts; the mesh "
+                f"has {mesh.shape[pipeline.axis]} stages x pipeline_repeats="
+                f"{pipeline.repeats}: give one count per virtual stage.")
+        return
+    if config.num_layers % pipeline.repeats:
         raise ValueError(
             f"GPT: num_layers={config.num_layers} is not divisible by pipeline_repeats="
-            f"{parallel.pipeline_repeats}; use a multiple of stages x pipeline_repeats "
+            f"{pipeline.repeats}; use a multiple of stages x pipeline_repeats "
             "layers.")
     if mesh is None:
         return
-    stages = mesh.shape[parallel.pipeline_axis]
-    chunks = stages * parallel.pipeline_repeats
+    stages = mesh.shape[pipeline.axis]
+    chunks = stages * pipeline.repeats
     if config.num_layers % chunks:
         raise ValueError(
             f"GPT: num_layers={config.num_layers} is not divisible by stages x "
-            f"pipeline_repeats = {stages} x {parallel.pipeline_repeats} = {chunks}; use a "
+            f"pipeline_repeats = {stages} x {pipeline.repeats} = {chunks}; use a "
             f"multiple of {chunks} layers, or another stage count or pipeline_repeats.")
 
 
-def _stage_graphdefs(model: Any, parallel: ParallelConfig) -> tuple[Any, Any]:
+def _stage_graphdefs(model: Any, parallel: ParallelConfig, taps: bool = False
+                     ) -> tuple[Any, Any, Any]:
     """The graph definitions a stage merges its parameters into: the GPT's (for the
     embedding and the head) and its stacked block's, of modules built with the stage's
-    ``parallel`` (:func:`inner_parallel`) in the mode of ``model`` (train or eval).
+    ``parallel`` (:func:`stage_parallel`) in the mode of ``model`` (train or eval); and
+    with ``taps`` (a table with W actions) the block's weight-gradient taps
+    (:func:`~sp_jax.layers.enable_weight_grad_taps`: its graph then takes them beside
+    the parameters; their pure dict third, else None).
 
-    They are built abstractly (``nnx.eval_shape``) as a GPT of ``model``'s class and
-    config with one layer: the embedding, final norm and head do not depend on the
-    number of layers, and a stacked block's graph does not either (the stage's slice
-    of the layers is merged into it; with ``layer_windows`` its windows too)."""
+    They are built abstractly (``nnx.eval_shape``) as a plain GPT (``model.wrapped``,
+    the class the pipeline wraps) of ``model``'s config with one layer: the embedding,
+    final norm and head do not depend on the number of layers, and a stacked block's
+    graph does not either (the stage's slice of the layers is merged into it; with
+    ``layer_windows`` its windows too)."""
     windows = model.config.layer_windows
     config = dataclasses.replace(model.config, num_layers=1,
                                  layer_windows=None if windows is None else windows[:1])
     training = model.training
 
     def build():
-        shell = type(model)(config, parallel=parallel, rngs=nnx.Rngs(0))
+        shell = model.wrapped(config, parallel=parallel, rngs=nnx.Rngs(0))
         if not training:  # dropout off, as in the model (with rates of 0 either will do)
             shell.eval()
         return shell
 
     shell = nnx.eval_shape(build)
-    return nnx.graphdef(shell), nnx.graphdef(shell.blocks)
+    graphdef = nnx.graphdef(shell)
+    if not taps:
+        return graphdef, nnx.graphdef(shell.blocks), None
+    blocks = enable_weight_grad_taps(shell.blocks)  # tap slots hold no arrays
+    return graphdef, nnx.graphdef(blocks), nnx.to_pure_dict(nnx.state(blocks, WeightGradTap))
 
 
 def _router_terms(model: Any, ignore_index: int) -> Any:
@@ -146,17 +179,37 @@ def _router_terms(model: Any, ignore_index: int) -> Any:
     return aux_loss, counted
 
 
-def router_metrics(model: Any, totals: Any) -> dict[str, jax.Array]:
-    """The step's router metrics of a pipelined mixture of experts from the runner's
-    statistics (leaves ``[M, R, P, layers_per_chunk, ...]``): each micro-batch's
-    :func:`~sp_jax.layers.moe_losses` (its layers in order), averaged over the
-    micro-batches as :func:`~sp_jax.training.accumulate_gradients` averages them."""
+def router_metrics(model: Any, totals: Any, place: Placement | None = None
+                   ) -> dict[str, jax.Array]:
+    """The step's router metrics of a pipelined mixture of experts from the
+    interpreter's statistics (leaves ``[M, R, P, layers_per_chunk, ...]``; ``place``:
+    which slots hold which layers, None: every slot a layer, in order): each
+    micro-batch's :func:`~sp_jax.layers.moe_losses` (its layers in order), averaged over
+    the micro-batches as :func:`~sp_jax.training.accumulate_gradients` averages them."""
     cfg = model.config
     stats = {k: v.reshape(v.shape[0], -1, *v.shape[4:]) for k, v in totals.items()
              if k != "targets"}
+    if place is not None and not place.even:  # the real layers, in order
+        order = jnp.asarray(place.layer_order())
+        stats = {k: v[:, order] for k, v in stats.items()}
     per_micro = jax.vmap(lambda st: moe_losses(st, cfg.num_experts,
                                                cfg.experts_per_token))(stats)
     return jax.tree.map(lambda m: jnp.mean(m, axis=0), per_micro)
+
+
+def _masked_scan(stacked: Any, x: jax.Array, keys: Any, remat: bool, documents: Any,
+                 active: jax.Array) -> tuple[jax.Array, Any]:
+    """:func:`~sp_jax.models.blocks.scan_blocks` with padding slots (``active [n]``
+    False) as identities, their router statistics zero (unequal stages: every stage
+    scans the same number of slots)."""
+    graphdef, state = nnx.split(stacked)
+
+    def layer(x, xs):
+        layer_state, key, on = xs
+        y, stats = run_block(nnx.merge(graphdef, layer_state), x, key, remat, documents)
+        return jnp.where(on, y, x), masked(on, stats)
+
+    return jax.lax.scan(layer, x, (state, keys, active))
 
 
 def _documents(micro: dict[str, jax.Array]) -> Any:
@@ -168,12 +221,14 @@ def _documents(micro: dict[str, jax.Array]) -> Any:
 
 
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
-             label_smoothing: float, z_loss: float, result: str = "loss") -> StageProgram:
+             label_smoothing: float, z_loss: float, result: str = "loss",
+             taps: bool = False) -> StageProgram:
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts); its
     head returns the loss sum, or (``result``) the final-normed ``"hidden"`` states or
-    the padded ``"logits"`` of a forward."""
-    inner = inner_parallel(model.parallel)
-    graphdef, block_graphdef = _stage_graphdefs(model, inner)
+    the padded ``"logits"`` of a forward; with ``taps`` (a table with W actions) its
+    chunks take the layers' weight-gradient taps (``StageProgram.weight_taps``)."""
+    inner = stage_parallel(model.parallel.split_pipeline()[0])
+    graphdef, block_graphdef, weight_taps = _stage_graphdefs(model, inner, taps)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
     empty = jax.tree.map(lambda x: np.zeros((0,), x.dtype), blocks)
@@ -198,8 +253,12 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
         layer_data = layer_data or {}
         windows = [layer_data["windows"]] if "windows" in layer_data else []
         stacked = nnx.merge(block_graphdef, chunk, *windows)
-        y, stats = scan_blocks(stacked, x, key(layer_data.get("dropout")), remat,
-                               _documents(micro))
+        if "active" in layer_data:  # unequal stages: padding slots are identities
+            y, stats = _masked_scan(stacked, x, key(layer_data.get("dropout")), remat,
+                                    _documents(micro), layer_data["active"])
+        else:
+            y, stats = scan_blocks(stacked, x, key(layer_data.get("dropout")), remat,
+                                   _documents(micro))
         if stats is None or not experts:
             return y, jnp.zeros((), jnp.float32)
         return y, counted(stats, micro)  # router statistics [layers_per_chunk, ...]
@@ -217,23 +276,80 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
             label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab)
         return jnp.sum(per_token).astype(jnp.float32)
 
-    return StageProgram(embed=embed, stage=stage, head=head, aux_loss=aux_loss)
+    return StageProgram(embed=embed, stage=stage, head=head, aux_loss=aux_loss,
+                        weight_taps=weight_taps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Which layer each stage runs where (``pipeline_layers_per_stage``): ``index [P, R,
+    n]``, the layer of slot ``j`` of chunk ``r`` on stage ``s`` (``n``: the most layers of
+    a virtual stage; a padding slot repeats its chunk's first layer) and ``active [P, R,
+    n]`` (False: a padding slot, run as an identity: one SPMD program for stages of
+    different depths); both None when every virtual stage holds ``L / (P R)`` layers
+    (the parameters' own layout, split without moving data)."""
+
+    axis: str
+    stages: int
+    repeats: int
+    index: np.ndarray | None = None
+    active: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, pipeline: PipelineConfig, stages: int) -> Placement:
+        """The placement of ``pipeline`` on ``stages`` stages."""
+        counts = pipeline.layers_per_stage
+        if counts is None:
+            return cls(pipeline.axis, stages, pipeline.repeats)
+        r_count, most = pipeline.repeats, max(counts)
+        starts = np.cumsum((0, *counts[:-1]))
+        index = np.zeros((stages, r_count, most), np.int32)
+        active = np.zeros((stages, r_count, most), bool)
+        for v, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            r, st = divmod(v, stages)
+            index[st, r] = start + np.minimum(np.arange(most), count - 1) * (
+                np.arange(most) < count)
+            active[st, r, :count] = True
+        return cls(pipeline.axis, stages, r_count, index, active)
+
+    @property
+    def even(self) -> bool:
+        return self.index is None
+
+    def layer_order(self) -> np.ndarray:
+        """Flat ``(r, s, j)`` positions of layers ``0 .. L - 1`` (the slots of
+        ``[R, P, n]`` tables that hold them, in layer order)."""
+        flat = np.transpose(self.index, (1, 0, 2)).reshape(-1)
+        on = np.transpose(self.active, (1, 0, 2)).reshape(-1)
+        positions = np.flatnonzero(on)
+        return positions[np.argsort(flat[positions], kind="stable")]
 
 
 def _histories(model: Any) -> dict[str, Any]:
     """A tree of bools like the pure dict of the blocks' parameters: True at the FP8
     amax histories (:class:`~sp_jax.layers.fp8.Fp8History`), whose "gradients" are the
-    step's amaxes, combined by maximum (the runner's ``maximum``)."""
+    step's amaxes, combined by maximum (the interpreter's ``maximum``)."""
     state = nnx.state(model.blocks, nnx.Param)
     flags = jax.tree.map(lambda v: isinstance(v, Fp8History), state,
                          is_leaf=lambda v: isinstance(v, nnx.Variable))
     return nnx.to_pure_dict(flags)
 
 
-def _stage_major(blocks: Any, stages: int, repeats: int) -> Any:
+def _stage_major(blocks: Any, place: Placement) -> Any:
     """The stacked blocks as ``[P, R, L / (P R), ...]``, chunk ``r P + s`` at ``[s, r]``,
     from ``[L, ...]`` (``R = 1``) or ``[R, L / R, ...]`` sharded over the stage axis on
-    the layer dimension: splits and a transpose of the sharded dimension, no data moves."""
+    the layer dimension: splits and a transpose of the sharded dimension, no data moves.
+    With unequal stages (``place.index``), ``[P, R, n, ...]`` gathered from ``[L, ...]``
+    (whole over the stage axis for the gather, once per step)."""
+    stages, repeats = place.stages, place.repeats
+    if not place.even:
+        def gathered(x):
+            rest = (tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim)[1:x.ndim]
+            x = jax.reshard(x, P(None, *rest)).at[jnp.asarray(place.index)].get(
+                out_sharding=P(None, None, None, *rest))
+            return jax.reshard(x, P(place.axis, None, None, *rest))
+
+        return jax.tree.map(gathered, blocks)
 
     def one(x):
         if repeats == 1:
@@ -244,8 +360,27 @@ def _stage_major(blocks: Any, stages: int, repeats: int) -> Any:
     return jax.tree.map(one, blocks)
 
 
-def _layer_major(grads: Any, like: Any, repeats: int) -> Any:
-    """The inverse of :func:`_stage_major`: gradients shaped like the blocks ``like``."""
+def _layer_major(grads: Any, like: Any, place: Placement, flags: Any) -> Any:
+    """The inverse of :func:`_stage_major`: gradients shaped like the blocks ``like``
+    (unequal stages: each layer's from its slot, the padding slots' dropped; ``flags``:
+    the FP8 amax histories, their maximum)."""
+    repeats = place.repeats
+    if not place.even:
+        index = jnp.asarray(place.index.reshape(-1))
+        active = jnp.asarray(place.active.reshape(-1))
+
+        def scattered(g, x, flag):
+            rest = (tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim)[1:x.ndim]
+            g = jax.reshard(g, P(None, None, None, *rest))
+            g = g.reshape(-1, *g.shape[3:], out_sharding=P(None, *rest))
+            g = jnp.where(active.reshape(-1, *(1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
+            out = jnp.zeros(x.shape, g.dtype, out_sharding=P(None, *rest))
+            out = out.at[index].max(g, out_sharding=P(None, *rest)) if flag else \
+                out.at[index].add(g, out_sharding=P(None, *rest))
+            return jax.reshard(out, jax.typeof(x).sharding.spec)
+
+        return jax.tree.map(scattered, grads, like, flags)
+
     def one(g, x):
         return jnp.reshape(g if repeats == 1 else jnp.swapaxes(g, 0, 1), x.shape)
 
@@ -282,19 +417,27 @@ def _filled(batch: dict[str, jax.Array], keys: Any, stages: int, ignore_index: i
 
 
 def _layer_data(model: Any, keys: tuple[jax.Array, jax.Array] | None, micro: int,
-                stages: int, repeats: int) -> tuple[Any, dict[str, Any]] | None:
-    """What the runner hands each chunk per layer (``[M, R, P, layers_per_chunk, ...]``
-    leaves, chunk ``r P + s`` at ``[:, r, s]``): the layers' dropout key data
+                place: Placement) -> tuple[Any, dict[str, Any]] | None:
+    """What the interpreter hands each chunk per layer (``[M, R, P, layers_per_chunk,
+    ...]`` leaves, chunk ``r P + s`` at ``[:, r, s]``): the layers' dropout key data
     (``"dropout"``) and, with ``layer_windows``, the blocks'
     :class:`~sp_jax.layers.LayerWindow` values (``"windows"``, the same for every
     micro-batch: data, so a stage's program does not depend on its layers' windows);
+    with unequal stages which slots are layers (``"active"``, the rest identities);
     with the embedding's keys: ``(embed keys or None, that dict)``, or None."""
+    stages, repeats = place.stages, place.repeats
     per = model.config.num_layers // (stages * repeats)
+
+    def laid(a: Any) -> Any:
+        """``[M, L, ...]`` per layer as ``[M, R, P, layers_per_chunk, ...]``."""
+        if place.even:
+            return a.reshape(micro, repeats, stages, per, *a.shape[2:])
+        return jnp.swapaxes(a[:, place.index], 1, 2)
+
     embed_keys, data = None, {}
     if keys is not None:
         embed_keys, layer_keys = keys
-        data["dropout"] = layer_keys.reshape(micro, repeats, stages, per,
-                                             *layer_keys.shape[2:])
+        data["dropout"] = laid(layer_keys)
     if model.config.layer_windows is not None:
         # From the config, as constants: the variables are sharded over the stage axis,
         # and gathering them whole (an all-gather on no other value's path) let XLA:CPU's
@@ -302,10 +445,16 @@ def _layer_data(model: Any, keys: tuple[jax.Array, jax.Array] | None, micro: int
         # step deadlocked in about 1 run of 5 (measured).
         values = np.array([FULL_WINDOW if w is None else w
                            for w in model.config.layer_windows], np.int32)
-        values = np.broadcast_to(values.reshape(repeats, stages, per),
-                                 (micro, repeats, stages, per))
+        if place.even:
+            values = np.broadcast_to(values.reshape(repeats, stages, per),
+                                     (micro, repeats, stages, per))
+        else:
+            values = laid(np.broadcast_to(values, (micro, len(values))))
         windows = nnx.to_pure_dict(nnx.state(model.blocks, LayerWindow))
         data["windows"] = jax.tree.map(lambda _: jnp.asarray(values), windows)
+    if not place.even:  # [P, R, n] -> [M, R, P, n]
+        active = np.swapaxes(place.active, 0, 1)
+        data["active"] = jnp.asarray(np.broadcast_to(active, (micro, *active.shape)))
     return (embed_keys, data) if data else None
 
 
@@ -321,28 +470,39 @@ def _jitted(run: Any, program: StageProgram, schedule: Any, *arrays: Any, **opti
 
 def _run(model: Any, params: Any, batch: dict[str, jax.Array],
          keys: tuple[jax.Array, jax.Array] | None, ignore_index: int,
-         label_smoothing: float, z_loss: float, grads: bool, result: str = "loss"
+         label_smoothing: float, z_loss: float, grads: bool, result: str = "loss",
+         schedule: PipelineSchedule | None = None
          ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """Loss sum, gradients (None without ``grads``) and router metrics (a mixture of
     experts'; else empty) of ``batch`` through the pipeline: ``tokens``, ``labels`` and
     optionally packed rows' ``segment_ids`` / ``positions``, each ``[M, batch, seq]``;
     with ``result`` ``"hidden"`` / ``"logits"`` (a GPipe forward, no labels): those
-    outputs ``[M, batch, seq, ...]`` in the held order, None and no metrics."""
-    par, cfg = model.parallel, model.config
+    outputs ``[M, batch, seq, ...]`` in the held order, None and no metrics.
+    ``schedule``: the table to run (None: ``pipeline_schedule`` of the config's kind, or
+    GPipe's for a forward)."""
+    par, cfg, pipe = model.parallel, model.config, model.pipeline
     mesh = current_mesh(par, where="GPT")
-    check_pipeline(cfg, par, mesh)
+    check_pipeline(cfg, pipe, mesh)
     if any(t != jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         raise ValueError(
-            f"GPT: a pipeline (pipeline_axis={par.pipeline_axis!r}) needs a mesh with "
+            f"GPT: a pipeline (pipeline_axis={pipe.axis!r}) needs a mesh with "
             f"Explicit axes, got {mesh.axis_types}; build it with jax.make_mesh(shape, "
             "names) (Explicit by default) or axis_types=(AxisType.Explicit,) * len(names).")
-    stages, repeats = mesh.shape[par.pipeline_axis], par.pipeline_repeats
+    stages, repeats = mesh.shape[pipe.axis], pipe.repeats
     real = batch["tokens"].shape[0]
     if not grads and repeats > 1 and real % stages:
         batch, keys = _filled(batch, keys, stages, ignore_index)
     micro = batch["tokens"].shape[0]
-    kind = par.pipeline_schedule if grads else "gpipe"
-    schedule = pipeline_schedule(kind, stages, micro, repeats)
+    if schedule is None:
+        schedule = pipeline_schedule(pipe.schedule if grads else "gpipe", stages, micro,
+                                     repeats)
+    elif (schedule.stages, schedule.microbatches, schedule.repeats) != (stages, micro,
+                                                                         repeats):
+        raise ValueError(
+            f"GPT: the {schedule.kind!r} table is for {schedule.stages} stages, "
+            f"{schedule.microbatches} micro-batches and {schedule.repeats} chunk(s) per "
+            f"stage; this step has {stages}, {micro} and {repeats} (pipeline_repeats).")
+    place = Placement.of(pipe, stages)
     # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
     # the caller placed), whole sequences (ring attention's zigzag order is taken here;
     # packed rows' segment ids and positions travel in it with their tokens)
@@ -351,34 +511,35 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     order = model.sequence_order(batch["tokens"][0])
     if order is not None:
         batch = {k: jnp.take(x, jnp.asarray(order), axis=2) for k, x in batch.items()}
-    keys = _layer_data(model, keys, micro, stages, repeats)
+    keys = _layer_data(model, keys, micro, place)
     shared = {k: v for k, v in params.items() if k != "blocks"}
-    blocks = _stage_major(params["blocks"], stages, repeats)
+    blocks = _stage_major(params["blocks"], place)
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
-    program = _program(model, order, ignore_index, label_smoothing, z_loss, result)
-    axes = {"stage_axis": par.pipeline_axis, "data_axes": manual_data_axes(par), "mesh": mesh,
+    program = _program(model, order, ignore_index, label_smoothing, z_loss, result,
+                       taps=schedule.deferred)
+    axes = {"stage_axis": pipe.axis, "data_axes": manual_data_axes(par), "mesh": mesh,
             "reduce_dtype": par.grad_reduce_dtype}
     if result != "loss":  # a forward's outputs
-        out, _ = _jitted(gpipe, program, schedule, shared, blocks, batch, keys, **axes,
-                         grads=False, outputs=True)
+        out, _ = _jitted(run_schedule, program, schedule, shared, blocks, batch, keys,
+                         **axes, grads=False, outputs=True)
         return out[:real], None, {}
-    run = one_f_one_b if kind == "1f1b" else functools.partial(gpipe, grads=grads)
+    run = functools.partial(run_schedule, grads=grads)
     experts = program.aux_loss is not None
     loss, out, *totals = _jitted(run, program, schedule, shared, blocks, batch, keys,
                                  **axes, totals=experts,
                                  **({"maximum": amaxes} if grads else {}))
-    metrics = router_metrics(model, jax.tree.map(lambda t: t[:real], totals[0])) \
+    metrics = router_metrics(model, jax.tree.map(lambda t: t[:real], totals[0]), place) \
         if experts else {}
     if not grads:
         return loss, None, metrics
     g_shared, g_blocks = out
-    return loss, {**g_shared, "blocks": _layer_major(g_blocks, params["blocks"], repeats)}, \
-        metrics
+    g_blocks = _layer_major(g_blocks, params["blocks"], place, amaxes)
+    return loss, {**g_shared, "blocks": g_blocks}, metrics
 
 
 def pipeline_loss_and_grads(model: Any, batch: dict[str, jax.Array], key: jax.Array | None,
-                            *, ignore_index: int = -100, return_metrics: bool = False
-                            ) -> tuple:
+                            *, ignore_index: int = -100, return_metrics: bool = False,
+                            schedule: PipelineSchedule | None = None) -> tuple:
     """One training step's ``(loss_sum, count, grads)`` of a pipelined GPT ``model``:
     ``batch`` holds ``tokens`` / ``labels`` (and packed rows' ``segment_ids`` /
     ``positions``; labels across documents already dropped) ``[M, batch, seq]`` (``M``
@@ -389,13 +550,16 @@ def pipeline_loss_and_grads(model: Any, batch: dict[str, jax.Array], key: jax.Ar
     (as ``lm_loss``);
     with ``return_metrics`` a fourth element, their metrics (:func:`router_metrics`:
     ``moe_aux_loss``, ``moe_z_loss``, ``moe_dropped_fraction``, ``moe_expert_tokens``;
-    empty without experts)."""
+    empty without experts). ``schedule``: a table to run instead of the config's
+    (:class:`~sp_jax.pipeline.schedule.PipelineSchedule` of as many stages,
+    micro-batches and chunks)."""
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     keys = None
     if model.training and key is not None:
         keys = _draws([nnx.Rngs(dropout=jax.random.fold_in(key, i)).dropout
                        for i in range(batch["tokens"].shape[0])], model.config.num_layers)
-    loss, grads, metrics = _run(model, params, batch, keys, ignore_index, 0.0, 0.0, True)
+    loss, grads, metrics = _run(model, params, batch, keys, ignore_index, 0.0, 0.0, True,
+                                schedule=schedule)
     count = jnp.sum(batch["labels"] != ignore_index)
     return (loss, count, grads, metrics) if return_metrics else (loss, count, grads)
 
@@ -408,7 +572,7 @@ def _micro_batches(model: Any, rows: int) -> int:
     par = model.parallel
     mesh = current_mesh(par, where="GPT")
     data = math.prod(mesh.shape[a] for a in par.data_axes)
-    micro = par.pipeline_microbatches
+    micro = model.pipeline.microbatches
     if model.training or model.config.num_experts or rows % (micro * data):
         return 1
     return micro
