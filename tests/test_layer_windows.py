@@ -190,7 +190,7 @@ def _in_layer_order(values):
         values["blocks"])}
 
 
-@pytest.mark.parametrize("case", slow_except(PIPE_CASES, "windows_2x1x1x4_1f1b_r1_m4"))
+@pytest.mark.parametrize("case", slow_except(PIPE_CASES))  # fast: test_pipeline*.py
 def test_pipeline_stages_with_layer_windows_and_head_dim(case):
     """A pipelined GPT (scanned blocks sliced over 2 stages) with per-layer windows (each
     stage's windows travel with its slice of the layers), with ring attention inside the

@@ -13,8 +13,10 @@ TESTS = Path(__file__).resolve().parent
 
 # The fast tier's size (409 test ids when the tiers moved into the test files). Before
 # raising it, measure `make test-fast` (DEVELOPERS.md): a test belongs there only if it is
-# a unit test of a floor or the one end-to-end test of a feature, on small shapes.
-FAST_LIMIT = 500
+# a unit test of a floor or the one end-to-end test of a feature, on small shapes. 510
+# with issue 49's seams (each new module's unit tests; four slower cases moved out to keep
+# the tier's time: 4:36 before and after on the same machine).
+FAST_LIMIT = 510
 
 _COLLECT = textwrap.dedent("""
     import json, sys

@@ -151,7 +151,7 @@ def test_input_then_weight_parts_equal_the_fused_backward(kind, gemm, ring, reco
 
 
 @pytest.mark.parametrize("gemm, groups", slow_except(
-    [("bf16", 4), ("current", 1), ("delayed", 4)], ("delayed", 4)))
+    [("bf16", 4), ("current", 1), ("delayed", 4)]))  # fast: the stage case
 def test_grouped_input_then_weight_parts_equal_the_fused_backward(gemm, groups):
     """The experts' grouped GEMM (the tile loops, or FP8 with one or several groups):
     ``bwd_input`` then ``bwd_weight`` give the fused backward's dx, dW and amax
