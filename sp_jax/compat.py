@@ -62,6 +62,7 @@ FEATURES: dict[str, str] = {
     "experts": "GPTConfig(num_experts=E > 0): mixture-of-experts layers",
     "expert_parallel": "ParallelConfig(expert_axis=...): experts sharded over a mesh axis",
     "interleaved_experts": "GPTConfig(moe_layer_freq > 1): dense layers between expert ones",
+    "dense_layers": "GPTConfig(num_dense_layers=k > 0): k dense layers before the experts",
     "fp8_current": "GPTConfig(fp8=Fp8Recipe('current')): FP8 GEMMs, current scaling",
     "fp8_delayed": "GPTConfig(fp8=Fp8Recipe('delayed')): FP8 GEMMs, amax history",
     "packed_documents": "segment_ids / positions: several documents per row",
@@ -103,6 +104,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "experts": "a mixture of experts (num_experts > 0)",
     "expert_parallel": "expert_axis",
     "interleaved_experts": "moe_layer_freq > 1",
+    "dense_layers": "dense layers before the experts (num_dense_layers > 0)",
     "fp8_current": "FP8 (fp8=Fp8Recipe('current'))",
     "fp8_delayed": "FP8 (fp8=Fp8Recipe('delayed'))",
     "fp8": "FP8 (fp8=Fp8Recipe(...))",
@@ -220,6 +222,10 @@ REFUSALS: list[Refusal] = [
     Refusal(_ALL, "interleaved_experts", "scan_layers",
             "scan_layers stacks alike layers, but {interleaved_experts} mixes dense and "
             "expert layers; use moe_layer_freq=1 or scan_layers=False."),
+    Refusal(_ALL, "dense_layers", "interleaved_experts",
+            "{dense_layers} makes every layer after the first num_dense_layers a mixture of "
+            "experts; use moe_layer_freq=1 with it (or num_dense_layers=0 and "
+            "moe_layer_freq alone)."),
     Refusal(("train",), "custom_loss", "pipeline",
             "a pipelined model trains with the default loss_fn=lm_loss through its own "
             "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
@@ -494,6 +500,9 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             freq = getattr(config, "moe_layer_freq", 1)
             if isinstance(freq, int) and not isinstance(freq, bool) and freq > 1:
                 found.add("interleaved_experts")
+            dense = getattr(config, "num_dense_layers", 0)
+            if isinstance(dense, int) and not isinstance(dense, bool) and dense > 0:
+                found.add("dense_layers")
         fp8 = getattr(config, "fp8", None)
         if fp8 is not None:
             found.add(f"fp8_{getattr(fp8, 'scaling', 'current')}")
@@ -538,6 +547,7 @@ def spelled(config: Any = None, parallel: Any = None, features: Iterable[str] = 
         "experts": lambda: f"num_experts={value(config, 'num_experts')}",
         "expert_parallel": lambda: f"expert_axis={value(parallel, 'expert_axis')!r}",
         "interleaved_experts": lambda: f"moe_layer_freq={value(config, 'moe_layer_freq')}",
+        "dense_layers": lambda: f"num_dense_layers={value(config, 'num_dense_layers')}",
         "sliding_window": lambda: f"sliding_window={value(config, 'sliding_window')}",
         "attention_dropout": lambda: f"attention_dropout={value(config, 'attention_dropout')}",
         "attention_softcap": lambda: f"attention_softcap={value(config, 'attention_softcap')}",
@@ -591,7 +601,8 @@ _SHORT: dict[str, str] = {
     "tensor_sequence": "ts", "collective_matmul": "cm", "recompute_allgather": "ra",
     "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
     "pipeline_1f1b": "p1", "scan_layers": "sl", "unrolled_layers": "ul", "experts": "ex",
-    "expert_parallel": "ep", "interleaved_experts": "ie", "fp8_current": "8c",
+    "expert_parallel": "ep", "interleaved_experts": "ie", "dense_layers": "dl",
+    "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
     "layer_windows": "lw", "cudnn_attention": "cd", "attention_dropout": "ad",
     "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
@@ -613,11 +624,11 @@ def render() -> str:
     lines.append("")
     for mode, text in MODES.items():
         lines.append(f"{mode}: {text}")
-        lines.append(" " * (width + 2) + " ".join(_SHORT[f] for f in FEATURES))
+        lines.append(" " * (width + 1) + " ".join(_SHORT[f] for f in FEATURES))
         for f in FEATURES:
             row = " ".join(f"{STATUSES[TABLE[mode][_key(f, g)].status][0]:>2}"
                            for g in FEATURES)
-            lines.append(f"{f:<{width + 2}}{row}")
+            lines.append(f"{f:<{width + 1}}{row}")
         lines.append("")
     lines.append("Refused (modes: features: what to do; pipeline, fp8 and context stand for "
                  "each of their values):")

@@ -1,10 +1,13 @@
 """The GPT's transformer layers: :class:`Block` (attention then MLP or mixture of experts)
 and the ways a stack of them runs: unrolled (a list of blocks, each optionally
 rematerialised) or scanned (one :class:`Block` whose variables hold every layer's values
-stacked on axis 0, run by ``lax.scan``).
+stacked on axis 0, run by ``lax.scan``), or for layers of different kinds (different
+parameter trees: dense layers before mixtures of experts) scanned as
+:class:`Segments`, one stacked :class:`Block` per kind run one after the other.
 
-:class:`~sp_jax.models.GPT` holds its layers in one of these two forms
-(``GPTConfig.scan_layers``) and runs them with :func:`run_blocks`; a pipeline stage
+:class:`~sp_jax.models.GPT` holds its layers in one of these forms
+(``GPTConfig.scan_layers``, ``GPTConfig.num_dense_layers``: :attr:`GPT.layers
+<sp_jax.models.GPT.layers>`) and runs them with :func:`run_blocks`; a pipeline stage
 (:mod:`sp_jax.pipeline.gpt_stages`) runs its slice of the stacked layers with
 :func:`scan_blocks`, and generation (:mod:`sp_jax.models.decode`) its prompts with
 :func:`prefill_blocks` and one token through them, per device, with :func:`decode_blocks`
@@ -13,6 +16,7 @@ stacked on axis 0, run by ``lax.scan``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,8 +32,9 @@ from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.ops.primitives import to_device, to_host
 
-__all__ = ["Block", "Documents", "decode_blocks", "over_layers", "prefill_blocks", "run_block",
-           "run_blocks", "scan_blocks", "stack_blocks"]
+__all__ = ["Block", "Documents", "Layers", "Segments", "decode_blocks", "over_layers",
+           "prefill_blocks", "run_block", "run_blocks", "scan_blocks", "stack_blocks",
+           "stack_size"]
 
 # (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
 Documents = tuple[jax.Array | None, jax.Array | None] | None
@@ -116,6 +121,39 @@ class Block(nnx.Module):
         return self.mlp.decode_step(x), entries
 
 
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """A scanned GPT's layers of several kinds, in layer order: one stacked
+    :class:`Block` per kind (variables ``[n_i, ...]``, ``sum n_i`` the GPT's layers),
+    e.g. the dense layers then the mixtures of experts (``GPTConfig.num_dense_layers``).
+    The stack functions (:func:`run_blocks`, :func:`scan_blocks`, :func:`over_layers`)
+    run the segments one after the other, each by its own ``lax.scan``; their per-layer
+    inputs (dropout keys, cache entries) and outputs keep one leading layer axis over
+    all segments."""
+
+    stacks: tuple[Block, ...]
+
+
+Layers = Block | Sequence[Block] | Segments
+"""A GPT's layers as the stack functions take them: one stacked :class:`Block`, a list
+of blocks (unrolled) or :class:`Segments` (stacked, of several kinds)."""
+
+
+def stack_size(stacked: Block) -> int:
+    """The number of layers of a stacked :class:`Block` (its variables' leading
+    dimension)."""
+    return jax.tree.leaves(nnx.state(stacked, nnx.Param))[0].shape[0]
+
+
+def _concatenated(parts: list[Any]) -> Any:
+    """Per-layer pytrees ``[n_i, ...]`` of consecutive segments as one ``[sum n_i,
+    ...]`` (None when no segment has any: dense layers' router statistics)."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return jax.tree.map(lambda *v: jnp.concatenate(v), *parts)
+
+
 def run_block(block: Block, x: jax.Array, key: jax.Array | None, remat: bool,
               documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
     """Applies ``block`` (:meth:`Block.apply`); with ``remat`` its activations are
@@ -186,10 +224,23 @@ def stack_blocks(blocks: list[Block], layer_axis: str | None = None,
     return nnx.merge(nnx.graphdef(blocks[0]), stacked)
 
 
-def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: bool,
-                documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
-    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each);
-    returns the output and the layers' stacked router statistics (None: dense)."""
+def scan_blocks(stacked: Block | Segments, x: jax.Array, keys: jax.Array | None,
+                remat: bool, documents: Documents = None
+                ) -> tuple[jax.Array, MoEStats | None]:
+    """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each,
+    ``keys [layers, ...]`` or None); returns the output and the layers' stacked router
+    statistics (None: dense). :class:`Segments`: each segment's scan in turn, with its
+    slice of ``keys``; the statistics of the mixture-of-experts segments (the dense ones
+    have none)."""
+    if isinstance(stacked, Segments):
+        stats, start = [], 0
+        for stack in stacked.stacks:
+            n = stack_size(stack)
+            x, layer = scan_blocks(stack, x, None if keys is None else keys[start:start + n],
+                                   remat, documents)
+            stats.append(layer)
+            start += n
+        return x, _concatenated(stats)
     graphdef, state = nnx.split(stacked)
 
     def apply(layer_state, x, key, documents):
@@ -200,12 +251,29 @@ def scan_blocks(stacked: Block, x: jax.Array, keys: jax.Array | None, remat: boo
     return jax.lax.scan(lambda x, xs: apply(xs[0], x, xs[1], documents), x, (state, keys))
 
 
-def over_layers(blocks: Block | Sequence[Block], step: Callable, x: jax.Array,
-                xs: Any = None) -> tuple[jax.Array, Any]:
+def over_layers(blocks: Layers, step: Callable, x: jax.Array, xs: Any = None
+                ) -> tuple[jax.Array, Any]:
     """``x`` through every layer of a GPT without gradients: ``step(block, x,
     layer_xs) -> (x, out)`` per layer, ``blocks`` stacked (``lax.scan`` over the layers
-    and ``xs``, whose leaves have a leading layer axis) or a list (unrolled). Returns the
-    last layer's ``x`` and the layers' ``out`` stacked on a leading layer axis."""
+    and ``xs``, whose leaves have a leading layer axis), :class:`Segments` (a scan per
+    segment, each layer reading its row of ``xs`` by its index in the GPT: no segment's
+    slice of ``xs`` is copied) or a list (unrolled). Returns the last layer's ``x`` and
+    the layers' ``out`` stacked on a leading layer axis."""
+    if isinstance(blocks, Segments):
+        outs, start = [], 0
+        for stack in blocks.stacks:
+            graphdef, state = nnx.split(stack)
+            n = stack_size(stack)
+
+            def layer(x, s_i, graphdef=graphdef):
+                rows = jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, s_i[1], 0, keepdims=False), xs)
+                return step(nnx.merge(graphdef, s_i[0]), x, rows)
+
+            x, out = jax.lax.scan(layer, x, (state, jnp.arange(start, start + n)))
+            outs.append(out)
+            start += n
+        return x, _concatenated(outs)
     if isinstance(blocks, Block):
         graphdef, state = nnx.split(blocks)
         return jax.lax.scan(
@@ -217,7 +285,7 @@ def over_layers(blocks: Block | Sequence[Block], step: Callable, x: jax.Array,
     return x, jax.tree.map(lambda *v: jnp.stack(v), *outs)
 
 
-def prefill_blocks(blocks: Block | Sequence[Block], x: jax.Array
+def prefill_blocks(blocks: Layers, x: jax.Array
                    ) -> tuple[jax.Array, AttentionCache]:
     """The prompts' hidden states ``x`` (SP layout) through a GPT's layers (their
     training-path forward, :meth:`Block.prefill_step`): the last layer's output and every
@@ -226,12 +294,12 @@ def prefill_blocks(blocks: Block | Sequence[Block], x: jax.Array
     return over_layers(blocks, lambda block, x, _: block.prefill_step(x), x)
 
 
-def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, cache: AttentionCache,
+def decode_blocks(blocks: Layers, x: jax.Array, cache: AttentionCache,
                   positions: jax.Array, cache_positions: jax.Array | None = None
                   ) -> tuple[jax.Array, AttentionCache]:
     """Per device (inside the decode ``shard_map``): one token of every row through a
     GPT's layers (:meth:`Block.decode_step`), ``blocks`` stacked (``lax.scan`` over the
-    layers and the cache) or a list.
+    layers and the cache), :class:`Segments` or a list.
 
     Args:
       x: ``[b, 1, hidden]`` whole rows; positions: int ``[b]``.
@@ -248,12 +316,13 @@ def decode_blocks(blocks: Block | Sequence[Block], x: jax.Array, cache: Attentio
                                                           cache_positions), x, cache)
 
 
-def run_blocks(blocks: Block | Sequence[Block], x: jax.Array, *, num_layers: int,
-               remat: bool, stream: Callable[[], jax.Array] | None = None,
+def run_blocks(blocks: Layers, x: jax.Array, *, num_layers: int, remat: bool,
+               stream: Callable[[], jax.Array] | None = None,
                documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
     """Runs a GPT's ``num_layers`` layers on hidden states ``x`` (SP layout): ``blocks``
-    stacked (one :class:`Block` of stacked variables: :func:`scan_blocks`) or a list of
-    blocks (unrolled, :func:`run_block` each).
+    stacked (one :class:`Block` of stacked variables, or :class:`Segments` of such
+    blocks: :func:`scan_blocks`) or a list of blocks (unrolled, :func:`run_block`
+    each).
 
     Args:
       stream: draws one dropout key per layer, in layer order (all before the scan, or
@@ -264,7 +333,7 @@ def run_blocks(blocks: Block | Sequence[Block], x: jax.Array, *, num_layers: int
       the last layer's output and the mixture-of-experts layers' stacked router
       statistics (None without any).
     """
-    if isinstance(blocks, Block):
+    if isinstance(blocks, Block | Segments):
         keys = None if stream is None else jnp.stack([stream() for _ in range(num_layers)])
         return scan_blocks(blocks, x, keys, remat, documents)
     layers = []

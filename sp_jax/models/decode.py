@@ -64,7 +64,7 @@ from sp_jax.layers.embedding import padded_vocab_size, vocab_parallel_lookup
 from sp_jax.layers.linear import decode_layout
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, axis_size, current_mesh, reshard
-from sp_jax.models.blocks import decode_blocks, prefill_blocks
+from sp_jax.models.blocks import Segments, decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
 # KVCache and cache_slots: "mha"'s cache type and the context split, kept importable here
@@ -104,6 +104,12 @@ def _parts(module: nnx.Module, mesh: Mesh, par: ParallelConfig, stacked: bool
         leaves.append(reshard(leaf, spec, mesh) if isinstance(leaf, jax.Array) else leaf)
         specs.append(spec)
     return (graph, treedef), leaves, specs
+
+
+def _stacks(model: Any) -> list[Any]:
+    """The modules holding ``model``'s layers: ``blocks`` (stacked or a list), after
+    the stacked dense layers (``dense_blocks``) when it has them."""
+    return [m for m in (model.dense_blocks, model.blocks) if m is not None]
 
 
 def _merge(graph_treedef: tuple[Any, Any], leaves: list[jax.Array]) -> nnx.Module:
@@ -149,7 +155,8 @@ def to_decode_layout(model: Any) -> None:
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="generate")
     t = axis_size(mesh, par.tensor_axis)
-    for module, stacked in ((model.blocks, cfg.scan_layers), (model.final_norm, False)):
+    stacks = [(m, cfg.scan_layers) for m in _stacks(model)]
+    for module, stacked in (*stacks, (model.final_norm, False)):
         (graph, treedef), leaves, _ = _parts(module, mesh, par, stacked)
         nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
     for table in (model.embed, model.head):
@@ -200,7 +207,7 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
     order = model.sequence_order(tokens)  # ring attention's zigzag, else None
     x = model.embed_tokens(to_held(tokens, order, par),
                            model.vocab_table() if model.head is None else None, order)
-    x, entries = prefill_blocks(model.blocks, x)
+    x, entries = prefill_blocks(model.layers, x)
     h = model.final_norm(x)
     shards = axis_size(mesh, par.context_axes)
     seq = tokens.shape[1]
@@ -244,7 +251,9 @@ def decode_step(model: Any, cache: AttentionCache, tokens: jax.Array, positions:
     layout = Layout.of(par)
     tensor = par.tensor_axis
     embed, head = _tables(model, mesh)
-    blocks, block_leaves, block_specs = _parts(model.blocks, mesh, par, cfg.scan_layers)
+    parts = [_parts(m, mesh, par, cfg.scan_layers) for m in _stacks(model)]
+    blocks = [graph for graph, _, _ in parts]
+    block_leaves, block_specs = [p[1] for p in parts], [p[2] for p in parts]
     final, final_leaves, final_specs = _parts(model.final_norm, mesh, par, False)
     position = None if model.position is None else reshard(model.position[...], P(), mesh)
     batch = layout.spec("activation_batch")
@@ -267,8 +276,9 @@ def decode_step(model: Any, cache: AttentionCache, tokens: jax.Array, positions:
         x = model.scale_embeddings(x)  # as GPT.embed_tokens
         if position is not None:
             x = x + jnp.take(position, positions, axis=0)[:, None].astype(x.dtype)
-        x, new = decode_blocks(_merge(blocks, block_leaves), x, cache, positions,
-                               cache_positions)
+        stacks = [_merge(g, leaves) for g, leaves in zip(blocks, block_leaves, strict=True)]
+        layers = stacks[0] if len(stacks) == 1 else Segments(tuple(stacks))
+        x, new = decode_blocks(layers, x, cache, positions, cache_positions)
         h = _merge(final, final_leaves).local(x)[:, 0]
         cache = cache.write(new, jnp.arange(tokens.shape[0]), at)
         return _logits(model, h, head), cache

@@ -34,7 +34,7 @@ from sp_jax.mesh import (
     reshard,
     to_sequence_parallel,
 )
-from sp_jax.models.blocks import Block, Documents, run_blocks, stack_blocks
+from sp_jax.models.blocks import Block, Documents, Layers, Segments, run_blocks, stack_blocks
 from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
@@ -107,7 +107,12 @@ class GPT(nnx.Module):
         self.dropout = Dropout(cfg.dropout, parallel=parallel, rngs=rngs)
         check_mode(None, config=cfg, parallel=parallel, where="GPT")  # every mode: compat
         blocks = [Block(cfg, parallel, rngs=rngs, index=i) for i in range(cfg.num_layers)]
-        self.blocks = self.stack_layers(blocks) if cfg.scan_layers else nnx.List(blocks)
+        # scanned, each kind of layer is a stack of its own: the dense layers first
+        # ([k, ...]), then the rest ([L - k, ...]; without dense layers, all of them)
+        dense = cfg.num_dense_layers if cfg.scan_layers else 0
+        self.dense_blocks = self.stack_layers(blocks[:dense]) if dense else None
+        self.blocks = self.stack_layers(blocks[dense:]) if cfg.scan_layers else \
+            nnx.List(blocks)
         self.final_norm = make_norm(cfg.norm, cfg.hidden, parallel=parallel,
                                     epsilon=cfg.norm_epsilon, dtype=cfg.dtype,
                                     param_dtype=cfg.param_dtype, rngs=rngs,
@@ -118,10 +123,23 @@ class GPT(nnx.Module):
             cfg.vocab_size, cfg.hidden, parallel=parallel, param_dtype=cfg.param_dtype, rngs=rngs)
 
     def stack_layers(self, blocks: list[Block]) -> Block:
-        """The layers of a scanned model (``config.scan_layers``) as one stacked
-        :class:`Block` (:func:`~sp_jax.models.blocks.stack_blocks`); a wrapper that
-        places them otherwise (over pipeline stages) overrides it."""
+        """The layers of one kind of a scanned model (``config.scan_layers``: all of
+        them, or with ``num_dense_layers`` the dense ones and the experts apart) as one
+        stacked :class:`Block` (:func:`~sp_jax.models.blocks.stack_blocks`); a wrapper
+        that places them otherwise (over pipeline stages) overrides it."""
         return stack_blocks(blocks)
+
+    @property
+    def layers(self) -> Layers:
+        """The layers as the stack functions of :mod:`sp_jax.models.blocks` take them
+        (:data:`~sp_jax.models.blocks.Layers`): ``blocks``, a list of the layers
+        (unrolled) or one stacked :class:`Block` ``[num_layers, ...]``; with scanned
+        dense layers (``num_dense_layers``) the
+        :class:`~sp_jax.models.blocks.Segments` ``(dense_blocks, blocks)``: ``[k, ...]``
+        dense layers, then ``[num_layers - k, ...]`` mixtures of experts."""
+        if self.dense_blocks is None:
+            return self.blocks
+        return Segments((self.dense_blocks, self.blocks))
 
     def for_decoding(self) -> GPT:
         """The model that generation runs (prefill and decode steps): this one; a
@@ -232,7 +250,7 @@ class GPT(nnx.Module):
           stream: draws one dropout key per layer, in layer order, or None (no dropout).
           documents: packed rows' ``(segment_ids, positions)`` in the held order, or None.
         """
-        return run_blocks(self.blocks, x, num_layers=self.config.num_layers,
+        return run_blocks(self.layers, x, num_layers=self.config.num_layers,
                           remat=self.config.remat, stream=stream, documents=documents)
 
     @property

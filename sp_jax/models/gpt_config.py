@@ -112,7 +112,8 @@ class GPTConfig:
         layers only).
       num_experts: routed experts ``E`` of the mixture-of-experts layers; 0 (the default)
         keeps every MLP dense. Layer ``i`` is a mixture of experts
-        (:class:`~sp_jax.layers.MoE`) when ``(i + 1) % moe_layer_freq == 0``.
+        (:class:`~sp_jax.layers.MoE`) when ``(i + 1) % moe_layer_freq == 0`` and ``i >=
+        num_dense_layers``.
       experts_per_token: ``k``, the experts each token goes to.
       moe_mlp_hidden: inner width ``F`` of each expert (default ``mlp_hidden``).
       moe_capacity_factor: None (dropless) or ``c``: each expert takes at most
@@ -127,7 +128,8 @@ class GPTConfig:
       moe_norm_topk: renormalise the ``k`` chosen router probabilities (Mixtral, Qwen3-MoE).
       moe_layer_freq: every ``moe_layer_freq``-th layer is a mixture of experts (Qwen's
         ``decoder_sparse_step``; 1: every layer, as Mixtral); the others keep the dense
-        MLP. With ``scan_layers`` the layers must be alike: 1.
+        MLP. With ``scan_layers`` the expert layers must be alike: 1 (dense layers
+        first, before them: ``num_dense_layers``).
       bos_token_id / eos_token_id / pad_token_id: the checkpoint's special token ids
         (``config.json``'s), kept for :func:`~sp_jax.models.hf.to_hf` and generation;
         None when it has none. ``eos_token_id`` may be several ids (a list in
@@ -156,6 +158,14 @@ class GPTConfig:
         with :func:`~sp_jax.layers.register_attention` (checked here, the error naming
         the registered ones) builds that class, which owns its parameters, forward,
         prefill, decode step and cache type (docs/api.md, "Seams: attention variants").
+      num_dense_layers: ``k``, the first ``k`` layers keep the dense MLP (``mlp_hidden``
+        wide) and every later one is a mixture of experts (Hugging Face's
+        ``first_k_dense_replace``, DeepSeek-V3's 3); 0 (the default): the layers as
+        ``moe_layer_freq`` says. Needs ``num_experts > 0``, ``k < num_layers`` and
+        ``moe_layer_freq=1`` (:mod:`sp_jax.compat`). With ``scan_layers`` the dense
+        layers are a stack of their own, ``dense_blocks/...`` ``[k, ...]``, run before
+        the experts' ``blocks/...`` ``[num_layers - k, ...]`` (one ``lax.scan`` each);
+        pipeline stages hold both kinds as data (:mod:`sp_jax.pipeline.gpt_stages`).
     """
 
     vocab_size: int
@@ -210,6 +220,7 @@ class GPTConfig:
     scale_embeddings: bool = False
     rope_local_base: float | None = None
     attention: str = "mha"
+    num_dense_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -243,6 +254,19 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.num_experts={e!r} must be an int >= 0 (0: dense MLPs).")
         if self.moe_mlp_hidden is None:
             object.__setattr__(self, "moe_mlp_hidden", self.mlp_hidden)
+        dense = self.num_dense_layers
+        if isinstance(dense, bool) or not isinstance(dense, int | np.integer) or dense < 0:
+            raise ValueError(f"GPTConfig.num_dense_layers={dense!r} must be an int >= 0 (the "
+                             "first layers that keep a dense MLP before the experts).")
+        object.__setattr__(self, "num_dense_layers", int(dense))
+        if dense and not e:
+            raise ValueError(f"GPTConfig.num_dense_layers={dense} needs num_experts > 0: the "
+                             "layers after the dense ones are mixtures of experts (with "
+                             "num_experts=0 every layer is dense already).")
+        if dense >= self.num_layers:
+            raise ValueError(f"GPTConfig.num_dense_layers={dense} must be below num_layers="
+                             f"{self.num_layers} (the layers after them are the experts'); "
+                             "use num_experts=0 for a dense model.")
         if not e:
             return
         check_moe_fields("GPTConfig", self)
@@ -282,8 +306,10 @@ class GPTConfig:
         return self.sliding_window
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer ``index`` (from 0) is a mixture of experts."""
-        return self.num_experts > 0 and (index + 1) % self.moe_layer_freq == 0
+        """Whether layer ``index`` (from 0) is a mixture of experts: with experts, not one
+        of the first ``num_dense_layers``, and every ``moe_layer_freq``-th."""
+        return self.num_experts > 0 and index >= self.num_dense_layers and \
+            (index + 1) % self.moe_layer_freq == 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -464,10 +490,9 @@ class GPTConfig:
           softmax top-k with a load-balancing loss (over the batch's tokens, not per
           sequence);
         * **every layer is a mixture of experts**: DeepSeek-V3's first 3 layers are dense
-          (MLP 18432, ``first_k_dense_replace``); :class:`GPTConfig` chooses the expert
-          layers by ``moe_layer_freq`` alone (layer ``i`` when ``(i + 1) %
-          moe_layer_freq == 0``), which cannot make the first layers dense, so all 61 are
-          (``mlp_hidden`` 18432 is kept for a dense override);
+          (MLP 18432, ``first_k_dense_replace``); these presets keep all 61 as mixtures
+          (the shape the planner's figures were measured on), and the override
+          ``num_dense_layers=3`` makes the first 3 dense MLPs of ``mlp_hidden`` 18432;
         * no multi-token-prediction module, and no YaRN: 4096 positions (the
           pretraining length, ``original_max_position_embeddings``) rather than the
           163840 of its YaRN scaling.
