@@ -75,6 +75,7 @@ FEATURES: dict[str, Feature] = {
     "expert_parallel": Feature(parallel=dict(expert_axis="expert"), axes={"expert": 2},
                                implies=("experts",)),
     "interleaved_experts": Feature(config=dict(_EXPERTS, moe_layer_freq=2)),
+    "dense_layers": Feature(config=dict(_EXPERTS, num_dense_layers=1)),
     "fp8_current": Feature(config=dict(fp8=sp_jax.Fp8Recipe("current"))),
     "fp8_delayed": Feature(config=dict(fp8=sp_jax.Fp8Recipe("delayed", 4))),
     "packed_documents": Feature(call=dict(documents=True)),

@@ -298,6 +298,12 @@ ENTRY_POINTS = {
     ("pipeline", "unrolled_layers"): (_stages_unrolled, r"GPT: ParallelConfig\(pipeline_axis="
                                       r"'stage'\) is not supported with scan_layers=False; "
                                       r".* needs GPTConfig\(scan_layers=True\)"),
+    ("dense_layers", "interleaved_experts"): (
+        lambda: GPTConfig(**{**BASE, "num_layers": 3}, num_experts=4, moe_layer_freq=2,
+                          num_dense_layers=1),
+        "num_dense_layers=1 is not supported with moe_layer_freq=2; num_dense_layers=1 makes "
+        "every layer after the first num_dense_layers a mixture of experts; use "
+        "moe_layer_freq=1"),
     ("interleaved_experts", "scan_layers"): (
         lambda: GPTConfig(**{**BASE, "num_layers": 2}, num_experts=4, moe_layer_freq=2,
                           scan_layers=True),

@@ -54,7 +54,9 @@ class PipelinedGPT(GPT):
     Its parameters keep the GPT's own state layout (checkpoints move between stage
     counts and to no pipeline): the scanned blocks ``[num_layers, ...]`` sharded over
     the stage axis on their first dimension, or ``[R, num_layers / R, ...]`` on their
-    second with ``pipeline_repeats = R > 1`` (:mod:`sp_jax.pipeline.gpt_stages`).
+    second with ``pipeline_repeats = R > 1``; with dense layers first
+    (``num_dense_layers``) ``dense_blocks [k, ...]`` and ``blocks [num_layers - k,
+    ...]`` (:mod:`sp_jax.pipeline.gpt_stages`).
 
     Attributes:
       parallel: the request as given (its ``pipeline_*`` fields included).
@@ -86,11 +88,12 @@ class PipelinedGPT(GPT):
 
     def stack_layers(self, blocks: list[Block]) -> Block:
         """The stacked layers sharded over the stage axis (``[R, L / R, ...]`` with
-        ``R = pipeline_repeats > 1``); with ``pipeline_layers_per_stage`` ``[L, ...]``,
-        sharded over the stage axis when its size divides ``L`` (each step gathers each
+        ``R = pipeline_repeats > 1``); with ``pipeline_layers_per_stage`` or layers of
+        different kinds (``num_dense_layers``: each kind's stack apart) ``[n, ...]``,
+        sharded over the stage axis when its size divides ``n`` (each step gathers each
         stage's layers from there)."""
         pipe = self.pipeline
-        if pipe.layers_per_stage is None:
+        if pipe.layers_per_stage is None and not self.config.num_dense_layers:
             return stack_blocks(blocks, pipe.axis, pipe.repeats)
         mesh = current_mesh(self.parallel, where="GPT", required=False)
         even = mesh is not None and len(blocks) % mesh.shape[pipe.axis] == 0
@@ -252,7 +255,7 @@ class PipelinedGPT(GPT):
                 return jax.random.key(0) if jax.dtypes.issubdtype(
                     like.dtype, jax.dtypes.prng_key) else jnp.zeros(like.shape, like.dtype)
             spec = jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else ()
-            if names[0] != "blocks" or axis not in spec:
+            if names[0] not in ("blocks", "dense_blocks") or axis not in spec:
                 return x
             whole = (*(None if a == axis else a for a in spec),
                      *(None,) * (x.ndim - len(spec)))

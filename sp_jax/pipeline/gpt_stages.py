@@ -17,7 +17,12 @@ between stage counts (and to no pipeline) as they are. With ``pipeline_repeats =
 they are ``[R, num_layers / R, ...]``, still in layer order, sharded over the stage axis
 on the second dimension: stage ``s`` holds the chunks ``s, s + P, s + 2P, ...`` (round
 robin), where the circular schedule runs them (checkpoints move between stage counts of
-the same ``R``; the shape names a change of ``R``).
+the same ``R``; the shape names a change of ``R``). With ``pipeline_layers_per_stage``,
+or with layers of different kinds (``GPTConfig.num_dense_layers``: the dense layers'
+stack ``dense_blocks [k, ...]`` beside the experts' ``blocks [L - k, ...]``), each stack
+keeps ``[n, ...]`` in layer order and every virtual stage's chunk holds a segment of
+each kind, its slots chosen as data (:mod:`sp_jax.pipeline.placement`: the chunk's
+layers of that kind active, the rest identities).
 
 Inside the pipeline the layers run with the stage and data axes manual (their
 ``ParallelConfig``, the layers' own without pipeline fields, with ``data_axis=None``,
@@ -58,6 +63,16 @@ from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
 from sp_jax.models.blocks import run_block, scan_blocks
 from sp_jax.pipeline.interpreter import StageProgram, run_schedule
+from sp_jax.pipeline.placement import (
+    LayerKind,
+    Placement,
+    by_kind,
+    layer_kinds,
+    layer_major,
+    of_kinds,
+    placements,
+    stage_major,
+)
 from sp_jax.pipeline.schedule import PipelineSchedule, pipeline_schedule
 from sp_jax.pipeline.spmd import masked
 
@@ -115,22 +130,25 @@ def check_pipeline(config: Any, pipeline: PipelineConfig, mesh: Any) -> None:
 
 
 def _stage_graphdefs(model: Any, parallel: ParallelConfig, taps: bool = False
-                     ) -> tuple[Any, Any, Any]:
+                     ) -> tuple[Any, list[Any], Any]:
     """The graph definitions a stage merges its parameters into: the GPT's (for the
-    embedding and the head) and its stacked block's, of modules built with the stage's
+    embedding and the head) and its stacked blocks' (one per kind of layer,
+    :func:`~sp_jax.pipeline.placement.layer_kinds`), of modules built with the stage's
     ``parallel`` (:func:`stage_parallel`) in the mode of ``model`` (train or eval); and
-    with ``taps`` (a table with W actions) the block's weight-gradient taps
-    (:func:`~sp_jax.layers.enable_weight_grad_taps`: its graph then takes them beside
-    the parameters; their pure dict third, else None).
+    with ``taps`` (a table with W actions) the blocks' weight-gradient taps
+    (:func:`~sp_jax.layers.enable_weight_grad_taps`: their graphs then take them beside
+    the parameters; their pure dicts third, by kind as
+    :func:`~sp_jax.pipeline.placement.of_kinds` lays them, else None).
 
     They are built abstractly (``nnx.eval_shape``) as a plain GPT (``model.wrapped``,
-    the class the pipeline wraps) of ``model``'s config with one layer: the embedding,
-    final norm and head do not depend on the number of layers, and a stacked block's
-    graph does not either (the stage's slice of the layers is merged into it; with
-    ``layer_windows`` its windows too)."""
-    windows = model.config.layer_windows
-    config = dataclasses.replace(model.config, num_layers=1,
-                                 layer_windows=None if windows is None else windows[:1])
+    the class the pipeline wraps) of ``model``'s config with one layer of each kind: the
+    embedding, final norm and head do not depend on the number of layers, and a stacked
+    block's graph does not either (the stage's slice of the layers is merged into it;
+    with ``layer_windows`` its windows too)."""
+    kinds = layer_kinds(model.config)
+    windows, n = model.config.layer_windows, len(kinds)
+    config = dataclasses.replace(model.config, num_layers=n, num_dense_layers=n - 1,
+                                 layer_windows=None if windows is None else windows[:n])
     training = model.training
 
     def build():
@@ -141,10 +159,12 @@ def _stage_graphdefs(model: Any, parallel: ParallelConfig, taps: bool = False
 
     shell = nnx.eval_shape(build)
     graphdef = nnx.graphdef(shell)
+    stacks = [getattr(shell, kind.name) for kind in kinds]
     if not taps:
-        return graphdef, nnx.graphdef(shell.blocks), None
-    blocks = enable_weight_grad_taps(shell.blocks)  # tap slots hold no arrays
-    return graphdef, nnx.graphdef(blocks), nnx.to_pure_dict(nnx.state(blocks, WeightGradTap))
+        return graphdef, [nnx.graphdef(b) for b in stacks], None
+    stacks = [enable_weight_grad_taps(b) for b in stacks]  # tap slots hold no arrays
+    return graphdef, [nnx.graphdef(b) for b in stacks], of_kinds(
+        kinds, [nnx.to_pure_dict(nnx.state(b, WeightGradTap)) for b in stacks])
 
 
 def _router_terms(model: Any, ignore_index: int) -> Any:
@@ -183,7 +203,7 @@ def router_metrics(model: Any, totals: Any, place: Placement | None = None
                    ) -> dict[str, jax.Array]:
     """The step's router metrics of a pipelined mixture of experts from the
     interpreter's statistics (leaves ``[M, R, P, layers_per_chunk, ...]``; ``place``:
-    which slots hold which layers, None: every slot a layer, in order): each
+    which slots hold which expert layers, None: every slot one, in order): each
     micro-batch's :func:`~sp_jax.layers.moe_losses` (its layers in order), averaged over
     the micro-batches as :func:`~sp_jax.training.accumulate_gradients` averages them."""
     cfg = model.config
@@ -200,8 +220,8 @@ def router_metrics(model: Any, totals: Any, place: Placement | None = None
 def _masked_scan(stacked: Any, x: jax.Array, keys: Any, remat: bool, documents: Any,
                  active: jax.Array) -> tuple[jax.Array, Any]:
     """:func:`~sp_jax.models.blocks.scan_blocks` with padding slots (``active [n]``
-    False) as identities, their router statistics zero (unequal stages: every stage
-    scans the same number of slots)."""
+    False) as identities, their router statistics zero (unequal stages, or a kind of
+    layer a stage holds fewer of: every stage scans the same number of slots)."""
     graphdef, state = nnx.split(stacked)
 
     def layer(x, xs):
@@ -228,14 +248,15 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     the padded ``"logits"`` of a forward; with ``taps`` (a table with W actions) its
     chunks take the layers' weight-gradient taps (``StageProgram.weight_taps``)."""
     inner = stage_parallel(model.parallel.split_pipeline()[0])
-    graphdef, block_graphdef, weight_taps = _stage_graphdefs(model, inner, taps)
+    graphdef, block_graphdefs, weight_taps = _stage_graphdefs(model, inner, taps)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
-    blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
-    empty = jax.tree.map(lambda x: np.zeros((0,), x.dtype), blocks)
+    kinds = layer_kinds(model.config)
+    empty = {kind.name: jax.tree.map(lambda x: np.zeros((0,), x.dtype), nnx.to_pure_dict(
+        nnx.state(getattr(model, kind.name), nnx.Param))) for kind in kinds}
     remat, vocab = model.config.remat, model.config.vocab_size
 
     def shell(shared):
-        return nnx.merge(graphdef, {**shared, "blocks": empty}, rest)
+        return nnx.merge(graphdef, {**shared, **empty}, rest)
 
     def key(data):
         return None if data is None else jax.random.wrap_key_data(data)
@@ -248,17 +269,25 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     experts = bool(model.config.num_experts) and result == "loss"
     aux_loss, counted = _router_terms(model, ignore_index) if experts else (None, None)
 
-    def stage(chunk, x, layer_data, micro):
-        # layer_data: the chunk's dropout keys and windows (_layer_data), or None
+    def segment(block_graphdef, chunk, x, layer_data, micro):
+        """One kind's slots of a chunk (layer_data: their dropout keys, windows and
+        active slots, _layer_data; or None)."""
         layer_data = layer_data or {}
         windows = [layer_data["windows"]] if "windows" in layer_data else []
         stacked = nnx.merge(block_graphdef, chunk, *windows)
         if "active" in layer_data:  # unequal stages: padding slots are identities
-            y, stats = _masked_scan(stacked, x, key(layer_data.get("dropout")), remat,
-                                    _documents(micro), layer_data["active"])
-        else:
-            y, stats = scan_blocks(stacked, x, key(layer_data.get("dropout")), remat,
-                                   _documents(micro))
+            return _masked_scan(stacked, x, key(layer_data.get("dropout")), remat,
+                                _documents(micro), layer_data["active"])
+        return scan_blocks(stacked, x, key(layer_data.get("dropout")), remat,
+                           _documents(micro))
+
+    def stage(chunk, x, layer_data, micro):
+        # each kind's segment in turn (the dense layers, then the experts)
+        y, stats = x, None
+        for block_graphdef, part, data in zip(block_graphdefs, by_kind(kinds, chunk),
+                                              by_kind(kinds, layer_data or {}), strict=True):
+            y, layer = segment(block_graphdef, part, y, data, micro)
+            stats = stats if layer is None else layer  # the experts' (one kind has any)
         if stats is None or not experts:
             return y, jnp.zeros((), jnp.float32)
         return y, counted(stats, micro)  # router statistics [layers_per_chunk, ...]
@@ -280,111 +309,18 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
                         weight_taps=weight_taps)
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Which layer each stage runs where (``pipeline_layers_per_stage``): ``index [P, R,
-    n]``, the layer of slot ``j`` of chunk ``r`` on stage ``s`` (``n``: the most layers of
-    a virtual stage; a padding slot repeats its chunk's first layer) and ``active [P, R,
-    n]`` (False: a padding slot, run as an identity: one SPMD program for stages of
-    different depths); both None when every virtual stage holds ``L / (P R)`` layers
-    (the parameters' own layout, split without moving data)."""
-
-    axis: str
-    stages: int
-    repeats: int
-    index: np.ndarray | None = None
-    active: np.ndarray | None = None
-
-    @classmethod
-    def of(cls, pipeline: PipelineConfig, stages: int) -> Placement:
-        """The placement of ``pipeline`` on ``stages`` stages."""
-        counts = pipeline.layers_per_stage
-        if counts is None:
-            return cls(pipeline.axis, stages, pipeline.repeats)
-        r_count, most = pipeline.repeats, max(counts)
-        starts = np.cumsum((0, *counts[:-1]))
-        index = np.zeros((stages, r_count, most), np.int32)
-        active = np.zeros((stages, r_count, most), bool)
-        for v, (start, count) in enumerate(zip(starts, counts, strict=True)):
-            r, st = divmod(v, stages)
-            index[st, r] = start + np.minimum(np.arange(most), count - 1) * (
-                np.arange(most) < count)
-            active[st, r, :count] = True
-        return cls(pipeline.axis, stages, r_count, index, active)
-
-    @property
-    def even(self) -> bool:
-        return self.index is None
-
-    def layer_order(self) -> np.ndarray:
-        """Flat ``(r, s, j)`` positions of layers ``0 .. L - 1`` (the slots of
-        ``[R, P, n]`` tables that hold them, in layer order)."""
-        flat = np.transpose(self.index, (1, 0, 2)).reshape(-1)
-        on = np.transpose(self.active, (1, 0, 2)).reshape(-1)
-        positions = np.flatnonzero(on)
-        return positions[np.argsort(flat[positions], kind="stable")]
-
-
-def _histories(model: Any) -> dict[str, Any]:
-    """A tree of bools like the pure dict of the blocks' parameters: True at the FP8
-    amax histories (:class:`~sp_jax.layers.fp8.Fp8History`), whose "gradients" are the
-    step's amaxes, combined by maximum (the interpreter's ``maximum``)."""
-    state = nnx.state(model.blocks, nnx.Param)
-    flags = jax.tree.map(lambda v: isinstance(v, Fp8History), state,
-                         is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return nnx.to_pure_dict(flags)
-
-
-def _stage_major(blocks: Any, place: Placement) -> Any:
-    """The stacked blocks as ``[P, R, L / (P R), ...]``, chunk ``r P + s`` at ``[s, r]``,
-    from ``[L, ...]`` (``R = 1``) or ``[R, L / R, ...]`` sharded over the stage axis on
-    the layer dimension: splits and a transpose of the sharded dimension, no data moves.
-    With unequal stages (``place.index``), ``[P, R, n, ...]`` gathered from ``[L, ...]``
-    (whole over the stage axis for the gather, once per step)."""
-    stages, repeats = place.stages, place.repeats
-    if not place.even:
-        def gathered(x):
-            rest = (tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim)[1:x.ndim]
-            x = jax.reshard(x, P(None, *rest)).at[jnp.asarray(place.index)].get(
-                out_sharding=P(None, None, None, *rest))
-            return jax.reshard(x, P(place.axis, None, None, *rest))
-
-        return jax.tree.map(gathered, blocks)
-
-    def one(x):
-        if repeats == 1:
-            return jnp.reshape(x, (stages, 1, x.shape[0] // stages, *x.shape[1:]))
-        x = jnp.reshape(x, (repeats, stages, x.shape[1] // stages, *x.shape[2:]))
-        return jnp.swapaxes(x, 0, 1)
-
-    return jax.tree.map(one, blocks)
-
-
-def _layer_major(grads: Any, like: Any, place: Placement, flags: Any) -> Any:
-    """The inverse of :func:`_stage_major`: gradients shaped like the blocks ``like``
-    (unequal stages: each layer's from its slot, the padding slots' dropped; ``flags``:
-    the FP8 amax histories, their maximum)."""
-    repeats = place.repeats
-    if not place.even:
-        index = jnp.asarray(place.index.reshape(-1))
-        active = jnp.asarray(place.active.reshape(-1))
-
-        def scattered(g, x, flag):
-            rest = (tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim)[1:x.ndim]
-            g = jax.reshard(g, P(None, None, None, *rest))
-            g = g.reshape(-1, *g.shape[3:], out_sharding=P(None, *rest))
-            g = jnp.where(active.reshape(-1, *(1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
-            out = jnp.zeros(x.shape, g.dtype, out_sharding=P(None, *rest))
-            out = out.at[index].max(g, out_sharding=P(None, *rest)) if flag else \
-                out.at[index].add(g, out_sharding=P(None, *rest))
-            return jax.reshard(out, jax.typeof(x).sharding.spec)
-
-        return jax.tree.map(scattered, grads, like, flags)
-
-    def one(g, x):
-        return jnp.reshape(g if repeats == 1 else jnp.swapaxes(g, 0, 1), x.shape)
-
-    return jax.tree.map(one, grads, like)
+def _histories(model: Any) -> Any:
+    """A tree of bools like the pure dict of the blocks' parameters (by kind:
+    :func:`~sp_jax.pipeline.placement.of_kinds`): True at the FP8 amax histories
+    (:class:`~sp_jax.layers.fp8.Fp8History`), whose "gradients" are the step's amaxes,
+    combined by maximum (the interpreter's ``maximum``)."""
+    kinds, flags = layer_kinds(model.config), []
+    for kind in kinds:
+        state = nnx.state(getattr(model, kind.name), nnx.Param)
+        flags.append(nnx.to_pure_dict(jax.tree.map(
+            lambda v: isinstance(v, Fp8History), state,
+            is_leaf=lambda v: isinstance(v, nnx.Variable))))
+    return of_kinds(kinds, flags)
 
 
 def _draws(streams: list[Any], num_layers: int) -> tuple[jax.Array, jax.Array]:
@@ -417,26 +353,39 @@ def _filled(batch: dict[str, jax.Array], keys: Any, stages: int, ignore_index: i
 
 
 def _layer_data(model: Any, keys: tuple[jax.Array, jax.Array] | None, micro: int,
-                place: Placement) -> tuple[Any, dict[str, Any]] | None:
+                places: list[Placement]) -> tuple[Any, Any] | None:
     """What the interpreter hands each chunk per layer (``[M, R, P, layers_per_chunk,
-    ...]`` leaves, chunk ``r P + s`` at ``[:, r, s]``): the layers' dropout key data
-    (``"dropout"``) and, with ``layer_windows``, the blocks'
+    ...]`` leaves, chunk ``r P + s`` at ``[:, r, s]``), for each kind of layer
+    (``places``, one per kind: :func:`~sp_jax.pipeline.placement.placements`; several
+    kinds: a dict by kind, :func:`~sp_jax.pipeline.placement.of_kinds`): the layers'
+    dropout key data (``"dropout"``) and, with ``layer_windows``, the blocks'
     :class:`~sp_jax.layers.LayerWindow` values (``"windows"``, the same for every
     micro-batch: data, so a stage's program does not depend on its layers' windows);
-    with unequal stages which slots are layers (``"active"``, the rest identities);
-    with the embedding's keys: ``(embed keys or None, that dict)``, or None."""
+    with unequal stages (or kinds) which slots are layers (``"active"``, the rest
+    identities); with the embedding's keys: ``(embed keys or None, that data)``, or
+    None."""
+    kinds = layer_kinds(model.config)
+    embed_keys, layer_keys = (None, None) if keys is None else keys
+    data = [_kind_data(model, kind, layer_keys, micro, place)
+            for kind, place in zip(kinds, places, strict=True)]
+    return (embed_keys, of_kinds(kinds, data)) if any(data) else None
+
+
+def _kind_data(model: Any, kind: LayerKind, layer_keys: jax.Array | None, micro: int,
+               place: Placement) -> dict[str, Any]:
+    """:func:`_layer_data` of one kind of layer (``layer_keys [M, L, ...]``: every
+    layer's dropout key data, or None)."""
     stages, repeats = place.stages, place.repeats
-    per = model.config.num_layers // (stages * repeats)
+    per = kind.count // (stages * repeats)
 
     def laid(a: Any) -> Any:
         """``[M, L, ...]`` per layer as ``[M, R, P, layers_per_chunk, ...]``."""
         if place.even:
             return a.reshape(micro, repeats, stages, per, *a.shape[2:])
-        return jnp.swapaxes(a[:, place.index], 1, 2)
+        return jnp.swapaxes(a[:, place.first + place.index], 1, 2)
 
-    embed_keys, data = None, {}
-    if keys is not None:
-        embed_keys, layer_keys = keys
+    data = {}
+    if layer_keys is not None:
         data["dropout"] = laid(layer_keys)
     if model.config.layer_windows is not None:
         # From the config, as constants: the variables are sharded over the stage axis,
@@ -450,12 +399,12 @@ def _layer_data(model: Any, keys: tuple[jax.Array, jax.Array] | None, micro: int
                                      (micro, repeats, stages, per))
         else:
             values = laid(np.broadcast_to(values, (micro, len(values))))
-        windows = nnx.to_pure_dict(nnx.state(model.blocks, LayerWindow))
+        windows = nnx.to_pure_dict(nnx.state(getattr(model, kind.name), LayerWindow))
         data["windows"] = jax.tree.map(lambda _: jnp.asarray(values), windows)
     if not place.even:  # [P, R, n] -> [M, R, P, n]
         active = np.swapaxes(place.active, 0, 1)
         data["active"] = jnp.asarray(np.broadcast_to(active, (micro, *active.shape)))
-    return (embed_keys, data) if data else None
+    return data
 
 
 def _jitted(run: Any, program: StageProgram, schedule: Any, *arrays: Any, **options: Any
@@ -502,7 +451,7 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
             f"GPT: the {schedule.kind!r} table is for {schedule.stages} stages, "
             f"{schedule.microbatches} micro-batches and {schedule.repeats} chunk(s) per "
             f"stage; this step has {stages}, {micro} and {repeats} (pipeline_repeats).")
-    place = Placement.of(pipe, stages)
+    kinds, places = layer_kinds(cfg), placements(pipe, stages, cfg)
     # [M, batch, seq]: the batch over the data axes (each data shard its rows, whatever
     # the caller placed), whole sequences (ring attention's zigzag order is taken here;
     # packed rows' segment ids and positions travel in it with their tokens)
@@ -511,9 +460,12 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     order = model.sequence_order(batch["tokens"][0])
     if order is not None:
         batch = {k: jnp.take(x, jnp.asarray(order), axis=2) for k, x in batch.items()}
-    keys = _layer_data(model, keys, micro, place)
-    shared = {k: v for k, v in params.items() if k != "blocks"}
-    blocks = _stage_major(params["blocks"], place)
+    keys = _layer_data(model, keys, micro, places)
+    names = [kind.name for kind in kinds]
+    shared = {k: v for k, v in params.items() if k not in names}
+    # each kind's stack stage-major (one kind: its own tree; several: a dict by kind)
+    blocks = of_kinds(kinds, [stage_major(params[name], place)
+                              for name, place in zip(names, places, strict=True)])
     amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
     program = _program(model, order, ignore_index, label_smoothing, z_loss, result,
                        taps=schedule.deferred)
@@ -528,13 +480,15 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     loss, out, *totals = _jitted(run, program, schedule, shared, blocks, batch, keys,
                                  **axes, totals=experts,
                                  **({"maximum": amaxes} if grads else {}))
-    metrics = router_metrics(model, jax.tree.map(lambda t: t[:real], totals[0]), place) \
+    metrics = router_metrics(model, jax.tree.map(lambda t: t[:real], totals[0]),
+                             places[-1]) \
         if experts else {}
     if not grads:
         return loss, None, metrics
     g_shared, g_blocks = out
-    g_blocks = _layer_major(g_blocks, params["blocks"], place, amaxes)
-    return loss, {**g_shared, "blocks": g_blocks}, metrics
+    g_blocks = [layer_major(g, params[name], place, flags) for g, name, place, flags in zip(
+        by_kind(kinds, g_blocks), names, places, by_kind(kinds, amaxes), strict=True)]
+    return loss, {**g_shared, **dict(zip(names, g_blocks, strict=True))}, metrics
 
 
 def pipeline_loss_and_grads(model: Any, batch: dict[str, jax.Array], key: jax.Array | None,

@@ -15,7 +15,7 @@ import numpy as np
 from sp_jax.models.gpt_config import GPTConfig
 
 __all__ = ["ATTENTION", "MLP", "PLAIN", "Family", "Rule", "expand", "has_fields", "interleave",
-           "on_layers", "per_expert", "require", "same", "swap_qkv", "transposed"]
+           "on_layers", "per_expert", "require", "same", "stack_row", "swap_qkv", "transposed"]
 
 # The sp_jax paths of one block's attention and MLP ("{i}": the layer).
 ATTENTION = "blocks/{i}/attention/"
@@ -77,11 +77,12 @@ def has_fields(cfg: GPTConfig, **want: Any) -> bool:
 
 PLAIN = dict(norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None,
              attention_softcap=None, final_logit_softcap=None, rope_local_base=None,
-             attention="mha")
+             attention="mha", num_dense_layers=0)
 """The :class:`GPTConfig` fields of a block without Gemma's parts (``has_fields(cfg,
 **PLAIN, ...)``): the families other than :mod:`.gemma2` / :mod:`.gemma3` express only
 these values (multi-head attention, ``attention="mha"``, among them: a registered
-attention variant has no family until one writes it)."""
+attention variant has no family until one writes it; no dense layers before the
+experts but in a family that writes them, :mod:`.qwen3_moe`)."""
 
 
 def require(config: Mapping[str, Any], model_type: str, *keys: str) -> None:
@@ -183,9 +184,19 @@ def swap_qkv(w, first: int, second: int, d: int):
         np.swapaxes(x, -3, -2).reshape(*lead, -1)
 
 
+def stack_row(cfg: GPTConfig, layer: int) -> int:
+    """The row of layer ``layer`` in its scanned stack: ``layer`` itself, or with
+    ``num_dense_layers = k`` its row in ``dense_blocks`` (``layer < k``) or in
+    ``blocks`` (``layer - k``)."""
+    k = cfg.num_dense_layers
+    return layer if layer < k else layer - k
+
+
 def expand(rules: list[Rule], cfg: GPTConfig) -> list[tuple[str, Rule, int | None]]:
     """(sp_jax path, rule, layer) for every tensor: per-layer rules once per layer (with
-    ``scan_layers`` the path has no layer index: layer ``l`` is row ``l`` of it)."""
+    ``scan_layers`` the path has no layer index: layer ``l`` is row :func:`stack_row` of
+    it, under ``dense_blocks/`` for the first ``num_dense_layers``, the rules' paths
+    naming ``blocks/`` for every layer)."""
     out = []
     for rule in rules:
         if "{i}" not in rule.ours:
@@ -196,5 +207,7 @@ def expand(rules: list[Rule], cfg: GPTConfig) -> list[tuple[str, Rule, int | Non
                 continue
             path = rule.ours.replace("{i}/", "") if cfg.scan_layers else \
                 rule.ours.format(i=i)
+            if cfg.scan_layers and i < cfg.num_dense_layers:
+                path = "dense_" + path  # blocks/... -> dense_blocks/...
             out.append((path, rule, i))
     return out

@@ -21,7 +21,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.fp8 import WEIGHTS as _WEIGHTS
 from sp_jax.mesh import current_mesh
 from sp_jax.models.gpt import GPT, GPTConfig
-from sp_jax.models.hf.family import Family, Rule, expand
+from sp_jax.models.hf.family import Family, Rule, expand, stack_row
 from sp_jax.models.hf.registry import (
     REGISTRY,
     config_to_hf,
@@ -309,7 +309,8 @@ def _check(source: _Source, cfg: GPTConfig, family: Family, flat: dict[str, Any]
 
 def _place(source: _Source, entries, abstract, mesh, scanned: bool) -> jax.Array:
     """The global array of one parameter, each device's block read and converted
-    (``scanned``: row ``l`` of the parameter is layer ``l``, ``entries[l]``)."""
+    (``scanned``: row ``l`` of the parameter is its stack's ``l``-th layer,
+    ``entries[l]``)."""
     spec = getattr(abstract, "sharding", None)
     spec = spec.spec if isinstance(spec, NamedSharding) else P(
         *(abstract.get_metadata().get("out_sharding") or ()))
@@ -358,7 +359,7 @@ def _convert_to_hf(cfg: GPTConfig, flat: Mapping[str, Any],
     for path, rule, layer in expand(family_of(cfg, model_type).rules(cfg), cfg):
         x = np.asarray(flat[path])
         if cfg.scan_layers and layer is not None:
-            x = x[layer]
+            x = x[stack_row(cfg, layer)]
         for name, t in zip(rule.hf_names(layer), rule.to_hf(x), strict=True):
             out[name] = np.ascontiguousarray(t)
     return out

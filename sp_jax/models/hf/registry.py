@@ -81,6 +81,7 @@ def _shape_fields(cfg: GPTConfig) -> str:
             f"sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}"
             + (f", moe_layer_freq={cfg.moe_layer_freq}, moe_norm_topk={cfg.moe_norm_topk}, "
                f"num_shared_experts={cfg.num_shared_experts}" if cfg.num_experts else "")
+            + (f", num_dense_layers={cfg.num_dense_layers}" if cfg.num_dense_layers else "")
             + (f", attention={cfg.attention!r}" if cfg.attention != "mha" else ""))
 
 
