@@ -290,6 +290,27 @@ def restore_onto(directory, cfg, parallel, mesh):
     return restored
 
 
+def assert_restores(directory, cfg, step, params, tokens, targets) -> None:
+    """The checkpoint in ``directory``, saved from the :class:`TrainStep` ``step`` (its
+    parameters ``params``, host arrays), restored onto a GPT ``cfg`` under each
+    ``(parallel, mesh)`` of ``targets`` (:func:`restore_onto`): every parameter and
+    optimizer moment equal, and the restored model's ``GPT.loss`` of ``tokens`` the
+    trained one's (1e-6)."""
+    with jax.set_mesh(step.mesh):
+        want = float(nnx.jit(lambda m, t: m.loss(t))(step.sync_model(), tokens))
+    for parallel, mesh in targets:
+        restored = restore_onto(directory, cfg, parallel, mesh)
+        assert_bitwise(to_host(nnx.to_pure_dict(restored.params)), params)
+        for got, moment in zip(jax.tree.leaves(restored.opt_state),
+                               jax.tree.leaves(step.opt_state), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(moment))
+        with jax.set_mesh(mesh):
+            model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(9))
+            nnx.update(model, restored.params)
+            got = float(nnx.jit(lambda m, t: m.loss(t))(model, tokens))
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=str(mesh.shape))
+
+
 def h100_block_stack(layers: int, *, h: int = 256, s: int = 512, heads: int = 8, t: int = 8,
                      recompute: bool = True, collective_matmul: bool = False,
                      live_buffers: bool = False, compiler_options: dict | None = None,

@@ -48,6 +48,8 @@ _OFFLOAD = "tests/test_offload_optimizer.py::test_offload_"
 _OFFLOAD_ACT = "tests/test_offload_activations.py::test_offload_trains_bitwise_like_no_offload"
 _CAP_KERNELS = ("tests/test_attention_softcap.py::test_ring_and_ulysses_scale_and_softcap_match_"
                 "the_dense_reference")
+_DENSE, _DENSE_TEST = "dense_layers", "tests/test_dense_layers.py::test_"
+_DENSE_PIPE = f"{_DENSE_TEST}pipeline_stages_of_two_kinds_equal_the_unpipelined_model"
 _ROWS: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, "zero1"), f"{_ZERO1}trains_like_replicated_on_data_x_tensor"),
     (_TRAIN, (_TS, "zero1", _RING),
@@ -232,6 +234,21 @@ _ROWS: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (_TRAIN, (_TS, "pipeline_1f1b", _WINDOW, _LAYER_WINDOWS),
      "tests/test_layer_windows.py::test_pipeline_stages_with_layer_windows_and_head_dim"
      "[windows_2x1x1x4_1f1b_r1_m4]"),
+    # dense layers before the experts (GPTConfig(num_dense_layers=k))
+    (_TRAIN, (_TS, *_EXPERTS, _DENSE, _SCAN, _RA), f"{_DENSE_TEST}scanned_dense_and_expert_"
+     "stacks_equal_the_unrolled_layers"),
+    (_TRAIN, (_TS, *_EXPERTS, _DENSE, _UNROLLED), f"{_DENSE_TEST}scanned_dense_and_expert_"
+     "stacks_equal_the_unrolled_layers"),
+    (_TRAIN, (_TS, *_EXPERTS, _DENSE, _SCAN, "fsdp"),
+     f"{_DENSE_TEST}dense_first_experts_train_like_unsharded[1]"),
+    (("eval", "generate"), (_TS, *_EXPERTS, _DENSE, _SCAN),
+     f"{_DENSE_TEST}greedy_generation_equals_an_argmax_loop_of_forwards"),
+    (_TRAIN, (_TS, *_EXPERTS, _DENSE, "pipeline_1f1b", _WINDOW, _LAYER_WINDOWS),
+     f"{_DENSE_PIPE}[2x1x2x1x1_1f1b_r1_3-5_dense1_dropout_windows]"),
+    (_TRAIN, (_TS, "experts", _DENSE, "pipeline_gpipe"),
+     f"{_DENSE_PIPE}[2x2x1x1x2_gpipe_r2_1-3-2-2_dense2]"),
+    (_TRAIN, (_TS, *_EXPERTS, _DENSE, "pipeline_1f1b", "fp8_delayed"),
+     f"{_DENSE_TEST}deferred_weight_gradients_of_two_kinds_with_fp8_delayed"),
 ]
 
 # A pipeline's layers are scanned (sp_jax.compat refuses pipeline x unrolled_layers): each

@@ -12,9 +12,9 @@ import numpy as np
 import optax
 import pytest
 from _util import (
+    assert_restores,
     copy_weights,
     param_values,
-    restore_onto,
     slow_except,
     to_host,
     train_gpt,
@@ -303,21 +303,9 @@ def test_checkpoint_restores_across_expert_axis_sizes(tmp_path):
     par = sp_jax.ParallelConfig(expert_axis="expert")
     _, _, params, step = train_gpt(cfg, par, _mesh((1, 4, 1, 2)), batches)
     save_checkpoint(tmp_path, 1, step.params, step.opt_state)
-    tokens = batches[0]["tokens"][0]
-    with jax.set_mesh(step.mesh):
-        want = float(nnx.jit(lambda m, t: m.loss(t))(step.sync_model(), tokens))
-    for shape, options in (((1, 8, 1, 1), {}), ((2, 2, 1, 2), dict(fsdp=True))):
-        other = sp_jax.ParallelConfig(expert_axis="expert", **options)
-        restored = restore_onto(tmp_path, cfg, other, _mesh(shape))
-        chex.assert_trees_all_equal(to_host(nnx.to_pure_dict(restored.params)), params)
-        for got, want_moment in zip(jax.tree.leaves(restored.opt_state),
-                                    jax.tree.leaves(step.opt_state), strict=True):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want_moment))
-        with jax.set_mesh(_mesh(shape)):
-            model = GPT(cfg, parallel=other, rngs=nnx.Rngs(9))
-            nnx.update(model, restored.params)
-            got = float(nnx.jit(lambda m, t: m.loss(t))(model, tokens))
-        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=str(shape))
+    assert_restores(tmp_path, cfg, step, params, batches[0]["tokens"][0], [
+        (sp_jax.ParallelConfig(expert_axis="expert", **options), _mesh(shape))
+        for shape, options in (((1, 8, 1, 1), {}), ((2, 2, 1, 2), dict(fsdp=True)))])
 
 
 @pytest.mark.slow
