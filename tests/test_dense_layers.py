@@ -350,9 +350,10 @@ def test_deferred_weight_gradients_of_two_kinds_with_fp8_delayed():
 @pytest.mark.slow
 def test_checkpoint_of_two_kinds_moves_between_stages_and_no_pipeline(tmp_path):
     """A dense-first model trained on 2 pipeline stages (1F1B, 1 dense + 3 expert
-    layers): its checkpoint restores onto the unpipelined model and onto a circular
-    GPipe of 2 chunks per stage (1 layer per virtual stage) with every parameter and
-    Adam moment equal, and the restored model's loss equals the trained one's."""
+    layers): its re-layout for decoding holds its parameters, and its checkpoint
+    restores onto the unpipelined model and onto a circular GPipe of 2 chunks per stage
+    (1 layer per virtual stage) with every parameter and Adam moment equal, and the
+    restored model's loss equals the trained one's."""
     from sp_jax.checkpoint import save_checkpoint
 
     cfg = _config(num_layers=4, scan_layers=True)
@@ -360,6 +361,8 @@ def test_checkpoint_of_two_kinds_moves_between_stages_and_no_pipeline(tmp_path):
                                 pipeline_schedule="1f1b", expert_axis="expert")
     batches = [{k: v.reshape(MICRO, 2, S) for k, v in b.items()} for b in _batches(1)]
     _, _, params, step = train_gpt(cfg, par, _mesh((2, 1, 2, 1, 1)), batches)
+    with jax.set_mesh(step.mesh):  # generation's re-layout: each stack off the stages
+        assert_bitwise(param_values(step.sync_model().for_decoding()), params)
     save_checkpoint(tmp_path, 1, step.params, step.opt_state)
     circular = dataclasses.replace(par, pipeline_repeats=2, pipeline_schedule="gpipe")
     assert_restores(tmp_path, cfg, step, params, batches[0]["tokens"].reshape(-1, S), [

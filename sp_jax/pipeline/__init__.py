@@ -5,7 +5,8 @@ that runs them (:mod:`~sp_jax.pipeline.interpreter`, over the stage axis's ``sha
 of :mod:`~sp_jax.pipeline.spmd`), and the GPT wrapped for them
 (:mod:`~sp_jax.pipeline.gpt`: :class:`PipelinedGPT`, what ``GPT(config,
 parallel=ParallelConfig(pipeline_axis=...))`` builds; its stage program in
-:mod:`~sp_jax.pipeline.gpt_stages`). Other models plug in with a :class:`StageProgram`."""
+:mod:`~sp_jax.pipeline.gpt_stages`, which layer each stage runs where, per kind of
+layer, in :mod:`~sp_jax.pipeline.placement`). Other models plug in with a :class:`StageProgram`."""
 
 from sp_jax.pipeline.gpt import PipelinedGPT
 from sp_jax.pipeline.interpreter import StageProgram, gpipe, one_f_one_b, run_schedule

@@ -382,7 +382,10 @@ def _kind_data(model: Any, kind: LayerKind, layer_keys: jax.Array | None, micro:
         """``[M, L, ...]`` per layer as ``[M, R, P, layers_per_chunk, ...]``."""
         if place.even:
             return a.reshape(micro, repeats, stages, per, *a.shape[2:])
-        return jnp.swapaxes(a[:, place.first + place.index], 1, 2)
+        # the layers' own index array when the kind starts at layer 0 (one constant
+        # with the stacks' gather: the program of one kind as it was)
+        rows = place.index if not place.first else place.first + place.index
+        return jnp.swapaxes(a[:, rows], 1, 2)
 
     data = {}
     if layer_keys is not None:
