@@ -138,6 +138,9 @@ class ParallelConfig:
         runs the embedding (Megatron's first / last stage layer counts). Each stage runs
         the most layers of any, the padding ones as identities (one SPMD program); the
         parameters keep their ``[num_layers, ...]`` layout (:mod:`sp_jax.pipeline`).
+        With dense layers before the experts (``GPTConfig.num_dense_layers``) the counts
+        cover both kinds: each chunk runs its dense layers, then its expert layers
+        (:mod:`sp_jax.pipeline.placement`).
       expert_axis: mesh axis of expert parallelism (mesh ``(data, expert, context,
         tensor)``), or ``None`` (the default): the experts of a mixture-of-experts layer
         (``GPTConfig(num_experts=...)``) are sharded over it, and the tokens of a layer go
