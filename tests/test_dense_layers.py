@@ -142,7 +142,7 @@ def test_scanned_dense_and_expert_stacks_equal_the_unrolled_layers():
     mesh, par = _mesh((2, 2, 2), ("data", "expert", "tensor")), sp_jax.ParallelConfig(
         expert_axis="expert")
     tokens = np.random.default_rng(5).integers(0, 64, (4, S)).astype(np.int32)
-    cfg = _config(dropout=0.1)
+    cfg = _config(num_layers=2, dropout=0.1)
     with jax.set_mesh(mesh):
         init = param_values(GPT(cfg, parallel=par, rngs=nnx.Rngs(0)))
     key = jax.random.key(3)
