@@ -27,7 +27,8 @@ from sp_jax.config import ParallelConfig
 from sp_jax.mesh import check_activations, to_sequence_parallel
 from sp_jax.ops.primitives import to_device, to_host
 
-__all__ = ["NORMS", "LayerNorm", "RMSNorm", "layer_norm", "make_norm", "rms_norm"]
+__all__ = ["NORMS", "LayerNorm", "RMSNorm", "layer_norm", "make_norm", "norm_bwd_input",
+           "norm_bwd_weight", "rms_norm"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -62,22 +63,59 @@ def _norm_fwd(x, scale, bias, epsilon, center, out_dtype, offset=0.0):
     return y.astype(out_dtype), (x, mean, rstd, scale, bias)
 
 
-def _norm_bwd(epsilon, center, out_dtype, offset, res, g):
-    x, mean, rstd, scale, bias = res
-    x_hat = (x.astype(jnp.float32) - mean) * rstd
-    g = g.astype(jnp.float32)
-    lead = tuple(range(g.ndim - 1))
-    d_scale = None if scale is None else jnp.sum(g * x_hat, axis=lead).astype(scale.dtype)
-    d_bias = None if bias is None else jnp.sum(g, axis=lead).astype(bias.dtype)
+def _recomputed(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The normalised values (fp32, recomputed from the input and its statistics) and the
+    output gradient in fp32."""
+    x, mean, rstd, _, _ = res
+    return (x.astype(jnp.float32) - mean) * rstd, g.astype(jnp.float32)
+
+
+def _input_grad(center: bool, offset: float, res: tuple, x_hat: jax.Array, g: jax.Array
+                ) -> jax.Array:
+    x, _, rstd, scale, _ = res
     d_xhat = g * _factor(scale, offset) if scale is not None else g
     proj = jnp.mean(d_xhat * x_hat, axis=-1, keepdims=True)
     d_x = d_xhat - x_hat * proj
     if center:
         d_x = d_x - jnp.mean(d_xhat, axis=-1, keepdims=True)
+    return (d_x * rstd).astype(x.dtype)
+
+
+def norm_bwd_input(center: bool, offset: float, res: tuple, g: jax.Array
+                   ) -> tuple[jax.Array, tuple]:
+    """The input-gradient part of the norms' backward: ``(dx, wres)`` from the forward's
+    residuals ``res`` (the input, its two fp32 statistics per token, scale and bias) and
+    the output gradient ``g`` (``center``: LayerNorm, else RMSNorm; ``offset`` as
+    :func:`layer_norm`'s); ``wres`` is what :func:`norm_bwd_weight` needs (the
+    normalised values, recomputed here, and ``g`` in fp32, with the parameters)."""
+    x_hat, g = _recomputed(res, g)
+    return _input_grad(center, offset, res, x_hat, g), (x_hat, g, res[3], res[4])
+
+
+def norm_bwd_weight(wres: tuple) -> tuple[jax.Array | None, jax.Array | None]:
+    """The weight-gradient part of the norms' backward: ``(d_scale, d_bias)`` (None for a
+    missing parameter), reductions over the tokens of :func:`norm_bwd_input`'s ``wres``.
+
+    A pipeline's deferred weight gradients (:func:`~sp_jax.layers.backward_input`) leave
+    the norms' in the input-gradient pass: deferring them would keep an activation-sized
+    ``wres`` (the normalised input and the output gradient) per norm until the W action
+    to save a reduction."""
+    x_hat, g, scale, bias = wres
+    lead = tuple(range(g.ndim - 1))
+    d_scale = None if scale is None else jnp.sum(g * x_hat, axis=lead).astype(scale.dtype)
+    d_bias = None if bias is None else jnp.sum(g, axis=lead).astype(bias.dtype)
+    return d_scale, d_bias
+
+
+def _norm_bwd(epsilon, center, out_dtype, offset, res, g):
+    # norm_bwd_input then norm_bwd_weight, traced weight part first (today's HLO)
+    x_hat, g = _recomputed(res, g)
+    d_scale, d_bias = norm_bwd_weight((x_hat, g, res[3], res[4]))
+    d_x = _input_grad(center, offset, res, x_hat, g)
     # The parameter gradients are reductions over this device's tokens; released with
     # d_x, they are computed here instead of at the end of the backward pass, where XLA
     # would otherwise keep every layer's incoming gradient alive until then.
-    return lax.optimization_barrier(((d_x * rstd).astype(x.dtype), d_scale, d_bias))
+    return lax.optimization_barrier((d_x, d_scale, d_bias))
 
 
 def _norm_offload_fwd(x, scale, bias, epsilon, center, out_dtype, offset, offload):
