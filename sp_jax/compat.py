@@ -36,9 +36,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["ALIASES", "COVERED", "FEATURES", "MODES", "REFUSALS", "STATUSES", "TABLE", "Cell",
+__all__ = ["ALIASES", "COVERED", "FEATURES", "IMPLIES", "MODES", "REFUSALS", "STATUSES", "TABLE", "Cell",
            "CombinationError", "Refusal", "build", "cell", "check", "check_mode", "cover",
-           "coverage_source", "features_of", "load_coverage", "markdown", "refusals",
+           "coverage_source", "describe", "features_of", "load_coverage", "markdown", "refusals",
            "render", "spelled"]
 
 MODES: dict[str, str] = {
@@ -150,6 +150,9 @@ class Cell:
         pair too, or ``""``.
       unless: with ``refused``: features any of which lifts the refusal (e.g. a pipeline,
         which reduces the gradients in its own schedule), or ``()``.
+      via: with ``refused``: the pair whose refusal refuses this one because a feature
+        brings the other of that pair along (:data:`IMPLIES`: pipeline stages scan the
+        layers, so they are refused with what ``scan_layers`` is), or ``()``.
     """
 
     status: str
@@ -158,6 +161,7 @@ class Cell:
     first: str = ""
     alone: str = ""
     unless: tuple[str, ...] = ()
+    via: tuple[str, ...] = ()
 
 
 class Refusal(NamedTuple):
@@ -239,6 +243,17 @@ _EXCLUSIVE = [("context_ring", "context_ulysses"), ("pipeline_gpipe", "pipeline_
               ("fp8_current", "fp8_delayed"), ("scan_layers", "unrolled_layers"),
               ("fsdp", "zero1")]  # fsdp=True (full) and fsdp="optimizer"
 
+IMPLIES: dict[str, tuple[str, ...]] = {
+    "pipeline": ("scan_layers",),
+    "interleaved_experts": ("experts", "unrolled_layers"),
+    "dense_layers": ("experts",),
+    "expert_parallel": ("experts",),
+}
+"""What a feature brings along: a model with it has these too (pipeline stages hold
+slices of the stacked layers; dense layers between or before experts are a mixture of
+experts). A pair refused with what one feature brings is refused with that feature too
+(:attr:`Cell.via`), with the same fix and the same lifting features."""
+
 _NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss"),
                    *((("eval", "generate"), f) for f in (
                        "zero1", "grad_reduce_dtype", "offload_optimizer",
@@ -251,6 +266,28 @@ supported there). Empty until :func:`load_coverage` or :func:`cover` (the rows l
 the test suite, ``tests/compat_coverage.py``)."""
 
 _SOURCE: list[str] = []  # where the coverage rows came from (one entry, or none)
+
+
+def _brought(feature: str) -> tuple[str, ...]:
+    """``feature`` and what it brings along (:data:`IMPLIES`, aliases expanded)."""
+    return (feature, *(x for name, implied in IMPLIES.items() if feature in _expand(name)
+                       for x in implied))
+
+
+def _imply(cells: dict[frozenset[str], Cell]) -> None:
+    """Adds to one mode's ``cells`` the pairs refused through what a feature brings along
+    (:data:`IMPLIES`): as the first refused pair of what the two bring (FEATURES' order)."""
+    for x, y in itertools.combinations(FEATURES, 2):
+        found = [(cells[_key(a, b)], a, b) for a in _brought(x) for b in _brought(y)
+                 if (a, b) != (x, y) and _key(a, b) in cells
+                 and cells[_key(a, b)].status == "refused"]
+        if _key(x, y) in cells or not found:
+            continue
+        old, a, b = found[0]
+        first, brought = (x, a) if a != x else (y, b)  # the feature that brings the other
+        cells[_key(x, y)] = Cell("refused", fix=f"{{{first}}} brings {{{brought}}} along: "
+                                 f"{old.fix}", first=first, unless=old.unless,
+                                 via=tuple(f for f in FEATURES if f in (a, b)))
 
 
 def build(coverage: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]] = ()
@@ -282,6 +319,8 @@ def build(coverage: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]] = ()
         put(modes, a, b, Cell("refused", fix=fix, unless=lifted))
     for modes, a in _NOT_APPLICABLE:
         put(modes, a, None, Cell("n/a"))
+    for mode, cells in table.items():
+        _imply(cells)
     for modes, features, test in coverage:
         for mode in modes:
             for x, y in itertools.combinations_with_replacement(features, 2):
@@ -398,11 +437,14 @@ class _Spelled(dict):
         return _NAMES[feature]
 
 
-def _refused(modes: tuple[str, ...], key: frozenset[str], active: set[str]) -> Cell | None:
+def _refused(modes: tuple[str, ...], key: frozenset[str], active: set[str],
+             via: bool = False) -> Cell | None:
     """The cell of ``key`` if it is refused in each of ``modes`` (and no feature of
-    ``active`` lifts it), else None."""
+    ``active`` lifts it), directly or (``via``) through what a feature brings along,
+    else None."""
     cells = [TABLE[m][key] for m in modes]
-    if all(c.status == "refused" and not set(c.unless) & active for c in cells):
+    if all(c.status == "refused" and not set(c.unless) & active and bool(c.via) == via
+           for c in cells):
         return cells[0]
     return None
 
@@ -411,7 +453,8 @@ def check(mode: str | tuple[str, ...] | None, features: Iterable[str], *,
           where: str) -> None:
     """Raises a :class:`CombinationError` for the first refused cell among ``features``
     in ``mode``: each feature alone first, then each pair, in the order given (a set: in
-    :data:`FEATURES`' order). ``features`` are names of :data:`FEATURES` or
+    :data:`FEATURES`' order), then each pair refused through what a feature brings along
+    (:attr:`Cell.via`; a model has what its features bring, whose own pair is met first). ``features`` are names of :data:`FEATURES` or
     :data:`ALIASES` (``"pipeline"``, ``"fp8"``, ``"context"``); a mapping from names to
     how the message spells each (e.g. ``{"sliding_window": "sliding_window=4"}``) works
     too. The message starts with ``where`` (e.g. ``"GPT"``), names both features (or the
@@ -452,14 +495,15 @@ def check(mode: str | tuple[str, ...] | None, features: Iterable[str], *,
         if found is not None:
             raise CombinationError(_message(tag(_key(x, x)), found, x, None, where, spell,
                                             given_as))
-    for (x, fx), (y, fy) in itertools.combinations(active, 2):
-        if fx == fy and fx in ALIASES:
-            continue  # both values of one option were named by their alias
-        found = _refused(modes, _key(x, y), present)
-        if found is not None:
-            a, b = (x, y) if found.first in ("", x) else (y, x)
-            raise CombinationError(_message(tag(_key(x, y)), found, a, b, where, spell,
-                                            given_as))
+    for via in (False, True):
+        for (x, fx), (y, fy) in itertools.combinations(active, 2):
+            if fx == fy and fx in ALIASES:
+                continue  # both values of one option were named by their alias
+            found = _refused(modes, _key(x, y), present, via)
+            if found is not None:
+                a, b = (x, y) if found.first in ("", x) else (y, x)
+                raise CombinationError(_message(tag(_key(x, y)), found, a, b, where, spell,
+                                                given_as))
 
 
 def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
@@ -586,12 +630,14 @@ def check_mode(mode: str | tuple[str, ...] | None, model: Any = None, *, where: 
 
 def refusals(mode: str | None = None) -> list[tuple[str, str, str | None, Cell]]:
     """``(mode, a, b or None, cell)`` of every refused cell (pairs refused because one
-    feature is refused alone are left out: the alone cell names them)."""
+    feature is refused alone are left out: the alone cell names them; so are those
+    refused through what a feature brings along, :attr:`Cell.via`: the pair it names
+    is there)."""
     out = []
     for m in MODES if mode is None else (mode,):
         for x, y in itertools.combinations_with_replacement(FEATURES, 2):
             c = TABLE[m][_key(x, y)]
-            if c.status == "refused" and not c.alone:
+            if c.status == "refused" and not c.alone and not c.via:
                 a, b = (x, y) if c.first in ("", x) else (y, x)
                 out.append((m, a, None if x == y else b, c))
     return out
@@ -638,6 +684,39 @@ def render() -> str:
         fix = fix.format_map(_Spelled())
         lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {pair}: {fix}", 99,
                                    subsequent_indent="  "))
+    lines.append("Refused through what a feature brings along (IMPLIES; the same fix):")
+    implied: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
+    for mode in MODES:
+        for x, y in itertools.combinations(FEATURES, 2):
+            c = TABLE[mode][_key(x, y)]
+            if c.status == "refused" and c.via:
+                implied.setdefault((c.first, y if c.first == x else x, c.via), []).append(mode)
+    for (a, b, via), modes in implied.items():
+        lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {a} x {b}: as {' x '.join(via)}",
+                                   99, subsequent_indent="  "))
+    lines.append("The tests that run a + cell (and each one's features): python -m "
+                 "sp_jax.compat --cell MODE A [B]")
+    return "\n".join(lines)
+
+
+def describe(mode: str, a: str, b: str | None = None) -> str:
+    """One cell in words (``python -m sp_jax.compat --cell``): its status, and what
+    supports it (each test that runs it, with the features that test runs together in
+    ``mode``: the covering combination of a pair) or refuses it (the fix)."""
+    c = cell(mode, a, b)
+    pair = a if b is None or b == a else f"{a} x {b}"
+    lines = [f"{mode}: {pair}: {STATUSES[c.status][0]} {STATUSES[c.status][1]}"]
+    if c.status == "refused":
+        lines.append(f"  {c.fix.format_map(_Spelled())}")
+        if c.via:
+            lines.append(f"  (as {' x '.join(c.via)}: a feature brings the other along)")
+        if c.unless:
+            lines.append(f"  (unless {' or '.join(c.unless)})")
+    for test in c.tests:
+        runs = [f for modes, f, t in COVERED if t == test and mode in modes]
+        lines.append(f"  {test}")
+        lines.extend(textwrap.wrap(", ".join(runs[0]) if runs else "", 95,
+                                   initial_indent="    ", subsequent_indent="    "))
     return "\n".join(lines)
 
 
@@ -661,9 +740,19 @@ def main(argv: list[str] | None = None) -> None:
                         "shows it (a text block)")
     parser.add_argument("--coverage", type=Path, help="the coverage rows (a Python file "
                         "with COVERED); default: tests/compat_coverage.py of the checkout")
+    parser.add_argument("--cell", nargs="+", metavar=("MODE", "FEATURE"), help="print one "
+                        "cell: MODE A [B], with the tests that run it and their features")
     args = parser.parse_args(argv)
     if args.coverage is not None or _default_coverage().is_file():
         load_coverage(args.coverage)
+    if args.cell:
+        if len(args.cell) not in (2, 3):
+            parser.error(f"--cell takes MODE A [B], got {' '.join(args.cell)!r}")
+        try:
+            print(describe(*args.cell))
+        except ValueError as e:
+            parser.error(f"--cell: {e}")
+        return
     print(markdown() if args.markdown else render())
 
 
