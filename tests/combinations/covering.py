@@ -109,7 +109,7 @@ def targets(mode: str) -> frozenset[frozenset[str]]:
 
 
 def _tensor(shape: tuple[int, ...]) -> int:
-    return dict(zip(compat_features.AXES, shape))["tensor"]
+    return dict(zip(compat_features.AXES, shape, strict=True))["tensor"]
 
 
 @functools.cache
@@ -131,7 +131,7 @@ def _config(s: compat_features.Setup) -> SimpleNamespace:
 
 
 def _mesh(s: compat_features.Setup) -> SimpleNamespace:
-    return SimpleNamespace(shape=dict(zip(compat_features.AXES, s.shape)))
+    return SimpleNamespace(shape=dict(zip(compat_features.AXES, s.shape, strict=True)))
 
 
 def closure(names: Iterable[str]) -> frozenset[str]:
@@ -291,11 +291,9 @@ def _feature_tier() -> frozenset[tuple[str, str]]:
     left = {(m, f) for m in compat.MODES for f in compat.FEATURES if frozenset({f}) in targets(m)}
     chosen = set()
     while left:
-        def value(case):
-            m, c = case
-            return len({(m, f) for f in c.features} & left) / _cost(frozenset(c.features))
-        m, c = max(cases, key=value)  # max: the first of equals (the array's order)
-        left -= {(m, f) for f in c.features}
+        m, c = max(cases, key=lambda case, left=left: len(
+            {(case[0], f) for f in case[1].features} & left) / _cost(frozenset(case[1].features)))
+        left -= {(m, f) for f in c.features}  # max: the first of equals (the array's order)
         chosen.add((m, c.id))
     return frozenset(chosen)
 

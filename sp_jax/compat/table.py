@@ -1,28 +1,6 @@
-"""What combines with what: one table, as data, of the features of sp_jax in each mode.
-
-A *feature* is one option of :class:`~sp_jax.ParallelConfig`, :class:`~sp_jax.models.GPTConfig`
-or of the call (:data:`FEATURES`); a *mode* is what the model is asked to do
-(:data:`MODES`: ``"train"``, ``"eval"``, ``"generate"``). For each mode and each pair of
-features (the diagonal: the feature alone) :data:`TABLE` holds a :class:`Cell`:
-``supported`` (with the pytest node ids of the tests that run that combination),
-``refused`` (with what to do instead), ``exclusive`` (two values of one option), ``n/a``
-(the feature has no meaning in that mode) or ``untested`` (nothing refuses it, and no
-test runs it yet).
-
-Every refusal of a combination in sp_jax is raised here, by :func:`check`, as one
-:class:`CombinationError` (a ``ValueError``) that names both features, the mode and what
-to do. Each entry point checks its mode once (:func:`check_mode`): a training step
-(``TrainStep``, ``GPT.loss``) ``"train"``, ``GPT.__call__`` / ``hidden_states`` /
-``padded_logits`` ``"eval"``, ``generate`` ``"generate"``; constructors (``GPTConfig``,
-``GPT``, the layers) and kernels check what is refused in every mode.
-
-Which tests run which cell is the test suite's to say (``tests/compat_coverage.py``):
-the library's table holds the refusals, and :func:`load_coverage` (or :func:`cover`) adds
-the supported cells. ``python -m sp_jax.compat [--coverage PATH]`` prints the table (with
-the coverage found beside the package in a checkout); ``docs/api.md`` shows
-:func:`markdown`'s output.
-
-This module imports nothing from sp_jax (every floor may ask it).
+"""The table of what combines: the features, the modes, the refusals, the coverage rows,
+:func:`check` and :func:`check_mode` (``sp_jax.compat`` re-exports every public name; its
+docstring says how the table is used). Imports nothing from sp_jax outside this package.
 """
 
 from __future__ import annotations
@@ -31,15 +9,16 @@ import dataclasses
 import importlib.util
 import itertools
 import math
-import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["ALIASES", "COVERED", "FEATURES", "IMPLIES", "MODES", "REFUSALS", "STATUSES", "TABLE", "Cell",
-           "CombinationError", "Refusal", "build", "cell", "check", "check_mode", "cover",
-           "coverage_source", "describe", "features_of", "load_coverage", "markdown", "refusals",
-           "render", "spelled"]
+__all__ = ["ALIASES", "COVERED", "FEATURES", "IMPLIES", "MODES", "REFUSALS", "STATUSES",
+           "TABLE", "Cell", "CombinationError", "Refusal", "build", "cell", "check",
+           "check_mode", "cover", "coverage_source", "features_of", "fix_text",
+           "load_coverage", "refusals", "spelled"]
+
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout, where sp_jax is one
 
 MODES: dict[str, str] = {
     "train": "a training step: TrainStep, or jax.grad of GPT.loss",
@@ -319,7 +298,7 @@ def build(coverage: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]] = ()
         put(modes, a, b, Cell("refused", fix=fix, unless=lifted))
     for modes, a in _NOT_APPLICABLE:
         put(modes, a, None, Cell("n/a"))
-    for mode, cells in table.items():
+    for cells in table.values():
         _imply(cells)
     for modes, features, test in coverage:
         for mode in modes:
@@ -369,7 +348,7 @@ def cover(rows: Iterable[tuple[tuple[str, ...], tuple[str, ...], str]], *,
 
 def _default_coverage() -> Path:
     """``tests/compat_coverage.py`` of the checkout this package lies in."""
-    return Path(__file__).resolve().parent.parent / "tests" / "compat_coverage.py"
+    return _ROOT / "tests" / "compat_coverage.py"
 
 
 def load_coverage(path: str | Path | None = None) -> str:
@@ -385,7 +364,7 @@ def load_coverage(path: str | Path | None = None) -> str:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     try:
-        label = path.resolve().relative_to(Path(__file__).resolve().parent.parent).as_posix()
+        label = path.resolve().relative_to(_ROOT).as_posix()
     except ValueError:
         label = str(path)
     cover(module.COVERED, source=label)
@@ -437,6 +416,12 @@ class _Spelled(dict):
         return _NAMES[feature]
 
 
+def fix_text(fix: str) -> str:
+    """A refusal's fix (:attr:`Cell.fix`, :attr:`Refusal.fix`) as a message says it, each
+    ``{feature}`` field in its default spelling."""
+    return fix.format_map(_Spelled())
+
+
 def _refused(modes: tuple[str, ...], key: frozenset[str], active: set[str],
              via: bool = False) -> Cell | None:
     """The cell of ``key`` if it is refused in each of ``modes`` (and no feature of
@@ -454,11 +439,12 @@ def check(mode: str | tuple[str, ...] | None, features: Iterable[str], *,
     """Raises a :class:`CombinationError` for the first refused cell among ``features``
     in ``mode``: each feature alone first, then each pair, in the order given (a set: in
     :data:`FEATURES`' order), then each pair refused through what a feature brings along
-    (:attr:`Cell.via`; a model has what its features bring, whose own pair is met first). ``features`` are names of :data:`FEATURES` or
-    :data:`ALIASES` (``"pipeline"``, ``"fp8"``, ``"context"``); a mapping from names to
-    how the message spells each (e.g. ``{"sliding_window": "sliding_window=4"}``) works
-    too. The message starts with ``where`` (e.g. ``"GPT"``), names both features (or the
-    feature and the mode) and ends with what to do.
+    (:attr:`Cell.via`: a model has what its features bring, whose own pair comes first).
+    ``features`` are names of :data:`FEATURES` or :data:`ALIASES` (``"pipeline"``,
+    ``"fp8"``, ``"context"``); a mapping from names to how the message spells each
+    (e.g. ``{"sliding_window": "sliding_window=4"}``) works too. The message starts with
+    ``where`` (e.g. ``"GPT"``), names both features (or the feature and the mode) and
+    ends with what to do.
 
     ``mode``: one of :data:`MODES`; or, where the mode is not known yet (a constructor,
     a kernel every mode runs), a tuple of modes (what is refused in each of them) or None
@@ -643,118 +629,4 @@ def refusals(mode: str | None = None) -> list[tuple[str, str, str | None, Cell]]
     return out
 
 
-_SHORT: dict[str, str] = {
-    "tensor_sequence": "ts", "collective_matmul": "cm", "recompute_allgather": "ra",
-    "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
-    "pipeline_1f1b": "p1", "scan_layers": "sl", "unrolled_layers": "ul", "experts": "ex",
-    "expert_parallel": "ep", "interleaved_experts": "ie", "dense_layers": "dl",
-    "fp8_current": "8c",
-    "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
-    "layer_windows": "lw", "cudnn_attention": "cd", "attention_dropout": "ad",
-    "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
-    "offload_optimizer": "oo", "offload_activations": "oa",
-}
-
-
-def render() -> str:
-    """The table as text: where its coverage came from, one matrix per mode (compact
-    symbols, under 100 columns), the legend, then every refused cell with its fix."""
-    width = max(map(len, FEATURES))
-    source = coverage_source()
-    lines = [f"Coverage: {source} ({len(COVERED)} rows)." if source else
-             "Coverage: none loaded (a checkout's tests/compat_coverage.py, or --coverage "
-             "PATH): no cell is supported.",
-             "Legend:", *(f"  {s}  {text}" for s, text in STATUSES.values()), "Features:"]
-    lines.extend(textwrap.wrap(", ".join(f"{_SHORT[f]} {f}" for f in FEATURES), 99,
-                               initial_indent="  ", subsequent_indent="  "))
-    lines.append("")
-    for mode, text in MODES.items():
-        lines.append(f"{mode}: {text}")
-        lines.append(" " * (width + 1) + " ".join(_SHORT[f] for f in FEATURES))
-        for f in FEATURES:
-            row = " ".join(f"{STATUSES[TABLE[mode][_key(f, g)].status][0]:>2}"
-                           for g in FEATURES)
-            lines.append(f"{f:<{width + 1}}{row}")
-        lines.append("")
-    lines.append("Refused (modes: features: what to do; pipeline, fp8 and context stand for "
-                 "each of their values):")
-    for modes, a, b, fix, unless in REFUSALS:
-        pair = a if b is None else f"{a} x {b}"
-        pair += f" (unless {' or '.join(unless)})" if unless else ""
-        fix = fix.format_map(_Spelled())
-        lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {pair}: {fix}", 99,
-                                   subsequent_indent="  "))
-    lines.append("Refused through what a feature brings along (IMPLIES; the same fix):")
-    implied: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
-    for mode in MODES:
-        for x, y in itertools.combinations(FEATURES, 2):
-            c = TABLE[mode][_key(x, y)]
-            if c.status == "refused" and c.via:
-                implied.setdefault((c.first, y if c.first == x else x, c.via), []).append(mode)
-    for (a, b, via), modes in implied.items():
-        lines.extend(textwrap.wrap(f"- {', '.join(modes)}: {a} x {b}: as {' x '.join(via)}",
-                                   99, subsequent_indent="  "))
-    lines.append("The tests that run a + cell (and each one's features): python -m "
-                 "sp_jax.compat --cell MODE A [B]")
-    return "\n".join(lines)
-
-
-def describe(mode: str, a: str, b: str | None = None) -> str:
-    """One cell in words (``python -m sp_jax.compat --cell``): its status, and what
-    supports it (each test that runs it, with the features that test runs together in
-    ``mode``: the covering combination of a pair) or refuses it (the fix)."""
-    c = cell(mode, a, b)
-    pair = a if b is None or b == a else f"{a} x {b}"
-    lines = [f"{mode}: {pair}: {STATUSES[c.status][0]} {STATUSES[c.status][1]}"]
-    if c.status == "refused":
-        lines.append(f"  {c.fix.format_map(_Spelled())}")
-        if c.via:
-            lines.append(f"  (as {' x '.join(c.via)}: a feature brings the other along)")
-        if c.unless:
-            lines.append(f"  (unless {' or '.join(c.unless)})")
-    for test in c.tests:
-        runs = [f for modes, f, t in COVERED if t == test and mode in modes]
-        lines.append(f"  {test}")
-        lines.extend(textwrap.wrap(", ".join(runs[0]) if runs else "", 95,
-                                   initial_indent="    ", subsequent_indent="    "))
-    return "\n".join(lines)
-
-
-def markdown() -> str:
-    """The table for ``docs/api.md``: :func:`render` in a text block."""
-    return "```text\n" + render() + "\n```\n"
-
-
 TABLE.update(build())
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m sp_jax.compat [--markdown] [--coverage PATH]``: prints the table, with
-    the coverage of ``PATH`` (default: ``tests/compat_coverage.py`` beside the package,
-    when there is one)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m sp_jax.compat",
-                                     description="The table of what combines in sp_jax.")
-    parser.add_argument("--markdown", action="store_true", help="print it as docs/api.md "
-                        "shows it (a text block)")
-    parser.add_argument("--coverage", type=Path, help="the coverage rows (a Python file "
-                        "with COVERED); default: tests/compat_coverage.py of the checkout")
-    parser.add_argument("--cell", nargs="+", metavar=("MODE", "FEATURE"), help="print one "
-                        "cell: MODE A [B], with the tests that run it and their features")
-    args = parser.parse_args(argv)
-    if args.coverage is not None or _default_coverage().is_file():
-        load_coverage(args.coverage)
-    if args.cell:
-        if len(args.cell) not in (2, 3):
-            parser.error(f"--cell takes MODE A [B], got {' '.join(args.cell)!r}")
-        try:
-            print(describe(*args.cell))
-        except ValueError as e:
-            parser.error(f"--cell: {e}")
-        return
-    print(markdown() if args.markdown else render())
-
-
-if __name__ == "__main__":
-    main()
