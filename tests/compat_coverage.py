@@ -4,8 +4,14 @@ every pair of them (and each alone) is supported there.
 
 ``sp_jax.compat.load_coverage()`` reads this file into the table (``python -m
 sp_jax.compat`` does, from a checkout; tests/test_compat.py checks that every node id
-exists and that no row runs a refused cell). Plain data: it imports nothing.
+exists and that no row runs a refused cell). Plain data: the rows written here, then
+those of the covering array's cases that passed, as ``make test-combinations`` recorded
+them in tests/combinations/ran.json (tests/combinations/recording.py; one row a case:
+its mode, its combination's features, its node id). It imports only json and pathlib.
 """
+
+import json
+from pathlib import Path
 
 # (modes, features, test node id): the test runs these features together in these modes,
 # so every pair of them (and each alone) is supported there.
@@ -251,9 +257,15 @@ _ROWS: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      f"{_DENSE_TEST}deferred_weight_gradients_of_two_kinds_with_fp8_delayed"),
 ]
 
+# The covering array's cases that passed in the last `make test-combinations`.
+_RAN = Path(__file__).resolve().parent / "combinations" / "ran.json"
+_CASES = json.loads(_RAN.read_text())["passed"] if _RAN.is_file() else []
+
 # A pipeline's layers are scanned (sp_jax.compat refuses pipeline x unrolled_layers): each
-# row with pipeline stages runs scan_layers too.
+# row written here with pipeline stages runs scan_layers too (a recorded case names every
+# feature it runs).
 COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
-    (modes, (*features, _SCAN) if _SCAN not in features and any(
+    *((modes, (*features, _SCAN) if _SCAN not in features and any(
         f.startswith("pipeline_") for f in features) else features, test)
-    for modes, features, test in _ROWS]
+      for modes, features, test in _ROWS),
+    *(((case["mode"],), tuple(case["features"]), case["test"]) for case in _CASES)]

@@ -43,6 +43,9 @@ class Feature:
         ``offload_optimizer``).
       implies: features it brings along unless one of the same option is given (a
         pipeline: scanned layers).
+      held_by: features whose declaration holds this one too, its own then left out
+        (a window: ``layer_windows`` gives each layer's, and GPTConfig takes one of the
+        two fields).
     """
 
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -50,6 +53,7 @@ class Feature:
     axes: dict[str, int] = dataclasses.field(default_factory=dict)
     call: dict[str, bool] = dataclasses.field(default_factory=dict)
     implies: tuple[str, ...] = ()
+    held_by: tuple[str, ...] = ()
 
 
 def _pipeline(schedule: str) -> Feature:
@@ -79,7 +83,7 @@ FEATURES: dict[str, Feature] = {
     "fp8_current": Feature(config=dict(fp8=sp_jax.Fp8Recipe("current"))),
     "fp8_delayed": Feature(config=dict(fp8=sp_jax.Fp8Recipe("delayed", 4))),
     "packed_documents": Feature(call=dict(documents=True)),
-    "sliding_window": Feature(config=dict(sliding_window=3)),
+    "sliding_window": Feature(config=dict(sliding_window=3), held_by=("layer_windows",)),
     "layer_windows": Feature(config=dict(layer_windows=(3, None))),
     "cudnn_attention": Feature(config=dict(attention_implementation="cudnn")),
     "attention_dropout": Feature(config=dict(attention_dropout=0.1)),
@@ -135,6 +139,8 @@ def setup(names: Iterable[str]) -> Setup:
     config, parallel, axes, call = dict(BASE), {}, {}, {}
     for name in chosen:
         feature = FEATURES[name]
+        if set(feature.held_by) & set(chosen):
+            continue
         _merge(config, feature.config, name)
         _merge(parallel, feature.parallel, name)
         _merge(call, feature.call, name)

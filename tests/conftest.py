@@ -5,6 +5,7 @@ import atexit
 import gc
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -116,3 +117,16 @@ def pytest_runtest_teardown(item, nextitem):
             array.block_until_ready()
         jax.clear_caches()
         gc.collect()
+
+
+def pytest_configure(config):
+    """`make test-combinations` (SP_JAX_RECORD_COMBINATIONS set): the cases of the
+    covering array that passed, recorded by the controlling process
+    (tests/combinations/recording.py; xdist's workers report to it)."""
+    if not os.environ.get("SP_JAX_RECORD_COMBINATIONS") or hasattr(config, "workerinput"):
+        return
+    sys.path.insert(0, str(TESTS / "combinations"))
+    import recording
+
+    if (path := recording.target()) is not None:
+        config.pluginmanager.register(recording.Recorder(path), "sp_jax_combinations_recorder")

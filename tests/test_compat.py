@@ -88,10 +88,13 @@ def test_every_supported_cell_names_a_test_that_exists():
     ids = {t for cells in compat.TABLE.values() for c in cells.values() for t in c.tests}
     assert len(ids) > 30
     for node in sorted(ids):
-        m = re.fullmatch(r"(tests/test_\w+\.py)::(test_\w+)(?:\[(.+)\])?", node)
+        m = re.fullmatch(r"(tests/(?:combinations/)?test_\w+\.py)::(test_\w+)(?:\[(.+)\])?",
+                         node)
         assert m, node
         path = ROOT / m[1]
         assert path.is_file() and m[2] in _test_names(path), node
+        if m[1].startswith("tests/combinations/"):
+            continue  # generated ids: tests/combinations/test_covering.py checks each case
         source = path.read_text()
         for part in (m[3] or "").split("-") if m[3] else ():
             assert re.search(rf"\b{re.escape(part)}\b", source) or re.fullmatch(
@@ -219,6 +222,39 @@ def test_check_before_the_mode_is_known_and_refusals_lifted():
         compat.check(("train", "eval"), ["packed_documents", "cudnn_attention"], where="x")
     with pytest.raises(ValueError, match="unknown mode 'infer'"):
         compat.check(("train", "infer"), [], where="x")
+
+
+def test_refusals_through_what_a_feature_brings_along():
+    """Pipeline stages scan the layers, dense layers before or between experts are
+    experts (compat.IMPLIES): a pair refused with what one brings is refused with it too,
+    the same fix and lifting features, named in the printed table and by ``--cell``; a
+    model's own pair (it has what its features bring) is named first."""
+    c = compat.cell("train", "interleaved_experts", "pipeline_1f1b")
+    assert (c.status, c.via, c.first) == ("refused", ("pipeline_1f1b", "unrolled_layers"),
+                                          "interleaved_experts")
+    assert c.fix.endswith(compat.cell("train", "pipeline_1f1b", "unrolled_layers").fix)
+    reduce = compat.cell("train", "dense_layers", "grad_reduce_dtype")
+    assert reduce.via == ("experts", "grad_reduce_dtype")
+    assert reduce.unless == ("pipeline_gpipe", "pipeline_1f1b")
+    assert compat.cell("eval", "dense_layers", "grad_reduce_dtype").status == "n/a"
+    with pytest.raises(compat.CombinationError, match=r"moe_layer_freq > 1 is not supported "
+                       r"with pipeline stages; moe_layer_freq > 1 brings scan_layers=False "
+                       r"along: .*\(sp_jax.compat: interleaved_experts x pipeline_1f1b in "
+                       r"every mode\)$"):
+        compat.check(None, ["pipeline_1f1b", "interleaved_experts"], where="x")
+    with pytest.raises(compat.CombinationError, match=r"interleaved_experts x scan_layers"):
+        compat.check("eval", ["pipeline_1f1b", "scan_layers", "interleaved_experts"], where="x")
+    compat.check("train", ["dense_layers", "grad_reduce_dtype", "pipeline_gpipe"], where="x")
+    assert not [r for r in compat.refusals() if r[3].via]  # the pair it is refused as is
+    assert "- train: dense_layers x grad_reduce_dtype: as experts x grad_reduce_dtype" in \
+        compat.render()
+    text = compat.describe("train", "dense_layers", "grad_reduce_dtype")
+    assert text.startswith("train: dense_layers x grad_reduce_dtype: x refused") and \
+        "(unless pipeline_gpipe or pipeline_1f1b)" in text
+    supported = compat.describe("train", "tensor_sequence", "fsdp")
+    row = next(r for r in compat.COVERED if "train" in r[0] and {"tensor_sequence", "fsdp"}
+               <= set(r[1]))
+    assert f"  {row[2]}\n    {', '.join(row[1])[:40]}" in supported
 
 
 # -- each refused cell, by the entry point that meets it -----------------------------------
