@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU runs: the scripts simulate their devices themselves (sp_jax.xla_flags.cpu_simulation_flags)
 CPU_ENV := JAX_PLATFORMS=cpu
 
-.PHONY: demo test test-fast slurm-test lint bench gpu-check clean
+.PHONY: demo test test-fast test-combinations slurm-test lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,9 +55,12 @@ gpu-check: $(STAMP)
 # sources). JAX's caches are cleared after each test file. The sources are byte-compiled
 # first: the suite starts about a hundred Python processes, and where
 # PYTHONDONTWRITEBYTECODE is set each would compile sp_jax's sources again (0.5 s each).
+# The covering array's cases marked `combinations` are left to `make test-combinations`:
+# `make test` runs one combination per feature and mode (tests/combinations/covering.py's
+# feature tier).
 test: $(STAMP)
 	$(PY) -m compileall -q sp_jax examples benchmarks
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not combinations" tests
 
 # The fast tier for the inner loop (under 3 min on 2 idle cores: 2:54, 2:53 of pytest, 494
 # tests): unit tests of every floor and one end-to-end test per feature
@@ -66,7 +69,23 @@ test: $(STAMP)
 # module fixture (a trainer run) is made once, not once per worker.
 test-fast: $(STAMP)
 	$(PY) -m compileall -q sp_jax examples benchmarks
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
+		-m "not slow and not combinations" tests
+
+# The whole covering array (tests/combinations/covering.py: every pair of compatible
+# features of sp_jax.compat in every mode, and the risky triples), each case through the
+# combination harness against the unsharded model (tests/combinations/test_combinations.py,
+# both tiers: the cases marked `combinations` and make test's). The cases that passed are
+# recorded in tests/combinations/ran.json (SP_JAX_RECORD_COMBINATIONS, tests/conftest.py):
+# commit it, tests/compat_coverage.py reads it into `python -m sp_jax.compat`'s table, and
+# tests/combinations/test_covering.py fails when the array changed after it was written.
+# Its own budget, beside make test's: under 30 min on 2 idle cores (measured: see
+# docs/api.md, "What combines"). Every case is in one file: `--dist load` shares them among
+# the three workers (`loadfile` would give the whole file to one).
+test-combinations: $(STAMP)
+	$(PY) -m compileall -q sp_jax examples benchmarks
+	SP_JAX_RECORD_COMBINATIONS=1 $(PY) -m pytest -q -n 3 --dist load \
+		tests/combinations/test_combinations.py
 
 # examples/slurm/train.sbatch on a real SLURM cluster: a one-host cluster (munged,
 # slurmctld, slurmd; scripts/slurm_cluster.sh) in a temporary directory, tests/test_slurm.py

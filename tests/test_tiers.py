@@ -1,6 +1,7 @@
-"""The two tiers of the suite: `make test` runs every test, `make test-fast` (the inner
-loop, under 3 minutes on 2 idle cores) those without `pytest.mark.slow`. The tier is
-marked in each test file itself (DEVELOPERS.md, Conventions)."""
+"""The tiers of the suite: `make test` runs every test but the covering array's cases
+marked `combinations` (`make test-combinations` runs the whole array), `make test-fast`
+(the inner loop, under 3 minutes on 2 idle cores) those without `pytest.mark.slow` either.
+The tier is marked in each test file itself (DEVELOPERS.md, Conventions)."""
 
 import json
 import subprocess
@@ -31,7 +32,8 @@ _COLLECT = textwrap.dedent("""
 
         def pytest_collection_finish(self, session):
             self.items = [(item.path.name, item.nodeid,
-                           item.get_closest_marker("slow") is not None, whole_file_slow(item))
+                           item.get_closest_marker("slow") is not None, whole_file_slow(item),
+                           item.get_closest_marker("combinations") is not None)
                           for item in session.items]
 
     record = Record()
@@ -43,9 +45,10 @@ _COLLECT = textwrap.dedent("""
 """)
 
 
-def _collect(tmp_path) -> list[tuple[str, str, bool, bool]]:
-    """(file, node id, slow, whole file slow) of every test, collected in a fresh process
-    (as `make test` does; a misspelled marker is an error, not a silent fast test)."""
+def _collect(tmp_path) -> list[tuple[str, str, bool, bool, bool]]:
+    """(file, node id, slow, whole file slow, a case of the covering array marked
+    `combinations`) of every test, collected in a fresh process (as `make test` does; a
+    misspelled marker is an error, not a silent fast test)."""
     out = tmp_path / "items.json"
     proc = subprocess.run([sys.executable, "-c", _COLLECT, str(TESTS), str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -58,11 +61,13 @@ def _collect(tmp_path) -> list[tuple[str, str, bool, bool]]:
 def test_every_file_keeps_fast_tests_and_the_fast_tier_stays_small(tmp_path):
     """Each test file has tests in the fast tier (its floor's unit tests, its feature's
     end-to-end test) unless it says, with a module-level ``pytestmark``, that all of it is
-    slow; the fast tier holds under FAST_LIMIT tests."""
+    slow; the fast tier holds under FAST_LIMIT tests. A case marked ``combinations`` (in
+    neither make test nor make test-fast) counts as slow, and only the covering array's
+    cases (tests/combinations/) carry the marker."""
     items = _collect(tmp_path)
     by_file = defaultdict(list)
-    for name, node_id, slow, whole_file in items:
-        by_file[name].append((node_id, slow, whole_file))
+    for name, node_id, slow, whole_file, combination in items:
+        by_file[name].append((node_id, slow or combination, whole_file))
     assert len(by_file) >= 40, sorted(by_file)
     without_fast = [name for name, tests in by_file.items()
                     if all(slow for _, slow, _ in tests)
@@ -70,5 +75,8 @@ def test_every_file_keeps_fast_tests_and_the_fast_tier_stays_small(tmp_path):
     assert not without_fast, (
         f"{without_fast}: no test in the fast tier; keep its unit tests fast or mark the "
         "whole file `pytestmark = pytest.mark.slow`")
-    fast = [node_id for _, node_id, slow, _ in items if not slow]
+    fast = [node_id for _, node_id, slow, _, combination in items
+            if not slow and not combination]
     assert 0 < len(fast) < FAST_LIMIT, (len(fast), FAST_LIMIT)
+    assert all(node_id.startswith("tests/combinations/")
+               for _, node_id, _, _, combination in items if combination)
