@@ -111,11 +111,11 @@ def pytest_runtest_teardown(item, nextitem):
     process runs many files; what the earlier ones leave alive makes every later trace and
     compile slower (measured: tests/test_gpt.py after the quick benchmark run, 85 -> 54 s
     of CPU time, as in a fresh process). A file's tests still share their compiled
-    functions, but for the cases of the covering array (tests/combinations/, make
+    functions, but for the cases of the covering array (`test_combination`, make
     test-combinations: `--dist load` hands one file's cases to every worker), each of
     which builds models of its own."""
-    if nextitem is None or nextitem.path != item.path or item.path.parent.name == \
-            "combinations":
+    if nextitem is None or nextitem.path != item.path or getattr(
+            item, "originalname", "") == "test_combination":
         for array in jax.live_arrays():  # nothing still running while executables are freed
             array.block_until_ready()
         jax.clear_caches()

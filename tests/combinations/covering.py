@@ -286,15 +286,23 @@ def _array() -> tuple[Combination, ...]:
 @functools.cache
 def _feature_tier() -> frozenset[tuple[str, str]]:
     """(mode, id) of the cases of the feature tier: a greedy cover of every (mode,
-    feature) cell by the array's cases, cheapest per feature first."""
-    cases = [(m, c) for c in _array() for m in c.modes]
-    left = {(m, f) for m in compat.MODES for f in compat.FEATURES if frozenset({f}) in targets(m)}
+    feature) cell by the array's cases, the case that runs the most cells left first (the
+    cheaper of equals, then the array's order); the GPU's features (cuDNN) by their own
+    sets, the others by CPU sets only (a CPU run skips the GPU's)."""
     chosen = set()
-    while left:
-        m, c = max(cases, key=lambda case, left=left: len(
-            {(case[0], f) for f in case[1].features} & left) / _cost(frozenset(case[1].features)))
-        left -= {(m, f) for f in c.features}  # max: the first of equals (the array's order)
-        chosen.add((m, c.id))
+    for gpu in (False, True):
+        cases = [(m, c) for c in _array() for m in c.modes
+                 if bool(set(c.features) & set(_GPU_ONLY)) == gpu]
+        left = {(m, f) for m in compat.MODES for f in compat.FEATURES
+                if frozenset({f}) in targets(m) and (f in _GPU_ONLY) == gpu}
+        while left:
+            def value(case, left=left):
+                cells = {(case[0], f) for f in case[1].features} & left
+                return len(cells), -_cost(frozenset(case[1].features))
+
+            m, c = max(cases, key=value)
+            left -= {(m, f) for f in c.features}
+            chosen.add((m, c.id))
     return frozenset(chosen)
 
 
