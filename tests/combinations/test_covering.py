@@ -76,6 +76,20 @@ def test_the_cases_as_pytest_parameters():
         assert marked == (p.id not in feature), p.id
 
 
+def test_docs_api_gives_the_size_of_the_array():
+    """docs/api.md ("What combines") says the array's size as it is."""
+    combos, cases = covering.combinations("all"), covering.cases("all")
+    gpu = [c for c in combos if c.id.startswith("cudnn-")]
+    sizes = ", ".join(f"{m} {n}" for m, n in covering.sizes().items())
+    feature = covering.cases("feature")
+    text = " ".join((ROOT / "docs" / "api.md").read_text().split())
+    assert (f"The array: {len(combos)} sets, {len(cases)} cases ({sizes}; of them the "
+            f"{len(gpu)} sets with cuDNN's attention, {sum(len(c.modes) for c in gpu)} cases, "
+            f"run only on a GPU); `make test` runs {len(feature)} of its cases (each feature "
+            "in each mode where it has a meaning at least once; "
+            f"{sum('cudnn_attention' not in c.features for _, c in feature)} on CPU)") in text
+
+
 @pytest.mark.slow  # two fresh interpreters
 def test_the_array_is_the_same_in_every_process():
     """Generated without randomness: the same fingerprint under two hash seeds (sets of
