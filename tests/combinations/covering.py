@@ -22,8 +22,8 @@ ran.json``, which ``tests/compat_coverage.py`` reads into the table.
 Tiers: :func:`combinations` ``"all"`` is the whole array (``make test-combinations``);
 ``"feature"`` a few of its cases, so that each feature runs at least once in each mode
 where it has a meaning (``make test``). :func:`params` gives the cases as pytest
-parameters, ids ``f"{mode}-{combination.id}"``, those outside the feature tier marked
-``combinations``.
+parameters of ``test_combination``, ids ``f"{mode}-{combination.id}"``, each marked
+``slow``, those outside the feature tier ``combinations`` too.
 
 cuDNN's attention (``cudnn_attention``) runs only on a GPU: its pairs are covered by
 sets of their own (ids ``cudnn-NN``), every other set leaves it out (ids ``cNN``).
@@ -341,15 +341,16 @@ def case_id(mode: str, combo: Combination) -> str:
 
 
 def params() -> list:
-    """Every case as a ``pytest.param(mode, combination, id=case_id(...))``, those
-    outside the feature tier marked ``combinations`` (``make test`` leaves them to
-    ``make test-combinations``)."""
+    """Every case as a ``pytest.param(mode, combination, id=case_id(...))`` for
+    ``test_combination``: each marked ``slow`` (an end-to-end case: not in make
+    test-fast), those outside the feature tier also ``combinations`` (make test leaves
+    them to make test-combinations)."""
     import pytest
 
     feature = _feature_tier()
-    return [pytest.param(m, c, id=case_id(m, c),
-                         marks=() if (m, c.id) in feature else pytest.mark.combinations)
-            for m, c in cases("all")]
+    return [pytest.param(m, c, id=case_id(m, c), marks=(
+        pytest.mark.slow, *(() if (m, c.id) in feature else (pytest.mark.combinations,))))
+        for m, c in cases("all")]
 
 
 def fingerprint() -> str:
