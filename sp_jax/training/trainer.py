@@ -451,7 +451,7 @@ class Trainer:
             restored = manager.restore(params_like=abstract_like(self.step.params),
                                        opt_state_like=abstract_like(self.step.opt_state),
                                        fallback=True, expect_metadata=self.metadata or None,
-                                       must_match=("model",))
+                                       must_match=("model",), allow_dtype_cast=("opt_state",))
         except ValueError as e:  # CheckpointCorruptError (all damaged), MetadataMismatchError
             raise TrainingStopped(str(e)) from e
         for reason in restored.skipped:
@@ -462,6 +462,11 @@ class Trainer:
         for line in self._changes(restored.step, restored.changed,
                                   restored.metadata.get("run", {})):
             self._print(f"warning: {line}")
+        if restored.cast:  # e.g. another --moments-dtype: the moments, converted
+            kinds = sorted({c.split(": ")[-1] for c in restored.cast})
+            self._print(f"resume: the checkpoint's optimizer state cast to this run's "
+                        f"dtypes ({', '.join(kinds)}; {len(restored.cast)} arrays): another "
+                        "--moments-dtype than the saved run's")
         if hasattr(self.data, "restore"):  # a stateful input pipeline: its position
             state = restored.metadata.get("data_state")
             try:
