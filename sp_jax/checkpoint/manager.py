@@ -1,7 +1,8 @@
 """The checkpoint manager: :class:`CheckpointManager` (save, list, verify, restore onto any
 mesh, quarantine damaged steps, compare the saved metadata with the current run's) and
-:func:`abstract_like` for restore targets (the one-shot functions: :mod:`.oneshot`). The package docstring (:mod:`sp_jax.checkpoint`)
-describes the layout on disk and the guarantees.
+:func:`abstract_like` for restore targets (the one-shot functions: :mod:`.oneshot`). The
+package docstring (:mod:`sp_jax.checkpoint`) describes the layout on disk and the
+guarantees.
 
 orbax-checkpoint is imported on first use (by :func:`_ocp`), not with this module.
 """
@@ -20,11 +21,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from . import relayout
 from .at_exit import IN_FLIGHT, register_exit_hook
 from .diagnose import describe, not_damage, quiet_abandoned_io
 from .errors import CheckpointCorruptError, CheckpointSaveError, NonFiniteError
 from .integrity import CHECKSUM, VERSION, checksums, dtype_name, leaf_dtype, record_digest
-from . import relayout
 from .lock import WriterLock
 from .metadata import (
     Differences,
@@ -506,8 +507,8 @@ class CheckpointManager:
             tree = out[name]
             if layers[name] is not None:  # the target's form of the layers
                 parts = relayout.assemble(layers[name], flatten(tree), flatten(target))
-                tree = jax.tree_util.tree_map_with_path(lambda p, _: parts[path_name(p)],
-                                                        target)
+                tree = jax.tree_util.tree_map_with_path(
+                    lambda p, _, parts=parts: parts[path_name(p)], target)
             if cast:
                 tree = jax.tree.map(
                     lambda x, t: x if x.dtype == t.dtype else jax.device_put(
