@@ -105,12 +105,12 @@ def plan(saved: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Sourc
         prefix, stack, index, rest = where
         k = dense.get(prefix, 0)
         if index is not None:  # an unrolled target layer from a saved stack
-            name = "dense_blocks" if index < k else "blocks"
+            name, layer = ("dense_blocks", index) if index < k else ("blocks", index - k)
             source = _join(prefix, name, rest)
             found = source in saved and _layers(tuple(saved[source].shape), tuple(leaf.shape))
-            if not found:
+            if not found or layer >= found[1]:
                 return None
-            sources[path] = Source((source,), index if index < k else index - k, found[0])
+            sources[path] = Source((source,), layer, found[0])
             continue
         first = k if stack == "blocks" else 0  # a stacked target from saved layers
         one = saved.get(_join(prefix, "blocks", first, rest))
