@@ -50,22 +50,22 @@ class Restored(NamedTuple):
       params: the parameters, with the structure and shardings of ``params_like``.
       opt_state: the optimizer state like ``opt_state_like``; None when not requested.
       metadata: the JSON-serialisable ``metadata`` given to ``save`` ({} if none).
+      cast: the leaves read in another dtype than the target's and cast, as
+        ``"opt_state/0/mu/...: float32 -> bfloat16"`` (``allow_dtype_cast``).
       skipped: with ``fallback=True``, one line per newer step that was skipped because
         it is damaged (the message of its :class:`CheckpointCorruptError`), newest first.
       changed: with ``expect_metadata``, the differences of the sections that may change
         (``{section: {key: (saved, now)}}``, as :meth:`CheckpointManager.check_metadata`
         returns them); {} otherwise.
-      cast: the leaves read in another dtype than the target's and cast, as
-        ``"opt_state/0/mu/...: float32 -> bfloat16"`` (``allow_dtype_cast``).
     """
 
     step: int
     params: Any
     opt_state: Any
     metadata: dict
+    cast: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     changed: dict = {}  # never mutated: restore passes a dict of its own
-    cast: tuple[str, ...] = ()
 
 
 def _ocp():
@@ -594,7 +594,7 @@ class CheckpointManager:
             sections not in ``must_match`` come back in :attr:`Restored.changed`.
           must_match: with ``expect_metadata``: the sections that must be equal.
         Returns:
-          :class:`Restored` ``(step, params, opt_state, metadata, skipped, changed)``;
+          :class:`Restored` ``(step, params, opt_state, metadata, cast, skipped, changed)``;
           arrays are global ``jax.Array`` with the target shardings (and the target tree
           structure).
         Raises:
