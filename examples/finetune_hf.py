@@ -32,11 +32,13 @@ import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts
 
 # isort: split
 import argparse
+import contextlib
 import json
 import math
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +94,10 @@ def main(args: argparse.Namespace) -> int:
         overrides["fp8"] = cli.fp8_recipe(args)
     if cli.scan_layers(args):  # a STAGE axis: the stages hold slices of the stack
         overrides["scan_layers"] = True
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), contextlib.ExitStack() as stack:
         try:  # the library's checks (sizes against the mesh, the checkpoint) name the fix
+            # one writer per --ckpt-dir, and --resume's checkpoint: before the model loads
+            manager = stack.enter_context(training.open_checkpoints(args.trainer))
             model = hf.from_hf(args.hf_dir, parallel=cli.parallel_config(args),
                                rngs=nnx.Rngs(args.seed), **overrides)
             cfg = model.config
@@ -109,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"data: {data.summary()}; --seq-len {args.seq_len}")
             model.train()  # dropout as the checkpoint's config says (off with --no-dropout)
             step = training.TrainStep(model, cli.optimizer(args), **cli.offload_options(args))
-            result = training.Trainer(step, data, args.trainer,
+            result = training.Trainer(step, data, args.trainer, checkpoints=manager,
                                       metadata=cli.run_metadata(args, cfg),
                                       lr_schedule=cli.lr_schedule).run()
         except (ValueError, OSError, training.TrainingStopped) as e:
@@ -135,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = cli.format_warning  # "warning: <message>", one line
     args = parse()
     simulate_cpu_devices(args.local_devices)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -38,6 +38,7 @@ import importlib.util
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -65,7 +66,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="read up to this many bytes (without --tokenizer)")
     add("--tokenizer", default=None, metavar="JSON",
         help="a tokenizer.json (or 'bytes'): pack tokenized --data documents")
-    add("--text-field", default="text", help="JSON lines field / parquet column of the text")
+    add("--text-field", default=None,
+        help="JSON lines field / parquet column of the text (default: text); with or "
+             "without --tokenizer such files are read as their documents' text")
     add("--packing", default="first_fit", choices=("first_fit", "concat"),
         help="first-fit (pads, documents whole) or concatenate-then-split")
     cli.add_held_out_argument(add)
@@ -83,6 +86,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--max-data-bytes {a.max_data_bytes} must be positive")
         if a.tokenizer and not a.data:
             raise ValueError("--tokenizer needs --data: the files whose documents to pack")
+        cli.check_text_args(a)
         if a.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib (the examples "
                              "extra, pip install '.[examples]' in a clone of sp_jax)")
@@ -180,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = cli.format_warning  # "warning: <message>", one line
     args = parse()
     simulate_cpu_devices(args.local_devices)  # no GPU here: before JAX starts its backend
     sys.exit(main(args))

@@ -352,8 +352,8 @@ def test_held_out_fraction_sets_the_packed_and_byte_data_split(tmp_path):
     assert (packed.train_documents, packed.held_out_fraction) == (7, 0.3)
     default = cli.text_data(example.parse(base[:4] + ["--tokenizer", "bytes"]))
     assert default.train_documents == 9  # 5% of 10: at least one held out
-    corpus = cli.text_data(example.parse(base))
-    n = docs.stat().st_size
+    corpus = cli.text_data(example.parse(base))  # bytes: the documents' text, not the JSON
+    n = sum(len(f"document {i}\n") for i in range(10))
     assert (len(corpus.train), len(corpus.held_out)) == (int(n * 0.7), n - int(n * 0.7))
 
 

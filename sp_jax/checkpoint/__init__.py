@@ -86,8 +86,10 @@ the caller to report::
     changed = ckpt.check_metadata({"model": {...}, "run": {...}}, must_match=("model",))
 
 The package has one concern per module: :mod:`~sp_jax.checkpoint.manager`
-(:class:`CheckpointManager`, :func:`save_checkpoint`, :func:`restore_checkpoint`,
-:func:`latest_step`, :func:`abstract_like`), :mod:`~sp_jax.checkpoint.errors` (the
+(:class:`CheckpointManager`, :func:`abstract_like`), :mod:`~sp_jax.checkpoint.oneshot`
+(:func:`save_checkpoint`, :func:`restore_checkpoint`, :func:`latest_step`),
+:mod:`~sp_jax.checkpoint.relayout` (a checkpoint's stacked layers restored into unrolled
+ones, or the other way), :mod:`~sp_jax.checkpoint.errors` (the
 exceptions), :mod:`~sp_jax.checkpoint.integrity` (the checksums and the record's digest),
 :mod:`~sp_jax.checkpoint.lock` (the writer's lock), :mod:`~sp_jax.checkpoint.metadata`
 (saved metadata and restore targets checked against the current run's),
@@ -106,15 +108,9 @@ from .errors import (
     MetadataMismatchError,
     NonFiniteError,
 )
-from .manager import (
-    CheckpointManager,
-    Restored,
-    abstract_like,
-    latest_step,
-    restore_checkpoint,
-    save_checkpoint,
-)
+from .manager import CheckpointManager, Restored, abstract_like
 from .metadata import ABSENT
+from .oneshot import latest_step, restore_checkpoint, save_checkpoint
 
 __all__ = [
     "ABSENT",

@@ -172,9 +172,9 @@ class WriterLock:
         old = _read_holder(fd)
         if old:
             self.stale = old
-            warnings.warn(f"checkpoint directory {self.directory}: taking over the lock "
-                          f"left by {_describe_holder(old)}, which ended without "
-                          "releasing it (killed?)", stacklevel=3)
+            warnings.warn(f"checkpoint directory {self.directory} (--ckpt-dir): taking "
+                          f"over the lock left by {_describe_holder(old)}, which ended "
+                          "without releasing it (killed?)", stacklevel=3)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_holder_record()).encode(), 0)
         self._release = weakref.finalize(self, _unlock, fd, path)

@@ -1,8 +1,8 @@
 """The checkpoint manager: :class:`CheckpointManager` (save, list, verify, restore onto any
-mesh, quarantine damaged steps, compare the saved metadata with the current run's), the
-one-shot :func:`save_checkpoint`, :func:`restore_checkpoint` and :func:`latest_step`, and
-:func:`abstract_like` for restore targets. The package docstring (:mod:`sp_jax.checkpoint`)
-describes the layout on disk and the guarantees.
+mesh, quarantine damaged steps, compare the saved metadata with the current run's) and
+:func:`abstract_like` for restore targets (the one-shot functions: :mod:`.oneshot`). The
+package docstring (:mod:`sp_jax.checkpoint`) describes the layout on disk and the
+guarantees.
 
 orbax-checkpoint is imported on first use (by :func:`_ocp`), not with this module.
 """
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from . import relayout
 from .at_exit import IN_FLIGHT, register_exit_hook
 from .diagnose import describe, not_damage, quiet_abandoned_io
 from .errors import CheckpointCorruptError, CheckpointSaveError, NonFiniteError
@@ -36,8 +37,7 @@ from .metadata import (
     path_name,
 )
 
-__all__ = ["CheckpointManager", "Restored", "abstract_like", "latest_step", "restore_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CheckpointManager", "Restored", "abstract_like"]
 
 _PARAMS, _OPT_STATE, _META = "params", "opt_state", "meta"
 
@@ -50,6 +50,8 @@ class Restored(NamedTuple):
       params: the parameters, with the structure and shardings of ``params_like``.
       opt_state: the optimizer state like ``opt_state_like``; None when not requested.
       metadata: the JSON-serialisable ``metadata`` given to ``save`` ({} if none).
+      cast: the leaves read in another dtype than the target's and cast, as
+        ``"opt_state/0/mu/...: float32 -> bfloat16"`` (``allow_dtype_cast``).
       skipped: with ``fallback=True``, one line per newer step that was skipped because
         it is damaged (the message of its :class:`CheckpointCorruptError`), newest first.
       changed: with ``expect_metadata``, the differences of the sections that may change
@@ -61,6 +63,7 @@ class Restored(NamedTuple):
     params: Any
     opt_state: Any
     metadata: dict
+    cast: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     changed: dict = {}  # never mutated: restore passes a dict of its own
 
@@ -428,7 +431,7 @@ class CheckpointManager:
                                       f"was changed after it was written){also}")
 
     def _restore_step(self, step: int, params_like: Any, opt_state_like: Any,
-                      allow_dtype_cast: bool, now: dict | None,
+                      allow_dtype_cast: Any, now: dict | None,
                       must_match: Sequence[str], cast: bool = True) -> Restored:
         """Reads and verifies one step (see :meth:`restore`)."""
         ocp = _ocp()
@@ -446,7 +449,7 @@ class CheckpointManager:
         targets = {_PARAMS: params_like}
         if opt_state_like is not None:
             targets[_OPT_STATE] = opt_state_like
-        items, wanted = {}, {}
+        items, wanted, layers, casts = {}, {}, {}, []
         for name, like in targets.items():
             tree = saved.get(name)
             if tree is None:
@@ -465,18 +468,28 @@ class CheckpointManager:
             if integrity is not None:
                 self._match_record(step, name, tree, integrity.get("leaves", {}))
             target = _target(like)
-            check_compatible(name, tree, target, step, self.directory, allow_dtype_cast)
-            saved_leaves = flatten(tree)
+            saved_leaves, want = flatten(tree), flatten(target)
+            layers[name] = relayout.plan(saved_leaves, want)  # stacked <-> unrolled layers
+            cast_ok = allow_dtype_cast if isinstance(allow_dtype_cast, bool) \
+                else name in allow_dtype_cast
+            casts += check_compatible(name, tree if layers[name] is None else
+                                      relayout.saved_as_target(layers[name], saved_leaves,
+                                                               want),
+                                      target, step, self.directory, cast_ok)
+            read = None if layers[name] is None else relayout.read_target(
+                layers[name], saved_leaves, want)
 
-            def as_saved(path, t, saved_leaves=saved_leaves):
+            def as_saved(path, t, saved_leaves=saved_leaves, read=read):
+                if read is not None:  # the saved form, sharded as the target's layers
+                    return read[path_name(path)]
                 dtype = np.dtype(saved_leaves[path_name(path)].dtype)
                 if dtype == np.dtype(t.dtype):
                     return t
                 return jax.ShapeDtypeStruct(t.shape, dtype, sharding=t.sharding)
 
             # Read in the saved dtypes (verified as written), cast afterwards.
-            items[name] = ocp.args.StandardRestore(
-                jax.tree_util.tree_map_with_path(as_saved, target))
+            items[name] = ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(
+                as_saved, tree if read is not None else target))
             wanted[name] = target
         quiet_abandoned_io()
         try:
@@ -492,6 +505,10 @@ class CheckpointManager:
         result = {}
         for name, target in wanted.items():
             tree = out[name]
+            if layers[name] is not None:  # the target's form of the layers
+                parts = relayout.assemble(layers[name], flatten(tree), flatten(target))
+                tree = jax.tree_util.tree_map_with_path(
+                    lambda p, _, parts=parts: parts[path_name(p)], target)
             if cast:
                 tree = jax.tree.map(
                     lambda x, t: x if x.dtype == t.dtype else jax.device_put(
@@ -499,7 +516,7 @@ class CheckpointManager:
             result[name] = tree
         return Restored(step=int(record.get("step", step)), params=result[_PARAMS],
                         opt_state=result.get(_OPT_STATE), metadata=saved_meta,
-                        changed=changed)
+                        changed=changed, cast=tuple(casts))
 
     def metadata(self, step: int | None = None) -> dict:
         """The ``metadata`` dict saved with ``step`` (default: the latest), without
@@ -547,8 +564,8 @@ class CheckpointManager:
                        directory=self.directory)
 
     def restore(self, step: int | None = None, *, params_like: Any,
-                opt_state_like: Any = None, allow_dtype_cast: bool = False,
-                fallback: bool = False,
+                opt_state_like: Any = None,
+                allow_dtype_cast: bool | Sequence[str] = False, fallback: bool = False,
                 expect_metadata: Mapping[str, Mapping[str, Any]] | None = None,
                 must_match: Sequence[str] = ("model",)) -> Restored:
         """Reads checkpoint ``step`` (default: the latest) into the shardings of the
@@ -564,7 +581,9 @@ class CheckpointManager:
             device. The values of array leaves are not used.
           opt_state_like: the same for the optimizer state; None skips it.
           allow_dtype_cast: cast to the target dtypes instead of raising on a mismatch
-            (the arrays are read and verified in their saved dtypes, then cast).
+            (the arrays are read and verified in their saved dtypes, then cast; listed in
+            :attr:`Restored.cast`): True for every item, or the items to cast, e.g.
+            ``("opt_state",)`` (another storage dtype of the optimizer's moments).
           fallback: if the step is damaged, try the next older committed step, and so on
             (newest first; from ``step`` down when it is given). The steps skipped are
             listed in :attr:`Restored.skipped`. Only damage is skipped: a target or
@@ -575,7 +594,7 @@ class CheckpointManager:
             sections not in ``must_match`` come back in :attr:`Restored.changed`.
           must_match: with ``expect_metadata``: the sections that must be equal.
         Returns:
-          :class:`Restored` ``(step, params, opt_state, metadata, skipped, changed)``;
+          :class:`Restored` ``(step, params, opt_state, metadata, cast, skipped, changed)``;
           arrays are global ``jax.Array`` with the target shardings (and the target tree
           structure).
         Raises:
@@ -668,30 +687,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def save_checkpoint(directory: str | os.PathLike, step: int, params: Any,
-                    opt_state: Any = None, metadata: Mapping[str, Any] | None = None) -> None:
-    """One-shot :meth:`CheckpointManager.save` (keeps every step in ``directory``; takes
-    the writer's lock while saving)."""
-    with CheckpointManager(directory, max_to_keep=None) as manager:
-        manager.save(step, params, opt_state, metadata)
-
-
-def restore_checkpoint(directory: str | os.PathLike, step: int | None = None, *,
-                       params_like: Any, opt_state_like: Any = None,
-                       allow_dtype_cast: bool = False) -> Restored:
-    """One-shot :meth:`CheckpointManager.restore` (default: the latest step); a reader:
-    takes no lock, so it works while a writer holds the directory."""
-    with CheckpointManager(directory, max_to_keep=None, lock=False) as manager:
-        return manager.restore(step, params_like=params_like, opt_state_like=opt_state_like,
-                               allow_dtype_cast=allow_dtype_cast)
-
-
-def latest_step(directory: str | os.PathLike) -> int | None:
-    """The latest committed step in ``directory``, None if there is none (or no directory).
-    Takes no lock."""
-    if not os.path.isdir(directory):
-        return None
-    with CheckpointManager(directory, max_to_keep=None, lock=False) as manager:
-        return manager.latest_step()

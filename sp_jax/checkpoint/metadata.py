@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from .errors import Differences, MetadataMismatchError
+from .relayout import LAYOUT_KEYS
 
 __all__ = ["ABSENT", "Differences", "check_compatible", "compare", "flatten", "json_sections",
            "listing", "path_name"]
@@ -58,9 +59,10 @@ def listing(paths: list[str]) -> str:
 
 
 def check_compatible(item: str, saved: Any, target: Any, step: int, directory: str,
-                     allow_dtype_cast: bool) -> None:
-    """Raises ValueError unless ``target`` has the saved tree structure, shapes and dtypes,
-    naming every mismatched leaf path with both values."""
+                     allow_dtype_cast: bool) -> list[str]:
+    """Raises ValueError unless ``target`` has the saved tree structure, shapes and dtypes
+    (other dtypes too where ``allow_dtype_cast``), naming every mismatched leaf path with
+    both values; returns the leaves to cast, ``"<item>/<path>: float32 -> bfloat16"``."""
     where = f"checkpoint step {step} in {directory}"
     have, want = flatten(saved), flatten(target)
     missing = sorted(set(want) - set(have))
@@ -74,7 +76,7 @@ def check_compatible(item: str, saved: Any, target: Any, step: int, directory: s
         raise ValueError(f"{where}: the {item} tree does not match the target's "
                          f"({'; '.join(parts)}). Restore into the model/optimizer the "
                          "checkpoint was saved from (same configuration).")
-    problems = []
+    problems, casts = [], []
     for path in sorted(want):
         saved_shape, saved_dtype = tuple(have[path].shape), np.dtype(have[path].dtype)
         shape, dtype = tuple(np.shape(want[path])), np.dtype(want[path].dtype)
@@ -84,6 +86,8 @@ def check_compatible(item: str, saved: Any, target: Any, step: int, directory: s
         elif saved_dtype != dtype and not allow_dtype_cast:
             problems.append(f"{item}/{path}: dtype {saved_dtype} in the checkpoint, "
                             f"{dtype} in the target")
+        elif saved_dtype != dtype:
+            casts.append(f"{item}/{path}: {saved_dtype} -> {dtype}")
     if problems:
         raise ValueError(f"{where} does not fit the target ({len(problems)} mismatched "
                          "leaves; a different model shape?):\n  " + "\n  ".join(
@@ -91,6 +95,7 @@ def check_compatible(item: str, saved: Any, target: Any, step: int, directory: s
                          + ("\n  ..." if len(problems) > _MAX_LISTED else "")
                          + ("\nPass allow_dtype_cast=True to cast dtypes." if any(
                              "dtype" in p for p in problems) else ""))
+    return casts
 
 
 def json_sections(current: Mapping[str, Mapping[str, Any]], caller: str) -> dict:
@@ -112,7 +117,8 @@ def compare(saved: Mapping[str, Any], now: Mapping[str, Any], must_match: Sequen
     """Compares ``now`` (JSON round-tripped, see :func:`json_sections`) with ``saved``, the
     metadata saved with checkpoint ``step`` in ``directory``, section by section (only the
     sections of ``now``): raises :class:`MetadataMismatchError` when a ``must_match``
-    section differs, returns the differences of the others."""
+    section differs (in a key other than :data:`~.relayout.LAYOUT_KEYS`, the layers'
+    form, which a restore converts), returns the differences of the others."""
     differences: Differences = {}
     for section, values in now.items():
         old = saved.get(section)
@@ -121,7 +127,9 @@ def compare(saved: Mapping[str, Any], now: Mapping[str, Any], must_match: Sequen
                 for k in sorted({*old, *values}) if old.get(k, ABSENT) != values.get(k, ABSENT)}
         if diff:
             differences[section] = diff
-    fatal = {s: d for s, d in differences.items() if s in must_match}
+    # the layers' form (stacked or unrolled) may differ: restore converts the arrays
+    fatal = {s: f for s, d in differences.items() if s in must_match
+             and (f := {k: v for k, v in d.items() if k not in LAYOUT_KEYS})}
     if fatal:
         parts = "; ".join(f"{section}: " + ", ".join(
             f"{k} {old!r} saved vs {new!r} now" for k, (old, new) in diff.items())
@@ -131,4 +139,4 @@ def compare(saved: Mapping[str, Any], now: Mapping[str, Any], must_match: Sequen
             f"{' and '.join(fatal)} than this run's ({parts}); use the same settings as "
             "the saved run or another checkpoint directory",
             step=step, directory=directory, differences=fatal)
-    return {s: d for s, d in differences.items() if s not in must_match}
+    return {s: d for s, d in differences.items() if s not in must_match}  # layout: silent

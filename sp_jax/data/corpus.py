@@ -9,7 +9,8 @@ a held-out part (the last ``held_out_fraction``, 5%). Sequences are windows of
 vocabulary for smoke tests (:meth:`TokenIds.synthetic`); every id is checked against the
 vocabulary. :class:`ByteCorpus` is its byte-level case: text files (globs or paths; by
 default the running Python's standard library, ``**/*.py`` outside site-/dist-packages,
-no download), sorted and concatenated up to ``max_bytes``, read as ids 0..255.
+no download), sorted and concatenated up to ``max_bytes``, read as ids 0..255 (a JSON-lines
+or parquet file as its documents' text, not its JSON).
 
 * Training windows are drawn per optimizer step from a generator seeded by
   ``(seed, step)``: the data of a step is a pure function of its number, so a run resumed
@@ -44,6 +45,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+
+from sp_jax.data.sources import Documents, is_record_file
 
 __all__ = ["ByteCorpus", "TokenIds", "TrainData", "assemble", "default_patterns",
            "rows_held"]
@@ -147,6 +150,20 @@ def assemble(local: np.ndarray, rows: np.ndarray, *, shape: tuple[int, ...],
         return local[tuple(index)]
 
     return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _record_bytes(path: str, text_field: str, limit: int, flag: str | None) -> bytes:
+    """Up to ``limit`` bytes of the documents of the JSON-lines or parquet file ``path``:
+    each one's UTF-8 text and a newline."""
+    docs = Documents.from_paths(path, text_field=text_field,
+                                **({"flag": flag} if flag else {}))
+    out, total = [], 0
+    for i in range(len(docs)):
+        if total >= limit:
+            break
+        out.append(docs[i].encode("utf-8") + b"\n")
+        total += len(out[-1])
+    return b"".join(out)[:limit]
 
 
 def _smallest_dtype(vocab_size: int) -> type:
@@ -407,8 +424,15 @@ class ByteCorpus(TokenIds):
 
     @classmethod
     def from_files(cls, patterns: Sequence[str] | None = None, *, seq_len: int,
-                   max_bytes: int = 8 << 20, held_out_fraction: float = 0.05) -> ByteCorpus:
+                   max_bytes: int = 8 << 20, held_out_fraction: float = 0.05,
+                   text_field: str = "text", flag: str | None = None) -> ByteCorpus:
         """The files matching ``patterns``, sorted and concatenated up to ``max_bytes``.
+
+        A plain text file is read whole, as bytes. A JSON-lines or parquet file
+        (:func:`~sp_jax.data.sources.is_record_file`) is read as its documents: the UTF-8
+        text of each record's ``text_field``, each followed by a newline (not the file's
+        JSON keys and quotes; its records are checked as :class:`~sp_jax.data.Documents`
+        checks them).
 
         Args:
           patterns: globs (recursive ``**``) or paths; None: :func:`default_patterns`
@@ -417,9 +441,13 @@ class ByteCorpus(TokenIds):
           seq_len: tokens per sequence.
           max_bytes: read files in sorted path order until this many bytes.
           held_out_fraction: the final part of the stream held out for evaluation.
+          text_field: the JSON field or parquet column holding the text.
+          flag: what a message about a missing field says to pass (a command line's
+            flag; default: ``Documents``').
         Raises:
-          ValueError: no file matches, a file cannot be read, ``max_bytes`` is not positive,
-            or the text is too short for ``seq_len``.
+          ValueError: no file matches, a file cannot be read, a record lacks
+            ``text_field`` or holds no string there, ``max_bytes`` is not positive, or
+            the text is too short for ``seq_len``.
         """
         max_bytes = _positive_int("ByteCorpus.from_files", "max_bytes", max_bytes)
         if isinstance(patterns, str):
@@ -433,8 +461,11 @@ class ByteCorpus(TokenIds):
             if total >= max_bytes:
                 break
             try:
-                with open(path, "rb") as fh:
-                    chunks.append(fh.read(max_bytes - total))
+                if is_record_file(path):
+                    chunks.append(_record_bytes(path, text_field, max_bytes - total, flag))
+                else:
+                    with open(path, "rb") as fh:
+                        chunks.append(fh.read(max_bytes - total))
             except OSError as e:
                 raise ValueError(f"cannot read data file {path}: {e.strerror or e}; fix its "
                                  "permissions or leave it out of the globs") from e

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Documents", "expand_paths"]
+__all__ = ["Documents", "expand_paths", "is_record_file"]
 
 JSON_LINES = (".jsonl", ".ndjson", ".json")
 PARQUET = (".parquet", ".pq")
@@ -70,6 +70,13 @@ def _kind(path: str) -> str:
     lower = path.lower()
     return ("jsonl" if lower.endswith(JSON_LINES) else "parquet" if lower.endswith(PARQUET)
             else "text")
+
+
+def is_record_file(path: str | os.PathLike) -> bool:
+    """Whether :class:`Documents` reads ``path`` as records whose ``text_field`` holds the
+    text (JSON lines: ``.jsonl``, ``.ndjson``, ``.json``; parquet: ``.parquet``, ``.pq``),
+    not as one plain text document."""
+    return _kind(os.fspath(path)) != "text"
 
 
 def _line_of(data: bytes, offset: int) -> int:

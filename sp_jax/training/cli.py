@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import math
+import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,7 +52,8 @@ from sp_jax.training.trainer import TrainerConfig
 __all__ = ["PER_PROCESS", "PRESETS", "RUN_SETTINGS", "HelpFormatter",
            "add_fp8_argument", "add_model_arguments", "add_parallel_arguments",
            "add_trainer_arguments", "fp8_recipe",
-           "check_model_args", "check_pipeline_args", "check_run_args", "description",
+           "check_model_args", "check_pipeline_args", "check_run_args", "check_text_args",
+           "description", "format_warning",
            "lr_schedule", "markdown_flags", "model_config", "offload_options", "optimizer",
            "parallel_config",
            "run_metadata", "scan_layers", "shared_settings"]
@@ -367,9 +371,12 @@ def check_model_args(args: argparse.Namespace) -> None:
     # the library's rules (the zigzag order, the kv-head rules), reported as flags
     kv_bad = _breaks(check_kv_heads, "", args.heads, args.kv_heads) or _breaks(
         kv_heads_per_shard, args.kv_heads, tensor, "")
+    count = "--microbatches" if stages > 1 else "--micro-batches"
     for bad, message in [
-        (micro % data, f"the micro-batch ({micro} sequences) is not divisible by the "
-                       f"data size {data}"),
+        (micro % data, f"a micro-batch of --batch-size {args.batch_size} / {count} "
+                       f"{args.micro_batches} = {micro} sequences does not split over the "
+                       f"{data} data shards (DATA{' x EXPERT' if experts > 1 else ''} of "
+                       f"--mesh): make --batch-size / {count} a multiple of {data}"),
         (args.seq_len % sp or ring and c > 1 and _breaks(zigzag_order, args.seq_len, c),
          f"--seq-len {args.seq_len} must divide by {sp} (context x tensor) and, for ring "
          f"attention, by {2 * c}"),
@@ -416,6 +423,52 @@ def add_held_out_argument(add: Callable[..., Any]) -> None:
         help="the share of the data (the last documents or bytes) held out for evaluation")
 
 
+def check_text_args(args: argparse.Namespace, *, byte_tokenizer: bool = True) -> None:
+    """Checks ``--tokenizer`` (an existing file, or ``bytes`` where ``byte_tokenizer``)
+    and ``--text-field`` (when given, some ``--data`` file must be JSON lines or parquet:
+    the files whose records hold the text in that field), then sets ``--text-field``'s
+    default, ``text``.
+
+    Raises:
+      ValueError: a missing tokenizer file, or a ``--text-field`` no file reads, naming
+        the flag.
+    """
+    from sp_jax.data.sources import JSON_LINES, PARQUET, is_record_file
+
+    tok = args.tokenizer
+    if tok is not None and not (byte_tokenizer and tok == "bytes") and not os.path.isfile(tok):
+        raise ValueError(f"--tokenizer {tok}: no such file; give a Hugging Face "
+                         f"tokenizer.json{' (or bytes)' if byte_tokenizer else ''}, or make "
+                         "one with python -m sp_jax.data.tokenizer")
+    field = args.text_field
+    if field is None:
+        args.text_field = "text"
+        return
+    files = [f for p in args.data or () for f in glob.glob(p, recursive=True)]
+    if not field or (files or not args.data) and not any(map(is_record_file, files)):
+        raise ValueError(f"--text-field {field!r} names the JSON field or parquet column "
+                         "that holds the text, but " + (
+                             "it is empty" if not field else "there is no --data" if not
+                             args.data else "no --data file is JSON lines or parquet "
+                             f"({', '.join(JSON_LINES + PARQUET)}; other files are one "
+                             "document each, read whole)") + ": drop --text-field or give "
+                         "such files")
+
+
+def format_warning(message: Warning | str, category: type[Warning], filename: str,
+                   lineno: int, line: str | None = None) -> str:
+    """``warnings.formatwarning`` for a command line (a script sets it before it runs): a
+    ``UserWarning`` (sp_jax's, e.g. a stale ``--ckpt-dir`` lock taken over, too few
+    held-out documents) is one line ``warning: <message>``, as errors are ``error: ...``,
+    without Python's category and source line; other warnings as Python prints them."""
+    if category is UserWarning:
+        return f"warning: {' '.join(str(message).split())}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
+_PYTHON_FORMAT = warnings.formatwarning
+
+
 def text_data(args: argparse.Namespace) -> Any:
     """``--data`` (default: the standard library's sources) as bytes
     (:class:`~sp_jax.data.ByteCorpus`, up to ``--max-data-bytes``) or, with
@@ -424,9 +477,10 @@ def text_data(args: argparse.Namespace) -> Any:
     from sp_jax.data import ByteCorpus, ByteTokenizer, PackedText, load_tokenizer
 
     held = args.held_out_fraction
-    if not args.tokenizer:
+    if not args.tokenizer:  # JSON lines and parquet: their documents' text, as bytes
         return ByteCorpus.from_files(args.data, seq_len=args.seq_len,
-                                     max_bytes=args.max_data_bytes, held_out_fraction=held)
+                                     max_bytes=args.max_data_bytes, held_out_fraction=held,
+                                     text_field=args.text_field, flag="--text-field")
     tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else load_tokenizer(args.tokenizer)
     return PackedText.from_files(args.data, tokenizer=tokenizer, seq_len=args.seq_len,
                                  text_field=args.text_field, packing=args.packing,

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sp_jax.data import TokenIds, TrainData
+from sp_jax.training.cli import check_text_args
 
 __all__ = ["TOKENIZER_FILES", "add_data_arguments", "checkpoint_eos_ids", "checkpoint_tokenizer",
            "check_data_args", "is_token_ids", "load_data", "save_tokenizer", "seq_len_for"]
@@ -48,7 +49,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     add("--eos-token", default=None, metavar="TOKEN",
         help="the tokenizer's end-of-document token (default: the checkpoint's "
              "eos_token_id, else <|endoftext|>, </s>, ...)")
-    add("--text-field", default="text", help="JSON lines field / parquet column of the text")
+    add("--text-field", default=None,
+        help="JSON lines field / parquet column of the text (default: text)")
     add("--prompt-field", default=None, metavar="P",
         help="with --completion-field: train on the completions only (prompt labels ignored)")
     add("--completion-field", default=None, metavar="C", help="see --prompt-field")
@@ -72,7 +74,9 @@ def check_data_args(args: argparse.Namespace) -> None:
     Raises:
       ValueError: naming the flags: ``--prompt-field`` without ``--completion-field``
         (or the other way), text flags with token ids or without ``--data``, a
-        ``--held-out-fraction`` outside (0, 1), a ``--seq-len`` below 1.
+        ``--held-out-fraction`` outside (0, 1), a ``--seq-len`` below 1; a missing
+        ``--tokenizer`` file, a ``--text-field`` without JSON-lines or parquet ``--data``
+        (:func:`~sp_jax.training.cli.check_text_args`).
     """
     if (args.prompt_field is None) != (args.completion_field is None):
         raise ValueError("--prompt-field and --completion-field go together: give both "
@@ -86,6 +90,7 @@ def check_data_args(args: argparse.Namespace) -> None:
     if text_only and (not args.data or is_token_ids(args.data)):
         raise ValueError(f"{text_only[0]} needs --data naming text, JSON lines or parquet "
                          "files (token ids are already tokenized)")
+    check_text_args(args, byte_tokenizer=False)  # --tokenizer's file, --text-field's files
 
 
 def seq_len_for(args: argparse.Namespace, max_seq_len: int) -> int:

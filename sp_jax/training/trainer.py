@@ -99,7 +99,9 @@ def open_checkpoints(config: TrainerConfig) -> Iterator[CheckpointManager | None
     building the model to refuse a second trainer early, and pass it to :class:`Trainer`.
 
     Raises:
-      TrainingStopped: the directory is in use by another writer or cannot be created.
+      TrainingStopped: the directory is in use by another writer or cannot be created;
+        it holds checkpoints and ``config.resume`` is off, or none and ``config.resume``
+        is True (:meth:`Trainer.run` would refuse it after building everything).
     """
     if config.ckpt_dir is None:
         yield None
@@ -109,7 +111,23 @@ def open_checkpoints(config: TrainerConfig) -> Iterator[CheckpointManager | None
     except (ValueError, OSError, CheckpointLockedError) as e:
         raise TrainingStopped(str(e)) from e
     with manager:
+        _resume_step(manager, config)
         yield manager
+
+
+def _resume_step(manager: CheckpointManager, config: TrainerConfig) -> int | None:
+    """The latest step in ``manager`` to resume from (None: start afresh); refuses a fresh
+    run into a used directory, and ``resume=True`` without a checkpoint (``resume="auto"``
+    then starts)."""
+    latest, where = manager.latest_step(), config.ckpt_dir or manager.directory
+    if latest is not None and not config.resume:
+        raise TrainingStopped(f"--ckpt-dir {where} already holds checkpoints (steps "
+                              f"{manager.all_steps()}); pass --resume to continue from "
+                              f"step {latest}, or use another directory")
+    if latest is None and config.resume is True:  # a mistyped --ckpt-dir must not start over
+        raise TrainingStopped(f"--resume: no checkpoint in --ckpt-dir {where}; check "
+                              "the path, or drop --resume to start a new run")
+    return latest
 
 
 def _print(message: str) -> None:
@@ -427,21 +445,13 @@ class Trainer:
         Refuses a fresh run into a used directory, and ``resume=True`` without a
         checkpoint (``resume="auto"`` then starts)."""
         cfg, where, t0 = self.config, self._ckpt_dir, time.perf_counter()
-        latest = manager.latest_step() if manager is not None else None
-        if latest is not None and not cfg.resume:
-            raise TrainingStopped(f"--ckpt-dir {where} already holds checkpoints (steps "
-                                  f"{manager.all_steps()}); pass --resume to continue from "
-                                  f"step {latest}, or use another directory")
-        if latest is None:
-            if cfg.resume is True:  # a mistyped --ckpt-dir must not start over
-                raise TrainingStopped(f"--resume: no checkpoint in --ckpt-dir {where}; check "
-                                      "the path, or drop --resume to start a new run")
+        if manager is None or _resume_step(manager, cfg) is None:
             return 0, []
         try:  # damaged steps are skipped (named); another model is refused, naming each one
             restored = manager.restore(params_like=abstract_like(self.step.params),
                                        opt_state_like=abstract_like(self.step.opt_state),
                                        fallback=True, expect_metadata=self.metadata or None,
-                                       must_match=("model",))
+                                       must_match=("model",), allow_dtype_cast=("opt_state",))
         except ValueError as e:  # CheckpointCorruptError (all damaged), MetadataMismatchError
             raise TrainingStopped(str(e)) from e
         for reason in restored.skipped:
@@ -452,6 +462,11 @@ class Trainer:
         for line in self._changes(restored.step, restored.changed,
                                   restored.metadata.get("run", {})):
             self._print(f"warning: {line}")
+        if restored.cast:  # e.g. another --moments-dtype: the moments, converted
+            kinds = sorted({c.split(": ")[-1] for c in restored.cast})
+            self._print(f"resume: the checkpoint's optimizer state cast to this run's "
+                        f"dtypes ({', '.join(kinds)}; {len(restored.cast)} arrays): another "
+                        "--moments-dtype than the saved run's")
         if hasattr(self.data, "restore"):  # a stateful input pipeline: its position
             state = restored.metadata.get("data_state")
             try:

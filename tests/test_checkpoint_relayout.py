@@ -1,0 +1,152 @@
+"""A checkpoint restored into layers stored in another form (sp_jax.checkpoint.relayout):
+unrolled (``--mesh D,T``) into stacked ones (``--mesh S,D,C,T``: scanned, pipelined)
+and back, the optimizer state with them, and the optimizer's moments cast to another
+dtype (``--moments-dtype``) on resume; the values compared with the saved ones leaf by
+leaf, layer by layer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _util import script_env
+from flax import nnx
+
+from sp_jax import ParallelConfig
+from sp_jax.checkpoint import CheckpointManager, abstract_like
+from sp_jax.checkpoint.metadata import flatten
+from sp_jax.checkpoint.relayout import Source, plan
+from sp_jax.models import GPT, GPTConfig
+from sp_jax.training import TrainStep, adamw
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("stage", "data", "context", "tensor")
+
+
+def _shape(*dims):
+    return jax.ShapeDtypeStruct(dims, jnp.float32)
+
+
+def test_plan_maps_dense_and_expert_stacks_and_repeats_to_layers():
+    """Scanned with 1 dense layer apart (``dense_blocks`` [1, ...], ``blocks`` [3, ...]),
+    and a stack of pipeline repeats ``[2, 2, ...]``, against 4 unrolled layers."""
+    unrolled = {"embed": _shape(8, 4),
+                **{f"0/mu/blocks/{i}/attn/k": _shape(4, 4) for i in range(4)},
+                "0/mu/blocks/0/mlp/k": _shape(4, 16),
+                **{f"0/mu/blocks/{i}/moe/k": _shape(2, 4, 16) for i in (1, 2, 3)}}
+    scanned = {"embed": _shape(8, 4), "0/mu/dense_blocks/attn/k": _shape(1, 4, 4),
+               "0/mu/dense_blocks/mlp/k": _shape(1, 4, 16),
+               "0/mu/blocks/attn/k": _shape(3, 4, 4), "0/mu/blocks/moe/k": _shape(3, 2, 4, 16)}
+    into_unrolled = plan(scanned, unrolled)
+    assert into_unrolled["embed"] == Source(("embed",))
+    assert into_unrolled["0/mu/blocks/0/attn/k"] == Source(("0/mu/dense_blocks/attn/k",), 0, 1)
+    assert into_unrolled["0/mu/blocks/3/attn/k"] == Source(("0/mu/blocks/attn/k",), 2, 1)
+    assert into_unrolled["0/mu/blocks/2/moe/k"] == Source(("0/mu/blocks/moe/k",), 1, 1)
+    into_scanned = plan(unrolled, scanned)
+    assert into_scanned["0/mu/blocks/attn/k"] == Source(
+        tuple(f"0/mu/blocks/{i}/attn/k" for i in (1, 2, 3)), None, 1)
+    assert into_scanned["0/mu/dense_blocks/mlp/k"] == Source(("0/mu/blocks/0/mlp/k",), None, 1)
+    repeats = {"blocks/k": _shape(2, 2, 4, 4)}
+    layers = {f"blocks/{i}/k": _shape(4, 4) for i in range(4)}
+    assert plan(repeats, layers)["blocks/3/k"] == Source(("blocks/k",), 3, 2)
+    assert plan(layers, repeats)["blocks/k"].lead == 2
+    # another model: no plan (the caller's checks name the mismatch)
+    assert plan({"blocks/k": _shape(3, 4, 4)}, layers) is None
+    assert plan({**layers, "other": _shape(1)}, repeats) is None
+    assert plan(layers, layers) is None
+
+
+def _step(mesh: jax.sharding.Mesh, scan: bool, parallel: ParallelConfig = ParallelConfig(),
+          moments=None) -> TrainStep:
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=4, num_heads=4, hidden=16,
+                    scan_layers=scan)
+    with jax.set_mesh(mesh):
+        return TrainStep(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)),
+                         adamw(1e-3, mu_dtype=moments, nu_dtype=moments))
+
+
+def _layers(tree) -> dict[str, np.ndarray]:
+    """``{"<layer>/<rest>": value}`` of every per-layer leaf (unrolled or stacked)."""
+    out = {}
+    for path, x in flatten(tree).items():
+        head, _, rest = path.partition("blocks/")
+        if not rest:
+            out[path] = np.asarray(x)
+        elif rest.split("/")[0].isdigit():
+            i, _, tail = rest.partition("/")
+            out[f"{head}{i}/{tail}"] = np.asarray(x)
+        else:
+            for i, layer in enumerate(np.asarray(x).reshape(4, *x.shape[1:])):
+                out[f"{head}{i}/{rest}"] = layer
+    return out
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_unrolled_checkpoint_restores_into_stacked_layers_and_back(tmp_path, stages):
+    """--mesh 2,4 saved, resumed on --mesh 1,2,1,4 / 2,1,1,4 (scanned; a pipeline) with
+    bf16 moments, saved again and restored into the unrolled model: bitwise where no cast."""
+    flat = jax.make_mesh((2, 4), ("data", "tensor"))
+    saved = _step(flat, False)
+    opt = jax.tree.map(lambda x: x + 0.25 if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                       saved.opt_state)  # moments that are not zeros
+    with CheckpointManager(tmp_path / "a") as ckpt:
+        ckpt.save(1, saved.params, opt)
+    pipeline = ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2) \
+        if stages > 1 else ParallelConfig()
+    staged = jax.make_mesh((stages, 2 // stages, 1, 4), STAGES)
+    target = _step(staged, True, pipeline, moments=jnp.bfloat16)
+    with jax.set_mesh(staged), CheckpointManager(tmp_path / "a") as ckpt:
+        with pytest.raises(ValueError, match="dtype float32 in the checkpoint, bfloat16"):
+            ckpt.restore(params_like=abstract_like(target.params),
+                         opt_state_like=abstract_like(target.opt_state))
+        restored = ckpt.restore(params_like=abstract_like(target.params),
+                                opt_state_like=abstract_like(target.opt_state),
+                                allow_dtype_cast=("opt_state",))
+    assert _layers(restored.params).keys() == _layers(saved.params).keys()
+    for key, value in _layers(saved.params).items():
+        np.testing.assert_array_equal(_layers(restored.params)[key], value, err_msg=key)
+    for key, value in _layers(opt).items():
+        want = value.astype(jnp.bfloat16) if value.dtype == np.float32 else value
+        np.testing.assert_array_equal(_layers(restored.opt_state)[key], want, err_msg=key)
+    assert restored.cast and all(c.startswith("opt_state/") and c.endswith(
+        "float32 -> bfloat16") for c in restored.cast)
+    for got, like in zip(jax.tree.leaves(restored.params), jax.tree.leaves(target.params),
+                         strict=True):
+        assert got.sharding == like.sharding
+    with CheckpointManager(tmp_path / "b") as ckpt:  # and back into the unrolled layers
+        ckpt.save(1, restored.params, restored.opt_state)
+    with jax.set_mesh(flat), CheckpointManager(tmp_path / "b") as ckpt:
+        back = ckpt.restore(params_like=abstract_like(saved.params),
+                            opt_state_like=abstract_like(saved.opt_state),
+                            allow_dtype_cast=True)
+    for got, want in zip(jax.tree.leaves(back.params), jax.tree.leaves(saved.params),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert jax.tree.structure(back.opt_state) == jax.tree.structure(saved.opt_state)
+
+
+@pytest.mark.slow
+def test_train_gpt_resumes_on_a_stage_mesh_with_other_moments(tmp_path):
+    """The user's case: a --mesh 2,4 run resumed with --mesh 2,1,1,4 --moments-dtype bf16:
+    no refusal, one line for the cast, the resume line names both meshes."""
+    common = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--seq-len", "32",
+              "--batch-size", "8", "--eval-every", "2", "--save-every", "2", "--no-progress",
+              "--ckpt-dir", str(tmp_path / "ckpt"), "--data",
+              str(ROOT / "sp_jax" / "data" / "*.py")]
+    first = subprocess.run([*common, "--steps", "2", "--mesh", "2,4"], cwd=ROOT,
+                           env=script_env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    resumed = subprocess.run([*common, "--steps", "3", "--mesh", "2,1,1,4", "--resume",
+                              "--moments-dtype", "bf16"], cwd=ROOT, env=script_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    out = resumed.stdout
+    assert "resume: the checkpoint's optimizer state cast to this run's dtypes (float32 -> " \
+           "bfloat16;" in out and "another --moments-dtype than the saved run's" in out
+    assert "resume: restored step 2 from" in out and "(saved on data=2 x tensor=4)" in out
+    assert "scan_layers" not in out + resumed.stderr
