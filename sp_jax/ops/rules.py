@@ -49,7 +49,7 @@ import jax
 from jax import lax
 
 from sp_jax.ops.gemm import bgrad
-from sp_jax.ops.primitives import AxisName, to_device, to_host, vary, vma
+from sp_jax.ops.primitives import AxisName, residuals_to_device, residuals_to_host, vary, vma
 
 __all__ = ["Column", "ColumnSequence", "Decode", "Grouped", "Matmul", "Offloaded", "Row",
            "RowSequence", "RuleWrapper", "Varying", "WeightGradInputs", "linear_op",
@@ -461,17 +461,19 @@ class Offloaded(RuleWrapper):
 
     def fwd(self, x, kernel, aux):
         y, (a, kernel, rest) = self.rule.fwd(x, kernel, aux)
-        return y, (to_host(a), kernel, rest)
+        a, y = residuals_to_host(a, y)
+        return y, (a, kernel, rest)
 
-    def _back(self, res):
+    def _back(self, res, g):
         a, kernel, rest = res
-        return to_device(a), kernel, rest
+        a, g = residuals_to_device(a, g)
+        return (a, kernel, rest), g
 
     def bwd(self, res, g):
-        return self.rule.bwd(self._back(res), g)
+        return self.rule.bwd(*self._back(res, g))
 
     def bwd_input(self, res, g):
-        return self.rule.bwd_input(self._back(res), g)
+        return self.rule.bwd_input(*self._back(res, g))
 
 
 @dataclasses.dataclass(frozen=True)
