@@ -11,6 +11,8 @@ equally correct with ``check_vma=False``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -26,8 +28,8 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
            "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_in", "reduce_scatter",
-           "residuals_to_device", "residuals_to_host", "split", "to_device", "to_host", "vary",
-           "vary_then", "vma"]
+           "residuals_to_device", "residuals_to_host", "split", "tied_host_moves", "to_device",
+           "to_host", "vary", "vary_then", "vma"]
 
 AxisName = Hashable
 
@@ -176,17 +178,38 @@ def to_device(tree, enabled: bool = True):
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
 
+_TIED_HOST_MOVES = contextvars.ContextVar("sp_jax_tied_host_moves", default=False)
+
+
+@contextlib.contextmanager
+def tied_host_moves():
+    """Within it (at trace time), :func:`residuals_to_host` ties each move to the op's
+    output: the layers of an unrolled stack (``GPTConfig(scan_layers=False)``) trace
+    their forward passes in it. Outside it (a layer scan, a pipeline's ticks) the moves
+    are left untied: a scan writes each layer's residuals into its stacked host buffer
+    within the layer's iteration, and XLA:GPU's host offloader rejects such a buffer
+    written through an optimization barrier (an INTERNAL error, measured)."""
+    token = _TIED_HOST_MOVES.set(True)
+    try:
+        yield
+    finally:
+        _TIED_HOST_MOVES.reset(token)
+
+
 def residuals_to_host(res, y, enabled: bool = True) -> tuple[Any, Any]:
     """``(res, y)``: a forward rule's residuals ``res`` moved to host memory
-    (:func:`to_host`), the moves done before its output ``y`` is used (an optimization
-    barrier ties them; both unchanged without ``enabled``). Untied, XLA:GPU's scheduler
-    starts each move as late as it can, just before the backward pass brings the value
-    back, so the device copy stays alive through the forward pass and nothing is saved
-    (measured, deviceless 8 x H100: an unrolled stack of blocks; a scanned one writes
-    its residuals into the scan's host buffer within the layer's iteration)."""
+    (:func:`to_host`; both unchanged without ``enabled``), within
+    :func:`tied_host_moves` the moves done before its output ``y`` is used (an
+    optimization barrier ties them). Untied outside a scan, XLA:GPU's scheduler starts
+    each move as late as it can, just before the backward pass brings the value back,
+    so the device copy stays alive through the forward pass and nothing is saved
+    (measured, deviceless 8 x H100: an unrolled stack of blocks kept every residual on
+    the device)."""
     if not enabled:
         return res, y
-    return lax.optimization_barrier((to_host(res), y))
+    if _TIED_HOST_MOVES.get():
+        return lax.optimization_barrier((to_host(res), y))
+    return to_host(res), y
 
 
 def residuals_to_device(res, g, enabled: bool = True) -> tuple[Any, Any]:
