@@ -14,7 +14,8 @@ from typing import Any
 
 from sp_jax.analysis.plan import ModelShape, PlanOption, plan
 
-__all__ = ["StepShape", "fsdp_step_report", "plan_cpu_check", "scanned_stack_report"]
+__all__ = ["StepShape", "fsdp_step_report", "gpt_memory_report", "plan_cpu_check",
+           "scanned_stack_report"]
 
 MiB = 2**20
 
@@ -107,6 +108,65 @@ def plan_cpu_check(model: ModelShape) -> dict[str, Any]:
         temp = step.temp_bytes(batch, jax.random.key(0))
     return {"row": row.as_dict(), "cpu_temp_bytes": temp,
             "cpu_activation_bytes": temp - row.grad_bytes}
+
+
+def gpt_memory_report(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,
+                      offload: bool, remat: bool = False, scan: bool = True, data: int = 1,
+                      data_axis: str | None = "data", stages: int = 1, vocab: int = 256,
+                      dtype: Any = None) -> dict[str, Any]:
+    """Deviceless H100 compile of a GPT's loss and gradients (w.r.t. its parameters,
+    outputs of the program: not temporaries) in one of the forms a user picks: its
+    ``layers`` unrolled or scanned (``scan``), with ``remat``, with or without a data
+    axis (``data_axis``: the config's; ``data``: the mesh's data size, one sequence per
+    data shard), or on ``stages`` pipeline stages (``stages > 1``: the ``"stage"`` axis
+    outermost, GPipe over ``stages`` micro-batches, each layer scanned within its stage);
+    ``ParallelConfig(offload_activations=offload)``, ``recompute_allgather``, fp32
+    parameters, ``dtype`` compute (None: bf16), fp32 weight gradients. Returns
+    ``memory_analysis()``'s device temp and peak bytes and its host temp bytes (the
+    offloaded residuals), and the HLO."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
+    from sp_jax.config import ParallelConfig
+    from sp_jax.layout import Layout
+    from sp_jax.models import GPT, GPTConfig
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    cfg = GPTConfig(vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads,
+                    hidden=hidden, dtype=dtype, param_dtype=jnp.float32, remat=remat,
+                    scan_layers=scan or stages > 1)
+    pipeline = {"pipeline_axis": "stage", "pipeline_microbatches": stages,
+                "pipeline_schedule": "gpipe"} if stages > 1 else {}
+    parallel = ParallelConfig(data_axis=data_axis, recompute_allgather=True,
+                              wgrad_dtype=jnp.float32, offload_activations=offload,
+                              **pipeline)
+    shape, axes = ((stages, data, tensor), ("stage", "data", "tensor")) if stages > 1 \
+        else ((data, tensor), ("data", "tensor"))
+    with jax.set_mesh(gpu_mesh(shape, axes)):
+        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+    layout = Layout.of(parallel)
+    if stages > 1:
+        tokens = jax.ShapeDtypeStruct((stages, data, seq), jnp.int32,
+                                      sharding=layout.micro_batched_tokens)
+
+        def grads(params, rest, tokens):
+            loss, count, g = nnx.merge(graphdef, params, rest).pipeline_loss_and_grads(
+                tokens, tokens, None)
+            return loss / count, g
+    else:
+        tokens = jax.ShapeDtypeStruct((data, seq), jnp.int32, sharding=layout.tokens)
+
+        def grads(params, rest, tokens):
+            return jax.value_and_grad(
+                lambda p: nnx.merge(graphdef, p, rest).loss(tokens))(params)
+
+    report = compile_for_gpu(grads, params, rest, tokens, mesh_shape=shape, axis_names=axes)
+    mem = report.compiled.memory_analysis()
+    return {"temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes,
+            "host_temp_bytes": int(mem.host_temp_size_in_bytes), "hlo": report.hlo}
 
 
 def scanned_stack_report(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,

@@ -179,7 +179,7 @@ def _remat_offloaded_bwd(f, res, g):
     state, x, *rest = res
     # tied to the cotangent: the recomputation is neither hoisted into the forward pass
     # nor merged with it (CSE; XLA:CPU lowers the host moves to nothing)
-    x, g = residuals_to_device(x, g)
+    x, g = jax.lax.optimization_barrier(residuals_to_device(x, g))
     return jax.vjp(f, state, x, *rest)[1](g)
 
 

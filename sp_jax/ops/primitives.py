@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.mesh import mesh_platform
+
 try:  # public from the jax release that exports it; the primitive has existed since 0.6
     _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
 except AttributeError:  # pragma: no cover - depends on the installed jax
@@ -196,18 +198,25 @@ def tied_host_moves():
         _TIED_HOST_MOVES.reset(token)
 
 
+def _moves_real() -> bool:
+    """Whether the host moves of the current mesh's platform are real: XLA:CPU lowers
+    them to nothing, and without the ties below its programs (and their bits) stay
+    those of a run without the option."""
+    return mesh_platform() != "cpu"
+
+
 def residuals_to_host(res, y, enabled: bool = True) -> tuple[Any, Any]:
     """``(res, y)``: a forward rule's residuals ``res`` moved to host memory
     (:func:`to_host`; both unchanged without ``enabled``), within
     :func:`tied_host_moves` the moves done before its output ``y`` is used (an
-    optimization barrier ties them). Untied outside a scan, XLA:GPU's scheduler starts
-    each move as late as it can, just before the backward pass brings the value back,
-    so the device copy stays alive through the forward pass and nothing is saved
-    (measured, deviceless 8 x H100: an unrolled stack of blocks kept every residual on
-    the device)."""
+    optimization barrier ties them, where the moves are real). Untied outside a scan,
+    XLA:GPU's scheduler starts each move as late as it can, just before the backward
+    pass brings the value back, so the device copy stays alive through the forward
+    pass and nothing is saved (measured, deviceless 8 x H100: an unrolled stack of
+    blocks kept every residual on the device)."""
     if not enabled:
         return res, y
-    if _TIED_HOST_MOVES.get():
+    if _TIED_HOST_MOVES.get() and _moves_real():
         return lax.optimization_barrier((to_host(res), y))
     return to_host(res), y
 
@@ -215,14 +224,15 @@ def residuals_to_host(res, y, enabled: bool = True) -> tuple[Any, Any]:
 def residuals_to_device(res, g, enabled: bool = True) -> tuple[Any, Any]:
     """``(res, g)``: a backward rule's residuals ``res`` that :func:`to_host` parked in
     host memory, back in device memory once the cotangent ``g`` exists (an optimization
-    barrier ties the host values to ``g`` before the move; both unchanged without
-    ``enabled``). Without the tie XLA:GPU's algebraic simplifier folds a move to the host
-    followed directly by the move back into nothing (measured, deviceless 8 x H100: an
-    unrolled stack of blocks moved 0 bytes; a scanned one's moves survive only because
-    the scan stacks its residuals in a host buffer), and the move back may be scheduled
-    before the backward pass reaches the layer."""
+    barrier ties the host values to ``g`` before the move where the moves are real; both
+    unchanged without ``enabled``). Without the tie XLA:GPU's algebraic simplifier folds
+    a move to the host followed directly by the move back into nothing (measured,
+    deviceless 8 x H100: an unrolled stack of blocks moved 0 bytes; a scanned one's
+    moves survive only because the scan stacks its residuals in a host buffer), and the
+    move back may be scheduled before the backward pass reaches the layer."""
     if not enabled:
         return res, g
-    res, g = lax.optimization_barrier((res, g))
+    if _moves_real():
+        res, g = lax.optimization_barrier((res, g))
     return to_device(res), g
 
