@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from sp_jax.analysis.checks import scanned_stack_report
+from sp_jax.analysis.checks import gpt_memory_report, offloaded_bytes_per_layer, scanned_stack_report
 
 __all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "layer_flops", "measure",
            "offloaded_bytes_per_layer"]
@@ -45,27 +45,6 @@ def layer_flops(*, hidden: int, seq: int, tensor: int, batch: int = 1,
     gemm = 6 * (4 * hidden * hidden + 2 * hidden * f) / tensor * batch * seq
     attention = 3 * 2 * seq * seq * hidden / tensor * batch
     return gemm + attention
-
-
-def offloaded_bytes_per_layer(*, hidden: int, seq: int, heads: int, tensor: int,
-                              batch: int = 1, mlp_hidden: int | None = None,
-                              remat: bool = False, itemsize: int = 2) -> dict[str, int]:
-    """What one block's rules send to the host per device (LayerNorm, no dropout,
-    ``recompute_allgather``), by residual; with ``remat`` only the block's input."""
-    f = mlp_hidden or 4 * hidden
-    shard = batch * seq // tensor * hidden * itemsize         # [b, s / t, h]
-    tp = batch * seq * hidden // tensor * itemsize            # [b, s, h / t]
-    stats = 2 * batch * seq // tensor * 4                     # mean, rstd fp32 [b, s / t, 1]
-    if remat:
-        return {"block input": shard}
-    return {
-        "norm inputs + statistics (2 norms)": 2 * (shard + stats),
-        "column inputs (qkv, MLP up: local shards)": 2 * shard,
-        "attention q, k, v, output": 4 * tp,
-        "attention log-sum-exp (fp32)": batch * heads // tensor * seq * 4,
-        "out-projection input": tp,
-        "MLP hidden (down projection's input)": batch * seq * f // tensor * itemsize,
-    }
 
 
 def _host_buffers_in_while_bodies(hlo: str) -> int:
