@@ -2,8 +2,8 @@
 memory and backward weight gathers on an 8 x H100 mesh (:func:`fsdp_step_report`), a
 scanned stack of blocks with or without activation offload (:func:`scanned_stack_report`),
 a GPT's gradients in each form of its layers (:data:`STACK_FORMS`, :func:`gpt_memory_report`,
-:func:`per_layer_memory`: the memory options' effect per layer), and the memory planner against a CPU compile of the same step for a small model
-(:func:`plan_cpu_check`).
+:func:`per_layer_memory`: the memory options' effect per layer), and the memory planner
+against a CPU compile of the same step for a small model (:func:`plan_cpu_check`).
 
 They need the CUDA PJRT plugin for the H100 compiles (:func:`sp_jax.analysis.
 cuda_plugin_available`); :func:`plan_cpu_check` also needs 8 (simulated) devices."""
