@@ -11,8 +11,13 @@ without the option, at two depths.
 
 The compile: :func:`sp_jax.analysis.checks.scanned_stack_report`.
 
-Run: ``JAX_PLATFORMS=cpu python -m benchmarks.activation_offload`` (eight compiles, about
-8 minutes on 2 CPU cores; prints one JSON object per setting, without and with
+Also every form of a GPT's layers a user can pick (:func:`measure_forms`: unrolled,
+scanned, with and without a data axis, remat, pipeline stages; h=256, s=1024, 2 and 4
+layers: :func:`sp_jax.analysis.checks.per_layer_memory`).
+
+Run: ``JAX_PLATFORMS=cpu python -m benchmarks.activation_offload`` (the forms first, 32
+small compiles, about 15 minutes on 2 busy CPU cores, one JSON line per form; then the
+eight compiles at h=4096, about 8 minutes, one JSON object per setting, without and with
 ``remat``).
 """
 
@@ -22,9 +27,14 @@ import json
 import re
 from typing import Any
 
-from sp_jax.analysis.checks import scanned_stack_report
+from sp_jax.analysis.checks import (
+    STACK_FORMS,
+    offloaded_bytes_per_layer,
+    per_layer_memory,
+    scanned_stack_report,
+)
 
-__all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "layer_flops", "measure",
+__all__ = ["H100_BF16_FLOPS", "PCIE_GEN5_BYTES_PER_S", "layer_flops", "measure", "measure_forms",
            "offloaded_bytes_per_layer"]
 
 PCIE_GEN5_BYTES_PER_S = 64e9
@@ -45,27 +55,6 @@ def layer_flops(*, hidden: int, seq: int, tensor: int, batch: int = 1,
     gemm = 6 * (4 * hidden * hidden + 2 * hidden * f) / tensor * batch * seq
     attention = 3 * 2 * seq * seq * hidden / tensor * batch
     return gemm + attention
-
-
-def offloaded_bytes_per_layer(*, hidden: int, seq: int, heads: int, tensor: int,
-                              batch: int = 1, mlp_hidden: int | None = None,
-                              remat: bool = False, itemsize: int = 2) -> dict[str, int]:
-    """What one block's rules send to the host per device (LayerNorm, no dropout,
-    ``recompute_allgather``), by residual; with ``remat`` only the block's input."""
-    f = mlp_hidden or 4 * hidden
-    shard = batch * seq // tensor * hidden * itemsize         # [b, s / t, h]
-    tp = batch * seq * hidden // tensor * itemsize            # [b, s, h / t]
-    stats = 2 * batch * seq // tensor * 4                     # mean, rstd fp32 [b, s / t, 1]
-    if remat:
-        return {"block input": shard}
-    return {
-        "norm inputs + statistics (2 norms)": 2 * (shard + stats),
-        "column inputs (qkv, MLP up: local shards)": 2 * shard,
-        "attention q, k, v, output": 4 * tp,
-        "attention log-sum-exp (fp32)": batch * heads // tensor * seq * 4,
-        "out-projection input": tp,
-        "MLP hidden (down projection's input)": batch * seq * f // tensor * itemsize,
-    }
 
 
 def _host_buffers_in_while_bodies(hlo: str) -> int:
@@ -114,6 +103,26 @@ def measure(*, depths: tuple[int, int] = (4, 8), hidden: int = 4096, seq: int = 
     return out
 
 
+def measure_forms(*, hidden: int = 256, seq: int = 1024, heads: int = 8, tensor: int = 8,
+                  depths: tuple[int, int] = (2, 4)) -> list[dict[str, Any]]:
+    """Per form of a GPT's layers (:data:`~sp_jax.analysis.checks.STACK_FORMS`: unrolled,
+    scanned, with and without a data axis, remat, pipeline stages) the device temp growth
+    and host bytes per layer (MiB, per layer of a stage) with and without the option,
+    and their ratio (what ``tests/test_offload_activations.py`` checks)."""
+    shape = {"hidden": hidden, "seq": seq, "heads": heads, "tensor": tensor}
+    rows = []
+    for form in STACK_FORMS:
+        got = {off: per_layer_memory(form, offload=off, depths=depths, **shape)
+               for off in (False, True)}
+        rows.append({"form": form, **{
+            key: {k: v / 2**20 for k, v in got[off].items()}
+            for key, off in (("device", False), ("offload", True))},
+            "ratio": got[True]["growth_bytes"] / got[False]["growth_bytes"]})
+    return rows
+
+
 if __name__ == "__main__":
+    for row in measure_forms():
+        print(json.dumps(row))
     for remat in (False, True):
         print(json.dumps(measure(remat=remat), indent=1, default=str))

@@ -1,8 +1,9 @@
 """Deviceless compiles that the tests and the benchmarks share: the FSDP step's temp
 memory and backward weight gathers on an 8 x H100 mesh (:func:`fsdp_step_report`), a
 scanned stack of blocks with or without activation offload (:func:`scanned_stack_report`),
-and the memory planner against a CPU compile of the same step for a small model
-(:func:`plan_cpu_check`).
+a GPT's gradients in each form of its layers (:data:`STACK_FORMS`, :func:`gpt_memory_report`,
+:func:`per_layer_memory`: the memory options' effect per layer), and the memory planner
+against a CPU compile of the same step for a small model (:func:`plan_cpu_check`).
 
 They need the CUDA PJRT plugin for the H100 compiles (:func:`sp_jax.analysis.
 cuda_plugin_available`); :func:`plan_cpu_check` also needs 8 (simulated) devices."""
@@ -14,7 +15,9 @@ from typing import Any
 
 from sp_jax.analysis.plan import ModelShape, PlanOption, plan
 
-__all__ = ["StepShape", "fsdp_step_report", "plan_cpu_check", "scanned_stack_report"]
+__all__ = ["STACK_FORMS", "StepShape", "fsdp_step_report", "gpt_memory_report",
+           "offloaded_bytes_per_layer", "per_layer_memory", "plan_cpu_check",
+           "scanned_stack_report"]
 
 MiB = 2**20
 
@@ -107,6 +110,115 @@ def plan_cpu_check(model: ModelShape) -> dict[str, Any]:
         temp = step.temp_bytes(batch, jax.random.key(0))
     return {"row": row.as_dict(), "cpu_temp_bytes": temp,
             "cpu_activation_bytes": temp - row.grad_bytes}
+
+
+def offloaded_bytes_per_layer(*, hidden: int, seq: int, heads: int, tensor: int,
+                              batch: int = 1, mlp_hidden: int | None = None,
+                              remat: bool = False, itemsize: int = 2) -> dict[str, int]:
+    """What one block's rules send to the host per device (LayerNorm, no dropout,
+    ``recompute_allgather``), by residual; with ``remat`` only the block's input."""
+    f = mlp_hidden or 4 * hidden
+    shard = batch * seq // tensor * hidden * itemsize         # [b, s / t, h]
+    tp = batch * seq * hidden // tensor * itemsize            # [b, s, h / t]
+    stats = 2 * batch * seq // tensor * 4                     # mean, rstd fp32 [b, s / t, 1]
+    if remat:
+        return {"block input": shard}
+    return {
+        "norm inputs + statistics (2 norms)": 2 * (shard + stats),
+        "column inputs (qkv, MLP up: local shards)": 2 * shard,
+        "attention q, k, v, output": 4 * tp,
+        "attention log-sum-exp (fp32)": batch * heads // tensor * seq * 4,
+        "out-projection input": tp,
+        "MLP hidden (down projection's input)": batch * seq * f // tensor * itemsize,
+    }
+
+
+def gpt_memory_report(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,
+                      offload: bool, remat: bool = False, scan: bool = True, data: int = 1,
+                      data_axis: str | None = "data", stages: int = 1, vocab: int = 256,
+                      dtype: Any = None) -> dict[str, Any]:
+    """Deviceless H100 compile of a GPT's loss and gradients (w.r.t. its parameters,
+    outputs of the program: not temporaries) in one of the forms a user picks: its
+    ``layers`` unrolled or scanned (``scan``), with ``remat``, with or without a data
+    axis (``data_axis``: the config's; ``data``: the mesh's data size, one sequence per
+    data shard), or on ``stages`` pipeline stages (``stages > 1``: the ``"stage"`` axis
+    outermost, GPipe over ``stages`` micro-batches, each layer scanned within its stage);
+    ``ParallelConfig(offload_activations=offload)``, ``recompute_allgather``, fp32
+    parameters, ``dtype`` compute (None: bf16), fp32 weight gradients. Returns
+    ``memory_analysis()``'s device temp and peak bytes and its host temp bytes (the
+    offloaded residuals), and the HLO."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
+    from sp_jax.config import ParallelConfig
+    from sp_jax.layout import Layout
+    from sp_jax.models import GPT, GPTConfig
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    cfg = GPTConfig(vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads,
+                    hidden=hidden, dtype=dtype, param_dtype=jnp.float32, remat=remat,
+                    scan_layers=scan or stages > 1)
+    pipeline = {"pipeline_axis": "stage", "pipeline_microbatches": stages,
+                "pipeline_schedule": "gpipe"} if stages > 1 else {}
+    parallel = ParallelConfig(data_axis=data_axis, recompute_allgather=True,
+                              wgrad_dtype=jnp.float32, offload_activations=offload,
+                              **pipeline)
+    shape, axes = ((stages, data, tensor), ("stage", "data", "tensor")) if stages > 1 \
+        else ((data, tensor), ("data", "tensor"))
+    with jax.set_mesh(gpu_mesh(shape, axes)):
+        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+    layout = Layout.of(parallel)
+    if stages > 1:
+        tokens = jax.ShapeDtypeStruct((stages, data, seq), jnp.int32,
+                                      sharding=layout.micro_batched_tokens)
+
+        def grads(params, rest, tokens):
+            loss, count, g = nnx.merge(graphdef, params, rest).pipeline_loss_and_grads(
+                tokens, tokens, None)
+            return loss / count, g
+    else:
+        tokens = jax.ShapeDtypeStruct((data, seq), jnp.int32, sharding=layout.tokens)
+
+        def grads(params, rest, tokens):
+            return jax.value_and_grad(
+                lambda p: nnx.merge(graphdef, p, rest).loss(tokens))(params)
+
+    report = compile_for_gpu(grads, params, rest, tokens, mesh_shape=shape, axis_names=axes)
+    mem = report.compiled.memory_analysis()
+    return {"temp_bytes": report.temp_bytes, "peak_bytes": report.peak_bytes,
+            "host_temp_bytes": int(mem.host_temp_size_in_bytes), "hlo": report.hlo}
+
+
+STACK_FORMS: dict[str, dict[str, Any]] = {
+    "unrolled": {"scan": False, "data_axis": None},
+    "unrolled, data axis": {"scan": False},
+    "scanned": {"scan": True, "data_axis": None},
+    "scanned, data axis": {"scan": True},
+    "scanned, data 2": {"scan": True, "data": 2},
+    "unrolled, remat": {"scan": False, "remat": True},
+    "scanned, remat": {"scan": True, "remat": True},
+    "2 stages (GPipe)": {"stages": 2},
+}
+"""The forms of a GPT's layers a user can pick, as :func:`gpt_memory_report`'s options:
+unrolled or scanned, without a data axis (``data_axis=None``) or with one (of size 1,
+or 2: one sequence per data shard), with ``remat``, on 2 pipeline stages."""
+
+
+def per_layer_memory(form: str, *, offload: bool, depths: tuple[int, int] = (2, 4),
+                     **shape: Any) -> dict[str, float]:
+    """Per-layer memory of ``form`` (a :data:`STACK_FORMS` key) from two
+    :func:`gpt_memory_report` compiles at ``depths`` layers (``shape``: its ``hidden``,
+    ``seq``, ``heads``, ``tensor``): ``growth_bytes``, the device temp growth per layer
+    (per layer of a stage with a pipeline: the difference over ``(L2 - L1) / stages``),
+    and ``host_bytes``, the host temp bytes per layer (the offloaded residuals)."""
+    kw = STACK_FORMS[form]
+    runs = [gpt_memory_report(layers=n, offload=offload, **shape, **kw) for n in depths]
+    per = (depths[1] - depths[0]) / kw.get("stages", 1)
+    return {"growth_bytes": (runs[1]["temp_bytes"] - runs[0]["temp_bytes"]) / per,
+            "host_bytes": (runs[1]["host_temp_bytes"] - runs[0]["host_temp_bytes"]) / per}
 
 
 def scanned_stack_report(*, layers: int, hidden: int, seq: int, heads: int, tensor: int,

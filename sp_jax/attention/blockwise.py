@@ -27,7 +27,7 @@ from sp_jax.attention.kernels import (
     to_bshd,
 )
 from sp_jax.compat import check
-from sp_jax.ops.primitives import fresh_zeros, to_device, to_host
+from sp_jax.ops.primitives import fresh_zeros, residuals_to_device, residuals_to_host
 
 __all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments", "check_window"]
 
@@ -81,12 +81,13 @@ def _blockwise(q, k, v, drop, seg, bq, bk, window, rule, offload=False):
 
 def _blockwise_fwd(q, k, v, drop, seg, bq, bk, window, rule, offload):
     out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)
-    return out, (to_host((q, k, v, out, lse), offload), drop, seg)
+    res, out = residuals_to_host((q, k, v, out, lse), out, offload)
+    return out, (res, drop, seg)
 
 
 def _blockwise_bwd(bq, bk, window, rule, offload, res, d_out):
     res, drop, seg = res
-    res = to_device(res, offload)
+    res, d_out = residuals_to_device(res, d_out, offload)
     return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window, rule)[0], None, None)
 
 
@@ -101,12 +102,13 @@ def _blockwise_traced(q, k, v, drop, seg, bq, bk, window, rule, offload=False):
 
 def _blockwise_traced_fwd(q, k, v, drop, seg, bq, bk, window, rule, offload):
     out, lse, _ = _blockwise_forward(q, k, v, drop, seg, bq, bk, window, rule)
-    return out, (to_host((q, k, v, out, lse), offload), drop, seg, window)
+    res, out = residuals_to_host((q, k, v, out, lse), out, offload)
+    return out, (res, drop, seg, window)
 
 
 def _blockwise_traced_bwd(bq, bk, rule, offload, res, d_out):
     res, drop, seg, window = res
-    res = to_device(res, offload)
+    res, d_out = residuals_to_device(res, d_out, offload)
     return (*_blockwise_backward(res, d_out, drop, seg, bq, bk, window, rule)[0], None, None,
             None)
 

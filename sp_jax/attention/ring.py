@@ -28,7 +28,13 @@ from sp_jax.attention.kernels import (
     zeros_of_shape,
 )
 from sp_jax.attention.sequence_order import zigzag_positions
-from sp_jax.ops.primitives import AxisName, fresh_zeros, to_device, to_host, vary
+from sp_jax.ops.primitives import (
+    AxisName,
+    fresh_zeros,
+    residuals_to_device,
+    residuals_to_host,
+    vary,
+)
 
 __all__ = ["ring_attention"]
 
@@ -292,12 +298,13 @@ def _ring(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload=False)
 
 def _ring_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload):
     out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)
-    return out, (to_host((q, k, v, out, lse), offload), dropout, seg)
+    res, out = residuals_to_host((q, k, v, out, lse), out, offload)
+    return out, (res, dropout, seg)
 
 
 def _ring_bwd(axis_name, bq, bk, window, rule, offload, res, d_out):
     res, dropout, seg = res
-    res = to_device(res, offload)
+    res, d_out = residuals_to_device(res, d_out, offload)
     return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window,
                                  rule)[0], None, None)
 
@@ -313,12 +320,13 @@ def _ring_traced(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload
 
 def _ring_traced_fwd(q, k, v, dropout, seg, axis_name, bq, bk, window, rule, offload):
     out, lse, _ = _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout, window, rule)
-    return out, (to_host((q, k, v, out, lse), offload), dropout, seg, window)
+    res, out = residuals_to_host((q, k, v, out, lse), out, offload)
+    return out, (res, dropout, seg, window)
 
 
 def _ring_traced_bwd(axis_name, bq, bk, rule, offload, res, d_out):
     res, dropout, seg, window = res
-    res = to_device(res, offload)
+    res, d_out = residuals_to_device(res, d_out, offload)
     return (*_ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout, window,
                                  rule)[0], None, None, None)
 

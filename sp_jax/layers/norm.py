@@ -25,7 +25,7 @@ from jax import lax
 
 from sp_jax.config import ParallelConfig
 from sp_jax.mesh import check_activations, to_sequence_parallel
-from sp_jax.ops.primitives import to_device, to_host
+from sp_jax.ops.primitives import residuals_to_device, residuals_to_host
 
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "layer_norm", "make_norm", "norm_bwd_input",
            "norm_bwd_weight", "rms_norm"]
@@ -121,13 +121,14 @@ def _norm_bwd(epsilon, center, out_dtype, offset, res, g):
 def _norm_offload_fwd(x, scale, bias, epsilon, center, out_dtype, offset, offload):
     y, (x, mean, rstd, scale, bias) = _norm_fwd(x, scale, bias, epsilon, center, out_dtype,
                                                 offset)
-    return y, (*to_host((x, mean, rstd), offload), scale, bias)
+    (x, mean, rstd), y = residuals_to_host((x, mean, rstd), y, offload)
+    return y, (x, mean, rstd, scale, bias)
 
 
 def _norm_offload_bwd(epsilon, center, out_dtype, offset, offload, res, g):
     x, mean, rstd, scale, bias = res
-    return _norm_bwd(epsilon, center, out_dtype, offset,
-                     (*to_device((x, mean, rstd), offload), scale, bias), g)
+    (x, mean, rstd), g = residuals_to_device((x, mean, rstd), g, offload)
+    return _norm_bwd(epsilon, center, out_dtype, offset, (x, mean, rstd, scale, bias), g)
 
 
 _norm.defvjp(_norm_offload_fwd, _norm_offload_bwd)

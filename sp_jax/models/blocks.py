@@ -30,7 +30,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers import MLP, AttentionCache, MoE, MoEStats, attention_class
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.ops.primitives import to_device, to_host
+from sp_jax.ops.primitives import residuals_to_device, residuals_to_host, tied_host_moves
 
 __all__ = ["Block", "Documents", "Layers", "Segments", "decode_blocks", "over_layers",
            "prefill_blocks", "run_block", "run_blocks", "scan_blocks", "stack_blocks",
@@ -171,14 +171,15 @@ def _remat_offloaded(f, *args):
 
 
 def _remat_offloaded_fwd(f, state, x, *rest):
-    return f(state, x, *rest), (state, to_host(x), *rest)
+    x, out = residuals_to_host(x, f(state, x, *rest))
+    return out, (state, x, *rest)
 
 
 def _remat_offloaded_bwd(f, res, g):
     state, x, *rest = res
     # tied to the cotangent: the recomputation is neither hoisted into the forward pass
     # nor merged with it (CSE; XLA:CPU lowers the host moves to nothing)
-    x, g = jax.lax.optimization_barrier((to_device(x), g))
+    x, g = jax.lax.optimization_barrier(residuals_to_device(x, g))
     return jax.vjp(f, state, x, *rest)[1](g)
 
 
@@ -338,8 +339,9 @@ def run_blocks(blocks: Layers, x: jax.Array, *, num_layers: int, remat: bool,
         return scan_blocks(blocks, x, keys, remat, documents)
     layers = []
     for block in blocks:
-        x, layer = run_block(block, x, None if stream is None else stream(), remat,
-                             documents)
+        with tied_host_moves():  # the offloaded residuals' moves (no scan writes them)
+            x, layer = run_block(block, x, None if stream is None else stream(), remat,
+                                 documents)
         if layer is not None:  # a mixture-of-experts layer's router statistics
             layers.append(layer)
     return x, jax.tree.map(lambda *v: jnp.stack(v), *layers) if layers else None

@@ -27,8 +27,8 @@ gradients in ``wgrad_dtype``, or :class:`~sp_jax.ops.fp8.Fp8Gemm` with its amax
 history; the op binds its dtypes to it), the transport of the sequence-parallel ops
 (:class:`~sp_jax.ops.transport.Collectives`, or :class:`~sp_jax.ops.transport.Ring`,
 ``collective_matmul=``) and the op's options. The rule becomes a custom-VJP op
-(:func:`~sp_jax.ops.rules.linear_op`), or, with the kernel sharded over the data axes
-(``fsdp_axes``), its FSDP form (:func:`~sp_jax.ops.fsdp.fsdp_linear_op`); with a
+(:func:`~sp_jax.ops.rules.linear_op`), in its FSDP form (:class:`~sp_jax.ops.fsdp.Fsdp`)
+with the kernel sharded over the data axes (``fsdp_axes``); with a
 weight-gradient ``tap``, the op in the tap's mode (:mod:`sp_jax.ops.deferred`).
 :func:`_apply` is the one place that chooses.
 """
@@ -43,7 +43,7 @@ import jax
 from jax import lax
 
 from sp_jax.ops.deferred import apply_deferred
-from sp_jax.ops.fsdp import Fsdp, fsdp_linear_op, full_kernel
+from sp_jax.ops.fsdp import Fsdp, full_kernel
 from sp_jax.ops.gemm import ComputeGemm, Gemm, bgrad, check_linear_shapes
 from sp_jax.ops.primitives import (
     AxisName,
@@ -61,6 +61,7 @@ from sp_jax.ops.rules import (
     Row,
     RowSequence,
     linear_op,
+    varying,
 )
 from sp_jax.ops.transport import Collectives, Ring
 
@@ -90,36 +91,32 @@ def _transport(axis_name, seq_dim: int, collective_matmul: bool):
 
 
 def _apply(rule, x, kernel, bias, state, fsdp_axes: tuple, fsdp_dim: int,
-           offload: bool = False, tap=None, outer=None) -> jax.Array:
-    """Runs ``rule``: as one custom-VJP op, or with ``kernel`` this device's shard over
-    the data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op); with
-    ``offload`` its input residual lives in host memory (:class:`Offloaded`); with
-    ``outer`` (a rule around the local product: the row op's sum and bias,
-    :class:`~sp_jax.ops.rules.Row`) inside it; with a weight-gradient ``tap``, in the
-    tap's mode (:func:`~sp_jax.ops.deferred.apply_deferred`: the weight gradient
-    deferred, or computed alone)."""
+           offload: bool = False, tap=None, outer=None, kernel_axes=()) -> jax.Array:
+    """Runs ``rule`` as one custom-VJP op: with ``kernel`` this device's shard over the
+    data axes ``fsdp_axes`` along ``fsdp_dim`` (gathered inside the op,
+    :class:`~sp_jax.ops.fsdp.Fsdp`); with ``offload`` its input residual lives in host
+    memory (:class:`Offloaded`); with ``outer`` (a rule around the local product: the
+    row op's sum and bias, :class:`~sp_jax.ops.rules.Row`) inside it; the kernel cast
+    to vary over ``kernel_axes`` inside the op (:class:`~sp_jax.ops.rules.Varying`: its
+    residual stays the caller's kernel); with a weight-gradient ``tap``, in the tap's
+    mode (:func:`~sp_jax.ops.deferred.apply_deferred`: the weight gradient deferred, or
+    computed alone)."""
     if offload:
         rule = Offloaded(rule)
-    aux = (bias, state)
+    if fsdp_axes:
+        rule = Fsdp(rule, fsdp_axes, fsdp_dim)
     if outer is not None:
-        rule = outer(Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule)
-        return apply_deferred(rule, x, kernel, aux, tap,
-                              lambda: linear_op(x, kernel, aux, rule))
-
-    def fused():
-        if fsdp_axes:
-            return fsdp_linear_op(x, kernel, aux, rule, fsdp_axes, fsdp_dim)
-        return linear_op(x, kernel, aux, rule)
-
-    outer_rule = Fsdp(rule, fsdp_axes, fsdp_dim) if fsdp_axes else rule
-    return apply_deferred(outer_rule, x, kernel, aux, tap, fused)
+        rule = outer(rule)
+    rule, aux = varying(rule, kernel, kernel_axes), (bias, state)
+    return apply_deferred(rule, x, kernel, aux, tap, lambda: linear_op(x, kernel, aux, rule))
 
 
-def _vary_all(x, kernel, bias, axes) -> tuple:
-    """``x``, ``kernel`` and ``bias`` cast to vary over the union of their mesh axes and
-    ``axes`` (see :mod:`sp_jax.ops.primitives`)."""
+def _vary_all(x, bias, kernel, axes) -> tuple:
+    """``x`` and ``bias`` cast to vary over the union of their and ``kernel``'s mesh axes
+    and ``axes`` (see :mod:`sp_jax.ops.primitives`), and that union: the axes the op
+    casts the kernel to vary over (``_apply``'s ``kernel_axes``)."""
     union = vma(x) | vma(kernel) | set(axes) | (vma(bias) if bias is not None else set())
-    return vary(x, union), vary(kernel, union), vary(bias, union)
+    return vary(x, union), vary(bias, union), union
 
 
 # --------------------------------------------------------------------------------------
@@ -159,9 +156,9 @@ def matmul(x: jax.Array, kernel: jax.Array, *, wgrad_dtype=None,
     fsdp_axes = tuple(fsdp_axes)
     check_linear_shapes("matmul", x, full_kernel(kernel, fsdp_axes, fsdp_dim))
     gemm = _gemm("matmul", kernel, wgrad_dtype, gemm, gemm_state)
-    x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
+    x, _, union = _vary_all(x, None, kernel, fsdp_axes)
     return _apply(Matmul(gemm), x, kernel, None, gemm_state, fsdp_axes, fsdp_dim,
-                  offload_activations, tap)
+                  offload_activations, tap, kernel_axes=union)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -233,8 +230,9 @@ def column_parallel_matmul(
     union = vma(x) | vma(kernel) | {axis_name} | set(fsdp_axes)
     if bias is not None:
         union |= vma(bias)
-    return _apply(Column(gemm, axis_name), vary(x, union - {axis_name}), vary(kernel, union),
-                  vary(bias, union), gemm_state, fsdp_axes, 0, offload_activations, tap)
+    return _apply(Column(gemm, axis_name), vary(x, union - {axis_name}), kernel,
+                  vary(bias, union), gemm_state, fsdp_axes, 0, offload_activations, tap,
+                  kernel_axes=union)
 
 
 def row_parallel_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -261,9 +259,10 @@ def row_parallel_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None 
     name = "row_parallel_matmul"
     check_linear_shapes(name, x, full_kernel(kernel, fsdp_axes, 1), bias)
     gemm = _gemm(name, kernel, wgrad_dtype, gemm, gemm_state)
-    x, kernel, _ = _vary_all(x, kernel, None, fsdp_axes)
+    x, _, union = _vary_all(x, None, kernel, fsdp_axes)
     return _apply(Matmul(gemm), x, kernel, bias, gemm_state, fsdp_axes, 1,
-                  offload_activations, tap, functools.partial(Row, axis_name=axis_name))
+                  offload_activations, tap, functools.partial(Row, axis_name=axis_name),
+                  kernel_axes=union)
 
 
 def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -362,8 +361,9 @@ def row_sequence_parallel_matmul(
         raise ValueError(f"{name}: activation must keep every dimension of x {x.shape} but "
                          f"the last (features); it gave {h.shape}.")
     rule = RowSequence(gemm, _transport(axis_name, seq_dim, collective_matmul), activation)
-    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), gemm_state,
-                  fsdp_axes, 1, offload_activations, tap)
+    x, bias, union = _vary_all(x, bias, kernel, {axis_name, *fsdp_axes})
+    return _apply(rule, x, kernel, bias, gemm_state, fsdp_axes, 1, offload_activations, tap,
+                  kernel_axes=union)
 
 
 def column_sequence_parallel_matmul(
@@ -422,5 +422,6 @@ def column_sequence_parallel_matmul(
                                fsdp_axes, 0)
     rule = ColumnSequence(gemm, _transport(axis_name, seq_dim, collective_matmul),
                           bool(recompute_allgather))
-    return _apply(rule, *_vary_all(x, kernel, bias, {axis_name, *fsdp_axes}), gemm_state,
-                  fsdp_axes, 0, offload_activations, tap)
+    x, bias, union = _vary_all(x, bias, kernel, {axis_name, *fsdp_axes})
+    return _apply(rule, x, kernel, bias, gemm_state, fsdp_axes, 0, offload_activations, tap,
+                  kernel_axes=union)

@@ -46,7 +46,7 @@ from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
 from sp_jax.ops.gemm import ComputeGemm, Gemm
 from sp_jax.ops.grouped import grouped_matmul
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
-from sp_jax.ops.rules import Grouped, linear_op
+from sp_jax.ops.rules import Grouped, linear_op, varying
 
 __all__ = ["capacity_keep", "expert_mixture", "fp8_grouped_gemm", "grouped_ffn",
            "grouped_matmul", "ragged_all_to_all", "route", "router_stats"]
@@ -193,8 +193,8 @@ def _grouped_gemm(x, w, group_sizes, gemm, state, tap=None):
     (one custom-VJP op; with a weight-gradient ``tap``, in its mode,
     :mod:`sp_jax.ops.deferred`)."""
     axes = vma(x) | vma(w) | vma(group_sizes)
-    x, w = vary(x, axes), vary(w, axes)
-    rule, aux = Grouped(gemm, None, jnp.dtype(x.dtype)), (group_sizes, state)
+    x = vary(x, axes)  # the weights cast inside the op: the residual is the caller's w
+    rule, aux = varying(Grouped(gemm, None, jnp.dtype(x.dtype)), w, axes), (group_sizes, state)
     return apply_deferred(rule, x, w, aux, tap, lambda: linear_op(x, w, aux, rule))
 
 

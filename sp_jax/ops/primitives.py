@@ -11,12 +11,17 @@ equally correct with ``check_vma=False``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from sp_jax.mesh import mesh_platform
 
 try:  # public from the jax release that exports it; the primitive has existed since 0.6
     _all_gather_invariant = lax.all_gather_invariant  # type: ignore[attr-defined]
@@ -25,7 +30,8 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
            "check_divisible", "conjugate_pair", "fresh_zeros", "reduce_in", "reduce_scatter",
-           "split", "to_device", "to_host", "vary", "vary_then", "vma"]
+           "residuals_to_device", "residuals_to_host", "split", "tied_host_moves", "to_device",
+           "to_host", "vary", "vary_then", "vma"]
 
 AxisName = Hashable
 
@@ -172,4 +178,61 @@ def to_device(tree, enabled: bool = True):
     if not enabled:
         return tree
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+_TIED_HOST_MOVES = contextvars.ContextVar("sp_jax_tied_host_moves", default=False)
+
+
+@contextlib.contextmanager
+def tied_host_moves():
+    """Within it (at trace time), :func:`residuals_to_host` ties each move to the op's
+    output: the layers of an unrolled stack (``GPTConfig(scan_layers=False)``) trace
+    their forward passes in it. Outside it (a layer scan, a pipeline's ticks) the moves
+    are left untied: a scan writes each layer's residuals into its stacked host buffer
+    within the layer's iteration, and XLA:GPU's host offloader rejects such a buffer
+    written through an optimization barrier (an INTERNAL error, measured)."""
+    token = _TIED_HOST_MOVES.set(True)
+    try:
+        yield
+    finally:
+        _TIED_HOST_MOVES.reset(token)
+
+
+def _moves_real() -> bool:
+    """Whether the host moves of the current mesh's platform are real: XLA:CPU lowers
+    them to nothing, and without the ties below its programs (and their bits) stay
+    those of a run without the option."""
+    return mesh_platform() != "cpu"
+
+
+def residuals_to_host(res, y, enabled: bool = True) -> tuple[Any, Any]:
+    """``(res, y)``: a forward rule's residuals ``res`` moved to host memory
+    (:func:`to_host`; both unchanged without ``enabled``), within
+    :func:`tied_host_moves` the moves done before its output ``y`` is used (an
+    optimization barrier ties them, where the moves are real). Untied outside a scan,
+    XLA:GPU's scheduler starts each move as late as it can, just before the backward
+    pass brings the value back, so the device copy stays alive through the forward
+    pass and nothing is saved (measured, deviceless 8 x H100: an unrolled stack of
+    blocks kept every residual on the device)."""
+    if not enabled:
+        return res, y
+    if _TIED_HOST_MOVES.get() and _moves_real():
+        return lax.optimization_barrier((to_host(res), y))
+    return to_host(res), y
+
+
+def residuals_to_device(res, g, enabled: bool = True) -> tuple[Any, Any]:
+    """``(res, g)``: a backward rule's residuals ``res`` that :func:`to_host` parked in
+    host memory, back in device memory once the cotangent ``g`` exists (an optimization
+    barrier ties the host values to ``g`` before the move where the moves are real; both
+    unchanged without ``enabled``). Without the tie XLA:GPU's algebraic simplifier folds
+    a move to the host followed directly by the move back into nothing (measured,
+    deviceless 8 x H100: an unrolled stack of blocks moved 0 bytes; a scanned one's
+    moves survive only because the scan stacks its residuals in a host buffer), and the
+    move back may be scheduled before the backward pass reaches the layer."""
+    if not enabled:
+        return res, g
+    if _moves_real():
+        res, g = lax.optimization_barrier((res, g))
+    return to_device(res), g
 
