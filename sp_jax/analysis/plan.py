@@ -35,7 +35,7 @@ from sp_jax.analysis.shapes import MODELS, ModelShape
 
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
            "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
-           "layout_formula", "plan", "plan_one"]
+           "layout_formula", "plan", "plan_one", "shape_line"]
 
 GiB = 2**30
 H100_BYTES = 80 * 10**9
@@ -545,18 +545,29 @@ def plan(model: ModelShape | str, gpus: int, *, options: Sequence[PlanOption] | 
     return rows
 
 
-def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
-    """A markdown table of ``rows`` (GiB per GPU; MiB when every peak is below 1 GiB)."""
+def shape_line(model: ModelShape) -> str:
+    """``"70b: h=8192, 80 layers, 64 heads, vocab 32000, s=4096 (64.69B parameters)"``."""
+    heads = f"{model.heads} heads" + (f" of {model.head_dim}" if model.head_dim else "")
+    return (f"{model.name}: h={model.hidden}, {model.layers} layers, {heads}, "
+            f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters)")
+
+
+def format_table(model: ModelShape, rows: Sequence[PlanRow], reserve: float = 0.0) -> str:
+    """A markdown table of ``rows`` (GiB per GPU; MiB when every peak is below 1 GiB);
+    with a ``reserve`` (bytes) a row fits when its peak plus the reserve is within 80 GB
+    (:attr:`PlanRow.fits` has none)."""
     big = any(r.peak_bytes >= GiB for r in rows)
     unit, scale = ("GiB", GiB) if big else ("MiB", 2**20)
 
     def g(x: float) -> str:
         return f"{x / scale:.1f}"
 
-    heads = f"{model.heads} heads" + (f" of {model.head_dim}" if model.head_dim else "")
-    head = (f"{model.name}: h={model.hidden}, {model.layers} layers, {heads}, "
-            f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters); "
-            f"{unit} per GPU (H100: 80 GB = 74.5 GiB)\n\n")
+    def fits(r: PlanRow) -> bool:
+        return r.fits and r.peak_bytes + reserve <= H100_BYTES
+
+    budget = "H100: 80 GB = 74.5 GiB" + (
+        f", fits = peak + {reserve / GiB:.1f} GiB reserve <= 74.5 GiB" if reserve else "")
+    head = f"{shape_line(model)}; {unit} per GPU ({budget})\n\n"
     pipelined = [r for r in rows if r.option.pipelined]
     mesh = "[stages x] data x context x tensor" if pipelined else \
         "data x expert x context x tensor" if any(r.option.expert > 1 for r in rows) else \
@@ -574,13 +585,14 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             f"| {r.option.label} | {r.batch} | {g(r.param_bytes)} ({g(r.formula_param_bytes)})"
             f" | {g(r.opt_bytes)} | {g(r.grad_bytes)} | {g(r.activation_bytes)} "
             f"({g(r.formula_activation_bytes)}) | {g(r.peak_bytes)} | "
-            f"{'yes' if r.fits else '**no**'} | {g(r.collective_bytes)} |")
+            f"{'yes' if fits(r) else '**no**'} | {g(r.collective_bytes)} |")
     compiled = [r for r in rows if not r.error]
-    if compiled and not any(r.fits for r in compiled):
+    if compiled and not any(fits(r) for r in compiled):
         best = min(compiled, key=lambda r: r.peak_bytes)
-        lines.append(f"\nNo layout fits in 80 GB: the best, {best.option.label}, needs "
+        budget = "80 GB" + (f" less a {reserve / GiB:.1f} GiB reserve" if reserve else "")
+        lines.append(f"\nNo layout fits in {budget}: the best, {best.option.label}, needs "
                      f"{best.peak_bytes / GiB:.1f} GiB, "
-                     f"{(best.peak_bytes - H100_BYTES) / GiB:.1f} GiB too many.")
+                     f"{(best.peak_bytes + reserve - H100_BYTES) / GiB:.1f} GiB too many.")
     if pipelined:
         lines.append(
             "\nPipelined rows: mesh stages x data x context x tensor (the stage axis "
