@@ -80,7 +80,7 @@ def compile_fit(model: ModelShape, row: FitRow, *, target: str = "h100") -> Conf
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import NamedSharding
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from sp_jax._quiet import filtered_stderr
     from sp_jax.analysis.gpu import default_compiler_options, gpu_mesh
@@ -111,11 +111,19 @@ def compile_fit(model: ModelShape, row: FitRow, *, target: str = "h100") -> Conf
             offload_activations=opts.offload_activations, **pipeline, **experts)
         cfg = model.gpt_config(remat=layout.remat,
                                **({"num_experts": 0} if model.experts == 1 else {}))
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)  # outside the GPU mesh
         moments = MOMENTS_DTYPES[opts.moments]
         tx = adamw(1e-4, mu_dtype=moments, nu_dtype=moments)
+
+        def named(x: Any) -> Any:  # a leaf's sharding on the mesh (replicated if none)
+            spec = getattr(getattr(x, "sharding", None), "spec", None) or PartitionSpec()
+            return NamedSharding(mesh, spec)
+
         with jax.set_mesh(mesh):
             gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
             graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=named(x)), params)
             param_s = jax.tree.map(lambda x: x.sharding, params)
             update_s = optimizer_shardings(params, parallel) if opts.fsdp == "optimizer" \
                 else None
@@ -128,15 +136,14 @@ def compile_fit(model: ModelShape, row: FitRow, *, target: str = "h100") -> Conf
 
             def placed(tree: Any, host: bool) -> Any:
                 return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                    x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)
-                    .with_memory_kind(HOST if host else "device")), tree)
+                    x.shape, x.dtype, sharding=named(x).with_memory_kind(
+                        HOST if host else "device")), tree)
 
             p_in, o_in = placed(params, offload_params), placed(opt_state, offload_opt)
             micro = row.batch // layout.micro_batches
             tokens = jax.ShapeDtypeStruct(
                 (layout.micro_batches, micro, model.seq), jnp.int32,
                 sharding=NamedSharding(mesh, Layout.of(parallel).micro_batched_tokens))
-            key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
             step = train_step_fn(
                 graphdef, tx, update_shardings=update_s, param_shardings=param_s,
                 manual_graphdef=manual, manual_axes=parallel.data_axes if manual else (),
@@ -277,7 +284,7 @@ def format_answer(model: ModelShape, gpus: int, rows: Sequence[FitRow],
         host = g(r.host_bytes) + ("" if c is None or c.error else f" / {g(c.host_bytes)}")
         fits = ("yes" if r.fits else "**no**") if c is None else \
             ("yes, compiled" if c.fits else "**no**, compiled")
-        staged = f" + {g(r.staged_bytes)} staged" if r.staged_bytes else ""
+        staged = f" + {g(r.update_bytes)} update" if r.update_bytes else ""
         lines.append(f"| {r.layout.label} | {r.batch} | {r.options.label} | "
                      f"{g(r.weights_bytes)} | {g(r.optimizer_bytes)}{staged} | "
                      f"{g(r.activation_bytes)} | {g(r.device_bytes)} | {compiled} | {host} | "

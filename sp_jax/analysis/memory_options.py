@@ -20,11 +20,11 @@ bf16; ZeRO-1 divides the moments by the batch shards, ``"full"`` everything; off
 bytes count as host) times the parameters one GPU holds
 (:func:`sp_jax.analysis.plan.layout_formula`), plus the activations of that formula
 (with activation offload: one layer's on the device, the other layers' saved
-activations on the host), plus with the optimizer offloaded the moments XLA stages on the
-device (:func:`staged_bytes`). Temporaries beyond the activations (gathered weights, the
-logits, XLA's buffers) are not counted: they are what the compile measures
-(:mod:`sp_jax.analysis.confirm`; Mixtral-8x7B on 8 GPUs: 0.4 GiB above the formula with
-ZeRO-1) and what :data:`DEFAULT_RESERVE` does not cover.
+activations on the host), plus XLA's buffers around the optimizer's update, with the
+optimizer offloaded the moments it moves to the device ahead (:func:`update_bytes`,
+measured). Other temporaries (gathered weights, the logits) are not counted: the compile
+measures them (:mod:`sp_jax.analysis.confirm`: the answer is confirmed by one; Mixtral-8x7B
+on 8 GPUs, ZeRO-1 + bf16 moments: 0.4 GiB above the formula).
 
 A row fits when its device peak plus a reserve (:data:`DEFAULT_RESERVE`, ``python -m
 sp_jax.plan --device-reserve``) is within an H100's 80 GB and its host bytes within the
@@ -49,7 +49,7 @@ from sp_jax.analysis.plan import (
 
 __all__ = ["DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions",
            "best", "bytes_per_param", "chosen_per_layout", "format_fits", "layouts",
-           "parse_bytes", "ranked", "reserve_note", "search", "staged_bytes"]
+           "parse_bytes", "ranked", "reserve_note", "search", "update_bytes"]
 
 FSDP_MODES = (False, "optimizer", "full")
 MOMENTS = ("fp32", "bf16")
@@ -139,12 +139,12 @@ class FitRow:
     host_bytes: float
     host_limit: float         # host bytes per GPU: per node / GPUs per node
     reserve: float = 0.0      # device bytes a layout leaves free (DEFAULT_RESERVE)
-    staged_bytes: float = 0.0  # offloaded state XLA keeps on the device (staged_bytes())
+    update_bytes: float = 0.0  # XLA's buffers around the update (update_bytes())
 
     @property
     def device_bytes(self) -> float:
         return (self.weights_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.staged_bytes)
+                + self.update_bytes)
 
     @property
     def fits(self) -> bool:
@@ -199,36 +199,54 @@ def _largest_leaf(model: ModelShape, layout: PlanOption, options: MemoryOptions)
     return max(up, model.vocab * h / t / dense)
 
 
-def staged_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) -> float:
-    """Device bytes of the offloaded optimizer state that XLA:GPU keeps on the device
-    during the step (0 without offload): the compiled step moves each offloaded moment to
-    the device for its update (``train_step_fn``'s ``to_device``), and XLA schedules some
-    of these copies ahead, where they are live at the step's peak.
+def update_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) -> float:
+    """Device bytes the compiled step holds beyond the formula's state, gradients and
+    activations, around the optimizer's update: XLA's second buffer of a stacked
+    gradient (the backward scan's accumulator, double-buffered) and the new moments of a
+    leaf next to the old, and with the optimizer offloaded the moments it moves to the
+    device ahead of their update (``train_step_fn``'s ``to_device``). Per option set:
 
-    Measured (deviceless 8 x H100 compiles of Mixtral-8x7B's whole step, 32 layers, remat,
-    bf16 moments, ZeRO-1 on expert 4 x tensor 2): without offload the device holds 45.7
-    GiB of arguments and 28.2 GiB of temp, 74.0 GiB (the formula: 73.6); with the
-    optimizer offloaded 24.0 GiB of arguments (21.7 GiB of moments on the host) and 35.3
-    GiB of temp, 59.3 GiB: the temp grows by 7.1 GiB, the size of one bf16 moment of the
-    largest leaf (``experts_up``, ``[32, 2, 4096, 14336]`` per GPU: 7.0 GiB; equally
-    ``experts_down``'s two), while the formula without this term said 51.9. With fsdp on
-    expert 8 the same: 57.7 compiled, 50.8 + 7.0 by formula. With 4 layers the step
-    stages nothing (temp 7.80 GiB with and without offload), so one moment of the largest
-    leaf is an upper bound there. With fp32 moments XLA keeps almost all of them on the
-    device (fsdp on expert 8: 93.4 GiB compiled against 50.8 without this term: 42.6 of
-    the 43.5 GiB of moments; its rematerialization cannot get under its limit), so the
-    term is every moment. With ``offload="optimizer+params"`` the largest leaf's fp32
-    master weights are staged too (not measured)."""
-    if options.offload == "off":
-        return 0.0
+    * ``fsdp="full"`` or an offloaded optimizer: one moment of the largest leaf
+      (:func:`_largest_leaf`) in the moments' dtype; with fp32 moments offloaded, every
+      moment;
+    * replicated (``fsdp=False``): a second fp32 copy of the gradients (their reduction
+      over data);
+    * ZeRO-1 without offload: nothing.
+
+    Measured (deviceless H100 compiles of the whole step, remat, GiB per GPU; compiled
+    against the formula without this term; ``benchmarks/fits.py``, BENCHMARKS.md "What
+    fits where", ``python -m sp_jax.plan``):
+
+    * Mixtral-8x7B, 8 GPUs, ZeRO-1 + bf16 moments on expert 4 x tensor 2: 74.0 against
+      73.6 (45.7 of arguments, 28.2 of temp). The same with the optimizer offloaded:
+      59.3 against 51.9: 24.0 of arguments (21.7 of moments on the host) and 35.3 of
+      temp, 7.1 more, one bf16 moment of ``experts_up`` (``[32, 2, 4096, 14336]`` per
+      GPU: 7.0). With 4 layers the offloaded step's temp is the one without offload
+      (7.80): the term is an upper bound there.
+    * Mixtral-8x7B, fsdp on expert 8: fp32 moments 108.9 against 94.3 (one fp32 moment of
+      ``experts_up``: 14.0); bf16 moments offloaded 57.7 against 50.8 (7.0); fp32 moments
+      offloaded 93.4 against 50.8 (42.6 of the 43.5 of moments back on the device: XLA's
+      rematerialization cannot get under its limit).
+    * Llama-3-70B, fsdp on data 2 x tensor 8: fp32 moments 82.5 against 67.8 (the MLP-up
+      ``[80, 4096, 7168]`` fp32 moment 8.75: 6.0 left over), bf16 moments 57.3 against
+      51.4 (4.4); with 8 layers fp32 11.07 against 9.30 (XLA's live ranges at the peak:
+      two fp32 buffers of the MLP-up gradient stack) and bf16 7.90 against 7.22.
+    * The 405B shape, fsdp on data 16 x tensor 8, fp32 moments: 59.8 against 52.9 (6.4).
+    * 70B GPT blocks replicated on data 8 x tensor 8 with remat (the planner's compiled
+      table): activations and temp 30.6 against 0.8, the fp32 gradients 30.1 once more.
+    """
     largest = _largest_leaf(model, layout, options)
-    if options.moments == "fp32":
+    moment = largest * (4 if options.moments == "fp32" else 2)
+    if options.offload != "off" and options.moments == "fp32":
         moments = layout_formula(model, dataclasses.replace(
             layout, fsdp=options.fsdp in ("optimizer", "full")), layout.batch_shards *
             layout.micro_batches)[0] / 4 * 8
-    else:
-        moments = 2 * largest
-    return moments + (4 * largest if options.offload == "optimizer+params" else 0.0)
+        return moments + (4 * largest if options.offload == "optimizer+params" else 0.0)
+    if options.offload != "off" or options.fsdp == "full":
+        return moment + (4 * largest if options.offload == "optimizer+params" else 0.0)
+    if options.fsdp is False:
+        return layout_formula(model, layout, layout.batch_shards)[0]  # fp32 gradients
+    return 0.0
 
 
 def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: int,
@@ -250,7 +268,7 @@ def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: i
         host_bytes += acts - one
         acts = one
     return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,
-                  reserve, staged_bytes(model, layout, options))
+                  reserve, update_bytes(model, layout, options))
 
 
 def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BYTES_PER_NODE,
@@ -327,8 +345,8 @@ def chosen_per_layout(rows: Sequence[FitRow]) -> dict[PlanOption, tuple[FitRow, 
 def format_fits(model: ModelShape, gpus: int, rows: Sequence[FitRow]) -> str:
     """A markdown table: per layout the cheapest option set that fits (else the one with
     the lowest device peak) and the layout without options; then the answer. The
-    optimizer column adds the moments XLA stages on the device with offload
-    (:func:`staged_bytes`) as ``+ N staged``."""
+    optimizer column adds XLA's buffers around the update (:func:`update_bytes`) as
+    ``+ N update``."""
     def g(x: float) -> str:
         return f"{x / GiB:.1f}"
 
@@ -341,7 +359,7 @@ def format_fits(model: ModelShape, gpus: int, rows: Sequence[FitRow]) -> str:
              "host | fits |", "|" + "---|" * 8]
     for layout, (plain, chosen) in chosen_per_layout(rows).items():
         for r in dict.fromkeys([plain, chosen]):
-            staged = f" + {g(r.staged_bytes)} staged" if r.staged_bytes else ""
+            staged = f" + {g(r.update_bytes)} update" if r.update_bytes else ""
             lines.append(f"| {layout.label.replace('recompute_allgather', 'rag')} | "
                          f"{r.options.label} | {g(r.weights_bytes)} | {g(r.optimizer_bytes)}"
                          f"{staged} | {g(r.activation_bytes)} | {g(r.device_bytes)} | "
