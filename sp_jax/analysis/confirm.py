@@ -14,6 +14,7 @@ it compiles the next answer, so the answer printed is one a compile confirmed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -22,8 +23,18 @@ from typing import Any
 from sp_jax.analysis.memory_options import FitRow, ranked
 from sp_jax.analysis.plan import H100_BYTES, XLA_DOES_NOT_FIT, ModelShape
 
-__all__ = ["EXAMPLE_PRESETS", "Confirmation", "command_line", "compile_fit", "confirm",
-           "format_answer"]
+SLOW_COMPILE = (
+    re.compile(r"E\d{4} [\d:.]+ +\d+ slow_operation_alarm\.cc:\d+\].*"),
+    re.compile(r"\*{8,}"),
+    re.compile(r"\[Compiling module .*\] Very slow compile\?.*"),
+    re.compile(r"The operation took .*"),
+    re.compile(r"\s*"),  # the box's blank lines
+)
+"""XLA's "Very slow compile?" box on stderr (a large model's compile takes minutes on a
+few CPU cores: expected here), kept out of the planner's output."""
+
+__all__ = ["EXAMPLE_PRESETS", "SLOW_COMPILE", "Confirmation", "command_line", "compile_fit",
+           "confirm", "format_answer"]
 
 EXAMPLE_PRESETS = {"mixtral-8x7b": "mixtral-8x7b", "llama-3-70b": "llama-3-70b",
                    "405b": "llama-3.1-405b", "qwen3-30b-a3b": "qwen3-30b-a3b",
@@ -150,7 +161,7 @@ def compile_fit(model: ModelShape, row: FitRow, *, target: str = "h100") -> Conf
                 offload_optimizer=offload_opt, offload_params=offload_params,
                 compute_dtype=cfg.dtype)
             shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-            with filtered_stderr(XLA_DOES_NOT_FIT) as xla_notes:
+            with filtered_stderr(XLA_DOES_NOT_FIT + SLOW_COMPILE) as notes:
                 compiled = jax.jit(
                     step, in_shardings=(shard(p_in), None, shard(o_in), None, None),
                     out_shardings=(shard(p_in), shard(o_in), None), donate_argnums=(0, 2),
@@ -163,8 +174,9 @@ def compile_fit(model: ModelShape, row: FitRow, *, target: str = "h100") -> Conf
     device = (int(mem.argument_size_in_bytes) + int(mem.output_size_in_bytes)
               - int(mem.alias_size_in_bytes) + temp)
     host = int(mem.host_argument_size_in_bytes) + int(mem.host_temp_size_in_bytes)
+    xla_notes = tuple(n for n in notes if any(p.fullmatch(n) for p in XLA_DOES_NOT_FIT))
     return Confirmation(row, device, host, temp, time.perf_counter() - t0,
-                        xla_notes=tuple(xla_notes))
+                        xla_notes=xla_notes)
 
 
 def confirm(model: ModelShape, rows: Sequence[FitRow], *, tries: int = 3,
