@@ -1,6 +1,7 @@
 """What fits where: one of the planner's layouts with its memory options, checked by a
-deviceless H100 compile of the real training step (:func:`sp_jax.analysis.confirm.compile_fit`,
-what ``python -m sp_jax.plan`` confirms its answer with), beside the planner's formula.
+deviceless H100 compile of the real training step (:func:`sp_jax.analysis.plan.plan_one`
+with ``memory=``, what ``python -m sp_jax.plan`` confirms its answer with), beside the
+planner's formula.
 
 Run: ``JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python benchmarks/fits.py [--layers 32]
 [--moments fp32] [--no-offload]`` (JSON lines; one to three minutes per compile on 2 CPU
@@ -20,9 +21,8 @@ import argparse
 import json
 import math
 
-from sp_jax.analysis.confirm import compile_fit
 from sp_jax.analysis.memory_options import MemoryOptions, search
-from sp_jax.analysis.plan import MODELS
+from sp_jax.analysis.plan import MODELS, plan_one
 
 
 def measure(layers: int, *, offload_optimizer: bool, moments: str, name: str = "mixtral-8x7b",
@@ -36,12 +36,13 @@ def measure(layers: int, *, offload_optimizer: bool, moments: str, name: str = "
     row = next(r for r in search(model, math.prod(mesh_shape), options=[options])
                if (r.layout.data, r.layout.expert, r.layout.tensor, r.layout.remat,
                    r.layout.stages) == want)
-    got = compile_fit(model, row)
+    got = plan_one(model, row.layout, batch=row.batch, memory=options)
     return {"model": name, "mesh": list(mesh_shape), "fsdp": fsdp, "layers": layers,
             "moments": moments, "offload_optimizer": offload_optimizer,
             "compile_s": round(got.compile_s, 1), "error": got.error,
-            "device_peak": got.device_bytes, "host_bytes": got.host_bytes,
-            "temp": got.temp_bytes, "formula_device": row.device_bytes,
+            "device_peak": got.peak_bytes, "host_bytes": got.host_bytes,
+            "temp": got.activation_bytes + got.grad_bytes,
+            "formula_device": row.device_bytes,
             "formula_update": row.update_bytes, "formula_host": row.host_bytes}
 
 

@@ -14,27 +14,14 @@ it compiles the next answer, so the answer printed is one a compile confirmed.
 from __future__ import annotations
 
 import dataclasses
-import re
+import importlib
 import shlex
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from sp_jax.analysis.memory_options import FitRow, ranked
-from sp_jax.analysis.plan import H100_BYTES, XLA_DOES_NOT_FIT, ModelShape
+from sp_jax.analysis.plan import H100_BYTES, ModelShape, PlanRow
 
-SLOW_COMPILE = (
-    re.compile(r"E\d{4} [\d:.]+ +\d+ slow_operation_alarm\.cc:\d+\].*"),
-    re.compile(r"\*{8,}"),
-    re.compile(r"\[Compiling module .*\] Very slow compile\?.*"),
-    re.compile(r"The operation took .*"),
-    re.compile(r"\s*"),  # the box's blank lines
-)
-"""XLA's "Very slow compile?" box on stderr (a large model's compile takes minutes on a
-few CPU cores: expected here), kept out of the planner's output."""
-
-__all__ = ["EXAMPLE_PRESETS", "SLOW_COMPILE", "Confirmation", "command_line", "compile_fit",
-           "confirm", "format_answer"]
+__all__ = ["EXAMPLE_PRESETS", "Confirmation", "command_line", "confirm", "format_answer"]
 
 EXAMPLE_PRESETS = {"mixtral-8x7b": "mixtral-8x7b", "llama-3-70b": "llama-3-70b",
                    "405b": "llama-3.1-405b", "qwen3-30b-a3b": "qwen3-30b-a3b",
@@ -50,22 +37,30 @@ class Confirmation:
 
     Attributes:
       row: the formula's row.
-      device_bytes: the compiled device peak, ``arguments + outputs - aliased + temp``
-        in device memory (``memory_analysis()``).
-      host_bytes: the compiled host bytes, host ``arguments + temp``.
-      temp_bytes: the device temp (activations, gradients, XLA's buffers).
-      compile_s: seconds the compile took.
-      error: why the layout did not compile ("" if it did).
-      xla_notes: XLA:GPU's does-not-fit warnings (:data:`~sp_jax.analysis.plan.XLA_DOES_NOT_FIT`).
+      compiled: the compile's :class:`~sp_jax.analysis.plan.PlanRow` (``plan_one`` with
+        the row's memory options): ``peak_bytes`` the device peak (arguments + outputs -
+        aliased + temp in device memory), ``host_bytes`` the host arguments + temp,
+        ``error`` why it did not compile.
     """
 
     row: FitRow
-    device_bytes: int = 0
-    host_bytes: int = 0
-    temp_bytes: int = 0
-    compile_s: float = 0.0
-    error: str = ""
-    xla_notes: tuple[str, ...] = ()
+    compiled: PlanRow
+
+    @property
+    def device_bytes(self) -> int:
+        return self.compiled.peak_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.compiled.host_bytes
+
+    @property
+    def error(self) -> str:
+        return self.compiled.error
+
+    @property
+    def compile_s(self) -> float:
+        return self.compiled.compile_s
 
     @property
     def fits(self) -> bool:
@@ -75,123 +70,30 @@ class Confirmation:
                 and self.host_bytes <= self.row.host_limit)
 
 
-def compile_fit(model: ModelShape, row: FitRow, *, target: str = "h100") -> Confirmation:
-    """Compiles the training step of ``model`` with ``row``'s layout and memory options
-    for ``row.layout.gpus`` abstract GPUs (deviceless; needs the CUDA compiler plugin) as
-    :class:`~sp_jax.training.TrainStep` would run it, and returns its per-GPU bytes. A
-    shape the model does not divide over, or a layout that does not compile, is a
-    :class:`Confirmation` with ``error`` set.
-
-    Llama-blocks presets held as one-expert mixtures (``experts=1``) compile as the
-    dense SwiGLU model they stand for (``num_experts=0``), as the example runs them.
-
-    Raises:
-      RuntimeError: no CUDA compiler plugin (the message says how to install it).
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from sp_jax._quiet import filtered_stderr
-    from sp_jax.analysis.gpu import default_compiler_options, gpu_mesh
-    from sp_jax.config import ParallelConfig
-    from sp_jax.layout import Layout
-    from sp_jax.models import GPT
-    from sp_jax.training.offload import HOST
-    from sp_jax.training.optimizer import MOMENTS_DTYPES, adamw
-    from sp_jax.training.step import manual_data_graphdef, optimizer_shardings, train_step_fn
-
-    layout, opts = row.layout, row.options
-    t0 = time.perf_counter()
-    mesh = gpu_mesh(layout.mesh_shape, layout.axis_names, target=target)  # plugin check
-    pipeline = {"pipeline_axis": "stage", "pipeline_microbatches": layout.micro_batches,
-                "pipeline_schedule": layout.pipeline_schedule} if layout.pipelined else {}
-    experts = {"expert_axis": "expert"} if layout.expert > 1 else {}
-    offload_opt = opts.offload != "off"
-    offload_params = opts.offload == "optimizer+params"
-
-    def failed(e: Exception) -> Confirmation:
-        return Confirmation(row, compile_s=time.perf_counter() - t0,
-                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-
-    try:
-        parallel = ParallelConfig(
-            recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=opts.fsdp,
-            context_parallel=layout.context_parallel if layout.context > 1 else None,
-            offload_activations=opts.offload_activations, **pipeline, **experts)
-        cfg = model.gpt_config(remat=layout.remat,
-                               **({"num_experts": 0} if model.experts == 1 else {}))
-        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)  # outside the GPU mesh
-        moments = MOMENTS_DTYPES[opts.moments]
-        tx = adamw(1e-4, mu_dtype=moments, nu_dtype=moments)
-
-        def named(x: Any) -> Any:  # a leaf's sharding on the mesh (replicated if none)
-            spec = getattr(getattr(x, "sharding", None), "spec", None) or PartitionSpec()
-            return NamedSharding(mesh, spec)
-
-        with jax.set_mesh(mesh):
-            gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
-            graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
-            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                 sharding=named(x)), params)
-            param_s = jax.tree.map(lambda x: x.sharding, params)
-            update_s = optimizer_shardings(params, parallel) if opts.fsdp == "optimizer" \
-                else None
-            manual = manual_data_graphdef(gpt, parallel, mesh) if update_s is not None \
-                else None
-            state_of = params if update_s is None else jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                params, update_s)
-            opt_state = jax.eval_shape(tx.init, state_of)
-
-            def placed(tree: Any, host: bool) -> Any:
-                return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                    x.shape, x.dtype, sharding=named(x).with_memory_kind(
-                        HOST if host else "device")), tree)
-
-            p_in, o_in = placed(params, offload_params), placed(opt_state, offload_opt)
-            micro = row.batch // layout.micro_batches
-            tokens = jax.ShapeDtypeStruct(
-                (layout.micro_batches, micro, model.seq), jnp.int32,
-                sharding=NamedSharding(mesh, Layout.of(parallel).micro_batched_tokens))
-            step = train_step_fn(
-                graphdef, tx, update_shardings=update_s, param_shardings=param_s,
-                manual_graphdef=manual, manual_axes=parallel.data_axes if manual else (),
-                offload_optimizer=offload_opt, offload_params=offload_params,
-                compute_dtype=cfg.dtype)
-            shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-            with filtered_stderr(XLA_DOES_NOT_FIT + SLOW_COMPILE) as notes:
-                compiled = jax.jit(
-                    step, in_shardings=(shard(p_in), None, shard(o_in), None, None),
-                    out_shardings=(shard(p_in), shard(o_in), None), donate_argnums=(0, 2),
-                ).lower(p_in, rest, o_in, {"tokens": tokens, "labels": tokens}, key).compile(
-                    compiler_options=default_compiler_options())
-    except Exception as e:  # noqa: BLE001 - a layout that cannot be built or compiled
-        return failed(e)
-    mem = compiled.memory_analysis()
-    temp = int(mem.temp_size_in_bytes)
-    device = (int(mem.argument_size_in_bytes) + int(mem.output_size_in_bytes)
-              - int(mem.alias_size_in_bytes) + temp)
-    host = int(mem.host_argument_size_in_bytes) + int(mem.host_temp_size_in_bytes)
-    xla_notes = tuple(n for n in notes if any(p.fullmatch(n) for p in XLA_DOES_NOT_FIT))
-    return Confirmation(row, device, host, temp, time.perf_counter() - t0,
-                        xla_notes=xla_notes)
-
-
 def confirm(model: ModelShape, rows: Sequence[FitRow], *, tries: int = 3,
             target: str = "h100", on_try: Callable[[Confirmation], None] | None = None
             ) -> tuple[Confirmation | None, list[Confirmation]]:
     """Compiles the fitting rows in the order of
-    :func:`~sp_jax.analysis.memory_options.ranked` (the formula's answer first) until one
-    fits by compile (:attr:`Confirmation.fits`: its compiled peak plus its reserve), at
-    most ``tries`` compiles (one layout and option set each, the next where a compile
-    does not fit). Returns ``(the confirmed one or None, every compile)``."""
+    :func:`~sp_jax.analysis.memory_options.ranked` (the formula's answer first) with
+    :func:`sp_jax.analysis.plan.plan` (``memory=`` the row's options; deviceless, needs
+    the CUDA compiler plugin) until one fits by compile (:attr:`Confirmation.fits`: its
+    compiled peak plus its reserve), at most ``tries`` compiles (one layout and option set
+    each, the next where a compile does not fit). Returns ``(the confirmed one or None,
+    every compile)``.
+
+    Raises:
+      RuntimeError: no CUDA compiler plugin (the message says how to install it).
+    """
     if isinstance(tries, bool) or not isinstance(tries, int) or tries < 1:
         raise ValueError(f"confirm: tries={tries!r} must be a positive int.")
+    planner = importlib.import_module("sp_jax.analysis.plan")  # (the package's plan: a function)
     done: list[Confirmation] = []
     for row in ranked(rows)[:tries]:
-        done.append(compile_fit(model, row, target=target))
+        compiled = planner.plan(model, row.layout.gpus, options=[row.layout], batch=row.batch,
+                                progress=False, memory=row.options)
+        if not compiled:
+            break
+        done.append(Confirmation(row, compiled[0]))
         if on_try is not None:
             on_try(done[-1])
         if done[-1].fits:
