@@ -59,13 +59,13 @@ def compile_with_memory(graphdef: Any, tx: Any, params: Any, rest: Any, opt_stat
                 mesh, spec).with_memory_kind(HOST if host else "device"))
         return jax.tree.map(leaf, tree)
 
-    p_in, o_in = placed(params, offload_params), placed(opt_state, offload_opt)
-    step = train_step_fn(graphdef, tx, param_shardings=jax.tree.map(
-        lambda x: x.sharding, placed(params, False)), offload_optimizer=offload_opt,
-        offload_params=offload_params, compute_dtype=compute_dtype, **zero1)
     shard = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-    tokens = placed(batch_tree, False)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # (a bare PartitionSpec resolves against the context mesh)
+        p_in, o_in = placed(params, offload_params), placed(opt_state, offload_opt)
+        tokens = placed(batch_tree, False)
+        step = train_step_fn(graphdef, tx, param_shardings=shard(placed(params, False)),
+                             offload_optimizer=offload_opt, offload_params=offload_params,
+                             compute_dtype=compute_dtype, **zero1)
         compiled = jax.jit(
             step, in_shardings=(shard(p_in), None, shard(o_in), None, None),
             out_shardings=(shard(p_in), shard(o_in), None), donate_argnums=(0, 2),
