@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
              "fits by compile")
     answer.add_argument(
         "--device-reserve", default=f"{DEFAULT_RESERVE / 2**30:g}GiB", metavar="SIZE",
-        help="device memory a layout must leave free for what the compile does not count "
-             "(CUDA context, NCCL buffers, fragmentation): fits = peak <= 80 GB - SIZE "
-             "(e.g. 6GiB or 6)")
+        help=f"device memory a layout must leave free for what the compile does not count "
+             f"(CUDA context, NCCL buffers, fragmentation): fits = peak <= 80 GB - SIZE "
+             f"(default {DEFAULT_RESERVE / 2**30:g}GiB; e.g. 6GiB or 6)")
     answer.add_argument(
         "--host-memory-per-node", default="2TB", metavar="SIZE",
         help="host memory of one node the host bytes are checked against (default 2TB; "

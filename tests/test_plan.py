@@ -722,7 +722,7 @@ def test_command_line_states_the_reserve_and_the_new_flags(capsys):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     for flag in ("--no-memory-options", "--no-confirm", "--confirm-tries N",
-                 "--memory-options", "--device-reserve SIZE", "(default: 4GiB)"):
+                 "--memory-options", "--device-reserve SIZE", "(default 4GiB;"):
         assert flag in out
     for name in ("train_gpt", "finetune_hf"):
         with pytest.raises(SystemExit):
