@@ -156,6 +156,13 @@ def _memory_options(p: argparse.ArgumentParser, args: argparse.Namespace, model:
     except ValueError as e:
         p.error(str(e))
     if args.stages:
+        from sp_jax.analysis.plan import candidates
+
+        try:  # the stage counts checked as the compiled table checks them
+            candidates(model, args.gpus, stages=args.stages)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         fits = [r for r in fits if r.layout.stages in args.stages]
         if not fits:
             p.error(f"--stages {' '.join(map(str, args.stages))}: no layout of "

@@ -714,10 +714,12 @@ def test_command_line_states_the_reserve_and_the_new_flags(capsys):
     assert main(["--model", "mixtral-8x7b", "--gpus", "8", "--memory-options",
                  "--device-reserve", "6"]) == 0
     assert "fits = device peak <= 68.5 GiB" in capsys.readouterr().out
-    for bad in (["--confirm-tries", "0"], ["--microbatches", "4"], ["--stages", "3"]):
+    for bad in (["--confirm-tries", "0"], ["--microbatches", "4"]):
         with pytest.raises(SystemExit):
             main(["--model", "7b", "--gpus", "8", *bad])
         assert "--" + bad[0].lstrip("-") in capsys.readouterr().err
+    assert main(["--model", "7b", "--gpus", "8", "--stages", "3", "--no-confirm"]) == 1
+    assert capsys.readouterr().err.startswith("error: plan: stages=3 does not divide")
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
