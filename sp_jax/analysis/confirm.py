@@ -207,11 +207,12 @@ def format_answer(model: ModelShape, gpus: int, rows: Sequence[FitRow],
         r, c = confirmed.row, confirmed
         lines.append(
             f"\nFits, confirmed by compile (the whole training step, deviceless XLA:GPU, "
-            f"{c.compile_s:.0f} s): {r.layout.label} with {r.options.label}: device "
-            f"{g(c.device_bytes)} {unit} compiled ({g(r.device_bytes)} by formula, "
-            f"{(c.device_bytes - r.device_bytes) / scale:+.1f}) + {g(reserve)} {unit} "
-            f"reserve = {g(c.device_bytes + reserve)} of {g(80e9)} {unit}; host "
-            f"{g(c.host_bytes)} {unit} per GPU compiled ({g(r.host_bytes)} by formula).")
+            f"{c.compile_s:.0f} s): {r.layout.label} with "
+            f"{'no memory option' if r.options.label == 'none' else r.options.label}: "
+            f"device {g(c.device_bytes)} {unit} compiled ({g(r.device_bytes)} by formula, "
+            f"{(c.device_bytes - r.device_bytes) / scale:+.1f}) + {reserve / 2**30:.1f} GiB "
+            f"reserve = {(c.device_bytes + reserve) / 2**30:.1f} of {80e9 / 2**30:.1f} GiB; "
+            f"host {g(c.host_bytes)} {unit} per GPU compiled ({g(r.host_bytes)} by formula).")
         lines.append(
             f"\nRun it (the vocabulary is your --tokenizer's, the plan counts {model.vocab}; "
             "set XLA_PYTHON_CLIENT_MEM_FRACTION=.9 where JAX preallocates 75%):\n"
