@@ -769,7 +769,7 @@ def test_default_answer_is_confirmed_by_compile_and_printed_runnable(capsys):
                  "--seq", "128", "--gpus", "2", "--no-progress", "--confirm-tries", "1"]) == 0
     out = capsys.readouterr().out
     assert "\nFits, confirmed by compile (the whole training step" in out
-    assert "| yes, compiled |" in out and "MiB reserve" in out
+    assert "| yes, compiled |" in out and "GiB reserve = " in out
     line = out.split("Run it")[1].splitlines()[1].strip()
     assert line.startswith("python examples/train_gpt.py --preset gpt --layers 1 --hidden 128")
     import shlex
