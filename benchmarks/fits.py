@@ -1,78 +1,49 @@
-"""What fits where: the planner's chosen Mixtral-8x7B layout with its memory options,
-checked by deviceless 8 x H100 compiles of the real training step.
+"""What fits where: one of the planner's layouts with its memory options, checked by a
+deviceless H100 compile of the real training step (:func:`sp_jax.analysis.plan.plan_one`
+with ``memory=``, what ``python -m sp_jax.plan`` confirms its answer with), beside the
+planner's formula.
 
 Run: ``JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python benchmarks/fits.py [--layers 32]
-[--moments fp32] [--no-offload]`` (JSON lines; about 40 s per compile on 2 CPU cores), and
-``... benchmarks/fits.py --model llama-3-70b --mesh 2 1 1 8 --no-offload`` (Llama blocks:
-the preset's one-expert mixture compiled as a dense SwiGLU MLP) or ``--model 405b --mesh
-16 1 1 8 --moments fp32 --no-offload``.
-Compiles :func:`sp_jax.training.train_step_fn` of Mixtral-8x7B's blocks (scanned, remat,
-``recompute_allgather``, bf16 compute, fp32 master weights) on data x expert x context x
-tensor = 1 x 8 x 1 x 1, parameters sharded over the batch axes (``fsdp="full"``), with
-AdamW's moments in bf16 (:func:`sp_jax.training.adamw`) and the optimizer state in
-``pinned_host`` (``offload_optimizer``), all 32 layers (scanned: the compile does not
-grow with them).
+[--moments fp32] [--no-offload]`` (JSON lines; one to three minutes per compile on 2 CPU
+cores), and ``... benchmarks/fits.py --model llama-3-70b --mesh 2 1 1 8 --no-offload``
+(Llama blocks: the preset's one-expert mixture compiled as a dense SwiGLU MLP) or
+``--model 405b --mesh 16 1 1 8 --moments fp32 --no-offload``.
+Default: Mixtral-8x7B's blocks (scanned, remat, ``recompute_allgather``, bf16 compute, fp32
+master weights) on data x expert x context x tensor = 1 x 8 x 1 x 1, parameters sharded
+over the batch axes (``fsdp="full"``), AdamW's moments in bf16 and the optimizer state in
+``pinned_host`` (``offload_optimizer``), all 32 layers (scanned: the compile does not grow
+with them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding
-
-import sp_jax
-from benchmarks.offload import abstract_on, compile_step, memory_bytes
-from sp_jax.analysis.gpu import gpu_mesh
-from sp_jax.analysis.plan import MODELS
-from sp_jax.layout import Layout
-from sp_jax.models import GPT
-from sp_jax.training import adamw
-from sp_jax.training.step import optimizer_shardings, train_step_fn
+from sp_jax.analysis.memory_options import MemoryOptions, search
+from sp_jax.analysis.plan import MODELS, plan_one
 
 
 def measure(layers: int, *, offload_optimizer: bool, moments: str, name: str = "mixtral-8x7b",
             mesh_shape: tuple[int, ...] = (1, 8, 1, 1), fsdp: str = "full") -> dict:
+    """One compile of ``name`` (``layers`` of them) on ``mesh_shape`` (data, expert,
+    context, tensor) with remat and the options; per-GPU bytes, compiled and by formula."""
     model = MODELS[name].replace(layers=layers)
-    experts = model.experts > 1
-    axes = ("data", "expert", "context", "tensor") if experts else ("data", "context", "tensor")
-    mesh_shape = mesh_shape if experts else (mesh_shape[0], *mesh_shape[2:])
-    parallel = sp_jax.ParallelConfig(recompute_allgather=True, wgrad_dtype=jnp.float32,
-                                     fsdp=fsdp, **({"expert_axis": "expert"} if experts else {}))
-    cfg = model.gpt_config(remat=True, **({} if experts else {"num_experts": 0}))
-    dt = jnp.bfloat16 if moments == "bf16" else None
-    tx = adamw(1e-4, mu_dtype=dt, nu_dtype=dt)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-    mesh = gpu_mesh(mesh_shape, axes)
-    batch = mesh_shape[0] * (mesh_shape[1] if experts else 1)
-    with jax.set_mesh(mesh):
-        gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
-        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
-        upd = None
-        if fsdp == "optimizer":  # ZeRO-1: the state and the update over the data axes
-            upd = optimizer_shardings(params, parallel)
-            params_upd = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=s), params, upd)
-            opt_state = jax.eval_shape(tx.init, params_upd)
-        else:
-            opt_state = jax.eval_shape(tx.init, params)
-        p_in = abstract_on(params, mesh, False)
-        o_in = abstract_on(opt_state, mesh, offload_optimizer)
-        tokens = jax.ShapeDtypeStruct((1, batch, model.seq), jnp.int32, sharding=NamedSharding(
-            mesh, Layout.of(parallel).micro_batched_tokens))
-        step = train_step_fn(graphdef, tx, offload_optimizer=offload_optimizer,
-                             compute_dtype=cfg.dtype, update_shardings=upd,
-                             param_shardings=jax.tree.map(lambda x: x.sharding, params))
-        compiled, seconds = compile_step(step, p_in, rest, o_in, tokens, key)
-    dev, host = memory_bytes(compiled)
-    return {"model": name, "mesh": mesh_shape, "fsdp": fsdp, "layers": layers,
+    data, expert, _, tensor = mesh_shape
+    options = MemoryOptions(fsdp, moments, "optimizer" if offload_optimizer else "off")
+    want = (data, expert if model.experts > 1 else 1, tensor, True, 1)
+    row = next(r for r in search(model, math.prod(mesh_shape), options=[options])
+               if (r.layout.data, r.layout.expert, r.layout.tensor, r.layout.remat,
+                   r.layout.stages) == want)
+    got = plan_one(model, row.layout, batch=row.batch, memory=options)
+    return {"model": name, "mesh": list(mesh_shape), "fsdp": fsdp, "layers": layers,
             "moments": moments, "offload_optimizer": offload_optimizer,
-            "compile_s": round(seconds, 1), "device": dev, "host": host,
-            "device_peak": dev["argument"] + dev["output"] - dev["alias"] + dev["temp"],
-            "host_bytes": host["argument"] + host["temp"]}
+            "compile_s": round(got.compile_s, 1), "error": got.error,
+            "device_peak": got.peak_bytes, "host_bytes": got.host_bytes,
+            "temp": got.activation_bytes + got.grad_bytes,
+            "formula_device": row.device_bytes,
+            "formula_update": row.update_bytes, "formula_host": row.host_bytes}
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ token ids, and write it back as a Hugging Face checkpoint.
         [--data 'docs/*.jsonl' [--text-field text] | --data sft.jsonl --prompt-field P
          --completion-field C | --data ids.npy] [--tokenizer tokenizer.json]
         [--out DIR_OUT] [--precision bf16] [--fp8 current|delayed] [--fsdp [optimizer|full]]
-        [--recompute-allgather]
+        [--recompute-allgather] [--remat] [--offload-activations]
 
 ``DIR`` is a local checkpoint directory (``config.json`` + ``*.safetensors``, e.g. from
 ``huggingface-cli download gpt2 --local-dir DIR`` or ``save_pretrained``) of a family
@@ -94,6 +94,8 @@ def main(args: argparse.Namespace) -> int:
         overrides["fp8"] = cli.fp8_recipe(args)
     if cli.scan_layers(args):  # a STAGE axis: the stages hold slices of the stack
         overrides["scan_layers"] = True
+    if args.remat:
+        overrides["remat"] = True
     with jax.set_mesh(mesh), contextlib.ExitStack() as stack:
         try:  # the library's checks (sizes against the mesh, the checkpoint) name the fix
             # one writer per --ckpt-dir, and --resume's checkpoint: before the model loads

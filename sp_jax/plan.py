@@ -1,18 +1,21 @@
-"""``python -m sp_jax.plan``: per-GPU memory of a GPT training run for every sensible
-layout, from deviceless XLA:GPU compiles of the real training step (no GPU needed).
+"""``python -m sp_jax.plan``: what fits where, per GPU, for a GPT training run on H100s:
+the memory options searched by formula, the answer confirmed by a deviceless XLA:GPU
+compile of the real training step (no GPU needed), and the command line that runs it.
 
 Example::
 
-    python -m sp_jax.plan --model 70b --gpus 64
-    python -m sp_jax.plan --model gpt3-175b --gpus 128 --stages 8 16
-    python -m sp_jax.plan --model 7b --gpus 64 --seq 131072
+    python -m sp_jax.plan --model mixtral-8x7b --gpus 8   # formula, then one compile
+    python -m sp_jax.plan --model llama-3-70b --gpus 16 --device-reserve 6GiB
+    python -m sp_jax.plan --model 70b --gpus 64 --no-memory-options   # every layout compiled
+    python -m sp_jax.plan --model gpt3-175b --gpus 128 --no-memory-options --stages 8 16
     python -m sp_jax.plan --hidden 2048 --layers 24 --heads 16 --vocab 50304 --seq 2048 --gpus 8
     python -m sp_jax.plan --model 7b --head-dim 256 --gpus 8   # heads x head_dim != hidden
-    python -m sp_jax.plan --model mixtral-8x7b --gpus 8 --memory-options \
-        --host-memory-per-node 2TB --device-reserve 15GiB   # formulas, no compiles
+    python -m sp_jax.plan --model mixtral-8x7b --gpus 8 --no-confirm \
+        --host-memory-per-node 2TB   # formulas only, no compile
     python -m sp_jax.plan --model qwen3-30b-a3b --gpus 8   # 128 experts of 768, top 8
 
-See :func:`sp_jax.analysis.plan` and :mod:`sp_jax.analysis.memory_options`.
+See :mod:`sp_jax.analysis.memory_options`, :mod:`sp_jax.analysis.confirm` and
+:func:`sp_jax.analysis.plan`.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+    from sp_jax.analysis.memory_options import DEFAULT_RESERVE, parse_bytes
     from sp_jax.analysis.plan import MODELS, ModelShape, format_table, plan
 
     p = argparse.ArgumentParser(
         prog="python -m sp_jax.plan",
-        description="Per-GPU memory of a GPT training run on H100s for every sensible layout, "
-                    "from deviceless XLA:GPU compiles of the real training step (no GPU "
-                    "needed).")
+        description="Per-GPU memory of a GPT training run on H100s, and the command line "
+                    "that runs it: the memory options searched by formula for every "
+                    "sensible layout, the answer confirmed from deviceless XLA:GPU "
+                    "compiles of the real training step (no GPU needed).")
     p.add_argument("--model", choices=sorted(MODELS), help="a preset shape")
     for name in ("hidden", "layers", "heads", "vocab", "seq", "mlp-hidden"):
         p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
@@ -48,24 +53,46 @@ def main(argv: list[str] | None = None) -> int:
                                              "data shard; pipelined layouts: one per data "
                                              "shard and micro-batch)")
     p.add_argument("--stages", type=int, nargs="+", metavar="P",
-                   help="pipeline stage counts to try (default: the two largest that divide "
-                        "the layers and the GPUs beyond one tensor group; 1: no pipeline)")
+                   help="pipeline stage counts to try (default: every count that divides "
+                        "the layers and the GPUs beyond one tensor group, with "
+                        "--no-memory-options the two largest; 1: no pipeline)")
     p.add_argument("--microbatches", type=int, metavar="M",
-                   help="micro-batches per step of the pipelined layouts (default: batch / "
-                        "data with --batch, else 4 x stages)")
-    p.add_argument("--memory-options", action="store_true",
-                   help="search the memory options by formula instead of compiling: fsdp "
-                        "(off / optimizer = ZeRO-1 / full), AdamW moments (fp32 / bf16), "
-                        "optimizer offload (off / optimizer / optimizer+params), activation "
-                        "offload (off / on); prints device peak and host bytes per GPU")
-    p.add_argument("--host-memory-per-node", default="2TB", metavar="SIZE",
-                   help="host memory of one node the host bytes are checked against "
-                        "(--memory-options; default 2TB; e.g. 1.5TB, 2048GiB, or GiB)")
-    p.add_argument("--gpus-per-node", type=int, default=8,
-                   help="GPUs sharing one node's host memory (default 8)")
-    p.add_argument("--device-reserve", default="0", metavar="SIZE",
-                   help="device bytes a layout must leave free beyond the formulas' "
-                        "(--memory-options: XLA's temporaries; e.g. 15GiB; default 0)")
+                   help="micro-batches per step of the pipelined layouts of "
+                        "--no-memory-options (default: batch / data with --batch, else 4 x "
+                        "stages)")
+    answer = p.add_argument_group(
+        "the answer (default: the memory options searched by formula, the answer "
+        "confirmed by compile)")
+    answer.add_argument(
+        "--no-memory-options", action="store_true",
+        help="compile every candidate layout without the memory options instead (no "
+             "ZeRO-1, bf16 moments or offload; --stages and --microbatches apply): a "
+             "table of compiled peaks")
+    answer.add_argument(
+        "--no-confirm", action="store_true",
+        help="the formula search alone, no compile (under a second): the memory options "
+             "fsdp (off / optimizer = ZeRO-1 / full), AdamW moments (fp32 / bf16), optimizer "
+             "offload (off / optimizer / optimizer+params), activation offload (off / on); "
+             "prints device peak and host bytes per GPU")
+    answer.add_argument(
+        "--memory-options", action="store_true",
+        help="as --no-confirm (kept for compatibility: the memory options are searched "
+             "by default now)")
+    answer.add_argument(
+        "--confirm-tries", type=int, default=3, metavar="N",
+        help="compile at most N of the formula's answers, the preferred first, until one "
+             "fits by compile")
+    answer.add_argument(
+        "--device-reserve", default=f"{DEFAULT_RESERVE / 2**30:g}GiB", metavar="SIZE",
+        help=f"device memory a layout must leave free for what the compile does not count "
+             f"(CUDA context, NCCL buffers, fragmentation): fits = peak <= 80 GB - SIZE "
+             f"(default {DEFAULT_RESERVE / 2**30:g}GiB; e.g. 6GiB or 6)")
+    answer.add_argument(
+        "--host-memory-per-node", default="2TB", metavar="SIZE",
+        help="host memory of one node the host bytes are checked against (default 2TB; "
+             "e.g. 1.5TB, 2048GiB, or GiB)")
+    answer.add_argument("--gpus-per-node", type=int, default=8,
+                        help="GPUs sharing one node's host memory (default 8)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -91,33 +118,82 @@ def main(argv: list[str] | None = None) -> int:
     if model.head_dim is None and model.hidden % model.heads:
         p.error(f"--heads {model.heads} must divide --hidden {model.hidden} (or give "
                 "--head-dim)")
-    if args.memory_options:
-        from sp_jax.analysis.memory_options import format_fits, parse_bytes, search
-
+    if args.confirm_tries < 1:
+        p.error(f"--confirm-tries {args.confirm_tries} must be positive")
+    try:
+        host, reserve = (parse_bytes(args.host_memory_per_node),
+                         parse_bytes(args.device_reserve))
+    except ValueError as e:
+        p.error(str(e))
+    if args.no_memory_options:
         try:
-            host, reserve = (parse_bytes(args.host_memory_per_node),
-                             parse_bytes(args.device_reserve))
-            fits = search(model, args.gpus, host_bytes_per_node=host, batch=args.batch,
-                          gpus_per_node=args.gpus_per_node, reserve=reserve)
-        except ValueError as e:
-            p.error(str(e))
-        print(format_fits(model, args.gpus, fits))
+            rows = plan(model, args.gpus, batch=args.batch, stages=args.stages,
+                        microbatches=args.microbatches, progress=not args.no_progress)
+        except (RuntimeError, ValueError) as e:  # e.g. no CUDA plugin: one line, the fix
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(format_table(model, rows, reserve))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([dataclasses.asdict(r) | {"device_bytes": r.device_bytes,
-                                                    "fits": r.fits} for r in fits],
-                          f, indent=1, default=str)
+                json.dump([r.as_dict() for r in rows], f, indent=1, default=str)
         return 0
+    return _memory_options(p, args, model, host, reserve)
+
+
+def _memory_options(p: argparse.ArgumentParser, args: argparse.Namespace, model: object,
+                    host: float, reserve: float) -> int:
+    """The default answer: the formula search, then (without --no-confirm) its answers
+    compiled until one fits by compile."""
+    from sp_jax.analysis.confirm import confirm, format_answer
+    from sp_jax.analysis.memory_options import format_fits, search
+
+    if args.microbatches is not None:
+        p.error("--microbatches applies with --no-memory-options (the formula search runs "
+                "4 x stages micro-batches)")
     try:
-        rows = plan(model, args.gpus, batch=args.batch, stages=args.stages,
-                    microbatches=args.microbatches, progress=not args.no_progress)
-    except (RuntimeError, ValueError) as e:  # e.g. no CUDA plugin: one line, how to fix it
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(format_table(model, rows))
+        fits = search(model, args.gpus, host_bytes_per_node=host, batch=args.batch,
+                      gpus_per_node=args.gpus_per_node, reserve=reserve)
+    except ValueError as e:
+        p.error(str(e))
+    if args.stages:
+        from sp_jax.analysis.plan import candidates
+
+        try:  # the stage counts checked as the compiled table checks them
+            candidates(model, args.gpus, stages=args.stages)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        fits = [r for r in fits if r.layout.stages in args.stages]
+        if not fits:
+            p.error(f"--stages {' '.join(map(str, args.stages))}: no layout of "
+                    f"{args.gpus} GPUs has that many stages")
+    records = [dataclasses.asdict(r) | {"device_bytes": r.device_bytes, "fits": r.fits}
+               for r in fits]
+    if args.no_confirm or args.memory_options:
+        print(format_fits(model, args.gpus, fits))
+    else:
+        def progress(c: object) -> None:
+            if not args.no_progress:
+                print(f"compiled {c.row.layout.label} with {c.row.options.label} in "
+                      f"{c.compile_s:.0f} s", file=sys.stderr, flush=True)
+
+        try:
+            confirmed, tried = confirm(model, fits, tries=args.confirm_tries,
+                                       on_try=progress)
+        except (RuntimeError, ValueError) as e:  # e.g. no CUDA plugin: one line, the fix
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(format_answer(model, args.gpus, fits, confirmed, tried))
+        compiled = {id(c.row): c for c in tried}
+        for r, record in zip(fits, records, strict=True):
+            if id(r) in compiled:
+                c = compiled[id(r)]
+                record.update(compiled_device_bytes=c.device_bytes,
+                              compiled_host_bytes=c.host_bytes, compile_error=c.error,
+                              confirmed=c is confirmed)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.as_dict() for r in rows], f, indent=1, default=str)
+            json.dump(records, f, indent=1, default=str)
     return 0
 
 

@@ -20,9 +20,15 @@ bf16; ZeRO-1 divides the moments by the batch shards, ``"full"`` everything; off
 bytes count as host) times the parameters one GPU holds
 (:func:`sp_jax.analysis.plan.layout_formula`), plus the activations of that formula
 (with activation offload: one layer's on the device, the other layers' saved
-activations on the host). Temporaries beyond the activations (gathered weights, the
-logits, XLA's buffers) are not counted: the compiled step's peak is higher (Mixtral-8x7B
-on 8 GPUs: 14.6 GiB more, BENCHMARKS.md "What fits where").
+activations on the host), plus XLA's buffers around the optimizer's update, with the
+optimizer offloaded the moments it moves to the device ahead (:func:`update_bytes`,
+measured). Other temporaries (gathered weights, the logits) are not counted: the compile
+measures them (:mod:`sp_jax.analysis.confirm`: the answer is confirmed by one; Mixtral-8x7B
+on 8 GPUs, ZeRO-1 + bf16 moments: 0.4 GiB above the formula).
+
+A row fits when its device peak plus a reserve (:data:`DEFAULT_RESERVE`, ``python -m
+sp_jax.plan --device-reserve``) is within an H100's 80 GB and its host bytes within the
+host memory per GPU.
 """
 
 from __future__ import annotations
@@ -41,14 +47,29 @@ from sp_jax.analysis.plan import (
     pipeline_stage_counts,
 )
 
-__all__ = ["FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions", "best",
-           "bytes_per_param", "format_fits", "layouts", "parse_bytes", "search"]
+__all__ = ["DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions",
+           "best", "bytes_per_param", "chosen_per_layout", "format_fits", "layouts",
+           "parse_bytes", "ranked", "reserve_note", "search", "update_bytes"]
 
 FSDP_MODES = (False, "optimizer", "full")
 MOMENTS = ("fp32", "bf16")
 OFFLOADS = ("off", "optimizer", "optimizer+params")
 HOST_BYTES_PER_NODE = 2 * 10**12
 """Host memory of one 8-GPU node the search checks against by default (2 TB)."""
+
+DEFAULT_RESERVE = 4 * GiB
+"""Device bytes a layout must leave free of the 80 GB (74.5 GiB) the planner counts per
+H100 (``--device-reserve``, default 4 GiB: "fits" means a peak within 70.5 GiB). The
+compile counts the step's buffers only; a real process also holds what it does not count:
+the CUDA context and the cuBLAS / cuDNN workspaces (about 0.5 GiB per process: LLM-PQ
+measures 430 MB of CUDA context), the NCCL communicators' buffers (one per mesh axis a
+collective crosses, more with NVLink SHARP), and the allocator's fragmentation and
+rounding outside XLA's one temp allocation. The 80 GB H100 reports about 79.1 GiB to
+CUDA; JAX's pool takes a fraction of it (``XLA_PYTHON_CLIENT_MEM_FRACTION``; NVIDIA's
+JAX-Toolbox Llama-70B scripts run with 0.85 to 0.90): 70.5 GiB is 0.89 of 79.1 GiB, what a
+pool of ``XLA_PYTHON_CLIENT_MEM_FRACTION=.9`` holds, the rest of the GPU left to the
+context and NCCL. Before this reserve the planner's ZeRO-1 + bf16-moments answer for
+Mixtral-8x7B on 8 GPUs compiled at 74.0 GiB of 74.5: 0.5 GiB for all of that."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +138,13 @@ class FitRow:
     activation_bytes: float
     host_bytes: float
     host_limit: float         # host bytes per GPU: per node / GPUs per node
-    reserve: float = 0.0      # device bytes beyond the formula's (XLA's temporaries)
+    reserve: float = 0.0      # device bytes a layout leaves free (DEFAULT_RESERVE)
+    update_bytes: float = 0.0  # XLA's buffers around the update (update_bytes())
 
     @property
     def device_bytes(self) -> float:
-        return self.weights_bytes + self.optimizer_bytes + self.activation_bytes
+        return (self.weights_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.update_bytes)
 
     @property
     def fits(self) -> bool:
@@ -159,6 +182,87 @@ def layouts(model: ModelShape, gpus: int, *, max_tensor: int = 8) -> list[PlanOp
     return out
 
 
+def _largest_leaf(model: ModelShape, layout: PlanOption, options: MemoryOptions) -> float:
+    """Parameters one GPU holds of the largest leaf's optimizer state: a mixture's stacked
+    ``experts_up`` ``[L, E / ep, h, 2F / t]`` (a dense SwiGLU's MLP-up with one expert), a
+    GPT stack's MLP-up ``[L / P, h, mlp / t]``, or the vocabulary table ``[V, h / t]``;
+    ZeRO-1 and fsdp split an expert leaf over data, the others over data x expert."""
+    h, t, L = model.hidden, layout.tensor, model.layers
+    sharded = options.fsdp in ("optimizer", "full")
+    dense = layout.batch_shards if sharded else 1
+    if model.moe:
+        f = model.moe_mlp_hidden or model.mlp
+        up = L * (model.experts // layout.expert) * h * 2 * f / t
+        up /= layout.data if sharded and model.experts > 1 else dense
+    else:
+        up = L // layout.stages * h * model.mlp / t / dense
+    return max(up, model.vocab * h / t / dense)
+
+
+def update_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) -> float:
+    """Device bytes the compiled step holds beyond the formula's state, gradients and
+    activations, around the optimizer's update: XLA's second buffer of a stacked
+    gradient (the backward scan's accumulator, double-buffered) and the new moments of a
+    leaf next to the old, and with the optimizer offloaded the moments it moves to the
+    device ahead of their update (``train_step_fn``'s ``to_device``). Per option set:
+
+    * ``fsdp="full"`` or an offloaded optimizer: one moment of the largest leaf
+      (:func:`_largest_leaf`) in the moments' dtype; with fp32 moments offloaded, every
+      moment;
+    * replicated (``fsdp=False``): a second fp32 copy of the gradients (their reduction
+      over data);
+    * ZeRO-1 without offload: nothing, but for GPT / dense Llama blocks the new fp32
+      parameters all-gathered over data beside the old ones (``(1 - 1 / data)`` of them:
+      every leaf is resharded for the update; a mixture's expert leaves are not where the
+      data axis is 1, as measured).
+
+    Measured (deviceless H100 compiles of the whole step, remat, GiB per GPU; compiled
+    against the formula without this term; ``benchmarks/fits.py``, BENCHMARKS.md "What
+    fits where", ``python -m sp_jax.plan``):
+
+    * Mixtral-8x7B, 8 GPUs, ZeRO-1 + bf16 moments on expert 4 x tensor 2: 74.0 against
+      73.6 (45.7 of arguments, 28.2 of temp). The same with the optimizer offloaded:
+      59.3 against 51.9: 24.0 of arguments (21.7 of moments on the host) and 35.3 of
+      temp, 7.1 more, one bf16 moment of ``experts_up`` (``[32, 2, 4096, 14336]`` per
+      GPU: 7.0). With 4 layers the offloaded step's temp is the one without offload
+      (7.80): the term is an upper bound there.
+    * Mixtral-8x7B, fsdp on expert 8: fp32 moments 108.9 against 94.3 (one fp32 moment of
+      ``experts_up``: 14.0); bf16 moments offloaded 57.7 against 50.8 (7.0); fp32 moments
+      offloaded 93.4 against 50.8 (42.6 of the 43.5 of moments back on the device: XLA's
+      rematerialization cannot get under its limit).
+    * Llama-3-70B, fsdp on data 2 x tensor 8: fp32 moments 82.5 against 67.8 (the MLP-up
+      ``[80, 4096, 7168]`` fp32 moment 8.75: 6.0 left over), bf16 moments 57.3 against
+      51.4 (4.4); with 8 layers fp32 11.07 against 9.30 (XLA's live ranges at the peak:
+      two fp32 buffers of the MLP-up gradient stack) and bf16 7.90 against 7.22.
+    * The 405B shape, fsdp on data 16 x tensor 8, fp32 moments: 59.8 against 52.9 (6.4).
+    * 70B GPT blocks replicated on data 8 x tensor 8 with remat (the planner's compiled
+      table): activations and temp 30.6 against 0.8, the fp32 gradients 30.1 once more.
+    * GPT blocks h=2048, 2 layers, on data 4 x tensor 2 (MiB): ZeRO-1 + bf16 moments +
+      optimizer offload 562.3 against 405.8 without the ZeRO-1 term (+143.6 with it); fsdp
+      with fp32 moments 262.4 against 220.1 (at such sizes a layer's gathered weights,
+      which the formula leaves out, are a sixth of the peak).
+    """
+    largest = _largest_leaf(model, layout, options)
+    moment = largest * (4 if options.moments == "fp32" else 2)
+    params = 4 * largest if options.offload == "optimizer+params" else 0.0
+    if options.offload != "off" and options.moments == "fp32":
+        extra = layout_formula(model, dataclasses.replace(
+            layout, fsdp=options.fsdp in ("optimizer", "full")), layout.batch_shards *
+            layout.micro_batches)[0] / 4 * 8 + params
+    elif options.offload != "off" or options.fsdp == "full":
+        extra = moment + params
+    elif options.fsdp is False:
+        extra = layout_formula(model, layout, layout.batch_shards)[0]  # fp32 gradients
+    else:
+        extra = 0.0
+    if options.fsdp == "optimizer" and model.experts <= 1:
+        # ZeRO-1 over data of dense blocks: the new parameters all-gathered beside the old
+        held, state = (layout_formula(model, dataclasses.replace(layout, fsdp=f),
+                                      layout.batch_shards)[0] for f in (False, True))
+        extra += held - state
+    return extra
+
+
 def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: int,
          host_limit: float, reserve: float) -> FitRow:
     full = dataclasses.replace(layout, fsdp=True)
@@ -178,20 +282,24 @@ def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: i
         host_bytes += acts - one
         acts = one
     return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,
-                  reserve)
+                  reserve, update_bytes(model, layout, options))
 
 
 def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BYTES_PER_NODE,
-           gpus_per_node: int = 8, batch: int | None = None, reserve: float = 0.0,
+           gpus_per_node: int = 8, batch: int | None = None,
+           reserve: float = DEFAULT_RESERVE,
            options: Sequence[MemoryOptions] | None = None) -> list[FitRow]:
     """Every layout of :func:`layouts` with every option set (default: all 36), each a
     :class:`FitRow`; ``batch``: global sequences per step (default: one per batch shard
     and micro-batch). Host bytes are checked against ``host_bytes_per_node /
     min(gpus, gpus_per_node)`` per GPU; a row fits when its device bytes plus ``reserve``
-    (what the formulas leave out: XLA's temporaries) are within an H100's 80 GB."""
+    (:data:`DEFAULT_RESERVE`: what a real process holds beyond the compiled step) are
+    within an H100's 80 GB."""
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"search: {name}={value!r} must be a positive int.")
+    if not reserve >= 0:
+        raise ValueError(f"search: reserve={reserve!r} must be at least 0 (bytes).")
     if not host_bytes_per_node > 0:
         raise ValueError(f"search: host_bytes_per_node={host_bytes_per_node!r} must be "
                          "positive (e.g. 2e12 for 2 TB).")
@@ -208,50 +316,78 @@ def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BY
     return rows
 
 
+def _preference(r: FitRow) -> tuple:
+    """:func:`best`'s order: the least offloading (:attr:`MemoryOptions.cost`), then the
+    fewest host bytes (each crosses PCIe twice a step: bf16 moments halve them), then the
+    least sharding, fp32 moments, the lowest device peak."""
+    return (r.options.cost[:2], round(r.host_bytes / 2**20), r.options.cost[2:],
+            r.device_bytes)
+
+
+def ranked(rows: Sequence[FitRow]) -> list[FitRow]:
+    """The rows that fit, the preferred first (:func:`best`'s order)."""
+    return sorted((r for r in rows if r.fits), key=_preference)
+
+
 def best(rows: Sequence[FitRow]) -> FitRow | None:
     """The cheapest row that fits, or None: the least offloading
     (:attr:`MemoryOptions.cost`), then the fewest host bytes (each crosses PCIe twice a
     step: bf16 moments halve them), then the least sharding, fp32 moments, the lowest
     device peak."""
-    fitting = [r for r in rows if r.fits]
-    return min(fitting, key=lambda r: (r.options.cost[:2], round(r.host_bytes / 2**20),
-                                       r.options.cost[2:], r.device_bytes), default=None)
+    fitting = ranked(rows)
+    return fitting[0] if fitting else None
+
+
+def reserve_note(reserve: float) -> str:
+    """How the planner's tables state the device budget and the reserve."""
+    return (f"device: 80 GB = {H100_BYTES / GiB:.1f} GiB, of it {reserve / GiB:.1f} GiB "
+            f"reserved (CUDA context, NCCL, fragmentation: --device-reserve): fits = "
+            f"device peak <= {(H100_BYTES - reserve) / GiB:.1f} GiB")
+
+
+def chosen_per_layout(rows: Sequence[FitRow]) -> dict[PlanOption, tuple[FitRow, FitRow]]:
+    """Per layout (in ``rows``' order): the row without options and the cheapest that
+    fits (:func:`best`; else the one with the lowest device peak)."""
+    by_layout: dict[PlanOption, list[FitRow]] = {}
+    for r in rows:
+        by_layout.setdefault(r.layout, []).append(r)
+    return {layout: (next((r for r in group if r.options == MemoryOptions()), group[0]),
+                     best(group) or min(group, key=lambda r: r.device_bytes))
+            for layout, group in by_layout.items()}
 
 
 def format_fits(model: ModelShape, gpus: int, rows: Sequence[FitRow]) -> str:
     """A markdown table: per layout the cheapest option set that fits (else the one with
-    the lowest device peak) and the layout without options; then the answer."""
+    the lowest device peak) and the layout without options; then the answer. The
+    optimizer column adds XLA's buffers around the update (:func:`update_bytes`) as
+    ``+ N update``."""
     def g(x: float) -> str:
         return f"{x / GiB:.1f}"
 
     limit = rows[0].host_limit if rows else 0
     reserve = rows[0].reserve if rows else 0
     lines = [f"{model.name} ({model.params / 1e9:.2f}B parameters, s={model.seq}) on {gpus} "
-             f"GPUs, formulas: GiB per GPU (device: 80 GB = 74.5 GiB"
-             + (f", {g(reserve)} GiB of it reserved for temporaries" if reserve else "")
-             + f"; host: {limit / GiB:.0f} GiB per GPU)\n",
+             f"GPUs, formulas: GiB per GPU ({reserve_note(reserve)}; host: "
+             f"{limit / GiB:.0f} GiB per GPU)\n",
              "| layout | options | weights + grads | optimizer | activations | device peak | "
              "host | fits |", "|" + "---|" * 8]
-    by_layout: dict[PlanOption, list[FitRow]] = {}
-    for r in rows:
-        by_layout.setdefault(r.layout, []).append(r)
-    for layout, group in by_layout.items():
-        plain = next(r for r in group if r.options == MemoryOptions())
-        chosen = best(group) or min(group, key=lambda r: r.device_bytes)
+    for layout, (plain, chosen) in chosen_per_layout(rows).items():
         for r in dict.fromkeys([plain, chosen]):
+            staged = f" + {g(r.update_bytes)} update" if r.update_bytes else ""
             lines.append(f"| {layout.label.replace('recompute_allgather', 'rag')} | "
                          f"{r.options.label} | {g(r.weights_bytes)} | {g(r.optimizer_bytes)}"
-                         f" | {g(r.activation_bytes)} | {g(r.device_bytes)} | "
+                         f"{staged} | {g(r.activation_bytes)} | {g(r.device_bytes)} | "
                          f"{g(r.host_bytes)} | {'yes' if r.fits else '**no**'} |")
     top = best(rows)
     if top is None:
         low = min(rows, key=lambda r: r.device_bytes)
         lines.append(f"\nNothing fits: the lowest device peak, {low.layout.label} with "
                      f"{low.options.label}, is {g(low.device_bytes)} GiB (host "
-                     f"{g(low.host_bytes)} GiB).")
+                     f"{g(low.host_bytes)} GiB) + {g(reserve)} GiB reserve.")
     else:
         lines.append(f"\nFits: {top.layout.label} with {top.options.label}: device "
-                     f"{g(top.device_bytes)} GiB, host {g(top.host_bytes)} GiB per GPU "
+                     f"{g(top.device_bytes)} GiB + {g(reserve)} GiB reserve, host "
+                     f"{g(top.host_bytes)} GiB per GPU "
                      f"({g(top.host_bytes * min(gpus, 8))} GiB per node).")
     return "\n".join(lines)
 

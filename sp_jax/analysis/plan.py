@@ -35,7 +35,7 @@ from sp_jax.analysis.shapes import MODELS, ModelShape
 
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
            "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
-           "layout_formula", "plan", "plan_one"]
+           "layout_formula", "plan", "plan_one", "shape_line"]
 
 GiB = 2**30
 H100_BYTES = 80 * 10**9
@@ -50,6 +50,17 @@ XLA_DOES_NOT_FIT = (
 """What XLA:GPU prints (stderr) when a layout's arguments exceed its scheduler's memory
 limit (it calls that an error in *its* calculation) and remat cannot get under it. Not a
 failure: :func:`plan_one` keeps these lines out and explains them (:attr:`PlanRow.xla_notes`)."""
+
+
+SLOW_COMPILE = (
+    re.compile(r"E\d{4} [\d:.]+ +\d+ slow_operation_alarm\.cc:\d+\].*"),
+    re.compile(r"\*{8,}"),
+    re.compile(r"\[Compiling module .*\] Very slow compile\?.*"),
+    re.compile(r"The operation took .*"),
+    re.compile(r"\s*"),  # the box's blank lines
+)
+"""XLA's "Very slow compile?" box on stderr (a large model's compile takes minutes on a
+few CPU cores: expected here), kept out of the planner's output."""
 
 
 PIPELINE_MICROBATCHES_PER_STAGE = 4
@@ -175,6 +186,8 @@ class PlanRow:
     compile_s: float
     error: str = ""
     xla_notes: tuple[str, ...] = ()
+    host_bytes: int = 0       # host arguments + temp (offloaded state), with ``memory``
+    memory: Any = None        # the MemoryOptions compiled (plan_one's ``memory``), or None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"label": self.option.label}
@@ -426,19 +439,27 @@ def _batch_error(batch: int, option: PlanOption) -> str:
 
 
 def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
-             target: str = "h100") -> PlanRow:
+             target: str = "h100", memory: Any = None) -> PlanRow:
     """Compiles the training step of ``model`` under ``option`` for ``option.gpus``
     abstract GPUs and returns its per-GPU memory. ``batch``: global sequences per step
     (default: one per data shard and micro-batch), as ``option.micro_batches``
     micro-batches (with a pipeline: the pipeline's, ``ParallelConfig(pipeline_axis=
     "stage", pipeline_microbatches=M, pipeline_schedule=...)`` on the mesh
     ``stage x data x context x tensor``). A layout the model or the batch does not divide
-    over is a row with ``error`` set."""
+    over is a row with ``error`` set.
+
+    ``memory``: a :class:`sp_jax.analysis.memory_options.MemoryOptions` (its ``fsdp``
+    replaces the option's): the step as :class:`~sp_jax.training.TrainStep` runs it with
+    them (:func:`sp_jax.training.adamw` with the moments' dtype, ZeRO-1's update shardings
+    and data-manual graph, the offloaded state in ``pinned_host``, activation offload),
+    Llama-blocks presets (``experts=1``) as the dense model they stand for; the row's
+    ``host_bytes`` are its host arguments and temp."""
     import optax
     from flax import nnx
 
     from sp_jax._quiet import filtered_stderr
     from sp_jax.analysis.gpu import compile_for_gpu, gpu_mesh
+    from sp_jax.analysis.memory_step import compile_with_memory, memory_adamw, zero1_step
     from sp_jax.config import ParallelConfig
     from sp_jax.layout import Layout
     from sp_jax.models import GPT
@@ -450,17 +471,21 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
                 "pipeline_schedule": option.pipeline_schedule} if option.pipelined else {}
     experts = {"expert_axis": "expert"} if option.expert > 1 else {}
     parallel = ParallelConfig(
-        recompute_allgather=True, wgrad_dtype=jnp.float32, fsdp=option.fsdp,
+        recompute_allgather=True, wgrad_dtype=jnp.float32,
+        fsdp=option.fsdp if memory is None else memory.fsdp,
         context_parallel=option.context_parallel if option.context > 1 else None,
+        offload_activations=bool(memory is not None and memory.offload_activations),
         **pipeline, **experts)
-    cfg = model.gpt_config(remat=option.remat)
-    tx = optax.adamw(1e-4)
+    dense = {"num_experts": 0} if memory is not None and model.experts == 1 else {}
+    cfg = model.gpt_config(remat=option.remat, **dense)
+    tx = optax.adamw(1e-4) if memory is None else memory_adamw(memory)
     t0 = time.perf_counter()
     formula_params, formula_acts = layout_formula(model, option, batch)
     if batch % (option.batch_shards * option.micro_batches):
         return PlanRow(option, batch, 0, 0, 0, 0, 0, False, 0, formula_params,
                        formula_acts, 0.0, error=_batch_error(batch, option))
-    with jax.set_mesh(gpu_mesh(shape, axes, target=target)):
+    mesh = gpu_mesh(shape, axes, target=target)
+    with jax.set_mesh(mesh):
         try:
             gpt = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
         except ValueError as e:  # a layout the model does not divide over: reported
@@ -468,7 +493,8 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
                            formula_acts, time.perf_counter() - t0,
                            error=f"ValueError: {str(e).splitlines()[0][:200]}")
         graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
-        opt_state = jax.eval_shape(tx.init, params)
+        zero1 = zero1_step(gpt, params, parallel, mesh) if memory is not None else {}
+        opt_state = jax.eval_shape(tx.init, zero1.pop("state_of", params))
     micro = batch // option.micro_batches
     tokens = jax.ShapeDtypeStruct((option.micro_batches, micro, model.seq), jnp.int32,
                                   sharding=Layout.of(parallel).micro_batched_tokens)
@@ -477,33 +503,41 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
 
     param_bytes, opt_bytes = _device_bytes(params), _device_bytes(opt_state)
     grad_bytes = _device_bytes(params, itemsize=4)  # fp32 gradients, sharded like params
+    host = 0
     try:
-        with filtered_stderr(XLA_DOES_NOT_FIT) as xla_notes:
-            report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest, opt_state,
-                                     batch_tree, key, mesh_shape=shape, axis_names=axes,
-                                     target=target, donate_argnums=(0, 2))
+        with filtered_stderr(XLA_DOES_NOT_FIT + SLOW_COMPILE) as notes:
+            if memory is None:
+                report = compile_for_gpu(train_step_fn(graphdef, tx), params, rest,
+                                         opt_state, batch_tree, key, mesh_shape=shape,
+                                         axis_names=axes, target=target,
+                                         donate_argnums=(0, 2))
+                hlo, temp, peak = report.hlo, report.temp_bytes, report.peak_bytes
+            else:
+                hlo, temp, peak, host = compile_with_memory(
+                    graphdef, tx, params, rest, opt_state, batch_tree, key, mesh, memory,
+                    cfg.dtype, zero1)
     except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
         return PlanRow(option, batch, param_bytes, opt_bytes, grad_bytes, 0, 0, False, 0,
                        formula_params, formula_acts, time.perf_counter() - t0,
                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    collectives = collective_bytes(report.hlo)
     return PlanRow(
         option=option, batch=batch, param_bytes=param_bytes, opt_bytes=opt_bytes,
-        grad_bytes=grad_bytes,
-        activation_bytes=max(report.temp_bytes - grad_bytes, 0),
-        peak_bytes=report.peak_bytes, fits=report.peak_bytes <= H100_BYTES,
-        collective_bytes=collectives, formula_param_bytes=formula_params,
-        formula_activation_bytes=formula_acts, compile_s=time.perf_counter() - t0,
-        xla_notes=tuple(xla_notes))
+        grad_bytes=grad_bytes, activation_bytes=max(temp - grad_bytes, 0),
+        peak_bytes=peak, fits=peak <= H100_BYTES, collective_bytes=collective_bytes(hlo),
+        formula_param_bytes=formula_params, formula_activation_bytes=formula_acts,
+        compile_s=time.perf_counter() - t0,
+        xla_notes=tuple(n for n in notes if any(p.fullmatch(n) for p in XLA_DOES_NOT_FIT)),
+        host_bytes=host, memory=memory)
 
 
 def plan(model: ModelShape | str, gpus: int, *, options: Sequence[PlanOption] | None = None,
          batch: int | None = None, stages: Sequence[int] | None = None,
          microbatches: int | None = None, progress: bool = True,
-         on_row: Callable[[PlanRow], None] | None = None) -> list[PlanRow]:
+         on_row: Callable[[PlanRow], None] | None = None, memory: Any = None
+         ) -> list[PlanRow]:
     """:func:`plan_one` for every layout of ``options`` (default: :func:`candidates` with
     ``stages``, ``microbatches`` and ``batch``), with a progress bar (tqdm, on stderr)
-    while it compiles.
+    while it compiles; ``memory``: :func:`plan_one`'s, for every layout.
 
     Raises:
       ValueError: an unknown preset, a non-positive size, layouts that do not use
@@ -539,24 +573,35 @@ def plan(model: ModelShape | str, gpus: int, *, options: Sequence[PlanOption] | 
 
         iterator = tqdm(options, desc=f"compiling {model.name} on {gpus} GPUs", unit="layout")
     for option in iterator:
-        rows.append(plan_one(model, option, batch=batch))
+        rows.append(plan_one(model, option, batch=batch, memory=memory))
         if on_row is not None:
             on_row(rows[-1])
     return rows
 
 
-def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
-    """A markdown table of ``rows`` (GiB per GPU; MiB when every peak is below 1 GiB)."""
+def shape_line(model: ModelShape) -> str:
+    """``"70b: h=8192, 80 layers, 64 heads, vocab 32000, s=4096 (64.69B parameters)"``."""
+    heads = f"{model.heads} heads" + (f" of {model.head_dim}" if model.head_dim else "")
+    return (f"{model.name}: h={model.hidden}, {model.layers} layers, {heads}, "
+            f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters)")
+
+
+def format_table(model: ModelShape, rows: Sequence[PlanRow], reserve: float = 0.0) -> str:
+    """A markdown table of ``rows`` (GiB per GPU; MiB when every peak is below 1 GiB);
+    with a ``reserve`` (bytes) a row fits when its peak plus the reserve is within 80 GB
+    (:attr:`PlanRow.fits` has none)."""
     big = any(r.peak_bytes >= GiB for r in rows)
     unit, scale = ("GiB", GiB) if big else ("MiB", 2**20)
 
     def g(x: float) -> str:
         return f"{x / scale:.1f}"
 
-    heads = f"{model.heads} heads" + (f" of {model.head_dim}" if model.head_dim else "")
-    head = (f"{model.name}: h={model.hidden}, {model.layers} layers, {heads}, "
-            f"vocab {model.vocab}, s={model.seq} ({model.params / 1e9:.2f}B parameters); "
-            f"{unit} per GPU (H100: 80 GB = 74.5 GiB)\n\n")
+    def fits(r: PlanRow) -> bool:
+        return r.fits and r.peak_bytes + reserve <= H100_BYTES
+
+    budget = "H100: 80 GB = 74.5 GiB" + (
+        f", fits = peak + {reserve / GiB:.1f} GiB reserve <= 74.5 GiB" if reserve else "")
+    head = f"{shape_line(model)}; {unit} per GPU ({budget})\n\n"
     pipelined = [r for r in rows if r.option.pipelined]
     mesh = "[stages x] data x context x tensor" if pipelined else \
         "data x expert x context x tensor" if any(r.option.expert > 1 for r in rows) else \
@@ -574,13 +619,14 @@ def format_table(model: ModelShape, rows: Sequence[PlanRow]) -> str:
             f"| {r.option.label} | {r.batch} | {g(r.param_bytes)} ({g(r.formula_param_bytes)})"
             f" | {g(r.opt_bytes)} | {g(r.grad_bytes)} | {g(r.activation_bytes)} "
             f"({g(r.formula_activation_bytes)}) | {g(r.peak_bytes)} | "
-            f"{'yes' if r.fits else '**no**'} | {g(r.collective_bytes)} |")
+            f"{'yes' if fits(r) else '**no**'} | {g(r.collective_bytes)} |")
     compiled = [r for r in rows if not r.error]
-    if compiled and not any(r.fits for r in compiled):
+    if compiled and not any(fits(r) for r in compiled):
         best = min(compiled, key=lambda r: r.peak_bytes)
-        lines.append(f"\nNo layout fits in 80 GB: the best, {best.option.label}, needs "
+        budget = "80 GB" + (f" less a {reserve / GiB:.1f} GiB reserve" if reserve else "")
+        lines.append(f"\nNo layout fits in {budget}: the best, {best.option.label}, needs "
                      f"{best.peak_bytes / GiB:.1f} GiB, "
-                     f"{(best.peak_bytes - H100_BYTES) / GiB:.1f} GiB too many.")
+                     f"{(best.peak_bytes + reserve - H100_BYTES) / GiB:.1f} GiB too many.")
     if pipelined:
         lines.append(
             "\nPipelined rows: mesh stages x data x context x tensor (the stage axis "

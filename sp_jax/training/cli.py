@@ -65,6 +65,14 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "mixtral-tiny": lambda **o: GPTConfig.mixtral("mixtral-tiny", **o),
     "qwen3-moe-tiny": lambda **o: GPTConfig.qwen3_moe("qwen3-moe-tiny", **o),
     "deepseek-v3-tiny": lambda **o: GPTConfig.deepseek_v3_moe("deepseek-v3-tiny", **o),
+    # the memory planner's shapes (python -m sp_jax.plan prints commands with them)
+    "mixtral-8x7b": lambda **o: GPTConfig.mixtral("mixtral-8x7b", **o),
+    "llama-3-70b": lambda **o: GPTConfig.llama("llama-3-8b", **{
+        "num_layers": 80, "num_heads": 64, "hidden": 8192, "mlp_hidden": 28672, **o}),
+    "llama-3.1-405b": lambda **o: GPTConfig.llama("llama-3.1-8b", **{
+        "num_layers": 126, "num_heads": 128, "hidden": 16384, "mlp_hidden": 53248, **o}),
+    "qwen3-30b-a3b": lambda **o: GPTConfig.qwen3_moe("qwen3-30b-a3b", **o),
+    "deepseek-v3": lambda **o: GPTConfig.deepseek_v3_moe("deepseek-v3", **o),
 }
 """``--preset``: the model a name stands for, with :class:`GPTConfig` fields overridden."""
 
@@ -193,7 +201,8 @@ def _set_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """Adds ``--mesh --context-parallel --pipeline-schedule --microbatches
-    --pipeline-repeats --precision --recompute-allgather --fsdp`` (group "parallelism"),
+    --pipeline-repeats --precision --recompute-allgather --fsdp --remat
+    --offload-activations`` (group "parallelism"),
     read by :func:`parallel_config` (after :func:`check_pipeline_args`); ``defaults`` as for
     :func:`add_trainer_arguments`."""
     # "--mesh -1,4": Python < 3.13's argparse takes an argument starting with "-" for an
@@ -225,6 +234,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> 
     add("--fsdp", nargs="?", choices=("optimizer", "full"), const="full", default=False,
         help="shard over DATA too: 'optimizer' the optimizer state (ZeRO-1), 'full' (the "
              "default of a bare --fsdp) parameters, gradients and optimizer state (ZeRO-3)")
+    add("--remat", action="store_true",
+        help="recompute each block in the backward pass (GPTConfig(remat=True)): each "
+             "layer keeps only its input")
+    add("--offload-activations", action="store_true",
+        help="keep what each layer saves for its backward in host memory "
+             "(ParallelConfig(offload_activations=True))")
     _set_defaults(parser, defaults)
 
 
@@ -239,6 +254,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     experts = {"expert_axis": "expert"} if args.mesh_shape[2] > 1 else {}
     return ParallelConfig(
         recompute_allgather=args.recompute_allgather, fsdp=args.fsdp,
+        offload_activations=getattr(args, "offload_activations", False),
         wgrad_dtype=jnp.float32 if args.precision == "bf16" else None,
         context_parallel=args.context_parallel if args.mesh_shape[3] > 1 else None,
         **pipeline, **experts)
@@ -405,7 +421,7 @@ def model_config(args: argparse.Namespace, *, vocab_size: int = 256) -> GPTConfi
     return PRESETS[args.preset](
         **overrides, vocab_size=vocab_size, dropout=0.0, param_dtype=jnp.float32,
         dtype=jnp.bfloat16 if args.precision == "bf16" else jnp.float32,
-        scan_layers=scan_layers(args),
+        scan_layers=scan_layers(args), remat=getattr(args, "remat", False),
         fp8=fp8_recipe(args))
 
 
