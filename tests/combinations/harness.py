@@ -113,9 +113,11 @@ def run(features: Iterable[str], mode: str, *,
 # -- the models -----------------------------------------------------------------------
 
 
-def _build(made: compat_features.Setup, init: dict | None) -> tuple[Any, nnx.Module]:
+def _build(made: compat_features.Setup, init: dict | None, tamper=None
+           ) -> tuple[Any, nnx.Module]:
     """The mesh and the model of ``made`` on it, with the parameter values ``init`` (None:
-    its own, from seed 0), laid out as the model's annotations say."""
+    its own, from seed 0), laid out as the model's annotations say; ``tamper(model)``
+    then, under the mesh."""
     mesh = made.mesh()
     with jax.set_mesh(mesh):
         model = GPT(made.gpt_config(), parallel=made.parallel, rngs=nnx.Rngs(0))
@@ -123,6 +125,8 @@ def _build(made: compat_features.Setup, init: dict | None) -> tuple[Any, nnx.Mod
             copy_weights(model, init)
             state = nnx.state(model, nnx.Param)
             nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+        if tamper is not None:
+            tamper(model)
     return mesh, model
 
 
@@ -179,9 +183,7 @@ def _train(made: compat_features.Setup, init: dict | None, tamper=None,
     """Three ``TrainStep`` s of ``made`` from ``init``: losses, the first step's
     gradients, the final parameters (host arrays), the initial values."""
     micro = _microbatches(made, micro)
-    mesh, model = _build(made, init)
-    if tamper is not None:
-        tamper(model)
+    mesh, model = _build(made, init, tamper)
     init = param_values(model)
     loss_fn = custom_loss if made.call.get("custom_loss") else lm_loss
     with jax.set_mesh(mesh):
@@ -205,9 +207,7 @@ _FORWARD = nnx.jit(_forward)
 
 def _eval(made: compat_features.Setup, init: dict | None, tamper=None) -> dict:
     """Logits and hidden states of ``made`` in eval mode on the batch's rows."""
-    mesh, model = _build(made, init)
-    if tamper is not None:
-        tamper(model)
+    mesh, model = _build(made, init, tamper)
     init = param_values(model)
     first = _batches(made, 1)[0]
     docs = {k: first[k][0] for k in ("segment_ids", "positions") if k in first}
@@ -221,9 +221,7 @@ def _generate(made: compat_features.Setup, init: dict | None, tamper=None) -> di
     """Greedy tokens of ``generate`` for ``PROMPTS``, and the next-token logits read from
     the cache after a prefill and decode steps (``cache_and_forward_logits``) with the
     model's full-forward logits of the same rows."""
-    mesh, model = _build(made, init)
-    if tamper is not None:
-        tamper(model)
+    mesh, model = _build(made, init, tamper)
     init = param_values(model)
     rng = np.random.default_rng(0)
     full = rng.integers(0, VOCAB, (2, S)).astype(np.int32)
