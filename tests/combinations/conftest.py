@@ -1,8 +1,7 @@
 """The combination tier: tests marked ``combinations`` (the whole covering array) run
 only when the marker expression asks for them (``make test-combinations``:
-``-m combinations``); ``make test`` and ``make test-fast`` leave them out (the marker: pyproject.toml)."""
-
-import pytest
+``-m combinations``); ``make test`` and ``make test-fast`` leave them out (the marker is
+registered in pyproject.toml)."""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -160,9 +160,9 @@ def custom_loss(model: nnx.Module, batch: dict, key: jax.Array) -> tuple:
         labels = document_labels(labels, docs["segment_ids"], -100)
     logits = model(batch["tokens"], rngs=nnx.Rngs(dropout=key), **docs).astype(jnp.float32)
     keep = labels != -100
-    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.where(keep, labels, 0)[..., None],
-                                 axis=-1)[..., 0]
-    return -jnp.sum(jnp.where(keep, picked, 0.0)), jnp.sum(keep)
+    # one-hot, not a gather: logits sharded over the vocabulary on an Explicit mesh
+    targets = jax.nn.one_hot(jnp.where(keep, labels, 0), logits.shape[-1]) * keep[..., None]
+    return -jnp.sum(jax.nn.log_softmax(logits) * targets), jnp.sum(keep)
 
 
 def _recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -5,6 +5,7 @@ pair of features together in some set, per mode, and the risky triples) in ``mak
 test-combinations`` (marker ``combinations``)."""
 
 import pytest
+
 from combinations import covering, harness
 
 pytestmark = pytest.mark.slow  # each case compiles two models (seconds to a minute)
