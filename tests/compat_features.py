@@ -117,13 +117,16 @@ FEATURES: dict[str, Feature] = {
     "attention_softcap": Feature(config=dict(attention_softcap=5.0)),
     "custom_loss": Feature(call=dict(custom_loss=True)),
     "zero1": Feature(parallel=dict(fsdp="optimizer"), axes={"data": 2}),
-    # bf16 reduce: each device's gradient is rounded to bf16 (8 significant bits,
-    # relative 2^-9) before the sum over data, so a gradient differs by up to ~4e-3 of
-    # its partial sums (more where they cancel: the atol); AdamW's normalised updates
-    # carry that into the parameters as ~lr * 4e-3 per step
+    # bf16 reduce: each device's gradient is rounded to bf16 (8 significant bits) before
+    # the sum over data, and the sum is bf16: an entry differs by up to ~2^-8 of the
+    # largest partials (measured: 5.7e-4 with gradients up to 0.17; the loss of later
+    # steps 6e-5 relative). AdamW divides by sqrt(v) + eps, so an entry whose gradient is
+    # near zero moves by up to lr a step either way (measured: 2.8e-3 after 3 steps at
+    # lr 3e-3): the parameters are bounded by STEPS * lr, the gradients are the strict
+    # check of the reduction
     "grad_reduce_dtype": Feature(parallel=dict(grad_reduce_dtype="bfloat16"), axes={"data": 2},
-                                 bounds=dict(grads=(1e-2, 1e-4), params=(1e-3, 1e-4),
-                                             loss=(1e-4, 1e-5))),
+                                 bounds=dict(grads=(1e-2, 1e-3), params=(1e-3, 1e-2),
+                                             loss=(2e-4, 1e-5))),
     "offload_optimizer": Feature(call=dict(offload=True), reference=dict(offload=False)),
     "offload_activations": Feature(parallel=dict(offload_activations=True)),
 }
