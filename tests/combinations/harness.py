@@ -33,6 +33,7 @@ that need a GPU (cuDNN's kernel) are skipped elsewhere (``pytest.skip``).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,7 +47,7 @@ import pytest
 from _util import cache_and_forward_logits, copy_weights, param_values, to_host
 from flax import nnx
 
-from sp_jax import compat
+from sp_jax import Layout, compat
 from sp_jax.layers import document_labels
 from sp_jax.models import GPT, generate
 from sp_jax.training import TrainStep, lm_loss
@@ -57,9 +58,15 @@ S = compat_features.BASE["max_seq_len"]
 VOCAB = compat_features.BASE["vocab_size"]
 PROMPTS = ([5, 17, 3, 60, 41, 9, 60], [12, 2], [33, 8, 19])  # ragged rows
 NEW_TOKENS = 6
-DOCS = np.where(np.arange(S) < 10, 1, 2)[None].repeat(B, 0).astype(np.int32)
-DOCS[1] = 1  # one row holds a single document
-POSITIONS = np.where(DOCS == 1, np.arange(S), np.arange(S) - 10).astype(np.int32)
+
+
+def documents(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packed rows ``[rows, S]``: ``segment_ids`` (two documents a row, 10 and 6 tokens;
+    row 1 a single one) and their ``positions``."""
+    docs = np.where(np.arange(S) < 10, 1, 2)[None].repeat(rows, 0).astype(np.int32)
+    docs[1] = 1
+    return docs, np.where(docs == 1, np.arange(S), np.arange(S) - 10).astype(np.int32)
+
 
 TIMES: dict[tuple[tuple[str, ...], str], float] = {}
 """Seconds each ``run`` took, by (features, mode) (for the report of a run)."""
@@ -104,8 +111,8 @@ def run(features: Iterable[str], mode: str, *,
     if made.device == "gpu" and jax.default_backend() != "gpu":
         pytest.skip(f"{features}: needs a GPU (cuDNN's attention kernel)")
     start = time.perf_counter()
-    ref = _reference(made.reference(), _microbatches(made), mode)
-    got = _RUNS[mode](made, ref["init"], tamper)
+    ref = _reference(made.reference(), _shape(made), mode)
+    got = _RUNS[mode](made, _shape(made), ref["init"], tamper)
     _compare(made, mode, got, ref, f"{'+'.join(features)} in {mode}")
     TIMES[features, mode] = time.perf_counter() - start
 
@@ -130,23 +137,29 @@ def _build(made: compat_features.Setup, init: dict | None, tamper=None
     return mesh, model
 
 
-def _microbatches(made: compat_features.Setup, micro: int | None = None) -> int:
-    if micro is not None:
-        return micro
-    return made.parallel.pipeline_microbatches if made.parallel.pipeline_axis else 1
+def _shape(made: compat_features.Setup) -> tuple[int, int, int]:
+    """``(micro_batches, rows, data)`` of a step: a pipeline's micro-batches (else one),
+    ``B`` rows, or more where the data axes (data and expert: the batch's split) ask, and
+    the data axes' size."""
+    micro = made.parallel.pipeline_microbatches if made.parallel.pipeline_axis else 1
+    sizes = dict(zip(compat_features.AXES, made.shape, strict=True))
+    data = math.prod(sizes.get(a, 1) for a in Layout.of(made.parallel).data_axes)
+    return micro, max(B, micro * data), data
 
 
-def _batches(made: compat_features.Setup, micro: int) -> list[dict[str, np.ndarray]]:
-    """``STEPS`` batches ``[micro, B / micro, S]`` of random tokens (seeded), with the
+def _batches(made: compat_features.Setup, shape: tuple[int, ...]
+             ) -> list[dict[str, np.ndarray]]:
+    """``STEPS`` batches ``[micro, rows / micro, S]`` of random tokens (seeded), with the
     packed rows' ``segment_ids`` / ``positions`` when the set has documents."""
+    micro, n = shape[:2]
     rng = np.random.default_rng(1)
     out = []
     for _ in range(STEPS):
-        tokens = rng.integers(0, VOCAB, (B, S + 1)).astype(np.int32)
+        tokens = rng.integers(0, VOCAB, (n, S + 1)).astype(np.int32)
         rows = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
         if made.call.get("documents"):
-            rows |= {"segment_ids": DOCS, "positions": POSITIONS}
-        out.append({k: v.reshape(micro, B // micro, S) for k, v in rows.items()})
+            rows |= dict(zip(("segment_ids", "positions"), documents(n), strict=True))
+        out.append({k: v.reshape(micro, n // micro, S) for k, v in rows.items()})
     return out
 
 
@@ -178,11 +191,10 @@ def _recording(tx: optax.GradientTransformation) -> optax.GradientTransformation
     return optax.GradientTransformation(init, update)
 
 
-def _train(made: compat_features.Setup, init: dict | None, tamper=None,
-           micro: int | None = None) -> dict:
+def _train(made: compat_features.Setup, shape: tuple[int, int, int], init: dict | None,
+           tamper=None) -> dict:
     """Three ``TrainStep`` s of ``made`` from ``init``: losses, the first step's
     gradients, the final parameters (host arrays), the initial values."""
-    micro = _microbatches(made, micro)
     mesh, model = _build(made, init, tamper)
     init = param_values(model)
     loss_fn = custom_loss if made.call.get("custom_loss") else lm_loss
@@ -190,7 +202,7 @@ def _train(made: compat_features.Setup, init: dict | None, tamper=None,
         step = TrainStep(model, _recording(optax.adamw(3e-3, eps=1e-5)), loss_fn=loss_fn,
                          offload_optimizer=bool(made.call.get("offload")))
         losses, grads = [], None
-        for i, batch in enumerate(_batches(made, micro)):
+        for i, batch in enumerate(_batches(made, shape)):
             losses.append(float(step(batch, jax.random.key(i))["loss"]))
             if i == 0:
                 grads = to_host(nnx.to_pure_dict(step.opt_state[1]))
@@ -205,11 +217,12 @@ def _forward(model: nnx.Module, tokens: jax.Array, docs: dict) -> tuple:
 _FORWARD = nnx.jit(_forward)
 
 
-def _eval(made: compat_features.Setup, init: dict | None, tamper=None) -> dict:
+def _eval(made: compat_features.Setup, shape: tuple[int, int, int], init: dict | None,
+          tamper=None) -> dict:
     """Logits and hidden states of ``made`` in eval mode on the batch's rows."""
     mesh, model = _build(made, init, tamper)
     init = param_values(model)
-    first = _batches(made, 1)[0]
+    first = _batches(made, (1, shape[1]))[0]
     docs = {k: first[k][0] for k in ("segment_ids", "positions") if k in first}
     with jax.set_mesh(mesh):
         model.eval()
@@ -217,15 +230,17 @@ def _eval(made: compat_features.Setup, init: dict | None, tamper=None) -> dict:
     return dict(init=init, logits=to_host(logits), hidden=to_host(hidden))
 
 
-def _generate(made: compat_features.Setup, init: dict | None, tamper=None) -> dict:
+def _generate(made: compat_features.Setup, shape: tuple[int, int, int], init: dict | None,
+              tamper=None) -> dict:
     """Greedy tokens of ``generate`` for ``PROMPTS``, and the next-token logits read from
     the cache after a prefill and decode steps (``cache_and_forward_logits``) with the
     model's full-forward logits of the same rows."""
     mesh, model = _build(made, init, tamper)
     init = param_values(model)
     rng = np.random.default_rng(0)
-    full = rng.integers(0, VOCAB, (2, S)).astype(np.int32)
-    lengths, steps = np.array([5, 3]), 4
+    rows = max(2, shape[2])  # two rows, or one per data shard
+    full = rng.integers(0, VOCAB, (rows, S)).astype(np.int32)
+    lengths, steps = np.resize([5, 3], rows), 4
     with jax.set_mesh(mesh):
         tokens = generate(model, [list(p) for p in PROMPTS], max_new_tokens=NEW_TOKENS).tokens
         decoding = model.for_decoding()
@@ -233,21 +248,21 @@ def _generate(made: compat_features.Setup, init: dict | None, tamper=None) -> di
         cached, forward = cache_and_forward_logits(decoding, full, lengths, steps)
     at = lengths + steps - 1
     return dict(init=init, tokens=np.asarray(tokens), cached=cached,
-                forward=forward[np.arange(2), at])
+                forward=forward[np.arange(rows), at])
 
 
 _RUNS = {"train": _train, "eval": _eval, "generate": _generate}
 
 
-def _reference(made: compat_features.Setup, micro: int, mode: str) -> dict:
-    """The unsharded model's results in ``mode`` (its own weights, seed 0; ``micro``
-    micro-batches a step), cached by what they depend on: the configuration and the
-    call's options (sets that differ only in how they lay the model out share one)."""
+def _reference(made: compat_features.Setup, shape: tuple[int, int, int], mode: str) -> dict:
+    """The unsharded model's results in ``mode`` (its own weights, seed 0; batches of
+    ``shape``), cached by what they depend on: the configuration, the call's options and
+    the batch's shape (sets that differ only in how they lay the model out share one)."""
+    rows = {"train": shape[:2], "eval": shape[1], "generate": max(2, shape[2])}[mode]
     key = (tuple(sorted((k, repr(v)) for k, v in made.config.items())),
-           tuple(sorted(made.call.items())), micro, mode)
+           tuple(sorted(made.call.items())), rows, mode)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _RUNS[mode](made, None, micro=micro) if mode == "train" else \
-            _RUNS[mode](made, None)
+        _REFERENCES[key] = _RUNS[mode](made, shape, None)
     return _REFERENCES[key]
 
 
