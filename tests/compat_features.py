@@ -57,6 +57,9 @@ class Feature:
         later steps follow whole-quantum flips of fp32 rounding noise.
       device: the platform it runs on (``"gpu"``: cuDNN's kernel; elsewhere the
         harness skips it).
+      within: features that hold this one already: with one of them its ``config`` is
+        left out (``layer_windows`` with a window is a sliding window, and GPTConfig
+        takes the window either per layer or once).
     """
 
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -68,6 +71,7 @@ class Feature:
     bounds: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     first_step: bool = False
     device: str = "any"
+    within: tuple[str, ...] = ()
 
 
 FP32_BOUND = (1e-5, 1e-5)
@@ -110,7 +114,7 @@ FEATURES: dict[str, Feature] = {
     "fp8_current": Feature(config=dict(fp8=sp_jax.Fp8Recipe("current")), **_FP8),
     "fp8_delayed": Feature(config=dict(fp8=sp_jax.Fp8Recipe("delayed", 4)), **_FP8),
     "packed_documents": Feature(call=dict(documents=True)),
-    "sliding_window": Feature(config=dict(sliding_window=3)),
+    "sliding_window": Feature(config=dict(sliding_window=3), within=("layer_windows",)),
     "layer_windows": Feature(config=dict(layer_windows=(3, None))),
     "cudnn_attention": Feature(config=dict(attention_implementation="cudnn"), device="gpu",
                                reference=dict(attention_implementation="xla")),
@@ -204,7 +208,8 @@ def setup(names: Iterable[str]) -> Setup:
     config, parallel, axes, call, reference, bounds = dict(BASE), {}, {}, {}, {}, {}
     for name in chosen:
         feature = FEATURES[name]
-        _merge(config, feature.config, name)
+        if not set(feature.within) & set(chosen):
+            _merge(config, feature.config, name)
         _merge(parallel, feature.parallel, name)
         _merge(call, feature.call, name)
         _merge(reference, feature.reference, name)
