@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import compat_features
+
 from sp_jax import compat
 
 
@@ -32,16 +34,33 @@ def _modes(features: tuple[str, ...]) -> tuple[str, ...]:
         for a in features for b in features))
 
 
+def _runs(features: tuple[str, ...]) -> bool:
+    """Whether the set can run in some mode on 8 devices."""
+    try:
+        made = compat_features.setup(features)
+        compat.check("train", list(made.names), where="covering")
+        made.gpt_config()
+    except ValueError:
+        return False
+    return made.devices <= 8 and bool(_modes(made.names))
+
+
 def combinations(tier: str = "all") -> list[Combination]:
-    """``"feature"``: one combination per feature (with tensor + sequence parallelism);
-    ``"all"``: those and the risky triples."""
+    """``"feature"``: a few sets in which every feature appears at least once (greedy,
+    up to 5 features a set); ``"all"``: those and the risky triples."""
     if tier not in ("all", "feature"):
         raise ValueError(f"covering.combinations: tier={tier!r}: use 'all' or 'feature'.")
+    left = [f for f in compat.FEATURES if f != "cudnn_attention"]
     out = []
-    for name in compat.FEATURES:
-        features = tuple(dict.fromkeys(("tensor_sequence", name)))
-        if _modes(features):
-            out.append(Combination(f"f-{name}", features, _modes(features)))
+    while left:
+        chosen = [left.pop(0)]
+        for f in list(left):
+            if len(chosen) < 5 and _runs((*chosen, f)):
+                chosen.append(f)
+                left.remove(f)
+        features = tuple(chosen)
+        out.append(Combination(f"f{len(out):02d}", features, _modes(features)))
+    out.append(Combination("f-cudnn", ("cudnn_attention",), _modes(("cudnn_attention",))))
     if tier == "all":
         out += [Combination(k, v, _modes(v)) for k, v in RISKY.items()]
     return out
