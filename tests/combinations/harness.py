@@ -13,7 +13,7 @@ weights; what changes the math stays in it), and compares, as a user runs each m
   of the first step (what the optimizer received, recorded in its state) and the
   parameters after the third. fp32: 1e-5. FP8: the first step's loss within 4e-4, its
   gradients as test_compat's FP8 cases, the amaxes the first step recorded (delayed
-  scaling) within 1e-6; the later steps finite and falling. Attention dropout stays on
+  scaling) within 1e-6; the later steps' losses within 1e-2. Attention dropout stays on
   in both: its masks are drawn per position, the same under every sharding, so the
   comparison is the exact one.
 - ``eval``: ``model(tokens)`` logits and ``model.hidden_states(tokens)`` (eval mode:
@@ -327,10 +327,15 @@ def _compare(made: compat_features.Setup, mode: str, got: dict, ref: dict,
     if mode == "train":
         losses, want = got["losses"], ref["losses"]
         assert np.all(np.isfinite(losses)), f"{what}: losses {losses}"
-        if made.first_step:  # FP8: the first step bounded, the later ones finite, falling
+        if made.first_step:  # FP8: the first step bounded, the later ones loosely
             np.testing.assert_allclose(losses[0], want[0], rtol=made.bound("loss")[0],
                                        err_msg=f"{what}: the first step's loss")
-            assert losses[-1] < losses[0], f"{what}: FP8 losses {losses} do not fall"
+            # later steps: one FP8 quantum flipped by another summation order, amplified
+            # by AdamW, may move them (measured on three sets: within 2e-7 relative);
+            # not "falling": the three batches are random tokens, the reference's losses
+            # rise and fall too
+            np.testing.assert_allclose(losses, want, rtol=1e-2,
+                                       err_msg=f"{what}: FP8 losses of later steps")
             _close(got["grads"], ref["grads"], made.bound("grads"), f"{what}: gradient ")
             g, w = _histories(got["params"]), _histories(ref["params"])
             assert g.keys() == w.keys(), f"{what}: amax histories {sorted(g)} vs {sorted(w)}"
