@@ -5,7 +5,12 @@ at its entry point; a combination harness builds on the same declarations).
 
 ``setup(names)`` combines the declarations of ``names`` (and the features they imply) on
 the smallest mesh they need; two features setting one field to different values are two
-values of one option (a ValueError).
+values of one option (a ValueError). ``Setup.reference()`` is the same model unsharded
+(one device, the default ``ParallelConfig``): what changes the math (a window, experts,
+FP8, a soft cap, packed documents, a custom loss) stays in it, what only lays the model
+out (the parallel fields and mesh axes) leaves it, and a feature's ``reference`` fields
+say what else the reference sets otherwise (cuDNN's kernel: XLA's; optimizer offload:
+none), so tests/combinations/harness.py compares the two within the features' bounds.
 """
 
 from __future__ import annotations
@@ -43,9 +48,18 @@ class Feature:
         ``offload_optimizer``).
       implies: features it brings along unless one of the same option is given (a
         pipeline: scanned layers).
-      held_by: features whose declaration holds this one too, its own then left out
-        (a window: ``layer_windows`` gives each layer's, and GPTConfig takes one of the
-        two fields).
+      reference: ``config`` or ``call`` fields the unsharded reference sets otherwise
+        (its ``parallel`` and ``axes`` never reach the reference).
+      bounds: looser bounds ``{quantity: (rtol, atol)}`` of the comparison with the
+        reference, with the measured reason beside each (quantities: ``loss``,
+        ``grads``, ``params``, ``logits``); the default is fp32's ``(1e-5, 1e-5)``.
+      first_step: FP8: only the first training step is bounded (:data:`FP8_BOUNDS`);
+        later steps follow whole-quantum flips of fp32 rounding noise.
+      device: the platform it runs on (``"gpu"``: cuDNN's kernel; elsewhere the
+        harness skips it).
+      within: features that hold this one already: with one of them its ``config`` is
+        left out (``layer_windows`` with a window is a sliding window, and GPTConfig
+        takes the window either per layer or once).
     """
 
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -53,7 +67,23 @@ class Feature:
     axes: dict[str, int] = dataclasses.field(default_factory=dict)
     call: dict[str, bool] = dataclasses.field(default_factory=dict)
     implies: tuple[str, ...] = ()
-    held_by: tuple[str, ...] = ()
+    reference: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bounds: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    first_step: bool = False
+    device: str = "any"
+    within: tuple[str, ...] = ()
+
+
+FP32_BOUND = (1e-5, 1e-5)
+"""fp32 against the unsharded model: only the reductions' summation order differs."""
+
+FP8_BOUNDS = {"loss": (4e-4, 0.0), "grads": (2e-2, 2e-3), "logits": (2e-3, 2e-2)}
+"""FP8 (tests/test_fp8.py, tests/test_compat.py): the same whole-tensor scales sharded
+and unsharded, so only fp32 summation order differs, which flips a rare value by one FP8
+quantum: the first step's loss within 4e-4, its gradients and the logits as in
+test_compat's FP8 cases; the first step's amaxes (delayed scaling) within 1e-6."""
+
+_FP8 = dict(bounds=FP8_BOUNDS, first_step=True)
 
 
 def _pipeline(schedule: str) -> Feature:
@@ -78,20 +108,31 @@ FEATURES: dict[str, Feature] = {
     "experts": Feature(config=_EXPERTS),
     "expert_parallel": Feature(parallel=dict(expert_axis="expert"), axes={"expert": 2},
                                implies=("experts",)),
-    "interleaved_experts": Feature(config=dict(_EXPERTS, moe_layer_freq=2)),
-    "dense_layers": Feature(config=dict(_EXPERTS, num_dense_layers=1)),
-    "fp8_current": Feature(config=dict(fp8=sp_jax.Fp8Recipe("current"))),
-    "fp8_delayed": Feature(config=dict(fp8=sp_jax.Fp8Recipe("delayed", 4))),
+    "interleaved_experts": Feature(config=dict(_EXPERTS, moe_layer_freq=2),
+                                   implies=("experts",)),
+    "dense_layers": Feature(config=dict(_EXPERTS, num_dense_layers=1), implies=("experts",)),
+    "fp8_current": Feature(config=dict(fp8=sp_jax.Fp8Recipe("current")), **_FP8),
+    "fp8_delayed": Feature(config=dict(fp8=sp_jax.Fp8Recipe("delayed", 4)), **_FP8),
     "packed_documents": Feature(call=dict(documents=True)),
-    "sliding_window": Feature(config=dict(sliding_window=3), held_by=("layer_windows",)),
+    "sliding_window": Feature(config=dict(sliding_window=3), within=("layer_windows",)),
     "layer_windows": Feature(config=dict(layer_windows=(3, None))),
-    "cudnn_attention": Feature(config=dict(attention_implementation="cudnn")),
+    "cudnn_attention": Feature(config=dict(attention_implementation="cudnn"), device="gpu",
+                               reference=dict(attention_implementation="xla")),
     "attention_dropout": Feature(config=dict(attention_dropout=0.1)),
     "attention_softcap": Feature(config=dict(attention_softcap=5.0)),
     "custom_loss": Feature(call=dict(custom_loss=True)),
     "zero1": Feature(parallel=dict(fsdp="optimizer"), axes={"data": 2}),
-    "grad_reduce_dtype": Feature(parallel=dict(grad_reduce_dtype="bfloat16"), axes={"data": 2}),
-    "offload_optimizer": Feature(call=dict(offload=True)),
+    # bf16 reduce: each device's gradient is rounded to bf16 (8 significant bits) before
+    # the sum over data, and the sum is bf16: an entry differs by up to ~2^-8 of the
+    # largest partials (measured: 5.7e-4 with gradients up to 0.17; the loss of later
+    # steps 6e-5 relative). AdamW divides by sqrt(v) + eps, so an entry whose gradient is
+    # near zero moves by up to lr a step either way (measured: 2.8e-3 after 3 steps at
+    # lr 3e-3): the parameters are bounded by STEPS * lr, the gradients are the strict
+    # check of the reduction
+    "grad_reduce_dtype": Feature(parallel=dict(grad_reduce_dtype="bfloat16"), axes={"data": 2},
+                                 bounds=dict(grads=(1e-2, 1e-3), params=(1e-3, 1e-2),
+                                             loss=(2e-4, 1e-5))),
+    "offload_optimizer": Feature(call=dict(offload=True), reference=dict(offload=False)),
     "offload_activations": Feature(parallel=dict(offload_activations=True)),
 }
 """Every feature of ``sp_jax.compat.FEATURES``, declared."""
@@ -101,13 +142,21 @@ FEATURES: dict[str, Feature] = {
 class Setup:
     """What ``setup`` gives: the configuration's fields, the ``ParallelConfig``, the mesh
     shape over :data:`AXES` and the call's options; ``names``: the features (the given
-    ones and those they imply)."""
+    ones and those they imply); ``bounds``: the comparison's ``{quantity: (rtol, atol)}``
+    (the loosest of the features', fp32's otherwise); ``first_step``: FP8 (only the
+    first training step bounded); ``device``: ``"gpu"`` where a feature needs one, else
+    ``"any"``; ``reference_fields``: the config / call fields the reference sets
+    otherwise."""
 
     names: tuple[str, ...]
     config: dict[str, Any]
     parallel: sp_jax.ParallelConfig
     shape: tuple[int, ...]
     call: dict[str, bool]
+    bounds: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    first_step: bool = False
+    device: str = "any"
+    reference_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def gpt_config(self) -> GPTConfig:
         """The ``GPTConfig`` (its construction checks what is refused in every mode)."""
@@ -117,6 +166,26 @@ class Setup:
         """The mesh, Explicit axes, over the first devices."""
         return jax.make_mesh(self.shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES),
                              devices=jax.devices()[:int(np.prod(self.shape))])
+
+    @property
+    def devices(self) -> int:
+        """How many devices the mesh spans."""
+        return int(np.prod(self.shape))
+
+    def bound(self, quantity: str) -> tuple[float, float]:
+        """``(rtol, atol)`` of ``quantity`` (``loss``, ``grads``, ``params``,
+        ``logits``)."""
+        return self.bounds.get(quantity, FP32_BOUND)
+
+    def reference(self) -> Setup:
+        """The same model unsharded: one device, the default ``ParallelConfig``, the
+        configuration and call with the features' ``reference`` fields."""
+        config = dict(self.config)
+        call = dict(self.call)
+        for k, v in self.reference_fields.items():
+            (call if k in call else config)[k] = v
+        return Setup(self.names, config, sp_jax.ParallelConfig(), (1,) * len(AXES), call,
+                     self.bounds, self.first_step, self.device)
 
 
 def _merge(into: dict[str, Any], new: dict[str, Any], what: str) -> None:
@@ -136,15 +205,21 @@ def setup(names: Iterable[str]) -> Setup:
                       "exclusive"]
             if implied not in chosen and not others:
                 chosen.append(implied)
-    config, parallel, axes, call = dict(BASE), {}, {}, {}
+    config, parallel, axes, call, reference, bounds = dict(BASE), {}, {}, {}, {}, {}
     for name in chosen:
         feature = FEATURES[name]
-        if set(feature.held_by) & set(chosen):
-            continue
-        _merge(config, feature.config, name)
+        if not set(feature.within) & set(chosen):
+            _merge(config, feature.config, name)
         _merge(parallel, feature.parallel, name)
         _merge(call, feature.call, name)
+        _merge(reference, feature.reference, name)
         for axis, size in feature.axes.items():
             axes[axis] = max(axes.get(axis, 1), size)
+        for quantity, (rtol, atol) in feature.bounds.items():
+            old = bounds.get(quantity, FP32_BOUND)
+            bounds[quantity] = (max(old[0], rtol), max(old[1], atol))
+    features = [FEATURES[n] for n in chosen]
     return Setup(tuple(chosen), config, sp_jax.ParallelConfig(**parallel),
-                 tuple(axes.get(a, 1) for a in AXES), call)
+                 tuple(axes.get(a, 1) for a in AXES), call, bounds,
+                 any(f.first_step for f in features),
+                 next((f.device for f in features if f.device != "any"), "any"), reference)

@@ -298,7 +298,7 @@ def _cudnn_with_documents():
 def _reduce_step(parallel, shape=(2, 2), **config):
     with jax.set_mesh(make_mesh(*shape) if len(shape) == 2 else _mesh(
             shape, ("data", "expert", "tensor"))):
-        model = GPT(GPTConfig(**BASE, **config), parallel=sp_jax.ParallelConfig(
+        model = GPT(GPTConfig(**{**BASE, **config}), parallel=sp_jax.ParallelConfig(
             grad_reduce_dtype=jnp.bfloat16, **parallel), rngs=nnx.Rngs(0))
         TrainStep(model, optax.sgd(0.1))
 
@@ -354,6 +354,12 @@ ENTRY_POINTS = {
                              moe_mlp_hidden=16), f"{_REDUCE}"),
     ("grad_reduce_dtype", "fp8"): (
         lambda: _reduce_step({}, fp8=sp_jax.Fp8Recipe("current")), f"{_REDUCE}"),
+    ("grad_reduce_dtype", "interleaved_experts"): (
+        lambda: _reduce_step({}, num_layers=2, num_experts=2, moe_mlp_hidden=16,
+                             moe_layer_freq=2), f"{_REDUCE}"),
+    ("grad_reduce_dtype", "dense_layers"): (
+        lambda: _reduce_step({}, num_layers=2, num_experts=2, moe_mlp_hidden=16,
+                             num_dense_layers=1), f"{_REDUCE}"),
 }
 _FIRST_ENTRY_POINTS = ["train_eval_generate-cudnn_attention-context_ring",
                        "train_eval-packed_documents-cudnn_attention",

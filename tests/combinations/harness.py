@@ -1,0 +1,363 @@
+"""The combination harness: a set of features of ``sp_jax.compat``'s table, in a mode,
+against the same model unsharded.
+
+``run(features, mode)`` builds the small GPT of tests/compat_features.py's ``setup``
+(each feature declared once there: its configuration, ``ParallelConfig`` fields, mesh
+axes, call options and what the reference keeps) on the smallest mesh the features
+need, and the unsharded reference (one device, the default ``ParallelConfig``, the same
+weights; what changes the math stays in it), and compares, as a user runs each mode:
+
+- ``train``: three steps of :class:`sp_jax.training.TrainStep` (AdamW; the features'
+  ``offload_optimizer``, a custom ``loss_fn``, packed rows, micro-batches: two for a
+  pipeline), the same batches and keys for both: the loss of every step, every gradient
+  of the first step (what the optimizer received, recorded in its state) and the
+  parameters after the third. fp32: 1e-5. FP8: the first step's loss within 4e-4, its
+  gradients as test_compat's FP8 cases, the amaxes the first step recorded (delayed
+  scaling) within 1e-6; the later steps' losses within 1e-2. Attention dropout stays on
+  in both: its masks are drawn per position, the same under every sharding, so the
+  comparison is the exact one.
+- ``eval``: ``model(tokens)`` logits and ``model.hidden_states(tokens)`` (eval mode:
+  dropout off).
+- ``generate``: greedy tokens of ``sp_jax.models.generate`` for ragged prompts equal to
+  the one-device model's; and the cache read back: after a prefill and decode steps,
+  the next-token logits from the sharded model's cache (whatever its layout: split over
+  a context axis, ring attention's zigzag) equal the reference's, and the reference's
+  full-forward logits of the same rows (FP8: not the forward's, since decoding's
+  single-token products run in the compute dtype while the prefill quantises).
+
+A refused, exclusive or meaningless set raises a ValueError before anything is built
+(:func:`check`); a set whose mesh needs more devices than there are, too. Features
+that need a GPU (cuDNN's kernel) are skipped elsewhere (``pytest.skip``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import compat_features
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _util import cache_and_forward_logits, copy_weights, param_values, to_host
+from flax import nnx
+
+from sp_jax import Layout, compat
+from sp_jax.layers import document_labels
+from sp_jax.models import GPT, generate
+from sp_jax.training import TrainStep, lm_loss
+
+MODES = tuple(compat.MODES)
+B, STEPS = 4, 3
+S = compat_features.BASE["max_seq_len"]
+VOCAB = compat_features.BASE["vocab_size"]
+PROMPTS = ([5, 17, 3, 60, 41, 9, 60], [12, 2], [33, 8, 19])  # ragged rows
+NEW_TOKENS = 6
+
+
+def documents(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packed rows ``[rows, S]``: ``segment_ids`` (two documents a row, 10 and 6 tokens;
+    row 1 a single one) and their ``positions``."""
+    docs = np.where(np.arange(S) < 10, 1, 2)[None].repeat(rows, 0).astype(np.int32)
+    docs[1] = 1
+    return docs, np.where(docs == 1, np.arange(S), np.arange(S) - 10).astype(np.int32)
+
+
+TIMES: dict[tuple[tuple[str, ...], str], float] = {}
+"""Seconds each ``run`` took, by (features, mode) (for the report of a run)."""
+
+
+def check(features: Iterable[str], mode: str) -> compat_features.Setup:
+    """The :class:`compat_features.Setup` of ``features`` in ``mode``; a ValueError
+    naming the cell where the table says the set cannot run: a refused pair
+    (``compat.check``'s CombinationError), two values of one option, a feature with no
+    meaning in ``mode``, or a mesh larger than the devices there are."""
+    features = tuple(features)
+    if mode not in MODES:
+        raise ValueError(f"harness: unknown mode {mode!r}; use one of {list(MODES)}.")
+    unknown = [f for f in features if f not in compat.FEATURES]
+    if unknown:
+        raise ValueError(f"harness: unknown features {unknown}; use names of "
+                         "sp_jax.compat.FEATURES.")
+    for a, b in itertools.combinations_with_replacement(features, 2):
+        status = compat.cell(mode, a, b).status
+        if status in ("exclusive", "n/a"):
+            what = f"{a} alone" if a == b else f"{a} x {b}"
+            raise ValueError(f"harness: {what} is {status} in {mode} (sp_jax.compat); it "
+                             "cannot run.")
+    compat.check(mode, list(features), where="harness")
+    made = compat_features.setup(features)
+    compat.check(mode, list(made.names), where="harness")  # with what they imply
+    if made.devices > jax.device_count():
+        raise ValueError(f"harness: {features} need a mesh {made.shape} over "
+                         f"{compat_features.AXES} ({made.devices} devices); there are "
+                         f"{jax.device_count()}.")
+    return made
+
+
+def run(features: Iterable[str], mode: str, *,
+        tamper: Callable[[nnx.Module], None] | None = None) -> None:
+    """Runs ``features`` in ``mode`` sharded and unsharded and compares them (see the
+    module's docstring); an AssertionError naming the features, the mode and the
+    quantity that differs. ``tamper``: called with the sharded model after it holds the
+    reference's weights (a test that the harness can fail)."""
+    features = tuple(features)
+    made = check(features, mode)
+    if made.device == "gpu" and jax.default_backend() != "gpu":
+        pytest.skip(f"{features}: needs a GPU (cuDNN's attention kernel)")
+    start = time.perf_counter()
+    ref = _reference(made.reference(), _shape(made), mode)
+    got = _RUNS[mode](made, _shape(made), ref["init"], tamper)
+    _compare(made, mode, got, ref, f"{'+'.join(features)} in {mode}")
+    TIMES[features, mode] = time.perf_counter() - start
+
+
+# -- the models -----------------------------------------------------------------------
+
+
+def _build(made: compat_features.Setup, init: dict | None, tamper=None
+           ) -> tuple[Any, nnx.Module]:
+    """The mesh and the model of ``made`` on it, with the parameter values ``init`` (None:
+    its own, from seed 0), laid out as the model's annotations say; ``tamper(model)``
+    then, under the mesh."""
+    mesh = made.mesh()
+    with jax.set_mesh(mesh):
+        model = GPT(made.gpt_config(), parallel=made.parallel, rngs=nnx.Rngs(0))
+        if init is not None:
+            copy_weights(model, init)
+            state = nnx.state(model, nnx.Param)
+            nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+        if tamper is not None:
+            tamper(model)
+    return mesh, model
+
+
+def _shape(made: compat_features.Setup) -> tuple[int, int, int]:
+    """``(micro_batches, rows, data)`` of a step: a pipeline's micro-batches (else one),
+    ``B`` rows, or more where the data axes (data and expert: the batch's split) ask, and
+    the data axes' size."""
+    micro = made.parallel.pipeline_microbatches if made.parallel.pipeline_axis else 1
+    sizes = dict(zip(compat_features.AXES, made.shape, strict=True))
+    data = math.prod(sizes.get(a, 1) for a in Layout.of(made.parallel).data_axes)
+    return micro, max(B, micro * data), data
+
+
+def _batches(made: compat_features.Setup, shape: tuple[int, ...]
+             ) -> list[dict[str, np.ndarray]]:
+    """``STEPS`` batches ``[micro, rows / micro, S]`` of random tokens (seeded), with the
+    packed rows' ``segment_ids`` / ``positions`` when the set has documents."""
+    micro, n = shape[:2]
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, VOCAB, (n, S + 1)).astype(np.int32)
+        rows = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+        if made.call.get("documents"):
+            rows |= dict(zip(("segment_ids", "positions"), documents(n), strict=True))
+        out.append({k: v.reshape(micro, n // micro, S) for k, v in rows.items()})
+    return out
+
+
+def custom_loss(model: nnx.Module, batch: dict, key: jax.Array) -> tuple:
+    """A ``loss_fn`` other than ``lm_loss``: the cross entropy written out from the
+    logits of ``model(tokens)`` (packed rows: targets across documents dropped), dropout
+    drawing from ``key``; ``(sum, count)``."""
+    docs = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+    labels = batch["labels"]
+    if "segment_ids" in docs:
+        labels = document_labels(labels, docs["segment_ids"], -100)
+    logits = model(batch["tokens"], rngs=nnx.Rngs(dropout=key), **docs).astype(jnp.float32)
+    keep = labels != -100
+    # one-hot, not a gather: logits sharded over the vocabulary on an Explicit mesh
+    targets = jax.nn.one_hot(jnp.where(keep, labels, 0), logits.shape[-1]) * keep[..., None]
+    return -jnp.sum(jax.nn.log_softmax(logits) * targets), jnp.sum(keep)
+
+
+def _recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` whose state also holds the last gradients it was given (what the step
+    computed, reduced and laid out as the optimizer sees them)."""
+    def init(params):
+        return tx.init(params), jax.tree.map(jnp.zeros_like, params)
+
+    def update(grads, state, params=None):
+        updates, inner = tx.update(grads, state[0], params)
+        return updates, (inner, grads)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _train(made: compat_features.Setup, shape: tuple[int, int, int], init: dict | None,
+           tamper=None) -> dict:
+    """Three ``TrainStep`` s of ``made`` from ``init``: losses, the first step's
+    gradients, the final parameters (host arrays), the initial values."""
+    mesh, model = _build(made, init, tamper)
+    init = param_values(model)
+    loss_fn = custom_loss if made.call.get("custom_loss") else lm_loss
+    with jax.set_mesh(mesh):
+        step = TrainStep(model, _recording(optax.adamw(3e-3, eps=1e-5)), loss_fn=loss_fn,
+                         offload_optimizer=bool(made.call.get("offload")))
+        losses, grads = [], None
+        for i, batch in enumerate(_batches(made, shape)):
+            losses.append(float(step(batch, jax.random.key(i))["loss"]))
+            if i == 0:
+                grads = to_host(nnx.to_pure_dict(step.opt_state[1]))
+        params = to_host(nnx.to_pure_dict(step.params))
+    return dict(init=init, losses=np.array(losses), grads=grads, params=params)
+
+
+def _forward(model: nnx.Module, tokens: jax.Array, docs: dict) -> tuple:
+    return model(tokens, **docs), model.hidden_states(tokens, **docs)
+
+
+_FORWARD = nnx.jit(_forward)
+
+
+def _eval(made: compat_features.Setup, shape: tuple[int, int, int], init: dict | None,
+          tamper=None) -> dict:
+    """Logits and hidden states of ``made`` in eval mode on the batch's rows."""
+    mesh, model = _build(made, init, tamper)
+    init = param_values(model)
+    first = _batches(made, (1, shape[1]))[0]
+    docs = {k: first[k][0] for k in ("segment_ids", "positions") if k in first}
+    with jax.set_mesh(mesh):
+        model.eval()
+        logits, hidden = _FORWARD(model, first["tokens"][0], docs)
+    return dict(init=init, logits=to_host(logits), hidden=to_host(hidden))
+
+
+def _generate(made: compat_features.Setup, shape: tuple[int, int, int], init: dict | None,
+              tamper=None) -> dict:
+    """Greedy tokens of ``generate`` for ``PROMPTS``, and the next-token logits read from
+    the cache after a prefill and decode steps (``cache_and_forward_logits``) with the
+    model's full-forward logits of the same rows."""
+    mesh, model = _build(made, init, tamper)
+    init = param_values(model)
+    rng = np.random.default_rng(0)
+    rows = max(2, shape[2])  # two rows, or one per data shard
+    full = rng.integers(0, VOCAB, (rows, S)).astype(np.int32)
+    lengths, steps = np.resize([5, 3], rows), 4
+    prompts: Any = [list(p) for p in PROMPTS]
+    if made.first_step:  # FP8: both models given the same rows (see _fp8_rows)
+        prompts = _fp8_rows(shape[2])
+    with jax.set_mesh(mesh):
+        tokens = generate(model, prompts, max_new_tokens=NEW_TOKENS).tokens
+        decoding = model.for_decoding()
+        decoding.eval()
+        cached, forward = cache_and_forward_logits(decoding, full, lengths, steps)
+    at = lengths + steps - 1
+    return dict(init=init, tokens=np.asarray(tokens), cached=cached,
+                forward=forward[np.arange(rows), at])
+
+
+def _fp8_rows(data: int) -> tuple[np.ndarray, np.ndarray]:
+    """``PROMPTS`` as ``generate``'s padded form, ``[rows, 8]`` and lengths, with the
+    rows a multiple of ``data`` (filler rows: copies of the first) and a width every
+    mesh's sequence shards divide, so that ``generate`` pads nothing more on any mesh.
+
+    FP8 current scaling takes one amax over the whole activation tensor, so every row
+    and every padded position of a batch sets the scale of all of them: measured, the
+    one-device model's greedy tokens of ``PROMPTS`` change (1 of 18) when a fourth row
+    is added, which is what ``generate`` adds to fill a data axis of 2. The comparison
+    with the unsharded model is made on the same batch."""
+    rows = -(-len(PROMPTS) // data) * data
+    tokens = np.zeros((rows, 8), np.int32)
+    lengths = np.zeros(rows, np.int32)
+    for i in range(rows):
+        prompt = PROMPTS[i] if i < len(PROMPTS) else PROMPTS[0]
+        tokens[i, :len(prompt)], lengths[i] = prompt, len(prompt)
+    return tokens, lengths
+
+
+_RUNS = {"train": _train, "eval": _eval, "generate": _generate}
+
+
+def _reference(made: compat_features.Setup, shape: tuple[int, int, int], mode: str) -> dict:
+    """The unsharded model's results in ``mode`` (its own weights, seed 0; batches of
+    ``shape``), cached by what they depend on: the configuration, the call's options and
+    the batch's shape (sets that differ only in how they lay the model out share one)."""
+    rows = {"train": shape[:2], "eval": shape[1], "generate": shape[2]}[mode]
+    key = (tuple(sorted((k, repr(v)) for k, v in made.config.items())),
+           tuple(sorted(made.call.items())), rows, mode)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _RUNS[mode](made, shape, None)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[tuple, dict] = {}
+
+
+# -- the comparison -------------------------------------------------------------------
+
+
+def _close(got: Any, want: Any, bound: tuple[float, float], what: str) -> None:
+    """Every leaf of ``got`` within ``bound`` (rtol, atol) of ``want``'s, paths equal."""
+    got_leaves = {jax.tree_util.keystr(p): np.asarray(x)
+                  for p, x in jax.tree_util.tree_flatten_with_path(got)[0]}
+    want_leaves = {jax.tree_util.keystr(p): np.asarray(x)
+                   for p, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+    assert got_leaves.keys() == want_leaves.keys(), (
+        f"{what}: the leaves differ: {sorted(got_leaves.keys() ^ want_leaves.keys())}")
+    rtol, atol = bound
+    for path, x in got_leaves.items():
+        np.testing.assert_allclose(x, want_leaves[path], rtol=rtol, atol=atol,
+                                   err_msg=f"{what}{path}")
+
+
+def _histories(params: dict) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in
+            jax.tree_util.tree_flatten_with_path(params)[0] if "fp8_history" in str(p)}
+
+
+def _plain(params: dict) -> dict:
+    """``params`` without the FP8 amax histories (not parameters the optimizer moves)."""
+    def drop(tree):
+        if isinstance(tree, dict):
+            return {k: drop(v) for k, v in tree.items() if "fp8_history" not in str(k)}
+        return tree
+    return drop(params)
+
+
+def _compare(made: compat_features.Setup, mode: str, got: dict, ref: dict,
+             what: str) -> None:
+    if mode == "train":
+        losses, want = got["losses"], ref["losses"]
+        assert np.all(np.isfinite(losses)), f"{what}: losses {losses}"
+        if made.first_step:  # FP8: the first step bounded, the later ones loosely
+            np.testing.assert_allclose(losses[0], want[0], rtol=made.bound("loss")[0],
+                                       err_msg=f"{what}: the first step's loss")
+            # later steps: one FP8 quantum flipped by another summation order, amplified
+            # by AdamW, may move them (measured on three sets: within 2e-7 relative);
+            # not "falling": the three batches are random tokens, the reference's losses
+            # rise and fall too
+            np.testing.assert_allclose(losses, want, rtol=1e-2,
+                                       err_msg=f"{what}: FP8 losses of later steps")
+            _close(got["grads"], ref["grads"], made.bound("grads"), f"{what}: gradient ")
+            g, w = _histories(got["params"]), _histories(ref["params"])
+            assert g.keys() == w.keys(), f"{what}: amax histories {sorted(g)} vs {sorted(w)}"
+            for name, h in g.items():  # newest first: the first step's in column STEPS - 1
+                np.testing.assert_allclose(h[..., STEPS - 1], w[name][..., STEPS - 1],
+                                           rtol=1e-6, err_msg=f"{what}: amaxes {name}")
+            return
+        np.testing.assert_allclose(losses, want, rtol=made.bound("loss")[0],
+                                   atol=made.bound("loss")[1], err_msg=f"{what}: losses")
+        _close(got["grads"], ref["grads"], made.bound("grads"), f"{what}: gradient ")
+        _close(got["params"], ref["params"], made.bound("params"),
+               f"{what}: parameters after {STEPS} steps ")
+    elif mode == "eval":
+        bound = made.bound("logits")
+        _close(got["logits"], ref["logits"], bound, f"{what}: logits")
+        _close(got["hidden"], ref["hidden"], bound, f"{what}: hidden states")
+    else:
+        np.testing.assert_array_equal(got["tokens"], ref["tokens"],
+                                      err_msg=f"{what}: greedy tokens")
+        bound = made.bound("logits")
+        _close(got["cached"], ref["cached"], bound,
+               f"{what}: next-token logits from the cache vs the reference's")
+        if not made.first_step:  # FP8: decoding's single-token products run unquantised
+            _close(got["cached"], ref["forward"], bound,
+                   f"{what}: next-token logits from the cache vs the reference's forward")

@@ -1,0 +1,56 @@
+"""The combination harness itself: one small feature set per mode against the unsharded
+model, the sets the table says cannot run refused before anything is built, and a
+sharded model made wrong on purpose caught (the harness can fail)."""
+
+import re
+
+import pytest
+from flax import nnx
+
+from combinations import harness
+from sp_jax import compat
+
+
+@pytest.mark.parametrize("features, mode", [
+    (("tensor_sequence", "zero1", "packed_documents"), "train"),
+    (("context_ring", "packed_documents", "sliding_window"), "eval"),
+    (("fsdp", "attention_softcap"), "generate")])
+def test_a_feature_set_equals_the_unsharded_model(features, mode):
+    harness.run(features, mode)
+
+
+def test_sets_that_cannot_run_are_refused_before_anything_is_built():
+    with pytest.raises(compat.CombinationError, match=r"custom_loss x pipeline_gpipe in train"):
+        harness.check(["custom_loss", "pipeline_gpipe"], "train")
+    with pytest.raises(ValueError, match=r"fsdp x zero1 is exclusive in train"):
+        harness.check(["fsdp", "zero1"], "train")
+    with pytest.raises(ValueError, match=r"zero1 alone is n/a in eval"):
+        harness.check(["zero1"], "eval")
+    with pytest.raises(ValueError, match=r"unknown features \['fp16'\]"):
+        harness.check(["fp16"], "train")
+    with pytest.raises(ValueError, match=r"unknown mode 'infer'"):
+        harness.check(["fsdp"], "infer")
+    with pytest.raises(ValueError, match=re.escape("(32 devices); there are 8")):
+        harness.check(["pipeline_gpipe", "fsdp", "expert_parallel", "context_ring",
+                       "tensor_sequence"], "train")
+    made = harness.check(["pipeline_1f1b"], "train")  # what a feature implies is added
+    assert made.names == ("pipeline_1f1b", "scan_layers") and made.shape == (2, 1, 1, 1, 1)
+
+
+def _perturb(model):
+    """One entry of the first MLP's kernel changed by 1e-3 (of weights ~0.02)."""
+    state = nnx.state(model, nnx.Param)
+    leaf = next(p for p, _ in nnx.to_flat_state(state) if "mlp" in str(p))
+    flat = dict(nnx.to_flat_state(state))
+    value = flat[leaf][...]
+    flat[leaf].set_value(value.at[(0,) * value.ndim].add(1e-3))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_the_harness_catches_a_wrong_model(mode):
+    """The same run with one weight of the sharded model off by 1e-3 fails (its
+    reference is the one the passing case above computed)."""
+    features = {"eval": ("context_ring", "packed_documents", "sliding_window"),
+                "train": ("tensor_sequence", "zero1", "packed_documents")}[mode]
+    with pytest.raises(AssertionError, match=re.escape("+".join(features) + f" in {mode}")):
+        harness.run(features, mode, tamper=_perturb)
