@@ -128,8 +128,7 @@ def pytest_configure(config):
     (tests/combinations/recording.py; xdist's workers report to it)."""
     if not os.environ.get("SP_JAX_RECORD_COMBINATIONS") or hasattr(config, "workerinput"):
         return
-    sys.path.insert(0, str(TESTS / "combinations"))
-    import recording
+    from combinations import recording  # tests/ is on the path (rootdir conftest)
 
     if (path := recording.target()) is not None:
         config.pluginmanager.register(recording.Recorder(path), "sp_jax_combinations_recorder")

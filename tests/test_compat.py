@@ -354,12 +354,6 @@ ENTRY_POINTS = {
                              moe_mlp_hidden=16), f"{_REDUCE}"),
     ("grad_reduce_dtype", "fp8"): (
         lambda: _reduce_step({}, fp8=sp_jax.Fp8Recipe("current")), f"{_REDUCE}"),
-    ("grad_reduce_dtype", "interleaved_experts"): (
-        lambda: _reduce_step({}, num_layers=2, num_experts=2, moe_mlp_hidden=16,
-                             moe_layer_freq=2), f"{_REDUCE}"),
-    ("grad_reduce_dtype", "dense_layers"): (
-        lambda: _reduce_step({}, num_layers=2, num_experts=2, moe_mlp_hidden=16,
-                             num_dense_layers=1), f"{_REDUCE}"),
 }
 _FIRST_ENTRY_POINTS = ["train_eval_generate-cudnn_attention-context_ring",
                        "train_eval-packed_documents-cudnn_attention",

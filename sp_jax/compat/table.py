@@ -213,8 +213,8 @@ REFUSALS: list[Refusal] = [
             "a pipelined model trains with the default loss_fn=lm_loss through its own "
             "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
     *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
-      for other in ("fsdp", "experts", "expert_parallel", "fp8", "interleaved_experts",
-                    "dense_layers")),  # the last two are models with experts too
+      for other in ("fsdp", "experts", "expert_parallel", "fp8")),
+    # interleaved_experts and dense_layers: refused through IMPLIES (they bring experts)
 ]
 """Each refusal (:class:`Refusal`); a feature may be an alias (each of its values is
 refused)."""

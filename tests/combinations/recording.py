@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import covering
+from combinations import covering
 
 RAN = Path(__file__).resolve().with_name("ran.json")
 """The committed record."""

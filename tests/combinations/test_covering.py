@@ -11,9 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import compat_coverage
-import covering
+from combinations import covering
 import pytest
-import recording
+from combinations import recording
 
 from sp_jax import compat
 
@@ -96,7 +96,7 @@ def test_docs_api_gives_the_size_of_the_array():
 def test_the_array_is_the_same_in_every_process():
     """Generated without randomness: the same fingerprint under two hash seeds (sets of
     strings iterate in another order) as here."""
-    code = ("import sys; sys.path[:0] = ['tests', 'tests/combinations']; import covering; "
+    code = ("import sys; sys.path[:0] = ['tests']; from combinations import covering; "
             "print(covering.fingerprint())")
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
