@@ -109,15 +109,20 @@ def measure_forms(*, hidden: int = 256, seq: int = 1024, heads: int = 8, tensor:
     scanned, with and without a data axis, remat, pipeline stages) the device temp growth
     and host bytes per layer (MiB, per layer of a stage) with and without the option,
     and their ratio (what ``tests/test_offload_activations.py`` checks)."""
+    import jax
+
     shape = {"hidden": hidden, "seq": seq, "heads": heads, "tensor": tensor}
     rows = []
     for form in STACK_FORMS:
-        got = {off: per_layer_memory(form, offload=off, depths=depths, **shape)
-               for off in (False, True)}
-        rows.append({"form": form, **{
-            key: {k: v / 2**20 for k, v in got[off].items()}
-            for key, off in (("device", False), ("offload", True))},
-            "ratio": got[True]["growth_bytes"] / got[False]["growth_bytes"]})
+        device = per_layer_memory(form, offload=False, depths=depths, **shape)
+        row = {"form": form, "device": {k: v / 2**20 for k, v in device.items()}}
+        try:
+            host = per_layer_memory(form, offload=True, depths=depths, **shape)
+        except jax.errors.JaxRuntimeError as err:  # GPipe stages: XLA:GPU INTERNAL, measured
+            rows.append({**row, "offload": f"does not compile: {str(err)[:200]}"})
+            continue
+        rows.append({**row, "offload": {k: v / 2**20 for k, v in host.items()},
+                     "ratio": host["growth_bytes"] / device["growth_bytes"]})
     return rows
 
 

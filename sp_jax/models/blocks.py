@@ -30,7 +30,12 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers import MLP, AttentionCache, MoE, MoEStats, attention_class
 from sp_jax.mesh import check_activations, reshard
 from sp_jax.models.gpt_config import GPTConfig
-from sp_jax.ops.primitives import residuals_to_device, residuals_to_host, tied_host_moves
+from sp_jax.ops.primitives import (
+    cotangent_barrier,
+    residuals_to_device,
+    residuals_to_host,
+    tied_host_moves,
+)
 
 __all__ = ["Block", "Documents", "Layers", "Segments", "decode_blocks", "over_layers",
            "prefill_blocks", "run_block", "run_blocks", "scan_blocks", "stack_blocks",
@@ -65,6 +70,7 @@ class Block(nnx.Module):
 
     def __init__(self, config: GPTConfig, parallel: ParallelConfig = ParallelConfig(), *,
                  rngs: nnx.Rngs, index: int = 0):
+        self.offload = bool(parallel.offload_activations)
         self.offload_input = bool(config.remat and parallel.offload_activations)
         if self.offload_input:
             parallel = parallel.replace(offload_activations=False)
@@ -339,6 +345,8 @@ def run_blocks(blocks: Layers, x: jax.Array, *, num_layers: int, remat: bool,
         return scan_blocks(blocks, x, keys, remat, documents)
     layers = []
     for block in blocks:
+        # the residual stream's gradient materialised at each layer (a scan's carry is)
+        x = cotangent_barrier(x, block.offload)
         with tied_host_moves():  # the offloaded residuals' moves (no scan writes them)
             x, layer = run_block(block, x, None if stream is None else stream(), remat,
                                  documents)
