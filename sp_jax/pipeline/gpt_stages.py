@@ -524,13 +524,17 @@ def pipeline_loss_and_grads(model: Any, batch: dict[str, jax.Array], key: jax.Ar
 def _micro_batches(model: Any, rows: int) -> int:
     """How many micro-batches a ``[rows, ...]`` batch runs as outside a training step:
     ``pipeline_microbatches`` when the rows split evenly over them and the data axes, no
-    dropout is drawn and there are no experts (whose router losses are then the whole
-    batch's, as the unpipelined model's), else 1."""
+    dropout is drawn, there are no experts (whose router losses are then the whole
+    batch's, as the unpipelined model's) and no FP8 current scaling (whose amaxes are then
+    the whole batch's: measured, micro-batches of their own amaxes moved the logits by
+    up to 0.35 from the unpipelined model's), else 1."""
     par = model.parallel
     mesh = current_mesh(par, where="GPT")
     data = math.prod(mesh.shape[a] for a in par.data_axes)
     micro = model.pipeline.microbatches
-    if model.training or model.config.num_experts or rows % (micro * data):
+    fp8 = model.config.fp8
+    current = fp8 is not None and fp8.scaling == "current"
+    if model.training or model.config.num_experts or current or rows % (micro * data):
         return 1
     return micro
 

@@ -23,7 +23,8 @@ weights; what changes the math stays in it), and compares, as a user runs each m
   the next-token logits from the sharded model's cache (whatever its layout: split over
   a context axis, ring attention's zigzag) equal the reference's, and the reference's
   full-forward logits of the same rows (FP8: not the forward's, since decoding's
-  single-token products run in the compute dtype while the prefill quantises).
+  single-token products run in the compute dtype while the prefill quantises; and the
+  prompts given padded to the mesh's rows and width, :func:`_fp8_rows`).
 
 A refused, exclusive or meaningless set raises a ValueError before anything is built
 (:func:`check`); a set whose mesh needs more devices than there are, too. Features

@@ -46,7 +46,7 @@ def _perturb(model):
     flat[leaf].set_value(value.at[(0,) * value.ndim].add(1e-3))
 
 
-@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("mode", ["eval", pytest.param("train", marks=pytest.mark.slow)])
 def test_the_harness_catches_a_wrong_model(mode):
     """The same run with one weight of the sharded model off by 1e-3 fails (its
     reference is the one the passing case above computed)."""
