@@ -81,7 +81,10 @@ class Feature:
     bounds: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     first_step: bool = False
     device: str = "any"
-    cpu_stand_in: Callable[[], contextlib.AbstractContextManager] | None = None
+    # not in the repr: a function's repr holds its address, and covering.fingerprint
+    # hashes the features' reprs
+    cpu_stand_in: Callable[[], contextlib.AbstractContextManager] | None = dataclasses.field(
+        default=None, repr=False)
     within: tuple[str, ...] = ()
 
 
