@@ -15,8 +15,9 @@ none), so tests/combinations/harness.py compares the two within the features' bo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -55,8 +56,17 @@ class Feature:
         ``grads``, ``params``, ``logits``); the default is fp32's ``(1e-5, 1e-5)``.
       first_step: FP8: only the first training step is bounded (:data:`FP8_BOUNDS`);
         later steps follow whole-quantum flips of fp32 rounding noise.
-      device: the platform it runs on (``"gpu"``: cuDNN's kernel; elsewhere the
-        harness skips it).
+      device: the platform it runs on (``"gpu"``: cuDNN's kernel).
+      cpu_stand_in: how a ``device="gpu"`` feature runs on another backend: a context
+        manager (made by calling it) the harness runs the sharded model in, which puts
+        a kernel of that backend in the GPU kernel's place; None: the harness skips the
+        feature there. ``cudnn_attention``'s is :func:`xla_for_cudnn` (XLA's
+        implementation of ``jax.nn.dot_product_attention`` in cuDNN's place): on CPU its
+        sets check everything sp_jax does around the kernel (the call's arguments:
+        ``scale``, causality, the window as ``local_window_size``, the grouped-query
+        head layout; the sharding under every layout; the prefill in generate) against
+        the unsharded model, whose attention is sp_jax's own kernel; cuDNN's numerics
+        and its input contract (fp16/bf16 inputs, head sizes) are checked on a GPU only.
       within: features that hold this one already: with one of them its ``config`` is
         left out (``layer_windows`` with a window is a sliding window, and GPTConfig
         takes the window either per layer or once).
@@ -71,6 +81,10 @@ class Feature:
     bounds: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     first_step: bool = False
     device: str = "any"
+    # not in the repr: a function's repr holds its address, and covering.fingerprint
+    # hashes the features' reprs
+    cpu_stand_in: Callable[[], contextlib.AbstractContextManager] | None = dataclasses.field(
+        default=None, repr=False)
     within: tuple[str, ...] = ()
 
 
@@ -93,6 +107,31 @@ def _pipeline(schedule: str) -> Feature:
 
 
 _EXPERTS = dict(num_experts=4, moe_mlp_hidden=16)
+
+
+@contextlib.contextmanager
+def xla_for_cudnn() -> Iterator[None]:
+    """``jax.nn.dot_product_attention`` with XLA's implementation where a caller asks for
+    cuDNN's (``implementation="cudnn"`` becomes ``"xla"``; every other argument, and
+    every other call, passed through unchanged), restored on exit: the stand-in of
+    ``cudnn_attention`` off a GPU (:attr:`Feature.cpu_stand_in`). JAX's caches of
+    traced and compiled functions are cleared on entry and on exit, so that nothing
+    traced inside (the ``"cudnn"`` branch of sp_jax's kernels calls the function at
+    trace time) is reused outside, or the other way round."""
+    original = jax.nn.dot_product_attention
+
+    def dot_product_attention(*args, implementation=None, **kwargs):
+        return original(*args, implementation="xla" if implementation == "cudnn"
+                        else implementation, **kwargs)
+
+    jax.clear_caches()
+    jax.nn.dot_product_attention = dot_product_attention
+    try:
+        yield
+    finally:
+        jax.nn.dot_product_attention = original
+        jax.clear_caches()
+
 
 FEATURES: dict[str, Feature] = {
     "tensor_sequence": Feature(axes={"tensor": 2}),
@@ -117,6 +156,7 @@ FEATURES: dict[str, Feature] = {
     "sliding_window": Feature(config=dict(sliding_window=3), within=("layer_windows",)),
     "layer_windows": Feature(config=dict(layer_windows=(3, None))),
     "cudnn_attention": Feature(config=dict(attention_implementation="cudnn"), device="gpu",
+                               cpu_stand_in=xla_for_cudnn,
                                reference=dict(attention_implementation="xla")),
     "attention_dropout": Feature(config=dict(attention_dropout=0.1)),
     "attention_softcap": Feature(config=dict(attention_softcap=5.0)),
@@ -157,6 +197,7 @@ class Setup:
     first_step: bool = False
     device: str = "any"
     reference_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cpu_stand_in: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def gpt_config(self) -> GPTConfig:
         """The ``GPTConfig`` (its construction checks what is refused in every mode)."""
@@ -219,7 +260,8 @@ def setup(names: Iterable[str]) -> Setup:
             old = bounds.get(quantity, FP32_BOUND)
             bounds[quantity] = (max(old[0], rtol), max(old[1], atol))
     features = [FEATURES[n] for n in chosen]
+    gpu = next((f for f in features if f.device != "any"), None)
     return Setup(tuple(chosen), config, sp_jax.ParallelConfig(**parallel),
                  tuple(axes.get(a, 1) for a in AXES), call, bounds,
-                 any(f.first_step for f in features),
-                 next((f.device for f in features if f.device != "any"), "any"), reference)
+                 any(f.first_step for f in features), gpu.device if gpu else "any",
+                 reference, gpu.cpu_stand_in if gpu else None)

@@ -25,8 +25,10 @@ where it has a meaning (``make test``). :func:`params` gives the cases as pytest
 parameters of ``test_combination``, ids ``f"{mode}-{combination.id}"``, each marked
 ``slow``, those outside the feature tier ``combinations`` too.
 
-cuDNN's attention (``cudnn_attention``) runs only on a GPU: its pairs are covered by
-sets of their own (ids ``cudnn-NN``), every other set leaves it out (ids ``cNN``).
+cuDNN's attention (``cudnn_attention``) runs on a GPU, and off one in the harness's
+stand-in (XLA's attention in cuDNN's place, ``compat_features.Feature.cpu_stand_in``):
+its pairs are covered by sets of their own (ids ``cudnn-NN``), every other set leaves it
+out (ids ``cNN``).
 """
 
 from __future__ import annotations
@@ -288,7 +290,7 @@ def _feature_tier() -> frozenset[tuple[str, str]]:
     """(mode, id) of the cases of the feature tier: a greedy cover of every (mode,
     feature) cell by the array's cases, the case that runs the most cells left first (the
     cheaper of equals, then the array's order); the GPU's features (cuDNN) by their own
-    sets, the others by CPU sets only (a CPU run skips the GPU's)."""
+    sets, the others by the other sets only."""
     chosen = set()
     for gpu in (False, True):
         cases = [(m, c) for c in _array() for m in c.modes

@@ -27,12 +27,16 @@ weights; what changes the math stays in it), and compares, as a user runs each m
   prompts given padded to the mesh's rows and width, :func:`_fp8_rows`).
 
 A refused, exclusive or meaningless set raises a ValueError before anything is built
-(:func:`check`); a set whose mesh needs more devices than there are, too. Features
-that need a GPU (cuDNN's kernel) are skipped elsewhere (``pytest.skip``).
+(:func:`check`); a set whose mesh needs more devices than there are, too. A feature
+that needs a GPU (cuDNN's kernel) runs elsewhere in its declared stand-in
+(``Feature.cpu_stand_in``: the sharded model's run inside it; cuDNN's attention: XLA's
+implementation of ``jax.nn.dot_product_attention`` in its place), or is skipped
+(``pytest.skip``) where it declares none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -109,11 +113,15 @@ def run(features: Iterable[str], mode: str, *,
     reference's weights (a test that the harness can fail)."""
     features = tuple(features)
     made = check(features, mode)
+    stand_in = contextlib.nullcontext()
     if made.device == "gpu" and jax.default_backend() != "gpu":
-        pytest.skip(f"{features}: needs a GPU (cuDNN's attention kernel)")
+        if made.cpu_stand_in is None:
+            pytest.skip(f"{features}: needs a GPU (cuDNN's attention kernel)")
+        stand_in = made.cpu_stand_in()
     start = time.perf_counter()
-    ref = _reference(made.reference(), _shape(made), mode)
-    got = _RUNS[mode](made, _shape(made), ref["init"], tamper)
+    ref = _reference(made.reference(), _shape(made), mode)  # never in the stand-in
+    with stand_in:
+        got = _RUNS[mode](made, _shape(made), ref["init"], tamper)
     _compare(made, mode, got, ref, f"{'+'.join(features)} in {mode}")
     TIMES[features, mode] = time.perf_counter() - start
 

@@ -87,9 +87,10 @@ def test_docs_api_gives_the_size_of_the_array():
     text = " ".join((ROOT / "docs" / "api.md").read_text().split())
     assert (f"The array: {len(combos)} sets, {len(cases)} cases ({sizes}; of them the "
             f"{len(gpu)} sets with cuDNN's attention, {sum(len(c.modes) for c in gpu)} cases, "
-            f"run only on a GPU); `make test` runs {len(feature)} of its cases (each feature "
-            "in each mode where it has a meaning at least once; "
-            f"{sum('cudnn_attention' not in c.features for _, c in feature)} on CPU)") in text
+            "run on CPU with XLA's attention in cuDNN's place); `make test` runs "
+            f"{len(feature)} of its cases (each feature in each mode where it has a meaning "
+            f"at least once; {sum('cudnn_attention' in c.features for _, c in feature)} of "
+            "them with cuDNN's attention)") in text
 
 
 @pytest.mark.slow  # two fresh interpreters

@@ -4,11 +4,15 @@ sharded model made wrong on purpose caught (the harness can fail)."""
 
 import re
 
+import jax
+import numpy as np
 import pytest
+from compat_features import FEATURES
 from flax import nnx
 
 from combinations import harness
 from sp_jax import compat
+from sp_jax.attention import blockwise_attention
 
 
 @pytest.mark.parametrize("features, mode", [
@@ -54,3 +58,29 @@ def test_the_harness_catches_a_wrong_model(mode):
                 "train": ("tensor_sequence", "zero1", "packed_documents")}[mode]
     with pytest.raises(AssertionError, match=re.escape("+".join(features) + f" in {mode}")):
         harness.run(features, mode, tamper=_perturb)
+
+
+def test_cudnn_stand_in_is_sp_jax_cudnn_call_with_xla_kernel():
+    """Off a GPU, ``cudnn_attention`` runs in its declared stand-in: sp_jax's cuDNN call
+    (scale, causality, the window as ``local_window_size``, grouped-query heads) with
+    XLA's implementation in cuDNN's place equals sp_jax's own kernel; outside it the
+    call is cuDNN's again (nothing traced inside is reused)."""
+    stand_in = FEATURES["cudnn_attention"].cpu_stand_in
+    assert FEATURES["cudnn_attention"].device == "gpu" and stand_in is not None
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 16, 4, 8))
+    k, v = jax.random.normal(kk, (2, 16, 2, 8)), jax.random.normal(kv, (2, 16, 2, 8))
+    run = jax.jit(blockwise_attention, static_argnames=("implementation", "sliding_window",
+                                                         "scale"))
+    for window, scale in ((None, None), (3, 0.7)):
+        want = blockwise_attention(q, k, v, block_q=4, block_k=4, sliding_window=window,
+                                   scale=scale)
+        with stand_in():
+            got = run(q, k, v, implementation="cudnn", sliding_window=window, scale=scale)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"window {window}, scale {scale}")
+        if window:  # the arguments reach the kernel
+            assert not np.allclose(got, blockwise_attention(q, k, v), atol=1e-3)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(RuntimeError, match="cuDNN.*implementation='xla'"):
+            run(q, k, v, implementation="cudnn", sliding_window=3, scale=0.7)
