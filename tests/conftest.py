@@ -5,7 +5,6 @@ import atexit
 import gc
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 

@@ -11,10 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import compat_coverage
-from combinations import covering
 import pytest
-from combinations import recording
 
+from combinations import covering, recording
 from sp_jax import compat
 
 ROOT = Path(__file__).resolve().parents[2]
