@@ -221,8 +221,12 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
             f"position table of max_seq_len={cfg.max_seq_len}; generate fewer tokens.")
     padded = np.zeros((rows, width), np.int32)
     padded[:batch, :tokens.shape[1]] = tokens
-    padded[batch:, 0] = tokens[0, 0]  # filler rows (the data axes' multiple): dropped
-    all_lens = np.concatenate([lens, np.ones(rows - batch, np.int32)])
+    # Filler rows (the data axes' multiple), dropped at the end: copies of the first row,
+    # so that a whole-tensor statistic of the batch is that of the rows given (FP8 current
+    # scaling's amax: measured, a filler row of one token changed 1 of 18 greedy tokens of
+    # the one-device FP8 model; a copy adds no new value to a maximum).
+    padded[batch:] = padded[0]
+    all_lens = np.concatenate([lens, np.full(rows - batch, lens[0], np.int32)])
     eos_ids = [] if eos_token_id is None else \
         [int(eos_token_id)] if isinstance(eos_token_id, int | np.integer) else \
         [int(e) for e in eos_token_id]

@@ -24,7 +24,7 @@ weights; what changes the math stays in it), and compares, as a user runs each m
   a context axis, ring attention's zigzag) equal the reference's, and the reference's
   full-forward logits of the same rows (FP8: not the forward's, since decoding's
   single-token products run in the compute dtype while the prefill quantises; and the
-  prompts given padded to the mesh's rows and width, :func:`_fp8_rows`).
+  prompts given padded to a width every mesh divides, :func:`_fp8_rows`).
 
 A refused, exclusive or meaningless set raises a ValueError before anything is built
 (:func:`check`); a set whose mesh needs more devices than there are, too. A feature
@@ -252,7 +252,7 @@ def _generate(made: compat_features.Setup, shape: tuple[int, int, int], init: di
     lengths, steps = np.resize([5, 3], rows), 4
     prompts: Any = [list(p) for p in PROMPTS]
     if made.first_step:  # FP8: both models given the same rows (see _fp8_rows)
-        prompts = _fp8_rows(shape[2])
+        prompts = _fp8_rows()
     with jax.set_mesh(mesh):
         tokens = generate(model, prompts, max_new_tokens=NEW_TOKENS).tokens
         decoding = model.for_decoding()
@@ -263,21 +263,20 @@ def _generate(made: compat_features.Setup, shape: tuple[int, int, int], init: di
                 forward=forward[np.arange(rows), at])
 
 
-def _fp8_rows(data: int) -> tuple[np.ndarray, np.ndarray]:
-    """``PROMPTS`` as ``generate``'s padded form, ``[rows, 8]`` and lengths, with the
-    rows a multiple of ``data`` (filler rows: copies of the first) and a width every
-    mesh's sequence shards divide, so that ``generate`` pads nothing more on any mesh.
+def _fp8_rows() -> tuple[np.ndarray, np.ndarray]:
+    """``PROMPTS`` as ``generate``'s padded form, ``[3, 8]`` and lengths: a width every
+    mesh's sequence shards divide, so that ``generate`` pads no position more on any mesh.
 
     FP8 current scaling takes one amax over the whole activation tensor, so every row
-    and every padded position of a batch sets the scale of all of them: measured, the
-    one-device model's greedy tokens of ``PROMPTS`` change (1 of 18) when a fourth row
-    is added, which is what ``generate`` adds to fill a data axis of 2. The comparison
-    with the unsharded model is made on the same batch."""
-    rows = -(-len(PROMPTS) // data) * data
-    tokens = np.zeros((rows, 8), np.int32)
-    lengths = np.zeros(rows, np.int32)
-    for i in range(rows):
-        prompt = PROMPTS[i] if i < len(PROMPTS) else PROMPTS[0]
+    and every padded position of a batch sets the scale of all of them. The rows are
+    left as given: on a data axis of 2 ``generate`` adds a fourth, a copy of the first,
+    which adds no new value to any amax (measured before it copied: a filler row of one
+    token changed 1 of 18 greedy tokens of the one-device model), and the comparison
+    checks exactly that. The positions past a prompt's end are the ones the width adds,
+    the same on both sides."""
+    tokens = np.zeros((len(PROMPTS), 8), np.int32)
+    lengths = np.zeros(len(PROMPTS), np.int32)
+    for i, prompt in enumerate(PROMPTS):
         tokens[i, :len(prompt)], lengths[i] = prompt, len(prompt)
     return tokens, lengths
 
