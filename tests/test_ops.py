@@ -218,3 +218,74 @@ def test_identity_with_all_reduce_grad_adds_no_hlo(tensor_mesh):
             lambda x, k: ops.all_reduce_with_identity_grad(ops.matmul(x, k), "tensor"))
     assert _hlo_ops(explicit) == _hlo_ops(implicit)
     assert _hlo_ops(explicit)["all-reduce"] == 2  # the psum forward and the dx psum
+
+
+# --------------------------------------------------------------------------------------
+# The parallel linear ops' forward and VJP, with check_vma on and off
+# --------------------------------------------------------------------------------------
+
+D_IN, D_OUT = 8, 12  # the kernel is split T ways on D_OUT (column) or D_IN (row)
+
+
+def _linear_expected(name, x, kernel, ct):
+    """numpy forward and VJP of the op on every device: ``x``, ``ct`` as the devices
+    hold them (``[T, ...]`` stacks, or one replicated array), ``kernel`` whole; the
+    results as ``[T, ...]`` stacks of what each device holds."""
+    ks = np.split(kernel, T, axis=1 if name.startswith("column") else 0)
+    if name == "column_parallel_matmul":  # x replicated, y split on features
+        y = np.stack([x @ k for k in ks])
+        dx = np.stack([sum(c @ k.T for c, k in zip(ct, ks, strict=True))] * T)
+        dk = np.stack([np.einsum("nsi,nso->io", x, c) for c in ct])
+    elif name == "column_sequence_parallel_matmul":  # x split on the sequence
+        full = np.concatenate(list(x), axis=1)
+        y = np.stack([full @ k for k in ks])
+        dx = np.stack(_chunks(sum(c @ k.T for c, k in zip(ct, ks, strict=True)), 1))
+        dk = np.stack([np.einsum("nsi,nso->io", full, c) for c in ct])
+    elif name == "row_parallel_matmul":  # x split on features, y replicated
+        y = np.stack([sum(a @ k for a, k in zip(x, ks, strict=True))] * T)
+        dx = np.stack([ct @ k.T for k in ks])
+        dk = np.stack([np.einsum("nsi,nso->io", a, ct) for a in x])
+    else:  # row_sequence_parallel_matmul: y reduce-scattered on the sequence
+        y = np.stack(_chunks(sum(a @ k for a, k in zip(x, ks, strict=True)), 1))
+        full = np.concatenate(list(ct), axis=1)
+        dx = np.stack([full @ k.T for k in ks])
+        dk = np.stack([np.einsum("nsi,nso->io", a, full) for a in x])
+    return y, dx, dk
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("name", ["column_parallel_matmul", "column_sequence_parallel_matmul",
+                                  "row_parallel_matmul", "row_sequence_parallel_matmul"])
+def test_linear_op_forward_and_vjp(tensor_mesh, name, check_vma):
+    """Each device's output and its input and kernel gradients equal numpy's, with VMA
+    typing and without (the kernel's cast to vary over an axis, and its transpose, a
+    psum of the kernel gradient, happen only with typing: without, a psum over the
+    tensor axis would add the gradients of different columns)."""
+    column, seq = name.startswith("column"), "sequence" in name
+    x_dev = seq or not column  # what each device holds differs
+    x = RNG.normal(size=((T,) if x_dev else ()) + (N, S // T if column and seq else S,
+                                                   D_IN // T if not column else D_IN))
+    kernel = RNG.normal(size=(D_IN, D_OUT))
+    ct_dev = column or seq
+    ct = RNG.normal(size=((T,) if ct_dev else ()) + (N, S // T if seq and not column else S,
+                                                     D_OUT // T if column else D_OUT))
+    x, kernel, ct = (a.astype(np.float32) for a in (x, kernel, ct))
+    op = functools.partial(getattr(ops, name), axis_name="tensor")
+    kernel_spec = P(None, "tensor") if column else P("tensor")
+
+    def body(x, kernel, ct):
+        x = x[0] if x_dev else x
+        ct = ct[0] if ct_dev else ct
+        y, vjp = jax.vjp(op, x, kernel)
+        dx, dk = vjp(ct)
+        return y[None], dx[None], dk[None]
+
+    spec = lambda per_device: P("tensor") if per_device else P()  # noqa: E731
+    with jax.set_mesh(tensor_mesh):
+        f = jax.jit(jax.shard_map(
+            body, in_specs=(spec(x_dev), kernel_spec, spec(ct_dev)),
+            out_specs=(P("tensor"),) * 3, check_vma=check_vma))
+        got = f(jax.reshard(x, spec(x_dev)), jax.reshard(kernel, kernel_spec),
+                jax.reshard(ct, spec(ct_dev)))
+    for g, e in zip(got, _linear_expected(name, x, kernel, ct), strict=True):
+        np.testing.assert_allclose(np.asarray(g), e, rtol=1e-5, atol=1e-5)

@@ -42,6 +42,15 @@ def vma(x: jax.Array) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+def typed(axes) -> bool:
+    """Whether the shard_map over ``axes`` types its values (``check_vma=True``): only
+    then does a cast to vary over them show in the type (without typing ``lax.pcast`` is
+    no-op, and so is its transpose, where with typing the transpose is a ``psum``). The
+    cast of a constant scalar is dead code to XLA."""
+    axes = tuple(axes)
+    return bool(axes) and bool(vma(lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")))
+
+
 def vary(x, axes) -> jax.Array:
     """Casts ``x`` to vary over ``axes`` (no-op for axes it already varies over; None
     stays None)."""

@@ -49,7 +49,7 @@ import jax
 from jax import lax
 
 from sp_jax.ops.gemm import bgrad
-from sp_jax.ops.primitives import AxisName, residuals_to_device, residuals_to_host, vary, vma
+from sp_jax.ops.primitives import AxisName, residuals_to_device, residuals_to_host, typed, vary, vma
 
 __all__ = ["Column", "ColumnSequence", "Decode", "Grouped", "Matmul", "Offloaded", "Row",
            "RowSequence", "RuleWrapper", "Varying", "WeightGradInputs", "linear_op",
@@ -514,9 +514,10 @@ class Varying(RuleWrapper):
 
 def varying(rule: Any, kernel: jax.Array, axes) -> Any:
     """``rule`` run with ``kernel`` varying over the mesh ``axes`` (:class:`Varying`
-    where it does not already: ``rule`` itself otherwise)."""
+    where it does not already: ``rule`` itself otherwise, and without VMA typing, where
+    the cast and its transpose, the ``psum``, are no-ops: :func:`typed`)."""
     missing = tuple(sorted(set(axes) - vma(kernel), key=str))
-    return Varying(rule, missing) if missing else rule
+    return Varying(rule, missing) if missing and typed(missing) else rule
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
