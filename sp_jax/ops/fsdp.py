@@ -15,7 +15,6 @@ reduce-scatter.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
-from sp_jax.ops.rules import RuleWrapper
+from sp_jax.ops.rules import RuleWrapper, linear_op
 
 __all__ = ["Fsdp", "fsdp_gather", "fsdp_linear_op", "full_kernel"]
 
@@ -122,19 +121,15 @@ class Fsdp(RuleWrapper):
         return dx, dkernel, daux
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def fsdp_linear_op(x: jax.Array, kernel: jax.Array, aux: Any, rule: Any,
                    axes: tuple[AxisName, ...], dim: int) -> jax.Array:
     """The FSDP form of the linear ``rule`` (:mod:`sp_jax.ops.rules`; any object with
     ``fwd(x, kernel, aux) -> (y, (a, kernel, rest))`` and ``bwd(res, g) -> (dx,
     dkernel, daux)``), ``kernel`` this device's shard over the data ``axes`` along
-    ``dim``: :class:`Fsdp`'s forward and fused backward as one custom-VJP op."""
-    return Fsdp(rule, axes, dim).fwd(x, kernel, aux)[0]
-
-
-fsdp_linear_op.defvjp(lambda x, kernel, aux, rule, axes, dim: Fsdp(rule, axes, dim).fwd(
-                          x, kernel, aux),
-                      lambda rule, axes, dim, res, g: Fsdp(rule, axes, dim).bwd(res, g))
+    ``dim``: :class:`Fsdp`'s forward and fused backward as one custom-VJP op
+    (:func:`~sp_jax.ops.rules.linear_op` of ``Fsdp(rule, axes, dim)``, what the public
+    ops run with ``fsdp_axes``)."""
+    return linear_op(x, kernel, aux, Fsdp(rule, axes, dim))
 
 
 def full_kernel(kernel: jax.Array, axes: tuple, dim: int) -> jax.ShapeDtypeStruct:
