@@ -215,8 +215,10 @@ def update_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) 
     * **The new moments beside the old** (fp32 moments on the device): the update of that
       leaf writes its new fp32 moment before the old one is dead: 4 bytes per parameter
       of the leaf's state (over data with ZeRO-1 or fsdp) more.
-    * replicated (``fsdp=False``): the gradients' reduction over data keeps a second fp32
-      copy of all of them (the accumulator's included).
+    * replicated (``fsdp=False``): the gradients' reduction over the batch axes keeps a
+      second fp32 copy of those it reduces (the accumulator's included; a mixture's expert
+      leaves with data 1 are not reduced: Qwen3-30B-A3B on expert 4 x tensor 2, bf16
+      moments, 53.0 GiB compiled against 67.7 when every gradient was counted, 54.4 now).
     * fp32 moments offloaded: XLA brings every moment back to the device for the update
       (its rematerialization cannot get under its limit), beside the accumulator's buffer.
     * ZeRO-1 of dense blocks: the update all-gathers the new fp32 parameters over data
@@ -261,8 +263,12 @@ def update_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) 
         extra = accumulator + layout_formula(model, dataclasses.replace(
             layout, fsdp=options.fsdp in ("optimizer", "full")), layout.batch_shards *
             layout.micro_batches)[0] / 4 * 8 + params
-    elif options.fsdp is False:
-        extra = layout_formula(model, layout, layout.batch_shards)[0]  # fp32 gradients
+    elif options.fsdp is False:  # fp32 gradients of the leaves reduced over the batch axes
+        extra = layout_formula(model, layout, layout.batch_shards)[0]
+        if model.experts > 1 and layout.data == 1:  # expert leaves: not reduced
+            f = model.moe_mlp_hidden or model.mlp
+            extra -= 4 * model.layers * model.experts * 3 * model.hidden * f / (
+                layout.expert * layout.tensor)
     else:
         extra = accumulator + (4 * state_leaf if fp32 and options.offload == "off"
                                  else 0.0) + params
