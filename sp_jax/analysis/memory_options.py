@@ -20,11 +20,13 @@ bf16; ZeRO-1 divides the moments by the batch shards, ``"full"`` everything; off
 bytes count as host) times the parameters one GPU holds
 (:func:`sp_jax.analysis.plan.layout_formula`), plus the activations of that formula
 (with activation offload: one layer's on the device, the other layers' saved
-activations on the host), plus XLA's buffers around the optimizer's update, with the
-optimizer offloaded the moments it moves to the device ahead (:func:`update_bytes`,
-measured). Other temporaries (gathered weights, the logits) are not counted: the compile
-measures them (:mod:`sp_jax.analysis.confirm`: the answer is confirmed by one; Mixtral-8x7B
-on 8 GPUs, ZeRO-1 + bf16 moments: 0.4 GiB above the formula).
+activations on the host), plus what XLA's live ranges show the compiled step holding
+beyond them (:func:`update_bytes`: the second fp32 buffer of the largest stacked leaf's
+gradient accumulator, the new fp32 moments of that leaf, the offloaded moments moved back
+for the update, ZeRO-1's gathered parameters). Other temporaries (gathered weights, the
+logits) are not counted: the compile measures them (:mod:`sp_jax.analysis.confirm`: the
+answer is confirmed by one; Mixtral-8x7B on 8 GPUs, ZeRO-1 + bf16 moments + optimizer
+offload: 0.4 GiB above the formula).
 
 A row fits when its device peak plus a reserve (:data:`DEFAULT_RESERVE`, ``python -m
 sp_jax.plan --device-reserve``) is within an H100's 80 GB and its host bytes within the
@@ -182,18 +184,18 @@ def layouts(model: ModelShape, gpus: int, *, max_tensor: int = 8) -> list[PlanOp
     return out
 
 
-def _largest_leaf(model: ModelShape, layout: PlanOption, options: MemoryOptions) -> float:
-    """Parameters one GPU holds of the largest leaf's optimizer state: a mixture's stacked
-    ``experts_up`` ``[L, E / ep, h, 2F / t]`` (a dense SwiGLU's MLP-up with one expert), a
-    GPT stack's MLP-up ``[L / P, h, mlp / t]``, or the vocabulary table ``[V, h / t]``;
-    ZeRO-1 and fsdp split an expert leaf over data, the others over data x expert."""
+def _largest_leaf(model: ModelShape, layout: PlanOption, over_data: bool) -> float:
+    """Parameters one GPU holds of the largest stacked leaf: a mixture's ``experts_up``
+    ``[L, E / ep, h, 2F / t]`` (Llama blocks: the SwiGLU MLP-up ``[L, h, 2F / t]``), a GPT
+    stack's MLP-up ``[L / P, h, mlp / t]``, or the vocabulary table ``[V, h / t]``;
+    ``over_data``: also split over the batch axes, as fsdp splits a leaf (an expert leaf
+    over data only)."""
     h, t, L = model.hidden, layout.tensor, model.layers
-    sharded = options.fsdp in ("optimizer", "full")
-    dense = layout.batch_shards if sharded else 1
+    dense = layout.batch_shards if over_data else 1
     if model.moe:
         f = model.moe_mlp_hidden or model.mlp
         up = L * (model.experts // layout.expert) * h * 2 * f / t
-        up /= layout.data if sharded and model.experts > 1 else dense
+        up /= layout.data if over_data and model.experts > 1 else dense
     else:
         up = L // layout.stages * h * model.mlp / t / dense
     return max(up, model.vocab * h / t / dense)
@@ -201,65 +203,80 @@ def _largest_leaf(model: ModelShape, layout: PlanOption, options: MemoryOptions)
 
 def update_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) -> float:
     """Device bytes the compiled step holds beyond the formula's state, gradients and
-    activations, around the optimizer's update: XLA's second buffer of a stacked
-    gradient (the backward scan's accumulator, double-buffered) and the new moments of a
-    leaf next to the old, and with the optimizer offloaded the moments it moves to the
-    device ahead of their update (``train_step_fn``'s ``to_device``). Per option set:
+    activations: a rule read from XLA's live ranges at the compiled peak.
 
-    * ``fsdp="full"`` or an offloaded optimizer: one moment of the largest leaf
-      (:func:`_largest_leaf`) in the moments' dtype; with fp32 moments offloaded, every
-      moment;
-    * replicated (``fsdp=False``): a second fp32 copy of the gradients (their reduction
-      over data);
-    * ZeRO-1 without offload: nothing, but for GPT / dense Llama blocks the new fp32
-      parameters all-gathered over data beside the old ones (``(1 - 1 / data)`` of them:
-      every leaf is resharded for the update; a mixture's expert leaves are not where the
-      data axis is 1, as measured).
+    * **The gradient accumulator's second buffer** (every mode): the backward pass of a
+      scanned stack writes each layer's weight gradient into an fp32 ``[L, ...]`` stack
+      (a ``dynamic_update_slice`` per layer), and XLA double-buffers that stack for the
+      largest leaf (:func:`_largest_leaf`, sharded as its gradient: over data with
+      ``fsdp="full"``): at the peak two fp32 buffers of the MLP-up gradient are live where
+      the formula counts one: 4 bytes per parameter of that leaf (a mixture's
+      ``experts_up``: 2, what Mixtral-8x7B's compiles keep).
+    * **The new moments beside the old** (fp32 moments on the device): the update of that
+      leaf writes its new fp32 moment before the old one is dead: 4 bytes per parameter
+      of the leaf's state (over data with ZeRO-1 or fsdp) more.
+    * replicated (``fsdp=False``): the gradients' reduction over the batch axes keeps a
+      second fp32 copy of those it reduces (the accumulator's included; a mixture's expert
+      leaves with data 1 are not reduced: Qwen3-30B-A3B on expert 4 x tensor 2, bf16
+      moments, 53.0 GiB compiled against 67.7 when every gradient was counted, 54.4 now).
+    * fp32 moments offloaded: XLA brings every moment back to the device for the update
+      (its rematerialization cannot get under its limit), beside the accumulator's buffer.
+    * ZeRO-1 of dense blocks: the update all-gathers the new fp32 parameters over data
+      beside the old ones (``(1 - 1 / data)`` of them, every leaf resharded); after the
+      backward, so the larger of that and the terms above.
 
-    Measured (deviceless H100 compiles of the whole step, remat, GiB per GPU; compiled
-    against the formula without this term; ``benchmarks/fits.py``, BENCHMARKS.md "What
-    fits where", ``python -m sp_jax.plan``):
+    Measured (deviceless H100 compiles of the whole step, remat; compiled / formula, the
+    difference in % of the compile; ``benchmarks/fits.py``,
+    ``tests/test_plan.py``, BENCHMARKS.md "What fits where"):
 
-    * Mixtral-8x7B, 8 GPUs, ZeRO-1 + bf16 moments on expert 4 x tensor 2: 74.0 against
-      73.6 (45.7 of arguments, 28.2 of temp). The same with the optimizer offloaded:
-      59.3 against 51.9: 24.0 of arguments (21.7 of moments on the host) and 35.3 of
-      temp, 7.1 more, one bf16 moment of ``experts_up`` (``[32, 2, 4096, 14336]`` per
-      GPU: 7.0). With 4 layers the offloaded step's temp is the one without offload
-      (7.80): the term is an upper bound there.
-    * Mixtral-8x7B, fsdp on expert 8: fp32 moments 108.9 against 94.3 (one fp32 moment of
-      ``experts_up``: 14.0); bf16 moments offloaded 57.7 against 50.8 (7.0); fp32 moments
-      offloaded 93.4 against 50.8 (42.6 of the 43.5 of moments back on the device: XLA's
-      rematerialization cannot get under its limit).
-    * Llama-3-70B, fsdp on data 2 x tensor 8: fp32 moments 82.5 against 67.8 (the MLP-up
-      ``[80, 4096, 7168]`` fp32 moment 8.75: 6.0 left over), bf16 moments 57.3 against
-      51.4 (4.4); with 8 layers fp32 11.07 against 9.30 (XLA's live ranges at the peak:
-      two fp32 buffers of the MLP-up gradient stack) and bf16 7.90 against 7.22.
-    * The 405B shape, fsdp on data 16 x tensor 8, fp32 moments: 59.8 against 52.9 (6.4).
-    * 70B GPT blocks replicated on data 8 x tensor 8 with remat (the planner's compiled
-      table): activations and temp 30.6 against 0.8, the fp32 gradients 30.1 once more.
-    * GPT blocks h=2048, 2 layers, on data 4 x tensor 2 (MiB): ZeRO-1 + bf16 moments +
-      optimizer offload 562.3 against 405.8 without the ZeRO-1 term (+143.6 with it); fsdp
-      with fp32 moments 262.4 against 220.1 (at such sizes a layer's gathered weights,
-      which the formula leaves out, are a sixth of the peak).
+    * Llama blocks h=2048, 16 layers, MLP 8192, s=256, vocab 4096 on data 4 x tensor 2
+      (MiB, 2026-12-08): fsdp fp32 2371 / 2432 (+2.6), bf16 1698 / 1704 (+0.3), fp32
+      offloaded 2063 / 2176 (+5.5), bf16 offloaded 1228 / 1231 (+0.3); ZeRO-1 fp32 6257 /
+      6168 (-1.4), bf16 5529 / 5696 (+3.0), bf16 offloaded 4825 / 5223 (+8.3); replicated
+      fp32 9565 / 9472 (-1.0). GPT blocks of the same size (4h MLP): fsdp fp32 1955 / 1829
+      (-6.5: MLP-down's accumulator, as large as MLP-up's, is kept transposed and copied),
+      ZeRO-1 fp32 4915 / 5065 (+3.0).
+    * Mixture blocks, same size, 4 experts of 4096 (MiB): ZeRO-1 + bf16 on expert 4 x
+      tensor 2 3419 / 3403 (-0.5), offloaded 2830 / 2546 (-10.0); on data 2 x expert 4,
+      fsdp fp32 4322 / 4284 (-0.9), fsdp + bf16 offloaded 3008 / 2059 (-32: XLA also
+      double-buffers ``experts_down``'s accumulator and brings both leaves' moments to the
+      device ahead; not yet in the rule).
+    * Llama-3-70B, fsdp on data 2 x tensor 8 (GiB): bf16 moments 57.3 / 60.1 (+5.0), fp32
+      82.5 / 85.3 (+3.4); 8 layers fp32 11.07 / 11.05, bf16 7.90 / 8.10. The 405B shape,
+      fsdp on data 16 x tensor 8, fp32: 59.8 / 65.7 (+9.9: XLA keeps the accumulator's
+      second buffer, not the new moment). Before this rule (one moment of the largest leaf)
+      the 70B fp32 row was 5.9 GiB under.
+    * Mixtral-8x7B on expert 4 x tensor 2, ZeRO-1 + bf16 moments (GiB): offloaded 59.3 /
+      58.9 (-0.7), not offloaded 74.0 / 80.6; fsdp on expert 8, bf16 offloaded 57.7 / 57.8,
+      fp32 108.9 / 115.3.
+
+    Where XLA is under memory pressure it keeps less than this (an upper bound there).
     """
-    largest = _largest_leaf(model, layout, options)
-    moment = largest * (4 if options.moments == "fp32" else 2)
-    params = 4 * largest if options.offload == "optimizer+params" else 0.0
-    if options.offload != "off" and options.moments == "fp32":
-        extra = layout_formula(model, dataclasses.replace(
+    full = options.fsdp == "full"
+    # a mixture's experts_up: XLA keeps half of the second buffer at Mixtral's size
+    accumulator = (2 if model.experts > 1 else 4) * _largest_leaf(model, layout, full)
+    state_leaf = _largest_leaf(model, layout, options.fsdp in ("optimizer", "full"))
+    fp32 = options.moments == "fp32"
+    params = 4 * _largest_leaf(model, layout, full) if options.offload == "optimizer+params" \
+        else 0.0
+    if options.offload != "off" and fp32:
+        extra = accumulator + layout_formula(model, dataclasses.replace(
             layout, fsdp=options.fsdp in ("optimizer", "full")), layout.batch_shards *
             layout.micro_batches)[0] / 4 * 8 + params
-    elif options.offload != "off" or options.fsdp == "full":
-        extra = moment + params
-    elif options.fsdp is False:
-        extra = layout_formula(model, layout, layout.batch_shards)[0]  # fp32 gradients
+    elif options.fsdp is False:  # fp32 gradients of the leaves reduced over the batch axes
+        extra = layout_formula(model, layout, layout.batch_shards)[0]
+        if model.experts > 1 and layout.data == 1:  # expert leaves: not reduced
+            f = model.moe_mlp_hidden or model.mlp
+            extra -= 4 * model.layers * model.experts * 3 * model.hidden * f / (
+                layout.expert * layout.tensor)
     else:
-        extra = 0.0
+        extra = accumulator + (4 * state_leaf if fp32 and options.offload == "off"
+                                 else 0.0) + params
     if options.fsdp == "optimizer" and model.experts <= 1:
         # ZeRO-1 over data of dense blocks: the new parameters all-gathered beside the old
         held, state = (layout_formula(model, dataclasses.replace(layout, fsdp=f),
                                       layout.batch_shards)[0] for f in (False, True))
-        extra += held - state
+        extra = max(extra, held - state)
     return extra
 
 
