@@ -63,18 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     answer = p.add_argument_group(
         "the answer (default: the memory options searched by formula, the answer "
         "confirmed by compile)")
-    answer.add_argument(
+    # one of them at most: each says how the answer is found
+    how = answer.add_mutually_exclusive_group()
+    how.add_argument(
         "--no-memory-options", action="store_true",
         help="compile every candidate layout without the memory options instead (no "
              "ZeRO-1, bf16 moments or offload; --stages and --microbatches apply): a "
              "table of compiled peaks")
-    answer.add_argument(
+    how.add_argument(
         "--no-confirm", action="store_true",
         help="the formula search alone, no compile (under a second): the memory options "
              "fsdp (off / optimizer = ZeRO-1 / full), AdamW moments (fp32 / bf16), optimizer "
              "offload (off / optimizer / optimizer+params), activation offload (off / on); "
              "prints device peak and host bytes per GPU")
-    answer.add_argument(
+    how.add_argument(
         "--memory-options", action="store_true",
         help="as --no-confirm (kept for compatibility: the memory options are searched "
              "by default now)")

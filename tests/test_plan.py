@@ -615,19 +615,24 @@ def _example(name: str):
 
 
 @pytest.mark.parametrize("name,gpus", [("mixtral-8x7b", 8), ("llama-3-70b", 16), ("405b", 128),
-                                       ("70b", 64), ("qwen3-30b-a3b", 8), ("7b", 8)])
+                                       ("70b", 64), ("qwen3-30b-a3b", 8), ("7b", 8),
+                                       ("7b head_dim=256", 8)])
 def test_the_printed_command_parses_with_each_example_as_the_plan(name, gpus, tmp_path):
     """An answer is runnable as printed: the command lines of the formula's answer parse
     with examples/train_gpt.py's and finetune_hf.py's own argparse, into the mesh,
     batch, remat, sharding, moments and offloads of the plan (and train_gpt's preset
     into the plan's model sizes)."""
+    import dataclasses
     import shlex
 
     from sp_jax.analysis.confirm import command_line
     from sp_jax.analysis.memory_options import MemoryOptions, best, search
     from sp_jax.training import cli
 
+    name, _, head_dim = name.partition(" head_dim=")  # --head-dim given to the planner
     model = MODELS[name]
+    if head_dim:
+        model = dataclasses.replace(model, head_dim=int(head_dim))
     options = [MemoryOptions(f, m, o, a) for f in (False, "optimizer", "full")
                for m in ("fp32", "bf16") for o in ("off", "optimizer", "optimizer+params")
                for a in (False, True)]
@@ -659,6 +664,7 @@ def test_the_printed_command_parses_with_each_example_as_the_plan(name, gpus, tm
                 assert (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.max_seq_len) == (
                     model.layers, model.hidden, model.heads, model.seq), line
                 assert cfg.num_kv_heads == (model.kv_heads or model.heads)
+                assert (cfg.head_dim or cfg.hidden // cfg.num_heads) == model.head_size, line
                 assert cfg.remat == lay.remat
                 experts = model.experts if model.experts > 1 else 0
                 assert cfg.num_experts == experts

@@ -131,7 +131,7 @@ def _model_flags(model: ModelShape) -> list[str]:
     base = MODELS.get(model.name)
     preset = EXAMPLE_PRESETS.get(model.name) if base is not None else None
     sizes = {"--layers": "layers", "--hidden": "hidden", "--heads": "heads",
-             "--kv-heads": "kv_heads", "--mlp-hidden": "mlp_hidden"}
+             "--kv-heads": "kv_heads", "--head-dim": "head_dim", "--mlp-hidden": "mlp_hidden"}
     out = ["--preset", preset or "gpt"]
     for flag, field in sizes.items():
         value = getattr(model, field)

@@ -68,9 +68,9 @@ measures 430 MB of CUDA context), the NCCL communicators' buffers (one per mesh 
 collective crosses, more with NVLink SHARP), and the allocator's fragmentation and
 rounding outside XLA's one temp allocation. The 80 GB H100 reports about 79.1 GiB to
 CUDA; JAX's pool takes a fraction of it (``XLA_PYTHON_CLIENT_MEM_FRACTION``; NVIDIA's
-JAX-Toolbox Llama-70B scripts run with 0.85 to 0.90): 70.5 GiB is 0.89 of 79.1 GiB, what a
-pool of ``XLA_PYTHON_CLIENT_MEM_FRACTION=.9`` holds, the rest of the GPU left to the
-context and NCCL. Before this reserve the planner's ZeRO-1 + bf16-moments answer for
+JAX-Toolbox Llama-70B scripts run with 0.85 to 0.90): 70.5 GiB is 0.89 of 79.1 GiB, within
+the 71.2 GiB a pool of ``XLA_PYTHON_CLIENT_MEM_FRACTION=.9`` holds, the rest of the GPU
+left to the context and NCCL. Before this reserve the planner's ZeRO-1 + bf16-moments answer for
 Mixtral-8x7B on 8 GPUs compiled at 74.0 GiB of 74.5: 0.5 GiB for all of that."""
 
 

@@ -78,7 +78,8 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
 
 # --flag -> the GPTConfig field it sets (None: the preset's value).
 _MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden", "heads": "num_heads",
-                "kv_heads": "num_kv_heads", "mlp_hidden": "mlp_hidden", "seq_len": "max_seq_len"}
+                "kv_heads": "num_kv_heads", "head_dim": "head_dim", "mlp_hidden": "mlp_hidden",
+                "seq_len": "max_seq_len"}
 
 PER_PROCESS = ("process_id", "log_json", "tensorboard", "plot", "no_progress",
                "local_device_ids",
@@ -303,8 +304,8 @@ def _describe_preset(name: str) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--preset`` (:data:`PRESETS`) and the flags that override its values:
-    ``--layers --hidden --heads --kv-heads --mlp-hidden --seq-len --fp8`` (group
-    "model")."""
+    ``--layers --hidden --heads --kv-heads --head-dim --mlp-hidden --seq-len --fp8``
+    (group "model")."""
     group = parser.add_argument_group("model")
     add = group.add_argument
     add("--preset", choices=tuple(PRESETS), default="gpt",
@@ -320,6 +321,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-heads", type=int, default=None,
         help="key/value heads: a divisor of HEADS, and a divisor or a multiple of TENSOR "
              "(default: the preset's, or HEADS where the preset has as many as heads)")
+    add("--head-dim", type=int, default=None,
+        help="features per attention head (default: the preset's, else HIDDEN / HEADS)")
     add("--mlp-hidden", type=int, default=None,
         help="MLP width (default: the preset's, or 4 x HIDDEN where the preset has that)")
     add("--seq-len", type=int, default=None,
@@ -354,6 +357,8 @@ def _resolve_model_args(args: argparse.Namespace) -> None:
             setattr(args, flag, getattr(base, _MODEL_FLAGS[flag]))
     if args.kv_heads is None:
         args.kv_heads = base.num_kv_heads if base.num_kv_heads != base.num_heads else args.heads
+    if args.head_dim is None:
+        args.head_dim = base.head_dim  # None: HIDDEN / HEADS
     if args.mlp_hidden is None:
         args.mlp_hidden = base.mlp_hidden if base.mlp_hidden != 4 * base.hidden \
             else 4 * args.hidden
@@ -396,9 +401,10 @@ def check_model_args(args: argparse.Namespace) -> None:
         (args.seq_len % sp or ring and c > 1 and _breaks(zigzag_order, args.seq_len, c),
          f"--seq-len {args.seq_len} must divide by {sp} (context x tensor) and, for ring "
          f"attention, by {2 * c}"),
-        (args.heads % heads or args.hidden % args.heads, f"--heads {args.heads} must be a "
-         f"multiple of {heads} (tensor size{', x context' if heads > tensor else ''}) and "
-         f"divide --hidden {args.hidden}"),
+        (args.heads % heads or args.head_dim is None and args.hidden % args.heads,
+         f"--heads {args.heads} must be a multiple of {heads} (tensor "
+         f"size{', x context' if heads > tensor else ''}) and divide --hidden {args.hidden} "
+         "(or give --head-dim)"),
         (kv_bad, f"--kv-heads {args.kv_heads} must divide --heads {args.heads} and divide or "
          f"be a multiple of the tensor size {tensor}"),
         (not ring and c > 1 and not kv_bad
