@@ -9,6 +9,7 @@ arrays), and a resumed run's losses with an uninterrupted one's."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -246,17 +247,20 @@ def _train(tmp_path: Path, name: str, *flags: str, ckpt: str) -> dict[int, float
 
 @pytest.mark.slow
 def test_train_gpt_resumes_a_pipeline_checkpoint_on_circular_stages(tmp_path):
-    """A 1f1b run (--mesh 2,1,1,4: [4, ...] stacks) saved at step 2 and resumed with
-    --pipeline-repeats 2 ([2, 2, ...] stacks) trains steps 3-4 to the losses of an
-    uninterrupted --pipeline-repeats 2 run (fp32; the same micro-batches, so to rounding)."""
+    """A 1f1b run (--mesh 2,1,1,4: [4, ...] stacks) of 4 steps, its step-2 checkpoint
+    resumed with --pipeline-repeats 2 ([2, 2, ...] stacks): steps 3-4 train to the losses
+    of an uninterrupted --pipeline-repeats 2 run (fp32, the same micro-batches and
+    learning-rate schedule: equal to rounding)."""
     circular = ("--mesh", "2,1,1,4", "--pipeline-repeats", "2")
     reference = _train(tmp_path, "reference", *circular, "--steps", "4", ckpt="ref")
-    first = _train(tmp_path, "first", "--mesh", "2,1,1,4", "--steps", "2", ckpt="run")
-    resumed = _train(tmp_path, "resumed", *circular, "--steps", "4", "--resume", ckpt="run")
-    assert sorted(reference) == [1, 2, 3, 4] and sorted(first) == [1, 2]
-    assert sorted(resumed) == [3, 4]
+    first = _train(tmp_path, "first", "--mesh", "2,1,1,4", "--steps", "4", ckpt="run")
+    (tmp_path / "resume").mkdir()
+    shutil.copytree(tmp_path / "run" / "2", tmp_path / "resume" / "2")
+    resumed = _train(tmp_path, "resumed", *circular, "--steps", "4", "--resume",
+                     ckpt="resume")
+    assert sorted(reference) == sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     print("reference", reference, "first", first, "resumed", resumed)
-    for step in (1, 2):  # the same model and data on either pipeline
+    for step in (1, 2, 3, 4):  # the same model and data on either pipeline
         assert first[step] == pytest.approx(reference[step], rel=1e-5, abs=0), step
     for step in (3, 4):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=0), step

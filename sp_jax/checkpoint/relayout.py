@@ -154,8 +154,10 @@ def plan(saved: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Sourc
 
 def _spec(sharding: Any, add: int, drop: int) -> Any:
     """``sharding`` with its first ``drop`` dimensions left out and ``add`` whole leading
-    dimensions put in their place (a non-named sharding: as it is)."""
-    if not isinstance(sharding, jax.sharding.NamedSharding):
+    dimensions put in their place, in device memory (where it is sliced, stacked or
+    reshaped; a leaf read as it is, ``add = drop = 0``, and a non-named sharding: as it
+    is, host memory included)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not add and not drop:
         return sharding
     spec = (None,) * add + tuple(sharding.spec)[drop:]
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
