@@ -24,7 +24,7 @@ from flax import nnx
 from sp_jax import Fp8Recipe, ParallelConfig
 from sp_jax.checkpoint import CheckpointManager, abstract_like
 from sp_jax.checkpoint.metadata import flatten
-from sp_jax.checkpoint.relayout import Source, plan
+from sp_jax.checkpoint.relayout import Source, plan, saved_as_target
 from sp_jax.models import GPT, GPTConfig
 from sp_jax.training import TrainStep, adamw
 
@@ -70,6 +70,9 @@ def test_plan_maps_dense_and_expert_stacks_and_repeats_to_layers():
         "blocks/k": Source(("blocks/k",), None, 2, 2)}  # R = 4 saved, R = 2 now (L = 8)
     assert plan({"blocks/k": _shape(4, 4, 4)}, {"blocks/k": _shape(2, 2, 2, 4)}) is None
     assert plan({"embed": _shape(4, 4)}, {"embed": _shape(2, 2, 4)}) is None  # no stack
+    # a leaf read as it is keeps its saved shape for the caller's checks (another vocab)
+    saved, target = {"embed": _shape(8, 4), **plain}, {"embed": _shape(9, 4), **circular}
+    assert saved_as_target(plan(saved, target), saved, target)["embed"].shape == (8, 4)
     # another model: no plan (the caller's checks name the mismatch)
     assert plan({"blocks/k": _shape(3, 4, 4)}, layers) is None
     assert plan({**layers, "other": _shape(1)}, repeats) is None
