@@ -3,13 +3,17 @@
 A GPT stores its blocks unrolled (``GPTConfig(scan_layers=False)``: ``blocks/<i>/...``, one
 entry per layer) or stacked (``scan_layers=True``, what a STAGE mesh needs:
 ``blocks/...`` ``[L, ...]``, with ``num_dense_layers`` the dense layers apart in
-``dense_blocks/...`` ``[k, ...]`` and the rest in ``blocks/...`` ``[L - k, ...]``; with
-pipeline repeats ``[R, L / R, ...]``, still in layer order). The values are the same, so
-a checkpoint of one form restores into the other: :func:`plan` maps each target leaf to
-the saved leaves that hold it, the arrays are read in their saved form (sharded as the
-target's layers are, the layer dimensions whole) and verified, and :func:`assemble`
-slices or stacks them into the target's form and sharding. The optimizer state mirrors
-the parameters (``0/mu/blocks/...``), so it converts the same way.
+``dense_blocks/...`` ``[k, ...]`` and the rest in ``blocks/...`` ``[L - k, ...]``; a
+circular pipeline (``pipeline_repeats = R > 1``) keeps ``[R, L / R, ...]``, still in
+layer order). The values are the same, so a checkpoint of one form restores into any
+other: :func:`plan` maps each target leaf to the saved leaves that hold it (a layer of a
+saved stack, the saved layers to stack, or a saved stack whose layer dimensions have
+another shape: ``[L, ...]`` against ``[R, L / R, ...]``, or other repeats), the arrays
+are read in their saved form (sharded as the target's layers are, the layer dimensions
+whole) and verified, and :func:`assemble` slices, stacks or reshapes them into the
+target's form and sharding. The optimizer state mirrors the parameters
+(``0/mu/blocks/...``) and the FP8 amax histories are per layer too
+(``blocks/.../fp8_history`` ``[L, 3, n]``), so they convert the same way.
 
 :data:`LAYOUT_KEYS` are the model settings that only choose the form: a checkpoint's
 ``"model"`` metadata may differ from the current run's in them.
@@ -41,12 +45,17 @@ class Source(NamedTuple):
         layer) or one per layer of a stacked target (unrolled saved layers, in order).
       layer: with one stacked saved leaf for an unrolled target, the layer's index in
         that stack (flattened over its leading layer dimensions); None otherwise.
-      lead: how many leading dimensions of the stacked side count layers.
+      lead: how many leading dimensions of the stacked side count layers (of the
+        target's stack where both sides are stacks).
+      saved_lead: where both are stacks whose layer dimensions differ in shape (``[L,
+        ...]`` saved, ``[R, L / R, ...]`` now, or back), how many leading dimensions of
+        the saved stack count layers; 0 otherwise.
     """
 
     paths: tuple[str, ...]
     layer: int | None = None
     lead: int = 0
+    saved_lead: int = 0
 
 
 def _split(path: str) -> tuple[str, str, int | None, str] | None:
@@ -76,14 +85,32 @@ def _layers(shape: tuple[int, ...], per_layer: tuple[int, ...]) -> tuple[int, in
     return lead, math.prod(shape[:lead])
 
 
+def _restacked(path: str, saved: Any, target: Any) -> Source | None:
+    """The source of a stacked target leaf whose saved stack (same path) holds the same
+    layers under leading layer dimensions of another shape (``[L, ...]`` and ``[R, L /
+    R, ...]``, or two repeats): the per-layer shape is the longest common trailing
+    shape (the innermost layer dimensions of two such stacks differ: ``L / R``); None
+    for a leaf outside the stacks, of the same shape, or of other layers."""
+    where = _split(path)
+    a, b = tuple(saved.shape), tuple(target.shape)
+    if where is None or where[2] is not None or a == b:
+        return None
+    common = 0
+    while common < min(len(a), len(b)) and a[len(a) - 1 - common] == b[len(b) - 1 - common]:
+        common += 1
+    la, lb = len(a) - common, len(b) - common
+    if not la or not lb or math.prod(a[:la]) != math.prod(b[:lb]):
+        return None
+    return Source((path,), None, lb, la)
+
+
 def plan(saved: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Source] | None:
     """For each target leaf (``{path: leaf}``, as :func:`~.metadata.flatten` names them)
     the saved leaves (``{path: leaf with .shape}``) that hold its value, where the two
-    store the layers in different forms (unrolled and stacked) and every other leaf
-    alike; None where they are alike already, or differ otherwise (the caller's checks
-    then name the mismatch)."""
-    if set(saved) == set(target):
-        return None
+    store the layers in different forms (unrolled, stacked ``[L, ...]``, stacked by
+    pipeline repeats ``[R, L / R, ...]``) and every other leaf alike; None where they
+    are alike already, or differ otherwise (the caller's checks then name the
+    mismatch)."""
     dense: dict[str, int] = {}  # prefix -> the dense layers stacked apart (either side)
     for side, other in ((saved, target), (target, saved)):
         layer0 = {(w[0], w[3]): leaf for p, leaf in other.items()
@@ -97,7 +124,7 @@ def plan(saved: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Sourc
     sources: dict[str, Source] = {}
     for path, leaf in target.items():
         if path in saved:
-            sources[path] = Source((path,))
+            sources[path] = _restacked(path, saved[path], leaf) or Source((path,))
             continue
         where = _split(path)
         if where is None:
@@ -121,16 +148,18 @@ def plan(saved: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Sourc
             return None
         sources[path] = Source(paths, None, found[0])
     used = {p for s in sources.values() for p in s.paths}
-    return sources if used == set(saved) else None
+    converts = any(s != Source((p,)) for p, s in sources.items())
+    return sources if converts and used == set(saved) else None
 
 
 def _spec(sharding: Any, add: int, drop: int) -> Any:
-    """``sharding`` with ``add`` whole leading dimensions added, or its first ``drop``
-    dimensions left out (a non-named sharding: as it is)."""
-    if not isinstance(sharding, jax.sharding.NamedSharding):
+    """``sharding`` with its first ``drop`` dimensions left out and ``add`` whole leading
+    dimensions put in their place, in device memory (where it is sliced, stacked or
+    reshaped; a leaf read as it is, ``add = drop = 0``, and a non-named sharding: as it
+    is, host memory included)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not add and not drop:
         return sharding
-    spec = tuple(sharding.spec)
-    spec = (None,) * add + spec if add else spec[drop:]
+    spec = (None,) * add + tuple(sharding.spec)[drop:]
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
@@ -142,12 +171,8 @@ def read_target(sources: Mapping[str, Source], saved: Mapping[str, Any],
     for path, source in sources.items():
         t = target[path]
         for p in source.paths:
-            unrolled_from_stack = source.layer is not None
-            stacked_from_layers = len(source.paths) > 1 or (source.lead and not
-                                                             unrolled_from_stack)
-            sharding = (_spec(t.sharding, source.lead, 0) if unrolled_from_stack
-                        else _spec(t.sharding, 0, source.lead) if stacked_from_layers
-                        else t.sharding)
+            sharding = (_spec(t.sharding, source.lead, 0) if source.layer is not None
+                        else _spec(t.sharding, source.saved_lead, source.lead))
             out[p] = jax.ShapeDtypeStruct(tuple(saved[p].shape), saved[p].dtype,
                                           sharding=sharding)
     return out
@@ -156,10 +181,11 @@ def read_target(sources: Mapping[str, Source], saved: Mapping[str, Any],
 def saved_as_target(sources: Mapping[str, Source], saved: Mapping[str, Any],
                     target: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
     """``{target path: ShapeDtypeStruct}``: what the checkpoint holds in the target's
-    form (its shapes, the saved dtypes), for the dtype checks."""
-    return {path: jax.ShapeDtypeStruct(tuple(target[path].shape),
-                                       saved[source.paths[0]].dtype)
-            for path, source in sources.items()}
+    form (its shapes, the saved dtypes; a leaf read as it is keeps its saved shape), for
+    the shape and dtype checks."""
+    return {path: jax.ShapeDtypeStruct(
+        tuple((saved[path] if source == Source((path,)) else target[path]).shape),
+        saved[source.paths[0]].dtype) for path, source in sources.items()}
 
 
 def assemble(sources: Mapping[str, Source], read: Mapping[str, jax.Array],
@@ -170,12 +196,22 @@ def assemble(sources: Mapping[str, Source], read: Mapping[str, jax.Array],
     for path, source in sources.items():
         t = target[path]
         if source.layer is not None:  # one layer of a saved stack
-            x = read[source.paths[0]]
-            x = x.reshape(-1, *t.shape)[source.layer]
-        elif source.lead:  # the saved layers, stacked
-            x = jnp.stack([read[p] for p in source.paths]).reshape(t.shape)
+            x = _reshape(read[source.paths[0]], (-1, *t.shape), _spec(t.sharding, 1, 0))
+            x = x[source.layer]
+        elif source.lead:  # the saved layers stacked, or the saved stack re-shaped
+            x = _reshape(jnp.stack([read[p] for p in source.paths]), t.shape,
+                         _spec(t.sharding, source.lead, source.lead))
         else:
             out[path] = read[source.paths[0]]
             continue
         out[path] = jax.device_put(x, t.sharding)
     return out
+
+
+def _reshape(x: jax.Array, shape: tuple[int, ...], sharding: Any) -> jax.Array:
+    """``x`` (its layer dimensions whole) with its layer dimensions merged or split into
+    ``shape``'s, the result sharded as ``sharding`` (those dimensions whole too): under
+    a mesh of explicit axes JAX refuses a reshape that merges or splits dimensions
+    unless it is told the result's sharding."""
+    named = isinstance(sharding, jax.sharding.NamedSharding)
+    return jnp.reshape(x, shape, out_sharding=sharding if named else None)

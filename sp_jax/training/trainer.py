@@ -165,8 +165,9 @@ RESUME_RULE = """On resume each setting a checkpoint records is compared with th
   another --steps moves a learning-rate schedule that depends on the run length (warmup,
   cosine decay) to the new length from the next step on;
 - the mesh, the process count and the parallel layout may change without a word (the
-  same numbers up to float rounding); the resume line names the mesh the step was saved
-  on;
+  same numbers up to float rounding; the layers, their optimizer moments and FP8 amax
+  histories converted between the unrolled, stacked and pipeline-repeat forms); the
+  resume line names the mesh the step was saved on;
 - a setting the checkpoint does not record (saved by an earlier version) is named once
   and not checked."""
 """The rule a :class:`Trainer` applies to a checkpoint's recorded settings on resume."""
