@@ -353,6 +353,10 @@ def test_check_metadata_refuses_another_model(with_metadata):
         assert f"checkpoint step 5 in {with_metadata} was saved with another model" in msg
         assert "hidden 32 saved vs 64 now" in msg and "norm <absent> saved vs 'rmsnorm' now" in msg
         assert "lr" not in msg  # run settings may change
+        # How the same arrays are computed may change (--remat, the attention kernel):
+        # returned as changed settings, not refused.
+        changed = ckpt.check_metadata({"model": {**_MODEL, "remat": True}, "run": _RUN})
+        assert changed == {"model": {"remat": (ABSENT, True)}}
         # Any section can be declared must-match.
         with pytest.raises(MetadataMismatchError, match=r"another run .*lr 0\.003 saved vs 1"):
             ckpt.check_metadata({"run": {**_RUN, "lr": 1}}, must_match=("run",))

@@ -112,13 +112,24 @@ def json_sections(current: Mapping[str, Mapping[str, Any]], caller: str) -> dict
                         f"(as save() needs it): {e}") from e
 
 
+COMPUTE_KEYS = frozenset({"remat", "attention_implementation"})
+"""Model settings that choose how the same arrays are computed (``GPTConfig.remat``:
+``--remat``; the attention kernel), not what they are: they may differ on resume, and
+:func:`compare` returns their changes with the run settings' instead of refusing."""
+
+FREE_KEYS = LAYOUT_KEYS | COMPUTE_KEYS
+"""Model settings a resume may change: the layers' form, which a restore converts, and
+:data:`COMPUTE_KEYS`."""
+
+
 def compare(saved: Mapping[str, Any], now: Mapping[str, Any], must_match: Sequence[str], *,
             step: int, directory: str) -> Differences:
     """Compares ``now`` (JSON round-tripped, see :func:`json_sections`) with ``saved``, the
     metadata saved with checkpoint ``step`` in ``directory``, section by section (only the
     sections of ``now``): raises :class:`MetadataMismatchError` when a ``must_match``
-    section differs (in a key other than :data:`~.relayout.LAYOUT_KEYS`, the layers'
-    form, which a restore converts), returns the differences of the others."""
+    section differs (in a key other than :data:`FREE_KEYS`: the layers' form, which a
+    restore converts, and how they are computed), returns the differences of the others
+    and those of :data:`COMPUTE_KEYS`."""
     differences: Differences = {}
     for section, values in now.items():
         old = saved.get(section)
@@ -127,9 +138,10 @@ def compare(saved: Mapping[str, Any], now: Mapping[str, Any], must_match: Sequen
                 for k in sorted({*old, *values}) if old.get(k, ABSENT) != values.get(k, ABSENT)}
         if diff:
             differences[section] = diff
-    # the layers' form (stacked or unrolled) may differ: restore converts the arrays
+    # the layers' form (stacked or unrolled) may differ: restore converts the arrays; how
+    # they are computed too (FREE_KEYS): reported as changed settings
     fatal = {s: f for s, d in differences.items() if s in must_match
-             and (f := {k: v for k, v in d.items() if k not in LAYOUT_KEYS})}
+             and (f := {k: v for k, v in d.items() if k not in FREE_KEYS})}
     if fatal:
         parts = "; ".join(f"{section}: " + ", ".join(
             f"{k} {old!r} saved vs {new!r} now" for k, (old, new) in diff.items())
@@ -139,4 +151,6 @@ def compare(saved: Mapping[str, Any], now: Mapping[str, Any], must_match: Sequen
             f"{' and '.join(fatal)} than this run's ({parts}); use the same settings as "
             "the saved run or another checkpoint directory",
             step=step, directory=directory, differences=fatal)
-    return {s: d for s, d in differences.items() if s not in must_match}  # layout: silent
+    return {s: d for s, d in differences.items() if s not in must_match} | {
+        s: f for s, d in differences.items() if s in must_match
+        and (f := {k: v for k, v in d.items() if k in COMPUTE_KEYS})}  # layout: silent

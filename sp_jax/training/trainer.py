@@ -153,12 +153,19 @@ _CONSEQUENCE = {
     "final_lr_fraction": "the learning-rate schedule from step {next} on follows the new "
                          "value",
     "weight_decay": "the optimizer uses the new value from step {next} on",
+    "remat": "the same arrays, the blocks' activations recomputed in the backward or kept: "
+             "memory and step time change, the losses equal the saved run's up to float "
+             "rounding",
+    "attention_implementation": "the same arrays through another attention kernel: the "
+                                "losses equal the saved run's up to float rounding",
 }
 """What a changed run setting does to a resumed run (``{next}``: its first step)."""
 
 RESUME_RULE = """On resume each setting a checkpoint records is compared with the current run's:
 - the model (metadata section "model", e.g. every GPTConfig field, the compute dtype
   included) must be equal: a difference is refused, naming each field with both values;
+  but remat and the attention kernel, which compute the same arrays another way, may
+  change, with a warning as a run setting's;
 - a run setting (section "run": steps, batch_size, micro_batches, seed, and those the
   caller records, e.g. the learning rate, its warmup and decay, weight decay, the data) may
   change: one warning per setting with the saved and the current value and what it does;
