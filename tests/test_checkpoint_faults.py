@@ -203,6 +203,11 @@ def test_checksum_mismatch_names_the_leaf(saved, state, tmp_path):
             manager.verify(params_like=params, opt_state_like=opt_state)
     with CheckpointManager(saved, lock=False) as manager:
         assert manager.verify(7, params_like=cast, opt_state_like=opt_state) is None
+        # the items to cast are named exactly: a misspelt or bare-string one is refused
+        for bad in ("opt_state", ("opt-state",)):
+            with pytest.raises(ValueError, match=r"allow_dtype_cast=.* must be a bool or a "
+                                                 r"sequence of the items to cast, 'params'"):
+                manager.restore(params_like=cast, allow_dtype_cast=bad)
     restored = restore_checkpoint(saved, params_like=cast, allow_dtype_cast=True)
     assert restored.params["w"].dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(restored.params["w"]),

@@ -611,6 +611,12 @@ class CheckpointManager:
             JSON-serialisable.
         """
         self._check_pending()
+        if not isinstance(allow_dtype_cast, bool) and (
+                isinstance(allow_dtype_cast, str | bytes)
+                or not set(allow_dtype_cast) <= {_PARAMS, _OPT_STATE}):
+            raise ValueError(f"restore: allow_dtype_cast={allow_dtype_cast!r} must be a bool "
+                             f"or a sequence of the items to cast, {_PARAMS!r} and/or "
+                             f"{_OPT_STATE!r} (e.g. ({_OPT_STATE!r},)).")
         now = (None if expect_metadata is None
                else json_sections(expect_metadata, "restore: expect_metadata"))
         args = (params_like, opt_state_like, allow_dtype_cast, now, must_match)

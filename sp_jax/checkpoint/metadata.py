@@ -93,7 +93,9 @@ def check_compatible(item: str, saved: Any, target: Any, step: int, directory: s
                          "leaves; a different model shape?):\n  " + "\n  ".join(
                              problems[:_MAX_LISTED])
                          + ("\n  ..." if len(problems) > _MAX_LISTED else "")
-                         + ("\nPass allow_dtype_cast=True to cast dtypes." if any(
+                         + ("\nTo cast them, restore with allow_dtype_cast=True (or the "
+                            "items to cast, e.g. ('opt_state',)); examples/train_gpt.py "
+                            "casts the moments of another --moments-dtype itself." if any(
                              "dtype" in p for p in problems) else ""))
     return casts
 
