@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from _util import script_env
 
+import sp_jax.checkpoint.lock
 from sp_jax.training import TrainerConfig, TrainingStopped, cli, open_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,10 +133,14 @@ def test_warnings_print_as_one_line():
                       "by pid 1", stacklevel=1)
         warnings.warn("old", DeprecationWarning, stacklevel=1)
     user, other = caught
-    assert cli.format_warning(user.message, user.category, user.filename, user.lineno) == \
+    lock = sp_jax.checkpoint.lock.__file__  # as sp_jax's lock module warns
+    assert cli.format_warning(user.message, user.category, lock, user.lineno) == \
         "warning: checkpoint directory d (--ckpt-dir): taking over the lock left by pid 1\n"
     shown = cli.format_warning(other.message, other.category, other.filename, other.lineno)
     assert "DeprecationWarning: old" in shown and __file__ in shown
+    # another library's UserWarning (here: this file's) keeps Python's form
+    shown = cli.format_warning(user.message, user.category, user.filename, user.lineno)
+    assert "UserWarning: checkpoint directory" in shown and __file__ in shown
 
 
 def test_resume_on_an_empty_directory_is_refused_when_it_is_opened(tmp_path):

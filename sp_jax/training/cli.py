@@ -482,13 +482,15 @@ def format_warning(message: Warning | str, category: type[Warning], filename: st
     """``warnings.formatwarning`` for a command line (a script sets it before it runs): a
     ``UserWarning`` (sp_jax's, e.g. a stale ``--ckpt-dir`` lock taken over, too few
     held-out documents) is one line ``warning: <message>``, as errors are ``error: ...``,
-    without Python's category and source line; other warnings as Python prints them."""
-    if category is UserWarning:
+    without Python's category and source line; other warnings (another library's
+    included) as Python prints them."""
+    if category is UserWarning and os.path.abspath(filename).startswith(_SP_JAX_DIR):
         return f"warning: {' '.join(str(message).split())}\n"
     return _PYTHON_FORMAT(message, category, filename, lineno, line)
 
 
 _PYTHON_FORMAT = warnings.formatwarning
+_SP_JAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def text_data(args: argparse.Namespace) -> Any:
