@@ -177,9 +177,9 @@ def _model_values(cfg):
                     "down": {"kernel": w[pre + "mlp.down_proj.weight"].T}}})
     values = {"blocks": jax.tree.map(lambda *a: np.stack(a), *blocks) if cfg.scan_layers
               else dict(enumerate(blocks)),
-              "wte": {"embedding": w["model.embed_tokens.weight"]},
-              "ln_f": {"scale": w["model.norm.weight"]},
-              "lm_head": {"kernel": w["lm_head.weight"].T}}
+              "embed": {"embedding": w["model.embed_tokens.weight"]},
+              "final_norm": {"scale": w["model.norm.weight"]},
+              "head": {"embedding": w["lm_head.weight"]}}
     return d, values
 
 

@@ -172,11 +172,11 @@ class LatentProjection(nnx.Module):
             ("kv_a_kernel", self.kv_a_kernel), ("q_a_norm", self.q_a_norm),
             ("kv_a_norm", self.kv_a_norm), ("q_b_kernel", self.q_b_kernel)))
 
-    def columns(self, down: jax.Array, q_a_norm: jax.Array | None, kv_a_norm: jax.Array,
-                q_b_kernel: jax.Array | None) -> jax.Array:
+    def parts(self, down: jax.Array, q_a_norm: jax.Array | None, kv_a_norm: jax.Array,
+              q_b_kernel: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Per device: the down projections' output ``[b, s, q_width + r + p]`` ->
-        ``[b, s, heads / t * (n + p) + r + p]`` (this shard's queries, the normalised
-        latent, the rotary key)."""
+        ``(q [b, s, heads / t * (n + p)], latent [b, s, r], k_rope [b, s, p])``: this
+        shard's queries, the normalised latent, the rotary key (no rotary angles)."""
         cfg = self.config
         r, eps = cfg.kv_lora_rank, cfg.norm_epsilon
         q, latent, k_rope = jnp.split(down, [down.shape[-1] - r - cfg.qk_rope_head_dim,
@@ -184,8 +184,7 @@ class LatentProjection(nnx.Module):
         if q_b_kernel is not None:
             q = head_rms_norm(q, q_a_norm, eps)
             q = jnp.einsum("bsr,rc->bsc", q, q_b_kernel.astype(q.dtype))
-        latent = head_rms_norm(latent, kv_a_norm, eps)
-        return jnp.concatenate([q, latent, k_rope.astype(q.dtype)], axis=-1)
+        return q, head_rms_norm(latent, kv_a_norm, eps), k_rope.astype(q.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard columns
@@ -202,25 +201,30 @@ class LatentProjection(nnx.Module):
             kernel = jnp.concatenate([q_a_kernel if q_kernel is None else q_kernel,
                                       kv_a_kernel], axis=1)
             down = column_sp_matmul(x, kernel, None, par, **gemm)
-            return self.columns(down, q_a_norm, kv_a_norm, q_b_kernel)
+            return jnp.concatenate(self.parts(down, q_a_norm, kv_a_norm, q_b_kernel), axis=-1)
 
         return shard_linear(local, x.astype(dtype), layout.sp, layout.tp,
                             self._params(layout), parallel=par, gemm=self.gemm,
                             where="LatentProjection")
 
-    def local_decode(self, x: jax.Array) -> jax.Array:
+    def local_decode(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The single-token (decode) mode per device, inside a ``shard_map`` whose copy of
-        this module holds its blocks of the decode layout: the columns above of whole
-        rows ``x [b, 1, hidden]`` (no collective), compute dtype."""
+        this module holds its blocks of the decode layout: :meth:`parts` of whole rows
+        ``x [b, 1, hidden]`` (no collective; the latent and rotary key from the
+        replicated ``kv_a_kernel``, alike on every tensor shard), compute dtype."""
         cfg = self.config
         value = {name: None if v is None else v[...] for name, v in (
             ("q_kernel", self.q_kernel), ("q_a_kernel", self.q_a_kernel),
             ("q_a_norm", self.q_a_norm), ("q_b_kernel", self.q_b_kernel))}
-        kernel = jnp.concatenate([value["q_a_kernel"] if value["q_kernel"] is None
-                                  else value["q_kernel"], self.kv_a_kernel[...]], axis=1)
-        dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
-        down = ops.decode_matmul(x.astype(dtype), kernel, None)
-        return self.columns(down, value["q_a_norm"], self.kv_a_norm[...], value["q_b_kernel"])
+        q_kernel = value["q_a_kernel"] if value["q_kernel"] is None else value["q_kernel"]
+        dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
+                                                                         q_kernel.dtype)
+        x = x.astype(dtype)
+        # two products: the latent's stays invariant over the tensor axis (the cache's
+        # entries are whole over it)
+        down = jnp.concatenate([ops.decode_matmul(x, q_kernel, None),
+                                ops.decode_matmul(x, self.kv_a_kernel[...], None)], axis=-1)
+        return self.parts(down, value["q_a_norm"], self.kv_a_norm[...], value["q_b_kernel"])
 
 
 class MultiHeadLatentAttention(CausalSelfAttention):
@@ -306,18 +310,16 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         ``layout.heads(4)``; :meth:`prefill` keeps shard 0's."""
         return (layout.heads(4),) * 2
 
-    def split_latent(self, cols: jax.Array, positions: jax.Array | None,
-                     window: jax.Array | None = None
+    def split_latent(self, parts: tuple[jax.Array, jax.Array, jax.Array],
+                     positions: jax.Array | None, window: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Per device: :class:`LatentProjection`'s columns ``[b, s, width]`` -> ``q [b,
-        s, heads / t, n + p]``, ``latent [b, s, r]``, ``k_rope [b, s, p]``, the rotary
-        angles of ``positions`` (``[s]`` or ``[b, s]``) applied to q's last ``p``
-        features and to ``k_rope``."""
+        """Per device: :meth:`LatentProjection.parts` -> ``q [b, s, heads / t, n + p]``,
+        ``latent [b, s, r]``, ``k_rope [b, s, p]``, the rotary angles of ``positions``
+        (``[s]`` or ``[b, s]``) applied to q's last ``p`` features and to ``k_rope``."""
         cfg = self.config
-        r, p = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        b, s, width = cols.shape
-        q = cols[..., :width - r - p].reshape(b, s, -1, self.qk_head_dim)
-        latent, k_rope = cols[..., width - r - p:width - p], cols[..., width - p:]
+        q, latent, k_rope = parts
+        b, s, _ = q.shape
+        q = q.reshape(b, s, -1, self.qk_head_dim)
         if cfg.rotary:
             freqs = self.rotary_frequencies(window)
             q_rope = rotary_embedding(q[..., cfg.qk_nope_head_dim:], positions,
@@ -352,7 +354,9 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         ``(kv_b_kernel,)``, this shard's block; the rest as the base class's."""
         b, s, _ = qkv.shape
         (kv_b,) = params
-        q, latent, k_rope = self.split_latent(qkv, self.held_positions(order, s, positions),
+        r, p = self.config.kv_lora_rank, self.config.qk_rope_head_dim
+        parts = jnp.split(qkv, [qkv.shape[-1] - r - p, qkv.shape[-1] - p], axis=-1)
+        q, latent, k_rope = self.split_latent(parts, self.held_positions(order, s, positions),
                                               window)
         heads = q.shape[2]
         blocks = self.kernel_arguments(heads, b, segment_ids, seed, rows, window)
@@ -369,8 +373,11 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         y, (latent, k_rope) = self(x, keep_kv=True)
         specs = LatentCache.entry_specs(Layout.of(self.parallel))
         mesh = current_mesh(self.parallel, where="MultiHeadLatentAttention")
-        return y, LatentCache(*(reshard(a[:, :, 0], spec, mesh) for a, spec in ((latent, specs["latent"]),
-                                                 (k_rope, specs["k_rope"]))))
+        whole = Layout.of(self.parallel).spec("activation_batch", "activation_length", None,
+                                              None)  # every shard's copy, then shard 0's
+        return y, LatentCache(*(reshard(reshard(a, whole, mesh)[:, :, 0], spec, mesh)
+                                for a, spec in ((latent, specs["latent"]),
+                                                (k_rope, specs["k_rope"]))))
 
     def decode_step(self, x: jax.Array, cache: LatentCache, positions: jax.Array,
                     cache_positions: jax.Array | None = None
@@ -395,8 +402,8 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         cfg = self.config
         n = cfg.qk_nope_head_dim
         layer_window = None if self.window is None else self.window[...]
-        cols = self.qkv.local_decode(self.norm.local(x))
-        q, latent, k_rope = self.split_latent(cols, positions[:, None], layer_window)
+        q, latent, k_rope = self.split_latent(self.qkv.local_decode(self.norm.local(x)),
+                                              positions[:, None], layer_window)
         b, _, heads, _ = q.shape
         kv_b = self.qkv.kv_b_kernel[...].astype(q.dtype).reshape(cfg.kv_lora_rank, heads,
                                                                   n + cfg.v_head_dim)
