@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
-from sp_jax.attention import cached_attention
+from sp_jax.attention import cached_attention, expand_latent, latent_ring_attention
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.attention import CausalSelfAttention, head_rms_norm
 from sp_jax.layers.attention_registry import AttentionCache, register_attention
@@ -328,21 +328,6 @@ class MultiHeadLatentAttention(CausalSelfAttention):
             k_rope = rotary_embedding(k_rope[:, :, None], positions, frequencies=freqs)[:, :, 0]
         return q, latent, k_rope
 
-    def expand(self, latent: jax.Array, k_rope: jax.Array, kv_b: jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
-        """Per device: the latent ``[b, s, r]`` up-projected by this shard's ``kv_b [r,
-        heads / t * (n + d_v)]`` into keys ``[b, s, heads / t, n + p]`` (``[k_nope |
-        k_rope]``, ``k_rope [b, s, p]`` shared by the heads) and values ``[b, s, heads /
-        t, d_v]``."""
-        cfg = self.config
-        b, s, _ = latent.shape
-        kv = jnp.einsum("bsr,rc->bsc", latent, kv_b.astype(latent.dtype)).reshape(
-            b, s, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None].astype(
-            k_nope.dtype), (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        return k, v
-
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                 seed: jax.Array | None = None, rows: jax.Array | None = None, *,
@@ -360,8 +345,12 @@ class MultiHeadLatentAttention(CausalSelfAttention):
                                               window)
         heads = q.shape[2]
         blocks = self.kernel_arguments(heads, b, segment_ids, seed, rows, window)
-        k, v = self.expand(latent, k_rope, kv_b)
-        out = self.run_kernel(q, k, v, blocks)
+        if self.parallel.context_parallel == "ring":  # the latent travels, not k and v
+            out = latent_ring_attention(q, latent, k_rope, kv_b,
+                                        axis_name=self.parallel.context_axis, **blocks)
+        else:  # this shard's heads' keys and values
+            k, v = expand_latent(latent, k_rope, kv_b, self.config.qk_nope_head_dim, heads)
+            out = self.run_kernel(q, k, v, blocks)
         out = out.reshape(b, s, heads * out.shape[-1])
         return (out, latent[:, :, None], k_rope[:, :, None]) if keep_kv else out
 
