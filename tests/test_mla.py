@@ -262,3 +262,60 @@ def test_latent_cache_layout():
     assert cache.latent.shape == (2, 2, 24, 16) and cache.k_rope.shape == (2, 2, 24, 4)
     for a in (cache.latent, cache.k_rope):
         assert jax.typeof(a).sharding.spec == jax.P(None, "data", "context", None)
+
+
+# -- the latent ring ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("window,documents", [(None, True), (5, False),
+                                              pytest.param(9, True, marks=pytest.mark.slow)])
+def test_latent_ring_matches_blockwise(window, documents):
+    """:func:`~sp_jax.attention.latent_ring_attention` on a context axis of 4 (zigzag
+    order, the latent and rotary key travelling) equals blockwise attention over the
+    whole sequence of the up-projected keys and values, with packed documents and
+    sliding windows: the output and the gradients of q, the latent, the rotary key and
+    the up projection (fp32)."""
+    from sp_jax.attention import (
+        blockwise_attention,
+        expand_latent,
+        latent_ring_attention,
+        zigzag_order,
+    )
+    c, b, s, heads, nope, p, r, dv = 4, 2, 48, 2, 8, 4, 16, 6
+    rng = np.random.default_rng(0)
+    q, latent, k_rope = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in (
+        (b, s, heads, nope + p), (b, s, r), (b, s, p)))
+    kv_b = jnp.asarray(rng.normal(size=(r, heads * (nope + dv))) * 0.3, jnp.float32)
+    do = jnp.asarray(rng.normal(size=(b, s, heads, dv)), jnp.float32)
+    seg = jnp.asarray(np.sort(rng.integers(1, 4, (b, s)), axis=1), jnp.int32) \
+        if documents else None
+    kw = dict(block_q=2, block_k=3, sliding_window=window, scale=0.3)
+
+    def dense(q, latent, k_rope, kv_b):
+        k, v = expand_latent(latent, k_rope, kv_b, nope, heads)
+        return blockwise_attention(q, k, v, segment_ids=seg, **kw)
+
+    want, back = jax.vjp(dense, q, latent, k_rope, kv_b)
+    want_grads = back(do)
+    order = zigzag_order(s, c)
+    mesh = jax.make_mesh((c,), ("context",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:c])
+    spec = jax.P(None, "context")
+
+    def per_device(q, latent, k_rope, kv_b, seg):
+        return latent_ring_attention(q, latent, k_rope, kv_b, axis_name="context",
+                                     segment_ids=seg, **kw)
+
+    ring = jax.shard_map(per_device, mesh=mesh,
+                         in_specs=(spec, spec, spec, jax.P(), None if seg is None else spec),
+                         out_specs=spec)
+    with jax.set_mesh(mesh):
+        held = [jax.reshard(x[:, order], spec) for x in (q, latent, k_rope, do)]
+        kv_b = jax.reshard(kv_b, jax.P())
+        seg = None if seg is None else jax.reshard(seg[:, order], spec)
+        out, back = jax.vjp(lambda q, lat, k, w: ring(q, lat, k, w, seg), *held[:3], kv_b)
+        grads = to_host(jax.jit(back)(held[3]))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want)[:, order], rtol=1e-5,
+                               atol=1e-5)
+    for g, w, permuted in zip(grads, want_grads, (True, True, True, False), strict=True):
+        w = np.asarray(w)[:, order] if permuted else np.asarray(w)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(w).max()))
