@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import sp_jax
+from sp_jax.attention import sequence_order
 from sp_jax.layers import (
     AttentionConfig,
     LatentCache,
@@ -27,7 +28,6 @@ from sp_jax.layers import (
     deinterleave_rope,
     mla_softmax_scale,
 )
-from sp_jax.attention import sequence_order
 from sp_jax.models import GPT, GPTConfig, generate
 from sp_jax.models.decode import prefill
 

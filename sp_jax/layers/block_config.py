@@ -26,7 +26,8 @@ from sp_jax.layers.attention_registry import check_attention_name
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
-__all__ = ["MLA_FIELDS", "MLP_ACTIVATIONS", "AttentionConfig", "check_mla_fields", "MLPConfig", "MoEConfig", "check_block_fields",
+__all__ = ["MLA_FIELDS", "MLP_ACTIVATIONS", "AttentionConfig", "check_mla_fields", "MLPConfig",
+           "MoEConfig", "check_block_fields",
            "check_block_config",
            "check_kv_heads", "kv_heads_per_shard", "kv_heads_replicated",
            "settle_block_fields"]
