@@ -174,6 +174,9 @@ FEATURES: dict[str, Feature] = {
                                              loss=(2e-4, 1e-5))),
     "offload_optimizer": Feature(call=dict(offload=True), reference=dict(offload=False)),
     "offload_activations": Feature(parallel=dict(offload_activations=True)),
+    "mla_attention": Feature(config=dict(attention="mla", q_lora_rank=12, kv_lora_rank=16,
+                                         qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                         v_head_dim=6)),
 }
 """Every feature of ``sp_jax.compat.FEATURES``, declared."""
 

@@ -322,6 +322,10 @@ ENTRY_POINTS = {
     ("attention_dropout", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_dropout=0.1, attention_implementation="cudnn"),
         "attention_dropout=0.1 needs attention_implementation='xla'"),
+    ("mla_attention", "cudnn_attention"): (
+        lambda: GPTConfig(**BASE, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8,
+                          qk_rope_head_dim=4, v_head_dim=6, attention_implementation="cudnn"),
+        "multi-head latent attention .attention='mla'. needs attention_implementation='xla'"),
     ("attention_softcap", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_softcap=5.0, attention_implementation="cudnn"),
         "attention_softcap=5.0 needs attention_implementation='xla'"),

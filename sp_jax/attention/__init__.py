@@ -54,6 +54,7 @@ from sp_jax.attention.blockwise import IMPLEMENTATIONS, blockwise_attention
 from sp_jax.attention.cached import cached_attention
 from sp_jax.attention.counts import attention_block_counts
 from sp_jax.attention.dropout import AttentionDropout
+from sp_jax.attention.latent_ring import expand_latent, latent_ring_attention
 from sp_jax.attention.ring import ring_attention
 from sp_jax.attention.sequence_order import (
     local_positions,
@@ -67,6 +68,8 @@ from sp_jax.attention.sequence_order import (
 from sp_jax.attention.ulysses import ulysses_attention
 
 __all__ = [
+    "expand_latent",
+    "latent_ring_attention",
     "IMPLEMENTATIONS",
     "AttentionDropout",
     "attention_block_counts",

@@ -18,7 +18,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
                      sliding_window: int | None = None, *,
                      cache_positions: jax.Array | None = None,
                      axis_name: str | tuple[str, ...] | None = None,
-                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None,
+                     rope: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                     ) -> jax.Array:
     """Per device: one query token per row against its cache.
 
     Args:
@@ -44,6 +46,11 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
       scale / softcap: the scores' factor (None: ``d ** -0.5``) and soft cap (None, or
         ``c``: ``c * tanh(s / c)`` before the mask), as the training kernels'
         (:func:`~sp_jax.attention.blockwise_attention`).
+      rope: None, or a second part of the queries and keys held apart, ``(q_rope [b, 1,
+        heads, d_r], k_rope [b, 1, kv_heads, d_r], k_rope_cache [b, length, kv_heads,
+        d_r])``, its products added to the scores (absorbed multi-head latent
+        attention: ``q`` / ``k`` the latent part, these the rotary key's; ``scale``
+        then given).
     Returns:
       ``[b, 1, heads * d_v]`` in ``q.dtype``; softmax in fp32.
     """
@@ -53,10 +60,16 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Arra
     rule = score_rule("cached_attention", scale, softcap)
     scale = rule.scale_for(d)
     f32 = jnp.float32
-    s_cache, _ = rule(jnp.einsum("bhgd,bshd->bhgs", qg, k_cache, preferred_element_type=f32)
-                      * scale)
-    s_self, _ = rule(jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=f32)
-                     * scale)
+    dot_cache = jnp.einsum("bhgd,bshd->bhgs", qg, k_cache, preferred_element_type=f32)
+    dot_self = jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=f32)
+    if rope is not None:
+        q_rope, k_rope, k_rope_cache = rope
+        qr = q_rope.reshape(b, kv_heads, heads // kv_heads, q_rope.shape[-1])
+        dot_cache += jnp.einsum("bhgd,bshd->bhgs", qr, k_rope_cache,
+                                preferred_element_type=f32)
+        dot_self += jnp.einsum("bhgd,bhd->bhg", qr, k_rope[:, 0], preferred_element_type=f32)
+    s_cache, _ = rule(dot_cache * scale)
+    s_self, _ = rule(dot_self * scale)
     j = (jnp.arange(length) if cache_positions is None else cache_positions)[None, :]
     visible = j < positions[:, None]
     if sliding_window is not None:

@@ -36,7 +36,7 @@ from sp_jax.ops.primitives import (
     vary,
 )
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_backward", "ring_forward"]
 
 _F32 = jnp.float32
 
@@ -60,6 +60,29 @@ def _ring_drops(dropout, r, c: int, n: int):
     return ((dropout, qpos, qpos),
             lambda src: (dropout, qpos, src * n + jnp.arange(n)),
             lambda src: (dropout, qpos[n:], zigzag_positions(src, c, n)))
+
+
+def _expanded(kv, expand):
+    """The travelling block ``kv`` (its arrays, then the keys' document ids) as the
+    kernels' ``(k, v, seg)``: ``expand`` of the arrays (None: they are ``k, v``)."""
+    if expand is None:
+        return kv
+    fn, params = expand
+    return (*fn(params, kv[:-1]), kv[-1])
+
+
+def _expanded_with_pull(kv, expand):
+    """:func:`_expanded` and the function taking ``(dk, dv)`` of the expanded block to
+    ``(gradients of the travelling arrays, gradients of expand's parameters)``."""
+    if expand is None:
+        return kv, lambda dk, dv: ((dk, dv), ())
+    fn, params = expand
+    (k, v), pull = jax.vjp(fn, params, kv[:-1])
+
+    def grads(dk, dv):
+        d_params, d_block = pull((dk, dv))
+        return d_block, d_params
+    return (k, v, kv[-1]), grads
 
 
 def _segments(seg, k_seg):
@@ -143,22 +166,28 @@ class _Window:
 _OWN, _BEFORE, _AFTER = ((0, 0), (1, 1), (1, 0)), ((0, 0), (1, 0)), ((1, 0), (1, 1))
 
 
-def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
-                  rule=ScoreRule()):
-    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, ``k [b, h, 2n, d]``, ``v [b, h,
-    2n, d_v]`` and the
+def ring_forward(q, block, seg, axis_name, bq, bk, dropout=None, window=None,
+                 rule=ScoreRule(), expand=None):
+    """Per device, zigzag shards ``q [b, h, g, 2n, d]``, the travelling ``block`` and the
     kernel document ids ``seg [b, 2n]`` (or None) -> (out fp32, lse, count); ``rule``:
-    the scores' :class:`~sp_jax.attention.kernels.ScoreRule`."""
+    the scores' :class:`~sp_jax.attention.kernels.ScoreRule`. ``block``: ``(k [b, h, 2n,
+    d], v [b, h, 2n, d_v])`` with ``expand`` None; else any arrays ``[b, 2n, ...]`` that
+    ``expand = (fn, params)`` turns into them on every device, ``fn(params, block) -> (k,
+    v)`` (multi-head latent attention's latent ring: the latent travels, each device
+    up-projects it for its own heads)."""
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[-2] // 2
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
-    kv = (k, v, seg)  # the keys' document ids travel with them
+    kv = (*block, seg)  # the keys' document ids travel with them
     recv = _shift(kv, axis_name, c) if c > 1 else None  # in flight during step 0
+    k, v, _ = _expanded(kv, expand)
     if window is not None:
         w = _Window(q, seg, axis_name, bq, bk, window, dropout, rule)
-        o, lse, count = w.forward(q, kv, r, _OWN, None, None)
-        before = lambda kv, src, o, lse: w.forward(q, kv, src, _BEFORE, o, lse)  # noqa: E731
-        after = lambda kv, src, o, lse: w.forward(q, kv, src, _AFTER, o, lse)  # noqa: E731
+        o, lse, count = w.forward(q, (k, v, seg), r, _OWN, None, None)
+        before = lambda kv, src, o, lse: w.forward(  # noqa: E731
+            q, _expanded(kv, expand), src, _BEFORE, o, lse)
+        after = lambda kv, src, o, lse: w.forward(  # noqa: E731
+            q, _expanded(kv, expand), src, _AFTER, o, lse)
         return _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r)
     # step 0: own keys; the local zigzag rows are in increasing global order -> causal
     o, lse, count = forward_blocks(q, k, v, causal=True, bq=bq, bk=bk, drop=own,
@@ -167,7 +196,7 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
     def before(kv, src, o, lse):
         # source r - t < r: every local query sees the source's first chunk, none its
         # second: all 2n queries x the first n keys, unmasked
-        k_t, v_t, seg_t = kv
+        k_t, v_t, seg_t = _expanded(kv, expand)
         o_p, lse_p, cnt = forward_blocks(
             q, k_t[..., :n, :], v_t[..., :n, :], causal=False, bq=bq, bk=bk,
             drop=drop_before(src), segments=_segments(seg, None if seg is None
@@ -176,7 +205,7 @@ def _ring_forward(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
 
     def after(kv, src, o, lse):
         # source after r: only the second local chunk sees keys, all 2n of them, unmasked
-        k_t, v_t, seg_t = kv
+        k_t, v_t, seg_t = _expanded(kv, expand)
         o_p, lse_p, cnt = forward_blocks(
             q[..., n:, :], k_t, v_t, causal=False, bq=bq, bk=bk, drop=drop_after(src),
             segments=_segments(None if seg is None else seg[:, n:], seg_t), rule=rule)
@@ -203,59 +232,72 @@ def _ring_loop_forward(recv, o, lse, count, before, after, axis_name, c, r):
     return o, lse, count
 
 
-def _ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None,
-                   rule=ScoreRule()):
-    """Per device: the gradients of :func:`_ring_forward` (its layouts):
-    ``k, v`` travel the ring again with fp32 accumulators of their gradients, which end
-    at their owner. Returns (dq, dk, dv, count), fp32."""
+def ring_backward(res, d_out, seg, axis_name, bq, bk, dropout=None, window=None,
+                  rule=ScoreRule(), expand=None):
+    """Per device: the gradients of :func:`ring_forward` (its layouts; ``res = (q,
+    block, out, lse)``): the ``block`` travels the ring again with fp32 accumulators of
+    its gradients, which end at their owner (with ``expand``, each step's ``dk, dv``
+    taken back through it: the travelling arrays' gradients, e.g. the latent's, travel,
+    and ``expand``'s parameters' gradients are summed on each device). Returns (dq,
+    block gradients, parameter gradients, count), fp32."""
     res, d_out = lax.optimization_barrier((res, d_out))  # no CSE with the forward pass
-    q, k, v, out, lse = res
+    q, block, out, lse = res
     c, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[-2] // 2
     delta = row_delta(d_out, out)
     own, drop_before, drop_after = _ring_drops(dropout, r, c, n)
-    kv = (k, v, seg)
+    kv = (*block, seg)
     recv_kv = _shift(kv, axis_name, c) if c > 1 else None
+    (k, v, _), pull = _expanded_with_pull(kv, expand)
     if window is not None:
         w = _Window(q, seg, axis_name, bq, bk, window, dropout, rule)
-        dq, dk, dv, count = w.backward(q, kv, r, _OWN, d_out, lse, delta,
+        dq, dk, dv, count = w.backward(q, (k, v, seg), r, _OWN, d_out, lse, delta,
                                        fresh_zeros(q.shape, _F32, q))
-        return _ring_loop_backward(
-            recv_kv, (dk, dv), dq, count,
-            lambda kv, src, dq: w.backward(q, kv, src, _BEFORE, d_out, lse, delta, dq),
-            lambda kv, src, dq: w.backward(q, kv, src, _AFTER, d_out, lse, delta, dq),
-            axis_name, c, r)
+
+        def windowed(pairs):
+            def step(kv, src, dq):
+                expanded, pull = _expanded_with_pull(kv, expand)
+                dq, dk_p, dv_p, cnt = w.backward(q, expanded, src, pairs, d_out, lse, delta,
+                                                 dq)
+                return (dq, *pull(dk_p, dv_p), cnt)
+            return step
+        return _ring_loop_backward(recv_kv, *pull(dk, dv), dq, count, windowed(_BEFORE),
+                                   windowed(_AFTER), axis_name, c, r)
     dq, dk, dv, count = backward_blocks(q, k, v, d_out, lse, delta,
                                          fresh_zeros(q.shape, _F32, q),
                                          causal=True, bq=bq, bk=bk, drop=own,
                                          segments=_segments(seg, seg), rule=rule)
-    acc = (dk, dv)  # gradient of the block held, summed over the devices it has visited
+    # gradient of the block held, summed over the devices it has visited; and of expand's
+    # parameters, summed here
+    acc, d_params = pull(dk, dv)
 
     def before(kv, src, dq):
-        k_t, v_t, seg_t = kv
+        (k_t, v_t, seg_t), pull = _expanded_with_pull(kv, expand)
         dq, dk_p, dv_p, cnt = backward_blocks(
             q, k_t[..., :n, :], v_t[..., :n, :], d_out, lse, delta, dq, causal=False,
             bq=bq, bk=bk, drop=drop_before(src),
             segments=_segments(seg, None if seg is None else seg_t[:, :n]), rule=rule)
         pad = jnp.zeros_like(dk_p)
         pad_v = zeros_of_shape(pad, dv_p.shape, lambda: jnp.zeros_like(dv_p))
-        return (dq, jnp.concatenate([dk_p, pad], axis=-2),
-                jnp.concatenate([dv_p, pad_v], axis=-2), cnt)
+        return (dq, *pull(jnp.concatenate([dk_p, pad], axis=-2),
+                          jnp.concatenate([dv_p, pad_v], axis=-2)), cnt)
 
     def after(kv, src, dq):
-        k_t, v_t, seg_t = kv
+        (k_t, v_t, seg_t), pull = _expanded_with_pull(kv, expand)
         dq2, dk_p, dv_p, cnt = backward_blocks(
             q[..., n:, :], k_t, v_t, d_out[..., n:, :], lse[..., n:], delta[..., n:],
             dq[..., n:, :], causal=False, bq=bq, bk=bk, drop=drop_after(src),
             segments=_segments(None if seg is None else seg[:, n:], seg_t), rule=rule)
-        return jnp.concatenate([dq[..., :n, :], dq2], axis=-2), dk_p, dv_p, cnt
+        return (jnp.concatenate([dq[..., :n, :], dq2], axis=-2), *pull(dk_p, dv_p), cnt)
 
-    return _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r)
+    return _ring_loop_backward(recv_kv, acc, d_params, dq, count, before, after, axis_name,
+                               c, r)
 
 
-def _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r):
-    """The ring's steps ``1 .. c - 1`` of the backward pass, the ``dk, dv`` accumulators
-    ``acc`` travelling with the blocks; returns (dq, dk, dv, count) at the owners."""
+def _ring_loop_backward(recv_kv, acc, d_params, dq, count, before, after, axis_name, c, r):
+    """The ring's steps ``1 .. c - 1`` of the backward pass, the block's gradient
+    accumulators ``acc`` travelling with the blocks, ``d_params`` summed here; returns
+    (dq, acc, d_params, count) at the owners."""
     for t in range(1, c):
         # The k/v block in flight has arrived before the accumulators leave: two
         # transfers XLA cannot combine into one that would wait for this step's compute.
@@ -264,18 +306,19 @@ def _ring_loop_backward(recv_kv, acc, dq, count, before, after, axis_name, c, r)
             recv_kv = _shift(cur, axis_name, c)
         recv_acc = _shift(acc, axis_name, c)  # in flight during this step's compute
         src = (r - t) % c
-        dq, dk_p, dv_p, cnt = lax.cond(src < r, before, after, cur, src, dq)
-        acc = (recv_acc[0] + dk_p, recv_acc[1] + dv_p)
+        dq, d_block, d_params_p, cnt = lax.cond(src < r, before, after, cur, src, dq)
+        acc = tuple(a + d for a, d in zip(recv_acc, d_block, strict=True))
+        d_params = jax.tree.map(jnp.add, d_params, d_params_p)
         count = count + cnt
     if c > 1:  # the accumulators of block r + 1 go home
         acc = _shift(acc, axis_name, c)
-    return dq, acc[0], acc[1], count
+    return dq, acc, d_params, count
 
 
 def _ring_forward_bshd(q, k, v, seg, axis_name, bq, bk, dropout=None, window=None,
                        rule=ScoreRule()):
-    o, lse, count = _ring_forward(q_to_kernel(q, k.shape[2]), to_bhsd(k), to_bhsd(v), seg,
-                                  axis_name, bq, bk, dropout, window, rule)
+    o, lse, count = ring_forward(q_to_kernel(q, k.shape[2]), (to_bhsd(k), to_bhsd(v)), seg,
+                                 axis_name, bq, bk, dropout, window, rule)
     return q_from_kernel(o).astype(q.dtype), lse, count
 
 
@@ -283,9 +326,9 @@ def _ring_backward_bshd(res, d_out, seg, axis_name, bq, bk, dropout=None, window
                         rule=ScoreRule()):
     q, k, v, out, lse = res
     hk = k.shape[2]
-    res = (q_to_kernel(q, hk), to_bhsd(k), to_bhsd(v), q_to_kernel(out, hk), lse)
-    dq, dk, dv, count = _ring_backward(res, q_to_kernel(d_out, hk), seg, axis_name, bq, bk,
-                                       dropout, window, rule)
+    res = (q_to_kernel(q, hk), (to_bhsd(k), to_bhsd(v)), q_to_kernel(out, hk), lse)
+    dq, (dk, dv), _, count = ring_backward(res, q_to_kernel(d_out, hk), seg, axis_name, bq,
+                                           bk, dropout, window, rule)
     grads = (q_from_kernel(dq).astype(q.dtype), to_bshd(dk).astype(k.dtype),
              to_bshd(dv).astype(v.dtype))
     return grads, count

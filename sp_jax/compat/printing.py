@@ -31,7 +31,7 @@ _SHORT: dict[str, str] = {
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
     "layer_windows": "lw", "cudnn_attention": "cd", "attention_dropout": "ad",
     "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
-    "offload_optimizer": "oo", "offload_activations": "oa",
+    "offload_optimizer": "oo", "offload_activations": "oa", "mla_attention": "ml",
 }
 
 

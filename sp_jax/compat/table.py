@@ -55,6 +55,7 @@ FEATURES: dict[str, str] = {
     "grad_reduce_dtype": "ParallelConfig(grad_reduce_dtype=...): gradients reduced in bf16",
     "offload_optimizer": "TrainStep(offload_optimizer / offload_params): state on the host",
     "offload_activations": "ParallelConfig(offload_activations=True): saved values on the host",
+    "mla_attention": "GPTConfig(attention='mla'): multi-head latent attention (DeepSeek-V3)",
 }
 """Every feature the table knows, with a one-line description. ``unrolled_layers`` is an
 option's default value: :func:`features_of` reports it only with ``defaults=True`` (what
@@ -99,6 +100,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "grad_reduce_dtype": "grad_reduce_dtype",
     "offload_optimizer": "optimizer offload",
     "offload_activations": "offload_activations=True",
+    "mla_attention": "multi-head latent attention (attention='mla')",
 }
 
 STATUSES: dict[str, tuple[str, str]] = {
@@ -181,6 +183,11 @@ _REDUCE_FIX = ("{grad_reduce_dtype} without a pipeline reduces the gradients of 
                "use a pipeline (pipeline_axis=...), which reduces in its own schedule.")
 
 REFUSALS: list[Refusal] = [
+    Refusal(_ALL, "mla_attention", "cudnn_attention",
+            "{mla_attention} needs attention_implementation='xla': its keys (qk_nope_head_dim + "
+            "qk_rope_head_dim) and values (v_head_dim) have different head sizes, which "
+            "jax.nn.dot_product_attention's cuDNN kernel does not take, and its latent ring "
+            "merges steps by log-sum-exp."),
     Refusal(_ALL, "cudnn_attention", "context_ring",
             "attention_implementation='cudnn' cannot run ring attention (its steps are merged "
             "by log-sum-exp, which cuDNN's kernel does not return); use "
@@ -543,6 +550,8 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             found.add("sliding_window")  # one window for every layer, or per layer
         if windows is not None or getattr(config, "window_per_layer", False):
             found.add("layer_windows")  # the window as data (a layer's, or per layer)
+        if getattr(config, "attention", "mha") == "mla":
+            found.add("mla_attention")
         if getattr(config, "attention_implementation", "xla") == "cudnn":
             found.add("cudnn_attention")
         if getattr(config, "attention_dropout", 0.0):

@@ -41,6 +41,13 @@ from sp_jax.layers.linear import (
     RowParallelLinear,
     RowSequenceParallelLinear,
 )
+from sp_jax.layers.mla import (
+    LatentCache,
+    LatentProjection,
+    MultiHeadLatentAttention,
+    deinterleave_rope,
+    mla_softmax_scale,
+)
 from sp_jax.layers.mlp import MLP, MLPActivation
 from sp_jax.layers.moe import MoE, MoEStats, moe_losses
 from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
@@ -84,6 +91,11 @@ __all__ = [
     "kv_heads_per_shard",
     "kv_heads_replicated",
     "GroupedQKVProjection",
+    "LatentCache",
+    "LatentProjection",
+    "MultiHeadLatentAttention",
+    "deinterleave_rope",
+    "mla_softmax_scale",
     "CausalSelfAttention",
     "KVCache",
     "Attention",

@@ -42,7 +42,7 @@ from sp_jax.mesh import (
     reshard,
 )
 
-__all__ = ["FULL_WINDOW", "CausalSelfAttention", "KVCache", "LayerWindow"]
+__all__ = ["FULL_WINDOW", "CausalSelfAttention", "KVCache", "LayerWindow", "head_rms_norm"]
 
 FULL_WINDOW = 2 ** 30
 """The window a full-attention layer holds under ``GPTConfig.layer_windows``: more keys
@@ -79,7 +79,7 @@ class KVCache(AttentionCache):
         return {"k": heads, "v": heads}
 
 
-def _head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float,
+def head_rms_norm(x: jax.Array, scale: jax.Array, epsilon: float,
                    offset: float = 0.0) -> jax.Array:
     """RMSNorm of each head ``x [..., head_dim]`` over ``head_dim`` in fp32, times
     ``scale [head_dim]`` (Qwen3's q/k norm; with ``offset``, times ``offset + scale``:
@@ -221,7 +221,7 @@ class CausalSelfAttention(nnx.Module):
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                 seed: jax.Array | None = None, rows: jax.Array | None = None, *,
-                keep_kv: bool = False, qk_scales: tuple[jax.Array, ...] = (),
+                keep_kv: bool = False, params: tuple[jax.Array, ...] = (),
                 window: jax.Array | None = None) -> Any:
         """Per device: ``[b, s_local, 3 * heads * head_dim / t]`` (local heads, this
         device's part of the sequence) -> ``[b, s_local, heads * v_head_dim / t]`` (with
@@ -230,18 +230,39 @@ class CausalSelfAttention(nnx.Module):
         this device's ``[b, s_local]`` document ids and token positions (or None);
         ``seed``: the attention dropout's; ``rows``: the global index of this device's
         first batch row when the data axes are manual outside
-        (``ParallelConfig.manual_data_axes``); ``qk_scales``: :meth:`qk_scales`' values;
-        ``window``: this layer's window (int32 scalar, ``window_per_layer``) or None."""
-        cfg, par = self.config, self.parallel
+        (``ParallelConfig.manual_data_axes``); ``params``: :meth:`attention_params`'
+        values (here :meth:`qk_scales`'); ``window``: this layer's window (int32 scalar,
+        ``window_per_layer``) or None."""
         b, s, _ = qkv.shape
-        if cfg.rotary and positions is None:  # this device's tokens in the held order
-            positions = local_positions(par, order, s)
-        q, k, v = self.split_heads(qkv, positions, qk_scales, window)
+        positions = self.held_positions(order, s, positions)
+        q, k, v = self.split_heads(qkv, positions, params, window)
         heads = q.shape[2]
+        blocks = self.kernel_arguments(heads, b, segment_ids, seed, rows, window)
+        out = self.run_kernel(q, k, v, blocks)
+        out = out.reshape(b, s, heads * out.shape[-1])  # the values' head size
+        return (out, k, v) if keep_kv else out
+
+    def held_positions(self, order: np.ndarray | None, s: int,
+                       positions: jax.Array | None) -> jax.Array | None:
+        """Per device: the rotary positions of this device's ``s`` tokens: ``positions``
+        when given (packed documents), else those of the held order (None without
+        rotary)."""
+        if self.config.rotary and positions is None:
+            return local_positions(self.parallel, order, s)
+        return positions
+
+    def kernel_arguments(self, heads: int, b: int, segment_ids: jax.Array | None,
+                         seed: jax.Array | None, rows: jax.Array | None,
+                         window: jax.Array | None) -> dict[str, Any]:
+        """Per device: the attention kernels' keyword arguments (blocks, documents,
+        window, :attr:`softmax_scale`, soft cap, offload, and the dropout of ``seed``
+        with this device's first global row and head; ``heads`` this device's query
+        heads, ``b`` its rows)."""
+        cfg, par = self.config, self.parallel
         blocks: dict[str, Any] = dict(block_q=cfg.attention_block_q,
                                       block_k=cfg.attention_block_k, segment_ids=segment_ids,
                                       sliding_window=cfg.sliding_window if window is None
-                                      else window, scale=cfg.attention_scale,
+                                      else window, scale=self.softmax_scale,
                                       softcap=cfg.attention_softcap,
                                       offload_residuals=par.offload_activations)
         if seed is not None:  # global coordinates of this device's first row and head
@@ -250,16 +271,43 @@ class CausalSelfAttention(nnx.Module):
             blocks["dropout"] = AttentionDropout(
                 seed, cfg.attention_dropout, batch_offset=rows,
                 head_offset=lax.axis_index(par.tensor_axis) * heads)
+        return blocks
+
+    def run_kernel(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                   blocks: dict[str, Any]) -> jax.Array:
+        """Per device: the attention kernel of the context-parallel mode (ring, Ulysses
+        or none) on ``q [b, s, heads, d]``, ``k [b, s, kv, d]``, ``v [b, s, kv, d_v]``
+        with :meth:`kernel_arguments` ``blocks`` -> ``[b, s, heads, d_v]``."""
+        cfg, par = self.config, self.parallel
         if par.context_parallel == "ring":
-            out = ring_attention(q, k, v, axis_name=par.context_axis, **blocks)
-        elif par.context_parallel == "ulysses":
-            out = ulysses_attention(q, k, v, axis_name=par.context_axis,
-                                    implementation=cfg.attention_implementation, **blocks)
-        else:
-            out = blockwise_attention(q, k, v, implementation=cfg.attention_implementation,
-                                      **blocks)
-        out = out.reshape(b, s, heads * out.shape[-1])  # the values' head size
-        return (out, k, v) if keep_kv else out
+            return ring_attention(q, k, v, axis_name=par.context_axis, **blocks)
+        if par.context_parallel == "ulysses":
+            return ulysses_attention(q, k, v, axis_name=par.context_axis,
+                                     implementation=cfg.attention_implementation, **blocks)
+        return blockwise_attention(q, k, v, implementation=cfg.attention_implementation,
+                                   **blocks)
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The factor of the scores ``q . k`` (``attention_scale``; None: ``head_dim **
+        -0.5``)."""
+        return self.config.attention_scale
+
+    @property
+    def rope_dim(self) -> int:
+        """The features of each head the rotary angles turn (``head_dim``)."""
+        return self.config.head_dim
+
+    def attention_params(self) -> tuple[tuple[jax.Array, P], ...]:
+        """The parameters the per-device attention (:meth:`_attend`) reads, each with
+        its spec for the ``shard_map`` (which cannot close over them): here the q/k norm
+        scales (:meth:`qk_scales`, replicated ``P()``)."""
+        return tuple((a, P()) for a in self.qk_scales())
+
+    def kept_specs(self, layout: Layout) -> tuple[P, ...]:
+        """The specs in which :meth:`_attend` returns its cache entries with
+        ``keep_kv`` (here :meth:`KVCache.entry_specs`, in field order)."""
+        return tuple(self.cache_type.entry_specs(layout).values())
 
     def qk_scales(self) -> tuple[jax.Array, ...]:
         """The q/k norm scales ``(q_norm, k_norm)``, ``[head_dim]`` each, with
@@ -278,10 +326,10 @@ class CausalSelfAttention(nnx.Module):
         ``window_per_layer``) with a ``where`` between the two, so the layers of a scan
         share one program."""
         cfg = self.config
-        full = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_base, cfg.rope_scaling))
+        full = jnp.asarray(rope_frequencies(self.rope_dim, cfg.rope_base, cfg.rope_scaling))
         if cfg.rope_local_base is None:
             return full
-        local = jnp.asarray(rope_frequencies(cfg.head_dim, cfg.rope_local_base))
+        local = jnp.asarray(rope_frequencies(self.rope_dim, cfg.rope_local_base))
         if window is None:
             return full if cfg.sliding_window is None else local
         return jnp.where(window < FULL_WINDOW, local, full)
@@ -322,8 +370,8 @@ class CausalSelfAttention(nnx.Module):
                 raise ValueError(
                     "CausalSelfAttention.split_heads: qk_norm=True needs qk_scales=(q_norm, "
                     "k_norm): pass self.qk_scales() into the shard_map (in_specs P()).")
-            q = _head_rms_norm(q, qk_scales[0], cfg.norm_epsilon, cfg.norm_offset)
-            k = _head_rms_norm(k, qk_scales[1], cfg.norm_epsilon, cfg.norm_offset)
+            q = head_rms_norm(q, qk_scales[0], cfg.norm_epsilon, cfg.norm_offset)
+            k = head_rms_norm(k, qk_scales[1], cfg.norm_epsilon, cfg.norm_offset)
         if cfg.rotary:
             freqs = self.rotary_frequencies(window)
             q = rotary_embedding(q, positions, frequencies=freqs)
@@ -335,8 +383,8 @@ class CausalSelfAttention(nnx.Module):
         attention used (a prompt for decoding): ``x [batch, seq, hidden]`` (SP layout) ->
         ``(x + attention, KVCache(k, v))`` with ``k``, ``v`` ``[batch, seq, t * kv_local,
         head_dim]`` in :meth:`KVCache.entry_specs` (``keep_kv``)."""
-        y, (k, v) = self(x, keep_kv=True)
-        return y, KVCache(k, v)
+        y, kept = self(x, keep_kv=True)
+        return y, self.cache_type(*kept)
 
     def decode_step(self, x: jax.Array, cache: KVCache, positions: jax.Array,
                     cache_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -369,7 +417,7 @@ class CausalSelfAttention(nnx.Module):
         o = cached_attention(q, k, v, cache.k, cache.v, positions, window,
                              cache_positions=cache_positions,
                              axis_name=self.parallel.context_axes or None,
-                             scale=self.config.attention_scale,
+                             scale=self.softmax_scale,
                              softcap=self.config.attention_softcap)
         y = self.out.local_decode(o)
         if self.post_norm is not None:
@@ -417,17 +465,19 @@ class CausalSelfAttention(nnx.Module):
         docs = tuple(None if a is None else reshard(jnp.asarray(a).astype(jnp.int32),
                                                     doc_spec, mesh)
                      for a in (segment_ids, positions))
-        kept = KVCache.entry_specs(Layout.of(self.parallel))
-        scales = tuple(reshard(a, P(), mesh) for a in self.qk_scales())
+        kept = self.kept_specs(Layout.of(self.parallel))
+        params = self.attention_params()
+        values = tuple(reshard(a, spec, mesh) for a, spec in params)
         window = () if self.window is None else (reshard(self.window[...], P(), mesh),)
         attended = jax.shard_map(
-            lambda qkv, docs, scales, window, *seed: self._attend(
-                qkv, order, *docs, *seed, keep_kv=keep_kv, qk_scales=scales,
+            lambda qkv, docs, values, window, *seed: self._attend(
+                qkv, order, *docs, *seed, keep_kv=keep_kv, params=values,
                 window=window[0] if window else None),
             in_specs=(tp, tuple(None if a is None else doc_spec for a in docs),
-                      (P(),) * len(scales), (P(),) * len(window), *(P(),) * len(seeds)),
-            out_specs=(tp, kept["k"], kept["v"]) if keep_kv else tp)(
-                qkv, docs, scales, window, *seeds)
+                      tuple(spec for _, spec in params), (P(),) * len(window),
+                      *(P(),) * len(seeds)),
+            out_specs=(tp, *kept) if keep_kv else tp)(
+                qkv, docs, values, window, *seeds)
         if keep_kv:
             attended, *kv = attended
         y = self.out(attended)

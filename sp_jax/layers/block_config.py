@@ -26,7 +26,8 @@ from sp_jax.layers.attention_registry import check_attention_name
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling
 
-__all__ = ["MLP_ACTIVATIONS", "AttentionConfig", "MLPConfig", "MoEConfig", "check_block_fields",
+__all__ = ["MLA_FIELDS", "MLP_ACTIVATIONS", "AttentionConfig", "check_mla_fields", "MLPConfig",
+           "MoEConfig", "check_block_fields",
            "check_block_config",
            "check_kv_heads", "kv_heads_per_shard", "kv_heads_replicated",
            "settle_block_fields"]
@@ -193,6 +194,8 @@ def check_block_fields(owner: str, config: Any) -> None:
             raise ValueError(f"{owner}.{name}={getattr(config, name)} must be in [0, 1).")
     if has("attention"):
         check_attention_name(owner, config.attention)
+    if has("kv_lora_rank"):
+        check_mla_fields(owner, config)
     if has("attention_implementation"):
         if config.attention_implementation not in IMPLEMENTATIONS:
             raise ValueError(
@@ -201,6 +204,39 @@ def check_block_fields(owner: str, config: Any) -> None:
     check_mode(None, config=config, where=owner)  # refused in every mode: sp_jax.compat
     _float_dtype(owner, "dtype", config.dtype, optional=True)
     _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+"""Multi-head latent attention's shape fields (:class:`AttentionConfig`,
+:class:`~sp_jax.models.GPTConfig`), DeepSeek-V3's names."""
+
+
+def check_mla_fields(owner: str, config: Any) -> None:
+    """Multi-head latent attention's fields (:data:`MLA_FIELDS`): with ``attention="mla"``
+    each a positive int (``q_lora_rank`` may be None: q projected directly; with rotary
+    embeddings ``qk_rope_head_dim`` even); with another attention all None. A ValueError
+    names ``owner.field``, the value and the fix."""
+    values = {name: getattr(config, name) for name in MLA_FIELDS}
+    if config.attention != "mla":
+        given = [name for name, value in values.items() if value is not None]
+        if given:
+            raise ValueError(f"{owner}: {given} are multi-head latent attention's fields; "
+                             f"attention={config.attention!r} does not read them: set "
+                             "attention='mla' or leave them None.")
+        return
+    for name, value in values.items():
+        if value is None and name == "q_lora_rank":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name}={value!r} must be a positive int with "
+                             "attention='mla' (DeepSeek-V3: q_lora_rank=1536, kv_lora_rank="
+                             "512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim="
+                             "128; q_lora_rank may be None).")
+    rotary = getattr(config, "rotary", getattr(config, "positions", None) == "rotary")
+    if rotary and values["qk_rope_head_dim"] % 2:
+        raise ValueError(f"{owner}.qk_rope_head_dim={values['qk_rope_head_dim']} must be "
+                         "even (the rotary angles turn pairs of features).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +310,14 @@ class AttentionConfig:
       attention: the registered name of the attention class the block runs
         (:func:`~sp_jax.layers.register_attention`; ``"mha"``:
         :class:`~sp_jax.layers.CausalSelfAttention`, multi-head, grouped-query and
-        multi-query attention). A variant reads the fields of this config it needs.
+        multi-query attention; ``"mla"``: :class:`~sp_jax.layers.MultiHeadLatentAttention`).
+        A variant reads the fields of this config it needs.
+      q_lora_rank / kv_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim:
+        multi-head latent attention's shape (``attention="mla"``, DeepSeek-V3's fields of
+        the same names; :func:`check_mla_fields`): the query's low rank (None: q
+        projected directly), the keys' and values' latent width, each query/key head's
+        features without and with the rotary angles, and each value head's features.
+        None (and unread) for other attentions.
     """
 
     hidden: int
@@ -305,6 +348,11 @@ class AttentionConfig:
     post_norms: bool = False
     rope_local_base: float | None = None
     attention: str = "mha"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
                                               compare=False)
 

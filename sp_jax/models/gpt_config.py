@@ -166,6 +166,10 @@ class GPTConfig:
         layers are a stack of their own, ``dense_blocks/...`` ``[k, ...]``, run before
         the experts' ``blocks/...`` ``[num_layers - k, ...]`` (one ``lax.scan`` each);
         pipeline stages hold both kinds as data (:mod:`sp_jax.pipeline.gpt_stages`).
+      q_lora_rank / kv_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim: with
+        ``attention="mla"``, multi-head latent attention's shape (DeepSeek-V3's fields:
+        :class:`~sp_jax.layers.MultiHeadLatentAttention`; ``q_lora_rank=None``: q
+        projected directly); None otherwise.
     """
 
     vocab_size: int
@@ -221,6 +225,11 @@ class GPTConfig:
     rope_local_base: float | None = None
     attention: str = "mha"
     num_dense_layers: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
