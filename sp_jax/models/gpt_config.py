@@ -166,6 +166,17 @@ class GPTConfig:
         layers are a stack of their own, ``dense_blocks/...`` ``[k, ...]``, run before
         the experts' ``blocks/...`` ``[num_layers - k, ...]`` (one ``lax.scan`` each);
         pipeline stages hold both kinds as data (:mod:`sp_jax.pipeline.gpt_stages`).
+      moe_scoring / moe_groups / moe_topk_groups / moe_routed_scale: DeepSeek-V3's
+        routing (Hugging Face's ``scoring_func``, ``n_group``, ``topk_group``,
+        ``routed_scaling_factor``): ``"sigmoid"`` scores, group-limited top-k and the
+        weights' factor (:class:`~sp_jax.layers.MoEConfig`); the defaults: softmax top-k.
+      moe_bias_update_rate: aux-loss-free balancing: each expert layer's selection bias
+        (``e_score_correction_bias``, a :class:`~sp_jax.layers.RouterBias`, held with a
+        sigmoid router or a rate > 0) moves by ``rate * sign(mean load - load)`` after
+        each training step, from the expert loads of the whole global batch
+        (:class:`~sp_jax.training.TrainStep`, outside the optimizer); 0.0: frozen.
+      moe_seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss added to
+        the training loss (``moe_seq_aux_loss`` of :func:`~sp_jax.layers.moe_losses`).
     """
 
     vocab_size: int
@@ -221,6 +232,12 @@ class GPTConfig:
     rope_local_base: float | None = None
     attention: str = "mha"
     num_dense_layers: int = 0
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0
+    moe_bias_update_rate: float = 0.0
+    moe_seq_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
