@@ -36,7 +36,7 @@ ROUTING = dict(num_experts=8, experts_per_token=2, moe_mlp_hidden=16, moe_scorin
 MESHES = {  # (data, expert, tensor)
     "data2_expert2_tensor2": ((2, 2, 2), {}),
     "expert4_tensor2_fsdp": ((1, 4, 2), dict(fsdp=True)),
-    "data2_expert4": ((2, 4, 1), {}),
+    "expert2_tensor4": ((1, 2, 4), {}),
 }
 
 
@@ -58,15 +58,12 @@ def _parallel(options=None, shape=(1, 1, 1)):
     return sp_jax.ParallelConfig(data_axis="data", expert_axis="expert", **(options or {}))
 
 
-def _batches(vocab, steps, seed=0, skew=None):
-    """``steps`` batches ``[1, B, S]``; ``skew``: token ids drawn with probabilities
-    ``~ skew ** -id`` (a few ids most of the time) instead of uniformly."""
+def _batches(vocab, steps, seed=0):
+    """``steps`` batches ``[1, B, S]`` of uniform token ids."""
     rng = np.random.default_rng(seed)
-    p = None if skew is None else skew ** -np.arange(vocab, dtype=np.float64)
     out = []
     for _ in range(steps):
-        tokens = rng.choice(vocab, size=(B, S + 1), p=None if p is None else p / p.sum())
-        tokens = tokens.astype(np.int32)
+        tokens = rng.integers(0, vocab, size=(B, S + 1)).astype(np.int32)
         out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
     return out
 
@@ -216,7 +213,8 @@ def test_sharded_training_equals_unsharded_with_the_bias_update(name):
     """4 AdamW steps (2 micro-batches each, the sequence-wise loss on) on a (data, expert,
     tensor) mesh equal the unsharded model's: losses, parameters and the biases each
     step (fp32, 1e-5), and each step's bias update is DeepSeek-V3's rule on the loads
-    the step reports (summed over its micro-batches), exactly; eval logits equal too."""
+    the step reports (summed over its micro-batches), exactly; eval logits equal too
+    (1e-5 of the largest)."""
     cfg = _config(moe_seq_aux_loss_coef=0.01)
     batches = _batches(cfg.vocab_size, 4)
     init, ref_metrics, ref_biases, ref_step = _train(cfg, "plain", batches, micro=2)
@@ -244,7 +242,8 @@ def test_sharded_training_equals_unsharded_with_the_bias_update(name):
             model = s.sync_model()
             model.eval()
             logits.append(np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens)))
-    np.testing.assert_allclose(*logits, rtol=1e-5, atol=1e-5)
+    # 1e-5 relative to the largest logit (the trained parameters differ by ~1e-6)
+    np.testing.assert_allclose(*logits, rtol=1e-5, atol=1e-5 * np.abs(logits[1]).max())
 
 
 @pytest.mark.slow
@@ -265,24 +264,21 @@ def test_checkpoint_keeps_the_biases(tmp_path):
         (sp_jax.ParallelConfig(data_axis="data", expert_axis="expert"), _mesh((1, 8, 1)))])
 
 
-def load_imbalance(with_bias: bool, steps: int = 50) -> float:
-    """max / mean expert load (pairs per expert, each layer, the last 10 steps together)
-    of the tiny DeepSeek-routed model after ``steps`` AdamW steps on skewed tokens (ids
-    drawn ``~ 1.5 ** -id``), its selection bias updated at 0.01 or not at all; no
-    auxiliary loss either way."""
-    cfg = _config(num_layers=1, moe_bias_update_rate=0.01 if with_bias else 0.0)
-    _, metrics, _, _ = _train(cfg, "plain", _batches(cfg.vocab_size, steps, skew=1.5))
-    loads = np.sum([m["moe_expert_tokens"] for m in metrics[-10:]], axis=0)  # [layers, E]
-    return float(np.max(loads / loads.mean(-1, keepdims=True)))
-
-
 @pytest.mark.slow
 def test_the_bias_balances_a_skewed_load():
-    """After 50 steps on skewed data the max/mean expert load is lower with the bias
-    updated than without it (the issue's target; benchmarks report both figures)."""
-    with_bias, without = load_imbalance(True), load_imbalance(False)
-    assert with_bias < without, (with_bias, without)
-    assert with_bias < 1.5
+    """After 50 steps of the tiny model on skewed data (token ids drawn ``~ 1.5 ** -id``,
+    no auxiliary loss) the max/mean expert load is lower with the selection bias updated
+    (rate 0.01) than without it (the issue's target; benchmarks/moe.py reports both), and
+    the loads are counted over every token of the last 10 steps."""
+    from sp_jax.analysis.routing import expert_load_imbalance
+
+    got = {}
+    for rate in (0.01, 0.0):
+        with jax.set_mesh(_mesh((1, 1, 1))):
+            got[rate] = expert_load_imbalance(_config(num_layers=1, moe_bias_update_rate=rate))
+        assert np.sum(got[rate]["loads"]) == 10 * B * S * 2  # k = 2 per token
+    assert got[0.01]["max_over_mean"] < got[0.0]["max_over_mean"], got
+    assert got[0.01]["max_over_mean"] < 1.5, got
 
 
 def test_routing_config_errors():

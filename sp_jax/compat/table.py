@@ -42,6 +42,12 @@ FEATURES: dict[str, str] = {
     "expert_parallel": "ParallelConfig(expert_axis=...): experts sharded over a mesh axis",
     "interleaved_experts": "GPTConfig(moe_layer_freq > 1): dense layers between expert ones",
     "dense_layers": "GPTConfig(num_dense_layers=k > 0): k dense layers before the experts",
+    "sigmoid_routing": "GPTConfig(moe_scoring='sigmoid', moe_groups=...): DeepSeek-V3's "
+                       "routing (sigmoid scores, group-limited top-k, routed scale)",
+    "aux_free_bias": "GPTConfig(moe_bias_update_rate > 0): the experts' selection bias moved "
+                     "by each training step (aux-loss-free balancing)",
+    "seq_aux_loss": "GPTConfig(moe_seq_aux_loss_coef > 0): DeepSeek-V3's sequence-wise "
+                    "balance loss",
     "fp8_current": "GPTConfig(fp8=Fp8Recipe('current')): FP8 GEMMs, current scaling",
     "fp8_delayed": "GPTConfig(fp8=Fp8Recipe('delayed')): FP8 GEMMs, amax history",
     "packed_documents": "segment_ids / positions: several documents per row",
@@ -84,6 +90,9 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "expert_parallel": "expert_axis",
     "interleaved_experts": "moe_layer_freq > 1",
     "dense_layers": "dense layers before the experts (num_dense_layers > 0)",
+    "sigmoid_routing": "DeepSeek-V3 routing (moe_scoring='sigmoid' or moe_groups > 1)",
+    "aux_free_bias": "aux-loss-free balancing (moe_bias_update_rate > 0)",
+    "seq_aux_loss": "the sequence-wise balance loss (moe_seq_aux_loss_coef > 0)",
     "fp8_current": "FP8 (fp8=Fp8Recipe('current'))",
     "fp8_delayed": "FP8 (fp8=Fp8Recipe('delayed'))",
     "fp8": "FP8 (fp8=Fp8Recipe(...))",
@@ -228,6 +237,9 @@ IMPLIES: dict[str, tuple[str, ...]] = {
     "interleaved_experts": ("experts", "unrolled_layers"),
     "dense_layers": ("experts",),
     "expert_parallel": ("experts",),
+    "sigmoid_routing": ("experts",),
+    "aux_free_bias": ("experts",),
+    "seq_aux_loss": ("experts",),
 }
 """What a feature brings along: a model with it has these too (pipeline stages hold
 slices of the stacked layers; dense layers between or before experts are a mixture of
@@ -237,7 +249,8 @@ experts). A pair refused with what one feature brings is refused with that featu
 _NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss"),
                    *((("eval", "generate"), f) for f in (
                        "zero1", "grad_reduce_dtype", "offload_optimizer",
-                       "offload_activations"))]  # training only: no gradients, no update
+                       "offload_activations", "aux_free_bias",
+                       "seq_aux_loss"))]  # training only: no gradients, no update
 
 COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = []
 """The coverage rows in :data:`TABLE`: ``(modes, features, pytest node id)``, the test
@@ -534,6 +547,14 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             dense = getattr(config, "num_dense_layers", 0)
             if isinstance(dense, int) and not isinstance(dense, bool) and dense > 0:
                 found.add("dense_layers")
+            if getattr(config, "moe_scoring", "softmax") == "sigmoid" or \
+                    getattr(config, "moe_groups", 1) != 1:
+                found.add("sigmoid_routing")
+            for name, feature in (("moe_bias_update_rate", "aux_free_bias"),
+                                  ("moe_seq_aux_loss_coef", "seq_aux_loss")):
+                value = getattr(config, name, 0.0)
+                if isinstance(value, int | float) and value > 0:
+                    found.add(feature)
         fp8 = getattr(config, "fp8", None)
         if fp8 is not None:
             found.add(f"fp8_{getattr(fp8, 'scaling', 'current')}")
@@ -579,6 +600,10 @@ def spelled(config: Any = None, parallel: Any = None, features: Iterable[str] = 
         "expert_parallel": lambda: f"expert_axis={value(parallel, 'expert_axis')!r}",
         "interleaved_experts": lambda: f"moe_layer_freq={value(config, 'moe_layer_freq')}",
         "dense_layers": lambda: f"num_dense_layers={value(config, 'num_dense_layers')}",
+        "sigmoid_routing": lambda: f"moe_scoring={value(config, 'moe_scoring')!r}",
+        "aux_free_bias": lambda: f"moe_bias_update_rate={value(config, 'moe_bias_update_rate')}",
+        "seq_aux_loss": lambda: f"moe_seq_aux_loss_coef="
+                                f"{value(config, 'moe_seq_aux_loss_coef')}",
         "sliding_window": lambda: f"sliding_window={value(config, 'sliding_window')}",
         "attention_dropout": lambda: f"attention_dropout={value(config, 'attention_dropout')}",
         "attention_softcap": lambda: f"attention_softcap={value(config, 'attention_softcap')}",

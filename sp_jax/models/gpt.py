@@ -23,8 +23,8 @@ from sp_jax.layers import (
     logit_softcap,
     make_norm,
     moe_losses,
-    router_loss,
     parallel_cross_entropy,
+    router_loss,
 )
 from sp_jax.layers.embedding import check_token_ids
 from sp_jax.layers.linear import column_sp_matmul, shard_linear
