@@ -241,7 +241,8 @@ QUICK = MoEBench(shapes=dict(h=128, F=256, s=128, heads=8, kv_heads=2, layers=1)
 BALANCE = dict(vocab_size=64, max_seq_len=16, num_layers=1, num_heads=4, num_kv_heads=4,
                head_dim=8, hidden=32, mlp_hidden=48, num_experts=8, experts_per_token=2,
                moe_mlp_hidden=16, moe_scoring="sigmoid", moe_groups=4, moe_topk_groups=2,
-               moe_routed_scale=2.5, num_shared_experts=1, router_aux_loss_coef=0.0)
+               moe_routed_scale=2.5, num_shared_experts=1, router_aux_loss_coef=0.0,
+               moe_seq_aux_loss_coef=0.0)
 """The aux-loss-free balancing target's model: ``deepseek-v3-tiny`` narrowed to one layer
 of 8 experts in 4 groups (2 chosen, top 2), no auxiliary loss (tests/test_routing.py's)."""
 

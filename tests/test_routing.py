@@ -44,7 +44,7 @@ def _config(**overrides) -> GPTConfig:
     return GPTConfig.deepseek_v3_moe("deepseek-v3-tiny", **{
         "vocab_size": 64, "max_seq_len": S, "num_layers": 2, "num_heads": 4,
         "num_kv_heads": 4, "head_dim": 8, "hidden": 32, "mlp_hidden": 48,
-        "router_aux_loss_coef": 0.0, **ROUTING, **overrides})
+        "router_aux_loss_coef": 0.0, "moe_seq_aux_loss_coef": 0.0, **ROUTING, **overrides})
 
 
 def _mesh(shape):
