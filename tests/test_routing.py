@@ -119,7 +119,7 @@ def _hf_weights(layer):
     return np.asarray(layer.router[...]).T, experts, shared
 
 
-@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("norm_topk", slow_except((True, False), True))
 def test_mixture_equals_transformers_deepseek_v3_moe(norm_topk):
     """The MoE layer (8 experts in 4 groups, 2 groups and 2 experts per token, routed
     scale 2.5, a random selection bias, one shared expert) on its normed input equals
@@ -281,6 +281,7 @@ def test_the_bias_balances_a_skewed_load():
     assert got[0.01]["max_over_mean"] < 1.5, got
 
 
+@pytest.mark.slow
 def test_routing_config_errors():
     """Bad routing fields name the field and the fix."""
     for bad, match in ((dict(moe_scoring="relu"), "moe_scoring"),
