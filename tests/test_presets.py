@@ -33,14 +33,16 @@ PRESETS = {
 def _counts(c: GPTConfig) -> tuple[int, int]:
     """(total, active per token) parameters from the config's numbers (NumPy int64): per
     layer q / k / v / out kernels, q/k norms, the router, the routed and shared SwiGLU
-    experts and two norms; the embedding, the untied head and the final norm."""
+    experts, two norms and a sigmoid router's selection bias (``E``, not a matmul); the
+    embedding, the untied head and the final norm."""
     i = np.int64
     h, d, layers = i(c.hidden), i(c.head_dim or c.hidden // c.num_heads), i(c.num_layers)
     attention = h * d * (2 * c.num_heads + 2 * c.num_kv_heads) + 2 * d * c.qk_norm
     expert = 3 * h * c.moe_mlp_hidden
     rest = attention + h * c.num_experts + 2 * h
     outside = i(c.vocab_size) * h * (1 if c.tie_embeddings else 2) + h
-    total = layers * (rest + expert * (c.num_experts + c.num_shared_experts)) + outside
+    total = layers * (rest + expert * (c.num_experts + c.num_shared_experts)) + outside + \
+        layers * c.num_experts * (c.moe_scoring == "sigmoid")
     active = layers * (rest + expert * (c.experts_per_token + c.num_shared_experts)) + outside
     return int(total), int(active)
 

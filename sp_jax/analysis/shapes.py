@@ -33,6 +33,7 @@ class ModelShape:
     head_dim: int | None = None
     qk_norm: bool = False
     shared_experts: int = 0
+    sigmoid_router: bool = False
 
     @property
     def mlp(self) -> int:
@@ -59,14 +60,15 @@ class ModelShape:
         (h + mlp + h), 2 LayerNorms (4 h); the tied vocabulary table, the final norm.
         Mixture of experts: per layer q/out (2 h a) and k/v (2 h kv_heads head_size)
         kernels, the router (h E), E SwiGLU experts (3 h F each) and the shared experts
-        (3 h F each), 2 RMSNorms (2 h) and the q/k norms (2 head_size); the embedding,
-        the untied head, the final norm."""
+        (3 h F each), 2 RMSNorms (2 h), the q/k norms (2 head_size) and a sigmoid router's
+        selection bias (E); the embedding, the untied head, the final norm."""
         h, a = self.hidden, self.attention
         if self.moe:
             kv = (self.kv_heads or self.heads) * self.head_size
             f = self.moe_mlp_hidden or self.mlp
             layer = 2 * h * a + 2 * h * kv + h * self.experts + 3 * h * f * (
-                self.experts + self.shared_experts) + 2 * self.head_size * self.qk_norm
+                self.experts + self.shared_experts) + 2 * self.head_size * self.qk_norm \
+                + self.experts * self.sigmoid_router
             return self.layers * (layer + 2 * h) + 2 * self.vocab * h + h
         return self.layers * (4 * h * a + 2 * h * self.mlp + self.mlp + 6 * h) \
             + self.vocab * h + 2 * h
@@ -81,7 +83,9 @@ class ModelShape:
                    qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
                    num_experts=self.experts, experts_per_token=self.experts_per_token,
                    moe_mlp_hidden=self.moe_mlp_hidden, qk_norm=self.qk_norm,
-                   num_shared_experts=self.shared_experts) if self.moe else {}
+                   num_shared_experts=self.shared_experts,
+                   **(dict(moe_scoring="sigmoid") if self.sigmoid_router else {})
+                   ) if self.moe else {}
         return GPTConfig(**{**dict(
             vocab_size=self.vocab, max_seq_len=self.seq, num_layers=self.layers,
             num_heads=self.heads, hidden=self.hidden, mlp_hidden=self.mlp,
@@ -111,7 +115,8 @@ MODELS = {
                                 moe_mlp_hidden=768, head_dim=128, qk_norm=True),
     "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 129280, 4096, 18432,
                               kv_heads=128, experts=256, experts_per_token=8,
-                              moe_mlp_hidden=2048, head_dim=128, shared_experts=1),
+                              moe_mlp_hidden=2048, head_dim=128, shared_experts=1,
+                              sigmoid_router=True),
 }
 """Presets: GPT-2 small, a 1.3B, 7B, 70B (Llama widths, depths, heads) and GPT-3 175B as GPT
 blocks (4h GeLU MLP, LayerNorm), Mixtral-8x7B (46.7B: 8 experts of 14336, 2 per token, 8

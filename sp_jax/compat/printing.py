@@ -27,6 +27,7 @@ _SHORT: dict[str, str] = {
     "fsdp": "fs", "context_ring": "cr", "context_ulysses": "cu", "pipeline_gpipe": "pg",
     "pipeline_1f1b": "p1", "scan_layers": "sl", "unrolled_layers": "ul", "experts": "ex",
     "expert_parallel": "ep", "interleaved_experts": "ie", "dense_layers": "dl",
+    "sigmoid_routing": "sr", "aux_free_bias": "ab", "seq_aux_loss": "sq",
     "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
     "layer_windows": "lw", "cudnn_attention": "cd", "attention_dropout": "ad",

@@ -42,6 +42,12 @@ FEATURES: dict[str, str] = {
     "expert_parallel": "ParallelConfig(expert_axis=...): experts sharded over a mesh axis",
     "interleaved_experts": "GPTConfig(moe_layer_freq > 1): dense layers between expert ones",
     "dense_layers": "GPTConfig(num_dense_layers=k > 0): k dense layers before the experts",
+    "sigmoid_routing": "GPTConfig(moe_scoring='sigmoid', moe_groups=...): DeepSeek-V3's "
+                       "routing (sigmoid scores, group-limited top-k, routed scale)",
+    "aux_free_bias": "GPTConfig(moe_bias_update_rate > 0): the experts' selection bias moved "
+                     "by each training step (aux-loss-free balancing)",
+    "seq_aux_loss": "GPTConfig(moe_seq_aux_loss_coef > 0): DeepSeek-V3's sequence-wise "
+                    "balance loss",
     "fp8_current": "GPTConfig(fp8=Fp8Recipe('current')): FP8 GEMMs, current scaling",
     "fp8_delayed": "GPTConfig(fp8=Fp8Recipe('delayed')): FP8 GEMMs, amax history",
     "packed_documents": "segment_ids / positions: several documents per row",
@@ -85,6 +91,9 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "expert_parallel": "expert_axis",
     "interleaved_experts": "moe_layer_freq > 1",
     "dense_layers": "dense layers before the experts (num_dense_layers > 0)",
+    "sigmoid_routing": "DeepSeek-V3 routing (moe_scoring='sigmoid' or moe_groups > 1)",
+    "aux_free_bias": "aux-loss-free balancing (moe_bias_update_rate > 0)",
+    "seq_aux_loss": "the sequence-wise balance loss (moe_seq_aux_loss_coef > 0)",
     "fp8_current": "FP8 (fp8=Fp8Recipe('current'))",
     "fp8_delayed": "FP8 (fp8=Fp8Recipe('delayed'))",
     "fp8": "FP8 (fp8=Fp8Recipe(...))",
@@ -219,6 +228,11 @@ REFUSALS: list[Refusal] = [
     Refusal(("train",), "custom_loss", "pipeline",
             "a pipelined model trains with the default loss_fn=lm_loss through its own "
             "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
+    Refusal(("train",), "aux_free_bias", "pipeline",
+            "{aux_free_bias} moves each bias by the expert loads of the step's real tokens, "
+            "but a pipeline's schedule also runs filling micro-batches and padding layer "
+            "slots whose loads it does not separate yet; train pipeline stages with "
+            "moe_bias_update_rate=0.0 (the bias frozen), or without pipeline_axis."),
     *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
       for other in ("fsdp", "experts", "expert_parallel", "fp8")),
     # interleaved_experts and dense_layers: refused through IMPLIES (they bring experts)
@@ -235,6 +249,9 @@ IMPLIES: dict[str, tuple[str, ...]] = {
     "interleaved_experts": ("experts", "unrolled_layers"),
     "dense_layers": ("experts",),
     "expert_parallel": ("experts",),
+    "sigmoid_routing": ("experts",),
+    "aux_free_bias": ("experts",),
+    "seq_aux_loss": ("experts",),
 }
 """What a feature brings along: a model with it has these too (pipeline stages hold
 slices of the stacked layers; dense layers between or before experts are a mixture of
@@ -244,7 +261,8 @@ experts). A pair refused with what one feature brings is refused with that featu
 _NOT_APPLICABLE = [(("generate",), "packed_documents"), (("eval", "generate"), "custom_loss"),
                    *((("eval", "generate"), f) for f in (
                        "zero1", "grad_reduce_dtype", "offload_optimizer",
-                       "offload_activations"))]  # training only: no gradients, no update
+                       "offload_activations", "aux_free_bias",
+                       "seq_aux_loss"))]  # training only: no gradients, no update
 
 COVERED: list[tuple[tuple[str, ...], tuple[str, ...], str]] = []
 """The coverage rows in :data:`TABLE`: ``(modes, features, pytest node id)``, the test
@@ -541,6 +559,14 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             dense = getattr(config, "num_dense_layers", 0)
             if isinstance(dense, int) and not isinstance(dense, bool) and dense > 0:
                 found.add("dense_layers")
+            if getattr(config, "moe_scoring", "softmax") == "sigmoid" or \
+                    getattr(config, "moe_groups", 1) != 1:
+                found.add("sigmoid_routing")
+            for name, feature in (("moe_bias_update_rate", "aux_free_bias"),
+                                  ("moe_seq_aux_loss_coef", "seq_aux_loss")):
+                value = getattr(config, name, 0.0)
+                if isinstance(value, int | float) and value > 0:
+                    found.add(feature)
         fp8 = getattr(config, "fp8", None)
         if fp8 is not None:
             found.add(f"fp8_{getattr(fp8, 'scaling', 'current')}")
@@ -588,6 +614,10 @@ def spelled(config: Any = None, parallel: Any = None, features: Iterable[str] = 
         "expert_parallel": lambda: f"expert_axis={value(parallel, 'expert_axis')!r}",
         "interleaved_experts": lambda: f"moe_layer_freq={value(config, 'moe_layer_freq')}",
         "dense_layers": lambda: f"num_dense_layers={value(config, 'num_dense_layers')}",
+        "sigmoid_routing": lambda: f"moe_scoring={value(config, 'moe_scoring')!r}",
+        "aux_free_bias": lambda: f"moe_bias_update_rate={value(config, 'moe_bias_update_rate')}",
+        "seq_aux_loss": lambda: f"moe_seq_aux_loss_coef="
+                                f"{value(config, 'moe_seq_aux_loss_coef')}",
         "sliding_window": lambda: f"sliding_window={value(config, 'sliding_window')}",
         "attention_dropout": lambda: f"attention_dropout={value(config, 'attention_dropout')}",
         "attention_softcap": lambda: f"attention_softcap={value(config, 'attention_softcap')}",

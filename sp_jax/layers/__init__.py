@@ -49,7 +49,14 @@ from sp_jax.layers.mla import (
     mla_softmax_scale,
 )
 from sp_jax.layers.mlp import MLP, MLPActivation
-from sp_jax.layers.moe import MoE, MoEStats, moe_losses
+from sp_jax.layers.moe import (
+    MoE,
+    MoEStats,
+    RouterBias,
+    moe_losses,
+    router_loss,
+    update_router_biases,
+)
 from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
@@ -108,8 +115,11 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoEStats",
+    "RouterBias",
     "check_moe_fields",
     "moe_losses",
+    "router_loss",
+    "update_router_biases",
     "WeightGradTap",
     "enable_weight_grad_taps",
     "backward_input",

@@ -448,6 +448,22 @@ class MoEConfig:
         moe_mlp_hidden`` beside the routed ones.
       moe_norm_topk: renormalise the ``k`` chosen router probabilities to sum to 1
         (Mixtral, Qwen3-MoE's ``norm_topk_prob``).
+      moe_scoring: ``"softmax"`` (the default) or ``"sigmoid"`` (DeepSeek-V3, GLM-4.5):
+        how the router scores the experts (:func:`sp_jax.ops.moe.router_scores`).
+      moe_groups / moe_topk_groups: group-limited top-k (DeepSeek-V3's ``n_group`` /
+        ``topk_group``): the experts in ``moe_groups`` groups, each token choosing among
+        those of its best ``moe_topk_groups`` groups (ranked by the sum of their two
+        highest biased scores; :func:`sp_jax.ops.moe.select_experts`); 1 / 1: plain top-k.
+      moe_routed_scale: the factor of the routed experts' weights (DeepSeek-V3's
+        ``routed_scaling_factor``, 2.5); 1.0 by default.
+      moe_bias_update_rate: aux-loss-free balancing (DeepSeek-V3): a per-expert bias
+        (``router_bias``, a :class:`~sp_jax.layers.RouterBias`) added to the scores for
+        the choice only, moved each training step by this rate towards the mean load
+        (:func:`~sp_jax.layers.update_router_biases`); 0.0: not updated. The layer holds
+        the bias when this is > 0 or the scoring is ``"sigmoid"``.
+      moe_seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss
+        (``alpha sum_i f_i P_i`` per sequence, averaged over the sequences and summed over
+        the layers: ``moe_seq_aux_loss`` of :func:`~sp_jax.layers.moe_losses`); 0.0: off.
       mlp_activation: the experts' activation (:data:`MLP_ACTIVATIONS`; gated ones with
         interleaved ``(gate, up)`` columns, as :class:`MLPConfig`).
       dropout: dropout rate on the block output.
@@ -467,6 +483,12 @@ class MoEConfig:
     moe_capacity_factor: float | None = None
     num_shared_experts: int = 0
     moe_norm_topk: bool = True
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0
+    moe_bias_update_rate: float = 0.0
+    moe_seq_aux_loss_coef: float = 0.0
     mlp_activation: str = "swiglu"
     dropout: float = 0.0
     norm: str = "rmsnorm"
@@ -486,6 +508,12 @@ class MoEConfig:
     def gated(self) -> bool:
         """Whether the activation is a gated linear unit."""
         return MLP_ACTIVATIONS[self.mlp_activation][1]
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether the layer holds a selection bias (a sigmoid router's
+        ``e_score_correction_bias``, or one a nonzero ``moe_bias_update_rate`` trains)."""
+        return self.moe_scoring == "sigmoid" or self.moe_bias_update_rate > 0
 
     def replace(self, **changes: Any) -> MoEConfig:
         """A copy with ``changes`` applied (validated like the constructor)."""
@@ -519,3 +547,25 @@ def check_moe_fields(owner: str, config: Any) -> None:
     if not isinstance(config.moe_norm_topk, bool):
         raise TypeError(f"{owner}.moe_norm_topk={config.moe_norm_topk!r} must be True or "
                         "False.")
+    scoring = config.moe_scoring
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"{owner}.moe_scoring={scoring!r} is not a router scoring; use "
+                         "'softmax' (Mixtral, Qwen3-MoE) or 'sigmoid' (DeepSeek-V3).")
+    groups, top = positive_int("moe_groups"), positive_int("moe_topk_groups")
+    if experts % groups or top > groups:
+        raise ValueError(f"{owner}.moe_groups={groups} and moe_topk_groups={top} with "
+                         f"num_experts={experts}: the groups must divide the experts and "
+                         "moe_topk_groups be at most moe_groups (DeepSeek-V3: 8 groups of "
+                         "32, 4 chosen).")
+    if groups > 1 and top < groups and (experts // groups < 2 or k > top * experts // groups):
+        raise ValueError(f"{owner}.experts_per_token={k} with moe_groups={groups}, "
+                         f"moe_topk_groups={top}: each group needs at least 2 experts (a "
+                         "group's rank is its top-2 sum) and the chosen groups at least k "
+                         f"experts ({top} x {experts // groups}); choose fewer groups or "
+                         "more chosen ones.")
+    for name in ("moe_routed_scale", "moe_bias_update_rate", "moe_seq_aux_loss_coef"):
+        value = getattr(config, name)
+        number = not isinstance(value, bool) and isinstance(value, int | float)
+        if not number or not (value > 0 if name == "moe_routed_scale" else value >= 0):
+            raise ValueError(f"{owner}.{name}={value!r} must be a number "
+                             f"{'> 0' if name == 'moe_routed_scale' else '>= 0 (0: off)'}.")

@@ -29,16 +29,68 @@ from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
 from sp_jax.ops.deferred import local_taps, placed_taps
 from sp_jax.ops.fsdp import fsdp_gather
 from sp_jax.ops.gemm import Gemm
-from sp_jax.ops.moe import capacity_keep, expert_mixture, route, router_stats
+from sp_jax.ops.moe import (
+    capacity_keep,
+    expert_mixture,
+    load_tap,
+    route,
+    router_scores,
+    router_stats,
+    routing_weights,
+    select_experts,
+)
 from sp_jax.ops.primitives import all_gather, split
 
-__all__ = ["MoE", "MoEStats", "moe_losses"]
+__all__ = ["MoE", "MoEStats", "RouterBias", "moe_losses", "router_loss",
+           "update_router_biases"]
 
 MoEStats = dict[str, jax.Array]
 """One layer's router statistics over the global batch (sums, fp32): ``expert_tokens``
 ``[E]`` (pairs routed to each expert, before any drop), ``router_probs`` ``[E]`` (router
 probabilities), ``router_z`` (squared log-sum-exp of the router logits), ``tokens`` and
-``dropped`` (pairs over capacity)."""
+``dropped`` (pairs over capacity); with ``moe_seq_aux_loss_coef``, ``seq_balance`` and
+``sequences`` (:func:`sp_jax.ops.moe.router_stats`)."""
+
+
+class RouterBias(nnx.Param):
+    """A mixture of experts' selection bias ``[E]`` (fp32, replicated; stacked layers:
+    ``[layers, E]``): added to the router's scores for the choice of experts only
+    (aux-loss-free balancing, Hugging Face's ``e_score_correction_bias``). Like the FP8
+    amax history (:class:`~sp_jax.layers.fp8.Fp8History`) it travels with the parameters
+    (shardings, checkpoints, the step's donated state) but is not trained: its
+    "gradient" is the step's expert loads (:func:`sp_jax.ops.moe.load_tap`), which
+    :class:`~sp_jax.training.TrainStep` sums over the micro-batches and turns into the
+    update (:func:`update_router_biases`), with no optimizer state. Its metadata
+    ``update_rate`` is the layer's ``moe_bias_update_rate``."""
+
+
+def update_router_biases(biases: nnx.State, loads: nnx.State) -> nnx.State:
+    """The biases after one step (DeepSeek-V3's rule, per layer): ``bias + rate *
+    sign(mean_e load - load)``, ``load`` ``[..., E]`` the pairs routed to each expert
+    over the whole step (the biases' "gradients": every data shard and micro-batch),
+    ``rate`` each bias's ``update_rate``; an expert above the mean load loses ``rate``,
+    one below gains it. Computed as ``sign(sum_e load - E * load)``: exact on the
+    integer counts."""
+    def one(bias: nnx.Variable, load: nnx.Variable) -> nnx.Variable:
+        load = load[...]
+        e = load.shape[-1]
+        step = jnp.sign(jnp.sum(load, axis=-1, keepdims=True) - e * load)
+        return bias.replace(bias[...] + bias.get_metadata().get("update_rate", 0.0) *
+                            step.astype(bias[...].dtype))
+
+    return jax.tree.map(one, biases, loads, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def router_loss(metrics: dict[str, jax.Array], config: Any) -> jax.Array:
+    """The routers' share of the training loss from :func:`moe_losses`' ``metrics``:
+    ``router_aux_loss_coef`` times the load-balancing loss, ``router_z_loss_coef`` the
+    z-loss and ``moe_seq_aux_loss_coef`` the sequence-wise balance loss (``config``: a
+    :class:`~sp_jax.models.GPTConfig`)."""
+    loss = config.router_aux_loss_coef * metrics["moe_aux_loss"] + \
+        config.router_z_loss_coef * metrics["moe_z_loss"]
+    if "moe_seq_aux_loss" in metrics:
+        loss = loss + config.moe_seq_aux_loss_coef * metrics["moe_seq_aux_loss"]
+    return loss
 
 
 def moe_losses(stats: MoEStats, num_experts: int, experts_per_token: int
@@ -52,22 +104,33 @@ def moe_losses(stats: MoEStats, num_experts: int, experts_per_token: int
       router probability of ``e``;
     - ``moe_z_loss``: the mean squared log-sum-exp of the router logits (ST-MoE);
     - ``moe_dropped_fraction``: dropped pairs over all pairs (capacity mode; else 0);
-    - ``moe_expert_tokens``: ``[layers, E]`` pairs routed to each expert.
+    - ``moe_expert_tokens``: ``[layers, E]`` pairs routed to each expert;
+    - with the statistics of a sequence-wise loss (``moe_seq_aux_loss_coef``):
+      ``moe_seq_aux_loss``, DeepSeek-V3's ``sum_i f_i P_i`` of each sequence (``f_i``:
+      ``E / (k T)`` times its pairs routed to ``i``, ``P_i`` the mean normalised score
+      of ``i`` over its ``T`` tokens), averaged over the sequences, summed over the layers.
     """
     tokens = jnp.maximum(jnp.sum(stats["tokens"]), 1.0)
     fraction = jnp.sum(stats["expert_tokens"], axis=0) / tokens
     probability = jnp.sum(stats["router_probs"], axis=0) / tokens
-    return {"moe_aux_loss": num_experts * jnp.sum(fraction * probability),
-            "moe_z_loss": jnp.sum(stats["router_z"]) / tokens,
-            "moe_dropped_fraction": jnp.sum(stats["dropped"]) / (tokens * experts_per_token),
-            "moe_expert_tokens": stats["expert_tokens"]}
+    out = {"moe_aux_loss": num_experts * jnp.sum(fraction * probability),
+           "moe_z_loss": jnp.sum(stats["router_z"]) / tokens,
+           "moe_dropped_fraction": jnp.sum(stats["dropped"]) / (tokens * experts_per_token),
+           "moe_expert_tokens": stats["expert_tokens"]}
+    if "seq_balance" in stats:  # every layer sees the same sequences
+        out["moe_seq_aux_loss"] = jnp.sum(stats["seq_balance"]) / jnp.maximum(
+            jnp.max(stats["sequences"]), 1.0)
+    return out
 
 
 class MoE(nnx.Module):
     """Pre-LN mixture of experts with a residual: ``x + dropout(sum_j w_j
     FFN_{e_j}(norm(x)) + shared(norm(x)))`` (with ``post_norms`` the sum normed first),
     the ``k`` experts ``e_j`` and weights ``w_j`` chosen per token by a linear router
-    (fp32 softmax, top-k, renormalised with ``moe_norm_topk``).
+    (fp32 softmax, top-k, renormalised with ``moe_norm_topk``; DeepSeek-V3's routing
+    with ``moe_scoring="sigmoid"``, ``moe_groups`` / ``moe_topk_groups`` (group-limited
+    top-k), ``moe_routed_scale`` and the selection bias ``router_bias``, a
+    :class:`RouterBias` ``[E]`` (aux-loss-free balancing), :func:`~sp_jax.ops.moe.route`).
 
     Parameters: ``router`` ``[hidden, E]`` (replicated), ``experts_up`` ``[E, hidden,
     width]`` (``width = 2F`` gated, columns interleaved ``(j, {gate, up})`` as in
@@ -122,6 +185,9 @@ class MoE(nnx.Module):
         stacked = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
         self.router = nnx.Param(dense(rngs.params(), (h, e), config.param_dtype),
                                 out_sharding=(None, None), eager_sharding=eager)
+        self.router_bias = RouterBias(
+            jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=eager,
+            update_rate=float(config.moe_bias_update_rate)) if config.router_bias else None
         self.experts_up = nnx.Param(stacked(rngs.params(), (e, h, width), config.param_dtype),
                                     out_sharding=tuple(layout.expert_up), eager_sharding=eager)
         self.experts_down = nnx.Param(stacked(rngs.params(), (e, f, h), config.param_dtype),
@@ -193,7 +259,9 @@ class MoE(nnx.Module):
         normed = self.norm.local(x)
         dtype = normed.dtype
         b, s, h = normed.shape
-        y = _decode_device(normed.reshape(b * s, h), self.router[...],
+        router = (self.router[...],
+                  None if self.router_bias is None else self.router_bias[...])
+        y = _decode_device(normed.reshape(b * s, h), router,
                            self.experts_up[...].astype(dtype),
                            self.experts_down[...].astype(dtype), config=cfg, parallel=par)
         y = y.reshape(b, s, h)
@@ -239,13 +307,16 @@ class MoE(nnx.Module):
         dtype = normed.dtype
         histories = tuple(None if s is None else reshard(s, P(), mesh) for s in (
             self.experts_up_gemm.state_value(), self.experts_down_gemm.state_value()))
+        bias = None if self.router_bias is None else reshard(self.router_bias[...], P(), mesh)
         taps, tap_in_specs = placed_taps(layer_taps(self), mesh)
         return jax.shard_map(
-            device, in_specs=(layout.sp, P(), layout.expert_up, layout.expert_down,
+            device, in_specs=(layout.sp, (P(), None if bias is None else P()),
+                              layout.expert_up, layout.expert_down,
                               tuple(None if h is None else P() for h in histories),
                               tap_in_specs),
             out_specs=(layout.sp, P()))(
-                reshard(normed, layout.sp, mesh), reshard(self.router[...], P(), mesh),
+                reshard(normed, layout.sp, mesh),
+                (reshard(self.router[...], P(), mesh), bias),
                 reshard(self.experts_up[...].astype(dtype), layout.expert_up, mesh),
                 reshard(self.experts_down[...].astype(dtype), layout.expert_down, mesh),
                 histories, taps)
@@ -260,29 +331,49 @@ class MoE(nnx.Module):
         return names
 
 
-def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array,
+def _routing(config: MoEConfig) -> dict[str, Any]:
+    """The keyword arguments of :func:`~sp_jax.ops.moe.route` a config gives."""
+    return dict(scoring=config.moe_scoring, groups=config.moe_groups,
+                topk_groups=config.moe_topk_groups, scale=config.moe_routed_scale)
+
+
+def _mixture_device(x: jax.Array, router: tuple[jax.Array, jax.Array | None],
+                    w_up: jax.Array, w_down: jax.Array,
                     gemm_states: tuple[Any, Any], taps: Any, *, config: MoEConfig,
                     parallel: ParallelConfig, capacity: int | None,
                     positions: np.ndarray | None, fsdp_axes: tuple[str, ...],
                     gemm: Gemm) -> tuple[jax.Array, MoEStats]:
     """Per device: ``x`` ``[b, s_local, h]`` (this device's sequence shard) -> the
-    experts' output for it (same shape) and the global :data:`MoEStats`; the grouped
-    GEMMs with ``gemm`` (the layer's GEMM object) and the up / down GEMMs' states (the
-    amax histories of FP8 delayed scaling), with the layer's weight-gradient ``taps``
-    (or None)."""
+    experts' output for it (same shape) and the global :data:`MoEStats`; ``router``:
+    the kernel and the selection bias (or None); the grouped GEMMs with ``gemm`` (the
+    layer's GEMM object) and the up / down GEMMs' states (the amax histories of FP8
+    delayed scaling), with the layer's weight-gradient ``taps`` (or None)."""
     e, k = config.num_experts, config.experts_per_token
     tensor = parallel.tensor_axis
     sequence_axes = (*parallel.context_axes, tensor)
-    logits, experts, weights = route(x, router, k, config.moe_norm_topk)
-    stats = router_stats(logits, experts)
+    token_axes = (*parallel.data_axes, *sequence_axes)
+    routing = _routing(config)
+    kernel, bias = router
+    logits, scores = router_scores(x, kernel, routing["scoring"])
+    experts = select_experts(scores, k, bias=bias, groups=routing["groups"],
+                             topk_groups=routing["topk_groups"])
+    stats = router_stats(logits, experts, None if routing["scoring"] == "softmax" else scores,
+                         sequence_balance=config.moe_seq_aux_loss_coef > 0,
+                         sequence_axes=sequence_axes)
+    rows = {n: stats.pop(n) for n in ("seq_balance", "sequences") if n in stats}
+    stats = jax.tree.map(lambda v: lax.psum(v, token_axes), stats)
+    # the rows' terms are whole already (summed over the sequence axes)
+    stats.update(jax.tree.map(lambda v: lax.psum(v, parallel.data_axes), rows))
+    if bias is not None:  # the bias's "gradient": the layer's loads over the global batch
+        scores = load_tap(scores, bias, stats["expert_tokens"])
+    weights = routing_weights(scores, experts, config.moe_norm_topk, routing["scale"],
+                              routing["scoring"])
     if capacity is not None:  # the rule sees whole sequences: gather the choices
         keep = split(capacity_keep(all_gather(experts, sequence_axes, 1), positions,
                                    capacity, e), sequence_axes, 1)
         experts = jnp.where(keep, experts, e)
         weights = jnp.where(keep, weights, 0.0)
-        stats["dropped"] = jnp.sum(~keep).astype(jnp.float32)
-    token_axes = (*parallel.data_axes, *sequence_axes)
-    stats = jax.tree.map(lambda v: lax.psum(v, token_axes), stats)
+        stats["dropped"] = lax.psum(jnp.sum(~keep).astype(jnp.float32), token_axes)
     # the tensor group's tokens, on every device of it (each computes F / t columns)
     x, experts, weights = (all_gather(a, tensor, 1) for a in (x, experts, weights))
     w_up, w_down = fsdp_gather(w_up, fsdp_axes, 1), fsdp_gather(w_down, fsdp_axes, 2)
@@ -296,7 +387,8 @@ def _mixture_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: ja
     return y, stats
 
 
-def _decode_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+def _decode_device(x: jax.Array, router: tuple[jax.Array, jax.Array | None],
+                   w_up: jax.Array, w_down: jax.Array, *,
                    config: MoEConfig, parallel: ParallelConfig) -> jax.Array:
     """Per device, generation's tokens: ``x`` ``[rows, h]`` (this device's rows, whole)
     -> the experts' weighted sum ``[rows, h]``, whole (see :meth:`MoE.decode_step`)."""
@@ -306,7 +398,8 @@ def _decode_device(x: jax.Array, router: jax.Array, w_up: jax.Array, w_down: jax
     local = e // ep
     if ep > 1:  # the expert group's rows, on each of its devices
         x = all_gather(x, expert, 0)
-    _, experts, weights = route(x, router, k, config.moe_norm_topk)
+    _, experts, weights = route(x, router[0], k, config.moe_norm_topk, bias=router[1],
+                                **_routing(config))
     if ep > 1:  # this device's experts as 0..local-1; the others' pairs dropped here
         experts = experts - lax.axis_index(expert) * local
         experts = jnp.where((experts >= 0) & (experts < local), experts, local)

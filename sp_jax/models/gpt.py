@@ -24,6 +24,7 @@ from sp_jax.layers import (
     make_norm,
     moe_losses,
     parallel_cross_entropy,
+    router_loss,
 )
 from sp_jax.layers.embedding import check_token_ids
 from sp_jax.layers.linear import column_sp_matmul, shard_linear
@@ -398,7 +399,8 @@ class GPT(nnx.Module):
         """Mean next-token loss over the targets that are not ``ignore_index``, plus, with
         mixture-of-experts layers, ``router_aux_loss_coef`` times the load-balancing loss
         and ``router_z_loss_coef`` times the router z-loss (both over the whole batch,
-        :func:`~sp_jax.layers.moe_losses`).
+        :func:`~sp_jax.layers.moe_losses`), and ``moe_seq_aux_loss_coef`` times the
+        sequence-wise balance loss (:func:`~sp_jax.layers.router_loss`).
 
         ``model.loss(tokens)``: the targets are the tokens themselves, shifted inside:
         position ``i`` predicts ``tokens[:, i + 1]`` and the last position has no target
@@ -449,6 +451,5 @@ class GPT(nnx.Module):
         if stats is not None:
             cfg = self.config
             metrics.update(moe_losses(stats, cfg.num_experts, cfg.experts_per_token))
-            loss = mean + cfg.router_aux_loss_coef * metrics["moe_aux_loss"] + \
-                cfg.router_z_loss_coef * metrics["moe_z_loss"]
+            loss = mean + router_loss(metrics, cfg)
         return (loss, metrics) if return_metrics else loss

@@ -170,6 +170,17 @@ class GPTConfig:
         ``attention="mla"``, multi-head latent attention's shape (DeepSeek-V3's fields:
         :class:`~sp_jax.layers.MultiHeadLatentAttention`; ``q_lora_rank=None``: q
         projected directly); None otherwise.
+      moe_scoring / moe_groups / moe_topk_groups / moe_routed_scale: DeepSeek-V3's
+        routing (Hugging Face's ``scoring_func``, ``n_group``, ``topk_group``,
+        ``routed_scaling_factor``): ``"sigmoid"`` scores, group-limited top-k and the
+        weights' factor (:class:`~sp_jax.layers.MoEConfig`); the defaults: softmax top-k.
+      moe_bias_update_rate: aux-loss-free balancing: each expert layer's selection bias
+        (``e_score_correction_bias``, a :class:`~sp_jax.layers.RouterBias`, held with a
+        sigmoid router or a rate > 0) moves by ``rate * sign(mean load - load)`` after
+        each training step, from the expert loads of the whole global batch
+        (:class:`~sp_jax.training.TrainStep`, outside the optimizer); 0.0: frozen.
+      moe_seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss added to
+        the training loss (``moe_seq_aux_loss`` of :func:`~sp_jax.layers.moe_losses`).
     """
 
     vocab_size: int
@@ -230,6 +241,12 @@ class GPTConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0
+    moe_bias_update_rate: float = 0.0
+    moe_seq_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -482,22 +499,20 @@ class GPTConfig:
     def deepseek_v3_moe(cls, name: str = "deepseek-v3", **overrides: Any) -> GPTConfig:
         """DeepSeek-V3-MoE-shaped presets (DeepSeek-AI 2024; Hugging Face
         ``deepseek-ai/DeepSeek-V3``'s ``config.json``): its mixture of experts (256 routed
-        SwiGLU experts of 2048, 8 per token, renormalised, plus 1 shared expert every token
-        goes through; ``aux_loss_alpha`` 0.001 as ``router_aux_loss_coef``), width,
-        depth, vocabulary and norms (RMSNorm eps 1e-6), rotary positions (base 1e4),
-        untied head, no biases; the rest in the nearest form sp_jax has, so the shape is
-        DeepSeek-V3's for the experts and not a DeepSeek-V3 checkpoint:
+        SwiGLU experts of 2048, 8 per token, plus 1 shared expert every token goes
+        through) and its routing: sigmoid scores, group-limited top-k (8 groups, the best
+        4 by their top-2 sums), the chosen scores renormalised and scaled by 2.5,
+        aux-loss-free balancing (a per-expert selection bias moved by 0.001 a step) and
+        the sequence-wise balance loss (alpha 0.0001; no batch-wide load-balancing
+        loss); width, depth, vocabulary and norms (RMSNorm eps 1e-6), rotary positions
+        (base 1e4), untied head, no biases; the rest in the nearest form sp_jax has, so
+        the shape is DeepSeek-V3's for the experts and not a DeepSeek-V3 checkpoint:
 
         * **attention is not MLA**: DeepSeek-V3's multi-head latent attention (queries
           through a rank-1536 and keys/values through a rank-512 latent, 128 heads with
           128 + 64 rotary query/key features and 128 value features) is plain multi-head
           attention here, 128 heads of 128 (q, k, v, out: 470M parameters a layer
           against MLA's 187M);
-        * **routing is softmax top-k**: DeepSeek-V3 scores experts with a sigmoid, picks
-          them by group-limited top-k (4 of 8 groups) on scores plus a learned bias
-          (auxiliary-loss-free balancing) and scales the weights by 2.5; sp_jax routes by
-          softmax top-k with a load-balancing loss (over the batch's tokens, not per
-          sequence);
         * **every layer is a mixture of experts**: DeepSeek-V3's first 3 layers are dense
           (MLP 18432, ``first_k_dense_replace``); these presets keep all 61 as mixtures
           (the shape the planner's figures were measured on), and the override
@@ -511,17 +526,22 @@ class GPTConfig:
 
         Args:
           name: ``"deepseek-v3"`` (61 layers, hidden 7168, 128 heads of 128, 256 routed
-            experts of 2048, 8 per token, 1 shared, vocabulary 129280: 721B parameters
-            with the attention and the first 3 layers above, against DeepSeek-V3's 671B)
-            or ``"deepseek-v3-tiny"`` (the same structure at test size: 2 layers, hidden
-            64, 8 heads of 16, 32 routed experts of 16, 8 per token, 1 shared, vocabulary
-            256, 128 positions).
-          overrides: any other :class:`GPTConfig` field.
+            experts of 2048 in 8 groups, 8 per token, 1 shared, vocabulary 129280: 721B
+            parameters with the attention and the first 3 layers above, against
+            DeepSeek-V3's 671B) or ``"deepseek-v3-tiny"`` (the same structure at test
+            size: 2 layers, hidden 64, 8 heads of 16, 32 routed experts of 16 in 8 groups,
+            4 chosen, 8 per token, 1 shared, vocabulary 256, 128 positions).
+          overrides: any other :class:`GPTConfig` field (``moe_scoring="softmax",
+            moe_groups=1, moe_topk_groups=1, moe_routed_scale=1.0,
+            moe_bias_update_rate=0.0``: softmax top-k, as before issue 51).
         """
         common = dict(positions="rotary", norm="rmsnorm", mlp_activation="swiglu",
                       qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
                       norm_epsilon=1e-6, rope_base=1e4, moe_norm_topk=True, moe_layer_freq=1,
-                      experts_per_token=8, num_shared_experts=1, router_aux_loss_coef=0.001)
+                      experts_per_token=8, num_shared_experts=1, router_aux_loss_coef=0.0,
+                      moe_scoring="sigmoid", moe_groups=8, moe_topk_groups=4,
+                      moe_routed_scale=2.5, moe_bias_update_rate=1e-3,
+                      moe_seq_aux_loss_coef=1e-4)
         presets = {
             "deepseek-v3": dict(vocab_size=129280, max_seq_len=4096, num_layers=61,
                                 num_heads=128, num_kv_heads=128, head_dim=128, hidden=7168,

@@ -48,45 +48,151 @@ from sp_jax.ops.grouped import grouped_matmul
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
 from sp_jax.ops.rules import Grouped, linear_op, varying
 
-__all__ = ["capacity_keep", "expert_mixture", "fp8_grouped_gemm", "grouped_ffn",
-           "grouped_matmul", "ragged_all_to_all", "route", "router_stats"]
+__all__ = ["SCORINGS", "capacity_keep", "expert_mixture", "fp8_grouped_gemm", "grouped_ffn",
+           "grouped_matmul", "load_tap", "ragged_all_to_all", "route", "router_scores",
+           "router_stats", "routing_weights", "select_experts"]
 
 
-def route(x: jax.Array, router: jax.Array, k: int, normalize: bool
+SCORINGS = ("softmax", "sigmoid")
+"""How a router turns its logits into expert scores: ``"softmax"`` over the experts
+(Mixtral, Qwen3-MoE) or an independent ``"sigmoid"`` per expert (DeepSeek-V3, GLM-4.5)."""
+
+
+def router_scores(x: jax.Array, router: jax.Array, scoring: str = "softmax"
+                  ) -> tuple[jax.Array, jax.Array]:
+    """``(logits, scores)`` ``[..., experts]`` fp32 of tokens ``x`` ``[..., hidden]`` (any
+    float dtype) under the ``router`` kernel ``[hidden, experts]``: the scores are the
+    logits' softmax over the experts or their sigmoid (:data:`SCORINGS`)."""
+    logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else \
+        jax.nn.sigmoid(logits)
+    return logits, scores
+
+
+def select_experts(scores: jax.Array, k: int, *, bias: jax.Array | None = None,
+                   groups: int = 1, topk_groups: int = 1) -> jax.Array:
+    """The ``k`` experts ``[..., k]`` (int32) each token is sent to, from its ``scores``
+    ``[..., E]`` (no gradient flows through the choice).
+
+    With ``bias`` ``[E]`` (aux-loss-free balancing, Hugging Face's
+    ``e_score_correction_bias``) the choice ranks ``scores + bias``; the weights never
+    see the bias (:func:`routing_weights`). With ``groups > 1`` (DeepSeek-V3's ``n_group``)
+    the experts form ``groups`` consecutive groups, each ranked by the sum of its two
+    highest (biased) scores; only the experts of the best ``topk_groups`` take part in
+    the top-``k``, the others masked to ``-inf`` (DeepSeek-V3's reference and vLLM;
+    transformers fills 0.0, which differs only when a chosen group's biased scores are
+    negative). Ties: the lower index first, as :func:`jax.lax.top_k`; the choices in
+    descending (biased) score."""
+    choice = lax.stop_gradient(scores)
+    if bias is not None:
+        choice = choice + bias.astype(choice.dtype)
+    if groups > 1 and topk_groups < groups:
+        e = choice.shape[-1]
+        grouped = choice.reshape(*choice.shape[:-1], groups, e // groups)
+        group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # [..., groups]
+        _, chosen = lax.top_k(group_scores, topk_groups)
+        keep = jnp.any(chosen[..., :, None] == jnp.arange(groups), axis=-2)  # [..., groups]
+        choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    return lax.top_k(choice, k)[1].astype(jnp.int32)
+
+
+def routing_weights(scores: jax.Array, experts: jax.Array, normalize: bool,
+                    scale: float = 1.0, scoring: str = "softmax") -> jax.Array:
+    """The weights ``[..., k]`` (fp32) of the chosen ``experts`` ``[..., k]``: their
+    ``scores`` (``[..., E]``, without any selection bias), renormalised to sum to 1 with
+    ``normalize`` (``norm_topk_prob``; a sigmoid's sum gets transformers' ``+ 1e-20``), times
+    ``scale`` (DeepSeek-V3's ``routed_scaling_factor``)."""
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if normalize:
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
+    return weights * scale if scale != 1.0 else weights
+
+
+def route(x: jax.Array, router: jax.Array, k: int, normalize: bool, *,
+          scoring: str = "softmax", bias: jax.Array | None = None, groups: int = 1,
+          topk_groups: int = 1, scale: float = 1.0
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Top-``k`` routing in fp32.
+    """Top-``k`` routing in fp32: :func:`router_scores`, :func:`select_experts`,
+    :func:`routing_weights`.
 
     Args:
       x: ``[..., hidden]`` tokens (any float dtype).
       router: ``[hidden, experts]`` router kernel.
       k: experts per token.
-      normalize: renormalise the ``k`` chosen probabilities to sum to 1 (Mixtral,
-        Qwen3-MoE's ``norm_topk_prob``).
+      normalize: renormalise the ``k`` chosen scores to sum to 1 (Mixtral,
+        Qwen3-MoE's and DeepSeek-V3's ``norm_topk_prob``).
+      scoring / bias / groups / topk_groups / scale: DeepSeek-V3's routing (the
+        defaults: softmax top-k).
     Returns:
       ``(logits [..., experts], experts [..., k] int32, weights [..., k])``, fp32; the
-      choices in descending probability (ties: the lower expert first, as
+      choices in descending (biased) score (ties: the lower expert first, as
       :func:`jax.lax.top_k`).
     """
-    logits = jnp.einsum("...h,he->...e", x.astype(jnp.float32), router.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = lax.top_k(probs, k)
-    if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return logits, experts.astype(jnp.int32), weights
+    logits, scores = router_scores(x, router, scoring)
+    experts = select_experts(scores, k, bias=bias, groups=groups, topk_groups=topk_groups)
+    return logits, experts, routing_weights(scores, experts, normalize, scale, scoring)
 
 
-def router_stats(logits: jax.Array, experts: jax.Array) -> dict[str, jax.Array]:
+@jax.custom_vjp
+def load_tap(scores: jax.Array, bias: jax.Array, loads: jax.Array) -> jax.Array:
+    """``scores`` unchanged; in the backward pass the cotangent of the selection ``bias``
+    ``[E]`` is ``loads`` ``[E]`` (the step's pairs routed to each expert, as the FP8 ops
+    return their amaxes as the cotangent of their history): the training step reads the
+    loads of every layer from its "gradients" and updates the biases outside the
+    optimizer (:func:`sp_jax.layers.update_router_biases`). ``bias`` and ``loads`` alike
+    in varying axes (both replicated: ``loads`` summed over the token axes)."""
+    return scores
+
+
+def _load_tap_fwd(scores, bias, loads):
+    return scores, loads
+
+
+def _load_tap_bwd(loads, g):
+    return g, loads, jnp.zeros_like(loads)
+
+
+load_tap.defvjp(_load_tap_fwd, _load_tap_bwd)
+
+
+def router_stats(logits: jax.Array, experts: jax.Array, scores: jax.Array | None = None,
+                 *, sequence_balance: bool = False, sequence_axes: tuple = ()
+                 ) -> dict[str, jax.Array]:
     """Sums over the tokens of ``logits`` ``[..., E]`` (fp32) and their chosen ``experts``
     ``[..., k]``: ``expert_tokens`` ``[E]`` (pairs routed to each expert),
-    ``router_probs`` ``[E]`` (softmax probabilities), ``router_z`` (squared log-sum-exp),
-    ``tokens`` and ``dropped`` (0; the capacity rule adds its drops), all fp32, for the
-    auxiliary losses (:func:`sp_jax.layers.moe_losses`)."""
+    ``router_probs`` ``[E]`` (the scores normalised over the experts: softmax
+    probabilities, or a sigmoid's scores over their sum; ``scores`` None: the softmax of
+    ``logits``), ``router_z`` (squared log-sum-exp), ``tokens`` and ``dropped`` (0; the
+    capacity rule adds its drops), all fp32, for the auxiliary losses
+    (:func:`sp_jax.layers.moe_losses`).
+
+    With ``sequence_balance`` (``[batch, seq, ...]`` inputs, each row's tokens spread
+    over ``sequence_axes``): also ``seq_balance``, DeepSeek-V3's sequence-wise balance
+    term ``sum_i f_i P_i`` of each row summed over the rows (``f_i = E / (k T)`` times
+    the row's pairs routed to ``i``, ``P_i`` the mean normalised score of ``i`` over its
+    ``T`` tokens) and ``sequences`` (the rows)."""
     e = logits.shape[-1]
-    return {"expert_tokens": jnp.bincount(experts.reshape(-1), length=e).astype(jnp.float32),
-            "router_probs": jnp.sum(jax.nn.softmax(logits, axis=-1).reshape(-1, e), axis=0),
-            "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "tokens": jnp.asarray(np.prod(logits.shape[:-1]), jnp.float32),
-            "dropped": jnp.zeros((), jnp.float32)}
+    probs = jax.nn.softmax(logits, axis=-1) if scores is None else \
+        scores / jnp.sum(scores, axis=-1, keepdims=True)
+    stats = {"expert_tokens": jnp.bincount(experts.reshape(-1), length=e).astype(jnp.float32),
+             "router_probs": jnp.sum(probs.reshape(-1, e), axis=0),
+             "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+             "tokens": jnp.asarray(np.prod(logits.shape[:-1]), jnp.float32),
+             "dropped": jnp.zeros((), jnp.float32)}
+    if sequence_balance:
+        b, s, k = experts.shape
+        counts = jax.vmap(lambda r: jnp.bincount(r, length=e))(experts.reshape(b, s * k))
+        counts = lax.psum(counts.astype(jnp.float32), sequence_axes) if sequence_axes \
+            else counts.astype(jnp.float32)
+        score_sums = jnp.sum(probs, axis=1)  # [b, E]
+        if sequence_axes:
+            score_sums = lax.psum(score_sums, sequence_axes)
+            s = s * lax.psum(1, sequence_axes)  # the whole row's tokens
+        balance = jnp.sum(counts * e / (k * s) * (score_sums / s), axis=-1)  # [b]
+        stats["seq_balance"] = jnp.sum(balance)
+        stats["sequences"] = jnp.asarray(b, jnp.float32)
+    return stats
 
 
 def capacity_keep(experts: jax.Array, positions: np.ndarray | None, capacity: int,

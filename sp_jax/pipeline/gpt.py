@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from sp_jax.attention import to_natural
 from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig
-from sp_jax.layers import document_labels
+from sp_jax.layers import document_labels, router_loss
 from sp_jax.mesh import current_mesh, reshard
 from sp_jax.models.blocks import Block, stack_blocks
 from sp_jax.models.gpt import GPT, GPTConfig
@@ -157,9 +157,8 @@ class PipelinedGPT(GPT):
         mean = total / jnp.maximum(jnp.sum(labels != ignore_index), 1)
         if not return_metrics:
             return mean
-        lm = mean - sum((self.config.router_aux_loss_coef * metrics["moe_aux_loss"],
-                         self.config.router_z_loss_coef * metrics["moe_z_loss"])
-                        ) if metrics else mean  # the router losses of the experts
+        # the router losses of the experts
+        lm = mean - router_loss(metrics, self.config) if metrics else mean
         return mean, {"lm_loss": lm, **metrics}
 
     def pipeline_loss_and_grads(self, tokens: jax.Array, labels: jax.Array,

@@ -189,7 +189,11 @@ def _router_terms(model: Any, ignore_index: int) -> Any:
         balance = cfg.num_experts * jnp.sum(routed * jnp.sum(aux["router_probs"], 0)) \
             / (tokens * tokens)
         z = jnp.sum(aux["router_z"]) / tokens
-        return count * (cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * z)
+        terms = cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * z
+        if "seq_balance" in aux:  # each layer's term whole already: over the sequences
+            terms = terms + cfg.moe_seq_aux_loss_coef * jnp.sum(aux["seq_balance"]) / \
+                jnp.maximum(jnp.max(totals["sequences"]), 1.0)
+        return count * terms
 
     def counted(stats, micro):
         """The chunk's statistics, and the micro-batch's targets (this data shard's)."""

@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
-from sp_jax.layers.fp8 import split_fp8, update_fp8_histories
+from sp_jax.layers.fp8 import Fp8History, update_fp8_histories
+from sp_jax.layers.moe import RouterBias, update_router_biases
 from sp_jax.layout import Layout
 from sp_jax.mesh import require_host_memory, restrict_spec, spec_axes
 from sp_jax.ops.primitives import reduce_in, to_device, to_host
@@ -75,6 +76,17 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array,
     return (total, count) if metrics is None else (total, count, metrics)
 
 
+_TRAINED = nnx.All(nnx.Param, nnx.Not(Fp8History), nnx.Not(RouterBias))
+
+
+def _split_state(params: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
+    """``(trained, histories, biases)``: a parameter state split into what the optimizer
+    updates, the FP8 amax histories and the routers' selection biases (each an empty
+    state when there are none): the two kinds of state the step updates itself from
+    their "gradients" (the step's amaxes, the experts' loads)."""
+    return nnx.split_state(params, _TRAINED, Fp8History, RouterBias)
+
+
 def accumulate_gradients(
     loss_fn: Callable[[Any, Any, jax.Array], tuple],
     params: Any,
@@ -84,6 +96,7 @@ def accumulate_gradients(
     with_metrics: bool = False,
     maximum: Any = False,
     sums: bool = False,
+    unscaled: Any = False,
 ) -> tuple:
     """Mean loss and gradient over micro-batches, accumulated in fp32.
 
@@ -98,6 +111,9 @@ def accumulate_gradients(
       maximum: a pytree prefix of ``params`` of bools: the "gradients" of the parts
         marked True are combined over micro-batches by maximum and not normalised (the
         amaxes an FP8 layer returns as the cotangent of its amax history).
+      unscaled: a pytree prefix of ``params`` of bools: the "gradients" of the parts
+        marked True are summed over the micro-batches and not normalised (the expert
+        loads a router returns as the cotangent of its selection bias).
       sums: return ``(loss_sum, count, grads, metrics)`` instead: the sums over the
         micro-batches, not normalised (``metrics`` stacked per micro-batch).
     Returns:
@@ -132,8 +148,9 @@ def accumulate_gradients(
         return loss_sum, count, grads, metrics
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     loss = loss_sum * scale
-    grads = jax.tree.map(lambda flag, g: g if flag else jax.tree.map(lambda x: x * scale, g),
-                         maximum, grads)
+    grads = jax.tree.map(
+        lambda flag, keep, g: g if flag or keep else jax.tree.map(lambda x: x * scale, g),
+        maximum, unscaled, grads)
     if not with_metrics:
         return loss, grads
     return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
@@ -146,13 +163,15 @@ def _pipelined(model: nnx.Module) -> bool:
 
 
 def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Array,
-                        loss_fn: LossFn) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
+                        loss_fn: LossFn) -> tuple[jax.Array, Any, dict[str, jax.Array], Any,
+                                                  Any]:
     """Mean loss, fp32 gradients, metrics (a mixture of experts' router metrics,
-    averaged over the micro-batches as :func:`accumulate_gradients` does) and the FP8
+    averaged over the micro-batches as :func:`accumulate_gradients` does), the FP8
     amax histories' "gradients" (the step's amaxes, the maximum over the micro-batches;
-    an empty state without them) of a pipelined model's step: its schedule runs the
-    batch's micro-batches (``model.pipeline_loss_and_grads``). ``params``: all the
-    model's ``nnx.Param`` state, histories included."""
+    an empty state without them) and the router biases' (the expert loads, summed) of
+    a pipelined model's step: its schedule runs the batch's micro-batches
+    (``model.pipeline_loss_and_grads``). ``params``: all the model's ``nnx.Param``
+    state, histories and biases included."""
     documents = {"segment_ids", "positions"}
     if not isinstance(batch, dict) or not {"tokens", "labels"} <= set(batch) or \
             set(batch) - {"tokens", "labels"} - documents:
@@ -166,10 +185,10 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
         **{k: v for k, v in batch.items() if k in documents})
     grads = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(grads, pure)
-    grads, amaxes = split_fp8(grads)
+    grads, amaxes, loads = _split_state(grads)
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     return loss_sum * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), \
-        metrics, amaxes
+        metrics, amaxes, loads
 
 
 def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...], dtype: Any = None
@@ -369,6 +388,11 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     to) is the update-to-weight ratio a divergence check can bound
     (:class:`sp_jax.training.faults.DivergenceGuard`).
 
+    The FP8 amax histories and the routers' selection biases
+    (:class:`~sp_jax.layers.RouterBias`) are not trained: the step rolls the histories
+    with its amaxes and moves each bias by its rate from the expert loads of the whole
+    step, all micro-batches and data shards (:func:`~sp_jax.layers.update_router_biases`).
+
     ``update_shardings`` (a tree like the parameters without FP8 histories, e.g. of
     :func:`optimizer_shardings`; ZeRO-1): the gradients and parameters are resharded to
     it before the optimizer's update, which runs there, and the new parameters back to
@@ -391,34 +415,34 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         if offload_optimizer:
             opt_state = to_device(opt_state)
         all_params = params
-        params, histories = split_fp8(all_params)
-        fp8 = bool(jax.tree.leaves(histories))
+        params, histories, biases = _split_state(all_params)
+        stateful = bool(jax.tree.leaves((histories, biases)))  # state it updates itself
         # the copy the forward and backward see (the master weights themselves without
         # offload_params or with an fp32 compute dtype)
         forward = compute_copy(params, compute_dtype) if offload_params else params
-        forward_all = nnx.merge_state(forward, histories) if fp8 else forward
+        forward_all = nnx.merge_state(forward, histories, biases) if stateful else forward
 
         def pure_loss(p, micro_batch, k):
-            state = nnx.merge_state(*p) if fp8 else p
+            state = nnx.merge_state(*p) if stateful else p
             return loss_fn(nnx.merge(graphdef, state, rest), micro_batch, k)
 
         model = nnx.merge(graphdef, forward_all, rest)
         check_mode("train", model, mesh=jax.sharding.get_abstract_mesh(), where="TrainStep",
                    documents=isinstance(batch, dict) and "segment_ids" in batch,
                    custom_loss=loss_fn is not lm_loss, offload=offload_optimizer or offload_params)
-        metrics = {}
+        metrics, amaxes, loads = {}, histories, biases
         if _pipelined(model):
-            loss, grads, metrics, amaxes = _pipeline_gradients(model, forward_all, batch,
-                                                               key, loss_fn)
-        elif manual_graphdef is not None and not fp8:  # ZeRO-1, reduced once per step
+            loss, grads, metrics, amaxes, loads = _pipeline_gradients(
+                model, forward_all, batch, key, loss_fn)
+        elif manual_graphdef is not None and not stateful:  # ZeRO-1, reduced once per step
             loss, grads = _manual_gradients(
                 manual_graphdef, forward, rest, batch, key, loss_fn,
                 param_shardings if update_shardings is None else update_shardings,
                 manual_axes, reduce_dtype)
-        elif fp8:  # the amax histories' "gradients" are the step's amaxes
-            loss, (grads, amaxes), metrics = accumulate_gradients(
-                pure_loss, (forward, histories), batch, key, with_metrics=True,
-                maximum=(False, True))
+        elif stateful:  # the histories' "gradients": the amaxes; the biases': the loads
+            loss, (grads, amaxes, loads), metrics = accumulate_gradients(
+                pure_loss, (forward, histories, biases), batch, key, with_metrics=True,
+                maximum=(False, True, False), unscaled=(False, False, True))
         else:
             loss, grads, metrics = accumulate_gradients(pure_loss, forward, batch, key,
                                                         with_metrics=True)
@@ -431,9 +455,10 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
         new_params = optax.apply_updates(params, updates)
         if update_shardings is not None:  # the new parameters all-gathered
             new_params = _constrain(new_params, param_shardings)
-        if fp8:
+        if stateful:
             new_params = nnx.merge_state(new_params,
-                                         update_fp8_histories(histories, amaxes))
+                                         update_fp8_histories(histories, amaxes),
+                                         update_router_biases(biases, loads))
         update_norm = optax.tree.norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
@@ -514,9 +539,9 @@ class TrainStep:
             # Lay the parameters out as their sharding annotations say, whatever their
             # current placement (e.g. weights just loaded from an unsharded model).
             self.params = jax.device_put(self.params, nnx.get_named_sharding(self.params, mesh))
-        # no FP8 histories; with fsdp="optimizer" (ZeRO-1) the moments follow the
-        # parameters resharded over the data axes (zeros_like keeps the sharding)
-        plain = split_fp8(self.params)[0]
+        # no FP8 histories or router biases; with fsdp="optimizer" (ZeRO-1) the moments
+        # follow the parameters resharded over the data axes (zeros_like keeps the sharding)
+        plain = _split_state(self.params)[0]
         parallel = getattr(self.model, "parallel", None)
         zero1 = not mesh.empty and isinstance(parallel, ParallelConfig) and parallel.zero1_axes
         self._reduce_dtype = _reduce_dtype(self.model, parallel, mesh)
@@ -585,7 +610,7 @@ class TrainStep:
         if self._step is None or self._debug != debug:
             step = train_step_fn(
                 self.graphdef, self.tx, self.loss_fn, update_shardings=self._update_shardings,
-                param_shardings=_shardings(split_fp8(self.params)[0]),
+                param_shardings=_shardings(_split_state(self.params)[0]),
                 manual_graphdef=self._manual[0], manual_axes=self._manual[1],
                 reduce_dtype=self._reduce_dtype,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
