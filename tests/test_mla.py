@@ -107,8 +107,9 @@ def _layer_out_and_grads(name, mesh_name):
     return d, w, (y, g_x, grads)
 
 
-@pytest.mark.parametrize("name", ["qlora", "direct"])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name,mesh_name", [  # the fast tier: q_lora on every mesh
+    pytest.param(name, mesh, marks=[pytest.mark.slow] if name == "direct" and mesh != "one"
+                 else []) for mesh in MESHES for name in ("qlora", "direct")])
 def test_layer_matches_transformers(name, mesh_name):
     """``x + attention(norm(x))`` and the gradients of the input and of every weight equal
     transformers' ``DeepseekV3Attention`` (fp32, 1e-5), on one device and sharded."""
@@ -190,7 +191,7 @@ def _check_names(model, values):
 
 
 @pytest.mark.parametrize("mesh_name", ["one", pytest.param("ring", marks=pytest.mark.slow),
-                                       "ulysses"])
+                                       pytest.param("ulysses", marks=pytest.mark.slow)])
 def test_model_logits_and_greedy_tokens_equal_transformers(mesh_name):
     """A 2-layer DeepSeek-V3-shaped GPT (MLA with ``q_lora_rank``, interleaved rotary
     weights, dense SwiGLU MLPs) holding the fixture's weights: its logits equal
@@ -266,7 +267,8 @@ def test_latent_cache_layout():
 
 # -- the latent ring ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("window,documents", [(None, True), (5, False),
+@pytest.mark.parametrize("window,documents", [pytest.param(None, True, marks=pytest.mark.slow),
+                                              (5, False),
                                               pytest.param(9, True, marks=pytest.mark.slow)])
 def test_latent_ring_matches_blockwise(window, documents):
     """:func:`~sp_jax.attention.latent_ring_attention` on a context axis of 4 (zigzag
