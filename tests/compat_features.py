@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
@@ -33,7 +34,8 @@ AXES = ("stage", "data", "expert", "context", "tensor")
 
 BASE = dict(vocab_size=64, max_seq_len=16, num_layers=2, num_heads=4, hidden=32,
             attention_block_q=4, attention_block_k=4)
-"""The smallest model: every feature's declaration changes it."""
+"""The smallest model: every feature's declaration changes it (a feature's ``config``
+fields replace these)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,9 +157,14 @@ FEATURES: dict[str, Feature] = {
     "packed_documents": Feature(call=dict(documents=True)),
     "sliding_window": Feature(config=dict(sliding_window=3), within=("layer_windows",)),
     "layer_windows": Feature(config=dict(layer_windows=(3, None))),
-    "cudnn_attention": Feature(config=dict(attention_implementation="cudnn"), device="gpu",
+    "cudnn_attention": Feature(config=dict(attention_implementation="cudnn",
+                                           dtype=jnp.bfloat16), device="gpu",
                                cpu_stand_in=xla_for_cudnn,
                                reference=dict(attention_implementation="xla")),
+    # grouped-query attention: 8 query heads in 4 groups (head size 4), so that every mesh
+    # of the array splits the key/value heads whole (tensor 2 x Ulysses' context 2: one
+    # key/value head a device; BASE's 4 heads in 2 groups would leave Ulysses half a one)
+    "grouped_query": Feature(config=dict(num_heads=8, num_kv_heads=4)),
     "attention_dropout": Feature(config=dict(attention_dropout=0.1)),
     "attention_softcap": Feature(config=dict(attention_softcap=5.0)),
     "custom_loss": Feature(call=dict(custom_loss=True)),
@@ -246,7 +253,7 @@ def setup(names: Iterable[str]) -> Setup:
                       "exclusive"]
             if implied not in chosen and not others:
                 chosen.append(implied)
-    config, parallel, axes, call, reference, bounds = dict(BASE), {}, {}, {}, {}, {}
+    config, parallel, axes, call, reference, bounds = {}, {}, {}, {}, {}, {}
     for name in chosen:
         feature = FEATURES[name]
         if not set(feature.within) & set(chosen):
@@ -261,7 +268,7 @@ def setup(names: Iterable[str]) -> Setup:
             bounds[quantity] = (max(old[0], rtol), max(old[1], atol))
     features = [FEATURES[n] for n in chosen]
     gpu = next((f for f in features if f.device != "any"), None)
-    return Setup(tuple(chosen), config, sp_jax.ParallelConfig(**parallel),
+    return Setup(tuple(chosen), BASE | config, sp_jax.ParallelConfig(**parallel),
                  tuple(axes.get(a, 1) for a in AXES), call, bounds,
                  any(f.first_step for f in features), gpu.device if gpu else "any",
                  reference, gpu.cpu_stand_in if gpu else None)
