@@ -157,10 +157,22 @@ FEATURES: dict[str, Feature] = {
     "packed_documents": Feature(call=dict(documents=True)),
     "sliding_window": Feature(config=dict(sliding_window=3), within=("layer_windows",)),
     "layer_windows": Feature(config=dict(layer_windows=(3, None))),
+    # cuDNN's kernel takes fp16 / bf16 only (fp32 compute is refused at construction): bf16
+    # compute, fp32 parameters, against the same bf16 model unsharded with sp_jax's kernel,
+    # so only the kernel and the sharding differ. Each bf16 GEMM output is rounded to 8
+    # significant bits, in another summation order sharded. Measured (XLA:CPU, the stand-in;
+    # the first 6 of the 18 cudnn cases, 2026-12-07): losses 2.8e-4 relative; first-step
+    # gradients within 2.4e-3 + 1e-2 x |g| (up to 0.29); logits and hidden states within
+    # 3.4e-2 + 1e-2 x |x| (up to 3.7: about two bf16 quanta), the cache's next-token logits
+    # within 1.4e-2 of both references; the greedy tokens equal. Parameters after 3 AdamW
+    # steps moved by up to 8.2e-3: an entry whose gradient is near zero moves by up to lr
+    # (3e-3) a step either way, as with grad_reduce_dtype. Bounds: about 3x of these
     "cudnn_attention": Feature(config=dict(attention_implementation="cudnn",
                                            dtype=jnp.bfloat16), device="gpu",
                                cpu_stand_in=xla_for_cudnn,
-                               reference=dict(attention_implementation="xla")),
+                               reference=dict(attention_implementation="xla"),
+                               bounds=dict(loss=(1e-3, 1e-5), grads=(1e-2, 7e-3),
+                                           params=(1e-2, 2e-2), logits=(1e-2, 1e-1))),
     # grouped-query attention: 8 query heads in 4 groups (head size 4), so that every mesh
     # of the array splits the key/value heads whole (tensor 2 x Ulysses' context 2: one
     # key/value head a device; BASE's 4 heads in 2 groups would leave Ulysses half a one)
