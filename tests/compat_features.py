@@ -196,6 +196,16 @@ FEATURES: dict[str, Feature] = {
 }
 """Every feature of ``sp_jax.compat.FEATURES``, declared."""
 
+_FP8_IN_BF16 = dict(loss=(3e-3, 0.0), grads=(2e-2, 7e-2))
+PAIR_BOUNDS: dict[frozenset[str], dict[str, tuple[float, float]]] = {
+    frozenset({"cudnn_attention", fp8}): _FP8_IN_BF16 for fp8 in ("fp8_current", "fp8_delayed")}
+"""Bounds of two features together looser than either's. FP8 with cuDNN's bf16 compute:
+the activations are rounded to bf16 before their amax and quantisation, in another order
+sharded, so more values flip by an FP8 quantum (e4m3: 3 mantissa bits) than at fp32
+compute (FP8_BOUNDS). Measured (XLA:CPU stand-in, cudnn-04 / cudnn-05 train, 2026-12-07):
+the first step's loss 1.1e-3 relative, its gradients within 2.2e-2 + 1e-2 x |g| (up to
+0.29); the later losses 6.3e-3 relative (the harness's 1e-2). Bounds: about 3x."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
@@ -256,6 +266,15 @@ def _merge(into: dict[str, Any], new: dict[str, Any], what: str) -> None:
         into[k] = v
 
 
+def _loosen(bounds: dict[str, tuple[float, float]],
+            new: dict[str, tuple[float, float]]) -> None:
+    """``bounds`` widened in place to hold ``new`` too (each quantity's larger rtol and
+    atol; fp32's where it has none yet)."""
+    for quantity, (rtol, atol) in new.items():
+        old = bounds.get(quantity, FP32_BOUND)
+        bounds[quantity] = (max(old[0], rtol), max(old[1], atol))
+
+
 def setup(names: Iterable[str]) -> Setup:
     """The model and call with the features ``names`` (and what they imply) together."""
     chosen = list(dict.fromkeys(names))
@@ -275,9 +294,10 @@ def setup(names: Iterable[str]) -> Setup:
         _merge(reference, feature.reference, name)
         for axis, size in feature.axes.items():
             axes[axis] = max(axes.get(axis, 1), size)
-        for quantity, (rtol, atol) in feature.bounds.items():
-            old = bounds.get(quantity, FP32_BOUND)
-            bounds[quantity] = (max(old[0], rtol), max(old[1], atol))
+        _loosen(bounds, feature.bounds)
+    for pair, loose in PAIR_BOUNDS.items():
+        if pair <= set(chosen):
+            _loosen(bounds, loose)
     features = [FEATURES[n] for n in chosen]
     gpu = next((f for f in features if f.device != "any"), None)
     return Setup(tuple(chosen), BASE | config, sp_jax.ParallelConfig(**parallel),
