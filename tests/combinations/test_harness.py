@@ -89,3 +89,21 @@ def test_cudnn_stand_in_is_sp_jax_cudnn_call_with_xla_kernel():
     if jax.default_backend() == "cpu":
         with pytest.raises(RuntimeError, match="cuDNN.*implementation='xla'"):
             run(q, k, v, implementation="cudnn", sliding_window=3, scale=0.7)
+
+
+def test_greedy_tokens_may_differ_only_at_a_near_tie_of_the_reference():
+    """fp32: the tokens equal. A looser logits bound (bf16 / FP8): equal up to a row's
+    first difference, where the reference's logits of the two tokens are within twice
+    the bound; a difference elsewhere fails, whatever follows it."""
+    want = np.array([[1, 2, 3], [4, 5, 6]])
+    picked = np.zeros((2, 3, 8))
+    picked[0, 1, 2], picked[0, 1, 7] = 1.0, 0.95  # row 0, token 1: 2 over 7 by 0.05
+    picked[1, 0, 4], picked[1, 0, 7] = 1.0, 0.5  # row 1, token 0: 4 over 7 by 0.5
+    tie = np.array([[1, 7, 0], [4, 5, 6]])  # then anything: the contexts differ
+    with pytest.raises(AssertionError, match="greedy tokens"):
+        harness._greedy(tie, want, picked, (1e-5, 1e-5), "fp32")
+    harness._greedy(tie, want, picked, (1e-2, 2e-2), "bf16")
+    with pytest.raises(AssertionError, match="row 0 differ at new token 1 .* 0.05 apart"):
+        harness._greedy(tie, want, picked, (1e-3, 1e-2), "bf16, a tighter bound")
+    with pytest.raises(AssertionError, match="row 1 differ at new token 0 .* 0.5 apart"):
+        harness._greedy(np.array([[1, 2, 3], [7, 5, 6]]), want, picked, (1e-2, 1e-1), "bf16")
