@@ -371,9 +371,11 @@ def _compare(made: compat_features.Setup, mode: str, got: dict, ref: dict,
             _close(got["grads"], ref["grads"], made.bound("grads"), f"{what}: gradient ")
             g, w = _histories(got["params"]), _histories(ref["params"])
             assert g.keys() == w.keys(), f"{what}: amax histories {sorted(g)} vs {sorted(w)}"
+            rtol, atol = made.bounds.get("amax", (1e-6, 0.0))
             for name, h in g.items():  # newest first: the first step's in column STEPS - 1
                 np.testing.assert_allclose(h[..., STEPS - 1], w[name][..., STEPS - 1],
-                                           rtol=1e-6, err_msg=f"{what}: amaxes {name}")
+                                           rtol=rtol, atol=atol,
+                                           err_msg=f"{what}: amaxes {name}")
             return
         np.testing.assert_allclose(losses, want, rtol=made.bound("loss")[0],
                                    atol=made.bound("loss")[1], err_msg=f"{what}: losses")
