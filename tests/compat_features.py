@@ -198,7 +198,7 @@ FEATURES: dict[str, Feature] = {
 """Every feature of ``sp_jax.compat.FEATURES``, declared."""
 
 _FP8_IN_BF16 = dict(loss=(3e-3, 0.0), grads=(2e-2, 7e-2), logits=(1e-2, 0.5),
-                    amax=(3e-2, 0.0))
+                    amax=(0.2, 0.0))
 PAIR_BOUNDS: dict[frozenset[str], dict[str, tuple[float, float]]] = {
     frozenset({"cudnn_attention", fp8}): _FP8_IN_BF16 for fp8 in ("fp8_current", "fp8_delayed")}
 """Bounds of two features together looser than either's. FP8 with cuDNN's bf16 compute:
@@ -213,9 +213,11 @@ rounding boundary, one e4m3 quantum, ~6%, which the later layers carry): logits 
 0.221 + 1e-2 x |x| (largest difference 0.224 of logits up to ~4), hidden states within
 0.221 + 1e-2 x |x|; the cache's next-token logits 6.1e-2 from the reference's. Bound:
 about 2.3x (atol 0.5). The first step's amaxes (delayed scaling; fp32 compute: 1e-6)
-are amaxes of bf16 activations, which the other attention kernel moves by bf16 quanta:
-measured (cudnn-05 train, 2026-12-07) 1.359375 against 1.375 (1.1e-2 relative, the
-attention's output projection); bound 3e-2 (``amax``). Generate: cudnn-06's greedy
+are amaxes of bf16 tensors, which the other attention kernel (its backward too) moves:
+measured (cudnn-05 train, 2026-12-07, every history) the weights' equal, the
+activations' within 2.3e-2 relative, the output gradients' within 7.7e-2 (block 0's
+qkv: 1.508 against 1.633; its gradients themselves are within the ``grads`` bound);
+bound 0.2 (``amax``). Generate: cudnn-06's greedy
 tokens differ at one position, where the reference's logits of the two tokens are
 0.0197 apart (a near-tie; the harness's ``_greedy``); cudnn-05's are equal."""
 
