@@ -298,7 +298,7 @@ def _ring_gpt(**config):
 
 
 def _cudnn_with_documents():
-    q = jnp.zeros((1, 8, 2, 4))
+    q = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
     blockwise_attention(q, q, q, segment_ids=jnp.ones((1, 8), jnp.int32),
                         implementation="cudnn")
 
@@ -322,7 +322,8 @@ _REDUCE = "ParallelConfig\\(grad_reduce_dtype=bfloat16\\) without a pipeline red
 # (first feature, second or None) of each entry of compat.REFUSALS -> (what meets it, the
 # message it raises)
 ENTRY_POINTS = {
-    ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn"),
+    ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn",
+                                                            dtype=jnp.bfloat16),
                                           "cannot run ring attention"),
     ("packed_documents", "cudnn_attention"): (_cudnn_with_documents,
                                               r"segment_ids \(packed documents\) need "

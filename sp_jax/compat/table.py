@@ -54,6 +54,7 @@ FEATURES: dict[str, str] = {
     "sliding_window": "GPTConfig(sliding_window=w): attention to the last w tokens",
     "layer_windows": "GPTConfig(layer_windows=...): each layer's window as data",
     "cudnn_attention": "GPTConfig(attention_implementation='cudnn'): cuDNN's kernel",
+    "grouped_query": "GPTConfig(num_kv_heads < num_heads): grouped-query attention",
     "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
     "attention_softcap": "GPTConfig(attention_softcap=c): scores c * tanh(s / c) (Gemma 2)",
     "custom_loss": "TrainStep(loss_fn=...) other than the default lm_loss",
@@ -102,6 +103,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "sliding_window": "a sliding window",
     "layer_windows": "layer_windows (a window per layer)",
     "cudnn_attention": "attention_implementation='cudnn'",
+    "grouped_query": "grouped-query attention (num_kv_heads < num_heads)",
     "attention_dropout": "attention dropout",
     "attention_softcap": "an attention soft cap (attention_softcap)",
     "custom_loss": "a custom loss_fn",
@@ -580,6 +582,9 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             found.add("mla_attention")
         if getattr(config, "attention_implementation", "xla") == "cudnn":
             found.add("cudnn_attention")
+        kv_heads, heads = getattr(config, "num_kv_heads", None), getattr(config, "num_heads", 0)
+        if isinstance(kv_heads, int) and isinstance(heads, int) and 0 < kv_heads < heads:
+            found.add("grouped_query")  # (1: multi-query)
         if getattr(config, "attention_dropout", 0.0):
             found.add("attention_dropout")
         if getattr(config, "attention_softcap", None) is not None:
@@ -618,6 +623,7 @@ def spelled(config: Any = None, parallel: Any = None, features: Iterable[str] = 
         "aux_free_bias": lambda: f"moe_bias_update_rate={value(config, 'moe_bias_update_rate')}",
         "seq_aux_loss": lambda: f"moe_seq_aux_loss_coef="
                                 f"{value(config, 'moe_seq_aux_loss_coef')}",
+        "grouped_query": lambda: f"num_kv_heads={value(config, 'num_kv_heads')}",
         "sliding_window": lambda: f"sliding_window={value(config, 'sliding_window')}",
         "attention_dropout": lambda: f"attention_dropout={value(config, 'attention_dropout')}",
         "attention_softcap": lambda: f"attention_softcap={value(config, 'attention_softcap')}",

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sp_jax.attention import IMPLEMENTATIONS
+from sp_jax.attention import IMPLEMENTATIONS, cudnn_takes
 from sp_jax.compat import check_mode
 from sp_jax.config import Fp8Recipe
 from sp_jax.layers.attention_registry import check_attention_name
@@ -204,6 +204,24 @@ def check_block_fields(owner: str, config: Any) -> None:
     check_mode(None, config=config, where=owner)  # refused in every mode: sp_jax.compat
     _float_dtype(owner, "dtype", config.dtype, optional=True)
     _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
+    if has("attention_implementation") and config.attention_implementation == "cudnn":
+        _check_cudnn_compute(owner, config)
+
+
+def _check_cudnn_compute(owner: str, config: Any) -> None:
+    """A ValueError unless the attention of ``config`` computes in a dtype cuDNN's fused
+    attention takes (``sp_jax.attention.CUDNN_DTYPES``): its ``dtype``, or with
+    ``dtype=None`` the parameters' (the activations promote with them, so an fp32
+    ``param_dtype`` computes in fp32 whatever the input). On a GPU, JAX would raise a
+    NotImplementedError at trace time, and only there."""
+    name, compute = ("dtype", config.dtype) if config.dtype is not None else (
+        "param_dtype", config.param_dtype)
+    if not cudnn_takes(compute):
+        raise ValueError(
+            f"{owner}: attention_implementation='cudnn' computes attention in "
+            f"{jnp.dtype(compute).name} ({name}={jnp.dtype(compute).name}), but cuDNN's fused "
+            "attention takes float16 or bfloat16 only; use dtype=jnp.bfloat16 (parameters "
+            "may stay float32: param_dtype) or attention_implementation='xla'.")
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
