@@ -339,6 +339,21 @@ def _close(got: Any, want: Any, bound: tuple[float, float], what: str) -> None:
                                    err_msg=f"{what}{path}")
 
 
+def _close_positions(got: np.ndarray, want: np.ndarray, bound: tuple[float, float],
+                     flips: int, what: str) -> None:
+    """``got`` within ``bound`` of ``want`` (``[rows, seq, ...]``) at every position but
+    at most ``flips`` of them (0: :func:`_close`)."""
+    got, want = np.asarray(got), np.asarray(want)
+    rtol, atol = bound
+    off = ~np.isclose(got, want, rtol=rtol, atol=atol)
+    bad = np.argwhere(off.reshape(*off.shape[:2], -1).any(axis=-1))
+    assert len(bad) <= flips, (f"{what}: {len(bad)} positions off the bound (at most "
+                               f"{flips}): {bad[:5].tolist()}")
+    keep = np.ones(off.shape[:2], bool)
+    keep[tuple(bad.T)] = False
+    np.testing.assert_allclose(got[keep], want[keep], rtol=rtol, atol=atol, err_msg=what)
+
+
 def _histories(params: dict) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in
             jax.tree_util.tree_flatten_with_path(params)[0] if "fp8_history" in str(p)}
@@ -383,8 +398,14 @@ def _compare(made: compat_features.Setup, mode: str, got: dict, ref: dict,
                f"{what}: parameters after {STEPS} steps ")
     elif mode == "eval":
         bound = made.bound("logits")
-        _close(got["logits"], ref["logits"], bound, f"{what}: logits")
-        _close(got["hidden"], ref["hidden"], bound, f"{what}: hidden states")
+        # bf16 / FP8 with experts: a discrete choice may flip at one position (measured,
+        # eval-cudnn-04: bf16 + FP8 + sigmoid routing in stages, 1 of 32 positions' logits
+        # off by up to 1.85, every other position within the bound): a token routed to
+        # another expert, or a value rounded to the other FP8 quantum, changes that
+        # position's whole output. fp32 sets: none.
+        flips = int(bound != compat_features.FP32_BOUND and "experts" in made.names)
+        for name in ("logits", "hidden"):
+            _close_positions(got[name], ref[name], bound, flips, f"{what}: {name}")
     else:
         bound = made.bound("logits")
         _greedy(got["tokens"], ref["tokens"], ref["picked"], bound, what)
