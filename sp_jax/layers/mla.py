@@ -39,7 +39,7 @@ from sp_jax.layers.attention_registry import AttentionCache, register_attention
 from sp_jax.layers.block_config import AttentionConfig
 from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import RowSequenceParallelLinear, column_sp_matmul, shard_linear
-from sp_jax.layers.rotary import rotary_embedding
+from sp_jax.layers.rotary import rope_attention_factor, rotary_embedding
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, check_activations, check_divisible, current_mesh, reshard
 
@@ -322,10 +322,12 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         q = q.reshape(b, s, -1, self.qk_head_dim)
         if cfg.rotary:
             freqs = self.rotary_frequencies(window)
+            factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's, else 1
             q_rope = rotary_embedding(q[..., cfg.qk_nope_head_dim:], positions,
-                                      frequencies=freqs)
+                                      frequencies=freqs, attention_factor=factor)
             q = jnp.concatenate([q[..., :cfg.qk_nope_head_dim], q_rope], axis=-1)
-            k_rope = rotary_embedding(k_rope[:, :, None], positions, frequencies=freqs)[:, :, 0]
+            k_rope = rotary_embedding(k_rope[:, :, None], positions, frequencies=freqs,
+                                      attention_factor=factor)[:, :, 0]
         return q, latent, k_rope
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,

@@ -17,12 +17,13 @@ from sp_jax.layers import (
     MLPConfig,
     MoEConfig,
     RopeScaling,
+    YarnScaling,
     check_block_fields,
     check_moe_fields,
     settle_block_fields,
 )
 
-__all__ = ["GPTConfig", "POSITIONS", "RopeScaling"]
+__all__ = ["GPTConfig", "POSITIONS", "RopeScaling", "YarnScaling"]
 
 POSITIONS = ("learned", "rotary")
 """Position encodings a :class:`GPT` supports: a learned table or rotary embeddings."""
@@ -58,7 +59,11 @@ class GPTConfig:
       positions: ``"learned"`` (table added to the embeddings) or ``"rotary"``.
       rope_base: rotary base frequency (Llama-2: 1e4, Llama-3: 5e5).
       rope_scaling: Llama-3.1 style frequency scaling (:class:`RopeScaling`, or a dict of
-        its fields), or None.
+        its fields), YaRN's (:class:`~sp_jax.layers.YarnScaling`, or a dict of its fields
+        with ``rope_type="yarn"``: DeepSeek-V3, Kimi K2), or None.
+      partial_rotary_factor: the share of each head's features the rotary angles turn
+        (GLM-4.5: 0.5, the first half of each head; Hugging Face's
+        ``partial_rotary_factor``); 1.0: all (:class:`~sp_jax.layers.AttentionConfig`).
       qkv_bias / out_bias / mlp_bias: biases on the q/k/v projection, the attention
         output projection and the MLP projections (GPT-2: all; Llama: none).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
@@ -204,7 +209,7 @@ class GPTConfig:
     attention_implementation: str = "xla"
     mlp_activation: str = "gelu"
     num_kv_heads: int | None = None
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     qkv_bias: bool = False
     out_bias: bool = True
     mlp_bias: bool = True
@@ -247,6 +252,7 @@ class GPTConfig:
     moe_routed_scale: float = 1.0
     moe_bias_update_rate: float = 0.0
     moe_seq_aux_loss_coef: float = 0.0
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
