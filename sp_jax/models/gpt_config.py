@@ -64,6 +64,12 @@ class GPTConfig:
       partial_rotary_factor: the share of each head's features the rotary angles turn
         (GLM-4.5: 0.5, the first half of each head; Hugging Face's
         ``partial_rotary_factor``); 1.0: all (:class:`~sp_jax.layers.AttentionConfig`).
+      rope_interleave: the Hugging Face checkpoint's rotary features come in interleaved
+        pairs (DeepSeek-V3's ``rope_interleave``): data for
+        :func:`~sp_jax.models.hf.to_hf`, which writes them so again; sp_jax's parameters
+        hold them in rotate-half order whatever it says (the reader permutes them,
+        :func:`~sp_jax.layers.mla.deinterleave_rope`), and the model's math does not read
+        it.
       qkv_bias / out_bias / mlp_bias: biases on the q/k/v projection, the attention
         output projection and the MLP projections (GPT-2: all; Llama: none).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
@@ -253,6 +259,7 @@ class GPTConfig:
     moe_bias_update_rate: float = 0.0
     moe_seq_aux_loss_coef: float = 0.0
     partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
