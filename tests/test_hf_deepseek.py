@@ -11,6 +11,7 @@ Ulysses attention; its greedy generations (teacher-forced, and with sp_jax's
 YaRN's frequencies and attention factor as transformers computes them; config
 translation and the presets. No torch, no network."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -26,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 from sp_jax import ParallelConfig
 from sp_jax.layers import YarnScaling, rope_attention_factor, rope_frequencies
-from sp_jax.models import GPTConfig, generate, hf
+from sp_jax.models import GPT, GPTConfig, generate, hf
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["deepseek_v3", "deepseek_v3_direct", "glm4_moe"]
@@ -264,3 +265,69 @@ def test_checkpoint_copies_load(tmp_path):
     shutil.copy(source / "config.json", tmp_path / "config.json")
     with jax.set_mesh(make_mesh(1, 1)):
         assert_bitwise(param_values(hf.from_hf(tmp_path)), param_values(hf.from_hf(source)))
+
+
+# The published config.json entries the presets come from (deepseek-ai/DeepSeek-V3,
+# moonshotai/Kimi-K2-Instruct: transformers 4.x spelling; zai-org/GLM-4.5-Air).
+_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+           intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+           num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+           n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+           q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+           topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+           moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
+           scoring_func="sigmoid", hidden_act="silu", max_position_embeddings=163840,
+           rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False, bos_token_id=0,
+           eos_token_id=1, num_nextn_predict_layers=1, attention_bias=False,
+           torch_dtype="bfloat16",
+           rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0,
+                             mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                             type="yarn"))
+_KIMI = dict(_V3, vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
+             n_routed_experts=384, routed_scaling_factor=2.827, n_group=1, topk_group=1,
+             first_k_dense_replace=1, max_position_embeddings=131072, rope_theta=50000.0,
+             bos_token_id=163584, eos_token_id=163585, num_nextn_predict_layers=0,
+             rope_scaling=dict(beta_fast=1.0, beta_slow=1.0, factor=32.0, mscale=1.0,
+                               mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                               type="yarn"))
+_AIR = dict(model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
+            intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+            num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
+            n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+            num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True,
+            partial_rotary_factor=0.5, rope_theta=1000000, max_position_embeddings=131072,
+            rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=False, hidden_act="silu",
+            tie_word_embeddings=False, eos_token_id=[151329, 151336, 151338],
+            pad_token_id=151329, num_nextn_predict_layers=1, torch_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("preset,config,billions", [
+    (lambda: GPTConfig.deepseek_v3("deepseek-v3"), _V3, 671.03),
+    (lambda: GPTConfig.deepseek_v3("kimi-k2"), _KIMI, 1026.41),
+    (lambda: GPTConfig.glm4_moe("glm-4.5-air"), _AIR, 106.85),
+], ids=["deepseek-v3", "kimi-k2", "glm-4.5-air"])
+def test_presets_are_the_published_configs(preset, config, billions):
+    """Each preset is its published config.json read by from_hf's translation (the
+    training-only fields apart: the reader freezes the selection bias), writes back as
+    its family, and has the published size without the MTP layer (DeepSeek-V3: 671B;
+    Kimi K2: 1.03T; GLM-4.5-Air: 106B + the MTP layer's ~1.3B)."""
+    cfg = preset()
+    read = hf.config_from_hf(config, param_dtype=np.float32)
+    assert read == dataclasses.replace(cfg, moe_bias_update_rate=0.0,
+                                       moe_seq_aux_loss_coef=0.0)
+    assert hf.config_to_hf(cfg)["model_type"] == config["model_type"]
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    count = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model,
+                                                                               nnx.Param)))
+    assert count / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_tiny_presets_build_and_write_their_family(tmp_path):
+    """deepseek-v3-tiny (YaRN, 4 groups of experts, a dense layer) and glm-4.5-tiny
+    build on a (data, tensor) mesh, and to_hf -> from_hf gives the same parameters."""
+    for cfg in (GPTConfig.deepseek_v3("deepseek-v3-tiny"), GPTConfig.glm4_moe("glm-4.5-tiny")):
+        with jax.set_mesh(make_mesh(2, 2)):
+            model = GPT(cfg, rngs=nnx.Rngs(0))
+            hf.to_hf(model, tmp_path / cfg.hf_model_type)
+            again = hf.from_hf(tmp_path / cfg.hf_model_type)
+        assert_bitwise(param_values(model), param_values(again))

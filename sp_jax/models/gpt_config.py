@@ -1,6 +1,6 @@
 """The configuration of a :class:`~sp_jax.models.GPT`: :class:`GPTConfig` (shape, numerics,
-the GPT-2, Llama, Mixtral, Qwen3-MoE and DeepSeek-V3-shaped presets, the checkpoint's
-special token ids) and
+the GPT-2, Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 / Kimi K2 and GLM-4.5 presets, the
+checkpoint's special token ids) and
 :data:`POSITIONS`."""
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from sp_jax.layers import (
     check_block_fields,
     check_moe_fields,
     settle_block_fields,
+)
+from sp_jax.models.deepseek_presets import (
+    DEEPSEEK_V3_COMMON,
+    DEEPSEEK_V3_PRESETS,
+    GLM4_MOE_COMMON,
+    GLM4_MOE_PRESETS,
 )
 
 __all__ = ["GPTConfig", "POSITIONS", "RopeScaling", "YarnScaling"]
@@ -534,8 +540,11 @@ class GPTConfig:
           pretraining length, ``original_max_position_embeddings``) rather than the
           163840 of its YaRN scaling.
 
-        No Hugging Face family (``hf_model_type`` None): sp_jax reads and writes no
-        DeepSeek checkpoints.
+        No Hugging Face family (``hf_model_type`` None): a DeepSeek-V3 checkpoint is
+        :meth:`deepseek_v3`'s architecture (MLA, dense first layers), which
+        :func:`~sp_jax.models.hf.from_hf` reads; this stand-in stays as it was for the
+        figures measured on it (``to_hf`` writes it as the first family expressing it,
+        GLM-4.5's ``glm4_moe`` with every rotary feature turned).
 
         Args:
           name: ``"deepseek-v3"`` (61 layers, hidden 7168, 128 heads of 128, 256 routed
@@ -564,6 +573,46 @@ class GPTConfig:
                                      mlp_hidden=160, num_experts=32, moe_mlp_hidden=16),
         }
         return cls._preset("deepseek_v3_moe", name, presets, common, overrides)
+
+    @classmethod
+    def deepseek_v3(cls, name: str = "deepseek-v3", **overrides: Any) -> GPTConfig:
+        """DeepSeek-V3-architecture shapes (``model_type`` ``deepseek_v3``: DeepSeek-V3,
+        Kimi K2), as their Hugging Face ``config.json`` files give them
+        (:mod:`sp_jax.models.deepseek_presets`): multi-head latent attention
+        (``attention="mla"``) with YaRN rotary scaling and DeepSeek's softmax scale,
+        the first layers dense, then mixtures of experts with sigmoid group-limited
+        routing, a selection bias and one shared expert; untied head. Only shapes (no
+        multi-token-prediction module); :func:`sp_jax.models.hf.from_hf` reads the
+        weights, :func:`~sp_jax.models.hf.to_hf` writes them back. Unlike
+        :meth:`deepseek_v3_moe` (multi-head attention, every layer a mixture: the
+        stand-in the planner's and routing's figures were measured on, kept as it
+        was), this is the architecture itself.
+
+        Args:
+          name: ``"deepseek-v3"`` (671B: 61 layers, hidden 7168, 128 heads, 256 experts
+            of 2048, 3 dense layers, 163840 positions), ``"kimi-k2"`` (1.03T: 64 heads,
+            384 experts, 1 dense layer, 131072 positions) or ``"deepseek-v3-tiny"``
+            (the structure at test size).
+          overrides: any other :class:`GPTConfig` field.
+        """
+        return cls._preset("deepseek_v3", name, DEEPSEEK_V3_PRESETS, DEEPSEEK_V3_COMMON,
+                           overrides)
+
+    @classmethod
+    def glm4_moe(cls, name: str = "glm-4.5-air", **overrides: Any) -> GPTConfig:
+        """GLM-4.5 shapes (``model_type`` ``glm4_moe``; Hugging Face ``zai-org/GLM-4.5-Air``'s
+        ``config.json``, :mod:`sp_jax.models.deepseek_presets`): grouped-query attention
+        with half of each head rotated, q/k/v biases, one dense layer, then mixtures of
+        experts with sigmoid routing, a selection bias and one shared expert; untied
+        head. Only shapes (no multi-token-prediction module).
+
+        Args:
+          name: ``"glm-4.5-air"`` (106B: 46 layers, hidden 4096, 96 heads over 8 of
+            128, 128 experts of 1408, 8 per token) or ``"glm-4.5-tiny"`` (the structure
+            at test size, with GLM-4.5's q/k norms).
+          overrides: any other :class:`GPTConfig` field.
+        """
+        return cls._preset("glm4_moe", name, GLM4_MOE_PRESETS, GLM4_MOE_COMMON, overrides)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward and backward, recomputation not counted;
