@@ -178,13 +178,26 @@ class LatentProjection(nnx.Module):
         ``(q [b, s, heads / t * (n + p)], latent [b, s, r], k_rope [b, s, p])``: this
         shard's queries, the normalised latent, the rotary key (no rotary angles)."""
         cfg = self.config
-        r, eps = cfg.kv_lora_rank, cfg.norm_epsilon
-        q, latent, k_rope = jnp.split(down, [down.shape[-1] - r - cfg.qk_rope_head_dim,
-                                             down.shape[-1] - cfg.qk_rope_head_dim], axis=-1)
+        q, kv = jnp.split(down, [down.shape[-1] - cfg.kv_lora_rank - cfg.qk_rope_head_dim],
+                          axis=-1)
+        q = self.query_part(q, q_a_norm, q_b_kernel)
+        return (q, *self.latent_part(kv, kv_a_norm, q.dtype))
+
+    def query_part(self, q: jax.Array, q_a_norm: jax.Array | None,
+                   q_b_kernel: jax.Array | None) -> jax.Array:
+        """Per device: the query's down projection ``[b, s, q_lora_rank]`` (or, without
+        ``q_lora_rank``, already this shard's queries) -> this shard's queries."""
         if q_b_kernel is not None:
-            q = head_rms_norm(q, q_a_norm, eps)
+            q = head_rms_norm(q, q_a_norm, self.config.norm_epsilon)
             q = jnp.einsum("bsr,rc->bsc", q, q_b_kernel.astype(q.dtype))
-        return q, head_rms_norm(latent, kv_a_norm, eps), k_rope.astype(q.dtype)
+        return q
+
+    def latent_part(self, kv: jax.Array, kv_a_norm: jax.Array, dtype: Any
+                    ) -> tuple[jax.Array, jax.Array]:
+        """Per device: ``kv_a``'s output ``[b, s, r + p]`` -> the normalised latent and the
+        rotary key (in ``dtype``)."""
+        latent, k_rope = jnp.split(kv, [self.config.kv_lora_rank], axis=-1)
+        return head_rms_norm(latent, kv_a_norm, self.config.norm_epsilon), k_rope.astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard columns
@@ -220,11 +233,13 @@ class LatentProjection(nnx.Module):
         dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
                                                                          q_kernel.dtype)
         x = x.astype(dtype)
-        # two products: the latent's stays invariant over the tensor axis (the cache's
-        # entries are whole over it)
-        down = jnp.concatenate([ops.decode_matmul(x, q_kernel, None),
-                                ops.decode_matmul(x, self.kv_a_kernel[...], None)], axis=-1)
-        return self.parts(down, value["q_a_norm"], self.kv_a_norm[...], value["q_b_kernel"])
+        # two products, kept apart: the latent's stays invariant over the tensor axis (the
+        # cache's entries are whole over it); a concatenation with the queries (split
+        # over the tensor axis without q_lora_rank) would make it vary
+        q = self.query_part(ops.decode_matmul(x, q_kernel, None), value["q_a_norm"],
+                            value["q_b_kernel"])
+        return (q, *self.latent_part(ops.decode_matmul(x, self.kv_a_kernel[...], None),
+                                     self.kv_a_norm[...], q.dtype))
 
 
 class MultiHeadLatentAttention(CausalSelfAttention):
