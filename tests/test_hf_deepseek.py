@@ -147,7 +147,8 @@ def test_golden_on_expert_and_context_meshes(name, shape, axes, parallel):
     _assert_golden(name, _mesh(shape, axes), parallel, generations="expert" in axes)
 
 
-@pytest.mark.parametrize("name", slow_except(NAMES, "glm4_moe"))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
 def test_greedy_generation_equals_transformers(name):
     """sp_jax's generate (MLA: the latent cache, absorbed decoding; GLM: the key/value
     cache with partial rotary) on a (data, tensor) mesh: transformers' 32 greedy tokens
@@ -161,6 +162,7 @@ def test_greedy_generation_equals_transformers(name):
         np.testing.assert_array_equal(tokens[i], golden[f"gen_tokens_{i}"], err_msg=str(i))
 
 
+@pytest.mark.slow
 def test_mtp_layers_are_skipped(tmp_path):
     """A checkpoint with a multi-token-prediction layer after the decoder layers
     (DeepSeek's ``model.layers.<num_hidden_layers>.*``: eh_proj, enorm, hnorm,
@@ -212,7 +214,7 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers():
             for r in rows} != {1.0}  # a factor other than 1 is tested
 
 
-def test_config_translation_and_refusals():
+def test_config_translation_and_refusals():  # no compile: 0.01 s
     """The fixtures' configs read as the fields they say (YaRN, DeepSeek's softmax
     scale, routing, dense layers, partial rotary); what sp_jax cannot reproduce is
     named."""
@@ -247,6 +249,7 @@ def test_config_translation_and_refusals():
         hf.config_to_hf(GPTConfig.deepseek_v3_moe("deepseek-v3-tiny"), "deepseek_v3")
 
 
+@pytest.mark.slow
 def test_checkpoint_copies_load(tmp_path):
     """A copied checkpoint directory with transformers 5.x's fused experts
     (``mlp.experts.gate_up_proj`` [E, 2F, h], ``down_proj`` [E, h, F], as its
@@ -303,8 +306,10 @@ _AIR = dict(model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
 
 @pytest.mark.parametrize("preset,config,billions", [
     (lambda: GPTConfig.deepseek_v3("deepseek-v3"), _V3, 671.03),
-    (lambda: GPTConfig.deepseek_v3("kimi-k2"), _KIMI, 1026.41),
-    (lambda: GPTConfig.glm4_moe("glm-4.5-air"), _AIR, 106.85),
+    pytest.param(lambda: GPTConfig.deepseek_v3("kimi-k2"), _KIMI, 1026.41,
+                 marks=pytest.mark.slow),
+    pytest.param(lambda: GPTConfig.glm4_moe("glm-4.5-air"), _AIR, 106.85,
+                 marks=pytest.mark.slow),
 ], ids=["deepseek-v3", "kimi-k2", "glm-4.5-air"])
 def test_presets_are_the_published_configs(preset, config, billions):
     """Each preset is its published config.json read by from_hf's translation (the
@@ -322,6 +327,7 @@ def test_presets_are_the_published_configs(preset, config, billions):
     assert count / 1e9 == pytest.approx(billions, abs=0.01)
 
 
+@pytest.mark.slow
 def test_tiny_presets_build_and_write_their_family(tmp_path):
     """deepseek-v3-tiny (YaRN, 4 groups of experts, a dense layer) and glm-4.5-tiny
     build on a (data, tensor) mesh, and to_hf -> from_hf gives the same parameters."""

@@ -22,7 +22,6 @@ when q and k are permuted alike.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -39,7 +38,7 @@ from sp_jax.layers.attention_registry import AttentionCache, register_attention
 from sp_jax.layers.block_config import AttentionConfig
 from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import RowSequenceParallelLinear, column_sp_matmul, shard_linear
-from sp_jax.layers.rotary import rope_attention_factor, rotary_embedding
+from sp_jax.layers.rotary import rope_attention_factor, rotary_embedding, yarn_mscale
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, check_activations, check_divisible, current_mesh, reshard
 
@@ -58,8 +57,7 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None = No
     kind = rope.get("rope_type", rope.get("type", "default"))
     all_dim = rope.get("mscale_all_dim", 0)
     if kind != "default" and all_dim:
-        factor = rope["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        mscale = yarn_mscale(rope["factor"], all_dim)
         scale = scale * mscale * mscale
     return scale
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["RopeScaling", "YarnScaling", "rope_attention_factor", "rope_frequencies",
-           "rotary_embedding"]
+           "rotary_embedding", "yarn_mscale"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class YarnScaling:
     bit in float32.
 
     Attributes:
-      factor: the context extension factor (> 1... or 1: unscaled frequencies).
+      factor: the context extension factor (>= 1).
       original_max_position_embeddings: the context the frequencies were trained for.
       beta_fast / beta_slow: the ramp's bounds in rotations over that context.
       mscale / mscale_all_dim: the attention factor ``m(mscale) / m(mscale_all_dim)``
