@@ -468,7 +468,7 @@ class GPT(nnx.Module):
         if self.mtp is not None:
             metrics["mtp_loss"] = mtp_loss(
                 self, h, tokens, targets, segment_ids=segment_ids, order=order,
-                documents=documents, table=table, stream=self._stream(rngs), ignore_index=ignore_index, label_smoothing=label_smoothing,
-                z_loss=z_loss)
+                documents=documents, table=table, stream=self._stream(rngs),
+                ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
             loss = loss + cfg.mtp_loss_weight * metrics["mtp_loss"]
         return (loss, metrics) if return_metrics else loss
