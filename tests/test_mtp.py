@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import sp_jax
-from sp_jax.models import GPT, GPTConfig
+from sp_jax.models import GPT, GPTConfig, generate
 from sp_jax.training import TrainStep
 
 B, S, V = 4, 16, 64
@@ -164,3 +164,52 @@ def test_train_step_reports_the_mtp_loss():
     np.testing.assert_allclose(first["loss"], first["lm_loss"] + 0.5 * first["mtp_loss"],
                                rtol=1e-5)
     assert last["mtp_loss"] < first["mtp_loss"] and last["lm_loss"] < first["lm_loss"]
+
+
+PROMPTS = [[3, 4, 5, 6, 7], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+
+
+def _trained(cfg, mesh, parallel, steps):
+    """A model trained ``steps`` AdamW steps on rows counting up (``t_{i+1} = t_i + 1``):
+    what the main model and the MTP modules can learn in a few steps."""
+    with jax.set_mesh(mesh):
+        model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
+        step = TrainStep(model, optax.adamw(1e-2))
+        rng = np.random.default_rng(0)
+        for i in range(steps):
+            tokens = ((rng.integers(0, V, (B, 1)) + np.arange(S)) % V).astype(np.int32)
+            labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -100, np.int32)], 1)
+            step({"tokens": tokens[None], "labels": labels[None]}, jax.random.key(i))
+        return copy_weights(model, to_host(nnx.to_pure_dict(step.params)))
+
+
+SPECULATIVE = {"depth1_one_device": (1, (1, 1, 1), None),
+               "depth2_data2_context2_tensor2_ring": (2, (2, 2, 2), "ring"),
+               "depth2_tensor2": (2, (1, 1, 2), None)}
+
+
+@pytest.mark.parametrize("name", slow_except(SPECULATIVE, "depth1_one_device"))
+def test_speculative_mtp_equals_greedy(name):
+    """``generate(..., speculative="mtp")`` gives plain greedy decoding's tokens on 3
+    ragged prompts, and after a few training steps the modules' drafts are accepted
+    (mean accepted drafts per step > 0)."""
+    depth, shape, context = SPECULATIVE[name]
+    cfg = _config(mtp_depth=depth, max_seq_len=64)
+    mesh, parallel = _mesh(*shape), _parallel(context)
+    model = _trained(cfg, mesh, parallel, 40)
+    with jax.set_mesh(mesh):
+        want = generate(model, PROMPTS, max_new_tokens=16)
+        got = generate(model, PROMPTS, max_new_tokens=16, speculative="mtp")
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    assert got.accepted_drafts > 0 and got.steps < 16
+
+
+def test_speculative_refusals():
+    """speculative='mtp' needs MTP modules and greedy decoding."""
+    with jax.set_mesh(_mesh()):
+        plain = GPT(_config(mtp_depth=0), parallel=_parallel(), rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="mtp_depth"):
+            generate(plain, PROMPTS, max_new_tokens=2, speculative="mtp")
+        with pytest.raises(ValueError, match="speculative="):
+            generate(plain, PROMPTS, max_new_tokens=2, speculative="medusa")
