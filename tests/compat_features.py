@@ -205,6 +205,7 @@ FEATURES: dict[str, Feature] = {
     "mla_attention": Feature(config=dict(attention="mla", q_lora_rank=12, kv_lora_rank=16,
                                          qk_nope_head_dim=8, qk_rope_head_dim=4,
                                          v_head_dim=6)),
+    "mtp": Feature(config=dict(mtp_depth=1, mtp_loss_weight=0.3)),
 }
 """Every feature of ``sp_jax.compat.FEATURES``, declared."""
 

@@ -63,6 +63,7 @@ FEATURES: dict[str, str] = {
     "offload_optimizer": "TrainStep(offload_optimizer / offload_params): state on the host",
     "offload_activations": "ParallelConfig(offload_activations=True): saved values on the host",
     "mla_attention": "GPTConfig(attention='mla'): multi-head latent attention (DeepSeek-V3)",
+    "mtp": "GPTConfig(mtp_depth=D > 0): multi-token prediction modules (DeepSeek-V3)",
 }
 """Every feature the table knows, with a one-line description. ``unrolled_layers`` is an
 option's default value: :func:`features_of` reports it only with ``defaults=True`` (what
@@ -112,6 +113,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "offload_optimizer": "optimizer offload",
     "offload_activations": "offload_activations=True",
     "mla_attention": "multi-head latent attention (attention='mla')",
+    "mtp": "multi-token prediction (mtp_depth > 0)",
 }
 
 STATUSES: dict[str, tuple[str, str]] = {
@@ -235,6 +237,11 @@ REFUSALS: list[Refusal] = [
             "but a pipeline's schedule also runs filling micro-batches and padding layer "
             "slots whose loads it does not separate yet; train pipeline stages with "
             "moe_bias_update_rate=0.0 (the bias frozen), or without pipeline_axis."),
+    Refusal(_ALL, "mtp", "pipeline",
+            "{mtp}'s modules run after the last layer on the final hidden states and share "
+            "the embedding of the first stage, which the pipeline's schedule does not carry "
+            "to the last stage yet (torchtitan refuses it too); train with mtp_depth=0 on "
+            "pipeline stages, or without pipeline_axis."),
     *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
       for other in ("fsdp", "experts", "expert_parallel", "fp8")),
     # interleaved_experts and dense_layers: refused through IMPLIES (they bring experts)
@@ -580,6 +587,9 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             found.add("layer_windows")  # the window as data (a layer's, or per layer)
         if getattr(config, "attention", "mha") == "mla":
             found.add("mla_attention")
+        depth = getattr(config, "mtp_depth", 0)
+        if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0:
+            found.add("mtp")
         if getattr(config, "attention_implementation", "xla") == "cudnn":
             found.add("cudnn_attention")
         kv_heads, heads = getattr(config, "num_kv_heads", None), getattr(config, "num_heads", 0)

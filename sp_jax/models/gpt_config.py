@@ -198,6 +198,16 @@ class GPTConfig:
         (:class:`~sp_jax.training.TrainStep`, outside the optimizer); 0.0: frozen.
       moe_seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss added to
         the training loss (``moe_seq_aux_loss`` of :func:`~sp_jax.layers.moe_losses`).
+      mtp_depth: ``D``, DeepSeek-V3's sequential multi-token prediction modules
+        (:class:`~sp_jax.models.mtp.MTPModule`, Hugging Face's
+        ``num_nextn_predict_layers``): module ``k`` predicts token ``i + k + 1`` at
+        position ``i`` from module ``k - 1``'s hidden state (the main model's for the
+        first) and the embedding of token ``i + k``; trained as an added loss
+        (:meth:`GPT.loss <sp_jax.models.GPT.loss>`), drafting for
+        ``generate(..., speculative="mtp")``. 0 (the default): none.
+      mtp_loss_weight: ``lambda``, the weight of the MTP loss (the mean over the ``D``
+        depths of their mean cross-entropies) added to the training loss (DeepSeek-V3:
+        0.3, then 0.1).
     """
 
     vocab_size: int
@@ -266,6 +276,8 @@ class GPTConfig:
     moe_seq_aux_loss_coef: float = 0.0
     partial_rotary_factor: float = 1.0
     rope_interleave: bool = False
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -287,6 +299,7 @@ class GPTConfig:
         self._check_experts()
         self._check_token_ids()
         self._check_layer_windows()
+        self._check_mtp()
         if self.hf_model_type is not None and (
                 not isinstance(self.hf_model_type, str) or not self.hf_model_type):
             raise ValueError(f"GPTConfig.hf_model_type={self.hf_model_type!r} must be a "
@@ -322,6 +335,17 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a number >= 0.")
+
+    def _check_mtp(self) -> None:
+        """``mtp_depth`` (an int >= 0) and ``mtp_loss_weight`` (a number >= 0)."""
+        depth, weight = self.mtp_depth, self.mtp_loss_weight
+        if isinstance(depth, bool) or not isinstance(depth, int | np.integer) or depth < 0:
+            raise ValueError(f"GPTConfig.mtp_depth={depth!r} must be an int >= 0 (the number "
+                             "of multi-token prediction modules; 0: none).")
+        object.__setattr__(self, "mtp_depth", int(depth))
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+            raise ValueError(f"GPTConfig.mtp_loss_weight={weight!r} must be a number >= 0 "
+                             "(the weight of the multi-token prediction loss).")
 
     def _check_layer_windows(self) -> None:
         """``layer_windows``: None or one entry (None or a positive int) per layer."""
