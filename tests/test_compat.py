@@ -285,6 +285,13 @@ def _bias_on_pipeline():
         TrainStep(GPT(cfg, parallel=par, rngs=nnx.Rngs(0)), optax.sgd(0.1))
 
 
+def _mtp_on_pipeline():
+    cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True}, mtp_depth=1)
+    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
+    with jax.set_mesh(_stage_mesh()):
+        TrainStep(GPT(cfg, parallel=par, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+
+
 def _custom_loss_step(model):
     step = TrainStep(model, optax.sgd(0.1), loss_fn=lambda m, b, k: (m.loss(b["tokens"]), 1))
     step({"tokens": TOKENS.reshape(2, 2, S), "labels": TOKENS.reshape(2, 2, S)},
@@ -340,6 +347,7 @@ ENTRY_POINTS = {
         "attention_softcap=5.0 needs attention_implementation='xla'"),
     ("aux_free_bias", "pipeline"): (
         _bias_on_pipeline, "moves each bias by the expert loads of the step's real tokens"),
+    ("mtp", "pipeline"): (_mtp_on_pipeline, "the pipeline's schedule does not carry"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
     ("layer_windows", "cudnn_attention"): (

@@ -33,7 +33,7 @@ _SHORT: dict[str, str] = {
     "layer_windows": "lw", "cudnn_attention": "cd", "grouped_query": "gq",
     "attention_dropout": "ad",
     "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
-    "offload_optimizer": "oo", "offload_activations": "oa", "mla_attention": "ml",
+    "offload_optimizer": "oo", "offload_activations": "oa", "mla_attention": "ml", "mtp": "mt",
 }
 
 
