@@ -222,6 +222,17 @@ def dense_attention(q, k, v, *, scale=None, softcap=None, window=None, segments=
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def token_batches(vocab: int, steps: int, rows: int, seq: int, seed: int = 0) -> list[dict]:
+    """``steps`` batches of uniform token ids, one micro-batch each: ``tokens`` and
+    ``labels`` (the next tokens) ``[1, rows, seq]``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, vocab, size=(rows, seq + 1)).astype(np.int32)
+        out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
+    return out
+
+
 def slow_except(values, *fast) -> list:
     """Parameters for ``pytest.mark.parametrize``: ``values`` (a tuple: one value per
     argument name), each marked ``slow`` but those in ``fast`` (the fast tier's cases,
