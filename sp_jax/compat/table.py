@@ -228,11 +228,6 @@ REFUSALS: list[Refusal] = [
     Refusal(("train",), "custom_loss", "pipeline",
             "a pipelined model trains with the default loss_fn=lm_loss through its own "
             "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
-    Refusal(("train",), "aux_free_bias", "pipeline",
-            "{aux_free_bias} moves each bias by the expert loads of the step's real tokens, "
-            "but a pipeline's schedule also runs filling micro-batches and padding layer "
-            "slots whose loads it does not separate yet; train pipeline stages with "
-            "moe_bias_update_rate=0.0 (the bias frozen), or without pipeline_axis."),
     *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
       for other in ("fsdp", "experts", "expert_parallel", "fp8")),
     # interleaved_experts and dense_layers: refused through IMPLIES (they bring experts)
