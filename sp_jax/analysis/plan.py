@@ -391,8 +391,8 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     fsdp = option.batch_shards if option.fsdp else 1
     f = model.moe_mlp_hidden or model.mlp
     experts = model.experts * 3 * h * f / (ep * t * (option.data if option.fsdp else 1))
-    split, whole = model.attention_params
-    attention = split / (t * fsdp) + (whole / fsdp if model.mla else whole) + 2 * h
+    split, up, whole, norms = model.attention_params
+    attention = split / (t * fsdp) + up / t + whole / fsdp + norms + 2 * h
     moe = experts + attention + 3 * h * f * model.shared_experts / (t * fsdp) + \
         h * model.experts
     dense = attention + 3 * h * model.mlp / (t * fsdp)  # the first dense_layers layers

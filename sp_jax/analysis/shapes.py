@@ -47,23 +47,27 @@ class ModelShape:
         return self.kv_lora_rank is not None
 
     @property
-    def attention_params(self) -> tuple[int, int]:
-        """Attention kernel parameters per layer: ``(split over the tensor axis, whole on
-        every tensor shard)``. Multi-head latent attention: ``q_b [q_lora, heads (n +
-        p)]`` (or ``q [h, heads (n + p)]``), ``kv_b [r, heads (n + d_v)]`` and the output
-        ``[heads d_v, h]`` split; ``q_a [h, q_lora]``, ``kv_a [h, r + p]`` and their norms
-        whole. Else q/out (``h a`` each) and k/v (``h kv_heads head_size`` each) split,
-        the q/k norms whole."""
+    def attention_params(self) -> tuple[int, int, int, int]:
+        """Attention parameters per layer as the model shards them: ``(over tensor (and the
+        batch axes with fsdp), over tensor only, whole on every tensor shard (over the
+        batch axes with fsdp), norms)``. Multi-head latent attention: ``q [h, heads (n +
+        p)]`` (without ``q_lora_rank``) and the output ``[heads d_v, h]``; the up
+        projections ``q_b [q_lora, heads (n + p)]`` and ``kv_b [r, heads (n + d_v)]``
+        (never over the batch axes); the down projections ``q_a [h, q_lora]``, ``kv_a [h,
+        r + p]``; their norms. Else q/out (``h a`` each) and k/v (``h kv_heads
+        head_size`` each), and the q/k norms."""
         h = self.hidden
         if self.mla:
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             r, lora = self.kv_lora_rank, self.q_lora_rank
-            split = (lora or h) * self.heads * qk + r * self.heads * (
-                self.qk_nope_head_dim + self.v_head_dim) + self.heads * self.v_head_dim * h
-            whole = (h * lora + lora if lora else 0) + h * (r + self.qk_rope_head_dim) + r
-            return split, whole
+            out = self.heads * self.v_head_dim * h
+            up = r * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
+            if lora:
+                return out, up + lora * self.heads * qk, h * (lora + r + self.qk_rope_head_dim), \
+                    lora + r
+            return out + h * self.heads * qk, up, h * (r + self.qk_rope_head_dim), r
         kv = (self.kv_heads or self.heads) * self.head_size
-        return 2 * h * self.attention + 2 * h * kv, 2 * self.head_size * self.qk_norm
+        return 2 * h * self.attention + 2 * h * kv, 0, 0, 2 * self.head_size * self.qk_norm
 
     @property
     def attention_values(self) -> tuple[int, int]:
