@@ -330,7 +330,10 @@ def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BY
         b = batch or layout.batch_shards * layout.micro_batches
         if b % (layout.batch_shards * layout.micro_batches):
             continue
-        rows += [_row(model, layout, o, b, limit, reserve) for o in options]
+        # fsdp="full" splits the hidden dimension over the batch axes (the model refuses
+        # a size that does not divide it)
+        rows += [_row(model, layout, o, b, limit, reserve) for o in options
+                 if o.fsdp != "full" or model.hidden % layout.batch_shards == 0]
     return rows
 
 
