@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sp_jax
+from benchmarks.context import AXES, layer_grad_compile
 from sp_jax import Layout
 from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
 from sp_jax.attention import expand_latent, latent_ring_attention, ring_attention
@@ -45,8 +46,6 @@ from sp_jax.layers import AttentionConfig, MultiHeadLatentAttention
 
 __all__ = ["DecodeBench", "MlaBench", "decode_peak", "latent_cache_bytes", "latent_ring_analytic",
            "per_head_ring_bytes", "ring_bytes", "run_mla", "ring_targets"]
-
-AXES = ("data", "context", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,22 +123,11 @@ def ring_bytes(bench: MlaBench) -> dict[str, Any]:
     """The latent ring: one MLA layer's forward+backward (input and parameter gradients)
     on a ``1 x context x 1`` H100 mesh; context-axis bytes per device by phase against
     :func:`latent_ring_analytic`."""
-    parallel, shape = _parallel(), (1, bench.context, 1)
-    with jax.set_mesh(gpu_mesh(shape, AXES)):
-        layer = nnx.eval_shape(lambda: MultiHeadLatentAttention(
-            bench.attention_config(), parallel=parallel, rngs=nnx.Rngs(0)))
-        graphdef, params = nnx.split(layer)
-    x = jax.ShapeDtypeStruct((1, bench.s, bench.hidden), jnp.bfloat16,
-                             sharding=Layout.of(parallel).sp)
-
-    def grad(params, x):
-        def loss(p, x):
-            return jnp.mean(nnx.merge(graphdef, p)(x).astype(jnp.float32) ** 2)
-
-        return jax.grad(loss, argnums=(0, 1))(params, x)
-
+    parallel = _parallel()
     t0 = time.perf_counter()
-    report = compile_for_gpu(grad, params, x, mesh_shape=shape, axis_names=AXES)
+    report = layer_grad_compile(lambda: MultiHeadLatentAttention(
+        bench.attention_config(), parallel=parallel, rngs=nnx.Rngs(0)), parallel,
+        (1, bench.context, 1), bench.s, bench.hidden)
     return {"s": bench.s, "context": bench.context, "compile_s": time.perf_counter() - t0,
             "measured": _permute_bytes(report.hlo), "analytic": latent_ring_analytic(bench),
             "bytes_per_token": bench.latent_width * 2}
