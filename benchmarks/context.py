@@ -49,6 +49,7 @@ __all__ = [
     "activation_scaling",
     "attention_communication",
     "attention_step_times",
+    "layer_grad_compile",
     "long_context_compile",
     "ring_balance",
     "run_context_cpu",
@@ -189,18 +190,15 @@ def _analytic(run: LongRun, h: int, itemsize: int = 2) -> dict[str, int]:
     return {}
 
 
-def attention_communication(bench: ContextBench, run: LongRun) -> dict[str, Any]:
-    """Context-axis collectives (collective-permutes, all-to-alls) of one block's
-    forward+backward in the compiled H100 program, bytes by phase, against
-    :func:`_analytic`."""
-    cfg = _config(bench, run.s, 1)
-    parallel = _parallel(run.mode, run.context)
-    shape = (1, run.context, run.tensor)
+def layer_grad_compile(make: Any, parallel: sp_jax.ParallelConfig, shape: tuple[int, ...],
+                       s: int, hidden: int) -> Any:
+    """Deviceless compile for a ``data x context x tensor`` (``shape``) H100 mesh of the
+    input and parameter gradients of the layer ``make()`` builds (abstract), on a bf16
+    input ``[1, s, hidden]`` in the SP layout (loss: the mean square of its output):
+    the :class:`~sp_jax.analysis.GpuCompileReport`."""
     with jax.set_mesh(gpu_mesh(shape, AXES)):
-        block = nnx.eval_shape(lambda: Block(cfg, parallel, rngs=nnx.Rngs(0)))
-        graphdef, params = nnx.split(block)
-    x = jax.ShapeDtypeStruct((1, run.s, bench.h), jnp.bfloat16,
-                             sharding=Layout.of(parallel).sp)
+        graphdef, params = nnx.split(nnx.eval_shape(make))
+    x = jax.ShapeDtypeStruct((1, s, hidden), jnp.bfloat16, sharding=Layout.of(parallel).sp)
 
     def grad(params, x):
         def loss(p, x):
@@ -208,7 +206,17 @@ def attention_communication(bench: ContextBench, run: LongRun) -> dict[str, Any]
 
         return jax.grad(loss, argnums=(0, 1))(params, x)
 
-    report = compile_for_gpu(grad, params, x, mesh_shape=shape, axis_names=AXES)
+    return compile_for_gpu(grad, params, x, mesh_shape=shape, axis_names=AXES)
+
+
+def attention_communication(bench: ContextBench, run: LongRun) -> dict[str, Any]:
+    """Context-axis collectives (collective-permutes, all-to-alls) of one block's
+    forward+backward in the compiled H100 program, bytes by phase, against
+    :func:`_analytic`."""
+    cfg = _config(bench, run.s, 1)
+    parallel = _parallel(run.mode, run.context)
+    report = layer_grad_compile(lambda: Block(cfg, parallel, rngs=nnx.Rngs(0)), parallel,
+                                (1, run.context, run.tensor), run.s, bench.h)
     measured: dict[str, int] = {}
     ops: dict[str, int] = {}
     asynchronous: dict[str, int] = {}

@@ -277,14 +277,6 @@ def _on_pipeline(call):
 TOKENS = np.arange(B * S, dtype=np.int32).reshape(B, S) % 64
 
 
-def _bias_on_pipeline():
-    cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True}, num_experts=4,
-                    moe_mlp_hidden=16, moe_bias_update_rate=0.01)
-    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
-    with jax.set_mesh(_stage_mesh()):
-        TrainStep(GPT(cfg, parallel=par, rngs=nnx.Rngs(0)), optax.sgd(0.1))
-
-
 def _mtp_on_pipeline():
     cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True}, mtp_depth=1)
     par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
@@ -345,8 +337,6 @@ ENTRY_POINTS = {
     ("attention_softcap", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_softcap=5.0, attention_implementation="cudnn"),
         "attention_softcap=5.0 needs attention_implementation='xla'"),
-    ("aux_free_bias", "pipeline"): (
-        _bias_on_pipeline, "moves each bias by the expert loads of the step's real tokens"),
     ("mtp", "pipeline"): (_mtp_on_pipeline, "the pipeline's schedule does not carry"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),

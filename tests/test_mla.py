@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from _util import copy_weights, param_values, to_host, train_gpt
+from conftest import requires_cuda_plugin
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -215,6 +216,37 @@ def test_model_logits_and_greedy_tokens_equal_transformers(mesh_name):
         np.testing.assert_array_equal(np.asarray(got[i]), d[f"gen_tokens_{i}"])
 
 
+@pytest.mark.parametrize("mesh_name", [pytest.param("one", marks=pytest.mark.slow), "ring"])
+def test_expanded_decode_equals_absorbed(mesh_name):
+    """``mla_absorb=False`` (each step up-projects the cached latent into per-head keys
+    and values) gives the absorbed decode's logits (fp32, 1e-5 of the largest) and both
+    the forward's over the whole sequence; the cache is the latent either way. On the
+    ring mesh the cache is split over the context axis, the heads over the tensor axis."""
+    from _util import cache_and_forward_logits
+    sizes, mode = MESHES[mesh_name]
+    rng = np.random.default_rng(3)
+    full = rng.integers(0, V, (2, 16)).astype(np.int32)
+    lengths, steps = np.array([3, 6]), 5
+    got = {}
+    for absorb in (True, False):
+        cfg = GPTConfig(**MODEL, scan_layers=True, mla_absorb=absorb)
+        _, values = _model_values(cfg)
+        with jax.set_mesh(_mesh(*sizes)):
+            model = copy_weights(GPT(cfg, parallel=_parallel(mode), rngs=nnx.Rngs(0)),
+                                 values)
+            model.eval()
+            got[absorb] = cache_and_forward_logits(model, full, lengths, steps)
+    forward = got[True][1][np.arange(2), lengths + steps - 1]
+    scale = np.abs(forward).max()
+    for absorb in (True, False):
+        np.testing.assert_allclose(got[absorb][0], forward, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(got[False][0], got[True][0], rtol=0, atol=1e-5 * scale)
+    with pytest.raises(ValueError, match="mla_absorb=False must be True or False, and False "
+                                         "only with attention='mla'"):
+        GPTConfig(vocab_size=V, max_seq_len=8, num_layers=1, num_heads=4, hidden=32,
+                  mla_absorb=False)
+
+
 def _loss_and_grads(cfg, parallel, mesh, values, tokens, labels):
     with jax.set_mesh(mesh):
         model = copy_weights(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(1)), values)
@@ -321,3 +353,55 @@ def test_latent_ring_matches_blockwise(window, documents):
     for g, w, permuted in zip(grads, want_grads, (True, True, True, False), strict=True):
         w = np.asarray(w)[:, order] if permuted else np.asarray(w)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(w).max()))
+
+
+@pytest.mark.parametrize("latent,gpu", [
+    (True, False), pytest.param(False, False, marks=pytest.mark.slow),
+    pytest.param(True, True, marks=[requires_cuda_plugin, pytest.mark.slow])])
+def test_latent_ring_moves_latent_bytes(latent, gpu):
+    """What the ring moves over the context axis, in the compiled program (c = 4): the
+    latent ring sends each chunk's ``r + p`` values a token (forward ``(c - 1) / c`` of
+    the sequence's ``L`` bytes; backward the same again, fp32 gradient accumulators for
+    the same steps, and their return home cast to the gradient's dtype, ``L / c``); the
+    ring of the up-projected keys and values ``heads x (nope + p + d_v)`` a token the same
+    way. Read from the collective-permutes of the compiled program: XLA:CPU on 8
+    simulated devices in fp32 (it computes bf16 in fp32), and a deviceless H100 compile
+    in bf16."""
+    from sp_jax.analysis import compile_for_gpu, parse_collectives
+    from sp_jax.attention import expand_latent, latent_ring_attention, ring_attention
+    c, s, heads, nope, p, r, dv = 4, 64, 4, 8, 4, 16, 6
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    mesh = jax.make_mesh((c,), ("context",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:c])
+    spec = jax.P(None, "context")
+
+    def attend(q, lat, k_rope, kv_b):
+        if latent:
+            return latent_ring_attention(q, lat, k_rope, kv_b, axis_name="context",
+                                         block_q=4, block_k=4)
+        k, v = expand_latent(lat, k_rope, kv_b, nope, heads)
+        return ring_attention(q, k, v, axis_name="context", block_q=4, block_k=4)
+
+    def grads(*args):
+        ring = jax.shard_map(attend, in_specs=(spec, spec, spec, jax.P()), out_specs=spec)
+        return jax.grad(lambda *a: jnp.sum(ring(*a).astype(jnp.float32) ** 2),
+                        argnums=(0, 1, 2, 3))(*args)
+
+    shapes = (((1, s, heads, nope + p), spec), ((1, s, r), spec), ((1, s, p), spec),
+              ((r, heads * (nope + dv)), jax.P()))
+    if gpu:
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sp) for shape, sp in shapes]
+        hlo = compile_for_gpu(grads, *args, mesh_shape=(c,), axis_names=("context",)).hlo
+    else:
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, sp))
+                for shape, sp in shapes]
+        with jax.set_mesh(mesh):
+            hlo = jax.jit(grads).lower(*args).compile().as_text()
+    moved = {"forward": 0, "backward": 0}
+    for col in parse_collectives(hlo):
+        if col.kind == "collective-permute":
+            moved[col.phase] += col.bytes
+    width = (r + p) if latent else heads * (nope + p + dv)
+    whole, whole_f32 = s * width * jnp.dtype(dtype).itemsize, s * width * 4
+    assert moved == {"forward": whole * (c - 1) // c,
+                     "backward": (whole + whole_f32) * (c - 1) // c + whole // c}

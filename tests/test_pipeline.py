@@ -157,6 +157,9 @@ def test_config_errors():
 
 # -- equivalence with the unsharded model ----------------------------------------------
 
+_MLA = dict(attention="mla", q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+            qk_rope_head_dim=4, v_head_dim=6, positions="rotary", norm="rmsnorm",
+            qkv_bias=False)
 CASES = {  # id: (mesh, schedule, repeats, micro-batches, model options, parallel options)
     "2x1x1x4_1f1b_r1_m4": ((2, 1, 1, 4), "1f1b", 1, 4, {}, {}),
     "2x1x1x4_gpipe_r2_m4_recompute_cm": ((2, 1, 1, 4), "gpipe", 2, 4, {},
@@ -173,6 +176,11 @@ CASES = {  # id: (mesh, schedule, repeats, micro-batches, model options, paralle
                                 {"context_parallel": "ring"}),
     "2x1x2x2_ring_gpipe_r1_m8": ((2, 1, 2, 2), "gpipe", 1, 8, {},
                                  {"context_parallel": "ring"}),
+    # multi-head latent attention in the stages: the latent ring on the context axis
+    "2x1x2x2_ring_mla_1f1b_r2_m4": ((2, 1, 2, 2), "1f1b", 2, 4, _MLA,
+                                    {"context_parallel": "ring"}),
+    "2x2x1x2_mla_gpipe_r1_m4_remat": ((2, 2, 1, 2), "gpipe", 1, 4,
+                                      {**_MLA, "q_lora_rank": None, "remat": True}, {}),
 }
 
 

@@ -832,3 +832,41 @@ def test_update_term_bounds_the_compiled_peak(fsdp, moments, offload):
     assert row.update_bytes > 0.1 * got.peak_bytes  # the term matters at this shape
     assert -0.02 <= (row.device_bytes - got.peak_bytes) / got.peak_bytes <= 0.06, (
         got.peak_bytes / 2**20, row.device_bytes / 2**20)
+
+
+MLA_SHAPES = {  # DeepSeek-V3's layers at test size: MLA, sigmoid routing, a dense first layer
+    "q_lora": ModelShape("mla", hidden=64, layers=3, heads=4, vocab=256, seq=64,
+                         mlp_hidden=96, experts=8, experts_per_token=2, moe_mlp_hidden=16,
+                         shared_experts=1, sigmoid_router=True, dense_layers=1,
+                         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=12),
+}
+MLA_SHAPES["direct_q"] = MLA_SHAPES["q_lora"].replace(q_lora_rank=None, dense_layers=0)
+
+
+@pytest.mark.parametrize("name", slow_except(list(MLA_SHAPES), "q_lora"))
+def test_mla_shape_counts_the_models_parameters(name):
+    """A ``ModelShape`` with multi-head latent attention and dense first layers: its
+    parameter count is its ``gpt_config``'s model's (router biases included), and the
+    analytic per-device parameter bytes of expert 4 x tensor 2 sharded over the batch
+    axes are the model's on 8 CPU devices (1%); the presets: DeepSeek-V3 671.0B, Kimi K2
+    1.03T."""
+    from flax import nnx
+
+    from sp_jax import ParallelConfig
+    from sp_jax.analysis.plan import _device_bytes, layout_formula
+    from sp_jax.models import GPT
+
+    assert 670.5e9 < MODELS["deepseek-v3"].params < 671.5e9
+    assert 1.02e12 < MODELS["kimi-k2"].params < 1.04e12
+    shape = MLA_SHAPES[name]
+    cfg = shape.gpt_config()
+    assert cfg.attention == "mla" and cfg.num_dense_layers == shape.dense_layers
+    option = PlanOption(1, 1, 2, fsdp=True, remat=False, expert=4)
+    parallel = ParallelConfig(fsdp=True, recompute_allgather=True, expert_axis="expert")
+    with jax.set_mesh(jax.make_mesh(option.mesh_shape, option.axis_names)):
+        model = nnx.eval_shape(lambda: GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)))
+        params = nnx.state(model, nnx.Param)
+    assert shape.params == sum(x.size for x in jax.tree.leaves(params))
+    formula_params, _ = layout_formula(shape, option, 2 * option.batch_shards)
+    assert _device_bytes(params) == pytest.approx(formula_params, rel=0.01)

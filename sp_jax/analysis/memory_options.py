@@ -194,7 +194,7 @@ def _largest_leaf(model: ModelShape, layout: PlanOption, over_data: bool) -> flo
     dense = layout.batch_shards if over_data else 1
     if model.moe:
         f = model.moe_mlp_hidden or model.mlp
-        up = L * (model.experts // layout.expert) * h * 2 * f / t
+        up = (L - model.dense_layers) * (model.experts // layout.expert) * h * 2 * f / t
         up /= layout.data if over_data and model.experts > 1 else dense
     else:
         up = L // layout.stages * h * model.mlp / t / dense
@@ -295,7 +295,8 @@ def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: i
                                                                    else 0.0)
     acts = layout_formula(model, layout, batch)[1]
     if options.offload_activations:
-        one = layout_formula(model.replace(layers=layout.stages), layout, batch)[1]
+        one = layout_formula(model.replace(layers=layout.stages, dense_layers=0), layout,
+                             batch)[1]  # one layer of each stage (an expert layer)
         host_bytes += acts - one
         acts = one
     return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,
@@ -329,7 +330,10 @@ def search(model: ModelShape, gpus: int, *, host_bytes_per_node: float = HOST_BY
         b = batch or layout.batch_shards * layout.micro_batches
         if b % (layout.batch_shards * layout.micro_batches):
             continue
-        rows += [_row(model, layout, o, b, limit, reserve) for o in options]
+        # fsdp="full" splits the hidden dimension over the batch axes (the model refuses
+        # a size that does not divide it)
+        rows += [_row(model, layout, o, b, limit, reserve) for o in options
+                 if o.fsdp != "full" or model.hidden % layout.batch_shards == 0]
     return rows
 
 

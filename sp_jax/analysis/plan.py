@@ -365,7 +365,7 @@ def layout_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[f
     params = 4 * (layers / p + table + 2 * h)
     b = batch // option.data // option.micro_batches
     sbh = model.seq * b * model.hidden / (option.context * option.tensor)
-    per_layer = 26 * sbh + 8 * sbh * model.attention / h
+    per_layer = 26 * sbh + _attention_bytes(model, sbh, option.tensor)
     depth = L // p
     acts = depth * 2 * sbh + per_layer if option.remat else depth * per_layer
     if option.pipelined:
@@ -390,19 +390,35 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     h, t, ep = model.hidden, option.tensor, option.expert
     fsdp = option.batch_shards if option.fsdp else 1
     f = model.moe_mlp_hidden or model.mlp
-    kv = (model.kv_heads or model.heads) * model.head_size
     experts = model.experts * 3 * h * f / (ep * t * (option.data if option.fsdp else 1))
-    dense = (2 * h * model.attention + 2 * h * kv + 3 * h * f * model.shared_experts) / (
-        t * fsdp) + h * model.experts + 2 * h + 2 * model.head_size * model.qk_norm
-    params = 4 * (model.layers * (experts + dense) + 2 * model.vocab * h / (t * fsdp) + h)
+    split, up, whole, norms = model.attention_params
+    attention = split / (t * fsdp) + up / t + whole / fsdp + norms + 2 * h
+    moe = experts + attention + 3 * h * f * model.shared_experts / (t * fsdp) + \
+        h * model.experts
+    dense = attention + 3 * h * model.mlp / (t * fsdp)  # the first dense_layers layers
+    params = 4 * ((model.layers - model.dense_layers) * moe + model.dense_layers * dense
+                  + 2 * model.vocab * h / (t * fsdp) + h)
     b = batch // option.batch_shards // option.micro_batches
     tokens = b * model.seq
     sbh = tokens * h / t
     rows = ep * tokens * min(model.experts_per_token, model.experts // ep)
-    per_layer = 26 * sbh + 8 * sbh * model.attention / h + 2 * 2 * rows * (h + 3 * f / t) \
+    common = 26 * sbh + _attention_bytes(model, sbh, t)
+    per_layer = common + 2 * 2 * rows * (h + 3 * f / t) \
         + 2 * 2 * tokens * 3 * f * model.shared_experts / t
-    acts = model.layers * 2 * sbh + per_layer if option.remat else model.layers * per_layer
+    per_dense = common + 2 * 2 * tokens * 3 * model.mlp / t
+    if option.remat:
+        acts = model.layers * 2 * sbh + max(per_layer, per_dense if model.dense_layers else 0)
+    else:
+        acts = (model.layers - model.dense_layers) * per_layer + model.dense_layers * per_dense
     return params, acts
+
+
+def _attention_bytes(model: ModelShape, sbh: float, tensor: int) -> float:
+    """Bytes one layer's attention keeps for its backward, of ``sbh = s b h / (c t)``
+    (:attr:`~sp_jax.analysis.shapes.ModelShape.attention_values`: bf16, the split values
+    over ``c t``, the whole ones over ``c``): GPT blocks' ``8 s b h a / (h c t)``."""
+    split, whole = model.attention_values
+    return 2 * sbh * (split + whole * tensor) / model.hidden
 
 
 def collective_bytes(hlo: str) -> int:
@@ -463,7 +479,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     from sp_jax.config import ParallelConfig
     from sp_jax.layout import Layout
     from sp_jax.models import GPT
-    from sp_jax.training.step import train_step_fn
+    from sp_jax.training.step import train_step_fn, trained_state
 
     batch = batch or option.batch_shards * option.micro_batches
     axes, shape = option.axis_names, option.mesh_shape
@@ -493,8 +509,9 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
                            formula_acts, time.perf_counter() - t0,
                            error=f"ValueError: {str(e).splitlines()[0][:200]}")
         graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
-        zero1 = zero1_step(gpt, params, parallel, mesh) if memory is not None else {}
-        opt_state = jax.eval_shape(tx.init, zero1.pop("state_of", params))
+        trained = trained_state(params)  # no router biases: no optimizer state
+        zero1 = zero1_step(gpt, trained, parallel, mesh) if memory is not None else {}
+        opt_state = jax.eval_shape(tx.init, zero1.pop("state_of", trained))
     micro = batch // option.micro_batches
     tokens = jax.ShapeDtypeStruct((option.micro_batches, micro, model.seq), jnp.int32,
                                   sharding=Layout.of(parallel).micro_batched_tokens)

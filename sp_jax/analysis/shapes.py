@@ -34,6 +34,54 @@ class ModelShape:
     qk_norm: bool = False
     shared_experts: int = 0
     sigmoid_router: bool = False
+    dense_layers: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` given): DeepSeek-V3's."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def attention_params(self) -> tuple[int, int, int, int]:
+        """Attention parameters per layer as the model shards them: ``(over tensor (and the
+        batch axes with fsdp), over tensor only, whole on every tensor shard (over the
+        batch axes with fsdp), norms)``. Multi-head latent attention: ``q [h, heads (n +
+        p)]`` (without ``q_lora_rank``) and the output ``[heads d_v, h]``; the up
+        projections ``q_b [q_lora, heads (n + p)]`` and ``kv_b [r, heads (n + d_v)]``
+        (never over the batch axes); the down projections ``q_a [h, q_lora]``, ``kv_a [h,
+        r + p]``; their norms. Else q/out (``h a`` each) and k/v (``h kv_heads
+        head_size`` each), and the q/k norms."""
+        h = self.hidden
+        if self.mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            r, lora = self.kv_lora_rank, self.q_lora_rank
+            out = self.heads * self.v_head_dim * h
+            up = r * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
+            if lora:
+                return out, up + lora * self.heads * qk, h * (lora + r + self.qk_rope_head_dim), \
+                    lora + r
+            return out + h * self.heads * qk, up, h * (r + self.qk_rope_head_dim), r
+        kv = (self.kv_heads or self.heads) * self.head_size
+        return 2 * h * self.attention + 2 * h * kv, 0, 0, 2 * self.head_size * self.qk_norm
+
+    @property
+    def attention_values(self) -> tuple[int, int]:
+        """bf16 values per token one layer's attention keeps for its backward: ``(split
+        over the tensor axis, whole on every tensor shard)``. GPT blocks: q, k, v and the
+        attention's output, ``4 a`` (Korthikanti et al.'s ``8 s b h`` bytes, by head
+        width); multi-head latent attention: q and k ``heads (n + p)`` each, v and the
+        output ``heads d_v`` each, and the down projections' output (``q_lora + r + p``:
+        every tensor shard's whole)."""
+        if self.mla:
+            split = 2 * self.heads * (self.qk_nope_head_dim + self.qk_rope_head_dim
+                                      + self.v_head_dim)
+            return split, (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim
+        return 4 * self.attention, 0
 
     @property
     def mlp(self) -> int:
@@ -61,15 +109,18 @@ class ModelShape:
         Mixture of experts: per layer q/out (2 h a) and k/v (2 h kv_heads head_size)
         kernels, the router (h E), E SwiGLU experts (3 h F each) and the shared experts
         (3 h F each), 2 RMSNorms (2 h), the q/k norms (2 head_size) and a sigmoid router's
-        selection bias (E); the embedding, the untied head, the final norm."""
+        selection bias (E); the embedding, the untied head, the final norm. Multi-head
+        latent attention's kernels and norms in place of q/k/v/out
+        (:attr:`attention_params`); the first ``dense_layers`` layers a SwiGLU MLP of
+        ``mlp`` (3 h mlp) in place of the router and experts."""
         h, a = self.hidden, self.attention
         if self.moe:
-            kv = (self.kv_heads or self.heads) * self.head_size
             f = self.moe_mlp_hidden or self.mlp
-            layer = 2 * h * a + 2 * h * kv + h * self.experts + 3 * h * f * (
-                self.experts + self.shared_experts) + 2 * self.head_size * self.qk_norm \
-                + self.experts * self.sigmoid_router
-            return self.layers * (layer + 2 * h) + 2 * self.vocab * h + h
+            layer = sum(self.attention_params) + h * self.experts + 3 * h * f * (
+                self.experts + self.shared_experts) + self.experts * self.sigmoid_router
+            dense = sum(self.attention_params) + 3 * h * self.mlp
+            return (self.layers - self.dense_layers) * (layer + 2 * h) + \
+                self.dense_layers * (dense + 2 * h) + 2 * self.vocab * h + h
         return self.layers * (4 * h * a + 2 * h * self.mlp + self.mlp + 6 * h) \
             + self.vocab * h + 2 * h
 
@@ -84,16 +135,24 @@ class ModelShape:
                    num_experts=self.experts, experts_per_token=self.experts_per_token,
                    moe_mlp_hidden=self.moe_mlp_hidden, qk_norm=self.qk_norm,
                    num_shared_experts=self.shared_experts,
+                   num_dense_layers=self.dense_layers,
                    **(dict(moe_scoring="sigmoid") if self.sigmoid_router else {})
                    ) if self.moe else {}
+        mla = dict(attention="mla", q_lora_rank=self.q_lora_rank,
+                   kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                   qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim
+                   ) if self.mla else {}
         return GPTConfig(**{**dict(
             vocab_size=self.vocab, max_seq_len=self.seq, num_layers=self.layers,
             num_heads=self.heads, hidden=self.hidden, mlp_hidden=self.mlp,
             head_dim=self.head_dim, positions="rotary", dtype=jnp.bfloat16,
-            param_dtype=jnp.float32, scan_layers=True, **moe), **kw})
+            param_dtype=jnp.float32, scan_layers=True, **moe, **mla), **kw})
 
     def replace(self, **kw: Any) -> ModelShape: return dataclasses.replace(self, **kw)  # noqa: E704
 
+
+_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128)  # DeepSeek-V3's multi-head latent attention (Kimi K2's too)
 
 MODELS = {
     "gpt2-small": ModelShape("gpt2-small", hidden=768, layers=12, heads=12, vocab=50304,
@@ -114,9 +173,11 @@ MODELS = {
                                 kv_heads=4, experts=128, experts_per_token=8,
                                 moe_mlp_hidden=768, head_dim=128, qk_norm=True),
     "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 129280, 4096, 18432,
-                              kv_heads=128, experts=256, experts_per_token=8,
-                              moe_mlp_hidden=2048, head_dim=128, shared_experts=1,
-                              sigmoid_router=True),
+                              experts=256, experts_per_token=8, moe_mlp_hidden=2048,
+                              shared_experts=1, sigmoid_router=True, dense_layers=3, **_MLA),
+    "kimi-k2": ModelShape("kimi-k2", 7168, 61, 64, 163840, 4096, 18432, experts=384,
+                          experts_per_token=8, moe_mlp_hidden=2048, shared_experts=1,
+                          sigmoid_router=True, dense_layers=1, **_MLA),
 }
 """Presets: GPT-2 small, a 1.3B, 7B, 70B (Llama widths, depths, heads) and GPT-3 175B as GPT
 blocks (4h GeLU MLP, LayerNorm), Mixtral-8x7B (46.7B: 8 experts of 14336, 2 per token, 8
@@ -125,4 +186,7 @@ GQA, SwiGLU, RMSNorm, untied head, plus an h-wide router); Qwen3-30B-A3B
 (``GPTConfig.qwen3_moe("qwen3-30b-a3b")`` at s=4096: 128 experts of 768, 8 per token,
 q/k norms, 4 key/value heads of 128) and DeepSeek-V3's MoE shape
 (``GPTConfig.deepseek_v3_moe("deepseek-v3")`` at s=4096: 256 experts of 2048, 8 per
-token, one shared; multi-head attention in place of MLA, every layer a mixture)."""
+token, one shared, sigmoid routing; multi-head latent attention, the first 3 layers dense
+with an MLP of 18432: 671B parameters) and Kimi K2's (``moonshotai/Kimi-K2-Instruct``'s
+config.json: 61 layers, 64 heads of DeepSeek-V3's MLA, 384 experts of 2048, 8 per token,
+one shared, the first layer dense, a 163,840-entry vocabulary: 1.03T parameters)."""

@@ -77,9 +77,15 @@ def _expanded_with_pull(kv, expand):
     if expand is None:
         return kv, lambda dk, dv: ((dk, dv), ())
     fn, params = expand
-    (k, v), pull = jax.vjp(fn, params, kv[:-1])
+    k, v = fn(params, kv[:-1])
 
     def grads(dk, dv):
+        # taken back in the cotangents' dtype (fp32): the travelling gradients are fp32
+        # accumulators as the plain ring's dk, dv are (the vjp of a bf16 expansion
+        # refuses fp32 cotangents, measured); its forward recomputation is dead code
+        def up(tree):
+            return jax.tree.map(lambda a: a.astype(dk.dtype), tree)
+        _, pull = jax.vjp(fn, up(params), up(kv[:-1]))
         d_params, d_block = pull((dk, dv))
         return d_block, d_params
     return (k, v, kv[-1]), grads

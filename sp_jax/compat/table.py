@@ -232,11 +232,6 @@ REFUSALS: list[Refusal] = [
     Refusal(("train",), "custom_loss", "pipeline",
             "a pipelined model trains with the default loss_fn=lm_loss through its own "
             "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
-    Refusal(("train",), "aux_free_bias", "pipeline",
-            "{aux_free_bias} moves each bias by the expert loads of the step's real tokens, "
-            "but a pipeline's schedule also runs filling micro-batches and padding layer "
-            "slots whose loads it does not separate yet; train pipeline stages with "
-            "moe_bias_update_rate=0.0 (the bias frozen), or without pipeline_axis."),
     Refusal(_ALL, "mtp", "pipeline",
             "{mtp}'s modules run after the last layer on the final hidden states and share "
             "the embedding of the first stage, which the pipeline's schedule does not carry "

@@ -262,6 +262,11 @@ def check_mla_fields(owner: str, config: Any) -> None:
     embeddings ``qk_rope_head_dim`` even); with another attention all None. A ValueError
     names ``owner.field``, the value and the fix."""
     values = {name: getattr(config, name) for name in MLA_FIELDS}
+    absorb = getattr(config, "mla_absorb", True)
+    if not isinstance(absorb, bool) or (not absorb and config.attention != "mla"):
+        raise ValueError(f"{owner}.mla_absorb={absorb!r} must be True or False, and False "
+                         "only with attention='mla' (how multi-head latent attention "
+                         "decodes from its latent cache).")
     if config.attention != "mla":
         given = [name for name, value in values.items() if value is not None]
         if given:
@@ -365,6 +370,12 @@ class AttentionConfig:
         projected directly), the keys' and values' latent width, each query/key head's
         features without and with the rotary angles, and each value head's features.
         None (and unread) for other attentions.
+      mla_absorb: how multi-head latent attention decodes from its latent cache: True
+        (absorbed: the key up projection folded into the query, attention in latent
+        space) or False (each step up-projects the cached latent into this shard's
+        per-head keys and values, then attends as multi-head attention: the same
+        numbers, more memory and FLOPs per step; for comparison). Only True with other
+        attentions.
     """
 
     hidden: int
@@ -401,6 +412,7 @@ class AttentionConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     partial_rotary_factor: float = 1.0
+    mla_absorb: bool = True
     _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
                                               compare=False)
 

@@ -393,7 +393,12 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         k_rope]``, values the latent:
         :func:`~sp_jax.attention.cached_attention`'s ``rope`` part, merged over the
         context axis); the ``r``-wide outputs times ``W_UV`` give ``heads / t x d_v``,
-        then the output projection (one all-reduce over the tensor axis).
+        then the output projection (one all-reduce over the tensor axis). With
+        ``config.mla_absorb=False``: the cached latent (and this token's) up-projected
+        by ``kv_b`` into this shard's heads' keys ``[b, length, heads / t, n + p]`` and
+        values ``[b, length, heads / t, d_v]`` every step, then multi-head
+        :func:`~sp_jax.attention.cached_attention` (the same numbers; the cache stays
+        the latent).
 
         Args:
           x: ``[b, 1, hidden]`` whole rows; cache: this layer's :class:`LatentCache`,
@@ -409,22 +414,35 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         q, latent, k_rope = self.split_latent(self.qkv.local_decode(self.norm.local(x)),
                                               positions[:, None], layer_window)
         b, _, heads, _ = q.shape
+        window = cfg.sliding_window if layer_window is None else layer_window
+        attend = dict(cache_positions=cache_positions,
+                      axis_name=self.parallel.context_axes or None,
+                      scale=self.softmax_scale, softcap=cfg.attention_softcap)
+        if not cfg.mla_absorb:  # the cache up-projected into this shard's heads' k, v
+            kv_b = self.qkv.kv_b_kernel[...]
+            k, v = expand_latent(latent, k_rope, kv_b, n, heads)
+            k_cache, v_cache = expand_latent(cache.latent.astype(q.dtype),
+                                             cache.k_rope.astype(q.dtype), kv_b, n, heads)
+            o = cached_attention(q, k, v, k_cache, v_cache, positions, window, **attend)
+            return self._decode_out(x, o), LatentCache(latent, k_rope)
         kv_b = self.qkv.kv_b_kernel[...].astype(q.dtype).reshape(cfg.kv_lora_rank, heads,
                                                                   n + cfg.v_head_dim)
         q_latent = jnp.einsum("bshn,rhn->bshr", q[..., :n], kv_b[..., :n])
-        window = cfg.sliding_window if layer_window is None else layer_window
         o = cached_attention(q_latent, latent[:, :, None], latent[:, :, None],
                              cache.latent[:, :, None], cache.latent[:, :, None], positions,
-                             window, cache_positions=cache_positions,
-                             axis_name=self.parallel.context_axes or None,
-                             scale=self.softmax_scale, softcap=cfg.attention_softcap,
+                             window, **attend,
                              rope=(q[..., n:], k_rope[:, :, None], cache.k_rope[:, :, None]))
         o = jnp.einsum("bshr,rhv->bshv", o.reshape(b, 1, heads, cfg.kv_lora_rank),
                        kv_b[..., n:]).reshape(b, 1, heads * cfg.v_head_dim)
+        return self._decode_out(x, o), LatentCache(latent, k_rope)
+
+    def _decode_out(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        """``x + out(o)`` (the post-norm between), per device: ``o [b, 1, heads / t x
+        d_v]``."""
         y = self.out.local_decode(o)
         if self.post_norm is not None:
             y = self.post_norm.local(y)
-        return x.astype(y.dtype) + y, LatentCache(latent, k_rope)
+        return x.astype(y.dtype) + y
 
 
 register_attention("mla", MultiHeadLatentAttention)

@@ -187,6 +187,10 @@ class GPTConfig:
         ``attention="mla"``, multi-head latent attention's shape (DeepSeek-V3's fields:
         :class:`~sp_jax.layers.MultiHeadLatentAttention`; ``q_lora_rank=None``: q
         projected directly); None otherwise.
+      mla_absorb: multi-head latent attention's decode from its latent cache: True
+        (absorbed, in latent space) or False (the cached latent up-projected into
+        per-head keys and values each step; the same tokens, more memory:
+        :meth:`~sp_jax.layers.MultiHeadLatentAttention.decode_step`).
       moe_scoring / moe_groups / moe_topk_groups / moe_routed_scale: DeepSeek-V3's
         routing (Hugging Face's ``scoring_func``, ``n_group``, ``topk_group``,
         ``routed_scaling_factor``): ``"sigmoid"`` scores, group-limited top-k and the
@@ -268,6 +272,7 @@ class GPTConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    mla_absorb: bool = True
     moe_scoring: str = "softmax"
     moe_groups: int = 1
     moe_topk_groups: int = 1

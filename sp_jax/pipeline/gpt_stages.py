@@ -53,6 +53,7 @@ from sp_jax.config import ParallelConfig, PipelineConfig
 from sp_jax.layers import (
     FULL_WINDOW,
     LayerWindow,
+    RouterBias,
     WeightGradTap,
     enable_weight_grad_taps,
     moe_losses,
@@ -325,16 +326,19 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
                         weight_taps=weight_taps)
 
 
-def _histories(model: Any) -> Any:
+def _flagged(model: Any, kind_of: type) -> Any:
     """A tree of bools like the pure dict of the blocks' parameters (by kind:
-    :func:`~sp_jax.pipeline.placement.of_kinds`): True at the FP8 amax histories
-    (:class:`~sp_jax.layers.fp8.Fp8History`), whose "gradients" are the step's amaxes,
-    combined by maximum (the interpreter's ``maximum``)."""
+    :func:`~sp_jax.pipeline.placement.of_kinds`): True at the variables of type
+    ``kind_of``: the FP8 amax histories (:class:`~sp_jax.layers.fp8.Fp8History`), whose
+    "gradients" are the step's amaxes, combined by maximum (the interpreter's
+    ``maximum``), or the routers' selection biases (:class:`~sp_jax.layers.RouterBias`),
+    whose "gradients" are the expert loads, summed over the ticks that run a micro-batch
+    (its ``counted``)."""
     kinds, flags = layer_kinds(model.config), []
     for kind in kinds:
         state = nnx.state(getattr(model, kind.name), nnx.Param)
         flags.append(nnx.to_pure_dict(jax.tree.map(
-            lambda v: isinstance(v, Fp8History), state,
+            lambda v: isinstance(v, kind_of), state,
             is_leaf=lambda v: isinstance(v, nnx.Variable))))
     return of_kinds(kinds, flags)
 
@@ -485,7 +489,8 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     # each kind's stack stage-major (one kind: its own tree; several: a dict by kind)
     blocks = of_kinds(kinds, [stage_major(params[name], place)
                               for name, place in zip(names, places, strict=True)])
-    amaxes = _histories(model)  # FP8 delayed scaling: combined by maximum
+    amaxes = _flagged(model, Fp8History)  # FP8 delayed scaling: combined by maximum
+    loads = _flagged(model, RouterBias)  # aux-loss-free balancing: the real ticks' loads
     program = _program(model, order, ignore_index, label_smoothing, z_loss, result,
                        taps=schedule.deferred, ticked_residuals=not schedule.driven)
     axes = {"stage_axis": pipe.axis, "data_axes": manual_data_axes(par), "mesh": mesh,
@@ -498,7 +503,7 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     experts = program.aux_loss is not None
     loss, out, *totals = _jitted(run, program, schedule, shared, blocks, batch, keys,
                                  **axes, totals=experts,
-                                 **({"maximum": amaxes} if grads else {}))
+                                 **({"maximum": amaxes, "counted": loads} if grads else {}))
     metrics = router_metrics(model, jax.tree.map(lambda t: t[:real], totals[0]),
                              places[-1]) \
         if experts else {}

@@ -255,7 +255,8 @@ def run_schedule(program: StageProgram, schedule: PipelineSchedule, shared: Any,
                  stages: Any, batch: Any, keys: tuple[Any, Any] | None, *, stage_axis: str,
                  data_axes: tuple[str, ...], mesh: Any, grads: bool = True,
                  totals: bool = False, maximum: Any = None, outputs: bool = False,
-                 reduce_dtype: Any = None) -> tuple[jax.Array, tuple[Any, Any] | None]:
+                 reduce_dtype: Any = None, counted: Any = None
+                 ) -> tuple[jax.Array, tuple[Any, Any] | None]:
     """Loss sum and gradients of a pipeline step run by ``schedule``'s tables (or, with
     ``outputs``, the head's outputs of a forward).
 
@@ -281,6 +282,11 @@ def run_schedule(program: StageProgram, schedule: PipelineSchedule, shared: Any,
         marked True (an FP8 layer's amax history, whose cotangent is the step's amaxes)
         are their maximum over the micro-batches a stage runs and over the data axes,
         not a sum (each tick's taken apart).
+      counted: None, or a tree of bools like ``stages``: the "gradients" of the leaves
+        marked True (a router's selection bias, whose cotangent is the expert loads of
+        the tokens it routed, whatever the output's cotangent) are summed over the ticks
+        in which the stage runs a micro-batch only: an idle tick runs micro-batch 0 again
+        (its outputs dropped, its cotangents zero), which must not count.
       outputs: True for a forward whose ``program.head`` returns an array per micro-batch
         (e.g. hidden states or logits ``[b, s, ...]``) instead of a loss: the result is
         then ``(outputs [M, batch, ...], None)``, the last stage's, on every stage (one
@@ -306,11 +312,12 @@ def run_schedule(program: StageProgram, schedule: PipelineSchedule, shared: Any,
     run = _driven if schedule.driven else _autodiff
     return run(program, schedule, shared, stages, batch, keys,
                StageAxes(stage_axis, tuple(data_axes)), mesh, grads=grads, totals=totals,
-               maximum=maximum, outputs=outputs, reduce_dtype=reduce_dtype)
+               maximum=maximum, outputs=outputs, reduce_dtype=reduce_dtype,
+               counted=leaf_flags(counted, stages))
 
 
 def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads, totals,
-              maximum, outputs, reduce_dtype):
+              maximum, outputs, reduce_dtype, counted):
     """:func:`run_schedule` of a forward table: its loop, differentiated by autodiff."""
     stage_axis = axes.stage
     shared_specs = jax.tree.map(axes.restrict, shared)
@@ -322,16 +329,18 @@ def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, gra
     ring = [(i, (i + 1) % p) for i in range(p)]
     coupled = program.aux_loss is not None
     flags = leaf_flags(maximum, stages)
-    maxed = any(jax.tree.leaves(flags))
+    apart = jax.tree.map(lambda f, c: f or c, flags, counted)  # taken apart per tick
+    maxed = any(jax.tree.leaves(apart))
 
     def body(shared, stages, batch, keys):
         s = lax.axis_index(stage_axis)
         shared, stages = prepare(shared, stages, axes, shared_specs, stage_specs)
         ekeys, lkeys = keys if keys is not None else (None, None)
-        # the flagged leaves of each tick's chunk, [ticks, ...]: their per-tick
-        # cotangents come apart (combined by maximum below), not summed by autodiff
+        # the flagged and counted leaves of each tick's chunk, [ticks, ...]: their
+        # per-tick cotangents come apart (combined below: the maximum, or the sum over
+        # the ticks that ran a micro-batch), not summed by autodiff
         ticked = jax.tree.map(lambda f, x: jnp.take(x, jnp.maximum(fwd_repeat[:, s], 0),
-                                                    axis=0) if f else None, flags, stages)
+                                                    axis=0) if f else None, apart, stages)
 
         def forward(shared, stages, ticked):
             """The last virtual stage's outputs ``[M, b, s, h]`` and the aux sums."""
@@ -356,7 +365,7 @@ def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, gra
                 # BENCHMARKS.md, "Pipeline parallelism")
                 chunk = jax.checkpoint(_chunk)(stages, r)
                 if maxed:
-                    chunk = jax.tree.map(lambda f, c, x: x[t] if f else c, flags, chunk,
+                    chunk = jax.tree.map(lambda f, c, x: x[t] if f else c, apart, chunk,
                                          ticked, is_leaf=lambda x: x is None)
                 y, aux = program.stage(chunk, x, _keys_at(lkeys, m, r, s), micro)
                 y = jnp.where(active, y, jnp.zeros_like(y))
@@ -405,17 +414,19 @@ def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, gra
             return (loss, table) if totals else loss
         (loss, table), (g_shared, g_stages, g_ticked) = jax.value_and_grad(
             local_loss, argnums=(0, 1, 2), has_aux=True)(shared, stages, ticked)
-        if maxed:  # per chunk, the maximum over the ticks that ran it
+        if maxed:  # per chunk, the maximum (or the sum) over the ticks that ran it
             active = fwd_micro[:, s] >= 0
             chunks = jnp.maximum(fwd_repeat[:, s], 0)
 
-            def over_ticks(g):
+            def over_ticks(g, combine):
                 here = active[:, None] & (chunks[:, None] == jnp.arange(repeats)[None])
                 shape = (*here.shape, *([1] * (g.ndim - 1)))
-                return jnp.max(jnp.where(here.reshape(shape), g[:, None], 0.0), axis=0)
+                return combine(jnp.where(here.reshape(shape), g[:, None], 0.0), axis=0)
 
-            g_stages = jax.tree.map(lambda f, g, gt: over_ticks(gt) if f else g, flags,
-                                    g_stages, g_ticked, is_leaf=lambda x: x is None)
+            g_stages = jax.tree.map(
+                lambda f, c, g, gt: over_ticks(gt, jnp.max) if f else
+                over_ticks(gt, jnp.sum).astype(g.dtype) if c else g,
+                flags, counted, g_stages, g_ticked, is_leaf=lambda x: x is None)
         g_shared, g_stages = finish(g_shared, g_stages, axes, shared_specs, stage_specs,
                                     flags, reduce_dtype)
         out = (lax.psum(loss, tuple(axes.manual)), (g_shared, g_stages))
@@ -433,7 +444,7 @@ def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, gra
 
 
 def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads, totals,
-            maximum, outputs, reduce_dtype):
+            maximum, outputs, reduce_dtype, counted):
     """:func:`run_schedule` of a table with backward actions: each tick's F, B and W
     actions. Gradients accumulate in float32 and come back in the parameters' dtypes.
     With a program's ``aux_loss``, each tick's forward statistics are exchanged
@@ -502,10 +513,11 @@ def _driven(program, schedule, shared, stages, batch, keys, axes, mesh, *, grads
 
         def add_grads(g_stages, r, d_chunk, active):
             """The chunk's parameter gradients added at chunk ``r`` (amaxes, flagged: the
-            maximum where ``active``)."""
+            maximum where ``active``; counted leaves: added where ``active``)."""
             return jax.tree.map(
-                lambda f, g, d: g.at[r].max(jnp.where(active, d.astype(_F32), 0.0))
-                if f else g.at[r].add(d.astype(_F32)), flags, g_stages, d_chunk)
+                lambda f, c, g, d: g.at[r].max(jnp.where(active, d.astype(_F32), 0.0))
+                if f else g.at[r].add(jnp.where(active, d.astype(_F32), 0.0) if c
+                                      else d.astype(_F32)), flags, counted, g_stages, d_chunk)
 
         x0 = embed(shared, 0)
         zeros32 = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=_F32), (shared, stages))

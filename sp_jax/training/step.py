@@ -42,7 +42,7 @@ from sp_jax.training.offload import compute_copy, on_host
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
 __all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
-           "manual_data_graphdef", "optimizer_shardings", "train_step_fn"]
+           "manual_data_graphdef", "optimizer_shardings", "train_step_fn", "trained_state"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple]
 """``(model, micro_batch, key) -> (loss_sum, count)`` or ``(loss_sum, count, metrics)``
@@ -89,6 +89,13 @@ def _split_state(params: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
     state when there are none): the two kinds of state the step updates itself from
     their "gradients" (the step's amaxes, the experts' loads)."""
     return nnx.split_state(params, _TRAINED, Fp8History, RouterBias)
+
+
+def trained_state(params: nnx.State) -> nnx.State:
+    """What the optimizer updates of a parameter state (its state is ``tx.init`` of
+    this): the parameters less the FP8 amax histories and the routers' selection
+    biases."""
+    return _split_state(params)[0]
 
 
 def accumulate_gradients(
