@@ -12,8 +12,9 @@ without the option, at two depths.
 The compile: :func:`sp_jax.analysis.checks.scanned_stack_report`.
 
 Also every form of a GPT's layers a user can pick (:func:`measure_forms`: unrolled,
-scanned, with and without a data axis, remat, pipeline stages; h=256, s=1024, 2 and 4
-layers: :func:`sp_jax.analysis.checks.per_layer_memory`).
+scanned, with and without a data axis, remat, pipeline stages under GPipe and 1F1B;
+h=256, s=1024, 2 and 4 layers, 4 and 8 for scanned remat and stages:
+:func:`sp_jax.analysis.checks.per_layer_memory`).
 
 Run: ``JAX_PLATFORMS=cpu python -m benchmarks.activation_offload`` (the forms first, 32
 small compiles, about 15 minutes on 2 busy CPU cores, one JSON line per form; then the
@@ -104,11 +105,12 @@ def measure(*, depths: tuple[int, int] = (4, 8), hidden: int = 4096, seq: int = 
 
 
 def measure_forms(*, hidden: int = 256, seq: int = 1024, heads: int = 8, tensor: int = 8,
-                  depths: tuple[int, int] = (2, 4)) -> list[dict[str, Any]]:
+                  depths: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """Per form of a GPT's layers (:data:`~sp_jax.analysis.checks.STACK_FORMS`: unrolled,
     scanned, with and without a data axis, remat, pipeline stages) the device temp growth
     and host bytes per layer (MiB, per layer of a stage) with and without the option,
-    and their ratio (what ``tests/test_offload_activations.py`` checks)."""
+    and their ratio (what ``tests/test_offload_activations.py`` checks); ``depths``: None
+    for :func:`~sp_jax.analysis.checks.per_layer_memory`'s per form."""
     import jax
 
     shape = {"hidden": hidden, "seq": seq, "heads": heads, "tensor": tensor}
@@ -118,7 +120,7 @@ def measure_forms(*, hidden: int = 256, seq: int = 1024, heads: int = 8, tensor:
         row = {"form": form, "device": {k: v / 2**20 for k, v in device.items()}}
         try:
             host = per_layer_memory(form, offload=True, depths=depths, **shape)
-        except jax.errors.JaxRuntimeError as err:  # GPipe stages: XLA:GPU INTERNAL, measured
+        except jax.errors.JaxRuntimeError as err:  # a form XLA:GPU cannot compile
             rows.append({**row, "offload": f"does not compile: {str(err)[:200]}"})
             continue
         rows.append({**row, "offload": {k: v / 2**20 for k, v in host.items()},

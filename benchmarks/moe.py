@@ -254,7 +254,9 @@ def load_balance(steps: int, log=print) -> dict[str, Any]:
     from sp_jax.analysis.routing import expert_load_imbalance
 
     out = {}
-    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    mesh = jax.make_mesh((1, 1, 1), ("data", "expert", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 3,
+                         devices=jax.devices()[:1])
     for name, rate in (("with the bias", 0.01), ("without", 0.0)):
         cfg = GPTConfig.deepseek_v3_moe("deepseek-v3-tiny", **BALANCE,
                                         moe_bias_update_rate=rate)

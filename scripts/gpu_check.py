@@ -21,6 +21,9 @@ variant                 what                                              mesh
                         the blocks' projections in FP8, current scaling
 ``sp_jax_fp8_delayed``  the same with ``Fp8Recipe("delayed")`` (scales    1 x N Explicit
                         from a 16-step amax history)
+``sp_jax_cudnn``        ``sp_jax`` with ``GPTConfig(attention_implementation  1 x N Explicit
+                        ="cudnn")``: cuDNN's fused attention (bf16) in
+                        place of sp_jax's blockwise kernel; GPUs only
 ======================  ================================================  ==============
 
 Every variant starts from the same weights (parameter seed ``--seed``; the GSPMD model
@@ -50,6 +53,15 @@ What is measured, and how
   ``__cublas$lt$matmul$f8`` custom calls in the compiled step's HLO
   (``compiled.as_text()``), i.e. how many of the step's GEMMs XLA handed to cuBLASLt in
   FP8 (forward, dgrad and wgrad of every FP8 projection); ``"n/a"`` on CPU (no cuBLASLt).
+- **cuDNN attention** (``sp_jax_cudnn``, on GPU): its tokens/s as a ratio to the
+  ``sp_jax`` variant's (the same step with sp_jax's blockwise attention), its first loss
+  against ``sp_jax``'s (the same weights and batch: equal up to bf16 rounding) and the
+  number of cuDNN fused-attention custom calls (``__cudnn$fmha...``, forward and
+  backward of every layer) in the compiled step's HLO. Off a GPU the variant is not run
+  (cuDNN's kernel exists on GPUs only). Every run also compiles the step deviceless for
+  ``tensor`` H100s (``--deviceless``, in a worker: :func:`deviceless_cudnn`) and counts
+  the same custom calls there, which shows the cuDNN path lowers to cuDNN's kernel on
+  XLA:GPU without a GPU.
 - **Real peak memory per device**: ``Device.memory_stats()["peak_bytes_in_use"]``, the
   allocator's high-water mark. JAX cannot reset it, so **each variant runs in a fresh
   subprocess** and the peak covers that process only: building the model, compiling
@@ -126,6 +138,7 @@ from sp_jax.xla_flags import (
 )
 
 __all__ = ["FULL_SHAPE", "QUICK_SHAPE", "PEAK_BF16_FLOPS", "VARIANTS", "FP8_VARIANTS",
+           "GPU_VARIANTS", "CUDNN_VARIANT", "cudnn_calls", "deviceless_cudnn",
            "ModelShape", "Settings", "fit_shape", "model_flops", "peak_bf16_flops",
            "run_check", "main"]
 
@@ -133,6 +146,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_DEVICES = 8
 VARIANTS = ("sp_jax", "sp_jax_cm", "gspmd", "unsharded", "sp_jax_fp8_current",
             "sp_jax_fp8_delayed")
+CUDNN_VARIANT = "sp_jax_cudnn"
+"""cuDNN's attention: run on GPUs only (by default there, or named with --variants)."""
+GPU_VARIANTS = (CUDNN_VARIANT,)
+CUDNN_TARGET = "__cudnn$fmha"
+"""The prefix of XLA:GPU's cuDNN fused-attention custom calls (``__cudnn$fmhaSoftmax``,
+``__cudnn$fmhaSoftmaxBackward``, ...), counted in the cuDNN step's HLO."""
 FP8_VARIANTS = {"sp_jax_fp8_current": "current", "sp_jax_fp8_delayed": "delayed"}
 """The FP8 variants and their ``Fp8Recipe.scaling``: ``sp_jax`` otherwise."""
 FP8_BASELINE = "sp_jax"
@@ -148,6 +167,7 @@ LABELS = {
     "unsharded": "sp_jax GPT, one device",
     "sp_jax_fp8_current": "sp_jax TP+SP, FP8 current scaling",
     "sp_jax_fp8_delayed": "sp_jax TP+SP, FP8 delayed scaling",
+    CUDNN_VARIANT: "sp_jax TP+SP, cuDNN attention",
 }
 MIB = 2**20
 NOT_MEASURED = "not measured"
@@ -310,7 +330,8 @@ def _build(variant: str, shape: ModelShape, tensor: int, seed: int) -> tuple[Any
     fp8 = sp_jax.Fp8Recipe(FP8_VARIANTS[variant]) if variant in FP8_VARIANTS else None
     cfg = GPTConfig(vocab_size=shape.vocab, max_seq_len=shape.seq, num_layers=shape.layers,
                     num_heads=shape.heads, hidden=shape.hidden, dtype=jnp.bfloat16,
-                    param_dtype=jnp.float32, fp8=fp8)
+                    param_dtype=jnp.float32, fp8=fp8,
+                    attention_implementation="cudnn" if variant == CUDNN_VARIANT else "xla")
     parallel = sp_jax.ParallelConfig(wgrad_dtype=jnp.float32, recompute_allgather=True,
                                      collective_matmul=variant == "sp_jax_cm")
     tx = optax.adamw(1e-4)
@@ -385,6 +406,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                 result["fp8_gemms"] = NOT_APPLICABLE
                 result["fp8_gemms_note"] = (f"{NOT_APPLICABLE}: no cuBLASLt on "
                                             f"{result['platform']} (XLA has no FP8 GEMMs there)")
+        if variant == CUDNN_VARIANT:
+            result["cudnn_calls"] = cudnn_calls(compiled.as_text())
         try:
             ma = compiled.memory_analysis()
             parts = {name: int(getattr(ma, f"{name}_size_in_bytes"))
@@ -430,6 +453,57 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                   first_loss=losses[0], last_loss=losses[1],
                   wall_s=time.perf_counter() - t_start)
     return result
+
+
+def cudnn_calls(hlo: str) -> int:
+    """cuDNN fused-attention custom calls (:data:`CUDNN_TARGET` ...) in compiled HLO."""
+    return hlo.count(f'custom_call_target="{CUDNN_TARGET}')
+
+
+def deviceless_cudnn(spec: dict[str, Any]) -> dict[str, Any]:
+    """The cuDNN variant's training step compiled for ``spec["tensor"]`` H100s without a
+    GPU (:func:`sp_jax.analysis.compile_for_gpu`, the CUDA plugin's deviceless
+    compiler): the number of cuDNN fused-attention custom calls in its HLO, or a
+    ``note`` saying why there is no count (no CUDA plugin installed).
+
+    Measured (jax 0.10.2, the CUDA plugin installed without NVIDIA's libraries, as
+    ../shared/gpu-targets/ says): ``jax.nn.dot_product_attention(implementation=
+    "cudnn")`` asks the cuDNN library for its version when it is traced
+    (``check_cudnn_version``), which raises "cuDNN not found." where no libcudnn is
+    loaded; nothing else of the lowering or of XLA:GPU's compile needs cuDNN (the
+    custom call is built from the version number alone). So this compile answers that
+    question with cuDNN 9.1.0 (a version this JAX accepts, whose feature gates it
+    checks), in this worker process only."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    import sp_jax
+    from sp_jax.analysis import compile_for_gpu, cuda_plugin_available
+    from sp_jax.models import GPT, GPTConfig
+
+    if not cuda_plugin_available():
+        return {"cudnn_calls": None,
+                "note": f"{NOT_MEASURED}: no deviceless XLA:GPU compiler (the CUDA plugin "
+                        "is not installed; ../shared/gpu-targets/README.md says how)"}
+    cudnn_attention.check_cudnn_version = lambda: 90100  # see the docstring
+    shape, n = ModelShape(**spec["shape"]), spec["tensor"]
+    cfg = GPTConfig(vocab_size=shape.vocab, max_seq_len=shape.seq, num_layers=shape.layers,
+                    num_heads=shape.heads, hidden=shape.hidden, dtype=jnp.bfloat16,
+                    attention_implementation="cudnn")
+    parallel = sp_jax.ParallelConfig(wgrad_dtype=jnp.float32, recompute_allgather=True)
+    tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32,
+                                  sharding=jax.P())
+
+    def grads(tokens):
+        graph, params, rest = nnx.split(GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0)),
+                                        nnx.Param, ...)
+        return jax.grad(lambda p: nnx.merge(graph, p, rest).loss(tokens))(params)
+
+    report = compile_for_gpu(grads, tokens, mesh_shape=(1, n), axis_names=("data", "tensor"))
+    return {"cudnn_calls": cudnn_calls(report.hlo), "target": "h100", "tensor": n,
+            "note": "deviceless XLA:GPU compile of the model's loss gradients"}
 
 
 # -- parent: platform, workers, report -------------------------------------------------
@@ -586,7 +660,8 @@ def caveats(platform: str, tensor: int, fp8: bool = False) -> list[str]:
     if platform == "cpu":
         notes.append(
             "CPU run (simulated devices share the host's cores and memory): step times only "
-            "show that every variant runs; real peak memory and MFU are not measured.")
+            "show that every variant runs; real peak memory and MFU are not measured; "
+            f"{CUDNN_VARIANT} (cuDNN's attention) is not run, only compiled deviceless.")
         if fp8:
             notes.append(
                 "FP8 variants on CPU: XLA:CPU has no FP8 GEMM kernels (no cuBLASLt), so "
@@ -596,10 +671,12 @@ def caveats(platform: str, tensor: int, fp8: bool = False) -> list[str]:
 
 
 def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
-              devices: int | None = None, variants: tuple[str, ...] = VARIANTS,
+              devices: int | None = None, variants: tuple[str, ...] | None = None,
               shape: ModelShape | None = None, settings: Settings | None = None
               ) -> dict[str, Any]:
     """Runs every variant in its own process and writes ``out/gpu_check.{json,md}``.
+
+    ``variants``: None: :data:`VARIANTS`, and on GPUs :data:`GPU_VARIANTS` too.
 
     Returns:
       the report (what ``gpu_check.json`` holds).
@@ -607,10 +684,10 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
     t_start, started = time.perf_counter(), time.time()
     if devices is not None and not 1 <= devices <= MAX_DEVICES:
         raise ValueError(f"gpu_check: --devices {devices} must be in 1..{MAX_DEVICES}.")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or not variants:
+    unknown = [v for v in variants or () if v not in (*VARIANTS, *GPU_VARIANTS)]
+    if unknown or variants == ():
         raise ValueError(f"gpu_check: unknown variant(s) {unknown or variants}; choose from "
-                         f"{list(VARIANTS)}.")
+                         f"{[*VARIANTS, *GPU_VARIANTS]}.")
     settings = settings or (QUICK_SETTINGS if quick else FULL_SETTINGS)
     requested = shape or (QUICK_SHAPE if quick else FULL_SHAPE)
     platform, n, kind = _resolve_platform(platform, devices, min(settings.timeout_s, 120.0))
@@ -619,7 +696,13 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
                          f"({requested.hidden} hidden, {requested.layers} layers, seq "
                          f"{requested.seq}) is sized for GPUs; on CPU run with --quick "
                          "(tiny shapes on simulated devices, overridable with --hidden, ...).")
+    if variants is None:
+        variants = (*VARIANTS, *GPU_VARIANTS) if platform == "gpu" else VARIANTS
+    if platform != "gpu" and set(variants) & set(GPU_VARIANTS):
+        raise ValueError(f"gpu_check: --variants {CUDNN_VARIANT} runs cuDNN's attention, "
+                         f"which needs a GPU (platform {platform}); leave it out.")
     shape, shape_notes = fit_shape(requested, n)
+    deviceless_env = dict(os.environ, JAX_PLATFORMS="cpu")  # before _worker_env sets flags
     env = _worker_env(platform, n)
     fp8_flags = _fp8_flags(platform) if any(v in FP8_VARIANTS for v in variants) else []
     out.mkdir(parents=True, exist_ok=True)
@@ -641,6 +724,10 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
                       f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s"),
               flush=True)
     _compare_fp8(results)
+    print(f"gpu_check: cuDNN attention compiled deviceless for {n} H100(s) ...", flush=True)
+    deviceless = _run_worker({"variant": "deviceless_cudnn", "deviceless": True, "tensor": n,
+                              "shape": shape.as_dict()}, deviceless_env, log_dir,
+                             settings.timeout_s)
     # this run's trace files (earlier runs' stay beside them)
     trace_files = sorted(str(p.relative_to(out)) for p in trace_dir.rglob("*")
                          if p.is_file() and p.stat().st_mtime >= started - 1
@@ -668,11 +755,12 @@ def run_check(out: Path, *, quick: bool = False, platform: str = "auto",
                                    "kept)" if platform == "gpu" else
                                    f"none: {platform} run (FP8_GPU_FLAGS are XLA:GPU flags)"),
                 "mfu_note": "FP8 MFU uses the same model FLOPs and the dense bf16 peak"},
+        "cudnn": _cudnn_summary(results, deviceless, platform, shape),
         "trace": {"variant": TRACE_VARIANT, "dir": str(trace_dir), "files": trace_files,
                   "steps": settings.trace_steps,
                   "error": results.get(TRACE_VARIANT, {}).get("trace_error")},
         "variants": results,
-        "ok": all("error" not in r for r in results.values()),
+        "ok": all("error" not in r for r in (*results.values(), deviceless)),
         "total_s": time.perf_counter() - t_start,
     }
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -693,6 +781,29 @@ def _compare_fp8(results: dict[str, dict[str, Any]]) -> None:
             r["tokens_per_s_vs_bf16_note"] = (
                 f"{NOT_MEASURED}: {FP8_BASELINE} " +
                 ("failed" if FP8_BASELINE in results else "not run (--variants)"))
+
+
+def _cudnn_summary(results: dict[str, dict[str, Any]], deviceless: dict[str, Any],
+                   platform: str, shape: ModelShape) -> dict[str, Any]:
+    """cuDNN's attention against sp_jax's kernel (:data:`FP8_BASELINE`, the same step
+    with ``attention_implementation="xla"``): tokens/s ratio, first-loss difference and
+    the custom calls of the real step; the deviceless compile's count."""
+    out: dict[str, Any] = {"variant": CUDNN_VARIANT, "baseline": FP8_BASELINE,
+                           "expected_calls": 2 * shape.layers,
+                           "expected_note": "a forward and a backward call a layer",
+                           "deviceless": deviceless}
+    r, base = results.get(CUDNN_VARIANT), results.get(FP8_BASELINE, {})
+    if r is None:
+        out["note"] = (f"{NOT_MEASURED}: cuDNN's attention runs on GPUs only ({platform} run)"
+                       if platform != "gpu" else f"{NOT_MEASURED}: not run (--variants)")
+    elif "error" in r:
+        out["note"] = f"failed: {r['error'].splitlines()[0]}"
+    else:
+        out["cudnn_calls"] = r["cudnn_calls"]
+        if "tokens_per_s" in base:
+            out["tokens_per_s_vs_xla"] = r["tokens_per_s"] / base["tokens_per_s"]
+            out["first_loss_difference"] = r["first_loss"] - base["first_loss"]
+    return out
 
 
 def _jax_version() -> str:
@@ -783,6 +894,24 @@ def markdown(report: dict[str, Any]) -> str:
             "sp_jax\" is tokens/s over those of "
             f"`{FP8_BASELINE}`. cuBLASLt FP8 GEMMs: `{FP8_GEMM_TARGET}` custom calls in the "
             f"compiled step's HLO (n/a off GPU). FP8 workers' extra XLA flags: {flags}.")
+    cudnn = report["cudnn"]
+    dl = cudnn["deviceless"]
+    dl_text = (f"failed: {dl['error'].splitlines()[0]}" if "error" in dl else
+               dl["note"] if dl["cudnn_calls"] is None else
+               f"{dl['cudnn_calls']} `{CUDNN_TARGET}...` custom calls in the step compiled "
+               f"deviceless for {dl['tensor']} H100(s)")
+    if "cudnn_calls" in cudnn:
+        ratio = cudnn.get("tokens_per_s_vs_xla")
+        real = (f"{cudnn['cudnn_calls']} `{CUDNN_TARGET}...` custom calls in the compiled "
+                f"step, tokens/s {NOT_MEASURED if ratio is None else f'{ratio:.2f}x'} those of "
+                f"`{FP8_BASELINE}` (sp_jax's blockwise kernel), first loss "
+                + (NOT_MEASURED if ratio is None else
+                   f"{cudnn['first_loss_difference']:+.4f} from it"))
+    else:
+        real = cudnn["note"]
+    lines.append(f"- cuDNN attention (`{CUDNN_VARIANT}`, bf16; expected "
+                 f"{cudnn['expected_calls']} calls: {cudnn['expected_note']}): {real}; "
+                 f"{dl_text}.")
     trace = report["trace"]
     lines.append(f"- trace: {trace['steps']} steps of `{trace['variant']}` in `{trace['dir']}` "
                  f"({len(trace['files'])} file(s)"
@@ -811,8 +940,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None,
                    help=f"tensor size N (default: every GPU up to {MAX_DEVICES}; "
                         f"{MAX_DEVICES} simulated CPU devices)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of {','.join((*VARIANTS, *GPU_VARIANTS))} "
+                        f"(default: all; {CUDNN_VARIANT} on GPUs only)")
     for name in ("hidden", "heads", "layers", "seq", "vocab", "batch"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"override the GPT's {name}")
     for name in ("warmup", "steps", "trace-steps"):
@@ -830,7 +960,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command line entry; returns the exit status (1 when a variant failed)."""
     args = _parse(argv)
     if args.worker is not None:
-        result = run_variant(json.loads(args.worker))
+        spec = json.loads(args.worker)
+        result = deviceless_cudnn(spec) if spec.get("deviceless") else run_variant(spec)
         args.worker_result.write_text(json.dumps(result, indent=2) + "\n")
         return 0
     base = QUICK_SHAPE if args.quick else FULL_SHAPE
@@ -846,7 +977,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    variants = None if args.variants is None else tuple(
+        v.strip() for v in args.variants.split(",") if v.strip())
     try:
         report = run_check(args.out, quick=args.quick, platform=args.platform,
                            devices=args.devices, variants=variants, shape=shape,

@@ -222,6 +222,17 @@ def dense_attention(q, k, v, *, scale=None, softcap=None, window=None, segments=
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def token_batches(vocab: int, steps: int, rows: int, seq: int, seed: int = 0) -> list[dict]:
+    """``steps`` batches of uniform token ids, one micro-batch each: ``tokens`` and
+    ``labels`` (the next tokens) ``[1, rows, seq]``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, vocab, size=(rows, seq + 1)).astype(np.int32)
+        out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
+    return out
+
+
 def slow_except(values, *fast) -> list:
     """Parameters for ``pytest.mark.parametrize``: ``values`` (a tuple: one value per
     argument name), each marked ``slow`` but those in ``fast`` (the fast tier's cases,
@@ -351,22 +362,35 @@ from sp_jax.analysis.checks import StepShape  # noqa: E402
 FSDP_QUICK = StepShape(layers=2, h=512, heads=8, s=256, vocab=1024)
 
 
-def cache_and_forward_logits(model, full: np.ndarray, lengths: np.ndarray, steps: int,
-                             prompt: int = 8, cache: int = 16):
-    """An eval-mode GPT under the current mesh: the next-token logits ``[b, V]`` from its
-    KV cache after the prefill of each row's first ``lengths[b]`` tokens of ``full``
-    (right-padded to ``prompt``, a cache of ``cache`` positions) and ``steps`` decode
-    steps of the row's next tokens, and the logits ``[b, s, V]`` of a forward over
-    ``full``."""
+def decoded_logits(model, full: np.ndarray, lengths: np.ndarray, steps: int,
+                   prompt: int = 8, cache: int = 16) -> np.ndarray:
+    """An eval-mode GPT under the current mesh: the next-token logits ``[b, steps + 1,
+    V]`` from its KV cache, after the prefill of each row's first ``lengths[b]`` tokens
+    of ``full`` (right-padded to ``prompt``, a cache of ``cache`` positions) and after
+    each of ``steps`` decode steps of the row's next tokens (entry ``n``: the logits
+    that pick token ``lengths[b] + n``)."""
     from sp_jax.models.decode import decode_step, prefill
 
     rows = np.arange(full.shape[0])
     prompts = jnp.asarray(np.where(np.arange(prompt) < lengths[:, None], full[:, :prompt], 0))
     logits, kv = nnx.jit(prefill, static_argnums=(3,))(model, prompts,
                                                        jnp.asarray(lengths - 1), cache)
+    out = [np.asarray(logits)]
     step = nnx.jit(decode_step, donate_argnums=(1,))
     for n in range(steps):
         logits, kv = step(model, kv, jnp.asarray(full[rows, lengths + n]),
                           jnp.asarray(lengths + n))
+        out.append(np.asarray(logits))
+    return np.stack(out, axis=1)
+
+
+def cache_and_forward_logits(model, full: np.ndarray, lengths: np.ndarray, steps: int,
+                             prompt: int = 8, cache: int = 16):
+    """An eval-mode GPT under the current mesh: the next-token logits ``[b, V]`` from its
+    KV cache after the prefill of each row's first ``lengths[b]`` tokens of ``full``
+    (right-padded to ``prompt``, a cache of ``cache`` positions) and ``steps`` decode
+    steps of the row's next tokens (:func:`decoded_logits`' last), and the logits
+    ``[b, s, V]`` of a forward over ``full``."""
+    logits = decoded_logits(model, full, lengths, steps, prompt, cache)[:, -1]
     forward = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(full))
-    return np.asarray(logits), np.asarray(forward)
+    return logits, np.asarray(forward)

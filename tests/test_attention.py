@@ -258,9 +258,16 @@ def test_blockwise_input_errors():
         A.blockwise_attention(q, q, q, implementation="tpu")
     with pytest.raises(ValueError, match="block_q=0"):
         A.blockwise_attention(q, q, q, block_q=0)
+    # cuDNN's kernel takes fp16 / bf16 only: refused on every backend, naming the fix
+    with pytest.raises(ValueError, match=r"implementation='cudnn' takes float16 or bfloat16 q, "
+                                         r"k and v .*got float32.*implementation='xla'"):
+        A.blockwise_attention(q, q, q, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"got bfloat16, float32, bfloat16"):
+        A.blockwise_attention(q.astype(jnp.bfloat16), q, q.astype(jnp.bfloat16),
+                              implementation="cudnn")
     if jax.default_backend() == "cpu":
         with pytest.raises(RuntimeError, match="cuDNN.*implementation='xla'"):
-            A.blockwise_attention(q, q, q, implementation="cudnn")
+            A.blockwise_attention(*(q.astype(jnp.bfloat16),) * 3, implementation="cudnn")
 
 
 # --------------------------------------------------------------------------------------

@@ -277,6 +277,13 @@ def _on_pipeline(call):
 TOKENS = np.arange(B * S, dtype=np.int32).reshape(B, S) % 64
 
 
+def _mtp_on_pipeline():
+    cfg = GPTConfig(**{**BASE, "num_layers": 2, "scan_layers": True}, mtp_depth=1)
+    par = sp_jax.ParallelConfig(pipeline_axis="stage", pipeline_microbatches=2)
+    with jax.set_mesh(_stage_mesh()):
+        TrainStep(GPT(cfg, parallel=par, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+
+
 def _custom_loss_step(model):
     step = TrainStep(model, optax.sgd(0.1), loss_fn=lambda m, b, k: (m.loss(b["tokens"]), 1))
     step({"tokens": TOKENS.reshape(2, 2, S), "labels": TOKENS.reshape(2, 2, S)},
@@ -290,7 +297,7 @@ def _ring_gpt(**config):
 
 
 def _cudnn_with_documents():
-    q = jnp.zeros((1, 8, 2, 4))
+    q = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
     blockwise_attention(q, q, q, segment_ids=jnp.ones((1, 8), jnp.int32),
                         implementation="cudnn")
 
@@ -314,7 +321,8 @@ _REDUCE = "ParallelConfig\\(grad_reduce_dtype=bfloat16\\) without a pipeline red
 # (first feature, second or None) of each entry of compat.REFUSALS -> (what meets it, the
 # message it raises)
 ENTRY_POINTS = {
-    ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn"),
+    ("cudnn_attention", "context_ring"): (lambda: _ring_gpt(attention_implementation="cudnn",
+                                                            dtype=jnp.bfloat16),
                                           "cannot run ring attention"),
     ("packed_documents", "cudnn_attention"): (_cudnn_with_documents,
                                               r"segment_ids \(packed documents\) need "
@@ -329,6 +337,7 @@ ENTRY_POINTS = {
     ("attention_softcap", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_softcap=5.0, attention_implementation="cudnn"),
         "attention_softcap=5.0 needs attention_implementation='xla'"),
+    ("mtp", "pipeline"): (_mtp_on_pipeline, "the pipeline's schedule does not carry"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
     ("layer_windows", "cudnn_attention"): (

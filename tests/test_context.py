@@ -5,6 +5,7 @@ sizes; bad layouts get clear errors."""
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import copy_weights, to_host, train_gpt
@@ -162,5 +163,5 @@ def test_errors():
     with pytest.raises(ValueError, match="attention_implementation='flash'.*'xla'"):
         GPTConfig(**BASE, attention_implementation="flash")
     with jax.set_mesh(_mesh(1, 2, 2)), pytest.raises(ValueError, match="cannot run ring"):
-        GPT(GPTConfig(**BASE, attention_implementation="cudnn"),
+        GPT(GPTConfig(**BASE, attention_implementation="cudnn", dtype=jnp.bfloat16),
             parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0))

@@ -230,7 +230,8 @@ CASES = {
     "E37": (ValueError, r"attention_implementation='cudnn' cannot run ring attention.*use "
                         r"attention_implementation='xla' or context_parallel='ulysses'",
             lambda: _on_context((1, 2, 2), lambda: GPT(
-                GPTConfig(**{**GPT_BASE, "attention_implementation": "cudnn"}),
+                GPTConfig(**{**GPT_BASE, "attention_implementation": "cudnn",
+                             "dtype": jnp.bfloat16}),
                 parallel=sp_jax.ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0)))),
     # sharding over data
     "E38": (ValueError, r"fsdp=True\) shards parameters over the data axes, but "
@@ -373,6 +374,19 @@ CASES = {
             lambda: sp_jax.attention.blockwise_attention(
                 jnp.ones((1, 8, 2, 8)), jnp.ones((1, 8, 2, 8)), jnp.ones((1, 8, 2, 16)),
                 implementation="cudnn")),
+    "E80": (ValueError, r"GPTConfig: attention_implementation='cudnn' computes attention in "
+                        r"float32 \(dtype=float32\), but cuDNN's fused attention takes float16 "
+                        r"or bfloat16 only; use dtype=jnp.bfloat16 .* or "
+                        r"attention_implementation='xla'",
+            lambda: GPTConfig(**GPT_BASE, attention_implementation="cudnn")),
+    "E81": (ValueError, r"ulysses_attention: implementation='cudnn' takes float16 or bfloat16 "
+                        r"q, k and v \(cuDNN's fused attention\), got float32, float32, float32: "
+                        r".*or use implementation='xla'",
+            lambda: _on_context((1, 2, 1), lambda: jax.shard_map(
+                lambda x: sp_jax.attention.ulysses_attention(
+                    x, x, x, axis_name="context", implementation="cudnn"),
+                in_specs=jax.P(None, "context"), out_specs=jax.P(None, "context"))(
+                    jax.device_put(jnp.ones((1, 8, 2, 4)), jax.P(None, "context"))))),
     # tools
     "E26": (ValueError, r"Unknown GPU target 'a100'; known targets",
             lambda: gpu_mesh((8,), ("tensor",), target="a100")),

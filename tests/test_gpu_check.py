@@ -299,3 +299,30 @@ def test_fp8_flags_only_on_gpu():
     user = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
     assert _with_flags(user, flags) == user
     assert _with_flags({}, []) == {}
+
+
+@pytest.mark.slow
+def test_cudnn_attention_compiled_deviceless_and_not_run_on_cpu(four):
+    """The cuDNN variant is not run off a GPU (said so), and the step compiled deviceless
+    for the run's H100s calls cuDNN's fused attention: a forward and a backward call a
+    layer (or, without the CUDA plugin, a note saying why there is no count)."""
+    from sp_jax.analysis import cuda_plugin_available
+
+    _, report, md = four
+    cudnn = report["cudnn"]
+    assert "sp_jax_cudnn" not in report["variants"]
+    assert cudnn["note"].startswith("not measured: cuDNN's attention runs on GPUs only")
+    assert cudnn["expected_calls"] == 2 * report["shape"]["layers"]
+    dl = cudnn["deviceless"]
+    if cuda_plugin_available():
+        assert dl["cudnn_calls"] == cudnn["expected_calls"] and dl["tensor"] == 4, dl
+        assert f"{dl['cudnn_calls']} `__cudnn$fmha...` custom calls in the step compiled " \
+               "deviceless for 4 H100(s)" in md
+    else:
+        assert dl["cudnn_calls"] is None and dl["note"].startswith("not measured"), dl
+    # on a GPU: the real step's count, speed and first loss against sp_jax's kernel
+    gpu = json.loads(json.dumps(report))
+    gpu["cudnn"].update(cudnn_calls=2, tokens_per_s_vs_xla=1.25, first_loss_difference=0.002)
+    assert ("2 `__cudnn$fmha...` custom calls in the compiled step, tokens/s 1.25x those "
+            "of `sp_jax` (sp_jax's blockwise kernel), first loss +0.0020 from it") in \
+        markdown(gpu)

@@ -17,6 +17,7 @@ from _util import (
     param_values,
     slow_except,
     to_host,
+    token_batches,
     train_gpt,
 )
 from conftest import requires_cuda_plugin
@@ -55,12 +56,7 @@ def _mesh(shape):
 
 
 def _batches(vocab, steps, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        tokens = rng.integers(0, vocab, size=(B, S + 1)).astype(np.int32)
-        out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
-    return out
+    return token_batches(vocab, steps, B, S, seed)
 
 
 def reference_mixture(self, normed):

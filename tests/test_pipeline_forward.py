@@ -4,6 +4,7 @@ equal the unpipelined model's with the same parameters, in the same layouts, wit
 rows, ring or Ulysses attention, circular stages, dropout and mixture-of-experts layers."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import param_values, slow_except
@@ -92,6 +93,28 @@ def test_a_pipelined_model_runs_outside_jit():
         assert param_values(piped).keys() == param_values(flat).keys()
         np.testing.assert_allclose(piped.loss(tokens), flat.loss(tokens), rtol=1e-5)
         np.testing.assert_allclose(piped(tokens), flat(tokens), atol=1e-5)
+
+
+def test_a_pipelined_model_evaluates_in_bf16():
+    """bf16 compute: the last stage's logits and hidden states reach every stage as they
+    are (a bf16 ``psum`` there aborted XLA:CPU's compiler, AllReducePromotion's
+    "Invalid binary instruction opcode copy"; now a sum of their bits), equal to the
+    unpipelined bf16 model's up to bf16 rounding in another order."""
+    cfg = GPTConfig(**{**BASE, "num_layers": 2, "dtype": jnp.bfloat16})
+    tokens = np.random.default_rng(0).integers(0, BASE["vocab_size"], (4, S)).astype(np.int32)
+    with jax.set_mesh(_mesh((2, 1, 1, 2))):
+        flat = GPT(cfg, rngs=nnx.Rngs(0))
+        piped = GPT(cfg, parallel=sp_jax.ParallelConfig(pipeline_axis="stage",
+                                                        pipeline_microbatches=2),
+                    rngs=nnx.Rngs(0))
+        for model in (flat, piped):
+            model.eval()
+        got = _outputs(piped, tokens, {}, jax.random.key(3))[:2]
+        want = _outputs(flat, tokens, {}, jax.random.key(3))[:2]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.bfloat16
+        # a bf16 quantum or two of values up to ~4
+        np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.slow

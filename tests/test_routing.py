@@ -17,6 +17,7 @@ from _util import (
     param_values,
     slow_except,
     to_host,
+    token_batches,
     train_gpt,
 )
 from flax import nnx
@@ -59,13 +60,7 @@ def _parallel(options=None, shape=(1, 1, 1)):
 
 
 def _batches(vocab, steps, seed=0):
-    """``steps`` batches ``[1, B, S]`` of uniform token ids."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        tokens = rng.integers(0, vocab, size=(B, S + 1)).astype(np.int32)
-        out.append({"tokens": tokens[None, :, :-1], "labels": tokens[None, :, 1:]})
-    return out
+    return token_batches(vocab, steps, B, S, seed)
 
 
 # -- transformers' DeepseekV3MoE, transcribed in NumPy ----------------------------------

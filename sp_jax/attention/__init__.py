@@ -50,7 +50,12 @@ the probabilities), :mod:`~sp_jax.attention.kernels` (the block kernels),
 cache, :func:`cached_attention`).
 """
 
-from sp_jax.attention.blockwise import IMPLEMENTATIONS, blockwise_attention
+from sp_jax.attention.blockwise import (
+    CUDNN_DTYPES,
+    IMPLEMENTATIONS,
+    blockwise_attention,
+    cudnn_takes,
+)
 from sp_jax.attention.cached import cached_attention
 from sp_jax.attention.counts import attention_block_counts
 from sp_jax.attention.dropout import AttentionDropout
@@ -68,13 +73,15 @@ from sp_jax.attention.sequence_order import (
 from sp_jax.attention.ulysses import ulysses_attention
 
 __all__ = [
-    "expand_latent",
-    "latent_ring_attention",
+    "CUDNN_DTYPES",
     "IMPLEMENTATIONS",
     "AttentionDropout",
     "attention_block_counts",
     "blockwise_attention",
     "cached_attention",
+    "cudnn_takes",
+    "expand_latent",
+    "latent_ring_attention",
     "local_positions",
     "ring_attention",
     "sequence_order",

@@ -4,6 +4,7 @@ no ``s x s`` array forward or backward; or cuDNN's fused kernel on GPUs."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,16 @@ from sp_jax.attention.kernels import (
 from sp_jax.compat import check
 from sp_jax.ops.primitives import fresh_zeros, residuals_to_device, residuals_to_host
 
-__all__ = ["IMPLEMENTATIONS", "blockwise_attention", "check_segments", "check_window"]
+__all__ = ["CUDNN_DTYPES", "IMPLEMENTATIONS", "blockwise_attention", "check_cudnn_inputs",
+           "check_segments", "check_window", "cudnn_takes"]
 
 IMPLEMENTATIONS = ("xla", "cudnn")
 """Kernels of :func:`blockwise_attention`: sp_jax's (every backend) or cuDNN's (GPU)."""
+
+CUDNN_DTYPES = ("float16", "bfloat16")
+"""The q/k/v dtypes cuDNN's fused attention takes (``jax.nn.dot_product_attention``'s
+cuDNN path; its FP8 inputs are another API). fp32 is not among them: JAX raises a
+NotImplementedError at trace time on a GPU ("Q must be fp16/bf16/..."), and only there."""
 _F32 = jnp.float32
 
 
@@ -192,6 +199,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
              isinstance(window, jax.Array)),
             ("cudnn_attention", "implementation='cudnn'", True)) if used},
             where="blockwise_attention")
+        check_cudnn_inputs("blockwise_attention", q, k, v)
         try:
             return jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="cudnn", scale=rule.scale,
@@ -210,6 +218,24 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
                                  bool(offload_residuals))
     return _blockwise(*same_vma(q, k, v), drop, seg, bq, bk, window, rule,
                       bool(offload_residuals))
+
+
+def cudnn_takes(dtype: Any) -> bool:
+    """Whether cuDNN's fused attention takes q/k/v of ``dtype`` (:data:`CUDNN_DTYPES`)."""
+    return jnp.dtype(dtype).name in CUDNN_DTYPES
+
+
+def check_cudnn_inputs(name: str, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """A ValueError naming ``name`` unless q, k and v share one dtype cuDNN's fused
+    attention takes (:data:`CUDNN_DTYPES`): on every backend, before JAX's own
+    NotImplementedError, which a GPU alone raises."""
+    dtypes = {jnp.dtype(x.dtype).name for x in (q, k, v)}
+    if len(dtypes) > 1 or not cudnn_takes(q.dtype):
+        raise ValueError(
+            f"{name}: implementation='cudnn' takes float16 or bfloat16 q, k and v (cuDNN's "
+            f"fused attention), got {q.dtype.name}, {k.dtype.name}, {v.dtype.name}: compute "
+            "in bfloat16 (GPTConfig(dtype=jnp.bfloat16); here, q, k and v cast with "
+            ".astype(jnp.bfloat16)) or use implementation='xla'.")
 
 
 def check_window(name: str, sliding_window: int | jax.Array | None) -> int | jax.Array | None:

@@ -8,7 +8,12 @@ import dataclasses
 import jax
 from jax import lax
 
-from sp_jax.attention.blockwise import IMPLEMENTATIONS, blockwise_attention, check_segments
+from sp_jax.attention.blockwise import (
+    IMPLEMENTATIONS,
+    blockwise_attention,
+    check_cudnn_inputs,
+    check_segments,
+)
 from sp_jax.attention.dropout import AttentionDropout
 from sp_jax.attention.kernels import check_qkv, same_vma
 from sp_jax.ops.primitives import AxisName, vary
@@ -58,6 +63,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: Ax
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"ulysses_attention: implementation={implementation!r}: use 'xla' "
                          "or 'cudnn'.")
+    if implementation == "cudnn":  # before the all-to-alls, naming this entry point
+        check_cudnn_inputs("ulysses_attention", q, k, v)
     c, heads = lax.axis_size(axis_name), q.shape[2]
     if heads % c:
         raise ValueError(

@@ -30,9 +30,10 @@ _SHORT: dict[str, str] = {
     "sigmoid_routing": "sr", "aux_free_bias": "ab", "seq_aux_loss": "sq",
     "fp8_current": "8c",
     "fp8_delayed": "8d", "packed_documents": "pd", "sliding_window": "sw",
-    "layer_windows": "lw", "cudnn_attention": "cd", "attention_dropout": "ad",
+    "layer_windows": "lw", "cudnn_attention": "cd", "grouped_query": "gq",
+    "attention_dropout": "ad",
     "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
-    "offload_optimizer": "oo", "offload_activations": "oa", "mla_attention": "ml",
+    "offload_optimizer": "oo", "offload_activations": "oa", "mla_attention": "ml", "mtp": "mt",
 }
 
 
@@ -48,12 +49,17 @@ def render() -> str:
     lines.extend(textwrap.wrap(", ".join(f"{_SHORT[f]} {f}" for f in FEATURES), 99,
                                initial_indent="  ", subsequent_indent="  "))
     lines.append("")
+    # two columns a feature, its code over them on one of two staggered header lines (the
+    # odd features' on the first, the even ones' on the second): 28 features fit in 100
+    codes = [_SHORT[f] for f in FEATURES]
+    header = [" " * (width + 1) + "  ".join(codes[i::2]) for i in (0, 1)]
+    header[1] = "  " + header[1]
     for mode, text in MODES.items():
         lines.append(f"{mode}: {text}")
-        lines.append(" " * (width + 1) + " ".join(_SHORT[f] for f in FEATURES))
+        lines.extend(line.rstrip() for line in header)
         for f in FEATURES:
-            row = " ".join(f"{STATUSES[TABLE[mode][frozenset((f, g))].status][0]:>2}"
-                           for g in FEATURES)
+            row = "".join(f"{STATUSES[TABLE[mode][frozenset((f, g))].status][0]:>2}"
+                          for g in FEATURES)
             lines.append(f"{f:<{width + 1}}{row}")
         lines.append("")
     lines.append("Refused (modes: features: what to do; pipeline, fp8 and context stand for "

@@ -54,6 +54,7 @@ FEATURES: dict[str, str] = {
     "sliding_window": "GPTConfig(sliding_window=w): attention to the last w tokens",
     "layer_windows": "GPTConfig(layer_windows=...): each layer's window as data",
     "cudnn_attention": "GPTConfig(attention_implementation='cudnn'): cuDNN's kernel",
+    "grouped_query": "GPTConfig(num_kv_heads < num_heads): grouped-query attention",
     "attention_dropout": "GPTConfig(attention_dropout > 0): dropout on the probabilities",
     "attention_softcap": "GPTConfig(attention_softcap=c): scores c * tanh(s / c) (Gemma 2)",
     "custom_loss": "TrainStep(loss_fn=...) other than the default lm_loss",
@@ -62,6 +63,7 @@ FEATURES: dict[str, str] = {
     "offload_optimizer": "TrainStep(offload_optimizer / offload_params): state on the host",
     "offload_activations": "ParallelConfig(offload_activations=True): saved values on the host",
     "mla_attention": "GPTConfig(attention='mla'): multi-head latent attention (DeepSeek-V3)",
+    "mtp": "GPTConfig(mtp_depth=D > 0): multi-token prediction modules (DeepSeek-V3)",
 }
 """Every feature the table knows, with a one-line description. ``unrolled_layers`` is an
 option's default value: :func:`features_of` reports it only with ``defaults=True`` (what
@@ -102,6 +104,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "sliding_window": "a sliding window",
     "layer_windows": "layer_windows (a window per layer)",
     "cudnn_attention": "attention_implementation='cudnn'",
+    "grouped_query": "grouped-query attention (num_kv_heads < num_heads)",
     "attention_dropout": "attention dropout",
     "attention_softcap": "an attention soft cap (attention_softcap)",
     "custom_loss": "a custom loss_fn",
@@ -110,6 +113,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "offload_optimizer": "optimizer offload",
     "offload_activations": "offload_activations=True",
     "mla_attention": "multi-head latent attention (attention='mla')",
+    "mtp": "multi-token prediction (mtp_depth > 0)",
 }
 
 STATUSES: dict[str, tuple[str, str]] = {
@@ -228,6 +232,11 @@ REFUSALS: list[Refusal] = [
     Refusal(("train",), "custom_loss", "pipeline",
             "a pipelined model trains with the default loss_fn=lm_loss through its own "
             "schedule (model.pipeline_loss_and_grads); a custom loss_fn cannot run on it."),
+    Refusal(_ALL, "mtp", "pipeline",
+            "{mtp}'s modules run after the last layer on the final hidden states and share "
+            "the embedding of the first stage, which the pipeline's schedule does not carry "
+            "to the last stage yet (torchtitan refuses it too); train with mtp_depth=0 on "
+            "pipeline stages, or without pipeline_axis."),
     *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
       for other in ("fsdp", "experts", "expert_parallel", "fp8")),
     # interleaved_experts and dense_layers: refused through IMPLIES (they bring experts)
@@ -573,8 +582,14 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             found.add("layer_windows")  # the window as data (a layer's, or per layer)
         if getattr(config, "attention", "mha") == "mla":
             found.add("mla_attention")
+        depth = getattr(config, "mtp_depth", 0)
+        if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0:
+            found.add("mtp")
         if getattr(config, "attention_implementation", "xla") == "cudnn":
             found.add("cudnn_attention")
+        kv_heads, heads = getattr(config, "num_kv_heads", None), getattr(config, "num_heads", 0)
+        if isinstance(kv_heads, int) and isinstance(heads, int) and 0 < kv_heads < heads:
+            found.add("grouped_query")  # (1: multi-query)
         if getattr(config, "attention_dropout", 0.0):
             found.add("attention_dropout")
         if getattr(config, "attention_softcap", None) is not None:
@@ -613,6 +628,7 @@ def spelled(config: Any = None, parallel: Any = None, features: Iterable[str] = 
         "aux_free_bias": lambda: f"moe_bias_update_rate={value(config, 'moe_bias_update_rate')}",
         "seq_aux_loss": lambda: f"moe_seq_aux_loss_coef="
                                 f"{value(config, 'moe_seq_aux_loss_coef')}",
+        "grouped_query": lambda: f"num_kv_heads={value(config, 'num_kv_heads')}",
         "sliding_window": lambda: f"sliding_window={value(config, 'sliding_window')}",
         "attention_dropout": lambda: f"attention_dropout={value(config, 'attention_dropout')}",
         "attention_softcap": lambda: f"attention_softcap={value(config, 'attention_softcap')}",

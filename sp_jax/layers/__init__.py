@@ -59,7 +59,13 @@ from sp_jax.layers.moe import (
 )
 from sp_jax.layers.norm import NORMS, LayerNorm, RMSNorm, layer_norm, make_norm, rms_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
-from sp_jax.layers.rotary import RopeScaling, rope_frequencies, rotary_embedding
+from sp_jax.layers.rotary import (
+    RopeScaling,
+    YarnScaling,
+    rope_attention_factor,
+    rope_frequencies,
+    rotary_embedding,
+)
 from sp_jax.layers.taps import (
     WeightGradTap,
     backward_input,
@@ -87,6 +93,8 @@ __all__ = [
     "make_norm",
     "Dropout",
     "RopeScaling",
+    "YarnScaling",
+    "rope_attention_factor",
     "rope_frequencies",
     "rotary_embedding",
     "MLP_ACTIVATIONS",

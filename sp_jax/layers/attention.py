@@ -31,7 +31,7 @@ from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
 from sp_jax.layers.norm import make_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
-from sp_jax.layers.rotary import rope_frequencies, rotary_embedding
+from sp_jax.layers.rotary import rope_attention_factor, rope_frequencies, rotary_embedding
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
     Mesh,
@@ -295,8 +295,20 @@ class CausalSelfAttention(nnx.Module):
 
     @property
     def rope_dim(self) -> int:
-        """The features of each head the rotary angles turn (``head_dim``)."""
-        return self.config.head_dim
+        """The features of each head the rotary angles turn: the first ``int(head_dim *
+        partial_rotary_factor)`` (``head_dim`` by default)."""
+        return int(self.config.head_dim * self.config.partial_rotary_factor)
+
+    def rotary(self, x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
+        """The rotary angles of ``positions`` on the first :attr:`rope_dim` features of
+        each head of ``x [b, s, heads, d]`` (the rest pass through), the rotated ones
+        times YaRN's attention factor (:func:`~sp_jax.layers.rotary.rope_attention_factor`
+        of ``rope_scaling``; YaRN is refused with ``rope_local_base``)."""
+        cfg, r = self.config, self.rope_dim
+        factor = rope_attention_factor(cfg.rope_scaling)
+        turned = rotary_embedding(x[..., :r], positions, frequencies=freqs,
+                                  attention_factor=factor)
+        return turned if r == x.shape[-1] else jnp.concatenate([turned, x[..., r:]], axis=-1)
 
     def attention_params(self) -> tuple[tuple[jax.Array, P], ...]:
         """The parameters the per-device attention (:meth:`_attend`) reads, each with
@@ -374,8 +386,7 @@ class CausalSelfAttention(nnx.Module):
             k = head_rms_norm(k, qk_scales[1], cfg.norm_epsilon, cfg.norm_offset)
         if cfg.rotary:
             freqs = self.rotary_frequencies(window)
-            q = rotary_embedding(q, positions, frequencies=freqs)
-            k = rotary_embedding(k, positions, frequencies=freqs)
+            q, k = self.rotary(q, positions, freqs), self.rotary(k, positions, freqs)
         return q, k, v
 
     def prefill(self, x: jax.Array) -> tuple[jax.Array, KVCache]:

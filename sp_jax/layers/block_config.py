@@ -19,12 +19,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sp_jax.attention import IMPLEMENTATIONS
+from sp_jax.attention import IMPLEMENTATIONS, cudnn_takes
 from sp_jax.compat import check_mode
 from sp_jax.config import Fp8Recipe
 from sp_jax.layers.attention_registry import check_attention_name
 from sp_jax.layers.norm import NORMS
-from sp_jax.layers.rotary import RopeScaling
+from sp_jax.layers.rotary import RopeScaling, YarnScaling
 
 __all__ = ["MLA_FIELDS", "MLP_ACTIVATIONS", "AttentionConfig", "check_mla_fields", "MLPConfig",
            "MoEConfig", "check_block_fields",
@@ -93,14 +93,33 @@ _RATES = ("dropout", "attention_dropout")
 
 def settle_block_fields(config: Any) -> None:
     """Fills the defaults that follow from other fields (``num_kv_heads``: ``num_heads``;
-    a dict ``rope_scaling``: its :class:`RopeScaling`; a dict ``fp8``: its
+    a dict ``rope_scaling``: its :class:`RopeScaling`, or with ``rope_type="yarn"`` its
+    :class:`YarnScaling`; a dict ``fp8``: its
     :class:`~sp_jax.Fp8Recipe`) of a frozen config in place."""
     if isinstance(getattr(config, "fp8", None), dict):
         object.__setattr__(config, "fp8", Fp8Recipe(**config.fp8))
     if getattr(config, "num_kv_heads", 0) is None:
         object.__setattr__(config, "num_kv_heads", config.num_heads)
     if isinstance(getattr(config, "rope_scaling", None), dict):
-        object.__setattr__(config, "rope_scaling", RopeScaling(**config.rope_scaling))
+        fields = dict(config.rope_scaling)
+        kind = YarnScaling if fields.pop("rope_type", "llama3") == "yarn" else RopeScaling
+        object.__setattr__(config, "rope_scaling", kind(**fields))
+
+
+def _check_partial_rotary(owner: str, config: Any, head_dim: int) -> None:
+    """``partial_rotary_factor``: in ``(0, 1]``, turning an even number of features
+    (``int(head_dim * f)``), 1.0 with multi-head latent attention."""
+    f = getattr(config, "partial_rotary_factor", 1.0)
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+        raise ValueError(f"{owner}.partial_rotary_factor={f!r} must be in (0, 1] (the share "
+                         "of each head's features the rotary angles turn; 1.0: all).")
+    if f != 1 and (int(head_dim * f) % 2 or int(head_dim * f) == 0):
+        raise ValueError(f"{owner}.partial_rotary_factor={f} turns int({head_dim} * {f}) = "
+                         f"{int(head_dim * f)} features of each head; choose a factor that "
+                         "turns an even, positive number (GLM-4.5: 0.5 of 128).")
+    if f != 1 and getattr(config, "attention", "mha") == "mla":
+        raise ValueError(f"{owner}.partial_rotary_factor={f}: multi-head latent attention's "
+                         "rotary features are qk_rope_head_dim; leave it 1.0.")
 
 
 def _float_dtype(owner: str, name: str, value: Any, optional: bool) -> None:
@@ -155,13 +174,20 @@ def check_block_fields(owner: str, config: Any) -> None:
             raise ValueError(f"{owner}: rotary embeddings need an even head size, got "
                              f"head_dim={head_dim}; choose an even head_dim (or hidden / "
                              "num_heads).")
+        _check_partial_rotary(owner, config, head_dim)
     if has("fp8") and config.fp8 is not None and not isinstance(config.fp8, Fp8Recipe):
         raise TypeError(f"{owner}.fp8={config.fp8!r} must be a sp_jax.Fp8Recipe (e.g. "
                         "Fp8Recipe('current') or Fp8Recipe('delayed')) or None.")
     if has("rope_scaling") and config.rope_scaling is not None \
-            and not isinstance(config.rope_scaling, RopeScaling):
+            and not isinstance(config.rope_scaling, RopeScaling | YarnScaling):
         raise TypeError(f"{owner}.rope_scaling={config.rope_scaling!r} must be a "
-                        "RopeScaling, a dict of its fields, or None.")
+                        "RopeScaling or a YarnScaling, a dict of its fields (with "
+                        "rope_type='yarn' for YaRN's), or None.")
+    if isinstance(getattr(config, "rope_scaling", None), YarnScaling) \
+            and getattr(config, "rope_local_base", None) is not None:
+        raise ValueError(f"{owner}: rope_scaling=YarnScaling(...) with rope_local_base="
+                         f"{config.rope_local_base}: YaRN's attention factor is one per "
+                         "model; use YaRN without a local base, or the Llama-3 scaling.")
     for name, what, example in filter(lambda f: has(f[0]), _OPTIONAL_POSITIVE):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
@@ -204,6 +230,24 @@ def check_block_fields(owner: str, config: Any) -> None:
     check_mode(None, config=config, where=owner)  # refused in every mode: sp_jax.compat
     _float_dtype(owner, "dtype", config.dtype, optional=True)
     _float_dtype(owner, "param_dtype", config.param_dtype, optional=False)
+    if has("attention_implementation") and config.attention_implementation == "cudnn":
+        _check_cudnn_compute(owner, config)
+
+
+def _check_cudnn_compute(owner: str, config: Any) -> None:
+    """A ValueError unless the attention of ``config`` computes in a dtype cuDNN's fused
+    attention takes (``sp_jax.attention.CUDNN_DTYPES``): its ``dtype``, or with
+    ``dtype=None`` the parameters' (the activations promote with them, so an fp32
+    ``param_dtype`` computes in fp32 whatever the input). On a GPU, JAX would raise a
+    NotImplementedError at trace time, and only there."""
+    name, compute = ("dtype", config.dtype) if config.dtype is not None else (
+        "param_dtype", config.param_dtype)
+    if not cudnn_takes(compute):
+        raise ValueError(
+            f"{owner}: attention_implementation='cudnn' computes attention in "
+            f"{jnp.dtype(compute).name} ({name}={jnp.dtype(compute).name}), but cuDNN's fused "
+            "attention takes float16 or bfloat16 only; use dtype=jnp.bfloat16 (parameters "
+            "may stay float32: param_dtype) or attention_implementation='xla'.")
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -270,6 +314,9 @@ class AttentionConfig:
         context layout; ``attention_implementation="xla"`` only).
       rotary: apply rotary position embeddings to q and k.
       rope_base: rotary base frequency.
+      partial_rotary_factor: the share of each head's features the rotary angles turn
+        (the first ``int(head_dim * f)``, rotate-half among them; the rest pass through:
+        GLM-4.5's 0.5, Hugging Face's ``partial_rotary_factor``); 1.0: all.
       rope_scaling: Llama-3 frequency scaling (:class:`~sp_jax.layers.RopeScaling`, or a
         dict of its fields) or None.
       qkv_bias: give the q/k/v projection a bias (GPT-2 has one; off by default: the key
@@ -338,7 +385,7 @@ class AttentionConfig:
     attention_dropout: float = 0.0
     rotary: bool = False
     rope_base: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     qkv_bias: bool = False
     out_bias: bool = True
     norm: str = "layernorm"
@@ -364,6 +411,7 @@ class AttentionConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    partial_rotary_factor: float = 1.0
     mla_absorb: bool = True
     _head_dim_given: bool = dataclasses.field(default=False, init=False, repr=False,
                                               compare=False)

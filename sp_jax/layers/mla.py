@@ -22,7 +22,6 @@ when q and k are permuted alike.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -39,7 +38,7 @@ from sp_jax.layers.attention_registry import AttentionCache, register_attention
 from sp_jax.layers.block_config import AttentionConfig
 from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import RowSequenceParallelLinear, column_sp_matmul, shard_linear
-from sp_jax.layers.rotary import rotary_embedding
+from sp_jax.layers.rotary import rope_attention_factor, rotary_embedding, yarn_mscale
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, check_activations, check_divisible, current_mesh, reshard
 
@@ -58,8 +57,7 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None = No
     kind = rope.get("rope_type", rope.get("type", "default"))
     all_dim = rope.get("mscale_all_dim", 0)
     if kind != "default" and all_dim:
-        factor = rope["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        mscale = yarn_mscale(rope["factor"], all_dim)
         scale = scale * mscale * mscale
     return scale
 
@@ -178,13 +176,26 @@ class LatentProjection(nnx.Module):
         ``(q [b, s, heads / t * (n + p)], latent [b, s, r], k_rope [b, s, p])``: this
         shard's queries, the normalised latent, the rotary key (no rotary angles)."""
         cfg = self.config
-        r, eps = cfg.kv_lora_rank, cfg.norm_epsilon
-        q, latent, k_rope = jnp.split(down, [down.shape[-1] - r - cfg.qk_rope_head_dim,
-                                             down.shape[-1] - cfg.qk_rope_head_dim], axis=-1)
+        q, kv = jnp.split(down, [down.shape[-1] - cfg.kv_lora_rank - cfg.qk_rope_head_dim],
+                          axis=-1)
+        q = self.query_part(q, q_a_norm, q_b_kernel)
+        return (q, *self.latent_part(kv, kv_a_norm, q.dtype))
+
+    def query_part(self, q: jax.Array, q_a_norm: jax.Array | None,
+                   q_b_kernel: jax.Array | None) -> jax.Array:
+        """Per device: the query's down projection ``[b, s, q_lora_rank]`` (or, without
+        ``q_lora_rank``, already this shard's queries) -> this shard's queries."""
         if q_b_kernel is not None:
-            q = head_rms_norm(q, q_a_norm, eps)
+            q = head_rms_norm(q, q_a_norm, self.config.norm_epsilon)
             q = jnp.einsum("bsr,rc->bsc", q, q_b_kernel.astype(q.dtype))
-        return q, head_rms_norm(latent, kv_a_norm, eps), k_rope.astype(q.dtype)
+        return q
+
+    def latent_part(self, kv: jax.Array, kv_a_norm: jax.Array, dtype: Any
+                    ) -> tuple[jax.Array, jax.Array]:
+        """Per device: ``kv_a``'s output ``[b, s, r + p]`` -> the normalised latent and the
+        rotary key (in ``dtype``)."""
+        latent, k_rope = jnp.split(kv, [self.config.kv_lora_rank], axis=-1)
+        return head_rms_norm(latent, kv_a_norm, self.config.norm_epsilon), k_rope.astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard columns
@@ -220,11 +231,13 @@ class LatentProjection(nnx.Module):
         dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
                                                                          q_kernel.dtype)
         x = x.astype(dtype)
-        # two products: the latent's stays invariant over the tensor axis (the cache's
-        # entries are whole over it)
-        down = jnp.concatenate([ops.decode_matmul(x, q_kernel, None),
-                                ops.decode_matmul(x, self.kv_a_kernel[...], None)], axis=-1)
-        return self.parts(down, value["q_a_norm"], self.kv_a_norm[...], value["q_b_kernel"])
+        # two products, kept apart: the latent's stays invariant over the tensor axis (the
+        # cache's entries are whole over it); a concatenation with the queries (split
+        # over the tensor axis without q_lora_rank) would make it vary
+        q = self.query_part(ops.decode_matmul(x, q_kernel, None), value["q_a_norm"],
+                            value["q_b_kernel"])
+        return (q, *self.latent_part(ops.decode_matmul(x, self.kv_a_kernel[...], None),
+                                     self.kv_a_norm[...], q.dtype))
 
 
 class MultiHeadLatentAttention(CausalSelfAttention):
@@ -322,10 +335,12 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         q = q.reshape(b, s, -1, self.qk_head_dim)
         if cfg.rotary:
             freqs = self.rotary_frequencies(window)
+            factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's, else 1
             q_rope = rotary_embedding(q[..., cfg.qk_nope_head_dim:], positions,
-                                      frequencies=freqs)
+                                      frequencies=freqs, attention_factor=factor)
             q = jnp.concatenate([q[..., :cfg.qk_nope_head_dim], q_rope], axis=-1)
-            k_rope = rotary_embedding(k_rope[:, :, None], positions, frequencies=freqs)[:, :, 0]
+            k_rope = rotary_embedding(k_rope[:, :, None], positions, frequencies=freqs,
+                                      attention_factor=factor)[:, :, 0]
         return q, latent, k_rope
 
     def _attend(self, qkv: jax.Array, order: np.ndarray | None,

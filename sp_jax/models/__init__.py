@@ -2,9 +2,15 @@
 checkpoints in and out)."""
 
 from sp_jax.models.blocks import Block
-from sp_jax.models.generation import Generation, filter_logits, generate, sample_tokens
+from sp_jax.models.generation import (
+    Generation,
+    SpeculativeGeneration,
+    filter_logits,
+    generate,
+    sample_tokens,
+)
 from sp_jax.models.gpt import GPT
-from sp_jax.models.gpt_config import GPTConfig, RopeScaling
+from sp_jax.models.gpt_config import GPTConfig, RopeScaling, YarnScaling
 
-__all__ = ["GPT", "GPTConfig", "Block", "Generation", "RopeScaling", "filter_logits",
-           "generate", "sample_tokens"]
+__all__ = ["GPT", "GPTConfig", "Block", "Generation", "RopeScaling", "SpeculativeGeneration",
+           "YarnScaling", "filter_logits", "generate", "sample_tokens"]

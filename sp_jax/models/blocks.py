@@ -37,9 +37,9 @@ from sp_jax.ops.primitives import (
     tied_host_moves,
 )
 
-__all__ = ["Block", "Documents", "Layers", "Segments", "decode_blocks", "over_layers",
-           "prefill_blocks", "run_block", "run_blocks", "scan_blocks", "stack_blocks",
-           "stack_size"]
+__all__ = ["Block", "Documents", "Layers", "Segments", "decode_blocks", "layer_loop",
+           "over_layers", "prefill_blocks", "run_block", "run_blocks", "scan_blocks",
+           "stack_blocks", "stack_size"]
 
 # (segment_ids, positions) of packed rows, either None, or None: unpacked sequences
 Documents = tuple[jax.Array | None, jax.Array | None] | None
@@ -231,20 +231,41 @@ def stack_blocks(blocks: list[Block], layer_axis: str | None = None,
     return nnx.merge(nnx.graphdef(blocks[0]), stacked)
 
 
+def layer_loop(step: Callable, x: Any, xs: Any, unroll: bool = False) -> tuple[Any, Any]:
+    """``lax.scan(step, x, xs)`` over a stack's layers (``xs``: leaves with a leading
+    layer axis), or with ``unroll`` the same loop in Python: ``step`` traced once per
+    layer on its slice of ``xs``, the outputs stacked on a leading layer axis.
+
+    Unrolled, each layer's offloaded residuals are arrays of their own, not rows of a
+    scan's stacked host buffer: a pipeline's tick scan (GPipe, differentiated by
+    autodiff) stacks them per tick, which XLA:GPU compiles (measured, deviceless 8 x
+    H100); a tick scan stacking a layer scan's host buffers it does not (INTERNAL error
+    in layout assignment: the while loop's tuple keeps the nested buffers' host memory
+    space where the loop expects device memory)."""
+    if not unroll:
+        return jax.lax.scan(step, x, xs)
+    outs = []
+    for i in range(jax.tree.leaves(xs)[0].shape[0]):
+        x, out = step(x, jax.tree.map(lambda a, i=i: a[i], xs))
+        outs.append(out)
+    return x, jax.tree.map(lambda *v: jnp.stack(v), *outs)
+
+
 def scan_blocks(stacked: Block | Segments, x: jax.Array, keys: jax.Array | None,
-                remat: bool, documents: Documents = None
+                remat: bool, documents: Documents = None, unroll: bool = False
                 ) -> tuple[jax.Array, MoEStats | None]:
     """Runs the layers of a stacked block with ``lax.scan`` (one per-layer key each,
-    ``keys [layers, ...]`` or None); returns the output and the layers' stacked router
-    statistics (None: dense). :class:`Segments`: each segment's scan in turn, with its
-    slice of ``keys``; the statistics of the mixture-of-experts segments (the dense ones
-    have none)."""
+    ``keys [layers, ...]`` or None; ``unroll``: a Python loop instead,
+    :func:`layer_loop`); returns the output and the layers' stacked router statistics
+    (None: dense). :class:`Segments`: each segment's scan in turn, with its slice of
+    ``keys``; the statistics of the mixture-of-experts segments (the dense ones have
+    none)."""
     if isinstance(stacked, Segments):
         stats, start = [], 0
         for stack in stacked.stacks:
             n = stack_size(stack)
             x, layer = scan_blocks(stack, x, None if keys is None else keys[start:start + n],
-                                   remat, documents)
+                                   remat, documents, unroll)
             stats.append(layer)
             start += n
         return x, _concatenated(stats)
@@ -255,7 +276,8 @@ def scan_blocks(stacked: Block | Segments, x: jax.Array, keys: jax.Array | None,
 
     if remat:  # with offload_input each layer's input, the scan's saved carry, on the host
         apply = _remat(apply, stacked.offload_input)
-    return jax.lax.scan(lambda x, xs: apply(xs[0], x, xs[1], documents), x, (state, keys))
+    return layer_loop(lambda x, xs: apply(xs[0], x, xs[1], documents), x, (state, keys),
+                      unroll)
 
 
 def over_layers(blocks: Layers, step: Callable, x: jax.Array, xs: Any = None

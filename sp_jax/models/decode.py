@@ -68,8 +68,9 @@ from sp_jax.models.blocks import Segments, decode_blocks, prefill_blocks
 from sp_jax.ops.primitives import all_gather_invariant
 
 # KVCache and cache_slots: "mha"'s cache type and the context split, kept importable here
-__all__ = ["KVCache", "cache_slots", "check_decodable", "decode_step", "prefill",
-           "to_decode_layout", "unpipelined"]
+__all__ = ["KVCache", "cache_index", "cache_slots", "check_decodable", "decode_step",
+           "embed_local", "hidden_at", "local_logits", "merge_parts", "param_parts", "prefill",
+           "prefill_states", "to_decode_layout", "unpipelined", "vocab_tables"]
 
 
 def check_decodable(model: Any) -> None:
@@ -83,7 +84,7 @@ def check_decodable(model: Any) -> None:
 # -- the decode layout of the parameters ---------------------------------------------------
 
 
-def _parts(module: nnx.Module, mesh: Mesh, par: ParallelConfig, stacked: bool
+def param_parts(module: nnx.Module, mesh: Mesh, par: ParallelConfig, stacked: bool
            ) -> tuple[Any, list[jax.Array], list[P]]:
     """``module``'s graph, its parameter leaves resharded into the decode layout, and
     their specs: each parallel layer's own specs under
@@ -112,12 +113,12 @@ def _stacks(model: Any) -> list[Any]:
     return [m for m in (model.dense_blocks, model.blocks) if m is not None]
 
 
-def _merge(graph_treedef: tuple[Any, Any], leaves: list[jax.Array]) -> nnx.Module:
+def merge_parts(graph_treedef: tuple[Any, Any], leaves: list[jax.Array]) -> nnx.Module:
     graph, treedef = graph_treedef
     return nnx.merge(graph, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
-def _logits(model: Any, h: jax.Array, table: jax.Array) -> jax.Array:
+def local_logits(model: Any, h: jax.Array, table: jax.Array) -> jax.Array:
     """Per device: fp32 logits ``[b, vocab_size]`` of final-normed ``h [b, hidden]``
     with this shard's vocabulary block ``table [Vp / t, hidden]`` (one all-gather),
     soft-capped as the training head's (``GPT.cap_logits``)."""
@@ -141,7 +142,7 @@ def _padded(table: nnx.Module, mesh: Mesh) -> jax.Array:
     return reshard(value, decode_layout(table.parallel).vocab_table, mesh)
 
 
-def _tables(model: Any, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+def vocab_tables(model: Any, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
     """The embedding's and the LM head's padded tables, ``P(tensor, None)``."""
     embed = _padded(model.embed, mesh)
     return embed, embed if model.head is None else _padded(model.head, mesh)
@@ -156,8 +157,9 @@ def to_decode_layout(model: Any) -> None:
     mesh = current_mesh(par, where="generate")
     t = axis_size(mesh, par.tensor_axis)
     stacks = [(m, cfg.scan_layers) for m in _stacks(model)]
-    for module, stacked in (*stacks, (model.final_norm, False)):
-        (graph, treedef), leaves, _ = _parts(module, mesh, par, stacked)
+    mtp = [(m, False) for m in (getattr(model, "mtp", None) or ())]
+    for module, stacked in (*stacks, *mtp, (model.final_norm, False)):
+        (graph, treedef), leaves, _ = param_parts(module, mesh, par, stacked)
         nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
     for table in (model.embed, model.head):
         if table is not None:
@@ -199,36 +201,87 @@ def prefill(model: Any, tokens: jax.Array, last: jax.Array, length: int
       (ring attention's zigzag parts, Ulysses' contiguous ones) and the generated
       positions are spread over the shards (:meth:`~sp_jax.layers.AttentionCache.slots`).
     """
+    h, cache = prefill_states(model, tokens, length)
+    mesh = current_mesh(model.parallel, where="generate")
+    _, head = vocab_tables(model, mesh)
+    return hidden_at(model, h, last, head), cache
+
+
+def prefill_states(model: Any, tokens: jax.Array, length: int
+                   ) -> tuple[jax.Array, AttentionCache]:
+    """:func:`prefill`'s forward: the final-normed hidden states ``[batch, seq, hidden]``
+    of every prompt position (SP layout, the held order of
+    :meth:`~sp_jax.models.GPT.sequence_order`) and the cache of ``length`` (as
+    :func:`prefill`'s)."""
     check_decodable(model)
     par = model.parallel
     mesh = current_mesh(par, where="generate")
     layout = Layout.of(par)
-    _, head = _tables(model, mesh)
     order = model.sequence_order(tokens)  # ring attention's zigzag, else None
     x = model.embed_tokens(to_held(tokens, order, par),
                            model.vocab_table() if model.head is None else None, order)
     x, entries = prefill_blocks(model.layers, x)
-    h = model.final_norm(x)
     shards = axis_size(mesh, par.context_axes)
     seq = tokens.shape[1]
     extra = -(-(max(length, seq) - seq) // shards)  # each shard's slots for new tokens
-    cache = entries.grown(seq, extra, layout, mesh)
-    held = np.arange(seq) if order is None else np.argsort(order)  # position -> held index
+    return model.final_norm(x), entries.grown(seq, extra, layout, mesh)
+
+
+def hidden_at(model: Any, h: jax.Array, at: jax.Array, table: jax.Array | None = None
+              ) -> jax.Array:
+    """Row ``b``'s hidden state at position ``at[b]`` of ``h [batch, seq, hidden]`` (SP
+    layout, held order): ``[batch, hidden]`` whole rows, batch over the data axes; with
+    ``table`` (the head's, :func:`vocab_tables`) its fp32 logits ``[batch, vocab_size]``
+    instead (:func:`local_logits`)."""
+    par = model.parallel
+    mesh = current_mesh(par, where="generate")
+    layout = Layout.of(par)
+    order = sequence_order(par, mesh, h.shape[1])
+    held = np.arange(h.shape[1]) if order is None else np.argsort(order)  # position -> held
     seq_axes = (*par.context_axes, par.tensor_axis)
 
-    def pick(h, last, table):  # this device's sequence shard holds some rows' last token
+    def pick(h, at, *table):  # this device's sequence shard holds some rows' position
         s = h.shape[1]
-        at = jnp.asarray(held, jnp.int32)[last] - lax.axis_index(seq_axes) * s
+        at = jnp.asarray(held, jnp.int32)[at] - lax.axis_index(seq_axes) * s
         inside = (at >= 0) & (at < s)
         row = jnp.take_along_axis(h, jnp.clip(at, 0, s - 1)[:, None, None], axis=1)[:, 0]
         row = lax.psum(jnp.where(inside[:, None], row, jnp.zeros((), row.dtype)), seq_axes)
-        return _logits(model, row, table)
+        return local_logits(model, row, table[0]) if table else row
 
     batch = layout.spec("activation_batch")
-    logits = jax.shard_map(pick, in_specs=(layout.sp, batch, decode_layout(par).vocab_table),
-                           out_specs=layout.spec("activation_batch", None))(
-        reshard(h, layout.sp, mesh), reshard(last, batch, mesh), head)
-    return logits, cache
+    tables = () if table is None else (table,)
+    return jax.shard_map(
+        pick, in_specs=(layout.sp, batch, *(decode_layout(par).vocab_table,) * len(tables)),
+        out_specs=layout.spec("activation_batch", None))(
+        reshard(h, layout.sp, mesh), reshard(at, batch, mesh), *tables)
+
+
+def cache_index(slots: Any, positions: jax.Array, length: int,
+                axes: tuple[str, ...]) -> tuple[jax.Array | None, jax.Array]:
+    """Per device: ``(cache_positions, at)``: the positions this shard's cache entries
+    hold (None: entry ``j`` holds position ``j``) and where each row's entry of
+    ``positions`` is written in it (``length``, dropped by the write, where another
+    context shard keeps it or the position is negative), from the cache's ``slots``
+    (:meth:`~sp_jax.layers.AttentionCache.slots`; None without a context axis)."""
+    if slots is None:
+        return None, jnp.where(positions >= 0, positions, length)
+    shard = lax.axis_index(axes)
+    p = jnp.maximum(positions, 0)
+    at = jnp.where((jnp.asarray(slots[1])[p] == shard) & (positions >= 0),
+                   jnp.asarray(slots[2])[p], length)
+    return jnp.asarray(slots[0])[shard], at
+
+
+def embed_local(model: Any, embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per device: the token embeddings ``[b, 1, hidden]`` (whole rows; scaled as
+    ``GPT.embed_tokens``'s, no learned positions) of ``tokens [b]`` from this shard's
+    vocabulary block ``embed [Vp / t, hidden]`` (one all-reduce over the tensor axis)."""
+    tensor = model.parallel.tensor_axis
+    x = lax.psum(vocab_parallel_lookup(tokens[:, None], embed, tensor,
+                                       model.config.vocab_size), tensor)
+    if model.embed.dtype is not None:
+        x = x.astype(model.embed.dtype)
+    return model.scale_embeddings(x)  # as GPT.embed_tokens
 
 
 def decode_step(model: Any, cache: AttentionCache, tokens: jax.Array, positions: jax.Array
@@ -249,12 +302,11 @@ def decode_step(model: Any, cache: AttentionCache, tokens: jax.Array, positions:
     par, cfg = model.parallel, model.config
     mesh = current_mesh(par, where="generate")
     layout = Layout.of(par)
-    tensor = par.tensor_axis
-    embed, head = _tables(model, mesh)
-    parts = [_parts(m, mesh, par, cfg.scan_layers) for m in _stacks(model)]
+    embed, head = vocab_tables(model, mesh)
+    parts = [param_parts(m, mesh, par, cfg.scan_layers) for m in _stacks(model)]
     blocks = [graph for graph, _, _ in parts]
     block_leaves, block_specs = [p[1] for p in parts], [p[2] for p in parts]
-    final, final_leaves, final_specs = _parts(model.final_norm, mesh, par, False)
+    final, final_leaves, final_specs = param_parts(model.final_norm, mesh, par, False)
     position = None if model.position is None else reshard(model.position[...], P(), mesh)
     batch = layout.spec("activation_batch")
     cache_specs = cache.specs(layout)
@@ -263,25 +315,17 @@ def decode_step(model: Any, cache: AttentionCache, tokens: jax.Array, positions:
         if par.context_axes else None
 
     def local(block_leaves, final_leaves, embed, head, position, cache, tokens, positions):
-        cache_positions, at = None, positions
-        if slots is not None:  # this shard's part of the cache, and the new entries in it
-            shard = lax.axis_index(par.context_axes)
-            cache_positions = jnp.asarray(slots[0])[shard]
-            at = jnp.where(jnp.asarray(slots[1])[positions] == shard,
-                           jnp.asarray(slots[2])[positions], cache.length)  # else dropped
-        x = lax.psum(vocab_parallel_lookup(tokens[:, None], embed, tensor, cfg.vocab_size),
-                     tensor)
-        if model.embed.dtype is not None:
-            x = x.astype(model.embed.dtype)
-        x = model.scale_embeddings(x)  # as GPT.embed_tokens
+        # this shard's part of the cache, and the new entries in it
+        cache_positions, at = cache_index(slots, positions, cache.length, par.context_axes)
+        x = embed_local(model, embed, tokens)
         if position is not None:
             x = x + jnp.take(position, positions, axis=0)[:, None].astype(x.dtype)
-        stacks = [_merge(g, leaves) for g, leaves in zip(blocks, block_leaves, strict=True)]
+        stacks = [merge_parts(g, leaves) for g, leaves in zip(blocks, block_leaves, strict=True)]
         layers = stacks[0] if len(stacks) == 1 else Segments(tuple(stacks))
         x, new = decode_blocks(layers, x, cache, positions, cache_positions)
-        h = _merge(final, final_leaves).local(x)[:, 0]
+        h = merge_parts(final, final_leaves).local(x)[:, 0]
         cache = cache.write(new, jnp.arange(tokens.shape[0]), at)
-        return _logits(model, h, head), cache
+        return local_logits(model, h, head), cache
 
     table_spec = decode_layout(par).vocab_table
     return jax.shard_map(

@@ -23,8 +23,10 @@ from sp_jax.models.decode import (
     prefill,
     to_decode_layout,
 )
+from sp_jax.models.speculative import programs as speculative_programs
 
-__all__ = ["Generation", "filter_logits", "generate", "sample_tokens"]
+__all__ = ["Generation", "SpeculativeGeneration", "filter_logits", "generate",
+           "sample_tokens"]
 
 
 class Generation(NamedTuple):
@@ -38,6 +40,21 @@ class Generation(NamedTuple):
 
     tokens: np.ndarray
     lengths: np.ndarray
+
+
+class SpeculativeGeneration(Generation):
+    """What :func:`generate` returns with ``speculative="mtp"``: a :class:`Generation`
+    (the same ``tokens`` and ``lengths``; it unpacks as one) with two attributes more.
+
+    Attributes:
+      accepted_drafts: the mean number of drafts accepted per verification step and
+        row (0 .. ``mtp_depth``), over the steps each row was still generating: each
+        such step gives the row ``accepted_drafts + 1`` tokens.
+      steps: the verification steps run (each one jitted program).
+    """
+
+    accepted_drafts: float
+    steps: int
 
 
 def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int | None = None,
@@ -146,7 +163,7 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, rngs: Any = None,
-             lengths: Any = None) -> Generation:
+             lengths: Any = None, speculative: str | None = None) -> Generation:
     """New tokens after each prompt, from a :class:`~sp_jax.models.GPT` on its mesh.
 
     The prompts run through the training path once (the prefill: sequence-parallel
@@ -179,6 +196,14 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
         when ``temperature > 0``. Step ``n`` draws with ``fold_in(key, n)``: one key
         gives the same tokens on every mesh.
       lengths: prompt lengths ``[batch]`` of a padded ``prompts`` array.
+      speculative: None, or ``"mtp"``: greedy speculative decoding with the model's
+        multi-token prediction modules (``GPTConfig.mtp_depth = D``,
+        :mod:`sp_jax.models.speculative`): each step drafts ``D`` tokens with them and
+        verifies them with the main model in one jitted step over ``D + 1`` positions,
+        keeping the drafts up to the first that differs from the main model's greedy
+        token and that token: the tokens of plain greedy decoding. Needs
+        ``temperature=0``. Returns a :class:`SpeculativeGeneration` (its
+        ``accepted_drafts``).
     Returns:
       :class:`Generation`: ``tokens [batch, max_new_tokens]`` and ``lengths [batch]``
       (NumPy, int32).
@@ -198,6 +223,14 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     if temperature > 0 and rngs is None:
         raise ValueError("generate: sampling (temperature > 0) needs rngs= (e.g. "
                          "nnx.Rngs(sample=0) or jax.random.key(0)); temperature=0 is greedy.")
+    if speculative not in (None, "mtp"):
+        raise ValueError(f"generate: speculative={speculative!r} is not a drafting method; "
+                         "use None or 'mtp' (the model's multi-token prediction modules).")
+    if speculative == "mtp" and (temperature != 0 or getattr(model.config, "mtp_depth", 0) < 1):
+        raise ValueError("generate: speculative='mtp' drafts with the model's multi-token "
+                         "prediction modules and verifies greedily: it needs a model with "
+                         f"GPTConfig(mtp_depth >= 1) (this one: {model.config.mtp_depth}) "
+                         f"and temperature=0 (got {temperature}).")
     check_mode("generate", model, where="generate")  # sp_jax.compat's generate column
     model = model.for_decoding()  # e.g. a pipelined model's blocks off the stage axis
     cfg, par = model.config, model.parallel
@@ -211,7 +244,9 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
         seq_shards = math.lcm(seq_shards, 2 * axis_size(mesh, par.context_axes))  # zigzag
     rows = -(-batch // data) * data
     width = -(-tokens.shape[1] // seq_shards) * seq_shards
-    length = max(width, int(lens.max()) + max_new_tokens)
+    # a speculative step writes up to D + 1 entries past the last token it keeps
+    extra = cfg.mtp_depth + 1 if speculative else 0
+    length = max(width, int(lens.max()) + max_new_tokens + extra)
     if cfg.positions == "learned" and max(width, int(lens.max()) + max_new_tokens - 1) \
             > cfg.max_seq_len:
         raise ValueError(
@@ -241,6 +276,9 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
     first, step = _programs(graph, (float(temperature), top_k, top_p))
     new, cache = first(state, jnp.asarray(padded), jnp.asarray(all_lens - 1), length,
                        jax.random.fold_in(key, 0))
+    if speculative:
+        return _speculate(graph, state, cache, new, padded, all_lens, length, batch,
+                          max_new_tokens, eos_ids, pad, mesh)
     done = jnp.isin(new, eos)
     out = [new]
     positions = jnp.asarray(all_lens)
@@ -258,10 +296,59 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
         out.append(new)
         if eos_ids and n % 8 == 0 and bool(jnp.all(done[:batch])):
             break
-    generated = np.asarray(jnp.stack(out, axis=1))[:batch]
+    return _finished(np.asarray(jnp.stack(out, axis=1))[:batch], max_new_tokens, eos_ids, pad)
+
+
+def _finished(generated: np.ndarray, max_new_tokens: int, eos_ids: list[int], pad: int
+              ) -> Generation:
+    """The :class:`Generation` of ``generated [batch, n]`` tokens: cut or padded to
+    ``max_new_tokens``, ``pad`` after each row's first eos."""
+    batch = generated.shape[0]
     result = np.full((batch, max_new_tokens), pad, np.int32)
-    result[:, :generated.shape[1]] = generated
+    n = min(generated.shape[1], max_new_tokens)
+    result[:, :n] = generated[:, :n]
     ends = np.isin(result, eos_ids)
+    after = np.cumsum(ends, axis=1) - ends > 0  # past the row's first eos
+    result[after] = pad
     lengths_out = np.where(ends.any(axis=1), ends.argmax(axis=1) + 1, max_new_tokens)
     return Generation(result, lengths_out.astype(np.int32))
+
+
+def _speculate(graph: Any, state: Any, cache: Any, new: jax.Array, padded: np.ndarray,
+               lens: np.ndarray, length: int, batch: int, max_new_tokens: int,
+               eos_ids: list[int], pad: int, mesh: Any) -> SpeculativeGeneration:
+    """:func:`generate`'s loop with ``speculative="mtp"`` after the main prefill (its
+    greedy tokens ``new``): the MTP prefill, then speculative steps until every row has
+    ``max_new_tokens`` or its eos (:mod:`sp_jax.models.speculative`)."""
+    mtp_first, mtp_step = speculative_programs(graph)
+    cache, caches, drafts, carry = mtp_first(state, jnp.asarray(padded), jnp.asarray(lens),
+                                             new, length)
+    rows = [[int(t)] for t in np.asarray(new)[:batch]]
+    token, positions = new, jnp.asarray(lens)
+    accepted_sum, counted, steps = 0, 0, 0
+    one_at_a_time = mesh_platform() == "cpu" and mesh.size > 1  # as generate's loop
+
+    def active(r: list[int]) -> bool:
+        return len(r) < max_new_tokens and not (set(r) & set(eos_ids))
+
+    while any(active(r) for r in rows):
+        g, accepted, drafts, carry, cache, caches = mtp_step(
+            state, cache, caches, token, drafts, carry, positions)
+        if one_at_a_time:
+            g.block_until_ready()
+        steps += 1
+        g_host, a_host = np.asarray(g), np.asarray(accepted)
+        for b, r in enumerate(rows):
+            if active(r):
+                accepted_sum += int(a_host[b])
+                counted += 1
+                r.extend(int(t) for t in g_host[b, :a_host[b] + 1])
+        token = jnp.take_along_axis(g, accepted[:, None], axis=1)[:, 0]
+        positions = positions + accepted + 1
+    width = max(len(r) for r in rows)
+    generated = np.array([r + [pad] * (width - len(r)) for r in rows], np.int32)
+    out = SpeculativeGeneration(*_finished(generated, max_new_tokens, eos_ids, pad))
+    out.accepted_drafts = accepted_sum / max(counted, 1)
+    out.steps = steps
+    return out
 

@@ -37,6 +37,7 @@ from sp_jax.mesh import (
 )
 from sp_jax.models.blocks import Block, Documents, Layers, Segments, run_blocks, stack_blocks
 from sp_jax.models.gpt_config import POSITIONS, GPTConfig, RopeScaling
+from sp_jax.models.mtp import MTPModule, mtp_loss
 
 __all__ = ["GPT", "GPTConfig", "Block", "POSITIONS", "RopeScaling"]
 
@@ -122,6 +123,9 @@ class GPT(nnx.Module):
         # output layer), vocabulary-parallel like the embedding.
         self.head = None if cfg.tie_embeddings else VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden, parallel=parallel, param_dtype=cfg.param_dtype, rngs=rngs)
+        # DeepSeek-V3's multi-token prediction modules (sp_jax.models.mtp), or None
+        self.mtp = nnx.List([MTPModule(cfg, parallel, rngs=rngs)
+                             for _ in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
 
     def stack_layers(self, blocks: list[Block]) -> Block:
         """The layers of one kind of a scanned model (``config.scan_layers``: all of
@@ -230,14 +234,19 @@ class GPT(nnx.Module):
         mixture-of-experts layers' stacked router statistics (None without any); ``table``:
         the embedding's padded table if already made; ``documents``: from
         :meth:`_documents`."""
-        training = self.training
-        stream = None
-        if training:  # keys are drawn here, outside any rematerialised block
-            stream = rngs.dropout if rngs is not None else self.dropout.rngs
-        x = self.embed_tokens(tokens, table, order, stream() if training else None,
+        stream = self._stream(rngs)
+        x = self.embed_tokens(tokens, table, order, None if stream is None else stream(),
                               None if documents is None else documents[1])
         x, stats = self.run_blocks(x, stream=stream, documents=documents)
         return self.final_norm(x), stats
+
+    def _stream(self, rngs: Any) -> Callable[[], jax.Array] | None:
+        """The dropout key stream of a call in train mode (``rngs.dropout``, else the
+        model's own), None without dropout; keys are drawn from it outside any
+        rematerialised block."""
+        if not self.training:
+            return None
+        return rngs.dropout if rngs is not None else self.dropout.rngs
 
     def run_blocks(self, x: jax.Array, *, stream: Callable[[], jax.Array] | None = None,
                    documents: Documents = None) -> tuple[jax.Array, MoEStats | None]:
@@ -436,10 +445,14 @@ class GPT(nnx.Module):
         tokens = self._ids(tokens)
         labels = self._loss_targets(tokens, labels, segment_ids, ignore_index)
         order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
-        labels = to_held(self._ids(labels), order, self.parallel)
+        targets = self._ids(labels)  # natural order (the MTP depths shift them)
+        labels = to_held(targets, order, self.parallel)
         documents = self._documents(tokens, segment_ids, positions, order)
-        logits, stats = self._padded_logits(to_held(tokens, order, self.parallel), rngs,
-                                            order, documents)
+        table = self.vocab_table()  # [Vp, hidden], layout.vocab_table
+        h, stats = self._hidden_states(to_held(tokens, order, self.parallel), rngs,
+                                       table if self.head is None else None, order,
+                                       documents)
+        logits = self.logits_from_hidden(h, table)
         per_token = parallel_cross_entropy(
             logits, labels, parallel=self.parallel,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
@@ -448,8 +461,14 @@ class GPT(nnx.Module):
         mean = jnp.sum(per_token) / jnp.maximum(count, 1)
         metrics = {"lm_loss": mean}
         loss = mean
+        cfg = self.config
         if stats is not None:
-            cfg = self.config
             metrics.update(moe_losses(stats, cfg.num_experts, cfg.experts_per_token))
             loss = mean + router_loss(metrics, cfg)
+        if self.mtp is not None:
+            metrics["mtp_loss"] = mtp_loss(
+                self, h, tokens, targets, segment_ids=segment_ids, order=order,
+                documents=documents, table=table, stream=self._stream(rngs),
+                ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+            loss = loss + cfg.mtp_loss_weight * metrics["mtp_loss"]
         return (loss, metrics) if return_metrics else loss

@@ -1,6 +1,6 @@
 """The configuration of a :class:`~sp_jax.models.GPT`: :class:`GPTConfig` (shape, numerics,
-the GPT-2, Llama, Mixtral, Qwen3-MoE and DeepSeek-V3-shaped presets, the checkpoint's
-special token ids) and
+the GPT-2, Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 / Kimi K2 and GLM-4.5 presets, the
+checkpoint's special token ids) and
 :data:`POSITIONS`."""
 
 from __future__ import annotations
@@ -17,12 +17,19 @@ from sp_jax.layers import (
     MLPConfig,
     MoEConfig,
     RopeScaling,
+    YarnScaling,
     check_block_fields,
     check_moe_fields,
     settle_block_fields,
 )
+from sp_jax.models.deepseek_presets import (
+    DEEPSEEK_V3_COMMON,
+    DEEPSEEK_V3_PRESETS,
+    GLM4_MOE_COMMON,
+    GLM4_MOE_PRESETS,
+)
 
-__all__ = ["GPTConfig", "POSITIONS", "RopeScaling"]
+__all__ = ["GPTConfig", "POSITIONS", "RopeScaling", "YarnScaling"]
 
 POSITIONS = ("learned", "rotary")
 """Position encodings a :class:`GPT` supports: a learned table or rotary embeddings."""
@@ -58,7 +65,17 @@ class GPTConfig:
       positions: ``"learned"`` (table added to the embeddings) or ``"rotary"``.
       rope_base: rotary base frequency (Llama-2: 1e4, Llama-3: 5e5).
       rope_scaling: Llama-3.1 style frequency scaling (:class:`RopeScaling`, or a dict of
-        its fields), or None.
+        its fields), YaRN's (:class:`~sp_jax.layers.YarnScaling`, or a dict of its fields
+        with ``rope_type="yarn"``: DeepSeek-V3, Kimi K2), or None.
+      partial_rotary_factor: the share of each head's features the rotary angles turn
+        (GLM-4.5: 0.5, the first half of each head; Hugging Face's
+        ``partial_rotary_factor``); 1.0: all (:class:`~sp_jax.layers.AttentionConfig`).
+      rope_interleave: the Hugging Face checkpoint's rotary features come in interleaved
+        pairs (DeepSeek-V3's ``rope_interleave``): data for
+        :func:`~sp_jax.models.hf.to_hf`, which writes them so again; sp_jax's parameters
+        hold them in rotate-half order whatever it says (the reader permutes them,
+        :func:`~sp_jax.layers.mla.deinterleave_rope`), and the model's math does not read
+        it.
       qkv_bias / out_bias / mlp_bias: biases on the q/k/v projection, the attention
         output projection and the MLP projections (GPT-2: all; Llama: none).
       norm: ``"layernorm"`` or ``"rmsnorm"``.
@@ -185,6 +202,16 @@ class GPTConfig:
         (:class:`~sp_jax.training.TrainStep`, outside the optimizer); 0.0: frozen.
       moe_seq_aux_loss_coef: weight of DeepSeek-V3's sequence-wise balance loss added to
         the training loss (``moe_seq_aux_loss`` of :func:`~sp_jax.layers.moe_losses`).
+      mtp_depth: ``D``, DeepSeek-V3's sequential multi-token prediction modules
+        (:class:`~sp_jax.models.mtp.MTPModule`, Hugging Face's
+        ``num_nextn_predict_layers``): module ``k`` predicts token ``i + k + 1`` at
+        position ``i`` from module ``k - 1``'s hidden state (the main model's for the
+        first) and the embedding of token ``i + k``; trained as an added loss
+        (:meth:`GPT.loss <sp_jax.models.GPT.loss>`), drafting for
+        ``generate(..., speculative="mtp")``. 0 (the default): none.
+      mtp_loss_weight: ``lambda``, the weight of the MTP loss (the mean over the ``D``
+        depths of their mean cross-entropies) added to the training loss (DeepSeek-V3:
+        0.3, then 0.1).
     """
 
     vocab_size: int
@@ -208,7 +235,7 @@ class GPTConfig:
     attention_implementation: str = "xla"
     mlp_activation: str = "gelu"
     num_kv_heads: int | None = None
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     qkv_bias: bool = False
     out_bias: bool = True
     mlp_bias: bool = True
@@ -252,6 +279,10 @@ class GPTConfig:
     moe_routed_scale: float = 1.0
     moe_bias_update_rate: float = 0.0
     moe_seq_aux_loss_coef: float = 0.0
+    partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers"):
@@ -273,6 +304,7 @@ class GPTConfig:
         self._check_experts()
         self._check_token_ids()
         self._check_layer_windows()
+        self._check_mtp()
         if self.hf_model_type is not None and (
                 not isinstance(self.hf_model_type, str) or not self.hf_model_type):
             raise ValueError(f"GPTConfig.hf_model_type={self.hf_model_type!r} must be a "
@@ -308,6 +340,17 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"GPTConfig.{name}={value!r} must be a number >= 0.")
+
+    def _check_mtp(self) -> None:
+        """``mtp_depth`` (an int >= 0) and ``mtp_loss_weight`` (a number >= 0)."""
+        depth, weight = self.mtp_depth, self.mtp_loss_weight
+        if isinstance(depth, bool) or not isinstance(depth, int | np.integer) or depth < 0:
+            raise ValueError(f"GPTConfig.mtp_depth={depth!r} must be an int >= 0 (the number "
+                             "of multi-token prediction modules; 0: none).")
+        object.__setattr__(self, "mtp_depth", int(depth))
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+            raise ValueError(f"GPTConfig.mtp_loss_weight={weight!r} must be a number >= 0 "
+                             "(the weight of the multi-token prediction loss).")
 
     def _check_layer_windows(self) -> None:
         """``layer_windows``: None or one entry (None or a positive int) per layer."""
@@ -526,8 +569,11 @@ class GPTConfig:
           pretraining length, ``original_max_position_embeddings``) rather than the
           163840 of its YaRN scaling.
 
-        No Hugging Face family (``hf_model_type`` None): sp_jax reads and writes no
-        DeepSeek checkpoints.
+        No Hugging Face family (``hf_model_type`` None): a DeepSeek-V3 checkpoint is
+        :meth:`deepseek_v3`'s architecture (MLA, dense first layers), which
+        :func:`~sp_jax.models.hf.from_hf` reads; this stand-in stays as it was for the
+        figures measured on it (``to_hf`` writes it as the first family expressing it,
+        GLM-4.5's ``glm4_moe`` with every rotary feature turned).
 
         Args:
           name: ``"deepseek-v3"`` (61 layers, hidden 7168, 128 heads of 128, 256 routed
@@ -556,6 +602,46 @@ class GPTConfig:
                                      mlp_hidden=160, num_experts=32, moe_mlp_hidden=16),
         }
         return cls._preset("deepseek_v3_moe", name, presets, common, overrides)
+
+    @classmethod
+    def deepseek_v3(cls, name: str = "deepseek-v3", **overrides: Any) -> GPTConfig:
+        """DeepSeek-V3-architecture shapes (``model_type`` ``deepseek_v3``: DeepSeek-V3,
+        Kimi K2), as their Hugging Face ``config.json`` files give them
+        (:mod:`sp_jax.models.deepseek_presets`): multi-head latent attention
+        (``attention="mla"``) with YaRN rotary scaling and DeepSeek's softmax scale,
+        the first layers dense, then mixtures of experts with sigmoid group-limited
+        routing, a selection bias and one shared expert; untied head. Only shapes (no
+        multi-token-prediction module); :func:`sp_jax.models.hf.from_hf` reads the
+        weights, :func:`~sp_jax.models.hf.to_hf` writes them back. Unlike
+        :meth:`deepseek_v3_moe` (multi-head attention, every layer a mixture: the
+        stand-in the planner's and routing's figures were measured on, kept as it
+        was), this is the architecture itself.
+
+        Args:
+          name: ``"deepseek-v3"`` (671B: 61 layers, hidden 7168, 128 heads, 256 experts
+            of 2048, 3 dense layers, 163840 positions), ``"kimi-k2"`` (1.03T: 64 heads,
+            384 experts, 1 dense layer, 131072 positions) or ``"deepseek-v3-tiny"``
+            (the structure at test size).
+          overrides: any other :class:`GPTConfig` field.
+        """
+        return cls._preset("deepseek_v3", name, DEEPSEEK_V3_PRESETS, DEEPSEEK_V3_COMMON,
+                           overrides)
+
+    @classmethod
+    def glm4_moe(cls, name: str = "glm-4.5-air", **overrides: Any) -> GPTConfig:
+        """GLM-4.5 shapes (``model_type`` ``glm4_moe``; Hugging Face ``zai-org/GLM-4.5-Air``'s
+        ``config.json``, :mod:`sp_jax.models.deepseek_presets`): grouped-query attention
+        with half of each head rotated, q/k/v biases, one dense layer, then mixtures of
+        experts with sigmoid routing, a selection bias and one shared expert; untied
+        head. Only shapes (no multi-token-prediction module).
+
+        Args:
+          name: ``"glm-4.5-air"`` (106B: 46 layers, hidden 4096, 96 heads over 8 of
+            128, 128 experts of 1408, 8 per token) or ``"glm-4.5-tiny"`` (the structure
+            at test size, with GLM-4.5's q/k norms).
+          overrides: any other :class:`GPTConfig` field.
+        """
+        return cls._preset("glm4_moe", name, GLM4_MOE_PRESETS, GLM4_MOE_COMMON, overrides)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward and backward, recomputation not counted;

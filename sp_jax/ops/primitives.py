@@ -29,7 +29,8 @@ except AttributeError:  # pragma: no cover - depends on the installed jax
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
 
 __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
-           "check_divisible", "conjugate_pair", "cotangent_barrier", "fresh_zeros", "reduce_in",
+           "check_divisible", "conjugate_pair", "cotangent_barrier", "fresh_zeros",
+           "host_moves_real", "reduce_in",
            "reduce_scatter", "residuals_to_device", "residuals_to_host", "split",
            "tied_host_moves", "to_device", "to_host", "vary", "vary_then", "vma"]
 
@@ -207,10 +208,11 @@ def tied_host_moves():
         _TIED_HOST_MOVES.reset(token)
 
 
-def _moves_real() -> bool:
-    """Whether the host moves of the current mesh's platform are real: XLA:CPU lowers
-    them to nothing, and without the ties below its programs (and their bits) stay
-    those of a run without the option."""
+def host_moves_real() -> bool:
+    """Whether the host moves of the current mesh's platform are real (at trace time):
+    XLA:CPU lowers them to nothing, and without the ties below, or another form of the
+    layers chosen for the moves' sake (a pipeline stage's layers unrolled), its programs
+    (and their bits) stay those of a run without the option."""
     return mesh_platform() != "cpu"
 
 
@@ -225,7 +227,7 @@ def residuals_to_host(res, y, enabled: bool = True) -> tuple[Any, Any]:
     blocks kept every residual on the device)."""
     if not enabled:
         return res, y
-    if _TIED_HOST_MOVES.get() and _moves_real():
+    if _TIED_HOST_MOVES.get() and host_moves_real():
         return lax.optimization_barrier((to_host(res), y))
     return to_host(res), y
 
@@ -241,7 +243,7 @@ def residuals_to_device(res, g, enabled: bool = True) -> tuple[Any, Any]:
     move back may be scheduled before the backward pass reaches the layer."""
     if not enabled:
         return res, g
-    if _moves_real():
+    if host_moves_real():
         res, g = lax.optimization_barrier((res, g))
     return to_device(res), g
 
@@ -272,6 +274,6 @@ def cotangent_barrier(x, enabled: bool = True):
     the end of the backward pass (measured, deviceless 8 x H100, h=256, s=1024, t=8:
     2 x [s / t, h] bf16 per layer, 0.125 of the 0.150 MiB per layer that stayed on the
     device with ``offload_activations``)."""
-    if not enabled or not _moves_real():
+    if not enabled or not host_moves_real():
         return x
     return _cotangent_barrier(x)

@@ -62,7 +62,8 @@ from sp_jax.layers import (
 from sp_jax.layers.fp8 import Fp8History
 from sp_jax.layout import Layout
 from sp_jax.mesh import current_mesh
-from sp_jax.models.blocks import run_block, scan_blocks
+from sp_jax.models.blocks import layer_loop, run_block, scan_blocks
+from sp_jax.ops.primitives import host_moves_real
 from sp_jax.pipeline.interpreter import StageProgram, run_schedule
 from sp_jax.pipeline.placement import (
     LayerKind,
@@ -223,7 +224,7 @@ def router_metrics(model: Any, totals: Any, place: Placement | None = None
 
 
 def _masked_scan(stacked: Any, x: jax.Array, keys: Any, remat: bool, documents: Any,
-                 active: jax.Array) -> tuple[jax.Array, Any]:
+                 active: jax.Array, unroll: bool) -> tuple[jax.Array, Any]:
     """:func:`~sp_jax.models.blocks.scan_blocks` with padding slots (``active [n]``
     False) as identities, their router statistics zero (unequal stages, or a kind of
     layer a stage holds fewer of: every stage scans the same number of slots)."""
@@ -234,7 +235,7 @@ def _masked_scan(stacked: Any, x: jax.Array, keys: Any, remat: bool, documents: 
         y, stats = run_block(nnx.merge(graphdef, layer_state), x, key, remat, documents)
         return jnp.where(on, y, x), masked(on, stats)
 
-    return jax.lax.scan(layer, x, (state, keys, active))
+    return layer_loop(layer, x, (state, keys, active), unroll)
 
 
 def _documents(micro: dict[str, jax.Array]) -> Any:
@@ -247,11 +248,20 @@ def _documents(micro: dict[str, jax.Array]) -> Any:
 
 def _program(model: Any, order: np.ndarray | None, ignore_index: int,
              label_smoothing: float, z_loss: float, result: str = "loss",
-             taps: bool = False) -> StageProgram:
+             taps: bool = False, ticked_residuals: bool = False) -> StageProgram:
     """The GPT ``model``'s :class:`StageProgram` (functions of pure parameter dicts); its
     head returns the loss sum, or (``result``) the final-normed ``"hidden"`` states or
     the padded ``"logits"`` of a forward; with ``taps`` (a table with W actions) its
-    chunks take the layers' weight-gradient taps (``StageProgram.weight_taps``)."""
+    chunks take the layers' weight-gradient taps (``StageProgram.weight_taps``).
+
+    ``ticked_residuals``: the tick scan keeps each tick's residuals (a forward table,
+    differentiated by autodiff: GPipe). With ``offload_activations`` where the host
+    moves are real (XLA:GPU) a chunk's layers then run unrolled
+    (:func:`~sp_jax.models.blocks.layer_loop`): the tick scan stacks each layer's host
+    residuals itself, and XLA:GPU compiles that, where it fails on a layer scan's host
+    buffers nested in it. A driven table (1F1B) differentiates each chunk within one
+    tick, so its layer scan's host buffers stay in that tick (compiled, measured), and
+    XLA:CPU runs the scan either way (its programs and bits as without the option)."""
     inner = stage_parallel(model.parallel.split_pipeline()[0])
     graphdef, block_graphdefs, weight_taps = _stage_graphdefs(model, inner, taps)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
@@ -259,6 +269,7 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
     empty = {kind.name: jax.tree.map(lambda x: np.zeros((0,), x.dtype), nnx.to_pure_dict(
         nnx.state(getattr(model, kind.name), nnx.Param))) for kind in kinds}
     remat, vocab = model.config.remat, model.config.vocab_size
+    offload = ticked_residuals and inner.offload_activations
 
     def shell(shared):
         return nnx.merge(graphdef, {**shared, **empty}, rest)
@@ -280,11 +291,12 @@ def _program(model: Any, order: np.ndarray | None, ignore_index: int,
         layer_data = layer_data or {}
         windows = [layer_data["windows"]] if "windows" in layer_data else []
         stacked = nnx.merge(block_graphdef, chunk, *windows)
+        unroll = offload and host_moves_real()  # at trace time: the mesh's platform
         if "active" in layer_data:  # unequal stages: padding slots are identities
             return _masked_scan(stacked, x, key(layer_data.get("dropout")), remat,
-                                _documents(micro), layer_data["active"])
+                                _documents(micro), layer_data["active"], unroll)
         return scan_blocks(stacked, x, key(layer_data.get("dropout")), remat,
-                           _documents(micro))
+                           _documents(micro), unroll)
 
     def stage(chunk, x, layer_data, micro):
         # each kind's segment in turn (the dense layers, then the experts)
@@ -480,7 +492,7 @@ def _run(model: Any, params: Any, batch: dict[str, jax.Array],
     amaxes = _flagged(model, Fp8History)  # FP8 delayed scaling: combined by maximum
     loads = _flagged(model, RouterBias)  # aux-loss-free balancing: the real ticks' loads
     program = _program(model, order, ignore_index, label_smoothing, z_loss, result,
-                       taps=schedule.deferred)
+                       taps=schedule.deferred, ticked_residuals=not schedule.driven)
     axes = {"stage_axis": pipe.axis, "data_axes": manual_data_axes(par), "mesh": mesh,
             "reduce_dtype": par.grad_reduce_dtype}
     if result != "loss":  # a forward's outputs

@@ -84,6 +84,22 @@ __all__ = ["StageProgram", "gpipe", "one_f_one_b", "run_schedule"]
 _F32 = jnp.float32
 
 
+def _from_last(y: jax.Array, last: jax.Array, stage_axis: str) -> jax.Array:
+    """``y`` of the last stage on every stage (``last``: this stage is it): a ``psum``
+    over ``stage_axis`` of ``y`` there and zeros elsewhere, exact (one term is nonzero).
+
+    A 16-bit float is summed as its bits (uint16), the same bytes: measured, a bf16
+    ``psum`` here (a pipeline's eval outputs in bf16 compute) aborts XLA:CPU's
+    compiler (jax 0.10.2: ``Invalid binary instruction opcode copy`` in
+    AllReducePromotion, which widens bf16 all-reduces and cannot rebuild this one's
+    reducer, whose root the Explicit mesh's sharding annotation turned into a copy)."""
+    if jnp.issubdtype(y.dtype, jnp.floating) and y.dtype.itemsize == 2:
+        bits = lax.bitcast_convert_type(y, jnp.uint16)
+        bits = lax.psum(jnp.where(last, bits, jnp.zeros_like(bits)), stage_axis)
+        return lax.bitcast_convert_type(bits, y.dtype)
+    return lax.psum(jnp.where(last, y, jnp.zeros_like(y)), stage_axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
     """What a model runs on the pipeline, as functions of one device's values inside the
@@ -391,7 +407,7 @@ def _autodiff(program, schedule, shared, stages, batch, keys, axes, mesh, *, gra
             last, _ = forward(shared, stages, ticked)
             ys = lax.map(lambda i: program.head(shared, last[i], _micro(batch, i)),
                          jnp.arange(m_count))
-            return lax.psum(jnp.where(s == p - 1, ys, jnp.zeros_like(ys)), stage_axis)
+            return _from_last(ys, s == p - 1, stage_axis)
         if not grads:
             loss, table = local_loss(shared, stages, ticked)
             loss = lax.psum(loss, tuple(axes.manual))

@@ -54,7 +54,9 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array,
     """(sum of per-token losses, number of target tokens) of a language model, and for a
     model with mixture-of-experts layers its metrics (``GPT.loss(...,
     return_metrics=True)``: ``lm_loss``, ``moe_aux_loss``, ``moe_z_loss``,
-    ``moe_dropped_fraction``, ``moe_expert_tokens``) as a third element.
+    ``moe_dropped_fraction``, ``moe_expert_tokens``), and for a model with
+    multi-token prediction (``mtp_depth``) ``lm_loss`` and ``mtp_loss``, as a third
+    element.
 
     ``batch`` holds ``tokens`` and ``labels`` ``[batch, seq]``, and for packed rows
     ``segment_ids`` and ``positions`` (:class:`~sp_jax.data.PackedText`; the targets
@@ -67,11 +69,13 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array,
     if "segment_ids" in documents:
         labels = document_labels(labels, documents["segment_ids"], ignore_index)
     count = jnp.sum(labels != ignore_index)
-    experts = getattr(getattr(model, "config", None), "num_experts", 0)
+    config = getattr(model, "config", None)
+    # metrics: the routers' (experts) and the multi-token prediction loss (mtp_depth)
+    with_metrics = bool(getattr(config, "num_experts", 0) or getattr(config, "mtp_depth", 0))
     out = model.loss(batch["tokens"], labels, ignore_index=ignore_index,
                      rngs=nnx.Rngs(dropout=key), **documents,
-                     **({"return_metrics": True} if experts else {}))
-    mean, metrics = out if experts else (out, None)
+                     **({"return_metrics": True} if with_metrics else {}))
+    mean, metrics = out if with_metrics else (out, None)
     total = mean * jnp.maximum(count, 1)
     return (total, count) if metrics is None else (total, count, metrics)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sp_jax.models.gpt_config import GPTConfig
+from sp_jax.models.gpt_config import GPTConfig, YarnScaling
 
 __all__ = ["ATTENTION", "MLP", "PLAIN", "Family", "Rule", "expand", "has_fields", "interleave",
            "on_layers", "per_expert", "require", "same", "stack_row", "swap_qkv", "transposed"]
@@ -44,6 +44,8 @@ class Family:
         (the mixture-of-experts families: transformers 5.x's fused expert tensors, as its
         ``state_dict()`` gives them, or the per-expert ones ``save_pretrained`` writes);
         None: :attr:`rules`.
+      yarn: the family reads and writes YaRN's rope scaling (DeepSeek-V3's, GLM-4.5's);
+        the others refuse it (:meth:`writes`).
       canonicalize: the canonical Hugging Face names (those the rules use) of a
         checkpoint's tensors: ``{name: name}`` -> ``{canonical: name}``; None when the
         checkpoint's names are the canonical ones (GPT-2's come with and without the
@@ -58,6 +60,14 @@ class Family:
     rules: Callable[[GPTConfig], list[Rule]]
     canonicalize: Callable[[dict[str, str]], dict[str, str]] | None = None
     read_rules: Callable[[GPTConfig, Collection[str]], list[Rule]] | None = None
+    yarn: bool = False
+
+    def writes(self, cfg: GPTConfig) -> bool:
+        """Whether this family writes ``cfg`` exactly: :attr:`expresses` it, and its rope
+        scaling is one the family reads (YaRN's, :class:`~sp_jax.layers.YarnScaling`,
+        only with :attr:`yarn`)."""
+        return self.expresses(cfg) and (self.yarn or not isinstance(cfg.rope_scaling,
+                                                                    YarnScaling))
 
     def reading_rules(self, cfg: GPTConfig, names: Collection[str]) -> list[Rule]:
         """The conversion table that reads a checkpoint of ``cfg`` whose canonical
@@ -77,12 +87,15 @@ def has_fields(cfg: GPTConfig, **want: Any) -> bool:
 
 PLAIN = dict(norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None,
              attention_softcap=None, final_logit_softcap=None, rope_local_base=None,
-             attention="mha", num_dense_layers=0)
+             attention="mha", num_dense_layers=0, moe_scoring="softmax", moe_groups=1,
+             moe_topk_groups=1, moe_routed_scale=1.0, partial_rotary_factor=1.0)
 """The :class:`GPTConfig` fields of a block without Gemma's parts (``has_fields(cfg,
 **PLAIN, ...)``): the families other than :mod:`.gemma2` / :mod:`.gemma3` express only
 these values (multi-head attention, ``attention="mha"``, among them: a registered
 attention variant has no family until one writes it; no dense layers before the
-experts but in a family that writes them, :mod:`.qwen3_moe`)."""
+experts but in a family that writes them, :mod:`.qwen3_moe`; softmax routing without
+groups or a routed scale, and rotary angles on every feature of a head: DeepSeek's
+routing and GLM-4.5's partial rotary are :mod:`.deepseek_v3` / :mod:`.glm4_moe`'s)."""
 
 
 def require(config: Mapping[str, Any], model_type: str, *keys: str) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from sp_jax.models.gpt_config import GPTConfig, RopeScaling
+from sp_jax.models.gpt_config import GPTConfig, RopeScaling, YarnScaling
 from sp_jax.models.hf.family import (
     ATTENTION,
     MLP,
@@ -29,41 +29,83 @@ from sp_jax.models.hf.family import (
 )
 
 __all__ = ["LLAMA", "LLAMA_SHAPED_KEYS", "llama_shaped_fields", "llama_shaped_rules",
-           "llama_shaped_to_hf", "shape_to_hf"]
+           "llama_shaped_to_hf", "rope_of", "rope_scaling_from_hf", "rope_scaling_to_hf",
+           "rope_settings", "shape_to_hf"]
 
 LLAMA_SHAPED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings")
 """The ``config.json`` keys a Llama-shaped model cannot be read without."""
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """``(rope_base, rope_scaling)`` of a ``config.json`` (transformers 4.x: ``rope_theta``
-    and ``rope_scaling`` at the top level; 5.x: ``rope_parameters``)."""
-    get = config.get
-    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
+def rope_scaling_from_hf(rope: Mapping[str, Any], config: Mapping[str, Any],
+                         yarn: bool = False) -> RopeScaling | YarnScaling | None:
+    """The rotary scaling of one rope parameter dict (``rope_scaling`` / ``rope_parameters``
+    of a ``config.json``, ``config`` the whole file): None (``default``), Llama-3's
+    (:class:`RopeScaling`) or, for a family that reads it (``yarn``: DeepSeek-V3 and
+    GLM-4.5's), YaRN's (:class:`YarnScaling`; without ``factor``,
+    ``max_position_embeddings / original_max_position_embeddings`` as transformers);
+    a ValueError naming another type."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in (None, "default"):
+        return None
     if rope_type == "llama3":
-        scaling = RopeScaling(
+        return RopeScaling(
             factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-    elif rope_type in (None, "default"):
-        scaling = None
-    else:
-        raise ValueError(f"config.json: rope type {rope_type!r} has no sp_jax counterpart; "
-                         "sp_jax implements 'default' and 'llama3'.")
-    return theta, scaling
+    if rope_type == "yarn" and yarn:
+        original = int(rope["original_max_position_embeddings"])
+        factor = rope.get("factor")
+        if factor is None:
+            factor = config["max_position_embeddings"] / original
+        optional = {k: rope[k] for k in ("mscale", "mscale_all_dim", "attention_factor")
+                    if rope.get(k) is not None}
+        return YarnScaling(factor=float(factor), original_max_position_embeddings=original,
+                           beta_fast=float(rope.get("beta_fast") or 32.0),
+                           beta_slow=float(rope.get("beta_slow") or 1.0),
+                           truncate=bool(rope.get("truncate", True)),
+                           **{k: float(v) for k, v in optional.items()})
+    raise ValueError(f"config.json: rope type {rope_type!r} has no sp_jax counterpart; "
+                     "sp_jax implements 'default' and 'llama3'"
+                     + (" and 'yarn'." if yarn else " (and 'yarn' for deepseek_v3 and "
+                        "glm4_moe)."))
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | YarnScaling | None) -> dict[str, Any]:
+    """The rope parameter dict of ``scaling`` (without ``rope_theta``), as
+    :func:`rope_scaling_from_hf` reads it back."""
+    if scaling is None:
+        return {"rope_type": "default"}
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
+    return {"rope_type": "yarn" if isinstance(scaling, YarnScaling) else "llama3", **fields}
+
+
+def rope_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The rope parameter dict of a ``config.json`` (transformers 4.x: ``rope_scaling`` at
+    the top level; 5.x: ``rope_parameters``; ``{}`` when it has none)."""
+    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+
+
+def rope_settings(config: Mapping[str, Any], yarn: bool = False
+          ) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """``(rope_base, rope_scaling)`` of a ``config.json`` (transformers 4.x: ``rope_theta``
+    and ``rope_scaling`` at the top level; 5.x: ``rope_parameters``); ``yarn``: as
+    :func:`rope_scaling_from_hf`."""
+    rope = rope_of(config)
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return theta, rope_scaling_from_hf(rope, config, yarn)
 
 
 def llama_shaped_fields(config: Mapping[str, Any], model_type: str,
-                        default_head_dim: int | None = None) -> dict[str, Any]:
+                        default_head_dim: int | None = None, yarn: bool = False
+                        ) -> dict[str, Any]:
     """The :class:`GPTConfig` fields every Llama-shaped ``config.json`` gives the same way
     (shapes, heads, rotary settings, RMSNorm, SwiGLU, tied head, attention dropout); the
     family adds its biases, window and q/k norm. ``default_head_dim``: the head size
     transformers assumes when ``head_dim`` is absent (Qwen3: 128; None: ``hidden /
     heads``). A head size other than ``hidden / heads`` becomes ``GPTConfig.head_dim``
-    (equal to it: None, the derived default)."""
+    (equal to it: None, the derived default). ``yarn``: the family reads YaRN's rope
+    scaling (:func:`rope_scaling_from_hf`)."""
     require(config, model_type, *LLAMA_SHAPED_KEYS)
     get = config.get
     hidden, heads = get("hidden_size"), get("num_attention_heads")
@@ -74,7 +116,7 @@ def llama_shaped_fields(config: Mapping[str, Any], model_type: str,
     if get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={get('hidden_act')!r}: sp_jax's "
                          f"{model_type} MLP is SwiGLU ('silu').")
-    theta, scaling = _rope(config)
+    theta, scaling = rope_settings(config, yarn)
     return dict(
         vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings"),
         num_layers=get("num_hidden_layers"), num_heads=heads, hidden=hidden,
@@ -102,9 +144,7 @@ def shape_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
 def llama_shaped_to_hf(cfg: GPTConfig, architecture: str) -> dict[str, Any]:
     """The ``config.json`` entries every Llama-shaped family writes the same way, rope
     settings in both transformers 4.x's and 5.x's spelling."""
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if cfg.rope_scaling is not None:
-        rope = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    rope = rope_scaling_to_hf(cfg.rope_scaling)
     return dict(
         shape_to_hf(cfg, architecture), hidden_act="silu", rope_theta=cfg.rope_base,
         rope_scaling=None if cfg.rope_scaling is None else rope,

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 
 from sp_jax.models.gpt_config import GPTConfig
 from sp_jax.models.hf import (
+    deepseek_v3,
     gemma2,
     gemma3,
+    glm4_moe,
     gpt2,
     llama,
     mistral,
@@ -27,7 +29,8 @@ __all__ = ["FAMILIES", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf"
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3, mixtral.MIXTRAL,
-    qwen3_moe.QWEN3_MOE, gemma2.GEMMA2, gemma3.GEMMA3)}
+    qwen3_moe.QWEN3_MOE, gemma2.GEMMA2, gemma3.GEMMA3, deepseek_v3.DEEPSEEK_V3,
+    glm4_moe.GLM4_MOE)}
 """``model_type`` -> :class:`Family`; the first that expresses a :class:`GPTConfig` writes it
 when the config remembers no family that does (``GPTConfig.hf_model_type``) and
 ``model_type=`` asks for none."""
@@ -51,7 +54,7 @@ def family_of(cfg: GPTConfig, model_type: str | None = None) -> Family:
             raise ValueError(f"to_hf: model_type={model_type!r} is not one sp_jax writes; "
                              f"supported: {list(FAMILIES)}.")
         family = REGISTRY[model_type]
-        if not family.expresses(cfg):
+        if not family.writes(cfg):
             raise ValueError(
                 f"to_hf: model_type={model_type!r} cannot express this GPTConfig exactly: "
                 f"{family.description}; got {_shape_fields(cfg)}.")
@@ -62,10 +65,10 @@ def family_of(cfg: GPTConfig, model_type: str | None = None) -> Family:
             raise ValueError(f"to_hf: GPTConfig.hf_model_type={remembered!r} is not one "
                              f"sp_jax writes; supported: {list(FAMILIES)} (pass "
                              "model_type= or set hf_model_type=None).")
-        if REGISTRY[remembered].expresses(cfg):
+        if REGISTRY[remembered].writes(cfg):
             return REGISTRY[remembered]
     for family in REGISTRY.values():
-        if family.expresses(cfg):
+        if family.writes(cfg):
             return family
     raise ValueError(
         "to_hf: this GPTConfig is neither "

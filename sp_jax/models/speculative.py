@@ -1,0 +1,281 @@
+"""Speculative decoding with the multi-token prediction modules (``generate(...,
+speculative="mtp")``, greedy): the ``D`` MTP modules draft ``D`` tokens, the main model
+verifies them in one jitted step over the ``D + 1`` positions, and each row keeps the
+longest prefix of drafts equal to the main model's greedy tokens plus the main model's
+next token. The tokens are plain greedy decoding's: every kept token is the main model's
+argmax after the tokens before it, computed by the same single-token decode path.
+
+One step, per device inside one ``shard_map`` (Megatron's inference layout, as
+:func:`~sp_jax.models.decode.decode_step`): a ``lax.scan`` over the ``D + 1`` positions
+``n .. n + D`` of each row runs the main model's decode step on the committed token and the
+drafts (writing its cache entries at those positions), and at each position ``n + i``
+module 1 on ``(h^0_{n+i}, g_i)`` (the main model's greedy token there) and module ``k >
+1`` one position behind module ``k - 1`` (position ``n + i - k + 1``, on ``(h^{k-1}, g_i)``),
+so each module's cache holds the committed tokens' entries up to where its inputs are
+known. After the scan: ``a`` accepted drafts per row, the new tokens ``g_0 .. g_a``, and the
+next drafts from position ``q = n + a`` (module 1's output there, then modules ``2 .. D``
+on the drafts before them). Entries written at positions past the accepted ones are
+rolled back by not advancing the row: they are overwritten before any later query reads
+them (attention reads entries at positions below its own only).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sp_jax.attention import sequence_order, to_held
+from sp_jax.layers import AttentionCache
+from sp_jax.layers.linear import decode_layout
+from sp_jax.layout import Layout
+from sp_jax.mesh import axis_size, current_mesh, reshard
+from sp_jax.models.blocks import Segments, decode_blocks, prefill_blocks
+from sp_jax.models.decode import (
+    cache_index,
+    embed_local,
+    hidden_at,
+    local_logits,
+    merge_parts,
+    param_parts,
+    prefill_states,
+    vocab_tables,
+)
+
+__all__ = ["mtp_prefill", "programs", "speculative_step"]
+
+
+def _parts(model: Any, mesh: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    """Graphs, decode-layout leaves and specs of the main stacks, the final norm and each
+    MTP module, in that order."""
+    par, cfg = model.parallel, model.config
+    stacks = [m for m in (model.dense_blocks, model.blocks) if m is not None]
+    parts = [param_parts(m, mesh, par, cfg.scan_layers) for m in stacks]
+    parts += [param_parts(m, mesh, par, False) for m in (model.final_norm, *model.mtp)]
+    return [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
+
+
+def _slots(model: Any, mesh: Any, cache: AttentionCache) -> Any:
+    par = model.parallel
+    return cache.slots(axis_size(mesh, par.context_axes),
+                       sequence_order(par, mesh, cache.prompt)) if par.context_axes else None
+
+
+class _Local:
+    """The per-device pieces of one program: the main model's token step and each MTP
+    module's, on the merged decode-layout modules."""
+
+    def __init__(self, model: Any, graphs: list[Any], leaves: list[Any], embed: jax.Array,
+                 head: jax.Array, slots: Any, position: jax.Array | None):
+        n = len(graphs) - 1 - len(model.mtp)
+        stacks = [merge_parts(g, v) for g, v in zip(graphs[:n], leaves[:n], strict=True)]
+        self.layers = stacks[0] if len(stacks) == 1 else Segments(tuple(stacks))
+        self.final = merge_parts(graphs[n], leaves[n])
+        self.mtp = [merge_parts(g, v) for g, v in
+                    zip(graphs[n + 1:], leaves[n + 1:], strict=True)]
+        self.model, self.embed, self.head, self.slots = model, embed, head, slots
+        self.position = position  # the learned position table, whole, or None
+
+    def _write(self, layers: Any, x: jax.Array, cache: AttentionCache, positions: jax.Array
+               ) -> tuple[jax.Array, AttentionCache]:
+        cache_positions, at = cache_index(self.slots, positions, cache.length,
+                                          self.model.parallel.context_axes)
+        x, new = decode_blocks(layers, x, cache, jnp.maximum(positions, 0), cache_positions)
+        return x, cache.write(new, jnp.arange(x.shape[0]), at)
+
+    def main(self, cache: AttentionCache, tokens: jax.Array, positions: jax.Array
+             ) -> tuple[jax.Array, jax.Array, AttentionCache]:
+        """Tokens ``[b]`` at ``positions`` through the main model: final-normed ``h [b, 1,
+        hidden]``, greedy next tokens ``[b]``, the cache."""
+        x = embed_local(self.model, self.embed, tokens)
+        if self.position is not None:  # as decode_step
+            x = x + jnp.take(self.position, positions, axis=0)[:, None].astype(x.dtype)
+        x, cache = self._write(self.layers, x, cache, positions)
+        h = self.final.local(x)
+        return h, jnp.argmax(local_logits(self.model, h[:, 0], self.head), -1).astype(
+            jnp.int32), cache
+
+    def module(self, k: int, cache: AttentionCache, h: jax.Array, tokens: jax.Array,
+               positions: jax.Array) -> tuple[jax.Array, AttentionCache]:
+        """MTP module ``k`` (from 0) on the previous depth's ``h [b, 1, hidden]`` and
+        ``tokens [b]`` at ``positions`` (negative: nothing written): ``h^{k+1}`` and its
+        cache."""
+        m = self.mtp[k]
+        x = m.project(embed_local(self.model, self.embed, tokens), h, local=True)
+        x, cache = self._write([m.block], x, cache, positions)
+        return m.post_norm.local(x), cache
+
+    def draft(self, k: int, h: jax.Array) -> jax.Array:
+        return jnp.argmax(local_logits(self.model, h[:, 0], self.head), -1).astype(jnp.int32)
+
+    def chain(self, caches: list[AttentionCache], h1: jax.Array, q: jax.Array
+              ) -> tuple[jax.Array, list[AttentionCache]]:
+        """The drafts ``[b, D]`` from position ``q``: module 1's output there ``h1``, then
+        modules ``2 .. D`` on the drafts before them (their entries at ``q`` written)."""
+        drafts, h = [self.draft(0, h1)], h1
+        for k in range(1, len(self.mtp)):
+            h, caches[k] = self.module(k, caches[k], h, drafts[-1], q)
+            drafts.append(self.draft(k, h))
+        return jnp.stack(drafts, axis=1), caches
+
+
+def _specs(model: Any, mesh: Any, cache: AttentionCache) -> tuple[Any, ...]:
+    layout = Layout.of(model.parallel)
+    batch = layout.spec("activation_batch")
+    rows = layout.spec("activation_batch", None)
+    carry = P(None, *batch, None, None)
+    return layout, batch, rows, carry, cache.specs(layout)
+
+
+def mtp_prefill(model: Any, tokens: jax.Array, lengths: jax.Array, first: jax.Array,
+                length: int) -> tuple[Any, ...]:
+    """The prompts through the main model and the MTP modules (training path) and the
+    first drafts.
+
+    Args:
+      model: a GPT with ``mtp`` modules, in eval mode, its parameters in the decode
+        layout.
+      tokens: ``[batch, seq]`` right-padded prompts; lengths: ``[batch]``.
+      first: ``[batch]`` the main model's greedy token after each prompt.
+      length: the caches' length.
+    Returns:
+      ``(cache, mtp_caches, drafts [batch, D], carry [D - 1, batch, 1, hidden])``: the
+      main model's cache, one cache per module (each with one layer), the first drafts
+      and each module ``k < D``'s output at the position module ``k + 1`` runs next.
+    """
+    par = model.parallel
+    mesh = current_mesh(par, where="generate")
+    layout = Layout.of(par)
+    depth = len(model.mtp)
+    h, cache = prefill_states(model, tokens, length)
+    b, seq = tokens.shape
+    whole = reshard(tokens, layout.spec("activation_batch", None), mesh)
+    full = jnp.pad(whole, ((0, 0), (0, depth)))  # [b, seq + D]: t_L written at L
+    batch = layout.spec("activation_batch")
+    at_end = jnp.arange(seq + depth)[None] == reshard(lengths, batch, mesh)[:, None]
+    full = jnp.where(at_end, reshard(first, batch, mesh).astype(full.dtype)[:, None], full)
+    order = model.sequence_order(tokens)
+    table = model.vocab_table() if model.head is None else None
+    caches, carry, h1 = [], [], None
+    for k, module in enumerate(model.mtp, start=1):
+        e = model.scale_embeddings(model.embed(to_held(full[:, k:k + seq], order, par),
+                                               table=table))
+        x, entries = prefill_blocks([module.block], module.project(e, h))
+        h = module.post_norm(x)
+        shards = axis_size(mesh, par.context_axes)
+        caches.append(entries.grown(seq, -(-(max(length, seq) - seq) // shards), layout,
+                                    mesh))
+        if k == 1:
+            h1 = hidden_at(model, h, lengths - 1)
+        if k < depth:  # module k + 1 runs next at position length - k
+            carry.append(hidden_at(model, h, jnp.maximum(lengths - k, 0)))
+    drafts, caches = _draft_program(model, caches, h1[:, None], lengths - 1)
+    hidden = h1.shape[-1]
+    carry = jnp.stack(carry)[:, :, None] if carry else jnp.zeros((0, b, 1, hidden), h1.dtype)
+    return cache, caches, drafts, carry
+
+
+def _draft_program(model: Any, caches: list[AttentionCache], h1: jax.Array, q: jax.Array
+                   ) -> tuple[jax.Array, list[AttentionCache]]:
+    mesh = current_mesh(model.parallel, where="generate")
+    graphs, leaves, specs = _parts(model, mesh)
+    embed, head = vocab_tables(model, mesh)
+    slots = _slots(model, mesh, caches[0])
+    layout, batch, rows, _, cache_specs = _specs(model, mesh, caches[0])
+    table = decode_layout(model.parallel).vocab_table
+
+    def local(leaves, embed, head, caches, h1, q):
+        return _Local(model, graphs, leaves, embed, head, slots, None).chain(list(caches), h1,
+                                                                            q)
+
+    return jax.shard_map(
+        local, in_specs=(specs, table, table, [cache_specs] * len(caches), P(*batch, None, None),
+                         batch),
+        out_specs=(rows, [cache_specs] * len(caches)))(
+        leaves, embed, head, caches, reshard(h1, P(*batch, None, None), mesh),
+        reshard(q, batch, mesh))
+
+
+def speculative_step(model: Any, cache: AttentionCache, caches: list[AttentionCache],
+                     token: jax.Array, drafts: jax.Array, carry: jax.Array,
+                     positions: jax.Array) -> tuple[Any, ...]:
+    """One speculative step of every row (see the module's docstring).
+
+    Args:
+      cache / caches: the main model's and the MTP modules' caches (donate them).
+      token: ``[b]`` each row's newest committed token, at ``positions [b]``.
+      drafts: ``[b, D]`` the drafts of the next ``D`` positions.
+      carry: ``[D - 1, b, 1, hidden]`` (from :func:`mtp_prefill` or the last step).
+    Returns:
+      ``(new [b, D + 1], accepted [b], drafts, carry, cache, caches)``: row ``b``'s new
+      tokens are ``new[b, :accepted[b] + 1]``, its next committed token
+      ``new[b, accepted[b]]`` at ``positions + accepted + 1``.
+    """
+    mesh = current_mesh(model.parallel, where="generate")
+    graphs, leaves, specs = _parts(model, mesh)
+    embed, head = vocab_tables(model, mesh)
+    slots = _slots(model, mesh, cache)
+    layout, batch, rows, carry_spec, cache_specs = _specs(model, mesh, cache)
+    table = decode_layout(model.parallel).vocab_table
+    depth = len(model.mtp)
+
+    position = None if model.position is None else reshard(model.position[...], P(), mesh)
+
+    def local(leaves, embed, head, position, cache, caches, token, drafts, carry, positions):
+        run = _Local(model, graphs, leaves, embed, head, slots, position)
+        inputs = jnp.concatenate([token[:, None], drafts], axis=1)  # [b, D + 1]
+
+        def body(state, i):
+            cache, caches, carry = state
+            caches = list(caches)
+            p = positions + i
+            h, g, cache = run.main(cache, inputs[:, i], p)
+            h1, caches[0] = run.module(0, caches[0], h, g, p)
+            outs = [h1]
+            for k in range(1, depth):  # module k + 1, one position behind module k
+                hk, caches[k] = run.module(k, caches[k], carry[k - 1], g, p - k)
+                outs.append(hk)
+            new_carry = jnp.stack(outs[:depth - 1]) if depth > 1 else carry
+            return (cache, caches, new_carry), (g, h1, new_carry)
+
+        (cache, caches, _), (g, h1s, carries) = lax.scan(
+            body, (cache, list(caches), carry), jnp.arange(depth + 1))
+        g = g.T  # [b, D + 1]
+        match = (inputs[:, 1:] == g[:, :-1]).astype(jnp.int32)
+        accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+        rows_ = jnp.arange(g.shape[0])
+        h1 = h1s[accepted, rows_]  # [b, 1, hidden]
+        carry = jnp.moveaxis(carries, 0, 2)[:, rows_, accepted]  # [D - 1, b, 1, hidden]
+        drafts, caches = run.chain(list(caches), h1, positions + accepted)
+        return g, accepted, drafts, carry, cache, caches
+
+    return jax.shard_map(
+        local,
+        in_specs=(specs, table, table, None if position is None else P(), cache_specs,
+                  [cache_specs] * depth, batch, rows, carry_spec, batch),
+        out_specs=(rows, batch, rows, carry_spec, cache_specs, [cache_specs] * depth))(
+        leaves, embed, head, position, cache, caches, reshard(token, batch, mesh),
+        reshard(drafts, rows, mesh), reshard(carry, carry_spec, mesh),
+        reshard(positions, batch, mesh))
+
+
+@functools.lru_cache(maxsize=8)
+def programs(graph: Any):
+    """The jitted MTP prefill and speculative step of a model graph (cached)."""
+
+    @functools.partial(jax.jit, static_argnums=(4,))
+    def first(state, tokens, lengths, first_tokens, length):
+        return mtp_prefill(nnx.merge(graph, state), tokens, lengths, first_tokens, length)
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(state, cache, caches, token, drafts, carry, positions):
+        return speculative_step(nnx.merge(graph, state), cache, caches, token, drafts, carry,
+                                positions)
+
+    return first, step
+

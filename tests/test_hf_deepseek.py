@@ -1,0 +1,340 @@
+"""DeepSeek-V3 (``deepseek_v3``: multi-head latent attention with and without
+``q_lora_rank``, ``rope_interleave``, YaRN, sigmoid group-limited routing with
+``e_score_correction_bias``, a dense first layer, a shared expert) and GLM-4.5
+(``glm4_moe``: grouped-query attention with partial rotary, q/k/v biases and q/k norms,
+the same routing) checkpoints: transformers' logits (fp32, 1e-5 of the largest logit),
+loss and gradients (tests/fixtures/hf/{deepseek_v3,deepseek_v3_direct,glm4_moe}, made by
+scripts/make_deepseek_fixtures.py) on one device, on (data, expert, context, tensor)
+meshes with expert parallelism and on (data, context, tensor) meshes with ring and
+Ulysses attention; its greedy generations (teacher-forced, and with sp_jax's
+``generate``: the latent cache); HF -> sp_jax -> HF bit for bit; the MTP layers skipped;
+YaRN's frequencies and attention factor as transformers computes them; config
+translation and the presets. No torch, no network."""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from _util import assert_bitwise, param_values, slow_except, to_host
+from conftest import make_mesh
+from flax import nnx
+from jax.sharding import AxisType
+from safetensors.numpy import load_file, save_file
+
+from sp_jax import ParallelConfig
+from sp_jax.layers import YarnScaling, rope_attention_factor, rope_frequencies
+from sp_jax.models import GPT, GPTConfig, generate, hf
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+NAMES = ["deepseek_v3", "deepseek_v3_direct", "glm4_moe"]
+EXPERTS = ParallelConfig(expert_axis="expert")
+
+
+def _mesh(shape, names) -> jax.sharding.Mesh:
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape),
+                         devices=jax.devices()[:int(np.prod(shape))])
+
+
+@nnx.jit
+def _logits_loss_grads(model, tokens):
+    logits = model(tokens)
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
+    return logits, loss, grads
+
+
+def _generations(golden) -> tuple[np.ndarray, list[int]]:
+    """transformers' greedy generations as one batch ``[4, 48]`` (prompt + 32 new tokens,
+    zeros after; the fourth row repeats the first) and the prompt lengths."""
+    rows, lengths = [], []
+    for i in range(3):
+        rows.append(np.concatenate([golden[f"gen_prompt_{i}"], golden[f"gen_tokens_{i}"]]))
+        lengths.append(len(golden[f"gen_prompt_{i}"]))
+    batch = np.zeros((4, 48), np.int32)
+    for r, row in enumerate([*rows, rows[0]]):
+        batch[r, :len(row)] = row
+    return batch, lengths
+
+
+def _assert_golden(name, mesh, parallel=ParallelConfig(), generations=True, **overrides):
+    """Fixture ``name`` on ``mesh``: transformers' logits (1e-5 of the largest), loss,
+    gradients (in transformers' names) and, with ``generations``, the logits along its
+    greedy generations (each first new token's, and every new token the argmax)."""
+    golden = np.load(FIXTURES / name / "golden.npz")
+    gen_batch, lengths = _generations(golden)
+    with jax.set_mesh(mesh):
+        model = hf.from_hf(FIXTURES / name, parallel=parallel, **overrides)
+        model.eval()
+        logits, loss, grads = _logits_loss_grads(model, golden["input_ids"])
+        gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch)) \
+            if generations else None
+    msg = f"{name} {dict(mesh.shape)} {parallel.context_parallel}"
+    scale = np.abs(golden["logits"]).max()
+    np.testing.assert_allclose(to_host(logits), golden["logits"], rtol=0, atol=1e-5 * scale,
+                               err_msg=msg)
+    np.testing.assert_allclose(float(loss), float(golden["loss"]), rtol=1e-6, err_msg=msg)
+    flat = {"/".join(map(str, k)): to_host(v[...]) for k, v in nnx.to_flat_state(grads)}
+    named = hf.io._convert_to_hf(model.config, flat)
+    for key in golden.files:
+        if key.startswith("grad/"):
+            np.testing.assert_allclose(named[key[5:]], golden[key], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{msg} {key}")
+    for i, n in enumerate(lengths if generations else ()):
+        np.testing.assert_allclose(gen_logits[i, n - 1], golden[f"gen_next_logits_{i}"],
+                                   rtol=0, atol=1e-5 * scale, err_msg=f"{msg} {i}")
+        np.testing.assert_array_equal(gen_logits[i, n - 1:n + 31].argmax(-1),
+                                      golden[f"gen_tokens_{i}"], err_msg=f"{msg} {i}")
+    return model
+
+
+@pytest.mark.parametrize("name", slow_except(NAMES, "deepseek_v3"))
+def test_golden_on_one_device_and_round_trip_bitwise(name, tmp_path):
+    """One device: transformers' logits, loss, gradients and greedy generations; to_hf
+    writes the checkpoint back bit for bit (rope_interleave's permutation undone, the
+    routers' e_score_correction_bias kept) with a config that reads back the same, and
+    -> sp_jax again (scanned layers: the dense layer a stack of its own) the same
+    parameters."""
+    model = _assert_golden(name, make_mesh(1, 1))
+    with jax.set_mesh(make_mesh(1, 1)):
+        hf.to_hf(model, tmp_path)
+    original, written = (load_file(d / "model.safetensors") for d in (FIXTURES / name, tmp_path))
+    assert sorted(written) == sorted(original)
+    for key in original:
+        assert written[key].dtype == original[key].dtype
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+    config = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads((FIXTURES / name / "config.json").read_text())
+    assert config["model_type"] == source["model_type"]
+    assert hf.config_from_hf(config) == hf.config_from_hf(source) == model.config
+    with jax.set_mesh(make_mesh(2, 2)):
+        again = hf.from_hf(tmp_path, scan_layers=True)
+        hf.to_hf(again, tmp_path / "scanned")
+    assert load_file(tmp_path / "scanned" / "model.safetensors").keys() == written.keys()
+    with jax.set_mesh(make_mesh(1, 1)):
+        unscanned = hf.from_hf(tmp_path / "scanned")
+    assert_bitwise(param_values(model), param_values(unscanned))
+
+
+MESHES = [  # (name, mesh shape, axes, parallel)
+    ("deepseek_v3", (1, 4, 1, 2), ("data", "expert", "context", "tensor"), EXPERTS),
+    ("deepseek_v3_direct", (2, 2, 1, 2), ("data", "expert", "context", "tensor"), EXPERTS),
+    ("glm4_moe", (2, 2, 1, 2), ("data", "expert", "context", "tensor"), EXPERTS),
+    ("deepseek_v3", (2, 2, 2), ("data", "context", "tensor"),
+     ParallelConfig(context_parallel="ring")),
+    ("deepseek_v3_direct", (1, 2, 2), ("data", "context", "tensor"),
+     ParallelConfig(context_parallel="ulysses")),
+    ("glm4_moe", (2, 2, 2), ("data", "context", "tensor"),
+     ParallelConfig(context_parallel="ring")),
+    ("glm4_moe", (1, 2, 2), ("data", "context", "tensor"),
+     ParallelConfig(context_parallel="ulysses")),
+    ("deepseek_v3", (2, 2, 2), ("data", "context", "tensor"),
+     ParallelConfig(context_parallel="ulysses")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,shape,axes,parallel", MESHES,
+                         ids=[f"{m[0]}-{'x'.join(map(str, m[1]))}-{m[3].context_parallel}"
+                              for m in MESHES])
+def test_golden_on_expert_and_context_meshes(name, shape, axes, parallel):
+    """(data, expert, context, tensor) meshes with expert parallelism, and (data,
+    context, tensor) meshes with ring attention (MLA: the latent travels) and Ulysses:
+    transformers' logits, loss and gradients (the generations' logits on the expert
+    meshes)."""
+    _assert_golden(name, _mesh(shape, axes), parallel, generations="expert" in axes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_equals_transformers(name):
+    """sp_jax's generate (MLA: the latent cache, absorbed decoding; GLM: the key/value
+    cache with partial rotary) on a (data, tensor) mesh: transformers' 32 greedy tokens
+    for each of its three prompts."""
+    golden = np.load(FIXTURES / name / "golden.npz")
+    prompts = [golden[f"gen_prompt_{i}"].tolist() for i in range(3)]
+    with jax.set_mesh(make_mesh(2, 2)):
+        model = hf.from_hf(FIXTURES / name)
+        tokens = generate(model, prompts, max_new_tokens=32).tokens
+    for i in range(3):
+        np.testing.assert_array_equal(tokens[i], golden[f"gen_tokens_{i}"], err_msg=str(i))
+
+
+@pytest.mark.slow
+def test_mtp_layers_are_skipped(tmp_path):
+    """A checkpoint with a multi-token-prediction layer after the decoder layers
+    (DeepSeek's ``model.layers.<num_hidden_layers>.*``: eh_proj, enorm, hnorm,
+    shared_head and a whole decoder layer) reads as the model without it; the writer
+    writes none (num_nextn_predict_layers 0)."""
+    source = FIXTURES / "deepseek_v3"
+    tensors = load_file(source / "model.safetensors")
+    mtp = "model.layers.3."
+    extra = {k.replace("model.layers.2.", mtp): v for k, v in tensors.items()
+             if k.startswith("model.layers.2.")}
+    extra.update({mtp + "eh_proj.weight": np.zeros((32, 64), np.float32),
+                  mtp + "enorm.weight": np.ones(32, np.float32),
+                  mtp + "hnorm.weight": np.ones(32, np.float32),
+                  mtp + "shared_head.norm.weight": np.ones(32, np.float32)})
+    save_file({**tensors, **extra}, tmp_path / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with jax.set_mesh(make_mesh(1, 1)):
+        with_mtp, plain = hf.from_hf(tmp_path), hf.from_hf(source)
+        hf.to_hf(with_mtp, tmp_path / "out")
+    assert_bitwise(param_values(with_mtp), param_values(plain))
+    assert with_mtp.config == plain.config
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(tensors)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 0
+
+
+def test_yarn_frequencies_and_attention_factor_equal_transformers():
+    """YarnScaling: transformers' _compute_yarn_parameters (recorded) for DeepSeek-V3's
+    settings and small ones (bit for bit; an attention factor other than 1, truncate
+    off) and Kimi K2's (one entry one unit in the last place apart: torch's float32
+    pow, rope_frequencies' docstring)."""
+    rows = json.loads((FIXTURES / "yarn.json").read_text())
+    for row in rows:
+        rope = dict(row["rope"])
+        base = rope.pop("rope_theta")
+        rope.pop("rope_type")
+        scaling = YarnScaling(**rope)
+        got = rope_frequencies(row["head_dim"], base, scaling)
+        want = np.asarray(row["inv_freq"], np.float32)
+        if base == 50000.0:  # Kimi K2's
+            np.testing.assert_allclose(got, want, rtol=1.2e-7, atol=0)
+        else:
+            np.testing.assert_array_equal(got, want)
+        assert rope_attention_factor(scaling) == pytest.approx(row["attention_factor"],
+                                                               rel=1e-15)
+    assert {rope_attention_factor(YarnScaling(**{k: v for k, v in r["rope"].items()
+                                                 if k not in ("rope_theta", "rope_type")}))
+            for r in rows} != {1.0}  # a factor other than 1 is tested
+
+
+def test_config_translation_and_refusals():  # no compile: 0.01 s
+    """The fixtures' configs read as the fields they say (YaRN, DeepSeek's softmax
+    scale, routing, dense layers, partial rotary); what sp_jax cannot reproduce is
+    named."""
+    ds = hf.config_from_hf(json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text()))
+    assert (ds.attention, ds.q_lora_rank, ds.kv_lora_rank, ds.rope_interleave) == \
+        ("mla", 12, 16, True)
+    assert ds.rope_scaling == YarnScaling(factor=4.0, original_max_position_embeddings=16,
+                                          mscale=1.0, mscale_all_dim=0.5)
+    m = 0.1 * 0.5 * np.log(4.0) + 1
+    assert ds.attention_scale == pytest.approx(12 ** -0.5 * m * m, rel=1e-12)
+    assert (ds.moe_scoring, ds.moe_groups, ds.moe_topk_groups, ds.moe_routed_scale,
+            ds.num_dense_layers, ds.num_shared_experts, ds.num_experts) == \
+        ("sigmoid", 2, 1, 2.5, 1, 1, 8)
+    glm_json = json.loads((FIXTURES / "glm4_moe" / "config.json").read_text())
+    glm = hf.config_from_hf(glm_json)
+    assert (glm.partial_rotary_factor, glm.qk_norm, glm.qkv_bias, glm.out_bias,
+            glm.num_kv_heads, glm.head_dim) == (0.5, True, True, False, 4, 8)
+    rope = {k: v for k, v in glm_json["rope_parameters"].items()
+            if k != "partial_rotary_factor"}
+    assert hf.config_from_hf({**glm_json, "rope_parameters": rope}).partial_rotary_factor \
+        == 0.5  # transformers' default
+    source = json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text())
+    for change, match in [({"attention_bias": True}, "attention_bias=True"),
+                          ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+                          ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+                          ({"kv_lora_rank": None}, "'kv_lora_rank' is missing"),
+                          ({"rope_parameters": {"rope_type": "longrope"}}, "'longrope'")]:
+        with pytest.raises(ValueError, match=match):
+            hf.config_from_hf({**source, **change})
+    # the MHA stand-in preset is no DeepSeek-V3 checkpoint
+    with pytest.raises(ValueError, match="cannot express"):
+        hf.config_to_hf(GPTConfig.deepseek_v3_moe("deepseek-v3-tiny"), "deepseek_v3")
+
+
+@pytest.mark.slow
+def test_checkpoint_copies_load(tmp_path):
+    """A copied checkpoint directory with transformers 5.x's fused experts
+    (``mlp.experts.gate_up_proj`` [E, 2F, h], ``down_proj`` [E, h, F], as its
+    ``state_dict()`` gives them) reads as the per-expert one."""
+    source = FIXTURES / "glm4_moe"
+    tensors = load_file(source / "model.safetensors")
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in (1, 2):
+        p = f"model.layers.{layer}.mlp.experts."
+        fused[p + "gate_up_proj"] = np.stack([np.concatenate(
+            [tensors[f"{p}{e}.gate_proj.weight"], tensors[f"{p}{e}.up_proj.weight"]])
+            for e in range(8)])
+        fused[p + "down_proj"] = np.stack([tensors[f"{p}{e}.down_proj.weight"]
+                                           for e in range(8)])
+    save_file(fused, tmp_path / "model.safetensors")
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    with jax.set_mesh(make_mesh(1, 1)):
+        assert_bitwise(param_values(hf.from_hf(tmp_path)), param_values(hf.from_hf(source)))
+
+
+# The published config.json entries the presets come from (deepseek-ai/DeepSeek-V3,
+# moonshotai/Kimi-K2-Instruct: transformers 4.x spelling; zai-org/GLM-4.5-Air).
+_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+           intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+           num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+           n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+           q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+           topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+           moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
+           scoring_func="sigmoid", hidden_act="silu", max_position_embeddings=163840,
+           rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False, bos_token_id=0,
+           eos_token_id=1, num_nextn_predict_layers=1, attention_bias=False,
+           torch_dtype="bfloat16",
+           rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0,
+                             mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                             type="yarn"))
+_KIMI = dict(_V3, vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
+             n_routed_experts=384, routed_scaling_factor=2.827, n_group=1, topk_group=1,
+             first_k_dense_replace=1, max_position_embeddings=131072, rope_theta=50000.0,
+             bos_token_id=163584, eos_token_id=163585, num_nextn_predict_layers=0,
+             rope_scaling=dict(beta_fast=1.0, beta_slow=1.0, factor=32.0, mscale=1.0,
+                               mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                               type="yarn"))
+_AIR = dict(model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
+            intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+            num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_shared_experts=1,
+            n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+            num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True,
+            partial_rotary_factor=0.5, rope_theta=1000000, max_position_embeddings=131072,
+            rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=False, hidden_act="silu",
+            tie_word_embeddings=False, eos_token_id=[151329, 151336, 151338],
+            pad_token_id=151329, num_nextn_predict_layers=1, torch_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("preset,config,billions", [
+    (lambda: GPTConfig.deepseek_v3("deepseek-v3"), _V3, 671.03),
+    pytest.param(lambda: GPTConfig.deepseek_v3("kimi-k2"), _KIMI, 1026.41,
+                 marks=pytest.mark.slow),
+    pytest.param(lambda: GPTConfig.glm4_moe("glm-4.5-air"), _AIR, 106.85,
+                 marks=pytest.mark.slow),
+], ids=["deepseek-v3", "kimi-k2", "glm-4.5-air"])
+def test_presets_are_the_published_configs(preset, config, billions):
+    """Each preset is its published config.json read by from_hf's translation (the
+    training-only fields apart: the reader freezes the selection bias), writes back as
+    its family, and has the published size without the MTP layer (DeepSeek-V3: 671B;
+    Kimi K2: 1.03T; GLM-4.5-Air: 106B + the MTP layer's ~1.3B)."""
+    cfg = preset()
+    read = hf.config_from_hf(config, param_dtype=np.float32)
+    assert read == dataclasses.replace(cfg, moe_bias_update_rate=0.0,
+                                       moe_seq_aux_loss_coef=0.0)
+    assert hf.config_to_hf(cfg)["model_type"] == config["model_type"]
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    count = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model,
+                                                                               nnx.Param)))
+    assert count / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+@pytest.mark.slow
+def test_tiny_presets_build_and_write_their_family(tmp_path):
+    """deepseek-v3-tiny (YaRN, 4 groups of experts, a dense layer) and glm-4.5-tiny
+    build on a (data, tensor) mesh, and to_hf -> from_hf gives the same parameters."""
+    for cfg in (GPTConfig.deepseek_v3("deepseek-v3-tiny"), GPTConfig.glm4_moe("glm-4.5-tiny")):
+        with jax.set_mesh(make_mesh(2, 2)):
+            model = GPT(cfg, rngs=nnx.Rngs(0))
+            hf.to_hf(model, tmp_path / cfg.hf_model_type)
+            again = hf.from_hf(tmp_path / cfg.hf_model_type)
+        assert_bitwise(param_values(model), param_values(again))
+
