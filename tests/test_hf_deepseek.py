@@ -172,6 +172,7 @@ def _mtp_logits(model, tokens):
     return model.logits_from_hidden(module.post_norm(module.block(x)))
 
 
+@pytest.mark.slow  # 60-110 s on 2 shared cores: the slow tier
 def test_mtp_layer_equals_transformers(tmp_path):
     """A checkpoint with one MTP layer (``model.layers.3.*``, transformers 5.x's
     ``MtpModel`` stored as DeepSeek's checkpoints hold it) reads with ``mtp_depth=1`` by
