@@ -16,6 +16,15 @@ Three small random-init models, each written to ``<out>/<name>/`` with transform
   ``routed_scaling_factor`` 2.5, a random ``e_score_correction_bias``;
 - ``deepseek_v3_direct``: q projected directly (``q_lora_rank=None``), no interleave, no
   rope scaling, ``norm_topk_prob=False``, 2 groups choosing 2;
+- ``deepseek_v3_mtp``: ``deepseek_v3`` with one multi-token-prediction layer
+  (``num_mtp_layers=1``): transformers 5.x's ``MtpModel`` (enorm, hnorm, eh_proj, a
+  decoder layer with experts, post_norm; the main model's embedding and head) drawn at
+  random and stored as DeepSeek's checkpoints hold it, ``model.layers.3.*`` (``eh_proj``,
+  ``enorm``, ``hnorm``, ``shared_head.norm``, the decoder layer per expert, and copies of
+  ``embed_tokens`` / ``shared_head.head``), with ``mtp_logits`` [4, 15, 64] (the MTP
+  layer on the main model's final-normed hidden states of positions 0..14 and the
+  tokens 1..15, as transformers' ``MTPCandidateGenerator`` calls it) and ``mtp_loss``
+  (their mean cross-entropy against tokens 2..15);
 - ``glm4_moe``: grouped-query attention (8 heads over 4, head_dim 8 apart from hidden /
   heads) with partial rotary (0.5), q/k/v biases, q/k norms (``use_qk_norm``), sigmoid
   routing in 2 groups choosing 1, 1 dense layer, 1 shared expert.
@@ -69,6 +78,12 @@ MODELS = {
         COMMON, **MLA, q_lora_rank=None, rope_interleave=False, n_group=2, topk_group=2,
         routed_scaling_factor=2.5, norm_topk_prob=False,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "deepseek_v3_mtp": ("DeepseekV3", dict(
+        COMMON, **MLA, q_lora_rank=12, rope_interleave=True, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=16, mscale=1.0,
+                             mscale_all_dim=0.5, beta_fast=32.0, beta_slow=1.0))),
     "glm4_moe": ("Glm4Moe", dict(
         COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=8, attention_bias=True,
         use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.0,
@@ -85,6 +100,7 @@ GRADS = {
     "deepseek_v3_direct": ["model.layers.1.self_attn.q_proj.weight",
                            "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
                            "model.layers.1.mlp.gate.weight", "lm_head.weight"],
+    "deepseek_v3_mtp": ["model.layers.1.self_attn.q_b_proj.weight"],
     "glm4_moe": ["model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_norm.weight",
                  "model.layers.2.self_attn.k_proj.weight", "model.layers.1.mlp.gate.weight",
                  "model.layers.2.mlp.shared_experts.down_proj.weight"],
@@ -132,9 +148,11 @@ class TieCheck:
         del chosen
 
 
-def _randomize(model, gen):
+def _randomize(model, gen, prefix=""):
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if not name.startswith(prefix):
+                continue
             if name.endswith("gate.weight") and p.shape[0] == COMMON["n_routed_experts"]:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif p.ndim == 1:  # norms around 1, biases around 0
@@ -145,6 +163,51 @@ def _randomize(model, gen):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+
+
+def _mtp(model, ids, gen):
+    """transformers' MTP model of ``model`` (``config.num_mtp_layers`` layers, drawn at
+    random; the embedding and head are the main model's) and its depth-1 logits on
+    ``ids`` [B, S]: ``[B, S - 1, V]`` (position ``i``: the main model's final-normed
+    hidden state ``i`` with token ``i + 1``, at position id ``i + 1`` as transformers'
+    MTPCandidateGenerator passes them; rotary attention is relative: any offset gives
+    the same logits)."""
+    from transformers.modeling_layers import MtpModel
+
+    mtp = MtpModel(model, model.config.num_mtp_layers).eval()
+    _randomize(mtp, gen, prefix="layers.")
+    ties = TieCheck(mtp)
+    h = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    positions = torch.arange(1, ids.shape[1])[None].expand(len(ids), -1)
+    hidden = mtp.forward_layer(0, h[:, :-1], positions, None, input_ids=ids[:, 1:])
+    return mtp, ties, mtp._project_to_logits(hidden)
+
+
+def _mtp_tensors(mtp, model) -> dict[str, torch.Tensor]:
+    """The MTP layers as DeepSeek's checkpoints hold them: ``model.layers.<L>.*`` (``L``
+    from ``num_hidden_layers``), the experts one module each, ``post_norm`` as
+    ``shared_head.norm``, and copies of the embedding and head."""
+    out, n = {}, model.config.num_hidden_layers
+    for key, value in mtp.state_dict().items():
+        if not key.startswith("layers."):
+            continue
+        k, rest = key.split(".", 2)[1:]
+        p = f"model.layers.{n + int(k)}."
+        rest = rest.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        if rest.endswith("experts.gate_up_proj"):
+            f = value.shape[1] // 2
+            for e in range(len(value)):
+                out[f"{p}mlp.experts.{e}.gate_proj.weight"] = value[e, :f]
+                out[f"{p}mlp.experts.{e}.up_proj.weight"] = value[e, f:]
+        elif rest.endswith("experts.down_proj"):
+            for e in range(len(value)):
+                out[f"{p}mlp.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[p + rest] = value
+    for k in range(model.config.num_mtp_layers):
+        out[f"model.layers.{n + k}.embed_tokens.weight"] = model.model.embed_tokens.weight
+        out[f"model.layers.{n + k}.shared_head.head.weight"] = model.lm_head.weight
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
 def make(name: str, out: pathlib.Path) -> None:
@@ -162,6 +225,13 @@ def make(name: str, out: pathlib.Path) -> None:
         arrays = {"input_ids": ids.numpy().astype(np.int32),
                   "logits": out_.logits.detach().numpy(),
                   "loss": np.float32(out_.loss.item())}
+        mtp = None
+        if kw.get("num_mtp_layers"):
+            with torch.no_grad():
+                mtp, mtp_ties, mtp_logits = _mtp(model, ids, gen)
+                mtp_loss = torch.nn.functional.cross_entropy(
+                    mtp_logits[:, :-1].reshape(-1, VOCAB), ids[:, 2:].reshape(-1))
+            arrays.update(mtp_logits=mtp_logits.numpy(), mtp_loss=np.float32(mtp_loss.item()))
         out_.loss.backward()
         params = dict(model.named_parameters())
         for tensor in GRADS[name]:
@@ -178,6 +248,8 @@ def make(name: str, out: pathlib.Path) -> None:
                 arrays[f"gen_prompt_{i}"] = prompt[0].numpy().astype(np.int32)
                 arrays[f"gen_tokens_{i}"] = tokens.numpy().astype(np.int32)
                 arrays[f"gen_next_logits_{i}"] = result.logits[0][0].numpy()
+        if mtp is not None:
+            ties.margin = min(ties.margin, mtp_ties.margin)
         if ties.margin > MARGIN:
             break
         print(f"{name}: seed {seed} has a routing margin {ties.margin:.2e}; drawing again")
@@ -185,6 +257,12 @@ def make(name: str, out: pathlib.Path) -> None:
         raise RuntimeError(f"{name}: no seed without routing near-ties")
     directory = out / name
     model.save_pretrained(directory)
+    if mtp is not None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(directory / "model.safetensors")
+        save_file({**tensors, **_mtp_tensors(mtp, model)}, directory / "model.safetensors",
+                  metadata={"format": "pt"})
     np.savez(directory / "golden.npz", **arrays)
     size = sum(f.stat().st_size for f in directory.iterdir())
     print(f"{name}: seed {seed}, routing margin {ties.margin:.2e}, loss "
@@ -205,7 +283,10 @@ def yarn(out: pathlib.Path) -> None:
 def check(directory: pathlib.Path) -> None:
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         directory, output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    layers = model.config.num_hidden_layers
+    unexpected = [k for k in info["unexpected_keys"]  # MTP layers: transformers' MtpModel
+                  if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)]
+    assert not info["missing_keys"] and not unexpected, info
     golden = np.load(directory / "golden.npz")
     with torch.no_grad():
         logits = model.eval()(input_ids=torch.from_numpy(

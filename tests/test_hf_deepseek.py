@@ -7,7 +7,8 @@ loss and gradients (tests/fixtures/hf/{deepseek_v3,deepseek_v3_direct,glm4_moe},
 scripts/make_deepseek_fixtures.py) on one device, on (data, expert, context, tensor)
 meshes with expert parallelism and on (data, context, tensor) meshes with ring and
 Ulysses attention; its greedy generations (teacher-forced, and with sp_jax's
-``generate``: the latent cache); HF -> sp_jax -> HF bit for bit; the MTP layers skipped;
+``generate``: the latent cache); HF -> sp_jax -> HF bit for bit; the MTP layer
+(tests/fixtures/hf/deepseek_v3_mtp: transformers' MtpModel's logits);
 YaRN's frequencies and attention factor as transformers computes them; config
 translation and the presets. No torch, no network."""
 
@@ -162,32 +163,77 @@ def test_greedy_generation_equals_transformers(name):
         np.testing.assert_array_equal(tokens[i], golden[f"gen_tokens_{i}"], err_msg=str(i))
 
 
-@pytest.mark.slow
-def test_mtp_layers_are_skipped(tmp_path):
-    """A checkpoint with a multi-token-prediction layer after the decoder layers
-    (DeepSeek's ``model.layers.<num_hidden_layers>.*``: eh_proj, enorm, hnorm,
-    shared_head and a whole decoder layer) reads as the model without it; the writer
-    writes none (num_nextn_predict_layers 0)."""
-    source = FIXTURES / "deepseek_v3"
-    tensors = load_file(source / "model.safetensors")
-    mtp = "model.layers.3."
-    extra = {k.replace("model.layers.2.", mtp): v for k, v in tensors.items()
-             if k.startswith("model.layers.2.")}
-    extra.update({mtp + "eh_proj.weight": np.zeros((32, 64), np.float32),
-                  mtp + "enorm.weight": np.ones(32, np.float32),
-                  mtp + "hnorm.weight": np.ones(32, np.float32),
-                  mtp + "shared_head.norm.weight": np.ones(32, np.float32)})
-    save_file({**tensors, **extra}, tmp_path / "model.safetensors")
-    config = json.loads((source / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+def _mtp_logits(model, tokens):
+    """sp_jax's depth-1 MTP logits ``[B, S - 1, V]``: module 0 on the main model's
+    final-normed hidden states ``0 .. S-2`` and the embeddings of tokens ``1 .. S-1``."""
+    module = model.mtp[0]
+    h = model.hidden_states(tokens)
+    x = module.project(model.embed(tokens[:, 1:]), h[:, :-1])
+    return model.logits_from_hidden(module.post_norm(module.block(x)))
+
+
+@pytest.mark.slow  # 60-110 s on 2 shared cores: the slow tier
+def test_mtp_layer_equals_transformers(tmp_path):
+    """A checkpoint with one MTP layer (``model.layers.3.*``, transformers 5.x's
+    ``MtpModel`` stored as DeepSeek's checkpoints hold it) reads with ``mtp_depth=1`` by
+    default: the MTP logits equal transformers' (1e-5 of the largest) and the MTP loss
+    its cross-entropy; the main logits equal transformers'; to_hf writes the checkpoint
+    back bit for bit (the embedding and head copies included); ``mtp_depth=0`` skips
+    the MTP layer and leaves the main model's parameters and logits as they are."""
+    source = FIXTURES / "deepseek_v3_mtp"
+    golden = np.load(source / "golden.npz")
+    tokens = golden["input_ids"]
     with jax.set_mesh(make_mesh(1, 1)):
-        with_mtp, plain = hf.from_hf(tmp_path), hf.from_hf(source)
-        hf.to_hf(with_mtp, tmp_path / "out")
-    assert_bitwise(param_values(with_mtp), param_values(plain))
-    assert with_mtp.config == plain.config
-    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(tensors)
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert written["num_nextn_predict_layers"] == 0
+        model = hf.from_hf(source)
+        assert model.config.mtp_depth == 1
+        logits = np.asarray(model(tokens))
+        mtp_logits = np.asarray(nnx.jit(_mtp_logits)(model, tokens))
+        _, metrics = model.loss(tokens, return_metrics=True)
+        hf.to_hf(model, tmp_path / "out")
+        plain = hf.from_hf(source, mtp_depth=0)
+        plain_logits = np.asarray(plain(tokens))
+    scale = np.abs(golden["logits"]).max()
+    np.testing.assert_allclose(logits, golden["logits"], rtol=0, atol=1e-5 * scale)
+    scale = np.abs(golden["mtp_logits"]).max()
+    np.testing.assert_allclose(mtp_logits, golden["mtp_logits"], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(float(metrics["mtp_loss"]), golden["mtp_loss"], rtol=1e-5)
+    original = load_file(source / "model.safetensors")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    for key in original:
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert plain.mtp is None and plain.config.mtp_depth == 0
+    values = param_values(model)
+    del values["mtp"]
+    assert_bitwise(values, param_values(plain))
+    np.testing.assert_array_equal(plain_logits, logits)
+
+
+@pytest.mark.slow
+def test_mtp_copies_are_checked(tmp_path):
+    """An MTP layer's ``embed_tokens`` that is no copy of the main one is refused,
+    naming it; a checkpoint whose MTP layer holds no copies reads as the one with them;
+    a model without MTP modules writes ``num_nextn_predict_layers`` 0."""
+    source = FIXTURES / "deepseek_v3_mtp"
+    tensors = load_file(source / "model.safetensors")
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    bad = dict(tensors)
+    bad["model.layers.3.embed_tokens.weight"] = bad["model.layers.3.embed_tokens.weight"] + 1
+    save_file(bad, tmp_path / "model.safetensors")
+    with jax.set_mesh(make_mesh(1, 1)):
+        with pytest.raises(ValueError, match="model.layers.3.embed_tokens.weight differs"):
+            hf.from_hf(tmp_path)
+        save_file({k: v for k, v in tensors.items() if not k.startswith(
+            ("model.layers.3.embed_tokens", "model.layers.3.shared_head.head"))},
+            tmp_path / "model.safetensors")
+        assert_bitwise(param_values(hf.from_hf(tmp_path)), param_values(hf.from_hf(source)))
+        hf.to_hf(hf.from_hf(source, mtp_depth=0), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 0
+    assert not any(k.startswith("model.layers.3.")
+                   for k in load_file(tmp_path / "out" / "model.safetensors"))
 
 
 def test_yarn_frequencies_and_attention_factor_equal_transformers():
@@ -318,8 +364,9 @@ def test_presets_are_the_published_configs(preset, config, billions):
     Kimi K2: 1.03T; GLM-4.5-Air: 106B + the MTP layer's ~1.3B)."""
     cfg = preset()
     read = hf.config_from_hf(config, param_dtype=np.float32)
+    assert read.mtp_depth == config["num_nextn_predict_layers"]  # the MTP layers, read
     assert read == dataclasses.replace(cfg, moe_bias_update_rate=0.0,
-                                       moe_seq_aux_loss_coef=0.0)
+                                       moe_seq_aux_loss_coef=0.0, mtp_depth=read.mtp_depth)
     assert hf.config_to_hf(cfg)["model_type"] == config["model_type"]
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
     count = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(model,

@@ -21,18 +21,27 @@ router), ``mlp.gate.e_score_correction_bias`` (``mlp/router_bias``), the experts
 transformers 5.x's fused ``mlp.experts.gate_up_proj`` / ``down_proj``) and
 ``mlp.shared_experts.{gate,up,down}_proj`` (``mlp/shared_up`` / ``shared_down``).
 
-Multi-token prediction: DeepSeek's checkpoints hold ``num_nextn_predict_layers`` MTP
-modules as layers ``num_hidden_layers ...`` (``model.layers.61.*`` in DeepSeek-V3's,
-recognised by their ``eh_proj``); the reader skips them (every tensor of such a layer)
-and the writer writes none: sp_jax's model here has no MTP module yet.
+Multi-token prediction (``GPTConfig.mtp_depth``, :mod:`sp_jax.models.mtp`): DeepSeek's
+checkpoints hold ``num_nextn_predict_layers`` MTP modules as layers ``num_hidden_layers
+...`` (``model.layers.61.*`` in DeepSeek-V3's); MTP layer ``k`` (from 0) ``L =
+num_hidden_layers + k`` is read into ``GPT.mtp[k]``: ``enorm`` / ``hnorm`` /
+``shared_head.norm`` (``post_norm``), ``eh_proj`` transposed, and its decoder layer by
+the main layers' rules (a mixture of experts, as the last main layer: transformers'
+``MtpModel`` builds every MTP layer with experts). Its ``embed_tokens`` /
+``shared_head.head`` are copies of the main model's (checked equal on reading, where
+present; written as copies, as DeepSeek's checkpoints hold them). ``mtp_depth`` defaults
+to ``num_nextn_predict_layers``; ``from_hf(..., mtp_depth=0)`` (or any smaller depth)
+skips the surplus MTP layers (every tensor of a layer after the decoder layers holding
+an ``eh_proj``), and the writer writes ``num_nextn_predict_layers = mtp_depth``.
 
 The shared pieces of the DeepSeek-routed families (:mod:`.glm4_moe` too):
 :func:`deepseek_moe_fields`, :func:`deepseek_moe_to_hf`, :func:`deepseek_moe_rules`,
-:func:`deepseek_moe_expresses` and :func:`without_mtp`.
+:func:`deepseek_moe_expresses` and :func:`mtp_layers_skipped`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -63,7 +72,7 @@ from sp_jax.models.hf.llama import (
 from sp_jax.models.hf.mixtral import expert_rules, fused_expert_rules, is_fused, num_experts_of
 
 __all__ = ["DEEPSEEK_V3", "deepseek_moe_expresses", "deepseek_moe_fields",
-           "deepseek_moe_rules", "deepseek_moe_to_hf", "without_mtp"]
+           "deepseek_moe_rules", "deepseek_moe_to_hf", "mtp_layers_skipped"]
 
 _P = "model.layers.{i}."
 
@@ -73,17 +82,22 @@ _P = "model.layers.{i}."
 # --------------------------------------------------------------------------------------
 
 
-def without_mtp(names: dict[str, str]) -> dict[str, str]:
-    """``names`` (``{name: name}``) without the multi-token-prediction layers: every
-    ``model.layers.<L>.*`` tensor of a layer ``L`` that holds an ``eh_proj`` (DeepSeek's
-    and GLM-4.5's MTP modules, stored after the ``num_hidden_layers`` decoder layers),
-    which sp_jax does not read yet."""
-    def layer(name: str) -> str | None:
-        parts = name.split(".")
-        return parts[2] if name.startswith("model.layers.") and len(parts) > 2 else None
+def _layer_of(name: str) -> int | None:
+    """``L`` of a ``model.layers.<L>.*`` tensor name, else None."""
+    parts = name.split(".")
+    if name.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
-    mtp = {layer(n) for n in names if ".eh_proj." in n}
-    return {k: v for k, v in names.items() if layer(k) is None or layer(k) not in mtp}
+
+def mtp_layers_skipped(cfg: GPTConfig, names: Collection[str]) -> set[str]:
+    """The tensors of ``names`` (a checkpoint's) that a model of ``cfg`` does not read:
+    every ``model.layers.<L>.*`` tensor of an MTP layer (one holding an ``eh_proj``) at
+    ``L >= num_layers + mtp_depth`` (the checkpoint has more MTP layers than
+    ``cfg.mtp_depth``: ``from_hf(..., mtp_depth=0)`` reads the main model alone)."""
+    first = cfg.num_layers + cfg.mtp_depth
+    mtp = {_layer_of(n) for n in names if ".eh_proj." in n}
+    return {n for n in names if _layer_of(n) in mtp and _layer_of(n) >= first}
 
 
 def deepseek_moe_fields(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
@@ -116,27 +130,31 @@ def deepseek_moe_fields(config: Mapping[str, Any], model_type: str) -> dict[str,
         moe_topk_groups=int(get("topk_group") or 1),
         moe_norm_topk=bool(get("norm_topk_prob", True)),
         moe_routed_scale=float(get("routed_scaling_factor", 1.0)),
-        router_aux_loss_coef=0.0, moe_bias_update_rate=0.0)
+        router_aux_loss_coef=0.0, moe_bias_update_rate=0.0,
+        mtp_depth=int(get("num_nextn_predict_layers", get("num_mtp_layers")) or 0))
 
 
 def deepseek_moe_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     """The mixture-of-experts ``config.json`` entries of ``cfg``
-    (:func:`deepseek_moe_fields` back; ``num_nextn_predict_layers`` 0: no MTP module)."""
+    (:func:`deepseek_moe_fields` back)."""
     return dict(
         n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
         moe_intermediate_size=cfg.moe_mlp_hidden, n_shared_experts=cfg.num_shared_experts,
         first_k_dense_replace=cfg.num_dense_layers, n_group=cfg.moe_groups,
         topk_group=cfg.moe_topk_groups, norm_topk_prob=cfg.moe_norm_topk,
-        routed_scaling_factor=cfg.moe_routed_scale, num_nextn_predict_layers=0,
+        routed_scaling_factor=cfg.moe_routed_scale, num_nextn_predict_layers=cfg.mtp_depth,
         output_router_logits=False)
 
 
 def deepseek_moe_expresses(cfg: GPTConfig) -> bool:
     """Experts after ``num_dense_layers`` dense layers in every layer, sigmoid scores
     (any groups, renormalisation, routed scale and shared experts); RMSNorm, SwiGLU, no
-    MLP bias, rotary positions. Training-only fields (``moe_bias_update_rate``,
-    ``moe_seq_aux_loss_coef``, ``moe_capacity_factor``, the z-loss and aux loss) are
-    not written."""
+    MLP bias, rotary positions; MTP modules only after a mixture-of-experts layer
+    (transformers builds them with experts). Training-only fields
+    (``moe_bias_update_rate``, ``moe_seq_aux_loss_coef``, ``moe_capacity_factor``,
+    ``mtp_loss_weight``, the z-loss and aux loss) are not written."""
+    if cfg.mtp_depth and cfg.num_dense_layers >= cfg.num_layers:
+        return False
     return cfg.num_experts > 0 and has_fields(
         cfg, moe_scoring="sigmoid", moe_layer_freq=1, positions="rotary", norm="rmsnorm",
         mlp_activation="swiglu", mlp_bias=False)
@@ -151,29 +169,83 @@ def _shared_rules(cfg: GPTConfig) -> list[Rule]:
             transposed(MLP + "shared_down/kernel", s + "down_proj.weight")]
 
 
-def deepseek_moe_rules(cfg: GPTConfig, attention: list[Rule], fused: bool = False
-                       ) -> list[Rule]:
+def _copies(rule: Rule, copies: tuple[str, ...]) -> Rule:
+    """``rule`` (one Hugging Face tensor) whose tensor is also stored as ``copies``
+    (the MTP layers' ``embed_tokens`` / ``shared_head.head``): written as copies, and
+    on reading checked equal to it (a ValueError naming the copy otherwise)."""
+    if not copies:
+        return rule
+
+    def to_ours(first, *others):
+        for name, other in zip(copies, others, strict=True):
+            if not np.array_equal(np.asarray(first), np.asarray(other)):
+                raise ValueError(f"from_hf: {name} differs from {rule.hf[0]}: sp_jax's MTP "
+                                 "modules share the main model's embedding and LM head "
+                                 "(DeepSeek's checkpoints store equal copies).")
+        return rule.to_ours(first)
+
+    def to_hf(x):
+        out = rule.to_hf(x)
+        return out + out[:1] * len(copies)
+
+    return Rule(rule.ours, rule.hf + copies, to_ours, to_hf)
+
+
+def _mtp_rules(cfg: GPTConfig, block: list[Rule], names: Collection[str] | None
+               ) -> tuple[list[Rule], tuple[str, ...], tuple[str, ...]]:
+    """The rules of ``GPT.mtp`` (module ``k``: Hugging Face layer ``num_layers + k``)
+    given ``block``, the per-layer rules of the last main layer's kind; and the MTP
+    layers' copies of ``embed_tokens`` and of the head (those in ``names`` when
+    reading, all when writing)."""
+    rules, embeds, heads = [], [], []
+    for k in range(cfg.mtp_depth):
+        n, ours = f"model.layers.{cfg.num_layers + k}.", f"mtp/{k}/"
+        rules += [same(ours + "enorm/scale", n + "enorm.weight"),
+                  same(ours + "hnorm/scale", n + "hnorm.weight"),
+                  transposed(ours + "eh_proj", n + "eh_proj.weight"),
+                  same(ours + "post_norm/scale", n + "shared_head.norm.weight")]
+        rules += [dataclasses.replace(
+            r, ours=r.ours.replace("blocks/{i}/", ours + "block/"),
+            hf=tuple(h.format(i=cfg.num_layers + k) for h in r.hf), layers=None)
+            for r in block]
+        embeds.append(n + "embed_tokens.weight")
+        heads.append(n + "shared_head.head.weight")
+    if names is not None:
+        embeds = [e for e in embeds if e in names]
+        heads = [h for h in heads if h in names]
+    return rules, tuple(embeds), tuple(heads)
+
+
+def deepseek_moe_rules(cfg: GPTConfig, attention: list[Rule], fused: bool = False,
+                       names: Collection[str] | None = None) -> list[Rule]:
     """The conversion table of a DeepSeek-routed ``cfg`` given its ``attention`` rules
     (with the input norm): embeddings, final norm and head, each layer's
     ``post_attention_layernorm``; the dense MLP (``mlp.{gate,up,down}_proj``) on the
     first ``num_dense_layers`` layers; on the others the router, its selection bias,
-    the experts (``fused``: transformers 5.x's fused tensors) and the shared experts."""
+    the experts (``fused``: transformers 5.x's fused tensors) and the shared experts;
+    the ``mtp_depth`` MTP layers (module docstring; ``names``: the checkpoint's when
+    reading, whose MTP layers may lack the embedding and head copies)."""
     m = _P + "mlp."
     dense = range(cfg.num_dense_layers)
     moe = range(cfg.num_dense_layers, cfg.num_layers)
     experts = fused_expert_rules(cfg, m) if fused else expert_rules(
         cfg, m + "gate.weight", m + "experts.{e}.gate_proj.weight",
         m + "experts.{e}.up_proj.weight", m + "experts.{e}.down_proj.weight")
-    table = [same("embed/embedding", "model.embed_tokens.weight"),
-             same("final_norm/scale", "model.norm.weight"),
-             same(MLP + "norm/scale", _P + "post_attention_layernorm.weight"), *attention]
-    if not cfg.tie_embeddings:
-        table.append(same("head/embedding", "lm_head.weight"))
+    norm = same(MLP + "norm/scale", _P + "post_attention_layernorm.weight")
     mlp = [interleave(MLP + "up/kernel", (m + "gate_proj.weight", m + "up_proj.weight"),
                       (1, 1), cfg.mlp_hidden, transpose=True),
            transposed(MLP + "down/kernel", m + "down_proj.weight")]
     mixture = [*experts, same(MLP + "router_bias", m + "gate.e_score_correction_bias"),
                *_shared_rules(cfg)]
+    last = mixture if cfg.num_layers > cfg.num_dense_layers else mlp
+    mtp, embeds, heads = _mtp_rules(cfg, [*attention, norm, *last], names)
+    embed = same("embed/embedding", "model.embed_tokens.weight")
+    table = [same("final_norm/scale", "model.norm.weight"), norm, *attention, *mtp]
+    if cfg.tie_embeddings:
+        table.append(_copies(embed, embeds + heads))
+    else:
+        table += [_copies(embed, embeds),
+                  _copies(same("head/embedding", "lm_head.weight"), heads)]
     return table + on_layers(mlp, dense) + on_layers(mixture, moe)
 
 
@@ -224,7 +296,8 @@ def _rules(cfg: GPTConfig) -> list[Rule]:
 
 def _read_rules(cfg: GPTConfig, names: Collection[str]) -> list[Rule]:
     """:func:`_rules`, or for transformers 5.x's fused experts theirs."""
-    return deepseek_moe_rules(cfg, _attention_rules(cfg), fused=is_fused(names))
+    return deepseek_moe_rules(cfg, _attention_rules(cfg), fused=is_fused(names),
+                              names=names)
 
 
 _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -242,8 +315,8 @@ def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> d
     ``rope_scaling`` with ``type: "yarn"``, as DeepSeek publishes it, or 5.x's
     ``rope_parameters``). ``attention_bias`` (no MLA projection has a bias in sp_jax), a
     ``num_key_value_heads`` other than ``num_attention_heads`` and an activation other
-    than ``silu`` are refused; ``num_nextn_predict_layers`` is read as nothing (the MTP
-    layers are skipped, module docstring)."""
+    than ``silu`` are refused; ``num_nextn_predict_layers`` is ``mtp_depth`` (module
+    docstring)."""
     del overrides
     get = config.get
     require(config, "deepseek_v3", *LLAMA_SHAPED_KEYS, *_MLA_KEYS)
@@ -316,4 +389,4 @@ DEEPSEEK_V3 = Family(
     description="DeepSeek-V3-shaped (multi-head latent attention, RMSNorm, SwiGLU, sigmoid "
                 "group-limited routing after num_dense_layers dense layers)",
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, expresses=expresses,
-    rules=_rules, read_rules=_read_rules, canonicalize=without_mtp, yarn=True)
+    rules=_rules, read_rules=_read_rules, skipped=mtp_layers_skipped, yarn=True)

@@ -50,6 +50,9 @@ class Family:
         checkpoint's tensors: ``{name: name}`` -> ``{canonical: name}``; None when the
         checkpoint's names are the canonical ones (GPT-2's come with and without the
         ``transformer.`` prefix).
+      skipped: ``(cfg, canonical names) ->`` the tensors of a checkpoint that a model of
+        ``cfg`` leaves unread (DeepSeek's MTP layers beyond ``cfg.mtp_depth``); None:
+        every tensor is read.
     """
 
     model_type: str
@@ -61,6 +64,7 @@ class Family:
     canonicalize: Callable[[dict[str, str]], dict[str, str]] | None = None
     read_rules: Callable[[GPTConfig, Collection[str]], list[Rule]] | None = None
     yarn: bool = False
+    skipped: Callable[[GPTConfig, Collection[str]], Collection[str]] | None = None
 
     def writes(self, cfg: GPTConfig) -> bool:
         """Whether this family writes ``cfg`` exactly: :attr:`expresses` it, and its rope

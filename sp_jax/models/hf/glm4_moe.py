@@ -9,7 +9,7 @@ layers, sigmoid group-limited routing with ``e_score_correction_bias``,
 Tensors: the attention as :mod:`.llama`'s (``q_proj`` / ``k_proj`` / ``v_proj`` with
 their biases, ``o_proj``, ``q_norm`` / ``k_norm``), the mixture as DeepSeek-V3's. The
 multi-token-prediction layers (``num_nextn_predict_layers``, after the decoder layers)
-are skipped by the reader and not written (:func:`.deepseek_v3.without_mtp`).
+are read into ``GPT.mtp`` and written as DeepSeek-V3's (:mod:`.deepseek_v3`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sp_jax.models.hf.deepseek_v3 import (
     deepseek_moe_fields,
     deepseek_moe_rules,
     deepseek_moe_to_hf,
-    without_mtp,
+    mtp_layers_skipped,
 )
 from sp_jax.models.hf.family import ATTENTION, PLAIN, Family, Rule, has_fields
 from sp_jax.models.hf.llama import (
@@ -52,7 +52,8 @@ def _rules(cfg: GPTConfig) -> list[Rule]:
 
 def _read_rules(cfg: GPTConfig, names: Collection[str]) -> list[Rule]:
     """:func:`_rules`, or for transformers 5.x's fused experts theirs."""
-    return deepseek_moe_rules(cfg, _attention_rules(cfg), fused=is_fused(names))
+    return deepseek_moe_rules(cfg, _attention_rules(cfg), fused=is_fused(names),
+                              names=names)
 
 
 def config_from_hf(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,4 +99,4 @@ GLM4_MOE = Family(
                 "and optional q/k norm; DeepSeek-routed experts after num_dense_layers dense "
                 "layers)",
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, expresses=expresses,
-    rules=_rules, read_rules=_read_rules, canonicalize=without_mtp, yarn=True)
+    rules=_rules, read_rules=_read_rules, skipped=mtp_layers_skipped, yarn=True)

@@ -295,7 +295,8 @@ def _check(source: _Source, cfg: GPTConfig, family: Family, flat: dict[str, Any]
         plan.setdefault(path, []).append((rule, layer, tuple(stored)))
     for entries in plan.values():  # a scanned parameter's rows in layer order
         entries.sort(key=lambda entry: -1 if entry[1] is None else entry[1])
-    unknown = sorted(set(names) - used)
+    unknown = sorted(set(names) - used - set(family.skipped(cfg, names) if family.skipped
+                                             else ()))
     if cfg.tie_embeddings and "lm_head.weight" in unknown:  # a tied copy
         unknown.remove("lm_head.weight")
     if unknown:
