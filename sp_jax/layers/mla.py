@@ -152,7 +152,12 @@ class LatentProjection(nnx.Module):
                                jnp.ones((cfg.kv_lora_rank,), dtype))
         self.kv_b_kernel = param("kv_b_kernel", (cfg.kv_lora_rank,
                                                  heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)))
-        self.gemm = layer_gemm("LatentProjection", cfg.fp8, None, parallel, eager=eager)
+        # In the compute dtype, not FP8, as the up projections: the latent's output
+        # gradient arrives on each device as its heads' part of a sum (kv_b and q_b are
+        # split over the tensor axis by heads), and FP8 would quantise those parts, where
+        # the unsharded model quantises their sum (measured: the combination harness's
+        # tensor_sequence + FP8 + MLA gradients off by up to 0.015 against FP8's bound)
+        self.gemm = layer_gemm("LatentProjection", None, None, parallel, eager=eager)
         self.fp8_history = self.gemm.state
 
     def param_specs(self, layout: Layout, mesh: Mesh | None = None) -> dict[str, P]:
