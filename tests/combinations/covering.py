@@ -50,6 +50,15 @@ from sp_jax.models import GPTConfig
 MAX_DEVICES = 8
 """The largest mesh of a set: the tests' simulated CPU devices (three axes of size 2)."""
 
+OPEN: dict[str, str] = {
+    "eval-c14": "grouped-query attention with FP8 current scaling is not yet exact in "
+                "eval: logits up to 0.12 off (largest 3.7) at 27 of 64 positions here, and "
+                "0.043 at 5 of 64 with tensor_sequence alone (4 heads of 8 with MHA: "
+                "exact); FP8 delayed scaling and training are within their bounds",
+}
+"""Cases that fail for a known, not yet fixed reason (case id -> the finding): strict
+xfails; their cells stay untested (``?``) in the table until they pass."""
+
 TRIPLES: dict[str, tuple[str, ...]] = {
     "triple-pipeline-experts-fp8": ("tensor_sequence", "pipeline_gpipe", "expert_parallel",
                                     "fp8_current"),
@@ -350,13 +359,18 @@ def params() -> list:
     """Every case as a ``pytest.param(mode, combination, id=case_id(...))`` for
     ``test_combination``: each marked ``slow`` (an end-to-end case: not in make
     test-fast), those outside the feature tier also ``combinations`` (make test leaves
-    them to make test-combinations)."""
+    them to make test-combinations), those of :data:`OPEN` strict xfails."""
     import pytest
 
     feature = _feature_tier()
-    return [pytest.param(m, c, id=case_id(m, c), marks=(
-        pytest.mark.slow, *(() if (m, c.id) in feature else (pytest.mark.combinations,))))
-        for m, c in cases("all")]
+
+    def marks(m: str, c: Combination) -> tuple:
+        case = case_id(m, c)
+        known = (pytest.mark.xfail(strict=True, reason=OPEN[case]),) if case in OPEN else ()
+        return (pytest.mark.slow, *known,
+                *(() if (m, c.id) in feature else (pytest.mark.combinations,)))
+
+    return [pytest.param(m, c, id=case_id(m, c), marks=marks(m, c)) for m, c in cases("all")]
 
 
 def fingerprint() -> str:
