@@ -339,11 +339,6 @@ def _close(got: Any, want: Any, bound: tuple[float, float], what: str) -> None:
                                    err_msg=f"{what}{path}")
 
 
-def keep_size(off: np.ndarray) -> int:
-    """The positions (``[rows, seq]``) of ``off``."""
-    return off.shape[0] * off.shape[1]
-
-
 def _close_positions(got: np.ndarray, want: np.ndarray, bound: tuple[float, float],
                      flips: int, what: str) -> None:
     """``got`` within ``bound`` of ``want`` (``[rows, seq, ...]``) at every position but
@@ -353,9 +348,9 @@ def _close_positions(got: np.ndarray, want: np.ndarray, bound: tuple[float, floa
     off = ~np.isclose(got, want, rtol=rtol, atol=atol)
     bad = np.argwhere(off.reshape(*off.shape[:2], -1).any(axis=-1))
     assert len(bad) <= flips, (
-        f"{what}: {len(bad)} of {keep_size(off)} positions off the bound (at most {flips}): "
-        f"{bad[:5].tolist()}, largest difference {np.max(np.abs(got - want)):.3g}, "
-        f"largest value {np.max(np.abs(want)):.3g}")
+        f"{what}: {len(bad)} of {off.shape[0] * off.shape[1]} positions off the bound "
+        f"(at most {flips}): {bad[:5].tolist()}, largest difference "
+        f"{np.max(np.abs(got - want)):.3g}, largest value {np.max(np.abs(want)):.3g}")
     keep = np.ones(off.shape[:2], bool)
     keep[tuple(bad.T)] = False
     np.testing.assert_allclose(got[keep], want[keep], rtol=rtol, atol=atol, err_msg=what)
