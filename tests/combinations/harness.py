@@ -39,6 +39,7 @@ implementation of ``jax.nn.dot_product_attention`` in its place), or is skipped
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
@@ -124,7 +125,7 @@ def run(features: Iterable[str], mode: str, *,
     ref = _reference(made.reference(), _shape(made), mode)  # never in the stand-in
     with stand_in:
         got = _RUNS[mode](made, _shape(made), ref["init"], tamper)
-    _compare(made, mode, got, ref, f"{'+'.join(features)} in {mode}")
+    _compare(made, mode, got, ref, f"{'+'.join(features)} in {mode}", _shape(made))
     TIMES[features, mode] = time.perf_counter() - start
 
 
@@ -340,20 +341,83 @@ def _close(got: Any, want: Any, bound: tuple[float, float], what: str) -> None:
 
 
 def _close_positions(got: np.ndarray, want: np.ndarray, bound: tuple[float, float],
-                     flips: int, what: str) -> None:
+                     flips: int, what: str,
+                     noise: Callable[[], np.ndarray] | None = None) -> None:
     """``got`` within ``bound`` of ``want`` (``[rows, seq, ...]``) at every position but
-    at most ``flips`` of them (0: :func:`_close`)."""
+    at most ``flips`` of them (0: :func:`_close`) and, with ``noise`` (a function giving
+    ``[rows, seq]``: how far the reference's own values move under fp32 noise,
+    :func:`_noise`), but those where ``got`` differs by at most :data:`NOISE_SLACK` times
+    that (called only when some position is off the bound)."""
     got, want = np.asarray(got), np.asarray(want)
     rtol, atol = bound
     off = ~np.isclose(got, want, rtol=rtol, atol=atol)
     bad = np.argwhere(off.reshape(*off.shape[:2], -1).any(axis=-1))
+    diff = np.abs(got - want).reshape(*off.shape[:2], -1).max(axis=-1)
+    keep = np.ones(off.shape[:2], bool)
+    excused = 0
+    if noise is not None and len(bad) > flips:
+        envelope = noise()
+        moved = diff[tuple(bad.T)] <= NOISE_SLACK * envelope[tuple(bad.T)]
+        keep[tuple(bad[moved].T)] = False
+        bad, excused = bad[~moved], int(moved.sum())
+    more = "" if noise is None else f"; {excused} more within the reference's fp32 noise"
     assert len(bad) <= flips, (
         f"{what}: {len(bad)} of {off.shape[0] * off.shape[1]} positions off the bound "
-        f"(at most {flips}): {bad[:5].tolist()}, largest difference "
-        f"{np.max(np.abs(got - want)):.3g}, largest value {np.max(np.abs(want)):.3g}")
-    keep = np.ones(off.shape[:2], bool)
+        f"(at most {flips}{more}): "
+        f"{bad[:5].tolist()}, largest difference {np.max(diff[tuple(bad.T)]):.3g}, largest "
+        f"value {np.max(np.abs(want)):.3g}")
     keep[tuple(bad.T)] = False
     np.testing.assert_allclose(got[keep], want[keep], rtol=rtol, atol=atol, err_msg=what)
+
+
+NOISE_ULPS, NOISE_TRIALS, NOISE_SLACK = 4, 12, 1.25
+"""FP8 eval's allowance (:func:`_noise`): each fp32 weight of the reference multiplied by
+``1 + u``, ``u`` uniform within ``NOISE_ULPS`` units in the last place of 1 (the size of
+the fp32 difference the sharding itself makes: another summation order moves the fp32
+logits by up to 1.8e-6 of values up to ~4, measured on tensor_sequence with and without
+grouped-query attention), in ``NOISE_TRIALS`` seeded trials; a position whose sharded
+difference is at most ``NOISE_SLACK`` times the largest of the trials' is a value the
+reference itself rounds to either FP8 quantum."""
+
+
+def _noise(made: compat_features.Setup, shape: tuple[int, int, int], ref: dict,
+           name: str) -> np.ndarray:
+    """``[rows, seq]``: the largest difference over :data:`NOISE_TRIALS` trials between
+    the reference's eval ``name`` (logits, hidden) and the same model's with fp32 noise
+    in its weights (:data:`NOISE_ULPS`), each position's largest over its values.
+
+    Why (measured, 2026-12-07): FP8 current scaling quantises every GEMM's input to e4m3
+    (3 mantissa bits); a value within fp32 rounding of the boundary between two quanta
+    lands on either, ~6% apart, and causal attention carries it to every later position
+    of its row. tensor_sequence + grouped_query + FP8 eval differs from the reference by
+    0.0428 at 5 of 64 positions (row 0 from position 2); the reference with 1-ulp noise
+    in its weights differs from itself by the same 0.0428 at the same 5 positions in 2 of
+    3 trials. eval-c14 (0.122 at 28 positions) and eval-c15 (0.0239 at one) likewise
+    (1 of 3 trials; 5 of 12 at 4 ulps). A wrong sharding is no such value: it moves
+    positions the reference's own noise never moves (tests/combinations/
+    test_combinations.py's tampered model fails)."""
+    cache = ref.setdefault("noise", {})
+    if name not in cache:
+        rng = np.random.default_rng(0)
+        reference = made.reference()
+
+        def noisy(path, x):
+            x = np.asarray(x)
+            if x.dtype != np.float32 or "fp8_history" in jax.tree_util.keystr(path):
+                return x
+            u = rng.uniform(-1.0, 1.0, x.shape) * NOISE_ULPS * np.finfo(np.float32).eps
+            return (x * (1 + u)).astype(np.float32)
+
+        trials = []
+        for _ in range(NOISE_TRIALS):
+            moved = _RUNS["eval"](reference, shape,
+                                  jax.tree_util.tree_map_with_path(noisy, ref["init"]))
+            for key in ("logits", "hidden"):
+                trials.append((key, np.abs(np.asarray(moved[key]) - np.asarray(ref[key]))))
+        for key in ("logits", "hidden"):
+            d = [t for k, t in trials if k == key]
+            cache[key] = np.max([x.reshape(*x.shape[:2], -1).max(axis=-1) for x in d], axis=0)
+    return cache[name]
 
 
 def _histories(params: dict) -> dict:
@@ -371,7 +435,7 @@ def _plain(params: dict) -> dict:
 
 
 def _compare(made: compat_features.Setup, mode: str, got: dict, ref: dict,
-             what: str) -> None:
+             what: str, shape: tuple[int, int, int]) -> None:
     if mode == "train":
         losses, want = got["losses"], ref["losses"]
         assert np.all(np.isfinite(losses)), f"{what}: losses {losses}"
@@ -407,7 +471,10 @@ def _compare(made: compat_features.Setup, mode: str, got: dict, ref: dict,
         # position's whole output. fp32 sets: none.
         flips = int(bound != compat_features.FP32_BOUND and "experts" in made.names)
         for name in ("logits", "hidden"):
-            _close_positions(got[name], ref[name], bound, flips, f"{what}: {name}")
+            # FP8: also where the reference's own fp32 noise moves it as far (_noise)
+            noise = (functools.partial(_noise, made, shape, ref, name) if made.first_step
+                     else None)
+            _close_positions(got[name], ref[name], bound, flips, f"{what}: {name}", noise)
     else:
         bound = made.bound("logits")
         _greedy(got["tokens"], ref["tokens"], ref["picked"], bound, what)
