@@ -5,7 +5,7 @@ in an environment of its own):
     pip install torch transformers safetensors numpy
     python scripts/make_deepseek_fixtures.py [--out tests/fixtures/hf] [--only NAME ...]
 
-Three small random-init models, each written to ``<out>/<name>/`` with transformers' own
+Small random-init models, each written to ``<out>/<name>/`` with transformers' own
 ``save_pretrained`` (``config.json``, ``generation_config.json``, ``model.safetensors``):
 
 - ``deepseek_v3``: multi-head latent attention with ``q_lora_rank`` (12) and
@@ -27,7 +27,10 @@ Three small random-init models, each written to ``<out>/<name>/`` with transform
   (their mean cross-entropy against tokens 2..15);
 - ``glm4_moe``: grouped-query attention (8 heads over 4, head_dim 8 apart from hidden /
   heads) with partial rotary (0.5), q/k/v biases, q/k norms (``use_qk_norm``), sigmoid
-  routing in 2 groups choosing 1, 1 dense layer, 1 shared expert.
+  routing in 2 groups choosing 1, 1 dense layer, 1 shared expert;
+- ``glm4_moe_mtp``: ``glm4_moe`` with one multi-token-prediction layer, stored and
+  compared as ``deepseek_v3_mtp``'s (GLM-4.5's checkpoints hold their MTP layer as
+  DeepSeek's do: ``model.layers.3.*``).
 
 and ``golden.npz``: ``input_ids`` int32 ``[4, 16]``, transformers' fp32 ``logits``, its
 ``loss`` for ``labels=input_ids`` (the plain next-token loss: these models add no
@@ -90,6 +93,12 @@ MODELS = {
         norm_topk_prob=True, rms_norm_eps=1e-5,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                              partial_rotary_factor=0.5))),
+    "glm4_moe_mtp": ("Glm4Moe", dict(
+        COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=8, attention_bias=True,
+        use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True, rms_norm_eps=1e-5, num_mtp_layers=1,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                             partial_rotary_factor=0.5))),
 }
 GRADS = {
     "deepseek_v3": ["model.layers.0.self_attn.q_a_proj.weight",
@@ -101,6 +110,7 @@ GRADS = {
                            "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
                            "model.layers.1.mlp.gate.weight", "lm_head.weight"],
     "deepseek_v3_mtp": ["model.layers.1.self_attn.q_b_proj.weight"],
+    "glm4_moe_mtp": ["model.layers.1.self_attn.q_proj.weight"],
     "glm4_moe": ["model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_norm.weight",
                  "model.layers.2.self_attn.k_proj.weight", "model.layers.1.mlp.gate.weight",
                  "model.layers.2.mlp.shared_experts.down_proj.weight"],

@@ -189,3 +189,52 @@ def test_cached_attention_value_head_size_matches_dense(split):
                                                         jax.reshard(v, seq), positions)
     assert got.shape == (b, 1, h * dv)
     assert_close(got.reshape(b, h, dv), want)
+
+
+@pytest.mark.parametrize("split", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_cached_attention_of_several_tokens_matches_dense(split):
+    """Three consecutive query tokens per row (speculative decoding's verification),
+    rows at different positions, against a cache of ``d_v``-wide values whose entries at
+    and past each row's first position are stale (a rejected draft's: never read), a
+    window of 5 and a soft cap, whole or split over a context axis of 2: each token
+    equals the dense attention's row at its position."""
+    b, s, h, hk, dv, steps = 2, 16, 4, 2, 2 * DQK, 3
+    q, k, v, _ = inputs(b, s, h, hk, dv, seed=3)
+    first = jnp.array([6, 12])
+    at = first[:, None] + jnp.arange(steps)  # [b, T]
+    rows = jnp.arange(b)[:, None]
+    want = dense_attention(q, k, v, window=5, softcap=3.0)[rows, at]  # [b, T, h, dv]
+    args = (q[rows, at], k[rows, at], v[rows, at])
+    stale = jnp.arange(s)[None, :, None, None] >= first[:, None, None, None]
+    k_cache, v_cache = jnp.where(stale, 7.0, k), jnp.where(stale, -7.0, v)
+    kw = dict(sliding_window=5, softcap=3.0)
+    if not split:
+        got = A.cached_attention(*args, k_cache, v_cache, first, **kw)
+    else:
+        mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Explicit,),
+                             devices=jax.devices()[:2])
+        seq = P(None, "context")
+
+        def local(q, k_new, v_new, k_cache, v_cache, positions):
+            held = jax.lax.axis_index("context") * (s // 2) + jnp.arange(s // 2)
+            return A.cached_attention(q, k_new, v_new, k_cache, v_cache, positions,
+                                      cache_positions=held, axis_name="context", **kw)
+
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.shard_map(local, in_specs=(P(),) * 3 + (seq, seq, P()),
+                                        out_specs=P()))(*args, jax.reshard(k_cache, seq),
+                                                        jax.reshard(v_cache, seq), first)
+    assert got.shape == (b, steps, h * dv)
+    assert_close(got.reshape(b, steps, h, dv), want)
+
+
+def test_cached_attention_tokens_at_negative_positions_are_none():
+    """Tokens whose positions are negative (speculative decoding's later modules at a
+    one-token prompt) are no tokens: the tokens at positions 0, 1 after two of them
+    equal attention over a sequence that starts with them (an empty cache)."""
+    b, s, h, hk, dv = 1, 4, 4, 2, DQK
+    q, k, v, _ = inputs(b, s, h, hk, dv, seed=4)
+    got = A.cached_attention(q, k, v, jnp.zeros((b, 3, hk, DQK)), jnp.zeros((b, 3, hk, dv)),
+                             jnp.array([-2]))
+    want = dense_attention(q[:, 2:], k[:, 2:], v[:, 2:])
+    assert_close(got.reshape(b, s, h, dv)[:, 2:], want)

@@ -31,6 +31,7 @@ from sp_jax.layers import (
     attention_names,
     register_attention,
     rotary_embedding,
+    token_positions,
 )
 from sp_jax.layout import Layout
 from sp_jax.models import GPT, GPTConfig, generate, hf
@@ -97,8 +98,8 @@ class NormedInputCacheAttention(CausalSelfAttention):
         scales = self.qk_scales()
         layer_window = None if self.window is None else self.window[...]
         h = self.norm.local(x)
-        q, k, v = self.split_heads(self.qkv.local_decode(h), positions[:, None], scales,
-                                   layer_window)
+        q, k, v = self.split_heads(self.qkv.local_decode(h),
+                                   token_positions(positions, x.shape[1]), scales, layer_window)
         _, k_cache, v_cache = self.split_heads(self.qkv.local_decode(cache.h),
                                                jnp.broadcast_to(held, (b, length)), scales,
                                                layer_window)

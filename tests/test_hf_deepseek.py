@@ -8,7 +8,7 @@ scripts/make_deepseek_fixtures.py) on one device, on (data, expert, context, ten
 meshes with expert parallelism and on (data, context, tensor) meshes with ring and
 Ulysses attention; its greedy generations (teacher-forced, and with sp_jax's
 ``generate``: the latent cache); HF -> sp_jax -> HF bit for bit; the MTP layer
-(tests/fixtures/hf/deepseek_v3_mtp: transformers' MtpModel's logits);
+(tests/fixtures/hf/{deepseek_v3_mtp,glm4_moe_mtp}: transformers' MtpModel's logits);
 YaRN's frequencies and attention factor as transformers computes them; config
 translation and the presets. No torch, no network."""
 
@@ -173,14 +173,16 @@ def _mtp_logits(model, tokens):
 
 
 @pytest.mark.slow  # 60-110 s on 2 shared cores: the slow tier
-def test_mtp_layer_equals_transformers(tmp_path):
-    """A checkpoint with one MTP layer (``model.layers.3.*``, transformers 5.x's
-    ``MtpModel`` stored as DeepSeek's checkpoints hold it) reads with ``mtp_depth=1`` by
+@pytest.mark.parametrize("fixture", ["deepseek_v3_mtp", "glm4_moe_mtp"])
+def test_mtp_layer_equals_transformers(tmp_path, fixture):
+    """A DeepSeek-V3 or GLM-4.5 checkpoint with one MTP layer (``model.layers.3.*``,
+    transformers 5.x's ``MtpModel`` stored as their checkpoints hold it) reads with
+    ``mtp_depth=1`` by
     default: the MTP logits equal transformers' (1e-5 of the largest) and the MTP loss
     its cross-entropy; the main logits equal transformers'; to_hf writes the checkpoint
     back bit for bit (the embedding and head copies included); ``mtp_depth=0`` skips
     the MTP layer and leaves the main model's parameters and logits as they are."""
-    source = FIXTURES / "deepseek_v3_mtp"
+    source = FIXTURES / fixture
     golden = np.load(source / "golden.npz")
     tokens = golden["input_ids"]
     with jax.set_mesh(make_mesh(1, 1)):
@@ -385,3 +387,48 @@ def test_tiny_presets_build_and_write_their_family(tmp_path):
             again = hf.from_hf(tmp_path / cfg.hf_model_type)
         assert_bitwise(param_values(model), param_values(again))
 
+
+
+def test_checkpoints_as_published_and_as_transformers_saves_them(tmp_path):
+    """Kimi K2's published ``config.json`` (``model_type: kimi_k2``, DeepSeek-V3's
+    architecture) reads as ``deepseek_v3``; a config counting an MTP layer
+    (``num_nextn_predict_layers``: transformers 5.x writes 1 for every DeepSeek-V3
+    config) over a checkpoint holding none (``DeepseekV3ForCausalLM.save_pretrained``)
+    reads the main model with ``mtp_depth=0``, the same parameters as the config saying
+    0, while ``mtp_depth=1`` asked for names the missing tensors; FP8 block-scaled
+    weights (``quantization_config``) are refused with the fix."""
+    source = FIXTURES / "deepseek_v3"
+    shutil.copytree(source, tmp_path / "k2")
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "k2" / "config.json").write_text(json.dumps(
+        {**config, "model_type": "kimi_k2", "num_nextn_predict_layers": 1}))
+    with jax.set_mesh(make_mesh(1, 1)):
+        read = hf.from_hf(tmp_path / "k2")
+        plain = hf.from_hf(source)
+        with pytest.raises(ValueError, match=r"model\.layers\.3\.eh_proj\.weight .* missing"):
+            hf.from_hf(tmp_path / "k2", mtp_depth=1)
+    assert read.config.mtp_depth == 0 and read.config.hf_model_type == "deepseek_v3"
+    assert_bitwise(param_values(read), param_values(plain))
+    with pytest.raises(ValueError, match=r"quantization_config .*dequantise"):
+        hf.config_from_hf({**config, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_mla_fields_that_would_be_ignored_are_refused_or_applied():
+    """With ``attention="mla"``: ``num_kv_heads`` other than ``num_heads`` is refused
+    (one shared latent, no key/value heads to group), and without ``attention_scale`` a
+    YaRN ``rope_scaling`` with ``mscale_all_dim`` gives DeepSeek's softmax scale (as
+    ``from_hf`` and the presets set it), not ``qk_head_dim ** -0.5``."""
+    from sp_jax.layers import MultiHeadLatentAttention
+    from sp_jax.layers.mla import mla_softmax_scale
+
+    with pytest.raises(ValueError, match=r"num_kv_heads=2: multi-head latent attention"):
+        GPTConfig.deepseek_v3("deepseek-v3-tiny", num_kv_heads=2)
+    cfg = GPTConfig.deepseek_v3("deepseek-v3-tiny", attention_scale=None, rope_scaling=(
+        yarn := YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                            mscale_all_dim=0.5)))
+    attention = nnx.eval_shape(lambda: MultiHeadLatentAttention(
+        cfg.attention_config(), rngs=nnx.Rngs(0)))
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    want = mla_softmax_scale(qk, {"rope_type": "yarn", "factor": yarn.factor,
+                                  "mscale_all_dim": 0.5})
+    assert want != qk ** -0.5 and attention.softmax_scale == pytest.approx(want, rel=1e-12)

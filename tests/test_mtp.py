@@ -206,6 +206,35 @@ def test_speculative_mtp_equals_greedy(name):
     assert got.accepted_drafts > 0 and got.steps < 16
 
 
+def test_speculative_step_verifies_the_drafts_in_one_forward(monkeypatch):
+    """The main model and each MTP module run once on the ``D + 1`` tokens of a step
+    (each layer's weights read once, not once per position): every attention call the
+    speculative step traces has ``D + 1`` query tokens a row, except the drafting chain's
+    one-token calls (modules ``2 .. D``); the tokens are greedy's."""
+    from sp_jax.layers import attention as attention_module
+    from sp_jax.models import speculative
+
+    depth, seen = 2, []
+
+    def recording(q, *args, **kwargs):
+        seen.append(q.shape[1])
+        return real(q, *args, **kwargs)
+
+    real = attention_module.cached_attention
+    cfg = _config(mtp_depth=depth, max_seq_len=64)
+    with jax.set_mesh(_mesh()):
+        model = GPT(cfg, parallel=_parallel(), rngs=nnx.Rngs(0))
+        want = generate(model, PROMPTS, max_new_tokens=6)
+        speculative.programs.cache_clear()
+        monkeypatch.setattr(attention_module, "cached_attention", recording)
+        got = generate(model, PROMPTS, max_new_tokens=6, speculative="mtp")
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    # traced once each: the prefill's drafting chain (module 2: one token), the step's
+    # main model (each of its layers, unrolled) and modules (D + 1 tokens), its chain
+    one, verify = [1] * (depth - 1), [depth + 1] * (cfg.num_layers + depth)
+    assert seen == one + verify + one, seen
+
+
 def test_speculative_refusals():
     """speculative='mtp' needs MTP modules and greedy decoding."""
     with jax.set_mesh(_mesh()):

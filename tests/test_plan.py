@@ -616,7 +616,8 @@ def _example(name: str):
 
 @pytest.mark.parametrize("name,gpus", [("mixtral-8x7b", 8), ("llama-3-70b", 16), ("405b", 128),
                                        ("70b", 64), ("qwen3-30b-a3b", 8), ("7b", 8),
-                                       ("7b head_dim=256", 8)])
+                                       ("7b head_dim=256", 8), ("deepseek-v3", 224),
+                                       ("kimi-k2", 224)])
 def test_the_printed_command_parses_with_each_example_as_the_plan(name, gpus, tmp_path):
     """An answer is runnable as printed: the command lines of the formula's answer parse
     with examples/train_gpt.py's and finetune_hf.py's own argparse, into the mesh,
@@ -663,8 +664,17 @@ def test_the_printed_command_parses_with_each_example_as_the_plan(name, gpus, tm
                 cfg = cli.model_config(args)
                 assert (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.max_seq_len) == (
                     model.layers, model.hidden, model.heads, model.seq), line
-                assert cfg.num_kv_heads == (model.kv_heads or model.heads)
-                assert (cfg.head_dim or cfg.hidden // cfg.num_heads) == model.head_size, line
+                if model.kv_lora_rank:  # the preset is the architecture (MLA), not a stand-in
+                    assert cfg.attention == "mla" and (
+                        cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                        cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+                        model.q_lora_rank, model.kv_lora_rank, model.qk_nope_head_dim,
+                        model.qk_rope_head_dim, model.v_head_dim), line
+                    assert cfg.num_dense_layers == model.dense_layers, line
+                else:
+                    assert cfg.num_kv_heads == (model.kv_heads or model.heads)
+                    assert (cfg.head_dim or cfg.hidden // cfg.num_heads) == model.head_size, \
+                        line
                 assert cfg.remat == lay.remat
                 experts = model.experts if model.experts > 1 else 0
                 assert cfg.num_experts == experts

@@ -25,7 +25,7 @@ __all__ = ["EXAMPLE_PRESETS", "Confirmation", "command_line", "confirm", "format
 
 EXAMPLE_PRESETS = {"mixtral-8x7b": "mixtral-8x7b", "llama-3-70b": "llama-3-70b",
                    "405b": "llama-3.1-405b", "qwen3-30b-a3b": "qwen3-30b-a3b",
-                   "deepseek-v3": "deepseek-v3"}
+                   "deepseek-v3": "deepseek-v3", "kimi-k2": "kimi-k2"}
 """The planner's presets (:data:`sp_jax.analysis.MODELS`) that are ``--preset`` s of
 ``examples/train_gpt.py`` (:data:`sp_jax.training.cli.PRESETS`), by the example's name.
 Every other shape is GPT blocks: ``--preset gpt`` with its sizes."""

@@ -196,6 +196,10 @@ _REDUCE_FIX = ("{grad_reduce_dtype} without a pipeline reduces the gradients of 
                "use a pipeline (pipeline_axis=...), which reduces in its own schedule.")
 
 REFUSALS: list[Refusal] = [
+    Refusal(_ALL, "grouped_query", "mla_attention",
+            "{mla_attention} has no key/value heads to group: every head's keys and values "
+            "are up-projected from one shared latent; leave num_kv_heads None (or equal to "
+            "num_heads) with attention='mla'."),
     Refusal(_ALL, "mla_attention", "cudnn_attention",
             "{mla_attention} needs attention_implementation='xla': its keys (qk_nope_head_dim + "
             "qk_rope_head_dim) and values (v_head_dim) have different head sizes, which "

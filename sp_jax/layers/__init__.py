@@ -19,6 +19,7 @@ from sp_jax.layers.attention_registry import (
     attention_class,
     attention_names,
     register_attention,
+    token_positions,
 )
 from sp_jax.layers.block_config import (
     MLP_ACTIVATIONS,
@@ -118,6 +119,7 @@ __all__ = [
     "attention_class",
     "attention_names",
     "register_attention",
+    "token_positions",
     "MLP",
     "MLPActivation",
     "MoE",

@@ -25,7 +25,11 @@ from sp_jax.attention import (
 )
 from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig, check_layer_args
-from sp_jax.layers.attention_registry import AttentionCache, register_attention
+from sp_jax.layers.attention_registry import (
+    AttentionCache,
+    register_attention,
+    token_positions,
+)
 from sp_jax.layers.block_config import AttentionConfig, check_block_config, kv_heads_per_shard
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
@@ -423,7 +427,8 @@ class CausalSelfAttention(nnx.Module):
         """
         qkv = self.qkv.local_decode(self.norm.local(x))  # this shard's heads, no collective
         layer_window = None if self.window is None else self.window[...]
-        q, k, v = self.split_heads(qkv, positions[:, None], self.qk_scales(), layer_window)
+        q, k, v = self.split_heads(qkv, token_positions(positions, x.shape[1]),
+                                   self.qk_scales(), layer_window)
         window = self.config.sliding_window if layer_window is None else layer_window
         o = cached_attention(q, k, v, cache.k, cache.v, positions, window,
                              cache_positions=cache_positions,

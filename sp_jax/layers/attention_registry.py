@@ -28,13 +28,17 @@ protocol):
   also returns its cache entries of the prompt, an instance of its ``cache_type`` whose
   arrays are ``[batch, seq, ...]`` in the specs the cache type states
   (:meth:`AttentionCache.entry_specs`; the sequence in the held order).
-- ``decode_step(x, cache, positions, cache_positions=None) -> (y, entries)``: one token
-  of every row per device, inside the decode ``shard_map`` over the whole model, its
-  parameters in the decode layout: ``x [b, 1, hidden]`` whole rows, ``cache`` this
-  layer's part of the cache (``[b, length, ...]`` arrays: this device's), ``positions``
-  int ``[b]``, ``cache_positions`` int ``[length]`` (the position each entry holds, with
-  a context axis; None: entry ``j`` holds position ``j``) -> ``y [b, 1, hidden]`` whole
-  rows and this token's entries (``[b, 1, ...]`` arrays of the cache type).
+- ``decode_step(x, cache, positions, cache_positions=None) -> (y, entries)``: ``T``
+  consecutive tokens of every row per device (one in a decoding step; a speculative
+  step's token and its drafts, :mod:`sp_jax.models.speculative`), inside the decode
+  ``shard_map`` over the whole model, its parameters in the decode layout: ``x [b, T,
+  hidden]`` whole rows, ``cache`` this layer's part of the cache (``[b, length, ...]``
+  arrays: this device's; its entries at positions ``>= positions`` are not read),
+  ``positions`` int ``[b]`` the first token's (:func:`token_positions`: each one's),
+  ``cache_positions`` int ``[length]`` (the position each entry holds, with a context
+  axis; None: entry ``j`` holds position ``j``) -> ``y [b, T, hidden]`` whole rows and
+  these tokens' entries (``[b, T, ...]`` arrays of the cache type). Token ``t`` attends
+  to the cache and to tokens ``<= t`` (:func:`~sp_jax.attention.cached_attention`).
 - ``cache_type``: a class attribute, the :class:`AttentionCache` subclass of its cache.
 
 A new attention is one module holding such a class and one call of
@@ -56,7 +60,7 @@ from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, reshard
 
 __all__ = ["Attention", "AttentionCache", "attention_class", "attention_names", "cache_slots",
-           "check_attention_name", "register_attention"]
+           "check_attention_name", "register_attention", "token_positions"]
 
 
 def cache_slots(prompt: int, length: int, shards: int, order: np.ndarray | None
@@ -150,14 +154,21 @@ class AttentionCache:
         return cache_slots(self.prompt, self.length, shards, order)
 
     def write(self, new: Any, rows: jax.Array, at: jax.Array) -> Any:
-        """Per device: this cache with a token's entries ``new`` (the same type, ``[layers,
-        batch, 1, ...]``) written at slot ``at [batch]`` of rows ``rows [batch]`` (an
-        ``at`` of ``length`` or more: dropped, a token another context shard holds), in
-        the cache's dtypes."""
+        """Per device: this cache with the entries ``new`` of ``T`` tokens a row (the
+        same type, ``[layers, batch, T, ...]``) written at slots ``at [batch, T]`` (or
+        ``[batch]``: ``T = 1``) of rows ``rows [batch]`` (an ``at`` of ``length`` or
+        more: dropped, a token another context shard holds), in the cache's dtypes."""
+        at = at[:, None] if at.ndim == 1 else at
         return dataclasses.replace(self, **{  # type: ignore[type-var]
-            name: a.at[:, rows, at].set(n[:, :, 0].astype(a.dtype), mode="drop")
+            name: a.at[:, rows[:, None], at].set(n.astype(a.dtype), mode="drop")
             for (name, a), n in zip(self.arrays().items(), new.arrays().values(),
                                     strict=True)})
+
+
+def token_positions(positions: jax.Array, steps: int) -> jax.Array:
+    """``[b, steps]``: the positions of ``steps`` consecutive tokens of each row whose
+    first is at ``positions [b]`` (a ``decode_step``'s tokens)."""
+    return positions[:, None] + jnp.arange(steps, dtype=positions.dtype)
 
 
 @runtime_checkable

@@ -34,16 +34,31 @@ from sp_jax import ops
 from sp_jax.attention import cached_attention, expand_latent, latent_ring_attention
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.attention import CausalSelfAttention, head_rms_norm
-from sp_jax.layers.attention_registry import AttentionCache, register_attention
+from sp_jax.layers.attention_registry import (
+    AttentionCache,
+    register_attention,
+    token_positions,
+)
 from sp_jax.layers.block_config import AttentionConfig
 from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import RowSequenceParallelLinear, column_sp_matmul, shard_linear
-from sp_jax.layers.rotary import rope_attention_factor, rotary_embedding, yarn_mscale
+from sp_jax.layers.rotary import (
+    YarnScaling,
+    rope_attention_factor,
+    rotary_embedding,
+    yarn_mscale,
+)
 from sp_jax.layout import Layout
 from sp_jax.mesh import Mesh, check_activations, check_divisible, current_mesh, reshard
 
 __all__ = ["LatentCache", "LatentProjection", "MultiHeadLatentAttention", "deinterleave_rope",
            "mla_softmax_scale"]
+
+
+LATENT_NORM_EPSILON = 1e-6
+"""The epsilon of the q and kv latents' RMS norms (``q_a_layernorm`` / ``kv_a_layernorm``):
+DeepSeek's reference and transformers build them with their default 1e-6, not the model's
+``rms_norm_eps`` (which the block norms take)."""
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None = None) -> float:
@@ -191,7 +206,7 @@ class LatentProjection(nnx.Module):
         """Per device: the query's down projection ``[b, s, q_lora_rank]`` (or, without
         ``q_lora_rank``, already this shard's queries) -> this shard's queries."""
         if q_b_kernel is not None:
-            q = head_rms_norm(q, q_a_norm, self.config.norm_epsilon)
+            q = head_rms_norm(q, q_a_norm, LATENT_NORM_EPSILON)
             q = jnp.einsum("bsr,rc->bsc", q, q_b_kernel.astype(q.dtype))
         return q
 
@@ -200,7 +215,7 @@ class LatentProjection(nnx.Module):
         """Per device: ``kv_a``'s output ``[b, s, r + p]`` -> the normalised latent and the
         rotary key (in ``dtype``)."""
         latent, k_rope = jnp.split(kv, [self.config.kv_lora_rank], axis=-1)
-        return head_rms_norm(latent, kv_a_norm, self.config.norm_epsilon), k_rope.astype(dtype)
+        return head_rms_norm(latent, kv_a_norm, LATENT_NORM_EPSILON), k_rope.astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard columns
@@ -309,9 +324,17 @@ class MultiHeadLatentAttention(CausalSelfAttention):
 
     @property
     def softmax_scale(self) -> float:
-        """``attention_scale``, or ``qk_head_dim ** -0.5`` (:func:`mla_softmax_scale`)."""
-        scale = self.config.attention_scale
-        return self.qk_head_dim ** -0.5 if scale is None else scale
+        """``attention_scale``, or DeepSeek's (:func:`mla_softmax_scale`):
+        ``qk_head_dim ** -0.5``, times ``m(mscale_all_dim) ** 2`` with a YaRN
+        ``rope_scaling`` that has ``mscale_all_dim``."""
+        scale, yarn = self.config.attention_scale, self.config.rope_scaling
+        if scale is not None:
+            return scale
+        if isinstance(yarn, YarnScaling) and yarn.mscale_all_dim:
+            return mla_softmax_scale(self.qk_head_dim, {
+                "rope_type": "yarn", "factor": yarn.factor,
+                "mscale_all_dim": yarn.mscale_all_dim})
+        return self.qk_head_dim ** -0.5
 
     @property
     def rope_dim(self) -> int:
@@ -417,8 +440,9 @@ class MultiHeadLatentAttention(CausalSelfAttention):
         n = cfg.qk_nope_head_dim
         layer_window = None if self.window is None else self.window[...]
         q, latent, k_rope = self.split_latent(self.qkv.local_decode(self.norm.local(x)),
-                                              positions[:, None], layer_window)
-        b, _, heads, _ = q.shape
+                                              token_positions(positions, x.shape[1]),
+                                              layer_window)
+        b, steps, heads, _ = q.shape
         window = cfg.sliding_window if layer_window is None else layer_window
         attend = dict(cache_positions=cache_positions,
                       axis_name=self.parallel.context_axes or None,
@@ -437,8 +461,8 @@ class MultiHeadLatentAttention(CausalSelfAttention):
                              cache.latent[:, :, None], cache.latent[:, :, None], positions,
                              window, **attend,
                              rope=(q[..., n:], k_rope[:, :, None], cache.k_rope[:, :, None]))
-        o = jnp.einsum("bshr,rhv->bshv", o.reshape(b, 1, heads, cfg.kv_lora_rank),
-                       kv_b[..., n:]).reshape(b, 1, heads * cfg.v_head_dim)
+        o = jnp.einsum("bshr,rhv->bshv", o.reshape(b, steps, heads, cfg.kv_lora_rank),
+                       kv_b[..., n:]).reshape(b, steps, heads * cfg.v_head_dim)
         return self._decode_out(x, o), LatentCache(latent, k_rope)
 
     def _decode_out(self, x: jax.Array, o: jax.Array) -> jax.Array:

@@ -273,11 +273,13 @@ def cache_index(slots: Any, positions: jax.Array, length: int,
 
 
 def embed_local(model: Any, embed: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Per device: the token embeddings ``[b, 1, hidden]`` (whole rows; scaled as
-    ``GPT.embed_tokens``'s, no learned positions) of ``tokens [b]`` from this shard's
-    vocabulary block ``embed [Vp / t, hidden]`` (one all-reduce over the tensor axis)."""
+    """Per device: the token embeddings ``[b, T, hidden]`` (whole rows; scaled as
+    ``GPT.embed_tokens``'s, no learned positions) of ``tokens [b, T]`` (``[b]``: ``T =
+    1``) from this shard's vocabulary block ``embed [Vp / t, hidden]`` (one all-reduce
+    over the tensor axis)."""
     tensor = model.parallel.tensor_axis
-    x = lax.psum(vocab_parallel_lookup(tokens[:, None], embed, tensor,
+    tokens = tokens[:, None] if tokens.ndim == 1 else tokens
+    x = lax.psum(vocab_parallel_lookup(tokens, embed, tensor,
                                        model.config.vocab_size), tensor)
     if model.embed.dtype is not None:
         x = x.astype(model.embed.dtype)

@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.compat import check_mode
-from sp_jax.mesh import axis_size, current_mesh, mesh_platform
+from sp_jax.layout import Layout
+from sp_jax.mesh import axis_size, current_mesh, mesh_platform, reshard
 from sp_jax.models.decode import (
     check_decodable,
     decode_step,
@@ -278,7 +279,7 @@ def generate(model: Any, prompts: Any, *, max_new_tokens: int, temperature: floa
                        jax.random.fold_in(key, 0))
     if speculative:
         return _speculate(graph, state, cache, new, padded, all_lens, length, batch,
-                          max_new_tokens, eos_ids, pad, mesh)
+                          max_new_tokens, eos_ids, pad, mesh, evaluation.parallel)
     done = jnp.isin(new, eos)
     out = [new]
     positions = jnp.asarray(all_lens)
@@ -316,7 +317,8 @@ def _finished(generated: np.ndarray, max_new_tokens: int, eos_ids: list[int], pa
 
 def _speculate(graph: Any, state: Any, cache: Any, new: jax.Array, padded: np.ndarray,
                lens: np.ndarray, length: int, batch: int, max_new_tokens: int,
-               eos_ids: list[int], pad: int, mesh: Any) -> SpeculativeGeneration:
+               eos_ids: list[int], pad: int, mesh: Any, parallel: Any
+               ) -> SpeculativeGeneration:
     """:func:`generate`'s loop with ``speculative="mtp"`` after the main prefill (its
     greedy tokens ``new``): the MTP prefill, then speculative steps until every row has
     ``max_new_tokens`` or its eos (:mod:`sp_jax.models.speculative`)."""
@@ -324,7 +326,9 @@ def _speculate(graph: Any, state: Any, cache: Any, new: jax.Array, padded: np.nd
     cache, caches, drafts, carry = mtp_first(state, jnp.asarray(padded), jnp.asarray(lens),
                                              new, length)
     rows = [[int(t)] for t in np.asarray(new)[:batch]]
-    token, positions = new, jnp.asarray(lens)
+    # in the batch's layout, as the steps return them: one compile of the step, not two
+    spec = Layout.of(parallel).spec("activation_batch")
+    token, positions = (reshard(jnp.asarray(a, jnp.int32), spec, mesh) for a in (new, lens))
     accepted_sum, counted, steps = 0, 0, 0
     one_at_a_time = mesh_platform() == "cpu" and mesh.size > 1  # as generate's loop
 

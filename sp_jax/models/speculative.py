@@ -1,22 +1,26 @@
 """Speculative decoding with the multi-token prediction modules (``generate(...,
 speculative="mtp")``, greedy): the ``D`` MTP modules draft ``D`` tokens, the main model
-verifies them in one jitted step over the ``D + 1`` positions, and each row keeps the
-longest prefix of drafts equal to the main model's greedy tokens plus the main model's
-next token. The tokens are plain greedy decoding's: every kept token is the main model's
-argmax after the tokens before it, computed by the same single-token decode path.
+verifies them in one forward over the ``D + 1`` positions, and each row keeps the longest
+prefix of drafts equal to the main model's greedy tokens plus the main model's next
+token. Every kept token is the main model's argmax after the tokens before it.
 
 One step, per device inside one ``shard_map`` (Megatron's inference layout, as
-:func:`~sp_jax.models.decode.decode_step`): a ``lax.scan`` over the ``D + 1`` positions
-``n .. n + D`` of each row runs the main model's decode step on the committed token and the
-drafts (writing its cache entries at those positions), and at each position ``n + i``
-module 1 on ``(h^0_{n+i}, g_i)`` (the main model's greedy token there) and module ``k >
-1`` one position behind module ``k - 1`` (position ``n + i - k + 1``, on ``(h^{k-1}, g_i)``),
-so each module's cache holds the committed tokens' entries up to where its inputs are
-known. After the scan: ``a`` accepted drafts per row, the new tokens ``g_0 .. g_a``, and the
-next drafts from position ``q = n + a`` (module 1's output there, then modules ``2 .. D``
-on the drafts before them). Entries written at positions past the accepted ones are
-rolled back by not advancing the row: they are overwritten before any later query reads
-them (attention reads entries at positions below its own only).
+:func:`~sp_jax.models.decode.decode_step`): the main model's layers run once on the ``D +
+1`` tokens ``n .. n + D`` of each row (the committed token and the drafts; each layer's
+weights read once, :func:`~sp_jax.attention.cached_attention` with ``D + 1`` causal
+queries), writing their cache entries at those positions and giving the greedy tokens
+``g_0 .. g_D``; then module 1 runs once on ``(h^0_{n+i}, g_i)`` at positions ``n + i``, and
+module ``k > 1`` once on ``(h^{k-1}, g_i)`` one position behind module ``k - 1`` (positions
+``n + i - k + 1``: its first input ``h^{k-1}`` the carry from the last step, the others
+module ``k - 1``'s outputs of this step), so each module's cache holds the committed
+tokens' entries up to where its inputs are known. Then: ``a`` accepted drafts per row,
+the new tokens ``g_0 .. g_a``, and the next drafts from position ``q = n + a`` (module 1's
+output there, then modules ``2 .. D`` on the drafts before them, one token each).
+Entries written at positions past the accepted ones are rolled back by not advancing the
+row: attention reads cache entries at positions below a step's first only, and they are
+overwritten before a later step's tokens pass them. A module's tokens at negative
+positions (the first steps after a one-token prompt) are no tokens: their entries are
+dropped and no token attends to them.
 """
 
 from __future__ import annotations
@@ -27,11 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.attention import sequence_order, to_held
-from sp_jax.layers import AttentionCache
+from sp_jax.layers import AttentionCache, token_positions
 from sp_jax.layers.linear import decode_layout
 from sp_jax.layout import Layout
 from sp_jax.mesh import axis_size, current_mesh, reshard
@@ -83,45 +86,51 @@ class _Local:
 
     def _write(self, layers: Any, x: jax.Array, cache: AttentionCache, positions: jax.Array
                ) -> tuple[jax.Array, AttentionCache]:
-        cache_positions, at = cache_index(self.slots, positions, cache.length,
-                                          self.model.parallel.context_axes)
-        x, new = decode_blocks(layers, x, cache, jnp.maximum(positions, 0), cache_positions)
+        """``x [b, T, hidden]``: ``T`` tokens a row from ``positions [b]`` through
+        ``layers``, their entries written in ``cache``."""
+        cache_positions, at = cache_index(self.slots, token_positions(positions, x.shape[1]),
+                                          cache.length, self.model.parallel.context_axes)
+        x, new = decode_blocks(layers, x, cache, positions, cache_positions)
         return x, cache.write(new, jnp.arange(x.shape[0]), at)
 
     def main(self, cache: AttentionCache, tokens: jax.Array, positions: jax.Array
              ) -> tuple[jax.Array, jax.Array, AttentionCache]:
-        """Tokens ``[b]`` at ``positions`` through the main model: final-normed ``h [b, 1,
-        hidden]``, greedy next tokens ``[b]``, the cache."""
+        """Tokens ``[b, T]`` from ``positions [b]`` through the main model in one
+        forward: final-normed ``h [b, T, hidden]``, greedy next tokens ``[b, T]``, the
+        cache."""
         x = embed_local(self.model, self.embed, tokens)
         if self.position is not None:  # as decode_step
-            x = x + jnp.take(self.position, positions, axis=0)[:, None].astype(x.dtype)
+            x = x + jnp.take(self.position, token_positions(positions, tokens.shape[1]),
+                             axis=0).astype(x.dtype)
         x, cache = self._write(self.layers, x, cache, positions)
         h = self.final.local(x)
-        return h, jnp.argmax(local_logits(self.model, h[:, 0], self.head), -1).astype(
-            jnp.int32), cache
+        return h, self.draft(h), cache
 
     def module(self, k: int, cache: AttentionCache, h: jax.Array, tokens: jax.Array,
                positions: jax.Array) -> tuple[jax.Array, AttentionCache]:
-        """MTP module ``k`` (from 0) on the previous depth's ``h [b, 1, hidden]`` and
-        ``tokens [b]`` at ``positions`` (negative: nothing written): ``h^{k+1}`` and its
-        cache."""
+        """MTP module ``k`` (from 0) on the previous depth's ``h [b, T, hidden]`` and
+        ``tokens [b, T]`` from ``positions [b]`` (negative ones: no tokens):
+        ``h^{k+1}`` and its cache."""
         m = self.mtp[k]
         x = m.project(embed_local(self.model, self.embed, tokens), h, local=True)
         x, cache = self._write([m.block], x, cache, positions)
         return m.post_norm.local(x), cache
 
-    def draft(self, k: int, h: jax.Array) -> jax.Array:
-        return jnp.argmax(local_logits(self.model, h[:, 0], self.head), -1).astype(jnp.int32)
+    def draft(self, h: jax.Array) -> jax.Array:
+        """The greedy tokens ``[b, T]`` of final-normed ``h [b, T, hidden]``."""
+        b, steps, hidden = h.shape
+        logits = local_logits(self.model, h.reshape(b * steps, hidden), self.head)
+        return jnp.argmax(logits, -1).astype(jnp.int32).reshape(b, steps)
 
     def chain(self, caches: list[AttentionCache], h1: jax.Array, q: jax.Array
               ) -> tuple[jax.Array, list[AttentionCache]]:
         """The drafts ``[b, D]`` from position ``q``: module 1's output there ``h1``, then
         modules ``2 .. D`` on the drafts before them (their entries at ``q`` written)."""
-        drafts, h = [self.draft(0, h1)], h1
+        drafts, h = [self.draft(h1)], h1
         for k in range(1, len(self.mtp)):
             h, caches[k] = self.module(k, caches[k], h, drafts[-1], q)
-            drafts.append(self.draft(k, h))
-        return jnp.stack(drafts, axis=1), caches
+            drafts.append(self.draft(h))
+        return jnp.concatenate(drafts, axis=1), caches
 
 
 def _specs(model: Any, mesh: Any, cache: AttentionCache) -> tuple[Any, ...]:
@@ -229,29 +238,22 @@ def speculative_step(model: Any, cache: AttentionCache, caches: list[AttentionCa
     def local(leaves, embed, head, position, cache, caches, token, drafts, carry, positions):
         run = _Local(model, graphs, leaves, embed, head, slots, position)
         inputs = jnp.concatenate([token[:, None], drafts], axis=1)  # [b, D + 1]
-
-        def body(state, i):
-            cache, caches, carry = state
-            caches = list(caches)
-            p = positions + i
-            h, g, cache = run.main(cache, inputs[:, i], p)
-            h1, caches[0] = run.module(0, caches[0], h, g, p)
-            outs = [h1]
-            for k in range(1, depth):  # module k + 1, one position behind module k
-                hk, caches[k] = run.module(k, caches[k], carry[k - 1], g, p - k)
-                outs.append(hk)
-            new_carry = jnp.stack(outs[:depth - 1]) if depth > 1 else carry
-            return (cache, caches, new_carry), (g, h1, new_carry)
-
-        (cache, caches, _), (g, h1s, carries) = lax.scan(
-            body, (cache, list(caches), carry), jnp.arange(depth + 1))
-        g = g.T  # [b, D + 1]
+        caches = list(caches)
+        h, g, cache = run.main(cache, inputs, positions)  # one forward over D + 1 tokens
+        outs = []
+        for k in range(depth):  # module k + 1 at positions - k .. positions - k + D
+            if k:  # its input at its first position: the carry; then module k's outputs
+                h = jnp.concatenate([carry[k - 1], h[:, :depth]], axis=1)
+            h, caches[k] = run.module(k, caches[k], h, g, positions - k)
+            outs.append(h)
         match = (inputs[:, 1:] == g[:, :-1]).astype(jnp.int32)
         accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
         rows_ = jnp.arange(g.shape[0])
-        h1 = h1s[accepted, rows_]  # [b, 1, hidden]
-        carry = jnp.moveaxis(carries, 0, 2)[:, rows_, accepted]  # [D - 1, b, 1, hidden]
-        drafts, caches = run.chain(list(caches), h1, positions + accepted)
+        h1 = outs[0][rows_, accepted][:, None]  # [b, 1, hidden]: module 1 at n + a
+        # module k + 1's first input next step, h^k at n + a + 1 - k: module k's index a
+        carry = (jnp.stack([o[rows_, accepted][:, None] for o in outs[:-1]]) if depth > 1
+                 else carry)
+        drafts, caches = run.chain(caches, h1, positions + accepted)
         return g, accepted, drafts, carry, cache, caches
 
     return jax.shard_map(

@@ -64,7 +64,8 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "llama-tiny": lambda **o: GPTConfig.llama("llama-tiny", **o),
     "mixtral-tiny": lambda **o: GPTConfig.mixtral("mixtral-tiny", **o),
     "qwen3-moe-tiny": lambda **o: GPTConfig.qwen3_moe("qwen3-moe-tiny", **o),
-    "deepseek-v3-tiny": lambda **o: GPTConfig.deepseek_v3_moe("deepseek-v3-tiny", **o),
+    "deepseek-v3-tiny": lambda **o: GPTConfig.deepseek_v3("deepseek-v3-tiny", **o),
+    "glm-4.5-tiny": lambda **o: GPTConfig.glm4_moe("glm-4.5-tiny", **o),
     # the memory planner's shapes (python -m sp_jax.plan prints commands with them)
     "mixtral-8x7b": lambda **o: GPTConfig.mixtral("mixtral-8x7b", **o),
     "llama-3-70b": lambda **o: GPTConfig.llama("llama-3-8b", **{
@@ -72,7 +73,9 @@ PRESETS: dict[str, Callable[..., GPTConfig]] = {
     "llama-3.1-405b": lambda **o: GPTConfig.llama("llama-3.1-8b", **{
         "num_layers": 126, "num_heads": 128, "hidden": 16384, "mlp_hidden": 53248, **o}),
     "qwen3-30b-a3b": lambda **o: GPTConfig.qwen3_moe("qwen3-30b-a3b", **o),
-    "deepseek-v3": lambda **o: GPTConfig.deepseek_v3_moe("deepseek-v3", **o),
+    "deepseek-v3": lambda **o: GPTConfig.deepseek_v3("deepseek-v3", **o),
+    "kimi-k2": lambda **o: GPTConfig.deepseek_v3("kimi-k2", **o),
+    "glm-4.5-air": lambda **o: GPTConfig.glm4_moe("glm-4.5-air", **o),
 }
 """``--preset``: the model a name stands for, with :class:`GPTConfig` fields overridden."""
 
@@ -292,10 +295,16 @@ def _describe_preset(name: str) -> str:
         f"{c.num_experts} {c.mlp_activation} experts of {c.moe_mlp_hidden} "
         f"({c.experts_per_token} per token"
         f"{f', {c.num_shared_experts} shared' if c.num_shared_experts else ''})")
-    if c.head_dim is not None:
+    if c.attention == "mla":
+        kv = f" of latent attention (kv rank {c.kv_lora_rank})"
+    elif c.head_dim is not None:
         kv += f" of {c.head_dim}"
     if c.qk_norm:
         kv += " with q/k norms"
+    if c.num_experts and c.num_dense_layers:
+        mlp = f"{c.num_dense_layers} dense then {mlp}"
+    if c.mtp_depth:
+        mlp += f", {c.mtp_depth} MTP module{'s' if c.mtp_depth > 1 else ''}"
     return (f"{name}: {c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads{kv}, "
             f"{mlp}, {c.positions} positions, {c.norm}, "
             f"{'tied' if c.tie_embeddings else 'untied'} head"
@@ -312,8 +321,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model: " + "; ".join(_describe_preset(n) for n in PRESETS) + ". The flags "
              "below override a preset's values (llama-tiny is GPTConfig.llama('llama-tiny'), "
              "mixtral-tiny GPTConfig.mixtral('mixtral-tiny'), qwen3-moe-tiny "
-             "GPTConfig.qwen3_moe('qwen3-moe-tiny'), deepseek-v3-tiny "
-             "GPTConfig.deepseek_v3_moe('deepseek-v3-tiny'): its attention is not MLA)")
+             "GPTConfig.qwen3_moe('qwen3-moe-tiny'), deepseek-v3 / kimi-k2 / "
+             "deepseek-v3-tiny GPTConfig.deepseek_v3(name), glm-4.5-air / glm-4.5-tiny "
+             "GPTConfig.glm4_moe(name))")
     add("--layers", type=int, default=None, help="transformer blocks (default: the preset's)")
     add("--hidden", type=int, default=None, help="model width (default: the preset's)")
     add("--heads", type=int, default=None,

@@ -72,7 +72,7 @@ from sp_jax.models.hf.llama import (
 from sp_jax.models.hf.mixtral import expert_rules, fused_expert_rules, is_fused, num_experts_of
 
 __all__ = ["DEEPSEEK_V3", "deepseek_moe_expresses", "deepseek_moe_fields",
-           "deepseek_moe_rules", "deepseek_moe_to_hf", "mtp_layers_skipped"]
+           "deepseek_moe_rules", "deepseek_moe_to_hf", "held_mtp_depth", "mtp_layers_skipped"]
 
 _P = "model.layers.{i}."
 
@@ -88,6 +88,19 @@ def _layer_of(name: str) -> int | None:
     if name.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit():
         return int(parts[2])
     return None
+
+
+def held_mtp_depth(cfg: GPTConfig, names: Collection[str]) -> GPTConfig:
+    """``cfg`` read from a checkpoint whose canonical tensor names are ``names``, with
+    ``mtp_depth = 0`` where its ``config.json`` counts MTP layers
+    (``num_nextn_predict_layers``, which transformers 5.x writes as 1 for every
+    DeepSeek-V3 and GLM-4.5 config) but it holds none (transformers'
+    ``DeepseekV3ForCausalLM`` / ``Glm4MoeForCausalLM`` save no MTP layer): the main model
+    is read. ``from_hf(..., mtp_depth=D)`` is not changed (missing MTP tensors are then
+    named)."""
+    if not cfg.mtp_depth or any(".eh_proj." in n for n in names):
+        return cfg
+    return dataclasses.replace(cfg, mtp_depth=0)
 
 
 def mtp_layers_skipped(cfg: GPTConfig, names: Collection[str]) -> set[str]:
@@ -374,12 +387,14 @@ def expresses(cfg: GPTConfig) -> bool:
     if cfg.attention != "mla":
         return False
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    scale = _softmax_scale(qk, _rope_to_hf(cfg))  # None (DeepSeek's from the YaRN fields) too
+    scale = cfg.attention_scale if cfg.attention_scale in (None, scale) else scale
     return deepseek_moe_expresses(cfg) and has_fields(
         cfg, **{**PLAIN, "attention": "mla", "num_dense_layers": cfg.num_dense_layers,
                 "moe_scoring": "sigmoid", "moe_groups": cfg.moe_groups,
                 "moe_topk_groups": cfg.moe_topk_groups,
                 "moe_routed_scale": cfg.moe_routed_scale,
-                "attention_scale": _softmax_scale(qk, _rope_to_hf(cfg))},
+                "attention_scale": scale},
         qkv_bias=False, out_bias=False,
         qk_norm=False, sliding_window=None, layer_windows=None)
 

@@ -21,11 +21,12 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.fp8 import WEIGHTS as _WEIGHTS
 from sp_jax.mesh import current_mesh
 from sp_jax.models.gpt import GPT, GPTConfig
+from sp_jax.models.hf.deepseek_v3 import held_mtp_depth
 from sp_jax.models.hf.family import Family, Rule, expand, stack_row
 from sp_jax.models.hf.registry import (
-    REGISTRY,
     config_to_hf,
     family_of,
+    family_read_as,
     generation_config,
     translate,
 )
@@ -234,7 +235,9 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
     source, config, where = _read_input(path_or_state_dict, config_json)
     try:
         cfg = translate(config, where, overrides)
-        family = REGISTRY[config["model_type"]]
+        family = family_read_as(config["model_type"])
+        if "mtp_depth" not in overrides:
+            cfg = held_mtp_depth(cfg, _canonical_names(source, family))
         current_mesh(parallel, where="from_hf")  # checks the axes
         mesh = jax.sharding.get_mesh()
         rngs = nnx.Rngs(0) if rngs is None else rngs

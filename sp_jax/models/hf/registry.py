@@ -24,8 +24,8 @@ from sp_jax.models.hf import (
 )
 from sp_jax.models.hf.family import Family
 
-__all__ = ["FAMILIES", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf", "family_of",
-           "generation_config"]
+__all__ = ["FAMILIES", "READ_AS", "REGISTRY", "TOKEN_IDS", "config_from_hf", "config_to_hf",
+           "family_of", "family_read_as", "generation_config"]
 
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gpt2.GPT2, llama.LLAMA, mistral.MISTRAL, qwen2.QWEN2, qwen3.QWEN3, mixtral.MIXTRAL,
@@ -35,8 +35,24 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
 when the config remembers no family that does (``GPTConfig.hf_model_type``) and
 ``model_type=`` asks for none."""
 
+READ_AS = {"kimi_k2": "deepseek_v3"}
+"""``model_type`` s read as another family's: Kimi K2's published ``config.json`` says
+``kimi_k2`` for DeepSeek-V3's architecture (written back as ``deepseek_v3``)."""
+
 FAMILIES = tuple(REGISTRY)
-"""The ``model_type`` s of ``config.json`` that :func:`from_hf` reads."""
+"""The ``model_type`` s of ``config.json`` that :func:`from_hf` reads (and
+:data:`READ_AS`'s)."""
+
+
+def family_read_as(model_type: Any) -> Family:
+    """The family a ``config.json`` of ``model_type`` is read as; a ValueError naming the
+    ones sp_jax reads."""
+    kind = READ_AS.get(model_type, model_type)
+    if kind not in REGISTRY:
+        raise ValueError(f"config.json: model_type={model_type!r} is not one sp_jax converts; "
+                         f"supported: {[*FAMILIES, *READ_AS]}.")
+    return REGISTRY[kind]
+
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """The special token ids kept from ``config.json`` in :class:`GPTConfig` and written back
@@ -134,12 +150,17 @@ def translate(config: Mapping[str, Any], where: str, overrides: Mapping[str, Any
         if not isinstance(config, Mapping):
             raise ValueError(f"config.json: expected a JSON object, got "
                              f"{type(config).__name__}.")
-        kind = config.get("model_type")
-        if kind not in FAMILIES:
-            raise ValueError(f"config.json: model_type={kind!r} is not one sp_jax converts; "
-                             f"supported: {list(FAMILIES)}.")
-        fields = REGISTRY[kind].config_from_hf(config, overrides)
-        fields.update({k: config.get(k) for k in TOKEN_IDS}, hf_model_type=kind)
+        family = family_read_as(config.get("model_type"))
+        quantized = config.get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None
+            raise ValueError(
+                f"config.json: quantization_config (quant_method={method!r}: quantised "
+                "weights with their scale tensors, as DeepSeek-V3 and Kimi K2 publish FP8 "
+                "block-scaled ones) is not read; dequantise the checkpoint to bf16 first "
+                "(e.g. DeepSeek-V3's inference/fp8_cast_bf16.py) and read that.")
+        fields = family.config_from_hf(config, overrides)
+        fields.update({k: config.get(k) for k in TOKEN_IDS}, hf_model_type=family.model_type)
         return GPTConfig(**{**fields, "param_dtype": _dtype_of(config), **overrides})
     except ValueError as e:
         prefix = "config.json: "
