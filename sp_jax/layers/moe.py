@@ -69,8 +69,9 @@ def update_router_biases(biases: nnx.State, loads: nnx.State) -> nnx.State:
     sign(mean_e load - load)``, ``load`` ``[..., E]`` the pairs routed to each expert
     over the whole step (the biases' "gradients": every data shard and micro-batch),
     ``rate`` each bias's ``update_rate``; an expert above the mean load loses ``rate``,
-    one below gains it. Computed as ``sign(sum_e load - E * load)``: exact on the
-    integer counts."""
+    one below gains it. Computed as ``sign(sum_e load - E * load)``: exact while the
+    step's routed pairs stay below 2^24 (the counts are summed in fp32; only the sign
+    is used)."""
     def one(bias: nnx.Variable, load: nnx.Variable) -> nnx.Variable:
         load = load[...]
         e = load.shape[-1]

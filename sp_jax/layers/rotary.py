@@ -50,7 +50,8 @@ class RopeScaling:
 class YarnScaling:
     """YaRN's rotary scaling (Peng et al. 2023; Hugging Face's ``rope_type="yarn"``, as
     DeepSeek-V3 and Kimi K2 use it: ``factor`` 40 (32 for Kimi K2), ``mscale`` and
-    ``mscale_all_dim`` 1, ``beta_fast`` 32, ``beta_slow`` 1, 4096 original positions).
+    ``mscale_all_dim`` 1, ``beta_fast`` 32 (1 for Kimi K2), ``beta_slow`` 1, 4096
+    original positions).
 
     Frequencies that turn fewer than ``beta_slow`` times over the original context are
     divided by ``factor``, those that turn more than ``beta_fast`` times are kept, with a

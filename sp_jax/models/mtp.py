@@ -141,6 +141,9 @@ def mtp_loss(model: Any, h: jax.Array, tokens: jax.Array, labels: jax.Array, *,
         e = model.scale_embeddings(model.embed(
             to_held(inputs, order, par), table=table if model.head is None else None))
         x = module.project(e, h)
+        # its router's statistics are not added to the main layers' (moe_losses: no
+        # auxiliary, z or sequence-wise loss for a module's experts; its selection bias
+        # still follows its loads, the load tap)
         x, _ = run_block(module.block, x, None if stream is None else stream(), cfg.remat,
                          documents)
         h = module.post_norm(x)

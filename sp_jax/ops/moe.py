@@ -79,9 +79,8 @@ def select_experts(scores: jax.Array, k: int, *, bias: jax.Array | None = None,
     see the bias (:func:`routing_weights`). With ``groups > 1`` (DeepSeek-V3's ``n_group``)
     the experts form ``groups`` consecutive groups, each ranked by the sum of its two
     highest (biased) scores; only the experts of the best ``topk_groups`` take part in
-    the top-``k``, the others masked to ``-inf`` (DeepSeek-V3's reference and vLLM;
-    transformers fills 0.0, which differs only when a chosen group's biased scores are
-    negative). Ties: the lower index first, as :func:`jax.lax.top_k`; the choices in
+    the top-``k``, the others masked to ``-inf`` (DeepSeek-V3's reference, vLLM and
+    transformers 5.x). Ties: the lower index first, as :func:`jax.lax.top_k`; the choices in
     descending (biased) score."""
     choice = lax.stop_gradient(scores)
     if bias is not None:
