@@ -388,7 +388,6 @@ def test_tiny_presets_build_and_write_their_family(tmp_path):
         assert_bitwise(param_values(model), param_values(again))
 
 
-
 def test_checkpoints_as_published_and_as_transformers_saves_them(tmp_path):
     """Kimi K2's published ``config.json`` (``model_type: kimi_k2``, DeepSeek-V3's
     architecture) reads as ``deepseek_v3``; a config counting an MTP layer

@@ -270,8 +270,11 @@ class CausalSelfAttention(nnx.Module):
                                       softcap=cfg.attention_softcap,
                                       offload_residuals=par.offload_activations)
         if seed is not None:  # global coordinates of this device's first row and head
-            if rows is None:
-                rows = lax.axis_index(par.data_axes) * b if par.data_axes else 0
+            # rows: the manual data axes' offset, taken outside (a pipeline's stages); the
+            # batch's other axes (an expert axis there) split the rows here too
+            inner = tuple(a for a in par.data_axes if a not in par.manual_data_axes)
+            inner_rows = lax.axis_index(inner) * b if inner else 0
+            rows = inner_rows if rows is None else rows + inner_rows
             blocks["dropout"] = AttentionDropout(
                 seed, cfg.attention_dropout, batch_offset=rows,
                 head_offset=lax.axis_index(par.tensor_axis) * heads)

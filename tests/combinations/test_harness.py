@@ -19,7 +19,11 @@ from sp_jax.attention import blockwise_attention
 @pytest.mark.parametrize("features, mode", [
     (("tensor_sequence", "zero1", "packed_documents"), "train"),
     (("context_ring", "packed_documents", "sliding_window"), "eval"),
-    (("fsdp", "attention_softcap"), "generate")])
+    (("fsdp", "attention_softcap"), "generate"),
+    # attention dropout's rows in pipeline stages split over an expert axis (train-c22
+    # found their masks drawn for the expert axis's first shard on every shard)
+    pytest.param(("pipeline_gpipe", "experts", "expert_parallel", "attention_dropout"),
+                 "train", marks=pytest.mark.slow)])
 def test_a_feature_set_equals_the_unsharded_model(features, mode):
     harness.run(features, mode)
 
