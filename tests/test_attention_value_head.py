@@ -228,6 +228,7 @@ def test_cached_attention_of_several_tokens_matches_dense(split):
     assert_close(got.reshape(b, steps, h, dv), want)
 
 
+@pytest.mark.slow  # the fast tier has the several tokens against dense attention
 def test_cached_attention_tokens_at_negative_positions_are_none():
     """Tokens whose positions are negative (speculative decoding's later modules at a
     one-token prompt) are no tokens: the tokens at positions 0, 1 after two of them

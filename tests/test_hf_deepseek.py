@@ -388,6 +388,7 @@ def test_tiny_presets_build_and_write_their_family(tmp_path):
         assert_bitwise(param_values(model), param_values(again))
 
 
+@pytest.mark.slow  # the fast tier has the golden fixture and the config translation
 def test_checkpoints_as_published_and_as_transformers_saves_them(tmp_path):
     """Kimi K2's published ``config.json`` (``model_type: kimi_k2``, DeepSeek-V3's
     architecture) reads as ``deepseek_v3``; a config counting an MTP layer
@@ -412,6 +413,7 @@ def test_checkpoints_as_published_and_as_transformers_saves_them(tmp_path):
         hf.config_from_hf({**config, "quantization_config": {"quant_method": "fp8"}})
 
 
+@pytest.mark.slow
 def test_mla_fields_that_would_be_ignored_are_refused_or_applied():
     """With ``attention="mla"``: ``num_kv_heads`` other than ``num_heads`` is refused
     (one shared latent, no key/value heads to group), and without ``attention_scale`` a

@@ -206,6 +206,7 @@ def test_speculative_mtp_equals_greedy(name):
     assert got.accepted_drafts > 0 and got.steps < 16
 
 
+@pytest.mark.slow  # the fast tier has the speculative tokens on one device
 def test_speculative_step_verifies_the_drafts_in_one_forward(monkeypatch):
     """The main model and each MTP module run once on the ``D + 1`` tokens of a step
     (each layer's weights read once, not once per position): every attention call the
