@@ -334,6 +334,10 @@ ENTRY_POINTS = {
         lambda: GPTConfig(**BASE, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8,
                           qk_rope_head_dim=4, v_head_dim=6, attention_implementation="cudnn"),
         "multi-head latent attention .attention='mla'. needs attention_implementation='xla'"),
+    ("grouped_query", "mla_attention"): (
+        lambda: GPTConfig(**BASE, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8,
+                          qk_rope_head_dim=4, v_head_dim=6, num_kv_heads=2),
+        "num_kv_heads=2 is not supported with multi-head latent attention"),
     ("attention_softcap", "cudnn_attention"): (
         lambda: GPTConfig(**BASE, attention_softcap=5.0, attention_implementation="cudnn"),
         "attention_softcap=5.0 needs attention_implementation='xla'"),

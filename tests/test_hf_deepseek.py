@@ -422,7 +422,8 @@ def test_mla_fields_that_would_be_ignored_are_refused_or_applied():
     from sp_jax.layers import MultiHeadLatentAttention
     from sp_jax.layers.mla import mla_softmax_scale
 
-    with pytest.raises(ValueError, match=r"num_kv_heads=2: multi-head latent attention"):
+    with pytest.raises(ValueError, match=r"num_kv_heads=2 is not supported with multi-head "
+                                         r"latent attention"):
         GPTConfig.deepseek_v3("deepseek-v3-tiny", num_kv_heads=2)
     cfg = GPTConfig.deepseek_v3("deepseek-v3-tiny", attention_scale=None, rope_scaling=(
         yarn := YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,

@@ -282,12 +282,6 @@ def check_mla_fields(owner: str, config: Any) -> None:
                              "attention='mla' (DeepSeek-V3: q_lora_rank=1536, kv_lora_rank="
                              "512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim="
                              "128; q_lora_rank may be None).")
-    kv_heads = getattr(config, "num_kv_heads", None)
-    if kv_heads is not None and kv_heads != config.num_heads:
-        raise ValueError(f"{owner}.num_kv_heads={kv_heads!r}: multi-head latent attention has "
-                         "no key/value heads to group (every head's keys and values are "
-                         "up-projected from one shared latent); leave num_kv_heads None (or "
-                         f"equal to num_heads={config.num_heads}) with attention='mla'.")
     rotary = getattr(config, "rotary", getattr(config, "positions", None) == "rotary")
     if rotary and values["qk_rope_head_dim"] % 2:
         raise ValueError(f"{owner}.qk_rope_head_dim={values['qk_rope_head_dim']} must be "
