@@ -157,6 +157,28 @@ def test_context_parallel_value_head_size_matches_dense(mode, features):
     assert_close(got, vjp_of(functools.partial(dense_attention, **ref_kw), q, k, v, do))
 
 
+def _cached_attention(new, k_cache, v_cache, positions, split, **kw):
+    """``cached_attention`` of the new tokens ``new = (q, k, v)`` against the cache, whole
+    or (``split``) with the cache split over a context axis of 2 (each device its half of
+    the positions; the log-sum-exp merge)."""
+    if not split:
+        return A.cached_attention(*new, k_cache, v_cache, positions, **kw)
+    s = k_cache.shape[1]
+    mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    seq = P(None, "context")
+
+    def local(q, k_new, v_new, k_cache, v_cache, positions):
+        held = jax.lax.axis_index("context") * (s // 2) + jnp.arange(s // 2)
+        return A.cached_attention(q, k_new, v_new, k_cache, v_cache, positions,
+                                  cache_positions=held, axis_name="context", **kw)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.shard_map(local, in_specs=(P(),) * 3 + (seq, seq, P()),
+                                     out_specs=P()))(*new, jax.reshard(k_cache, seq),
+                                                     jax.reshard(v_cache, seq), positions)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True])
 def test_cached_attention_value_head_size_matches_dense(split):
@@ -170,23 +192,7 @@ def test_cached_attention_value_head_size_matches_dense(split):
     want = dense_attention(q, k, v, window=5, softcap=3.0)[rows, positions]  # [b, h, dv]
     args = (q[rows, positions][:, None], k[rows, positions][:, None],
             v[rows, positions][:, None])
-    kw = dict(sliding_window=5, softcap=3.0)
-    if not split:
-        got = A.cached_attention(*args, k, v, positions, **kw)
-    else:
-        mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Explicit,),
-                             devices=jax.devices()[:2])
-        seq = P(None, "context")
-
-        def local(q, k_new, v_new, k_cache, v_cache, positions):
-            held = jax.lax.axis_index("context") * (s // 2) + jnp.arange(s // 2)
-            return A.cached_attention(q, k_new, v_new, k_cache, v_cache, positions,
-                                      cache_positions=held, axis_name="context", **kw)
-
-        with jax.set_mesh(mesh):
-            got = jax.jit(jax.shard_map(local, in_specs=(P(),) * 3 + (seq, seq, P()),
-                                        out_specs=P()))(*args, jax.reshard(k, seq),
-                                                        jax.reshard(v, seq), positions)
+    got = _cached_attention(args, k, v, positions, split, sliding_window=5, softcap=3.0)
     assert got.shape == (b, 1, h * dv)
     assert_close(got.reshape(b, h, dv), want)
 
@@ -207,23 +213,8 @@ def test_cached_attention_of_several_tokens_matches_dense(split):
     args = (q[rows, at], k[rows, at], v[rows, at])
     stale = jnp.arange(s)[None, :, None, None] >= first[:, None, None, None]
     k_cache, v_cache = jnp.where(stale, 7.0, k), jnp.where(stale, -7.0, v)
-    kw = dict(sliding_window=5, softcap=3.0)
-    if not split:
-        got = A.cached_attention(*args, k_cache, v_cache, first, **kw)
-    else:
-        mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Explicit,),
-                             devices=jax.devices()[:2])
-        seq = P(None, "context")
-
-        def local(q, k_new, v_new, k_cache, v_cache, positions):
-            held = jax.lax.axis_index("context") * (s // 2) + jnp.arange(s // 2)
-            return A.cached_attention(q, k_new, v_new, k_cache, v_cache, positions,
-                                      cache_positions=held, axis_name="context", **kw)
-
-        with jax.set_mesh(mesh):
-            got = jax.jit(jax.shard_map(local, in_specs=(P(),) * 3 + (seq, seq, P()),
-                                        out_specs=P()))(*args, jax.reshard(k_cache, seq),
-                                                        jax.reshard(v_cache, seq), first)
+    got = _cached_attention(args, k_cache, v_cache, first, split, sliding_window=5,
+                            softcap=3.0)
     assert got.shape == (b, steps, h * dv)
     assert_close(got.reshape(b, steps, h, dv), want)
 
