@@ -326,12 +326,15 @@ _REFERENCES: dict[tuple, dict] = {}
 # -- the comparison -------------------------------------------------------------------
 
 
+def _leaves(tree: Any) -> dict[str, np.ndarray]:
+    """Each leaf of ``tree`` as a host array, by its path."""
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _close(got: Any, want: Any, bound: tuple[float, float], what: str) -> None:
     """Every leaf of ``got`` within ``bound`` (rtol, atol) of ``want``'s, paths equal."""
-    got_leaves = {jax.tree_util.keystr(p): np.asarray(x)
-                  for p, x in jax.tree_util.tree_flatten_with_path(got)[0]}
-    want_leaves = {jax.tree_util.keystr(p): np.asarray(x)
-                   for p, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+    got_leaves, want_leaves = _leaves(got), _leaves(want)
     assert got_leaves.keys() == want_leaves.keys(), (
         f"{what}: the leaves differ: {sorted(got_leaves.keys() ^ want_leaves.keys())}")
     rtol, atol = bound
@@ -434,21 +437,16 @@ def _close_params(got: dict, ref: dict, bound: tuple[float, float], what: str) -
     -2.64e-6 against the reference's -2.72e-6, within the gradients' 1e-5, moved its
     parameter 1.39e-5 off after 3 steps); a wrong update (a step lost, a shard's moments
     mixed up) moves entries whose gradients agree."""
-    grads = {jax.tree_util.keystr(p): (np.asarray(g), np.asarray(w)) for (p, g), (_, w) in zip(
-        jax.tree_util.tree_flatten_with_path(got["grads"])[0],
-        jax.tree_util.tree_flatten_with_path(ref["grads"])[0], strict=True)}
-    got_p = {jax.tree_util.keystr(p): np.asarray(x)
-             for p, x in jax.tree_util.tree_flatten_with_path(got["params"])[0]}
-    want_p = {jax.tree_util.keystr(p): np.asarray(x)
-              for p, x in jax.tree_util.tree_flatten_with_path(ref["params"])[0]}
+    got_g, want_g = _leaves(got["grads"]), _leaves(ref["grads"])
+    got_p, want_p = _leaves(got["params"]), _leaves(ref["params"])
     assert got_p.keys() == want_p.keys(), (
         f"{what}: the leaves differ: {sorted(got_p.keys() ^ want_p.keys())}")
     rtol, atol = bound
     for path, x in got_p.items():
         want = want_p[path]
         allowed = atol + rtol * np.abs(want)
-        if path in grads and grads[path][0].shape == x.shape:
-            g, w = grads[path]
+        if path in got_g and path in want_g and got_g[path].shape == x.shape:
+            g, w = got_g[path], want_g[path]
             allowed = allowed + 2 * STEPS * LR * np.abs(g - w) / (np.abs(w) + ADAM_EPS)
         off = np.abs(x.astype(np.float64) - want) > allowed
         assert not off.any(), (
