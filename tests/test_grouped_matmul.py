@@ -161,3 +161,34 @@ def test_grouped_matmul_work_follows_the_routed_rows():
     want = _value_and_grads(lax.ragged_dot, x, w, sizes, dy)
     for a, b in zip((y, dx, dw), want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_takes_blocks_of_groups():
+    """``group_sizes`` ``[blocks, groups]`` (the expert axis's received rows: source-major,
+    each source's sorted by expert): y, dx and dW (and ``grouped_wgrad``) equal a NumPy
+    loop over the segments, rows past the sum zero, tiles smaller and larger than the
+    segments."""
+    rng = np.random.default_rng(3)
+    k, n, m = 4, 6, 41
+    sizes = np.array([[3, 0, 5], [0, 0, 0], [7, 2, 1], [0, 9, 4]], np.int32)  # 31 rows
+    x, w, dy = _operands(rng, m, k, n, sizes.shape[1])
+    xs, ws, dys = (np.asarray(a, np.float64) for a in (x, w, dy))
+    y_ref, dx_ref, dw_ref = np.zeros((m, n)), np.zeros((m, k)), np.zeros(ws.shape)
+    at = 0
+    for block in sizes:
+        for g, size in enumerate(block):
+            r = slice(at, at + size)
+            y_ref[r] = xs[r] @ ws[g]
+            dx_ref[r] = dys[r] @ ws[g].T
+            dw_ref[g] += xs[r].T @ dys[r]
+            at += size
+    for tile in (2, 5, 64):
+        y, dx, dw = jax.jit(lambda x, w, dy, tile=tile: _value_and_grads(
+            lambda x, w, s: grouped_matmul(x, w, s, tile=tile), x, w,
+            jnp.asarray(sizes), dy))(x, w, dy)
+        for what, a, b in (("y", y, y_ref), ("dx", dx, dx_ref), ("dW", dw, dw_ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{tile} {what}")
+        np.testing.assert_allclose(grouped_wgrad(x, dy, jnp.asarray(sizes), tile=tile),
+                                   dw_ref, rtol=1e-5, atol=1e-5)
+    assert int(grouped_matmul_tiles(jnp.asarray(sizes), 4, m)) == sum(
+        -(-int(s) // 4) for s in sizes.reshape(-1))

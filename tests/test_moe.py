@@ -247,7 +247,8 @@ def test_h100_expert_traffic_is_ragged_all_to_all_without_a_dense_dispatch():
     """One expert layer's forward+backward on (data, expert, context, tensor) = (2, 2, 1,
     2) H100s: the traced program has no array of ``T x E x h`` elements (``T`` a device's
     tokens), and in the compiled program the tokens cross devices only by ragged
-    all-to-all over the expert axis (4: dispatch and return, forward and backward), with
+    all-to-all over the expert axis (4: dispatch and return, forward and backward; two
+    async), with
     the counts exchanged by small all-to-alls over the same groups; the rest of its
     traffic is the tensor axis' gather / reduce-scatter pair and gradient reductions."""
     from sp_jax.analysis import compile_for_gpu, gpu_mesh, parse_collectives
@@ -284,7 +285,12 @@ def test_h100_expert_traffic_is_ragged_all_to_all_without_a_dense_dispatch():
             assert c.kind == "ragged-all-to-all" or c.bytes <= 64, c  # counts, offsets
         elif c.kind in ("all-gather", "reduce-scatter") and c.bytes > 4096:
             assert set(c.groups) == tensor_groups, c  # the activations' pair
-    assert all(c.is_async for c in ragged)
+    # The backward's pair overlaps the weight-gradient GEMMs. The forward's has nothing
+    # independent to run beside it in this one-layer program (its dispatch feeds the
+    # experts' GEMMs, their output the return), and XLA makes such a collective
+    # synchronous; it was async only while the received rows' regrouping (a sort and
+    # gathers, now gone) could run between start and done.
+    assert sum(c.is_async for c in ragged) == 2, ragged
 
 
 @pytest.mark.slow

@@ -293,9 +293,10 @@ def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: i
     opt_bytes = moments if options.offload == "off" else 0.0
     host_bytes = (moments if options.offload != "off" else 0.0) + (4 * held if params_host
                                                                    else 0.0)
-    acts = layout_formula(model, layout, batch)[1]
+    sharded = dataclasses.replace(layout, fsdp=options.fsdp == "full")  # (its transients)
+    acts = layout_formula(model, sharded, batch)[1]
     if options.offload_activations:
-        one = layout_formula(model.replace(layers=layout.stages, dense_layers=0), layout,
+        one = layout_formula(model.replace(layers=layout.stages, dense_layers=0), sharded,
                              batch)[1]  # one layer of each stage (an expert layer)
         host_bytes += acts - one
         acts = one

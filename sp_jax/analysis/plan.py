@@ -383,10 +383,15 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     rows of the dispatch's static receive buffer (``ep T min(k, E / ep)``, the worst
     case) through the grouped GEMMs: bf16 ``h`` received, ``2F / t`` up-projected and
     ``F / t`` activated, kept for the backward and as many again in it; the shared
-    experts (dense over tensor, with the attention) likewise for the ``T`` tokens. The
-    grouped GEMMs are counted by their routed rows: XLA's masked ``ragged_dot`` lowering's
-    ``[E / ep, rows, F]`` buffers (BENCHMARKS.md "Mixture of experts") are not, the
-    compiled plan measures them."""
+    experts (dense over tensor, with the attention) likewise for the ``T`` tokens. With
+    fsdp over data, a layer's weight gradients are formed whole on the device (fp32, the
+    experts' ``3 h F E / (ep t)``) before their reduce-scatter: one layer's in its
+    backward, two where such layers are a scanned loop (the reduce-scatter of one runs
+    beside the next one's backward; measured, deviceless H100 compiles of DeepSeek-V3
+    slices: one such ``[E / ep, h, 2F / t] + [E / ep, F / t, h]`` pair at the 2-layer
+    slice's peak, two at the 4-layer one's). The grouped GEMMs are counted by their
+    routed rows: XLA's masked ``ragged_dot`` lowering's ``[E / ep, rows, F]`` buffers
+    (BENCHMARKS.md "Mixture of experts") are not, the compiled plan measures them."""
     h, t, ep = model.hidden, option.tensor, option.expert
     fsdp = option.batch_shards if option.fsdp else 1
     f = model.moe_mlp_hidden or model.mlp
@@ -410,6 +415,12 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
         acts = model.layers * 2 * sbh + max(per_layer, per_dense if model.dense_layers else 0)
     else:
         acts = (model.layers - model.dense_layers) * per_layer + model.dense_layers * per_dense
+    if option.fsdp and option.data > 1:  # whole fp32 weight gradients before their scatter
+        def unreduced(layers: int, width: float) -> float:
+            return 4 * 3 * h * width / t * min(layers, 2)
+        acts += max(unreduced(model.layers - model.dense_layers,
+                              f * (model.experts / ep + model.shared_experts)),
+                    unreduced(model.dense_layers, model.mlp))
     return params, acts
 
 

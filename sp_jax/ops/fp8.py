@@ -179,7 +179,9 @@ def _scaled_ragged(a, a_scale, b, b_scale, group_sizes, dims, out_dtype):
     (:func:`~sp_jax.ops.grouped.grouped_matmul`, :func:`~sp_jax.ops.grouped.grouped_wgrad`)
     on the FP8 values in bf16 (e4m3 and e5m2 values are exact in bf16; bf16 tensor-core
     GEMMs of exact products, fp32 accumulation) times the two whole-tensor scales."""
-    if group_sizes.shape[0] > 1:
+    if group_sizes.ndim == 2 and group_sizes.shape[1] == 1:
+        group_sizes = jnp.sum(group_sizes, axis=0)  # blocks of one group: one group
+    if group_sizes.ndim == 2 or group_sizes.shape[0] > 1:
         a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
         if dims == _WGRAD:
             out = grouped_wgrad(a16, b16, group_sizes)

@@ -45,26 +45,29 @@ def grouped_matmul_tiles(group_sizes: jax.Array, tile: int, rows: int | None = N
     counter for a body: an int32 scalar. ``rows``: the static row count of ``x`` (None:
     ``tile * groups``; it sizes the tile table, not the count)."""
     group_sizes = jnp.asarray(group_sizes)
-    rows = tile * group_sizes.shape[0] if rows is None else rows
+    rows = tile * group_sizes.size if rows is None else rows
     return _tiles(lambda n, *_: n + 1, group_sizes, rows, tile,
                   vary(jnp.zeros((), jnp.int32), vma(group_sizes)))
 
 
 def _tile_table(group_sizes, rows, tile):
     """``(count, group, start, valid)``: the dynamic number of tiles, and for each of the
-    static upper bound ``rows // tile + groups`` tiles its group, first row and number of
-    rows of its group (the first ``count`` entries are used)."""
-    g = group_sizes.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    static upper bound ``rows // tile + segments`` tiles its group, first row and number
+    of rows of its segment (the first ``count`` entries are used). ``group_sizes``
+    ``[groups]``, or ``[blocks, groups]``: ``blocks x groups`` segments in row-major order,
+    segment ``(b, g)`` of group ``g``."""
+    groups = group_sizes.shape[-1]
+    sizes = jnp.maximum(group_sizes.reshape(-1).astype(jnp.int32), 0)
+    n = sizes.shape[0]
     per = (sizes + tile - 1) // tile
     tile_end = jnp.cumsum(per)
     row_end = jnp.cumsum(sizes)
-    i = jnp.arange(rows // tile + g, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), g - 1).astype(jnp.int32)
-    local = (i - (tile_end - per)[group]) * tile
-    start = (row_end - sizes)[group] + local
-    valid = jnp.minimum(sizes[group] - local, tile)
-    return tile_end[-1], group, start, valid
+    i = jnp.arange(rows // tile + n, dtype=jnp.int32)
+    segment = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), n - 1).astype(jnp.int32)
+    local = (i - (tile_end - per)[segment]) * tile
+    start = (row_end - sizes)[segment] + local
+    valid = jnp.minimum(sizes[segment] - local, tile)
+    return tile_end[-1], segment % groups, start, valid
 
 
 def _tiles(fn, group_sizes, rows, tile, init):
@@ -210,7 +213,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       x: ``[rows, k]``, rows sorted by group; rows past ``sum(group_sizes)`` belong to
         no group.
       w: ``[groups, k, n]``.
-      group_sizes: int ``[groups]``, ``sum(group_sizes) <= rows``.
+      group_sizes: int ``[groups]``, ``sum(group_sizes) <= rows``; or ``[blocks,
+        groups]``: the rows in ``blocks`` consecutive blocks, each sorted by group
+        (the expert axis's received rows, source-major: no regrouping copy).
       tile: rows per GEMM (clipped to ``rows``); None: :data:`CPU_TILE` on XLA:CPU,
         :data:`GPU_TILE` elsewhere.
       preferred_element_type: the result's dtype; None: ``x`` and ``w``'s promoted one.
@@ -218,13 +223,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       ``[rows, n]``; rows past ``sum(group_sizes)`` are zero.
     """
     group_sizes = jnp.asarray(group_sizes)
-    if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim not in (1, 2):
         raise ValueError(f"grouped_matmul: x {x.shape} must be [rows, k], w {w.shape} "
-                         f"[groups, k, n] and group_sizes {group_sizes.shape} [groups].")
-    if x.shape[1] != w.shape[1] or w.shape[0] != group_sizes.shape[0]:
+                         f"[groups, k, n] and group_sizes {group_sizes.shape} [groups] or "
+                         "[blocks, groups].")
+    if x.shape[1] != w.shape[1] or w.shape[0] != group_sizes.shape[-1]:
         raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape} and group_sizes "
                          f"{group_sizes.shape} do not agree (x [rows, k], w [groups, k, n], "
-                         "group_sizes [groups]).")
+                         "group_sizes [groups] or [blocks, groups]).")
     if tile is not None and tile < 1:
         raise ValueError(f"grouped_matmul: tile={tile} must be a positive number of rows.")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, w))
@@ -245,16 +251,18 @@ def grouped_wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
     Args:
       x: ``[rows, k]``; dy: ``[rows, n]``, rows sorted by group (rows past
         ``sum(group_sizes)`` belong to no group).
-      group_sizes: int ``[groups]``.
+      group_sizes: int ``[groups]`` or ``[blocks, groups]`` (:func:`grouped_matmul`).
       tile: as :func:`grouped_matmul`.
     Returns:
       ``[groups, k, n]``.
     """
     group_sizes = jnp.asarray(group_sizes)
-    if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0] or group_sizes.ndim != 1:
+    if (x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]
+            or group_sizes.ndim not in (1, 2)):
         raise ValueError(f"grouped_wgrad: x {x.shape} and dy {dy.shape} must be [rows, k] "
-                         f"and [rows, n], group_sizes {group_sizes.shape} [groups].")
-    groups = group_sizes.shape[0]
+                         f"and [rows, n], group_sizes {group_sizes.shape} [groups] or "
+                         "[blocks, groups].")
+    groups = group_sizes.shape[-1]
     acc = _accumulator(jnp.result_type(x, dy))
     if x.shape[0] == 0 or groups == 0:
         return jnp.zeros((groups, x.shape[1], dy.shape[1]), acc)

@@ -313,7 +313,8 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
 
     Args:
       x: ``[rows, hidden]``; rows past ``sum(group_sizes)`` give zeros.
-      group_sizes: int32 ``[groups]``.
+      group_sizes: int32 ``[groups]``, or ``[blocks, groups]``: blocks of rows each sorted
+        by group (:func:`~sp_jax.ops.grouped.grouped_matmul`).
       w_up: ``[groups, hidden, width]``; w_down: ``[groups, width', hidden]`` with
         ``width'`` the activation's output width.
       activation: of ``[rows, width]`` -> ``[rows, width']``.
@@ -333,9 +334,11 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
         return _grouped_gemm(h, w, group_sizes, gemm.bound(None, w.dtype), state, tap)
 
     up = product(x, w_up, gemm_states[0], taps[0])
-    y = product(activation(up), w_down, gemm_states[1], taps[1])
-    valid = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+    # The grouped GEMMs leave the rows past the sum zero (their tile loops write only
+    # routed rows; ragged_dot's rows in no group are zero): no mask here, whose select
+    # and its transpose were another copy of the expert axis's receive buffer at the
+    # expert layer's peak (deviceless H100 compile, BENCHMARKS.md).
+    return product(activation(up), w_down, gemm_states[1], taps[1])
 
 
 def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: jax.Array,
@@ -400,13 +403,12 @@ def _across_devices(rows, sizes, w_up, w_down, ffn, axis, ep, chunk):
     buffer = fresh_zeros((capacity, *rows.shape[1:]), rows.dtype, rows)
     received = ragged_all_to_all(rows, buffer, send_at, send, land_at, recv, axis_name=axis,
                                  chunk=chunk)
-    # group the received rows (source-major, expert within) by local expert
-    ends = jnp.cumsum(got.reshape(-1))
-    segment = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
-    local_expert = jnp.where(segment < ep * local, segment % local, local)
-    regroup = jnp.argsort(local_expert, stable=True)
-    out = ffn(jnp.take(received, regroup, axis=0), jnp.sum(got, axis=0), w_up, w_down)
-    out = jnp.zeros_like(out).at[regroup].set(out)
+    # The received rows are source-major, each source's sorted by local expert: the
+    # grouped GEMMs take them as they are (``got``: [source, local expert] segments).
+    # Regrouping them by expert first (a gather and its scatter back, with their
+    # transposes) held about eight copies of this static buffer at an expert layer's
+    # peak on the deviceless H100 compile of DeepSeek-V3 at expert 16 (BENCHMARKS.md).
+    out = ffn(received, got, w_up, w_down)
     back_at = jnp.sum(jnp.where(lower[None, :], table, 0), axis=1)  # where I sent from
     return ragged_all_to_all(out, fresh_zeros((pairs, *out.shape[1:]), out.dtype, out),
                              jnp.cumsum(recv) - recv, recv, back_at, send, axis_name=axis,

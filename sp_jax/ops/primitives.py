@@ -70,8 +70,11 @@ def fresh_zeros(shape, dtype, like: jax.Array) -> jax.Array:
     one buffer and keeps it alive from the first layer's use to the last one's (measured:
     the attention backward's fp32 accumulators and collective matmul's assembly buffers,
     each held across the whole program). Exact zeros whatever ``like`` holds (NaN and
-    infinities included); varies over the mesh axes ``like`` varies over."""
-    seed = lax.reshape(lax.slice(like, (0,) * like.ndim, (1,) * like.ndim), ())
+    infinities included); varies over the mesh axes ``like`` varies over. Constant to
+    autodiff: no cotangent flows back to ``like`` (a buffer's cotangent, e.g. that of the
+    receive buffer of a ragged all-to-all, is never formed and summed to zero)."""
+    seed = lax.stop_gradient(
+        lax.reshape(lax.slice(like, (0,) * like.ndim, (1,) * like.ndim), ()))
     zero = jnp.where(jnp.isfinite(seed), jnp.abs(seed * 0), 0).astype(dtype)
     return jnp.broadcast_to(zero, tuple(shape))
 
