@@ -47,6 +47,7 @@ from sp_jax.analysis.plan import (
     PlanOption,
     layout_formula,
     pipeline_stage_counts,
+    unreduced_gradient_bytes,
 )
 
 __all__ = ["DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions",
@@ -157,7 +158,7 @@ class FitRow:
 def layouts(model: ModelShape, gpus: int, *, max_tensor: int = 8) -> list[PlanOption]:
     """The layouts :func:`search` tries: every tensor size within a host dividing the
     GPUs and the (key/value) heads (1 or 2 with experts); a mixture of experts' experts
-    over the largest expert axis dividing them and the GPUs left (no pipeline); GPT
+    over each expert axis dividing them and the GPUs left (no pipeline); GPT
     blocks also pipelined over the stage counts of
     :func:`sp_jax.analysis.plan.pipeline_stage_counts` (1F1B, ``4 x stages``
     micro-batches); the rest over data; each with and without remat."""
@@ -172,16 +173,29 @@ def layouts(model: ModelShape, gpus: int, *, max_tensor: int = 8) -> list[PlanOp
         if model.heads % t or (kv % t and t % kv):
             continue
         rest = gpus // t
-        ep = math.gcd(model.experts, rest) if model.experts > 1 else 1
         stage_counts = [1] if model.moe else [1] + [
             p for p in pipeline_stage_counts(model, gpus, max_tensor=max_tensor)
             if (rest % p == 0)]
-        for p in stage_counts:
-            d = rest // (ep * p)
-            for remat in (True, False):
-                out.append(PlanOption(d, 1, t, fsdp=False, remat=remat, expert=ep, stages=p,
-                                      micro_batches=4 * p if p > 1 else 1))
+        for ep in _expert_axes(model, rest):
+            for p in stage_counts:
+                d = rest // (ep * p)
+                for remat in (True, False):
+                    out.append(PlanOption(d, 1, t, fsdp=False, remat=remat, expert=ep,
+                                          stages=p, micro_batches=4 * p if p > 1 else 1))
     return out
+
+
+def _expert_axes(model: ModelShape, rest: int) -> list[int]:
+    """The expert-axis sizes :func:`layouts` tries on ``rest`` GPUs (those beyond tensor):
+    every size dividing the experts and ``rest`` (from the largest), the rest over data. A
+    smaller expert axis holds more experts per GPU but a smaller dispatch receive buffer
+    (``ep T min(k, E / ep)`` rows, dropless): at DeepSeek-V3's and Kimi K2's shapes the
+    buffer's copies outweigh the experts' extra weight gradients (the formula's
+    :func:`~sp_jax.analysis.plan.layout_formula`). 1 for a dense model."""
+    if model.experts <= 1:
+        return [1]
+    g = math.gcd(model.experts, rest)
+    return [e for e in range(g, 0, -1) if g % e == 0]
 
 
 def _largest_leaf(model: ModelShape, layout: PlanOption, over_data: bool) -> float:
@@ -296,8 +310,10 @@ def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: i
     sharded = dataclasses.replace(layout, fsdp=options.fsdp == "full")  # (its transients)
     acts = layout_formula(model, sharded, batch)[1]
     if options.offload_activations:
-        one = layout_formula(model.replace(layers=layout.stages, dense_layers=0), sharded,
-                             batch)[1]  # one layer of each stage (an expert layer)
+        one_layer = model.replace(layers=layout.stages, dense_layers=0)
+        one = (layout_formula(one_layer, sharded, batch)[1]  # one layer of each stage
+               - unreduced_gradient_bytes(one_layer, sharded)
+               + unreduced_gradient_bytes(model, sharded))  # (the model's, on the device)
         host_bytes += acts - one
         acts = one
     return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,

@@ -35,7 +35,7 @@ from sp_jax.analysis.shapes import MODELS, ModelShape
 
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
            "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
-           "layout_formula", "plan", "plan_one", "shape_line"]
+           "layout_formula", "plan", "plan_one", "shape_line", "unreduced_gradient_bytes"]
 
 GiB = 2**30
 H100_BYTES = 80 * 10**9
@@ -415,13 +415,25 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
         acts = model.layers * 2 * sbh + max(per_layer, per_dense if model.dense_layers else 0)
     else:
         acts = (model.layers - model.dense_layers) * per_layer + model.dense_layers * per_dense
-    if option.fsdp and option.data > 1:  # whole fp32 weight gradients before their scatter
-        def unreduced(layers: int, width: float) -> float:
-            return 4 * 3 * h * width / t * min(layers, 2)
-        acts += max(unreduced(model.layers - model.dense_layers,
-                              f * (model.experts / ep + model.shared_experts)),
-                    unreduced(model.dense_layers, model.mlp))
-    return params, acts
+    return params, acts + unreduced_gradient_bytes(model, option)
+
+
+def unreduced_gradient_bytes(model: ModelShape, option: PlanOption) -> float:
+    """The whole fp32 weight gradients a mixture of experts' layer forms on a device before
+    their reduce-scatter over data (fsdp with data > 1; else 0: the gradients are the
+    formula's): the MLP's or the experts' and shared experts' ``3 h F / t`` of one layer,
+    twice where two or more such layers are a scanned loop (:func:`layout_formula`; also
+    with activation offload, whose layers on the host do not take them along)."""
+    if not (model.moe and option.fsdp and option.data > 1):
+        return 0.0
+    h, t, f = model.hidden, option.tensor, model.moe_mlp_hidden or model.mlp
+
+    def unreduced(layers: int, width: float) -> float:
+        return 4 * 3 * h * width / t * min(layers, 2)
+
+    return max(unreduced(model.layers - model.dense_layers,
+                         f * (model.experts / option.expert + model.shared_experts)),
+               unreduced(model.dense_layers, model.mlp))
 
 
 def _attention_bytes(model: ModelShape, sbh: float, tensor: int) -> float:
