@@ -381,8 +381,12 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     expert x tensor (and data with fsdp), the rest over tensor (and data x expert with fsdp);
     the activations as GPT blocks of the active MLP width ``k F``, plus per layer the
     rows of the dispatch's static receive buffer (``ep T min(k, E / ep)``, the worst
-    case) through the grouped GEMMs: bf16 ``h`` received, ``2F / t`` up-projected and
-    ``F / t`` activated, kept for the backward and as many again in it; the shared
+    case) through the grouped GEMMs: bf16, the received rows and their gradient (``2 h``),
+    ``2F / t`` up-projected and ``F / t`` activated, and with an expert axis the ``T k``
+    routed copies of the tokens six times (``h`` each: sorted for the dispatch, returned,
+    their gradients and XLA's transposes of them; measured, the live ranges of
+    DeepSeek-V3's 2-layer slice on expert 8 and 16 at the peak of its expert layer's
+    backward, deviceless H100 compiles, BENCHMARKS.md); the shared
     experts (dense over tensor, with the attention) likewise for the ``T`` tokens. With
     fsdp over data, a layer's weight gradients are formed whole on the device (fp32, the
     experts' ``3 h F E / (ep t)``) before their reduce-scatter: one layer's in its
@@ -408,7 +412,8 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     sbh = tokens * h / t
     rows = ep * tokens * min(model.experts_per_token, model.experts // ep)
     common = 26 * sbh + _attention_bytes(model, sbh, t)
-    per_layer = common + 2 * 2 * rows * (h + 3 * f / t) \
+    pairs = tokens * model.experts_per_token  # the token side of the dispatch, [T k, h]
+    per_layer = common + 2 * rows * (2 * h + 3 * f / t) + (12 * pairs * h if ep > 1 else 0) \
         + 2 * 2 * tokens * 3 * f * model.shared_experts / t
     per_dense = common + 2 * 2 * tokens * 3 * model.mlp / t
     if option.remat:
