@@ -891,9 +891,9 @@ def test_moe_layouts_try_each_expert_axis_and_count_unreduced_gradients():
     twice for two or more expert layers, kept on the device with activation offload).
     DeepSeek-V3 and Kimi K2 fit 224 H100s on expert 8 x data 14 x tensor 2 (their answer
     on expert 16 needed 2.7 to 4.5 times the formula when compiled: BENCHMARKS.md)."""
+    from benchmarks.plan_fewest import fewest_gpus
     from sp_jax.analysis.memory_options import MemoryOptions, layouts, search
     from sp_jax.analysis.plan import unreduced_gradient_bytes
-    from benchmarks.plan_fewest import fewest_gpus
 
     model = MODELS["deepseek-v3"]
     axes = sorted({(o.expert, o.data) for o in layouts(model, 224) if o.tensor == 2})

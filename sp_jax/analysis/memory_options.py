@@ -45,9 +45,9 @@ from sp_jax.analysis.plan import (
     GiB,
     ModelShape,
     PlanOption,
+    expert_fsdp_bytes,
     layout_formula,
     pipeline_stage_counts,
-    unreduced_gradient_bytes,
 )
 
 __all__ = ["DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions",
@@ -312,8 +312,8 @@ def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: i
     if options.offload_activations:
         one_layer = model.replace(layers=layout.stages, dense_layers=0)
         one = (layout_formula(one_layer, sharded, batch)[1]  # one layer of each stage
-               - unreduced_gradient_bytes(one_layer, sharded)
-               + unreduced_gradient_bytes(model, sharded))  # (the model's, on the device)
+               - expert_fsdp_bytes(one_layer, sharded)
+               + expert_fsdp_bytes(model, sharded))  # (the model's, on the device)
         host_bytes += acts - one
         acts = one
     return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,

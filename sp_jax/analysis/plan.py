@@ -35,7 +35,7 @@ from sp_jax.analysis.shapes import MODELS, ModelShape
 
 __all__ = ["MODELS", "PIPELINE_MICROBATCHES_PER_STAGE", "ModelShape", "PlanOption", "PlanRow",
            "candidates", "collective_bytes", "format_table", "pipeline_stage_counts",
-           "layout_formula", "plan", "plan_one", "shape_line", "unreduced_gradient_bytes"]
+           "layout_formula", "plan", "plan_one", "shape_line", "expert_fsdp_bytes"]
 
 GiB = 2**30
 H100_BYTES = 80 * 10**9
@@ -388,12 +388,7 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     DeepSeek-V3's 2-layer slice on expert 8 and 16 at the peak of its expert layer's
     backward, deviceless H100 compiles, BENCHMARKS.md); the shared
     experts (dense over tensor, with the attention) likewise for the ``T`` tokens. With
-    fsdp over data, a layer's weight gradients are formed whole on the device (fp32, the
-    experts' ``3 h F E / (ep t)``) before their reduce-scatter: one layer's in its
-    backward, two where such layers are a scanned loop (the reduce-scatter of one runs
-    beside the next one's backward; measured, deviceless H100 compiles of DeepSeek-V3
-    slices: one such ``[E / ep, h, 2F / t] + [E / ep, F / t, h]`` pair at the 2-layer
-    slice's peak, two at the 4-layer one's). The grouped GEMMs are counted by their
+    fsdp over data, :func:`expert_fsdp_bytes`. The grouped GEMMs are counted by their
     routed rows: XLA's masked ``ragged_dot`` lowering's ``[E / ep, rows, F]`` buffers
     (BENCHMARKS.md "Mixture of experts") are not, the compiled plan measures them."""
     h, t, ep = model.hidden, option.tensor, option.expert
@@ -420,25 +415,25 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
         acts = model.layers * 2 * sbh + max(per_layer, per_dense if model.dense_layers else 0)
     else:
         acts = (model.layers - model.dense_layers) * per_layer + model.dense_layers * per_dense
-    return params, acts + unreduced_gradient_bytes(model, option)
+    return params, acts + expert_fsdp_bytes(model, option)
 
 
-def unreduced_gradient_bytes(model: ModelShape, option: PlanOption) -> float:
-    """The whole fp32 weight gradients a mixture of experts' layer forms on a device before
-    their reduce-scatter over data (fsdp with data > 1; else 0: the gradients are the
-    formula's): the MLP's or the experts' and shared experts' ``3 h F / t`` of one layer,
-    twice where two or more such layers are a scanned loop (:func:`layout_formula`; also
-    with activation offload, whose layers on the host do not take them along)."""
+def expert_fsdp_bytes(model: ModelShape, option: PlanOption) -> float:
+    """What fsdp over data adds to a mixture of experts' device bytes (data > 1; else 0):
+    the fp32 copy of the stacked expert kernels that XLA lays out with the hidden
+    dimension major: each layer's shard is gathered over data along that non-major dimension inside the grouped GEMMs' ops,
+    and XLA's layout assignment relays out the whole scanned stack once rather than each
+    layer's slice. 4 bytes per expert parameter on the device (measured: ``f32[512, L,
+    32, 2048]`` and ``f32[512, L, 32, 1024]`` beside the parameters at the peak of
+    DeepSeek-V3's 2-, 4- and 6-layer slices on expert 8 x data 14 x tensor 2,
+    deviceless H100 compiles; BENCHMARKS.md); and one layer's experts gathered over data
+    in bf16 for its GEMMs (2 bytes per parameter of the layer's ``E / ep`` experts: with a
+    small expert axis, the largest term: a layout without one gathers every expert)."""
     if not (model.moe and option.fsdp and option.data > 1):
         return 0.0
-    h, t, f = model.hidden, option.tensor, model.moe_mlp_hidden or model.mlp
-
-    def unreduced(layers: int, width: float) -> float:
-        return 4 * 3 * h * width / t * min(layers, 2)
-
-    return max(unreduced(model.layers - model.dense_layers,
-                         f * (model.experts / option.expert + model.shared_experts)),
-               unreduced(model.dense_layers, model.mlp))
+    f = model.moe_mlp_hidden or model.mlp
+    gathered = 3 * model.hidden * f * model.experts / (option.expert * option.tensor)
+    return 4 * gathered / option.data * (model.layers - model.dense_layers) + 2 * gathered
 
 
 def _attention_bytes(model: ModelShape, sbh: float, tensor: int) -> float:

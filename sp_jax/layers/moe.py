@@ -27,7 +27,6 @@ from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import axis_size, check_activations, current_mesh, reshard
 from sp_jax.ops.deferred import local_taps, placed_taps
-from sp_jax.ops.fsdp import fsdp_gather
 from sp_jax.ops.gemm import Gemm
 from sp_jax.ops.moe import (
     capacity_keep,
@@ -305,7 +304,6 @@ class MoE(nnx.Module):
             _mixture_device, config=cfg, parallel=par, capacity=capacity,
             positions=positions, fsdp_axes=layout.rules()["expert_embed"],
             gemm=self.experts_up_gemm.op)
-        dtype = normed.dtype
         histories = tuple(None if s is None else reshard(s, P(), mesh) for s in (
             self.experts_up_gemm.state_value(), self.experts_down_gemm.state_value()))
         bias = None if self.router_bias is None else reshard(self.router_bias[...], P(), mesh)
@@ -318,8 +316,11 @@ class MoE(nnx.Module):
             out_specs=(layout.sp, P()))(
                 reshard(normed, layout.sp, mesh),
                 (reshard(self.router[...], P(), mesh), bias),
-                reshard(self.experts_up[...].astype(dtype), layout.expert_up, mesh),
-                reshard(self.experts_down[...].astype(dtype), layout.expert_down, mesh),
+                # in the parameters' dtype: cast to the compute dtype in the grouped
+                # GEMMs (with fsdp, gathered in it there, the gradients reduce-scattered
+                # in the parameters' dtype)
+                reshard(self.experts_up[...], layout.expert_up, mesh),
+                reshard(self.experts_down[...], layout.expert_down, mesh),
                 histories, taps)
 
     def weight_grad_covers(self) -> tuple[str, ...]:
@@ -377,13 +378,12 @@ def _mixture_device(x: jax.Array, router: tuple[jax.Array, jax.Array | None],
         stats["dropped"] = lax.psum(jnp.sum(~keep).astype(jnp.float32), token_axes)
     # the tensor group's tokens, on every device of it (each computes F / t columns)
     x, experts, weights = (all_gather(a, tensor, 1) for a in (x, experts, weights))
-    w_up, w_down = fsdp_gather(w_up, fsdp_axes, 1), fsdp_gather(w_down, fsdp_axes, 2)
     b, s, h = x.shape
     y = expert_mixture(x.reshape(b * s, h), experts.reshape(b * s, k),
                        weights.reshape(b * s, k), w_up, w_down,
                        MLPActivation(config.mlp_activation), num_experts=e,
                        expert_axis=parallel.expert_axis, gemm=gemm, gemm_states=gemm_states,
-                       taps=(local_taps(taps, 0), local_taps(taps, 1)))
+                       taps=(local_taps(taps, 0), local_taps(taps, 1)), fsdp_axes=fsdp_axes)
     y = lax.psum_scatter(y.reshape(b, s, h), tensor, scatter_dimension=1, tiled=True)
     return y, stats
 

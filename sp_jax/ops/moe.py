@@ -43,6 +43,7 @@ from jax import lax
 
 from sp_jax.ops.deferred import apply_deferred
 from sp_jax.ops.fp8 import Fp8Gemm, Fp8Spec
+from sp_jax.ops.fsdp import Fsdp
 from sp_jax.ops.gemm import ComputeGemm, Gemm
 from sp_jax.ops.grouped import grouped_matmul
 from sp_jax.ops.primitives import AxisName, fresh_zeros, vary, vma
@@ -293,20 +294,27 @@ def fp8_grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, spec: F
     return _grouped_gemm(x, w, group_sizes, Fp8Gemm(spec).bound(None, w.dtype), history)
 
 
-def _grouped_gemm(x, w, group_sizes, gemm, state, tap=None):
+def _grouped_gemm(x, w, group_sizes, gemm, state, tap=None, fsdp=None):
     """The grouped GEMM of ``gemm`` as the linear rule :class:`~sp_jax.ops.rules.Grouped`
     (one custom-VJP op; with a weight-gradient ``tap``, in its mode,
-    :mod:`sp_jax.ops.deferred`)."""
+    :mod:`sp_jax.ops.deferred`); ``fsdp = (axes, dim)``: ``w`` is this device's shard over
+    the data ``axes`` along ``dim``, gathered inside the op (:class:`~sp_jax.ops.fsdp.Fsdp`:
+    in ``x``'s dtype, the residual the shard, the weight gradient reduce-scattered in
+    ``w``'s)."""
     axes = vma(x) | vma(w) | vma(group_sizes)
     x = vary(x, axes)  # the weights cast inside the op: the residual is the caller's w
-    rule, aux = varying(Grouped(gemm, None, jnp.dtype(x.dtype)), w, axes), (group_sizes, state)
+    rule = Grouped(gemm, None, jnp.dtype(x.dtype))
+    if fsdp:
+        rule = Fsdp(rule, tuple(fsdp[0]), fsdp[1])
+    rule, aux = varying(rule, w, axes), (group_sizes, state)
     return apply_deferred(rule, x, w, aux, tap, lambda: linear_op(x, w, aux, rule))
 
 
 def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: jax.Array,
                 activation: Callable[[jax.Array], jax.Array], *, gemm: Gemm | None = None,
                 gemm_states: tuple[Any, Any] = (None, None),
-                taps: tuple[Any, Any] = (None, None)) -> jax.Array:
+                taps: tuple[Any, Any] = (None, None),
+                fsdp_axes: tuple[AxisName, ...] = ()) -> jax.Array:
     """Expert FFNs of rows sorted by expert: ``down_g(act(up_g(x)))`` for the
     ``group_sizes[g]`` consecutive rows of group ``g``, as two grouped GEMMs
     (:func:`~sp_jax.ops.grouped.grouped_matmul`: the work of the routed rows).
@@ -325,27 +333,41 @@ def grouped_ffn(x: jax.Array, group_sizes: jax.Array, w_up: jax.Array, w_down: j
       gemm_states: the up and down GEMMs' states (FP8 delayed scaling: their amax
         histories).
       taps: the up and down GEMMs' weight-gradient taps (:mod:`sp_jax.ops.deferred`).
+      fsdp_axes: the data axes ``w_up`` (along ``hidden``, dimension 1) and ``w_down``
+        (dimension 2) are sharded over (fsdp), gathered inside each GEMM's op
+        (:class:`~sp_jax.ops.fsdp.Fsdp`, as the dense layers' kernels): in ``x``'s dtype
+        where that is narrower than the weights', the residual the shard (without remat
+        no gathered kernel is kept for the backward), the weight gradient reduce-scattered
+        in the weights' dtype (fp32 parameters: fp32 sums over the data axes). Without
+        them a weight wider than ``x`` is cast to ``x``'s dtype first.
     """
     gemm = ComputeGemm() if gemm is None else gemm
+    fsdp_axes = tuple(fsdp_axes)
 
-    def product(h, w, state, tap):
+    def product(h, w, state, tap, dim):
         gemm.check_state("grouped_ffn", state)
+        if fsdp_axes:  # gathered in the compute dtype inside the op
+            return _grouped_gemm(h, w, group_sizes, gemm.bound(None, w.dtype), state, tap,
+                                 (fsdp_axes, dim))
+        if jnp.dtype(x.dtype).itemsize < jnp.dtype(w.dtype).itemsize:
+            w = w.astype(x.dtype)  # (its gradient cast back by the cast's VJP)
         w = gemm.grouped_kernel(w, x.dtype)
         return _grouped_gemm(h, w, group_sizes, gemm.bound(None, w.dtype), state, tap)
 
-    up = product(x, w_up, gemm_states[0], taps[0])
+    up = product(x, w_up, gemm_states[0], taps[0], 1)
     # The grouped GEMMs leave the rows past the sum zero (their tile loops write only
     # routed rows; ragged_dot's rows in no group are zero): no mask here, whose select
     # and its transpose were another copy of the expert axis's receive buffer at the
     # expert layer's peak (deviceless H100 compile, BENCHMARKS.md).
-    return product(activation(up), w_down, gemm_states[1], taps[1])
+    return product(activation(up), w_down, gemm_states[1], taps[1], 2)
 
 
 def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, activation: Callable[[jax.Array], jax.Array], *,
                    num_experts: int, expert_axis: AxisName | None = None,
                    gemm: Gemm | None = None, gemm_states: tuple[Any, Any] = (None, None),
-                   taps: tuple[Any, Any] = (None, None)) -> jax.Array:
+                   taps: tuple[Any, Any] = (None, None),
+                   fsdp_axes: tuple[AxisName, ...] = ()) -> jax.Array:
     """``sum_j weights[:, j] * FFN_{experts[:, j]}(x)`` of one device's tokens, dropless.
 
     Args:
@@ -359,8 +381,9 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
       activation: as :func:`grouped_ffn`.
       num_experts: ``E``.
       expert_axis: the mesh axis the experts are split over, or None.
-      gemm / gemm_states / taps: the grouped GEMMs' GEMM object, states and
-        weight-gradient taps (:func:`grouped_ffn`).
+      gemm / gemm_states / taps / fsdp_axes: the grouped GEMMs' GEMM object, states,
+        weight-gradient taps and the data axes the experts are sharded over
+        (:func:`grouped_ffn`).
     Returns:
       ``[tokens, hidden]`` in ``x``'s dtype (partial sums where the experts' width is
       split over a tensor axis).
@@ -372,7 +395,7 @@ def expert_mixture(x: jax.Array, experts: jax.Array, weights: jax.Array, w_up: j
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     ep = 1 if expert_axis is None else lax.axis_size(expert_axis)
     ffn = functools.partial(grouped_ffn, activation=activation, gemm=gemm,
-                            gemm_states=gemm_states, taps=taps)
+                            gemm_states=gemm_states, taps=taps, fsdp_axes=fsdp_axes)
     if ep == 1:
         out = ffn(rows, sizes, w_up, w_down)
     else:
