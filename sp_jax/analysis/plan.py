@@ -421,14 +421,16 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
 def expert_fsdp_bytes(model: ModelShape, option: PlanOption) -> float:
     """What fsdp over data adds to a mixture of experts' device bytes (data > 1; else 0):
     the fp32 copy of the stacked expert kernels that XLA lays out with the hidden
-    dimension major: each layer's shard is gathered over data along that non-major
+    dimension major (each layer's shard is gathered over data along that non-major
     dimension inside the grouped GEMMs' ops, and XLA's layout assignment relays out the
-    whole scanned stack once rather than each layer's slice. 4 bytes per expert parameter on the device (measured: ``f32[512, L,
-    32, 2048]`` and ``f32[512, L, 32, 1024]`` beside the parameters at the peak of
-    DeepSeek-V3's 2-, 4- and 6-layer slices on expert 8 x data 14 x tensor 2,
-    deviceless H100 compiles; BENCHMARKS.md); and one layer's experts gathered over data
-    in bf16 for its GEMMs (2 bytes per parameter of the layer's ``E / ep`` experts: with a
-    small expert axis, the largest term: a layout without one gathers every expert)."""
+    whole scanned stack once rather than each layer's slice): 4 bytes per expert
+    parameter on the device (measured: ``f32[512, L, 32, 2048]`` and ``f32[512, L, 32,
+    1024]`` beside the parameters at the peak of DeepSeek-V3's 2-, 4- and 6-layer slices
+    on expert 8 x data 14 x tensor 2, deviceless H100 compiles; BENCHMARKS.md); and one
+    layer's experts gathered over data in bf16 for its GEMMs (2 bytes per parameter of
+    the layer's ``E / ep`` experts: with a small expert axis, the largest term; a layout
+    without one gathers every expert). Not modelled: at small expert axes the peak moves
+    to the up-projection's backward (its fp32 weight-gradient accumulator), BENCHMARKS.md."""
     if not (model.experts > 1 and option.fsdp and option.data > 1):  # (1: Llama blocks)
         return 0.0
     f = model.moe_mlp_hidden or model.mlp
