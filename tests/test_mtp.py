@@ -59,6 +59,8 @@ def _ce(logits, targets, ignore=-100):
     return -(picked * keep).sum() / max(keep.sum(), 1)
 
 
+@pytest.mark.slow  # make test-fast's budget (46 s on 2 cores); the MTP loss's fast check:
+# test_train_step_reports_the_mtp_loss
 def test_mtp_loss_equals_numpy_transcription():
     """One device: ``loss - lm_loss`` is ``mtp_loss_weight`` times the mean over depths
     of the cross-entropies of a NumPy transcription of DeepSeek-V3's MTP (the shifted
@@ -88,6 +90,7 @@ def test_mtp_loss_equals_numpy_transcription():
                                rtol=1e-5)
 
 
+@pytest.mark.slow  # make test-fast's budget (35 s on 2 cores)
 def test_depth_zero_keeps_the_loss_and_parameters():
     """``mtp_depth=0`` builds no modules, and the main loss of a model with them is the
     loss of the same model without (the modules only add a term)."""
