@@ -408,7 +408,17 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     rows = ep * tokens * min(model.experts_per_token, model.experts // ep)
     common = 26 * sbh + _attention_bytes(model, sbh, t)
     pairs = tokens * model.experts_per_token  # the token side of the dispatch, [T k, h]
-    per_layer = common + 2 * rows * (2 * h + 3 * f / t) + (12 * pairs * h if ep > 1 else 0) \
+    token_side = pairs * h if ep > 1 else 0
+    # the larger of two moments of an expert layer's backward: the dispatch's (the
+    # received rows and their gradient, the up-projection and activation, six token-side
+    # copies) and the up-projection's weight gradient (the received rows and their
+    # gradient being built, the up-projection's gradient, two token-side copies, its fp32
+    # accumulator [E / ep, h, 2F / t]); measured, BENCHMARKS.md: the peak is the first at
+    # expert 8 and 16, the second at expert 4 (64 and 96 experts a GPU)
+    dispatch = 2 * rows * (2 * h + 3 * f / t) + 12 * token_side
+    wgrad = 4 * rows * h + 4 * rows * f / t + 4 * token_side + \
+        4 * model.experts / ep * h * 2 * f / t
+    per_layer = common + max(dispatch, wgrad) \
         + 2 * 2 * tokens * 3 * f * model.shared_experts / t
     per_dense = common + 2 * 2 * tokens * 3 * model.mlp / t
     if option.remat:
