@@ -386,7 +386,11 @@ def _moe_formula(model: ModelShape, option: PlanOption, batch: int) -> tuple[flo
     routed copies of the tokens six times (``h`` each: sorted for the dispatch, returned,
     their gradients and XLA's transposes of them; measured, the live ranges of
     DeepSeek-V3's 2-layer slice on expert 8 and 16 at the peak of its expert layer's
-    backward, deviceless H100 compiles, BENCHMARKS.md); the shared
+    backward, deviceless H100 compiles, BENCHMARKS.md), or, where larger (few expert
+    devices: many experts a GPU), the up-projection's weight-gradient moment: the
+    received rows and their gradient, the up-projection's gradient, two token-side
+    copies and its fp32 accumulator ``[E / ep, h, 2F / t]`` (the peak of DeepSeek-V3's
+    and Kimi K2's slices at expert 4); the shared
     experts (dense over tensor, with the attention) likewise for the ``T`` tokens. With
     fsdp over data, :func:`expert_fsdp_bytes`. The grouped GEMMs are counted by their
     routed rows: XLA's masked ``ragged_dot`` lowering's ``[E / ep, rows, F]`` buffers
@@ -439,8 +443,7 @@ def expert_fsdp_bytes(model: ModelShape, option: PlanOption) -> float:
     on expert 8 x data 14 x tensor 2, deviceless H100 compiles; BENCHMARKS.md); and one
     layer's experts gathered over data in bf16 for its GEMMs (2 bytes per parameter of
     the layer's ``E / ep`` experts: with a small expert axis, the largest term; a layout
-    without one gathers every expert). Not modelled: at small expert axes the peak moves
-    to the up-projection's backward (its fp32 weight-gradient accumulator), BENCHMARKS.md."""
+    without one gathers every expert)."""
     if not (model.experts > 1 and option.fsdp and option.data > 1):  # (1: Llama blocks)
         return 0.0
     f = model.moe_mlp_hidden or model.mlp
