@@ -189,9 +189,9 @@ def _expert_axes(model: ModelShape, rest: int) -> list[int]:
     """The expert-axis sizes :func:`layouts` tries on ``rest`` GPUs (those beyond tensor):
     every size dividing the experts and ``rest`` (from the largest), the rest over data. A
     smaller expert axis holds more experts per GPU but a smaller dispatch receive buffer
-    (``ep T min(k, E / ep)`` rows, dropless): at DeepSeek-V3's and Kimi K2's shapes the
-    buffer's copies outweigh the experts' extra weight gradients (the formula's
-    :func:`~sp_jax.analysis.plan.layout_formula`). 1 for a dense model."""
+    (``ep T min(k, E / ep)`` rows, dropless; :func:`~sp_jax.analysis.plan.layout_formula`
+    weighs the two): DeepSeek-V3's fewest-GPU answer is expert 4 of 224 GPUs, Kimi K2's
+    expert 8 of 448, not the largest axes (BENCHMARKS.md). 1 for a dense model."""
     if model.experts <= 1:
         return [1]
     g = math.gcd(model.experts, rest)
