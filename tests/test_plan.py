@@ -618,7 +618,7 @@ def _example(name: str):
                                        ("70b", 64), ("qwen3-30b-a3b", 8), ("7b", 8),
                                        ("7b head_dim=256", 8),
                                        pytest.param("deepseek-v3", 224, marks=pytest.mark.slow),
-                                       pytest.param("kimi-k2", 224, marks=pytest.mark.slow)])
+                                       pytest.param("kimi-k2", 448, marks=pytest.mark.slow)])
 def test_the_printed_command_parses_with_each_example_as_the_plan(name, gpus, tmp_path):
     """An answer is runnable as printed: the command lines of the formula's answer parse
     with examples/train_gpt.py's and finetune_hf.py's own argparse, into the mesh,
