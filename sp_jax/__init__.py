@@ -39,7 +39,7 @@ from sp_jax import (  # noqa: E402
     training,
     xla_flags,
 )
-from sp_jax.config import Fp8Recipe, ParallelConfig  # noqa: E402
+from sp_jax.config import Fp8Recipe, LoRAConfig, ParallelConfig  # noqa: E402
 from sp_jax.layers import (  # noqa: E402
     MLP,
     AttentionConfig,
@@ -62,6 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Fp8Recipe",
+    "LoRAConfig",
     "ParallelConfig",
     "Layout",
     "attention",

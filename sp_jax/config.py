@@ -14,8 +14,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "FSDP_MODES", "PIPELINE_SCHEDULES", "Fp8Recipe",
-           "ParallelConfig", "PipelineConfig", "check_layer_args"]
+__all__ = ["CONTEXT_PARALLEL", "FP8_SCALINGS", "FSDP_MODES", "LORA_BASE_DTYPES", "LORA_TARGETS",
+           "PIPELINE_SCHEDULES", "Fp8Recipe", "LoRAConfig", "ParallelConfig", "PipelineConfig",
+           "check_layer_args"]
 
 CONTEXT_PARALLEL = (None, "ring", "ulysses")
 """The values of ``ParallelConfig.context_parallel``."""
@@ -481,6 +482,88 @@ class Fp8Recipe:
     def delayed(self) -> bool:
         """Whether the scales come from an amax history (``scaling="delayed"``)."""
         return self.scaling == "delayed"
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The linear layers LoRA can adapt, by the names PEFT's Llama targets use (``q_proj`` ...
+``down_proj``): the attention's query, key, value and output projections, the MLP's gate,
+up and down projections."""
+
+LORA_BASE_DTYPES = ("bf16", "int8", "nf4", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the frozen linear layers of a model (Hu et al. 2021; PEFT's
+    ``LoraConfig``): each targeted kernel ``W [in, out]`` computes ``x @ W + (alpha /
+    rank) * (x @ lora_a) @ lora_b`` with ``lora_a [in, rank]`` (PEFT's initialisation:
+    Kaiming-uniform) and ``lora_b [rank, out]`` (zeros: the adapted model starts equal to
+    its base, bitwise). Only the adapters train; the base stays frozen.
+
+    The adapters run inside the base layer's op and share its collectives
+    (:class:`sp_jax.ops.lora.LoRAGemm`): a column layer's ``lora_a`` is replicated over
+    the tensor axis and multiplies the same gathered input as the base, ``lora_b`` is
+    split like the base's output columns; a row layer's ``lora_a`` is split like the
+    base's input rows and its ``lora_b`` replicated, the adapter's partial products
+    joining the base's before the one reduce-scatter (all-reduce).
+
+    Attributes:
+      rank: the adapters' rank ``r`` (a positive int).
+      alpha: the scale's numerator (``alpha / rank``; PEFT's ``lora_alpha``).
+      dropout: dropout on the adapter's input (PEFT's ``lora_dropout``); only 0.0 runs
+        today (a ValueError names the fix for another value).
+      targets: which linear layers get adapters, a subset of :data:`LORA_TARGETS`.
+      base_dtype: how the frozen base kernels are stored: None (their ``param_dtype``),
+        or one of :data:`LORA_BASE_DTYPES`.
+    """
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    base_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRAConfig.rank={self.rank!r} must be a positive int "
+                             "(e.g. LoRAConfig(rank=16)).")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not self.alpha > 0:
+            raise ValueError(f"LoRAConfig.alpha={self.alpha!r} must be a positive number "
+                             "(PEFT's lora_alpha; the scale is alpha / rank).")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout={self.dropout!r} must be in [0, 1).")
+        if self.dropout:
+            raise ValueError(f"LoRAConfig.dropout={self.dropout!r}: dropout on the "
+                             "adapters' input is not implemented yet; pass dropout=0.0.")
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets or len(set(targets)) != len(targets):
+            raise ValueError(f"LoRAConfig.targets={self.targets!r} must be distinct names "
+                             f"among {LORA_TARGETS} (at least one).")
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if self.base_dtype is not None and self.base_dtype not in LORA_BASE_DTYPES:
+            raise ValueError(f"LoRAConfig.base_dtype={self.base_dtype!r} must be None (the "
+                             f"parameters' dtype) or one of {LORA_BASE_DTYPES}.")
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor of the adapter's product."""
+        return float(self.alpha) / self.rank
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (:meth:`from_dict` reads it back)."""
+        return dataclasses.asdict(self) | {"targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoRAConfig:
+        """A LoRAConfig from :meth:`to_dict`'s dict; a ValueError naming unknown keys."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"LoRAConfig.from_dict: unknown keys {unknown}; known: "
+                             f"{sorted(names)}.")
+        return cls(**{k: tuple(v) if k == "targets" else v for k, v in d.items()})
 
 
 def check_layer_args(where: str, parallel: Any, **sizes: Any) -> None:

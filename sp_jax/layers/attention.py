@@ -33,6 +33,7 @@ from sp_jax.layers.attention_registry import (
 from sp_jax.layers.block_config import AttentionConfig, check_block_config, kv_heads_per_shard
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+from sp_jax.layers.lora import LoRAParts
 from sp_jax.layers.norm import make_norm
 from sp_jax.layers.qkv import GroupedQKVProjection
 from sp_jax.layers.rotary import rope_attention_factor, rope_frequencies, rotary_embedding
@@ -192,14 +193,17 @@ class CausalSelfAttention(nnx.Module):
         config, parallel = self.config, self.parallel
         common = dict(parallel=parallel, dtype=config.dtype, param_dtype=config.param_dtype,
                       rngs=rngs)
-        if config.num_kv_heads == config.num_heads:
+        if config.num_kv_heads == config.num_heads:  # columns (head, {q, k, v}, head_dim)
             qkv: nnx.Module = ColumnSequenceParallelLinear(
                 config.hidden, 3 * config.attention_width, use_bias=config.qkv_bias,
-                fp8=config.fp8, **common)
+                fp8=config.fp8, lora=config.lora,
+                lora_parts=LoRAParts(("q", "k", "v"), config.head_dim), **common)
         else:
             qkv = GroupedQKVProjection(config, parallel=parallel, rngs=rngs)
         out = RowSequenceParallelLinear(config.attention_width, config.hidden,
-                                        use_bias=config.out_bias, fp8=config.fp8, **common)
+                                        use_bias=config.out_bias, fp8=config.fp8,
+                                        lora=config.lora, lora_parts=LoRAParts(("o",)),
+                                        **common)
         return qkv, out
 
     def _check_heads(self, mesh: Mesh) -> None:

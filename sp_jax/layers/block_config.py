@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from sp_jax.attention import IMPLEMENTATIONS, cudnn_takes
 from sp_jax.compat import check_mode
-from sp_jax.config import Fp8Recipe
+from sp_jax.config import Fp8Recipe, LoRAConfig
 from sp_jax.layers.attention_registry import check_attention_name
 from sp_jax.layers.norm import NORMS
 from sp_jax.layers.rotary import RopeScaling, YarnScaling
@@ -98,6 +98,8 @@ def settle_block_fields(config: Any) -> None:
     :class:`~sp_jax.Fp8Recipe`) of a frozen config in place."""
     if isinstance(getattr(config, "fp8", None), dict):
         object.__setattr__(config, "fp8", Fp8Recipe(**config.fp8))
+    if isinstance(getattr(config, "lora", None), dict):
+        object.__setattr__(config, "lora", LoRAConfig.from_dict(config.lora))
     if getattr(config, "num_kv_heads", 0) is None:
         object.__setattr__(config, "num_kv_heads", config.num_heads)
     if isinstance(getattr(config, "rope_scaling", None), dict):
@@ -178,6 +180,14 @@ def check_block_fields(owner: str, config: Any) -> None:
     if has("fp8") and config.fp8 is not None and not isinstance(config.fp8, Fp8Recipe):
         raise TypeError(f"{owner}.fp8={config.fp8!r} must be a sp_jax.Fp8Recipe (e.g. "
                         "Fp8Recipe('current') or Fp8Recipe('delayed')) or None.")
+    if has("lora") and config.lora is not None:
+        if not isinstance(config.lora, LoRAConfig):
+            raise TypeError(f"{owner}.lora={config.lora!r} must be a sp_jax.LoRAConfig (e.g. "
+                            "LoRAConfig(rank=16)), a dict of its fields, or None.")
+        if getattr(config, "fp8", None) is not None:
+            raise ValueError(f"{owner}: lora with fp8={config.fp8!r}: the adapters and "
+                             "their frozen base multiply in the compute dtype; pass "
+                             "fp8=None.")
     if has("rope_scaling") and config.rope_scaling is not None \
             and not isinstance(config.rope_scaling, RopeScaling | YarnScaling):
         raise TypeError(f"{owner}.rope_scaling={config.rope_scaling!r} must be a "
@@ -359,6 +369,8 @@ class AttentionConfig:
       fp8: an :class:`~sp_jax.Fp8Recipe`: the block's linear layers compute in FP8
         (the q/k/v and output projections; attention itself does not), or None (the
         compute dtype).
+      lora: a :class:`~sp_jax.LoRAConfig`: adapters on the projections it targets
+        (``"q"``, ``"k"``, ``"v"``, ``"o"``), the base frozen; or None.
       attention: the registered name of the attention class the block runs
         (:func:`~sp_jax.layers.register_attention`; ``"mha"``:
         :class:`~sp_jax.layers.CausalSelfAttention`, multi-head, grouped-query and
@@ -398,6 +410,7 @@ class AttentionConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     fp8: Fp8Recipe | None = None
+    lora: LoRAConfig | None = None
     head_dim: int | None = None  # an int once constructed
     window_per_layer: bool = False
     attention_scale: float | None = None
@@ -456,6 +469,8 @@ class MLPConfig:
       fp8: an :class:`~sp_jax.Fp8Recipe`: the block's linear layers compute in FP8
         (the up and down projections; the activation in the compute dtype), or None
         (the compute dtype).
+      lora: a :class:`~sp_jax.LoRAConfig`: adapters on the projections it targets
+        (``"gate"``, ``"up"``, ``"down"``), the base frozen; or None.
       norm_offset: the pre-norm (and post-norm) scales by ``norm_offset + weight``
         (Gemma: 1.0).
       post_norms: a second norm on the MLP's output before the residual add (Gemma 2 /
@@ -473,6 +488,7 @@ class MLPConfig:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     fp8: Fp8Recipe | None = None
+    lora: LoRAConfig | None = None
     norm_offset: float = 0.0
     post_norms: bool = False
 

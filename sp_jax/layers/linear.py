@@ -35,8 +35,9 @@ from flax.nnx.nn import initializers
 from jax.sharding import PartitionSpec as P
 
 from sp_jax import ops
-from sp_jax.config import Fp8Recipe, ParallelConfig, check_layer_args
+from sp_jax.config import Fp8Recipe, LoRAConfig, ParallelConfig, check_layer_args
 from sp_jax.layers.gemm import LayerGemm, layer_gemm
+from sp_jax.layers.lora import LORA_SALT, LoRAParts, adapter_params, adapter_specs, masked_b
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
@@ -50,6 +51,7 @@ from sp_jax.mesh import (
 )
 from sp_jax.ops.deferred import local_taps, placed_taps
 from sp_jax.ops.gemm import Gemm
+from sp_jax.ops.lora import LoRAKernel, LoRAGemm
 
 __all__ = [
     "ColumnParallelLinear",
@@ -97,7 +99,11 @@ def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_s
     args = [reshard(x, x_spec, mesh)]
     in_specs = [x_spec]
     for value, spec in (*params, (None if gemm is None else gemm.state_value(), P())):
-        args.append(None if value is None else reshard(value, spec, mesh))
+        # a pytree value (an adapted kernel, LoRAKernel) with its pytree of specs
+        args.append(None if value is None else jax.tree.map(
+            lambda v, p: reshard(v, p, mesh), value, spec,
+            is_leaf=lambda v: isinstance(v, P)) if isinstance(value, tuple) else
+            reshard(value, spec, mesh))
         in_specs.append(None if value is None else spec)
 
     def body(x, taps, *rest):
@@ -144,6 +150,8 @@ class _ParallelLinear(nnx.Module):
         bias_init: Initializer = default_bias_init,
         fp8: Fp8Recipe | None = None,
         gemm: Gemm | None = None,
+        lora: LoRAConfig | None = None,
+        lora_parts: LoRAParts | None = None,
         rngs: nnx.Rngs,
     ):
         name = type(self).__name__
@@ -155,8 +163,13 @@ class _ParallelLinear(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         mesh = current_mesh(parallel, where=name, required=False)
-        self.gemm = layer_gemm(name, fp8, gemm, parallel, eager=mesh is not None)
-        self.fp8_history = self.gemm.state  # the GEMM's state at the layer's path
+        self.lora_parts = lora_parts if lora_parts is not None else LoRAParts(
+            ("o",) if self._split_in else ("q",))  # a lone layer: one adapter
+        self.lora = lora
+        if lora is not None and (fp8 is not None or gemm is not None):
+            raise ValueError(f"{name}: lora={lora!r} with fp8={fp8!r} / gemm={gemm!r}: the "
+                             "adapters multiply in the compute dtype; pass fp8=None and "
+                             "gemm=None (or lora=None).")
 
         if mesh is not None:
             self._check_features(mesh)
@@ -168,6 +181,16 @@ class _ParallelLinear(nnx.Module):
             out_sharding=kernel_axes,
             eager_sharding=mesh is not None,
         )
+        # adapters from a key of the kernel's: the base draws what it draws without them
+        self.lora_a, self.lora_b = adapter_params(
+            name, lora, self.lora_parts, in_features, out_features, split_in=self._split_in,
+            layout=Layout.of(parallel), key=jax.random.fold_in(kernel_key, LORA_SALT),
+            dtype=param_dtype, eager=mesh is not None)
+        if self.lora_a is None:
+            self.lora = None
+        self.gemm = layer_gemm(name, fp8, gemm if self.lora is None else LoRAGemm(
+            scale=self.lora.scale), parallel, eager=mesh is not None)
+        self.fp8_history = self.gemm.state  # the GEMM's state at the layer's path
         self.bias: nnx.Param[jax.Array] | None
         if use_bias:
             bias_key = rngs.params()
@@ -197,11 +220,27 @@ class _ParallelLinear(nnx.Module):
         return tuple(names)
 
     def param_specs(self, layout: Layout, mesh: Mesh | None = None) -> dict[str, P]:
-        """The spec of each parameter by name (``kernel``, ``bias``) in ``layout``:
-        training's (``Layout.of(parallel)``) or the single-token mode's
-        (:func:`decode_layout`). ``mesh`` is not needed here (the grouped-query
-        projection's spec depends on it)."""
-        return dict(zip(("kernel", "bias"), self._param_specs(layout), strict=True))
+        """The spec of each parameter by name (``kernel``, ``bias``; ``lora_a``,
+        ``lora_b`` with adapters) in ``layout``: training's (``Layout.of(parallel)``) or
+        the single-token mode's (:func:`decode_layout`). ``mesh`` is not needed here
+        (the grouped-query projection's spec depends on it)."""
+        specs = dict(zip(("kernel", "bias"), self._param_specs(layout), strict=True))
+        if self.lora_a is not None:
+            specs.update(zip(("lora_a", "lora_b"), adapter_specs(layout, self._split_in),
+                             strict=True))
+        return specs
+
+    def _kernel_and_spec(self, layout: Layout, kernel: jax.Array, spec: P, mask: bool):
+        """The op's kernel and its spec: the base's, or with adapters a
+        :class:`~sp_jax.ops.lora.LoRAKernel` of the base and adapters (``lora_b``
+        masked to each adapter's columns with ``mask``: training)."""
+        if self.lora_a is None:
+            return kernel, spec
+        b = self.lora_b[...]
+        if mask:
+            b = masked_b(b, self.lora_parts, self.lora)
+        return (LoRAKernel(kernel, self.lora_a[...], b),
+                LoRAKernel(spec, *adapter_specs(layout, self._split_in)))
 
     # -- validation --------------------------------------------------------------------
 
@@ -270,7 +309,8 @@ class _ParallelLinear(nnx.Module):
             x = activation(x)
         if not self.input_is_parallel:
             x = ops.split_with_all_gather_grad(x, t, dim=-1)
-        y = ops.decode_matmul(x, kernel, bias, axis_name=t if self._split_in else None)
+        y = ops.decode_matmul(x, kernel, bias, axis_name=t if self._split_in else None,
+                              gemm=None if self.lora is None else self.gemm.op)
         if self.gather_output:
             y = ops.all_gather_with_split_grad(y, t, dim=-1)
         return y
@@ -284,6 +324,8 @@ class _ParallelLinear(nnx.Module):
         compute dtype (no FP8). Forward only."""
         kernel = self.kernel[...]
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
+        if self.lora_a is not None:  # lora_b's entries outside its parts are zeros
+            kernel = LoRAKernel(kernel, self.lora_a[...], self.lora_b[...])
         return self._decode(x.astype(dtype), kernel,
                             None if self.bias is None else self.bias[...], activation)
 
@@ -320,8 +362,10 @@ class _ParallelLinear(nnx.Module):
             taps = layer_taps(self)
         if activation is not None:
             local = functools.partial(local, activation=activation)
+        kernel_spec, bias_spec = self._param_specs(layout)
+        kernel, kernel_spec = self._kernel_and_spec(layout, kernel, kernel_spec, not decode)
         return shard_linear(local, x.astype(dtype), x_spec, out_spec,
-                            tuple(zip((kernel, bias), self._param_specs(layout), strict=True)),
+                            ((kernel, kernel_spec), (bias, bias_spec)),
                             parallel=self.parallel, gemm=gemm, taps=taps,
                             where=type(self).__name__)
 

@@ -13,6 +13,7 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import MLP_ACTIVATIONS, MLPConfig, check_block_config
 from sp_jax.layers.dropout import Dropout
 from sp_jax.layers.linear import ColumnSequenceParallelLinear, RowSequenceParallelLinear
+from sp_jax.layers.lora import LoRAParts
 from sp_jax.layers.norm import make_norm
 from sp_jax.mesh import check_activations
 
@@ -66,12 +67,15 @@ class MLP(nnx.Module):
                       rngs=rngs)
         self.norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,
                               norm_offset=config.norm_offset, **common)
+        # the gated up kernel's columns are (j, {gate, up}) pairs: PEFT's two modules
         self.up = ColumnSequenceParallelLinear(
             config.hidden, (2 if config.gated else 1) * config.mlp_hidden,
-            use_bias=config.mlp_bias, fp8=config.fp8, **common)
+            use_bias=config.mlp_bias, fp8=config.fp8, lora=config.lora,
+            lora_parts=LoRAParts(("gate", "up") if config.gated else ("up",)), **common)
         self.down = RowSequenceParallelLinear(config.mlp_hidden, config.hidden,
                                               use_bias=config.mlp_bias, fp8=config.fp8,
-                                              **common)
+                                              lora=config.lora,
+                                              lora_parts=LoRAParts(("down",)), **common)
         self.dropout = Dropout(config.dropout, parallel=parallel)  # rngs come with each call
         # Gemma's post_feedforward_layernorm: the down projection's output normed
         self.post_norm = make_norm(config.norm, config.hidden, epsilon=config.norm_epsilon,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -13,8 +14,10 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
 from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import column_sp_matmul, decode_layout, shard_linear
+from sp_jax.layers.lora import LORA_SALT, LoRAParam, LoRAParts, adapter_specs, masked_b
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
+from sp_jax.ops.lora import LoRAGemm, LoRAKernel
 from sp_jax.mesh import (
     Mesh,
     axis_size,
@@ -71,7 +74,8 @@ class GroupedQKVProjection(nnx.Module):
         kv_kernel_spec, kv_bias_spec = self._kv_specs(mesh)
         layout, eager = Layout.of(parallel), mesh is not None
         init = nnx.initializers.lecun_normal()
-        self.q_kernel = nnx.Param(init(rngs.params(), (hidden, q_width), dtype),
+        q_key = rngs.params()
+        self.q_kernel = nnx.Param(init(q_key, (hidden, q_width), dtype),
                                   out_sharding=tuple(layout.column_kernel), eager_sharding=eager)
         self.kv_kernel = nnx.Param(init(rngs.params(), (hidden, kv_width), dtype),
                                    out_sharding=tuple(kv_kernel_spec), eager_sharding=eager)
@@ -84,10 +88,37 @@ class GroupedQKVProjection(nnx.Module):
                                      out_sharding=tuple(kv_bias_spec), eager_sharding=eager)
         else:
             self.q_bias = self.kv_bias = None
+        # LoRA: one lora_a [hidden, n * r] for the targeted q, k, v (replicated) and
+        # lora_b's rows split in the q and kv kernels' column layouts
+        self.lora_adapters = () if config.lora is None else tuple(
+            t for t in ("q", "k", "v") if t in config.lora.targets)
+        self.lora = config.lora if self.lora_adapters else None
+        self.lora_a, self.q_lora_b, self.kv_lora_b = self._adapters(
+            q_key, hidden, q_width, kv_width, kv_kernel_spec, layout, eager)
         # one GEMM (and amax history) for q, k and v; its state at the layer's path
-        self.gemm = layer_gemm("GroupedQKVProjection", config.fp8, None, parallel,
-                               eager=eager)
+        self.gemm = layer_gemm("GroupedQKVProjection", config.fp8,
+                               None if self.lora is None else LoRAGemm(scale=self.lora.scale),
+                               parallel, eager=eager)
         self.fp8_history = self.gemm.state
+
+    def _adapters(self, q_key, hidden: int, q_width: int, kv_width: int, kv_kernel_spec: P,
+                  layout: Layout, eager: bool) -> tuple:
+        """``(lora_a, q_lora_b, kv_lora_b)`` (:class:`~sp_jax.layers.lora.LoRAParam`), or
+        Nones without targeted q/k/v: one ``lora_a [hidden, n * r]`` for the ``n``
+        targeted projections (replicated), ``lora_b``'s rows in the q and kv kernels'
+        column layouts (split as those kernels are)."""
+        if self.lora is None:
+            return None, None, None
+        width, dtype = len(self.lora_adapters) * self.lora.rank, self.config.param_dtype
+        a_spec, b_spec = adapter_specs(layout, False)
+        bound = 1.0 / np.sqrt(hidden)
+        return (LoRAParam(jax.random.uniform(jax.random.fold_in(q_key, LORA_SALT),
+                                             (hidden, width), dtype, -bound, bound),
+                          out_sharding=tuple(a_spec), eager_sharding=eager),
+                LoRAParam(jnp.zeros((width, q_width), dtype), out_sharding=tuple(b_spec),
+                          eager_sharding=eager),
+                LoRAParam(jnp.zeros((width, kv_width), dtype),
+                          out_sharding=(None, kv_kernel_spec[1]), eager_sharding=eager))
 
     def _replicated(self, mesh: Mesh | None) -> bool:
         """Whether the key/value heads are replicated over the tensor axis."""
@@ -108,8 +139,21 @@ class GroupedQKVProjection(nnx.Module):
         :func:`~sp_jax.layers.linear.decode_layout`) on ``mesh`` (whose tensor size says
         whether the key/value heads are split or replicated; None: split)."""
         kv_kernel, kv_bias = self._kv_specs(mesh, layout)
-        return {"q_kernel": layout.column_kernel, "kv_kernel": kv_kernel,
-                "q_bias": layout.column_bias, "kv_bias": kv_bias}
+        specs = {"q_kernel": layout.column_kernel, "kv_kernel": kv_kernel,
+                 "q_bias": layout.column_bias, "kv_bias": kv_bias}
+        if self.lora_a is not None:
+            specs |= {"lora_a": P(None, None), "q_lora_b": P(None, layout.column_kernel[1]),
+                      "kv_lora_b": P(None, kv_kernel[1])}
+        return specs
+
+    def lora_b_masked(self) -> tuple[jax.Array, jax.Array]:
+        """``(q_lora_b, kv_lora_b)`` with each adapter's rows zeroed outside its part's
+        columns (``q_kernel``'s are q's; ``kv_kernel``'s ``(kv_head, {k, v},
+        head_dim)``)."""
+        lora, names = self.lora, self.lora_adapters
+        return (masked_b(self.q_lora_b[...], LoRAParts(("q",)), lora, names),
+                masked_b(self.kv_lora_b[...], LoRAParts(("k", "v"), self.config.head_dim),
+                         lora, names))
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         """``x``: ``[batch, seq, hidden]`` in the SP layout -> the per-shard blocks above.
@@ -136,11 +180,16 @@ class GroupedQKVProjection(nnx.Module):
         params = tuple((None if v is None else v[...], specs[name]) for name, v in (
             ("q_kernel", self.q_kernel), ("kv_kernel", self.kv_kernel),
             ("q_bias", self.q_bias), ("kv_bias", self.kv_bias)))
+        if self.lora_a is not None:
+            q_b, kv_b = self.lora_b_masked()
+            params += ((self.lora_a[...], specs["lora_a"]), (q_b, specs["q_lora_b"]),
+                       (kv_b, specs["kv_lora_b"]))
 
-        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, **gemm):
+        def local(x, q_kernel, kv_kernel, q_bias, kv_bias, *adapters, **gemm):
             kernel, bias = self.local_kernel(q_kernel, kv_kernel, q_bias, kv_bias, replicated)
+            kernel = self._with_adapters(kernel, adapters, replicated)
             if decode:
-                return ops.decode_matmul(x, kernel, bias)
+                return ops.decode_matmul(x, kernel, bias, gemm=self._decode_gemm())
             return column_sp_matmul(x, kernel, bias, par, **gemm)
 
         return shard_linear(local, x.astype(dtype),
@@ -148,6 +197,19 @@ class GroupedQKVProjection(nnx.Module):
                             params, parallel=par, gemm=None if decode else self.gemm,
                             taps=None if decode else layer_taps(self),
                             where="GroupedQKVProjection")
+
+    def _with_adapters(self, kernel, adapters, replicated: bool):
+        """Per device: ``kernel``, or with adapters ``(lora_a, q_lora_b, kv_lora_b)``
+        (their blocks) the :class:`~sp_jax.ops.lora.LoRAKernel` of it and them, the
+        ``lora_b`` blocks laid out as the kernel's columns."""
+        if not adapters:
+            return kernel
+        lora_a, q_b, kv_b = adapters
+        b, _ = self.local_kernel(q_b, kv_b, None, None, replicated)
+        return LoRAKernel(kernel, lora_a, b)
+
+    def _decode_gemm(self):
+        return None if self.lora is None else self.gemm.op
 
     def weight_grad_covers(self) -> tuple[str, ...]:
         """The parameters whose gradients the projection's op can defer (a
@@ -170,7 +232,14 @@ class GroupedQKVProjection(nnx.Module):
         dtype = self.config.dtype
         if dtype is None:
             dtype = jnp.result_type(x.dtype, kernel.dtype)
-        return ops.decode_matmul(x.astype(dtype), kernel, bias)
+        if self.lora_a is not None:  # lora_b's entries outside its parts are zeros
+            kernel = self._with_adapters(kernel, (self.lora_a[...], self.q_lora_b[...],
+                                                  self.kv_lora_b[...]),
+                                         kv_heads_replicated(
+                                             self.config.num_kv_heads,
+                                             lax.axis_size(self.parallel.tensor_axis),
+                                             "GroupedQKVProjection"))
+        return ops.decode_matmul(x.astype(dtype), kernel, bias, gemm=self._decode_gemm())
 
     def local_kernel(self, q_kernel: jax.Array, kv_kernel: jax.Array,
                      q_bias: jax.Array | None, kv_bias: jax.Array | None, replicated: bool

@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sp_jax.config import Fp8Recipe
+from sp_jax.config import Fp8Recipe, LoRAConfig
 from sp_jax.layers import (
     AttentionConfig,
     MLPConfig,
@@ -151,6 +151,10 @@ class GPTConfig:
         (``config.json``'s), kept for :func:`~sp_jax.models.hf.to_hf` and generation;
         None when it has none. ``eos_token_id`` may be several ids (a list in
         ``config.json``, a tuple here). The model itself does not use them.
+      lora: a :class:`~sp_jax.LoRAConfig` (or a dict of its fields): low-rank adapters
+        on the linear layers it targets (q/k/v, output, gate/up, down), inside their ops
+        and split as each layer's kind says; the base weights frozen (the training step
+        differentiates the adapters only). None: no adapters.
       fp8: an :class:`~sp_jax.Fp8Recipe` (or a dict of its fields): every block's
         q/k/v, output, up and down projections compute in FP8 (e4m3 inputs and weights,
         e5m2 output gradients, whole-tensor scales, fp32 accumulation; the sequence
@@ -255,6 +259,7 @@ class GPTConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     fp8: Fp8Recipe | None = None
+    lora: LoRAConfig | None = None
     hf_model_type: str | None = None
     head_dim: int | None = None
     layer_windows: tuple[int | None, ...] | None = None

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sp_jax.ops.lora import is_lora
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
 from sp_jax.ops.rules import RuleWrapper, linear_op
 
@@ -85,17 +86,26 @@ class Fsdp(RuleWrapper):
     axes: tuple[AxisName, ...]
     dim: int
 
+    def _gather(self, kernel, dtype):
+        """The whole kernel; of an adapted one (:class:`~sp_jax.ops.lora.LoRAKernel`),
+        the base gathered and the adapters (not sharded over the data axes) as they
+        are."""
+        if is_lora(kernel):
+            return kernel._replace(w=_gather_in(kernel.w, dtype, self.axes, self.dim))
+        return _gather_in(kernel, dtype, self.axes, self.dim)
+
     def fwd(self, x, kernel, aux):
-        y, (a, _, rest) = self.rule.fwd(x, _gather_in(kernel, x.dtype, self.axes, self.dim),
-                                        aux)
+        y, (a, _, rest) = self.rule.fwd(x, self._gather(kernel, x.dtype), aux)
         return y, (a, kernel, rest)
 
     def _gathered(self, res, g):
         a, kernel, rest = res
         kernel, g = lax.optimization_barrier((kernel, g))
-        return (a, _gather_in(kernel, g.dtype, self.axes, self.dim), rest), g
+        return (a, self._gather(kernel, g.dtype), rest), g
 
     def _scatter(self, dkernel):
+        if is_lora(dkernel):  # the frozen base has no gradient; the adapters' are summed
+            return dkernel      # over the data axes by the cast to vary (rules.Varying)
         return _fsdp_reduce_scatter(dkernel, self.axes, self.dim)
 
     def bwd_input(self, res, g):

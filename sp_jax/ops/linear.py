@@ -266,7 +266,7 @@ def row_parallel_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None 
 
 
 def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-                  axis_name: AxisName | None = None) -> jax.Array:
+                  axis_name: AxisName | None = None, gemm: Gemm | None = None) -> jax.Array:
     """The single-token (decode) mode of the linear ops, forward only: ``x @ kernel``
     in the dtype of ``x`` (the kernel cast to it), summed over ``axis_name`` by one
     all-reduce when given, then ``+ bias``.
@@ -281,9 +281,11 @@ def decode_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
       x: ``[..., in]`` (column) or ``[..., in / t]`` (row), compute dtype.
       kernel: this device's block; bias: ``[out]`` / ``[out / t]`` or ``None``.
       axis_name: the tensor axis for a row layer, ``None`` for a column layer.
+      gemm: the GEMM object (None: :class:`~sp_jax.ops.gemm.ComputeGemm`; an adapted
+        layer's :class:`~sp_jax.ops.lora.LoRAGemm` with its ``LoRAKernel``).
     """
     check_linear_shapes("decode_matmul", x, kernel, bias)
-    return Decode(ComputeGemm(), axis_name).fwd(x, kernel, (bias, None))[0]
+    return Decode(gemm or ComputeGemm(), axis_name).fwd(x, kernel, (bias, None))[0]
 
 
 def _sequence_checks(name: str, x, kernel, bias, seq_dim: int, fsdp_axes: tuple,

@@ -38,7 +38,11 @@ AxisName = Hashable
 
 
 def vma(x: jax.Array) -> frozenset:
-    """The mesh axes ``x`` varies over (empty outside ``check_vma`` shard_maps)."""
+    """The mesh axes ``x`` varies over (empty outside ``check_vma`` shard_maps); of a
+    pytree of arrays (an adapted layer's kernel, :class:`~sp_jax.ops.lora.LoRAKernel`),
+    the axes any leaf varies over."""
+    if isinstance(x, tuple):
+        return frozenset().union(*(vma(v) for v in jax.tree.leaves(x)))
     mat = getattr(jax.typeof(x), "mat", None)
     return frozenset(mat.varying) if mat is not None else frozenset()
 
@@ -57,6 +61,8 @@ def vary(x, axes) -> jax.Array:
     stays None)."""
     if x is None:
         return None
+    if isinstance(x, tuple):  # a pytree of arrays: each leaf where it does not already
+        return type(x)(*(vary(v, axes) for v in x))
     missing = tuple(sorted(set(axes) - vma(x), key=str))
     return lax.pcast(x, missing, to="varying") if missing else x
 

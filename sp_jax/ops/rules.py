@@ -488,6 +488,9 @@ class Varying(RuleWrapper):
 
     rule: Any
     axes: tuple[AxisName, ...]
+    leaf_axes: tuple | None = None
+    """Of a pytree kernel (:class:`~sp_jax.ops.lora.LoRAKernel`), the axes each leaf is
+    cast over (those of ``axes`` it does not vary over itself)."""
 
     def fwd(self, x, kernel, aux):
         y, (a, _, rest) = self.rule.fwd(x, vary(kernel, self.axes), aux)
@@ -498,6 +501,10 @@ class Varying(RuleWrapper):
         return a, vary(kernel, self.axes), rest
 
     def _sum(self, dkernel):
+        if isinstance(dkernel, tuple):  # an adapted kernel: each gradient over the axes
+            return type(dkernel)(*(  # its own leaf was cast to vary over
+                None if d is None else lax.psum(d, axes) if axes else d
+                for d, axes in zip(dkernel, self.leaf_axes, strict=True)))
         return lax.psum(dkernel, self.axes)
 
     def bwd(self, res, g):
@@ -516,6 +523,10 @@ def varying(rule: Any, kernel: jax.Array, axes) -> Any:
     """``rule`` run with ``kernel`` varying over the mesh ``axes`` (:class:`Varying`
     where it does not already: ``rule`` itself otherwise, and without VMA typing, where
     the cast and its transpose, the ``psum``, are no-ops: :func:`typed`)."""
+    if isinstance(kernel, tuple):  # per leaf: an adapter may vary where the base does not
+        leaf_axes = tuple(tuple(sorted(set(axes) - vma(k), key=str)) for k in kernel)
+        missing = tuple(sorted(set().union(*leaf_axes), key=str))
+        return Varying(rule, missing, leaf_axes) if missing and typed(missing) else rule
     missing = tuple(sorted(set(axes) - vma(kernel), key=str))
     return Varying(rule, missing) if missing and typed(missing) else rule
 
