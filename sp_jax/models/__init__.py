@@ -11,6 +11,7 @@ from sp_jax.models.generation import (
 )
 from sp_jax.models.gpt import GPT
 from sp_jax.models.gpt_config import GPTConfig, RopeScaling, YarnScaling
+from sp_jax.models import lora  # noqa: E402  (sp_jax.models.lora.apply)
 
 __all__ = ["GPT", "GPTConfig", "Block", "Generation", "RopeScaling", "SpeculativeGeneration",
            "YarnScaling", "filter_logits", "generate", "sample_tokens"]

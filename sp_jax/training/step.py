@@ -34,6 +34,7 @@ from sp_jax.compat import check_mode
 from sp_jax.config import ParallelConfig
 from sp_jax.layers.cross_entropy import document_labels
 from sp_jax.layers.fp8 import Fp8History, update_fp8_histories
+from sp_jax.layers.lora import LoRAParam
 from sp_jax.layers.moe import RouterBias, update_router_biases
 from sp_jax.layout import Layout
 from sp_jax.mesh import require_host_memory, restrict_spec, spec_axes
@@ -41,8 +42,9 @@ from sp_jax.ops.primitives import reduce_in, to_device, to_host
 from sp_jax.training.offload import compute_copy, on_host
 from sp_jax.xla_flags import warn_if_gpu_flags_missing
 
-__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "lm_loss",
-           "manual_data_graphdef", "optimizer_shardings", "train_step_fn", "trained_state"]
+__all__ = ["TrainStep", "accumulate_gradients", "device_bytes", "has_adapters", "lm_loss",
+           "manual_data_graphdef", "optimizer_shardings", "train_step_fn", "trained_filter",
+           "trained_state"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple]
 """``(model, micro_batch, key) -> (loss_sum, count)`` or ``(loss_sum, count, metrics)``
@@ -89,6 +91,22 @@ def _split_state(params: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
     state when there are none): the two kinds of state the step updates itself from
     their "gradients" (the step's amaxes, the experts' loads)."""
     return nnx.split_state(params, _TRAINED, Fp8History, RouterBias)
+
+
+def has_adapters(model: nnx.Module) -> bool:
+    """Whether ``model`` holds LoRA adapters (:class:`~sp_jax.layers.lora.LoRAParam`)."""
+    return any(isinstance(v, LoRAParam) for _, v in nnx.iter_graph(model))
+
+
+def trained_filter(model: nnx.Module) -> Any:
+    """The nnx filter of the state a training step holds as its parameters (and
+    differentiates, less the FP8 histories and router biases it updates itself): every
+    ``nnx.Param``, or for a model with LoRA adapters the adapters (and router biases):
+    its base is frozen, held with the rest of the state (no gradient, no optimizer
+    state, not in the step's checkpoints)."""
+    if has_adapters(model):
+        return nnx.Any(LoRAParam, RouterBias)
+    return nnx.Param
 
 
 def trained_state(params: nnx.State) -> nnx.State:
@@ -544,7 +562,9 @@ class TrainStep:
             if getattr(self, option):
                 require_host_memory(f"TrainStep({option}=True)")
         warn_if_gpu_flags_missing()  # once per process, on GPU only; no subprocess
-        self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
+        # a model with adapters (LoRA) trains them only: its frozen base is "rest"
+        self.graphdef, self.params, self.rest = nnx.split(self.model, trained_filter(self.model),
+                                                          ...)
         mesh = self.mesh = jax.sharding.get_mesh()
         if not mesh.empty:
             # Lay the parameters out as their sharding annotations say, whatever their
