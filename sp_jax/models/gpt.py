@@ -400,6 +400,43 @@ class GPT(nnx.Module):
                                      ignore_index)
         return labels
 
+    def _token_losses(self, tokens, labels, segment_ids, positions, ignore_index: int,
+                      label_smoothing: float, z_loss: float, rngs: Any) -> tuple:
+        """The per-token losses of :meth:`loss` in the held order: ``((per_token, held
+        labels, hidden states, router stats), (tokens, natural-order targets, order,
+        documents, vocab table))``."""
+        tokens = self._ids(tokens)
+        labels = self._loss_targets(tokens, labels, segment_ids, ignore_index)
+        order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
+        targets = self._ids(labels)  # natural order (the MTP depths shift them)
+        labels = to_held(targets, order, self.parallel)
+        documents = self._documents(tokens, segment_ids, positions, order)
+        table = self.vocab_table()  # [Vp, hidden], layout.vocab_table
+        h, stats = self._hidden_states(to_held(tokens, order, self.parallel), rngs,
+                                       table if self.head is None else None, order,
+                                       documents)
+        logits = self.logits_from_hidden(h, table)
+        per_token = parallel_cross_entropy(
+            logits, labels, parallel=self.parallel,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            vocab_size=self.config.vocab_size)
+        return (per_token, labels, h, stats), (tokens, targets, order, documents, table)
+
+    def sequence_log_probs(self, tokens: jax.Array, labels: jax.Array | None = None, *,
+                           segment_ids: jax.Array | None = None,
+                           positions: jax.Array | None = None, ignore_index: int = -100,
+                           rngs: Any = None) -> jax.Array:
+        """``[batch]`` float32: each row's summed log-probability of its targets (those
+        not ``ignore_index``; ``labels`` as :meth:`loss` takes them): what preference
+        losses compare (:func:`sp_jax.training.dpo_loss`: the completion's tokens). The
+        same forward as :meth:`loss` (every parallel layout; the vocab-parallel
+        log-softmax), without the routers' auxiliary losses."""
+        check_mode("train", self, mesh=jax.sharding.get_abstract_mesh(),
+                   documents=segment_ids is not None, where="GPT.sequence_log_probs")
+        (per_token, _, _, _), _ = self._token_losses(tokens, labels, segment_ids, positions,
+                                                     ignore_index, 0.0, 0.0, rngs)
+        return -jnp.sum(per_token.astype(jnp.float32), axis=1)
+
     def loss(self, tokens: jax.Array, labels: jax.Array | None = None, *,
              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
              ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -442,21 +479,9 @@ class GPT(nnx.Module):
         """
         check_mode("train", self, mesh=jax.sharding.get_abstract_mesh(),
                    documents=segment_ids is not None, where="GPT.loss")
-        tokens = self._ids(tokens)
-        labels = self._loss_targets(tokens, labels, segment_ids, ignore_index)
-        order = self.sequence_order(tokens)  # the loss is a mean: the held order will do
-        targets = self._ids(labels)  # natural order (the MTP depths shift them)
-        labels = to_held(targets, order, self.parallel)
-        documents = self._documents(tokens, segment_ids, positions, order)
-        table = self.vocab_table()  # [Vp, hidden], layout.vocab_table
-        h, stats = self._hidden_states(to_held(tokens, order, self.parallel), rngs,
-                                       table if self.head is None else None, order,
-                                       documents)
-        logits = self.logits_from_hidden(h, table)
-        per_token = parallel_cross_entropy(
-            logits, labels, parallel=self.parallel,
-            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-            vocab_size=self.config.vocab_size)
+        (per_token, labels, h, stats), (tokens, targets, order, documents, table) = \
+            self._token_losses(tokens, labels, segment_ids, positions, ignore_index,
+                               label_smoothing, z_loss, rngs)
         count = jnp.sum(labels != ignore_index)
         mean = jnp.sum(per_token) / jnp.maximum(count, 1)
         metrics = {"lm_loss": mean}

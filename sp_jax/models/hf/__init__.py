@@ -6,6 +6,10 @@ Gemma 3 (text) models, and the mixtures of experts Mixtral and Qwen3-MoE.
         ...                                                          # train it
         to_hf(model, "out/")          # transformers: AutoModelForCausalLM.from_pretrained
 
+LoRA adapters (:class:`~sp_jax.LoRAConfig`) go out as PEFT writes them (:func:`to_peft`:
+``peft.PeftModel.from_pretrained`` loads them onto the transformers base) or merged
+(``to_hf(model, dir, merge_lora=True)``), and come back with :func:`from_peft`.
+
 Reading needs neither torch nor transformers: tensors come from ``*.safetensors`` (one
 file or a sharded ``model.safetensors.index.json``) through ``safetensors``' NumPy API,
 and ``config.json`` (as transformers 4.x or 5.x writes it) is translated to a
@@ -49,7 +53,8 @@ fixture from ``scripts/make_hf_fixtures.py``. Reading, checking, placing and wri
 """
 
 from sp_jax.models.hf.io import from_hf, to_hf, to_hf_state_dict
+from sp_jax.models.hf.peft import from_peft, to_peft
 from sp_jax.models.hf.registry import FAMILIES, config_from_hf, config_to_hf
 
-__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "from_hf", "to_hf",
-           "to_hf_state_dict"]
+__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "from_hf", "from_peft", "to_hf",
+           "to_hf_state_dict", "to_peft"]

@@ -18,8 +18,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sp_jax.config import ParallelConfig
-from sp_jax.layers.fp8 import WEIGHTS as _WEIGHTS
+from sp_jax.layers.fp8 import WEIGHTS
+from sp_jax.layers.lora import LoRAParam
 from sp_jax.mesh import current_mesh
+from sp_jax.models import lora as model_lora
 from sp_jax.models.gpt import GPT, GPTConfig
 from sp_jax.models.hf.deepseek_v3 import held_mtp_depth
 from sp_jax.models.hf.family import Family, Rule, expand, stack_row
@@ -347,6 +349,12 @@ def _place(source: _Source, entries, abstract, mesh, scanned: bool) -> jax.Array
 # --------------------------------------------------------------------------------------
 
 
+_WEIGHTS = nnx.All(WEIGHTS, nnx.Not(LoRAParam))
+"""What a Hugging Face checkpoint holds: the trained parameters less LoRA adapters (a
+model read with ``lora=`` gets fresh adapters; :func:`sp_jax.models.hf.to_peft` writes
+them)."""
+
+
 def _host(x: jax.Array) -> np.ndarray:
     if not x.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -383,7 +391,7 @@ def to_hf_state_dict(model: GPT, *, model_type: str | None = None
 
 
 def to_hf(model: GPT, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30,
-          model_type: str | None = None) -> None:
+          model_type: str | None = None, merge_lora: bool = False) -> None:
     """Writes ``model`` as a Hugging Face checkpoint directory: ``config.json``
     (:func:`config_to_hf`, with the config's ``bos_token_id`` / ``eos_token_id`` /
     ``pad_token_id``), ``generation_config.json`` (those ids, as transformers'
@@ -399,9 +407,19 @@ def to_hf(model: GPT, path: str | os.PathLike, *, max_shard_bytes: int = 5 << 30
     a window stays ``MistralForCausalLM``); when it remembers none, or that one no longer
     expresses the config, the first family that does. Raises a ValueError
     before writing anything when no family (or not ``model_type``'s) expresses the
-    model's config."""
+    model's config.
+
+    A model with LoRA adapters is written with ``merge_lora=True``: the adapters folded
+    into the base kernels (:func:`sp_jax.models.lora.merge`), a plain checkpoint; else a
+    ValueError (:func:`sp_jax.models.hf.to_peft` writes the adapters alone)."""
     from safetensors.numpy import save_file
 
+    if model.config.lora is not None:
+        if not merge_lora:
+            raise ValueError("to_hf: the model has LoRA adapters; pass merge_lora=True to "
+                             "write the merged model, or write the adapters with "
+                             "sp_jax.models.hf.to_peft(model, out_dir).")
+        model = model_lora.merge(model)
     config = config_to_hf(model.config, model_type)  # validates first
     tensors = to_hf_state_dict(model, model_type=model_type)
     if jax.process_index() != 0:
