@@ -3,7 +3,10 @@ token ids, and write it back as a Hugging Face checkpoint.
 
     python examples/finetune_hf.py --hf-dir DIR [--mesh 2,4] [--steps 50]
         [--data 'docs/*.jsonl' [--text-field text] | --data sft.jsonl --prompt-field P
-         --completion-field C | --data ids.npy] [--tokenizer tokenizer.json]
+         --completion-field C | --data chats.jsonl --messages-field messages |
+         --data ids.npy] [--tokenizer tokenizer.json]
+        [--lora-rank R [--lora-alpha A] [--lora-targets q k v ...] [--base-dtype nf4]
+         [--merge-lora]] [--dpo --data pairs.jsonl [--dpo-beta 0.1]]
         [--out DIR_OUT] [--precision bf16] [--fp8 current|delayed] [--fsdp [optimizer|full]]
         [--recompute-allgather] [--remat] [--offload-activations]
 
@@ -19,7 +22,15 @@ completions are trained (the prompts' labels ignored, as TRL's completion-only l
 ``--data`` also takes token ids: a ``.npy`` array or a raw ``.bin`` of uint16 ids
 (nanoGPT's format). The last ``--held-out-fraction`` is held out: the held-out loss and
 perplexity are reported. Without ``--data`` the run uses synthetic sequences any model can
-learn, to show the loop works. ``--out`` writes the same family (``model_type``) with the
+learn, to show the loop works. ``--messages-field`` reads conversations (a list of
+``{"role", "content"}`` per JSON line), renders them with the checkpoint's own
+``chat_template`` and trains on the assistant's tokens only. ``--lora-rank`` trains LoRA
+adapters on the frozen base (``sp_jax.LoRAConfig``; the optimizer state and checkpoints
+hold the adapters only) and ``--out`` then writes a PEFT adapter directory that
+``peft.PeftModel.from_pretrained`` loads onto the checkpoint (``--merge-lora``: the merged
+model instead). ``--dpo`` trains on preference pairs (JSON lines of ``prompt``, ``chosen``,
+``rejected``) with TRL's sigmoid DPO loss, the reference the base with the adapters
+switched off. Otherwise ``--out`` writes the same family (``model_type``) with the
 checkpoint's special token ids and, for text, the tokenizer files: transformers'
 ``AutoTokenizer`` and ``AutoModelForCausalLM`` both load it. The loop is
 ``sp_jax.training.Trainer``: ``--ckpt-dir``, ``--resume``, ``--log-json`` and the
@@ -33,6 +44,7 @@ import sp_jax  # noqa: F401 - first: on a machine without a GPU, JAX then starts
 # isort: split
 import argparse
 import contextlib
+import functools
 import json
 import math
 import pathlib
@@ -55,6 +67,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=cli.description(__doc__),
                                 formatter_class=cli.HelpFormatter)
     finetune.add_data_arguments(p)
+    finetune.add_adapter_arguments(p)
     add = p.add_argument_group("model and output").add_argument
     add("--no-dropout", action="store_true", help="dropout rates of 0")
     add("--out", default=None, help="write the trained model here (Hugging Face format)")
@@ -75,6 +88,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.local_devices = launch.local_device_count(a.mesh_shape, a.local_devices)
         cli.check_pipeline_args(a)
         finetune.check_data_args(a)
+        finetune.check_adapter_args(a)
         a.trainer = cli.check_run_args(a)
     except ValueError as e:
         p.error(str(e))
@@ -96,6 +110,9 @@ def main(args: argparse.Namespace) -> int:
         overrides["scan_layers"] = True
     if args.remat:
         overrides["remat"] = True
+    lora = finetune.lora_config(args)
+    if lora is not None:
+        overrides["lora"] = lora
     with jax.set_mesh(mesh), contextlib.ExitStack() as stack:
         try:  # the library's checks (sizes against the mesh, the checkpoint) name the fix
             # one writer per --ckpt-dir, and --resume's checkpoint: before the model loads
@@ -108,16 +125,27 @@ def main(args: argparse.Namespace) -> int:
                   f"{cfg.num_heads} heads ({cfg.num_kv_heads} key/value), vocabulary "
                   f"{cfg.vocab_size}, {n_params / 1e6:.2f}M parameters; mesh "
                   f"{training.mesh_description(mesh)}")
+            if lora is not None:
+                n_lora = sum(x.size for x in jax.tree.leaves(sp_jax.models.lora.adapters(
+                    model)))
+                print(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on "
+                      f"{' '.join(lora.targets)}: {n_lora / 1e6:.3f}M trained parameters, "
+                      "the base frozen")
             args.seq_len = finetune.seq_len_for(args, cfg.max_seq_len)
             source = json.loads(pathlib.Path(args.hf_dir, "config.json").read_text())
             data, tokenizer = finetune.load_data(args, source, seq_len=args.seq_len,
                                                  vocab_size=cfg.vocab_size)
             print(f"data: {data.summary()}; --seq-len {args.seq_len}")
             model.train()  # dropout as the checkpoint's config says (off with --no-dropout)
-            step = training.TrainStep(model, cli.optimizer(args), **cli.offload_options(args))
+            loss_fn = functools.partial(training.dpo_loss, beta=args.dpo_beta) \
+                if args.dpo else training.lm_loss
+            step = training.TrainStep(model, cli.optimizer(args), loss_fn=loss_fn,
+                                      **cli.offload_options(args))
+            metadata = cli.run_metadata(args, cfg)
+            if lora is not None:  # the checkpoints hold the adapters: their base is this
+                metadata["base"] = {"hf_dir": str(pathlib.Path(args.hf_dir).resolve())}
             result = training.Trainer(step, data, args.trainer, checkpoints=manager,
-                                      metadata=cli.run_metadata(args, cfg),
-                                      lr_schedule=cli.lr_schedule).run()
+                                      metadata=metadata, lr_schedule=cli.lr_schedule).run()
         except (ValueError, OSError, training.TrainingStopped) as e:
             print(f"error: {e}", file=sys.stderr)
             return getattr(e, "status", training.faults.EXIT_ERROR)
@@ -129,8 +157,14 @@ def main(args: argparse.Namespace) -> int:
                   + (f" (before {math.exp(min(before, 700)):.2f})" if before is not None
                      else ""))
         step.sync_model()
-        if args.out:  # the family read, e.g. a Mistral without a window stays a Mistral
-            hf.to_hf(model, args.out, model_type=source["model_type"])
+        if args.out and lora is not None and not args.merge_lora:
+            hf.to_peft(model, args.out,
+                       base_model_name_or_path=str(pathlib.Path(args.hf_dir).resolve()))
+            print(f"wrote {args.out} (peft: PeftModel.from_pretrained(base, "
+                  f"{args.out!r}))")
+        elif args.out:  # the family read, e.g. a Mistral without a window stays a Mistral
+            hf.to_hf(model, args.out, model_type=source["model_type"],
+                     merge_lora=args.merge_lora)
             files = (finetune.save_tokenizer(tokenizer, args.out, max_seq_len=cfg.max_seq_len)
                      if tokenizer is not None else [])
             print(f"wrote {args.out} (transformers: AutoModelForCausalLM.from_pretrained"

@@ -394,3 +394,23 @@ def cache_and_forward_logits(model, full: np.ndarray, lengths: np.ndarray, steps
     logits = decoded_logits(model, full, lengths, steps, prompt, cache)[:, -1]
     forward = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(full))
     return logits, np.asarray(forward)
+
+
+def perturb_adapters(model, seed: int = 1, scale: float = 0.1) -> None:
+    """Every LoRA ``lora_b`` of ``model`` drawn at random (``scale`` times a normal), zero
+    outside each adapter's part of a fused kernel (as training keeps it): the adapted
+    model then differs from its base."""
+    from sp_jax.layers.lora import LoRAParam, masked_b
+
+    for i, (_, layer) in enumerate(nnx.iter_graph(model)):
+        if not isinstance(getattr(layer, "lora_a", None), LoRAParam):
+            continue
+        for j, name in enumerate(("lora_b", "q_lora_b", "kv_lora_b")):
+            var = getattr(layer, name, None)
+            if isinstance(var, LoRAParam):
+                var[...] = scale * jax.random.normal(jax.random.key(seed + 3 * i + j),
+                                                     var[...].shape, var[...].dtype)
+        if hasattr(layer, "lora_b_masked"):
+            layer.q_lora_b[...], layer.kv_lora_b[...] = layer.lora_b_masked()
+        else:
+            layer.lora_b[...] = masked_b(layer.lora_b[...], layer.lora_parts, layer.lora)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _util import perturb_adapters
 from conftest import make_mesh
 from flax import nnx
 
@@ -46,9 +47,7 @@ def _pairs(vocab: int, n: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _model():
     model = hf.from_hf(FIXTURES / "llama", lora=LORA)
-    for i, (path, var) in enumerate(nnx.iter_graph(model)):
-        if isinstance(var, LoRAParam) and path[-1].endswith("lora_b"):
-            var[...] = 0.05 * jax.random.normal(jax.random.key(i), var[...].shape)
+    perturb_adapters(model, scale=0.05)
     return model
 
 

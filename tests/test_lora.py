@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import to_host
+from _util import perturb_adapters, to_host
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -42,13 +42,6 @@ LORA = sp_jax.LoRAConfig(rank=4, alpha=8)
 TOKENS = np.random.default_rng(0).integers(0, V, (B, S))
 
 
-def _perturb(model, seed=1):
-    """Every ``lora_b`` random (its masked entries stay zero in the forward)."""
-    for i, (path, var) in enumerate(nnx.iter_graph(model)):
-        if isinstance(var, LoRAParam) and path[-1].endswith("lora_b"):
-            var[...] = 0.1 * jax.random.normal(jax.random.key(seed + i), var[...].shape)
-
-
 def _loss_and_adapter_grads(model):
     f = nnx.jit(nnx.value_and_grad(lambda m, t: m.loss(t, t),
                                    argnums=nnx.DiffState(0, LoRAParam)))
@@ -59,7 +52,7 @@ def _loss_and_adapter_grads(model):
 def _run(cfg, mesh, parallel=sp_jax.ParallelConfig()):
     with jax.set_mesh(mesh):
         model = GPT(cfg, parallel=parallel, rngs=nnx.Rngs(0))
-        _perturb(model)
+        perturb_adapters(model)
         return _loss_and_adapter_grads(model)
 
 
@@ -95,9 +88,9 @@ def test_adapted_model_equals_its_merged_base(kv):
     scale * A @ B`` compute (each adapter on its part's columns)."""
     with jax.set_mesh(_mesh(2, 4)):
         model = GPT(_config(kv, lora=LORA), rngs=nnx.Rngs(0))
-        _perturb(model)
+        perturb_adapters(model)
         merged = model_lora.merge(model)
-        assert not list(nnx.state(merged, LoRAParam).flat_state())
+        assert not nnx.to_flat_state(nnx.state(merged, LoRAParam))
         tokens = jnp.asarray(TOKENS)
         np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(merged(tokens)),
                                    rtol=2e-5, atol=2e-5)
@@ -113,12 +106,27 @@ def test_zero_lora_b_is_the_base_bitwise_and_disabled_restores():
         # the same base draws with adapters built in from the start
         built = GPT(_config(2, lora=LORA), rngs=nnx.Rngs(0))
         np.testing.assert_array_equal(np.asarray(built(tokens)), want)
-        _perturb(adapted)
+        perturb_adapters(adapted)
         changed = np.asarray(adapted(tokens))
         assert np.abs(changed - want).max() > 1e-4
         with model_lora.disabled(adapted):
             np.testing.assert_array_equal(np.asarray(adapted(tokens)), want)
         np.testing.assert_array_equal(np.asarray(adapted(tokens)), changed)
+
+
+def test_generation_with_adapters_equals_the_merged_model():
+    """Decoding runs the adapters in its single-token ops: the same greedy tokens as the
+    model with them merged into its kernels."""
+    from sp_jax.models import generate
+
+    with jax.set_mesh(_mesh(2, 4)):
+        for kv in (2, 4):
+            model = GPT(_config(kv, lora=LORA), rngs=nnx.Rngs(0))
+            perturb_adapters(model, scale=0.3)
+            prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+            got = generate(model, prompts, max_new_tokens=6).tokens
+            want = generate(model_lora.merge(model), prompts, max_new_tokens=6).tokens
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _dots(hlo: str) -> list[tuple[int, ...]]:

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import perturb_adapters
 from conftest import make_mesh
 from flax import nnx
 
 import sp_jax
-from sp_jax.layers.lora import LoRAParam
 from sp_jax.models import hf
 
 pytestmark = pytest.mark.slow
@@ -24,16 +24,9 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 LORA = sp_jax.LoRAConfig(rank=4, alpha=8)
 
 
-def _perturb(model, seed=3):
-    for i, (path, var) in enumerate(nnx.iter_graph(model)):
-        if isinstance(var, LoRAParam):
-            if path[-1].endswith("lora_b"):
-                var[...] = 0.05 * jax.random.normal(jax.random.key(seed + i), var[...].shape)
-
-
 def _adapted(directory, lora=LORA):
     model = hf.from_hf(directory, lora=lora)
-    _perturb(model)
+    perturb_adapters(model, scale=0.05)
     return model
 
 

@@ -22,10 +22,12 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from sp_jax.config import LORA_BASE_DTYPES, LORA_TARGETS
 from sp_jax.data import TokenIds, TrainData
 from sp_jax.training.cli import check_text_args
 
-__all__ = ["TOKENIZER_FILES", "add_data_arguments", "checkpoint_eos_ids", "checkpoint_tokenizer",
+__all__ = ["TOKENIZER_FILES", "add_adapter_arguments", "add_data_arguments", "check_adapter_args",
+           "lora_config", "checkpoint_eos_ids", "checkpoint_tokenizer",
            "check_data_args", "is_token_ids", "load_data", "save_tokenizer", "seq_len_for"]
 
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -61,6 +63,77 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", type=int, default=None,
         help=f"tokens per sequence (default: {DEFAULT_SEQ_LEN}, or the model's positions "
              "when fewer)")
+    add("--messages-field", default=None, metavar="FIELD",
+        help="JSON lines field of a conversation (a list of {role, content}): rendered with "
+             "the checkpoint's chat_template, trained on the assistant's tokens only")
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the group "adapters and preferences": ``--lora-rank --lora-alpha
+    --lora-targets --base-dtype --merge-lora --dpo --dpo-beta``."""
+    add = parser.add_argument_group("adapters (LoRA) and preferences (DPO)").add_argument
+    add("--lora-rank", type=int, default=None, metavar="R",
+        help="train LoRA adapters of rank R on a frozen base (sp_jax.LoRAConfig); --out "
+             "then writes a PEFT adapter (adapter_config.json, adapter_model.safetensors)")
+    add("--lora-alpha", type=float, default=None, metavar="A",
+        help="the adapters' scale numerator, scale = A / R (default: 2 R)")
+    add("--lora-targets", nargs="+", default=None, choices=LORA_TARGETS, metavar="T",
+        help=f"the linear layers adapted, among {' '.join(LORA_TARGETS)} (default: all)")
+    add("--base-dtype", default=None, choices=LORA_BASE_DTYPES,
+        help="store the frozen base as bf16, int8, nf4 or fp8 (QLoRA; default: the "
+             "checkpoint's dtype)")
+    add("--merge-lora", action="store_true",
+        help="with --out: write the model with the adapters merged into its weights "
+             "instead of the adapter alone")
+    add("--dpo", action="store_true",
+        help="preference training (DPO): --data JSON lines of prompt, chosen, rejected")
+    add("--dpo-beta", type=float, default=0.1, metavar="B",
+        help="DPO's beta (TRL's default 0.1)")
+
+
+def check_adapter_args(args: argparse.Namespace) -> None:
+    """Checks the adapter and preference flags.
+
+    Raises:
+      ValueError: naming the flags: ``--lora-alpha`` / ``--lora-targets`` /
+        ``--base-dtype`` / ``--merge-lora`` without ``--lora-rank``, a rank below 1,
+        ``--dpo`` without JSON-lines ``--data`` or with ``--prompt-field`` /
+        ``--messages-field``, a ``--dpo-beta`` that is not positive.
+    """
+    if args.lora_rank is None:
+        given = [f for f, v in (("--lora-alpha", args.lora_alpha),
+                                ("--lora-targets", args.lora_targets),
+                                ("--base-dtype", args.base_dtype),
+                                ("--merge-lora", args.merge_lora or None)) if v is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs --lora-rank R (the adapters it sets up)")
+    elif args.lora_rank < 1:
+        raise ValueError(f"--lora-rank {args.lora_rank} must be at least 1")
+    if args.dpo:
+        if not args.data or is_token_ids(args.data):
+            raise ValueError("--dpo needs --data naming JSON lines of prompt, chosen and "
+                             "rejected")
+        clash = [f for f, v in (("--prompt-field", args.prompt_field),
+                                ("--messages-field", args.messages_field)) if v is not None]
+        if clash:
+            raise ValueError(f"--dpo reads prompt, chosen and rejected; drop {clash[0]}")
+        if not args.dpo_beta > 0:
+            raise ValueError(f"--dpo-beta {args.dpo_beta} must be positive")
+        if args.lora_rank is None:
+            raise ValueError("--dpo needs --lora-rank R: the reference model is the frozen "
+                             "base (the adapters switched off), no second copy of the "
+                             "weights")
+
+
+def lora_config(args: argparse.Namespace):
+    """The :class:`~sp_jax.LoRAConfig` of ``--lora-rank`` (None without it)."""
+    if args.lora_rank is None:
+        return None
+    from sp_jax.config import LoRAConfig
+
+    return LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank,
+                      targets=tuple(args.lora_targets or LORA_TARGETS),
+                      base_dtype=args.base_dtype)
 
 
 def is_token_ids(data: list[str] | None) -> bool:
@@ -78,6 +151,11 @@ def check_data_args(args: argparse.Namespace) -> None:
         ``--tokenizer`` file, a ``--text-field`` without JSON-lines or parquet ``--data``
         (:func:`~sp_jax.training.cli.check_text_args`).
     """
+    if args.messages_field is not None and (args.prompt_field or args.text_field):
+        raise ValueError("--messages-field reads whole conversations; drop --prompt-field / "
+                         "--completion-field / --text-field")
+    if args.messages_field is not None and (not args.data or is_token_ids(args.data)):
+        raise ValueError("--messages-field needs --data naming JSON lines files")
     if (args.prompt_field is None) != (args.completion_field is None):
         raise ValueError("--prompt-field and --completion-field go together: give both "
                          "(the JSON fields / parquet columns of the prompt and the completion)")
@@ -187,10 +265,35 @@ def load_data(args: argparse.Namespace, hf_config: Mapping[str, Any], *, seq_len
 
     tok = checkpoint_tokenizer(args.hf_dir, hf_config, path=args.tokenizer,
                                eos_token=args.eos_token)
+    if getattr(args, "messages_field", None) or getattr(args, "dpo", False):
+        return _rows(args, tok, seq_len), tok
     return PackedText.from_files(args.data, tokenizer=tok, seq_len=seq_len,
                                  text_field=args.text_field, packing=args.packing,
                                  held_out_fraction=held, prompt_field=args.prompt_field,
                                  completion_field=args.completion_field), tok
+
+
+def _rows(args: argparse.Namespace, tok: Any, seq_len: int) -> Any:
+    """Chat conversations (``--messages-field``) or preference pairs (``--dpo``) as padded
+    rows (:mod:`sp_jax.data.chat`), rendered with the checkpoint's chat template where
+    it has one (conversations need it)."""
+    from sp_jax.data.chat import ChatRows, ChatTemplate, PreferenceRows, read_field
+
+    held, pad = args.held_out_fraction, tok.eos_id
+    template = None
+    try:
+        template = ChatTemplate.from_checkpoint(args.hf_dir, tokenizer_json=tok.name)
+    except ValueError:
+        if not args.dpo:
+            raise
+    if not args.dpo:
+        return ChatRows.from_files(args.data, template, messages_field=args.messages_field,
+                                   seq_len=seq_len, pad_id=pad, held_out_fraction=held)
+    pairs = list(zip(*(read_field(args.data, f, "--dpo") for f in ("prompt", "chosen",
+                                                                  "rejected")),
+                     strict=True))
+    return PreferenceRows(pairs, tok.encode, eos_id=tok.eos_id, seq_len=seq_len, pad_id=pad,
+                          template=template, held_out_fraction=held)
 
 
 def save_tokenizer(tokenizer: Any, out: str | os.PathLike, *, max_seq_len: int) -> list[str]:
