@@ -515,6 +515,10 @@ class LoRAConfig:
       targets: which linear layers get adapters, a subset of :data:`LORA_TARGETS`.
       base_dtype: how the frozen base kernels are stored: None (their ``param_dtype``),
         or one of :data:`LORA_BASE_DTYPES`.
+      init_lora_weights: PEFT's option of the same name: True, ``lora_b`` starts at
+        zeros (the adapted model is its base); False, at random (normal, std 0.02; zero
+        outside each adapter's part of a fused kernel): the adapters change the model
+        from the start, for tests of their arithmetic.
     """
 
     rank: int
@@ -522,6 +526,7 @@ class LoRAConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = LORA_TARGETS
     base_dtype: str | None = None
+    init_lora_weights: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:

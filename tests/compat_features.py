@@ -208,6 +208,10 @@ FEATURES: dict[str, Feature] = {
                                          qk_nope_head_dim=8, qk_rope_head_dim=4,
                                          v_head_dim=6)),
     "mtp": Feature(config=dict(mtp_depth=1, mtp_loss_weight=0.3)),
+    # rank 4 on every target; B drawn at random (PEFT's init_lora_weights=False), so the
+    # adapters change every mode's output from the start and both A and B have gradients
+    "lora": Feature(config=dict(lora=sp_jax.LoRAConfig(rank=4, alpha=8,
+                                                       init_lora_weights=False))),
 }
 """Every feature of ``sp_jax.compat.FEATURES``, declared."""
 

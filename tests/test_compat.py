@@ -342,6 +342,19 @@ ENTRY_POINTS = {
         lambda: GPTConfig(**BASE, attention_softcap=5.0, attention_implementation="cudnn"),
         "attention_softcap=5.0 needs attention_implementation='xla'"),
     ("mtp", "pipeline"): (_mtp_on_pipeline, "the pipeline's schedule does not carry"),
+    ("lora", "fp8"): (
+        lambda: GPTConfig(**BASE, lora=sp_jax.LoRAConfig(rank=2),
+                          fp8=sp_jax.Fp8Recipe("current")),
+        "LoRA adapters .lora=LoRAConfig.*. multiply in the compute dtype"),
+    ("lora", "experts"): (
+        lambda: GPTConfig(**BASE, lora=sp_jax.LoRAConfig(rank=2), num_experts=4,
+                          experts_per_token=2),
+        "the experts' grouped GEMMs take no adapters yet"),
+    ("lora", "mla_attention"): (
+        lambda: GPTConfig(**BASE, lora=sp_jax.LoRAConfig(rank=2), attention="mla",
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                          v_head_dim=6),
+        "latent attention's low-rank projections take no adapters yet"),
     ("custom_loss", "pipeline"): (lambda: _on_pipeline(_custom_loss_step),
                                   "a custom loss_fn cannot run on it"),
     ("layer_windows", "cudnn_attention"): (

@@ -34,6 +34,7 @@ _SHORT: dict[str, str] = {
     "attention_dropout": "ad",
     "attention_softcap": "ac", "custom_loss": "cl", "zero1": "z1", "grad_reduce_dtype": "gr",
     "offload_optimizer": "oo", "offload_activations": "oa", "mla_attention": "ml", "mtp": "mt",
+    "lora": "lo",
 }
 
 

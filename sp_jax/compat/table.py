@@ -64,6 +64,7 @@ FEATURES: dict[str, str] = {
     "offload_activations": "ParallelConfig(offload_activations=True): saved values on the host",
     "mla_attention": "GPTConfig(attention='mla'): multi-head latent attention (DeepSeek-V3)",
     "mtp": "GPTConfig(mtp_depth=D > 0): multi-token prediction modules (DeepSeek-V3)",
+    "lora": "GPTConfig(lora=LoRAConfig(...)): low-rank adapters on a frozen base",
 }
 """Every feature the table knows, with a one-line description. ``unrolled_layers`` is an
 option's default value: :func:`features_of` reports it only with ``defaults=True`` (what
@@ -114,6 +115,7 @@ _NAMES: dict[str, str] = {  # how a message spells a feature (a caller may spell
     "offload_activations": "offload_activations=True",
     "mla_attention": "multi-head latent attention (attention='mla')",
     "mtp": "multi-token prediction (mtp_depth > 0)",
+    "lora": "LoRA adapters (lora=LoRAConfig(...))",
 }
 
 STATUSES: dict[str, tuple[str, str]] = {
@@ -241,6 +243,18 @@ REFUSALS: list[Refusal] = [
             "the embedding of the first stage, which the pipeline's schedule does not carry "
             "to the last stage yet (torchtitan refuses it too); train with mtp_depth=0 on "
             "pipeline stages, or without pipeline_axis."),
+    Refusal(_ALL, "lora", "fp8",
+            "{lora} multiply in the compute dtype inside the base layer's op (their GEMM "
+            "object, sp_jax.ops.lora.LoRAGemm, is the layer's one GEMM); pass fp8=None, or "
+            "store the frozen base in fp8 with LoRAConfig(base_dtype='fp8')."),
+    Refusal(_ALL, "lora", "experts",
+            "{lora} adapt the dense linear layers; the experts' grouped GEMMs take no "
+            "adapters yet, so a mixture of experts would train its attention only; "
+            "fine-tune it without lora (or a dense model with it)."),
+    Refusal(_ALL, "lora", "mla_attention",
+            "{lora} adapt q/k/v/o of multi-head or grouped-query attention; multi-head "
+            "latent attention's low-rank projections take no adapters yet; use "
+            "attention='mha' with lora, or train MLA without it."),
     *(Refusal(("train",), "grad_reduce_dtype", other, _REDUCE_FIX, _LIFTED_BY_A_PIPELINE)
       for other in ("fsdp", "experts", "expert_parallel", "fp8")),
     # interleaved_experts and dense_layers: refused through IMPLIES (they bring experts)
@@ -586,6 +600,8 @@ def features_of(config: Any = None, parallel: Any = None, mesh: Any = None, *,
             found.add("layer_windows")  # the window as data (a layer's, or per layer)
         if getattr(config, "attention", "mha") == "mla":
             found.add("mla_attention")
+        if getattr(config, "lora", None) is not None:
+            found.add("lora")
         depth = getattr(config, "mtp_depth", 0)
         if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0:
             found.add("mtp")

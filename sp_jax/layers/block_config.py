@@ -184,10 +184,6 @@ def check_block_fields(owner: str, config: Any) -> None:
         if not isinstance(config.lora, LoRAConfig):
             raise TypeError(f"{owner}.lora={config.lora!r} must be a sp_jax.LoRAConfig (e.g. "
                             "LoRAConfig(rank=16)), a dict of its fields, or None.")
-        if getattr(config, "fp8", None) is not None:
-            raise ValueError(f"{owner}: lora with fp8={config.fp8!r}: the adapters and "
-                             "their frozen base multiply in the compute dtype; pass "
-                             "fp8=None.")
     if has("rope_scaling") and config.rope_scaling is not None \
             and not isinstance(config.rope_scaling, RopeScaling | YarnScaling):
         raise TypeError(f"{owner}.rope_scaling={config.rope_scaling!r} must be a "

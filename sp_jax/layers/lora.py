@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 from sp_jax.config import LoRAConfig
 from sp_jax.layout import Layout
 
-__all__ = ["LORA_SALT", "LoRAParam", "LoRAParts", "adapter_params", "adapter_specs", "lora_mask",
-           "masked_b"]
+__all__ = ["LORA_SALT", "LoRAParam", "LoRAParts", "adapter_params", "adapter_specs",
+           "initial_b", "lora_mask", "masked_b"]
 
 
 LORA_SALT = 0x4C6F5241
@@ -111,9 +111,18 @@ def adapter_params(where: str, lora: LoRAConfig | None, parts: LoRAParts,
     a_spec, b_spec = adapter_specs(layout, split_in)
     bound = 1.0 / np.sqrt(in_features)
     a = jax.random.uniform(key, (in_features, width), dtype, -bound, bound)
+    b = initial_b(jax.random.fold_in(key, 1), (width, out_features), dtype, lora, parts)
     return (LoRAParam(a, out_sharding=tuple(a_spec), eager_sharding=eager),
-            LoRAParam(jnp.zeros((width, out_features), dtype), out_sharding=tuple(b_spec),
-                      eager_sharding=eager))
+            LoRAParam(b, out_sharding=tuple(b_spec), eager_sharding=eager))
+
+
+def initial_b(key: jax.Array, shape: tuple[int, int], dtype, lora: LoRAConfig,
+              parts: LoRAParts, adapters: tuple[str, ...] | None = None) -> jax.Array:
+    """``lora_b``'s start: zeros, or with ``init_lora_weights=False`` a normal draw (std
+    0.02) zero outside each adapter's part (``adapters`` as :func:`lora_mask`'s)."""
+    if lora.init_lora_weights:
+        return jnp.zeros(shape, dtype)
+    return masked_b(0.02 * jax.random.normal(key, shape, dtype), parts, lora, adapters)
 
 
 def masked_b(b: jax.Array, parts: LoRAParts, lora: LoRAConfig,

@@ -14,7 +14,14 @@ from sp_jax.config import ParallelConfig
 from sp_jax.layers.block_config import AttentionConfig, kv_heads_replicated
 from sp_jax.layers.gemm import layer_gemm
 from sp_jax.layers.linear import column_sp_matmul, decode_layout, shard_linear
-from sp_jax.layers.lora import LORA_SALT, LoRAParam, LoRAParts, adapter_specs, masked_b
+from sp_jax.layers.lora import (
+    LORA_SALT,
+    LoRAParam,
+    LoRAParts,
+    adapter_specs,
+    initial_b,
+    masked_b,
+)
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.ops.lora import LoRAGemm, LoRAKernel
@@ -115,9 +122,13 @@ class GroupedQKVProjection(nnx.Module):
         return (LoRAParam(jax.random.uniform(jax.random.fold_in(q_key, LORA_SALT),
                                              (hidden, width), dtype, -bound, bound),
                           out_sharding=tuple(a_spec), eager_sharding=eager),
-                LoRAParam(jnp.zeros((width, q_width), dtype), out_sharding=tuple(b_spec),
-                          eager_sharding=eager),
-                LoRAParam(jnp.zeros((width, kv_width), dtype),
+                LoRAParam(initial_b(jax.random.fold_in(q_key, LORA_SALT + 1), (width, q_width),
+                                    dtype, self.lora, LoRAParts(("q",)), self.lora_adapters),
+                          out_sharding=tuple(b_spec), eager_sharding=eager),
+                LoRAParam(initial_b(jax.random.fold_in(q_key, LORA_SALT + 2),
+                                    (width, kv_width), dtype, self.lora,
+                                    LoRAParts(("k", "v"), self.config.head_dim),
+                                    self.lora_adapters),
                           out_sharding=(None, kv_kernel_spec[1]), eager_sharding=eager))
 
     def _replicated(self, mesh: Mesh | None) -> bool:

@@ -213,11 +213,20 @@ def _pipeline_gradients(model: nnx.Module, params: Any, batch: Any, key: jax.Arr
         batch["tokens"], batch["labels"], key, return_metrics=True,
         **{k: v for k, v in batch.items() if k in documents})
     grads = jax.tree.map(lambda x: x, params)
-    nnx.replace_by_pure_dict(grads, pure)
+    # the trained state's gradients (a model with LoRA adapters: theirs; the schedule
+    # differentiates every parameter, its frozen base's kernels with zero cotangents)
+    nnx.replace_by_pure_dict(grads, _restrict(pure, nnx.to_pure_dict(params)))
     grads, amaxes, loads = _split_state(grads)
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     return loss_sum * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), \
         metrics, amaxes, loads
+
+
+def _restrict(tree: Any, like: Any) -> Any:
+    """The entries of nested dict ``tree`` at the keys of ``like`` (a sub-tree of it)."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: _restrict(tree[k], v) for k, v in like.items()}
 
 
 def _reduce_scatter(g: jax.Array, spec: P, axes: tuple[str, ...], dtype: Any = None
