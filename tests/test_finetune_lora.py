@@ -16,43 +16,25 @@ import pytest
 from _util import ROOT, script_env
 from conftest import make_mesh
 
+from examples.make_chat_checkpoint import VOCAB, conversation, write_tokenizer
 from sp_jax.data.chat import ChatRows, ChatTemplate, PreferenceRows
 from sp_jax.data.completions import IGNORE
 
 pytestmark = pytest.mark.slow
 
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama"  # vocabulary 96, eos 2, bos 1
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-WORDS = {"<pad>": 0, "<s>": 1, "<|im_end|>": 2, "<|im_start|>": 3, "user": 4, "assistant": 5,
-         "system": 6, **{f"w{i}": i for i in range(7, 96)}}
+WORDS = VOCAB
 
 
 def _checkpoint(path):
-    """The Llama fixture with a word-level tokenizer whose end of turn <|im_end|> is the
-    checkpoint's eos (2) and a ChatML chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
+    """The Llama fixture (transformers-made) with make_chat_checkpoint.py's word-level
+    tokenizer (its end of turn <|im_end|> the checkpoint's eos, 2) and ChatML template."""
     shutil.copytree(FIXTURE, path)
-    tok = Tokenizer(models.WordLevel(WORDS, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<pad>", "<s>", "<|im_end|>", "<|im_start|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
-        "bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>"}))
+    write_tokenizer(path)
     return path
 
 
-def _conversation(rng):
-    """A user turn of 3-5 words and the assistant's answer: each word + 1 (learnable)."""
-    words = rng.integers(7, 60, rng.integers(3, 6))
-    turns = [{"role": "user", "content": " ".join(f"w{w}" for w in words)},
-             {"role": "assistant", "content": " ".join(f"w{w + 1}" for w in words)}]
-    if rng.random() < 0.3:
-        turns = [{"role": "system", "content": "w90 w91"}] + turns
-    return turns
+_conversation = conversation
 
 
 def _chats(path, n=64, seed=0):

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from _util import perturb_adapters
 from conftest import make_mesh
-from flax import nnx
 
 import sp_jax
 from sp_jax.models import hf

@@ -37,7 +37,6 @@ import numpy as np
 
 from sp_jax.data.completions import IGNORE
 from sp_jax.data.corpus import assemble, rows_held
-from sp_jax.data.sources import Documents
 
 __all__ = ["ChatRows", "ChatTemplate", "PreferenceRows"]
 

@@ -51,7 +51,7 @@ from sp_jax.mesh import (
 )
 from sp_jax.ops.deferred import local_taps, placed_taps
 from sp_jax.ops.gemm import Gemm
-from sp_jax.ops.lora import LoRAKernel, LoRAGemm
+from sp_jax.ops.lora import LoRAGemm, LoRAKernel
 
 __all__ = [
     "ColumnParallelLinear",

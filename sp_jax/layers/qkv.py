@@ -24,7 +24,6 @@ from sp_jax.layers.lora import (
 )
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
-from sp_jax.ops.lora import LoRAGemm, LoRAKernel
 from sp_jax.mesh import (
     Mesh,
     axis_size,
@@ -33,6 +32,7 @@ from sp_jax.mesh import (
     current_mesh,
     warn_if_recompute_may_be_merged,
 )
+from sp_jax.ops.lora import LoRAGemm, LoRAKernel
 
 __all__ = ["GroupedQKVProjection"]
 

@@ -1,6 +1,7 @@
 """Models built from the sp_jax layers (and :mod:`sp_jax.models.hf`: Hugging Face
 checkpoints in and out)."""
 
+from sp_jax.models import lora  # noqa: E402  (sp_jax.models.lora.apply)
 from sp_jax.models.blocks import Block
 from sp_jax.models.generation import (
     Generation,
@@ -11,7 +12,6 @@ from sp_jax.models.generation import (
 )
 from sp_jax.models.gpt import GPT
 from sp_jax.models.gpt_config import GPTConfig, RopeScaling, YarnScaling
-from sp_jax.models import lora  # noqa: E402  (sp_jax.models.lora.apply)
 
 __all__ = ["GPT", "GPTConfig", "Block", "Generation", "RopeScaling", "SpeculativeGeneration",
-           "YarnScaling", "filter_logits", "generate", "sample_tokens"]
+           "YarnScaling", "filter_logits", "generate", "sample_tokens", "lora"]

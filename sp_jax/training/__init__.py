@@ -77,8 +77,8 @@ from sp_jax.training.launch import (
 )
 from sp_jax.training.log import MetricsLog, MetricsLogError, TensorBoardLog, plot_losses
 from sp_jax.training.optimizer import adamw
-from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.preference import dpo_loss, dpo_pair_losses, reference_log_probs
+from sp_jax.training.schedule import warmup_cosine_schedule
 from sp_jax.training.step import (
     TrainStep,
     accumulate_gradients,
