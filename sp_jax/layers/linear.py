@@ -37,7 +37,16 @@ from jax.sharding import PartitionSpec as P
 from sp_jax import ops
 from sp_jax.config import Fp8Recipe, LoRAConfig, ParallelConfig, check_layer_args
 from sp_jax.layers.gemm import LayerGemm, layer_gemm
-from sp_jax.layers.lora import LORA_SALT, LoRAParts, adapter_params, adapter_specs, masked_b
+from sp_jax.layers.lora import (
+    LORA_SALT,
+    LoRAParts,
+    adapter_params,
+    adapter_specs,
+    base_spec,
+    base_value,
+    masked_b,
+    quantized_base,
+)
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
 from sp_jax.mesh import (
@@ -99,11 +108,10 @@ def shard_linear(local: Callable[..., jax.Array], x: jax.Array, x_spec: P, out_s
     args = [reshard(x, x_spec, mesh)]
     in_specs = [x_spec]
     for value, spec in (*params, (None if gemm is None else gemm.state_value(), P())):
-        # a pytree value (an adapted kernel, LoRAKernel) with its pytree of specs
+        # a pytree value (an adapted or a quantized kernel) with its pytree of specs
         args.append(None if value is None else jax.tree.map(
-            lambda v, p: reshard(v, p, mesh), value, spec,
-            is_leaf=lambda v: isinstance(v, P)) if isinstance(value, tuple) else
-            reshard(value, spec, mesh))
+            lambda p, v: reshard(v, p, mesh), spec, value,
+            is_leaf=lambda v: isinstance(v, P)))
         in_specs.append(None if value is None else spec)
 
     def body(x, taps, *rest):
@@ -188,6 +196,9 @@ class _ParallelLinear(nnx.Module):
             dtype=param_dtype, eager=mesh is not None)
         if self.lora_a is None:
             self.lora = None
+        elif self.lora.base_dtype is not None:  # QLoRA: the frozen base stored in fewer bits
+            self.kernel = quantized_base(self.kernel[...], P(*kernel_axes),
+                                         self.lora.base_dtype, mesh)
         self.gemm = layer_gemm(name, fp8, gemm if self.lora is None else LoRAGemm(
             scale=self.lora.scale), parallel, eager=mesh is not None)
         self.fp8_history = self.gemm.state  # the GEMM's state at the layer's path
@@ -240,7 +251,7 @@ class _ParallelLinear(nnx.Module):
         if mask:
             b = masked_b(b, self.lora_parts, self.lora)
         return (LoRAKernel(kernel, self.lora_a[...], b),
-                LoRAKernel(spec, *adapter_specs(layout, self._split_in)))
+                LoRAKernel(base_spec(kernel, spec), *adapter_specs(layout, self._split_in)))
 
     # -- validation --------------------------------------------------------------------
 
@@ -322,7 +333,7 @@ class _ParallelLinear(nnx.Module):
         device's feature block (row layers) -> this device's column block (no
         collective) or the whole row (one all-reduce over the tensor axis), in the
         compute dtype (no FP8). Forward only."""
-        kernel = self.kernel[...]
+        kernel = base_value(self.kernel)
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
         if self.lora_a is not None:  # lora_b's entries outside its parts are zeros
             kernel = LoRAKernel(kernel, self.lora_a[...], self.lora_b[...])
@@ -350,7 +361,7 @@ class _ParallelLinear(nnx.Module):
         x = jnp.asarray(x)
         self._check_input(x if activation is None else jax.eval_shape(activation, x), mesh,
                           decode)
-        kernel = self.kernel[...]
+        kernel = base_value(self.kernel)
         bias = self.bias[...] if self.bias is not None else None
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
         if decode:

@@ -20,6 +20,8 @@ their gradients are summed there).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,9 @@ from jax.sharding import PartitionSpec as P
 from sp_jax.config import LoRAConfig
 from sp_jax.layout import Layout
 
-__all__ = ["LORA_SALT", "LoRAParam", "LoRAParts", "adapter_params", "adapter_specs",
-           "initial_b", "lora_mask", "masked_b"]
+__all__ = ["LORA_SALT", "LoRAParam", "LoRAParts", "QuantizedBase", "adapter_params",
+           "adapter_specs", "base_spec", "base_value", "initial_b", "lora_mask", "masked_b",
+           "quantized_base"]
 
 
 LORA_SALT = 0x4C6F5241
@@ -132,3 +135,61 @@ def masked_b(b: jax.Array, parts: LoRAParts, lora: LoRAConfig,
     ``adapters`` as :func:`lora_mask`'s."""
     mask = lora_mask(parts, lora, b.shape[-1], adapters)
     return b if mask is None else b * jnp.asarray(mask, b.dtype)
+
+
+class QuantizedBase(nnx.Variable):
+    """A frozen base kernel stored quantized (QLoRA, ``LoRAConfig.base_dtype`` ``"int8"``,
+    ``"nf4"`` or ``"fp8"``): its value a :class:`~sp_jax.ops.quant.QuantizedKernel`,
+    dequantised inside each GEMM's op (the full-precision kernel lives only there). Not a
+    ``nnx.Param``: no gradient, no optimizer state, not in a Hugging Face export (a
+    merged export dequantises it)."""
+
+
+def _rows_per_shard(shape: tuple[int, ...], spec: P, mesh: Any) -> int:
+    """The input rows (dimension -2) of one device's block of a kernel ``shape`` split
+    as ``spec`` on ``mesh`` (None: the whole)."""
+    rows = shape[-2]
+    entries = (*tuple(spec), *([None] * (len(shape) - len(tuple(spec)))))
+    entry = entries[len(shape) - 2]
+    if mesh is None or entry is None:
+        return rows
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    return rows // math.prod(mesh.shape[n] for n in names)
+
+
+def quantized_base(kernel: jax.Array, spec: P, base_dtype: str, mesh: Any):
+    """The frozen base of ``kernel`` (``[..., in, out]``, split as ``spec`` on ``mesh``, or
+    whole without one) stored as ``base_dtype``: a ``bf16`` :class:`flax.nnx.Param`, or a
+    :class:`QuantizedBase` quantised shard by shard (blocks of
+    :func:`~sp_jax.ops.quant.block_sizes` of a shard's rows: the same numbers as whole)."""
+    from sp_jax.ops.quant import block_sizes, quantize
+
+    if base_dtype == "bf16":
+        return nnx.Param(kernel.astype(jnp.bfloat16), out_sharding=tuple(spec),
+                         eager_sharding=mesh is not None)
+    block, scale_block = block_sizes(_rows_per_shard(kernel.shape, spec, mesh))
+
+    def local(w):
+        return quantize(w, base_dtype, block=block, scale_block=scale_block)
+
+    if mesh is None:
+        return QuantizedBase(local(kernel))
+    specs = jax.tree.map(lambda _: spec, jax.eval_shape(local, kernel))
+    return QuantizedBase(jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec,
+                                               out_specs=specs))(kernel))
+
+
+def base_value(var: nnx.Variable) -> Any:
+    """A base kernel's value: the array of a ``nnx.Param``, the
+    :class:`~sp_jax.ops.quant.QuantizedKernel` of a :class:`QuantizedBase`."""
+    return var.get_value()
+
+
+def base_spec(value: Any, spec: P) -> Any:
+    """The spec (tree) of a base kernel's ``value``: ``spec``, or for a quantized
+    kernel ``spec`` for each of its arrays (all split as the kernel is)."""
+    from sp_jax.ops.quant import QuantizedKernel
+
+    if isinstance(value, QuantizedKernel):
+        return jax.tree.map(lambda _: spec, value)
+    return spec

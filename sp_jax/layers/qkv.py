@@ -19,8 +19,11 @@ from sp_jax.layers.lora import (
     LoRAParam,
     LoRAParts,
     adapter_specs,
+    base_spec,
+    base_value,
     initial_b,
     masked_b,
+    quantized_base,
 )
 from sp_jax.layers.taps import layer_taps
 from sp_jax.layout import Layout
@@ -102,6 +105,11 @@ class GroupedQKVProjection(nnx.Module):
         self.lora = config.lora if self.lora_adapters else None
         self.lora_a, self.q_lora_b, self.kv_lora_b = self._adapters(
             q_key, hidden, q_width, kv_width, kv_kernel_spec, layout, eager)
+        if self.lora is not None and self.lora.base_dtype is not None:  # QLoRA
+            self.q_kernel = quantized_base(self.q_kernel[...], layout.column_kernel,
+                                           self.lora.base_dtype, mesh)
+            self.kv_kernel = quantized_base(self.kv_kernel[...], kv_kernel_spec,
+                                            self.lora.base_dtype, mesh)
         # one GEMM (and amax history) for q, k and v; its state at the layer's path
         self.gemm = layer_gemm("GroupedQKVProjection", config.fp8,
                                None if self.lora is None else LoRAGemm(scale=self.lora.scale),
@@ -185,12 +193,14 @@ class GroupedQKVProjection(nnx.Module):
         replicated = self._replicated(mesh)
         layout = decode_layout(par) if decode else Layout.of(par)
         specs = self.param_specs(layout, mesh)
-        q_kernel = self.q_kernel[...]
+        q_kernel = base_value(self.q_kernel)
         dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
                                                                          q_kernel.dtype)
-        params = tuple((None if v is None else v[...], specs[name]) for name, v in (
-            ("q_kernel", self.q_kernel), ("kv_kernel", self.kv_kernel),
-            ("q_bias", self.q_bias), ("kv_bias", self.kv_bias)))
+        params = tuple((None if v is None else base_value(v),
+                        None if v is None else base_spec(base_value(v), specs[name]))
+                       for name, v in (("q_kernel", self.q_kernel),
+                                       ("kv_kernel", self.kv_kernel),
+                                       ("q_bias", self.q_bias), ("kv_bias", self.kv_bias)))
         if self.lora_a is not None:
             q_b, kv_b = self.lora_b_masked()
             params += ((self.lora_a[...], specs["lora_a"]), (q_b, specs["q_lora_b"]),
@@ -234,7 +244,7 @@ class GroupedQKVProjection(nnx.Module):
         this projection holds its blocks of the decode layout: this shard's q/k/v columns
         of whole rows ``x`` ``[b, 1, hidden]`` (no collective), compute dtype."""
         kernel, bias = self.local_kernel(
-            self.q_kernel[...], self.kv_kernel[...],
+            base_value(self.q_kernel), base_value(self.kv_kernel),
             None if self.q_bias is None else self.q_bias[...],
             None if self.kv_bias is None else self.kv_bias[...],
             kv_heads_replicated(self.config.num_kv_heads,
@@ -264,9 +274,11 @@ class GroupedQKVProjection(nnx.Module):
             width = 2 * cfg.head_dim
             group = lax.axis_size(self.parallel.tensor_axis) // cfg.num_kv_heads
             start = lax.axis_index(self.parallel.tensor_axis) // group * width
-            kv_kernel = lax.dynamic_slice_in_dim(kv_kernel, start, width, axis=1)
+            kv_kernel = jax.tree.map(  # (every array of a quantized kernel: its columns)
+                lambda k: lax.dynamic_slice_in_dim(k, start, width, axis=-1), kv_kernel)
             if kv_bias is not None:
                 kv_bias = lax.dynamic_slice_in_dim(kv_bias, start, width, axis=0)
-        kernel = jnp.concatenate([q_kernel, kv_kernel], axis=1)
+        kernel = jax.tree.map(lambda q, kv: jnp.concatenate([q, kv], axis=-1), q_kernel,
+                              kv_kernel)
         bias = None if q_bias is None else jnp.concatenate([q_bias, kv_bias])
         return kernel, bias

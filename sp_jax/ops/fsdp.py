@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.ops.lora import is_lora
+from sp_jax.ops.quant import QuantizedKernel
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
 from sp_jax.ops.rules import RuleWrapper, linear_op
 
@@ -91,6 +92,9 @@ class Fsdp(RuleWrapper):
         the base gathered and the adapters (not sharded over the data axes) as they
         are."""
         if is_lora(kernel):
+            if isinstance(kernel.w, QuantizedKernel):  # every array of it along dim
+                return kernel._replace(w=jax.tree.map(
+                    lambda v: _fsdp_all_gather(v, self.axes, self.dim), kernel.w))
             return kernel._replace(w=_gather_in(kernel.w, dtype, self.axes, self.dim))
         return _gather_in(kernel, dtype, self.axes, self.dim)
 

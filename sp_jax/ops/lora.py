@@ -31,6 +31,7 @@ import jax
 from jax import lax
 
 from sp_jax.ops.gemm import Gemm, bwd_cast, dot_nt, wgrad
+from sp_jax.ops.quant import QuantizedKernel
 
 __all__ = ["LoRAGemm", "LoRAKernel", "base_of", "is_lora"]
 
@@ -41,7 +42,7 @@ class LoRAKernel(NamedTuple):
     ``shape`` / ``ndim`` are the base's (what shape checks read), ``dtype`` the
     adapters' (the dtype of the op's weight gradient)."""
 
-    w: Any
+    w: Any  # an array, or a QuantizedKernel (QLoRA: dequantised in the op)
     a: Any
     b: Any
 
@@ -127,7 +128,15 @@ class LoRAGemm(Gemm):
         return lax.optimization_barrier((a, g))
 
     def kernel_for(self, kernel, g, ctx, tie: bool = True):
-        cast = (lambda k: bwd_cast(k, g)) if tie else (lambda k: k.astype(g.dtype))
+        """The kernel in the dtype of ``g``, cast (a quantized base: dequantised) behind
+        a barrier with ``g`` (:func:`~sp_jax.ops.gemm.bwd_cast`: not merged with the
+        forward's cast, which would keep it alive from forward to backward)."""
+        def cast(k):
+            if isinstance(k, QuantizedKernel):
+                if tie:
+                    k, _ = lax.optimization_barrier((k, g))
+                return k.astype(g.dtype)
+            return bwd_cast(k, g) if tie else k.astype(g.dtype)
         return LoRAKernel(*(cast(k) for k in kernel))
 
     def backward(self, g, w, ctx, dtype):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -41,7 +42,7 @@ def vma(x: jax.Array) -> frozenset:
     """The mesh axes ``x`` varies over (empty outside ``check_vma`` shard_maps); of a
     pytree of arrays (an adapted layer's kernel, :class:`~sp_jax.ops.lora.LoRAKernel`),
     the axes any leaf varies over."""
-    if isinstance(x, tuple):
+    if isinstance(x, tuple) or dataclasses.is_dataclass(x):  # (a quantized kernel too)
         return frozenset().union(*(vma(v) for v in jax.tree.leaves(x)))
     mat = getattr(jax.typeof(x), "mat", None)
     return frozenset(mat.varying) if mat is not None else frozenset()
@@ -61,8 +62,8 @@ def vary(x, axes) -> jax.Array:
     stays None)."""
     if x is None:
         return None
-    if isinstance(x, tuple):  # a pytree of arrays: each leaf where it does not already
-        return type(x)(*(vary(v, axes) for v in x))
+    if isinstance(x, tuple) or dataclasses.is_dataclass(x):  # a pytree of arrays: each
+        return jax.tree.map(lambda v: vary(v, axes), x)        # leaf where it does not
     missing = tuple(sorted(set(axes) - vma(x), key=str))
     return lax.pcast(x, missing, to="varying") if missing else x
 
