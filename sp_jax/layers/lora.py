@@ -33,8 +33,8 @@ from sp_jax.config import LoRAConfig
 from sp_jax.layout import Layout
 
 __all__ = ["LORA_SALT", "LoRAParam", "LoRAParts", "QuantizedBase", "adapter_params",
-           "adapter_specs", "base_spec", "base_value", "initial_b", "lora_mask", "masked_b",
-           "quantized_base"]
+           "adapter_specs", "base_spec", "base_value", "dequantized", "initial_b", "lora_mask",
+           "masked_b", "quantized_base"]
 
 
 LORA_SALT = 0x4C6F5241
@@ -193,3 +193,21 @@ def base_spec(value: Any, spec: P) -> Any:
     if isinstance(value, QuantizedKernel):
         return jax.tree.map(lambda _: spec, value)
     return spec
+
+
+def dequantized(var: nnx.Variable) -> jax.Array:
+    """A base kernel's full-precision value: a ``nnx.Param``'s array, or a
+    :class:`QuantizedBase` dequantised (to its original dtype) shard by shard where it
+    lies (a merge, an export: not the training path, which dequantises in each op)."""
+    from sp_jax.ops.quant import dequantize
+
+    value = var.get_value()
+    if not isinstance(var, QuantizedBase):
+        return value
+    sharding = getattr(value.codes, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(sharding, "spec") or getattr(mesh, "empty", True):
+        return dequantize(value)
+    spec = sharding.spec
+    return jax.jit(jax.shard_map(dequantize, mesh=mesh, in_specs=(
+        jax.tree.map(lambda _: spec, value),), out_specs=spec))(value)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sp_jax.config import LoRAConfig
-from sp_jax.layers.lora import LoRAParam, masked_b
+from sp_jax.layers.lora import LoRAParam, dequantized, masked_b
 
-__all__ = ["adapters", "apply", "disabled", "merge", "merged_kernels"]
+__all__ = ["adapters", "apply", "disabled", "merge", "merged_kernels", "quantize_base"]
 
 
 def apply(model: nnx.Module, lora: LoRAConfig, *, seed: int = 0) -> nnx.Module:
@@ -46,10 +46,48 @@ def apply(model: nnx.Module, lora: LoRAConfig, *, seed: int = 0) -> nnx.Module:
         raise TypeError(f"lora.apply: {type(model).__name__} has no config / parallel "
                         "to build an adapted copy from; build the model with "
                         "GPTConfig(lora=...) instead.")
-    adapted = type(model)(dataclasses.replace(config, lora=lora), parallel=parallel,
-                          rngs=nnx.Rngs(seed))
+    adapted = type(model)(dataclasses.replace(config, lora=dataclasses.replace(
+        lora, base_dtype=None)), parallel=parallel, rngs=nnx.Rngs(seed))
     nnx.update(adapted, nnx.state(model))
+    if lora.base_dtype is not None:
+        adapted = quantize_base(adapted, lora.base_dtype)
     return adapted
+
+
+def quantize_base(model: nnx.Module, base_dtype: str) -> nnx.Module:
+    """``model`` (with LoRA adapters, its base in full precision) with its adapted layers'
+    frozen kernels stored as ``base_dtype`` (QLoRA; :class:`~sp_jax.LoRAConfig`'s
+    ``base_dtype``): a model built abstractly from its config with that ``base_dtype``
+    and filled with ``model``'s values, each adapted kernel quantized shard by shard
+    (:func:`~sp_jax.layers.lora.quantized_base`) where it lies. ``model``'s
+    full-precision kernels are not kept (drop the reference to free them)."""
+    from jax.sharding import PartitionSpec as P
+
+    from sp_jax.layers.lora import QuantizedBase, quantized_base
+
+    lora = model.config.lora
+    if lora is None:
+        raise ValueError("quantize_base: the model has no LoRA adapters; apply them first "
+                         "(sp_jax.models.lora.apply(model, LoRAConfig(..., base_dtype=...))).")
+    config = dataclasses.replace(model.config, lora=dataclasses.replace(
+        lora, base_dtype=base_dtype))
+    target = nnx.eval_shape(lambda: type(model)(config, parallel=model.parallel,
+                                                rngs=nnx.Rngs(0)))
+    mesh = jax.sharding.get_mesh()
+    source = dict(nnx.to_flat_state(nnx.state(model)))
+    values = []
+    for path, var in nnx.to_flat_state(nnx.state(target)):
+        value = source[path].get_value()
+        if isinstance(var, QuantizedBase):
+            spec = getattr(getattr(value, "sharding", None), "spec", P())
+            value = quantized_base(value, spec, base_dtype, None if mesh.empty else
+                                   mesh).get_value()
+        elif hasattr(value, "dtype") and hasattr(var.get_value(), "dtype") and \
+                value.dtype != var.get_value().dtype:  # a bf16 base
+            value = value.astype(var.get_value().dtype)
+        values.append((path, var.replace(value)))
+    nnx.update(target, nnx.from_flat_state(values))
+    return target
 
 
 def adapters(model: nnx.Module) -> nnx.State:
@@ -73,8 +111,8 @@ def _delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
 
 def merged_kernels(layer: nnx.Module) -> dict[str, jax.Array]:
     """The base kernels of an adapted ``layer`` with its adapters folded in (``W +
-    scale * lora_a @ lora_b``, each adapter on its part's columns), by parameter name,
-    in the kernels' dtype."""
+    scale * lora_a @ lora_b``, each adapter on its part's columns; a quantized base
+    dequantised), by parameter name, in the kernels' dtype (at least fp32)."""
     lora = layer.lora
     a = layer.lora_a[...]
     if hasattr(layer, "q_lora_b"):  # the grouped q/k/v projection
@@ -84,8 +122,9 @@ def merged_kernels(layer: nnx.Module) -> dict[str, jax.Array]:
         pairs = (("kernel", masked_b(layer.lora_b[...], layer.lora_parts, lora)),)
     out = {}
     for name, b in pairs:
-        w = getattr(layer, name)[...]
-        out[name] = (w.astype(jnp.float32) + _delta(a, b, lora.scale)).astype(w.dtype)
+        w = dequantized(getattr(layer, name))
+        out[name] = (w.astype(jnp.float32) + _delta(a, b, lora.scale)).astype(
+            jnp.promote_types(w.dtype, jnp.float32))  # (a bf16 base: not rounded again)
     return out
 
 
@@ -96,13 +135,13 @@ def merge(model: nnx.Module) -> nnx.Module:
     plain = type(model)(dataclasses.replace(model.config, lora=None),
                         parallel=model.parallel, rngs=nnx.Rngs(0))
     state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(LoRAParam)))
-    nnx.update(plain, state)
+    nnx.update(plain, state)  # (a bf16 base: cast back to the parameters' dtype below)
     modules = {path: m for path, m in nnx.iter_graph(plain) if isinstance(m, nnx.Module)}
     for path, module in nnx.iter_graph(model):
         if isinstance(module, nnx.Module) and isinstance(getattr(module, "lora_a", None),
                                                          LoRAParam):
             for name, value in merged_kernels(module).items():
-                getattr(modules[path], name)[...] = value
+                getattr(modules[path], name).set_value(value.astype(plain.config.param_dtype))
     return plain
 
 

@@ -4,6 +4,7 @@ sharding) and :func:`to_hf` / :func:`to_hf_state_dict`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -234,6 +235,14 @@ def from_hf(path_or_state_dict: str | os.PathLike | Mapping[str, Any],
         directory of ``pytorch_model.bin`` only: how to convert it), a shard the index
         lists.
     """
+    lora = overrides.get("lora")
+    if isinstance(lora, dict):
+        from sp_jax.config import LoRAConfig
+        lora = LoRAConfig.from_dict(lora)
+    if lora is not None and lora.base_dtype is not None:  # QLoRA: read, then quantize
+        model = from_hf(path_or_state_dict, config_json, parallel=parallel, rngs=rngs,
+                        **{**overrides, "lora": dataclasses.replace(lora, base_dtype=None)})
+        return model_lora.quantize_base(model, lora.base_dtype)
     source, config, where = _read_input(path_or_state_dict, config_json)
     try:
         cfg = translate(config, where, overrides)
