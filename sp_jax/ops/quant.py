@@ -4,14 +4,15 @@
 A kernel ``W [..., in, out]`` is cut into blocks of ``block`` consecutive input rows of
 one output column; each block has its absmax ``s`` (fp32) and its values are stored as
 
-* ``"int8"``: ``round(127 W / s)``, int8 (``W ~ codes * s / 127``);
-* ``"fp8"``: ``W * 448 / s`` in ``float8_e4m3fn`` (``W ~ codes * s / 448``);
+* ``"int8"``: ``round(127 W / s)``, int8 (``W ~ (codes * f32(1 / 127)) * s``);
+* ``"fp8"``: ``W * 448 / s`` in ``float8_e4m3fn`` (``W ~ (codes * f32(1 / 448)) * s``);
 * ``"nf4"``: the index of the nearest of the 16 NormalFloat-4 levels (QLoRA's
   :data:`NF4`, Dettmers et al. 2023) of ``W / s``, two 4-bit indices a byte (row ``2i``
   in the low nibble, ``2i + 1`` in the high one: ``codes [..., in / 2, out]`` uint8), and
   the absmaxes double-quantised as QLoRA does: in groups of ``scale_block`` consecutive
   blocks of a column, their mean ``offset`` (fp32) and ``round(127 (s - offset) /
-  s2)`` int8 with ``s2`` the group's absmax of ``s - offset`` (fp32). (bitsandbytes
+  s2)`` int8 with ``s2`` the group's absmax of ``s - offset`` (fp32); ``s ~ q (s2
+  f32(1 / 127)) + offset``. (bitsandbytes
   quantises the absmaxes with its dynamic 8-bit map and one mean for the whole tensor;
   here the map is linear and the mean per group, so that every block and group lies in
   one device's shard.)
@@ -47,6 +48,10 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
 """The 16 NormalFloat-4 levels (bitsandbytes' ``NF4`` code, QLoRA's Appendix E)."""
 
 _FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# Dequantisation multiplies by these fp32 constants (not a division: XLA rewrites a
+# division by a constant as this product, so the format is defined by it)
+_INV127 = np.float32(1.0 / 127.0)
+_INV448 = np.float32(1.0 / _FP8_MAX)
 
 
 @jax.tree_util.register_dataclass
@@ -147,7 +152,7 @@ def _absmax(q: QuantizedKernel) -> jax.Array:
     if q.kind != "nf4":
         return q.scales
     groups = _blocks(q.scales.astype(jnp.float32), q.scale_block)
-    return (groups * (q.scales2 / 127.0)[..., None, :] + q.offset[..., None, :]).reshape(
+    return (groups * (q.scales2 * _INV127)[..., None, :] + q.offset[..., None, :]).reshape(
         q.scales.shape)
 
 
@@ -162,6 +167,6 @@ def dequantize(q: QuantizedKernel, dtype: Any = None) -> jax.Array:
         index = index.reshape(q.shape)
         values = jnp.asarray(NF4)[index.astype(jnp.int32)]
     else:
-        values = q.codes.astype(jnp.float32) / (127.0 if q.kind == "int8" else _FP8_MAX)
+        values = q.codes.astype(jnp.float32) * (_INV127 if q.kind == "int8" else _INV448)
     w = _blocks(values, q.block) * absmax
     return w.reshape(q.shape).astype(dtype)
