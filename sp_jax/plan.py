@@ -13,6 +13,7 @@ Example::
     python -m sp_jax.plan --model mixtral-8x7b --gpus 8 --no-confirm \
         --host-memory-per-node 2TB   # formulas only, no compile
     python -m sp_jax.plan --model qwen3-30b-a3b --gpus 8   # 128 experts of 768, top 8
+    python -m sp_jax.plan --model llama-3-70b --gpus 1 --lora-rank 16 --base-dtype nf4
 
 See :mod:`sp_jax.analysis.memory_options`, :mod:`sp_jax.analysis.confirm` and
 :func:`sp_jax.analysis.plan`.
@@ -95,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
              "e.g. 1.5TB, 2048GiB, or GiB)")
     answer.add_argument("--gpus-per-node", type=int, default=8,
                         help="GPUs sharing one node's host memory (default 8)")
+    lora = p.add_argument_group("LoRA fine-tuning")
+    lora.add_argument("--lora-rank", type=int, metavar="R",
+                      help="fine-tune with LoRA adapters of rank R on every linear layer, "
+                           "the base frozen: counts the adapters, their optimizer state "
+                           "and the frozen base")
+    lora.add_argument("--base-dtype", choices=("bf16", "int8", "fp8", "nf4"),
+                      help="with --lora-rank: the frozen base stored in bf16 or quantized "
+                           "(QLoRA; default: its fp32 parameters)")
     p.add_argument("--json", help="also write the rows as JSON to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -111,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelShape("custom", sizes["hidden"], sizes["layers"], sizes["heads"],
                            sizes["vocab"], sizes["seq"], sizes["mlp-hidden"],
                            head_dim=sizes["head-dim"])
+    if args.base_dtype is not None and args.lora_rank is None:
+        p.error("--base-dtype needs --lora-rank R (the frozen base of a LoRA fine-tune)")
+    if args.lora_rank is not None:
+        if args.lora_rank < 1:
+            p.error(f"--lora-rank {args.lora_rank} must be positive")
+        if model.experts > 1 or model.mla:
+            p.error(f"--lora-rank: {model.name} has experts or latent attention, which "
+                    "sp_jax's LoRA does not adapt yet; plan a dense model")
+        model = model.replace(lora_rank=args.lora_rank, base_dtype=args.base_dtype)
     for name, value in [("gpus", args.gpus), ("batch", args.batch),
                         ("microbatches", args.microbatches),
                         *(("stages", v) for v in args.stages or ()),

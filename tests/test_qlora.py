@@ -173,6 +173,12 @@ def test_qlora_from_a_checkpoint_merges_and_trains_adapters_only():
         chex.assert_trees_all_equal(
             to_host(nnx.to_pure_dict(nnx.state(same, QuantizedBase))),
             to_host(nnx.to_pure_dict(nnx.state(model, QuantizedBase))))
+        from sp_jax.models import generate
+
+        prompts = [[1, 2, 3, 4], [5, 6, 7]]  # decoding dequantises in its ops too
+        np.testing.assert_array_equal(
+            np.asarray(generate(model, prompts, max_new_tokens=5).tokens),
+            np.asarray(generate(model_lora.merge(model), prompts, max_new_tokens=5).tokens))
         step = TrainStep(model, optax.adam(1e-2))
         leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(step.params))[0]
         assert all("lora" in jax.tree_util.keystr(p) for p, _ in leaves)

@@ -50,8 +50,8 @@ from sp_jax.analysis.plan import (
     pipeline_stage_counts,
 )
 
-__all__ = ["DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow", "MemoryOptions",
-           "best", "bytes_per_param", "chosen_per_layout", "format_fits", "layouts",
+__all__ = ["BASE_BYTES", "DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow",
+           "MemoryOptions", "best", "bytes_per_param", "lora_counts", "chosen_per_layout", "format_fits", "layouts",
            "parse_bytes", "ranked", "reserve_note", "search", "update_bytes"]
 
 FSDP_MODES = (False, "optimizer", "full")
@@ -294,8 +294,71 @@ def update_bytes(model: ModelShape, layout: PlanOption, options: MemoryOptions) 
     return extra
 
 
+BASE_BYTES = {None: 4.0, "bf16": 2.0, "int8": 1 + 4 / 64, "fp8": 1 + 4 / 64,
+              "nf4": 0.5 + 1 / 64 + 8 / 64 / 256}
+"""Bytes per frozen base parameter by ``LoRAConfig.base_dtype`` (None: the fp32
+parameters; the quantized formats with their per-block absmaxes,
+:mod:`sp_jax.ops.quant`: 64-row blocks, nf4's double-quantised in groups of 256)."""
+
+
+def lora_counts(model: ModelShape, layout: PlanOption) -> tuple[float, float, float, float]:
+    """Per GPU for LoRA fine-tuning (``model.lora_rank``): ``(frozen kernel parameters,
+    other frozen parameters, adapter parameters, the largest kernel's parameters)``.
+    Kernels over tensor (and the batch axes with fsdp, :func:`_row`'s caller divides);
+    Llama blocks (``experts == 1``: grouped-query q/k/v, SwiGLU) or GPT blocks (fused
+    multi-head q/k/v, a 4h MLP). The adapters as sp_jax holds them
+    (:mod:`sp_jax.layers.lora`): one ``lora_a`` per fused kernel with a rank-``r``
+    column block per part, ``lora_b`` rows of every part over all the kernel's columns."""
+    if model.experts > 1 or model.mla:
+        raise ValueError(f"{model.name}: the planner counts LoRA on dense blocks; sp_jax "
+                         "refuses LoRA with experts and MLA (sp_jax.compat).")
+    h, a, r, t = model.hidden, model.attention, model.lora_rank, layout.tensor
+    layers = model.layers / layout.stages
+    if model.experts == 1:  # Llama blocks
+        kv, f = 2 * (model.kv_heads or model.heads) * model.head_size, model.mlp
+        kernels = h * a + h * kv + a * h + 2 * h * f + f * h
+        adapters = (h * 3 * r + 3 * r * (a + kv) / t + a / t * r + r * h
+                    + h * 2 * r + 2 * r * 2 * f / t + f / t * r + r * h)
+        largest = 2 * h * f
+        others = 2 * model.vocab * h / t  # an untied head
+    else:  # GPT blocks
+        f = model.mlp
+        kernels = 3 * h * a + a * h + 2 * h * f
+        adapters = (h * 3 * r + 3 * r * 3 * a / t + a / t * r + r * h
+                    + h * r + r * f / t + f / t * r + r * h)
+        largest = h * f
+        others = model.vocab * h / t
+    return layers * kernels / t, others, layers * adapters, largest / t
+
+
+def _lora_row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: int,
+              host_limit: float, reserve: float) -> FitRow:
+    """:func:`_row` of LoRA fine-tuning: the frozen base (``BASE_BYTES`` a kernel
+    parameter, 4 bytes the others; over the batch axes too with ``fsdp="full"``), the
+    adapters with their fp32 gradients and moments (on the host with optimizer offload),
+    the activations of the full fine-tune's formula (the adapters need the same inputs),
+    and one kernel cast (dequantised) to bf16 for its GEMM."""
+    kernels, others, adapters, largest = lora_counts(model, layout)
+    shards = layout.batch_shards if options.fsdp == "full" else 1
+    base = (BASE_BYTES[model.base_dtype] * kernels + 4 * others) / shards
+    moments = (8 if options.moments == "fp32" else 4) * adapters
+    weights = base + 8 * adapters  # adapters' fp32 master and gradients
+    opt_bytes = moments if options.offload == "off" else 0.0
+    host_bytes = moments - opt_bytes
+    sharded = dataclasses.replace(layout, fsdp=options.fsdp == "full")
+    acts = layout_formula(model, sharded, batch)[1]
+    if options.offload_activations:
+        one = layout_formula(model.replace(layers=layout.stages), sharded, batch)[1]
+        host_bytes += acts - one
+        acts = one
+    return FitRow(layout, options, batch, weights, opt_bytes, acts, host_bytes, host_limit,
+                  reserve, 2 * largest)
+
+
 def _row(model: ModelShape, layout: PlanOption, options: MemoryOptions, batch: int,
          host_limit: float, reserve: float) -> FitRow:
+    if model.lora:
+        return _lora_row(model, layout, options, batch, host_limit, reserve)
     full = dataclasses.replace(layout, fsdp=True)
     rep_params = layout_formula(model, layout, batch)[0] / 4
     sharded_params = layout_formula(model, full, batch)[0] / 4

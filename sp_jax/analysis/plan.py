@@ -517,7 +517,7 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
     from sp_jax.config import ParallelConfig
     from sp_jax.layout import Layout
     from sp_jax.models import GPT
-    from sp_jax.training.step import train_step_fn, trained_state
+    from sp_jax.training.step import train_step_fn, trained_filter, trained_state
 
     batch = batch or option.batch_shards * option.micro_batches
     axes, shape = option.axis_names, option.mesh_shape
@@ -546,7 +546,8 @@ def plan_one(model: ModelShape, option: PlanOption, *, batch: int | None = None,
             return PlanRow(option, batch, 0, 0, 0, 0, 0, False, 0, formula_params,
                            formula_acts, time.perf_counter() - t0,
                            error=f"ValueError: {str(e).splitlines()[0][:200]}")
-        graphdef, params, rest = nnx.split(gpt, nnx.Param, ...)
+        # (with LoRA: the adapters; the frozen base is with the rest of the state)
+        graphdef, params, rest = nnx.split(gpt, trained_filter(gpt), ...)
         trained = trained_state(params)  # no router biases: no optimizer state
         zero1 = zero1_step(gpt, trained, parallel, mesh) if memory is not None else {}
         opt_state = jax.eval_shape(tx.init, zero1.pop("state_of", trained))

@@ -40,6 +40,15 @@ class ModelShape:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    lora_rank: int = 0
+    base_dtype: str | None = None
+
+    @property
+    def lora(self) -> bool:
+        """LoRA fine-tuning (``lora_rank`` > 0): adapters of that rank on every linear
+        layer of the blocks, the base frozen (stored as ``base_dtype``: None, its fp32
+        parameters; ``"bf16"``, ``"int8"``, ``"fp8"``, ``"nf4"``)."""
+        return self.lora_rank > 0
 
     @property
     def mla(self) -> bool:
@@ -142,11 +151,17 @@ class ModelShape:
                    kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
                    qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim
                    ) if self.mla else {}
+        lora = {}
+        if self.lora:
+            from sp_jax.config import LoRAConfig
+
+            lora = dict(lora=LoRAConfig(rank=self.lora_rank, alpha=2.0 * self.lora_rank,
+                                        base_dtype=self.base_dtype))
         return GPTConfig(**{**dict(
             vocab_size=self.vocab, max_seq_len=self.seq, num_layers=self.layers,
             num_heads=self.heads, hidden=self.hidden, mlp_hidden=self.mlp,
             head_dim=self.head_dim, positions="rotary", dtype=jnp.bfloat16,
-            param_dtype=jnp.float32, scan_layers=True, **moe, **mla), **kw})
+            param_dtype=jnp.float32, scan_layers=True, **moe, **mla, **lora), **kw})
 
     def replace(self, **kw: Any) -> ModelShape: return dataclasses.replace(self, **kw)  # noqa: E704
 
