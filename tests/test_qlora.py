@@ -104,11 +104,11 @@ def _mesh(data=1, tensor=1):
                          devices=jax.devices()[:data * tensor])
 
 
-def _config(kind, kv=2):
+def _config(kind, kv=2, **kw):
     return GPTConfig.llama("llama-tiny", vocab_size=64, hidden=64, num_layers=2, num_heads=4,
                            num_kv_heads=kv, mlp_hidden=128, max_seq_len=16,
                            lora=sp_jax.LoRAConfig(rank=4, alpha=8, init_lora_weights=False,
-                                                  base_dtype=kind))
+                                                  base_dtype=kind), **kw)
 
 
 def _dequantised_twin(model):
@@ -131,17 +131,19 @@ def _dequantised_twin(model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ("bf16", *FORMATS))
-@pytest.mark.parametrize("shape,parallel", [((1, 1), {}), ((2, 4), {}),
-                                            ((2, 2), dict(fsdp=True))])
-def test_quantized_base_computes_the_dequantised_model(kind, shape, parallel):
+@pytest.mark.parametrize("shape,parallel,scan", [((1, 1), {}, False), ((2, 4), {}, False),
+                                                 ((2, 2), dict(fsdp=True), False),
+                                                 ((2, 2), dict(fsdp=True), True)])
+def test_quantized_base_computes_the_dequantised_model(kind, shape, parallel, scan):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16)))
     f = nnx.jit(nnx.value_and_grad(lambda m, t: m.loss(t, t),
                                    argnums=nnx.DiffState(0, LoRAParam)))
     with jax.set_mesh(_mesh(*shape)):
-        model = GPT(_config(kind), parallel=sp_jax.ParallelConfig(**parallel),
-                    rngs=nnx.Rngs(0))
+        model = GPT(_config(kind, scan_layers=scan, remat=scan),
+                    parallel=sp_jax.ParallelConfig(**parallel), rngs=nnx.Rngs(0))
         held = [v for _, v in nnx.iter_graph(model) if isinstance(v, QuantizedBase)]
-        assert len(held) == (0 if kind == "bf16" else 10)  # 2 layers: q, kv, out, up, down
+        # 2 layers: q, kv, out, up, down (scanned: one stack of each)
+        assert len(held) == (0 if kind == "bf16" else 5 if scan else 10)
         (loss, grads), (want, want_grads) = f(model, tokens), f(_dequantised_twin(model),
                                                                tokens)
     assert float(loss) == pytest.approx(float(want), rel=1e-6)

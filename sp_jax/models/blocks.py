@@ -210,8 +210,32 @@ def stack_blocks(blocks: list[Block], layer_axis: str | None = None,
     ``layer_axis`` on its second dimension: stage ``s`` of ``P`` then holds the layer
     chunks ``r P + s`` (the circular assignment), each where the schedule runs it."""
 
+    def stack_tree(variables):
+        """A variable whose value is a pytree (a quantized base's QuantizedKernel): each
+        array stacked, split as it was (and over ``layer_axis``)."""
+        first = variables[0]
+        mesh = jax.sharding.get_abstract_mesh()
+
+        def leaf(*xs):
+            value = jnp.stack(xs)
+            inner = tuple(getattr(getattr(jax.typeof(xs[0]), "sharding", None), "spec",
+                                  ()) or ())
+            inner = inner + (None,) * (xs[0].ndim - len(inner))
+            spec = (layer_axis, *inner)
+            if repeats > 1:
+                value = value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:])
+                spec = (None, *spec)
+            if layer_axis is not None and not mesh.empty:
+                value = reshard(value, P(*spec), mesh)
+            return value
+
+        return first.replace(jax.tree.map(leaf, *[v.get_value() for v in variables]))
+
     def stack(*variables):
         first = variables[0]
+        if not hasattr(first.get_value(), "ndim") or dataclasses.is_dataclass(
+                first.get_value()):
+            return stack_tree(variables)
         value = jnp.stack([v[...] for v in variables])
         metadata = first.get_metadata()
         inner = metadata.get("out_sharding")
