@@ -334,7 +334,8 @@ class _ParallelLinear(nnx.Module):
         collective) or the whole row (one all-reduce over the tensor axis), in the
         compute dtype (no FP8). Forward only."""
         kernel = base_value(self.kernel)
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(
+            x.dtype, kernel_dtype(kernel))
         if self.lora_a is not None:  # lora_b's entries outside its parts are zeros
             kernel = LoRAKernel(kernel, self.lora_a[...], self.lora_b[...])
         return self._decode(x.astype(dtype), kernel,
@@ -363,7 +364,8 @@ class _ParallelLinear(nnx.Module):
                           decode)
         kernel = base_value(self.kernel)
         bias = self.bias[...] if self.bias is not None else None
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, kernel.dtype)
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(
+            x.dtype, kernel_dtype(kernel))
         if decode:
             layout, local, gemm, taps = decode_layout(self.parallel), self._decode, None, None
             x_spec, out_spec = self._decode_specs(layout)

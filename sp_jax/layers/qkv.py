@@ -36,6 +36,7 @@ from sp_jax.mesh import (
     warn_if_recompute_may_be_merged,
 )
 from sp_jax.ops.lora import LoRAGemm, LoRAKernel
+from sp_jax.ops.quant import kernel_dtype
 
 __all__ = ["GroupedQKVProjection"]
 
@@ -194,8 +195,8 @@ class GroupedQKVProjection(nnx.Module):
         layout = decode_layout(par) if decode else Layout.of(par)
         specs = self.param_specs(layout, mesh)
         q_kernel = base_value(self.q_kernel)
-        dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(x.dtype,
-                                                                         q_kernel.dtype)
+        dtype = cfg.dtype if cfg.dtype is not None else jnp.result_type(
+            x.dtype, kernel_dtype(q_kernel))
         params = tuple((None if v is None else base_value(v),
                         None if v is None else base_spec(base_value(v), specs[name]))
                        for name, v in (("q_kernel", self.q_kernel),
@@ -252,7 +253,7 @@ class GroupedQKVProjection(nnx.Module):
                                 "GroupedQKVProjection"))
         dtype = self.config.dtype
         if dtype is None:
-            dtype = jnp.result_type(x.dtype, kernel.dtype)
+            dtype = jnp.result_type(x.dtype, kernel_dtype(kernel))
         if self.lora_a is not None:  # lora_b's entries outside its parts are zeros
             kernel = self._with_adapters(kernel, (self.lora_a[...], self.q_lora_b[...],
                                                   self.kv_lora_b[...]),

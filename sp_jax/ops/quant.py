@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMATS", "NF4", "QuantizedKernel", "block_sizes", "dequantize", "quantize"]
+__all__ = ["FORMATS", "NF4", "QuantizedKernel", "block_sizes", "dequantize", "kernel_dtype",
+           "kernel_shape", "quantize"]
 
 FORMATS = ("int8", "fp8", "nf4")
 """The quantised formats of a frozen base (``LoRAConfig.base_dtype``; ``"bf16"`` is a
@@ -61,8 +62,10 @@ class QuantizedKernel:
     block. ``codes`` ``[..., in (/ 2 for nf4), out]``; ``scales`` ``[..., in / block,
     out]`` (fp32 absmaxes; nf4: int8, double-quantised); nf4's ``scales2`` and
     ``offset`` ``[..., in / (block * scale_block), out]`` fp32 (None otherwise).
-    ``shape`` / ``ndim`` are the kernel's (this block's), ``dtype`` the one it
-    dequantises to by default."""
+    ``logical_shape`` is the kernel's (this block's), ``dtype`` the one it dequantises to
+    by default. (No ``shape`` attribute: nnx reads a variable's ``shape`` and ``dtype``
+    as its value's, and an abstract model would then hold a full-precision kernel's
+    shape.)"""
 
     codes: jax.Array
     scales: jax.Array
@@ -71,16 +74,18 @@ class QuantizedKernel:
     kind: str = dataclasses.field(default="int8", metadata=dict(static=True))
     block: int = dataclasses.field(default=64, metadata=dict(static=True))
     scale_block: int = dataclasses.field(default=256, metadata=dict(static=True))
-    dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
+    out_dtype: Any = dataclasses.field(default=jnp.float32, metadata=dict(static=True))
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def sharding(self) -> Any:
+        """The codes' sharding (every array of it is split alike): what ``nnx.eval_shape``
+        reads of an abstract variable's value."""
+        return getattr(self.codes, "sharding", None)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
         lead, rows, out = self.codes.shape[:-2], self.codes.shape[-2], self.codes.shape[-1]
         return (*lead, rows * (2 if self.kind == "nf4" else 1), out)
-
-    @property
-    def ndim(self) -> int:
-        return self.codes.ndim
 
     def astype(self, dtype) -> jax.Array:
         """The dequantised kernel in ``dtype`` (what a GEMM multiplies with)."""
@@ -126,11 +131,11 @@ def quantize(w: jax.Array, kind: str, *, block: int = 64, scale_block: int = 256
     if kind == "int8":
         codes = jnp.round(blocks / safe * 127.0).astype(jnp.int8)
         return QuantizedKernel(codes.reshape(w.shape), absmax, kind=kind, block=block,
-                               scale_block=scale_block, dtype=dtype)
+                               scale_block=scale_block, out_dtype=dtype)
     if kind == "fp8":
         codes = (blocks / safe * _FP8_MAX).astype(jnp.float8_e4m3fn)
         return QuantizedKernel(codes.reshape(w.shape), absmax, kind=kind, block=block,
-                               scale_block=scale_block, dtype=dtype)
+                               scale_block=scale_block, out_dtype=dtype)
     levels = jnp.asarray(NF4)
     index = jnp.argmin(jnp.abs((blocks / safe)[..., None] - levels), axis=-1)
     index = index.reshape(w.shape).astype(jnp.uint8)
@@ -144,7 +149,7 @@ def quantize(w: jax.Array, kind: str, *, block: int = 64, scale_block: int = 256
     safe2 = jnp.where(scales2 > 0, scales2, 1.0)[..., None, :]
     scales = jnp.round(centred / safe2 * 127.0).astype(jnp.int8).reshape(absmax.shape)
     return QuantizedKernel(codes, scales, scales2, offset, kind=kind, block=block,
-                           scale_block=scale_block, dtype=dtype)
+                           scale_block=scale_block, out_dtype=dtype)
 
 
 def _absmax(q: QuantizedKernel) -> jax.Array:
@@ -157,16 +162,26 @@ def _absmax(q: QuantizedKernel) -> jax.Array:
 
 
 def dequantize(q: QuantizedKernel, dtype: Any = None) -> jax.Array:
-    """The kernel ``[..., in, out]`` of ``q`` in ``dtype`` (``q.dtype`` by default): each
+    """The kernel ``[..., in, out]`` of ``q`` in ``dtype`` (``q.out_dtype`` by default): each
     value ``level * absmax`` computed in fp32, then cast."""
-    dtype = jnp.dtype(dtype or q.dtype)
+    dtype = jnp.dtype(dtype or q.out_dtype)
     absmax = _absmax(q)[..., None, :]
     if q.kind == "nf4":
         low, high = q.codes & 0xF, q.codes >> 4
         index = jnp.stack([low, high], axis=-2)  # [..., in / 2, 2, out]
-        index = index.reshape(q.shape)
+        index = index.reshape(q.logical_shape)
         values = jnp.asarray(NF4)[index.astype(jnp.int32)]
     else:
         values = q.codes.astype(jnp.float32) * (_INV127 if q.kind == "int8" else _INV448)
     w = _blocks(values, q.block) * absmax
-    return w.reshape(q.shape).astype(dtype)
+    return w.reshape(q.logical_shape).astype(dtype)
+
+
+def kernel_shape(kernel: Any) -> tuple[int, ...]:
+    """The shape of a kernel, quantized (its logical shape) or not."""
+    return kernel.logical_shape if isinstance(kernel, QuantizedKernel) else tuple(kernel.shape)
+
+
+def kernel_dtype(kernel: Any) -> Any:
+    """The dtype a kernel multiplies in: a quantized one's ``out_dtype``, else its own."""
+    return kernel.out_dtype if isinstance(kernel, QuantizedKernel) else kernel.dtype
