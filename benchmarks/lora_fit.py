@@ -1,7 +1,8 @@
 """LoRA and QLoRA of Llama-3-70B (s = 4096, rank 16 on every linear layer, remat) on the
 fewest H100s the planner's formula finds, checked by deviceless compiles of
 reduced-depth slices; and the compiled LoRA step against the full fine-tune's at the same
-shape (temp bytes, and the weight-gradient GEMMs of the frozen kernels, none).
+shape (the peaks; that no weight-gradient GEMM of a frozen kernel is compiled is
+``tests/test_lora.py``'s check of the step's HLO).
 
 ``JAX_PLATFORMS=cpu PYTHONPATH=. python -m benchmarks.lora_fit [--depths 2 4]`` prints
 JSON: for ``nf4`` (1 GPU) and ``bf16`` (the fewest GPUs, tensor 4) the formula's answer
@@ -13,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any
 
 from benchmarks.plan_fewest import fewest_gpus, row_dict, slice_compile
 from sp_jax.analysis.shapes import MODELS
 
-__all__ = ["frozen_wgrad_dots", "main"]
+__all__ = ["main"]
 
 GiB = 2**30
-
-
-def frozen_wgrad_dots(hlo: str, kernel_shapes: set[tuple[int, ...]]) -> int:
-    """Dot instructions of an optimized HLO whose output has a frozen kernel's local
-    shape (a weight-gradient GEMM of it)."""
-    n = 0
-    for m in re.finditer(r"= f32\[([0-9,]*)\]\{[^}]*\} (?:dot|custom-call)\(", hlo):
-        if tuple(int(d) for d in m.group(1).split(",") if d) in kernel_shapes:
-            n += 1
-    return n
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -51,8 +51,9 @@ from sp_jax.analysis.plan import (
 )
 
 __all__ = ["BASE_BYTES", "DEFAULT_RESERVE", "FSDP_MODES", "MOMENTS", "OFFLOADS", "FitRow",
-           "MemoryOptions", "best", "bytes_per_param", "lora_counts", "chosen_per_layout", "format_fits", "layouts",
-           "parse_bytes", "ranked", "reserve_note", "search", "update_bytes"]
+           "MemoryOptions", "best", "bytes_per_param", "chosen_per_layout", "format_fits",
+           "layouts", "lora_counts", "parse_bytes", "ranked", "reserve_note", "search",
+           "update_bytes"]
 
 FSDP_MODES = (False, "optimizer", "full")
 MOMENTS = ("fp32", "bf16")

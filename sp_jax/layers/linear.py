@@ -61,6 +61,7 @@ from sp_jax.mesh import (
 from sp_jax.ops.deferred import local_taps, placed_taps
 from sp_jax.ops.gemm import Gemm
 from sp_jax.ops.lora import LoRAGemm, LoRAKernel
+from sp_jax.ops.quant import kernel_dtype
 
 __all__ = [
     "ColumnParallelLinear",

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from sp_jax.ops.lora import is_lora
-from sp_jax.ops.quant import QuantizedKernel
 from sp_jax.ops.primitives import AxisName, canonical_dim, conjugate_pair, vary, vma
+from sp_jax.ops.quant import QuantizedKernel
 from sp_jax.ops.rules import RuleWrapper, linear_op
 
 __all__ = ["Fsdp", "fsdp_gather", "fsdp_linear_op", "full_kernel"]

@@ -101,9 +101,9 @@ class LoRAGemm(Gemm):
             raise TypeError(f"LoRAGemm: the kernel must be a LoRAKernel(w, a, b), got "
                             f"{type(kernel).__name__}.")
         if isinstance(kernel.w, QuantizedKernel):
-            # Tied to the input: otherwise XLA hoists the dequantisation of a scanned
-            # stack's layers out of the layer loop, all at once (measured, deviceless H100,
-            # Llama-3-70B nf4 slices: +2.9 GiB per layer, each layer's kernel in fp32).
+            # Tied to the input, as the backward's dequantisation is tied to its cotangent
+            # (kernel_for): it runs where its GEMM runs, in each layer of a scanned stack,
+            # and cannot be hoisted or merged with another layer's or the backward's.
             base, x = lax.optimization_barrier((kernel.w, x))
             kernel = kernel._replace(w=base)
         w = LoRAKernel(*(k.astype(x.dtype) for k in kernel))
