@@ -918,3 +918,39 @@ def test_moe_layouts_try_each_expert_axis_and_count_what_fsdp_adds():
         gpus, row = next((g, r) for g in range(8, 4097, 8)  # benchmarks/plan_fewest.py's
                          if (r := best(search(MODELS[name], g))) is not None)
         assert (gpus, row.layout.expert, row.layout.data, row.layout.tensor) == want, name
+
+
+@pytest.mark.slow  # (the fast tier is full: make test-fast's budget)
+def test_lora_rows_count_the_frozen_base_and_the_adapters_by_hand():
+    """``--lora-rank`` / ``--base-dtype``: per GPU the frozen base at its format's bytes a
+    kernel parameter (fp32 embedding and head), the adapters (as sp_jax holds them: one
+    lora_a per fused kernel, lora_b rows over its columns) with fp32 gradients and
+    moments; Llama-3-70B QLoRA fits one H100, bf16-base LoRA four (tensor 4), a plain
+    LoRA (fp32 base) neither."""
+    from sp_jax.analysis.memory_options import BASE_BYTES, MemoryOptions, best, lora_counts, search
+    from sp_jax.analysis.plan import PlanOption
+    from sp_jax.plan import main
+
+    model = MODELS["llama-3-70b"].replace(seq=4096, lora_rank=16, base_dtype="nf4")
+    h, a, f, r, kv = 8192, 8192, 28672, 16, 2 * 8 * 128
+    layout = PlanOption(1, 1, 4, fsdp=False, remat=True)
+    kernels, others, adapters, largest = lora_counts(model, layout)
+    assert kernels == 80 * (h * a + h * kv + a * h + 3 * h * f) / 4
+    assert others == 2 * 128256 * h / 4
+    per_layer = (h * 3 * r + 3 * r * (a + kv) / 4 + a / 4 * r + r * h  # qkv, o
+                 + h * 2 * r + 2 * r * 2 * f / 4 + f / 4 * r + r * h)  # gate/up, down
+    assert adapters == 80 * per_layer and largest == 2 * h * f / 4
+    row = next(r for r in search(model, 4, options=[MemoryOptions()])
+               if r.layout.tensor == 4 and r.layout.remat)
+    assert row.weights_bytes == BASE_BYTES["nf4"] * kernels + 4 * others + 8 * adapters
+    assert row.optimizer_bytes == 8 * adapters and row.update_bytes == 2 * largest
+    assert BASE_BYTES["nf4"] == 0.5 + 1 / 64 + 8 / 64 / 256
+    assert best(search(model, 1)) is not None
+    assert best(search(model.replace(base_dtype="bf16"), 4)) is not None
+    assert best(search(model.replace(base_dtype="bf16"), 1)) is None
+    assert best(search(model.replace(base_dtype=None), 4)).layout.tensor == 4 or \
+        best(search(model.replace(base_dtype=None), 4)).options.fsdp == "full"
+    with pytest.raises(SystemExit):
+        main(["--model", "llama-3-70b", "--gpus", "1", "--base-dtype", "nf4"])
+    with pytest.raises(ValueError, match="refuses LoRA with experts"):
+        lora_counts(MODELS["mixtral-8x7b"].replace(lora_rank=8), layout)

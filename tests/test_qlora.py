@@ -23,6 +23,8 @@ from sp_jax.models import GPT, GPTConfig, hf
 from sp_jax.models import lora as model_lora
 from sp_jax.ops.quant import FORMATS, block_sizes, dequantize, quantize
 
+pytestmark = pytest.mark.slow  # (the fast tier is full: make test-fast's budget)
+
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                 0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
@@ -129,7 +131,6 @@ def _dequantised_twin(model):
     return twin
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ("bf16", *FORMATS))
 @pytest.mark.parametrize("shape,parallel,scan", [((1, 1), {}, False), ((2, 4), {}, False),
                                                  ((2, 2), dict(fsdp=True), False),
@@ -151,7 +152,6 @@ def test_quantized_base_computes_the_dequantised_model(kind, shape, parallel, sc
                                 to_host(nnx.to_pure_dict(want_grads)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_qlora_from_a_checkpoint_merges_and_trains_adapters_only():
     import optax
 
