@@ -151,10 +151,11 @@ def check_data_args(args: argparse.Namespace) -> None:
         ``--tokenizer`` file, a ``--text-field`` without JSON-lines or parquet ``--data``
         (:func:`~sp_jax.training.cli.check_text_args`).
     """
-    if args.messages_field is not None and (args.prompt_field or args.text_field):
+    messages = getattr(args, "messages_field", None)
+    if messages is not None and (args.prompt_field or getattr(args, "text_field", None)):
         raise ValueError("--messages-field reads whole conversations; drop --prompt-field / "
                          "--completion-field / --text-field")
-    if args.messages_field is not None and (not args.data or is_token_ids(args.data)):
+    if messages is not None and (not args.data or is_token_ids(args.data)):
         raise ValueError("--messages-field needs --data naming JSON lines files")
     if (args.prompt_field is None) != (args.completion_field is None):
         raise ValueError("--prompt-field and --completion-field go together: give both "
