@@ -23,7 +23,6 @@ from sp_jax.data.completions import IGNORE
 pytestmark = pytest.mark.slow
 
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama"  # vocabulary 96, eos 2, bos 1
-WORDS = VOCAB
 
 
 def _checkpoint(path):
@@ -34,14 +33,11 @@ def _checkpoint(path):
     return path
 
 
-_conversation = conversation
-
-
 def _chats(path, n=64, seed=0):
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps({"messages": _conversation(rng)}) + "\n")
+            f.write(json.dumps({"messages": conversation(rng)}) + "\n")
     return path
 
 
@@ -49,15 +45,14 @@ def test_the_chat_template_renders_transformers_ids_and_trains_the_assistant(tmp
     ckpt = _checkpoint(tmp_path / "ckpt")
     template = ChatTemplate.from_checkpoint(ckpt)
     rng = np.random.default_rng(1)
-    messages = _conversation(rng) + _conversation(rng)[::-1][::-1]
-    messages = messages[:2] + [{"role": "user", "content": "w9"},
-                               {"role": "assistant", "content": "w10 w11"}]
+    messages = conversation(rng)[:2] + [{"role": "user", "content": "w9"},
+                                        {"role": "assistant", "content": "w10 w11"}]
     example = template.example(messages)
     tokens, labels = example["tokens"], example["labels"]
     # the targets: each assistant turn's words and its end of turn, nothing else
     targets = [int(t) for t in labels if t != IGNORE]
-    answer = [WORDS[w] for w in messages[1]["content"].split()] + [2] + \
-        [WORDS["w10"], WORDS["w11"], 2]
+    answer = [VOCAB[w] for w in messages[1]["content"].split()] + [2] + \
+        [VOCAB["w10"], VOCAB["w11"], 2]
     assert targets == answer
     assert np.array_equal(labels[:-1][labels[:-1] != IGNORE], tokens[1:][labels[:-1] != IGNORE])
     transformers = pytest.importorskip("transformers")
@@ -85,7 +80,7 @@ def test_rows_and_pairs_batches(tmp_path):
                            None, eos_id=2, seq_len=16, pad_id=0, template=template,
                            held_out_fraction=0.5)
     chosen = pairs.train["chosen_labels"][0]
-    assert [int(t) for t in chosen if t != IGNORE] == [WORDS["w9"], 2]
+    assert [int(t) for t in chosen if t != IGNORE] == [VOCAB["w9"], 2]
     with pytest.raises(ValueError, match="no chat template"):
         ChatTemplate.from_checkpoint(FIXTURE, tokenizer_json=ckpt / "tokenizer.json")
 

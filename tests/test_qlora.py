@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _util import perturb_adapters, to_host
+from conftest import make_mesh
 from flax import nnx
-from jax.sharding import AxisType
 
 import sp_jax
 from sp_jax.layers.lora import LoRAParam, QuantizedBase
@@ -100,12 +100,6 @@ def test_block_sizes_fit_a_shard():
         quantize(jnp.ones((24, 4)), "nf4", block=16)
 
 
-def _mesh(data=1, tensor=1):
-    return jax.make_mesh((data, tensor), ("data", "tensor"),
-                         axis_types=(AxisType.Explicit,) * 2,
-                         devices=jax.devices()[:data * tensor])
-
-
 def _config(kind, kv=2, **kw):
     return GPTConfig.llama("llama-tiny", vocab_size=64, hidden=64, num_layers=2, num_heads=4,
                            num_kv_heads=kv, mlp_hidden=128, max_seq_len=16,
@@ -139,7 +133,7 @@ def test_quantized_base_computes_the_dequantised_model(kind, shape, parallel, sc
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16)))
     f = nnx.jit(nnx.value_and_grad(lambda m, t: m.loss(t, t),
                                    argnums=nnx.DiffState(0, LoRAParam)))
-    with jax.set_mesh(_mesh(*shape)):
+    with jax.set_mesh(make_mesh(*shape)):
         model = GPT(_config(kind, scan_layers=scan, remat=scan),
                     parallel=sp_jax.ParallelConfig(**parallel), rngs=nnx.Rngs(0))
         held = [v for _, v in nnx.iter_graph(model) if isinstance(v, QuantizedBase)]
@@ -158,7 +152,7 @@ def test_qlora_from_a_checkpoint_merges_and_trains_adapters_only():
     from sp_jax.training import TrainStep
 
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)))
-    with jax.set_mesh(_mesh(2, 4)):
+    with jax.set_mesh(make_mesh(2, 4)):
         base = hf.from_hf("tests/fixtures/hf/llama")
         model = hf.from_hf("tests/fixtures/hf/llama",
                            lora=sp_jax.LoRAConfig(rank=4, base_dtype="nf4"))

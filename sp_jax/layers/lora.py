@@ -33,8 +33,8 @@ from sp_jax.config import LoRAConfig
 from sp_jax.layout import Layout
 
 __all__ = ["LORA_SALT", "LoRAParam", "LoRAParts", "QuantizedBase", "adapter_params",
-           "adapter_specs", "base_spec", "base_value", "dequantized", "initial_b", "lora_mask",
-           "masked_b", "quantized_base"]
+           "adapter_specs", "base_spec", "base_value", "dequantized", "initial_a", "initial_b",
+           "lora_mask", "masked_b", "quantized_base"]
 
 
 LORA_SALT = 0x4C6F5241
@@ -112,11 +112,17 @@ def adapter_params(where: str, lora: LoRAConfig | None, parts: LoRAParts,
         return None, None
     width = n * lora.rank
     a_spec, b_spec = adapter_specs(layout, split_in)
-    bound = 1.0 / np.sqrt(in_features)
-    a = jax.random.uniform(key, (in_features, width), dtype, -bound, bound)
     b = initial_b(jax.random.fold_in(key, 1), (width, out_features), dtype, lora, parts)
-    return (LoRAParam(a, out_sharding=tuple(a_spec), eager_sharding=eager),
+    return (LoRAParam(initial_a(key, (in_features, width), dtype),
+                      out_sharding=tuple(a_spec), eager_sharding=eager),
             LoRAParam(b, out_sharding=tuple(b_spec), eager_sharding=eager))
+
+
+def initial_a(key: jax.Array, shape: tuple[int, int], dtype) -> jax.Array:
+    """``lora_a``'s start ``[in, width]``: PEFT's Kaiming-uniform,
+    ``U(-1/sqrt(in), 1/sqrt(in))``."""
+    bound = 1.0 / np.sqrt(shape[0])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
 def initial_b(key: jax.Array, shape: tuple[int, int], dtype, lora: LoRAConfig,

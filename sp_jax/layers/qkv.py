@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -21,6 +20,7 @@ from sp_jax.layers.lora import (
     adapter_specs,
     base_spec,
     base_value,
+    initial_a,
     initial_b,
     masked_b,
     quantized_base,
@@ -127,9 +127,8 @@ class GroupedQKVProjection(nnx.Module):
             return None, None, None
         width, dtype = len(self.lora_adapters) * self.lora.rank, self.config.param_dtype
         a_spec, b_spec = adapter_specs(layout, False)
-        bound = 1.0 / np.sqrt(hidden)
-        return (LoRAParam(jax.random.uniform(jax.random.fold_in(q_key, LORA_SALT),
-                                             (hidden, width), dtype, -bound, bound),
+        return (LoRAParam(initial_a(jax.random.fold_in(q_key, LORA_SALT), (hidden, width),
+                                    dtype),
                           out_sharding=tuple(a_spec), eager_sharding=eager),
                 LoRAParam(initial_b(jax.random.fold_in(q_key, LORA_SALT + 1), (width, q_width),
                                     dtype, self.lora, LoRAParts(("q",)), self.lora_adapters),

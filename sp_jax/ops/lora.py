@@ -30,10 +30,10 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 
-from sp_jax.ops.gemm import Gemm, bwd_cast, dot_nt, wgrad
+from sp_jax.ops.gemm import ComputeGemm, bwd_cast, dot_nt, wgrad
 from sp_jax.ops.quant import QuantizedKernel, kernel_shape
 
-__all__ = ["LoRAGemm", "LoRAKernel", "base_of", "is_lora"]
+__all__ = ["LoRAGemm", "LoRAKernel", "is_lora"]
 
 
 class LoRAKernel(NamedTuple):
@@ -64,22 +64,17 @@ def is_lora(kernel: Any) -> bool:
     return isinstance(kernel, LoRAKernel)
 
 
-def base_of(kernel: Any) -> Any:
-    """The base kernel of ``kernel`` (``w`` of a :class:`LoRAKernel`; itself
-    otherwise)."""
-    return kernel.w if is_lora(kernel) else kernel
-
-
 def _mm(x, w):
     return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
 
 
 @dataclasses.dataclass(frozen=True)
-class LoRAGemm(Gemm):
+class LoRAGemm(ComputeGemm):
     """The GEMM of an adapted linear layer, in the compute dtype: ``x @ w + scale * (x @
     a) @ b`` with the kernel a :class:`LoRAKernel`; the weight gradient is the
     adapters' (``da``, ``db`` accumulated in ``wgrad_dtype``, in the adapters' dtype),
-    the frozen base's None.
+    the frozen base's None. What it does not override (no recorded values, no state,
+    the bias's cotangent, ``tie_input``) is :class:`~sp_jax.ops.gemm.ComputeGemm`'s.
 
     Attributes:
       scale: the adapter's factor (``alpha / rank``).
@@ -88,11 +83,6 @@ class LoRAGemm(Gemm):
     """
 
     scale: float = 1.0
-    wgrad_dtype: Any = None
-    param_dtype: Any = None
-    tag = ""
-    ties_local_release = False
-    releases_input_grad = False
 
     def operands(self, x, kernel, state):
         """``(x, kernel in x's dtype, ctx)``: ``ctx`` the adapters in the compute dtype,
@@ -113,15 +103,6 @@ class LoRAGemm(Gemm):
         base = _mm(a, w.w)
         return base + (_mm(_mm(a, w.a), w.b) * self.scale).astype(base.dtype)
 
-    def requantize(self, h, ctx):
-        return h
-
-    def recorded(self, ctx):
-        return None
-
-    def with_recorded(self, ctx, values):
-        return ctx
-
     def cotangent(self, a, kernel, ctx, g, tie_input: bool):
         """As :meth:`ComputeGemm.cotangent <sp_jax.ops.gemm.ComputeGemm.cotangent>`: with
         ``tie_input`` the input tied to ``g`` (a re-gather cannot be merged with the
@@ -129,9 +110,6 @@ class LoRAGemm(Gemm):
         if tie_input:
             a, g = lax.optimization_barrier((a, g))
         return a, kernel, g, ctx
-
-    def tie_input(self, a, g):
-        return lax.optimization_barrier((a, g))
 
     def kernel_for(self, kernel, g, ctx, tie: bool = True):
         """The kernel in the dtype of ``g``, cast (a quantized base: dequantised) behind
@@ -157,12 +135,6 @@ class LoRAGemm(Gemm):
         da = wgrad(a, dot_nt(g, lb.astype(g.dtype)), self.wgrad_dtype, self.param_dtype)
         db = wgrad(_mm(a, la.astype(a.dtype)), g, self.wgrad_dtype, self.param_dtype)
         return LoRAKernel(None, da, db)
-
-    def bias_cotangent(self, gq, g):
-        return gq
-
-    def state_cotangent(self, ctx):
-        return None
 
     def wgrad_values(self, ctx):
         raise NotImplementedError("LoRAGemm: a deferred weight gradient (zero-bubble "

@@ -38,11 +38,17 @@ __all__ = ["AxisName", "all_gather", "all_gather_invariant", "canonical_dim",
 AxisName = Hashable
 
 
+def _is_tree(x: Any) -> bool:
+    """Whether ``x`` is a pytree of arrays rather than one (an adapted layer's
+    ``LoRAKernel``, a quantized kernel)."""
+    return isinstance(x, tuple) or dataclasses.is_dataclass(x)
+
+
 def vma(x: jax.Array) -> frozenset:
     """The mesh axes ``x`` varies over (empty outside ``check_vma`` shard_maps); of a
     pytree of arrays (an adapted layer's kernel, :class:`~sp_jax.ops.lora.LoRAKernel`),
     the axes any leaf varies over."""
-    if isinstance(x, tuple) or dataclasses.is_dataclass(x):  # (a quantized kernel too)
+    if _is_tree(x):
         return frozenset().union(*(vma(v) for v in jax.tree.leaves(x)))
     mat = getattr(jax.typeof(x), "mat", None)
     return frozenset(mat.varying) if mat is not None else frozenset()
@@ -62,8 +68,8 @@ def vary(x, axes) -> jax.Array:
     stays None)."""
     if x is None:
         return None
-    if isinstance(x, tuple) or dataclasses.is_dataclass(x):  # a pytree of arrays: each
-        return jax.tree.map(lambda v: vary(v, axes), x)        # leaf where it does not
+    if _is_tree(x):  # a pytree of arrays: each leaf where it does not already
+        return jax.tree.map(lambda v: vary(v, axes), x)
     missing = tuple(sorted(set(axes) - vma(x), key=str))
     return lax.pcast(x, missing, to="varying") if missing else x
 
