@@ -111,7 +111,7 @@ def _loss_and_grads(model, tokens, segment_ids=None, positions=None):
     def f(m):
         return m.loss(tokens, segment_ids=segment_ids, positions=positions,
                       return_metrics=True)
-    (loss, metrics), grads = nnx.value_and_grad(f, has_aux=True)(model)
+    (loss, metrics), grads = nnx.jit(nnx.value_and_grad(f, has_aux=True))(model)
     return float(loss), float(metrics["mtp_loss"]), to_host(nnx.to_pure_dict(grads))
 
 
