@@ -56,8 +56,10 @@ def test_sequence_log_probs_are_the_completion_sums():
         model = _model()
         batch = _pairs(model.config.vocab_size)
         tokens, labels = batch["chosen_tokens"], batch["chosen_labels"]
-        got = np.asarray(model.sequence_log_probs(jnp.asarray(tokens), jnp.asarray(labels)))
-        logits = np.asarray(model(jnp.asarray(tokens)), np.float64)
+        got = np.asarray(nnx.jit(lambda m, t, y: m.sequence_log_probs(t, y))(
+            model, jnp.asarray(tokens), jnp.asarray(labels)))
+        logits = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)),
+                            np.float64)
     logits = logits[..., :model.config.vocab_size]
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
         -1, keepdims=True)) - logits.max(-1, keepdims=True)

@@ -70,8 +70,9 @@ def test_mtp_loss_equals_numpy_transcription():
     tokens = _tokens()
     with jax.set_mesh(_mesh()):
         model = GPT(cfg, parallel=_parallel(), rngs=nnx.Rngs(0))
-        loss, metrics = model.loss(tokens, return_metrics=True)
-        h = np.asarray(model.hidden_states(tokens), np.float64)  # final-normed
+        loss, metrics = nnx.jit(lambda m, t: m.loss(t, return_metrics=True))(model, tokens)
+        h = np.asarray(nnx.jit(lambda m, t: m.hidden_states(t))(model, tokens),
+                       np.float64)  # final-normed
         table = np.asarray(model.embed.embedding[...], np.float64)
         eps = cfg.norm_epsilon
         losses = []
@@ -102,9 +103,9 @@ def test_depth_zero_keeps_the_loss_and_parameters():
         values = param_values(with_mtp)
         del values["mtp"]
         copy_weights(without, values)
-        _, metrics = with_mtp.loss(tokens, return_metrics=True)
-        np.testing.assert_allclose(float(without.loss(tokens)), float(metrics["lm_loss"]),
-                                   rtol=1e-6)
+        _, metrics = nnx.jit(lambda m, t: m.loss(t, return_metrics=True))(with_mtp, tokens)
+        loss = nnx.jit(lambda m, t: m.loss(t))(without, tokens)
+        np.testing.assert_allclose(float(loss), float(metrics["lm_loss"]), rtol=1e-6)
 
 
 def _loss_and_grads(model, tokens, segment_ids=None, positions=None):
