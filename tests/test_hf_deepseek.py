@@ -20,7 +20,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from _util import assert_bitwise, param_values, slow_except, to_host
+from _util import assert_bitwise, compiled_logits, param_values, slow_except, to_host
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -188,13 +188,12 @@ def test_mtp_layer_equals_transformers(tmp_path, fixture):
     with jax.set_mesh(make_mesh(1, 1)):
         model = hf.from_hf(source)
         assert model.config.mtp_depth == 1
-        forward = nnx.jit(lambda m, t: m(t))  # eager op-by-op runs took minutes
-        logits = np.asarray(forward(model, tokens))
+        logits = np.asarray(compiled_logits(model, tokens))
         mtp_logits = np.asarray(nnx.jit(_mtp_logits)(model, tokens))
         _, metrics = nnx.jit(lambda m, t: m.loss(t, return_metrics=True))(model, tokens)
         hf.to_hf(model, tmp_path / "out")
         plain = hf.from_hf(source, mtp_depth=0)
-        plain_logits = np.asarray(forward(plain, tokens))
+        plain_logits = np.asarray(compiled_logits(plain, tokens))
     scale = np.abs(golden["logits"]).max()
     np.testing.assert_allclose(logits, golden["logits"], rtol=0, atol=1e-5 * scale)
     scale = np.abs(golden["mtp_logits"]).max()

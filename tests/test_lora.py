@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import perturb_adapters, to_host
+from _util import compiled_logits, perturb_adapters, to_host
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -82,10 +82,6 @@ def test_sharded_lora_matches_unsharded(case, references):
     chex.assert_trees_all_close(grads, ref[1], rtol=1e-5, atol=1e-6)
 
 
-_forward = nnx.jit(lambda model, tokens: model(tokens))
-"""A model's logits, compiled (eager op-by-op forwards on 8 devices took minutes)."""
-
-
 @pytest.mark.parametrize("kv", [2, 4])
 def test_adapted_model_equals_its_merged_base(kv):
     """The adapters in the ops compute what plain GEMMs of the merged kernels ``W +
@@ -96,8 +92,9 @@ def test_adapted_model_equals_its_merged_base(kv):
         merged = model_lora.merge(model)
         assert not nnx.to_flat_state(nnx.state(merged, LoRAParam))
         tokens = jnp.asarray(TOKENS)
-        np.testing.assert_allclose(np.asarray(_forward(model, tokens)),
-                                   np.asarray(_forward(merged, tokens)), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(compiled_logits(model, tokens)),
+                                   np.asarray(compiled_logits(merged, tokens)), rtol=2e-5,
+                                   atol=2e-5)
 
 
 def test_zero_lora_b_is_the_base_bitwise_and_disabled_restores():
@@ -105,17 +102,17 @@ def test_zero_lora_b_is_the_base_bitwise_and_disabled_restores():
         base = GPT(_config(2), rngs=nnx.Rngs(0))
         adapted = model_lora.apply(base, LORA)
         tokens = jnp.asarray(TOKENS)
-        want = np.asarray(_forward(base, tokens))
-        np.testing.assert_array_equal(np.asarray(_forward(adapted, tokens)), want)
+        want = np.asarray(compiled_logits(base, tokens))
+        np.testing.assert_array_equal(np.asarray(compiled_logits(adapted, tokens)), want)
         # the same base draws with adapters built in from the start
         built = GPT(_config(2, lora=LORA), rngs=nnx.Rngs(0))
-        np.testing.assert_array_equal(np.asarray(_forward(built, tokens)), want)
+        np.testing.assert_array_equal(np.asarray(compiled_logits(built, tokens)), want)
         perturb_adapters(adapted)
-        changed = np.asarray(_forward(adapted, tokens))
+        changed = np.asarray(compiled_logits(adapted, tokens))
         assert np.abs(changed - want).max() > 1e-4
         with model_lora.disabled(adapted):
-            np.testing.assert_array_equal(np.asarray(_forward(adapted, tokens)), want)
-        np.testing.assert_array_equal(np.asarray(_forward(adapted, tokens)), changed)
+            np.testing.assert_array_equal(np.asarray(compiled_logits(adapted, tokens)), want)
+        np.testing.assert_array_equal(np.asarray(compiled_logits(adapted, tokens)), changed)
 
 
 def test_generation_with_adapters_equals_the_merged_model():

@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _util import perturb_adapters
+from _util import compiled_logits, perturb_adapters
 from conftest import make_mesh
-from flax import nnx
 
 import sp_jax
 from sp_jax.models import hf
@@ -22,9 +21,6 @@ pytestmark = pytest.mark.slow
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 LORA = sp_jax.LoRAConfig(rank=4, alpha=8)
-
-
-_forward = nnx.jit(lambda model, tokens: model(tokens))  # eager forwards took minutes
 
 
 def _adapted(directory, lora=LORA):
@@ -53,7 +49,7 @@ def test_peft_loads_the_export_with_sp_jax_logits(family, targets, tmp_path):
     with jax.set_mesh(make_mesh(2, 4)):
         model = _adapted(FIXTURES / family, lora)
         tokens = _tokens(model.config.vocab_size)
-        want = np.asarray(_forward(model, jnp.asarray(tokens)))
+        want = np.asarray(compiled_logits(model, jnp.asarray(tokens)))
         hf.to_peft(model, tmp_path / "adapter", base_model_name_or_path=str(FIXTURES / family))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
@@ -74,7 +70,7 @@ def test_mha_export_loads_in_peft(tmp_path):
         model = _adapted(tmp_path / "base")
         assert model.config.num_kv_heads == model.config.num_heads
         tokens = _tokens(64)
-        want = np.asarray(_forward(model, jnp.asarray(tokens)))
+        want = np.asarray(compiled_logits(model, jnp.asarray(tokens)))
         hf.to_peft(model, tmp_path / "adapter")
     got = _peft_logits(tmp_path / "base", tmp_path / "adapter", tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -88,12 +84,12 @@ def test_from_peft_reads_the_adapter_back_exactly(tmp_path):
     with jax.set_mesh(make_mesh(2, 4)):
         model = _adapted(FIXTURES / "llama")
         tokens = jnp.asarray(_tokens(model.config.vocab_size))
-        logits = np.asarray(_forward(model, tokens))
+        logits = np.asarray(compiled_logits(model, tokens))
         hf.to_peft(model, tmp_path / "a")
     with jax.set_mesh(make_mesh(1, 8)):
         again = hf.from_peft(hf.from_hf(FIXTURES / "llama"), tmp_path / "a")
         assert again.config.lora == LORA
-        np.testing.assert_allclose(np.asarray(_forward(again, tokens)), logits, rtol=1e-5,
+        np.testing.assert_allclose(np.asarray(compiled_logits(again, tokens)), logits, rtol=1e-5,
                                    atol=1e-5)
         hf.to_peft(again, tmp_path / "b")
     first, second = (load_file(str(tmp_path / d / "adapter_model.safetensors"))
@@ -107,7 +103,7 @@ def test_merged_export_loads_in_transformers(tmp_path):
     with jax.set_mesh(make_mesh(2, 4)):
         model = _adapted(FIXTURES / "llama")
         tokens = _tokens(model.config.vocab_size)
-        want = np.asarray(_forward(model, jnp.asarray(tokens)))
+        want = np.asarray(compiled_logits(model, jnp.asarray(tokens)))
         with pytest.raises(ValueError, match="merge_lora=True"):
             hf.to_hf(model, tmp_path / "refused")
         hf.to_hf(model, tmp_path / "merged", merge_lora=True)
