@@ -149,18 +149,19 @@ def _count_compile(event: str, seconds: float, **_) -> None:
         _COMPILES["seconds"] += seconds
 
 
-if os.environ.get("SP_JAX_COMPILE_LOG"):
+_COMPILE_LOG = os.environ.get("SP_JAX_COMPILE_LOG")
+if _COMPILE_LOG:
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if not (path := os.environ.get("SP_JAX_COMPILE_LOG")):
+    if not _COMPILE_LOG:
         yield
         return
     count, seconds, start = _COMPILES["count"], _COMPILES["seconds"], time.perf_counter()
     yield
-    with open(path, "a") as f:
+    with open(_COMPILE_LOG, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "compiles": _COMPILES["count"] - count,
                             "compile_s": round(_COMPILES["seconds"] - seconds, 2),
                             "wall_s": round(time.perf_counter() - start, 2)}) + "\n")

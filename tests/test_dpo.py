@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import perturb_adapters
+from _util import compiled_logits, perturb_adapters
 from conftest import make_mesh
 from flax import nnx
 
@@ -58,8 +58,7 @@ def test_sequence_log_probs_are_the_completion_sums():
         tokens, labels = batch["chosen_tokens"], batch["chosen_labels"]
         got = np.asarray(nnx.jit(lambda m, t, y: m.sequence_log_probs(t, y))(
             model, jnp.asarray(tokens), jnp.asarray(labels)))
-        logits = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)),
-                            np.float64)
+        logits = np.asarray(compiled_logits(model, jnp.asarray(tokens)), np.float64)
     logits = logits[..., :model.config.vocab_size]
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
         -1, keepdims=True)) - logits.max(-1, keepdims=True)

@@ -20,7 +20,14 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from _util import assert_bitwise, compiled_logits, param_values, slow_except, to_host
+from _util import (
+    assert_bitwise,
+    compiled_logits,
+    compiled_loss,
+    param_values,
+    slow_except,
+    to_host,
+)
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -70,7 +77,7 @@ def _assert_golden(name, mesh, parallel=ParallelConfig(), generations=True, **ov
         model = hf.from_hf(FIXTURES / name, parallel=parallel, **overrides)
         model.eval()
         logits, loss, grads = _logits_loss_grads(model, golden["input_ids"])
-        gen_logits = to_host(nnx.jit(lambda m, t: m(t))(model, gen_batch)) \
+        gen_logits = to_host(compiled_logits(model, gen_batch)) \
             if generations else None
     msg = f"{name} {dict(mesh.shape)} {parallel.context_parallel}"
     scale = np.abs(golden["logits"]).max()
@@ -190,7 +197,7 @@ def test_mtp_layer_equals_transformers(tmp_path, fixture):
         assert model.config.mtp_depth == 1
         logits = np.asarray(compiled_logits(model, tokens))
         mtp_logits = np.asarray(nnx.jit(_mtp_logits)(model, tokens))
-        _, metrics = nnx.jit(lambda m, t: m.loss(t, return_metrics=True))(model, tokens)
+        _, metrics = compiled_loss(model, tokens)
         hf.to_hf(model, tmp_path / "out")
         plain = hf.from_hf(source, mtp_depth=0)
         plain_logits = np.asarray(compiled_logits(plain, tokens))

@@ -13,7 +13,7 @@ import chex
 import jax
 import numpy as np
 import pytest
-from _util import cache_and_forward_logits, slow_except, to_host, train_gpt
+from _util import cache_and_forward_logits, compiled_logits, slow_except, to_host, train_gpt
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import AxisType
@@ -54,15 +54,14 @@ def test_layer_windows_equal_static_windows(scan, shape):
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 64)
     with jax.set_mesh(make_mesh(1, 1)):
         ref = _static_reference()
-        want_logits = np.asarray(nnx.jit(lambda m, t: m(t))(ref, tokens[:, :-1]))
+        want_logits = np.asarray(compiled_logits(ref, tokens[:, :-1]))
         want_loss, want_grads = _loss_and_grads(ref, tokens)
         # the windows matter: full attention everywhere differs
         full = GPT(_config(), rngs=nnx.Rngs(0))
-        assert np.abs(np.asarray(nnx.jit(lambda m, t: m(t))(full, tokens[:, :-1])) -
-                      want_logits).max() > 1e-3
+        assert np.abs(np.asarray(compiled_logits(full, tokens[:, :-1])) - want_logits).max() > 1e-3
     with jax.set_mesh(make_mesh(*shape)):
         model = GPT(_config(layer_windows=WINDOWS, scan_layers=scan), rngs=nnx.Rngs(0))
-        got_logits = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1]))
+        got_logits = np.asarray(compiled_logits(model, tokens[:, :-1]))
         got_loss, got_grads = _loss_and_grads(model, tokens)
     np.testing.assert_allclose(got_logits, want_logits, atol=2e-5, rtol=2e-5)
     assert got_loss == pytest.approx(want_loss, abs=1e-5)
@@ -132,12 +131,12 @@ def test_layer_windows_with_ring_attention(scan):
     tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, 64)
     with jax.set_mesh(make_mesh(1, 1)):
         ref = _static_reference()
-        want_logits = np.asarray(nnx.jit(lambda m, t: m(t))(ref, tokens[:, :-1]))
+        want_logits = np.asarray(compiled_logits(ref, tokens[:, :-1]))
         want_loss, want_grads = _loss_and_grads(ref, tokens)
     with jax.set_mesh(_axes_mesh((2, 2, 2), ("data", "context", "tensor"))):
         model = GPT(_config(layer_windows=WINDOWS, scan_layers=scan),
                     parallel=ParallelConfig(context_parallel="ring"), rngs=nnx.Rngs(0))
-        got_logits = to_host(nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1]))
+        got_logits = to_host(compiled_logits(model, tokens[:, :-1]))
         got_loss, got_grads = _loss_and_grads(model, tokens)
     np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
     assert got_loss == pytest.approx(want_loss, abs=1e-5)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _util import copy_weights, param_values, slow_except, to_host
+from _util import compiled_loss, copy_weights, param_values, slow_except, to_host
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -70,7 +70,7 @@ def test_mtp_loss_equals_numpy_transcription():
     tokens = _tokens()
     with jax.set_mesh(_mesh()):
         model = GPT(cfg, parallel=_parallel(), rngs=nnx.Rngs(0))
-        loss, metrics = nnx.jit(lambda m, t: m.loss(t, return_metrics=True))(model, tokens)
+        loss, metrics = compiled_loss(model, tokens)
         h = np.asarray(nnx.jit(lambda m, t: m.hidden_states(t))(model, tokens),
                        np.float64)  # final-normed
         table = np.asarray(model.embed.embedding[...], np.float64)
@@ -103,8 +103,8 @@ def test_depth_zero_keeps_the_loss_and_parameters():
         values = param_values(with_mtp)
         del values["mtp"]
         copy_weights(without, values)
-        _, metrics = nnx.jit(lambda m, t: m.loss(t, return_metrics=True))(with_mtp, tokens)
-        loss = nnx.jit(lambda m, t: m.loss(t))(without, tokens)
+        _, metrics = compiled_loss(with_mtp, tokens)
+        loss, _ = compiled_loss(without, tokens)
         np.testing.assert_allclose(float(loss), float(metrics["lm_loss"]), rtol=1e-6)
 
 
